@@ -1,0 +1,89 @@
+"""Endpoints: external parties (socket clients, tests, benches) attached to the pump."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+
+from agentserver.errors import EndpointClosed
+
+if TYPE_CHECKING:
+    from agentserver.pump import Pump
+
+log = logging.getLogger("agentserver.endpoint")
+
+
+class Endpoint:
+    """One external party. Messages it sends carry its name as ``<from>``, whatever they say.
+
+    Outbound messages (canonical envelope bytes) wait in a buffer of ``buffer`` messages.
+    The pump never blocks on an endpoint: if the buffer is full the endpoint is closed
+    (a client that stops reading is disconnected rather than allowed to grow memory), and
+    further messages for it are dropped and logged.
+    """
+
+    def __init__(self, pump: Pump, name: str, buffer: int, allowed: frozenset[str] | None) -> None:
+        self.name = name
+        #: Listener names this endpoint may address; None means all.
+        self.allowed = allowed
+        self._pump = pump
+        self._out_send, self._out_recv = trio.open_memory_channel[bytes](buffer)
+        self.closed = False
+        self.overflowed = False
+        self.dropped = 0
+
+    async def send(self, data: bytes) -> None:
+        """Inject one envelope. Waits while the target listener's queue is full
+        (bounded by the pump's delivery timeout). Raises PumpClosed when shutting down."""
+        if self.closed:
+            raise EndpointClosed(self.name)
+        await self._pump.inject(data, self)
+
+    async def receive(self) -> bytes:
+        """The next outbound envelope. Raises EndpointClosed once closed and drained."""
+        try:
+            return await self._out_recv.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise EndpointClosed(self.name) from None
+
+    def receive_nowait(self) -> bytes:
+        """Like :meth:`receive`, raising ``trio.WouldBlock`` when nothing is waiting."""
+        try:
+            return self._out_recv.receive_nowait()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise EndpointClosed(self.name) from None
+
+    def __aiter__(self) -> Endpoint:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self.receive()
+        except EndpointClosed:
+            raise StopAsyncIteration from None
+
+    def push(self, data: bytes) -> bool:
+        """Queue ``data`` for the endpoint without blocking. False if it was dropped."""
+        if self.closed:
+            self.dropped += 1
+            return False
+        try:
+            self._out_send.send_nowait(data)
+            return True
+        except trio.WouldBlock:
+            log.warning("endpoint %s stopped reading: closing it", self.name)
+            self.overflowed = True
+            self.dropped += 1
+            self.close()
+            return False
+
+    def close(self) -> None:
+        """Stop accepting and delivering; already-buffered messages can still be received.
+        Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._out_send.close()
+        self._pump._detach(self)

@@ -1,0 +1,87 @@
+"""Typed errors. Refusals map to system primitives in exactly one place:
+:func:`agentserver.primitives.core.primitive_for`. Nothing else builds a ``<huh>`` or
+``<SystemError>`` from an exception."""
+
+from __future__ import annotations
+
+import enum
+
+
+class HuhReason(enum.Enum):
+    """The fixed set of canned ``<huh>`` texts.
+
+    The texts are deliberately abstract: an unknown root tag, a payload failing its XSD and
+    an unknown or unauthorised ``to`` all read ``INVALID_PAYLOAD`` so that a sender cannot
+    probe the topology.
+    """
+
+    MALFORMED = "Message could not be parsed."
+    TOO_LARGE = "Message exceeds the maximum size."
+    INVALID_ENVELOPE = "Envelope is not valid."
+    INVALID_PAYLOAD = "Invalid payload structure."
+    RESERVED_NAMESPACE = "Payload uses a reserved namespace."
+    HANDLER_FAILED = "The request could not be completed."
+    UNAUTHENTICATED = "Authentication required."
+
+
+class SystemErrorCode(enum.Enum):
+    """``<SystemError>`` codes with their generic, non-revealing messages."""
+
+    ROUTING = "routing"
+    VALIDATION = "validation"
+    TIMEOUT = "timeout"
+
+    @property
+    def message(self) -> str:
+        return _SYSTEM_ERROR_TEXT[self]
+
+
+_SYSTEM_ERROR_TEXT = {
+    SystemErrorCode.ROUTING: "Message could not be delivered. Please verify your target and try again.",
+    SystemErrorCode.VALIDATION: "Message could not be validated.",
+    SystemErrorCode.TIMEOUT: "The request did not complete in time.",
+}
+
+
+class AgentServerError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ConfigurationError(AgentServerError):
+    """A listener, payload type or topology is declared wrongly (raised at registration)."""
+
+
+class SchemaDerivationError(ConfigurationError):
+    """A pydantic-xml model uses a construct that has no XSD equivalent we support."""
+
+
+class Refusal(AgentServerError):
+    """A message is refused; the pump answers its sender with a primitive."""
+
+
+class InputRefused(Refusal):
+    """Answered with ``<huh>`` carrying ``reason``'s canned text."""
+
+    def __init__(self, reason: HuhReason, detail: str = "") -> None:
+        # ``detail`` is for the local log only; it never reaches the wire.
+        super().__init__(f"{reason.name}: {detail}" if detail else reason.name)
+        self.reason = reason
+        self.detail = detail
+
+
+class DeliveryRefused(Refusal):
+    """Answered with ``<SystemError>``; the sender's thread stays alive."""
+
+    def __init__(self, code: SystemErrorCode, *, retry_allowed: bool, detail: str = "") -> None:
+        super().__init__(f"{code.value}: {detail}" if detail else code.value)
+        self.code = code
+        self.retry_allowed = retry_allowed
+        self.detail = detail
+
+
+class PumpClosed(AgentServerError):
+    """The pump is shutting down and accepts no new messages."""
+
+
+class EndpointClosed(AgentServerError):
+    """The endpoint was closed (by its owner, or because it stopped reading)."""

@@ -1,0 +1,105 @@
+"""What a user declares: listeners, their handlers, and what handlers return."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeAlias
+
+from lxml import etree
+from pydantic_xml import BaseXmlModel
+
+from agentserver.errors import ConfigurationError
+
+NAME_RE = re.compile(r"^[a-z0-9_-]{1,64}$")
+#: Names the pump keeps for itself.
+RESERVED_NAMES = frozenset({"system"})
+
+Payload: TypeAlias = BaseXmlModel | etree._Element
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerResponse:
+    """What a handler asks the pump to emit.
+
+    - ``HandlerResponse(payload, to="peer")``: forward to a peer (must be in ``peers``).
+    - ``HandlerResponse(payload)``: routed by the payload's root tag; the listener's own
+      root tag means self-iteration.
+    - ``HandlerResponse.respond(payload)``: answer the caller; this thread and every thread
+      below it are terminated.
+    """
+
+    payload: Payload
+    to: str | None = None
+    is_response: bool = False
+
+    @classmethod
+    def respond(cls, payload: Payload) -> HandlerResponse:
+        return cls(payload, None, True)
+
+
+HandlerResult: TypeAlias = HandlerResponse | Sequence[HandlerResponse] | None
+
+
+class HandlerMetadata(NamedTuple):
+    """Context of one delivery. Only the pump constructs it (immutable, cheap to build)."""
+
+    #: The thread this listener works on (its own hop).
+    thread_id: str
+    #: Who sent this message (a listener name, a client identity, or ``system``).
+    from_id: str
+    own_name: str
+    #: True when the payload is this listener's own root tag emitted by itself.
+    is_self_call: bool
+    usage_instructions: str
+    #: For a response from a peer: the sub-thread (the call) it arrived on; else None.
+    response_thread: str | None = None
+    #: The call chain of ``thread_id``, for logs; never route on it.
+    chain: tuple[str, ...] = ()
+
+
+Handler: TypeAlias = Callable[[Any, HandlerMetadata], Awaitable[HandlerResult]]
+
+
+@dataclass(frozen=True, slots=True)
+class Listener:
+    """A named handler for one or more payload types.
+
+    ``concurrency`` bounds how many deliveries run the handler at once; ``queue_size``
+    bounds how many wait (a full queue pushes back on the sender). ``timeout`` bounds one
+    handler call, in seconds. ``raw=True`` hands the handler the validated lxml element
+    instead of a model instance (faster; the element must not be kept after returning).
+    """
+
+    name: str
+    payload_types: tuple[type[BaseXmlModel], ...]
+    handler: Handler
+    peers: tuple[str, ...] = ()
+    responses: tuple[type[BaseXmlModel], ...] = ()
+    agent: bool = False
+    broadcast: bool = False
+    concurrency: int = 8
+    timeout: float = 30.0
+    queue_size: int = 64
+    raw: bool = False
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not NAME_RE.match(self.name) or self.name in RESERVED_NAMES:
+            raise ConfigurationError(
+                f"listener name {self.name!r}: use 1-64 of [a-z0-9_-] (dots are reserved "
+                "for chains; 'system' is reserved)"
+            )
+        if not self.payload_types:
+            raise ConfigurationError(f"listener {self.name!r} accepts no payload type")
+        if isinstance(self.payload_types, type):
+            raise ConfigurationError(f"listener {self.name!r}: payload_types must be a tuple")
+        for peer in self.peers:
+            if not NAME_RE.match(peer):
+                raise ConfigurationError(f"listener {self.name!r}: bad peer name {peer!r}")
+        if self.concurrency < 1 or self.queue_size < 1:
+            raise ConfigurationError(f"listener {self.name!r}: concurrency and queue_size >= 1")
+        if not self.timeout > 0:
+            raise ConfigurationError(f"listener {self.name!r}: timeout must be positive")

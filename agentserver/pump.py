@@ -1,0 +1,738 @@
+"""The message pump: moves validated messages between listeners and endpoints under trio.
+
+Decisions live elsewhere (``envelope`` validates, ``routing`` chooses targets, ``threads``
+tracks chains); this module only applies them, moving payloads and time.
+
+Semantics worth knowing:
+
+- Each listener has a bounded queue (``Listener.queue_size``) served by
+  ``Listener.concurrency`` worker tasks. Putting into a full queue waits at most
+  ``PumpConfig.delivery_timeout`` seconds; then the sender gets a ``<SystemError>``
+  (``timeout``, retry allowed). Nothing grows without bound.
+- Endpoints are never waited on (see :class:`~agentserver.endpoint.Endpoint`).
+- Every message a sender is owed gets exactly one answer: a reply, a ``<huh>`` or a
+  ``<SystemError>``. A handler's exception, wrong return type or timeout becomes one
+  primitive for its caller; details go to the log only.
+- Shutdown (:meth:`Pump.close`) stops accepting from endpoints, lets queued work finish
+  for up to ``drain_timeout`` seconds, then cancels what is left; every external caller
+  whose request was still queued or running receives a ``<SystemError>`` ``timeout``.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+import math
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+from lxml import etree
+from pydantic_xml import BaseXmlModel
+
+from agentserver.endpoint import Endpoint
+from agentserver.envelope import EnvelopeCodec, encode, guess_thread
+from agentserver.errors import (
+    ConfigurationError,
+    DeliveryRefused,
+    HuhReason,
+    InputRefused,
+    PumpClosed,
+    Refusal,
+    SystemErrorCode,
+)
+from agentserver.listener import NAME_RE, RESERVED_NAMES, HandlerMetadata, HandlerResponse, Listener
+from agentserver.payloads import PayloadRegistry, PayloadType
+from agentserver.primitives.core import CORE_MODELS, primitive_for
+from agentserver.routing import RoutingTable, SelfCall
+from agentserver.threads import RegistryFull, ThreadRecord, ThreadRegistry, is_uuid4, new_thread_id
+from agentserver.usage import usage_instructions
+from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, canonicalize
+
+log = logging.getLogger("agentserver.pump")
+
+SYSTEM = "system"
+#: After this many consecutive refused outputs on one thread, the owner's caller gets a
+#: ``<huh>`` instead of the owner getting yet another one (stops refusal ping-pong).
+MAX_STRIKES = 3
+#: A worker yields to the scheduler at least every this many back-to-back deliveries.
+_YIELD_EVERY = 16
+
+
+@dataclass(frozen=True, slots=True)
+class PumpConfig:
+    organism: str = "organism"
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_threads: int = 100_000
+    thread_idle_ttl: float = 3600.0
+    expire_interval: float = 30.0
+    delivery_timeout: float = 10.0
+    endpoint_buffer: int = 256
+    drain_timeout: float = 5.0
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+@dataclass(slots=True)
+class _Delivery:
+    payload: etree._Element
+    ptype: PayloadType
+    thread: ThreadRecord
+    from_id: str
+    is_self_call: bool
+    response_thread: str | None
+    #: The bytes as received from an endpoint (for ``original-attempt``), else None.
+    original: bytes | None
+
+
+class _Slot:
+    """A worker's bookkeeping, read by the deadline monitor."""
+
+    __slots__ = ("current", "deadline", "expired", "scope")
+
+    def __init__(self) -> None:
+        self.current: _Delivery | None = None
+        self.deadline = math.inf
+        self.expired: _Delivery | None = None
+        self.scope = trio.CancelScope()
+
+
+class _Runtime:
+    __slots__ = ("handled", "listener", "receive", "send", "slots", "usage")
+
+    def __init__(self, listener: Listener, usage: str) -> None:
+        self.listener = listener
+        self.usage = usage
+        self.send, self.receive = trio.open_memory_channel[_Delivery](listener.queue_size)
+        self.handled = 0
+        self.slots: list[_Slot] = []
+
+
+class Pump:
+    """Register listeners, then ``await nursery.start(pump.run)`` (or use :func:`open_pump`)."""
+
+    def __init__(
+        self, listeners: Iterable[Listener] = (), *, config: PumpConfig | None = None
+    ) -> None:
+        self.config = config or PumpConfig()
+        if not NAME_RE.match(self.config.organism):
+            raise ConfigurationError(f"organism name {self.config.organism!r}: use [a-z0-9_-]")
+        self.payloads = PayloadRegistry()
+        for model in CORE_MODELS:
+            self.payloads.add(model)
+        self.threads = ThreadRegistry(
+            max_threads=self.config.max_threads, idle_ttl=self.config.thread_idle_ttl
+        )
+        self._codec = EnvelopeCodec(self.payloads, max_bytes=self.config.max_message_bytes)
+        self._listeners: list[Listener] = []
+        self._runtimes: dict[str, _Runtime] = {}
+        self._endpoints: dict[str, Endpoint] = {}
+        self._table: RoutingTable | None = None
+        self._state = _State.NEW
+        self._inflight = 0
+        self._idle = trio.Event()
+        self._close_requested = trio.Event()
+        self.root_thread: ThreadRecord | None = None
+        self.counters = {
+            "injected": 0,
+            "refused": 0,
+            "delivered": 0,
+            "handler_errors": 0,
+            "timeouts": 0,
+            "dropped": 0,
+        }
+        for listener in listeners:
+            self.register(listener)
+
+    # -- configuration -----------------------------------------------------------------
+
+    def register(self, listener: Listener) -> None:
+        """Add a listener (before :meth:`run`). Derives and compiles its payload XSDs now,
+        so a model without an XSD equivalent fails here, not at the first message."""
+        if self._state is not _State.NEW:
+            raise ConfigurationError("listeners must be registered before the pump runs")
+        if any(existing.name == listener.name for existing in self._listeners):
+            raise ConfigurationError(f"listener name {listener.name!r} is used twice")
+        for model in (*listener.payload_types, *listener.responses):
+            self.payloads.add(model)
+        self._listeners.append(listener)
+
+    @property
+    def listeners(self) -> tuple[Listener, ...]:
+        return tuple(self._listeners)
+
+    def payload_type(self, model: type[BaseXmlModel]) -> PayloadType:
+        ptype = self.payloads.add(model)
+        return ptype
+
+    def _freeze(self) -> None:
+        names = {listener.name for listener in self._listeners}
+        for listener in self._listeners:
+            missing = [p for p in listener.peers if p not in names]
+            if missing:
+                raise ConfigurationError(
+                    f"listener {listener.name!r} names unknown peers: {', '.join(missing)}"
+                )
+        tag_of = {p.model: p for p in self.payloads}
+        self._table = RoutingTable(self._listeners, tag_of)
+        by_name = {listener.name: listener for listener in self._listeners}
+        for listener in self._listeners:
+            own = [tag_of[m] for m in listener.payload_types]
+            peers = {p: [tag_of[m] for m in by_name[p].payload_types] for p in listener.peers}
+            self._runtimes[listener.name] = _Runtime(
+                listener, usage_instructions(listener.name, own, peers)
+            )
+
+    def usage_instructions(self, name: str) -> str:
+        """The generated instructions of a listener (available once the pump runs)."""
+        return self._runtimes[name].usage
+
+    # -- running -------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[Pump] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run until :meth:`close` (then drain) or until cancelled (then refuse what is left).
+
+        ``task_status.started`` fires once every worker is up and the root thread exists.
+        """
+        if self._state is not _State.NEW:
+            raise RuntimeError("a pump runs once")
+        self._freeze()
+        now = trio.current_time()
+        self.root_thread = self.threads.open_root((SYSTEM, self.config.organism), now)
+        self.threads.pin(self.root_thread)
+        try:
+            async with trio.open_nursery() as nursery:
+                for rt in self._runtimes.values():
+                    for _ in range(rt.listener.concurrency):
+                        nursery.start_soon(self._worker, rt)
+                nursery.start_soon(self._expirer)
+                nursery.start_soon(self._deadline_monitor)
+                self._state = _State.RUNNING
+                task_status.started(self)
+                await self._close_requested.wait()
+                self._state = _State.DRAINING
+                with trio.move_on_after(self.config.drain_timeout):
+                    if self._inflight:
+                        self._idle = trio.Event()
+                        await self._idle.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            self._state = _State.CLOSED
+            self._refuse_leftovers()
+            for endpoint in list(self._endpoints.values()):
+                endpoint.close()
+
+    def close(self) -> None:
+        """Begin a graceful shutdown. Idempotent; :meth:`run` returns once drained."""
+        self._close_requested.set()
+
+    @property
+    def running(self) -> bool:
+        return self._state is _State.RUNNING
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "state": self._state.value,
+            "threads": len(self.threads),
+            "inflight": self._inflight,
+            "endpoints": len(self._endpoints),
+            "queues": {
+                n: rt.send.statistics().current_buffer_used for n, rt in self._runtimes.items()
+            },
+            "handled": {n: rt.handled for n, rt in self._runtimes.items()},
+            **self.counters,
+        }
+
+    async def _expirer(self) -> None:
+        while True:
+            await trio.sleep(self.config.expire_interval)
+            removed = self.threads.expire(trio.current_time())
+            if removed:
+                log.debug("expired %d idle threads", len(removed))
+
+    # -- endpoints ---------------------------------------------------------------------
+
+    def open_endpoint(
+        self,
+        name: str | None = None,
+        *,
+        buffer: int | None = None,
+        allowed: Iterable[str] | None = None,
+    ) -> Endpoint:
+        """Attach an external party. ``name`` must not be a listener's or another
+        endpoint's; by default a unique ``client-…`` name is generated."""
+        if name is None:
+            name = "client-" + new_thread_id()[:8]
+            while name in self._endpoints:
+                name = "client-" + new_thread_id()[:8]
+        if not NAME_RE.match(name) or name in RESERVED_NAMES:
+            raise ConfigurationError(f"endpoint name {name!r}: use 1-64 of [a-z0-9_-]")
+        if name in self._endpoints or any(lst.name == name for lst in self._listeners):
+            raise ConfigurationError(f"endpoint name {name!r} is taken")
+        endpoint = Endpoint(
+            self,
+            name,
+            buffer or self.config.endpoint_buffer,
+            frozenset(allowed) if allowed is not None else None,
+        )
+        self._endpoints[name] = endpoint
+        return endpoint
+
+    def _detach(self, endpoint: Endpoint) -> None:
+        if self._endpoints.get(endpoint.name) is endpoint:
+            del self._endpoints[endpoint.name]
+            self.threads.remove_owned_by(endpoint.name)
+
+    async def inject(self, data: bytes, endpoint: Endpoint) -> None:
+        """Validate and route one envelope from ``endpoint``.
+
+        Returns once the message is queued for its listener(s), or once the refusal is queued
+        for the endpoint. Raises :class:`PumpClosed` if the pump does not accept messages.
+        """
+        if self._state is not _State.RUNNING:
+            raise PumpClosed(self._state.value)
+        self.counters["injected"] += 1
+        root = None
+        try:
+            root = self._codec.parse_root(data)
+            inbound = self._codec.decode(root)
+        except InputRefused as refusal:
+            self._answer_endpoint(endpoint, guess_thread(root) or new_thread_id(), refusal, data)
+            return
+        now = trio.current_time()
+        try:
+            thread = self._client_thread(endpoint, inbound.thread, now)
+        except RegistryFull:
+            busy = DeliveryRefused(
+                SystemErrorCode.ROUTING, retry_allowed=True, detail="registry full"
+            )
+            self._answer_endpoint(endpoint, inbound.thread, busy, data)
+            return
+        try:
+            targets = self._table.inbound(inbound.ptype.tag, inbound.to)
+            if endpoint.allowed is not None and not all(t in endpoint.allowed for t in targets):
+                raise InputRefused(
+                    HuhReason.INVALID_PAYLOAD, f"{endpoint.name} may not address {targets}"
+                )
+        except InputRefused as refusal:
+            self._answer_endpoint(endpoint, thread.id, refusal, data)
+            return
+        for i, target in enumerate(targets):
+            payload = inbound.payload if i == 0 else copy.deepcopy(inbound.payload)
+            try:
+                child = self.threads.extend(thread, target, now)
+                await self._enqueue(
+                    target,
+                    _Delivery(payload, inbound.ptype, child, endpoint.name, False, None, data),
+                )
+            except RegistryFull:
+                busy = DeliveryRefused(
+                    SystemErrorCode.ROUTING, retry_allowed=True, detail="registry full"
+                )
+                self._answer_endpoint(endpoint, thread.id, busy, data)
+            except DeliveryRefused as refusal:
+                self.threads.prune(child)
+                self._answer_endpoint(endpoint, thread.id, refusal, data)
+
+    def _client_thread(self, endpoint: Endpoint, thread_id: str, now: float) -> ThreadRecord:
+        """The endpoint's conversation thread: reused if it is the endpoint's own, accepted
+        if it is a fresh uuid4, else replaced by a new uuid4 (which the replies carry).
+        A client can never attach to another party's thread."""
+        record = self.threads.get(thread_id)
+        if record is not None:
+            if record.parent is None and record.chain == (endpoint.name,):
+                record.last_active = now
+                return record
+            return self.threads.open_root((endpoint.name,), now)
+        if is_uuid4(thread_id):
+            return self.threads.open_root((endpoint.name,), now, thread_id=thread_id)
+        return self.threads.open_root((endpoint.name,), now)
+
+    def _answer_endpoint(
+        self, endpoint: Endpoint, thread_id: str, refusal: Refusal, original: bytes
+    ) -> None:
+        self.counters["refused"] += 1
+        log.info("refused message from %s: %s", endpoint.name, refusal)
+        endpoint.push(encode(SYSTEM, endpoint.name, thread_id, primitive_for(refusal, original)))
+
+    async def inject_system(self, payload: BaseXmlModel | etree._Element, to: str) -> None:
+        """Deliver a pump-originated payload (e.g. the boot primitive) to listener ``to`` on
+        the root thread. Core-namespace payloads are allowed here and only here."""
+        if self._state is not _State.RUNNING:
+            raise PumpClosed(self._state.value)
+        element = self._to_element(payload)
+        ptype = self.payloads.get(element.tag)
+        if ptype is None or not ptype.schema.validate(element):
+            raise ConfigurationError(f"system payload {element.tag} is not valid")
+        if to not in self._runtimes or ptype.tag not in self._table.accepts[to]:
+            raise ConfigurationError(f"listener {to!r} does not take {ptype.tag}")
+        await self._enqueue(
+            to, _Delivery(element, ptype, self.root_thread, SYSTEM, False, None, None)
+        )
+
+    # -- delivery ------------------------------------------------------------------------
+
+    async def _enqueue(self, target: str, delivery: _Delivery) -> None:
+        """Queue for a listener. Raises DeliveryRefused(timeout) if the queue stays full."""
+        rt = self._runtimes[target]
+        self._inflight += 1
+        delivery.thread.pending += 1
+        try:
+            rt.send.send_nowait(delivery)
+            return
+        except trio.WouldBlock:
+            pass
+        except BaseException:
+            self._undo(delivery)
+            raise
+        try:
+            with trio.move_on_after(self.config.delivery_timeout):
+                await rt.send.send(delivery)
+                return
+        except BaseException:
+            self._undo(delivery)
+            raise
+        self._undo(delivery)
+        self.counters["timeouts"] += 1
+        raise DeliveryRefused(
+            SystemErrorCode.TIMEOUT, retry_allowed=True, detail=f"{target} queue full"
+        )
+
+    def _undo(self, delivery: _Delivery) -> None:
+        delivery.thread.pending -= 1
+        self._done()
+
+    def _done(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+    async def _deliver_to_owner(
+        self,
+        record: ThreadRecord,
+        payload: etree._Element,
+        ptype: PayloadType,
+        from_id: str,
+        response_thread: str | None,
+    ) -> None:
+        """Hand ``payload`` to whoever works on ``record``: a listener or an endpoint."""
+        owner = record.owner
+        if owner in self._runtimes:
+            await self._enqueue(
+                owner, _Delivery(payload, ptype, record, from_id, False, response_thread, None)
+            )
+            return
+        endpoint = self._endpoints.get(owner)
+        if endpoint is not None:
+            record.last_active = trio.current_time()
+            if not endpoint.push(encode(from_id, owner, record.id, payload)):
+                self.counters["dropped"] += 1
+            return
+        self.counters["dropped"] += 1
+        log.info("dropped %s for %s on %s: nobody there", ptype.local, owner, record.dotted)
+
+    def _to_element(self, payload: object) -> etree._Element:
+        if isinstance(payload, BaseXmlModel):
+            return payload.to_xml_tree(exclude_none=True)
+        if isinstance(payload, etree._Element):
+            return payload
+        raise TypeError(
+            f"payload must be a pydantic-xml model or an lxml element, not {type(payload).__name__}"
+        )
+
+    # -- handlers ------------------------------------------------------------------------
+
+    async def _worker(self, rt: _Runtime) -> None:
+        """One concurrency slot of a listener. A handler that overruns its timeout is
+        cancelled by :meth:`_deadline_monitor` through this slot's cancel scope; the slot
+        then answers the caller with a timeout and starts over in a fresh scope. (A cancel
+        scope per call would cost more than the rest of a delivery.)"""
+        slot = _Slot()
+        while True:
+            with trio.CancelScope() as scope:
+                slot.scope = scope
+                rt.slots.append(slot)
+                try:
+                    await self._serve(rt, slot)
+                finally:
+                    rt.slots.remove(slot)
+                return
+            expired, slot.expired = slot.expired, None
+            if expired is not None:
+                self.counters["timeouts"] += 1
+                log.warning(
+                    "%s: handler timed out after %ss on %s",
+                    rt.listener.name,
+                    rt.listener.timeout,
+                    expired.thread.dotted,
+                )
+                await self._fail(
+                    expired.thread,
+                    DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True),
+                    expired,
+                )
+
+    async def _serve(self, rt: _Runtime, slot: _Slot) -> None:
+        receive = rt.receive
+        streak = 0
+        while True:
+            try:
+                delivery = receive.receive_nowait()
+                streak += 1
+                if streak >= _YIELD_EVERY:
+                    # Bounded unfairness: yield to other tasks every few deliveries rather
+                    # than on every one (a scheduler round trip costs as much as a delivery).
+                    streak = 0
+                    await trio.lowlevel.checkpoint()
+            except trio.WouldBlock:
+                try:
+                    delivery = await receive.receive()
+                except trio.EndOfChannel:
+                    return
+                streak = 0
+            try:
+                await self._handle(rt, slot, delivery)
+            finally:
+                rt.handled += 1
+                self._done()
+
+    async def _deadline_monitor(self) -> None:
+        """Cancel handlers that run past their listener's timeout (checked every ``tick``:
+        a handler is cancelled between ``timeout`` and ``timeout + tick`` seconds)."""
+        timeouts = [rt.listener.timeout for rt in self._runtimes.values()] or [1.0]
+        tick = min(max(min(timeouts) / 10, 0.005), 1.0)
+        while True:
+            await trio.sleep(tick)
+            now = trio.current_time()
+            for rt in self._runtimes.values():
+                for slot in rt.slots:
+                    if slot.current is not None and slot.deadline <= now:
+                        slot.expired = slot.current
+                        slot.current = None
+                        slot.scope.cancel()
+
+    async def _handle(self, rt: _Runtime, slot: _Slot, d: _Delivery) -> None:
+        listener = rt.listener
+        thread = d.thread
+        thread.pending -= 1
+        if self.threads.get(thread.id) is not thread:
+            self.counters["dropped"] += 1
+            log.info(
+                "%s: thread %s ended while the message waited; dropped", listener.name, thread.id
+            )
+            return
+        self.counters["delivered"] += 1
+        now = trio.current_time()
+        thread.last_active = now
+        meta = HandlerMetadata(
+            thread.id,
+            d.from_id,
+            listener.name,
+            d.is_self_call,
+            rt.usage,
+            d.response_thread,
+            thread.chain,
+        )
+        try:
+            payload = d.payload if listener.raw else d.ptype.model.from_xml_tree(d.payload)
+            slot.deadline = now + listener.timeout
+            slot.current = d
+            try:
+                result = await listener.handler(payload, meta)
+            finally:
+                slot.current = None
+        except trio.Cancelled:
+            if slot.expired is None:
+                # Shutdown, not a timeout: tell an external caller now, synchronously.
+                self._refuse_sync(
+                    thread, DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True)
+                )
+            raise
+        except Exception:
+            self.counters["handler_errors"] += 1
+            log.exception("%s: handler raised on %s", listener.name, thread.dotted)
+            await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), d)
+            return
+        await self._apply(listener, thread, result, d)
+
+    async def _apply(
+        self, listener: Listener, thread: ThreadRecord, result: object, d: _Delivery
+    ) -> None:
+        if result is None:
+            self.threads.finish(thread)
+            return
+        if isinstance(result, HandlerResponse):
+            items: tuple[HandlerResponse, ...] = (result,)
+        elif isinstance(result, list | tuple) and all(
+            isinstance(r, HandlerResponse) for r in result
+        ):
+            items = tuple(result)
+        else:
+            self.counters["handler_errors"] += 1
+            log.error(
+                "%s: handler returned %s, not a HandlerResponse",
+                listener.name,
+                type(result).__name__,
+            )
+            await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), d)
+            return
+        if not items:
+            self.threads.finish(thread)
+            return
+        for item in items:
+            if self.threads.get(thread.id) is not thread:
+                self.counters["dropped"] += 1
+                log.warning("%s: output after its respond on %s dropped", listener.name, thread.id)
+                continue
+            try:
+                element = self._to_element(item.payload)
+            except Exception:
+                self.counters["handler_errors"] += 1
+                log.exception("%s: handler returned an unusable payload", listener.name)
+                await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), d)
+                return
+            await self._emit(listener, thread, item, element)
+
+    async def _emit(
+        self,
+        listener: Listener,
+        thread: ThreadRecord,
+        item: HandlerResponse,
+        element: etree._Element,
+    ) -> None:
+        """Validate and route one handler output; refusals go back to the sender."""
+        try:
+            ptype = self._codec.validate_payload(element)
+            if item.is_response:
+                parent = self.threads.prune(thread)
+                if parent is None:
+                    log.info(
+                        "%s responded on %s with no caller; dropped", listener.name, thread.dotted
+                    )
+                    return
+                await self._deliver_to_owner(parent, element, ptype, listener.name, thread.id)
+                return
+            decision = self._table.outbound(listener.name, ptype.tag, item.to)
+            now = trio.current_time()
+            if isinstance(decision, SelfCall):
+                await self._enqueue(
+                    listener.name,
+                    _Delivery(element, ptype, thread, listener.name, True, None, None),
+                )
+            else:
+                for i, target in enumerate(decision.targets):
+                    payload = element if i == 0 else copy.deepcopy(element)
+                    child = self.threads.extend(thread, target, now)
+                    try:
+                        await self._enqueue(
+                            target,
+                            _Delivery(payload, ptype, child, listener.name, False, None, None),
+                        )
+                    except DeliveryRefused:
+                        self.threads.prune(child)
+                        raise
+            thread.strikes = 0
+        except RegistryFull:
+            await self._bounce(
+                listener,
+                thread,
+                DeliveryRefused(SystemErrorCode.ROUTING, retry_allowed=True),
+                element,
+            )
+        except Refusal as refusal:
+            await self._bounce(listener, thread, refusal, element)
+
+    async def _bounce(
+        self, listener: Listener, thread: ThreadRecord, refusal: Refusal, element: etree._Element
+    ) -> None:
+        """Return a refused output to its sender, on the sender's thread."""
+        self.counters["refused"] += 1
+        log.info("%s: output refused on %s: %s", listener.name, thread.dotted, refusal)
+        if self.threads.get(thread.id) is not thread:
+            return
+        thread.strikes += 1
+        original = _safe_bytes(element)
+        if thread.strikes > MAX_STRIKES:
+            await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), None, original)
+            return
+        primitive = primitive_for(refusal, original)
+        ptype = self.payloads.get(primitive.tag)
+        try:
+            await self._enqueue(
+                listener.name, _Delivery(primitive, ptype, thread, SYSTEM, False, None, None)
+            )
+        except DeliveryRefused:
+            log.warning("%s: could not return a refusal (queue full)", listener.name)
+
+    async def _fail(
+        self,
+        thread: ThreadRecord,
+        refusal: Refusal,
+        d: _Delivery | None,
+        original: bytes | None = None,
+    ) -> None:
+        """The owner of ``thread`` failed: its caller gets one primitive; the thread ends."""
+        if original is None and d is not None:
+            original = d.original if d.original is not None else _safe_bytes(d.payload)
+        parent = self.threads.prune(thread)
+        if parent is None:
+            return
+        primitive = primitive_for(refusal, original or b"")
+        try:
+            await self._deliver_to_owner(
+                parent, primitive, self.payloads.get(primitive.tag), SYSTEM, thread.id
+            )
+        except DeliveryRefused:
+            log.warning("could not deliver a failure notice to %s", parent.owner)
+
+    def _refuse_sync(self, thread: ThreadRecord, refusal: Refusal) -> None:
+        """On cancellation: tell an external caller now (pushing to an endpoint never blocks)."""
+        parent = self.threads.get(thread.parent) if thread.parent else None
+        if parent is None:
+            return
+        endpoint = self._endpoints.get(parent.owner)
+        if endpoint is not None:
+            self.counters["refused"] += 1
+            endpoint.push(encode(SYSTEM, endpoint.name, parent.id, primitive_for(refusal)))
+
+    def _refuse_leftovers(self) -> None:
+        """After cancellation: refuse every delivery still queued, so none is lost silently."""
+        refusal = DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True, detail="shutdown")
+        for rt in self._runtimes.values():
+            while True:
+                try:
+                    d = rt.receive.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+                self._inflight -= 1
+                d.thread.pending -= 1
+                if d.from_id in self._endpoints or d.thread.parent is not None:
+                    self._refuse_sync(d.thread, refusal)
+
+
+def _safe_bytes(element: etree._Element) -> bytes:
+    try:
+        return canonicalize(element)
+    except Exception:
+        return b""
+
+
+@asynccontextmanager
+async def open_pump(
+    listeners: Iterable[Listener] = (), *, config: PumpConfig | None = None
+) -> AsyncIterator[Pump]:
+    """Run a pump for the duration of the block; leaving it drains and closes the pump."""
+    pump = Pump(listeners, config=config)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pump.run)
+        try:
+            yield pump
+        finally:
+            pump.close()

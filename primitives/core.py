@@ -1,0 +1,84 @@
+"""The system primitives, in the core namespace. Only the pump emits them.
+
+``schemas/core.xsd`` is generated from these models (``python -m agentserver.schemas_export``);
+a test keeps the checked-in file identical to the generated one.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Literal
+
+from lxml import etree
+from pydantic_xml import BaseXmlModel, element
+
+from agentserver.errors import (
+    DeliveryRefused,
+    HuhReason,
+    InputRefused,
+    Refusal,
+    SystemErrorCode,
+)
+from agentserver.namespaces import CORE_NS
+from agentserver.xsdgen import XsdType
+
+#: ``original-attempt`` carries at most this many of the received bytes (before base64).
+ORIGINAL_ATTEMPT_MAX_BYTES = 4096
+
+_NSMAP = {"": CORE_NS}
+HuhText = Literal[tuple(r.value for r in HuhReason)]  # type: ignore[valid-type]
+ErrorCode = Literal[tuple(c.value for c in SystemErrorCode)]  # type: ignore[valid-type]
+Base64 = Annotated[str, XsdType("xs:base64Binary")]
+
+
+class Huh(BaseXmlModel, tag="huh", nsmap=_NSMAP):
+    """Canned validation error: the text is one of :class:`HuhReason`, never validator output."""
+
+    error: HuhText = element()
+    original_attempt: Base64 = element(tag="original-attempt")
+
+
+class SystemErrorPayload(BaseXmlModel, tag="SystemError", nsmap=_NSMAP):
+    """Routing, validation or timeout failure; the sender's thread stays alive."""
+
+    code: ErrorCode = element()
+    message: str = element()
+    retry_allowed: bool = element(tag="retry-allowed")
+
+
+class Boot(BaseXmlModel, tag="boot", nsmap=_NSMAP):
+    """Injected once at start to the system boot listener on the root thread."""
+
+    organism: str = element()
+    timestamp: str = element()
+    listener_count: int = element(tag="listener-count")
+
+
+class Hello(BaseXmlModel, tag="hello", nsmap=_NSMAP):
+    """Connection handshake; consumed by the server, never routed."""
+
+    client: str = element()
+    token: str = element()
+
+
+CORE_MODELS: tuple[type[BaseXmlModel], ...] = (Huh, SystemErrorPayload, Boot, Hello)
+
+
+def huh(reason: HuhReason, original: bytes = b"") -> etree._Element:
+    attempt = base64.b64encode(original[:ORIGINAL_ATTEMPT_MAX_BYTES]).decode("ascii")
+    return Huh(error=reason.value, original_attempt=attempt).to_xml_tree()
+
+
+def system_error(code: SystemErrorCode, *, retry_allowed: bool) -> etree._Element:
+    return SystemErrorPayload(
+        code=code.value, message=code.message, retry_allowed=retry_allowed
+    ).to_xml_tree()
+
+
+def primitive_for(refusal: Refusal, original: bytes = b"") -> etree._Element:
+    """The single mapping from a refusal to the primitive its sender receives."""
+    if isinstance(refusal, InputRefused):
+        return huh(refusal.reason, original)
+    if isinstance(refusal, DeliveryRefused):
+        return system_error(refusal.code, retry_allowed=refusal.retry_allowed)
+    raise TypeError(f"no primitive for {type(refusal).__name__}")

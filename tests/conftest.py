@@ -1,0 +1,87 @@
+"""Shared payload models and helpers for the pump tests."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+from lxml import etree
+from pydantic_xml import BaseXmlModel, element
+
+from agentserver.envelope import build_envelope
+from agentserver.namespaces import CORE_NS, ENVELOPE_NS
+
+NS = "urn:test:pump"
+NSMAP = {"": NS}
+
+
+class Ping(BaseXmlModel, tag="ping", nsmap=NSMAP):
+    text: str = element()
+
+
+class Pong(BaseXmlModel, tag="pong", nsmap=NSMAP):
+    text: str = element()
+
+
+class Add(BaseXmlModel, tag="add", nsmap=NSMAP):
+    a: int = element()
+    b: int = element()
+
+
+class Sum(BaseXmlModel, tag="sum", nsmap=NSMAP):
+    value: int = element()
+
+
+class Note(BaseXmlModel, tag="note", nsmap=NSMAP):
+    text: str = element()
+
+
+def envelope_bytes(
+    payload: BaseXmlModel | etree._Element,
+    *,
+    to: str | None = None,
+    thread: str = "not-a-uuid",
+    sender: str = "someone",
+) -> bytes:
+    el = payload.to_xml_tree() if isinstance(payload, BaseXmlModel) else payload
+    return etree.tostring(build_envelope(sender, to, thread, el))
+
+
+def parse_reply(data: bytes) -> tuple[dict[str, str | None], etree._Element]:
+    root = etree.fromstring(data)
+    assert root.tag == f"{{{ENVELOPE_NS}}}message"
+    meta = {child.tag.split("}")[1]: child.text for child in root[0]}
+    return meta, root[1]
+
+
+def local(el: etree._Element) -> str:
+    return etree.QName(el).localname
+
+
+def is_huh(el: etree._Element) -> bool:
+    return el.tag == f"{{{CORE_NS}}}huh"
+
+
+def is_system_error(el: etree._Element, code: str | None = None) -> bool:
+    if el.tag != f"{{{CORE_NS}}}SystemError":
+        return False
+    return code is None or el.findtext(f"{{{CORE_NS}}}code") == code
+
+
+def huh_text(el: etree._Element) -> str:
+    return el.findtext(f"{{{CORE_NS}}}error")
+
+
+async def drain(endpoint) -> list[bytes]:
+    """Everything the endpoint has received once the whole system is quiescent."""
+    await trio.testing.wait_all_tasks_blocked()
+    out = []
+    while True:
+        try:
+            out.append(endpoint.receive_nowait())
+        except trio.WouldBlock:
+            return out
+
+
+async def receive(endpoint, seconds: float = 5) -> tuple[dict[str, str | None], etree._Element]:
+    with trio.fail_after(seconds):
+        return parse_reply(await endpoint.receive())
