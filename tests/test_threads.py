@@ -1,0 +1,138 @@
+"""Thread registry: chain extend/prune invariants, bounds and expiry."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from agentserver.threads import RegistryFull, ThreadRegistry, is_uuid4, new_thread_id
+
+
+def test_extend_and_prune_follow_the_chain():
+    reg = ThreadRegistry()
+    root = reg.open_root(("client",), 0.0)
+    a = reg.extend(root, "a", 1.0)
+    b = reg.extend(a, "b", 2.0)
+    c = reg.extend(b, "c", 3.0)
+    assert c.dotted == "client.a.b.c"
+    assert reg.prune(c) is b  # respond: back to the caller
+    assert reg.get(c.id) is None and reg.get(b.id) is b
+    assert reg.prune(a) is root  # subtree b goes too
+    assert reg.get(b.id) is None and len(reg) == 1
+
+
+def test_same_path_conversations_get_distinct_threads():
+    reg = ThreadRegistry()
+    root = reg.open_root(("client",), 0.0)
+    x = reg.extend(root, "echo", 0.0)
+    y = reg.extend(root, "echo", 0.0)
+    assert x.id != y.id and x.chain == y.chain
+    assert reg.prune(x) is root and reg.get(y.id) is y
+
+
+def test_finish_waits_for_children_and_pending():
+    reg = ThreadRegistry()
+    root = reg.open_root(("c",), 0.0)
+    a = reg.extend(root, "a", 0.0)
+    child = reg.extend(a, "b", 0.0)
+    assert not reg.finish(a)
+    reg.prune(child)
+    a.pending = 1
+    assert not reg.finish(a)
+    a.pending = 0
+    assert reg.finish(a) and reg.get(a.id) is None
+
+
+def test_expiry_spares_busy_and_pinned_trees():
+    reg = ThreadRegistry(idle_ttl=10)
+    old = reg.open_root(("c",), 0.0)
+    busy_parent = reg.open_root(("d",), 0.0)
+    reg.extend(busy_parent, "x", 50.0)  # recent activity below
+    pinned = reg.open_root(("system", "org"), 0.0)
+    reg.pin(pinned)
+    removed = reg.expire(20.0)
+    assert removed == [old.id]
+    assert busy_parent.id in reg and pinned.id in reg
+
+
+def test_bounded_registry_expires_then_refuses():
+    reg = ThreadRegistry(max_threads=2, idle_ttl=10)
+    reg.open_root(("a",), 0.0)
+    reg.open_root(("b",), 5.0)
+    reg.open_root(("c",), 11.0)  # a expired to make room
+    assert len(reg) == 2
+    with pytest.raises(RegistryFull):
+        reg.open_root(("d",), 12.0)
+
+
+def test_uuid4_format():
+    for _ in range(100):
+        assert is_uuid4(new_thread_id())
+    assert not is_uuid4("not-a-uuid")
+    assert not is_uuid4("0b6d2f4e-8c51-1b7a-9d3e-2f1a6c5b4e3d")  # version 1
+
+
+class RegistryMachine(RuleBasedStateMachine):
+    """Random forwards, responds, finishes and expiries keep the tree consistent."""
+
+    def __init__(self):
+        super().__init__()
+        self.reg = ThreadRegistry(max_threads=10_000, idle_ttl=100)
+        self.now = 0.0
+        self.live: list = []
+
+    @rule(name=st.sampled_from(["c1", "c2"]))
+    def open_root(self, name):
+        self.live.append(self.reg.open_root((name,), self.now))
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 10_000), name=st.sampled_from(["a", "b", "c"]))
+    def forward(self, i, name):
+        parent = self.live[i % len(self.live)]
+        if parent.id in self.reg:
+            child = self.reg.extend(parent, name, self.now)
+            assert child.chain == (*parent.chain, name)
+            self.live.append(child)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 10_000))
+    def respond(self, i):
+        rec = self.live[i % len(self.live)]
+        was_live = rec.id in self.reg
+        parent = self.reg.prune(rec)
+        assert rec.id not in self.reg
+        if was_live and rec.parent is not None:
+            assert parent is not None and parent.chain == rec.chain[:-1]
+            assert rec.id not in parent.children
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 10_000))
+    def finish(self, i):
+        rec = self.live[i % len(self.live)]
+        had_children = bool(rec.children)
+        removed = self.reg.finish(rec)
+        if removed:
+            assert not had_children
+
+    @rule(dt=st.floats(0, 200))
+    def tick_and_expire(self, dt):
+        self.now += dt
+        self.reg.expire(self.now)
+
+    @invariant()
+    def tree_is_consistent(self):
+        threads = self.reg._threads
+        for rec in threads.values():
+            if rec.parent is not None:
+                # a live thread's parent is live and knows it
+                assert rec.parent in threads
+                assert rec.id in threads[rec.parent].children
+                assert threads[rec.parent].chain == rec.chain[:-1]
+            for child in rec.children:
+                assert child in threads
+
+
+TestRegistryMachine = RegistryMachine.TestCase
+TestRegistryMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

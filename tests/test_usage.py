@@ -1,0 +1,39 @@
+"""usage_instructions are generated from the peers' schemas."""
+
+from __future__ import annotations
+
+from conftest import Add, Note, Ping, Sum
+from lxml import etree
+
+from agentserver.listener import Listener
+from agentserver.payloads import PayloadType
+from agentserver.pump import open_pump
+from agentserver.usage import RESPOND_WARNING, describe_payload
+
+
+async def h(p, m):
+    return None
+
+
+def test_describe_payload_lists_fields_and_a_valid_example():
+    ptype = PayloadType.from_model(Add)
+    text = describe_payload(ptype)
+    assert '<add xmlns="urn:test:pump">' in text
+    assert "<a>: integer" in text and "<b>: integer" in text
+    example = text.split("example: ", 1)[1]
+    assert ptype.schema.validate(etree.fromstring(example))
+
+
+async def test_instructions_name_every_peer_and_end_with_the_warning():
+    listeners = [
+        Listener("agent", (Note,), h, peers=("calc", "echo")),
+        Listener("calc", (Add,), h, responses=(Sum,)),
+        Listener("echo", (Ping,), h),
+    ]
+    async with open_pump(listeners) as pump:
+        text = pump.usage_instructions("agent")
+        lonely = pump.usage_instructions("echo")
+    assert "peer 'calc'" in text and "peer 'echo'" in text
+    assert "<note" in text  # its own root tag, for self-iteration
+    assert text.endswith(RESPOND_WARNING)
+    assert "no peers" in lonely and lonely.endswith(RESPOND_WARNING)
