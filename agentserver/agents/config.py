@@ -1,0 +1,130 @@
+"""boot.xml elements (``StoreSectionType``, ``AgentProfileType``) → dataclasses.
+
+The elements are expected to have been validated against ``boot.xsd`` (which includes
+``boot-agents.xsd``); defaults here equal the schema's, so an absent attribute and a
+schema-filled default give the same result. Invalid values raise ``AgentConfigError``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from importlib import resources
+from importlib.abc import Traversable
+from pathlib import Path
+
+from lxml import etree
+
+from agentserver.agents.errors import AgentConfigError
+from agentserver.agents.profile import AgentProfile, ResultField
+from agentserver.agents.settings import StoreSettings
+from agentserver.namespaces import BOOT_NS
+
+SCHEMA_FILE = "boot-agents.xsd"
+MODEL_ENV = "AGENTSERVER_MODEL"
+
+
+def schema_file() -> Traversable:
+    """``boot-agents.xsd`` as installed package data."""
+    return resources.files("agentserver.schemas") / SCHEMA_FILE
+
+
+def _q(local: str) -> str:
+    return etree.QName(BOOT_NS, local).text
+
+
+def _num(el: etree._Element, attr: str, default: float, kind: type = float) -> float:
+    raw = el.get(attr)
+    if raw is None:
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise AgentConfigError(
+            f"<{etree.QName(el).localname}> {attr}={raw!r} is not a number"
+        ) from None
+
+
+def store_settings_from_element(
+    el: etree._Element | None, *, base_dir: Path | None = None
+) -> StoreSettings:
+    """Settings from a ``StoreSectionType`` element (``None``: all defaults)."""
+    d = StoreSettings()
+    if el is None:
+        path = d.path
+    else:
+        path = Path(el.get("path", str(d.path)))
+    if base_dir is not None and not path.is_absolute():
+        path = base_dir / path
+    if el is None:
+        return StoreSettings(path=path)
+    try:
+        return StoreSettings(
+            path=path,
+            worker_concurrency=int(_num(el, "worker-concurrency", d.worker_concurrency, int)),
+            watchdog_interval_s=_num(el, "watchdog-interval", d.watchdog_interval_s),
+            processing_timeout_s=_num(el, "processing-timeout", d.processing_timeout_s),
+            dispatch_timeout_s=_num(el, "dispatch-timeout", d.dispatch_timeout_s),
+            max_running_s=_num(el, "max-running", d.max_running_s),
+            retry_base_s=_num(el, "retry-base", d.retry_base_s),
+            max_retries=int(_num(el, "max-retries", d.max_retries, int)),
+            client_replies_max=int(_num(el, "client-replies-max", d.client_replies_max, int)),
+        )
+    except ValueError as exc:
+        raise AgentConfigError(str(exc)) from None
+
+
+def profile_from_element(
+    el: etree._Element | None,
+    *,
+    name: str,
+    own_roots: tuple[str, ...],
+    peers: Mapping[str, str],
+    usage_instructions: str = "",
+    answer_tag: str = "",
+    environ: Mapping[str, str] | None = None,
+) -> AgentProfile:
+    """An :class:`AgentProfile` from an ``AgentProfileType`` element plus what the pump
+    knows: the agent's own root tags, its peers' root tags (Clark → listener name), the
+    generated ``usage_instructions`` and the reply's root tag (default ``{ns}answer`` in
+    the namespace of the first own root tag). ``model`` falls back to ``AGENTSERVER_MODEL``.
+    """
+    env = os.environ if environ is None else environ
+    if el is None:
+        el = etree.Element(_q("agent"))
+    model = el.get("model") or env.get(MODEL_ENV, "")
+    if not model:
+        raise AgentConfigError(f"agent {name!r}: no model (set model= or {MODEL_ENV})")
+    prompt_el = el.find(_q("system-prompt"))
+    fields = tuple(
+        ResultField(
+            f.get("name", ""),
+            f.get("required", "true") in ("true", "1"),
+            (f.text or "").strip(),
+        )
+        for f in el.iterfind(_q("result-field"))
+    )
+    max_tokens = el.get("max-tokens")
+    try:
+        return AgentProfile(
+            name=name,
+            model=model,
+            system_prompt=(prompt_el.text or "").strip()
+            if prompt_el is not None
+            else AgentProfile.__dataclass_fields__["system_prompt"].default,
+            max_steps=int(_num(el, "max-steps", 12, int)),
+            resume_deadline_s=_num(el, "resume-deadline", 60.0),
+            llm_timeout_s=_num(el, "llm-timeout", 300.0),
+            max_tokens=int(max_tokens) if max_tokens else None,
+            must_end_with=tuple((m.text or "").strip() for m in el.iterfind(_q("must-end-with"))),
+            result_fields=fields,
+            terminate_tools=tuple(
+                (t.text or "").strip() for t in el.iterfind(_q("terminate-tool"))
+            ),
+            usage_instructions=usage_instructions,
+            own_roots=own_roots,
+            peers=dict(peers),
+            answer_tag=answer_tag,
+        )
+    except ValueError as exc:
+        raise AgentConfigError(f"agent {name!r}: {exc}") from None

@@ -1,0 +1,70 @@
+"""What happens after a Turn-ending transaction committed: the one TaskEvent and the reply.
+
+Replies are written to the store's outbox (``agent_replies``) in the same transaction as
+the deliverable, so a crash between commit and send loses nothing: the watchdog resends
+pending replies (at least once; ``turn_id`` lets the pump drop a duplicate).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from lxml import etree
+
+from agentserver.agents.doorbell import Doorbell
+from agentserver.agents.events import EventBus, StateEvent, TaskEvent
+from agentserver.agents.ports import ReplyPort
+from agentserver.agents.store import AgentStore, Finished, PendingReply
+from agentserver.xmlsafe import make_parser
+
+log = logging.getLogger(__name__)
+
+
+async def send_reply(
+    store: AgentStore, replies: ReplyPort, reply: PendingReply, max_attempts: int
+) -> bool:
+    """Send one pending reply and record the outcome; True when sent."""
+    try:
+        ref = json.loads(reply.reply_ref_json)
+        payload = etree.fromstring(reply.payload, make_parser())
+    except (ValueError, etree.XMLSyntaxError):
+        log.error("reply of turn %s is unreadable; giving up", reply.agent_turn_id)
+        await store.mark_reply_attempt(reply.agent_turn_id, give_up=True)
+        return False
+    try:
+        await replies.deliver(ref, payload, failed=reply.failed, turn_id=reply.agent_turn_id)
+    except Exception:
+        log.warning("reply of turn %s not delivered", reply.agent_turn_id, exc_info=True)
+        give_up = reply.attempts + 1 >= max_attempts
+        await store.mark_reply_attempt(reply.agent_turn_id, give_up=give_up)
+        return False
+    await store.mark_reply_sent(reply.agent_turn_id)
+    return True
+
+
+async def after_finish(
+    finished: Finished,
+    *,
+    store: AgentStore,
+    replies: ReplyPort,
+    events: EventBus,
+    doorbell: Doorbell,
+    max_attempts: int,
+) -> None:
+    """Publish the Turn's TaskEvent (exactly once: only the committing caller gets a
+    ``Finished``), send its reply, and ring the doorbell if the next Turn was leased."""
+    events.publish(
+        TaskEvent(
+            finished.agent_id,
+            finished.agent_turn_id,
+            finished.status,
+            finished.output_box_id,
+            finished.deliverable_card_id,
+        )
+    )
+    events.publish(StateEvent(finished.agent_id, None, "idle"))
+    if finished.next_leased:
+        doorbell.ring()
+    if finished.reply is not None:
+        await send_reply(store, replies, finished.reply, max_attempts)

@@ -1,0 +1,62 @@
+"""Typed exceptions of the agents package."""
+
+from __future__ import annotations
+
+from lxml import etree
+
+from agentserver.errors import AgentServerError
+
+
+class AgentError(AgentServerError):
+    """Base class of every error raised on purpose by ``agentserver.agents``."""
+
+
+class StaleTurn(AgentError):
+    """A compare-and-set on the agent head matched no row.
+
+    The Turn this caller holds was ended, resumed or leased by someone else (watchdog, stop,
+    a newer epoch). The transaction that raised it was rolled back: nothing was written, and
+    the caller must stop without side effects.
+    """
+
+
+class IllegalTransition(AgentError):
+    """A state machine was asked for a transition its table does not contain."""
+
+    def __init__(self, machine: str, state: str, event: str) -> None:
+        super().__init__(f"{machine}: no transition from {state!r} on {event!r}")
+        self.machine = machine
+        self.state = state
+        self.event = event
+
+
+class PumpRefused(AgentError):
+    """The pump refused a payload at once (validation, routing), before any peer saw it.
+
+    ``element`` is the ``<huh>`` or ``<SystemError>`` the pump produced; the worker shows it
+    to the model as the answer its payload earned.
+    """
+
+    def __init__(self, element: etree._Element, detail: str = "") -> None:
+        super().__init__(detail or etree.QName(element).localname)
+        self.element = element
+
+
+class LLMUnavailable(AgentError):
+    """The LLM port could not produce a completion (no backend, all retries failed, ...).
+
+    ``kind`` is a short machine-readable category (the router's ``LLMError.kind`` when the
+    error came from the router).
+    """
+
+    def __init__(self, message: str, kind: str = "unavailable") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class StoreError(AgentError):
+    """The store is unusable (bad schema version, corrupt file, ...)."""
+
+
+class AgentConfigError(AgentError):
+    """An agent or store section of boot.xml is invalid."""

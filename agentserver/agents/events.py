@@ -1,0 +1,121 @@
+"""In-process event stream: step, task, chunk and state-activity events.
+
+Publishing never blocks and never fails: each subscriber has a bounded buffer, and an
+event that does not fit is dropped for that subscriber only (counted in ``dropped``).
+Events are observations, not the source of truth: the store is. The one exception to
+"best effort" is the guarantee that the worker *publishes* exactly one :class:`TaskEvent`
+per Turn; a slow subscriber can still miss it (and can reread the deliverable card).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import trio
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvent:
+    agent_id: str
+    agent_turn_id: str
+    step_id: str
+    phase: str  # started | planning | executing | completed
+
+
+@dataclass(frozen=True, slots=True)
+class TaskEvent:
+    """The one terminal event of a Turn; content is reread via ``deliverable_card_id``."""
+
+    agent_id: str
+    agent_turn_id: str
+    status: str  # succeeded | failed | stopped | timed_out
+    output_box_id: str
+    deliverable_card_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkEvent:
+    agent_id: str
+    agent_turn_id: str
+    step_id: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class StateEvent:
+    agent_id: str
+    agent_turn_id: str | None
+    status: str
+    activity: str = ""  # thinking | executing_tool | awaiting_tool_result
+    current_tool: str = ""
+    waiting_tool_count: int = 0
+
+
+Event: TypeAlias = StepEvent | TaskEvent | ChunkEvent | StateEvent
+
+
+class Subscription:
+    """A bounded view of the stream. Use as ``async with bus.subscribe() as sub``."""
+
+    def __init__(self, bus: EventBus, capacity: int) -> None:
+        self._bus = bus
+        self._send, self._recv = trio.open_memory_channel[Event](capacity)
+        self.dropped = 0
+
+    def _offer(self, event: Event) -> None:
+        try:
+            self._send.send_nowait(event)
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            self.dropped += 1
+
+    async def receive(self) -> Event:
+        """Wait (cancellably) for the next event."""
+        return await self._recv.receive()
+
+    def drain(self) -> list[Event]:
+        """Every buffered event, without waiting."""
+        out: list[Event] = []
+        while True:
+            try:
+                out.append(self._recv.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return out
+
+    def close(self) -> None:
+        self._bus._subscribers.discard(self)
+        self._send.close()
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._recv.__aiter__()
+
+    async def __aenter__(self) -> Subscription:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EventBus:
+    """Fan-out of events to a bounded number of bounded subscribers."""
+
+    def __init__(self, max_subscribers: int = 64) -> None:
+        self._subscribers: set[Subscription] = set()
+        self.max_subscribers = max_subscribers
+
+    def subscribe(self, capacity: int = 1024) -> Subscription:
+        """Open a subscription buffering up to ``capacity`` events (must be finite)."""
+        if capacity <= 0 or math.isinf(capacity):
+            raise ValueError("subscriber buffers are bounded")
+        if len(self._subscribers) >= self.max_subscribers:
+            raise RuntimeError("too many event subscribers")
+        sub = Subscription(self, capacity)
+        self._subscribers.add(sub)
+        return sub
+
+    def publish(self, event: Event) -> None:
+        """Offer ``event`` to every subscriber; never blocks."""
+        for sub in tuple(self._subscribers):
+            sub._offer(event)

@@ -1,0 +1,61 @@
+"""The agent profile: everything the worker needs to know about one agent (immutable)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from lxml import etree
+
+SUBMIT_RESULT = "submit_result"
+
+
+@dataclass(frozen=True, slots=True)
+class ResultField:
+    """A field the caller expects in the deliverable (``submit_result``)."""
+
+    name: str
+    required: bool = True
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentProfile:
+    """Per-agent settings (boot.xml ``<agent>`` settings plus what the pump derives).
+
+    ``own_roots`` are the agent's own payload root tags in Clark notation
+    (``{ns}local``): a payload with one of them is self-iteration. ``peers`` maps each
+    peer payload root tag (Clark) to the peer listener's name: such a payload is a tool
+    call. ``answer_tag`` is the root tag of the reply sent to the caller; its ``<text>``
+    child carries the deliverable text. ``terminate_tools`` name peers whose result ends
+    the Turn (the seed's ``after_execution=terminate``); other tools suspend and resume.
+    """
+
+    name: str
+    model: str
+    system_prompt: str = "You are a helpful agent."
+    max_steps: int = 12
+    resume_deadline_s: float = 60.0
+    must_end_with: tuple[str, ...] = ()
+    result_fields: tuple[ResultField, ...] = ()
+    usage_instructions: str = ""
+    own_roots: tuple[str, ...] = ()
+    peers: Mapping[str, str] = field(default_factory=dict)
+    answer_tag: str = ""
+    max_tokens: int | None = None
+    llm_timeout_s: float = 300.0
+    terminate_tools: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1:
+            raise ValueError("max_steps must be >= 1")
+        if self.resume_deadline_s <= 0:
+            raise ValueError("resume_deadline_s must be > 0")
+        if not self.answer_tag:
+            ns = etree.QName(self.own_roots[0]).namespace if self.own_roots else None
+            object.__setattr__(self, "answer_tag", etree.QName(ns, "answer").text)
+
+    @property
+    def known_roots(self) -> tuple[str, ...]:
+        """Every root tag the worker recognises in model text (Clark notation)."""
+        return (*self.own_roots, *self.peers, self.answer_tag)

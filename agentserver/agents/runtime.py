@@ -1,0 +1,184 @@
+"""The facade the pump uses: intake (Enqueue, tool results, stop) and the run loop.
+
+Construct one per server with :meth:`AgentRuntime.open`, call the intake methods from the
+agent listeners' pump handlers, and run :meth:`AgentRuntime.run` in the server's nursery.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import trio
+from lxml import etree
+
+from agentserver.agents.answer import answer_bytes
+from agentserver.agents.clock import Clock, SystemClock
+from agentserver.agents.delivery import after_finish, send_reply
+from agentserver.agents.doorbell import Doorbell
+from agentserver.agents.events import EventBus
+from agentserver.agents.ports import LLMPort, ReplyPort, ReplyRef, ToolPort
+from agentserver.agents.profile import AgentProfile
+from agentserver.agents.settings import StoreSettings
+from agentserver.agents.sqlite_store import SqliteAgentStore
+from agentserver.agents.store import AgentStore, TaskStatus
+from agentserver.agents.watchdog import Watchdog
+from agentserver.agents.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+def _bytes(payload: etree._Element | bytes) -> bytes:
+    return payload if isinstance(payload, bytes) else etree.tostring(payload)
+
+
+class AgentRuntime:
+    """Store + worker + watchdog + event bus for a set of agent profiles."""
+
+    def __init__(
+        self,
+        *,
+        store: AgentStore,
+        profiles: Mapping[str, AgentProfile],
+        llm: LLMPort,
+        tools: ToolPort,
+        replies: ReplyPort,
+        settings: StoreSettings,
+        clock: Clock | None = None,
+        events: EventBus | None = None,
+    ) -> None:
+        self.store = store
+        self.profiles = dict(profiles)
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.events = events or EventBus()
+        self.doorbell = Doorbell()
+        self.replies = replies
+        self.worker = Worker(
+            store=store,
+            profiles=self.profiles,
+            llm=llm,
+            tools=tools,
+            replies=replies,
+            events=self.events,
+            doorbell=self.doorbell,
+            clock=self.clock,
+            settings=settings,
+        )
+        self.watchdog = Watchdog(
+            store=store,
+            profiles=self.profiles,
+            replies=replies,
+            events=self.events,
+            doorbell=self.doorbell,
+            settings=settings,
+        )
+
+    @classmethod
+    def open(
+        cls,
+        settings: StoreSettings,
+        profiles: Mapping[str, AgentProfile],
+        *,
+        llm: LLMPort,
+        tools: ToolPort,
+        replies: ReplyPort,
+        clock: Clock | None = None,
+    ) -> AgentRuntime:
+        """Open the SQLite store at ``settings.path`` (created/migrated) and wire everything."""
+        clock = clock or SystemClock()
+        store = SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
+        return cls(
+            store=store,
+            profiles=profiles,
+            llm=llm,
+            tools=tools,
+            replies=replies,
+            settings=settings,
+            clock=clock,
+        )
+
+    # -- intake (from the pump handlers) ---------------------------------------------
+    async def enqueue(
+        self, agent_id: str, payload: etree._Element | bytes, reply_ref: ReplyRef
+    ) -> str:
+        """Durably accept a task for ``agent_id``; returns the inbox id.
+
+        When this returns, the task is committed and will end with exactly one deliverable
+        (even across a restart); only then is the doorbell rung. ``reply_ref`` must be
+        JSON-serialisable (``TypeError``/``ValueError`` otherwise, nothing written).
+        """
+        if agent_id not in self.profiles:
+            raise KeyError(f"unknown agent {agent_id!r}")
+        result = await self.store.enqueue_turn(agent_id, _bytes(payload), reply_ref)
+        self.doorbell.ring()
+        return result.inbox_id
+
+    async def report_tool_result(
+        self,
+        agent_id: str,
+        tool_call_id: str,
+        payload: etree._Element | bytes,
+        *,
+        failed: bool = False,
+    ) -> str:
+        """Record a peer's response (or ``<huh>``/``<SystemError>``, ``failed=True``) that
+        arrived on the sub-thread ``tool_call_id`` of an earlier tool call."""
+        inbox_id = await self.store.report_tool_result(
+            agent_id, tool_call_id, _bytes(payload), failed=failed
+        )
+        self.doorbell.ring()
+        return inbox_id
+
+    async def stop(self, agent_id: str, agent_turn_id: str | None = None) -> bool:
+        """End the agent's active Turn (or only ``agent_turn_id``) with a stopped deliverable.
+
+        A worker still busy with that Turn is fenced out by the epoch change. Returns
+        False when there was nothing to stop.
+        """
+        profile = self.profiles.get(agent_id)
+        text = "the task was stopped"
+        fin = await self.store.force_end(
+            agent_id,
+            TaskStatus.STOPPED,
+            text,
+            answer_bytes(profile, text) if profile else None,
+            agent_turn_id=agent_turn_id,
+        )
+        if fin is None:
+            return False
+        await after_finish(
+            fin,
+            store=self.store,
+            replies=self.replies,
+            events=self.events,
+            doorbell=self.doorbell,
+            max_attempts=self.settings.reply_max_attempts,
+        )
+        return True
+
+    # -- running ------------------------------------------------------------------------
+    async def recover(self) -> None:
+        """Start-up recovery; call before :meth:`run` starts the worker (run does it).
+
+        Running Turns whose worker died are fenced and re-run from their last committed
+        card; rows left in ``processing`` are requeued; replies committed but never sent
+        are sent now.
+        """
+        await self.store.ensure_agents(list(self.profiles))
+        recovered = await self.store.recover_running()
+        if recovered:
+            log.warning("recovered %d running turn(s) after a restart", len(recovered))
+        for reply in await self.store.pending_replies(10_000):
+            await send_reply(self.store, self.replies, reply, self.settings.reply_max_attempts)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Recover, then run the worker and the watchdog until cancelled."""
+        await self.recover()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.worker.run)
+            await nursery.start(self.watchdog.run)
+            task_status.started()
+
+    async def aclose(self) -> None:
+        await self.store.aclose()

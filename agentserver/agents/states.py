@@ -1,0 +1,164 @@
+"""The AgentTurn state machines, as data (sans-IO, no clocks, no database).
+
+Two machines:
+
+* the agent **head** (``agent_state_head.status``): one row per agent, at most one active Turn;
+* an **inbox row** (``agent_inbox.status``): Enqueues (``turn``) and reports
+  (``tool_result``, ``timeout``, ``stop``, ``resume``).
+
+Each table maps ``(state, event)`` to a :class:`Transition`. The store computes every
+compare-and-set from these tables (the expected statuses of an event are
+:func:`head_sources`), and ``docs/agents.md`` embeds :func:`render_markdown`, checked by a
+test, so code, store and documentation cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from agentserver.agents.errors import IllegalTransition
+
+
+class HeadStatus(enum.StrEnum):
+    IDLE = "idle"
+    DISPATCHED = "dispatched"
+    RUNNING = "running"
+    SUSPENDED = "suspended"
+
+
+class HeadEvent(enum.StrEnum):
+    LEASE = "lease"  # L0 takes the oldest queued Turn for an idle agent
+    START = "start"  # the worker enters the Turn
+    SUSPEND = "suspend"  # tool calls sent, waiting set recorded
+    RESUME = "resume"  # waiting set complete (results and/or timeouts)
+    FINISH = "finish"  # deliverable written by the worker (answer, failure, step limit)
+    FORCE_END = "force_end"  # stop command or watchdog
+    RECOVER = "recover"  # restart: a running Turn's worker is gone; invalidate and re-run
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    target: str
+    bumps_epoch: bool = False
+    why: str = ""
+
+
+_H = HeadStatus
+_ACTIVE = (_H.DISPATCHED, _H.RUNNING, _H.SUSPENDED)
+
+HEAD_TRANSITIONS: Mapping[tuple[HeadStatus, HeadEvent], Transition] = {
+    (_H.IDLE, HeadEvent.LEASE): Transition(_H.DISPATCHED, True, "new agent_turn_id, epoch + 1"),
+    (_H.DISPATCHED, HeadEvent.START): Transition(_H.RUNNING, False, "worker entered the Turn"),
+    (_H.RUNNING, HeadEvent.SUSPEND): Transition(_H.SUSPENDED, False, "tool calls in flight"),
+    (_H.SUSPENDED, HeadEvent.RESUME): Transition(_H.RUNNING, True, "waiting set complete"),
+    (_H.RUNNING, HeadEvent.FINISH): Transition(_H.IDLE, False, "deliverable written"),
+    (_H.RUNNING, HeadEvent.RECOVER): Transition(_H.RUNNING, True, "restart: re-run the step"),
+    **{
+        (s, HeadEvent.FORCE_END): Transition(_H.IDLE, True, "stop or watchdog: failed deliverable")
+        for s in _ACTIVE
+    },
+}
+
+
+class InboxStatus(enum.StrEnum):
+    QUEUED = "queued"
+    PENDING = "pending"
+    PROCESSING = "processing"
+    DEFERRED = "deferred"
+    CONSUMED = "consumed"
+    ERROR = "error"
+    SKIPPED = "skipped"
+
+
+class InboxEvent(enum.StrEnum):
+    DISPATCH = "dispatch"  # the Turn of a queued row was leased
+    CLAIM = "claim"  # a worker took a due row
+    CONSUME = "consume"  # applied
+    DEFER = "defer"  # retry later (e.g. result before the suspend committed)
+    REQUEUE = "requeue"  # watchdog: stuck in processing
+    SKIP = "skip"  # duplicate, late or stale report: acknowledged, no effect
+    FAIL = "fail"  # malformed row, or retries exhausted
+    ABANDON = "abandon"  # its Turn was force-ended before the row was used
+
+
+class MessageType(enum.StrEnum):
+    TURN = "turn"
+    TOOL_RESULT = "tool_result"
+    TIMEOUT = "timeout"
+    RESUME = "resume"
+
+
+_I = InboxStatus
+
+INBOX_TRANSITIONS: Mapping[tuple[InboxStatus, InboxEvent], Transition] = {
+    (_I.QUEUED, InboxEvent.DISPATCH): Transition(_I.PENDING, False, "Turn leased"),
+    (_I.PENDING, InboxEvent.CLAIM): Transition(_I.PROCESSING, False, "due, claimed"),
+    (_I.DEFERRED, InboxEvent.CLAIM): Transition(_I.PROCESSING, False, "next_retry_at passed"),
+    (_I.PROCESSING, InboxEvent.CONSUME): Transition(_I.CONSUMED, False, "applied"),
+    (_I.PROCESSING, InboxEvent.DEFER): Transition(_I.DEFERRED, False, "retry_count + 1"),
+    (_I.PROCESSING, InboxEvent.REQUEUE): Transition(_I.PENDING, False, "worker vanished"),
+    (_I.PROCESSING, InboxEvent.SKIP): Transition(_I.SKIPPED, False, "duplicate/late/stale"),
+    (_I.PROCESSING, InboxEvent.FAIL): Transition(_I.ERROR, False, "malformed or exhausted"),
+    (_I.QUEUED, InboxEvent.FAIL): Transition(_I.ERROR, False, "malformed at lease"),
+    (_I.PENDING, InboxEvent.ABANDON): Transition(_I.SKIPPED, False, "Turn force-ended"),
+    (_I.DEFERRED, InboxEvent.ABANDON): Transition(_I.SKIPPED, False, "Turn force-ended"),
+}
+
+#: Initial inbox status per message type. Reports that arrive before the waiting row of
+#: their tool call exists start as ``deferred`` instead (see the store).
+INITIAL_INBOX_STATUS: Mapping[MessageType, InboxStatus] = {
+    MessageType.TURN: _I.QUEUED,
+    MessageType.TOOL_RESULT: _I.PENDING,
+    MessageType.TIMEOUT: _I.PENDING,
+    MessageType.RESUME: _I.PENDING,
+}
+
+TERMINAL_INBOX = frozenset({_I.CONSUMED, _I.ERROR, _I.SKIPPED})
+DUE_INBOX = frozenset({_I.PENDING, _I.DEFERRED})
+
+
+def head_transition(state: HeadStatus | str, event: HeadEvent | str) -> Transition:
+    """Return the transition for ``(state, event)`` or raise :class:`IllegalTransition`."""
+    try:
+        return HEAD_TRANSITIONS[(HeadStatus(state), HeadEvent(event))]
+    except (KeyError, ValueError):
+        raise IllegalTransition("head", str(state), str(event)) from None
+
+
+def inbox_transition(state: InboxStatus | str, event: InboxEvent | str) -> Transition:
+    """Return the transition for ``(state, event)`` or raise :class:`IllegalTransition`."""
+    try:
+        return INBOX_TRANSITIONS[(InboxStatus(state), InboxEvent(event))]
+    except (KeyError, ValueError):
+        raise IllegalTransition("inbox", str(state), str(event)) from None
+
+
+def head_sources(event: HeadEvent) -> tuple[str, ...]:
+    """Statuses from which ``event`` is legal: the expected status set of a head CAS."""
+    return tuple(sorted(str(s) for (s, e) in HEAD_TRANSITIONS if e == event))
+
+
+def inbox_sources(event: InboxEvent) -> tuple[str, ...]:
+    """Statuses from which ``event`` is legal for an inbox row."""
+    return tuple(sorted(str(s) for (s, e) in INBOX_TRANSITIONS if e == event))
+
+
+def _table(rows: Mapping[tuple[str, str], Transition], epoch_col: bool) -> list[str]:
+    head = "| from | event | to |" + (" turn_epoch |" if epoch_col else "") + " meaning |"
+    sep = "|---|---|---|" + ("---|" if epoch_col else "") + "---|"
+    out = [head, sep]
+    for (state, event), t in rows.items():
+        epoch = (" +1 |" if t.bumps_epoch else " |") if epoch_col else ""
+        out.append(f"| {state} | {event} | {t.target} |{epoch} {t.why} |")
+    return out
+
+
+def render_markdown() -> str:
+    """Both transition tables as Markdown (embedded verbatim in ``docs/agents.md``)."""
+    lines = ["Head (`agent_state_head.status`):", ""]
+    lines += _table(HEAD_TRANSITIONS, epoch_col=True)
+    lines += ["", "Inbox row (`agent_inbox.status`):", ""]
+    lines += _table(INBOX_TRANSITIONS, epoch_col=False)
+    return "\n".join(lines) + "\n"

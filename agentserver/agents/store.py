@@ -1,0 +1,261 @@
+"""The agent store interface and its row types.
+
+The worker and the watchdog talk to the store only through :class:`AgentStore`. Every
+method is one atomic transaction: it either commits fully or raises with nothing written.
+Methods that act on a Turn take a :class:`TurnToken` and perform a compare-and-set on the
+head (``agent_id`` + ``active_agent_turn_id`` + ``turn_epoch`` + expected status); when it
+matches no row they raise :class:`~agentserver.agents.errors.StaleTurn` and write nothing,
+including cards. Methods are ``async`` so a networked store (PostgreSQL) can implement the
+same interface; the SQLite store runs its short transactions inline on the trio thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agentserver.agents.ports import LLMCompletion, ReplyRef
+
+
+class CardType:
+    TASK_INPUT = "task.input"
+    LLM_MESSAGE = "llm.message"
+    TOOL_CALL = "tool.call"
+    TOOL_RESULT = "tool.result"
+    SELF_CALL = "sys.self_call"
+    HUH = "sys.huh"
+    NOTE = "sys.note"
+    DELIVERABLE = "task.deliverable"
+
+
+class TaskStatus:
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    TIMED_OUT = "timed_out"
+
+
+@dataclass(frozen=True, slots=True)
+class TurnToken:
+    """What a worker holds for a Turn: the CAS key of every write it makes."""
+
+    agent_id: str
+    agent_turn_id: str
+    turn_epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    agent_id: str
+    status: str
+    agent_turn_id: str | None
+    turn_epoch: int
+    turn_inbox_id: str | None
+    context_box_id: str | None
+    output_box_id: str | None
+    step_count: int
+    waiting_tool_count: int
+    resume_deadline: float | None
+    submit_used: bool
+    dispatched_at: float | None
+    running_since: float | None
+    updated_at: float
+
+    @property
+    def token(self) -> TurnToken | None:
+        if self.agent_turn_id is None:
+            return None
+        return TurnToken(self.agent_id, self.agent_turn_id, self.turn_epoch)
+
+
+@dataclass(frozen=True, slots=True)
+class InboxRow:
+    inbox_id: str
+    agent_id: str
+    message_type: str
+    status: str
+    agent_turn_id: str | None
+    turn_epoch: int | None
+    correlation_id: str | None
+    payload: bytes
+    reply_ref_json: str | None
+    failed: bool
+    retry_count: int
+    next_retry_at: float
+    defer_reason: str | None
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Card:
+    card_id: str
+    box_id: str
+    card_type: str
+    content: str
+    metadata: Mapping[str, Any]
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class NewCard:
+    card_type: str
+    content: str
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallRecord:
+    """One forwarded tool call: ``tool_call_id`` is the pump's sub-thread id."""
+
+    tool_call_id: str
+    to: str
+    payload: str
+    after_execution: str = "suspend"  # or "terminate"
+
+
+@dataclass(frozen=True, slots=True)
+class PendingReply:
+    agent_turn_id: str
+    agent_id: str
+    reply_ref_json: str
+    payload: bytes
+    failed: bool
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A Turn that just ended (committed). The caller publishes the one TaskEvent."""
+
+    agent_id: str
+    agent_turn_id: str
+    status: str
+    output_box_id: str
+    deliverable_card_id: str
+    reply: PendingReply | None
+    next_leased: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReportOutcome:
+    """What applying one tool_result/timeout row did.
+
+    ``kind``: applied | duplicate | stale | deferred | exhausted. ``resumed`` is set when
+    this report completed the waiting set (the head is now ``running`` at a new epoch);
+    ``terminate_card_id`` when a tool of that set ends the Turn (after_execution).
+    """
+
+    kind: str
+    resumed: TurnToken | None = None
+    terminate_card_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueResult:
+    inbox_id: str
+    leased: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ClientReply:
+    reply_id: int
+    client: str
+    thread_ref_json: str
+    payload: bytes
+    failed: bool
+    created_at: float
+
+
+class AgentStore(Protocol):
+    """Durable state of every agent; see the module docstring for the guarantees."""
+
+    # -- intake (called by the pump through the runtime) ---------------------------
+    async def ensure_agents(self, agent_ids: Sequence[str]) -> None: ...
+    async def enqueue_turn(
+        self, agent_id: str, payload: bytes, reply_ref: ReplyRef
+    ) -> EnqueueResult:
+        """Write a queued Turn (and lease it if the agent is idle) before anything else."""
+        ...
+
+    async def report_tool_result(
+        self, agent_id: str, tool_call_id: str, payload: bytes, *, failed: bool
+    ) -> str:
+        """Write a tool_result row (``deferred`` when its waiting row does not exist yet)."""
+        ...
+
+    # -- worker ---------------------------------------------------------------------
+    async def due_agents(self, limit: int) -> list[str]: ...
+    async def claim_due(self, agent_id: str, limit: int) -> list[InboxRow]: ...
+    async def head(self, agent_id: str) -> Head: ...
+    async def start_turn(self, row: InboxRow) -> TurnToken: ...
+    async def skip_row(self, row: InboxRow, reason: str) -> None: ...
+    async def fail_turn_row(
+        self, row: InboxRow, reason: str, reply_payload: bytes | None
+    ) -> Finished | None: ...
+    async def begin_step(self, token: TurnToken) -> tuple[str, int]: ...
+    async def complete_step(
+        self,
+        token: TurnToken,
+        step_id: str,
+        completion: LLMCompletion | None,
+        cards: Sequence[NewCard],
+        *,
+        mark_submit_used: bool = False,
+    ) -> None: ...
+    async def suspend(
+        self,
+        token: TurnToken,
+        step_id: str,
+        calls: Sequence[ToolCallRecord],
+        cards: Sequence[NewCard],
+        resume_deadline: float,
+    ) -> None: ...
+    async def apply_report(self, row: InboxRow) -> ReportOutcome: ...
+    async def take_resume(self, row: InboxRow) -> TurnToken | None: ...
+    async def add_cards(self, token: TurnToken, cards: Sequence[NewCard]) -> None: ...
+    async def finish(
+        self,
+        token: TurnToken,
+        status: str,
+        text: str,
+        metadata: Mapping[str, Any],
+        reply_payload: bytes,
+    ) -> Finished: ...
+    async def force_end(
+        self,
+        agent_id: str,
+        status: str,
+        text: str,
+        reply_payload: bytes | None,
+        *,
+        agent_turn_id: str | None = None,
+        turn_epoch: int | None = None,
+        expect_status: Sequence[str] | None = None,
+    ) -> Finished | None: ...
+    async def cards(self, box_id: str) -> list[Card]: ...
+    async def card(self, card_id: str) -> Card | None: ...
+    async def turn_reply_ref(self, token: TurnToken) -> str | None: ...
+
+    # -- watchdog -------------------------------------------------------------------
+    async def requeue_stuck(self, older_than_s: float) -> int: ...
+    async def expired_suspensions(self) -> list[TurnToken]: ...
+    async def inject_timeouts(self, token: TurnToken) -> int: ...
+    async def stale_dispatched(self, older_than_s: float) -> list[Head]: ...
+    async def overdue_running(self, older_than_s: float) -> list[Head]: ...
+    async def recover_running(self) -> list[TurnToken]: ...
+    async def next_due_at(self) -> float | None: ...
+
+    # -- replies --------------------------------------------------------------------
+    async def pending_replies(self, limit: int, older_than_s: float = 0.0) -> list[PendingReply]:
+        """Replies not yet sent, created at least ``older_than_s`` ago."""
+        ...
+
+    async def mark_reply_sent(self, agent_turn_id: str) -> None: ...
+    async def mark_reply_attempt(self, agent_turn_id: str, give_up: bool) -> None: ...
+    async def record_client_reply(
+        self, client: str, thread_ref: ReplyRef, payload: bytes, *, failed: bool
+    ) -> int: ...
+    async def take_client_replies(self, client: str, limit: int = 100) -> list[ClientReply]: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,432 @@
+"""The stateless agent worker (seed 000).
+
+A fixed number of runner tasks take agent ids from a bounded channel fed by a dispatcher
+that wakes on the doorbell. A runner claims the agent's due inbox rows one at a time (in
+``next_retry_at, created_at`` order) and handles each: an Enqueue starts its Turn, a tool
+result or timeout is applied to the waiting set (resuming the Turn when it completes), a
+``resume`` row re-runs a recovered Turn. An agent is handled by at most one runner at a
+time, and the head allows one active Turn, so an agent runs one Turn at a time.
+
+The worker keeps no business state on itself: everything is in the store, in locals or in
+the inbox row. Every write is a CAS on the Turn's token; a :class:`StaleTurn` anywhere
+means another party (stop, watchdog) ended or moved the Turn, and the worker drops it
+without further side effects. Model calls are bounded by ``profile.llm_timeout_s`` and
+every failure ends the Turn with one failed deliverable, so a Turn never hangs on the model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+
+import trio
+from lxml import etree
+
+from agentserver.agents.answer import answer_bytes
+from agentserver.agents.clock import Clock
+from agentserver.agents.decide import (
+    CallTools,
+    Deliver,
+    Feedback,
+    RequireTool,
+    SelfIterate,
+    Submit,
+    decide,
+)
+from agentserver.agents.delivery import after_finish
+from agentserver.agents.doorbell import Doorbell
+from agentserver.agents.errors import LLMUnavailable, PumpRefused, StaleTurn
+from agentserver.agents.events import ChunkEvent, EventBus, StateEvent, StepEvent
+from agentserver.agents.parsing import extract_payloads, make_huh
+from agentserver.agents.ports import (
+    LLMCompletion,
+    LLMMessage,
+    LLMPort,
+    LLMRequest,
+    ReplyPort,
+    ReplyRef,
+    ToolPort,
+)
+from agentserver.agents.profile import AgentProfile
+from agentserver.agents.settings import StoreSettings
+from agentserver.agents.states import HeadStatus, MessageType
+from agentserver.agents.store import (
+    AgentStore,
+    Card,
+    CardType,
+    Finished,
+    Head,
+    InboxRow,
+    NewCard,
+    TaskStatus,
+    ToolCallRecord,
+    TurnToken,
+)
+from agentserver.agents.submit import evaluate_submit, usage_text
+from agentserver.xmlsafe import SafeParser
+
+log = logging.getLogger(__name__)
+
+RESPOND_WARNING = (
+    "When you answer, your sub-tasks end: finish every tool call you need before answering."
+)
+
+
+class Worker:
+    """Runs Turns. Holds only infrastructure (store, ports, bus, settings)."""
+
+    def __init__(
+        self,
+        *,
+        store: AgentStore,
+        profiles: Mapping[str, AgentProfile],
+        llm: LLMPort,
+        tools: ToolPort,
+        replies: ReplyPort,
+        events: EventBus,
+        doorbell: Doorbell,
+        clock: Clock,
+        settings: StoreSettings,
+    ) -> None:
+        self.store = store
+        self.profiles = profiles
+        self.llm = llm
+        self.tools = tools
+        self.replies = replies
+        self.events = events
+        self.doorbell = doorbell
+        self.clock = clock
+        self.settings = settings
+
+    # -- scheduling ---------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Dispatch due agents to ``settings.worker_concurrency`` runners until cancelled."""
+        n = self.settings.worker_concurrency
+        send, recv = trio.open_memory_channel[str](n)
+        busy: set[str] = set()
+        async with trio.open_nursery() as nursery, send:
+            for _ in range(n):
+                nursery.start_soon(self._runner, recv.clone(), busy)
+            await recv.aclose()
+            task_status.started()
+            while True:
+                for agent_id in await self.store.due_agents(self.settings.claim_batch):
+                    if agent_id not in busy:
+                        busy.add(agent_id)
+                        await send.send(agent_id)  # bounded: waits for a free runner
+                with trio.move_on_after(self.settings.watchdog_interval_s):
+                    await self.doorbell.wait()
+
+    async def _runner(self, recv: trio.MemoryReceiveChannel[str], busy: set[str]) -> None:
+        async with recv:
+            async for agent_id in recv:
+                try:
+                    await self.process_agent(agent_id)
+                except Exception:
+                    log.exception("agent %s: unexpected error while processing", agent_id)
+                finally:
+                    busy.discard(agent_id)
+                    # Rows may have arrived after our last claim: have the dispatcher look.
+                    self.doorbell.ring()
+
+    async def process_agent(self, agent_id: str) -> int:
+        """Handle every due inbox row of ``agent_id``, one at a time; returns how many.
+
+        Must not run concurrently for the same agent (:meth:`run` guarantees it).
+        """
+        handled = 0
+        while rows := await self.store.claim_due(agent_id, 1):
+            await self.handle_row(rows[0])
+            handled += 1
+        return handled
+
+    # -- rows ---------------------------------------------------------------------------
+    async def handle_row(self, row: InboxRow) -> None:
+        """Handle one claimed (``processing``) inbox row."""
+        if row.message_type == MessageType.TURN:
+            await self._start(row)
+        elif row.message_type in (MessageType.TOOL_RESULT, MessageType.TIMEOUT):
+            outcome = await self.store.apply_report(row)
+            if outcome.resumed is None:
+                return
+            profile = self.profiles.get(row.agent_id)
+            if profile is None:
+                return  # unreachable in practice: a Turn exists only for a known agent
+            if outcome.terminate_card_id is not None:
+                card = await self.store.card(outcome.terminate_card_id)
+                await self._finish(
+                    outcome.resumed, profile, TaskStatus.SUCCEEDED, card.content if card else ""
+                )
+                return
+            await self._run_turn(outcome.resumed, profile)
+        elif row.message_type == MessageType.RESUME:
+            token = await self.store.take_resume(row)
+            profile = self.profiles.get(row.agent_id)
+            if token is not None and profile is not None:
+                await self._run_turn(token, profile)
+        else:
+            await self.store.skip_row(row, f"unknown message type {row.message_type!r}")
+
+    async def _start(self, row: InboxRow) -> None:
+        profile = self.profiles.get(row.agent_id)
+        problem = None
+        ref_ok = True
+        try:
+            json.loads(row.reply_ref_json or "")
+        except ValueError:
+            ref_ok, problem = False, "the task's reply reference is unreadable"
+        if profile is None:
+            problem = "no such agent"
+        elif row.agent_turn_id is None or row.turn_epoch is None:
+            problem = "the task carries no Turn"
+        else:
+            try:
+                SafeParser().parse(row.payload)
+            except Exception:
+                problem = "the task payload is not well-formed XML"
+        if problem is not None:
+            reply = answer_bytes(profile, problem) if profile and ref_ok else None
+            fin = await self.store.fail_turn_row(row, problem, reply)
+            if fin is not None:
+                await self._after(fin)
+            return
+        assert profile is not None
+        try:
+            token = await self.store.start_turn(row)
+        except StaleTurn:
+            await self.store.skip_row(row, "turn no longer dispatched")
+            return
+        self.events.publish(StateEvent(token.agent_id, token.agent_turn_id, HeadStatus.RUNNING))
+        await self._run_turn(token, profile)
+
+    # -- the Turn -----------------------------------------------------------------------
+    async def _run_turn(self, token: TurnToken, profile: AgentProfile) -> None:
+        try:
+            await self._steps(token, profile)
+        except StaleTurn:
+            log.info("turn %s of %s moved on; dropping it", token.agent_turn_id, token.agent_id)
+        except trio.Cancelled:
+            raise
+        except Exception as exc:
+            log.exception("turn %s of %s failed", token.agent_turn_id, token.agent_id)
+            try:
+                await self._finish(
+                    token, profile, TaskStatus.FAILED, f"internal error: {type(exc).__name__}"
+                )
+            except StaleTurn:
+                pass
+
+    async def _steps(self, token: TurnToken, profile: AgentProfile) -> None:
+        """Take steps until the Turn suspends or ends. Raises StaleTurn when fenced out."""
+        ref_json = await self.store.turn_reply_ref(token)
+        reply_ref: ReplyRef = json.loads(ref_json) if ref_json else None
+        while True:
+            head = await self._fence(token)
+            if head.step_count >= profile.max_steps:
+                await self._finish(
+                    token,
+                    profile,
+                    TaskStatus.FAILED,
+                    f"step limit reached ({profile.max_steps} steps) without an answer",
+                )
+                return
+            step_id, _ = await self.store.begin_step(token)
+            self._step_event(token, step_id, "started", "thinking")
+            completion = await self._complete(token, head, profile)
+            if completion is None:
+                return
+            self.events.publish(
+                ChunkEvent(token.agent_id, token.agent_turn_id, step_id, completion.content)
+            )
+            await self.store.complete_step(
+                token,
+                step_id,
+                completion,
+                [NewCard(CardType.LLM_MESSAGE, completion.content, {"step_id": step_id})],
+            )
+            parsed = extract_payloads(completion.content, profile)
+            decision = decide(completion.content, parsed, profile, submit_used=head.submit_used)
+            self._step_event(token, step_id, "planning", "")
+            match decision:
+                case Feedback(errors):
+                    cards = [_huh_card(make_huh(e.reason, e.raw), e.hint) for e in errors]
+                    await self.store.add_cards(token, cards)
+                case RequireTool(note):
+                    await self.store.add_cards(token, [NewCard(CardType.NOTE, note)])
+                case SelfIterate(payload):
+                    await self._fence(token)
+                    try:
+                        await self.tools.self_iterate(token.agent_id, reply_ref, payload.element)
+                    except PumpRefused as refused:
+                        card = _huh_card(refused.element, "")
+                    else:
+                        card = NewCard(CardType.SELF_CALL, _text(payload.element))
+                    await self.store.add_cards(token, [card])
+                case CallTools(calls):
+                    if await self._call_tools(token, step_id, profile, reply_ref, calls):
+                        return
+                case Submit(payload):
+                    outcome = evaluate_submit(payload.element, profile.result_fields)
+                    if outcome.warnings:
+                        log.warning("submit_result degraded: %s", "; ".join(outcome.warnings))
+                    meta = {
+                        "fields": dict(outcome.fields),
+                        "degraded": outcome.degraded,
+                        "warnings": list(outcome.warnings),
+                    }
+                    await self._finish(
+                        token, profile, TaskStatus.SUCCEEDED, outcome.as_text(), meta
+                    )
+                    return
+                case Deliver(text):
+                    await self._finish(token, profile, TaskStatus.SUCCEEDED, text)
+                    return
+            self._step_event(token, step_id, "completed", "")
+
+    async def _call_tools(
+        self,
+        token: TurnToken,
+        step_id: str,
+        profile: AgentProfile,
+        reply_ref: ReplyRef,
+        calls: tuple,
+    ) -> bool:
+        """Forward tool calls; suspend if any was accepted. True when suspended."""
+        records: list[ToolCallRecord] = []
+        cards: list[NewCard] = []
+        for call in calls:
+            await self._fence(token)  # no new side effect once fenced out
+            try:
+                sub_thread = await self.tools.call(token.agent_id, reply_ref, call.element, call.to)
+            except PumpRefused as refused:
+                cards.append(_huh_card(refused.element, f"the call to {call.to} was refused"))
+                continue
+            after = "terminate" if call.to in profile.terminate_tools else "suspend"
+            records.append(ToolCallRecord(sub_thread, call.to, _text(call.element), after))
+        if not records:
+            await self.store.add_cards(token, cards)
+            return False
+        deadline = self.clock.now() + profile.resume_deadline_s
+        await self.store.suspend(token, step_id, records, cards, deadline)
+        self.events.publish(
+            StateEvent(
+                token.agent_id,
+                token.agent_turn_id,
+                HeadStatus.SUSPENDED,
+                "awaiting_tool_result",
+                records[0].to,
+                len(records),
+            )
+        )
+        # Results that arrived before the suspend committed are due now.
+        self.doorbell.ring()
+        return True
+
+    async def _complete(
+        self, token: TurnToken, head: Head, profile: AgentProfile
+    ) -> LLMCompletion | None:
+        """One model call; on any failure the Turn ends failed and None is returned."""
+        request = LLMRequest(
+            agent=token.agent_id,
+            model=profile.model,
+            messages=await self._hydrate(head, profile),
+            max_tokens=profile.max_tokens,
+        )
+        problem: str
+        try:
+            with trio.fail_after(profile.llm_timeout_s):
+                return await self.llm.complete(request)
+        except LLMUnavailable as exc:
+            problem = f"the model could not be reached ({exc.kind}): {exc}"
+        except trio.TooSlowError:
+            problem = f"the model did not answer within {profile.llm_timeout_s:g} s"
+        except Exception as exc:  # a port bug must not leave the Turn hanging
+            log.exception("LLM port failed")
+            problem = f"the model call failed: {type(exc).__name__}"
+        await self._finish(token, profile, TaskStatus.FAILED, problem)
+        return None
+
+    async def _hydrate(self, head: Head, profile: AgentProfile) -> list[LLMMessage]:
+        system = [profile.system_prompt]
+        if profile.usage_instructions:
+            system.append(profile.usage_instructions)
+        system.append(usage_text(profile.result_fields))
+        system.append(RESPOND_WARNING)
+        messages = [LLMMessage("system", "\n\n".join(system))]
+        cards: list[Card] = []
+        if head.context_box_id:
+            cards += await self.store.cards(head.context_box_id)
+        if head.output_box_id:
+            cards += await self.store.cards(head.output_box_id)
+        for card in cards:
+            message = _card_message(card)
+            if message is not None:
+                messages.append(message)
+        return messages
+
+    async def _fence(self, token: TurnToken) -> Head:
+        head = await self.store.head(token.agent_id)
+        if head.token != token or head.status != HeadStatus.RUNNING:
+            raise StaleTurn(f"{token} is no longer running")
+        return head
+
+    async def _finish(
+        self,
+        token: TurnToken,
+        profile: AgentProfile,
+        status: str,
+        text: str,
+        metadata: Mapping[str, object] | None = None,
+    ) -> None:
+        fin = await self.store.finish(
+            token, status, text, dict(metadata or {}), answer_bytes(profile, text)
+        )
+        await self._after(fin)
+
+    async def _after(self, fin: Finished) -> None:
+        await after_finish(
+            fin,
+            store=self.store,
+            replies=self.replies,
+            events=self.events,
+            doorbell=self.doorbell,
+            max_attempts=self.settings.reply_max_attempts,
+        )
+
+    def _step_event(self, token: TurnToken, step_id: str, phase: str, activity: str) -> None:
+        self.events.publish(StepEvent(token.agent_id, token.agent_turn_id, step_id, phase))
+        if activity:
+            self.events.publish(
+                StateEvent(token.agent_id, token.agent_turn_id, HeadStatus.RUNNING, activity)
+            )
+
+
+def _text(element: etree._Element) -> str:
+    return etree.tostring(element, encoding="unicode")
+
+
+def _huh_card(element: etree._Element, hint: str) -> NewCard:
+    return NewCard(CardType.HUH, _text(element), {"hint": hint} if hint else {})
+
+
+def _card_message(card: Card) -> LLMMessage | None:
+    """How a card reads in the model's context (None: not shown)."""
+    t = card.card_type
+    if t == CardType.TASK_INPUT:
+        return LLMMessage("user", card.content)
+    if t == CardType.LLM_MESSAGE:
+        return LLMMessage("assistant", card.content)
+    if t == CardType.TOOL_RESULT:
+        to = card.metadata.get("to", "?")
+        head = f"Tool call to {to} failed:" if card.metadata.get("failed") else f"Result from {to}:"
+        return LLMMessage("user", f"{head}\n{card.content}")
+    if t == CardType.HUH:
+        hint = card.metadata.get("hint")
+        tail = f"\nHint: {hint}" if hint else ""
+        return LLMMessage("user", f"Your payload was refused:\n{card.content}{tail}")
+    if t == CardType.SELF_CALL:
+        return LLMMessage("user", f"(self-iteration accepted; continue)\n{card.content}")
+    if t == CardType.NOTE:
+        return LLMMessage("user", card.content)
+    return None

@@ -1,0 +1,160 @@
+"""Store-level properties: migrations, client replies, CAS fencing, random sequences."""
+
+import trio
+from agents_fakes import make_harness, result, task
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agentserver.agents.clock import ManualClock
+from agentserver.agents.errors import IllegalTransition, StaleTurn
+from agentserver.agents.sqlite_store import SCHEMA_VERSION, SqliteAgentStore
+from agentserver.agents.states import (
+    HEAD_TRANSITIONS,
+    INBOX_TRANSITIONS,
+    HeadEvent,
+    HeadStatus,
+    InboxEvent,
+    InboxStatus,
+    head_transition,
+    inbox_transition,
+)
+from agentserver.agents.store import NewCard, TurnToken
+
+
+def test_store_is_created_in_wal_and_reopened_without_migrating_twice(tmp_path):
+    s = SqliteAgentStore.open(tmp_path / "x" / "a.db")
+    assert s._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    s.close()
+    s = SqliteAgentStore.open(tmp_path / "x" / "a.db")
+    assert s._db.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+    s.close()
+
+
+async def test_client_replies_are_bounded_and_delivered_once(tmp_path):
+    h = make_harness(tmp_path, lambda r: "x", client_replies_max=3)
+    store = h.rt.store
+    for i in range(5):
+        await store.record_client_reply("alice", {"t": i}, b"<a/>", failed=False)
+    got = await store.take_client_replies("alice")
+    assert [r.thread_ref_json for r in got] == ['{"t": 2}', '{"t": 3}', '{"t": 4}']
+    assert await store.take_client_replies("alice") == []
+
+
+async def test_stale_token_writes_nothing(tmp_path):
+    h = make_harness(tmp_path, lambda r: "x")
+    await h.rt.enqueue("assistant", task("x"), "ref")
+    [row] = await h.rt.store.claim_due("assistant", 5)
+    token = await h.rt.store.start_turn(row)
+    stale = TurnToken(token.agent_id, token.agent_turn_id, token.turn_epoch - 1)
+    before = h.sql("SELECT count(*) FROM cards")
+    for call in (
+        h.rt.store.add_cards(stale, [NewCard("sys.note", "no")]),
+        h.rt.store.begin_step(stale),
+        h.rt.store.finish(stale, "succeeded", "no", {}, b"<a/>"),
+    ):
+        try:
+            await call
+        except StaleTurn:
+            pass
+        else:
+            raise AssertionError("stale write accepted")
+    assert h.sql("SELECT count(*) FROM cards") == before
+    assert (await h.rt.store.head("assistant")).status == "running"
+
+
+@given(st.lists(st.sampled_from(list(HeadEvent)), max_size=40))
+def test_random_head_walks_keep_the_invariants(events):
+    state, epoch, leases = HeadStatus.IDLE, 0, 0
+    for event in events:
+        try:
+            t = head_transition(state, event)
+        except IllegalTransition:
+            assert (state, event) not in HEAD_TRANSITIONS
+            continue
+        epoch += t.bumps_epoch
+        leases += event == HeadEvent.LEASE
+        state = HeadStatus(t.target)
+        assert epoch >= leases  # every lease moved the epoch; nothing moves it back
+        if state != HeadStatus.IDLE:  # any active Turn can always be ended
+            assert head_transition(state, HeadEvent.FORCE_END).target == HeadStatus.IDLE
+        else:  # the only way out of idle is a lease
+            assert [e for (s0, e) in HEAD_TRANSITIONS if s0 == state] == [HeadEvent.LEASE]
+
+
+@given(st.lists(st.sampled_from(list(InboxEvent)), max_size=20))
+def test_inbox_terminal_states_are_final(events):
+    state = InboxStatus.QUEUED
+    for event in events:
+        try:
+            state = InboxStatus(inbox_transition(state, event).target)
+        except IllegalTransition:
+            assert (state, event) not in INBOX_TRANSITIONS
+    if state in (InboxStatus.CONSUMED, InboxStatus.ERROR, InboxStatus.SKIPPED):
+        assert not [k for k in INBOX_TRANSITIONS if k[0] == state]
+
+
+OPS = st.lists(
+    st.sampled_from(["enqueue", "pump", "result", "dup", "tick", "advance", "stop"]),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=OPS)
+def test_random_event_sequences_keep_the_invariants(tmp_path_factory, ops):
+    trio.run(_random_run, tmp_path_factory.mktemp("h"), ops)
+
+
+async def _random_run(path, ops):
+    def script(req):
+        last = req.messages[-1].content
+        if "Result from" in last or "failed" in last:
+            return "done"
+        return "<add xmlns='urn:calc'><a>1</a></add>"
+
+    h = make_harness(path, script, clock=ManualClock(), dispatch_timeout_s=5, max_running_s=50)
+    enqueued = 0
+    for op in ops:
+        if op == "enqueue":
+            await h.rt.enqueue("assistant", task(str(enqueued)), enqueued)
+            enqueued += 1
+        elif op == "pump":
+            await h.pump()
+        elif op in ("result", "dup") and h.tools.calls:
+            sub = h.tools.calls[-1][0] if op == "result" else h.tools.calls[0][0]
+            await h.rt.report_tool_result("assistant", sub, result("3"))
+        elif op == "tick":
+            await h.rt.watchdog.tick()
+        elif op == "advance":
+            h.clock.advance(20)
+        elif op == "stop":
+            await h.rt.stop("assistant")
+        head = await h.rt.store.head("assistant")
+        assert (head.status == "idle") == (head.agent_turn_id is None)
+        waiting = h.sql(
+            "SELECT count(*) FROM turn_waiting_tools WHERE agent_turn_id = ? AND "
+            "turn_epoch = ? AND status = 'waiting'",
+            head.agent_turn_id,
+            head.turn_epoch,
+        )[0][0]
+        if head.status == "suspended":
+            assert waiting == head.waiting_tool_count > 0
+        else:
+            assert head.waiting_tool_count == 0
+    # drain: time passes, everything ends
+    for _ in range(12):
+        h.clock.advance(60)
+        await h.rt.watchdog.tick()
+        await h.pump()
+    events = h.task_events()
+    turn_ids = [e.agent_turn_id for e in events]
+    assert len(turn_ids) == len(set(turn_ids)) == enqueued  # exactly one per Enqueue
+    assert len(h.replies.sent) == enqueued
+    assert sorted(r[0] for r in h.replies.sent) == list(range(enqueued))
+    per_turn = h.sql(
+        "SELECT agent_turn_id, count(*) FROM cards WHERE card_type = 'task.deliverable' "
+        "GROUP BY agent_turn_id"
+    )
+    assert len(per_turn) == enqueued and all(n == 1 for _, n in per_turn)
+    await h.rt.aclose()
