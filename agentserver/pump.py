@@ -73,6 +73,29 @@ class PumpConfig:
     drain_timeout: float = 5.0
 
 
+@dataclass(frozen=True, slots=True)
+class ThreadRef:
+    """A durable reference to a hop thread and its caller's thread (JSON-able)."""
+
+    hop: str
+    caller_thread: str
+    chain: tuple[str, ...]
+
+    def to_json(self) -> dict[str, object]:
+        return {"hop": self.hop, "caller_thread": self.caller_thread, "chain": list(self.chain)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> ThreadRef:
+        chain = tuple(str(n) for n in data["chain"])  # type: ignore[union-attr]
+        if len(chain) < 2:
+            raise ValueError("a hop chain has a caller and an owner")
+        return cls(str(data["hop"]), str(data["caller_thread"]), chain)
+
+    @property
+    def caller(self) -> str:
+        return self.chain[-2]
+
+
 class _State(enum.Enum):
     NEW = "new"
     RUNNING = "running"
@@ -147,6 +170,7 @@ class Pump:
             "handler_errors": 0,
             "timeouts": 0,
             "dropped": 0,
+            "self_calls": 0,
         }
         for listener in listeners:
             self.register(listener)
@@ -376,6 +400,112 @@ class Pump:
         await self._enqueue(
             to, _Delivery(element, ptype, self.root_thread, SYSTEM, False, None, None)
         )
+
+    # -- answering later (agents) ------------------------------------------------------
+
+    def hold(self, thread_id: str) -> ThreadRef:
+        """Keep the hop ``thread_id`` alive past its handler and return a durable reference.
+
+        For listeners that answer long after their handler returned (agents): the thread is
+        pinned (no idle expiry, ``None`` does not end it) until it is answered with
+        :meth:`answer` or released with :meth:`release`. The reference is JSON-able and can
+        be stored; after a restart :meth:`revive` rebuilds the hop from it.
+        """
+        record = self.threads.get(thread_id)
+        if record is None or record.parent is None:
+            raise KeyError(f"no live hop thread {thread_id}")
+        self.threads.pin(record)
+        return ThreadRef(record.id, record.parent, record.chain)
+
+    def release(self, thread_id: str) -> None:
+        record = self.threads.get(thread_id)
+        if record is not None:
+            self.threads.unpin(record)
+            self.threads.finish(record)
+
+    def revive(self, ref: ThreadRef) -> ThreadRecord:
+        """The live hop of ``ref``, rebuilt (with its caller's thread) if a restart lost it.
+
+        The rebuilt hop is pinned, like one returned by :meth:`hold`.
+        """
+        record = self.threads.get(ref.hop)
+        if record is not None:
+            return record
+        now = trio.current_time()
+        parent = self.threads.get(ref.caller_thread)
+        if parent is None:
+            parent = self.threads.open_root(ref.chain[:-1], now, thread_id=ref.caller_thread)
+        record = self.threads.extend(parent, ref.chain[-1], now, thread_id=ref.hop)
+        self.threads.pin(record)
+        return record
+
+    async def call_from(
+        self, sender: str, ref: ThreadRef, payload: BaseXmlModel | etree._Element, to: str | None
+    ) -> str:
+        """Forward ``payload`` from ``sender`` outside a handler (an agent's tool call).
+
+        Same rules as a handler's forward (validated; the target must be a peer and take the
+        tag; exactly one target). Returns the new sub-thread id, on which the peer's answer
+        (or a failure primitive) will reach ``sender`` with ``response_thread`` set to it.
+        Raises :class:`Refusal` at once if the pump refuses; nothing is sent then.
+        """
+        if self._state is not _State.RUNNING:
+            raise PumpClosed(self._state.value)
+        element = self._to_element(payload)
+        ptype = self._codec.validate_payload(element)
+        decision = self._table.outbound(sender, ptype.tag, to)
+        if isinstance(decision, SelfCall) or len(decision.targets) != 1:
+            raise DeliveryRefused(
+                SystemErrorCode.ROUTING, retry_allowed=True, detail="a call needs exactly one peer"
+            )
+        hop = self.revive(ref)
+        target = decision.targets[0]
+        try:
+            child = self.threads.extend(hop, target, trio.current_time())
+        except RegistryFull:
+            raise DeliveryRefused(SystemErrorCode.ROUTING, retry_allowed=True) from None
+        try:
+            await self._enqueue(target, _Delivery(element, ptype, child, sender, False, None, None))
+        except DeliveryRefused:
+            self.threads.prune(child)
+            raise
+        return child.id
+
+    def check_self_call(self, sender: str, payload: BaseXmlModel | etree._Element) -> None:
+        """Validate a self-iteration payload of ``sender`` without delivering it (an agent
+        continues its Turn itself). Raises :class:`Refusal` as a delivery would."""
+        element = self._to_element(payload)
+        ptype = self._codec.validate_payload(element)
+        if not isinstance(self._table.outbound(sender, ptype.tag, sender), SelfCall):
+            raise InputRefused(HuhReason.INVALID_PAYLOAD, f"{ptype.tag} is not {sender}'s own")
+        self.counters["self_calls"] += 1
+        log.debug("%s: self-call %s", sender, ptype.local)
+
+    async def answer(
+        self, sender: str, ref: ThreadRef, payload: BaseXmlModel | etree._Element
+    ) -> bool:
+        """Respond to the caller of ``ref`` on its thread, as ``HandlerResponse.respond``
+        would from the hop's handler. The hop and every thread below it end.
+
+        Returns False if nobody was there to receive it (e.g. an anonymous client that has
+        gone); raises :class:`Refusal` if the payload is not valid.
+        """
+        element = self._to_element(payload)
+        ptype = self._codec.validate_payload(element)
+        hop = self.revive(ref)
+        parent = self.threads.prune(hop)
+        if parent is None:
+            return False
+        owner = parent.owner
+        if owner not in self._runtimes and owner not in self._endpoints:
+            self.counters["dropped"] += 1
+            return False
+        await self._deliver_to_owner(parent, element, ptype, sender, hop.id)
+        return True
+
+    def is_connected(self, name: str) -> bool:
+        """True if ``name`` is a listener or an attached endpoint."""
+        return name in self._runtimes or name in self._endpoints
 
     # -- delivery ------------------------------------------------------------------------
 

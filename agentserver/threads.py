@@ -98,12 +98,20 @@ class ThreadRegistry:
         self._threads[tid] = record
         return record
 
-    def extend(self, parent: ThreadRecord, target: str, now: float) -> ThreadRecord:
-        """Open a child of ``parent`` whose chain ends in ``target``."""
+    def extend(
+        self, parent: ThreadRecord, target: str, now: float, thread_id: str | None = None
+    ) -> ThreadRecord:
+        """Open a child of ``parent`` whose chain ends in ``target``.
+
+        ``thread_id`` is for restoring a known hop after a restart (see
+        ``Pump.revive``); normally a fresh uuid4 is drawn.
+        """
         if parent.id not in self._threads:
             raise KeyError(parent.id)
+        if thread_id is not None and thread_id in self._threads:
+            raise ValueError(f"thread {thread_id} exists")
         self._make_room(now)
-        record = ThreadRecord(new_thread_id(), (*parent.chain, target), parent.id, now)
+        record = ThreadRecord(thread_id or new_thread_id(), (*parent.chain, target), parent.id, now)
         self._threads[record.id] = record
         parent.children.add(record.id)
         parent.last_active = now

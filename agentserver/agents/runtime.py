@@ -16,6 +16,7 @@ from agentserver.agents.answer import answer_bytes
 from agentserver.agents.clock import Clock, SystemClock
 from agentserver.agents.delivery import after_finish, send_reply
 from agentserver.agents.doorbell import Doorbell
+from agentserver.agents.errors import StaleTurn
 from agentserver.agents.events import EventBus
 from agentserver.agents.ports import LLMPort, ReplyPort, ReplyRef, ToolPort
 from agentserver.agents.profile import AgentProfile
@@ -169,6 +170,14 @@ class AgentRuntime:
         recovered = await self.store.recover_running()
         if recovered:
             log.warning("recovered %d running turn(s) after a restart", len(recovered))
+        # The pump's threads did not survive: a tool call in flight before the restart will
+        # never be answered, so do not make its Turn wait out the whole resume deadline.
+        for token in await self.store.suspended_turns():
+            try:
+                lost = await self.store.inject_timeouts(token, "was interrupted by a restart")
+            except StaleTurn:
+                continue
+            log.warning("turn %s: %d tool call(s) lost in a restart", token.agent_turn_id, lost)
         for reply in await self.store.pending_replies(10_000):
             await send_reply(self.store, self.replies, reply, self.settings.reply_max_attempts)
 

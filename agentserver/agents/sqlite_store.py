@@ -1134,7 +1134,16 @@ class SqliteAgentStore:
         ).fetchall()
         return [TurnToken(*r) for r in rows]
 
-    async def inject_timeouts(self, token: TurnToken) -> int:
+    async def suspended_turns(self) -> list[TurnToken]:
+        """Every Turn suspended on tools, whatever its deadline (used after a restart)."""
+        rows = self._db.execute(
+            "SELECT agent_id, active_agent_turn_id, turn_epoch FROM agent_state_head "
+            "WHERE status = ? AND resume_deadline IS NOT NULL",
+            (HeadStatus.SUSPENDED,),
+        ).fetchall()
+        return [TurnToken(*r) for r in rows]
+
+    async def inject_timeouts(self, token: TurnToken, reason: str = "timed out") -> int:
         """One timeout report per still-waiting tool; clears ``resume_deadline`` (once)."""
         now = self._clock.now()
         with self._tx() as db:
@@ -1152,7 +1161,7 @@ class SqliteAgentStore:
                 (token.agent_turn_id, token.turn_epoch),
             ).fetchall()
             for tool_call_id, to in waiting:
-                text = f"No result from {to}: the tool call timed out."
+                text = f"No result from {to}: the tool call {reason}."
                 self._insert_report(
                     db,
                     _new_id(),

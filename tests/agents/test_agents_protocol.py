@@ -391,3 +391,18 @@ async def test_run_loop_with_asynchronous_peers(tmp_path, autojump_clock):
         nursery.cancel_scope.cancel()
     assert sorted(r[0] for r in h.replies.sent) == ["a0", "a1", "a2"]
     assert [r[0] for r in h.replies.sent] == ["a0", "a1", "a2"]  # FIFO per agent
+
+
+async def test_restart_while_suspended_fails_lost_tool_calls_at_once(tmp_path):
+    h = make_harness(tmp_path, answer_after_tool)
+    await h.rt.enqueue("assistant", task("1+2"), "ref")
+    await h.pump()
+    assert (await h.rt.store.head("assistant")).status == "suspended"
+    await h.rt.aclose()  # the server dies: its in-memory sub-threads are gone
+    h2 = make_harness(tmp_path, answer_after_tool, clock=h.clock)
+    await h2.rt.recover()  # no clock advance: the resume deadline is far away
+    await h2.pump()
+    [event] = h2.task_events()
+    assert event.status == "succeeded"
+    assert "interrupted by a restart" in h2.llm.requests[-1].messages[-1].content
+    assert len(h2.replies.sent) == 1

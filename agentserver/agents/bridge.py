@@ -1,0 +1,146 @@
+"""The agents' ports implemented on the pump, and the pump handler of an agent listener.
+
+An agent listener's handler does only intake: a task becomes an Enqueue (the hop thread is
+held open and its durable reference stored with the inbox row), and anything that arrives
+on the sub-thread of an earlier tool call becomes a tool result. Everything else happens in
+the worker, which talks back to the pump through :class:`PumpPorts`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterable
+
+from lxml import etree
+
+from agentserver.agents.errors import PumpRefused
+from agentserver.agents.ports import ReplyRef
+from agentserver.agents.runtime import AgentRuntime
+from agentserver.agents.store import AgentStore
+from agentserver.endpoint import Endpoint
+from agentserver.envelope import encode
+from agentserver.errors import Refusal
+from agentserver.listener import Handler, HandlerMetadata
+from agentserver.namespaces import CORE_NS
+from agentserver.primitives.core import primitive_for
+from agentserver.pump import Pump, ThreadRef
+from agentserver.xmlsafe import canonicalize
+
+log = logging.getLogger(__name__)
+
+_CORE = f"{{{CORE_NS}}}"
+#: How many recently delivered Turn ids are remembered to drop duplicate deliveries.
+_DEDUP_WINDOW = 4096
+
+
+def _refused(refusal: Refusal, payload: etree._Element) -> PumpRefused:
+    try:
+        original = canonicalize(payload)
+    except Exception:
+        original = b""
+    return PumpRefused(primitive_for(refusal, original), str(refusal))
+
+
+class PumpPorts:
+    """:class:`~agentserver.agents.ports.ToolPort` and ``ReplyPort`` over a running pump.
+
+    ``named_clients`` are the client identities declared in boot.xml: a reply for one that
+    is not connected is kept in the store and handed over when it reconnects
+    (:meth:`flush_client`). A reply for an anonymous client that has gone is recorded in the
+    store only (its deliverable card).
+    """
+
+    def __init__(self, pump: Pump, *, named_clients: Iterable[str] = ()) -> None:
+        self.pump = pump
+        self.named_clients = frozenset(named_clients)
+        self.store: AgentStore | None = None
+        self._delivered: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def attach(self, store: AgentStore) -> None:
+        self.store = store
+
+    # -- ToolPort -------------------------------------------------------------------------
+
+    async def call(
+        self, agent: str, turn_thread: ReplyRef, payload: etree._Element, to: str | None
+    ) -> str:
+        try:
+            return await self.pump.call_from(agent, ThreadRef.from_json(turn_thread), payload, to)
+        except Refusal as refusal:
+            raise _refused(refusal, payload) from None
+
+    async def self_iterate(
+        self, agent: str, turn_thread: ReplyRef, payload: etree._Element
+    ) -> None:
+        try:
+            self.pump.check_self_call(agent, payload)
+        except Refusal as refusal:
+            raise _refused(refusal, payload) from None
+
+    # -- ReplyPort ------------------------------------------------------------------------
+
+    async def deliver(
+        self, reply_ref: ReplyRef, payload: etree._Element, *, failed: bool, turn_id: str
+    ) -> None:
+        if turn_id in self._delivered:
+            return
+        ref = ThreadRef.from_json(reply_ref)
+        agent = ref.chain[-1]
+        caller = ref.caller
+        if self.pump.is_connected(caller):
+            if not await self.pump.answer(agent, ref, payload):
+                log.info("turn %s: caller %s went away; answer kept in the store", turn_id, caller)
+        elif caller in self.named_clients and self.store is not None:
+            await self.store.record_client_reply(
+                caller,
+                ref.to_json(),
+                encode(agent, caller, ref.caller_thread, payload),
+                failed=failed,
+            )
+            self.pump.release(ref.hop)
+        else:
+            log.info(
+                "turn %s: anonymous caller %s is gone; answer kept in the store", turn_id, caller
+            )
+            self.pump.release(ref.hop)
+        self._delivered[turn_id] = None
+        while len(self._delivered) > _DEDUP_WINDOW:
+            self._delivered.popitem(last=False)
+
+    async def flush_client(self, endpoint: Endpoint) -> int:
+        """Hand a reconnected named client the replies produced while it was away (each once)."""
+        if self.store is None or endpoint.name not in self.named_clients:
+            return 0
+        sent = 0
+        while True:
+            replies = await self.store.take_client_replies(endpoint.name)
+            if not replies:
+                return sent
+            for reply in replies:
+                if endpoint.push(reply.payload):
+                    sent += 1
+
+
+def agent_handler(runtime: AgentRuntime, pump: Pump, name: str) -> Handler:
+    """The pump handler of agent ``name`` (a raw listener: it receives lxml elements)."""
+
+    async def handle(payload: etree._Element, meta: HandlerMetadata) -> None:
+        if meta.response_thread is not None:
+            failed = isinstance(payload.tag, str) and payload.tag.startswith(_CORE)
+            await runtime.report_tool_result(name, meta.response_thread, payload, failed=failed)
+            return None
+        if meta.from_id == "system":
+            # A primitive about the agent's own output: the ports raise PumpRefused for
+            # those, so this only happens for a pump-originated notice; log it.
+            log.info("%s: system notice on %s ignored", name, meta.thread_id)
+            return None
+        ref = pump.hold(meta.thread_id)
+        try:
+            await runtime.enqueue(name, payload, ref.to_json())
+        except BaseException:
+            pump.release(meta.thread_id)
+            raise
+        return None
+
+    return handle

@@ -1,0 +1,135 @@
+"""Agents wired to the real pump (in process): tool calls, self-iteration, one answer."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+from lxml import etree
+from pydantic_xml import BaseXmlModel, element
+
+from agentserver.agents.bridge import PumpPorts, agent_handler
+from agentserver.agents.events import TaskEvent
+from agentserver.agents.ports import LLMCompletion, LLMRequest, LLMUsage
+from agentserver.agents.profile import AgentProfile
+from agentserver.agents.runtime import AgentRuntime
+from agentserver.agents.settings import StoreSettings
+from agentserver.envelope import build_envelope
+from agentserver.listener import HandlerResponse, Listener
+from agentserver.pump import open_pump
+
+A_NS = "urn:test:assistant"
+C_NS = "urn:test:calc"
+
+
+class Task(BaseXmlModel, tag="task", nsmap={"": A_NS}):
+    text: str = element()
+
+
+class Answer(BaseXmlModel, tag="answer", nsmap={"": A_NS}):
+    text: str = element()
+
+
+class Add(BaseXmlModel, tag="add", nsmap={"": C_NS}):
+    a: int = element()
+    b: int = element()
+
+
+class Sum(BaseXmlModel, tag="sum", nsmap={"": C_NS}):
+    value: int = element()
+
+
+async def calculator(p: Add, meta):
+    return HandlerResponse.respond(Sum(value=p.a + p.b))
+
+
+class StepLLM:
+    """Step 1: two parallel calculator calls; step 2: self-iterate; step 3: answer."""
+
+    def __init__(self) -> None:
+        self.requests: list[LLMRequest] = []
+
+    async def complete(self, request: LLMRequest) -> LLMCompletion:
+        self.requests.append(request)
+        step = len(self.requests)
+        if step == 1:
+            text = (
+                f'I will add. <add xmlns="{C_NS}"><a>2</a><b>3</b></add> and '
+                f'<add xmlns="{C_NS}"><a>10</a><b>20</b></add>'
+            )
+        elif step == 2:
+            text = f'Now let me think again. <task xmlns="{A_NS}"><text>double-check</text></task>'
+        else:
+            seen = " ".join(m.content for m in request.messages)
+            assert "<value>5</value>" in seen and "<value>30</value>" in seen, seen
+            text = "The sums are 5 and 30."
+        return LLMCompletion(text, LLMUsage(10, 5, 15), model="m", backend="fake")
+
+
+async def test_task_through_pump_calls_tools_iterates_and_answers_once(tmp_path):
+    llm = StepLLM()
+    listeners_holder: dict = {}
+
+    def make(pump):
+        ports = PumpPorts(pump)
+        profile = AgentProfile(
+            name="assistant",
+            model="m",
+            own_roots=(f"{{{A_NS}}}task",),
+            peers={f"{{{C_NS}}}add": "calculator"},
+            usage_instructions=pump.usage_instructions("assistant"),
+        )
+        rt = AgentRuntime.open(
+            StoreSettings(path=tmp_path / "agents.sqlite3"),
+            {"assistant": profile},
+            llm=llm,
+            tools=ports,
+            replies=ports,
+        )
+        ports.attach(rt.store)
+        return rt
+
+    async def assistant(payload, meta):
+        return await listeners_holder["handler"](payload, meta)
+
+    listeners = [
+        Listener(
+            "assistant",
+            (Task,),
+            assistant,
+            peers=("calculator",),
+            responses=(Answer,),
+            agent=True,
+            raw=True,
+        ),
+        Listener("calculator", (Add,), calculator, responses=(Sum,)),
+    ]
+    async with open_pump(listeners) as pump:
+        rt = make(pump)
+        listeners_holder["handler"] = agent_handler(rt, pump, "assistant")
+        events = rt.events.subscribe()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(rt.run)
+            ep = pump.open_endpoint("client")
+            thread = "44444444-4444-4444-8444-444444444444"
+            task = Task(text="add 2+3 and 10+20").to_xml_tree()
+            await ep.send(etree.tostring(build_envelope("client", "assistant", thread, task)))
+            with trio.fail_after(10):
+                reply = etree.fromstring(await ep.receive())
+            assert reply[0][-1].text == thread
+            assert reply[1].tag == f"{{{A_NS}}}answer"
+            assert "5 and 30" in reply[1][0].text
+            await trio.testing.wait_all_tasks_blocked()
+            assert pump.counters["self_calls"] == 1
+            # exactly one reply, one task event
+            try:
+                extra = ep.receive_nowait()
+            except trio.WouldBlock:
+                extra = None
+            assert extra is None
+            tasks = [e for e in events.drain() if isinstance(e, TaskEvent)]
+            assert len(tasks) == 1
+            # the hop thread was released: only root + the client's conversation remain
+            assert len(pump.threads) == 2
+            nursery.cancel_scope.cancel()
+        await rt.aclose()
+    assert len(llm.requests) == 3
