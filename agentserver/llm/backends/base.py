@@ -1,0 +1,244 @@
+"""The backend interface and what the three wire formats share.
+
+A backend makes exactly one HTTP call per :meth:`Backend.complete` or
+:meth:`Backend.open_stream`; it never retries, sleeps or limits. Failures come
+out as :class:`LLMError` already classified. Parsing is sans-IO: the stream
+parsers are fed lines and return text chunks and a final :class:`Reply`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, ClassVar
+
+import httpx
+
+from ..classify import classify, parse_retry_after
+from ..config import BackendConfig, Provider
+from ..tokens import estimate_prompt_tokens, estimate_text_tokens
+from ..types import LLMError, Reply, Request, Usage
+
+__all__ = ["Backend", "BackendStream", "SSEDecoder", "StreamParser"]
+
+
+class SSEDecoder:
+    """Server-sent events, line by line (the subset LLM APIs use)."""
+
+    __slots__ = ("_data", "_event")
+
+    def __init__(self) -> None:
+        self._event = ""
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> tuple[str, str] | None:
+        """Feed one line without its terminator; returns ``(event, data)`` when
+        a blank line completes an event that carried data."""
+        if not line:
+            if not self._data:
+                self._event = ""
+                return None
+            out = (self._event or "message", "\n".join(self._data))
+            self._event = ""
+            self._data = []
+            return out
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        if value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        return None
+
+
+class StreamParser(ABC):
+    """Turns a provider's stream, line by line, into text chunks and one final Reply."""
+
+    def __init__(self, backend: Backend, request: Request, model: str) -> None:
+        self.backend = backend
+        self.request = request
+        self.model = model
+        self.parts: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+
+    @abstractmethod
+    def feed(self, line: str) -> list[str | Reply]:
+        """Parse one line. Raises :class:`LLMError` for an error the provider
+        reports inside the stream."""
+
+    def finish(self) -> Reply:
+        """The body ended. A stream that never said it was complete is a broken
+        stream (classified like a dropped connection)."""
+        if self.finish_reason is None:
+            raise self.backend.transport_error("stream ended before the provider finished it")
+        return self.reply()
+
+    def text(self, chunk: str) -> list[str | Reply]:
+        if not chunk:
+            return []
+        self.parts.append(chunk)
+        return [chunk]
+
+    def reply(self) -> Reply:
+        content = "".join(self.parts)
+        usage = self.usage or Usage(
+            estimate_prompt_tokens(self.request.messages), estimate_text_tokens(content)
+        )
+        return Reply(content, self.model, usage, self.finish_reason)
+
+    def load(self, data: str) -> Any:
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise self.backend.malformed(f"malformed stream event: {data[:200]!r}") from None
+
+
+class BackendStream:
+    """An open streaming response. :meth:`next` returns the next non-empty text
+    chunk, or the final :class:`Reply` once; then the stream is exhausted.
+    :meth:`aclose` is idempotent and must be called (the router does)."""
+
+    def __init__(self, backend: Backend, response: httpx.Response, parser: StreamParser) -> None:
+        self._backend = backend
+        self._response = response
+        self._parser = parser
+        self._lines: AsyncIterator[str] = response.aiter_lines()
+        self._pending: deque[str | Reply] = deque()
+        self._ended = False
+
+    async def next(self) -> str | Reply:
+        while not self._pending:
+            if self._ended:
+                raise RuntimeError("stream already finished")
+            try:
+                line = await self._lines.__anext__()
+            except StopAsyncIteration:
+                self._pending.append(self._parser.finish())
+                break
+            except httpx.TransportError as exc:
+                raise self._backend.transport_error(exc) from exc
+            self._pending.extend(self._parser.feed(line))
+        item = self._pending.popleft()
+        if isinstance(item, Reply):
+            self._ended = True
+            self._pending.clear()
+        return item
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class Backend(ABC):
+    """One configured backend speaking one provider's wire format."""
+
+    provider: ClassVar[Provider]
+
+    def __init__(self, config: BackendConfig, client: httpx.AsyncClient, api_key: str | None):
+        self.config = config
+        self.name = config.name
+        self._client = client
+        self.url = self.endpoint(config.base_url)
+        self.headers = self.auth_headers(api_key)
+
+    # -- provider specifics ------------------------------------------------
+
+    @abstractmethod
+    def endpoint(self, base_url: str) -> str: ...
+
+    @abstractmethod
+    def auth_headers(self, api_key: str | None) -> dict[str, str]: ...
+
+    @abstractmethod
+    def body(self, request: Request, model: str, stream: bool) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def parse_reply(self, data: Any, request: Request, model: str) -> Reply: ...
+
+    @abstractmethod
+    def error_fields(self, data: Any) -> tuple[str, str]:
+        """``(message, type-and-code)`` from a provider's error body."""
+
+    @abstractmethod
+    def stream_parser(self, request: Request, model: str) -> StreamParser: ...
+
+    # -- errors --------------------------------------------------------------
+
+    def error_from_response(
+        self, status: int, headers: Mapping[str, str], content: bytes
+    ) -> LLMError:
+        message = code = ""
+        try:
+            message, code = self.error_fields(json.loads(content))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            message = content[:500].decode("utf-8", "replace").strip()
+        if not message:
+            message = f"HTTP {status} {httpx.codes.get_reason_phrase(status)}".strip()
+        retry_after = parse_retry_after(
+            headers.get("retry-after"), headers.get("retry-after-ms"), now_wall=time.time()
+        )
+        kind = classify(status, message, code=code).kind
+        return LLMError(kind, message, backend=self.name, status=status, retry_after=retry_after)
+
+    def stream_error(self, message: str, code: str) -> LLMError:
+        """An error event inside a stream (no HTTP status to go by)."""
+        kind = classify(None, message, code=code).kind
+        return LLMError(kind, message or code or "error event in stream", backend=self.name)
+
+    def transport_error(self, exc: BaseException | str) -> LLMError:
+        text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}".rstrip(": ")
+        kind = classify(None, text, transport=True).kind
+        return LLMError(kind, text, backend=self.name)
+
+    def malformed(self, message: str) -> LLMError:
+        # A 200 we cannot read: nothing in the taxonomy is more specific.
+        kind = classify(200, message).kind
+        return LLMError(kind, message, backend=self.name, status=200)
+
+    # -- calls -------------------------------------------------------------------
+
+    async def complete(self, request: Request, model: str, phase_timeout: float) -> Reply:
+        """One non-streaming call. ``phase_timeout`` bounds each network phase
+        (connect, write, each read), not the call as a whole."""
+        body = self.body(request, model, False)
+        try:
+            resp = await self._client.post(
+                self.url, json=body, headers=self.headers, timeout=phase_timeout
+            )
+        except httpx.TransportError as exc:
+            raise self.transport_error(exc) from exc
+        if resp.status_code != 200:
+            raise self.error_from_response(resp.status_code, resp.headers, resp.content)
+        try:
+            return self.parse_reply(resp.json(), request, model)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise self.malformed(f"malformed response body: {exc!r}") from None
+
+    async def open_stream(
+        self, request: Request, model: str, phase_timeout: float
+    ) -> BackendStream:
+        """Send a streaming call and return once the response headers are in.
+        ``phase_timeout`` also bounds the silence between two chunks."""
+        body = self.body(request, model, True)
+        req = self._client.build_request(
+            "POST", self.url, json=body, headers=self.headers, timeout=phase_timeout
+        )
+        try:
+            resp = await self._client.send(req, stream=True)
+        except httpx.TransportError as exc:
+            raise self.transport_error(exc) from exc
+        if resp.status_code != 200:
+            try:
+                content = await resp.aread()
+            except httpx.TransportError:
+                content = b""
+            finally:
+                await resp.aclose()
+            raise self.error_from_response(resp.status_code, resp.headers, content)
+        return BackendStream(self, resp, self.stream_parser(request, model))

@@ -1,0 +1,420 @@
+"""Router configuration: dataclasses, and the reader/checker of boot.xml's ``<llm>``.
+
+The grammar is ``schemas/boot-llm.xsd`` (type ``LlmSectionType``).
+:func:`parse_llm_section` turns a schema-valid element into a
+:class:`RouterConfig`; :func:`check_llm_section` reports what ``agentserver
+check`` should print, as ``(line, message)`` pairs, errors and warnings apart.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from importlib.resources import as_file, files
+
+from lxml import etree
+
+from .types import Usage
+
+__all__ = [
+    "BOOT_NS",
+    "BackendConfig",
+    "BreakerConfig",
+    "LlmCheck",
+    "LlmConfigError",
+    "Price",
+    "Provider",
+    "RetryConfig",
+    "RouterConfig",
+    "Strategy",
+    "check_llm_section",
+    "llm_schema",
+    "missing_key_reason",
+    "parse_llm_section",
+]
+
+BOOT_NS = "https://xml-pipeline.org/ns/boot/v1"
+_NS = f"{{{BOOT_NS}}}"
+
+
+class Provider(StrEnum):
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+    OLLAMA = "ollama"
+
+
+class Strategy(StrEnum):
+    FAILOVER = "failover"
+    ROUND_ROBIN = "round-robin"
+    LEAST_LOADED = "least-loaded"
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """Prices per million tokens, in whatever currency the operator uses."""
+
+    input_per_million: float
+    output_per_million: float
+
+    def cost(self, usage: Usage) -> float:
+        return (
+            usage.prompt_tokens * self.input_per_million
+            + usage.completion_tokens * self.output_per_million
+        ) / 1_000_000
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """One backend.
+
+    ``base_url`` follows each provider's own client convention: for OpenAI-
+    compatible servers it includes ``/v1`` (``https://api.openai.com/v1``), for
+    Anthropic and Ollama it does not (``https://api.anthropic.com``,
+    ``http://localhost:11434``).
+
+    ``models`` are served under their own names; ``aliases`` maps another name
+    to one of them. Lookups are exact. ``priority``: lower is preferred.
+    ``timeout`` bounds one attempt (and, when streaming, the silence between two
+    chunks). ``context_window`` is in tokens; unknown windows never receive a
+    context-overflow failover.
+    """
+
+    name: str
+    provider: Provider
+    base_url: str
+    models: tuple[str, ...]
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    api_key_env: str | None = None
+    priority: int = 100
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+    timeout: float = 60.0
+    context_window: int | None = None
+    price: Price | None = None
+    line: int | None = None
+
+    def resolve(self, model: str) -> str | None:
+        """The provider's model name for ``model`` (a name or alias), or ``None``."""
+        if model in self.models:
+            return model
+        return self.aliases.get(model)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    """``max_attempts`` is the budget of HTTP calls per request, retries and
+    failovers together. Backoff without a Retry-After header starts at
+    ``base_delay`` and doubles up to ``max_delay`` (with jitter). A provider's
+    Retry-After is honoured up to ``max_retry_after``; a longer wait makes the
+    router fail over instead of retrying that backend."""
+
+    max_attempts: int = 4
+    base_delay: float = 0.5
+    max_delay: float = 8.0
+    max_retry_after: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    failures: int = 3
+    cooldown: float = 30.0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """``timeout`` is the default deadline of a request that sets none, counted
+    from the router receiving it. ``queue_limit`` bounds the callers waiting on
+    one backend's rate limiter."""
+
+    backends: tuple[BackendConfig, ...]
+    strategy: Strategy = Strategy.FAILOVER
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    timeout: float = 120.0
+    queue_limit: int = 1000
+
+
+class LlmConfigError(ValueError):
+    """The ``<llm>`` section cannot be turned into a configuration."""
+
+    def __init__(self, line: int | None, message: str) -> None:
+        self.line = line
+        self.message = message
+        super().__init__(f"line {line}: {message}" if line else message)
+
+
+@dataclass(frozen=True, slots=True)
+class LlmCheck:
+    errors: list[tuple[int, str]]
+    warnings: list[tuple[int, str]]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def missing_key_reason(backend: BackendConfig, environ: Mapping[str, str]) -> str | None:
+    """Why ``backend`` cannot run with ``environ``, or ``None`` if it can."""
+    if backend.api_key_env and not environ.get(backend.api_key_env):
+        return (
+            f"environment variable {backend.api_key_env} (API key of backend "
+            f"{backend.name!r}) is not set"
+        )
+    return None
+
+
+# -- parsing ---------------------------------------------------------------
+
+
+def _opt(el: etree._Element, name: str, conv, default=None):
+    raw = el.get(name)
+    if raw is None:
+        return default
+    try:
+        return conv(raw.strip())
+    except ValueError as exc:
+        raise LlmConfigError(el.sourceline, f"attribute {name}={raw!r}: {exc}") from None
+
+
+def _positive(conv):
+    def parse(raw: str):
+        value = conv(raw)
+        if value <= 0:
+            raise ValueError("must be positive")
+        return value
+
+    return parse
+
+
+def _non_negative(conv):
+    def parse(raw: str):
+        value = conv(raw)
+        if value < 0:
+            raise ValueError("must not be negative")
+        return value
+
+    return parse
+
+
+def _backend(el: etree._Element) -> BackendConfig:
+    line = el.sourceline
+    name = el.get("name")
+    if not name:
+        raise LlmConfigError(line, "backend without a name")
+    try:
+        provider = Provider(el.get("provider", ""))
+    except ValueError:
+        raise LlmConfigError(
+            line, f"backend {name!r}: provider must be one of {[p.value for p in Provider]}"
+        ) from None
+    base_url = el.get("base-url")
+    if not base_url:
+        raise LlmConfigError(line, f"backend {name!r}: base-url is required")
+    models: list[str] = []
+    aliases: dict[str, str] = {}
+    limits = price = None
+    for child in el:
+        if not isinstance(child.tag, str):
+            continue
+        if child.tag == _NS + "model":
+            models.append(child.get("name", ""))
+        elif child.tag == _NS + "alias":
+            aliases[child.get("name", "")] = child.get("model", "")
+        elif child.tag == _NS + "limits":
+            limits = child
+        elif child.tag == _NS + "price":
+            price = child
+    if not models:
+        raise LlmConfigError(line, f"backend {name!r} serves no model")
+    for alias, target in aliases.items():
+        if target not in models:
+            raise LlmConfigError(
+                line,
+                f"backend {name!r}: alias {alias!r} points to {target!r}, not a model it lists",
+            )
+        if alias in models:
+            raise LlmConfigError(line, f"backend {name!r}: alias {alias!r} is also a model name")
+    pos_int, pos_float = _positive(int), _positive(float)
+    return BackendConfig(
+        name=name,
+        provider=provider,
+        base_url=base_url.rstrip("/"),
+        models=tuple(models),
+        aliases=aliases,
+        api_key_env=el.get("api-key-env") or None,
+        priority=_opt(el, "priority", int, 100),
+        timeout=_opt(el, "timeout", pos_float, 60.0),
+        context_window=_opt(el, "context-window", pos_int),
+        requests_per_minute=None
+        if limits is None
+        else _opt(limits, "requests-per-minute", pos_int),
+        tokens_per_minute=None if limits is None else _opt(limits, "tokens-per-minute", pos_int),
+        max_concurrent=None if limits is None else _opt(limits, "max-concurrent", pos_int),
+        price=None
+        if price is None
+        else Price(
+            _opt(price, "input-per-million", _non_negative(float), 0.0),
+            _opt(price, "output-per-million", _non_negative(float), 0.0),
+        ),
+        line=line,
+    )
+
+
+def parse_llm_section(element: etree._Element) -> RouterConfig:
+    """Build a :class:`RouterConfig` from boot.xml's ``<llm>`` element.
+
+    Expects a schema-valid element but does not trust it: anything it cannot
+    use raises :class:`LlmConfigError` with the source line.
+    """
+    if element.tag != _NS + "llm":
+        raise LlmConfigError(element.sourceline, f"expected <llm> in {BOOT_NS}, got {element.tag}")
+    backends: list[BackendConfig] = []
+    retry = RetryConfig()
+    breaker = BreakerConfig()
+    for child in element:
+        if not isinstance(child.tag, str):
+            continue
+        if child.tag == _NS + "backend":
+            backends.append(_backend(child))
+        elif child.tag == _NS + "retry":
+            retry = RetryConfig(
+                max_attempts=retry.max_attempts,
+                base_delay=_opt(child, "base-delay", _non_negative(float), retry.base_delay),
+                max_delay=_opt(child, "max-delay", _non_negative(float), retry.max_delay),
+                max_retry_after=_opt(
+                    child, "max-retry-after", _non_negative(float), retry.max_retry_after
+                ),
+            )
+        elif child.tag == _NS + "breaker":
+            breaker = BreakerConfig(
+                failures=_opt(child, "failures", _positive(int), breaker.failures),
+                cooldown=_opt(child, "cooldown", _non_negative(float), breaker.cooldown),
+            )
+    seen: dict[str, int | None] = {}
+    for b in backends:
+        if b.name in seen:
+            raise LlmConfigError(
+                b.line, f"backend name {b.name!r} already used on line {seen[b.name]}"
+            )
+        seen[b.name] = b.line
+    try:
+        strategy = Strategy(element.get("strategy", Strategy.FAILOVER.value))
+    except ValueError:
+        raise LlmConfigError(
+            element.sourceline, f"strategy must be one of {[s.value for s in Strategy]}"
+        ) from None
+    retry = RetryConfig(
+        max_attempts=_opt(element, "max-attempts", _positive(int), retry.max_attempts),
+        base_delay=retry.base_delay,
+        max_delay=retry.max_delay,
+        max_retry_after=retry.max_retry_after,
+    )
+    return RouterConfig(
+        backends=tuple(backends),
+        strategy=strategy,
+        retry=retry,
+        breaker=breaker,
+        timeout=_opt(element, "timeout", _positive(float), 120.0),
+        queue_limit=_opt(element, "queue-limit", _positive(int), 1000),
+    )
+
+
+# -- checking --------------------------------------------------------------
+
+_WRAPPER = f"""<xs:schema xmlns:xs="http://www.w3.org/2001/XMLSchema"
+    xmlns:boot="{BOOT_NS}" targetNamespace="{BOOT_NS}" elementFormDefault="qualified">
+  <xs:include schemaLocation="boot-llm.xsd"/>
+  <xs:element name="llm" type="boot:LlmSectionType"/>
+</xs:schema>"""
+
+
+def llm_schema() -> etree.XMLSchema:
+    """A schema whose root element is ``<llm>``, built around boot-llm.xsd.
+
+    Loaded from the installed package data each call; callers that validate
+    often should keep the result.
+    """
+    resource = files("agentserver.schemas").joinpath("boot-llm.xsd")
+    with as_file(resource) as path:
+        # The wrapper needs a base URL of its own in the same directory, or
+        # libxml2 sees it "including itself".
+        base = path.with_name("boot-llm-wrapper.xsd").as_uri()
+        doc = etree.fromstring(_WRAPPER.encode(), base_url=base)
+        return etree.XMLSchema(doc)
+
+
+def check_llm_section(
+    element: etree._Element,
+    *,
+    environ: Mapping[str, str] | None = None,
+    validate: bool = True,
+) -> LlmCheck:
+    """What ``agentserver check`` reports about an ``<llm>`` section.
+
+    Errors make the section unusable (schema violations, duplicate names, ...);
+    warnings point at things that will bite at run time: an API key variable
+    that is unset (that backend is skipped when the router starts), an alias
+    that shadows another backend's model name, a context overflow that can
+    never fail over because a window is unknown. ``validate=False`` skips the
+    schema when the caller has already validated the whole document.
+    """
+    env = os.environ if environ is None else environ
+    errors: list[tuple[int, str]] = []
+    warnings: list[tuple[int, str]] = []
+    if validate:
+        schema = llm_schema()
+        if not schema.validate(element):
+            for e in schema.error_log:
+                errors.append((e.line, e.message))
+            return LlmCheck(errors, warnings)
+    try:
+        config = parse_llm_section(element)
+    except LlmConfigError as exc:
+        errors.append((exc.line or element.sourceline or 0, exc.message))
+        return LlmCheck(errors, warnings)
+
+    line_of = {b.name: b.line or element.sourceline or 0 for b in config.backends}
+    runnable = []
+    for b in config.backends:
+        reason = missing_key_reason(b, env)
+        if reason:
+            warnings.append((line_of[b.name], f"{reason}; the backend will be skipped"))
+        else:
+            runnable.append(b)
+        if b.provider is Provider.ANTHROPIC and not b.api_key_env:
+            warnings.append(
+                (line_of[b.name], f"backend {b.name!r}: Anthropic needs an API key (api-key-env)")
+            )
+    if config.backends and not runnable:
+        warnings.append(
+            (element.sourceline or 0, "no backend can run: every API key variable is unset")
+        )
+    served: dict[str, list[BackendConfig]] = {}
+    for b in config.backends:
+        for m in b.models:
+            served.setdefault(m, []).append(b)
+    for b in config.backends:
+        for alias, target in b.aliases.items():
+            for other in served.get(alias, ()):
+                if other is not b:
+                    warnings.append(
+                        (
+                            line_of[b.name],
+                            f"backend {b.name!r}: alias {alias!r} (for {target!r}) is a model "
+                            f"name on backend {other.name!r}; requests for it go to both",
+                        )
+                    )
+    for model, group in served.items():
+        if len(group) > 1 and any(b.context_window is None for b in group):
+            names = ", ".join(b.name for b in group if b.context_window is None)
+            warnings.append(
+                (
+                    line_of[group[0].name],
+                    f"model {model!r}: context-window unknown on {names}; a context "
+                    "overflow there cannot fail over",
+                )
+            )
+    return LlmCheck(errors, warnings)
