@@ -27,13 +27,32 @@ def is_uuid4(value: str) -> bool:
     return bool(_UUID4.match(value))
 
 
+class _RandomPool:
+    """Random bytes read from the OS in blocks: one syscall per 256 ids instead of per id."""
+
+    __slots__ = ("_buf", "_pos")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._pos = 0
+
+    def take16(self) -> bytes:
+        if self._pos + 16 > len(self._buf):
+            self._buf = os.urandom(4096)
+            self._pos = 0
+        out = self._buf[self._pos : self._pos + 16]
+        self._pos += 16
+        return out
+
+
+_pool = _RandomPool()
+
+
 def new_thread_id() -> str:
     """A random uuid4 string (formatted by hand: ``uuid.uuid4()`` is 3x slower on the hot path)."""
-    b = bytearray(os.urandom(16))
-    b[6] = (b[6] & 0x0F) | 0x40
-    b[8] = (b[8] & 0x3F) | 0x80
-    h = b.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    h = _pool.take16().hex()
+    variant = "89ab"[int(h[16], 16) & 3]
+    return f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{variant}{h[17:20]}-{h[20:]}"
 
 
 class RegistryFull(AgentServerError):

@@ -40,9 +40,19 @@ PONG = f"{{{NS}}}pong"
 TEXT = f"{{{NS}}}text"
 
 
-async def echo(payload: etree._Element, meta) -> HandlerResponse:
+def _pong_template() -> etree._Element:
     pong = etree.Element(PONG, nsmap={None: NS})
-    etree.SubElement(pong, TEXT).text = payload[0].text
+    etree.SubElement(pong, TEXT)
+    return pong
+
+
+PONG_TEMPLATE = _pong_template()
+
+
+async def echo(payload: etree._Element, meta) -> HandlerResponse:
+    # A raw handler builds its reply from a prepared tree (cheaper than new elements).
+    pong = PONG_TEMPLATE.__deepcopy__(None)
+    pong[0].text = payload[0].text
     return HandlerResponse.respond(pong)
 
 
