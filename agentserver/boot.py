@@ -1,0 +1,550 @@
+"""Load and check boot.xml: the one way configuration enters the server.
+
+:func:`load` parses the file with the hardened parser, validates it against
+``schemas/boot.xsd`` (which includes the LLM and agent-store grammars), resolves every
+reference (handler and payload import paths, built-in names, peers) and checks the
+topology as a whole (unique names, no shared root tag without broadcast, one boot
+listener, console wiring, client token variables, the ``<llm>`` and ``<store>`` sections).
+It never raises for a problem in the file: every problem becomes a :class:`Problem` with
+a line number, and the :class:`Topology` is returned only when there is no error.
+
+Pure apart from importing the modules the file names (which is what running it would
+do) and reading the environment (only whether token variables are set).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import ipaddress
+import os
+import pathlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lxml import etree
+from pydantic_xml import BaseXmlModel
+
+from agentserver.builtins import BUILTIN_HANDLERS, BUILTIN_PAYLOADS
+from agentserver.errors import ConfigurationError
+from agentserver.listener import RESERVED_NAMES, Listener
+from agentserver.namespaces import BOOT_NS, CORE_NS
+from agentserver.payloads import PayloadType
+from agentserver.primitives.core import Boot
+from agentserver.schemas_export import schema_path
+from agentserver.topology import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    ClientSpec,
+    Limits,
+    ListenerSpec,
+    Topology,
+)
+from agentserver.xmlsafe import make_parser
+
+#: boot.xml files are small; refuse anything absurd before parsing it.
+MAX_BOOT_BYTES = 4 * 1024 * 1024
+IMPLICIT_BOOT_NAME = "system-boot"
+_B = f"{{{BOOT_NS}}}"
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One finding, printed as ``FILE:LINE: message`` (warnings say so)."""
+
+    path: str
+    line: int
+    message: str
+    warning: bool = False
+
+    def __str__(self) -> str:
+        kind = "warning: " if self.warning else ""
+        return f"{self.path}:{self.line}: {kind}{self.message}"
+
+
+@dataclass(slots=True)
+class LoadResult:
+    """The topology (None if any error was found) and every problem, in file order."""
+
+    topology: Topology | None
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if not p.warning]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if p.warning]
+
+    @property
+    def ok(self) -> bool:
+        return self.topology is not None
+
+
+class BootError(ConfigurationError):
+    """boot.xml has errors; ``problems`` lists them all."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        super().__init__("\n".join(str(p) for p in problems))
+        self.problems = problems
+
+
+class _Unresolved(Exception):
+    """A reference in boot.xml that does not resolve (message is user-facing)."""
+
+
+def boot_schema() -> etree.XMLSchema:
+    """``boot.xsd`` compiled (it includes boot-llm.xsd and boot-agents.xsd by path)."""
+    return etree.XMLSchema(etree.parse(str(schema_path("boot.xsd"))))
+
+
+def load(path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None) -> LoadResult:
+    """Load and check ``path``. Never raises for problems in the file (see module doc)."""
+    return _Loader(pathlib.Path(path), os.environ if environ is None else environ).run()
+
+
+def load_bytes(
+    data: bytes, *, name: str = "<boot.xml>", environ: Mapping[str, str] | None = None
+) -> LoadResult:
+    """Like :func:`load` for a document in memory; problems are reported under ``name``.
+    Relative paths in it (e.g. the store's) resolve against the working directory."""
+    loader = _Loader(pathlib.Path.cwd() / "boot.xml", os.environ if environ is None else environ)
+    loader.shown = name
+    loader.data = data
+    return loader.run()
+
+
+def load_or_raise(
+    path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
+) -> Topology:
+    """Like :func:`load`, raising :class:`BootError` on any error."""
+    result = load(path, environ=environ)
+    if result.topology is None:
+        raise BootError(result.errors)
+    return result.topology
+
+
+def resolve_import(ref: str) -> Any:
+    """``package.module:attr.sub`` → the object. Raises ``_Unresolved`` with the reason."""
+    module_name, _, attr_path = ref.partition(":")
+    if not module_name or not attr_path:
+        raise _Unresolved(f"{ref!r} is not module:name")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # any failure of user code at import time is a config error
+        raise _Unresolved(f"cannot import module {module_name!r}: {exc}") from None
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise _Unresolved(f"module {module_name!r} has no {attr_path!r}") from None
+    return obj
+
+
+def is_loopback(host: str) -> bool:
+    """True for loopback addresses and ``localhost`` (no name resolution)."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _pretty(message: str) -> str:
+    # Schema messages name elements in Clark notation; the boot namespace is implied.
+    return message.replace(_B, "").replace(f"{{{CORE_NS}}}", "core:")
+
+
+def _bool(el: etree._Element, attr: str, default: bool = False) -> bool:
+    value = el.get(attr)
+    return default if value is None else value.strip() in ("true", "1")
+
+
+class _Loader:
+    def __init__(self, path: pathlib.Path, environ: Mapping[str, str]) -> None:
+        self.path = path
+        self.shown = str(path)
+        self.environ = environ
+        self.problems: list[Problem] = []
+        self.data: bytes | None = None
+
+    def error(self, line: int | None, message: str) -> None:
+        self.problems.append(Problem(self.shown, line or 0, message))
+
+    def warn(self, line: int | None, message: str) -> None:
+        self.problems.append(Problem(self.shown, line or 0, message, warning=True))
+
+    def result(self, topology: Topology | None) -> LoadResult:
+        self.problems.sort(key=lambda p: p.line)
+        failed = any(not p.warning for p in self.problems)
+        return LoadResult(None if failed else topology, self.problems)
+
+    # -- phases --------------------------------------------------------------------------
+
+    def run(self) -> LoadResult:
+        root = self.parse()
+        if root is None:
+            return self.result(None)
+        schema = boot_schema()
+        if not schema.validate(root):
+            for entry in schema.error_log:
+                self.error(entry.line, _pretty(entry.message))
+            return self.result(None)
+        return self.result(self.topology(root))
+
+    def parse(self) -> etree._Element | None:
+        data = self.data
+        if data is None:
+            try:
+                with self.path.open("rb") as f:
+                    data = f.read(MAX_BOOT_BYTES + 1)
+            except OSError as exc:
+                self.error(0, f"cannot read: {exc.strerror or exc}")
+                return None
+        if len(data) > MAX_BOOT_BYTES:
+            self.error(0, f"larger than {MAX_BOOT_BYTES} bytes")
+            return None
+        try:
+            root = etree.fromstring(data, make_parser(), base_url=self.path.resolve().as_uri())
+        except etree.XMLSyntaxError as exc:
+            self.error(exc.lineno, f"not well-formed XML: {exc.msg}")
+            return None
+        docinfo = root.getroottree().docinfo
+        if docinfo.doctype or docinfo.internalDTD is not None:
+            self.error(1, "a DOCTYPE is not allowed in boot.xml")
+            return None
+        return root
+
+    def topology(self, root: etree._Element) -> Topology | None:
+        organism = root.get("name", "")
+        listen = root.find(_B + "listen")
+        host = listen.get("host", DEFAULT_HOST) if listen is not None else DEFAULT_HOST
+        port = int(listen.get("port", DEFAULT_PORT)) if listen is not None else DEFAULT_PORT
+        limits = self.limits(root.find(_B + "limits"))
+        listeners = self.listeners(root.find(_B + "listeners"))
+        clients = self.clients(root.find(_B + "clients"), {s.name for s in listeners})
+        if not clients and not is_loopback(host) and listen is not None:
+            self.warn(
+                listen.sourceline,
+                f"no clients are declared, so connections are anonymous: 'run' refuses to "
+                f"listen on non-loopback {host} unless started with --insecure",
+            )
+        llm = root.find(_B + "llm")
+        store = root.find(_B + "store")
+        if llm is not None:
+            self.check_llm(llm)
+        if store is not None:
+            self.check_store(store)
+        description = (root.findtext(_B + "description") or "").strip()
+        return Topology(
+            path=self.path,
+            organism=organism,
+            listeners=tuple(listeners),
+            host=host,
+            port=port,
+            limits=limits,
+            clients=tuple(clients),
+            description=description,
+            llm=llm,
+            store=store,
+        )
+
+    def limits(self, el: etree._Element | None) -> Limits:
+        if el is None:
+            return Limits()
+        values: dict[str, Any] = {}
+        defaults = Limits()
+        for name in Limits.__slots__:
+            raw = el.get(name.replace("_", "-"))
+            if raw is not None:
+                kind = type(getattr(defaults, name))
+                values[name] = kind(float(raw)) if kind is int else float(raw)
+        limits = Limits(**values)
+        if limits.outgoing_buffer < limits.max_inflight:
+            self.warn(
+                el.sourceline,
+                f"outgoing-buffer ({limits.outgoing_buffer}) is smaller than max-inflight "
+                f"({limits.max_inflight}): a client with many requests in flight may be "
+                "disconnected for reading too slowly",
+            )
+        return limits
+
+    # -- listeners -----------------------------------------------------------------------
+
+    def listeners(self, el: etree._Element) -> list[ListenerSpec]:
+        specs: list[ListenerSpec] = []
+        first_line: dict[str, int] = {}
+        for lel in el.iterfind(_B + "listener"):
+            spec = self.listener(lel)
+            if spec is None:
+                continue
+            if spec.name in first_line:
+                self.error(
+                    spec.line,
+                    f"listener name {spec.name!r} is already used on line {first_line[spec.name]}",
+                )
+                continue
+            first_line[spec.name] = spec.line
+            specs.append(spec)
+        if not any(s.is_boot for s in specs):
+            if IMPLICIT_BOOT_NAME in first_line:
+                self.error(
+                    first_line[IMPLICIT_BOOT_NAME],
+                    f"no listener takes the boot primitive and {IMPLICIT_BOOT_NAME!r} is taken: "
+                    'declare one with handler="system-boot"',
+                )
+            else:
+                consoles = tuple(s.name for s in specs if s.builtin == "console")
+                specs.append(self.implicit_boot(consoles))
+        self.check_topology(specs)
+        return specs
+
+    def implicit_boot(self, consoles: tuple[str, ...]) -> ListenerSpec:
+        builtin = BUILTIN_HANDLERS["system-boot"]
+        return ListenerSpec(
+            name=IMPLICIT_BOOT_NAME,
+            handler_ref="system-boot",
+            accepts=builtin.accepts,
+            peers=consoles,
+            builtin="system-boot",
+            concurrency=1,
+            description="system boot listener (implicit)",
+        )
+
+    def listener(self, el: etree._Element) -> ListenerSpec | None:
+        line = el.sourceline or 0
+        name = el.get("name", "")
+        ok = True
+        if name in RESERVED_NAMES:
+            self.error(line, f"listener name {name!r} is reserved")
+            ok = False
+        ref = el.get("handler", "")
+        builtin_name: str | None = None
+        handler = None
+        defaults: Mapping[str, Any] = {}
+        accepts: list[type[BaseXmlModel]] = []
+        responds: list[type[BaseXmlModel]] = []
+        if ":" in ref:
+            try:
+                handler = resolve_import(ref)
+                if not callable(handler):
+                    raise _Unresolved(f"handler {ref!r} is not callable")
+                if not (
+                    inspect.iscoroutinefunction(handler)
+                    or inspect.iscoroutinefunction(getattr(handler, "__call__", None))  # noqa: B004
+                ):
+                    raise _Unresolved(f"handler {ref!r} is not an async function")
+            except _Unresolved as exc:
+                self.error(line, f"listener {name!r}: {exc}")
+                ok = False
+        elif ref in BUILTIN_HANDLERS:
+            builtin = BUILTIN_HANDLERS[ref]
+            builtin_name = ref
+            defaults = builtin.defaults
+        else:
+            self.error(
+                line,
+                f"listener {name!r}: unknown built-in handler {ref!r} (built-ins: "
+                f"{', '.join(sorted(BUILTIN_HANDLERS))}; or use module:function)",
+            )
+            ok = False
+        for tag, target in (("accepts", accepts), ("responds", responds)):
+            for tel in el.iterfind(_B + tag):
+                model = self.payload_model(tel, name)
+                if model is None:
+                    ok = False
+                elif model not in target:
+                    target.append(model)
+        if builtin_name is not None:
+            builtin = BUILTIN_HANDLERS[builtin_name]
+            if not accepts:
+                accepts.extend(builtin.accepts)
+            responds.extend(m for m in builtin.responds if m not in responds)
+        elif ok and not accepts:
+            self.error(line, f"listener {name!r} accepts no payload type (add <accepts type=.../>)")
+            ok = False
+        for model in accepts:
+            if model is not Boot and PayloadType.from_model(model).namespace == CORE_NS:
+                self.error(line, f"listener {name!r}: core primitives cannot be accepted")
+                ok = False
+        profile = el.find(_B + "agent")
+        agent = _bool(el, "agent")
+        if profile is not None and not agent:
+            self.error(profile.sourceline, f'listener {name!r}: <agent> settings need agent="true"')
+            ok = False
+        if not ok:
+            return None
+        spec = ListenerSpec(
+            name=name,
+            handler_ref=ref,
+            accepts=tuple(accepts),
+            responds=tuple(responds),
+            peers=tuple(dict.fromkeys((el.get("peers") or "").split())),
+            builtin=builtin_name,
+            handler=handler,
+            agent=agent,
+            broadcast=_bool(el, "broadcast"),
+            concurrency=int(el.get("concurrency", defaults.get("concurrency", 8))),
+            timeout=float(el.get("timeout", defaults.get("timeout", 30.0))),
+            queue_size=int(el.get("queue-size", defaults.get("queue_size", 64))),
+            raw=_bool(el, "raw", defaults.get("raw", False)),
+            description=(el.findtext(_B + "description") or "").strip(),
+            agent_profile=profile,
+            line=line,
+        )
+        try:
+            # The pump's own checks, so 'check' and 'run' can never disagree.
+            Listener(spec.name, spec.accepts, _placeholder, peers=spec.peers)
+        except ConfigurationError as exc:
+            self.error(line, str(exc))
+            return None
+        return spec
+
+    def payload_model(self, el: etree._Element, listener: str) -> type[BaseXmlModel] | None:
+        ref = el.get("type", "")
+        line = el.sourceline
+        if ":" in ref:
+            try:
+                model = resolve_import(ref)
+            except _Unresolved as exc:
+                self.error(line, f"listener {listener!r}: {exc}")
+                return None
+        elif ref in BUILTIN_PAYLOADS:
+            model = BUILTIN_PAYLOADS[ref]
+        else:
+            self.error(
+                line,
+                f"listener {listener!r}: unknown payload type {ref!r} (use module:Class or a "
+                f"built-in: {', '.join(sorted(BUILTIN_PAYLOADS))})",
+            )
+            return None
+        if not (isinstance(model, type) and issubclass(model, BaseXmlModel)):
+            self.error(line, f"listener {listener!r}: {ref!r} is not a pydantic-xml model")
+            return None
+        try:
+            PayloadType.from_model(model)
+        except ConfigurationError as exc:
+            self.error(line, f"listener {listener!r}: payload type {ref!r}: {exc}")
+            return None
+        return model
+
+    def check_topology(self, specs: list[ListenerSpec]) -> None:
+        names = {s.name for s in specs}
+        by_tag: dict[str, list[ListenerSpec]] = {}
+        model_of: dict[str, type[BaseXmlModel]] = {}
+        for spec in specs:
+            for peer in spec.peers:
+                if peer not in names:
+                    self.error(spec.line, f"listener {spec.name!r}: unknown peer {peer!r}")
+            for model in (*spec.accepts, *spec.responds):
+                ptype = PayloadType.from_model(model)
+                other = model_of.setdefault(ptype.tag, model)
+                if other is not model:
+                    self.error(
+                        spec.line,
+                        f"listener {spec.name!r}: root tag {_pretty(ptype.tag)} is declared by "
+                        f"both {other.__module__}:{other.__qualname__} and "
+                        f"{model.__module__}:{model.__qualname__}",
+                    )
+            for model in spec.accepts:
+                by_tag.setdefault(PayloadType.from_model(model).tag, []).append(spec)
+        for tag, sharing in by_tag.items():
+            if len(sharing) > 1 and not all(s.broadcast for s in sharing):
+                listed = ", ".join(f"{s.name} (line {s.line})" for s in sharing)
+                self.error(
+                    sharing[-1].line,
+                    f"root tag {_pretty(tag)} is accepted by {listed}: several listeners may "
+                    'share a root tag only if all of them are broadcast="true"',
+                )
+        boots = [s for s in specs if s.is_boot]
+        if len(boots) > 1:
+            self.error(boots[1].line, "more than one listener takes the core boot primitive")
+        consoles = {s.name for s in specs if s.builtin == "console"}
+        input_tag = PayloadType.from_model(BUILTIN_PAYLOADS["console.input"]).tag
+        accepts_input = {s.name for s in by_tag.get(input_tag, [])}
+        for spec in specs:
+            if spec.builtin == "console" and not accepts_input & set(spec.peers):
+                self.error(
+                    spec.line,
+                    f"console {spec.name!r} needs a peer that takes console input "
+                    "(add the console-router to its peers)",
+                )
+        for boot in boots:
+            if consoles and not consoles & set(boot.peers):
+                self.warn(
+                    boot.line,
+                    f"boot listener {boot.name!r} has no console among its peers: "
+                    "'run --console' cannot start one",
+                )
+
+    # -- clients and sections ------------------------------------------------------------
+
+    def clients(self, el: etree._Element | None, listener_names: set[str]) -> list[ClientSpec]:
+        if el is None:
+            return []
+        specs: list[ClientSpec] = []
+        seen: dict[str, int] = {}
+        for cel in el.iterfind(_B + "client"):
+            line = cel.sourceline or 0
+            name = cel.get("name", "")
+            env = cel.get("token-env", "")
+            if name in seen:
+                self.error(line, f"client name {name!r} is already used on line {seen[name]}")
+                continue
+            if name in listener_names or name in RESERVED_NAMES:
+                self.error(line, f"client name {name!r} is a listener's name")
+                continue
+            seen[name] = line
+            may = cel.get("may-address")
+            allowed = tuple(may.split()) if may is not None else None
+            for target in allowed or ():
+                if target not in listener_names:
+                    self.error(
+                        line, f"client {name!r}: may-address names unknown listener {target!r}"
+                    )
+            value = self.environ.get(env)
+            if value is None:
+                self.warn(
+                    line, f"client {name!r}: token variable {env} is not set (it cannot connect)"
+                )
+            elif not value.strip():
+                self.warn(
+                    line, f"client {name!r}: token variable {env} is empty (it cannot connect)"
+                )
+            specs.append(ClientSpec(name, env, allowed, line))
+        return specs
+
+    def check_llm(self, el: etree._Element) -> None:
+        try:
+            from agentserver.llm.config import check_llm_section
+        except Exception as exc:  # the router package is optional at this layer
+            self.warn(el.sourceline, f"<llm> not checked: the LLM router is unavailable ({exc})")
+            return
+        try:
+            report = check_llm_section(el, environ=self.environ, validate=False)
+        except Exception as exc:
+            self.error(el.sourceline, f"<llm>: {exc}")
+            return
+        for line, message in report.errors:
+            self.error(line or el.sourceline, message)
+        for line, message in report.warnings:
+            self.warn(line or el.sourceline, message)
+
+    def check_store(self, el: etree._Element) -> None:
+        try:
+            from agentserver.agents.config import store_settings_from_element
+        except Exception as exc:  # the agent package is optional at this layer
+            self.warn(el.sourceline, f"<store> not checked: the agent store is unavailable ({exc})")
+            return
+        try:
+            store_settings_from_element(el, base_dir=self.path.parent)
+        except Exception as exc:
+            self.error(el.sourceline, f"<store>: {exc}")
+
+
+async def _placeholder(payload: object, meta: object) -> None:
+    """Stands in for a handler while the pump's listener checks run."""
+    return None

@@ -1,0 +1,199 @@
+"""Built-in handlers and payload names usable in boot.xml, and topology → listeners.
+
+A listener's ``handler`` is either ``module:function`` (an async handler) or one of the
+names in :data:`BUILTIN_HANDLERS`. A built-in brings its payload types and defaults, so
+``<listener name="echo" handler="echo"/>`` is a complete declaration. Payload ``type``
+references are ``module:Class`` or a name in :data:`BUILTIN_PAYLOADS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from pydantic_xml import BaseXmlModel
+
+from agentserver.listener import Handler, Listener
+from agentserver.listeners import assistant, calculator, echo
+from agentserver.listeners.console import Console, Input, Pending, Prompt, Terminal
+from agentserver.listeners.console_router import DEFAULT_AGENT, ConsoleRouter
+from agentserver.listeners.system_boot import SystemBoot
+from agentserver.payloads import PayloadType
+from agentserver.primitives.core import Boot
+from agentserver.topology import ListenerSpec, Topology
+
+
+@dataclass(slots=True)
+class RunContext:
+    """What built-in handlers may need from the process that runs the topology."""
+
+    topology: Topology
+    #: The terminal of an attached console (``run --console``); None: no console.
+    terminal: Terminal | None = None
+    #: Called when the attached console ends (``/quit`` or end of input).
+    on_console_exit: Callable[[], None] | None = None
+    #: Free slots for later subsystems (agent store, LLM router) to share objects.
+    services: dict[str, Any] = field(default_factory=dict)
+    #: Closed by the server after the pump has drained (stores, routers register here).
+    resources: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+
+
+Factory = Callable[[ListenerSpec, RunContext], Handler]
+
+
+@dataclass(frozen=True, slots=True)
+class Builtin:
+    """A built-in handler factory, its payload types and its default settings."""
+
+    factory: Factory
+    accepts: tuple[type[BaseXmlModel], ...]
+    responds: tuple[type[BaseXmlModel], ...] = ()
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    summary: str = ""
+
+
+def _static(handler: Handler) -> Factory:
+    return lambda spec, ctx: handler
+
+
+def _accepted_tags(topology: Topology, names: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    out: dict[str, tuple[str, ...]] = {}
+    for name in names:
+        try:
+            spec = topology.listener(name)
+        except KeyError:
+            continue
+        out[name] = tuple(PayloadType.from_model(m).tag for m in spec.accepts)
+    return out
+
+
+def _console(spec: ListenerSpec, ctx: RunContext) -> Handler:
+    boots = tuple(s.name for s in ctx.topology.listeners if s.is_boot)
+    return Console(ctx.terminal, trusted=(*spec.peers, *boots), on_exit=ctx.on_console_exit)
+
+
+def _console_router(spec: ListenerSpec, ctx: RunContext) -> Handler:
+    return ConsoleRouter(
+        peers=_accepted_tags(ctx.topology, spec.peers),
+        # Answer the console a little before the router's own handler timeout would.
+        reply_wait=spec.timeout * 0.9,
+        default_agent=DEFAULT_AGENT,
+        max_bytes=ctx.topology.limits.max_message_bytes,
+    )
+
+
+def _system_boot(spec: ListenerSpec, ctx: RunContext) -> Handler:
+    topology = ctx.topology
+    consoles = [p for p in spec.peers if p in console_listener_names(topology)]
+    banner = [
+        f"agentserver console: organism {topology.organism!r}, "
+        f"{len(topology.listeners)} listeners. Type /help for commands, /quit to leave."
+    ]
+    return SystemBoot(start_console=ctx.terminal is not None and bool(consoles), banner=banner)
+
+
+BUILTIN_HANDLERS: Mapping[str, Builtin] = MappingProxyType(
+    {
+        "echo": Builtin(
+            _static(echo.handle),
+            (echo.Ping,),
+            (echo.Pong,),
+            # Raw: the handler builds the reply with lxml, skipping two model conversions.
+            {"raw": True},
+            summary="ping → pong",
+        ),
+        "calculator": Builtin(
+            _static(calculator.handle),
+            calculator.REQUESTS,
+            calculator.RESULTS,
+            summary="add/subtract/multiply/divide → sum/difference/product/quotient",
+        ),
+        "assistant": Builtin(
+            _static(assistant.handle),
+            (assistant.Task,),
+            (assistant.Answer,),
+            summary="task → answer (placeholder until the agent runtime is configured)",
+        ),
+        "console": Builtin(
+            _console,
+            (Prompt,),
+            (Input,),
+            # One prompt at a time; a human may take long to type a line.
+            {"concurrency": 1, "timeout": 86400.0},
+            summary="prompt → reads a line → input",
+        ),
+        "console-router": Builtin(
+            _console_router,
+            (Input, Pending),
+            (Prompt,),
+            # Raw: it relays whatever payload its peers answer with. Each waiting console
+            # holds one slot (the pending reminder), hence the generous concurrency.
+            {"raw": True, "concurrency": 64, "timeout": 60.0, "queue_size": 256},
+            summary="input → the addressed listener → prompt",
+        ),
+        "system-boot": Builtin(
+            _system_boot,
+            (Boot,),
+            (),
+            {"concurrency": 1},
+            summary="boot primitive → starts an attached console",
+        ),
+    }
+)
+
+BUILTIN_PAYLOADS: Mapping[str, type[BaseXmlModel]] = MappingProxyType(
+    {
+        "echo.ping": echo.Ping,
+        "echo.pong": echo.Pong,
+        "calculator.add": calculator.Add,
+        "calculator.subtract": calculator.Subtract,
+        "calculator.multiply": calculator.Multiply,
+        "calculator.divide": calculator.Divide,
+        "calculator.sum": calculator.Sum,
+        "calculator.difference": calculator.Difference,
+        "calculator.product": calculator.Product,
+        "calculator.quotient": calculator.Quotient,
+        "assistant.task": assistant.Task,
+        "assistant.answer": assistant.Answer,
+        "console.prompt": Prompt,
+        "console.input": Input,
+        "console.pending": Pending,
+        "core.boot": Boot,
+    }
+)
+
+
+def console_listener_names(topology: Topology) -> tuple[str, ...]:
+    """Listeners that run the built-in console handler."""
+    return tuple(s.name for s in topology.listeners if s.builtin == "console")
+
+
+def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
+    """The pump listeners of ``topology``, with built-in handlers made for ``ctx``."""
+    listeners = []
+    for spec in topology.listeners:
+        if spec.builtin is not None:
+            handler = BUILTIN_HANDLERS[spec.builtin].factory(spec, ctx)
+        else:
+            assert spec.handler is not None  # the loader resolved it
+            handler = spec.handler
+        listeners.append(
+            Listener(
+                spec.name,
+                spec.accepts,
+                handler,
+                peers=spec.peers,
+                responses=spec.responds,
+                agent=spec.agent,
+                broadcast=spec.broadcast,
+                concurrency=spec.concurrency,
+                timeout=spec.timeout,
+                queue_size=spec.queue_size,
+                raw=spec.raw,
+                description=spec.description,
+            )
+        )
+    return listeners

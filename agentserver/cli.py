@@ -1,0 +1,416 @@
+"""The ``agentserver`` command: run, send, check, console.
+
+Exit statuses: 0 success; 1 a problem with the topology or the request (boot.xml errors,
+a ``<huh>`` or ``<SystemError>`` reply); 2 bad usage or input; 3 no reply in time;
+4 cannot connect, or the connection was lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+import signal
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from agentserver import boot
+from agentserver.bundled import BOOT_XML
+from agentserver.errors import ConfigurationError, InputRefused
+from agentserver.threads import is_uuid4
+from agentserver.topology import DEFAULT_PORT
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 3
+EXIT_CONNECTION = 4
+DEFAULT_CONNECT = f"127.0.0.1:{DEFAULT_PORT}"
+TOKEN_ENV = "AGENTSERVER_TOKEN"
+BUNDLED_NAME = "<bundled boot.xml>"
+
+log = logging.getLogger("agentserver.cli")
+
+
+def _address(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _port(value: str) -> int:
+    if not value.isdigit() or int(value) > 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number (0-65535)")
+    return int(value)
+
+
+def _positive(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentserver",
+        description="An XML message-pump agent server.",
+        epilog="Exit status: 0 ok, 1 failed (boot.xml errors, <huh>/<SystemError> reply), "
+        "2 usage, 3 timeout, 4 connection.",
+    )
+    levels = ["debug", "info", "warning", "error"]
+    level_help = "log level on standard error (default: info for run, warning otherwise)"
+    parser.add_argument("--log-level", choices=levels, help=level_help)
+    # Also accepted after the command; SUPPRESS keeps a value given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", choices=levels, default=argparse.SUPPRESS, help=level_help)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run",
+        parents=[common],
+        help="run a topology",
+        description="Run the topology of BOOT until SIGINT/SIGTERM (or until an attached "
+        "console quits), then stop accepting, drain in-flight work and exit 0. Logs one "
+        "line 'agentserver listening on HOST:PORT' to standard error once it accepts "
+        "connections.",
+    )
+    run.add_argument(
+        "boot",
+        nargs="?",
+        metavar="BOOT",
+        help="boot.xml to run (default: ./boot.xml, else the bundled one)",
+    )
+    run.add_argument("--host", help="address to listen on (default: boot.xml <listen host>)")
+    run.add_argument(
+        "--port", type=_port, help="port to listen on; 0 picks a free one (default: boot.xml)"
+    )
+    run.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow anonymous connections on a non-loopback address (no clients declared)",
+    )
+    run.add_argument(
+        "--console",
+        action="store_true",
+        help="attach the console listener to this terminal; quitting it stops the server",
+    )
+
+    send = sub.add_parser(
+        "send",
+        parents=[common],
+        help="send one payload and print the reply",
+        description="Send one payload (an XML element, from FILE or standard input) to "
+        "listener NAME and print the reply envelope(s) of its thread. Exit 1 if a reply is "
+        "a <huh> or <SystemError>, 3 if none comes in time, 4 if the server is unreachable.",
+    )
+    send.add_argument(
+        "file",
+        nargs="?",
+        default="-",
+        metavar="FILE",
+        help="payload file, or - for standard input (default)",
+    )
+    send.add_argument("--to", required=True, metavar="NAME", help="listener to address")
+    send.add_argument(
+        "--thread", metavar="UUID", help="thread to use (a uuid4; default: a new one)"
+    )
+    send.add_argument(
+        "--connect",
+        type=_address,
+        default=DEFAULT_CONNECT,
+        metavar="HOST:PORT",
+        help=f"server address (default: {DEFAULT_CONNECT})",
+    )
+    send.add_argument(
+        "--timeout",
+        type=_positive,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long to wait for the reply (default: 30)",
+    )
+    send.add_argument(
+        "--linger",
+        type=float,
+        default=0.2,
+        metavar="SECONDS",
+        help="after the first reply, how long to wait for more on the same thread (default: 0.2)",
+    )
+    send.add_argument(
+        "--client",
+        metavar="NAME",
+        help=f"client name for the hello; the token is read from ${TOKEN_ENV}",
+    )
+
+    check = sub.add_parser(
+        "check",
+        parents=[common],
+        help="validate a boot.xml",
+        description="Validate BOOT against schemas/boot.xsd and check every reference in it "
+        "(imports resolve, peers and payload types exist, names are unique, ...). Prints "
+        "each problem as FILE:LINE: message and exits 1 on errors; prints a one-line summary "
+        "and exits 0 when the file is good (warnings do not fail it).",
+    )
+    check.add_argument("boot", metavar="BOOT", help="the boot.xml to check")
+
+    console = sub.add_parser(
+        "console",
+        parents=[common],
+        help="talk to a running server",
+        description="An interactive console over the socket. Type @NAME <payload .../> to "
+        "send a payload to listener NAME, plain text for the default agent, /help, /quit.",
+    )
+    console.add_argument(
+        "--connect",
+        type=_address,
+        default=DEFAULT_CONNECT,
+        metavar="HOST:PORT",
+        help=f"server address (default: {DEFAULT_CONNECT})",
+    )
+    console.add_argument(
+        "--client",
+        metavar="NAME",
+        help=f"client name for the hello; the token is read from ${TOKEN_ENV}",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    level = args.log_level or ("info" if args.command == "run" else "warning")
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handler = {"run": cmd_run, "send": cmd_send, "check": cmd_check, "console": cmd_console}
+    return handler[args.command](args)
+
+
+def _trio_run(fn):
+    """``trio.run(fn)``, re-raising a nursery's sole exception as itself (callers catch
+    ClientError and OSError, not groups of one)."""
+    try:
+        return trio.run(fn)
+    except BaseExceptionGroup as group:
+        error: BaseException = group
+        while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+            error = error.exceptions[0]
+        raise error from None
+
+
+# -- check ----------------------------------------------------------------------------------
+
+
+def _print_problems(result: boot.LoadResult) -> None:
+    for problem in result.problems:
+        print(problem, file=sys.stderr if problem.warning else sys.stdout)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    result = boot.load(args.boot)
+    _print_problems(result)
+    if result.topology is None:
+        count = len(result.errors)
+        print(f"{args.boot}: {count} error{'s' * (count != 1)}", file=sys.stderr)
+        return EXIT_FAILED
+    print(summary(args.boot, result))
+    return EXIT_OK
+
+
+def summary(name: str, result: boot.LoadResult) -> str:
+    topo = result.topology
+    assert topo is not None
+    warnings = len(result.warnings)
+    extra = f", {warnings} warning{'s' * (warnings != 1)}" if warnings else ""
+    return (
+        f"{name}: OK: organism {topo.organism!r}, {len(topo.listeners)} listeners, "
+        f"{len(topo.clients)} clients{extra}"
+    )
+
+
+# -- run ------------------------------------------------------------------------------------
+
+
+def load_boot_for_run(explicit: str | None) -> tuple[str, boot.LoadResult]:
+    """The topology ``run`` uses: BOOT if given, else ./boot.xml, else the bundled copy."""
+    if explicit is not None:
+        return explicit, boot.load(explicit)
+    local = pathlib.Path("boot.xml")
+    if local.is_file():
+        return str(local), boot.load(local)
+    return BUNDLED_NAME, boot.load_bytes(BOOT_XML.encode("utf-8"), name=BUNDLED_NAME)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agentserver.builtins import RunContext, console_listener_names
+    from agentserver.listeners.console import StdioTerminal
+    from agentserver.server import ServeOptions, run_server
+
+    name, result = load_boot_for_run(args.boot)
+    _print_problems(result)
+    topology = result.topology
+    if topology is None:
+        print(f"{name}: not started: fix the errors above", file=sys.stderr)
+        return EXIT_FAILED
+    if args.console:
+        reachable = set(console_listener_names(topology)) & set(topology.boot_listener.peers)
+        if not reachable:
+            print(
+                f"{name}: --console needs a console listener among the boot listener's peers",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
+    log.info("topology %r from %s", topology.organism, name)
+    shutdown = trio.Event()
+    ctx = RunContext(
+        topology,
+        terminal=StdioTerminal() if args.console else None,
+        on_console_exit=shutdown.set,
+    )
+    options = ServeOptions(host=args.host, port=args.port, insecure=args.insecure)
+
+    def listening(addresses: list[str]) -> None:
+        # Printed, not only logged: tools and tests read the bound address from this line.
+        print(f"agentserver listening on {', '.join(addresses)}", file=sys.stderr, flush=True)
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_signals, shutdown, nursery.cancel_scope)
+            await run_server(
+                topology, options, ctx, shutdown, environ=os.environ, on_listening=listening
+            )
+            nursery.cancel_scope.cancel()
+
+    try:
+        _trio_run(serve)
+    except ConfigurationError as exc:
+        print(f"{name}: not started: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as exc:
+        print(f"{name}: cannot listen: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+async def _watch_signals(shutdown: trio.Event, scope: trio.CancelScope) -> None:
+    """First SIGINT/SIGTERM: graceful shutdown. A second one: stop at once."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            if shutdown.is_set():
+                log.warning("second %s: stopping now", signal.Signals(signum).name)
+                scope.cancel()
+                return
+            log.info("%s: shutting down", signal.Signals(signum).name)
+            shutdown.set()
+
+
+# -- send -----------------------------------------------------------------------------------
+
+
+def _credentials(args: argparse.Namespace) -> tuple[str | None, str | None] | None:
+    if args.client is None:
+        return None, None
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        print(f"--client needs the token in ${TOKEN_ENV}", file=sys.stderr)
+        return None
+    return args.client, token
+
+
+def cmd_send(args: argparse.Namespace) -> int:
+    from agentserver.client import ClientError, RequestTimeout, open_client, payload_element
+
+    if args.thread is not None and not is_uuid4(args.thread):
+        print("--thread must be a lowercase uuid4", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if args.file == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            data = pathlib.Path(args.file).read_bytes()
+    except OSError as exc:
+        print(f"cannot read {args.file}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        payload = payload_element(data)
+    except InputRefused as exc:
+        print(f"the payload is not well-formed XML: {exc.detail or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    creds = _credentials(args)
+    if creds is None:
+        return EXIT_USAGE
+    host, port = args.connect
+
+    async def send() -> int:
+        async with open_client(host, port, client=creds[0], token=creds[1]) as client:
+            reply = await client.request(
+                payload, to=args.to, timeout=args.timeout, thread=args.thread
+            )
+            replies = [reply]
+            with trio.move_on_after(max(args.linger, 0)):
+                while True:
+                    more = await client.receive()
+                    if more.thread == reply.thread:
+                        replies.append(more)
+        for r in replies:
+            sys.stdout.write(r.raw.decode("utf-8") + "\n")
+        sys.stdout.flush()
+        return EXIT_FAILED if any(r.is_error for r in replies) else EXIT_OK
+
+    try:
+        return _trio_run(send)
+    except RequestTimeout as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_TIMEOUT
+    except (ClientError, OSError, trio.TooSlowError) as exc:
+        print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
+        return EXIT_CONNECTION
+
+
+# -- console --------------------------------------------------------------------------------
+
+
+def cmd_console(args: argparse.Namespace) -> int:
+    from agentserver.client import ClientError
+    from agentserver.listeners.console import StdioTerminal
+    from agentserver.remote_console import run_remote_console
+
+    creds = _credentials(args)
+    if creds is None:
+        return EXIT_USAGE
+    host, port = args.connect
+    terminal = StdioTerminal()
+
+    async def console() -> int:
+        async with trio.open_nursery() as nursery:
+
+            async def signals() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+                    async for _ in received:
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(signals)
+            status = await run_remote_console(host, port, terminal, client=creds[0], token=creds[1])
+            nursery.cancel_scope.cancel()
+            return status
+        return EXIT_OK  # interrupted
+
+    try:
+        status = _trio_run(console)
+    except (ClientError, OSError, trio.TooSlowError) as exc:
+        print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
+        return EXIT_CONNECTION
+    return EXIT_CONNECTION if status else EXIT_OK

@@ -1,0 +1,311 @@
+"""A trio client for the agentserver wire protocol (docs/wire.md).
+
+::
+
+    async with open_client("127.0.0.1", 7340) as client:
+        reply = await client.request(Ping(text="hi"), to="echo", timeout=5)
+        print(reply.payload_xml)
+
+Several requests may be in flight on one connection; each reply is matched by its thread.
+Replies nobody waits for (another ``send``, a broadcast's extra answers) go to a bounded
+inbox read with :meth:`Client.receive`; when the inbox is full the oldest is dropped and
+counted in :attr:`Client.dropped`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import trio
+from lxml import etree
+from pydantic_xml import BaseXmlModel
+
+from agentserver.envelope import MESSAGE, build_envelope
+from agentserver.errors import AgentServerError, InputRefused
+from agentserver.framing import FrameDecoder, FramingError, encode_frame
+from agentserver.handshake import hello_frame_body
+from agentserver.namespaces import CORE_NS, ENVELOPE_NS
+from agentserver.threads import is_uuid4, new_thread_id
+from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser
+
+HUH_TAG = f"{{{CORE_NS}}}huh"
+SYSTEM_ERROR_TAG = f"{{{CORE_NS}}}SystemError"
+_E = f"{{{ENVELOPE_NS}}}"
+
+
+class ClientError(AgentServerError):
+    """Base of the client's errors."""
+
+
+class ConnectionClosed(ClientError):
+    """The server closed the connection (or it broke)."""
+
+
+class RequestTimeout(ClientError):
+    """No reply on the request's thread within the timeout."""
+
+
+class ProtocolError(ClientError):
+    """The server sent something that is not a valid framed envelope."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One envelope from the server."""
+
+    from_id: str
+    to: str | None
+    thread: str
+    payload: etree._Element
+    raw: bytes
+
+    @property
+    def is_huh(self) -> bool:
+        return self.payload.tag == HUH_TAG
+
+    @property
+    def is_system_error(self) -> bool:
+        return self.payload.tag == SYSTEM_ERROR_TAG
+
+    @property
+    def is_error(self) -> bool:
+        """True for ``<huh>`` and ``<SystemError>``."""
+        return self.is_huh or self.is_system_error
+
+    @property
+    def error_text(self) -> str | None:
+        """The canned text of a ``<huh>`` / the message of a ``<SystemError>``; else None."""
+        if self.is_huh:
+            return self.payload.findtext(f"{{{CORE_NS}}}error")
+        if self.is_system_error:
+            return self.payload.findtext(f"{{{CORE_NS}}}message")
+        return None
+
+    @property
+    def payload_xml(self) -> str:
+        return etree.tostring(self.payload, encoding="unicode")
+
+
+def parse_reply(data: bytes, parser: SafeParser) -> Reply:
+    """An envelope from the server. Raises :class:`ProtocolError`."""
+    try:
+        root = parser.parse(data)
+    except InputRefused as exc:
+        raise ProtocolError(f"unparsable reply: {exc}") from None
+    if root.tag != MESSAGE or len(root) != 2:
+        raise ProtocolError("reply is not an envelope")
+    meta, payload = root[0], root[1]
+    return Reply(
+        (meta.findtext(_E + "from") or "").strip(),
+        (meta.findtext(_E + "to") or "").strip() or None,
+        (meta.findtext(_E + "thread") or "").strip(),
+        payload,
+        data,
+    )
+
+
+def payload_element(payload: BaseXmlModel | etree._Element | bytes | str) -> etree._Element:
+    """A payload as an element. Bytes and str are parsed with the hardened parser."""
+    if isinstance(payload, BaseXmlModel):
+        return payload.to_xml_tree(exclude_none=True)
+    if isinstance(payload, etree._Element):
+        return payload
+    if isinstance(payload, str):
+        payload = payload.encode("utf-8")
+    if isinstance(payload, bytes):
+        return SafeParser().parse(payload.strip())
+    raise TypeError(f"cannot send a {type(payload).__name__} as a payload")
+
+
+class Client:
+    """A connection to an agentserver. Create with :func:`open_client`."""
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        *,
+        name: str = "client",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        inbox_size: int = 1024,
+    ) -> None:
+        self._stream = stream
+        self._name = name
+        self._max = max_message_bytes
+        self._parser = SafeParser(max_message_bytes)
+        self._send_lock = trio.Lock()
+        self._waiters: dict[str, trio.MemorySendChannel[Reply]] = {}
+        self._inbox: collections.deque[Reply] = collections.deque()
+        self._inbox_size = inbox_size
+        self._inbox_ready = trio.Event()
+        self._closed = trio.Event()
+        self._failure: ClientError | None = None
+        #: Replies dropped because the inbox was full.
+        self.dropped = 0
+
+    # -- sending -------------------------------------------------------------------------
+
+    async def send(
+        self,
+        payload: BaseXmlModel | etree._Element | bytes | str,
+        *,
+        to: str | None = None,
+        thread: str | None = None,
+    ) -> str:
+        """Send one payload to listener ``to`` (None: routed by its root tag). Returns the
+        thread its replies will carry: ``thread`` if given (a uuid4 of this client's), else
+        a fresh one."""
+        if thread is None:
+            thread = new_thread_id()
+        element = payload_element(payload)
+        body = etree.tostring(build_envelope(self._name, to, thread, element))
+        await self.send_raw(body)
+        return thread
+
+    async def send_raw(self, body: bytes) -> None:
+        """Send one frame with ``body`` as is (tests, tools)."""
+        if self._failure is not None:
+            raise self._failure
+        async with self._send_lock:
+            try:
+                await self._stream.send_all(encode_frame(body))
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise ConnectionClosed(str(exc) or "connection closed") from None
+
+    async def request(
+        self,
+        payload: BaseXmlModel | etree._Element | bytes | str,
+        *,
+        to: str | None = None,
+        # A per-request deadline is the point of request(); callers may still wrap it.
+        timeout: float = 30.0,  # noqa: ASYNC109
+        thread: str | None = None,
+    ) -> Reply:
+        """Send and wait for the first reply on the request's thread (which may be a
+        ``<huh>`` or ``<SystemError>``: check :attr:`Reply.is_error`).
+        Raises :class:`RequestTimeout` or :class:`ConnectionClosed`."""
+        if thread is None:
+            thread = new_thread_id()
+        elif not is_uuid4(thread):
+            raise ValueError("thread must be a uuid4 (the server replaces anything else)")
+        send, receive = trio.open_memory_channel[Reply](1)
+        if thread in self._waiters:
+            raise ValueError(f"a request on thread {thread} is already waiting")
+        self._waiters[thread] = send
+        try:
+            await self.send(payload, to=to, thread=thread)
+            with trio.move_on_after(timeout):
+                try:
+                    return await receive.receive()
+                except trio.EndOfChannel:
+                    raise self._failure or ConnectionClosed("connection closed") from None
+            raise RequestTimeout(f"no reply on thread {thread} within {timeout:g} s")
+        finally:
+            self._waiters.pop(thread, None)
+
+    # -- receiving -----------------------------------------------------------------------
+
+    async def receive(self) -> Reply:
+        """The next reply no :meth:`request` was waiting for.
+        Raises :class:`ConnectionClosed` once the connection is gone and the inbox empty."""
+        while not self._inbox:
+            if self._closed.is_set():
+                raise self._failure or ConnectionClosed("connection closed")
+            self._inbox_ready = trio.Event()
+            await self._inbox_ready.wait()
+        return self._inbox.popleft()
+
+    def __aiter__(self) -> AsyncIterator[Reply]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Reply]:
+        while True:
+            try:
+                yield await self.receive()
+            except ConnectionClosed:
+                return
+
+    async def _read_loop(self) -> None:
+        decoder = FrameDecoder(self._max)
+        try:
+            while True:
+                try:
+                    data = await self._stream.receive_some(64 * 1024)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = b""
+                if not data:
+                    self._fail(ConnectionClosed("the server closed the connection"))
+                    return
+                decoder.feed(data)
+                while (frame := decoder.next_frame()) is not None:
+                    self._dispatch(parse_reply(frame, self._parser))
+        except (FramingError, ProtocolError) as exc:
+            self._fail(ProtocolError(str(exc)))
+
+    def _dispatch(self, reply: Reply) -> None:
+        waiter = self._waiters.pop(reply.thread, None)
+        if waiter is not None:
+            waiter.send_nowait(reply)  # capacity 1, used once
+            return
+        if len(self._inbox) >= self._inbox_size:
+            self._inbox.popleft()
+            self.dropped += 1
+        self._inbox.append(reply)
+        self._inbox_ready.set()
+
+    def _fail(self, error: ClientError) -> None:
+        if self._failure is None:
+            self._failure = error
+        self._closed.set()
+        self._inbox_ready.set()
+        for waiter in self._waiters.values():
+            waiter.close()
+        self._waiters.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    async def wait_closed(self) -> None:
+        """Return once the connection is gone."""
+        await self._closed.wait()
+
+
+@contextlib.asynccontextmanager
+async def open_client(
+    host: str,
+    port: int,
+    *,
+    client: str | None = None,
+    token: str | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    connect_timeout: float = 10.0,
+) -> AsyncIterator[Client]:
+    """Connect; with ``client`` and ``token``, send the hello first. Leaving the block
+    closes the connection."""
+    if client is not None and token is None:
+        raise ValueError("a client name needs a token")
+    with trio.fail_after(connect_timeout):
+        stream = await trio.open_tcp_stream(host, port)
+    try:
+        async with stream, trio.open_nursery() as nursery:
+            conn = Client(stream, name=client or "client", max_message_bytes=max_message_bytes)
+            if client is not None:
+                await conn.send_raw(hello_frame_body(client, token))
+            nursery.start_soon(conn._read_loop)
+            try:
+                yield conn
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The reader task never raises, so a group holds the caller's own exception:
+        # hand it back as raised (callers catch RequestTimeout, not a group of one).
+        raise _sole(group) from None
+
+
+def _sole(group: BaseExceptionGroup) -> BaseException:
+    while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
+        group = group.exceptions[0]
+    return group

@@ -1,0 +1,123 @@
+"""``agentserver console``: the console listener in this process, talking to a server.
+
+The same message-driven console as in the server runs here in a small local pump: a
+local boot listener prompts the console, the console's ``<input>`` goes to a local bridge
+named ``console-router``, which relays it over the socket to the server's console router
+and returns the server's answer (a ``<prompt>``) to the console, and so on. Errors from
+the server (``<huh>``, ``<SystemError>``) are shown readably.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import logging
+
+import trio
+from lxml import etree
+
+from agentserver.client import Client, ClientError, RequestTimeout, open_client
+from agentserver.listener import HandlerMetadata, HandlerResponse, Listener
+from agentserver.listeners.console import NS as CONSOLE_NS
+from agentserver.listeners.console import Console, Input, Prompt, Terminal
+from agentserver.listeners.console_router import render_reply
+from agentserver.listeners.system_boot import SystemBoot
+from agentserver.primitives.core import Boot
+from agentserver.pump import PumpConfig, open_pump
+
+log = logging.getLogger("agentserver.console")
+PROMPT_TAG = etree.QName(CONSOLE_NS, "prompt").text
+
+
+class Bridge:
+    """The local ``console-router``: relays ``<input>`` to the server, answers with the
+    server's ``<prompt>`` (or a readable error)."""
+
+    def __init__(self, client: Client, *, timeout: float) -> None:
+        self._client = client
+        self._timeout = timeout
+
+    async def __call__(self, payload: etree._Element, meta: HandlerMetadata) -> HandlerResponse:
+        try:
+            # Relayed by root tag: whichever server listener takes console <input>.
+            reply = await self._client.request(copy.deepcopy(payload), timeout=self._timeout)
+        except RequestTimeout:
+            return HandlerResponse.respond(
+                Prompt(lines=[f"error: the server did not answer within {self._timeout:g} s"])
+            )
+        except ClientError as exc:
+            return HandlerResponse.respond(Prompt(lines=[f"error: {exc}"]))
+        if reply.payload.tag == PROMPT_TAG:
+            return HandlerResponse.respond(Prompt.from_xml_tree(reply.payload))
+        return HandlerResponse.respond(
+            Prompt(lines=list(render_reply(reply.payload, reply.from_id)))
+        )
+
+
+async def run_remote_console(
+    host: str,
+    port: int,
+    terminal: Terminal,
+    *,
+    client: str | None = None,
+    token: str | None = None,
+    reply_timeout: float = 120.0,
+) -> int:
+    """Run until the user quits (0) or the server goes away (1)."""
+    async with open_client(host, port, client=client, token=token) as conn:
+        done = trio.Event()
+        lost = False
+        listeners = [
+            Listener(
+                "boot",
+                (Boot,),
+                SystemBoot(
+                    start_console=True,
+                    banner=[
+                        f"agentserver console: connected to {host}:{port}. /help for commands, /quit to leave."
+                    ],
+                ),
+                peers=("console",),
+                concurrency=1,
+            ),
+            Listener(
+                "console",
+                (Prompt,),
+                Console(terminal, trusted=("boot", "console-router"), on_exit=done.set),
+                peers=("console-router",),
+                responses=(Input,),
+                concurrency=1,
+                timeout=86400.0,
+            ),
+            Listener(
+                "console-router",
+                (Input,),
+                Bridge(conn, timeout=reply_timeout),
+                responses=(Prompt,),
+                raw=True,
+                concurrency=1,
+                timeout=reply_timeout + 10,
+            ),
+        ]
+        async with (
+            open_pump(listeners, config=PumpConfig(organism="console", drain_timeout=0.2)) as pump,
+            trio.open_nursery() as nursery,
+        ):
+
+            async def watch() -> None:
+                nonlocal lost
+                await conn.wait_closed()
+                lost = True
+                done.set()
+
+            nursery.start_soon(watch)
+            now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+            await pump.inject_system(
+                Boot(organism="console", timestamp=now, listener_count=3), to="boot"
+            )
+            await done.wait()
+            nursery.cancel_scope.cancel()
+        if lost:
+            terminal.write("error: the server closed the connection")
+            return 1
+        return 0

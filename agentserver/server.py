@@ -1,0 +1,432 @@
+"""The TCP server: framed XML envelopes in, replies pushed out as they are produced.
+
+One task pair per connection: a reader that decodes frames (:mod:`agentserver.framing`)
+and injects them into the pump through the connection's endpoint, and a writer that takes
+every reply that is ready from the endpoint and writes them with one ``send_all``.
+
+Outcomes (also in docs/wire.md):
+
+- A frame declaring more than ``max_message_bytes`` gets one ``<huh>`` (too large) and the
+  connection is closed, before the body is read.
+- A frame must arrive completely within ``read_timeout`` seconds of its first byte, else
+  the connection is closed (nothing is sent: the peer is not reading a reply either).
+- With clients declared, the first frame must be a valid hello (see
+  :mod:`agentserver.handshake`) within ``hello_timeout``; anything else gets one canned
+  ``<huh>`` and the connection is closed. Nothing reaches the pump before that.
+- At most ``max_connections`` connections; one more gets a ``<SystemError>`` (routing,
+  retry allowed) and is closed.
+- At most ``max_inflight`` requests per connection wait for replies; past that the server
+  stops reading from that connection (TCP pushes back). A request stops counting when a
+  reply is written or after ``inflight_ttl`` seconds.
+- Replies wait in a buffer of ``outgoing_buffer`` messages; a client that stops reading is
+  disconnected when it overflows, or when one write blocks for ``write_timeout`` seconds.
+- On end of input from the client, replies still owed are written for up to
+  ``read_timeout`` seconds, then the connection is closed.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from agentserver.builtins import RunContext, build_listeners
+from agentserver.endpoint import Endpoint
+from agentserver.envelope import encode
+from agentserver.errors import (
+    ConfigurationError,
+    DeliveryRefused,
+    EndpointClosed,
+    HuhReason,
+    PumpClosed,
+    SystemErrorCode,
+)
+from agentserver.framing import FrameDecoder, FrameTooLarge, encode_frame, encode_frames
+from agentserver.handshake import MAX_HELLO_BYTES, Credential, HelloGate, Identity, Unauthenticated
+from agentserver.primitives.core import Boot, huh, primitive_for
+from agentserver.pump import SYSTEM, Pump
+from agentserver.threads import new_thread_id
+from agentserver.topology import Limits, Topology
+
+log = logging.getLogger("agentserver.server")
+
+RECEIVE_SIZE = 64 * 1024
+#: Replies written with one ``send_all`` at most (bounds one write's size and latency).
+MAX_BATCH = 256
+#: How long a refused connection gets to take its one refusal.
+_REFUSAL_WRITE_TIMEOUT = 1.0
+
+
+def _refusal_frame(payload_element) -> bytes:
+    return encode_frame(encode(SYSTEM, None, new_thread_id(), payload_element))
+
+
+def format_address(sockname: tuple) -> str:
+    host, port = sockname[0], sockname[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Server:
+    """Serves one pump on TCP. ``serve`` runs until :meth:`stop_accepting` and until every
+    connection has ended (connections end when the pump closes their endpoints)."""
+
+    def __init__(self, pump: Pump, limits: Limits, gate: HelloGate) -> None:
+        self.pump = pump
+        self.limits = limits
+        self.gate = gate
+        self.addresses: list[tuple] = []
+        self._accept_scope = trio.CancelScope()
+        self._connections: set[_Connection] = set()
+        self.counters = {"accepted": 0, "refused_busy": 0, "unauthenticated": 0, "oversize": 0}
+
+    @property
+    def connection_count(self) -> int:
+        return len(self._connections)
+
+    async def serve(
+        self,
+        host: str,
+        port: int,
+        *,
+        task_status: trio.TaskStatus[list[tuple]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        self.addresses = [lst.socket.getsockname() for lst in listeners]
+        async with trio.open_nursery() as connections:
+            with self._accept_scope:
+                task_status.started(self.addresses)
+                await trio.serve_listeners(self._on_stream, listeners, handler_nursery=connections)
+            for lst in listeners:
+                await lst.aclose()
+        log.info("server stopped")
+
+    def stop_accepting(self) -> None:
+        """Close the listening sockets and stop reading from every connection. Replies
+        still owed are written until the pump closes the endpoints."""
+        self._accept_scope.cancel()
+        for conn in list(self._connections):
+            conn.stop_reading()
+
+    async def _on_stream(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            if len(self._connections) >= self.limits.max_connections:
+                self.counters["refused_busy"] += 1
+                busy = DeliveryRefused(SystemErrorCode.ROUTING, retry_allowed=True)
+                with trio.move_on_after(_REFUSAL_WRITE_TIMEOUT):
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                        await stream.send_all(_refusal_frame(primitive_for(busy)))
+                return
+            self.counters["accepted"] += 1
+            conn = _Connection(self, stream)
+            self._connections.add(conn)
+            try:
+                await conn.run()
+            except Exception:
+                # A bug in one connection's handling must not take the server down.
+                log.exception("connection failed; closing it")
+            finally:
+                self._connections.discard(conn)
+
+
+class _Connection:
+    """One client connection (see the module docstring for the rules it applies)."""
+
+    def __init__(self, server: Server, stream: trio.SocketStream) -> None:
+        self.server = server
+        self.stream = stream
+        self.limits = server.limits
+        self.endpoint: Endpoint | None = None
+        self._reading = trio.CancelScope()
+        self._stopped = False
+        # Deadlines of requests waiting for a reply, oldest first (bounded by max_inflight).
+        self._inflight: collections.deque[float] = collections.deque()
+        self._room = trio.Event()
+        self._room.set()
+        self._early = b""
+
+    def stop_reading(self) -> None:
+        self._stopped = True
+        self._reading.cancel()
+
+    async def run(self) -> None:
+        try:
+            identity = await self._handshake()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        if identity is None:
+            return
+        pump = self.server.pump
+        try:
+            endpoint = self._open_endpoint(identity)
+        except PumpClosed:
+            return
+        self.endpoint = endpoint
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._writer, nursery.cancel_scope)
+                reason = await self._read_loop()
+                if reason == "eof":
+                    await self._linger()
+                if reason != "stopped":
+                    endpoint.close()
+        finally:
+            endpoint.close()
+            log.debug("connection %s closed (pump %s)", endpoint.name, pump.running)
+
+    def _open_endpoint(self, identity: Identity) -> Endpoint:
+        pump = self.server.pump
+        if not pump.running:
+            raise PumpClosed("not running")
+        buffer = self.limits.outgoing_buffer
+        if identity.name is None:
+            return pump.open_endpoint(None, buffer=buffer)
+        try:
+            return pump.open_endpoint(identity.name, buffer=buffer, allowed=identity.allowed)
+        except ConfigurationError:
+            # The client is connected twice: the second connection gets a suffixed name.
+            name = f"{identity.name[:55]}-{new_thread_id()[:8]}"
+            return pump.open_endpoint(name, buffer=buffer, allowed=identity.allowed)
+
+    # -- handshake -----------------------------------------------------------------------
+
+    async def _handshake(self) -> Identity | None:
+        gate = self.server.gate
+        if not gate.required:
+            return Identity(None)
+        decoder = FrameDecoder(MAX_HELLO_BYTES)
+        frame: bytes | None = None
+        with trio.move_on_after(self.limits.hello_timeout):
+            try:
+                while frame is None:
+                    data = await self.stream.receive_some(MAX_HELLO_BYTES + 8)
+                    if not data:
+                        return None
+                    decoder.feed(data)
+                    frame = decoder.next_frame()
+            except FrameTooLarge:
+                frame = None
+        try:
+            if frame is None:
+                raise Unauthenticated("no hello in time, or an oversize first frame")
+            identity = self.server.gate.check(frame)
+        except Unauthenticated as exc:
+            self.server.counters["unauthenticated"] += 1
+            log.info("connection refused: %s", exc)
+            with trio.move_on_after(_REFUSAL_WRITE_TIMEOUT):
+                refusal = huh(HuhReason.UNAUTHENTICATED)
+                await self.stream.send_all(_refusal_frame(refusal))
+            return None
+        # Frames sent right behind the hello are not lost: the reader starts with them.
+        self._early = decoder.take_remainder()
+        return identity
+
+    # -- reading -------------------------------------------------------------------------
+
+    async def _read_loop(self) -> str:
+        """Read and inject frames. Returns why it stopped: eof, stopped, stalled, idle,
+        oversize, closed."""
+        limits = self.limits
+        decoder = FrameDecoder(limits.max_message_bytes)
+        endpoint = self.endpoint
+        assert endpoint is not None
+        stream = self.stream
+        frame_deadline = math.inf
+        pending = self._early
+        self._early = b""
+        with self._reading:
+            while True:
+                if pending:
+                    data, pending = pending, b""
+                else:
+                    if decoder.mid_frame:
+                        deadline = frame_deadline
+                    elif limits.idle_timeout > 0 and not self._inflight:
+                        deadline = trio.current_time() + limits.idle_timeout
+                    else:
+                        deadline = math.inf
+                    with trio.move_on_at(deadline) as waited:
+                        try:
+                            data = await stream.receive_some(RECEIVE_SIZE)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                            return "closed"
+                    if waited.cancelled_caught:
+                        reason = "stalled" if decoder.mid_frame else "idle"
+                        log.info("connection %s %s: closing", endpoint.name, reason)
+                        return reason
+                    if not data:
+                        return "eof"
+                new_frame = not decoder.mid_frame
+                decoder.feed(data)
+                while True:
+                    try:
+                        frame = decoder.next_frame()
+                    except FrameTooLarge as exc:
+                        self.server.counters["oversize"] += 1
+                        log.info("connection %s: %s", endpoint.name, exc)
+                        refusal = huh(HuhReason.TOO_LARGE)
+                        endpoint.push(encode(SYSTEM, endpoint.name, new_thread_id(), refusal))
+                        return "oversize"
+                    if frame is None:
+                        break
+                    # A frame ended, so whatever follows starts a new one (and time spent
+                    # waiting for in-flight room below is not the client's stall).
+                    new_frame = True
+                    await self._admit()
+                    try:
+                        await endpoint.send(frame)
+                    except (PumpClosed, EndpointClosed):
+                        return "stopped"
+                if new_frame and decoder.mid_frame:
+                    frame_deadline = trio.current_time() + limits.read_timeout
+        return "stopped"
+
+    async def _admit(self) -> None:
+        """Wait until the connection may have one more request in flight."""
+        inflight = self._inflight
+        limit = self.limits.max_inflight
+        while len(inflight) >= limit:
+            now = trio.current_time()
+            while inflight and inflight[0] <= now:
+                inflight.popleft()  # unanswered for inflight_ttl: stop counting it
+            if len(inflight) < limit:
+                break
+            self._room = trio.Event()
+            with trio.move_on_at(inflight[0]):
+                await self._room.wait()
+        inflight.append(trio.current_time() + self.limits.inflight_ttl)
+
+    def _replied(self, count: int) -> None:
+        inflight = self._inflight
+        for _ in range(min(count, len(inflight))):
+            inflight.popleft()
+        self._room.set()
+
+    async def _linger(self) -> None:
+        """The client closed its sending side: give owed replies a bounded time to go out."""
+        with trio.move_on_after(self.limits.read_timeout):
+            while self._inflight and self.endpoint is not None and not self.endpoint.closed:
+                self._room = trio.Event()
+                await self._room.wait()
+
+    # -- writing -------------------------------------------------------------------------
+
+    async def _writer(self, connection_scope: trio.CancelScope) -> None:
+        """Write replies as they are produced, batching whatever is ready into one write."""
+        endpoint = self.endpoint
+        assert endpoint is not None
+        stream = self.stream
+        write_timeout = self.limits.write_timeout
+        try:
+            while True:
+                try:
+                    first = await endpoint.receive()
+                except EndpointClosed:
+                    break
+                # Yield once before collecting: replies produced in the same scheduler round
+                # then share this write (one syscall per batch, not per reply).
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                batch = [first]
+                while len(batch) < MAX_BATCH:
+                    try:
+                        batch.append(endpoint.receive_nowait())
+                    except (trio.WouldBlock, EndpointClosed):
+                        break
+                self._replied(len(batch))
+                with trio.move_on_after(write_timeout) as scope:
+                    await stream.send_all(encode_frames(batch))
+                if scope.cancelled_caught:
+                    log.info(
+                        "connection %s: a write blocked for %ss: disconnecting",
+                        endpoint.name,
+                        write_timeout,
+                    )
+                    break
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            if endpoint.overflowed:
+                log.info("connection %s stopped reading: disconnected", endpoint.name)
+            # The connection is over once nothing more can be written: stop the reader.
+            connection_scope.cancel()
+
+
+# -- running a topology ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """How ``agentserver run`` runs a topology (None: the topology's own value)."""
+
+    host: str | None = None
+    port: int | None = None
+    insecure: bool = False
+
+
+def credentials(topology: Topology, environ) -> dict[str, Credential]:
+    """Declared clients and their tokens, read from the environment now."""
+    out = {}
+    for client in topology.clients:
+        token = environ.get(client.token_env) or None
+        if token is None:
+            log.warning(
+                "client %s: %s is not set: it cannot connect", client.name, client.token_env
+            )
+        allowed = frozenset(client.may_address) if client.may_address is not None else None
+        out[client.name] = Credential(token, allowed)
+    return out
+
+
+def boot_primitive(topology: Topology) -> Boot:
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return Boot(organism=topology.organism, timestamp=now, listener_count=len(topology.listeners))
+
+
+async def run_server(
+    topology: Topology,
+    options: ServeOptions,
+    ctx: RunContext,
+    shutdown: trio.Event,
+    *,
+    environ,
+    on_listening: Callable[[list[str]], None] | None = None,
+) -> None:
+    """Run ``topology`` until ``shutdown`` is set, then shut down cleanly: stop accepting,
+    let in-flight work drain (``drain_timeout``), flush and close connections, close the
+    resources subsystems registered on ``ctx.resources``. Raises ConfigurationError if the
+    server must not start (e.g. anonymous access on a public address without insecure)."""
+    from agentserver.boot import is_loopback  # boot imports builtins; keep imports acyclic
+
+    host = options.host or topology.host
+    port = topology.port if options.port is None else options.port
+    if not topology.clients and not options.insecure and not is_loopback(host):
+        raise ConfigurationError(
+            f"no clients are declared, so connections are anonymous: refusing to listen on "
+            f"non-loopback address {host} (declare clients in boot.xml, or pass --insecure)"
+        )
+    listeners = build_listeners(topology, ctx)
+    pump = Pump(listeners, config=topology.pump_config())
+    server = Server(pump, topology.limits, HelloGate(credentials(topology, environ)))
+    async with ctx.resources:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pump.run)
+            await pump.inject_system(boot_primitive(topology), to=topology.boot_listener.name)
+            try:
+                addresses = await nursery.start(server.serve, host, port)
+            except OSError:
+                pump.close()
+                raise
+            shown = [format_address(a) for a in addresses]
+            log.debug("listening on %s", ", ".join(shown))
+            if on_listening is not None:
+                on_listening(shown)
+            await shutdown.wait()
+            log.info("shutting down: draining for up to %ss", topology.limits.drain_timeout)
+            server.stop_accepting()
+            pump.close()
+    log.info("agentserver stopped")

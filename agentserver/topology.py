@@ -1,0 +1,126 @@
+"""What a boot.xml declares, as plain data: :class:`Topology` and its parts.
+
+Built by :mod:`agentserver.boot` (which validates and resolves every reference); turned
+into running listeners by :func:`agentserver.builtins.build_listeners`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lxml import etree
+from pydantic_xml import BaseXmlModel
+
+from agentserver.primitives.core import Boot
+from agentserver.pump import PumpConfig
+from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 7340
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Connection and message limits (boot.xml ``<limits>``; seconds unless stated)."""
+
+    max_connections: int = 256
+    max_inflight: int = 64
+    inflight_ttl: float = 120.0
+    outgoing_buffer: int = 256
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    read_timeout: float = 10.0
+    write_timeout: float = 10.0
+    hello_timeout: float = 5.0
+    #: 0 means connections may stay idle forever.
+    idle_timeout: float = 0.0
+    drain_timeout: float = 5.0
+    delivery_timeout: float = 10.0
+    max_threads: int = 100_000
+    thread_ttl: float = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSpec:
+    """A named client. Its token is read from the environment variable ``token_env``."""
+
+    name: str
+    token_env: str
+    #: Listener names it may address; None means all.
+    may_address: tuple[str, ...] | None = None
+    line: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerSpec:
+    """One declared listener with every reference resolved.
+
+    Exactly one of ``builtin`` (a name in :data:`agentserver.builtins.BUILTIN_HANDLERS`)
+    and ``handler`` (an imported async callable) is set.
+    """
+
+    name: str
+    handler_ref: str
+    accepts: tuple[type[BaseXmlModel], ...]
+    responds: tuple[type[BaseXmlModel], ...] = ()
+    peers: tuple[str, ...] = ()
+    builtin: str | None = None
+    handler: Callable[..., Any] | None = None
+    agent: bool = False
+    broadcast: bool = False
+    concurrency: int = 8
+    timeout: float = 30.0
+    queue_size: int = 64
+    raw: bool = False
+    description: str = ""
+    #: The ``<agent>`` settings element (``AgentProfileType``), for the agent runtime.
+    agent_profile: etree._Element | None = field(default=None, compare=False)
+    line: int = 0
+
+    @property
+    def is_boot(self) -> bool:
+        """True for the system boot listener (it takes the core ``<boot>`` primitive)."""
+        return Boot in self.accepts
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """A validated boot.xml."""
+
+    path: pathlib.Path
+    organism: str
+    listeners: tuple[ListenerSpec, ...]
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    limits: Limits = Limits()
+    clients: tuple[ClientSpec, ...] = ()
+    description: str = ""
+    #: The ``<llm>`` section (``LlmSectionType``), for the LLM router; None if absent.
+    llm: etree._Element | None = field(default=None, compare=False)
+    #: The ``<store>`` section (``StoreSectionType``), for the agent store; None if absent.
+    store: etree._Element | None = field(default=None, compare=False)
+
+    def listener(self, name: str) -> ListenerSpec:
+        for spec in self.listeners:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    @property
+    def boot_listener(self) -> ListenerSpec:
+        """The listener that receives the boot primitive (the loader guarantees one)."""
+        return next(spec for spec in self.listeners if spec.is_boot)
+
+    def pump_config(self) -> PumpConfig:
+        lim = self.limits
+        return PumpConfig(
+            organism=self.organism,
+            max_message_bytes=lim.max_message_bytes,
+            max_threads=lim.max_threads,
+            thread_idle_ttl=lim.thread_ttl,
+            delivery_timeout=lim.delivery_timeout,
+            endpoint_buffer=lim.outgoing_buffer,
+            drain_timeout=lim.drain_timeout,
+        )

@@ -1,0 +1,38 @@
+"""The ``echo`` listener: answers ``<ping>`` with a ``<pong>`` carrying the same text.
+
+``<ping xmlns="urn:agentserver:echo"><text>T</text></ping>`` →
+``<pong xmlns="urn:agentserver:echo"><text>T</text></pong>``.
+"""
+
+from __future__ import annotations
+
+from lxml import etree
+from pydantic_xml import BaseXmlModel, element
+
+from agentserver.listener import HandlerMetadata, HandlerResponse
+
+NS = "urn:agentserver:echo"
+_NSMAP = {"": NS}
+
+
+class Ping(BaseXmlModel, tag="ping", nsmap=_NSMAP):
+    text: str = element()
+
+
+class Pong(BaseXmlModel, tag="pong", nsmap=_NSMAP):
+    text: str = element()
+
+
+PONG_TAG = f"{{{NS}}}pong"
+TEXT_TAG = f"{{{NS}}}text"
+
+
+async def handle(payload: Ping | etree._Element, meta: HandlerMetadata) -> HandlerResponse:
+    """Respond to the caller with the same text.
+
+    Works as a model handler and as a raw one (the built-in ``echo`` runs raw: building
+    the reply with lxml directly skips two model conversions, a third of its cost)."""
+    text = payload.text if isinstance(payload, Ping) else payload[0].text
+    pong = etree.Element(PONG_TAG, nsmap={None: NS})
+    etree.SubElement(pong, TEXT_TAG).text = text
+    return HandlerResponse.respond(pong)

@@ -1,0 +1,169 @@
+"""Run the real server as a subprocess for end-to-end tests (helpers, not tests).
+
+``ServerProcess.start(boot)`` runs ``python -m agentserver run BOOT --port 0`` and reads
+the bound address from the line it prints to standard error.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import trio
+
+from agentserver.framing import FrameDecoder, encode_frame
+
+TESTS = pathlib.Path(__file__).resolve().parent
+REPO = TESTS.parent
+DATA = TESTS / "data"
+LISTENING = re.compile(r"agentserver listening on (\S+?):(\d+)")
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a server or CLI subprocess: tests/ importable (e2e handlers)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+def cli(
+    *args: str, input: bytes | None = None, env: dict[str, str] | None = None, timeout: float = 30
+):
+    """Run ``python -m agentserver ARGS`` to completion."""
+    return subprocess.run(
+        [sys.executable, "-m", "agentserver", *args],
+        input=input,
+        capture_output=True,
+        env=env or subprocess_env(),
+        timeout=timeout,
+        cwd=TESTS,
+    )
+
+
+class ServerProcess:
+    """A running ``agentserver run``. Standard error is collected by a thread."""
+
+    def __init__(self, proc: subprocess.Popen, host: str, port: int, lines: list[str]) -> None:
+        self.proc = proc
+        self.host = host
+        self.port = port
+        self._lines = lines
+
+    @classmethod
+    def start(
+        cls,
+        boot: pathlib.Path | str | None,
+        *args: str,
+        env: dict[str, str] | None = None,
+        cwd: pathlib.Path | None = None,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        timeout: float = 20.0,
+    ) -> ServerProcess:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "agentserver",
+                "--log-level",
+                "warning",
+                "run",
+                *([str(boot)] if boot is not None else []),
+                "--port",
+                "0",
+                *args,
+            ],
+            stdin=stdin,
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            env=env or subprocess_env(),
+            cwd=cwd or TESTS,
+        )
+        lines: list[str] = []
+        found = threading.Event()
+        address: list[tuple[str, int]] = []
+
+        def pump_stderr() -> None:
+            for raw in proc.stderr:
+                line = raw.decode("utf-8", "replace")
+                lines.append(line)
+                match = LISTENING.search(line)
+                if match and not address:
+                    address.append((match.group(1), int(match.group(2))))
+                    found.set()
+            found.set()
+
+        threading.Thread(target=pump_stderr, daemon=True).start()
+        if not found.wait(timeout) or not address:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError("server did not start:\n" + "".join(lines))
+        return cls(proc, *address[0], lines)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._lines)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+
+class RawConnection:
+    """A bare framed socket, for hostile input and protocol tests."""
+
+    def __init__(self, stream: trio.SocketStream, max_frame: int = 4 * 1024 * 1024) -> None:
+        self.stream = stream
+        self.decoder = FrameDecoder(max_frame)
+
+    @classmethod
+    async def open(cls, server: ServerProcess) -> RawConnection:
+        return cls(await trio.open_tcp_stream(server.host, server.port))
+
+    async def send_frame(self, body: bytes) -> None:
+        await self.stream.send_all(encode_frame(body))
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def receive_frame(self) -> bytes | None:
+        """The next frame, or None when the server closed the connection."""
+        while True:
+            frame = self.decoder.next_frame()
+            if frame is not None:
+                return frame
+            try:
+                data = await self.stream.receive_some(65536)
+            except trio.BrokenResourceError:
+                return None
+            if not data:
+                return None
+            self.decoder.feed(data)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()

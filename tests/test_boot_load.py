@@ -1,0 +1,271 @@
+"""Loading and checking boot.xml without sockets (agentserver.boot is sans-IO)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import trio
+from agentserver.listeners.echo import Ping
+from conftest import parse_reply
+from lxml import etree
+from serverproc import DATA, REPO
+
+from agentserver import boot
+from agentserver.builtins import RunContext, build_listeners
+from agentserver.bundled import BOOT_XML
+from agentserver.envelope import build_envelope
+from agentserver.pump import open_pump
+from agentserver.server import boot_primitive
+from agentserver.threads import new_thread_id
+
+NS = "https://xml-pipeline.org/ns/boot/v1"
+
+
+def write(tmp_path, body: str, name: str = "boot.xml"):
+    path = tmp_path / name
+    path.write_text(f'<organism xmlns="{NS}" name="t">\n' + textwrap.dedent(body) + "</organism>\n")
+    return path
+
+
+def messages(result: boot.LoadResult) -> list[str]:
+    return [str(p) for p in result.problems]
+
+
+def test_bundled_boot_xml_loads():
+    result = boot.load(REPO / "boot.xml", environ={})
+    assert result.ok and result.problems == []
+    topo = result.topology
+    assert topo.organism == "hello" and (topo.host, topo.port) == ("127.0.0.1", 7340)
+    assert [s.name for s in topo.listeners] == [
+        "boot",
+        "echo",
+        "calculator",
+        "assistant",
+        "console",
+        "console-router",
+    ]
+    assert topo.boot_listener.name == "boot" and topo.clients == ()
+    assistant = topo.listener("assistant")
+    assert assistant.agent and assistant.peers == ("calculator",) and assistant.timeout == 300
+    assert topo.listener("calculator").concurrency == 8 and topo.listener("calculator").timeout == 5
+    router = topo.listener("console-router")
+    assert router.raw and router.peers == ("echo", "calculator", "assistant")
+
+
+def test_bundled_copy_matches_the_repository_file():
+    # agentserver/bundled.py must be a verbatim copy of boot.xml (copy it when boot.xml changes).
+    assert BOOT_XML == (REPO / "boot.xml").read_text()
+    assert boot.load_bytes(BOOT_XML.encode(), name="<bundled>", environ={}).ok
+
+
+def test_minimal_file_gets_an_implicit_boot_listener_and_defaults(tmp_path):
+    path = write(tmp_path, '<listeners><listener name="echo" handler="echo"/></listeners>\n')
+    result = boot.load(path, environ={})
+    assert result.ok, messages(result)
+    topo = result.topology
+    assert topo.boot_listener.name == boot.IMPLICIT_BOOT_NAME
+    assert topo.limits == boot.Limits()
+    assert (topo.host, topo.port) == ("127.0.0.1", 7340)
+
+
+def test_limits_listen_and_clients_are_read(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        <listen host="::1" port="9000"/>
+        <limits max-connections="3" max-inflight="2" read-timeout="0.5" idle-timeout="0"/>
+        <clients><client name="ann" token-env="ANN_TOKEN" may-address="echo"/></clients>
+        <listeners><listener name="echo" handler="echo"/></listeners>
+        """,
+    )
+    result = boot.load(path, environ={"ANN_TOKEN": "x"})
+    assert result.ok and result.problems == []
+    topo = result.topology
+    assert (topo.host, topo.port) == ("::1", 9000)
+    assert topo.limits.max_connections == 3 and topo.limits.max_inflight == 2
+    assert topo.limits.read_timeout == 0.5
+    (client,) = topo.clients
+    assert (client.name, client.token_env, client.may_address) == ("ann", "ANN_TOKEN", ("echo",))
+
+
+def test_unset_or_empty_token_variable_is_a_warning_not_an_error(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        <clients>
+          <client name="ann" token-env="ANN_TOKEN"/>
+          <client name="ben" token-env="BEN_TOKEN"/>
+        </clients>
+        <listeners><listener name="echo" handler="echo"/></listeners>
+        """,
+    )
+    result = boot.load(path, environ={"BEN_TOKEN": " "})
+    assert result.ok
+    assert messages(result) == [
+        f"{path}:3: warning: client 'ann': token variable ANN_TOKEN is not set (it cannot connect)",
+        f"{path}:4: warning: client 'ben': token variable BEN_TOKEN is empty (it cannot connect)",
+    ]
+
+
+def test_client_names_must_be_unique_and_not_a_listener(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        <clients>
+          <client name="ann" token-env="A"/>
+          <client name="ann" token-env="A"/>
+          <client name="echo" token-env="A"/>
+          <client name="cy" token-env="A" may-address="ghost"/>
+        </clients>
+        <listeners><listener name="echo" handler="echo"/></listeners>
+        """,
+    )
+    result = boot.load(path, environ={"A": "t"})
+    assert not result.ok
+    assert [str(p) for p in result.errors] == [
+        f"{path}:4: client name 'ann' is already used on line 3",
+        f"{path}:5: client name 'echo' is a listener's name",
+        f"{path}:6: client 'cy': may-address names unknown listener 'ghost'",
+    ]
+
+
+def test_broadcast_listeners_may_share_a_root_tag(tmp_path):
+    body = """\
+        <listeners>
+          <listener name="a" handler="echo" broadcast="{b}"/>
+          <listener name="b" handler="echo" broadcast="true"/>
+        </listeners>
+        """
+    assert boot.load(write(tmp_path, body.format(b="true")), environ={}).ok
+    refused = boot.load(write(tmp_path, body.format(b="false"), "2.xml"), environ={})
+    assert not refused.ok
+    assert "share a root tag only if all of them are broadcast" in str(refused.errors[0])
+
+
+def test_agent_settings_need_the_agent_flag_and_are_handed_over(tmp_path):
+    refused = boot.load(
+        write(
+            tmp_path,
+            '<listeners><listener name="a" handler="echo">\n<agent max-steps="3"/></listener></listeners>\n',
+        ),
+        environ={},
+    )
+    assert [str(p) for p in refused.errors] == [
+        f"{tmp_path / 'boot.xml'}:3: listener 'a': <agent> settings need agent=\"true\""
+    ]
+    ok = boot.load(
+        write(
+            tmp_path,
+            '<listeners><listener name="a" handler="assistant" agent="true">'
+            '<agent max-steps="3"/></listener></listeners>\n',
+            "ok.xml",
+        ),
+        environ={},
+    )
+    assert ok.ok
+    profile = ok.topology.listener("a").agent_profile
+    assert profile.tag == f"{{{NS}}}agent" and profile.get("max-steps") == "3"
+
+
+def test_llm_and_store_sections_are_validated_and_handed_over(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        <listeners><listener name="echo" handler="echo"/></listeners>
+        <llm>
+          <backend name="local" provider="ollama" base-url="http://127.0.0.1:11434">
+            <model name="llama3.1:8b"/>
+          </backend>
+        </llm>
+        <store path="state/agents.sqlite3" worker-concurrency="2"/>
+        """,
+    )
+    result = boot.load(path, environ={})
+    assert result.ok, messages(result)
+    assert result.topology.llm.tag == f"{{{NS}}}llm"
+    assert result.topology.store.get("worker-concurrency") == "2"
+
+
+def test_llm_section_problems_are_reported_with_lines(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        <listeners><listener name="echo" handler="echo"/></listeners>
+        <llm>
+          <backend name="x" provider="ollama" base-url="http://127.0.0.1:1"><model name="m"/></backend>
+          <backend name="x" provider="ollama" base-url="http://127.0.0.1:2"><model name="m"/></backend>
+        </llm>
+        """,
+    )
+    result = boot.load(path, environ={})
+    assert not result.ok
+    assert any(p.line == 5 and "'x'" in p.message for p in result.errors), messages(result)
+
+
+def test_unknown_sections_and_schema_violations_are_errors(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        <listeners><listener name="Echo" handler="echo"/></listeners>
+        <plugins/>
+        """,
+    )
+    result = boot.load(path, environ={})
+    assert not result.ok
+    assert {p.line for p in result.errors} == {2, 3}
+    assert "Element 'plugins': This element is not expected" in messages(result)[-1]
+
+
+def test_doctype_and_malformed_xml_are_refused(tmp_path):
+    evil = tmp_path / "evil.xml"
+    evil.write_text('<!DOCTYPE o [<!ENTITY x SYSTEM "file:///etc/passwd">]>\n<organism/>')
+    assert [p.message for p in boot.load(evil).errors] == ["a DOCTYPE is not allowed in boot.xml"]
+    broken = tmp_path / "broken.xml"
+    broken.write_text("<organism>\n<oops>\n</organism>")
+    (problem,) = boot.load(broken).errors
+    assert problem.line == 3 and problem.message.startswith("not well-formed XML")
+
+
+def test_core_primitives_cannot_be_accepted_except_boot(tmp_path):
+    path = write(
+        tmp_path,
+        '<listeners><listener name="a" handler="echo">\n'
+        '<accepts type="agentserver.primitives.core:Huh"/></listener></listeners>\n',
+    )
+    result = boot.load(path, environ={})
+    assert any("core primitives cannot be accepted" in p.message for p in result.errors)
+
+
+def test_console_needs_a_router_peer(tmp_path):
+    path = write(tmp_path, '<listeners><listener name="console" handler="console"/></listeners>\n')
+    result = boot.load(path, environ={})
+    assert any("needs a peer that takes console input" in p.message for p in result.errors)
+
+
+def test_check_and_run_share_one_loader(tmp_path):
+    assert boot.load_or_raise(DATA / "e2e-boot.xml").organism == "e2e"
+    path = write(tmp_path, '<listeners><listener name="a" handler="nope"/></listeners>\n')
+    try:
+        boot.load_or_raise(path)
+    except boot.BootError as exc:
+        assert exc.problems and "unknown built-in handler 'nope'" in str(exc)
+    else:
+        raise AssertionError("expected BootError")
+
+
+async def test_topology_builds_a_pump_that_serves_and_boots():
+    topo = boot.load_or_raise(REPO / "boot.xml", environ={})
+    listeners = build_listeners(topo, RunContext(topo))
+    async with open_pump(listeners, config=topo.pump_config()) as pump:
+        await pump.inject_system(boot_primitive(topo), to=topo.boot_listener.name)
+        endpoint = pump.open_endpoint()
+        await endpoint.send(
+            etree.tostring(
+                build_envelope("x", "echo", new_thread_id(), Ping(text="in-process").to_xml_tree())
+            )
+        )
+        with trio.fail_after(5):
+            meta, payload = parse_reply(await endpoint.receive())
+        assert meta["from"] == "echo" and payload[0].text == "in-process"
+        assert pump.root_thread.dotted == "system.hello"
+        assert pump.stats()["handled"]["boot"] == 1

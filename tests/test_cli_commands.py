@@ -1,0 +1,342 @@
+"""The agentserver command: check, run, send, --help, and SIGTERM with work in flight."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import textwrap
+
+import pytest
+import trio
+from e2e_handlers import Job, LongJob
+from serverproc import DATA, REPO, ServerProcess, cli, subprocess_env
+
+from agentserver.client import open_client
+
+PING = b'<ping xmlns="urn:agentserver:echo"><text>hi</text></ping>'
+CORE = "https://xml-pipeline.org/ns/core/v1"
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess.start(DATA / "e2e-boot.xml")
+    yield proc
+    assert proc.stop() == 0
+
+
+def connect(server) -> str:
+    return f"{server.host}:{server.port}"
+
+
+# -- check ------------------------------------------------------------------------------
+
+
+def test_check_bundled_boot_is_ok_with_a_summary():
+    result = cli("check", str(REPO / "boot.xml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout.decode().strip().splitlines()
+    assert out == [f"{REPO / 'boot.xml'}: OK: organism 'hello', 6 listeners, 0 clients"]
+
+
+BAD = textwrap.dedent(
+    """\
+    <?xml version="1.0"?>
+    <organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="bad">
+      <listeners>
+        <listener name="a" handler="nosuchmodule_xyz:handle">
+          <accepts type="echo.ping"/>
+        </listener>
+        <listener name="b" handler="echo" peers="ghost"/>
+        <listener name="b" handler="calculator"/>
+        <listener name="c" handler="agentserver.listeners.echo:handle">
+          <accepts type="agentserver.listeners.echo:Nope"/>
+        </listener>
+        <listener name="d" handler="agentserver.listeners.echo:handle">
+          <accepts type="echo.ping"/>
+        </listener>
+        <listener name="e" handler="no-such-builtin"/>
+        <listener name="f" handler="agentserver.listeners.echo:Ping">
+          <accepts type="nope.type"/>
+        </listener>
+      </listeners>
+      <clients><client name="zed" token-env="AGENTSERVER_TEST_UNSET_VAR"/></clients>
+    </organism>
+    """
+)
+
+
+def test_check_reports_every_problem_with_its_line(tmp_path):
+    path = tmp_path / "bad.xml"
+    path.write_text(BAD)
+    result = cli("check", str(path))
+    assert result.returncode == 1
+    lines = result.stdout.decode().splitlines()
+    expect = [
+        (4, "cannot import module 'nosuchmodule_xyz'"),
+        (7, "unknown peer 'ghost'"),
+        (8, "listener name 'b' is already used on line 7"),
+        (10, "has no 'Nope'"),
+        (12, "root tag {urn:agentserver:echo}ping is accepted by b (line 7), d (line 12)"),
+        (15, "unknown built-in handler 'no-such-builtin'"),
+        (16, "is not an async function"),
+        (17, "unknown payload type 'nope.type'"),
+    ]
+    for line, fragment in expect:
+        assert any(x.startswith(f"{path}:{line}: ") and fragment in x for x in lines), (
+            line,
+            fragment,
+            lines,
+        )
+    assert len(lines) == len(expect), lines
+    err = result.stderr.decode()
+    assert (
+        f"{path}:20: warning: client 'zed': token variable AGENTSERVER_TEST_UNSET_VAR is not set"
+        in err
+    )
+    assert "8 errors" in err
+
+
+def test_check_reports_schema_errors_and_unknown_sections(tmp_path):
+    path = tmp_path / "schema.xml"
+    path.write_text(
+        '<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="x">\n'
+        '  <listeners><listener name="echo" handler="echo" concurrency="0"/></listeners>\n'
+        "  <bogus/>\n"
+        "</organism>\n"
+    )
+    result = cli("check", str(path))
+    assert result.returncode == 1
+    out = result.stdout.decode()
+    assert re.search(rf"^{re.escape(str(path))}:2: .*concurrency", out, re.M), out
+    assert re.search(
+        rf"^{re.escape(str(path))}:3: Element 'bogus': This element is not expected", out, re.M
+    ), out
+
+
+def test_check_not_well_formed_and_missing_file(tmp_path):
+    path = tmp_path / "broken.xml"
+    path.write_text(
+        '<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="x">\n<listeners>\n</organism>\n'
+    )
+    result = cli("check", str(path))
+    assert result.returncode == 1
+    assert result.stdout.decode().startswith(f"{path}:3: not well-formed XML")
+    missing = cli("check", str(tmp_path / "none.xml"))
+    assert missing.returncode == 1 and "cannot read" in missing.stdout.decode()
+
+
+def test_run_refuses_a_boot_file_with_errors(tmp_path):
+    path = tmp_path / "bad.xml"
+    path.write_text(BAD)
+    result = cli("run", str(path), "--port", "0", timeout=30)
+    assert result.returncode == 1
+    assert b"listening" not in result.stderr
+    assert f"{path}:7: listener 'b': unknown peer 'ghost'".encode() in result.stdout
+    assert b"not started" in result.stderr
+
+
+def test_run_refuses_anonymous_access_on_a_public_address():
+    result = cli("run", str(REPO / "boot.xml"), "--host", "0.0.0.0", "--port", "0", timeout=30)
+    assert result.returncode == 1
+    assert b"refusing to listen on non-loopback address 0.0.0.0" in result.stderr
+    assert b"--insecure" in result.stderr
+
+
+async def test_run_without_boot_uses_the_bundled_topology(tmp_path):
+    proc = ServerProcess.start(None, cwd=tmp_path)  # no ./boot.xml there
+    try:
+        async with open_client(proc.host, proc.port) as client:
+            reply = await client.request(PING, to="echo", timeout=5)
+            assert reply.payload_xml == '<pong xmlns="urn:agentserver:echo"><text>hi</text></pong>'
+            total = await client.request(
+                b'<add xmlns="urn:agentserver:calculator"><a>1</a><b>2</b></add>',
+                to="calculator",
+                timeout=5,
+            )
+            assert "<value>3</value>" in total.payload_xml
+    finally:
+        assert proc.stop() == 0
+
+
+# -- --help -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        ((), ["run", "send", "check", "console"]),
+        (("run",), ["BOOT", "--host", "--port", "--insecure", "--console"]),
+        (("send",), ["--to", "--thread", "--connect", "FILE", "--timeout"]),
+        (("check",), ["BOOT", "FILE:LINE: message"]),
+        (("console",), ["--connect", "@NAME"]),
+    ],
+)
+def test_help_is_accurate(command, expected):
+    result = cli(*command, "--help")
+    assert result.returncode == 0
+    text = result.stdout.decode()
+    for word in expected:
+        assert word in text, (command, word)
+
+
+def test_no_command_is_a_usage_error():
+    assert cli().returncode == 2
+
+
+# -- send -------------------------------------------------------------------------------
+
+
+def test_send_prints_the_reply_and_exits_0(server):
+    result = cli("send", "--to", "echo", "--connect", connect(server), "-", input=PING)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.decode().strip()
+    assert out.endswith('<pong xmlns="urn:agentserver:echo"><text>hi</text></pong></message>')
+    assert "<from>echo</from>" in out
+
+
+def test_send_from_a_file_on_a_given_thread(server, tmp_path):
+    payload = tmp_path / "add.xml"
+    payload.write_bytes(b'<add xmlns="urn:agentserver:calculator"><a>20</a><b>22</b></add>')
+    thread = "7c9e6679-7425-40de-944b-e07fc1f90ae7"
+    result = cli(
+        "send", "--to", "calculator", "--thread", thread, "--connect", connect(server), str(payload)
+    )
+    assert result.returncode == 0
+    assert f"<thread>{thread}</thread>" in result.stdout.decode()
+    assert "<value>42</value>" in result.stdout.decode()
+
+
+def test_send_exits_1_on_huh_and_on_system_error(server):
+    huh = cli("send", "--to", "calculator", "--connect", connect(server), input=PING)
+    assert huh.returncode == 1 and b"<huh" in huh.stdout
+    late = cli(
+        "send",
+        "--to",
+        "slow",
+        "--connect",
+        connect(server),
+        "--timeout",
+        "10",
+        input=b'<job xmlns="urn:test:e2e"><text>x</text><seconds>5</seconds></job>',
+    )
+    assert (
+        late.returncode == 1
+        and b"<SystemError" in late.stdout
+        and b"<code>timeout</code>" in late.stdout
+    )
+
+
+def test_send_exits_3_on_timeout(server):
+    result = cli(
+        "send",
+        "--to",
+        "slower",
+        "--connect",
+        connect(server),
+        "--timeout",
+        "0.5",
+        input=b'<long-job xmlns="urn:test:e2e"><text>x</text><seconds>3</seconds></long-job>',
+    )
+    assert result.returncode == 3
+    assert b"no reply" in result.stderr
+
+
+def test_send_exits_4_when_nobody_listens():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = cli("send", "--to", "echo", "--connect", f"127.0.0.1:{port}", input=PING)
+    assert result.returncode == 4
+
+
+def test_send_exits_2_on_bad_input(server):
+    assert cli("send", "--to", "echo", "--connect", connect(server), input=b"<oops").returncode == 2
+    assert (
+        cli(
+            "send", "--to", "echo", "--thread", "nope", "--connect", connect(server), input=PING
+        ).returncode
+        == 2
+    )
+    assert cli("send", "--connect", connect(server), input=PING).returncode == 2  # --to missing
+
+
+def test_send_with_a_client_name_and_token(tmp_path):
+    env = subprocess_env(E2E_ALICE_TOKEN="alice-secret", E2E_BOB_TOKEN="bob-secret")
+    guarded = ServerProcess.start(DATA / "clients-boot.xml", env=env)
+    try:
+        addr = connect(guarded)
+        good = cli(
+            "send",
+            "--to",
+            "echo",
+            "--client",
+            "alice",
+            "--connect",
+            addr,
+            input=PING,
+            env=subprocess_env(AGENTSERVER_TOKEN="alice-secret"),
+        )
+        assert good.returncode == 0 and b"<to>alice</to>" in good.stdout
+        bad = cli(
+            "send",
+            "--to",
+            "echo",
+            "--client",
+            "alice",
+            "--connect",
+            addr,
+            input=PING,
+            env=subprocess_env(AGENTSERVER_TOKEN="wrong"),
+        )
+        assert bad.returncode == 4  # refused with a <huh> on the hello, then closed
+        anonymous = cli("send", "--to", "echo", "--connect", addr, input=PING)
+        assert anonymous.returncode == 4
+    finally:
+        assert guarded.stop() == 0
+
+
+# -- shutdown ---------------------------------------------------------------------------
+
+
+async def test_sigterm_drains_in_flight_work_and_exits_0():
+    proc = ServerProcess.start(DATA / "e2e-boot.xml")  # drain-timeout="2"
+    replies = []
+    try:
+        async with open_client(proc.host, proc.port) as client:
+            quick = {await client.send(Job(text=f"q{i}", seconds=0.5), to="slow") for i in range(5)}
+            stuck = {
+                await client.send(LongJob(text=f"l{i}", seconds=20), to="slower") for i in range(2)
+            }
+            await trio.sleep(0.2)
+            start = trio.current_time()
+            proc.proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(8):
+                for _ in range(7):
+                    replies.append(await client.receive())
+            elapsed = trio.current_time() - start
+            # New connections are no longer accepted.
+            with pytest.raises(OSError):
+                async with open_client(proc.host, proc.port, connect_timeout=2) as late:
+                    await late.request(
+                        b'<ping xmlns="urn:agentserver:echo"><text>x</text></ping>',
+                        to="echo",
+                        timeout=1,
+                    )
+    finally:
+        try:
+            # One SIGTERM must be enough: wait for the process to finish on its own.
+            code = proc.wait_exit(10)
+        finally:
+            if proc.proc.poll() is None:
+                proc.proc.kill()
+    assert code == 0
+    by_thread = {r.thread: r for r in replies}
+    assert set(by_thread) == quick | stuck
+    for t in quick:
+        assert by_thread[t].payload.tag == "{urn:test:e2e}note"
+    for t in stuck:
+        reply = by_thread[t]
+        assert reply.is_system_error and reply.payload.findtext(f"{{{CORE}}}code") == "timeout"
+    assert elapsed < 5  # the drain bound (2 s), not the 20 s jobs
+    assert "Traceback" not in proc.stderr

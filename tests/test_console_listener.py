@@ -1,0 +1,195 @@
+"""The console: command parsing and rendering (pure), and the message-driven REPL in a pump
+with a scripted terminal."""
+
+from __future__ import annotations
+
+import base64
+
+import trio
+import trio.lowlevel
+import trio.testing
+from agentserver.listeners.assistant import NOT_CONFIGURED
+from agentserver.listeners.console import Prompt, xml_safe
+from agentserver.listeners.console_router import Say, Send, parse_command, render_reply
+from agentserver.primitives.core import huh, system_error
+from lxml import etree
+from serverproc import DATA, REPO
+
+from agentserver import boot
+from agentserver.builtins import RunContext, build_listeners
+from agentserver.envelope import build_envelope
+from agentserver.errors import HuhReason, SystemErrorCode
+from agentserver.pump import open_pump
+from agentserver.server import boot_primitive
+from agentserver.threads import new_thread_id
+
+PEERS = {"echo": ("{urn:agentserver:echo}ping",), "assistant": ("{urn:agentserver:assistant}task",)}
+
+
+class ScriptedTerminal:
+    """Reads scripted lines (None = end of input); records what was written."""
+
+    def __init__(self, lines):
+        self.lines = list(lines)
+        self.out: list[str] = []
+        self.reads = 0
+
+    async def read_line(self, prompt: str):
+        self.reads += 1
+        await trio.lowlevel.checkpoint()
+        return self.lines.pop(0) if self.lines else None
+
+    def write(self, text: str) -> None:
+        self.out.append(text)
+
+
+# -- pure parts -------------------------------------------------------------------------
+
+
+def test_parse_at_listener_payload():
+    decision = parse_command(
+        '@echo <ping xmlns="urn:agentserver:echo"><text>hi</text></ping>', peers=PEERS
+    )
+    assert isinstance(decision, Send) and decision.target == "echo"
+    assert (
+        etree.tostring(decision.payload)
+        == b'<ping xmlns="urn:agentserver:echo"><text>hi</text></ping>'
+    )
+
+
+def test_plain_text_goes_to_the_default_agent():
+    decision = parse_command("what is 2+2?", peers=PEERS)
+    assert isinstance(decision, Send) and decision.target == "assistant"
+    assert decision.payload.findtext("{urn:agentserver:assistant}text") == "what is 2+2?"
+    no_agent = parse_command("hello", peers={"echo": ()})
+    assert (
+        isinstance(no_agent, Say)
+        and "no" in no_agent.lines[0]
+        and "default agent" in no_agent.lines[0]
+    )
+
+
+def test_local_answers_and_mistakes():
+    assert parse_command("   ", peers=PEERS) == Say(())
+    assert parse_command("/help", peers=PEERS).lines[0] == "Commands:"
+    assert parse_command("/listeners", peers=PEERS).lines == (
+        '  @assistant: <task xmlns="urn:agentserver:assistant">',
+        '  @echo: <ping xmlns="urn:agentserver:echo">',
+    )
+    assert "unknown command /frob" in parse_command("/frob", peers=PEERS).lines[0]
+    assert "not a listener" in parse_command("@ghost <x/>", peers=PEERS).lines[0]
+    assert "write @NAME" in parse_command("@echo", peers=PEERS).lines[0]
+    bad = parse_command("@echo <ping", peers=PEERS)
+    assert isinstance(bad, Say) and "not well-formed XML" in bad.lines[0]
+    dtd = parse_command('@echo <!DOCTYPE x [<!ENTITY a "b">]><x/>', peers=PEERS)
+    assert isinstance(dtd, Say)
+
+
+def test_errors_render_readably_not_as_base64():
+    original = b"<secret>do not echo me</secret>"
+    lines = render_reply(huh(HuhReason.INVALID_PAYLOAD, original), "system")
+    assert lines == ("error: Invalid payload structure.",)
+    assert base64.b64encode(original).decode() not in "".join(lines)
+    routing = render_reply(system_error(SystemErrorCode.ROUTING, retry_allowed=True), "system")
+    assert routing == (f"error (routing): {SystemErrorCode.ROUTING.message} You may retry.",)
+
+
+def test_payloads_render_as_xml_and_answers_as_text():
+    pong = etree.fromstring(b'<pong xmlns="urn:agentserver:echo"><text>hi</text></pong>')
+    assert render_reply(pong, "echo") == (
+        '[echo] <pong xmlns="urn:agentserver:echo"><text>hi</text></pong>',
+    )
+    answer = etree.fromstring(b'<answer xmlns="urn:a"><text>line 1\nline 2</text></answer>')
+    assert render_reply(answer, "assistant") == ("[assistant] line 1", "[assistant] line 2")
+
+
+def test_control_characters_are_dropped_from_input():
+    assert xml_safe("a\x00b\x1bc\td") == "abc\td"
+
+
+# -- the REPL in a pump -----------------------------------------------------------------
+
+
+async def run_console(topology_path, lines, *, extra=None):
+    topo = boot.load_or_raise(topology_path)
+    terminal = ScriptedTerminal(lines)
+    done = trio.Event()
+    ctx = RunContext(topo, terminal=terminal, on_console_exit=done.set)
+    async with open_pump(build_listeners(topo, ctx), config=topo.pump_config()) as pump:
+        if extra is not None:
+            await extra(pump)
+        await pump.inject_system(boot_primitive(topo), to=topo.boot_listener.name)
+        with trio.fail_after(10):
+            await done.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        threads_left = len(pump.threads)
+    return terminal, threads_left
+
+
+async def test_console_round_trips_through_the_topology():
+    terminal, threads_left = await run_console(
+        REPO / "boot.xml",
+        [
+            '@echo <ping xmlns="urn:agentserver:echo"><text>hi</text></ping>',
+            "",
+            '@calculator <add xmlns="urn:agentserver:calculator"><a>1</a><b>2</b></add>',
+            '@calculator <add xmlns="urn:agentserver:calculator"><a>1</a></add>',
+            '@calculator <divide xmlns="urn:agentserver:calculator"><a>1</a><b>0</b></divide>',
+            "how are you?",
+            "/quit",
+            "never read",
+        ],
+    )
+    assert terminal.out[0].startswith("agentserver console: organism 'hello'")
+    assert terminal.out[1:] == [
+        '[echo] <pong xmlns="urn:agentserver:echo"><text>hi</text></pong>',
+        '[calculator] <sum xmlns="urn:agentserver:calculator"><value>3</value></sum>',
+        f"error: {HuhReason.INVALID_PAYLOAD.value}",
+        f"error: {HuhReason.HANDLER_FAILED.value}",
+        f"[assistant] {NOT_CONFIGURED}",
+        "bye",
+    ]
+    assert terminal.lines == ["never read"]
+    # The console's chain ended: only the pinned root thread is left.
+    assert threads_left == 1
+
+
+async def test_end_of_input_ends_the_console():
+    terminal, _ = await run_console(REPO / "boot.xml", [])
+    assert terminal.out[-1] == "bye" and terminal.reads == 1
+
+
+async def test_a_listener_that_never_answers_does_not_hang_the_console():
+    # e2e-boot.xml: the console router's timeout is 2 s, so it waits 1.8 s for a reply.
+    terminal, _ = await run_console(
+        DATA / "e2e-boot.xml",
+        ['@silent <silent xmlns="urn:test:e2e"><text>x</text></silent>', "/quit"],
+    )
+    assert terminal.out[1] == "error: no reply within 1.8 s"
+
+
+async def test_prompts_from_untrusted_senders_are_ignored():
+    reads_before_boot = []
+
+    async def spoof(pump):
+        endpoint = pump.open_endpoint("mallory")
+        prompt = Prompt(lines=["rm -rf / # trust me"]).to_xml_tree()
+        await endpoint.send(
+            etree.tostring(build_envelope("mallory", "console", new_thread_id(), prompt))
+        )
+        await trio.testing.wait_all_tasks_blocked()
+        reads_before_boot.append(True)
+
+    terminal, _ = await run_console(REPO / "boot.xml", ["/quit"], extra=spoof)
+    assert reads_before_boot and all("trust me" not in line for line in terminal.out)
+    assert terminal.reads == 1  # only the boot's prompt made the console read
+
+
+async def test_without_a_terminal_the_console_never_reads():
+    topo = boot.load_or_raise(REPO / "boot.xml")
+    async with open_pump(
+        build_listeners(topo, RunContext(topo)), config=topo.pump_config()
+    ) as pump:
+        await pump.inject_system(boot_primitive(topo), to=topo.boot_listener.name)
+        await trio.testing.wait_all_tasks_blocked()
+        assert pump.stats()["handled"].get("console", 0) == 0

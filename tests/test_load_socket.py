@@ -1,0 +1,64 @@
+"""Load over loopback: 200 concurrent connections x 100 requests each; every request gets
+exactly its own reply, none lost or duplicated. Bounded in count and time."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import pytest
+import trio
+from agentserver.listeners.calculator import Add
+from agentserver.listeners.echo import Ping
+from serverproc import REPO, ServerProcess
+
+from agentserver.client import open_client
+
+CONNECTIONS = 200
+REQUESTS = 100
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess.start(REPO / "boot.xml")
+    yield proc
+    assert proc.stop() == 0
+
+
+async def test_200_connections_x_100_requests_each_get_exactly_their_replies(server):
+    problems: list[str] = []
+    answered = collections.Counter()
+
+    async def one_connection(c: int) -> None:
+        async with open_client(server.host, server.port) as client:
+            expected: dict[str, str] = {}
+            for i in range(REQUESTS):
+                # Alternate listeners so two queues and two handlers are exercised.
+                if i % 2:
+                    thread = await client.send(Ping(text=f"{c}:{i}"), to="echo")
+                    expected[thread] = f"pong {c}:{i}"
+                else:
+                    thread = await client.send(Add(a=c, b=i), to="calculator")
+                    expected[thread] = f"sum {c + i}"
+            for _ in range(REQUESTS):
+                reply = await client.receive()
+                want = expected.pop(reply.thread, None)
+                got = f"{reply.payload.tag.split('}')[1]} {reply.payload[0].text}"
+                if want != got:
+                    problems.append(f"connection {c}: expected {want!r}, got {got!r}")
+                answered[c] += 1
+            # Nothing more may arrive: no duplicates.
+            with trio.move_on_after(0.2):
+                extra = await client.receive()
+                problems.append(f"connection {c}: unexpected extra reply {extra.raw[:80]!r}")
+
+    start = time.monotonic()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for c in range(CONNECTIONS):
+                nursery.start_soon(one_connection, c)
+    elapsed = time.monotonic() - start
+    assert not problems, problems[:5]
+    assert sum(answered.values()) == CONNECTIONS * REQUESTS
+    assert all(answered[c] == REQUESTS for c in range(CONNECTIONS))
+    print(f"{CONNECTIONS * REQUESTS} requests in {elapsed:.1f} s")
