@@ -174,8 +174,15 @@ def console_listener_names(topology: Topology) -> tuple[str, ...]:
 def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
     """The pump listeners of ``topology``, with built-in handlers made for ``ctx``."""
     listeners = []
+    late = ctx.services.setdefault("agent_handlers", {})
     for spec in topology.listeners:
-        if spec.builtin is not None:
+        if spec.agent:
+            # Agents are run by the agent runtime, bound once the pump runs
+            # (agentserver.agents.service.start_agents); they take raw elements.
+            from agentserver.agents.service import LateHandler
+
+            handler = late[spec.name] = LateHandler(spec.name)
+        elif spec.builtin is not None:
             handler = BUILTIN_HANDLERS[spec.builtin].factory(spec, ctx)
         else:
             assert spec.handler is not None  # the loader resolved it
@@ -192,7 +199,7 @@ def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
                 concurrency=spec.concurrency,
                 timeout=spec.timeout,
                 queue_size=spec.queue_size,
-                raw=spec.raw,
+                raw=spec.raw or spec.agent,
                 description=spec.description,
             )
         )

@@ -31,7 +31,7 @@ import contextlib
 import datetime
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -83,6 +83,9 @@ class Server:
         self.addresses: list[tuple] = []
         self._accept_scope = trio.CancelScope()
         self._connections: set[_Connection] = set()
+        #: Called with the endpoint of each authenticated named client when it connects
+        #: (the agents hand over the replies produced while it was away).
+        self.on_named_connect: Callable[[Endpoint], Awaitable[object]] | None = None
         self.counters = {"accepted": 0, "refused_busy": 0, "unauthenticated": 0, "oversize": 0}
 
     @property
@@ -170,6 +173,13 @@ class _Connection:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._writer, nursery.cancel_scope)
+                hook = self.server.on_named_connect
+                if (
+                    hook is not None
+                    and identity.name is not None
+                    and endpoint.name == identity.name
+                ):
+                    await hook(endpoint)
                 reason = await self._read_loop()
                 if reason == "eof":
                     await self._linger()
@@ -415,6 +425,18 @@ async def run_server(
     async with ctx.resources:
         async with trio.open_nursery() as nursery:
             await nursery.start(pump.run)
+            from agentserver.agents.service import start_agents
+
+            agents = await start_agents(
+                topology,
+                pump,
+                ctx.services.get("agent_handlers", {}),
+                nursery,
+                ctx.resources,
+                environ=environ,
+            )
+            if agents is not None:
+                server.on_named_connect = agents.ports.flush_client
             await pump.inject_system(boot_primitive(topology), to=topology.boot_listener.name)
             try:
                 addresses = await nursery.start(server.serve, host, port)
@@ -428,5 +450,9 @@ async def run_server(
             await shutdown.wait()
             log.info("shutting down: draining for up to %ss", topology.limits.drain_timeout)
             server.stop_accepting()
+            if agents is not None:
+                # Turns are durable: stopping the worker first means no new tool calls
+                # race the draining pump; an interrupted Turn resumes at the next start.
+                agents.stop()
             pump.close()
     log.info("agentserver stopped")

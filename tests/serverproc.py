@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -33,6 +34,12 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def scratch_dir() -> pathlib.Path:
+    """A new empty working directory for a subprocess (removed with the test session's
+    temporary files by the OS, never inside the repository)."""
+    return pathlib.Path(tempfile.mkdtemp(prefix="agentserver-test-"))
+
+
 def cli(
     *args: str, input: bytes | None = None, env: dict[str, str] | None = None, timeout: float = 30
 ):
@@ -43,7 +50,7 @@ def cli(
         capture_output=True,
         env=env or subprocess_env(),
         timeout=timeout,
-        cwd=TESTS,
+        cwd=scratch_dir(),
     )
 
 
@@ -84,7 +91,8 @@ class ServerProcess:
             stdout=stdout,
             stderr=subprocess.PIPE,
             env=env or subprocess_env(),
-            cwd=cwd or TESTS,
+            # A scratch directory: the agent store (./state/) must not land in the checkout.
+            cwd=cwd or scratch_dir(),
         )
         lines: list[str] = []
         found = threading.Event()

@@ -33,10 +33,20 @@ def connect(server) -> str:
 
 
 def test_check_bundled_boot_is_ok_with_a_summary():
-    result = cli("check", str(REPO / "boot.xml"))
+    result = cli("check", str(REPO / "boot.xml"), env=subprocess_env(OPENAI_API_KEY="k"))
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout.decode().strip().splitlines()
     assert out == [f"{REPO / 'boot.xml'}: OK: organism 'hello', 6 listeners, 0 clients"]
+
+
+def test_check_warns_about_an_unset_api_key_but_passes():
+    env = subprocess_env()
+    env.pop("OPENAI_API_KEY", None)
+    result = cli("check", str(REPO / "boot.xml"), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = (result.stdout + result.stderr).decode()
+    assert "OPENAI_API_KEY" in text and "skipped" in text
+    assert "2 warnings" in text
 
 
 BAD = textwrap.dedent(

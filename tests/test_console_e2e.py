@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from serverproc import DATA, REPO, TESTS, ServerProcess, cli
+from serverproc import DATA, REPO, ServerProcess, cli, scratch_dir
 
 SCRIPT = (
     b'@echo <ping xmlns="urn:agentserver:echo"><text>hi</text></ping>\n'
@@ -33,7 +33,7 @@ def test_run_with_console_in_the_server_process():
         input=SCRIPT + b"hello\n",
         capture_output=True,
         timeout=30,
-        cwd=TESTS,
+        cwd=scratch_dir(),
     )
     out = proc.stdout.decode().splitlines()
     assert proc.returncode == 0, proc.stderr.decode()
@@ -88,7 +88,7 @@ def test_console_reports_a_server_that_goes_away():
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        cwd=TESTS,
+        cwd=scratch_dir(),
     )
     try:
         banner = console.stdout.readline()  # connected and prompting

@@ -8,7 +8,6 @@ import base64
 import trio
 import trio.lowlevel
 import trio.testing
-from agentserver.listeners.assistant import NOT_CONFIGURED
 from agentserver.listeners.console import Prompt, xml_safe
 from agentserver.listeners.console_router import Say, Send, parse_command, render_reply
 from agentserver.primitives.core import huh, system_error
@@ -16,6 +15,7 @@ from lxml import etree
 from serverproc import DATA, REPO
 
 from agentserver import boot
+from agentserver.agents.service import start_agents
 from agentserver.builtins import RunContext, build_listeners
 from agentserver.envelope import build_envelope
 from agentserver.errors import HuhReason, SystemErrorCode
@@ -115,18 +115,29 @@ async def run_console(topology_path, lines, *, extra=None):
     terminal = ScriptedTerminal(lines)
     done = trio.Event()
     ctx = RunContext(topo, terminal=terminal, on_console_exit=done.set)
-    async with open_pump(build_listeners(topo, ctx), config=topo.pump_config()) as pump:
-        if extra is not None:
-            await extra(pump)
-        await pump.inject_system(boot_primitive(topo), to=topo.boot_listener.name)
-        with trio.fail_after(10):
-            await done.wait()
-        await trio.testing.wait_all_tasks_blocked()
-        threads_left = len(pump.threads)
+    async with (
+        ctx.resources,
+        open_pump(build_listeners(topo, ctx), config=topo.pump_config()) as pump,
+    ):
+        async with trio.open_nursery() as nursery:
+            # No API key in this environment: the assistant's model calls fail, clearly.
+            agents = await start_agents(
+                topo, pump, ctx.services["agent_handlers"], nursery, ctx.resources, environ={}
+            )
+            if extra is not None:
+                await extra(pump)
+            await pump.inject_system(boot_primitive(topo), to=topo.boot_listener.name)
+            with trio.fail_after(10):
+                await done.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            threads_left = len(pump.threads)
+            if agents is not None:
+                agents.stop()
     return terminal, threads_left
 
 
-async def test_console_round_trips_through_the_topology():
+async def test_console_round_trips_through_the_topology(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the agent store goes to ./state/
     terminal, threads_left = await run_console(
         REPO / "boot.xml",
         [
@@ -141,12 +152,15 @@ async def test_console_round_trips_through_the_topology():
         ],
     )
     assert terminal.out[0].startswith("agentserver console: organism 'hello'")
-    assert terminal.out[1:] == [
+    assistant = terminal.out[5]
+    # No API key in the environment: one clear failed answer, never a hang.
+    assert assistant.startswith("[assistant] the model could not be reached")
+    assert "OPENAI_API_KEY" in assistant
+    assert terminal.out[1:5] + terminal.out[6:] == [
         '[echo] <pong xmlns="urn:agentserver:echo"><text>hi</text></pong>',
         '[calculator] <sum xmlns="urn:agentserver:calculator"><value>3</value></sum>',
         f"error: {HuhReason.INVALID_PAYLOAD.value}",
         f"error: {HuhReason.HANDLER_FAILED.value}",
-        f"[assistant] {NOT_CONFIGURED}",
         "bye",
     ]
     assert terminal.lines == ["never read"]
@@ -154,7 +168,8 @@ async def test_console_round_trips_through_the_topology():
     assert threads_left == 1
 
 
-async def test_end_of_input_ends_the_console():
+async def test_end_of_input_ends_the_console(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     terminal, _ = await run_console(REPO / "boot.xml", [])
     assert terminal.out[-1] == "bye" and terminal.reads == 1
 

@@ -92,7 +92,8 @@ def profile_from_element(
     env = os.environ if environ is None else environ
     if el is None:
         el = etree.Element(_q("agent"))
-    model = el.get("model") or env.get(MODEL_ENV, "")
+    override = el.get("model-env")
+    model = (env.get(override) if override else None) or el.get("model") or env.get(MODEL_ENV, "")
     if not model:
         raise AgentConfigError(f"agent {name!r}: no model (set model= or {MODEL_ENV})")
     prompt_el = el.find(_q("system-prompt"))

@@ -199,7 +199,13 @@ def _non_negative(conv):
     return parse
 
 
-def _backend(el: etree._Element) -> BackendConfig:
+def _from_env(el: etree._Element, attr: str, environ: Mapping[str, str]) -> str | None:
+    """``attr``, overridden by the environment variable named in ``attr-env`` if set."""
+    var = el.get(attr + "-env")
+    return (environ.get(var) if var else None) or el.get(attr)
+
+
+def _backend(el: etree._Element, environ: Mapping[str, str]) -> BackendConfig:
     line = el.sourceline
     name = el.get("name")
     if not name:
@@ -210,7 +216,7 @@ def _backend(el: etree._Element) -> BackendConfig:
         raise LlmConfigError(
             line, f"backend {name!r}: provider must be one of {[p.value for p in Provider]}"
         ) from None
-    base_url = el.get("base-url")
+    base_url = _from_env(el, "base-url", environ)
     if not base_url:
         raise LlmConfigError(line, f"backend {name!r}: base-url is required")
     models: list[str] = []
@@ -220,7 +226,7 @@ def _backend(el: etree._Element) -> BackendConfig:
         if not isinstance(child.tag, str):
             continue
         if child.tag == _NS + "model":
-            models.append(child.get("name", ""))
+            models.append(_from_env(child, "name", environ) or "")
         elif child.tag == _NS + "alias":
             aliases[child.get("name", "")] = child.get("model", "")
         elif child.tag == _NS + "limits":
@@ -263,8 +269,13 @@ def _backend(el: etree._Element) -> BackendConfig:
     )
 
 
-def parse_llm_section(element: etree._Element) -> RouterConfig:
+def parse_llm_section(
+    element: etree._Element, *, environ: Mapping[str, str] | None = None
+) -> RouterConfig:
     """Build a :class:`RouterConfig` from boot.xml's ``<llm>`` element.
+
+    ``environ`` (default ``os.environ``) resolves ``base-url-env`` and ``name-env``
+    overrides; API keys are looked up later, by the router.
 
     Expects a schema-valid element but does not trust it: anything it cannot
     use raises :class:`LlmConfigError` with the source line.
@@ -278,7 +289,7 @@ def parse_llm_section(element: etree._Element) -> RouterConfig:
         if not isinstance(child.tag, str):
             continue
         if child.tag == _NS + "backend":
-            backends.append(_backend(child))
+            backends.append(_backend(child, os.environ if environ is None else environ))
         elif child.tag == _NS + "retry":
             retry = RetryConfig(
                 max_attempts=retry.max_attempts,
@@ -371,7 +382,7 @@ def check_llm_section(
                 errors.append((e.line, e.message))
             return LlmCheck(errors, warnings)
     try:
-        config = parse_llm_section(element)
+        config = parse_llm_section(element, environ=env)
     except LlmConfigError as exc:
         errors.append((exc.line or element.sourceline or 0, exc.message))
         return LlmCheck(errors, warnings)

@@ -1,0 +1,152 @@
+"""Agents in a running server: boot.xml's agent listeners → one AgentRuntime on the pump.
+
+Every listener declared with ``agent="true"`` is run by the runtime: its pump handler only
+does intake (:func:`agentserver.agents.bridge.agent_handler`), its Turns run in the
+worker, its model calls go through the LLM router built from boot.xml's ``<llm>``, and its
+state lives in the store of ``<store>`` (default ``./state/agents.sqlite3``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+from lxml import etree
+
+from agentserver.agents.bridge import PumpPorts, agent_handler
+from agentserver.agents.config import profile_from_element, store_settings_from_element
+from agentserver.agents.errors import LLMUnavailable
+from agentserver.agents.llm_adapter import RouterLLM
+from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
+from agentserver.agents.profile import AgentProfile
+from agentserver.agents.runtime import AgentRuntime
+from agentserver.listener import Handler, HandlerMetadata
+from agentserver.payloads import PayloadType
+from agentserver.pump import Pump
+from agentserver.topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+class LateHandler:
+    """A listener handler bound after the pump starts (the agent runtime needs the running
+    pump's generated ``usage_instructions``). Until bound it refuses (the caller gets one
+    ``<huh>``); the server binds every agent before it accepts connections."""
+
+    __slots__ = ("name", "target")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.target: Handler | None = None
+
+    async def __call__(self, payload: etree._Element, meta: HandlerMetadata) -> None:
+        if self.target is None:
+            raise RuntimeError(f"agent {self.name!r} is not running")
+        return await self.target(payload, meta)
+
+
+class NoLLM:
+    """The LLM port when boot.xml declares no ``<llm>``: every call fails, clearly."""
+
+    async def complete(self, request: LLMRequest) -> LLMCompletion:
+        raise LLMUnavailable(
+            "no LLM backend is configured (declare one in boot.xml's <llm> section)",
+            kind="config",
+        )
+
+
+@dataclass
+class AgentService:
+    """The agents of one server process."""
+
+    runtime: AgentRuntime
+    ports: PumpPorts
+    profiles: Mapping[str, AgentProfile]
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    def stop(self) -> None:
+        """Stop the worker and watchdog (their work is durable and resumes on restart)."""
+        self.scope.cancel()
+
+
+def agent_names(topology: Topology) -> tuple[str, ...]:
+    return tuple(spec.name for spec in topology.listeners if spec.agent)
+
+
+def build_profiles(
+    topology: Topology, pump: Pump, environ: Mapping[str, str]
+) -> dict[str, AgentProfile]:
+    """One profile per agent listener, from its ``<agent>`` settings and the topology."""
+    tag_of = {p.model: p.tag for p in pump.payloads}
+    profiles = {}
+    for spec in topology.listeners:
+        if not spec.agent:
+            continue
+        peers: dict[str, str] = {}
+        for peer in spec.peers:
+            for model in topology.listener(peer).accepts:
+                peers[tag_of[model]] = peer
+        profiles[spec.name] = profile_from_element(
+            spec.agent_profile,
+            name=spec.name,
+            own_roots=tuple(tag_of[m] for m in spec.accepts),
+            peers=peers,
+            usage_instructions=pump.usage_instructions(spec.name),
+            answer_tag=PayloadType.from_model(spec.responds[0]).tag if spec.responds else "",
+            environ=environ,
+        )
+    return profiles
+
+
+async def open_llm(
+    topology: Topology, resources: contextlib.AsyncExitStack, environ: Mapping[str, str]
+) -> LLMPort:
+    if topology.llm is None:
+        return NoLLM()
+    from agentserver.llm import Router, parse_llm_section
+
+    router = Router(parse_llm_section(topology.llm, environ=environ), environ=environ)
+    await resources.enter_async_context(router)
+    for backend, reason in router.skipped.items():
+        log.warning("LLM backend %s skipped: %s", backend, reason)
+    return RouterLLM(router)
+
+
+async def start_agents(
+    topology: Topology,
+    pump: Pump,
+    handlers: Mapping[str, LateHandler],
+    nursery: trio.Nursery,
+    resources: contextlib.AsyncExitStack,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> AgentService | None:
+    """Open the store and router, bind the agent listeners and start the runtime in
+    ``nursery``. Call once the pump runs. Returns None if the topology has no agents."""
+    if not agent_names(topology):
+        return None
+    env = os.environ if environ is None else environ
+    settings = store_settings_from_element(topology.store, base_dir=Path.cwd())
+    settings.path.parent.mkdir(parents=True, exist_ok=True)
+    profiles = build_profiles(topology, pump, env)
+    llm = await open_llm(topology, resources, env)
+    ports = PumpPorts(pump, named_clients=[c.name for c in topology.clients])
+    runtime = AgentRuntime.open(settings, profiles, llm=llm, tools=ports, replies=ports)
+    resources.push_async_callback(runtime.aclose)
+    ports.attach(runtime.store)
+    for name in profiles:
+        handlers[name].target = agent_handler(runtime, pump, name)
+    service = AgentService(runtime, ports, profiles)
+
+    async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with service.scope:
+            await runtime.run(task_status=task_status)
+
+    await nursery.start(run)
+    log.info("agents running: %s (store %s)", ", ".join(profiles), settings.path)
+    return service
