@@ -1,0 +1,105 @@
+"""The bundled assistant end to end: real server, real sockets, a scripted model on loopback.
+
+The server runs the bundled boot.xml with OPENAI_BASE_URL pointing at a fake
+OpenAI-compatible server in this test's trio run. The model asks the calculator twice in
+parallel, iterates once on the assistant's own root tag, then answers; the client gets
+exactly one reply on its thread.
+"""
+
+from __future__ import annotations
+
+import re
+
+import trio
+from agentserver.listeners.assistant import Task
+from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from serverproc import REPO, ServerProcess, subprocess_env
+
+from agentserver.client import open_client
+from agentserver.threads import new_thread_id
+
+CALC = "urn:agentserver:calculator"
+ASSISTANT = "urn:agentserver:assistant"
+
+
+class ScriptedModel(FakeServer):
+    """Decides each step from the conversation it is sent, like a model would."""
+
+    def __init__(self) -> None:
+        super().__init__("openai")
+        self.steps: list[str] = []
+
+    def default(self, seen: Seen) -> Script:
+        messages = seen.body["messages"]
+        text = "\n".join(str(m.get("content", "")) for m in messages)
+        assert messages[0]["role"] == "system"
+        if "<value>5</value>" not in text:
+            self.steps.append("tools")
+            return openai_ok(
+                "I will use the calculator twice at once. "
+                f'<add xmlns="{CALC}"><a>2</a><b>3</b></add> '
+                f'<multiply xmlns="{CALC}"><a>6</a><b>7</b></multiply>',
+                model="m",
+            )
+        if "double-check" not in text:
+            self.steps.append("iterate")
+            return openai_ok(
+                f'Let me check once more. <task xmlns="{ASSISTANT}"><text>double-check</text></task>',
+                model="m",
+            )
+        self.steps.append("answer")
+        values = re.findall(r"<value>(-?\d+)</value>", text)
+        return openai_ok(f"2+3 = {values[0]} and 6*7 = {values[1]}.", model="m")
+
+
+async def test_assistant_calls_tools_in_parallel_iterates_and_answers_once(tmp_path):
+    async with trio.open_nursery() as nursery:
+        model = await ScriptedModel().start(nursery)
+        env = subprocess_env(
+            OPENAI_BASE_URL=model.base_url, OPENAI_API_KEY="test-key", AGENTSERVER_MODEL="m"
+        )
+        server = await trio.to_thread.run_sync(
+            lambda: ServerProcess.start(REPO / "boot.xml", env=env, cwd=tmp_path)
+        )
+        try:
+            async with open_client(server.host, server.port) as client:
+                thread = new_thread_id()
+                await client.send(Task(text="What are 2+3 and 6*7?"), to="assistant", thread=thread)
+                with trio.fail_after(20):
+                    reply = await client.receive()
+                assert reply.thread == thread
+                assert reply.from_id == "assistant"
+                assert reply.payload.tag == f"{{{ASSISTANT}}}answer"
+                assert reply.payload.findtext(f"{{{ASSISTANT}}}text") == "2+3 = 5 and 6*7 = 42."
+                # exactly one reply: nothing else arrives on any thread
+                with trio.move_on_after(1.0) as quiet:
+                    extra = await client.receive()
+                assert quiet.cancelled_caught, extra
+        finally:
+            code = await trio.to_thread.run_sync(server.stop)
+            nursery.cancel_scope.cancel()
+        assert code == 0, server.stderr
+    assert model.steps == ["tools", "iterate", "answer"]
+    # the two calculator calls went out in the same step, before the model saw any result
+    assert len(model.requests) == 3
+    assert (tmp_path / "state" / "agents.sqlite3").exists()
+
+
+async def test_assistant_without_a_reachable_backend_answers_one_clear_failure(tmp_path):
+    env = subprocess_env(
+        OPENAI_BASE_URL="http://127.0.0.1:9/v1", OPENAI_API_KEY="k", AGENTSERVER_MODEL="m"
+    )
+    server = await trio.to_thread.run_sync(
+        lambda: ServerProcess.start(REPO / "boot.xml", env=env, cwd=tmp_path)
+    )
+    try:
+        async with open_client(server.host, server.port) as client:
+            reply = await client.request(Task(text="hello?"), to="assistant", timeout=60)
+            assert reply.payload.tag == f"{{{ASSISTANT}}}answer"
+            text = reply.payload.findtext(f"{{{ASSISTANT}}}text")
+            assert "could not be reached" in text
+            with trio.move_on_after(0.5) as quiet:
+                await client.receive()
+            assert quiet.cancelled_caught
+    finally:
+        assert await trio.to_thread.run_sync(server.stop) == 0
