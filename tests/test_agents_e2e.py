@@ -48,8 +48,9 @@ class ScriptedModel(FakeServer):
                 model="m",
             )
         self.steps.append("answer")
-        values = re.findall(r"<value>(-?\d+)</value>", text)
-        return openai_ok(f"2+3 = {values[0]} and 6*7 = {values[1]}.", model="m")
+        total = re.search(r"<sum [^>]*><value>(-?\d+)</value>", text).group(1)
+        product = re.search(r"<product [^>]*><value>(-?\d+)</value>", text).group(1)
+        return openai_ok(f"2+3 = {total} and 6*7 = {product}.", model="m")
 
 
 async def test_assistant_calls_tools_in_parallel_iterates_and_answers_once(tmp_path):
