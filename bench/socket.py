@@ -41,11 +41,11 @@ import threading
 import time
 
 import trio
-from agentserver.listeners.echo import Ping
 from lxml import etree
 
 from agentserver.envelope import build_envelope, load_envelope_schema
 from agentserver.framing import FrameDecoder, encode_frame, encode_frames
+from agentserver.listeners.echo import Ping
 from agentserver.payloads import PayloadType
 from agentserver.threads import new_thread_id
 from agentserver.xmlsafe import SafeParser, canonicalize

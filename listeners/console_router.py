@@ -24,13 +24,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import trio
-from agentserver.listeners.assistant import Task
-from agentserver.listeners.console import NS as CONSOLE_NS
-from agentserver.listeners.console import Input, Pending, Prompt
 from lxml import etree
 
 from agentserver.errors import InputRefused
 from agentserver.listener import HandlerMetadata, HandlerResponse
+from agentserver.listeners.assistant import Task
+from agentserver.listeners.console import NS as CONSOLE_NS
+from agentserver.listeners.console import Input, Pending, Prompt
 from agentserver.namespaces import CORE_NS, clark
 from agentserver.xmlsafe import SafeParser
 

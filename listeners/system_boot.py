@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import logging
 
+from agentserver.listener import HandlerMetadata, HandlerResponse
 from agentserver.listeners.console import Prompt
 from agentserver.primitives.core import Boot
-
-from agentserver.listener import HandlerMetadata, HandlerResponse
 
 log = logging.getLogger("agentserver.boot")
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 
 import trio
-from agentserver.listeners.echo import Ping
-from agentserver.primitives.core import SystemErrorPayload
 from pydantic_xml import BaseXmlModel, element
 
 from agentserver.listener import HandlerMetadata, HandlerResponse
+from agentserver.listeners.echo import Ping
+from agentserver.primitives.core import SystemErrorPayload
 
 NS = "urn:test:e2e"
 _NSMAP = {"": NS}

@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 
 import trio
-from agentserver.listeners.assistant import Task
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import REPO, ServerProcess, subprocess_env
 
 from agentserver.client import open_client
+from agentserver.listeners.assistant import Task
 from agentserver.threads import new_thread_id
 
 CALC = "urn:agentserver:calculator"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import textwrap
 
 import trio
-from agentserver.listeners.echo import Ping
 from conftest import parse_reply
 from lxml import etree
 from serverproc import DATA, REPO
@@ -14,6 +13,7 @@ from agentserver import boot
 from agentserver.builtins import RunContext, build_listeners
 from agentserver.bundled import BOOT_XML
 from agentserver.envelope import build_envelope
+from agentserver.listeners.echo import Ping
 from agentserver.pump import open_pump
 from agentserver.server import boot_primitive
 from agentserver.threads import new_thread_id

@@ -8,9 +8,6 @@ import base64
 import trio
 import trio.lowlevel
 import trio.testing
-from agentserver.listeners.console import Prompt, xml_safe
-from agentserver.listeners.console_router import Say, Send, parse_command, render_reply
-from agentserver.primitives.core import huh, system_error
 from lxml import etree
 from serverproc import DATA, REPO
 
@@ -19,6 +16,9 @@ from agentserver.agents.service import start_agents
 from agentserver.builtins import RunContext, build_listeners
 from agentserver.envelope import build_envelope
 from agentserver.errors import HuhReason, SystemErrorCode
+from agentserver.listeners.console import Prompt, xml_safe
+from agentserver.listeners.console_router import Say, Send, parse_command, render_reply
+from agentserver.primitives.core import huh, system_error
 from agentserver.pump import open_pump
 from agentserver.server import boot_primitive
 from agentserver.threads import new_thread_id

@@ -7,13 +7,13 @@ import random
 
 import pytest
 import trio
-from agentserver.listeners.echo import Ping
 from lxml import etree
 from serverproc import DATA, RawConnection, ServerProcess
 
 from agentserver.client import open_client
 from agentserver.envelope import build_envelope
 from agentserver.errors import HuhReason
+from agentserver.listeners.echo import Ping
 from agentserver.threads import new_thread_id
 
 ENV_HEAD = (

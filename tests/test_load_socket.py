@@ -8,11 +8,11 @@ import time
 
 import pytest
 import trio
-from agentserver.listeners.calculator import Add
-from agentserver.listeners.echo import Ping
 from serverproc import REPO, ServerProcess
 
 from agentserver.client import open_client
+from agentserver.listeners.calculator import Add
+from agentserver.listeners.echo import Ping
 
 CONNECTIONS = 200
 REQUESTS = 100

@@ -6,9 +6,6 @@ import base64
 
 import pytest
 import trio
-from agentserver.listeners.calculator import Add, Divide, Multiply
-from agentserver.listeners.echo import Ping
-from agentserver.primitives.core import Boot, Hello
 from e2e_handlers import Crash, Job, Note, Record, Relay, Silent, Wrong
 from lxml import etree
 from serverproc import DATA, RawConnection, ServerProcess
@@ -16,6 +13,9 @@ from serverproc import DATA, RawConnection, ServerProcess
 from agentserver.client import ConnectionClosed, open_client
 from agentserver.envelope import build_envelope
 from agentserver.errors import HuhReason
+from agentserver.listeners.calculator import Add, Divide, Multiply
+from agentserver.listeners.echo import Ping
+from agentserver.primitives.core import Boot, Hello
 from agentserver.threads import is_uuid4, new_thread_id
 
 CORE = "https://xml-pipeline.org/ns/core/v1"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from agentserver.listeners.echo import Ping
 from hypothesis import given
 from hypothesis import strategies as st
 from lxml import etree
@@ -19,6 +18,7 @@ from agentserver.handshake import (
     Unauthenticated,
     hello_frame_body,
 )
+from agentserver.listeners.echo import Ping
 from agentserver.threads import new_thread_id
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import trio
-from agentserver.listeners.echo import Ping
 from e2e_handlers import Record
 from lxml import etree
 from serverproc import DATA, RawConnection, ServerProcess, subprocess_env
@@ -13,6 +12,7 @@ from agentserver.client import ConnectionClosed, open_client
 from agentserver.envelope import build_envelope
 from agentserver.errors import HuhReason
 from agentserver.handshake import hello_frame_body
+from agentserver.listeners.echo import Ping
 from agentserver.threads import new_thread_id
 
 ALICE = "alice-token-0123456789"
