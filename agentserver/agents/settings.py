@@ -1,4 +1,4 @@
-"""Tunables of the agent store, worker and watchdog (boot.xml ``<agents-store>``)."""
+"""Tunables of the agent store, worker and watchdog (boot.xml ``<store>``)."""
 
 from __future__ import annotations
 

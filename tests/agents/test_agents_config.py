@@ -15,12 +15,12 @@ WRAPPER = """<xs:schema xmlns:xs="http://www.w3.org/2001/XMLSchema"
   xmlns:boot="https://xml-pipeline.org/ns/boot/v1"
   targetNamespace="https://xml-pipeline.org/ns/boot/v1" elementFormDefault="qualified">
   <xs:include schemaLocation="{loc}"/>
-  <xs:element name="agents-store" type="boot:StoreSectionType"/>
+  <xs:element name="store" type="boot:StoreSectionType"/>
   <xs:element name="agent" type="boot:AgentProfileType"/>
 </xs:schema>"""
 
 STORE = (
-    f'<agents-store xmlns="{BOOT_NS}" path="db/a.sqlite3" worker-concurrency="2" max-retries="3"/>'
+    f'<store xmlns="{BOOT_NS}" path="db/a.sqlite3" worker-concurrency="2" max-retries="3"/>'
 )
 AGENT = f"""<agent xmlns="{BOOT_NS}" model="gpt-x" max-steps="5" resume-deadline="12.5">
   <system-prompt>  Be brief. </system-prompt>
