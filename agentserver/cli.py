@@ -160,6 +160,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("boot", metavar="BOOT", help="the boot.xml to check")
 
+    schemas = sub.add_parser(
+        "schemas",
+        parents=[common],
+        help="export the payload XSDs of a topology",
+        description="Write one XSD per payload namespace of BOOT (derived from the payload "
+        "models, as the server validates them), plus envelope.xsd and core.xsd, into DIR, so "
+        "clients can validate what they send. Prints each file written.",
+    )
+    schemas.add_argument("boot", metavar="BOOT", help="the boot.xml whose payloads to export")
+    schemas.add_argument(
+        "--out",
+        metavar="DIR",
+        default="schemas-export",
+        help="target directory (default: ./schemas-export)",
+    )
+
     console = sub.add_parser(
         "console",
         parents=[common],
@@ -194,7 +210,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    handler = {"run": cmd_run, "send": cmd_send, "check": cmd_check, "console": cmd_console}
+    handler = {
+        "run": cmd_run,
+        "send": cmd_send,
+        "check": cmd_check,
+        "console": cmd_console,
+        "schemas": cmd_schemas,
+    }
     return handler[args.command](args)
 
 
@@ -226,6 +248,41 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{args.boot}: {count} error{'s' * (count != 1)}", file=sys.stderr)
         return EXIT_FAILED
     print(summary(args.boot, result))
+    return EXIT_OK
+
+
+def cmd_schemas(args: argparse.Namespace) -> int:
+    import shutil
+
+    from lxml import etree
+
+    from agentserver.payloads import PayloadRegistry
+    from agentserver.primitives.core import CORE_MODELS
+    from agentserver.schemas_export import schema_path
+
+    result = boot.load(args.boot)
+    if result.topology is None:
+        _print_problems(result)
+        return EXIT_FAILED
+    registry = PayloadRegistry()
+    for spec in result.topology.listeners:
+        for model in (*spec.accepts, *spec.responds):
+            registry.add(model)
+    core = set(CORE_MODELS)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("envelope.xsd", "core.xsd"):
+        shutil.copyfile(schema_path(name), out / name)
+        print(out / name)
+    for namespace, doc in sorted(registry.namespace_schemas().items()):
+        if all(p.model in core for p in registry if p.namespace == namespace):
+            continue  # the core primitives are core.xsd
+        stem = "".join(c if c.isalnum() else "-" for c in namespace).strip("-")
+        path = out / f"{stem}.xsd"
+        path.write_bytes(
+            etree.tostring(doc, pretty_print=True, xml_declaration=True, encoding="UTF-8")
+        )
+        print(path)
     return EXIT_OK
 
 

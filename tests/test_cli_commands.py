@@ -350,3 +350,26 @@ async def test_sigterm_drains_in_flight_work_and_exits_0():
         assert reply.is_system_error and reply.payload.findtext(f"{{{CORE}}}code") == "timeout"
     assert elapsed < 5  # the drain bound (2 s), not the 20 s jobs
     assert "Traceback" not in proc.stderr
+
+
+def test_schemas_exports_one_valid_xsd_per_payload_namespace(tmp_path):
+    from lxml import etree
+
+    result = cli("schemas", str(REPO / "boot.xml"), "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [
+        "core.xsd",
+        "envelope.xsd",
+        "urn-agentserver-assistant.xsd",
+        "urn-agentserver-calculator.xsd",
+        "urn-agentserver-console.xsd",
+        "urn-agentserver-echo.xsd",
+    ]
+    calc = etree.XMLSchema(etree.parse(str(tmp_path / "urn-agentserver-calculator.xsd")))
+    assert calc.validate(
+        etree.fromstring(b'<add xmlns="urn:agentserver:calculator"><a>1</a><b>2</b></add>')
+    )
+    assert not calc.validate(
+        etree.fromstring(b'<add xmlns="urn:agentserver:calculator"><a>x</a></add>')
+    )
