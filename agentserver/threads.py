@@ -209,6 +209,15 @@ class ThreadRegistry:
         return removed
 
     def _remove_subtree(self, record: ThreadRecord) -> int:
+        threads = self._threads
+        if not record.children:  # the common case: a leaf hop answering its caller
+            if threads.pop(record.id, None) is None:
+                return 0
+            if record.parent is not None:
+                parent = threads.get(record.parent)
+                if parent is not None:
+                    parent.children.discard(record.id)
+            return 1
         stack = [record]
         count = 0
         while stack:
