@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 import trio
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm.llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
 from serverproc import REPO, ServerProcess, subprocess_env
 
 from agentserver.client import open_client
@@ -20,6 +20,14 @@ from agentserver.threads import new_thread_id
 
 CALC = "urn:agentserver:calculator"
 ASSISTANT = "urn:agentserver:assistant"
+
+
+def say(seen: Seen, text: str) -> Script:
+    """The text as the model would send it: streamed in word chunks if asked to stream."""
+    if seen.body.get("stream"):
+        words = text.split(" ")
+        return openai_stream([w if i == 0 else " " + w for i, w in enumerate(words)], model="m")
+    return openai_ok(text, model="m")
 
 
 class ScriptedModel(FakeServer):
@@ -35,22 +43,22 @@ class ScriptedModel(FakeServer):
         assert messages[0]["role"] == "system"
         if "<value>5</value>" not in text:
             self.steps.append("tools")
-            return openai_ok(
+            return say(
+                seen,
                 "I will use the calculator twice at once. "
                 f'<add xmlns="{CALC}"><a>2</a><b>3</b></add> '
                 f'<multiply xmlns="{CALC}"><a>6</a><b>7</b></multiply>',
-                model="m",
             )
         if "double-check" not in text:
             self.steps.append("iterate")
-            return openai_ok(
+            return say(
+                seen,
                 f'Let me check once more. <task xmlns="{ASSISTANT}"><text>double-check</text></task>',
-                model="m",
             )
         self.steps.append("answer")
         total = re.search(r"<sum [^>]*><value>(-?\d+)</value>", text).group(1)
         product = re.search(r"<product [^>]*><value>(-?\d+)</value>", text).group(1)
-        return openai_ok(f"2+3 = {total} and 6*7 = {product}.", model="m")
+        return say(seen, f"2+3 = {total} and 6*7 = {product}.")
 
 
 async def test_assistant_calls_tools_in_parallel_iterates_and_answers_once(tmp_path):
@@ -83,6 +91,8 @@ async def test_assistant_calls_tools_in_parallel_iterates_and_answers_once(tmp_p
     assert model.steps == ["tools", "iterate", "answer"]
     # the two calculator calls went out in the same step, before the model saw any result
     assert len(model.requests) == 3
+    # the agent streams its model calls (chunks become events as they arrive)
+    assert all(r.body.get("stream") for r in model.requests)
     assert (tmp_path / "state" / "agents.sqlite3").exists()
 
 

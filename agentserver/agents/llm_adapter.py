@@ -6,6 +6,8 @@ the router's module layout changes; only the value types are imported.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 from agentserver.agents.errors import LLMUnavailable
@@ -18,6 +20,8 @@ DEFAULT_MAX_TOKENS = 1024
 class _Router(Protocol):
     async def complete(self, request: Request) -> Completion: ...
 
+    def stream(self, request: Request) -> contextlib.AbstractAsyncContextManager: ...
+
 
 class RouterLLM:
     """``LLMPort`` over ``agentserver.llm.router.Router``; ``LLMError`` → ``LLMUnavailable``."""
@@ -25,23 +29,49 @@ class RouterLLM:
     def __init__(self, router: _Router) -> None:
         self._router = router
 
-    async def complete(self, request: LLMRequest) -> LLMCompletion:
-        req = Request(
+    def _request(self, request: LLMRequest) -> Request:
+        return Request(
             [Message(Role(m.role), m.content) for m in request.messages],
             model=request.model,
             max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
             agent=request.agent,
         )
+
+    async def complete(self, request: LLMRequest) -> LLMCompletion:
         try:
-            done = await self._router.complete(req)
+            done = await self._router.complete(self._request(request))
         except LLMError as exc:
             raise LLMUnavailable(str(exc), kind=str(exc.kind.value)) from exc
-        return LLMCompletion(
-            content=done.content,
-            usage=LLMUsage(
-                done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens
-            ),
-            cost=done.cost or 0.0,
-            model=done.model,
-            backend=done.backend,
-        )
+        return _completion(done)
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self, request: LLMRequest
+    ) -> AsyncIterator[AsyncIterator[str | LLMCompletion]]:
+        """Text chunks as the model produces them, then the final :class:`LLMCompletion`.
+
+        Fails over only before the first chunk (the router's rule); an error after that
+        surfaces as ``LLMUnavailable`` and no chunk is repeated.
+        """
+        try:
+            async with self._router.stream(self._request(request)) as chunks:
+                yield _adapt(chunks)
+        except LLMError as exc:
+            raise LLMUnavailable(str(exc), kind=str(exc.kind.value)) from exc
+
+
+async def _adapt(chunks: AsyncIterator[str | Completion]) -> AsyncIterator[str | LLMCompletion]:
+    async for item in chunks:
+        yield item if isinstance(item, str) else _completion(item)
+
+
+def _completion(done: Completion) -> LLMCompletion:
+    return LLMCompletion(
+        content=done.content,
+        usage=LLMUsage(
+            done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens
+        ),
+        cost=done.cost or 0.0,
+        model=done.model,
+        backend=done.backend,
+    )

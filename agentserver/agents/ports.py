@@ -100,6 +100,11 @@ class LLMCompletion:
 
 
 class LLMPort(Protocol):
-    """One model completion. Raise ``LLMUnavailable`` when none can be had."""
+    """One model completion. Raise ``LLMUnavailable`` when none can be had.
+
+    A port may also offer ``stream(request)``: an async context manager yielding an async
+    iterator of text chunks followed by one :class:`LLMCompletion`; the worker then
+    publishes each chunk as it arrives (``agentserver.agents.llm_adapter.RouterLLM`` does).
+    """
 
     async def complete(self, request: LLMRequest) -> LLMCompletion: ...

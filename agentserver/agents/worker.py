@@ -233,12 +233,9 @@ class Worker:
                 return
             step_id, _ = await self.store.begin_step(token)
             self._step_event(token, step_id, "started", "thinking")
-            completion = await self._complete(token, head, profile)
+            completion = await self._complete(token, head, profile, step_id)
             if completion is None:
                 return
-            self.events.publish(
-                ChunkEvent(token.agent_id, token.agent_turn_id, step_id, completion.content)
-            )
             await self.store.complete_step(
                 token,
                 step_id,
@@ -324,19 +321,41 @@ class Worker:
         return True
 
     async def _complete(
-        self, token: TurnToken, head: Head, profile: AgentProfile
+        self, token: TurnToken, head: Head, profile: AgentProfile, step_id: str
     ) -> LLMCompletion | None:
-        """One model call; on any failure the Turn ends failed and None is returned."""
+        """One model call; on any failure the Turn ends failed and None is returned.
+
+        With a streaming port, each text chunk is published as a :class:`ChunkEvent` as it
+        arrives; otherwise the whole text is published as one chunk.
+        """
         request = LLMRequest(
             agent=token.agent_id,
             model=profile.model,
             messages=await self._hydrate(head, profile),
             max_tokens=profile.max_tokens,
         )
+
+        def chunk(text: str) -> None:
+            self.events.publish(ChunkEvent(token.agent_id, token.agent_turn_id, step_id, text))
+
         problem: str
         try:
             with trio.fail_after(profile.llm_timeout_s):
-                return await self.llm.complete(request)
+                stream = getattr(self.llm, "stream", None)
+                if stream is None:
+                    completion = await self.llm.complete(request)
+                    chunk(completion.content)
+                    return completion
+                final: LLMCompletion | None = None
+                async with stream(request) as items:
+                    async for item in items:
+                        if isinstance(item, str):
+                            chunk(item)
+                        else:
+                            final = item
+                if final is None:
+                    raise LLMUnavailable("the model's stream ended without a result", kind="stream")
+                return final
         except LLMUnavailable as exc:
             problem = f"the model could not be reached ({exc.kind}): {exc}"
         except trio.TooSlowError:

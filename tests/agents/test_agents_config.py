@@ -19,9 +19,7 @@ WRAPPER = """<xs:schema xmlns:xs="http://www.w3.org/2001/XMLSchema"
   <xs:element name="agent" type="boot:AgentProfileType"/>
 </xs:schema>"""
 
-STORE = (
-    f'<store xmlns="{BOOT_NS}" path="db/a.sqlite3" worker-concurrency="2" max-retries="3"/>'
-)
+STORE = f'<store xmlns="{BOOT_NS}" path="db/a.sqlite3" worker-concurrency="2" max-retries="3"/>'
 AGENT = f"""<agent xmlns="{BOOT_NS}" model="gpt-x" max-steps="5" resume-deadline="12.5">
   <system-prompt>  Be brief. </system-prompt>
   <must-end-with>submit_result</must-end-with>

@@ -406,3 +406,32 @@ async def test_restart_while_suspended_fails_lost_tool_calls_at_once(tmp_path):
     assert event.status == "succeeded"
     assert "interrupted by a restart" in h2.llm.requests[-1].messages[-1].content
     assert len(h2.replies.sent) == 1
+
+
+async def test_streaming_port_publishes_each_chunk_as_it_arrives(tmp_path):
+    import contextlib
+
+    from agentserver.agents.events import ChunkEvent
+    from agentserver.agents.ports import LLMCompletion
+
+    class StreamingLLM:
+        @contextlib.asynccontextmanager
+        async def stream(self, request):
+            async def items():
+                for piece in ("The ", "answer ", "is 3."):
+                    yield piece
+                yield LLMCompletion("The answer is 3.")
+
+            yield items()
+
+        async def complete(self, request):  # pragma: no cover - stream is preferred
+            raise AssertionError("complete() used although stream() exists")
+
+    h = make_harness(tmp_path, lambda req: "unused")
+    h.rt.worker.llm = StreamingLLM()
+    await h.rt.enqueue("assistant", task("x"), "ref")
+    await h.pump()
+    events = h.events.drain()
+    chunks = [e.text for e in events if isinstance(e, ChunkEvent)]
+    assert chunks == ["The ", "answer ", "is 3."]
+    assert [r[1] for r in h.replies.sent] == ["The answer is 3."]
