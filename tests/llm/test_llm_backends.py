@@ -118,6 +118,19 @@ async def test_streams(nursery, client, provider, script):
     assert fake.requests[0].body["stream"] is True
 
 
+@pytest.mark.parametrize(
+    ("provider", "script"),
+    [("openai", openai_ok("whole reply")), ("ollama", ollama_ok("whole reply"))],
+)
+async def test_server_ignoring_stream_flag_is_read_as_one_chunk(nursery, client, provider, script):
+    # Some OpenAI-compatible servers answer "stream": true with a plain JSON body.
+    fake = await start_fake(nursery, provider, script)
+    backend = make_backend(backend_for(fake, "x"), client, "k")
+    chunks, reply = await drain(await backend.open_stream(REQ, "m", 5))
+    assert chunks == ["whole reply"]
+    assert reply.content == "whole reply"
+
+
 async def test_openai_stream_without_usage_is_estimated(nursery, client):
     fake = await start_fake(nursery, "openai", openai_stream(["abcdef"], include_usage=False))
     backend = make_backend(backend_for(fake, "x"), client, "k")

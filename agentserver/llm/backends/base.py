@@ -22,7 +22,7 @@ from ..config import BackendConfig, Provider
 from ..tokens import estimate_prompt_tokens, estimate_text_tokens
 from ..types import LLMError, Reply, Request, Usage
 
-__all__ = ["Backend", "BackendStream", "SSEDecoder", "StreamParser"]
+__all__ = ["Backend", "BackendStream", "SSEDecoder", "StreamParser", "WholeReplyStream"]
 
 
 class SSEDecoder:
@@ -135,6 +135,23 @@ class BackendStream:
         await self._response.aclose()
 
 
+class WholeReplyStream:
+    """A complete reply presented as a stream: its text as one chunk, then the reply."""
+
+    def __init__(self, reply: Reply) -> None:
+        self._items: deque[str | Reply] = deque(
+            [reply.content, reply] if reply.content else [reply]
+        )
+
+    async def next(self) -> str | Reply:
+        if not self._items:
+            raise RuntimeError("stream already finished")
+        return self._items.popleft()
+
+    async def aclose(self) -> None:
+        return None
+
+
 class Backend(ABC):
     """One configured backend speaking one provider's wire format."""
 
@@ -222,7 +239,7 @@ class Backend(ABC):
 
     async def open_stream(
         self, request: Request, model: str, phase_timeout: float
-    ) -> BackendStream:
+    ) -> BackendStream | WholeReplyStream:
         """Send a streaming call and return once the response headers are in.
         ``phase_timeout`` also bounds the silence between two chunks."""
         body = self.body(request, model, True)
@@ -241,4 +258,18 @@ class Backend(ABC):
             finally:
                 await resp.aclose()
             raise self.error_from_response(resp.status_code, resp.headers, content)
+        if resp.headers.get("content-type", "").startswith("application/json"):
+            # Some OpenAI-compatible servers ignore "stream": true and send the whole
+            # reply as JSON: accept it as a stream of one chunk rather than fail.
+            try:
+                content = await resp.aread()
+            except httpx.TransportError as exc:
+                raise self.transport_error(exc) from exc
+            finally:
+                await resp.aclose()
+            try:
+                reply = self.parse_reply(json.loads(content), request, model)
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+                raise self.malformed(f"malformed response body: {exc!r}") from None
+            return WholeReplyStream(reply)
         return BackendStream(self, resp, self.stream_parser(request, model))
