@@ -9,6 +9,7 @@ the worker, which talks back to the pump through :class:`PumpPorts`.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 from collections.abc import Iterable
 
@@ -97,6 +98,7 @@ class PumpPorts:
                 ref.to_json(),
                 encode(agent, caller, ref.caller_thread, payload),
                 failed=failed,
+                agent_turn_id=turn_id,
             )
             self.pump.release(ref.hop)
         else:
@@ -117,9 +119,20 @@ class PumpPorts:
             replies = await self.store.take_client_replies(endpoint.name)
             if not replies:
                 return sent
-            for reply in replies:
+            for i, reply in enumerate(replies):
                 if endpoint.push(reply.payload):
                     sent += 1
+                    continue
+                # The connection could not take it (closed, or its buffer is full): keep
+                # this reply and the rest for the next connection instead of losing them.
+                for kept in replies[i:]:
+                    await self.store.record_client_reply(
+                        endpoint.name,
+                        json.loads(kept.thread_ref_json),
+                        kept.payload,
+                        failed=kept.failed,
+                    )
+                return sent
 
 
 def agent_handler(runtime: AgentRuntime, pump: Pump, name: str) -> Handler:

@@ -1245,7 +1245,7 @@ class SqliteAgentStore:
         with self._tx() as db:
             db.execute(
                 "UPDATE agent_replies SET status = 'sent', sent_at = ?, attempts = attempts + 1 "
-                "WHERE agent_turn_id = ?",
+                "WHERE agent_turn_id = ? AND status != 'sent'",
                 (self._clock.now(), agent_turn_id),
             )
 
@@ -1258,10 +1258,33 @@ class SqliteAgentStore:
             )
 
     async def record_client_reply(
-        self, client: str, thread_ref: ReplyRef, payload: bytes, *, failed: bool
+        self,
+        client: str,
+        thread_ref: ReplyRef,
+        payload: bytes,
+        *,
+        failed: bool,
+        agent_turn_id: str | None = None,
     ) -> int:
-        """Keep a reply for a named client that is away; the oldest beyond the bound go."""
+        """Keep a reply for a named client that is away; the oldest beyond the bound go.
+
+        With ``agent_turn_id`` the Turn's outbox reply is marked sent in the same
+        transaction, so a crash can neither lose the reply nor keep it twice.
+        """
         with self._tx() as db:
+            if agent_turn_id is not None:
+                done = db.execute(
+                    "UPDATE agent_replies SET status = 'sent', sent_at = ?, "
+                    "attempts = attempts + 1 WHERE agent_turn_id = ? AND status != 'sent'",
+                    (self._clock.now(), agent_turn_id),
+                )
+                if (
+                    done.rowcount == 0
+                    and db.execute(
+                        "SELECT 1 FROM agent_replies WHERE agent_turn_id = ?", (agent_turn_id,)
+                    ).fetchone()
+                ):
+                    return 0  # already handed over: keep nothing twice
             cur = db.execute(
                 "INSERT INTO client_replies (client, thread_ref, payload, failed, created_at) "
                 "VALUES (?,?,?,?,?)",

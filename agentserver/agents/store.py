@@ -255,7 +255,13 @@ class AgentStore(Protocol):
     async def mark_reply_sent(self, agent_turn_id: str) -> None: ...
     async def mark_reply_attempt(self, agent_turn_id: str, give_up: bool) -> None: ...
     async def record_client_reply(
-        self, client: str, thread_ref: ReplyRef, payload: bytes, *, failed: bool
+        self,
+        client: str,
+        thread_ref: ReplyRef,
+        payload: bytes,
+        *,
+        failed: bool,
+        agent_turn_id: str | None = None,
     ) -> int: ...
     async def take_client_replies(self, client: str, limit: int = 100) -> list[ClientReply]: ...
 

@@ -133,3 +133,37 @@ async def test_task_through_pump_calls_tools_iterates_and_answers_once(tmp_path)
             nursery.cancel_scope.cancel()
         await rt.aclose()
     assert len(llm.requests) == 3
+
+
+async def test_flush_client_keeps_replies_a_closed_connection_could_not_take(tmp_path):
+    from agentserver.agents.sqlite_store import SqliteAgentStore
+
+    class FullEndpoint:
+        name = "alice"
+
+        def __init__(self, room: int) -> None:
+            self.room = room
+            self.got: list[bytes] = []
+
+        def push(self, data: bytes) -> bool:
+            if self.room == 0:
+                return False
+            self.room -= 1
+            self.got.append(data)
+            return True
+
+    async with open_pump([Listener("calculator", (Add,), calculator, responses=(Sum,))]) as pump:
+        ports = PumpPorts(pump, named_clients=["alice"])
+        store = SqliteAgentStore.open(
+            tmp_path / "s.sqlite3", settings=StoreSettings(path=tmp_path / "s.sqlite3")
+        )
+        ports.attach(store)
+        for i in range(3):
+            await store.record_client_reply("alice", {"i": i}, f"<r{i}/>".encode(), failed=False)
+        first = FullEndpoint(room=1)
+        assert await ports.flush_client(first) == 1
+        second = FullEndpoint(room=10)
+        assert await ports.flush_client(second) == 2
+        assert first.got + second.got == [b"<r0/>", b"<r1/>", b"<r2/>"]
+        assert await ports.flush_client(FullEndpoint(room=10)) == 0
+        await store.aclose()

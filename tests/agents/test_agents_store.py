@@ -158,3 +158,29 @@ async def _random_run(path, ops):
     )
     assert len(per_turn) == enqueued and all(n == 1 for _, n in per_turn)
     await h.rt.aclose()
+
+
+async def test_client_reply_kept_and_outbox_marked_sent_in_one_transaction(tmp_path):
+    from agents_fakes import make_harness, task
+
+    h = make_harness(tmp_path, lambda req: "the answer")
+    h.replies.broken = True  # the caller is away: the reply stays pending in the outbox
+    await h.rt.enqueue("assistant", task("x"), "ref")
+    await h.pump()
+    [(turn_id,)] = h.sql("SELECT agent_turn_id FROM agent_replies WHERE status = 'pending'")
+    store = h.rt.store
+    assert await store.record_client_reply(
+        "alice", {"t": 1}, b"<r/>", failed=False, agent_turn_id=turn_id
+    )
+    assert h.sql("SELECT status, attempts FROM agent_replies") == [("sent", 2)]
+    # kept once: a second hand-over of the same Turn (e.g. a retry) keeps nothing more
+    assert (
+        await store.record_client_reply(
+            "alice", {"t": 1}, b"<r/>", failed=False, agent_turn_id=turn_id
+        )
+        == 0
+    )
+    await store.mark_reply_sent(turn_id)  # idempotent
+    assert h.sql("SELECT status, attempts FROM agent_replies") == [("sent", 2)]
+    assert [r.payload for r in await store.take_client_replies("alice")] == [b"<r/>"]
+    assert await store.take_client_replies("alice") == []
