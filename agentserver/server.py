@@ -260,12 +260,22 @@ class _Connection:
                         deadline = trio.current_time() + limits.idle_timeout
                     else:
                         deadline = math.inf
-                    with trio.move_on_at(deadline) as waited:
+                    if deadline == math.inf:
+                        # The common case (between frames, no idle timeout): no cancel
+                        # scope, which would cost more than the read itself.
                         try:
                             data = await stream.receive_some(RECEIVE_SIZE)
                         except (trio.BrokenResourceError, trio.ClosedResourceError):
                             return "closed"
-                    if waited.cancelled_caught:
+                        timed_out = False
+                    else:
+                        with trio.move_on_at(deadline) as waited:
+                            try:
+                                data = await stream.receive_some(RECEIVE_SIZE)
+                            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                                return "closed"
+                        timed_out = waited.cancelled_caught
+                    if timed_out:
                         reason = "stalled" if decoder.mid_frame else "idle"
                         log.info("connection %s %s: closing", endpoint.name, reason)
                         return reason
@@ -332,31 +342,18 @@ class _Connection:
         assert endpoint is not None
         stream = self.stream
         write_timeout = self.limits.write_timeout
+        # One scope for the connection's life; its deadline is armed only around a write
+        # (re-arming a deadline is much cheaper than a new cancel scope per write).
+        guard = trio.CancelScope()
         try:
-            while True:
-                try:
-                    first = await endpoint.receive()
-                except EndpointClosed:
-                    break
-                # Yield once before collecting: replies produced in the same scheduler round
-                # then share this write (one syscall per batch, not per reply).
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                batch = [first]
-                while len(batch) < MAX_BATCH:
-                    try:
-                        batch.append(endpoint.receive_nowait())
-                    except (trio.WouldBlock, EndpointClosed):
-                        break
-                self._replied(len(batch))
-                with trio.move_on_after(write_timeout) as scope:
-                    await stream.send_all(encode_frames(batch))
-                if scope.cancelled_caught:
-                    log.info(
-                        "connection %s: a write blocked for %ss: disconnecting",
-                        endpoint.name,
-                        write_timeout,
-                    )
-                    break
+            with guard:
+                await self._write_batches(endpoint, stream, guard, write_timeout)
+            if guard.cancelled_caught:
+                log.info(
+                    "connection %s: a write blocked for %ss: disconnecting",
+                    endpoint.name,
+                    write_timeout,
+                )
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         finally:
@@ -364,6 +361,34 @@ class _Connection:
                 log.info("connection %s stopped reading: disconnected", endpoint.name)
             # The connection is over once nothing more can be written: stop the reader.
             connection_scope.cancel()
+
+    async def _write_batches(
+        self,
+        endpoint: Endpoint,
+        stream: trio.SocketStream,
+        guard: trio.CancelScope,
+        write_timeout: float,
+    ) -> None:
+        """Write replies as they come, batching what is ready; ``guard``'s deadline is
+        armed only while a write is in progress."""
+        while True:
+            try:
+                first = await endpoint.receive()
+            except EndpointClosed:
+                break
+            # Yield once before collecting: replies produced in the same scheduler round
+            # then share this write (one syscall per batch, not per reply).
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            batch = [first]
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.append(endpoint.receive_nowait())
+                except (trio.WouldBlock, EndpointClosed):
+                    break
+            self._replied(len(batch))
+            guard.deadline = trio.current_time() + write_timeout
+            await stream.send_all(encode_frames(batch))
+            guard.deadline = math.inf
 
 
 # -- running a topology ---------------------------------------------------------------------

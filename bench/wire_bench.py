@@ -1,0 +1,233 @@
+"""Messages/s through the real server vs a bare trio server, over loopback, same run.
+
+real: ``agentserver run boot.xml`` (subprocess): frame → parse → validate envelope and
+      payload → route → echo listener → validate reply → route back → C14N → frame.
+bare: a trio server (subprocess, this file with --bare-server) that only parses with the
+      hardened parser, validates envelope and payload, canonicalises and echoes.
+
+Two loads against each: (a) CONNECTIONS connections each waiting for its reply before
+sending the next, (b) CONNECTIONS connections with DEPTH requests in flight each. The load
+generator frames pre-built requests and counts reply frames without parsing them, so it
+costs far less than either server.
+
+Usage: python bench/socket.py (or bench/wire_bench.py) [--seconds S] [--connections N] [--depth D]
+The last line printed is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import trio
+from lxml import etree
+
+from agentserver.envelope import build_envelope, load_envelope_schema
+from agentserver.framing import FrameDecoder, encode_frame, encode_frames
+from agentserver.listeners.echo import Ping
+from agentserver.payloads import PayloadType
+from agentserver.threads import new_thread_id
+from agentserver.xmlsafe import SafeParser, canonicalize
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+LISTENING = re.compile(r"listening on (\S+?):(\d+)")
+
+
+# -- the bare server --------------------------------------------------------------------
+
+
+async def bare_server(port: int) -> None:
+    parser = SafeParser()
+    envelope_schema = load_envelope_schema()
+    ping = PayloadType.from_model(Ping)
+
+    async def handle(stream: trio.SocketStream) -> None:
+        decoder = FrameDecoder(1024 * 1024)
+        try:
+            while data := await stream.receive_some(65536):
+                decoder.feed(data)
+                out = []
+                while (frame := decoder.next_frame()) is not None:
+                    root = parser.parse(frame)
+                    if envelope_schema.validate(root) and ping.is_valid(root[1]):
+                        out.append(canonicalize(root))
+                if out:
+                    await stream.send_all(encode_frames(out))
+        except trio.BrokenResourceError:
+            pass
+
+    listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
+    print(
+        f"bare listening on 127.0.0.1:{listeners[0].socket.getsockname()[1]}",
+        file=sys.stderr,
+        flush=True,
+    )
+    await trio.serve_listeners(handle, listeners)
+
+
+# -- load generator ---------------------------------------------------------------------
+
+
+def request_frame() -> bytes:
+    body = etree.tostring(
+        build_envelope("bench", "echo", new_thread_id(), Ping(text="hello").to_xml_tree())
+    )
+    return encode_frame(body)
+
+
+async def load(host: str, port: int, *, connections: int, depth: int, seconds: float) -> float:
+    """Closed loop: each connection keeps ``depth`` requests outstanding. Returns replies/s
+    over the measured window (after a short warm-up)."""
+    counts = [0] * connections
+    window = {"start": 0.0, "measuring": False}
+
+    async def one(i: int, ready: trio.Event) -> None:
+        stream = await trio.open_tcp_stream(host, port)
+        frame = request_frame()  # one thread per connection, reused (its own)
+        decoder = FrameDecoder(1024 * 1024)
+        async with stream:
+            await ready.wait()
+            await stream.send_all(frame * depth)
+            while True:
+                data = await stream.receive_some(65536)
+                if not data:
+                    raise RuntimeError("server closed the connection")
+                decoder.feed(data)
+                got = len(decoder.frames())
+                if got:
+                    if window["measuring"]:
+                        counts[i] += got
+                    await stream.send_all(frame * got)
+
+    ready = trio.Event()
+    async with trio.open_nursery() as nursery:
+        for i in range(connections):
+            nursery.start_soon(one, i, ready)
+        await trio.sleep(0.3)
+        ready.set()
+        await trio.sleep(min(1.0, seconds / 3))  # warm-up
+        window["measuring"] = True
+        start = time.perf_counter()
+        await trio.sleep(seconds)
+        window["measuring"] = False
+        elapsed = time.perf_counter() - start
+        nursery.cancel_scope.cancel()
+    return sum(counts) / elapsed
+
+
+# -- orchestration ----------------------------------------------------------------------
+
+
+def start(args: list[str]) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+    )
+    found: list[int] = []
+    event = threading.Event()
+
+    def read() -> None:
+        for raw in proc.stderr:
+            match = LISTENING.search(raw.decode("utf-8", "replace"))
+            if match and not found:
+                found.append(int(match.group(2)))
+                event.set()
+        event.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not event.wait(30) or not found:
+        proc.kill()
+        raise RuntimeError(f"{args} did not start")
+    return proc, found[0]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--seconds", type=float, default=5.0, help="measured seconds per load (default 5)"
+    )
+    ap.add_argument("--connections", type=int, default=50)
+    ap.add_argument(
+        "--depth", type=int, default=16, help="requests in flight per connection in load (b)"
+    )
+    ap.add_argument(
+        "--boot",
+        default=str(REPO / "boot.xml"),
+        help="topology of the real server (default: boot.xml)",
+    )
+    ap.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.bare_server:
+        trio.run(bare_server, args.port)
+        return
+
+    figures: dict[str, float] = {}
+    servers = {
+        "real": [
+            "-m",
+            "agentserver",
+            "--log-level",
+            "warning",
+            "run",
+            str(REPO / "boot.xml"),
+            "--port",
+            "0",
+        ],
+        "bare": [str(pathlib.Path(__file__).resolve()), "--bare-server"],
+    }
+    for name, argv in servers.items():
+        proc, port = start(argv)
+        try:
+            for load_name, depth in (("a", 1), ("b", args.depth)):
+                rate = trio.run(
+                    lambda d=depth, p=port: load(
+                        "127.0.0.1", p, connections=args.connections, depth=d, seconds=args.seconds
+                    )
+                )
+                figures[f"{name}_{load_name}"] = round(rate)
+                print(
+                    f"{name:5} ({load_name}) {args.connections} connections x {depth:2} in flight: "
+                    f"{rate:10,.0f} msg/s",
+                    flush=True,
+                )
+        finally:
+            stop(proc)
+    ratio_a = figures["real_a"] / figures["bare_a"]
+    ratio_b = figures["real_b"] / figures["bare_b"]
+    print(
+        f"ratio (a) real/bare: {ratio_a:.0%}   ratio (b) real/bare: {ratio_b:.0%}   (target >= 60%)"
+    )
+    print(
+        json.dumps(
+            {
+                "connections": args.connections,
+                "depth": args.depth,
+                "seconds": args.seconds,
+                **figures,
+                "ratio_a": round(ratio_a, 3),
+                "ratio_b": round(ratio_b, 3),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
