@@ -747,6 +747,12 @@ class Pump:
                         "%s responded on %s with no caller; dropped", listener.name, thread.dotted
                     )
                     return
+                endpoint = self._endpoints.get(parent.owner)
+                if endpoint is not None:
+                    # The hot case (an answer to a client) without another coroutine layer.
+                    if not endpoint.push(encode(listener.name, parent.owner, parent.id, element)):
+                        self.counters["dropped"] += 1
+                    return
                 await self._deliver_to_owner(parent, element, ptype, listener.name, thread.id)
                 return
             decision = self._table.outbound(listener.name, ptype.tag, item.to)
