@@ -55,7 +55,7 @@ class NoLLM:
 
     async def complete(self, request: LLMRequest) -> LLMCompletion:
         raise LLMUnavailable(
-            "no LLM backend is configured (declare one in boot.xml's <llm> section)",
+            "config: no LLM backend is configured (declare one in boot.xml's <llm> section)",
             kind="config",
         )
 

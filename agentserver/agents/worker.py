@@ -357,7 +357,7 @@ class Worker:
                     raise LLMUnavailable("the model's stream ended without a result", kind="stream")
                 return final
         except LLMUnavailable as exc:
-            problem = f"the model could not be reached ({exc.kind}): {exc}"
+            problem = f"the model could not be reached: {exc}"
         except trio.TooSlowError:
             problem = f"the model did not answer within {profile.llm_timeout_s:g} s"
         except Exception as exc:  # a port bug must not leave the Turn hanging
