@@ -114,3 +114,27 @@ async def test_assistant_without_a_reachable_backend_answers_one_clear_failure(t
             assert quiet.cancelled_caught
     finally:
         assert await trio.to_thread.run_sync(server.stop) == 0
+
+
+async def test_second_server_on_the_same_store_refuses_to_start(tmp_path):
+    import subprocess
+    import sys
+
+    env = subprocess_env(OPENAI_API_KEY="k")
+    first = await trio.to_thread.run_sync(
+        lambda: ServerProcess.start(REPO / "boot.xml", env=env, cwd=tmp_path)
+    )
+    try:
+        second = await trio.to_thread.run_sync(
+            lambda: subprocess.run(
+                [sys.executable, "-m", "agentserver", "run", str(REPO / "boot.xml"), "--port", "0"],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                timeout=30,
+            )
+        )
+        assert second.returncode == 1
+        assert b"in use by another agentserver process" in second.stderr
+    finally:
+        assert await trio.to_thread.run_sync(first.stop) == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lxml import etree
 
-from agentserver.errors import AgentServerError
+from agentserver.errors import AgentServerError, ConfigurationError
 
 
 class AgentError(AgentServerError):
@@ -56,6 +56,11 @@ class LLMUnavailable(AgentError):
 
 class StoreError(AgentError):
     """The store is unusable (bad schema version, corrupt file, ...)."""
+
+
+class StoreInUse(StoreError, ConfigurationError):
+    """Another live process owns the store file. Two servers on one store would each
+    "recover" the other's running Turns, so the second one refuses to start."""
 
 
 class AgentConfigError(AgentError):

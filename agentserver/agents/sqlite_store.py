@@ -14,7 +14,9 @@ microseconds); nothing long runs inside one.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sqlite3
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from agentserver.agents.clock import Clock, SystemClock
-from agentserver.agents.errors import StaleTurn, StoreError
+from agentserver.agents.errors import StaleTurn, StoreError, StoreInUse
 from agentserver.agents.ports import LLMCompletion, ReplyRef
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.states import (
@@ -211,6 +213,25 @@ def _inbox(row: tuple[Any, ...]) -> InboxRow:
     return InboxRow(*r)
 
 
+def _lock(path: Path) -> int:
+    """Take the exclusive, non-blocking process lock of the store at ``path``."""
+    lock_path = path.with_name(path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            owner = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        finally:
+            os.close(fd)
+        raise StoreInUse(
+            f"agent store {path} is in use by another agentserver process (pid {owner})"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
 class SqliteAgentStore:
     """SQLite-backed agent store. Create with :meth:`open`; close with :meth:`aclose`."""
 
@@ -218,6 +239,7 @@ class SqliteAgentStore:
         self._db = conn
         self._clock = clock
         self.settings = settings
+        self._lock_fd: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------
     @classmethod
@@ -228,19 +250,33 @@ class SqliteAgentStore:
         clock: Clock | None = None,
         settings: StoreSettings | None = None,
     ) -> SqliteAgentStore:
-        """Open (creating and migrating) the store file. Synchronous: call once at start."""
+        """Open (creating and migrating) the store file. Synchronous: call once at start.
+
+        The process holds an exclusive lock on ``PATH.lock`` until :meth:`close`; the OS
+        drops it if the process dies. Raises :class:`StoreInUse` if another process holds it.
+        """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        conn.execute("PRAGMA busy_timeout = 5000")
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
+        lock = _lock(path)
+        try:
+            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        except BaseException:
+            os.close(lock)
+            raise
+        try:
+            conn.execute("PRAGMA busy_timeout = 5000")
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise StoreError(f"cannot enable WAL on {path} (got {mode})")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute("PRAGMA foreign_keys = ON")
+            store = cls(conn, clock or SystemClock(), settings or StoreSettings(path=path))
+            store._lock_fd = lock
+            store._migrate()
+        except BaseException:
             conn.close()
-            raise StoreError(f"cannot enable WAL on {path} (got {mode})")
-        conn.execute("PRAGMA synchronous = NORMAL")
-        conn.execute("PRAGMA foreign_keys = ON")
-        store = cls(conn, clock or SystemClock(), settings or StoreSettings(path=path))
-        store._migrate()
+            os.close(lock)
+            raise
         return store
 
     def _migrate(self) -> None:
@@ -257,10 +293,14 @@ class SqliteAgentStore:
                 db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
 
     async def aclose(self) -> None:
-        self._db.close()
+        self.close()
 
     def close(self) -> None:
+        """Close the database and release the process lock. Idempotent."""
         self._db.close()
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the flock
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:

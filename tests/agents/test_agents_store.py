@@ -184,3 +184,19 @@ async def test_client_reply_kept_and_outbox_marked_sent_in_one_transaction(tmp_p
     assert h.sql("SELECT status, attempts FROM agent_replies") == [("sent", 2)]
     assert [r.payload for r in await store.take_client_replies("alice")] == [b"<r/>"]
     assert await store.take_client_replies("alice") == []
+
+
+def test_store_file_is_owned_by_one_process_at_a_time(tmp_path):
+    import pytest
+
+    from agentserver.agents.errors import StoreInUse
+    from agentserver.agents.sqlite_store import SqliteAgentStore
+
+    path = tmp_path / "agents.sqlite3"
+    first = SqliteAgentStore.open(path)
+    with pytest.raises(StoreInUse, match="in use by another agentserver process"):
+        SqliteAgentStore.open(path)
+    first.close()
+    second = SqliteAgentStore.open(path)  # released on close
+    second.close()
+    second.close()  # idempotent
