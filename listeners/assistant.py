@@ -1,9 +1,10 @@
 """The ``assistant`` entry of the bundled topology: the default agent of the console.
 
 The payloads are fixed (``<task>`` in, ``<answer>`` out, namespace
-``urn:agentserver:assistant``). Until an agent runtime is configured the handler answers
-every task with a clear notice instead of an LLM's answer, so the topology, the console's
-plain-text short form and the peer wiring can be exercised now.
+``urn:agentserver:assistant``). Declared with ``agent="true"`` (as in the bundled
+boot.xml) the listener is run by the agent runtime (``agentserver.agents``), which uses
+only these payload types. The handler below serves a topology that declares the built-in
+without ``agent="true"``: it answers every task with a clear notice instead.
 """
 
 from __future__ import annotations
@@ -31,5 +32,5 @@ class Answer(BaseXmlModel, tag="answer", nsmap=_NSMAP):
 
 
 async def handle(payload: Task, meta: HandlerMetadata) -> HandlerResponse:
-    """Answer with the "not configured" notice (replaced by the agent runtime later)."""
+    """Answer with the "not configured" notice (used only when not run as an agent)."""
     return HandlerResponse.respond(Answer(text=NOT_CONFIGURED))
