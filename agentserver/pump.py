@@ -49,7 +49,7 @@ from agentserver.primitives.core import CORE_MODELS, primitive_for
 from agentserver.routing import RoutingTable, SelfCall
 from agentserver.threads import RegistryFull, ThreadRecord, ThreadRegistry, is_uuid4, new_thread_id
 from agentserver.usage import usage_instructions
-from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, canonicalize
+from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, canonical_or_empty
 
 log = logging.getLogger("agentserver.pump")
 
@@ -794,7 +794,7 @@ class Pump:
         if self.threads.get(thread.id) is not thread:
             return
         thread.strikes += 1
-        original = _safe_bytes(element)
+        original = canonical_or_empty(element)
         if thread.strikes > MAX_STRIKES:
             await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), None, original)
             return
@@ -816,7 +816,7 @@ class Pump:
     ) -> None:
         """The owner of ``thread`` failed: its caller gets one primitive; the thread ends."""
         if original is None and d is not None:
-            original = d.original if d.original is not None else _safe_bytes(d.payload)
+            original = d.original if d.original is not None else canonical_or_empty(d.payload)
         parent = self.threads.prune(thread)
         if parent is None:
             return
@@ -851,13 +851,6 @@ class Pump:
                 d.thread.pending -= 1
                 if d.from_id in self._endpoints or d.thread.parent is not None:
                     self._refuse_sync(d.thread, refusal)
-
-
-def _safe_bytes(element: etree._Element) -> bytes:
-    try:
-        return canonicalize(element)
-    except Exception:
-        return b""
 
 
 @asynccontextmanager

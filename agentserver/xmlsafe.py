@@ -67,3 +67,12 @@ class SafeParser:
 def canonicalize(element: etree._Element) -> bytes:
     """Exclusive C14N of ``element``. Call only on trees that have been validated."""
     return etree.tostring(element, method="c14n", exclusive=True)
+
+
+def canonical_or_empty(element: etree._Element) -> bytes:
+    """:func:`canonicalize`, or ``b""`` for a tree that cannot be canonicalised (for the
+    ``original-attempt`` of a refused output, which may be any tree a handler built)."""
+    try:
+        return canonicalize(element)
+    except Exception:
+        return b""

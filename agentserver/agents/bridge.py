@@ -26,7 +26,7 @@ from agentserver.listener import Handler, HandlerMetadata
 from agentserver.namespaces import CORE_NS
 from agentserver.primitives.core import primitive_for
 from agentserver.pump import Pump, ThreadRef
-from agentserver.xmlsafe import canonicalize
+from agentserver.xmlsafe import canonical_or_empty
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,7 @@ _DEDUP_WINDOW = 4096
 
 
 def _refused(refusal: Refusal, payload: etree._Element) -> PumpRefused:
-    try:
-        original = canonicalize(payload)
-    except Exception:
-        original = b""
-    return PumpRefused(primitive_for(refusal, original), str(refusal))
+    return PumpRefused(primitive_for(refusal, canonical_or_empty(payload)), str(refusal))
 
 
 class PumpPorts:

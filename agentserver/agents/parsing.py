@@ -11,7 +11,6 @@ a ``<huh>``.
 
 from __future__ import annotations
 
-import base64
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -20,7 +19,7 @@ from lxml import etree
 
 from agentserver.agents.profile import SUBMIT_RESULT, AgentProfile
 from agentserver.errors import HuhReason
-from agentserver.namespaces import CORE_NS
+from agentserver.primitives.core import huh
 from agentserver.xmlsafe import make_parser
 
 MAX_TEXT_CHARS = 1_000_000
@@ -60,14 +59,9 @@ class ParseResult:
 
 
 def make_huh(reason: HuhReason, raw: str) -> etree._Element:
-    """A ``<huh>`` shaped like the pump's, for the model's eyes only (never sent)."""
-    huh = etree.Element(etree.QName(CORE_NS, "huh"), nsmap={None: CORE_NS})
-    etree.SubElement(huh, etree.QName(CORE_NS, "error")).text = reason.value
-    attempt = raw.encode("utf-8", "replace")[:_MAX_ATTEMPT_BYTES]
-    etree.SubElement(huh, etree.QName(CORE_NS, "original-attempt")).text = base64.b64encode(
-        attempt
-    ).decode("ascii")
-    return huh
+    """The pump's ``<huh>`` for a payload the worker refused itself, for the model's eyes
+    only (never sent); the model sees at most ``_MAX_ATTEMPT_BYTES`` of its attempt."""
+    return huh(reason, raw.encode("utf-8", "replace")[:_MAX_ATTEMPT_BYTES])
 
 
 def _find_end(text: str, start: int, qname: str) -> int | None:

@@ -64,13 +64,10 @@ from agentserver.agents.store import (
     TurnToken,
 )
 from agentserver.agents.submit import evaluate_submit, usage_text
+from agentserver.usage import RESPOND_WARNING
 from agentserver.xmlsafe import SafeParser
 
 log = logging.getLogger(__name__)
-
-RESPOND_WARNING = (
-    "When you answer, your sub-tasks end: finish every tool call you need before answering."
-)
 
 
 class Worker:
@@ -371,7 +368,10 @@ class Worker:
         if profile.usage_instructions:
             system.append(profile.usage_instructions)
         system.append(usage_text(profile.result_fields))
-        system.append(RESPOND_WARNING)
+        if not profile.usage_instructions:
+            # The pump's usage_instructions already end with the respond-prunes warning;
+            # an agent run without them still gets it, once.
+            system.append(RESPOND_WARNING)
         messages = [LLMMessage("system", "\n\n".join(system))]
         cards: list[Card] = []
         if head.context_box_id:
