@@ -42,6 +42,7 @@ from agentserver.topology import (
     Topology,
 )
 from agentserver.xmlsafe import make_parser
+from agentserver.xsdgen import model_root_tag, split_tag
 
 #: boot.xml files are small; refuse anything absurd before parsing it.
 MAX_BOOT_BYTES = 4 * 1024 * 1024
@@ -367,7 +368,7 @@ class _Loader:
             self.error(line, f"listener {name!r} accepts no payload type (add <accepts type=.../>)")
             ok = False
         for model in accepts:
-            if model is not Boot and PayloadType.from_model(model).namespace == CORE_NS:
+            if model is not Boot and split_tag(model_root_tag(model))[0] == CORE_NS:
                 self.error(line, f"listener {name!r}: core primitives cannot be accepted")
                 ok = False
         profile = el.find(_B + "agent")
@@ -440,17 +441,17 @@ class _Loader:
                 if peer not in names:
                     self.error(spec.line, f"listener {spec.name!r}: unknown peer {peer!r}")
             for model in (*spec.accepts, *spec.responds):
-                ptype = PayloadType.from_model(model)
-                other = model_of.setdefault(ptype.tag, model)
+                tag = model_root_tag(model)
+                other = model_of.setdefault(tag, model)
                 if other is not model:
                     self.error(
                         spec.line,
-                        f"listener {spec.name!r}: root tag {_pretty(ptype.tag)} is declared by "
+                        f"listener {spec.name!r}: root tag {_pretty(tag)} is declared by "
                         f"both {other.__module__}:{other.__qualname__} and "
                         f"{model.__module__}:{model.__qualname__}",
                     )
             for model in spec.accepts:
-                by_tag.setdefault(PayloadType.from_model(model).tag, []).append(spec)
+                by_tag.setdefault(model_root_tag(model), []).append(spec)
         for tag, sharing in by_tag.items():
             if len(sharing) > 1 and not all(s.broadcast for s in sharing):
                 listed = ", ".join(f"{s.name} (line {s.line})" for s in sharing)
@@ -463,7 +464,7 @@ class _Loader:
         if len(boots) > 1:
             self.error(boots[1].line, "more than one listener takes the core boot primitive")
         consoles = {s.name for s in specs if s.builtin == "console"}
-        input_tag = PayloadType.from_model(BUILTIN_PAYLOADS["console.input"]).tag
+        input_tag = model_root_tag(BUILTIN_PAYLOADS["console.input"])
         accepts_input = {s.name for s in by_tag.get(input_tag, [])}
         for spec in specs:
             if spec.builtin == "console" and not accepts_input & set(spec.peers):

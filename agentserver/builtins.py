@@ -21,9 +21,9 @@ from agentserver.listeners import assistant, calculator, echo
 from agentserver.listeners.console import Console, Input, Pending, Prompt, Terminal
 from agentserver.listeners.console_router import DEFAULT_AGENT, ConsoleRouter
 from agentserver.listeners.system_boot import SystemBoot
-from agentserver.payloads import PayloadType
 from agentserver.primitives.core import Boot
 from agentserver.topology import ListenerSpec, Topology
+from agentserver.xsdgen import model_root_tag
 
 
 @dataclass(slots=True)
@@ -66,7 +66,7 @@ def _accepted_tags(topology: Topology, names: tuple[str, ...]) -> dict[str, tupl
             spec = topology.listener(name)
         except KeyError:
             continue
-        out[name] = tuple(PayloadType.from_model(m).tag for m in spec.accepts)
+        out[name] = tuple(model_root_tag(m) for m in spec.accepts)
     return out
 
 

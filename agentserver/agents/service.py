@@ -26,7 +26,6 @@ from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile import AgentProfile
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.listener import Handler, HandlerMetadata
-from agentserver.payloads import PayloadType
 from agentserver.pump import Pump
 from agentserver.topology import Topology
 
@@ -97,7 +96,7 @@ def build_profiles(
             own_roots=tuple(tag_of[m] for m in spec.accepts),
             peers=peers,
             usage_instructions=pump.usage_instructions(spec.name),
-            answer_tag=PayloadType.from_model(spec.responds[0]).tag if spec.responds else "",
+            answer_tag=tag_of[spec.responds[0]] if spec.responds else "",
             environ=environ,
         )
     return profiles
