@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pathlib
 from dataclasses import dataclass
 
 from lxml import etree
@@ -80,10 +79,3 @@ class PayloadRegistry:
         for ptype in self._by_tag.values():
             grouped.setdefault(ptype.namespace, []).append(ptype.schema_doc)
         return {ns: merge_schemas(docs) for ns, docs in grouped.items()}
-
-
-def export_schema(models: list[type[BaseXmlModel]], path: pathlib.Path) -> pathlib.Path:
-    """Write the merged XSD of ``models`` (all of one namespace) to ``path``."""
-    doc = merge_schemas([derive_schema(m) for m in models])
-    path.write_bytes(etree.tostring(doc, pretty_print=True, xml_declaration=True, encoding="UTF-8"))
-    return path

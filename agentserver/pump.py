@@ -192,10 +192,6 @@ class Pump:
     def listeners(self) -> tuple[Listener, ...]:
         return tuple(self._listeners)
 
-    def payload_type(self, model: type[BaseXmlModel]) -> PayloadType:
-        ptype = self.payloads.add(model)
-        return ptype
-
     def _freeze(self) -> None:
         names = {listener.name for listener in self._listeners}
         for listener in self._listeners:
