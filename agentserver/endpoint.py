@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -26,6 +27,8 @@ class Endpoint:
 
     def __init__(self, pump: Pump, name: str, buffer: int, allowed: frozenset[str] | None) -> None:
         self.name = name
+        #: The call chain of this endpoint's own conversation threads.
+        self.chain: tuple[str, ...] = (name,)
         #: Listener names this endpoint may address; None means all.
         self.allowed = allowed
         self._pump = pump
@@ -34,12 +37,15 @@ class Endpoint:
         self.overflowed = False
         self.dropped = 0
 
-    async def send(self, data: bytes) -> None:
-        """Inject one envelope. Waits while the target listener's queue is full
-        (bounded by the pump's delivery timeout). Raises PumpClosed when shutting down."""
+    def send(self, data: bytes) -> Coroutine[Any, Any, None]:
+        """Inject one envelope: ``await endpoint.send(data)``. Waits while the target
+        listener's queue is full (bounded by the pump's delivery timeout). Raises
+        EndpointClosed once closed, PumpClosed when the pump is shutting down."""
+        # Returns the pump's coroutine rather than wrapping it in another one: this is
+        # the hot path of every inbound message.
         if self.closed:
             raise EndpointClosed(self.name)
-        await self._pump.inject(data, self)
+        return self._pump.inject(data, self)
 
     async def receive(self) -> bytes:
         """The next outbound envelope. Raises EndpointClosed once closed and drained."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TypeAlias
 
 from lxml import etree
 
@@ -25,15 +25,10 @@ def load_envelope_schema() -> etree.XMLSchema:
     return etree.XMLSchema(etree.parse(str(schema_path("envelope.xsd")), parser=None))
 
 
-@dataclass(slots=True)
-class Inbound:
-    """A validated inbound message. ``payload`` is still attached to its envelope tree."""
-
-    from_id: str
-    to: str | None
-    thread: str
-    payload: etree._Element
-    ptype: PayloadType
+#: A validated inbound message: ``(to, thread, payload, ptype)``. ``payload`` is still
+#: attached to its envelope tree. There is no ``from``: the pump replaces it with the
+#: sender's identity. (A plain tuple: one is built per inbound message.)
+Inbound: TypeAlias = tuple[str | None, str, etree._Element, PayloadType]
 
 
 def guess_thread(root: etree._Element | None) -> str | None:
@@ -49,26 +44,26 @@ class EnvelopeCodec:
     """Parse → validate envelope → validate payload, in that order; nothing reads the tree
     before it has been validated. Not thread-safe (owns a parser)."""
 
-    __slots__ = ("_env_schema", "_parser", "_registry")
+    __slots__ = ("_env_schema", "_parser", "_ptype_of", "parse_root")
 
     def __init__(self, registry: PayloadRegistry, *, max_bytes: int) -> None:
         self._parser = SafeParser(max_bytes)
         self._env_schema = load_envelope_schema()
-        self._registry = registry
+        self._ptype_of = registry.lookup
+        #: ``parse_root(data) -> element``: the hardened parse (raises InputRefused).
+        self.parse_root = self._parser.parse
 
     @property
     def max_bytes(self) -> int:
         return self._parser.max_bytes
-
-    def parse_root(self, data: bytes) -> etree._Element:
-        return self._parser.parse(data)
 
     def decode(self, root: etree._Element) -> Inbound:
         """Validate a parsed document. Raises :class:`InputRefused`.
 
         Core-namespace payloads are refused here: they may only come from the pump.
         """
-        if root.tag != MESSAGE or not self._env_schema.validate(root):
+        # The schema has one global element, so a valid root is <message>.
+        if not self._env_schema.validate(root):
             raise InputRefused(HuhReason.INVALID_ENVELOPE)
         # The schema fixed the shape: meta is (from, [to], thread), then one payload.
         meta = root[0]
@@ -76,14 +71,13 @@ class EnvelopeCodec:
         tag = payload.tag
         if tag.startswith(_CORE_PREFIX):
             raise InputRefused(HuhReason.RESERVED_NAMESPACE, tag)
-        ptype = self._registry.get(tag)
+        ptype = self._ptype_of(tag)
         if ptype is None:
             raise InputRefused(HuhReason.INVALID_PAYLOAD, f"unknown root tag {tag}")
         if not ptype.schema.validate(payload):
             raise InputRefused(HuhReason.INVALID_PAYLOAD, f"{tag} fails its XSD")
         # xs:token values are whitespace-collapsed by the validator's view, not in the tree.
-        return Inbound(
-            meta[0].text.strip(),
+        return (
             meta[1].text.strip() if len(meta) == 3 else None,
             meta[-1].text.strip(),
             payload,
@@ -97,7 +91,7 @@ class EnvelopeCodec:
             raise InputRefused(HuhReason.INVALID_PAYLOAD, "not an element")
         if tag.startswith(_CORE_PREFIX):
             raise InputRefused(HuhReason.RESERVED_NAMESPACE, tag)
-        ptype = self._registry.get(tag)
+        ptype = self._ptype_of(tag)
         if ptype is None:
             raise InputRefused(HuhReason.INVALID_PAYLOAD, f"unknown root tag {tag}")
         if not ptype.schema.validate(payload):

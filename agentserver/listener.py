@@ -19,7 +19,9 @@ RESERVED_NAMES = frozenset({"system"})
 Payload: TypeAlias = BaseXmlModel | etree._Element
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ costs twice as much, and one is built per
+# handler call. The pump reads it once and never keeps it.
+@dataclass(slots=True)
 class HandlerResponse:
     """What a handler asks the pump to emit.
 

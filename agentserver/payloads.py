@@ -49,6 +49,9 @@ class PayloadRegistry:
 
     def __init__(self) -> None:
         self._by_tag: dict[str, PayloadType] = {}
+        #: ``lookup(tag) -> PayloadType | None``, as :meth:`get` without a Python call
+        #: (for the pump's hot path).
+        self.lookup = self._by_tag.get
 
     def add(self, model: type[BaseXmlModel]) -> PayloadType:
         tag = model_root_tag(model)

@@ -160,6 +160,8 @@ class Pump:
         self._table: RoutingTable | None = None
         self._state = _State.NEW
         self._inflight = 0
+        #: trio's clock as of the deadline monitor's last tick (see _deadline_monitor).
+        self._now = 0.0
         self._idle = trio.Event()
         self._close_requested = trio.Event()
         self.root_thread: ThreadRecord | None = None
@@ -224,7 +226,7 @@ class Pump:
         if self._state is not _State.NEW:
             raise RuntimeError("a pump runs once")
         self._freeze()
-        now = trio.current_time()
+        now = self._now = trio.current_time()
         self.root_thread = self.threads.open_root((SYSTEM, self.config.organism), now)
         self.threads.pin(self.root_thread)
         try:
@@ -326,17 +328,18 @@ class Pump:
         except InputRefused as refusal:
             self._answer_endpoint(endpoint, guess_thread(root) or new_thread_id(), refusal, data)
             return
-        now = trio.current_time()
+        to, thread_id, inbound_payload, ptype = inbound
+        now = self._now
         try:
-            thread = self._client_thread(endpoint, inbound.thread, now)
+            thread = self._client_thread(endpoint, thread_id, now)
         except RegistryFull:
             busy = DeliveryRefused(
                 SystemErrorCode.ROUTING, retry_allowed=True, detail="registry full"
             )
-            self._answer_endpoint(endpoint, inbound.thread, busy, data)
+            self._answer_endpoint(endpoint, thread_id, busy, data)
             return
         try:
-            targets = self._table.inbound(inbound.ptype.tag, inbound.to)
+            targets = self._table.inbound(ptype.tag, to)
             if endpoint.allowed is not None and not all(t in endpoint.allowed for t in targets):
                 raise InputRefused(
                     HuhReason.INVALID_PAYLOAD, f"{endpoint.name} may not address {targets}"
@@ -344,19 +347,24 @@ class Pump:
         except InputRefused as refusal:
             self._answer_endpoint(endpoint, thread.id, refusal, data)
             return
-        for i, target in enumerate(targets):
-            payload = inbound.payload if i == 0 else copy.deepcopy(inbound.payload)
+        payload = inbound_payload
+        for target in targets:
+            if payload is None:  # broadcast: every further listener gets its own copy
+                payload = copy.deepcopy(inbound_payload)
             try:
                 child = self.threads.extend(thread, target, now)
-                await self._enqueue(
-                    target,
-                    _Delivery(payload, inbound.ptype, child, endpoint.name, False, None, data),
-                )
             except RegistryFull:
                 busy = DeliveryRefused(
                     SystemErrorCode.ROUTING, retry_allowed=True, detail="registry full"
                 )
                 self._answer_endpoint(endpoint, thread.id, busy, data)
+                continue
+            delivery = _Delivery(payload, ptype, child, endpoint.name, False, None, data)
+            payload = None
+            if self._put_nowait(target, delivery):
+                continue
+            try:
+                await self._put(target, delivery)
             except DeliveryRefused as refusal:
                 self.threads.prune(child)
                 self._answer_endpoint(endpoint, thread.id, refusal, data)
@@ -367,13 +375,15 @@ class Pump:
         A client can never attach to another party's thread."""
         record = self.threads.get(thread_id)
         if record is not None:
-            if record.parent is None and record.chain == (endpoint.name,):
+            if record.parent is None and (
+                record.chain is endpoint.chain or record.chain == endpoint.chain
+            ):
                 record.last_active = now
                 return record
-            return self.threads.open_root((endpoint.name,), now)
+            return self.threads.open_root(endpoint.chain, now)
         if is_uuid4(thread_id):
-            return self.threads.open_root((endpoint.name,), now, thread_id=thread_id)
-        return self.threads.open_root((endpoint.name,), now)
+            return self.threads.open_root(endpoint.chain, now, thread_id=thread_id)
+        return self.threads.open_root(endpoint.chain, now)
 
     def _answer_endpoint(
         self, endpoint: Endpoint, thread_id: str, refusal: Refusal, original: bytes
@@ -507,20 +517,27 @@ class Pump:
 
     async def _enqueue(self, target: str, delivery: _Delivery) -> None:
         """Queue for a listener. Raises DeliveryRefused(timeout) if the queue stays full."""
-        rt = self._runtimes[target]
+        if not self._put_nowait(target, delivery):
+            await self._put(target, delivery)
+
+    def _put_nowait(self, target: str, delivery: _Delivery) -> bool:
+        """Queue for a listener if there is room now. False: nothing was queued."""
+        try:
+            self._runtimes[target].send.send_nowait(delivery)
+        except trio.WouldBlock:
+            return False
+        self._inflight += 1
+        delivery.thread.pending += 1
+        return True
+
+    async def _put(self, target: str, delivery: _Delivery) -> None:
+        """Wait for room in a listener's queue, at most ``delivery_timeout`` seconds; then
+        raise DeliveryRefused(timeout). On cancellation nothing stays queued."""
         self._inflight += 1
         delivery.thread.pending += 1
         try:
-            rt.send.send_nowait(delivery)
-            return
-        except trio.WouldBlock:
-            pass
-        except BaseException:
-            self._undo(delivery)
-            raise
-        try:
             with trio.move_on_after(self.config.delivery_timeout):
-                await rt.send.send(delivery)
+                await self._runtimes[target].send.send(delivery)
                 return
         except BaseException:
             self._undo(delivery)
@@ -606,11 +623,21 @@ class Pump:
                 )
 
     async def _serve(self, rt: _Runtime, slot: _Slot) -> None:
+        """Take deliveries off the listener's queue and run the handler on each.
+
+        The whole of a delivery runs inline here (no coroutine per step): this loop is the
+        pump's hot path. Nothing reads the clock per message; see :meth:`_deadline_monitor`.
+        """
         receive = rt.receive
+        listener = rt.listener
+        handler = listener.handler
+        raw = listener.raw
+        threads = self.threads
+        counters = self.counters
         streak = 0
         while True:
             try:
-                delivery = receive.receive_nowait()
+                d = receive.receive_nowait()
                 streak += 1
                 if streak >= _YIELD_EVERY:
                     # Bounded unfairness: yield to other tasks every few deliveries rather
@@ -619,74 +646,115 @@ class Pump:
                     await trio.lowlevel.checkpoint()
             except trio.WouldBlock:
                 try:
-                    delivery = await receive.receive()
+                    d = await receive.receive()
                 except trio.EndOfChannel:
                     return
                 streak = 0
             try:
-                await self._handle(rt, slot, delivery)
+                thread = d.thread
+                thread.pending -= 1
+                if threads.get(thread.id) is not thread:
+                    counters["dropped"] += 1
+                    log.info(
+                        "%s: thread %s ended while the message waited; dropped",
+                        listener.name,
+                        thread.id,
+                    )
+                    continue
+                counters["delivered"] += 1
+                thread.last_active = self._now
+                meta = HandlerMetadata(
+                    thread.id,
+                    d.from_id,
+                    listener.name,
+                    d.is_self_call,
+                    rt.usage,
+                    d.response_thread,
+                    thread.chain,
+                )
+                try:
+                    payload = d.payload if raw else d.ptype.model.from_xml_tree(d.payload)
+                    slot.deadline = math.inf  # the monitor starts the clock at its next tick
+                    slot.current = d
+                    try:
+                        result = await handler(payload, meta)
+                    finally:
+                        slot.current = None
+                except trio.Cancelled:
+                    if slot.expired is None:
+                        # Shutdown, not a timeout: tell an external caller now, synchronously.
+                        self._refuse_sync(
+                            thread, DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True)
+                        )
+                    raise
+                except Exception:
+                    counters["handler_errors"] += 1
+                    log.exception("%s: handler raised on %s", listener.name, thread.dotted)
+                    await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), d)
+                    continue
+                if type(result) is HandlerResponse and type(result.payload) is etree._Element:
+                    if not (result.is_response and self._answer_client(listener, thread, result)):
+                        await self._emit(listener, thread, result, result.payload)
+                else:
+                    await self._apply(listener, thread, result, d)
             finally:
                 rt.handled += 1
-                self._done()
+                self._inflight -= 1
+                if not self._inflight:
+                    self._idle.set()
 
     async def _deadline_monitor(self) -> None:
-        """Cancel handlers that run past their listener's timeout (checked every ``tick``:
-        a handler is cancelled between ``timeout`` and ``timeout + tick`` seconds)."""
+        """Keep the pump's coarse clock and cancel handlers that overrun their timeout.
+
+        Every ``tick`` it records the time (hot paths stamp threads with it instead of
+        reading the clock per message) and looks at each busy slot: a call seen for the
+        first time gets its deadline, ``now + timeout``; a call past its deadline is
+        cancelled. So a handler is cancelled after at least ``timeout`` and at most
+        ``timeout + 2 * tick`` seconds, never early.
+        """
         timeouts = [rt.listener.timeout for rt in self._runtimes.values()] or [1.0]
         tick = min(max(min(timeouts) / 10, 0.005), 1.0)
+        runtimes = list(self._runtimes.values())
         while True:
             await trio.sleep(tick)
-            now = trio.current_time()
-            for rt in self._runtimes.values():
+            now = self._now = trio.current_time()
+            for rt in runtimes:
+                timeout = rt.listener.timeout
                 for slot in rt.slots:
-                    if slot.current is not None and slot.deadline <= now:
+                    if slot.current is None:
+                        continue
+                    if slot.deadline == math.inf:
+                        slot.deadline = now + timeout
+                    elif slot.deadline <= now:
                         slot.expired = slot.current
                         slot.current = None
                         slot.scope.cancel()
 
-    async def _handle(self, rt: _Runtime, slot: _Slot, d: _Delivery) -> None:
-        listener = rt.listener
-        thread = d.thread
-        thread.pending -= 1
-        if self.threads.get(thread.id) is not thread:
-            self.counters["dropped"] += 1
-            log.info(
-                "%s: thread %s ended while the message waited; dropped", listener.name, thread.id
-            )
-            return
-        self.counters["delivered"] += 1
-        now = trio.current_time()
-        thread.last_active = now
-        meta = HandlerMetadata(
-            thread.id,
-            d.from_id,
-            listener.name,
-            d.is_self_call,
-            rt.usage,
-            d.response_thread,
-            thread.chain,
-        )
+    def _answer_client(
+        self, listener: Listener, thread: ThreadRecord, item: HandlerResponse
+    ) -> bool:
+        """The hot case of :meth:`_emit`, without a coroutine: a valid response whose
+        caller is an endpoint. Returns False, having changed nothing, in any other case
+        (then :meth:`_emit` handles it, refusals included)."""
+        threads = self.threads
+        if threads.get(thread.id) is not thread or thread.parent is None:
+            return False
+        parent = threads.get(thread.parent)
+        if parent is None:
+            return False
+        owner = parent.chain[-1]
+        endpoint = self._endpoints.get(owner)
+        if endpoint is None:
+            return False
+        element = item.payload
         try:
-            payload = d.payload if listener.raw else d.ptype.model.from_xml_tree(d.payload)
-            slot.deadline = now + listener.timeout
-            slot.current = d
-            try:
-                result = await listener.handler(payload, meta)
-            finally:
-                slot.current = None
-        except trio.Cancelled:
-            if slot.expired is None:
-                # Shutdown, not a timeout: tell an external caller now, synchronously.
-                self._refuse_sync(
-                    thread, DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True)
-                )
-            raise
-        except Exception:
-            self.counters["handler_errors"] += 1
-            log.exception("%s: handler raised on %s", listener.name, thread.dotted)
-            await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), d)
-            return
-        await self._apply(listener, thread, result, d)
+            self._codec.validate_payload(element)
+        except Refusal:
+            return False
+        threads.prune(thread)
+        if not endpoint.push(encode(listener.name, owner, parent.id, element)):
+            self.counters["dropped"] += 1
+        return True
 
     async def _apply(
         self, listener: Listener, thread: ThreadRecord, result: object, d: _Delivery
@@ -713,10 +781,6 @@ class Pump:
             self.threads.finish(thread)
             return
         for item in items:
-            if self.threads.get(thread.id) is not thread:
-                self.counters["dropped"] += 1
-                log.warning("%s: output after its respond on %s dropped", listener.name, thread.id)
-                continue
             try:
                 element = self._to_element(item.payload)
             except Exception:
@@ -734,6 +798,10 @@ class Pump:
         element: etree._Element,
     ) -> None:
         """Validate and route one handler output; refusals go back to the sender."""
+        if self.threads.get(thread.id) is not thread:
+            self.counters["dropped"] += 1
+            log.warning("%s: output after its thread ended on %s dropped", listener.name, thread.id)
+            return
         try:
             ptype = self._codec.validate_payload(element)
             if item.is_response:
@@ -743,16 +811,17 @@ class Pump:
                         "%s responded on %s with no caller; dropped", listener.name, thread.dotted
                     )
                     return
-                endpoint = self._endpoints.get(parent.owner)
+                owner = parent.chain[-1]
+                endpoint = self._endpoints.get(owner)
                 if endpoint is not None:
                     # The hot case (an answer to a client) without another coroutine layer.
-                    if not endpoint.push(encode(listener.name, parent.owner, parent.id, element)):
+                    if not endpoint.push(encode(listener.name, owner, parent.id, element)):
                         self.counters["dropped"] += 1
                     return
                 await self._deliver_to_owner(parent, element, ptype, listener.name, thread.id)
                 return
             decision = self._table.outbound(listener.name, ptype.tag, item.to)
-            now = trio.current_time()
+            now = self._now
             if isinstance(decision, SelfCall):
                 await self._enqueue(
                     listener.name,

@@ -488,7 +488,7 @@ async def test_handler_timeout_gives_system_error_timeout(autojump_clock):
         _, payload = await receive(ep, seconds=100)
         elapsed = trio.current_time() - start
         assert is_system_error(payload, "timeout")
-        assert 2.0 <= elapsed <= 2.0 + 0.3  # cancelled within timeout + one monitor tick
+        assert 2.0 <= elapsed <= 2.0 + 2 * 0.2 + 1e-9  # within timeout + two monitor ticks
         assert await drain(ep) == []
         # the slot serves again after a timeout
         await ep.send(envelope_bytes(Add(a=2, b=2), to="calc"))
