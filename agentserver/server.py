@@ -293,6 +293,7 @@ class _Connection:
                         return "eof"
                 new_frame = not decoder.mid_frame
                 decoder.feed(data)
+                now = trio.current_time()
                 while True:
                     try:
                         frame = decoder.next_frame()
@@ -307,13 +308,19 @@ class _Connection:
                     # A frame ended, so whatever follows starts a new one (and time spent
                     # waiting for in-flight room below is not the client's stall).
                     new_frame = True
-                    await self._admit()
+                    if len(self._inflight) < limits.max_inflight:
+                        # Room now (the common case): no coroutine, and the deadline
+                        # taken from this read's clock.
+                        self._inflight.append(now + limits.inflight_ttl)
+                    else:
+                        await self._admit()
+                        now = trio.current_time()  # waiting for room is not the client's stall
                     try:
                         await endpoint.send(frame)
                     except (PumpClosed, EndpointClosed):
                         return "stopped"
                 if new_frame and decoder.mid_frame:
-                    frame_deadline = trio.current_time() + limits.read_timeout
+                    frame_deadline = now + limits.read_timeout
         return "stopped"
 
     async def _admit(self) -> None:

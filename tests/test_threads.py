@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -68,8 +70,19 @@ def test_bounded_registry_expires_then_refuses():
 
 
 def test_uuid4_format():
-    for _ in range(100):
-        assert is_uuid4(new_thread_id())
+    # Ids are made in batches of 256: draw across several batch boundaries.
+    ids = [new_thread_id() for _ in range(1000)]
+    assert len(set(ids)) == len(ids)
+    for tid in ids:
+        assert is_uuid4(tid)
+        parsed = uuid.UUID(tid)
+        assert parsed.version == 4 and parsed.variant == uuid.RFC_4122
+        assert str(parsed) == tid
+    # Every random nibble varies (a slicing mistake would pin some of them).
+    for pos in range(36):
+        if pos not in (8, 13, 14, 18, 19, 23):  # dashes, version, variant
+            assert len({tid[pos] for tid in ids}) > 8, pos
+    assert {tid[19] for tid in ids} == set("89ab")
     assert not is_uuid4("not-a-uuid")
     assert not is_uuid4("0b6d2f4e-8c51-1b7a-9d3e-2f1a6c5b4e3d")  # version 1
 
