@@ -191,7 +191,7 @@ def main() -> None:
             "--log-level",
             "warning",
             "run",
-            str(REPO / "boot.xml"),
+            str(pathlib.Path(args.boot).resolve()),
             "--port",
             "0",
         ],
