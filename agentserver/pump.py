@@ -6,8 +6,9 @@ tracks chains); this module only applies them, moving payloads and time.
 Semantics worth knowing:
 
 - Each listener has a bounded queue (``Listener.queue_size``) served by
-  ``Listener.concurrency`` worker tasks. Putting into a full queue waits at most
-  ``PumpConfig.delivery_timeout`` seconds; then the sender gets a ``<SystemError>``
+  ``Listener.concurrency`` worker tasks. Putting into a full queue waits, first come
+  first served, for ``PumpConfig.delivery_timeout`` seconds at most (give or take one
+  tick of the deadline monitor); then the sender gets a ``<SystemError>``
   (``timeout``, retry allowed). Nothing grows without bound.
 - Endpoints are never waited on (see :class:`~agentserver.endpoint.Endpoint`).
 - Every message a sender is owed gets exactly one answer: a reply, a ``<huh>`` or a
@@ -20,6 +21,7 @@ Semantics worth knowing:
 
 from __future__ import annotations
 
+import collections
 import copy
 import enum
 import logging
@@ -28,6 +30,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import outcome
 import trio
 from lxml import etree
 from pydantic_xml import BaseXmlModel
@@ -127,13 +130,76 @@ class _Slot:
         self.scope = trio.CancelScope()
 
 
+class _Waiter:
+    __slots__ = ("deadline", "delivery", "task")
+
+    def __init__(self, task: trio.lowlevel.Task, delivery: _Delivery, deadline: float) -> None:
+        self.task = task
+        self.delivery = delivery
+        self.deadline = deadline
+
+
+class _Waiters:
+    """Senders waiting for room in one listener's queue, oldest first.
+
+    trio's blocking ``send`` would need a cancel scope per wait for the delivery timeout,
+    and under load a wait costs more than the delivery itself (measured). A waiter here
+    parks without one:
+
+    - a worker that takes a delivery off the full queue hands the freed slot to the oldest
+      waiter at once (its delivery is queued, then it wakes): first come, first served,
+      and a newcomer never overtakes a waiter (:meth:`Pump._put_nowait` checks);
+    - the deadline monitor wakes waiters whose deadline has passed (deadlines grow with
+      arrival order, so only the front needs looking at);
+    - cancelling a waiter removes it, with nothing queued.
+
+    Invariant: while anyone waits, the queue is full.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: collections.deque[_Waiter] = collections.deque()
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def wait(self, delivery: _Delivery, deadline: float) -> bool:
+        """Park until handed a slot (True: ``delivery`` is queued) or until woken at or
+        after ``deadline`` (False: nothing was queued)."""
+        entry = _Waiter(trio.lowlevel.current_task(), delivery, deadline)
+        self._entries.append(entry)
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self._entries.remove(entry)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        return await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def hand_over(self, send: trio.MemorySendChannel[_Delivery]) -> None:
+        """One slot has just been freed: queue the oldest waiter's delivery, wake it."""
+        entry = self._entries.popleft()
+        send.send_nowait(entry.delivery)
+        trio.lowlevel.reschedule(entry.task, outcome.Value(True))
+
+    def expire(self, now: float) -> None:
+        """Wake, unserved, every waiter whose deadline is ``now`` or earlier."""
+        entries = self._entries
+        while entries and entries[0].deadline <= now:
+            trio.lowlevel.reschedule(entries.popleft().task, outcome.Value(False))
+
+
 class _Runtime:
-    __slots__ = ("handled", "listener", "receive", "send", "slots", "usage")
+    __slots__ = ("handled", "listener", "receive", "send", "slots", "usage", "waiters")
 
     def __init__(self, listener: Listener, usage: str) -> None:
         self.listener = listener
         self.usage = usage
         self.send, self.receive = trio.open_memory_channel[_Delivery](listener.queue_size)
+        self.waiters = _Waiters()
         self.handled = 0
         self.slots: list[_Slot] = []
 
@@ -247,6 +313,10 @@ class Pump:
                 nursery.cancel_scope.cancel()
         finally:
             self._state = _State.CLOSED
+            # Senders still waiting for room (from outside the pump) are refused now: the
+            # monitor that would time them out has stopped.
+            for rt in self._runtimes.values():
+                rt.waiters.expire(math.inf)
             self._refuse_leftovers()
             for endpoint in list(self._endpoints.values()):
                 endpoint.close()
@@ -521,9 +591,13 @@ class Pump:
             await self._put(target, delivery)
 
     def _put_nowait(self, target: str, delivery: _Delivery) -> bool:
-        """Queue for a listener if there is room now. False: nothing was queued."""
+        """Queue for a listener if there is room now and nobody is waiting for room.
+        False: nothing was queued."""
+        rt = self._runtimes[target]
+        if rt.waiters:
+            return False
         try:
-            self._runtimes[target].send.send_nowait(delivery)
+            rt.send.send_nowait(delivery)
         except trio.WouldBlock:
             return False
         self._inflight += 1
@@ -531,13 +605,17 @@ class Pump:
         return True
 
     async def _put(self, target: str, delivery: _Delivery) -> None:
-        """Wait for room in a listener's queue, at most ``delivery_timeout`` seconds; then
-        raise DeliveryRefused(timeout). On cancellation nothing stays queued."""
+        """Wait, behind anyone already waiting, for room in a listener's queue; after
+        ``delivery_timeout`` seconds (up to one monitor tick more) raise
+        DeliveryRefused(timeout). On cancellation nothing stays queued."""
+        rt = self._runtimes[target]
+        if self._state is _State.CLOSED:  # no monitor left to end a wait
+            raise DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True, detail="closed")
         self._inflight += 1
         delivery.thread.pending += 1
         try:
-            with trio.move_on_after(self.config.delivery_timeout):
-                await self._runtimes[target].send.send(delivery)
+            deadline = trio.current_time() + self.config.delivery_timeout
+            if await rt.waiters.wait(delivery, deadline):
                 return
         except BaseException:
             self._undo(delivery)
@@ -629,6 +707,7 @@ class Pump:
         pump's hot path. Nothing reads the clock per message; see :meth:`_deadline_monitor`.
         """
         receive = rt.receive
+        waiters = rt.waiters
         listener = rt.listener
         handler = listener.handler
         raw = listener.raw
@@ -638,6 +717,8 @@ class Pump:
         while True:
             try:
                 d = receive.receive_nowait()
+                if waiters:
+                    waiters.hand_over(rt.send)
                 streak += 1
                 if streak >= _YIELD_EVERY:
                     # Bounded unfairness: yield to other tasks every few deliveries rather
@@ -712,13 +793,16 @@ class Pump:
         cancelled. So a handler is cancelled after at least ``timeout`` and at most
         ``timeout + 2 * tick`` seconds, never early.
         """
-        timeouts = [rt.listener.timeout for rt in self._runtimes.values()] or [1.0]
-        tick = min(max(min(timeouts) / 10, 0.005), 1.0)
+        timeouts = [rt.listener.timeout for rt in self._runtimes.values()]
+        tick = min(max(min(timeouts, default=1.0) / 10, 0.005), 1.0)
+        tick = min(tick, max(self.config.delivery_timeout / 10, 0.005))
         runtimes = list(self._runtimes.values())
         while True:
             await trio.sleep(tick)
             now = self._now = trio.current_time()
             for rt in runtimes:
+                if rt.waiters:
+                    rt.waiters.expire(now)
                 timeout = rt.listener.timeout
                 for slot in rt.slots:
                     if slot.current is None:

@@ -545,6 +545,110 @@ async def test_full_queue_pushes_back_on_sender():
         assert sorted(texts) == [str(i) for i in range(6)]
 
 
+async def test_waiting_senders_are_served_first_come_first_served():
+    """Senders waiting for room get it in arrival order; a sender arriving later (even
+    one that finds the line moving) never overtakes them."""
+    order: list[str] = []
+    gate = trio.Semaphore(0)
+
+    async def gated(p, meta):
+        await gate.acquire()
+        order.append(p.text)
+        return HandlerResponse.respond(Pong(text=p.text))
+
+    async with open_pump([echo_listener(handler=gated, concurrency=1, queue_size=1)]) as pump:
+        eps = [pump.open_endpoint() for _ in range(5)]
+        async with trio.open_nursery() as nursery:
+            # "0" runs, "1" is queued, "2".."4" wait in this order.
+            for i, ep in enumerate(eps):
+                nursery.start_soon(ep.send, envelope_bytes(Ping(text=str(i)), to="echo"))
+                await trio.testing.wait_all_tasks_blocked()
+            assert pump.stats()["queues"]["echo"] == 1
+            gate.release()  # "0" done: "1" runs, "2" takes the freed slot
+            await trio.testing.wait_all_tasks_blocked()
+            late = pump.open_endpoint()
+            nursery.start_soon(late.send, envelope_bytes(Ping(text="late"), to="echo"))
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(5):
+                gate.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["0", "1", "2", "3", "4", "late"]
+        assert pump.stats()["inflight"] == 0
+
+
+async def test_waiting_sender_times_out_within_a_tick_and_queues_nothing(autojump_clock):
+    handled: list[str] = []
+
+    async def blocked(p, meta):
+        handled.append(p.text)
+        await trio.sleep_forever()
+
+    config = PumpConfig(delivery_timeout=2.0)
+    listener = echo_listener(handler=blocked, concurrency=1, queue_size=1, timeout=1e6)
+    async with open_pump([listener], config=config) as pump:
+        ep = pump.open_endpoint()
+        await ep.send(envelope_bytes(Ping(text="running"), to="echo"))
+        await ep.send(envelope_bytes(Ping(text="queued"), to="echo"))
+        start = trio.current_time()
+        await ep.send(envelope_bytes(Ping(text="waits"), to="echo"))
+        waited = trio.current_time() - start
+        assert 2.0 <= waited <= 2.0 + 0.2 + 1e-9  # the tick is delivery_timeout / 10
+        _, payload = await receive(ep)
+        assert is_system_error(payload, "timeout")
+        stats = pump.stats()
+        assert stats["queues"]["echo"] == 1 and stats["inflight"] == 2
+        assert handled == ["running"]
+        pump.close()
+
+
+async def test_cancelled_waiting_sender_leaves_nothing_behind():
+    release = trio.Event()
+
+    async def blocked(p, meta):
+        await release.wait()
+        return HandlerResponse.respond(Pong(text=p.text))
+
+    async with open_pump([echo_listener(handler=blocked, concurrency=1, queue_size=1)]) as pump:
+        ep = pump.open_endpoint()
+        await ep.send(envelope_bytes(Ping(text="0"), to="echo"))
+        await ep.send(envelope_bytes(Ping(text="1"), to="echo"))
+        with trio.move_on_after(0.05) as scope:
+            await ep.send(envelope_bytes(Ping(text="2"), to="echo"))
+        assert scope.cancelled_caught
+        assert pump.stats()["inflight"] == 2
+        # The line is empty again: the next sender only waits for a slot.
+        release.set()
+        await ep.send(envelope_bytes(Ping(text="3"), to="echo"))
+        texts = [parse_reply(await ep.receive())[1][0].text for _ in range(3)]
+        assert sorted(texts) == ["0", "1", "3"]
+        assert await drain(ep) == []
+
+
+async def test_shutdown_refuses_senders_still_waiting(autojump_clock):
+    async def stuck(p, meta):
+        await trio.sleep_forever()
+
+    config = PumpConfig(delivery_timeout=1e6, drain_timeout=1.0)
+    listener = echo_listener(handler=stuck, concurrency=1, queue_size=1, timeout=1e6)
+    outcomes: list[str] = []
+    async with trio.open_nursery() as outside:
+        async with open_pump([listener], config=config) as pump:
+            ep = pump.open_endpoint()
+            await ep.send(envelope_bytes(Ping(text="0"), to="echo"))
+            await ep.send(envelope_bytes(Ping(text="1"), to="echo"))
+
+            async def waiting_sender():
+                await ep.send(envelope_bytes(Ping(text="2"), to="echo"))
+                outcomes.append("returned")
+
+            outside.start_soon(waiting_sender)
+            await trio.testing.wait_all_tasks_blocked()
+            assert outcomes == []
+        # The pump stopped: the waiting sender was let go, not left parked forever.
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcomes == ["returned"]
+
+
 async def test_full_queue_times_out_with_system_error(autojump_clock):
     async def blocked(p, meta):
         await trio.sleep_forever()
