@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -34,6 +34,11 @@ class Endpoint:
         self._pump = pump
         self._out_send, self._out_recv = trio.open_memory_channel[bytes](buffer)
         self.closed = False
+        #: ``sink(data) -> bool``: offered each outbound message before it is buffered; True
+        #: means it took the message (a server writes a reply straight to an idle socket).
+        #: A sink must not block, and must decline whenever buffered messages could then be
+        #: overtaken.
+        self.sink: Callable[[bytes], bool] | None = None
         self.overflowed = False
         self.dropped = 0
 
@@ -75,6 +80,8 @@ class Endpoint:
         if self.closed:
             self.dropped += 1
             return False
+        if self.sink is not None and self.sink(data):
+            return True
         try:
             self._out_send.send_nowait(data)
             return True

@@ -31,6 +31,8 @@ import contextlib
 import datetime
 import logging
 import math
+import os
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -69,6 +71,23 @@ def _refusal_frame(payload_element) -> bytes:
     return encode_frame(encode(SYSTEM, None, new_thread_id(), payload_element))
 
 
+#: Queued to wake a writer that has a carry to send (see _Connection._write_now). Not a
+#: reply: a reply is an envelope, never empty.
+_WAKE = b""
+_NO_SIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+
+
+def _direct_handle(stream: trio.SocketStream) -> socket.socket | None:
+    """A plain non-blocking socket object on a duplicate of the stream's descriptor, for
+    synchronous writes; None where that is not possible."""
+    try:
+        direct = socket.socket(fileno=os.dup(stream.socket.fileno()))
+        direct.setblocking(False)
+    except OSError:
+        return None
+    return direct
+
+
 def format_address(sockname: tuple) -> str:
     host, port = sockname[0], sockname[1]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -96,6 +115,8 @@ class Server:
             # Replies written and the writes they took (their ratio is the batching).
             "replies": 0,
             "writes": 0,
+            # Direct writes the socket took only part of (the writer sent the rest).
+            "carried": 0,
         }
 
     @property
@@ -162,6 +183,15 @@ class _Connection:
         self._room = trio.Event()
         self._room.set()
         self._early = b""
+        #: A second handle on the socket, for the writes that cannot block (_write_now).
+        self._direct: socket.socket | None = None
+        #: True while the writer waits with nothing queued or half-written.
+        self._writer_idle = False
+        #: True while the client sends several requests per read: its replies are
+        #: batched by the writer rather than written one by one.
+        self._pipelining = False
+        #: What the socket did not take of a direct write; the writer sends it first.
+        self._carry = b""
 
     def stop_reading(self) -> None:
         self._stopped = True
@@ -180,6 +210,9 @@ class _Connection:
         except PumpClosed:
             return
         self.endpoint = endpoint
+        self._direct = _direct_handle(self.stream)
+        if self._direct is not None:
+            endpoint.sink = self._write_now
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._writer, nursery.cancel_scope)
@@ -196,6 +229,10 @@ class _Connection:
                 if reason != "stopped":
                     endpoint.close()
         finally:
+            endpoint.sink = None
+            if self._direct is not None:
+                # Before the stream closes: an open duplicate would keep the socket open.
+                self._direct.close()
             endpoint.close()
             log.debug("connection %s closed (pump %s)", endpoint.name, pump.running)
 
@@ -294,6 +331,7 @@ class _Connection:
                 new_frame = not decoder.mid_frame
                 decoder.feed(data)
                 now = trio.current_time()
+                frames = 0
                 while True:
                     try:
                         frame = decoder.next_frame()
@@ -308,6 +346,9 @@ class _Connection:
                     # A frame ended, so whatever follows starts a new one (and time spent
                     # waiting for in-flight room below is not the client's stall).
                     new_frame = True
+                    frames += 1
+                    if frames == 2:
+                        self._pipelining = True
                     if len(self._inflight) < limits.max_inflight:
                         # Room now (the common case): no coroutine, and the deadline
                         # taken from this read's clock.
@@ -319,6 +360,8 @@ class _Connection:
                         await endpoint.send(frame)
                     except (PumpClosed, EndpointClosed):
                         return "stopped"
+                if frames == 1:
+                    self._pipelining = False
                 if new_frame and decoder.mid_frame:
                     frame_deadline = now + limits.read_timeout
         return "stopped"
@@ -352,6 +395,44 @@ class _Connection:
                 await self._room.wait()
 
     # -- writing -------------------------------------------------------------------------
+
+    def _write_now(self, body: bytes) -> bool:
+        """The endpoint's sink: write one reply straight to the socket, from whichever
+        task produced it, when that can neither reorder nor block anything. That is when
+        the writer waits with nothing queued or half-written, this is the last reply owed
+        and the client is not pipelining (else the writer batches replies into one write).
+
+        True if the reply was written. What the socket did not take is carried over to the
+        writer, which is woken to send it before anything else. On False (and on a full
+        or broken socket) the reply is queued for the writer as usual. Never blocks: one
+        non-blocking ``send``, which costs less than the writer's wake-up and write.
+        """
+        if (
+            not self._writer_idle
+            or self._pipelining
+            or len(self._inflight) > 1
+            or self._direct is None
+        ):
+            # Queued for the writer, which that wakes: later replies must queue behind it.
+            self._writer_idle = False
+            return False
+        frame = encode_frame(body)
+        try:
+            sent = self._direct.send(frame, _NO_SIGNAL)
+        except OSError:  # full (nothing sent) or broken: the writer finds out
+            self._writer_idle = False
+            return False
+        self._replied(1)
+        counters = self.server.counters
+        counters["replies"] += 1
+        counters["writes"] += 1
+        if sent < len(frame):
+            counters["carried"] += 1
+            self._carry = frame[sent:]
+            self._writer_idle = False
+            assert self.endpoint is not None
+            self.endpoint.push(_WAKE)  # queued (the writer is no longer idle): wakes it
+        return True
 
     async def _writer(self, connection_scope: trio.CancelScope) -> None:
         """Write replies as they are produced, batching whatever is ready into one write."""
@@ -403,7 +484,14 @@ class _Connection:
         counters = self.server.counters
         while True:
             try:
-                first = await endpoint.receive()
+                try:
+                    first = endpoint.receive_nowait()
+                except trio.WouldBlock:
+                    self._writer_idle = True
+                    try:
+                        first = await endpoint.receive()
+                    finally:
+                        self._writer_idle = False
             except EndpointClosed:
                 break
             batch = [first]
@@ -418,11 +506,15 @@ class _Connection:
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 if not self._collect(endpoint, batch):
                     break
-            self._replied(len(batch))
-            counters["replies"] += len(batch)
+            replies = [body for body in batch if body]  # an empty one is a _WAKE
+            data = encode_frames(replies)
+            if self._carry:
+                data, self._carry = self._carry + data, b""
+            self._replied(len(replies))
+            counters["replies"] += len(replies)
             counters["writes"] += 1
             guard.deadline = trio.current_time() + write_timeout
-            await stream.send_all(encode_frames(batch))
+            await stream.send_all(data)
             guard.deadline = math.inf
 
 

@@ -1,0 +1,91 @@
+"""Replies written straight to an idle socket (the endpoint's sink) keep the wire intact:
+in order, never interleaved, and whole even when the socket takes only part of one."""
+
+from __future__ import annotations
+
+import socket
+
+import trio
+from lxml import etree
+
+from agentserver.envelope import build_envelope
+from agentserver.framing import FrameDecoder, encode_frame
+from agentserver.handshake import HelloGate
+from agentserver.listener import Listener
+from agentserver.listeners.echo import Ping, Pong, handle
+from agentserver.pump import open_pump
+from agentserver.server import Server
+from agentserver.threads import new_thread_id
+from agentserver.topology import Limits
+
+
+def ping_frame(text: str, thread: str) -> bytes:
+    envelope = build_envelope("x", "echo", thread, Ping(text=text).to_xml_tree())
+    return encode_frame(etree.tostring(envelope))
+
+
+async def read_frame(stream: trio.SocketStream, decoder: FrameDecoder) -> bytes:
+    with trio.fail_after(5):
+        while (frame := decoder.next_frame()) is None:
+            data = await stream.receive_some(65536)
+            assert data, "server closed the connection"
+            decoder.feed(data)
+    return frame
+
+
+async def serve_echo(nursery: trio.Nursery, pump) -> tuple[Server, int]:
+    server = Server(pump, Limits(), HelloGate({}))
+    addresses = await nursery.start(server.serve, "127.0.0.1", 0)
+    return server, addresses[0][1]
+
+
+async def test_large_replies_to_a_slow_reader_arrive_whole_and_in_order():
+    echo = Listener("echo", (Ping,), handle, responses=(Pong,), raw=True)
+    async with open_pump([echo]) as pump, trio.open_nursery() as nursery:
+        server, port = await serve_echo(nursery, pump)
+        # A small receive window (set before connecting, so TCP starts with it): a 600 kB
+        # reply cannot all be taken at once.
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        await sock.connect(("127.0.0.1", port))
+        stream = trio.SocketStream(sock)
+        decoder = FrameDecoder(4 * 1024 * 1024)
+        for i in range(3):
+            text = f"{i}:" + "x" * 600_000
+            thread = new_thread_id()
+            await stream.send_all(ping_frame(text, thread))
+            await trio.sleep(0.2)  # not reading yet: the direct write fills the socket
+            reply = etree.fromstring(await read_frame(stream, decoder))
+            assert reply[0][-1].text == thread
+            assert reply[1][0].text == text
+        assert server.counters["carried"] >= 1  # the carry path ran
+        assert server.counters["replies"] == 3
+        # Small replies with one in flight go out directly, whole and in order too.
+        for i in range(50):
+            thread = new_thread_id()
+            await stream.send_all(ping_frame(str(i), thread))
+            reply = etree.fromstring(await read_frame(stream, decoder))
+            assert (reply[0][-1].text, reply[1][0].text) == (thread, str(i))
+        # One write per reply, plus one by the writer for each carried remainder.
+        assert server.counters["replies"] == 53
+        assert server.counters["writes"] == 53 + server.counters["carried"]
+        await stream.aclose()
+        server.stop_accepting()
+        pump.close()
+
+
+async def test_pipelined_replies_are_batched_by_the_writer_not_written_one_by_one():
+    echo = Listener("echo", (Ping,), handle, responses=(Pong,), raw=True)
+    async with open_pump([echo]) as pump, trio.open_nursery() as nursery:
+        server, port = await serve_echo(nursery, pump)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        decoder = FrameDecoder(1024 * 1024)
+        threads = [new_thread_id() for _ in range(64)]
+        await stream.send_all(b"".join(ping_frame(str(i), t) for i, t in enumerate(threads)))
+        got = [etree.fromstring(await read_frame(stream, decoder)) for _ in threads]
+        assert sorted(r[0][-1].text for r in got) == sorted(threads)
+        assert server.counters["replies"] == 64
+        assert server.counters["writes"] < 64  # more than one reply per write
+        await stream.aclose()
+        server.stop_accepting()
+        pump.close()
