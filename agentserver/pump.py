@@ -338,6 +338,8 @@ class Pump:
             "queues": {
                 n: rt.send.statistics().current_buffer_used for n, rt in self._runtimes.items()
             },
+            # Senders waiting for room in a full queue.
+            "waiting": {n: len(rt.waiters) for n, rt in self._runtimes.items()},
             "handled": {n: rt.handled for n, rt in self._runtimes.items()},
             **self.counters,
         }

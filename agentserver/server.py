@@ -496,6 +496,11 @@ class _Connection:
                     finally:
                         self._writer_idle = False
             except EndpointClosed:
+                if self._carry:  # the rest of a direct write: the frame must end whole
+                    data, self._carry = self._carry, b""
+                    guard.deadline = trio.current_time() + write_timeout
+                    await stream.send_all(data)
+                    guard.deadline = math.inf
                 break
             batch = [first]
             self._collect(endpoint, batch)

@@ -564,6 +564,7 @@ async def test_waiting_senders_are_served_first_come_first_served():
                 nursery.start_soon(ep.send, envelope_bytes(Ping(text=str(i)), to="echo"))
                 await trio.testing.wait_all_tasks_blocked()
             assert pump.stats()["queues"]["echo"] == 1
+            assert pump.stats()["waiting"]["echo"] == 3
             gate.release()  # "0" done: "1" runs, "2" takes the freed slot
             await trio.testing.wait_all_tasks_blocked()
             late = pump.open_endpoint()
