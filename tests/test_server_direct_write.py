@@ -13,7 +13,7 @@ from agentserver.framing import FrameDecoder, encode_frame
 from agentserver.handshake import HelloGate
 from agentserver.listener import Listener
 from agentserver.listeners.echo import Ping, Pong, handle
-from agentserver.pump import open_pump
+from agentserver.pump import PumpConfig, open_pump
 from agentserver.server import Server
 from agentserver.threads import new_thread_id
 from agentserver.topology import Limits
@@ -25,7 +25,7 @@ def ping_frame(text: str, thread: str) -> bytes:
 
 
 async def read_frame(stream: trio.SocketStream, decoder: FrameDecoder) -> bytes:
-    with trio.fail_after(5):
+    with trio.fail_after(10):
         while (frame := decoder.next_frame()) is None:
             data = await stream.receive_some(65536)
             assert data, "server closed the connection"
@@ -33,25 +33,30 @@ async def read_frame(stream: trio.SocketStream, decoder: FrameDecoder) -> bytes:
     return frame
 
 
+BIG = 8 * 1024 * 1024
+
+
 async def serve_echo(nursery: trio.Nursery, pump) -> tuple[Server, int]:
-    server = Server(pump, Limits(), HelloGate({}))
+    server = Server(pump, Limits(max_message_bytes=BIG), HelloGate({}))
     addresses = await nursery.start(server.serve, "127.0.0.1", 0)
     return server, addresses[0][1]
 
 
 async def test_large_replies_to_a_slow_reader_arrive_whole_and_in_order():
     echo = Listener("echo", (Ping,), handle, responses=(Pong,), raw=True)
-    async with open_pump([echo]) as pump, trio.open_nursery() as nursery:
+    config = PumpConfig(max_message_bytes=BIG)
+    async with open_pump([echo], config=config) as pump, trio.open_nursery() as nursery:
         server, port = await serve_echo(nursery, pump)
-        # A small receive window (set before connecting, so TCP starts with it): a 600 kB
-        # reply cannot all be taken at once.
+        # A small receive window (set before connecting, so TCP starts with it), and
+        # replies larger than any socket send buffer (Linux caps them at 4 MB by default):
+        # a direct write cannot be taken whole.
         sock = trio.socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         await sock.connect(("127.0.0.1", port))
         stream = trio.SocketStream(sock)
-        decoder = FrameDecoder(4 * 1024 * 1024)
+        decoder = FrameDecoder(BIG)
         for i in range(3):
-            text = f"{i}:" + "x" * 600_000
+            text = f"{i}:" + "x" * 6_000_000
             thread = new_thread_id()
             await stream.send_all(ping_frame(text, thread))
             await trio.sleep(0.2)  # not reading yet: the direct write fills the socket
