@@ -68,14 +68,7 @@ class EnvelopeCodec:
         # The schema fixed the shape: meta is (from, [to], thread), then one payload.
         meta = root[0]
         payload = root[1]
-        tag = payload.tag
-        if tag.startswith(_CORE_PREFIX):
-            raise InputRefused(HuhReason.RESERVED_NAMESPACE, tag)
-        ptype = self._ptype_of(tag)
-        if ptype is None:
-            raise InputRefused(HuhReason.INVALID_PAYLOAD, f"unknown root tag {tag}")
-        if not ptype.schema.validate(payload):
-            raise InputRefused(HuhReason.INVALID_PAYLOAD, f"{tag} fails its XSD")
+        ptype = self.validate_payload(payload)
         # xs:token values are whitespace-collapsed by the validator's view, not in the tree.
         return (
             meta[1].text.strip() if len(meta) == 3 else None,
@@ -85,7 +78,8 @@ class EnvelopeCodec:
         )
 
     def validate_payload(self, payload: etree._Element) -> PayloadType:
-        """Validate a payload a handler produced. Raises :class:`InputRefused`."""
+        """Validate a payload (inbound, or one a handler produced): no core namespace, a
+        registered root tag, valid against its XSD. Raises :class:`InputRefused`."""
         tag = payload.tag
         if not isinstance(tag, str):
             raise InputRefused(HuhReason.INVALID_PAYLOAD, "not an element")

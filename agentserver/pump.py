@@ -161,9 +161,6 @@ class _Waiters:
     def __init__(self) -> None:
         self._entries: collections.deque[_Waiter] = collections.deque()
 
-    def __bool__(self) -> bool:
-        return bool(self._entries)
-
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -655,11 +652,17 @@ class Pump:
         endpoint = self._endpoints.get(owner)
         if endpoint is not None:
             # The owner's thread was touched when its message was handled: no clock read.
-            if not endpoint.push(encode(from_id, owner, record.id, payload)):
-                self.counters["dropped"] += 1
+            self._push(endpoint, from_id, record.id, payload)
             return
         self.counters["dropped"] += 1
         log.info("dropped %s for %s on %s: nobody there", ptype.local, owner, record.dotted)
+
+    def _push(
+        self, endpoint: Endpoint, from_id: str, thread_id: str, payload: etree._Element
+    ) -> None:
+        """Send a validated payload to an endpoint (never waits; counted if dropped)."""
+        if not endpoint.push(encode(from_id, endpoint.name, thread_id, payload)):
+            self.counters["dropped"] += 1
 
     def _to_element(self, payload: object) -> etree._Element:
         if isinstance(payload, BaseXmlModel):
@@ -782,9 +785,7 @@ class Pump:
                     await self._apply(listener, thread, result, d)
             finally:
                 rt.handled += 1
-                self._inflight -= 1
-                if not self._inflight:
-                    self._idle.set()
+                self._done()
 
     async def _deadline_monitor(self) -> None:
         """Keep the pump's coarse clock and cancel handlers that overrun their timeout.
@@ -838,8 +839,7 @@ class Pump:
         except Refusal:
             return False
         threads.prune(thread)
-        if not endpoint.push(encode(listener.name, owner, parent.id, element)):
-            self.counters["dropped"] += 1
+        self._push(endpoint, listener.name, parent.id, element)
         return True
 
     async def _apply(
@@ -896,13 +896,6 @@ class Pump:
                     log.info(
                         "%s responded on %s with no caller; dropped", listener.name, thread.dotted
                     )
-                    return
-                owner = parent.chain[-1]
-                endpoint = self._endpoints.get(owner)
-                if endpoint is not None:
-                    # The hot case (an answer to a client) without another coroutine layer.
-                    if not endpoint.push(encode(listener.name, owner, parent.id, element)):
-                        self.counters["dropped"] += 1
                     return
                 await self._deliver_to_owner(parent, element, ptype, listener.name, thread.id)
                 return

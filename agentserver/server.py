@@ -352,13 +352,10 @@ class _Connection:
                     frames += 1
                     if frames == 2:
                         self._pipelining = True
-                    if len(self._inflight) < limits.max_inflight:
-                        # Room now (the common case): no coroutine, and the deadline
-                        # taken from this read's clock.
-                        self._inflight.append(now + limits.inflight_ttl)
-                    else:
-                        await self._admit()
+                    if len(self._inflight) >= limits.max_inflight:
+                        await self._wait_for_room()
                         now = trio.current_time()  # waiting for room is not the client's stall
+                    self._inflight.append(now + limits.inflight_ttl)
                     try:
                         await endpoint.send(frame)
                     except (PumpClosed, EndpointClosed):
@@ -369,7 +366,7 @@ class _Connection:
                     frame_deadline = now + limits.read_timeout
         return "stopped"
 
-    async def _admit(self) -> None:
+    async def _wait_for_room(self) -> None:
         """Wait until the connection may have one more request in flight."""
         inflight = self._inflight
         limit = self.limits.max_inflight
@@ -382,7 +379,6 @@ class _Connection:
             self._room = trio.Event()
             with trio.move_on_at(inflight[0]):
                 await self._room.wait()
-        inflight.append(trio.current_time() + self.limits.inflight_ttl)
 
     def _replied(self, count: int) -> None:
         inflight = self._inflight
@@ -485,6 +481,13 @@ class _Connection:
         """Write replies as they come, batching what is ready; ``guard``'s deadline is
         armed only while a write is in progress."""
         counters = self.server.counters
+
+        async def write(data: bytes) -> None:
+            counters["writes"] += 1
+            guard.deadline = trio.current_time() + write_timeout
+            await stream.send_all(data)
+            guard.deadline = math.inf
+
         while True:
             try:
                 try:
@@ -498,9 +501,7 @@ class _Connection:
             except EndpointClosed:
                 if self._carry:  # the rest of a direct write: the frame must end whole
                     data, self._carry = self._carry, b""
-                    guard.deadline = trio.current_time() + write_timeout
-                    await stream.send_all(data)
-                    guard.deadline = math.inf
+                    await write(data)
                 break
             batch = [first]
             self._collect(endpoint, batch)
@@ -520,10 +521,7 @@ class _Connection:
                 data, self._carry = self._carry + data, b""
             self._replied(len(replies))
             counters["replies"] += len(replies)
-            counters["writes"] += 1
-            guard.deadline = trio.current_time() + write_timeout
-            await stream.send_all(data)
-            guard.deadline = math.inf
+            await write(data)
 
 
 # -- running a topology ---------------------------------------------------------------------

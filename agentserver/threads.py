@@ -151,8 +151,7 @@ class ThreadRegistry:
             thread_id = new_thread_id()
         elif thread_id in threads:
             raise ValueError(f"thread {thread_id} exists")
-        if len(threads) >= self.max_threads:
-            self._make_room(now)
+        self._make_room(now)
         record = ThreadRecord(thread_id, (*parent.chain, target), parent.id, now)
         threads[thread_id] = record
         parent.children.add(thread_id)
@@ -169,12 +168,7 @@ class ThreadRegistry:
         if threads.get(record.id) is not record:
             return None
         parent = threads.get(record.parent) if record.parent is not None else None
-        if record.children:
-            self._remove_subtree(record)
-        else:  # the common case: a leaf hop answering its caller
-            del threads[record.id]
-            if parent is not None:
-                parent.children.discard(record.id)
+        self._remove_subtree(record)
         return parent
 
     def finish(self, record: ThreadRecord) -> bool:

@@ -1,6 +1,7 @@
 """Pump throughput vs the bare lxml loop, measured in the same run.
 
-pump: bytes → parse → validate envelope and payload → route → echo handler (raw element)
+pump: bytes → parse → validate envelope and payload → route → the built-in echo handler
+      (raw element)
       → validate the reply → route back → exclusive C14N serialise, through trio channels.
 bare: the same message through parse → validate envelope and payload → C14N → serialise,
       in a plain loop.
@@ -17,43 +18,14 @@ import time
 
 import trio
 from lxml import etree
-from pydantic_xml import BaseXmlModel, element
 
 from agentserver.envelope import build_envelope, load_envelope_schema
-from agentserver.listener import HandlerResponse, Listener
+from agentserver.listener import Listener
+from agentserver.listeners.echo import Ping, Pong
+from agentserver.listeners.echo import handle as echo
 from agentserver.payloads import PayloadType
 from agentserver.pump import PumpConfig, open_pump
 from agentserver.xmlsafe import SafeParser, canonicalize
-
-NS = "urn:agentserver:bench"
-
-
-class Ping(BaseXmlModel, tag="ping", nsmap={"": NS}):
-    text: str = element()
-
-
-class Pong(BaseXmlModel, tag="pong", nsmap={"": NS}):
-    text: str = element()
-
-
-PONG = f"{{{NS}}}pong"
-TEXT = f"{{{NS}}}text"
-
-
-def _pong_template() -> etree._Element:
-    pong = etree.Element(PONG, nsmap={None: NS})
-    etree.SubElement(pong, TEXT)
-    return pong
-
-
-PONG_TEMPLATE = _pong_template()
-
-
-async def echo(payload: etree._Element, meta) -> HandlerResponse:
-    # A raw handler builds its reply from a prepared tree (cheaper than new elements).
-    pong = PONG_TEMPLATE.__deepcopy__(None)
-    pong[0].text = payload[0].text
-    return HandlerResponse.respond(pong)
 
 
 def message(text_bytes: int = 5) -> bytes:
@@ -184,7 +156,7 @@ def main() -> None:
         "--text-bytes",
         type=int,
         default=5,
-        help="length of the ping's text (default 5: 'hello', a 225-byte message)",
+        help="length of the ping's text (default 5: 'hello', a 224-byte message)",
     )
     ap.add_argument(
         "--floor",

@@ -40,6 +40,16 @@ def echo_listener(**kw) -> Listener:
     return Listener("echo", (Ping,), kw.pop("handler", echo), responses=(Pong,), **kw)
 
 
+def echo_after(release: trio.Event):
+    """An echo handler that answers once ``release`` is set."""
+
+    async def blocked(p: Ping, meta: HandlerMetadata):
+        await release.wait()
+        return HandlerResponse.respond(Pong(text=p.text))
+
+    return blocked
+
+
 async def test_echo_round_trip_sets_from_to_and_thread():
     async with open_pump([echo_listener()]) as pump:
         ep = pump.open_endpoint("alice")
@@ -519,10 +529,7 @@ async def test_invalid_output_bounces_to_sender_then_caller_after_strikes():
 
 async def test_full_queue_pushes_back_on_sender():
     release = trio.Event()
-
-    async def blocked(p, meta):
-        await release.wait()
-        return HandlerResponse.respond(Pong(text=p.text))
+    blocked = echo_after(release)
 
     async with open_pump([echo_listener(handler=blocked, concurrency=1, queue_size=2)]) as pump:
         ep = pump.open_endpoint()
@@ -604,10 +611,7 @@ async def test_waiting_sender_times_out_within_a_tick_and_queues_nothing(autojum
 
 async def test_cancelled_waiting_sender_leaves_nothing_behind():
     release = trio.Event()
-
-    async def blocked(p, meta):
-        await release.wait()
-        return HandlerResponse.respond(Pong(text=p.text))
+    blocked = echo_after(release)
 
     async with open_pump([echo_listener(handler=blocked, concurrency=1, queue_size=1)]) as pump:
         ep = pump.open_endpoint()
