@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
+from lxml import etree
 
 from agentserver.builtins import RunContext, build_listeners
 from agentserver.endpoint import Endpoint
@@ -70,8 +71,12 @@ _MAX_GATHER_ROUNDS = 4
 _REFUSAL_WRITE_TIMEOUT = 1.0
 
 
-def _refusal_frame(payload_element) -> bytes:
-    return encode_frame(encode(SYSTEM, None, new_thread_id(), payload_element))
+async def _send_refusal(stream: trio.SocketStream, payload: etree._Element) -> None:
+    """Send a connection's one refusal, giving up after a short while or if it is gone."""
+    frame = encode_frame(encode(SYSTEM, None, new_thread_id(), payload))
+    with trio.move_on_after(_REFUSAL_WRITE_TIMEOUT):
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.send_all(frame)
 
 
 #: Queued to wake a writer that has a carry to send (see _Connection._write_now). Not a
@@ -104,7 +109,6 @@ class Server:
         self.pump = pump
         self.limits = limits
         self.gate = gate
-        self.addresses: list[tuple] = []
         self._accept_scope = trio.CancelScope()
         self._connections: set[_Connection] = set()
         #: Called with the endpoint of each authenticated named client when it connects
@@ -122,10 +126,6 @@ class Server:
             "carried": 0,
         }
 
-    @property
-    def connection_count(self) -> int:
-        return len(self._connections)
-
     async def serve(
         self,
         host: str,
@@ -134,10 +134,10 @@ class Server:
         task_status: trio.TaskStatus[list[tuple]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host)
-        self.addresses = [lst.socket.getsockname() for lst in listeners]
+        addresses = [lst.socket.getsockname() for lst in listeners]
         async with trio.open_nursery() as connections:
             with self._accept_scope:
-                task_status.started(self.addresses)
+                task_status.started(addresses)
                 await trio.serve_listeners(self._on_stream, listeners, handler_nursery=connections)
             for lst in listeners:
                 await lst.aclose()
@@ -155,9 +155,7 @@ class Server:
             if len(self._connections) >= self.limits.max_connections:
                 self.counters["refused_busy"] += 1
                 busy = DeliveryRefused(SystemErrorCode.ROUTING, retry_allowed=True)
-                with trio.move_on_after(_REFUSAL_WRITE_TIMEOUT):
-                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                        await stream.send_all(_refusal_frame(primitive_for(busy)))
+                await _send_refusal(stream, primitive_for(busy))
                 return
             self.counters["accepted"] += 1
             conn = _Connection(self, stream)
@@ -180,11 +178,9 @@ class _Connection:
         self.limits = server.limits
         self.endpoint: Endpoint | None = None
         self._reading = trio.CancelScope()
-        self._stopped = False
         # Deadlines of requests waiting for a reply, oldest first (bounded by max_inflight).
         self._inflight: collections.deque[float] = collections.deque()
         self._room = trio.Event()
-        self._room.set()
         self._early = b""
         #: A second handle on the socket, for the writes that cannot block (_write_now).
         self._direct: socket.socket | None = None
@@ -197,7 +193,6 @@ class _Connection:
         self._carry = b""
 
     def stop_reading(self) -> None:
-        self._stopped = True
         self._reading.cancel()
 
     async def run(self) -> None:
@@ -278,9 +273,7 @@ class _Connection:
         except Unauthenticated as exc:
             self.server.counters["unauthenticated"] += 1
             log.info("connection refused: %s", exc)
-            with trio.move_on_after(_REFUSAL_WRITE_TIMEOUT):
-                refusal = huh(HuhReason.UNAUTHENTICATED)
-                await self.stream.send_all(_refusal_frame(refusal))
+            await _send_refusal(self.stream, huh(HuhReason.UNAUTHENTICATED))
             return None
         # Frames sent right behind the hello are not lost: the reader starts with them.
         self._early = decoder.take_remainder()
@@ -310,21 +303,18 @@ class _Connection:
                         deadline = trio.current_time() + limits.idle_timeout
                     else:
                         deadline = math.inf
-                    if deadline == math.inf:
-                        # The common case (between frames, no idle timeout): no cancel
-                        # scope, which would cost more than the read itself.
-                        try:
+                    try:
+                        if deadline == math.inf:
+                            # The common case (between frames, no idle timeout): no cancel
+                            # scope, which would cost more than the read itself.
                             data = await stream.receive_some(RECEIVE_SIZE)
-                        except (trio.BrokenResourceError, trio.ClosedResourceError):
-                            return "closed"
-                        timed_out = False
-                    else:
-                        with trio.move_on_at(deadline) as waited:
-                            try:
+                            timed_out = False
+                        else:
+                            with trio.move_on_at(deadline) as waited:
                                 data = await stream.receive_some(RECEIVE_SIZE)
-                            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                                return "closed"
-                        timed_out = waited.cancelled_caught
+                            timed_out = waited.cancelled_caught
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        return "closed"
                     if timed_out:
                         reason = "stalled" if decoder.mid_frame else "idle"
                         log.info("connection %s %s: closing", endpoint.name, reason)
@@ -406,12 +396,7 @@ class _Connection:
         or broken socket) the reply is queued for the writer as usual. Never blocks: one
         non-blocking ``send``, which costs less than the writer's wake-up and write.
         """
-        if (
-            not self._writer_idle
-            or self._pipelining
-            or len(self._inflight) > 1
-            or self._direct is None
-        ):
+        if not self._writer_idle or self._pipelining or len(self._inflight) > 1:
             # Queued for the writer, which that wakes: later replies must queue behind it.
             self._writer_idle = False
             return False
