@@ -19,7 +19,7 @@ import trio
 
 from agentserver import boot
 from agentserver.bundled import BOOT_XML
-from agentserver.errors import ConfigurationError, InputRefused
+from agentserver.errors import ConfigurationError, InputRefused, sole_exception
 from agentserver.threads import is_uuid4
 from agentserver.topology import DEFAULT_PORT
 
@@ -226,10 +226,7 @@ def _trio_run(fn):
     try:
         return trio.run(fn)
     except BaseExceptionGroup as group:
-        error: BaseException = group
-        while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-            error = error.exceptions[0]
-        raise error from None
+        raise sole_exception(group) from None
 
 
 # -- check ----------------------------------------------------------------------------------

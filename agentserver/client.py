@@ -24,7 +24,7 @@ from lxml import etree
 from pydantic_xml import BaseXmlModel
 
 from agentserver.envelope import MESSAGE, build_envelope
-from agentserver.errors import AgentServerError, InputRefused
+from agentserver.errors import AgentServerError, InputRefused, sole_exception
 from agentserver.framing import FrameDecoder, FramingError, encode_frame
 from agentserver.handshake import hello_frame_body
 from agentserver.namespaces import CORE_NS, ENVELOPE_NS
@@ -302,10 +302,4 @@ async def open_client(
     except BaseExceptionGroup as group:
         # The reader task never raises, so a group holds the caller's own exception:
         # hand it back as raised (callers catch RequestTimeout, not a group of one).
-        raise _sole(group) from None
-
-
-def _sole(group: BaseExceptionGroup) -> BaseException:
-    while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
-        group = group.exceptions[0]
-    return group
+        raise sole_exception(group) from None

@@ -85,3 +85,11 @@ class PumpClosed(AgentServerError):
 
 class EndpointClosed(AgentServerError):
     """The endpoint was closed (by its owner, or because it stopped reading)."""
+
+
+def sole_exception(group: BaseExceptionGroup) -> BaseException:
+    """The one exception a group of one (nested or not) holds; else the group itself."""
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
