@@ -378,6 +378,16 @@ class _Loader:
             ok = False
         if not ok:
             return None
+        # The built-in's tuning, then what the file sets; ListenerSpec has the defaults.
+        tuning = dict(defaults)
+        if (value := el.get("concurrency")) is not None:
+            tuning["concurrency"] = int(value)
+        if (value := el.get("timeout")) is not None:
+            tuning["timeout"] = float(value)
+        if (value := el.get("queue-size")) is not None:
+            tuning["queue_size"] = int(value)
+        if el.get("raw") is not None:
+            tuning["raw"] = _bool(el, "raw")
         spec = ListenerSpec(
             name=name,
             handler_ref=ref,
@@ -388,13 +398,10 @@ class _Loader:
             handler=handler,
             agent=agent,
             broadcast=_bool(el, "broadcast"),
-            concurrency=int(el.get("concurrency", defaults.get("concurrency", 8))),
-            timeout=float(el.get("timeout", defaults.get("timeout", 30.0))),
-            queue_size=int(el.get("queue-size", defaults.get("queue_size", 64))),
-            raw=_bool(el, "raw", defaults.get("raw", False)),
             description=(el.findtext(_B + "description") or "").strip(),
             agent_profile=profile,
             line=line,
+            **tuning,
         )
         try:
             # The pump's own checks, so 'check' and 'run' can never disagree.
