@@ -16,6 +16,7 @@ import logging
 import trio
 from lxml import etree
 
+from agentserver.builtins import BUILTIN_HANDLERS
 from agentserver.client import Client, ClientError, RequestTimeout, open_client
 from agentserver.listener import HandlerMetadata, HandlerResponse, Listener
 from agentserver.listeners.console import NS as CONSOLE_NS
@@ -78,7 +79,7 @@ async def run_remote_console(
                     ],
                 ),
                 peers=("console",),
-                concurrency=1,
+                **BUILTIN_HANDLERS["system-boot"].defaults,
             ),
             Listener(
                 "console",
@@ -86,8 +87,7 @@ async def run_remote_console(
                 Console(terminal, trusted=("boot", "console-router"), on_exit=done.set),
                 peers=("console-router",),
                 responses=(Input,),
-                concurrency=1,
-                timeout=86400.0,
+                **BUILTIN_HANDLERS["console"].defaults,
             ),
             Listener(
                 "console-router",
