@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 from lxml import etree
 from pydantic_xml import BaseXmlModel, element
+from serverproc import DATA, ServerProcess
 
 from agentserver.envelope import build_envelope
 from agentserver.namespaces import CORE_NS, ENVELOPE_NS
@@ -85,3 +87,12 @@ async def drain(endpoint) -> list[bytes]:
 async def receive(endpoint, seconds: float = 5) -> tuple[dict[str, str | None], etree._Element]:
     with trio.fail_after(seconds):
         return parse_reply(await endpoint.receive())
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A real server (a subprocess) on tests/data/e2e-boot.xml, one per test module that
+    asks for it (a module may define its own ``server`` instead)."""
+    proc = ServerProcess.start(DATA / "e2e-boot.xml")
+    yield proc
+    assert proc.stop() == 0

@@ -18,13 +18,6 @@ PING = b'<ping xmlns="urn:agentserver:echo"><text>hi</text></ping>'
 CORE = "https://xml-pipeline.org/ns/core/v1"
 
 
-@pytest.fixture(scope="module")
-def server():
-    proc = ServerProcess.start(DATA / "e2e-boot.xml")
-    yield proc
-    assert proc.stop() == 0
-
-
 def connect(server) -> str:
     return f"{server.host}:{server.port}"
 

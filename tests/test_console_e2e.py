@@ -14,6 +14,14 @@ SCRIPT = (
     b"@ghost <x/>\n"
     b"/quit\n"
 )
+#: What the console prints for SCRIPT, after its banner (in-process and over the socket).
+TRANSCRIPT = [
+    '[echo] <pong xmlns="urn:agentserver:echo"><text>hi</text></pong>',
+    '[calculator] <sum xmlns="urn:agentserver:calculator"><value>42</value></sum>',
+    "error: Invalid payload structure.",
+    "error: 'ghost' is not a listener this console can address (try /listeners)",
+    "bye",
+]
 
 
 def test_run_with_console_in_the_server_process():
@@ -38,13 +46,7 @@ def test_run_with_console_in_the_server_process():
     out = proc.stdout.decode().splitlines()
     assert proc.returncode == 0, proc.stderr.decode()
     assert out[0].startswith("agentserver console: organism 'hello', 6 listeners")
-    assert out[1:] == [
-        '[echo] <pong xmlns="urn:agentserver:echo"><text>hi</text></pong>',
-        '[calculator] <sum xmlns="urn:agentserver:calculator"><value>42</value></sum>',
-        "error: Invalid payload structure.",
-        "error: 'ghost' is not a listener this console can address (try /listeners)",
-        "bye",
-    ]
+    assert out[1:] == TRANSCRIPT
     assert b"agentserver listening on 127.0.0.1:" in proc.stderr
 
 
@@ -60,13 +62,7 @@ def test_console_over_the_socket():
             out[0]
             == f"agentserver console: connected to {server.host}:{server.port}. /help for commands, /quit to leave."
         )
-        assert out[1:] == [
-            '[echo] <pong xmlns="urn:agentserver:echo"><text>hi</text></pong>',
-            '[calculator] <sum xmlns="urn:agentserver:calculator"><value>42</value></sum>',
-            "error: Invalid payload structure.",
-            "error: 'ghost' is not a listener this console can address (try /listeners)",
-            "bye",
-        ]
+        assert out[1:] == TRANSCRIPT
         # The server is still fine and the console's end did not stop it.
         again = cli("console", "--connect", f"{server.host}:{server.port}", input=b"/listeners\n")
         assert again.returncode == 0 and "@echo:" in again.stdout.decode()

@@ -8,7 +8,7 @@ import random
 import pytest
 import trio
 from lxml import etree
-from serverproc import DATA, RawConnection, ServerProcess
+from serverproc import RawConnection
 
 from agentserver.client import open_client
 from agentserver.envelope import build_envelope
@@ -81,13 +81,6 @@ CORE_PAYLOAD = (
     + b'<huh xmlns="https://xml-pipeline.org/ns/core/v1"><error>Message could not be parsed.</error>'
     b"<original-attempt></original-attempt></huh></message>"
 )
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc = ServerProcess.start(DATA / "e2e-boot.xml")
-    yield proc
-    assert proc.stop() == 0
 
 
 async def assert_still_serving(server) -> None:

@@ -8,7 +8,7 @@ import pytest
 import trio
 from e2e_handlers import Crash, Job, Note, Record, Relay, Silent, Wrong
 from lxml import etree
-from serverproc import DATA, RawConnection, ServerProcess
+from serverproc import RawConnection, ServerProcess
 
 from agentserver.client import ConnectionClosed, open_client
 from agentserver.envelope import build_envelope
@@ -19,13 +19,6 @@ from agentserver.primitives.core import Boot, Hello
 from agentserver.threads import is_uuid4, new_thread_id
 
 CORE = "https://xml-pipeline.org/ns/core/v1"
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc = ServerProcess.start(DATA / "e2e-boot.xml")
-    yield proc
-    assert proc.stop() == 0
 
 
 def huh_text(reply) -> str | None:
