@@ -774,14 +774,7 @@ class SqliteAgentStore:
             count = db.execute(
                 "SELECT step_count FROM agent_state_head WHERE agent_id = ?", (token.agent_id,)
             ).fetchone()[0]
-            cur = db.execute(
-                "UPDATE agent_state_head SET step_count = step_count + 1, updated_at = ? "
-                "WHERE agent_id = ? AND active_agent_turn_id = ? AND turn_epoch = ? "
-                "AND status = ?",
-                (now, token.agent_id, token.agent_turn_id, token.turn_epoch, HeadStatus.RUNNING),
-            )
-            if cur.rowcount != 1:
-                raise StaleTurn(f"{token}: not running")
+            self._fenced(db, token, HeadStatus.RUNNING, now, set_sql="step_count = step_count + 1")
             db.execute(
                 "INSERT INTO agent_steps (step_id, agent_id, agent_turn_id, turn_epoch, step_no, "
                 "status, started_at) VALUES (?,?,?,?,?,'started',?)",
@@ -791,19 +784,31 @@ class SqliteAgentStore:
 
     def _assert_running(self, db: sqlite3.Connection, token: TurnToken) -> None:
         # A CAS that changes nothing but the timestamp: fences the transaction's writes.
+        self._fenced(db, token, HeadStatus.RUNNING, self._clock.now())
+
+    @staticmethod
+    def _fenced(
+        db: sqlite3.Connection,
+        token: TurnToken,
+        status: HeadStatus,
+        now: float,
+        *,
+        set_sql: str = "",
+        params: tuple[object, ...] = (),
+        where_sql: str = "",
+        stale: str = "not running",
+    ) -> None:
+        """Update the head (``updated_at``, and ``set_sql`` with ``params``) only while it
+        still holds ``token``'s Turn at that epoch, in ``status`` (and ``where_sql``);
+        else raise StaleTurn. ``set_sql`` and ``where_sql`` are fixed SQL fragments."""
         cur = db.execute(
-            "UPDATE agent_state_head SET updated_at = ? WHERE agent_id = ? "
-            "AND active_agent_turn_id = ? AND turn_epoch = ? AND status = ?",
-            (
-                self._clock.now(),
-                token.agent_id,
-                token.agent_turn_id,
-                token.turn_epoch,
-                HeadStatus.RUNNING,
-            ),
+            f"UPDATE agent_state_head SET {set_sql + ', ' if set_sql else ''}updated_at = ? "
+            "WHERE agent_id = ? AND active_agent_turn_id = ? AND turn_epoch = ? "
+            f"AND status = ?{where_sql}",
+            (*params, now, token.agent_id, token.agent_turn_id, token.turn_epoch, status),
         )
         if cur.rowcount != 1:
-            raise StaleTurn(f"{token}: not running")
+            raise StaleTurn(f"{token}: {stale}")
 
     async def complete_step(
         self,
@@ -1029,14 +1034,15 @@ class SqliteAgentStore:
             self._inbox_move(db, row.inbox_id, InboxEvent.CONSUME)
             remaining = head[3] - 1
             if remaining > 0:
-                cur = db.execute(
-                    "UPDATE agent_state_head SET waiting_tool_count = ?, updated_at = ? "
-                    "WHERE agent_id = ? AND active_agent_turn_id = ? AND turn_epoch = ? "
-                    "AND status = ?",
-                    (remaining, now, row.agent_id, turn_id, epoch, HeadStatus.SUSPENDED),
+                self._fenced(
+                    db,
+                    token,
+                    HeadStatus.SUSPENDED,
+                    now,
+                    set_sql="waiting_tool_count = ?",
+                    params=(remaining,),
+                    stale="suspended head moved",
                 )
-                if cur.rowcount != 1:
-                    raise StaleTurn(f"{token}: suspended head moved")
                 return ReportOutcome("applied")
             new_epoch = self._cas(
                 db,
@@ -1187,14 +1193,15 @@ class SqliteAgentStore:
         """One timeout report per still-waiting tool; clears ``resume_deadline`` (once)."""
         now = self._clock.now()
         with self._tx() as db:
-            cur = db.execute(
-                "UPDATE agent_state_head SET resume_deadline = NULL, updated_at = ? "
-                "WHERE agent_id = ? AND active_agent_turn_id = ? AND turn_epoch = ? "
-                "AND status = ? AND resume_deadline IS NOT NULL",
-                (now, token.agent_id, token.agent_turn_id, token.turn_epoch, HeadStatus.SUSPENDED),
+            self._fenced(
+                db,
+                token,
+                HeadStatus.SUSPENDED,
+                now,
+                set_sql="resume_deadline = NULL",
+                where_sql=" AND resume_deadline IS NOT NULL",
+                stale="not suspended with a deadline",
             )
-            if cur.rowcount != 1:
-                raise StaleTurn(f"{token}: not suspended with a deadline")
             waiting = db.execute(
                 "SELECT tool_call_id, to_listener FROM turn_waiting_tools WHERE agent_turn_id = ? "
                 "AND turn_epoch = ? AND status = 'waiting'",
