@@ -29,6 +29,7 @@ from agentserver.agents.errors import StaleTurn, StoreError, StoreInUse
 from agentserver.agents.ports import LLMCompletion, ReplyRef
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.states import (
+    ACTIVE_HEAD,
     DUE_INBOX,
     HeadEvent,
     HeadStatus,
@@ -195,7 +196,6 @@ _INBOX_COLS = (
     "inbox_id, agent_id, message_type, status, agent_turn_id, turn_epoch, correlation_id, "
     "payload, reply_ref, failed, retry_count, next_retry_at, defer_reason, created_at"
 )
-_ACTIVE = (HeadStatus.DISPATCHED, HeadStatus.RUNNING, HeadStatus.SUSPENDED)
 
 
 def _new_id() -> str:
@@ -678,13 +678,6 @@ class SqliteAgentStore:
         ).fetchall()
         return [r[0] for r in rows]
 
-    async def next_due_at(self) -> float | None:
-        row = self._db.execute(
-            "SELECT min(next_retry_at) FROM agent_inbox WHERE status IN (?, ?)",
-            tuple(sorted(DUE_INBOX)),
-        ).fetchone()
-        return row[0]
-
     async def claim_due(self, agent_id: str, limit: int) -> list[InboxRow]:
         """Claim due rows of ``agent_id`` (pending/deferred, ``next_retry_at <= now``).
 
@@ -728,9 +721,9 @@ class SqliteAgentStore:
 
     async def start_turn(self, row: InboxRow) -> TurnToken:
         """dispatched → running for the Turn of ``row``; the Enqueue row is consumed."""
-        if row.agent_turn_id is None or row.turn_epoch is None:
+        token = row.token
+        if token is None:
             raise StaleTurn(f"inbox {row.inbox_id} carries no Turn")
-        token = TurnToken(row.agent_id, row.agent_turn_id, row.turn_epoch)
         with self._tx() as db:
             self._cas(db, token, HeadEvent.START, {"running_since": self._clock.now()})
             if not self._inbox_move(db, row.inbox_id, InboxEvent.CONSUME):
@@ -750,9 +743,9 @@ class SqliteAgentStore:
         """A malformed Enqueue: the row becomes ``error`` and its Turn ends failed."""
         with self._tx() as db:
             self._inbox_move(db, row.inbox_id, InboxEvent.FAIL, defer_reason=reason)
-            if row.agent_turn_id is None or row.turn_epoch is None:
+            token = row.token
+            if token is None:
                 return None
-            token = TurnToken(row.agent_id, row.agent_turn_id, row.turn_epoch)
             try:
                 return self._end_turn(
                     db,
@@ -1063,10 +1056,10 @@ class SqliteAgentStore:
 
     async def take_resume(self, row: InboxRow) -> TurnToken | None:
         """Consume a ``resume`` row if its Turn is still running at the row's epoch."""
-        if row.agent_turn_id is None or row.turn_epoch is None:
+        token = row.token
+        if token is None:
             await self.skip_row(row, "resume without a Turn")
             return None
-        token = TurnToken(row.agent_id, row.agent_turn_id, row.turn_epoch)
         try:
             with self._tx() as db:
                 self._assert_running(db, token)
@@ -1120,7 +1113,7 @@ class SqliteAgentStore:
                 "WHERE agent_id = ?",
                 (agent_id,),
             ).fetchone()
-            if row is None or row[1] is None or row[0] not in _ACTIVE:
+            if row is None or row[1] is None or row[0] not in ACTIVE_HEAD:
                 return None
             if agent_turn_id is not None and row[1] != agent_turn_id:
                 return None
@@ -1290,11 +1283,15 @@ class SqliteAgentStore:
 
     async def mark_reply_sent(self, agent_turn_id: str) -> None:
         with self._tx() as db:
-            db.execute(
-                "UPDATE agent_replies SET status = 'sent', sent_at = ?, attempts = attempts + 1 "
-                "WHERE agent_turn_id = ? AND status != 'sent'",
-                (self._clock.now(), agent_turn_id),
-            )
+            self._mark_sent(db, agent_turn_id)
+
+    def _mark_sent(self, db: sqlite3.Connection, agent_turn_id: str) -> int:
+        """Mark a Turn's outbox reply sent (once); how many rows changed."""
+        return db.execute(
+            "UPDATE agent_replies SET status = 'sent', sent_at = ?, attempts = attempts + 1 "
+            "WHERE agent_turn_id = ? AND status != 'sent'",
+            (self._clock.now(), agent_turn_id),
+        ).rowcount
 
     async def mark_reply_attempt(self, agent_turn_id: str, give_up: bool) -> None:
         with self._tx() as db:
@@ -1320,13 +1317,8 @@ class SqliteAgentStore:
         """
         with self._tx() as db:
             if agent_turn_id is not None:
-                done = db.execute(
-                    "UPDATE agent_replies SET status = 'sent', sent_at = ?, "
-                    "attempts = attempts + 1 WHERE agent_turn_id = ? AND status != 'sent'",
-                    (self._clock.now(), agent_turn_id),
-                )
                 if (
-                    done.rowcount == 0
+                    self._mark_sent(db, agent_turn_id) == 0
                     and db.execute(
                         "SELECT 1 FROM agent_replies WHERE agent_turn_id = ?", (agent_turn_id,)
                     ).fetchone()

@@ -46,7 +46,8 @@ class Transition:
 
 
 _H = HeadStatus
-_ACTIVE = (_H.DISPATCHED, _H.RUNNING, _H.SUSPENDED)
+#: Head statuses with a Turn in progress (the ones a force-end applies to).
+ACTIVE_HEAD = (_H.DISPATCHED, _H.RUNNING, _H.SUSPENDED)
 
 HEAD_TRANSITIONS: Mapping[tuple[HeadStatus, HeadEvent], Transition] = {
     (_H.IDLE, HeadEvent.LEASE): Transition(_H.DISPATCHED, True, "new agent_turn_id, epoch + 1"),
@@ -57,7 +58,7 @@ HEAD_TRANSITIONS: Mapping[tuple[HeadStatus, HeadEvent], Transition] = {
     (_H.RUNNING, HeadEvent.RECOVER): Transition(_H.RUNNING, True, "restart: re-run the step"),
     **{
         (s, HeadEvent.FORCE_END): Transition(_H.IDLE, True, "stop or watchdog: failed deliverable")
-        for s in _ACTIVE
+        for s in ACTIVE_HEAD
     },
 }
 
@@ -106,16 +107,6 @@ INBOX_TRANSITIONS: Mapping[tuple[InboxStatus, InboxEvent], Transition] = {
     (_I.DEFERRED, InboxEvent.ABANDON): Transition(_I.SKIPPED, False, "Turn force-ended"),
 }
 
-#: Initial inbox status per message type. Reports that arrive before the waiting row of
-#: their tool call exists start as ``deferred`` instead (see the store).
-INITIAL_INBOX_STATUS: Mapping[MessageType, InboxStatus] = {
-    MessageType.TURN: _I.QUEUED,
-    MessageType.TOOL_RESULT: _I.PENDING,
-    MessageType.TIMEOUT: _I.PENDING,
-    MessageType.RESUME: _I.PENDING,
-}
-
-TERMINAL_INBOX = frozenset({_I.CONSUMED, _I.ERROR, _I.SKIPPED})
 DUE_INBOX = frozenset({_I.PENDING, _I.DEFERRED})
 
 

@@ -86,6 +86,13 @@ class InboxRow:
     defer_reason: str | None
     created_at: float
 
+    @property
+    def token(self) -> TurnToken | None:
+        """The Turn this row belongs to; None for a row that carries none."""
+        if self.agent_turn_id is None or self.turn_epoch is None:
+            return None
+        return TurnToken(self.agent_id, self.agent_turn_id, self.turn_epoch)
+
 
 @dataclass(frozen=True, slots=True)
 class Card:
@@ -245,7 +252,6 @@ class AgentStore(Protocol):
     async def stale_dispatched(self, older_than_s: float) -> list[Head]: ...
     async def overdue_running(self, older_than_s: float) -> list[Head]: ...
     async def recover_running(self) -> list[TurnToken]: ...
-    async def next_due_at(self) -> float | None: ...
 
     # -- replies --------------------------------------------------------------------
     async def pending_replies(self, limit: int, older_than_s: float = 0.0) -> list[PendingReply]:

@@ -175,7 +175,7 @@ class Worker:
             ref_ok, problem = False, "the task's reply reference is unreadable"
         if profile is None:
             problem = "no such agent"
-        elif row.agent_turn_id is None or row.turn_epoch is None:
+        elif row.token is None:
             problem = "the task carries no Turn"
         else:
             try:
