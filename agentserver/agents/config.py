@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from importlib import resources
 from importlib.abc import Traversable
 from pathlib import Path
+from typing import Any
 
 from lxml import etree
 
@@ -43,6 +44,11 @@ def _num(el: etree._Element, attr: str, default: float, kind: type = float) -> f
         raise AgentConfigError(
             f"<{etree.QName(el).localname}> {attr}={raw!r} is not a number"
         ) from None
+
+
+def _profile_default(name: str) -> Any:
+    """AgentProfile's own default for ``name`` (boot.xml leaves it out)."""
+    return AgentProfile.__dataclass_fields__[name].default
 
 
 def store_settings_from_element(
@@ -112,10 +118,10 @@ def profile_from_element(
             model=model,
             system_prompt=(prompt_el.text or "").strip()
             if prompt_el is not None
-            else AgentProfile.__dataclass_fields__["system_prompt"].default,
-            max_steps=int(_num(el, "max-steps", 12, int)),
-            resume_deadline_s=_num(el, "resume-deadline", 60.0),
-            llm_timeout_s=_num(el, "llm-timeout", 300.0),
+            else _profile_default("system_prompt"),
+            max_steps=int(_num(el, "max-steps", _profile_default("max_steps"), int)),
+            resume_deadline_s=_num(el, "resume-deadline", _profile_default("resume_deadline_s")),
+            llm_timeout_s=_num(el, "llm-timeout", _profile_default("llm_timeout_s")),
             max_tokens=int(max_tokens) if max_tokens else None,
             must_end_with=tuple((m.text or "").strip() for m in el.iterfind(_q("must-end-with"))),
             result_fields=fields,
