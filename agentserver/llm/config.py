@@ -16,6 +16,8 @@ from importlib.resources import as_file, files
 
 from lxml import etree
 
+from agentserver.namespaces import BOOT_NS
+
 from .types import Usage
 
 __all__ = [
@@ -35,7 +37,6 @@ __all__ = [
     "parse_llm_section",
 ]
 
-BOOT_NS = "https://xml-pipeline.org/ns/boot/v1"
 _NS = f"{{{BOOT_NS}}}"
 
 

@@ -232,8 +232,12 @@ class Backend(ABC):
             raise self.transport_error(exc) from exc
         if resp.status_code != 200:
             raise self.error_from_response(resp.status_code, resp.headers, resp.content)
+        return self._whole_reply(resp.content, request, model)
+
+    def _whole_reply(self, content: bytes, request: Request, model: str) -> Reply:
+        """Parse a complete JSON reply body; a body of the wrong shape is malformed."""
         try:
-            return self.parse_reply(resp.json(), request, model)
+            return self.parse_reply(json.loads(content), request, model)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
             raise self.malformed(f"malformed response body: {exc!r}") from None
 
@@ -267,9 +271,5 @@ class Backend(ABC):
                 raise self.transport_error(exc) from exc
             finally:
                 await resp.aclose()
-            try:
-                reply = self.parse_reply(json.loads(content), request, model)
-            except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
-                raise self.malformed(f"malformed response body: {exc!r}") from None
-            return WholeReplyStream(reply)
+            return WholeReplyStream(self._whole_reply(content, request, model))
         return BackendStream(self, resp, self.stream_parser(request, model))
