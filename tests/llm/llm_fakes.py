@@ -89,6 +89,7 @@ def openai_ok(
     completion_tokens: int = 5,
     finish_reason: str = "stop",
     headers: Iterable[tuple[str, str]] = (),
+    delay: float = 0.0,
 ) -> Script:
     body = {
         "id": f"chatcmpl-{next(_ids)}",
@@ -109,7 +110,7 @@ def openai_ok(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
-    return Script(200, list(headers), json.dumps(body).encode())
+    return Script(200, list(headers), json.dumps(body).encode(), delay=delay)
 
 
 def _sse(data: Any, event: str | None = None) -> bytes:

@@ -209,7 +209,7 @@ async def test_open_breaker_lets_exactly_one_probe_through(nursery, autojump_clo
         opened = fake.requests[-1].at
         assert r.stats().backends["a"].breaker == "open"
         # The probe is slow; four more callers arrive while the breaker is open.
-        fake.push(Script(**{**openai_ok("probe").__dict__, "delay": 5.0}))
+        fake.push(openai_ok("probe", delay=5.0))
         results: list[Completion] = []
 
         async def caller() -> None:
@@ -287,7 +287,7 @@ async def test_context_overflow_without_larger_window_stops(nursery, autojump_cl
 
 
 async def test_timeout_fails_over(nursery, autojump_clock):
-    slow = await start_fake(nursery, "openai", Script(**{**openai_ok().__dict__, "delay": 100.0}))
+    slow = await start_fake(nursery, "openai", openai_ok(delay=100.0))
     ok = await start_fake(nursery, "ollama")
     async with router(
         backend_for(slow, "slow", priority=1, timeout=5.0), backend_for(ok, "ok", priority=2)
@@ -316,7 +316,7 @@ async def test_connection_refused_fails_over(nursery, autojump_clock):
 
 
 async def test_request_deadline_cuts_the_attempt_and_is_no_breaker_verdict(nursery, autojump_clock):
-    slow = await start_fake(nursery, "openai", Script(**{**openai_ok().__dict__, "delay": 100.0}))
+    slow = await start_fake(nursery, "openai", openai_ok(delay=100.0))
     other = await start_fake(nursery, "openai")
     async with router(
         backend_for(slow, "slow", priority=1, timeout=60.0), backend_for(other, "other", priority=2)
@@ -398,10 +398,7 @@ async def test_attempt_budget_is_shared_by_retries_and_failovers(nursery, autoju
 
 
 async def test_budget_smaller_than_backends(nursery, autojump_clock):
-    fakes = [
-        await start_fake(nursery, "openai", Script(**{**openai_ok().__dict__, "delay": 50.0}))
-        for _ in range(3)
-    ]
+    fakes = [await start_fake(nursery, "openai", openai_ok(delay=50.0)) for _ in range(3)]
     async with router(
         *[
             backend_for(f, n, priority=i, timeout=1.0)
@@ -551,8 +548,8 @@ async def test_round_robin_alternates(nursery, autojump_clock):
 
 
 async def test_least_loaded_picks_the_idle_backend(nursery, autojump_clock):
-    a = await start_fake(nursery, "openai", Script(**{**openai_ok().__dict__, "delay": 10.0}))
-    b = await start_fake(nursery, "openai", Script(**{**openai_ok().__dict__, "delay": 10.0}))
+    a = await start_fake(nursery, "openai", openai_ok(delay=10.0))
+    b = await start_fake(nursery, "openai", openai_ok(delay=10.0))
     used: list[str] = []
     async with router(
         backend_for(a, "a", priority=1),
@@ -648,9 +645,7 @@ async def test_accounting_per_backend_and_agent(nursery, autojump_clock):
 
 
 async def test_max_concurrent_is_never_exceeded(nursery, autojump_clock):
-    a = await start_fake(
-        nursery, "openai", *[Script(**{**openai_ok().__dict__, "delay": 1.0})] * 10
-    )
+    a = await start_fake(nursery, "openai", *[openai_ok(delay=1.0)] * 10)
     async with router(backend_for(a, "a", max_concurrent=3)) as r:
         async with trio.open_nursery() as n:
             for _ in range(10):
@@ -690,7 +685,7 @@ async def test_queue_limit_refuses_at_once(nursery, autojump_clock):
 
 
 async def test_concurrency_queue_is_bounded_too(nursery, autojump_clock):
-    a = await start_fake(nursery, "openai", *[Script(**{**openai_ok().__dict__, "delay": 9.0})] * 3)
+    a = await start_fake(nursery, "openai", *[openai_ok(delay=9.0)] * 3)
     cfg = RouterConfig(backends=(backend_for(a, "a", max_concurrent=1),), queue_limit=1)
     async with Router(cfg, environ={}) as r:
         async with trio.open_nursery() as n:
@@ -717,7 +712,7 @@ async def test_usage_above_the_reservation_becomes_debt(nursery, autojump_clock)
 
 
 async def test_cancelled_in_flight_call_is_no_breaker_verdict(nursery, autojump_clock):
-    a = await start_fake(nursery, "openai", Script(**{**openai_ok().__dict__, "delay": 50.0}))
+    a = await start_fake(nursery, "openai", openai_ok(delay=50.0))
     async with router(
         backend_for(a, "a", max_concurrent=1), breaker=BreakerConfig(failures=1)
     ) as r:
