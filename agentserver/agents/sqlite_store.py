@@ -1154,15 +1154,25 @@ class SqliteAgentStore:
     async def requeue_stuck(self, older_than_s: float) -> int:
         now = self._clock.now()
         with self._tx() as db:
+            return self._requeue(db, now, before=now - older_than_s)
+
+    def _requeue(self, db: sqlite3.Connection, now: float, before: float | None = None) -> int:
+        """processing → pending (due now): rows taken before ``before``, or all of them
+        (None); how many."""
+        if before is None:
+            rows = db.execute(
+                "SELECT inbox_id FROM agent_inbox WHERE status = ?", (InboxStatus.PROCESSING,)
+            ).fetchall()
+        else:
             rows = db.execute(
                 "SELECT inbox_id FROM agent_inbox WHERE status = ? AND processing_at < ?",
-                (InboxStatus.PROCESSING, now - older_than_s),
+                (InboxStatus.PROCESSING, before),
             ).fetchall()
-            n = 0
-            for (inbox_id,) in rows:
-                n += self._inbox_move(
-                    db, inbox_id, InboxEvent.REQUEUE, next_retry_at=now, processing_at=None
-                )
+        n = 0
+        for (inbox_id,) in rows:
+            n += self._inbox_move(
+                db, inbox_id, InboxEvent.REQUEUE, next_retry_at=now, processing_at=None
+            )
         return n
 
     async def expired_suspensions(self) -> list[TurnToken]:
@@ -1237,11 +1247,7 @@ class SqliteAgentStore:
         now = self._clock.now()
         out = []
         with self._tx() as db:
-            db.execute(
-                "UPDATE agent_inbox SET status = ?, next_retry_at = ?, processing_at = NULL, "
-                "updated_at = ? WHERE status = ?",
-                (InboxStatus.PENDING, now, now, InboxStatus.PROCESSING),
-            )
+            self._requeue(db, now)
             rows = db.execute(
                 "SELECT agent_id, active_agent_turn_id, turn_epoch FROM agent_state_head "
                 "WHERE status = ?",
