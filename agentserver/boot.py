@@ -360,7 +360,6 @@ class _Loader:
                 elif model not in target:
                     target.append(model)
         if builtin_name is not None:
-            builtin = BUILTIN_HANDLERS[builtin_name]
             if not accepts:
                 accepts.extend(builtin.accepts)
             responds.extend(m for m in builtin.responds if m not in responds)

@@ -87,7 +87,8 @@ def _console_router(spec: ListenerSpec, ctx: RunContext) -> Handler:
 
 def _system_boot(spec: ListenerSpec, ctx: RunContext) -> Handler:
     topology = ctx.topology
-    consoles = [p for p in spec.peers if p in console_listener_names(topology)]
+    console_names = console_listener_names(topology)
+    consoles = [p for p in spec.peers if p in console_names]
     banner = [
         f"agentserver console: organism {topology.organism!r}, "
         f"{len(topology.listeners)} listeners. Type /help for commands, /quit to leave."

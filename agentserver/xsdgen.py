@@ -238,7 +238,7 @@ def _list_item(annotation: Any, where: str) -> tuple[Any, list[Any]]:
 def _attach_simple(el: etree._Element, annotation: Any, metadata: list[Any], where: str) -> None:
     """Give ``el`` a ``type=`` or an inline ``xs:simpleType`` for ``annotation``."""
     base, enumeration = _base_type(annotation, metadata, where)
-    facets = _facets(metadata, base, where)
+    facets = _facets(metadata, where)
     if enumeration is None and not facets:
         el.set("type", base)
         return
@@ -280,7 +280,7 @@ def _base_type(annotation: Any, metadata: list[Any], where: str) -> tuple[str, l
     raise SchemaDerivationError(f"{where}: type {annotation!r} has no XSD mapping")
 
 
-def _facets(metadata: list[Any], base: str, where: str) -> list[tuple[str, str]]:
+def _facets(metadata: list[Any], where: str) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for m in metadata:
         if isinstance(m, XsdType):
