@@ -71,6 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     # Also accepted after the command; SUPPRESS keeps a value given before it.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", choices=levels, default=argparse.SUPPRESS, help=level_help)
+    # What the commands that talk to a running server share.
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument(
+        "--connect",
+        type=_address,
+        default=DEFAULT_CONNECT,
+        metavar="HOST:PORT",
+        help=f"server address (default: {DEFAULT_CONNECT})",
+    )
+    remote.add_argument(
+        "--client",
+        metavar="NAME",
+        help=f"client name for the hello; the token is read from ${TOKEN_ENV}",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser(
@@ -105,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     send = sub.add_parser(
         "send",
-        parents=[common],
+        parents=[common, remote],
         help="send one payload and print the reply",
         description="Send one payload (an XML element, from FILE or standard input) to "
         "listener NAME and print the reply envelope(s) of its thread. Exit 1 if a reply is "
@@ -123,13 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--thread", metavar="UUID", help="thread to use (a uuid4; default: a new one)"
     )
     send.add_argument(
-        "--connect",
-        type=_address,
-        default=DEFAULT_CONNECT,
-        metavar="HOST:PORT",
-        help=f"server address (default: {DEFAULT_CONNECT})",
-    )
-    send.add_argument(
         "--timeout",
         type=_positive,
         default=30.0,
@@ -142,11 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.2,
         metavar="SECONDS",
         help="after the first reply, how long to wait for more on the same thread (default: 0.2)",
-    )
-    send.add_argument(
-        "--client",
-        metavar="NAME",
-        help=f"client name for the hello; the token is read from ${TOKEN_ENV}",
     )
 
     check = sub.add_parser(
@@ -176,24 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="target directory (default: ./schemas-export)",
     )
 
-    console = sub.add_parser(
+    sub.add_parser(
         "console",
-        parents=[common],
+        parents=[common, remote],
         help="talk to a running server",
         description="An interactive console over the socket. Type @NAME <payload .../> to "
         "send a payload to listener NAME, plain text for the default agent, /help, /quit.",
-    )
-    console.add_argument(
-        "--connect",
-        type=_address,
-        default=DEFAULT_CONNECT,
-        metavar="HOST:PORT",
-        help=f"server address (default: {DEFAULT_CONNECT})",
-    )
-    console.add_argument(
-        "--client",
-        metavar="NAME",
-        help=f"client name for the hello; the token is read from ${TOKEN_ENV}",
     )
     return parser
 
