@@ -362,7 +362,7 @@ class Router:
                 now = trio.current_time()
                 decision = DECISIONS[err.kind]
                 cut = isinstance(err, _DeadlineReached)
-                self._settle(lease, healthy=None if cut else not decision.breaker, reply=None)
+                self._settle(lease, healthy=_verdict(err), reply=None)
                 rt.counters.error(err.kind)
                 failures.append(Attempt(rt.name, err.kind, err.status))
                 last = err
@@ -627,6 +627,14 @@ class _DeadlineReached(LLMError):
     (no time left to fail over) and is no verdict on the backend."""
 
 
+def _verdict(err: LLMError) -> bool | None:
+    """What a failed attempt tells the breaker: healthy, unhealthy, or nothing (the
+    request's own deadline cut it short, before or after the first chunk alike)."""
+    if isinstance(err, _DeadlineReached):
+        return None
+    return not DECISIONS[err.kind].breaker
+
+
 class CompletionStream:
     """Text chunks of one streamed completion, then the :class:`Completion`.
 
@@ -681,14 +689,14 @@ class CompletionStream:
                 with trio.move_on_at(self._deadline) as scope:
                     item = await self._stream.next()
                 if scope.cancelled_caught:
-                    raise LLMError(
+                    raise _DeadlineReached(
                         ErrorKind.TIMEOUT,
                         "the request's deadline passed mid-stream",
                         backend=self._lease.runtime.name,
                     )
             except LLMError as err:
                 rt = self._lease.runtime
-                router._settle(self._lease, healthy=not DECISIONS[err.kind].breaker, reply=None)
+                router._settle(self._lease, healthy=_verdict(err), reply=None)
                 rt.counters.error(err.kind)
                 router._agent(self._request.agent).error(err.kind)
                 await self._close_stream()

@@ -724,10 +724,16 @@ async def test_cancelled_in_flight_call_is_no_breaker_verdict(nursery, autojump_
     assert out.content == "echo: again"
 
 
-async def test_stream_deadline_mid_stream(nursery, autojump_clock):
+async def test_stream_deadline_mid_stream_is_no_breaker_verdict(nursery, autojump_clock):
+    # The request's own deadline passing mid-stream says nothing about the backend, as
+    # when it passes before the first chunk: the breaker (opening at one failure) stays
+    # closed.
     a = await start_fake(nursery, "openai", openai_stream(["a", "b", "c"], chunk_delay=4.0))
-    async with router(backend_for(a, "a", timeout=30.0)) as r:
+    async with router(backend_for(a, "a", timeout=30.0), breaker=BreakerConfig(failures=1)) as r:
         chunks, final, err = await collect(r, req(deadline=trio.current_time() + 6))
+        s = r.stats().backends["a"]
+        assert (s.breaker, s.consecutive_failures, s.active) == ("closed", 0, 0)
+        assert s.counters.errors == {ErrorKind.TIMEOUT.value: 1}
     assert chunks == ["a"] and final is None
     assert err.kind is ErrorKind.TIMEOUT and "mid-stream" in err.provider_message
 
