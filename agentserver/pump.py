@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import copy
 import enum
+import functools
 import logging
 import math
 from collections.abc import AsyncIterator, Iterable
@@ -51,7 +52,7 @@ from agentserver.payloads import PayloadRegistry, PayloadType
 from agentserver.primitives.core import CORE_MODELS, primitive_for
 from agentserver.routing import RoutingTable, SelfCall
 from agentserver.threads import RegistryFull, ThreadRecord, ThreadRegistry, is_uuid4, new_thread_id
-from agentserver.usage import usage_instructions
+from agentserver.usage import describe_payload, usage_instructions
 from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, canonical_or_empty
 
 log = logging.getLogger("agentserver.pump")
@@ -268,11 +269,14 @@ class Pump:
         tag_of = {p.model: p for p in self.payloads}
         self._table = RoutingTable(self._listeners, tag_of)
         by_name = {listener.name: listener for listener in self._listeners}
+        # Describing a type compiles its XSD with xmlschema (~15 ms): once per type, not
+        # once per listener that has it among its peers' types.
+        describe = functools.cache(describe_payload)
         for listener in self._listeners:
             own = [tag_of[m] for m in listener.payload_types]
             peers = {p: [tag_of[m] for m in by_name[p].payload_types] for p in listener.peers}
             self._runtimes[listener.name] = _Runtime(
-                listener, usage_instructions(listener.name, own, peers)
+                listener, usage_instructions(listener.name, own, peers, describe=describe)
             )
 
     def usage_instructions(self, name: str) -> str:

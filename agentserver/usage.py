@@ -5,7 +5,7 @@ Runs once at pump start (xmlschema is slow but thorough; this is off the hot pat
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import xmlschema
 from lxml import etree
@@ -100,9 +100,16 @@ def _example(element, ns: str) -> str:
 
 
 def usage_instructions(
-    own_name: str, own_types: Iterable[PayloadType], peers: dict[str, list[PayloadType]]
+    own_name: str,
+    own_types: Iterable[PayloadType],
+    peers: dict[str, list[PayloadType]],
+    *,
+    describe: Callable[[PayloadType], str] = describe_payload,
 ) -> str:
-    """The text a listener (typically an agent) gets about how to talk to its peers."""
+    """The text a listener (typically an agent) gets about how to talk to its peers.
+
+    ``describe`` renders one payload type; pass a memoised :func:`describe_payload` when
+    writing the instructions of several listeners that share peers."""
     parts = [f"You are the listener '{own_name}'."]
     own = list(own_types)
     if own:
@@ -114,7 +121,7 @@ def usage_instructions(
         parts.append("Your peers, and the payloads each accepts:")
         for name, ptypes in sorted(peers.items()):
             for ptype in ptypes:
-                parts.append(f"- peer '{name}' accepts:\n{describe_payload(ptype)}")
+                parts.append(f"- peer '{name}' accepts:\n{describe(ptype)}")
     else:
         parts.append("You have no peers: you can only respond to your caller or end.")
     parts.append(RESPOND_WARNING)

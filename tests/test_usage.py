@@ -37,3 +37,25 @@ async def test_instructions_name_every_peer_and_end_with_the_warning():
     assert "<note" in text  # its own root tag, for self-iteration
     assert text.endswith(RESPOND_WARNING)
     assert "no peers" in lonely and lonely.endswith(RESPOND_WARNING)
+
+
+async def test_each_peer_type_is_described_once_however_many_listeners_name_it(monkeypatch):
+    import agentserver.pump as pump_module
+
+    described: list[str] = []
+
+    def counting(ptype: PayloadType) -> str:
+        described.append(ptype.local)
+        return describe_payload(ptype)
+
+    monkeypatch.setattr(pump_module, "describe_payload", counting)
+    listeners = [
+        Listener("a", (Note,), h, peers=("calc", "echo")),
+        Listener("b", (Sum,), h, peers=("calc", "echo")),
+        Listener("calc", (Add,), h, peers=("echo",)),
+        Listener("echo", (Ping,), h),
+    ]
+    async with open_pump(listeners) as pump:
+        assert "peer 'calc'" in pump.usage_instructions("b")
+        assert "peer 'echo'" in pump.usage_instructions("calc")
+    assert sorted(described) == ["add", "ping"]
