@@ -6,7 +6,7 @@ Rules, in order:
    ``<huh>`` per failure and tries again (the step counts toward the step limit).
 2. Payloads must be of one kind: one or more tool calls, or exactly one self-iteration,
    or exactly one ``submit_result``, or exactly one answer element. Anything else earns a
-   ``<huh>``. ``submit_result`` is refused the same way once it was used in the Turn.
+   ``<huh>``. (So ``submit_result`` is used at most once per Turn: it ends the Turn.)
 3. Tool calls: forward each (the worker suspends on the ones the pump accepted).
 4. Self-iteration: the payload continues the same Turn as its next step.
 5. ``submit_result``: the fields become the deliverable (validated, degraded if needed).
@@ -68,7 +68,7 @@ def _answer_text(p: FoundPayload) -> str:
     return "".join(node.itertext()).strip()
 
 
-def decide(text: str, parsed: ParseResult, profile: AgentProfile, *, submit_used: bool) -> Decision:
+def decide(text: str, parsed: ParseResult, profile: AgentProfile) -> Decision:
     """The action for one model reply; see the module docstring for the rules."""
     if parsed.errors:
         return Feedback(tuple(parsed.errors))
@@ -87,9 +87,6 @@ def decide(text: str, parsed: ParseResult, profile: AgentProfile, *, submit_used
     if kinds == {PayloadKind.SELF}:
         return SelfIterate(payloads[0])
     if kinds == {PayloadKind.SUBMIT}:
-        if submit_used:
-            hint = f"<{SUBMIT_RESULT}> may be used once per task"
-            return Feedback((PayloadError(HuhReason.INVALID_PAYLOAD, hint, payloads[0].raw),))
         return Submit(payloads[0])
     if profile.must_end_with:
         return RequireTool(

@@ -72,6 +72,7 @@ CREATE TABLE agent_state_head (
     waiting_tool_count INTEGER NOT NULL DEFAULT 0,
     resume_deadline REAL,
     expecting_correlation_id TEXT,
+    -- unused: submit_result ends its Turn, so it is used at most once (kept in v1 files)
     submit_used INTEGER NOT NULL DEFAULT 0,
     dispatched_at REAL,
     running_since REAL,
@@ -189,7 +190,7 @@ CREATE INDEX client_replies_client ON client_replies (client, delivered_at, repl
 
 _HEAD_COLS = (
     "agent_id, status, active_agent_turn_id, turn_epoch, turn_inbox_id, context_box_id, "
-    "output_box_id, step_count, waiting_tool_count, resume_deadline, submit_used, "
+    "output_box_id, step_count, waiting_tool_count, resume_deadline, "
     "dispatched_at, running_since, updated_at"
 )
 _INBOX_COLS = (
@@ -200,10 +201,6 @@ _INBOX_COLS = (
 
 def _new_id() -> str:
     return uuid.uuid4().hex
-
-
-def _head(row: tuple[Any, ...]) -> Head:
-    return Head(*row[:10], bool(row[10]), *row[11:])
 
 
 def _inbox(row: tuple[Any, ...]) -> InboxRow:
@@ -455,7 +452,7 @@ class SqliteAgentStore:
             "UPDATE agent_state_head SET status = ?, active_agent_turn_id = ?, turn_epoch = ?, "
             "turn_inbox_id = ?, context_box_id = ?, output_box_id = ?, step_count = 0, "
             "waiting_tool_count = 0, resume_deadline = NULL, expecting_correlation_id = NULL, "
-            "submit_used = 0, dispatched_at = ?, running_since = NULL, updated_at = ? "
+            "dispatched_at = ?, running_since = NULL, updated_at = ? "
             "WHERE agent_id = ? AND status = ? AND turn_epoch = ?",
             (
                 t.target,
@@ -712,12 +709,11 @@ class SqliteAgentStore:
                 0,
                 0,
                 None,
-                False,
                 None,
                 None,
                 self._clock.now(),
             )
-        return _head(row)
+        return Head(*row)
 
     async def start_turn(self, row: InboxRow) -> TurnToken:
         """dispatched → running for the Turn of ``row``; the Enqueue row is consumed."""
@@ -809,18 +805,11 @@ class SqliteAgentStore:
         step_id: str,
         completion: LLMCompletion | None,
         cards: Sequence[NewCard],
-        *,
-        mark_submit_used: bool = False,
     ) -> None:
         """Record the model's reply (usage, cost) and the step's cards; CAS-fenced."""
         now = self._clock.now()
         with self._tx() as db:
             self._assert_running(db, token)
-            if mark_submit_used:
-                db.execute(
-                    "UPDATE agent_state_head SET submit_used = 1 WHERE agent_id = ?",
-                    (token.agent_id,),
-                )
             box = self._output_box(db, token.agent_id)
             for card in cards:
                 self._card(db, box, token.agent_turn_id, card)
@@ -1229,14 +1218,14 @@ class SqliteAgentStore:
             f"SELECT {_HEAD_COLS} FROM agent_state_head WHERE status = ? AND dispatched_at < ?",
             (HeadStatus.DISPATCHED, self._clock.now() - older_than_s),
         ).fetchall()
-        return [_head(r) for r in rows]
+        return [Head(*r) for r in rows]
 
     async def overdue_running(self, older_than_s: float) -> list[Head]:
         rows = self._db.execute(
             f"SELECT {_HEAD_COLS} FROM agent_state_head WHERE status = ? AND running_since < ?",
             (HeadStatus.RUNNING, self._clock.now() - older_than_s),
         ).fetchall()
-        return [_head(r) for r in rows]
+        return [Head(*r) for r in rows]
 
     async def recover_running(self) -> list[TurnToken]:
         """At start-up: every ``running`` Turn lost its worker. Fence it (epoch + 1), reset

@@ -57,7 +57,6 @@ class Head:
     step_count: int
     waiting_tool_count: int
     resume_deadline: float | None
-    submit_used: bool
     dispatched_at: float | None
     running_since: float | None
     updated_at: float
@@ -207,8 +206,6 @@ class AgentStore(Protocol):
         step_id: str,
         completion: LLMCompletion | None,
         cards: Sequence[NewCard],
-        *,
-        mark_submit_used: bool = False,
     ) -> None: ...
     async def suspend(
         self,

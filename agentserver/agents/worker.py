@@ -240,7 +240,7 @@ class Worker:
                 [NewCard(CardType.LLM_MESSAGE, completion.content, {"step_id": step_id})],
             )
             parsed = extract_payloads(completion.content, profile)
-            decision = decide(completion.content, parsed, profile, submit_used=head.submit_used)
+            decision = decide(completion.content, parsed, profile)
             self._step_event(token, step_id, "planning", "")
             match decision:
                 case Feedback(errors):

@@ -1,7 +1,7 @@
 from agents_fakes import CALC, profile
 from lxml import etree
 
-from agentserver.agents.decide import CallTools, Deliver, Feedback, SelfIterate, decide
+from agentserver.agents.decide import CallTools, Deliver, Feedback, SelfIterate, Submit, decide
 from agentserver.agents.events import EventBus, TaskEvent
 from agentserver.agents.parsing import PayloadKind, extract_payloads
 
@@ -47,16 +47,17 @@ def test_nested_same_name_and_self_closing():
 
 def test_decide_rules():
     p = profile()
-    d = decide("x", extract_payloads("<task><text>go</text></task>", p), p, submit_used=False)
+    d = decide("x", extract_payloads("<task><text>go</text></task>", p), p)
     assert isinstance(d, SelfIterate)
     mixed = "<task><text>go</text></task><add xmlns='urn:calc'/>"
-    assert isinstance(decide(mixed, extract_payloads(mixed, p), p, submit_used=False), Feedback)
+    assert isinstance(decide(mixed, extract_payloads(mixed, p), p), Feedback)
     two = "<add xmlns='urn:calc'/><query xmlns='urn:search'/>"
-    assert isinstance(decide(two, extract_payloads(two, p), p, submit_used=False), CallTools)
+    assert isinstance(decide(two, extract_payloads(two, p), p), CallTools)
     ans = "<answer><text> 42 </text></answer>"
-    assert decide(ans, extract_payloads(ans, p), p, submit_used=False) == Deliver("42")
+    assert decide(ans, extract_payloads(ans, p), p) == Deliver("42")
     sub = "<submit_result>1</submit_result>"
-    assert isinstance(decide(sub, extract_payloads(sub, p), p, submit_used=True), Feedback)
+    assert isinstance(decide(sub, extract_payloads(sub, p), p), Submit)
+    assert isinstance(decide(sub * 2, extract_payloads(sub * 2, p), p), Feedback)
 
 
 async def test_event_bus_is_bounded_and_never_blocks():
