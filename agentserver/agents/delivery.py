@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from lxml import etree
 
+from agentserver.agents.answer import answer_bytes
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.events import EventBus, StateEvent, TaskEvent
 from agentserver.agents.ports import ReplyPort
+from agentserver.agents.profile import AgentProfile
 from agentserver.agents.store import AgentStore, Finished, PendingReply
 from agentserver.xmlsafe import make_parser
 
@@ -43,28 +47,63 @@ async def send_reply(
     return True
 
 
-async def after_finish(
-    finished: Finished,
-    *,
-    store: AgentStore,
-    replies: ReplyPort,
-    events: EventBus,
-    doorbell: Doorbell,
-    max_attempts: int,
-) -> None:
-    """Publish the Turn's TaskEvent (exactly once: only the committing caller gets a
-    ``Finished``), send its reply, and ring the doorbell if the next Turn was leased."""
-    events.publish(
-        TaskEvent(
-            finished.agent_id,
-            finished.agent_turn_id,
-            finished.status,
-            finished.output_box_id,
-            finished.deliverable_card_id,
+@dataclass(frozen=True, slots=True)
+class TurnEnder:
+    """What a Turn's end sets off, whoever ended it (the worker, the watchdog, a stop):
+    one per runtime, shared by all three so the sequence is written once."""
+
+    store: AgentStore
+    profiles: Mapping[str, AgentProfile]
+    replies: ReplyPort
+    events: EventBus
+    doorbell: Doorbell
+    max_attempts: int
+
+    async def after(self, finished: Finished) -> None:
+        """Publish the Turn's TaskEvent (exactly once: only the committing caller gets a
+        ``Finished``), send its reply, and ring the doorbell if the next Turn was leased."""
+        self.events.publish(
+            TaskEvent(
+                finished.agent_id,
+                finished.agent_turn_id,
+                finished.status,
+                finished.output_box_id,
+                finished.deliverable_card_id,
+            )
         )
-    )
-    events.publish(StateEvent(finished.agent_id, None, "idle"))
-    if finished.next_leased:
-        doorbell.ring()
-    if finished.reply is not None:
-        await send_reply(store, replies, finished.reply, max_attempts)
+        self.events.publish(StateEvent(finished.agent_id, None, "idle"))
+        if finished.next_leased:
+            self.doorbell.ring()
+        if finished.reply is not None:
+            await self.resend(finished.reply)
+
+    async def resend(self, reply: PendingReply) -> bool:
+        """Send a committed reply (again); True when sent. See :func:`send_reply`."""
+        return await send_reply(self.store, self.replies, reply, self.max_attempts)
+
+    async def force_end(
+        self,
+        agent_id: str,
+        status: str,
+        text: str,
+        *,
+        agent_turn_id: str | None = None,
+        turn_epoch: int | None = None,
+        expect_status: Sequence[str] | None = None,
+    ) -> bool:
+        """End the agent's active Turn from outside the worker, answering its caller with
+        ``text``; then :meth:`after`. False when the fence matched no Turn (nothing ended)."""
+        profile = self.profiles.get(agent_id)
+        finished = await self.store.force_end(
+            agent_id,
+            status,
+            text,
+            answer_bytes(profile, text) if profile else None,
+            agent_turn_id=agent_turn_id,
+            turn_epoch=turn_epoch,
+            expect_status=expect_status,
+        )
+        if finished is None:
+            return False
+        await self.after(finished)
+        return True

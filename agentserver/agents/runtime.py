@@ -12,9 +12,8 @@ from collections.abc import Mapping
 import trio
 from lxml import etree
 
-from agentserver.agents.answer import answer_bytes
 from agentserver.agents.clock import Clock, SystemClock
-from agentserver.agents.delivery import after_finish, send_reply
+from agentserver.agents.delivery import TurnEnder
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.events import EventBus
@@ -54,26 +53,13 @@ class AgentRuntime:
         self.clock = clock or SystemClock()
         self.events = events or EventBus()
         self.doorbell = Doorbell()
-        self.replies = replies
+        self.ender = TurnEnder(
+            store, self.profiles, replies, self.events, self.doorbell, settings.reply_max_attempts
+        )
         self.worker = Worker(
-            store=store,
-            profiles=self.profiles,
-            llm=llm,
-            tools=tools,
-            replies=replies,
-            events=self.events,
-            doorbell=self.doorbell,
-            clock=self.clock,
-            settings=settings,
+            ender=self.ender, llm=llm, tools=tools, clock=self.clock, settings=settings
         )
-        self.watchdog = Watchdog(
-            store=store,
-            profiles=self.profiles,
-            replies=replies,
-            events=self.events,
-            doorbell=self.doorbell,
-            settings=settings,
-        )
+        self.watchdog = Watchdog(ender=self.ender, settings=settings)
 
     @classmethod
     def open(
@@ -137,26 +123,9 @@ class AgentRuntime:
         A worker still busy with that Turn is fenced out by the epoch change. Returns
         False when there was nothing to stop.
         """
-        profile = self.profiles.get(agent_id)
-        text = "the task was stopped"
-        fin = await self.store.force_end(
-            agent_id,
-            TaskStatus.STOPPED,
-            text,
-            answer_bytes(profile, text) if profile else None,
-            agent_turn_id=agent_turn_id,
+        return await self.ender.force_end(
+            agent_id, TaskStatus.STOPPED, "the task was stopped", agent_turn_id=agent_turn_id
         )
-        if fin is None:
-            return False
-        await after_finish(
-            fin,
-            store=self.store,
-            replies=self.replies,
-            events=self.events,
-            doorbell=self.doorbell,
-            max_attempts=self.settings.reply_max_attempts,
-        )
-        return True
 
     # -- running ------------------------------------------------------------------------
     async def recover(self) -> None:
@@ -179,7 +148,7 @@ class AgentRuntime:
                 continue
             log.warning("turn %s: %d tool call(s) lost in a restart", token.agent_turn_id, lost)
         for reply in await self.store.pending_replies(10_000):
-            await send_reply(self.store, self.replies, reply, self.settings.reply_max_attempts)
+            await self.ender.resend(reply)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Recover, then run the worker and the watchdog until cancelled."""

@@ -18,40 +18,23 @@ Each :meth:`Watchdog.tick` (every ``settings.watchdog_interval_s``):
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 
 import trio
 
-from agentserver.agents.answer import answer_bytes
-from agentserver.agents.delivery import after_finish, send_reply
-from agentserver.agents.doorbell import Doorbell
+from agentserver.agents.delivery import TurnEnder
 from agentserver.agents.errors import StaleTurn
-from agentserver.agents.events import EventBus
-from agentserver.agents.ports import ReplyPort
-from agentserver.agents.profile import AgentProfile
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.states import HeadStatus
-from agentserver.agents.store import AgentStore, TaskStatus
+from agentserver.agents.store import TaskStatus
 
 log = logging.getLogger(__name__)
 
 
 class Watchdog:
-    def __init__(
-        self,
-        *,
-        store: AgentStore,
-        profiles: Mapping[str, AgentProfile],
-        replies: ReplyPort,
-        events: EventBus,
-        doorbell: Doorbell,
-        settings: StoreSettings,
-    ) -> None:
-        self.store = store
-        self.profiles = profiles
-        self.replies = replies
-        self.events = events
-        self.doorbell = doorbell
+    def __init__(self, *, ender: TurnEnder, settings: StoreSettings) -> None:
+        self.store = ender.store
+        self.ender = ender
+        self.doorbell = ender.doorbell
         self.settings = settings
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -85,9 +68,7 @@ class Watchdog:
                 head.agent_id, head.agent_turn_id, head.turn_epoch, HeadStatus.RUNNING, text
             )
         for reply in await self.store.pending_replies(64, older_than_s=s.processing_timeout_s):
-            done["replies"] += await send_reply(
-                self.store, self.replies, reply, s.reply_max_attempts
-            )
+            done["replies"] += await self.ender.resend(reply)
         if done["requeued"] or done["timeouts"] or await self.store.due_agents(1):
             self.doorbell.ring()
         return done
@@ -95,26 +76,14 @@ class Watchdog:
     async def _end(
         self, agent_id: str, turn_id: str | None, epoch: int, expect: str, text: str
     ) -> int:
-        profile = self.profiles.get(agent_id)
-        payload = answer_bytes(profile, text) if profile else None
-        fin = await self.store.force_end(
+        ended = await self.ender.force_end(
             agent_id,
             TaskStatus.TIMED_OUT,
             text,
-            payload,
             agent_turn_id=turn_id,
             turn_epoch=epoch,
             expect_status=[expect],
         )
-        if fin is None:
-            return 0
-        log.warning("agent %s: turn %s ended by the watchdog: %s", agent_id, turn_id, text)
-        await after_finish(
-            fin,
-            store=self.store,
-            replies=self.replies,
-            events=self.events,
-            doorbell=self.doorbell,
-            max_attempts=self.settings.reply_max_attempts,
-        )
-        return 1
+        if ended:
+            log.warning("agent %s: turn %s ended by the watchdog: %s", agent_id, turn_id, text)
+        return int(ended)

@@ -34,17 +34,15 @@ from agentserver.agents.decide import (
     Submit,
     decide,
 )
-from agentserver.agents.delivery import after_finish
-from agentserver.agents.doorbell import Doorbell
+from agentserver.agents.delivery import TurnEnder
 from agentserver.agents.errors import LLMUnavailable, PumpRefused, StaleTurn
-from agentserver.agents.events import ChunkEvent, EventBus, StateEvent, StepEvent
+from agentserver.agents.events import ChunkEvent, StateEvent, StepEvent
 from agentserver.agents.parsing import extract_payloads, make_huh
 from agentserver.agents.ports import (
     LLMCompletion,
     LLMMessage,
     LLMPort,
     LLMRequest,
-    ReplyPort,
     ReplyRef,
     ToolPort,
 )
@@ -52,10 +50,8 @@ from agentserver.agents.profile import AgentProfile
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.states import HeadStatus, MessageType
 from agentserver.agents.store import (
-    AgentStore,
     Card,
     CardType,
-    Finished,
     Head,
     InboxRow,
     NewCard,
@@ -76,23 +72,19 @@ class Worker:
     def __init__(
         self,
         *,
-        store: AgentStore,
-        profiles: Mapping[str, AgentProfile],
+        ender: TurnEnder,
         llm: LLMPort,
         tools: ToolPort,
-        replies: ReplyPort,
-        events: EventBus,
-        doorbell: Doorbell,
         clock: Clock,
         settings: StoreSettings,
     ) -> None:
-        self.store = store
-        self.profiles = profiles
+        self.store = ender.store
+        self.profiles = ender.profiles
+        self.events = ender.events
+        self.doorbell = ender.doorbell
+        self.ender = ender
         self.llm = llm
         self.tools = tools
-        self.replies = replies
-        self.events = events
-        self.doorbell = doorbell
         self.clock = clock
         self.settings = settings
 
@@ -186,7 +178,7 @@ class Worker:
             reply = answer_bytes(profile, problem) if profile and ref_ok else None
             fin = await self.store.fail_turn_row(row, problem, reply)
             if fin is not None:
-                await self._after(fin)
+                await self.ender.after(fin)
             return
         assert profile is not None
         try:
@@ -401,17 +393,7 @@ class Worker:
         fin = await self.store.finish(
             token, status, text, dict(metadata or {}), answer_bytes(profile, text)
         )
-        await self._after(fin)
-
-    async def _after(self, fin: Finished) -> None:
-        await after_finish(
-            fin,
-            store=self.store,
-            replies=self.replies,
-            events=self.events,
-            doorbell=self.doorbell,
-            max_attempts=self.settings.reply_max_attempts,
-        )
+        await self.ender.after(fin)
 
     def _step_event(self, token: TurnToken, step_id: str, phase: str, activity: str) -> None:
         self.events.publish(StepEvent(token.agent_id, token.agent_turn_id, step_id, phase))
