@@ -171,16 +171,12 @@ class Limiter:
 
         Always a checkpoint. Cancellation while waiting takes nothing.
         """
-        self._check(amounts)
         await trio.lowlevel.checkpoint_if_cancelled()
-        if not self._queue:
-            now = trio.current_time()
-            if self._wait_time(amounts, now) <= 0.0:
-                self._grant(amounts, now)
-                # Still yield once so acquire() is a full checkpoint; shielded, so the
-                # grant just made cannot be lost to a cancellation.
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                return
+        if self.try_acquire(amounts):
+            # Still yield once so acquire() is a full checkpoint; shielded, so the grant
+            # just made cannot be lost to a cancellation.
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
         if len(self._queue) >= self.max_waiters:
             raise QueueFull(f"{len(self._queue)} callers already waiting")
         waiter = _Waiter(amounts)

@@ -98,6 +98,12 @@ class _Runtime:
             out[self.tok_index] = float(tokens)
         return out
 
+    def try_permit(self, now: float) -> Permit | None:
+        """A breaker permit, unless a Retry-After still cools this backend down."""
+        if self.cooling_until > now:
+            return None
+        return self.breaker.try_acquire(now)
+
     def token_capacity(self) -> float:
         if self.limiter is None or self.tok_index is None:
             return math.inf
@@ -339,10 +345,7 @@ class Router:
             if pinned is not None:
                 if not_before > trio.current_time():
                     await trio.sleep_until(not_before)
-                now = trio.current_time()
-                rt = pinned.runtime
-                if rt.cooling_until <= now:
-                    permit = rt.breaker.try_acquire(now)
+                permit = pinned.runtime.try_permit(trio.current_time())
                 if permit is not None:
                     route = pinned
                 pinned = None
@@ -425,10 +428,7 @@ class Router:
                 raise LLMError(ErrorKind.UNKNOWN, "no usable backend")  # pragma: no cover
             now = trio.current_time()
             for r in self._order(candidates):
-                rt = r.runtime
-                if rt.cooling_until > now:
-                    continue
-                permit = rt.breaker.try_acquire(now)
+                permit = r.runtime.try_permit(now)
                 if permit is not None:
                     return r, permit
             # Every candidate is cooling down: find the first to come back, and
