@@ -15,17 +15,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentserver.endpoint")
 
+#: Default bound on the bytes waiting for one endpoint (see :class:`Endpoint`).
+DEFAULT_BUFFER_BYTES = 16 * 1024 * 1024
+
 
 class Endpoint:
     """One external party. Messages it sends carry its name as ``<from>``, whatever they say.
 
-    Outbound messages (canonical envelope bytes) wait in a buffer of ``buffer`` messages.
-    The pump never blocks on an endpoint: if the buffer is full the endpoint is closed
-    (a client that stops reading is disconnected rather than allowed to grow memory), and
-    further messages for it are dropped and logged.
+    Outbound messages (canonical envelope bytes) wait in a buffer of at most ``buffer``
+    messages and ``buffer_bytes`` bytes (a message always fits an empty buffer, however
+    large). The pump never blocks on an endpoint: if the buffer is full the endpoint is
+    closed (a client that stops reading is disconnected rather than allowed to grow
+    memory), and further messages for it are dropped and logged.
     """
 
-    def __init__(self, pump: Pump, name: str, buffer: int, allowed: frozenset[str] | None) -> None:
+    def __init__(
+        self,
+        pump: Pump,
+        name: str,
+        buffer: int,
+        allowed: frozenset[str] | None,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    ) -> None:
         self.name = name
         #: The call chain of this endpoint's own conversation threads.
         self.chain: tuple[str, ...] = (name,)
@@ -33,6 +44,9 @@ class Endpoint:
         self.allowed = allowed
         self._pump = pump
         self._out_send, self._out_recv = trio.open_memory_channel[bytes](buffer)
+        self._max_bytes = buffer_bytes
+        #: Bytes of the messages waiting in the buffer.
+        self.buffered_bytes = 0
         self.closed = False
         #: ``sink(data) -> bool``: offered each outbound message before it is buffered; True
         #: means it took the message (a server writes a reply straight to an idle socket).
@@ -55,16 +69,20 @@ class Endpoint:
     async def receive(self) -> bytes:
         """The next outbound envelope. Raises EndpointClosed once closed and drained."""
         try:
-            return await self._out_recv.receive()
+            data = await self._out_recv.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise EndpointClosed(self.name) from None
+        self.buffered_bytes -= len(data)
+        return data
 
     def receive_nowait(self) -> bytes:
         """Like :meth:`receive`, raising ``trio.WouldBlock`` when nothing is waiting."""
         try:
-            return self._out_recv.receive_nowait()
+            data = self._out_recv.receive_nowait()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise EndpointClosed(self.name) from None
+        self.buffered_bytes -= len(data)
+        return data
 
     def __aiter__(self) -> Endpoint:
         return self
@@ -82,15 +100,19 @@ class Endpoint:
             return False
         if self.sink is not None and self.sink(data):
             return True
-        try:
-            self._out_send.send_nowait(data)
-            return True
-        except trio.WouldBlock:
-            log.warning("endpoint %s stopped reading: closing it", self.name)
-            self.overflowed = True
-            self.dropped += 1
-            self.close()
-            return False
+        size = len(data)
+        if self.buffered_bytes + size <= self._max_bytes or not self.buffered_bytes:
+            try:
+                self._out_send.send_nowait(data)
+                self.buffered_bytes += size
+                return True
+            except trio.WouldBlock:
+                pass
+        log.warning("endpoint %s stopped reading: closing it", self.name)
+        self.overflowed = True
+        self.dropped += 1
+        self.close()
+        return False
 
     def close(self) -> None:
         """Stop accepting and delivering; already-buffered messages can still be received.

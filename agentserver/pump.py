@@ -36,7 +36,7 @@ import trio
 from lxml import etree
 from pydantic_xml import BaseXmlModel
 
-from agentserver.endpoint import Endpoint
+from agentserver.endpoint import DEFAULT_BUFFER_BYTES, Endpoint
 from agentserver.envelope import EnvelopeCodec, encode, guess_thread
 from agentserver.errors import (
     ConfigurationError,
@@ -74,6 +74,7 @@ class PumpConfig:
     expire_interval: float = 30.0
     delivery_timeout: float = 10.0
     endpoint_buffer: int = 256
+    endpoint_buffer_bytes: int = DEFAULT_BUFFER_BYTES
     drain_timeout: float = 5.0
 
 
@@ -359,10 +360,12 @@ class Pump:
         name: str | None = None,
         *,
         buffer: int | None = None,
+        buffer_bytes: int | None = None,
         allowed: Iterable[str] | None = None,
     ) -> Endpoint:
         """Attach an external party. ``name`` must not be a listener's or another
-        endpoint's; by default a unique ``client-…`` name is generated."""
+        endpoint's; by default a unique ``client-…`` name is generated. Its outgoing buffer
+        holds ``buffer`` messages and ``buffer_bytes`` bytes (the config's by default)."""
         if name is None:
             name = "client-" + new_thread_id()[:8]
             while name in self._endpoints:
@@ -376,6 +379,7 @@ class Pump:
             name,
             buffer or self.config.endpoint_buffer,
             frozenset(allowed) if allowed is not None else None,
+            buffer_bytes or self.config.endpoint_buffer_bytes,
         )
         self._endpoints[name] = endpoint
         return endpoint

@@ -18,11 +18,13 @@ Outcomes (also in docs/wire.md):
   ``<huh>`` and the connection is closed. Nothing reaches the pump before that.
 - At most ``max_connections`` connections; one more gets a ``<SystemError>`` (routing,
   retry allowed) and is closed.
-- At most ``max_inflight`` requests per connection wait for replies; past that the server
-  stops reading from that connection (TCP pushes back). A request stops counting when a
-  reply is written or after ``inflight_ttl`` seconds.
-- Replies wait in a buffer of ``outgoing_buffer`` messages; a client that stops reading is
-  disconnected when it overflows, or when one write blocks for ``write_timeout`` seconds.
+- At most ``max_inflight`` requests, of at most ``max_inflight_bytes`` bytes in all, per
+  connection wait for replies; past that the server stops reading from that connection
+  (TCP pushes back). A request stops counting when a reply is written or after
+  ``inflight_ttl`` seconds. One request is always admitted when none waits.
+- Replies wait in a buffer of ``outgoing_buffer`` messages and ``outgoing_buffer_bytes``
+  bytes; a client that stops reading is disconnected when it overflows, or when one write
+  blocks for ``write_timeout`` seconds.
 - On end of input from the client, replies still owed are written for up to
   ``read_timeout`` seconds, then the connection is closed.
 """
@@ -178,8 +180,10 @@ class _Connection:
         self.limits = server.limits
         self.endpoint: Endpoint | None = None
         self._reading = trio.CancelScope()
-        # Deadlines of requests waiting for a reply, oldest first (bounded by max_inflight).
-        self._inflight: collections.deque[float] = collections.deque()
+        # (deadline, size) of each request waiting for a reply, oldest first; bounded by
+        # max_inflight, and by max_inflight_bytes on _inflight_bytes, their sum of sizes.
+        self._inflight: collections.deque[tuple[float, int]] = collections.deque()
+        self._inflight_bytes = 0
         self._room = trio.Event()
         self._early = b""
         #: A second handle on the socket, for the writes that cannot block (_write_now).
@@ -238,15 +242,18 @@ class _Connection:
         pump = self.server.pump
         if not pump.running:
             raise PumpClosed("not running")
-        buffer = self.limits.outgoing_buffer
+        size = {
+            "buffer": self.limits.outgoing_buffer,
+            "buffer_bytes": self.limits.outgoing_buffer_bytes,
+        }
         if identity.name is None:
-            return pump.open_endpoint(None, buffer=buffer)
+            return pump.open_endpoint(None, **size)
         try:
-            return pump.open_endpoint(identity.name, buffer=buffer, allowed=identity.allowed)
+            return pump.open_endpoint(identity.name, allowed=identity.allowed, **size)
         except ConfigurationError:
             # The client is connected twice: the second connection gets a suffixed name.
             name = f"{identity.name[:55]}-{new_thread_id()[:8]}"
-            return pump.open_endpoint(name, buffer=buffer, allowed=identity.allowed)
+            return pump.open_endpoint(name, allowed=identity.allowed, **size)
 
     # -- handshake -----------------------------------------------------------------------
 
@@ -342,10 +349,14 @@ class _Connection:
                     frames += 1
                     if frames == 2:
                         self._pipelining = True
-                    if len(self._inflight) >= limits.max_inflight:
-                        await self._wait_for_room()
+                    size = len(frame)
+                    if len(self._inflight) >= limits.max_inflight or (
+                        self._inflight_bytes + size > limits.max_inflight_bytes
+                    ):
+                        await self._wait_for_room(size)
                         now = trio.current_time()  # waiting for room is not the client's stall
-                    self._inflight.append(now + limits.inflight_ttl)
+                    self._inflight.append((now + limits.inflight_ttl, size))
+                    self._inflight_bytes += size
                     try:
                         await endpoint.send(frame)
                     except (PumpClosed, EndpointClosed):
@@ -356,24 +367,36 @@ class _Connection:
                     frame_deadline = now + limits.read_timeout
         return "stopped"
 
-    async def _wait_for_room(self) -> None:
-        """Wait until the connection may have one more request in flight."""
+    def _has_room(self, size: int) -> bool:
+        """May a request of ``size`` bytes join those in flight? (One always may when
+        none is, however large: the byte bound must not shut out a big request.)"""
         inflight = self._inflight
-        limit = self.limits.max_inflight
-        while len(inflight) >= limit:
+        return not inflight or (
+            len(inflight) < self.limits.max_inflight
+            and self._inflight_bytes + size <= self.limits.max_inflight_bytes
+        )
+
+    async def _wait_for_room(self, size: int) -> None:
+        """Wait until the connection may have one more request, of ``size`` bytes, in
+        flight. Cancellable; bounded by ``inflight_ttl`` (old requests stop counting)."""
+        inflight = self._inflight
+        while not self._has_room(size):
             now = trio.current_time()
-            while inflight and inflight[0] <= now:
-                inflight.popleft()  # unanswered for inflight_ttl: stop counting it
-            if len(inflight) < limit:
+            while inflight and inflight[0][0] <= now:
+                # Unanswered for inflight_ttl: stop counting it.
+                self._inflight_bytes -= inflight.popleft()[1]
+            if self._has_room(size):
                 break
             self._room = trio.Event()
-            with trio.move_on_at(inflight[0]):
+            with trio.move_on_at(inflight[0][0]):
                 await self._room.wait()
 
     def _replied(self, count: int) -> None:
+        # Replies are not matched to requests (a broadcast may answer one request
+        # several times): each reply retires the oldest request still counted.
         inflight = self._inflight
         for _ in range(min(count, len(inflight))):
-            inflight.popleft()
+            self._inflight_bytes -= inflight.popleft()[1]
         self._room.set()
 
     async def _linger(self) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 from lxml import etree
 from pydantic_xml import BaseXmlModel
 
+from agentserver.endpoint import DEFAULT_BUFFER_BYTES
 from agentserver.primitives.core import Boot
 from agentserver.pump import PumpConfig
 from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
@@ -28,8 +29,10 @@ class Limits:
 
     max_connections: int = 256
     max_inflight: int = 64
+    max_inflight_bytes: int = DEFAULT_BUFFER_BYTES
     inflight_ttl: float = 120.0
     outgoing_buffer: int = 256
+    outgoing_buffer_bytes: int = DEFAULT_BUFFER_BYTES
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     read_timeout: float = 10.0
     write_timeout: float = 10.0
@@ -122,5 +125,6 @@ class Topology:
             thread_idle_ttl=lim.thread_ttl,
             delivery_timeout=lim.delivery_timeout,
             endpoint_buffer=lim.outgoing_buffer,
+            endpoint_buffer_bytes=lim.outgoing_buffer_bytes,
             drain_timeout=lim.drain_timeout,
         )

@@ -59,7 +59,9 @@ async def pump_run(data: bytes, n: int) -> float:
     listener = Listener(
         "echo", (Ping,), echo, responses=(Pong,), raw=True, concurrency=4, queue_size=256
     )
-    async with open_pump([listener], config=PumpConfig(endpoint_buffer=n + 16)) as pump:
+    # Room for every reply: the reader may fall behind the pump (it only counts them).
+    config = PumpConfig(endpoint_buffer=n + 16, endpoint_buffer_bytes=n * (2 * len(data) + 512))
+    async with open_pump([listener], config=config) as pump:
         ep = pump.open_endpoint("bench")
         got = 0
         last = b""

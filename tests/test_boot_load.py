@@ -79,7 +79,8 @@ def test_limits_listen_and_clients_are_read(tmp_path):
         tmp_path,
         """\
         <listen host="::1" port="9000"/>
-        <limits max-connections="3" max-inflight="2" read-timeout="0.5" idle-timeout="0"/>
+        <limits max-connections="3" max-inflight="2" read-timeout="0.5" idle-timeout="0"
+                max-inflight-bytes="5000" outgoing-buffer-bytes="7000"/>
         <clients><client name="ann" token-env="ANN_TOKEN" may-address="echo"/></clients>
         <listeners><listener name="echo" handler="echo"/></listeners>
         """,
@@ -89,6 +90,8 @@ def test_limits_listen_and_clients_are_read(tmp_path):
     topo = result.topology
     assert (topo.host, topo.port) == ("::1", 9000)
     assert topo.limits.max_connections == 3 and topo.limits.max_inflight == 2
+    assert topo.limits.max_inflight_bytes == 5000
+    assert topo.pump_config().endpoint_buffer_bytes == 7000
     assert topo.limits.read_timeout == 0.5
     (client,) = topo.clients
     assert (client.name, client.token_env, client.may_address) == ("ann", "ANN_TOKEN", ("echo",))
