@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import trio
 from lxml import etree
-from test_server_direct_write import ping_frame, read_frame
+from test_server_direct_write import ping_frame, read_frame, serving
 
 from agentserver.framing import FrameDecoder
-from agentserver.handshake import HelloGate
 from agentserver.listener import Listener
 from agentserver.listeners.echo import Ping, Pong, handle
 from agentserver.pump import PumpConfig, open_pump
-from agentserver.server import Server
 from agentserver.threads import new_thread_id
 from agentserver.topology import Limits
 
@@ -32,9 +30,7 @@ async def test_requests_in_flight_are_bounded_in_bytes_too():
     size = len(ping_frame(TEXT, new_thread_id())) - 4
     # Room for three requests by count many times over, but by bytes for three only.
     limits = Limits(max_inflight=100, max_inflight_bytes=3 * size + size // 2)
-    async with open_pump([echo]) as pump, trio.open_nursery() as nursery:
-        server = Server(pump, limits, HelloGate({}))
-        port = (await nursery.start(server.serve, "127.0.0.1", 0))[0][1]
+    async with serving(echo, limits) as (_, port):
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         threads = [new_thread_id() for _ in range(8)]
         await stream.send_all(b"".join(ping_frame(TEXT, t) for t in threads))
@@ -46,15 +42,11 @@ async def test_requests_in_flight_are_bounded_in_bytes_too():
         assert sorted(r[0][-1].text for r in answered) == sorted(threads)
         assert len(seen) == 8
         await stream.aclose()
-        server.stop_accepting()
-        pump.close()
 
 
 async def test_a_request_larger_than_the_byte_bound_is_admitted_alone():
     echo = Listener("echo", (Ping,), handle, responses=(Pong,), raw=True)
-    async with open_pump([echo]) as pump, trio.open_nursery() as nursery:
-        server = Server(pump, Limits(max_inflight_bytes=100), HelloGate({}))
-        port = (await nursery.start(server.serve, "127.0.0.1", 0))[0][1]
+    async with serving(echo, Limits(max_inflight_bytes=100)) as (_, port):
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         decoder = FrameDecoder(1 << 20)
         threads = [new_thread_id() for _ in range(3)]
@@ -63,8 +55,6 @@ async def test_a_request_larger_than_the_byte_bound_is_admitted_alone():
         assert [r[0][-1].text for r in answered] == threads
         assert [r[1][0].text for r in answered] == [TEXT] * 3
         await stream.aclose()
-        server.stop_accepting()
-        pump.close()
 
 
 async def test_endpoint_buffer_is_bounded_in_bytes_and_a_big_message_fits_when_empty():

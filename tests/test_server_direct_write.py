@@ -4,6 +4,8 @@ in order, never interleaved, and whole even when the socket takes only part of o
 from __future__ import annotations
 
 import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import trio
 from lxml import etree
@@ -36,17 +38,24 @@ async def read_frame(stream: trio.SocketStream, decoder: FrameDecoder) -> bytes:
 BIG = 8 * 1024 * 1024
 
 
-async def serve_echo(nursery: trio.Nursery, pump) -> tuple[Server, int]:
-    server = Server(pump, Limits(max_message_bytes=BIG), HelloGate({}))
-    addresses = await nursery.start(server.serve, "127.0.0.1", 0)
-    return server, addresses[0][1]
+@asynccontextmanager
+async def serving(
+    listener: Listener, limits: Limits, config: PumpConfig | None = None
+) -> AsyncIterator[tuple[Server, int]]:
+    """A pump with ``listener`` behind a real server on a loopback port: ``(server, port)``.
+    Stops both on exit."""
+    async with open_pump([listener], config=config) as pump, trio.open_nursery() as nursery:
+        server = Server(pump, limits, HelloGate({}))
+        addresses = await nursery.start(server.serve, "127.0.0.1", 0)
+        yield server, addresses[0][1]
+        server.stop_accepting()
+        pump.close()
 
 
 async def test_large_replies_to_a_slow_reader_arrive_whole_and_in_order():
     echo = Listener("echo", (Ping,), handle, responses=(Pong,), raw=True)
     config = PumpConfig(max_message_bytes=BIG)
-    async with open_pump([echo], config=config) as pump, trio.open_nursery() as nursery:
-        server, port = await serve_echo(nursery, pump)
+    async with serving(echo, Limits(max_message_bytes=BIG), config) as (server, port):
         # A small receive window (set before connecting, so TCP starts with it), and
         # replies larger than any socket send buffer (Linux caps them at 4 MB by default):
         # a direct write cannot be taken whole.
@@ -75,14 +84,11 @@ async def test_large_replies_to_a_slow_reader_arrive_whole_and_in_order():
         assert server.counters["replies"] == 53
         assert server.counters["writes"] == 53 + server.counters["carried"]
         await stream.aclose()
-        server.stop_accepting()
-        pump.close()
 
 
 async def test_pipelined_replies_are_batched_by_the_writer_not_written_one_by_one():
     echo = Listener("echo", (Ping,), handle, responses=(Pong,), raw=True)
-    async with open_pump([echo]) as pump, trio.open_nursery() as nursery:
-        server, port = await serve_echo(nursery, pump)
+    async with serving(echo, Limits(max_message_bytes=BIG)) as (server, port):
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         decoder = FrameDecoder(1024 * 1024)
         threads = [new_thread_id() for _ in range(64)]
@@ -92,5 +98,3 @@ async def test_pipelined_replies_are_batched_by_the_writer_not_written_one_by_on
         assert server.counters["replies"] == 64
         assert server.counters["writes"] < 64  # more than one reply per write
         await stream.aclose()
-        server.stop_accepting()
-        pump.close()
