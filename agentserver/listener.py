@@ -63,6 +63,11 @@ class HandlerMetadata(NamedTuple):
 
 Handler: TypeAlias = Callable[[Any, HandlerMetadata], Awaitable[HandlerResult]]
 
+#: A listener's tuning when neither its code nor boot.xml sets it.
+DEFAULT_CONCURRENCY = 8
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_QUEUE_SIZE = 64
+
 
 @dataclass(frozen=True, slots=True)
 class Listener:
@@ -81,9 +86,9 @@ class Listener:
     responses: tuple[type[BaseXmlModel], ...] = ()
     agent: bool = False
     broadcast: bool = False
-    concurrency: int = 8
-    timeout: float = 30.0
-    queue_size: int = 64
+    concurrency: int = DEFAULT_CONCURRENCY
+    timeout: float = DEFAULT_TIMEOUT
+    queue_size: int = DEFAULT_QUEUE_SIZE
     raw: bool = False
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)

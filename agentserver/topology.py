@@ -15,6 +15,7 @@ from lxml import etree
 from pydantic_xml import BaseXmlModel
 
 from agentserver.endpoint import DEFAULT_BUFFER_BYTES
+from agentserver.listener import DEFAULT_CONCURRENCY, DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT
 from agentserver.primitives.core import Boot
 from agentserver.pump import PumpConfig
 from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
@@ -73,9 +74,9 @@ class ListenerSpec:
     handler: Callable[..., Any] | None = None
     agent: bool = False
     broadcast: bool = False
-    concurrency: int = 8
-    timeout: float = 30.0
-    queue_size: int = 64
+    concurrency: int = DEFAULT_CONCURRENCY
+    timeout: float = DEFAULT_TIMEOUT
+    queue_size: int = DEFAULT_QUEUE_SIZE
     raw: bool = False
     description: str = ""
     #: The ``<agent>`` settings element (``AgentProfileType``), for the agent runtime.
