@@ -25,23 +25,15 @@ TRANSCRIPT = [
 
 
 def test_run_with_console_in_the_server_process():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentserver",
-            "--log-level",
-            "warning",
-            "run",
-            str(REPO / "boot.xml"),
-            "--port",
-            "0",
-            "--console",
-        ],
+    proc = cli(
+        "--log-level",
+        "warning",
+        "run",
+        str(REPO / "boot.xml"),
+        "--port",
+        "0",
+        "--console",
         input=SCRIPT + b"hello\n",
-        capture_output=True,
-        timeout=30,
-        cwd=scratch_dir(),
     )
     out = proc.stdout.decode().splitlines()
     assert proc.returncode == 0, proc.stderr.decode()
