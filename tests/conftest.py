@@ -10,6 +10,7 @@ from pydantic_xml import BaseXmlModel, element
 from serverproc import DATA, ServerProcess
 
 from agentserver.envelope import build_envelope
+from agentserver.errors import EndpointClosed
 from agentserver.namespaces import CORE_NS, ENVELOPE_NS
 
 NS = "urn:test:pump"
@@ -73,15 +74,20 @@ def huh_text(el: etree._Element) -> str:
     return el.findtext(f"{{{CORE_NS}}}error")
 
 
-async def drain(endpoint) -> list[bytes]:
-    """Everything the endpoint has received once the whole system is quiescent."""
-    await trio.testing.wait_all_tasks_blocked()
+def buffered(endpoint) -> list[bytes]:
+    """What waits in the endpoint's buffer now (also after the endpoint closed)."""
     out = []
     while True:
         try:
             out.append(endpoint.receive_nowait())
-        except trio.WouldBlock:
+        except (trio.WouldBlock, EndpointClosed):
             return out
+
+
+async def drain(endpoint) -> list[bytes]:
+    """Everything the endpoint has received once the whole system is quiescent."""
+    await trio.testing.wait_all_tasks_blocked()
+    return buffered(endpoint)
 
 
 async def receive(endpoint, seconds: float = 5) -> tuple[dict[str, str | None], etree._Element]:

@@ -14,6 +14,7 @@ from conftest import (
     Ping,
     Pong,
     Sum,
+    buffered,
     drain,
     envelope_bytes,
     huh_text,
@@ -696,12 +697,7 @@ async def test_shutdown_drains_queued_work():
         for i in range(5):
             await ep.send(envelope_bytes(Ping(text=str(i)), to="echo"))
     # the block exited: close() drained the queue before the pump stopped
-    replies = []
-    while True:
-        try:
-            replies.append(parse_reply(ep.receive_nowait()))
-        except (trio.WouldBlock, Exception):
-            break
+    replies = [parse_reply(data) for data in buffered(ep)]
     assert sorted(p[0].text for _, p in replies) == ["0", "1", "2", "3", "4"]
 
 
@@ -717,12 +713,7 @@ async def test_shutdown_refuses_what_cannot_drain(autojump_clock):
         for i in range(3):
             await ep.send(envelope_bytes(Ping(text=str(i)), to="echo"))
         await trio.testing.wait_all_tasks_blocked()
-    replies = []
-    while True:
-        try:
-            replies.append(parse_reply(ep.receive_nowait()))
-        except (trio.WouldBlock, Exception):
-            break
+    replies = [parse_reply(data) for data in buffered(ep)]
     assert len(replies) == 3
     assert all(is_system_error(p, "timeout") for _, p in replies)
 
