@@ -25,28 +25,6 @@ from agentserver.xmlsafe import make_parser
 log = logging.getLogger(__name__)
 
 
-async def send_reply(
-    store: AgentStore, replies: ReplyPort, reply: PendingReply, max_attempts: int
-) -> bool:
-    """Send one pending reply and record the outcome; True when sent."""
-    try:
-        ref = json.loads(reply.reply_ref_json)
-        payload = etree.fromstring(reply.payload, make_parser())
-    except (ValueError, etree.XMLSyntaxError):
-        log.error("reply of turn %s is unreadable; giving up", reply.agent_turn_id)
-        await store.mark_reply_attempt(reply.agent_turn_id, give_up=True)
-        return False
-    try:
-        await replies.deliver(ref, payload, failed=reply.failed, turn_id=reply.agent_turn_id)
-    except Exception:
-        log.warning("reply of turn %s not delivered", reply.agent_turn_id, exc_info=True)
-        give_up = reply.attempts + 1 >= max_attempts
-        await store.mark_reply_attempt(reply.agent_turn_id, give_up=give_up)
-        return False
-    await store.mark_reply_sent(reply.agent_turn_id)
-    return True
-
-
 @dataclass(frozen=True, slots=True)
 class TurnEnder:
     """What a Turn's end sets off, whoever ended it (the worker, the watchdog, a stop):
@@ -78,8 +56,26 @@ class TurnEnder:
             await self.resend(finished.reply)
 
     async def resend(self, reply: PendingReply) -> bool:
-        """Send a committed reply (again); True when sent. See :func:`send_reply`."""
-        return await send_reply(self.store, self.replies, reply, self.max_attempts)
+        """Send a committed reply (again) and record the outcome; True when sent. One
+        that cannot be read is given up at once; one that fails to send, after
+        ``max_attempts`` tries."""
+        store, turn_id = self.store, reply.agent_turn_id
+        try:
+            ref = json.loads(reply.reply_ref_json)
+            payload = etree.fromstring(reply.payload, make_parser())
+        except (ValueError, etree.XMLSyntaxError):
+            log.error("reply of turn %s is unreadable; giving up", turn_id)
+            await store.mark_reply_attempt(turn_id, give_up=True)
+            return False
+        try:
+            await self.replies.deliver(ref, payload, failed=reply.failed, turn_id=turn_id)
+        except Exception:
+            log.warning("reply of turn %s not delivered", turn_id, exc_info=True)
+            give_up = reply.attempts + 1 >= self.max_attempts
+            await store.mark_reply_attempt(turn_id, give_up=give_up)
+            return False
+        await store.mark_reply_sent(turn_id)
+        return True
 
     async def force_end(
         self,
