@@ -350,9 +350,7 @@ class _Connection:
                     if frames == 2:
                         self._pipelining = True
                     size = len(frame)
-                    if len(self._inflight) >= limits.max_inflight or (
-                        self._inflight_bytes + size > limits.max_inflight_bytes
-                    ):
+                    if not self._has_room(size):
                         await self._wait_for_room(size)
                         now = trio.current_time()  # waiting for room is not the client's stall
                     self._inflight.append((now + limits.inflight_ttl, size))
