@@ -19,9 +19,10 @@ import trio
 
 from agentserver import boot
 from agentserver.bundled import BOOT_XML
-from agentserver.errors import ConfigurationError, InputRefused, sole_exception
+from agentserver.errors import ConfigurationError, HuhReason, InputRefused, sole_exception
 from agentserver.threads import is_uuid4
 from agentserver.topology import DEFAULT_PORT
+from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -390,7 +391,11 @@ def cmd_send(args: argparse.Namespace) -> int:
     try:
         payload = payload_element(data)
     except InputRefused as exc:
-        print(f"the payload is not well-formed XML: {exc.detail or exc}", file=sys.stderr)
+        if exc.reason is HuhReason.TOO_LARGE:
+            problem = f"is too large: {exc.detail}, the limit is {DEFAULT_MAX_MESSAGE_BYTES}"
+        else:
+            problem = f"is not well-formed XML: {exc.detail or exc}"
+        print(f"the payload {problem}", file=sys.stderr)
         return EXIT_USAGE
     creds = _credentials(args)
     if creds is None:

@@ -254,7 +254,12 @@ def test_send_exits_4_when_nobody_listens():
 
 
 def test_send_exits_2_on_bad_input(server):
-    assert cli("send", "--to", "echo", "--connect", connect(server), input=b"<oops").returncode == 2
+    malformed = cli("send", "--to", "echo", "--connect", connect(server), input=b"<oops")
+    assert malformed.returncode == 2 and b"not well-formed XML" in malformed.stderr
+    big = PING.replace(b"<text>", b"<text>" + b"x" * (1 << 20))
+    oversize = cli("send", "--to", "echo", "--connect", connect(server), input=big)
+    assert oversize.returncode == 2
+    assert b"the payload is too large" in oversize.stderr, oversize.stderr
     assert (
         cli(
             "send", "--to", "echo", "--thread", "nope", "--connect", connect(server), input=PING
