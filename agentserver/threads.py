@@ -214,21 +214,29 @@ class ThreadRegistry:
             count += self._remove_subtree(r)
         return count
 
-    def _expire_tree(self, record: ThreadRecord, cutoff: float) -> list[str]:
-        # Post-order: decide children first, then whether this node has become idle.
+    def _expire_tree(self, root: ThreadRecord, cutoff: float) -> list[str]:
+        # Post-order, children first, then whether the node has become idle; with a stack,
+        # not recursion: two listeners forwarding to each other can build a chain deeper
+        # than Python's recursion limit.
+        threads = self._threads
         removed: list[str] = []
-        for child_id in list(record.children):
-            child = self._threads.get(child_id)
-            if child is not None:
-                removed.extend(self._expire_tree(child, cutoff))
-        if (
-            not record.children
-            and not record.pins
-            and not record.pending
-            and record.last_active <= cutoff
-        ):
-            removed.append(record.id)
-            self._remove_subtree(record)
+        stack = [(root, False)]
+        while stack:
+            record, children_decided = stack.pop()
+            if threads.get(record.id) is not record:
+                continue
+            if not children_decided:
+                stack.append((record, True))
+                stack.extend((threads[c], False) for c in record.children if c in threads)
+                continue
+            if (
+                not record.children
+                and not record.pins
+                and not record.pending
+                and record.last_active <= cutoff
+            ):
+                removed.append(record.id)
+                self._remove_subtree(record)
         return removed
 
     def _remove_subtree(self, record: ThreadRecord) -> int:

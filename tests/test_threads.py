@@ -59,6 +59,19 @@ def test_expiry_spares_busy_and_pinned_trees():
     assert busy_parent.id in reg and pinned.id in reg
 
 
+def test_expiry_walks_a_chain_deeper_than_the_recursion_limit():
+    # Two listeners forwarding to each other build one level per hop.
+    reg = ThreadRegistry(idle_ttl=10)
+    root = reg.open_root(("c",), 0.0)
+    record = root
+    for i in range(3000):
+        record = reg.extend(record, "ping" if i % 2 else "pong", 0.0)
+    assert reg.expire(5.0) == []  # not idle long enough: all kept
+    assert len(reg) == 3001
+    removed = reg.expire(20.0)
+    assert len(removed) == 3001 and removed[-1] == root.id and len(reg) == 0
+
+
 def test_bounded_registry_expires_then_refuses():
     reg = ThreadRegistry(max_threads=2, idle_ttl=10)
     reg.open_root(("a",), 0.0)
