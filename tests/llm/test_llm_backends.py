@@ -7,6 +7,7 @@ import pytest
 import trio
 from llm_fakes import (
     Script,
+    _sse,
     anthropic_error,
     anthropic_ok,
     anthropic_stream,
@@ -248,6 +249,36 @@ async def test_stream_failures_after_first_chunk(nursery, client, provider, scri
     with pytest.raises(LLMError) as info:
         await drain(stream)
     assert info.value.kind is kind and info.value.status is None
+
+
+def _with_bad_event(script: Script, bad: bytes) -> Script:
+    """``script`` with ``bad`` inserted right after its first text chunk."""
+    first = next(i for i, c in enumerate(script.chunks) if b'"a"' in c)
+    script.chunks.insert(first + 1, bad)
+    return script
+
+
+@pytest.mark.parametrize(
+    ("provider", "script"),
+    [
+        ("openai", _with_bad_event(openai_stream(["a", "b"]), _sse({"choices": ["x"]}))),
+        (
+            "anthropic",
+            _with_bad_event(anthropic_stream(["a", "b"]), _sse([1], "content_block_delta")),
+        ),
+        ("ollama", _with_bad_event(ollama_stream(["a", "b"]), b'{"message": "x"}\n')),
+    ],
+    ids=["openai", "anthropic", "ollama"],
+)
+async def test_stream_event_of_the_wrong_shape_is_malformed(nursery, client, provider, script):
+    # Valid JSON, wrong shape: an LLMError like a malformed body, never a raw TypeError.
+    fake = await start_fake(nursery, provider, script)
+    backend = make_backend(backend_for(fake, "x"), client, "k")
+    stream = await backend.open_stream(REQ, "m", 5)
+    assert await stream.next() == "a"
+    with pytest.raises(LLMError) as info:
+        await drain(stream)
+    assert info.value.kind is ErrorKind.UNKNOWN and "malformed" in info.value.provider_message
 
 
 async def test_stream_error_status_is_classified(nursery, client):

@@ -22,6 +22,9 @@ from ..config import BackendConfig, Provider
 from ..tokens import estimate_prompt_tokens, estimate_text_tokens
 from ..types import LLMError, Reply, Request, Usage
 
+#: What parsing a provider's JSON of an unexpected shape raises (``data["x"][0].get``...).
+_SHAPE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError)
+
 __all__ = ["Backend", "BackendStream", "SSEDecoder", "StreamParser", "WholeReplyStream"]
 
 
@@ -124,7 +127,12 @@ class BackendStream:
                 break
             except httpx.TransportError as exc:
                 raise self._backend.transport_error(exc) from exc
-            self._pending.extend(self._parser.feed(line))
+            try:
+                self._pending.extend(self._parser.feed(line))
+            except LLMError:
+                raise
+            except _SHAPE_ERRORS as exc:  # an event of the wrong shape, like a bad body
+                raise self._backend.malformed(f"malformed stream event: {exc!r}") from None
         item = self._pending.popleft()
         if isinstance(item, Reply):
             self._ended = True
@@ -238,7 +246,7 @@ class Backend(ABC):
         """Parse a complete JSON reply body; a body of the wrong shape is malformed."""
         try:
             return self.parse_reply(json.loads(content), request, model)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        except _SHAPE_ERRORS as exc:
             raise self.malformed(f"malformed response body: {exc!r}") from None
 
     async def open_stream(
