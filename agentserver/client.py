@@ -213,7 +213,10 @@ class Client:
         while not self._inbox:
             if self._closed.is_set():
                 raise self._failure or ConnectionClosed("connection closed")
-            self._inbox_ready = trio.Event()
+            if self._inbox_ready.is_set():
+                # A fresh event only once the last one fired: several tasks may wait at
+                # once, and each must be woken by the next reply or by the close.
+                self._inbox_ready = trio.Event()
             await self._inbox_ready.wait()
         return self._inbox.popleft()
 
