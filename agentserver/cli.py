@@ -409,8 +409,8 @@ def cmd_send(args: argparse.Namespace) -> int:
             )
             replies = [reply]
             with trio.move_on_after(max(args.linger, 0)):
-                while True:
-                    more = await client.receive()
+                # Ends early if the server closes: what arrived is still printed.
+                async for more in client:
                     if more.thread == reply.thread:
                         replies.append(more)
         for r in replies:
