@@ -262,7 +262,8 @@ class _Loader:
             raw = el.get(name.replace("_", "-"))
             if raw is not None:
                 kind = type(getattr(defaults, name))
-                values[name] = kind(float(raw)) if kind is int else float(raw)
+                # The schema made it an integer or a decimal: int() keeps every digit.
+                values[name] = int(raw) if kind is int else float(raw)
         limits = Limits(**values)
         if limits.outgoing_buffer < limits.max_inflight:
             self.warn(

@@ -97,6 +97,20 @@ def test_limits_listen_and_clients_are_read(tmp_path):
     assert (client.name, client.token_env, client.may_address) == ("ann", "ANN_TOKEN", ("echo",))
 
 
+def test_frame_limit_beyond_a_4_byte_length_is_refused_by_check(tmp_path):
+    body = """\
+        <limits max-message-bytes="{}" max-threads="12345678901234567891"/>
+        <listeners><listener name="echo" handler="echo"/></listeners>
+        """
+    too_big = boot.load(write(tmp_path, body.format(2**32)))
+    assert not too_big.ok
+    assert any(p.line == 2 and "max-message-bytes" in p.message for p in too_big.problems)
+    largest = boot.load(write(tmp_path, body.format(2**32 - 1)))
+    assert largest.ok, largest.problems
+    assert largest.topology.limits.max_message_bytes == 2**32 - 1
+    assert largest.topology.limits.max_threads == 12345678901234567891  # every digit kept
+
+
 def test_unset_or_empty_token_variable_is_a_warning_not_an_error(tmp_path):
     path = write(
         tmp_path,
