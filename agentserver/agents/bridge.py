@@ -9,7 +9,6 @@ the worker, which talks back to the pump through :class:`PumpPorts`.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 from collections.abc import Iterable
 
@@ -120,14 +119,8 @@ class PumpPorts:
                     sent += 1
                     continue
                 # The connection could not take it (closed, or its buffer is full): keep
-                # this reply and the rest for the next connection instead of losing them.
-                for kept in replies[i:]:
-                    await self.store.record_client_reply(
-                        endpoint.name,
-                        json.loads(kept.thread_ref_json),
-                        kept.payload,
-                        failed=kept.failed,
-                    )
+                # this reply and the rest, in order, for the next connection.
+                await self.store.untake_client_replies([r.reply_id for r in replies[i:]])
                 return sent
 
 

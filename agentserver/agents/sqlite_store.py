@@ -1350,3 +1350,12 @@ class SqliteAgentStore:
                 [(self._clock.now(), r[0]) for r in rows],
             )
         return [ClientReply(r[0], r[1], r[2], bytes(r[3]), bool(r[4]), r[5]) for r in rows]
+
+    async def untake_client_replies(self, reply_ids: Sequence[int]) -> None:
+        """Undo :meth:`take_client_replies` for replies that could not be handed over:
+        they are taken again, in their first order, by the next connection."""
+        with self._tx() as db:
+            db.executemany(
+                "UPDATE client_replies SET delivered_at = NULL WHERE reply_id = ?",
+                [(reply_id,) for reply_id in reply_ids],
+            )

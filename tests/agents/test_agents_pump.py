@@ -158,12 +158,13 @@ async def test_flush_client_keeps_replies_a_closed_connection_could_not_take(tmp
             tmp_path / "s.sqlite3", settings=StoreSettings(path=tmp_path / "s.sqlite3")
         )
         ports.attach(store)
-        for i in range(3):
+        # More than one batch (100) is stored: the ones kept must not overtake the rest.
+        for i in range(150):
             await store.record_client_reply("alice", {"i": i}, f"<r{i}/>".encode(), failed=False)
-        first = FullEndpoint(room=1)
-        assert await ports.flush_client(first) == 1
-        second = FullEndpoint(room=10)
-        assert await ports.flush_client(second) == 2
-        assert first.got + second.got == [b"<r0/>", b"<r1/>", b"<r2/>"]
+        first = FullEndpoint(room=10)
+        assert await ports.flush_client(first) == 10
+        second = FullEndpoint(room=1000)
+        assert await ports.flush_client(second) == 140
+        assert first.got + second.got == [f"<r{i}/>".encode() for i in range(150)]
         assert await ports.flush_client(FullEndpoint(room=10)) == 0
         await store.aclose()
