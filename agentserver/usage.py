@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-import xmlschema
 from lxml import etree
 
 from agentserver.payloads import PayloadType
@@ -23,6 +22,10 @@ RESPOND_WARNING = (
 
 def describe_payload(ptype: PayloadType) -> str:
     """One payload type as readable lines: root tag, namespace, fields, an example."""
+    # Imported here: xmlschema takes ~175 ms to import, and only a starting pump needs it
+    # (not `send`, `check` or `console`).
+    import xmlschema
+
     schema = xmlschema.XMLSchema(etree.tostring(ptype.schema_doc, encoding="unicode"))
     element = schema.elements[ptype.local]
     lines = [f'<{ptype.local} xmlns="{ptype.namespace}">']
