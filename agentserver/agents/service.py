@@ -131,7 +131,6 @@ async def start_agents(
         return None
     env = os.environ if environ is None else environ
     settings = store_settings_from_element(topology.store, base_dir=Path.cwd())
-    settings.path.parent.mkdir(parents=True, exist_ok=True)
     profiles = build_profiles(topology, pump, env)
     llm = await open_llm(topology, resources, env)
     ports = PumpPorts(pump, named_clients=[c.name for c in topology.clients])
