@@ -543,14 +543,11 @@ class ServeOptions:
 
 
 def credentials(topology: Topology, environ) -> dict[str, Credential]:
-    """Declared clients and their tokens, read from the environment now."""
+    """Declared clients and their tokens, read from the environment now. (An unset
+    token was reported by the boot loader, as a warning with its line.)"""
     out = {}
     for client in topology.clients:
         token = environ.get(client.token_env) or None
-        if token is None:
-            log.warning(
-                "client %s: %s is not set: it cannot connect", client.name, client.token_env
-            )
         allowed = frozenset(client.may_address) if client.may_address is not None else None
         out[client.name] = Credential(token, allowed)
     return out
