@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import trio
@@ -137,6 +139,19 @@ async def test_openai_stream_without_usage_is_estimated(nursery, client):
     backend = make_backend(backend_for(fake, "x"), client, "k")
     _, reply = await drain(await backend.open_stream(REQ, "m", 5))
     assert reply.usage.completion_tokens == 2  # 6 bytes / 3
+    assert reply.usage.prompt_tokens > 0
+
+
+async def test_whole_reply_without_usage_is_estimated_like_a_stream(nursery, client):
+    script = openai_ok("abcdef")
+    body = json.loads(script.body)
+    del body["usage"]
+    script.body = json.dumps(body).encode()
+    fake = await start_fake(nursery, "openai", script)
+    backend = make_backend(backend_for(fake, "x"), client, "k")
+    reply = await backend.complete(REQ, "m", 5)
+    assert reply.content == "abcdef"
+    assert reply.usage.completion_tokens == 2  # 6 bytes / 3, as for a stream
     assert reply.usage.prompt_tokens > 0
 
 

@@ -8,6 +8,7 @@ parsers are fed lines and return text chunks and a final :class:`Reply`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from abc import ABC, abstractmethod
@@ -24,6 +25,14 @@ from ..types import LLMError, Reply, Request, Usage
 
 #: What parsing a provider's JSON of an unexpected shape raises (``data["x"][0].get``...).
 _SHAPE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError)
+
+
+def reported_or_estimated(usage: Usage | None, request: Request, content: str) -> Usage:
+    """The provider's usage, or an estimate when it reported none (or only zeros: no real
+    call uses no tokens), so the tokens bucket is charged either way."""
+    if usage is not None and usage.total_tokens > 0:
+        return usage
+    return Usage(estimate_prompt_tokens(request.messages), estimate_text_tokens(content))
 
 __all__ = ["Backend", "BackendStream", "SSEDecoder", "StreamParser", "WholeReplyStream"]
 
@@ -91,9 +100,7 @@ class StreamParser(ABC):
 
     def reply(self) -> Reply:
         content = "".join(self.parts)
-        usage = self.usage or Usage(
-            estimate_prompt_tokens(self.request.messages), estimate_text_tokens(content)
-        )
+        usage = reported_or_estimated(self.usage, self.request, content)
         return Reply(content, self.model, usage, self.finish_reason)
 
     def load(self, data: str) -> Any:
@@ -245,9 +252,11 @@ class Backend(ABC):
     def _whole_reply(self, content: bytes, request: Request, model: str) -> Reply:
         """Parse a complete JSON reply body; a body of the wrong shape is malformed."""
         try:
-            return self.parse_reply(json.loads(content), request, model)
+            reply = self.parse_reply(json.loads(content), request, model)
         except _SHAPE_ERRORS as exc:
             raise self.malformed(f"malformed response body: {exc!r}") from None
+        usage = reported_or_estimated(reply.usage, request, reply.content)
+        return reply if usage is reply.usage else dataclasses.replace(reply, usage=usage)
 
     async def open_stream(
         self, request: Request, model: str, phase_timeout: float
