@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from importlib.resources import as_file, files
 
@@ -252,8 +252,9 @@ def _backend(el: etree._Element, environ: Mapping[str, str]) -> BackendConfig:
         models=tuple(models),
         aliases=aliases,
         api_key_env=el.get("api-key-env") or None,
-        priority=_opt(el, "priority", int, 100),
-        timeout=_opt(el, "timeout", pos_float, 60.0),
+        # The dataclasses' own defaults (not slotted: their class attributes hold them).
+        priority=_opt(el, "priority", int, BackendConfig.priority),
+        timeout=_opt(el, "timeout", pos_float, BackendConfig.timeout),
         context_window=_opt(el, "context-window", pos_int),
         requests_per_minute=None
         if limits is None
@@ -292,8 +293,8 @@ def parse_llm_section(
         if child.tag == _NS + "backend":
             backends.append(_backend(child, os.environ if environ is None else environ))
         elif child.tag == _NS + "retry":
-            retry = RetryConfig(
-                max_attempts=retry.max_attempts,
+            retry = replace(
+                retry,
                 base_delay=_opt(child, "base-delay", _non_negative(float), retry.base_delay),
                 max_delay=_opt(child, "max-delay", _non_negative(float), retry.max_delay),
                 max_retry_after=_opt(
@@ -318,19 +319,16 @@ def parse_llm_section(
         raise LlmConfigError(
             element.sourceline, f"strategy must be one of {[s.value for s in Strategy]}"
         ) from None
-    retry = RetryConfig(
-        max_attempts=_opt(element, "max-attempts", _positive(int), retry.max_attempts),
-        base_delay=retry.base_delay,
-        max_delay=retry.max_delay,
-        max_retry_after=retry.max_retry_after,
+    retry = replace(
+        retry, max_attempts=_opt(element, "max-attempts", _positive(int), retry.max_attempts)
     )
     return RouterConfig(
         backends=tuple(backends),
         strategy=strategy,
         retry=retry,
         breaker=breaker,
-        timeout=_opt(element, "timeout", _positive(float), 120.0),
-        queue_limit=_opt(element, "queue-limit", _positive(int), 1000),
+        timeout=_opt(element, "timeout", _positive(float), RouterConfig.timeout),
+        queue_limit=_opt(element, "queue-limit", _positive(int), RouterConfig.queue_limit),
     )
 
 

@@ -34,6 +34,7 @@ def reported_or_estimated(usage: Usage | None, request: Request, content: str) -
         return usage
     return Usage(estimate_prompt_tokens(request.messages), estimate_text_tokens(content))
 
+
 __all__ = ["Backend", "BackendStream", "SSEDecoder", "StreamParser", "WholeReplyStream"]
 
 
