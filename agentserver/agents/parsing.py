@@ -18,9 +18,9 @@ from enum import StrEnum
 from lxml import etree
 
 from agentserver.agents.profile import SUBMIT_RESULT, AgentProfile
-from agentserver.errors import HuhReason
+from agentserver.errors import HuhReason, InputRefused
 from agentserver.primitives.core import huh
-from agentserver.xmlsafe import make_parser
+from agentserver.xmlsafe import SafeParser
 
 MAX_TEXT_CHARS = 1_000_000
 MAX_PAYLOADS = 16
@@ -118,7 +118,7 @@ def extract_payloads(text: str, profile: AgentProfile) -> ParseResult:
     for tag in profile.known_roots:
         by_local.setdefault(etree.QName(tag).localname, []).append(tag)
     by_local.setdefault(SUBMIT_RESULT, [])
-    parser = make_parser()
+    parser = SafeParser()
     pos = 0
     while True:
         m = _START.search(text, pos)
@@ -146,18 +146,15 @@ def extract_payloads(text: str, profile: AgentProfile) -> ParseResult:
 
 def _classify(
     raw: str,
-    parser: etree.XMLParser,
+    parser: SafeParser,
     profile: AgentProfile,
     by_local: dict[str, list[str]],
     result: ParseResult,
 ) -> None:
-    if "<!DOCTYPE" in raw or "<!ENTITY" in raw:
-        result.errors.append(PayloadError(HuhReason.MALFORMED, "DTDs are not allowed", raw))
-        return
     try:
-        element = etree.fromstring(raw.encode("utf-8"), parser)
-    except (etree.XMLSyntaxError, ValueError) as exc:
-        result.errors.append(PayloadError(HuhReason.MALFORMED, f"not well-formed: {exc}", raw))
+        element = parser.parse(raw.encode("utf-8"))
+    except InputRefused as exc:
+        result.errors.append(PayloadError(exc.reason, f"not well-formed: {exc.detail}", raw))
         return
     q = etree.QName(element)
     if q.localname == SUBMIT_RESULT and q.namespace is None:
