@@ -28,11 +28,10 @@ from agentserver.errors import AgentServerError, InputRefused, sole_exception
 from agentserver.framing import FrameDecoder, FramingError, encode_frame
 from agentserver.handshake import hello_frame_body
 from agentserver.namespaces import CORE_NS, ENVELOPE_NS
+from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
 from agentserver.threads import is_uuid4, new_thread_id
 from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser
 
-HUH_TAG = f"{{{CORE_NS}}}huh"
-SYSTEM_ERROR_TAG = f"{{{CORE_NS}}}SystemError"
 _E = f"{{{ENVELOPE_NS}}}"
 
 

@@ -10,7 +10,6 @@ the server (``<huh>``, ``<SystemError>``) are shown readably.
 from __future__ import annotations
 
 import copy
-import datetime
 import logging
 
 import trio
@@ -23,7 +22,7 @@ from agentserver.listeners.console import NS as CONSOLE_NS
 from agentserver.listeners.console import Console, Input, Prompt, Terminal
 from agentserver.listeners.console_router import render_reply
 from agentserver.listeners.system_boot import SystemBoot
-from agentserver.primitives.core import Boot
+from agentserver.primitives.core import Boot, boot_primitive
 from agentserver.pump import PumpConfig, open_pump
 
 log = logging.getLogger("agentserver.console")
@@ -111,10 +110,7 @@ async def run_remote_console(
                 done.set()
 
             nursery.start_soon(watch)
-            now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-            await pump.inject_system(
-                Boot(organism="console", timestamp=now, listener_count=3), to="boot"
-            )
+            await pump.inject_system(boot_primitive("console", 3), to="boot")
             await done.wait()
             nursery.cancel_scope.cancel()
         if lost:

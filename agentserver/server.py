@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import datetime
 import logging
 import math
 import os
@@ -57,7 +56,7 @@ from agentserver.errors import (
 )
 from agentserver.framing import FrameDecoder, FrameTooLarge, encode_frame, encode_frames
 from agentserver.handshake import MAX_HELLO_BYTES, Credential, HelloGate, Identity, Unauthenticated
-from agentserver.primitives.core import Boot, huh, primitive_for
+from agentserver.primitives.core import huh, primitive_for
 from agentserver.pump import SYSTEM, Pump
 from agentserver.threads import new_thread_id
 from agentserver.topology import Limits, Topology
@@ -553,11 +552,6 @@ def credentials(topology: Topology, environ) -> dict[str, Credential]:
     return out
 
 
-def boot_primitive(topology: Topology) -> Boot:
-    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-    return Boot(organism=topology.organism, timestamp=now, listener_count=len(topology.listeners))
-
-
 async def run_server(
     topology: Topology,
     options: ServeOptions,
@@ -598,7 +592,10 @@ async def run_server(
             )
             if agents is not None:
                 server.on_named_connect = agents.ports.flush_client
-            await pump.inject_system(boot_primitive(topology), to=topology.boot_listener.name)
+            await pump.inject_system(
+                topology.boot_primitive(),
+                to=topology.boot_listener.name,
+            )
             try:
                 addresses = await nursery.start(server.serve, host, port)
             except OSError:

@@ -16,7 +16,7 @@ from pydantic_xml import BaseXmlModel
 
 from agentserver.endpoint import DEFAULT_BUFFER_BYTES
 from agentserver.listener import DEFAULT_CONCURRENCY, DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT
-from agentserver.primitives.core import Boot
+from agentserver.primitives.core import Boot, boot_primitive
 from agentserver.pump import PumpConfig
 from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -111,6 +111,10 @@ class Topology:
             if spec.name == name:
                 return spec
         raise KeyError(name)
+
+    def boot_primitive(self) -> Boot:
+        """The boot primitive this topology starts with, stamped now."""
+        return boot_primitive(self.organism, len(self.listeners))
 
     @property
     def boot_listener(self) -> ListenerSpec:

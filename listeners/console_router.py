@@ -32,6 +32,7 @@ from agentserver.listeners.assistant import Task
 from agentserver.listeners.console import NS as CONSOLE_NS
 from agentserver.listeners.console import Input, Pending, Prompt
 from agentserver.namespaces import CORE_NS, clark
+from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
 from agentserver.xmlsafe import SafeParser
 
 log = logging.getLogger("agentserver.console")
@@ -39,8 +40,6 @@ log = logging.getLogger("agentserver.console")
 DEFAULT_AGENT = "assistant"
 INPUT_TAG = clark(CONSOLE_NS, "input")
 PENDING_TAG = clark(CONSOLE_NS, "pending")
-HUH_TAG = clark(CORE_NS, "huh")
-SYSTEM_ERROR_TAG = clark(CORE_NS, "SystemError")
 ANSWER_LOCAL = "answer"
 
 HELP = (

@@ -7,6 +7,7 @@ a test keeps the checked-in file identical to the generated one.
 from __future__ import annotations
 
 import base64
+import datetime
 from typing import Annotated, Literal
 
 from lxml import etree
@@ -26,6 +27,8 @@ from agentserver.xsdgen import XsdType
 ORIGINAL_ATTEMPT_MAX_BYTES = 4096
 
 _NSMAP = {"": CORE_NS}
+HUH_TAG = f"{{{CORE_NS}}}huh"
+SYSTEM_ERROR_TAG = f"{{{CORE_NS}}}SystemError"
 HuhText = Literal[tuple(r.value for r in HuhReason)]  # type: ignore[valid-type]
 ErrorCode = Literal[tuple(c.value for c in SystemErrorCode)]  # type: ignore[valid-type]
 Base64 = Annotated[str, XsdType("xs:base64Binary")]
@@ -62,6 +65,14 @@ class Hello(BaseXmlModel, tag="hello", nsmap=_NSMAP):
 
 
 CORE_MODELS: tuple[type[BaseXmlModel], ...] = (Huh, SystemErrorPayload, Boot, Hello)
+
+
+def boot_primitive(organism: str, listener_count: int) -> Boot:
+    """The boot primitive, stamped now (ISO-8601 UTC, with ``Z``)."""
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    return Boot(
+        organism=organism, timestamp=now.replace("+00:00", "Z"), listener_count=listener_count
+    )
 
 
 def huh(reason: HuhReason, original: bytes = b"") -> etree._Element:

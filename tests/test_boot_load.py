@@ -15,7 +15,6 @@ from agentserver.bundled import BOOT_XML
 from agentserver.envelope import build_envelope
 from agentserver.listeners.echo import Ping
 from agentserver.pump import open_pump
-from agentserver.server import boot_primitive
 from agentserver.threads import new_thread_id
 
 NS = "https://xml-pipeline.org/ns/boot/v1"
@@ -280,7 +279,7 @@ async def test_topology_builds_a_pump_that_serves_and_boots():
     topo = boot.load_or_raise(REPO / "boot.xml", environ={})
     listeners = build_listeners(topo, RunContext(topo))
     async with open_pump(listeners, config=topo.pump_config()) as pump:
-        await pump.inject_system(boot_primitive(topo), to=topo.boot_listener.name)
+        await pump.inject_system(topo.boot_primitive(), to=topo.boot_listener.name)
         endpoint = pump.open_endpoint()
         await endpoint.send(
             etree.tostring(

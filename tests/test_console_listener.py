@@ -20,7 +20,6 @@ from agentserver.listeners.console import Prompt, xml_safe
 from agentserver.listeners.console_router import Say, Send, parse_command, render_reply
 from agentserver.primitives.core import huh, system_error
 from agentserver.pump import open_pump
-from agentserver.server import boot_primitive
 from agentserver.threads import new_thread_id
 
 PEERS = {"echo": ("{urn:agentserver:echo}ping",), "assistant": ("{urn:agentserver:assistant}task",)}
@@ -126,7 +125,7 @@ async def run_console(topology_path, lines, *, extra=None):
             )
             if extra is not None:
                 await extra(pump)
-            await pump.inject_system(boot_primitive(topo), to=topo.boot_listener.name)
+            await pump.inject_system(topo.boot_primitive(), to=topo.boot_listener.name)
             with trio.fail_after(10):
                 await done.wait()
             await trio.testing.wait_all_tasks_blocked()
@@ -205,6 +204,6 @@ async def test_without_a_terminal_the_console_never_reads():
     async with open_pump(
         build_listeners(topo, RunContext(topo)), config=topo.pump_config()
     ) as pump:
-        await pump.inject_system(boot_primitive(topo), to=topo.boot_listener.name)
+        await pump.inject_system(topo.boot_primitive(), to=topo.boot_listener.name)
         await trio.testing.wait_all_tasks_blocked()
         assert pump.stats()["handled"].get("console", 0) == 0
