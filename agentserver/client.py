@@ -27,6 +27,7 @@ from agentserver.envelope import MESSAGE, build_envelope
 from agentserver.errors import AgentServerError, InputRefused, sole_exception
 from agentserver.framing import FrameDecoder, FramingError, encode_frame
 from agentserver.handshake import hello_frame_body
+from agentserver.listener import to_element
 from agentserver.namespaces import CORE_NS, ENVELOPE_NS
 from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
 from agentserver.threads import is_uuid4, new_thread_id
@@ -108,15 +109,11 @@ def parse_reply(data: bytes, parser: SafeParser) -> Reply:
 
 def payload_element(payload: BaseXmlModel | etree._Element | bytes | str) -> etree._Element:
     """A payload as an element. Bytes and str are parsed with the hardened parser."""
-    if isinstance(payload, BaseXmlModel):
-        return payload.to_xml_tree(exclude_none=True)
-    if isinstance(payload, etree._Element):
-        return payload
     if isinstance(payload, str):
         payload = payload.encode("utf-8")
     if isinstance(payload, bytes):
         return SafeParser().parse(payload.strip())
-    raise TypeError(f"cannot send a {type(payload).__name__} as a payload")
+    return to_element(payload)
 
 
 class Client:

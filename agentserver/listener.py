@@ -19,6 +19,17 @@ RESERVED_NAMES = frozenset({"system"})
 Payload: TypeAlias = BaseXmlModel | etree._Element
 
 
+def to_element(payload: object) -> etree._Element:
+    """A :data:`Payload` as an element (a model is serialised). Raises TypeError."""
+    if isinstance(payload, BaseXmlModel):
+        return payload.to_xml_tree(exclude_none=True)
+    if isinstance(payload, etree._Element):
+        return payload
+    raise TypeError(
+        f"payload must be a pydantic-xml model or an lxml element, not {type(payload).__name__}"
+    )
+
+
 # Not frozen: a frozen dataclass's __init__ costs twice as much, and one is built per
 # handler call. The pump reads it once and never keeps it.
 @dataclass(slots=True)

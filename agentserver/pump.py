@@ -47,7 +47,14 @@ from agentserver.errors import (
     Refusal,
     SystemErrorCode,
 )
-from agentserver.listener import NAME_RE, RESERVED_NAMES, HandlerMetadata, HandlerResponse, Listener
+from agentserver.listener import (
+    NAME_RE,
+    RESERVED_NAMES,
+    HandlerMetadata,
+    HandlerResponse,
+    Listener,
+    to_element,
+)
 from agentserver.payloads import PayloadRegistry, PayloadType
 from agentserver.primitives.core import CORE_MODELS, primitive_for
 from agentserver.routing import RoutingTable, SelfCall
@@ -474,7 +481,7 @@ class Pump:
         the root thread. Core-namespace payloads are allowed here and only here."""
         if self._state is not _State.RUNNING:
             raise PumpClosed(self._state.value)
-        element = self._to_element(payload)
+        element = to_element(payload)
         ptype = self.payloads.get(element.tag)
         if ptype is None or not ptype.schema.validate(element):
             raise ConfigurationError(f"system payload {element.tag} is not valid")
@@ -534,7 +541,7 @@ class Pump:
         """
         if self._state is not _State.RUNNING:
             raise PumpClosed(self._state.value)
-        element = self._to_element(payload)
+        element = to_element(payload)
         ptype = self._codec.validate_payload(element)
         decision = self._table.outbound(sender, ptype.tag, to)
         if isinstance(decision, SelfCall) or len(decision.targets) != 1:
@@ -557,7 +564,7 @@ class Pump:
     def check_self_call(self, sender: str, payload: BaseXmlModel | etree._Element) -> None:
         """Validate a self-iteration payload of ``sender`` without delivering it (an agent
         continues its Turn itself). Raises :class:`Refusal` as a delivery would."""
-        element = self._to_element(payload)
+        element = to_element(payload)
         ptype = self._codec.validate_payload(element)
         if not isinstance(self._table.outbound(sender, ptype.tag, sender), SelfCall):
             raise InputRefused(HuhReason.INVALID_PAYLOAD, f"{ptype.tag} is not {sender}'s own")
@@ -573,7 +580,7 @@ class Pump:
         Returns False if nobody was there to receive it (e.g. an anonymous client that has
         gone); raises :class:`Refusal` if the payload is not valid.
         """
-        element = self._to_element(payload)
+        element = to_element(payload)
         ptype = self._codec.validate_payload(element)
         hop = self.revive(ref)
         parent = self.threads.prune(hop)
@@ -671,15 +678,6 @@ class Pump:
         """Send a validated payload to an endpoint (never waits; counted if dropped)."""
         if not endpoint.push(encode(from_id, endpoint.name, thread_id, payload)):
             self.counters["dropped"] += 1
-
-    def _to_element(self, payload: object) -> etree._Element:
-        if isinstance(payload, BaseXmlModel):
-            return payload.to_xml_tree(exclude_none=True)
-        if isinstance(payload, etree._Element):
-            return payload
-        raise TypeError(
-            f"payload must be a pydantic-xml model or an lxml element, not {type(payload).__name__}"
-        )
 
     # -- handlers ------------------------------------------------------------------------
 
@@ -876,7 +874,7 @@ class Pump:
             return
         for item in items:
             try:
-                element = self._to_element(item.payload)
+                element = to_element(item.payload)
             except Exception:
                 self.counters["handler_errors"] += 1
                 log.exception("%s: handler returned an unusable payload", listener.name)
