@@ -40,9 +40,6 @@ class PayloadType:
         """Validate ``element`` (a payload root, possibly inside an envelope tree)."""
         return self.schema.validate(element)
 
-    def xsd_text(self) -> str:
-        return etree.tostring(self.schema_doc, pretty_print=True, encoding="unicode")
-
 
 class PayloadRegistry:
     """Root tag → payload type. One model per tag; registering the same model again is a no-op."""

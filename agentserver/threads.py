@@ -119,9 +119,6 @@ class ThreadRegistry:
     def get(self, thread_id: str) -> ThreadRecord | None:
         return self._threads.get(thread_id)
 
-    def touch(self, record: ThreadRecord, now: float) -> None:
-        record.last_active = now
-
     def open_root(
         self, chain: tuple[str, ...], now: float, thread_id: str | None = None
     ) -> ThreadRecord:
