@@ -6,9 +6,8 @@ Finish reasons are mapped to the OpenAI vocabulary (``stop``, ``length``,
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
-from ..config import Provider
 from ..types import Reply, Request, Role, Usage
 from .base import Backend, SSEDecoder, StreamParser
 
@@ -79,8 +78,6 @@ class _AnthropicStream(StreamParser):
 
 
 class AnthropicBackend(Backend):
-    provider: ClassVar[Provider] = Provider.ANTHROPIC
-
     def endpoint(self, base_url: str) -> str:
         return base_url + "/v1/messages"
 

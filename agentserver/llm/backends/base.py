@@ -14,12 +14,12 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import httpx
 
 from ..classify import classify, parse_retry_after
-from ..config import BackendConfig, Provider
+from ..config import BackendConfig
 from ..tokens import estimate_prompt_tokens, estimate_text_tokens
 from ..types import LLMError, Reply, Request, Usage
 
@@ -170,8 +170,6 @@ class WholeReplyStream:
 
 class Backend(ABC):
     """One configured backend speaking one provider's wire format."""
-
-    provider: ClassVar[Provider]
 
     def __init__(self, config: BackendConfig, client: httpx.AsyncClient, api_key: str | None):
         self.config = config

@@ -6,9 +6,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar
+from typing import Any
 
-from ..config import Provider
 from ..types import Reply, Request, Usage
 from .base import Backend, StreamParser
 
@@ -39,8 +38,6 @@ class _OllamaStream(StreamParser):
 
 
 class OllamaBackend(Backend):
-    provider: ClassVar[Provider] = Provider.OLLAMA
-
     def endpoint(self, base_url: str) -> str:
         return base_url + "/api/chat"
 

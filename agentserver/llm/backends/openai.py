@@ -3,9 +3,8 @@ Ollama's /v1, OpenRouter, ...): ``POST {base_url}/chat/completions``, SSE stream
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
-from ..config import Provider
 from ..types import Reply, Request, Usage
 from .base import Backend, SSEDecoder, StreamParser
 
@@ -62,8 +61,6 @@ class _OpenAIStream(StreamParser):
 
 
 class OpenAIBackend(Backend):
-    provider: ClassVar[Provider] = Provider.OPENAI
-
     def endpoint(self, base_url: str) -> str:
         return base_url + "/chat/completions"
 
