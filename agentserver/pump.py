@@ -944,11 +944,11 @@ class Pump:
         if self.threads.get(thread.id) is not thread:
             return
         thread.strikes += 1
-        original = canonical_or_empty(element)
         if thread.strikes > MAX_STRIKES:
-            await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), None, original)
+            # The caller never sees the refused output: it is the listener's, not its own.
+            await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), None)
             return
-        primitive = primitive_for(refusal, original)
+        primitive = primitive_for(refusal, canonical_or_empty(element))
         ptype = self.payloads.get(primitive.tag)
         try:
             await self._enqueue(
@@ -957,20 +957,20 @@ class Pump:
         except DeliveryRefused:
             log.warning("%s: could not return a refusal (queue full)", listener.name)
 
-    async def _fail(
-        self,
-        thread: ThreadRecord,
-        refusal: Refusal,
-        d: _Delivery | None,
-        original: bytes | None = None,
-    ) -> None:
-        """The owner of ``thread`` failed: its caller gets one primitive; the thread ends."""
-        if original is None and d is not None:
-            original = d.original if d.original is not None else canonical_or_empty(d.payload)
+    async def _fail(self, thread: ThreadRecord, refusal: Refusal, d: _Delivery | None) -> None:
+        """The owner of ``thread`` failed (on delivery ``d``, if known): its caller gets
+        one primitive; the thread ends.
+
+        A ``<huh>``'s ``original-attempt`` echoes only the caller's own message: ``d`` if
+        the caller sent it, else nothing (a peer's answer or the owner's own output are
+        none of the caller's business; for a client they may be internal data)."""
         parent = self.threads.prune(thread)
         if parent is None:
             return
-        primitive = primitive_for(refusal, original or b"")
+        original = b""
+        if d is not None and d.from_id == parent.owner and not d.is_self_call:
+            original = d.original if d.original is not None else canonical_or_empty(d.payload)
+        primitive = primitive_for(refusal, original)
         try:
             await self._deliver_to_owner(
                 parent, primitive, self.payloads.get(primitive.tag), SYSTEM, thread.id

@@ -528,6 +528,65 @@ async def test_invalid_output_bounces_to_sender_then_caller_after_strikes():
     assert count == 4  # the original + MAX_STRIKES bounces of <huh>
 
 
+def original_attempt(payload: etree._Element) -> bytes:
+    return base64.b64decode(
+        payload.findtext("{https://xml-pipeline.org/ns/core/v1}original-attempt")
+    )
+
+
+async def test_refused_output_never_reaches_the_caller_in_its_huh():
+    """After MAX_STRIKES refused outputs the caller gets a <huh>: it echoes nothing of
+    the listener's output (which may hold internal data), only what the caller sent."""
+
+    async def leaky(p, meta):
+        return HandlerResponse.respond(
+            etree.fromstring(f'<pong xmlns="{NS}"><bad>INTERNAL-SECRET</bad></pong>'.encode())
+        )
+
+    data = envelope_bytes(Ping(text="mine"), to="echo")
+    async with open_pump([echo_listener(handler=leaky)]) as pump:
+        _, payload = await _one_answer(pump, data)
+    assert huh_text(payload) == HuhReason.HANDLER_FAILED.value
+    echoed = original_attempt(payload)
+    assert b"INTERNAL-SECRET" not in echoed
+    assert echoed in (b"", data)
+
+
+async def test_a_peers_answer_never_reaches_the_caller_in_its_huh():
+    """A handler that fails on a peer's answer: its caller's <huh> does not carry that
+    answer (the caller never sent it)."""
+
+    async def ask(p, meta):
+        if isinstance(p, Ping):
+            return HandlerResponse(Add(a=1, b=2), to="calc")
+        raise RuntimeError("cannot use the answer")
+
+    async def calc(p, meta):
+        return HandlerResponse.respond(Sum(value=-424242))
+
+    listeners = [
+        Listener("asker", (Ping,), ask, peers=("calc",), responses=(Pong,)),
+        Listener("calc", (Add,), calc, responses=(Sum,)),
+    ]
+    data = envelope_bytes(Ping(text="mine"), to="asker")
+    async with open_pump(listeners) as pump:
+        _, payload = await _one_answer(pump, data)
+    assert huh_text(payload) == HuhReason.HANDLER_FAILED.value
+    echoed = original_attempt(payload)
+    assert b"424242" not in echoed
+    assert echoed in (b"", data)
+
+
+async def test_a_failure_on_the_callers_own_message_echoes_it():
+    async def boom(p, meta):
+        raise RuntimeError("no")
+
+    data = envelope_bytes(Ping(text="mine"), to="echo")
+    async with open_pump([echo_listener(handler=boom)]) as pump:
+        _, payload = await _one_answer(pump, data)
+    assert original_attempt(payload) == data
+
+
 async def test_full_queue_pushes_back_on_sender():
     release = trio.Event()
     blocked = echo_after(release)
