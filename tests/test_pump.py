@@ -119,8 +119,9 @@ async def test_three_hop_forward_respond_chain():
         assert payload[0].text == "1050"  # ((4+1)+100)*10
         assert meta["from"] == "a"
         await trio.testing.wait_all_tasks_blocked()
-        # Every hop thread is gone; only the root thread and the client's conversation stay.
-        assert len(pump.threads) == 2
+        # Every hop thread is gone, and with them the client's finished conversation: only
+        # the root thread stays.
+        assert len(pump.threads) == 1
     assert [t[:2] for t in trace] == [
         ("a", "Ping"),
         ("b", "Add"),
@@ -140,7 +141,7 @@ async def test_none_ends_chain_and_cleans_thread():
         ep = pump.open_endpoint()
         await ep.send(envelope_bytes(Note(text="x"), to="sink"))
         assert await drain(ep) == []
-        assert len(pump.threads) == 2  # root + the client's conversation; the hop is gone
+        assert len(pump.threads) == 1  # the hop and the finished conversation are gone
 
 
 async def test_concurrent_conversations_on_same_path_each_get_their_reply():
@@ -821,12 +822,14 @@ async def test_root_thread_exists_and_system_payload_reaches_boot_listener():
 
 async def test_client_cannot_hijack_another_partys_thread():
     seen = []
+    release = trio.Event()
 
     async def relay(p, meta):
         seen.append(meta.thread_id)
+        await release.wait()  # keeps the conversations live
         return None
 
-    async with open_pump([Listener("relay", (Note,), relay)]) as pump:
+    async with open_pump([Listener("relay", (Note,), relay, concurrency=2)]) as pump:
         a = pump.open_endpoint("a")
         b = pump.open_endpoint("b")
         thread = "33333333-3333-4333-8333-333333333333"
@@ -838,6 +841,7 @@ async def test_client_cannot_hijack_another_partys_thread():
         assert {r.chain for r in roots} >= {("a",), ("b",)}
         b_root = next(r for r in roots if r.chain == ("b",))
         assert b_root.id != thread
+        release.set()
 
 
 async def test_endpoint_restricted_to_allowed_listeners():
