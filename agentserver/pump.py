@@ -1007,8 +1007,14 @@ class Pump:
             log.warning("could not deliver a failure notice to %s", parent.owner)
 
     def _settle(self, thread: ThreadRecord) -> None:
-        """End ``thread`` if nothing can reach it any more (see ``ThreadRegistry.finish``)."""
-        self.threads.finish(thread)
+        """End ``thread`` if nothing can reach it any more (see ``ThreadRegistry.finish``).
+        If that ends an endpoint's request without an answer, tell the endpoint, so that
+        a server frees the request's in-flight slot now."""
+        top = self.threads.finish(thread)
+        if top is not None and top.parent is not None and len(top.chain) == 2:
+            endpoint = self._endpoints.get(top.chain[0])
+            if endpoint is not None:
+                endpoint.chain_ended()
 
     def _refuse_sync(self, thread: ThreadRecord, refusal: Refusal) -> None:
         """On cancellation: tell an external caller now (pushing to an endpoint never blocks)."""

@@ -16,7 +16,7 @@ from test_server_direct_write import ping_frame, read_frame
 from agentserver.envelope import build_envelope
 from agentserver.framing import FrameDecoder, encode_frame
 from agentserver.handshake import HelloGate
-from agentserver.listener import Listener
+from agentserver.listener import HandlerResponse, Listener
 from agentserver.listeners.echo import Ping, Pong
 from agentserver.listeners.echo import handle as echo
 from agentserver.pump import Pump, PumpConfig, open_pump
@@ -139,3 +139,39 @@ async def test_one_connection_cannot_take_the_registry_from_another():
             assert is_pong(reply, f"b{i}")
         await greedy.stream.aclose()
         await bystander.stream.aclose()
+
+
+async def sink(payload, meta):
+    return None
+
+
+async def forward(payload, meta):
+    return HandlerResponse(Drop(text=payload.text), to="sink")
+
+
+@pytest.mark.parametrize("to", ["sink", "relay"], ids=["handler returns None", "last hop ends"])
+async def test_requests_that_end_without_an_answer_free_their_in_flight_slot_at_once(to):
+    """max-inflight requests that end without an answer (the handler returns None, or the
+    last listener of the chain does) do not stop the server reading the connection: the
+    next request is answered at once, not after inflight-ttl."""
+    listeners = [
+        Listener("echo", (Ping,), echo, responses=(Pong,), raw=True),
+        Listener("sink", (Drop,), sink),
+        Listener("relay", (Pass,), forward, peers=("sink",)),
+    ]
+    limits = Limits(max_inflight=4, inflight_ttl=120)
+    kind = Drop if to == "sink" else Pass
+    async with serving(listeners, limits) as (pump, port):
+        conn = await Connection.open(port)
+        silent = b"".join(frame(kind(text=str(i)).to_xml_tree(), to) for i in range(12))
+        with trio.fail_after(5):
+            reply = await conn.ask(silent + ping_frame("after", new_thread_id()))
+        assert is_pong(reply, "after")  # nothing else came back: the 12 ended silently
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(pump.threads) == 1  # every hop, and every conversation, is gone
+        # End of input with nothing owed: the server closes at once, without lingering
+        # read-timeout for replies that will never come.
+        await conn.stream.send_eof()
+        with trio.fail_after(2):
+            assert await conn.stream.receive_some(100) == b""
+        await conn.stream.aclose()
