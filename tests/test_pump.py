@@ -144,6 +144,41 @@ async def test_none_ends_chain_and_cleans_thread():
         assert len(pump.threads) == 1  # the hop and the finished conversation are gone
 
 
+async def test_the_endpoint_is_told_once_per_request_that_ends_without_an_answer():
+    held: list[str] = []
+    pump_ref = []
+
+    async def sink(p, meta):
+        return None
+
+    async def relay(p, meta):
+        return HandlerResponse(Note(text=p.text), to="sink")
+
+    async def keep(p, meta):
+        held.append(meta.thread_id)
+        pump_ref[0].hold(meta.thread_id)
+        return None
+
+    listeners = [
+        Listener("sink", (Note,), sink),
+        Listener("relay", (Ping,), relay, peers=("sink",)),
+        Listener("keep", (Add,), keep),
+    ]
+    async with open_pump(listeners) as pump:
+        pump_ref.append(pump)
+        ep = pump.open_endpoint()
+        ended = []
+        ep.on_chain_end = lambda: ended.append(ep.unanswered)
+        await ep.send(envelope_bytes(Note(text="x"), to="sink"))  # None
+        await ep.send(envelope_bytes(Ping(text="x"), to="relay"))  # the last hop's None
+        await ep.send(envelope_bytes(Add(a=1, b=2), to="keep"))  # held: not ended
+        assert await drain(ep) == []
+        assert ended == [1, 2] and ep.unanswered == 2
+        assert len(pump.threads) == 3  # the root, and the held request's conversation
+        pump.release(held[0])  # given up without an answer: it ends now
+        assert ended == [1, 2, 3] and len(pump.threads) == 1
+
+
 async def test_concurrent_conversations_on_same_path_each_get_their_reply():
     """Two conversations client→relay→echo at once: the reference implementation keyed
     threads by chain and lost one reply. Each must arrive, on its own thread."""
