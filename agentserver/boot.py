@@ -272,6 +272,13 @@ class _Loader:
                 f"({limits.max_inflight}): a client with many requests in flight may be "
                 "disconnected for reading too slowly",
             )
+        if limits.max_threads_per_connection >= limits.max_threads:
+            self.warn(
+                el.sourceline,
+                f"max-threads-per-connection ({limits.max_threads_per_connection}) is not below "
+                f"max-threads ({limits.max_threads}): one client can fill the thread registry "
+                "and have every other refused",
+            )
         return limits
 
     # -- listeners -----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from agentserver.errors import EndpointClosed
 
 if TYPE_CHECKING:
     from agentserver.pump import Pump
+    from agentserver.threads import ThreadQuota
 
 log = logging.getLogger("agentserver.endpoint")
 
@@ -55,6 +56,14 @@ class Endpoint:
         self.sink: Callable[[bytes], bool] | None = None
         self.overflowed = False
         self.dropped = 0
+        #: The share of the thread registry this endpoint's conversations may hold (set by
+        #: the pump).
+        self.quota: ThreadQuota | None = None
+        #: Called, without blocking, each time a request of this endpoint ends without an
+        #: answer (see :meth:`chain_ended`).
+        self.on_chain_end: Callable[[], None] | None = None
+        #: Requests that ended without an answer.
+        self.unanswered = 0
 
     def send(self, data: bytes) -> Coroutine[Any, Any, None]:
         """Inject one envelope: ``await endpoint.send(data)``. Waits while the target
@@ -92,6 +101,14 @@ class Endpoint:
             return await self.receive()
         except EndpointClosed:
             raise StopAsyncIteration from None
+
+    def chain_ended(self) -> None:
+        """The pump ended one of this endpoint's requests without an answer: its handler
+        returned ``None`` (or was released), or the last hop of its chain did (one call per
+        hop: a broadcast request ends once per target). A server frees its in-flight slot."""
+        self.unanswered += 1
+        if self.on_chain_end is not None:
+            self.on_chain_end()
 
     def push(self, data: bytes) -> bool:
         """Queue ``data`` for the endpoint without blocking. False if it was dropped."""

@@ -58,7 +58,14 @@ from agentserver.listener import (
 from agentserver.payloads import PayloadRegistry, PayloadType
 from agentserver.primitives.core import CORE_MODELS, primitive_for
 from agentserver.routing import RoutingTable, SelfCall
-from agentserver.threads import RegistryFull, ThreadRecord, ThreadRegistry, is_uuid4, new_thread_id
+from agentserver.threads import (
+    RegistryFull,
+    ThreadQuota,
+    ThreadRecord,
+    ThreadRegistry,
+    is_uuid4,
+    new_thread_id,
+)
 from agentserver.usage import describe_payload, usage_instructions
 from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, canonical_or_empty
 
@@ -77,6 +84,8 @@ class PumpConfig:
     organism: str = "organism"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_threads: int = 100_000
+    #: Threads the conversations of one endpoint may hold (its share of ``max_threads``).
+    max_threads_per_endpoint: int = 1024
     thread_idle_ttl: float = 3600.0
     expire_interval: float = 30.0
     delivery_timeout: float = 10.0
@@ -388,6 +397,7 @@ class Pump:
             frozenset(allowed) if allowed is not None else None,
             buffer_bytes or self.config.endpoint_buffer_bytes,
         )
+        endpoint.quota = ThreadQuota(self.config.max_threads_per_endpoint)
         self._endpoints[name] = endpoint
         return endpoint
 
@@ -429,6 +439,7 @@ class Pump:
                     HuhReason.INVALID_PAYLOAD, f"{endpoint.name} may not address {targets}"
                 )
         except InputRefused as refusal:
+            self.threads.finish(thread)  # a fresh conversation got no hop: it ends here
             self._answer_endpoint(endpoint, thread.id, refusal, data)
             return
         payload = inbound_payload
@@ -452,22 +463,31 @@ class Pump:
             except DeliveryRefused as refusal:
                 self.threads.prune(child)
                 self._answer_endpoint(endpoint, thread.id, refusal, data)
+        if not thread.children:  # no hop was opened: the conversation holds nothing
+            self.threads.finish(thread)
 
     def _client_thread(self, endpoint: Endpoint, thread_id: str, now: float) -> ThreadRecord:
         """The endpoint's conversation thread: reused if it is the endpoint's own, accepted
         if it is a fresh uuid4, else replaced by a new uuid4 (which the replies carry).
-        A client can never attach to another party's thread."""
-        record = self.threads.get(thread_id)
+        A client can never attach to another party's thread.
+
+        The conversation is transient (it ends with its last hop: a finished conversation
+        holds no registry capacity; reusing its id opens it again) and charged to the
+        endpoint's quota."""
+        threads = self.threads
+        record = threads.get(thread_id)
         if record is not None:
             if record.parent is None and (
                 record.chain is endpoint.chain or record.chain == endpoint.chain
             ):
                 record.last_active = now
                 return record
-            return self.threads.open_root(endpoint.chain, now)
-        if is_uuid4(thread_id):
-            return self.threads.open_root(endpoint.chain, now, thread_id=thread_id)
-        return self.threads.open_root(endpoint.chain, now)
+            thread_id = None
+        elif not is_uuid4(thread_id):
+            thread_id = None
+        return threads.open_root(
+            endpoint.chain, now, thread_id, quota=endpoint.quota, transient=True
+        )
 
     def _answer_endpoint(
         self, endpoint: Endpoint, thread_id: str, refusal: Refusal, original: bytes
@@ -508,10 +528,11 @@ class Pump:
         return ThreadRef(record.id, record.parent, record.chain)
 
     def release(self, thread_id: str) -> None:
+        """Undo :meth:`hold` without answering: the hop ends once nothing else keeps it."""
         record = self.threads.get(thread_id)
         if record is not None:
             self.threads.unpin(record)
-            self.threads.finish(record)
+            self._settle(record)
 
     def revive(self, ref: ThreadRef) -> ThreadRecord:
         """The live hop of ``ref``, rebuilt (with its caller's thread) if a restart lost it.
@@ -524,7 +545,10 @@ class Pump:
         now = trio.current_time()
         parent = self.threads.get(ref.caller_thread)
         if parent is None:
-            parent = self.threads.open_root(ref.chain[:-1], now, thread_id=ref.caller_thread)
+            # A one-name chain is an external party's conversation: transient, as it was.
+            parent = self.threads.open_root(
+                ref.chain[:-1], now, thread_id=ref.caller_thread, transient=len(ref.chain) == 2
+            )
         record = self.threads.extend(parent, ref.chain[-1], now, thread_id=ref.hop)
         self.threads.pin(record)
         return record
@@ -742,9 +766,10 @@ class Pump:
                 except trio.EndOfChannel:
                     return
                 streak = 0
+            # The delivery stays pending on its thread until its outputs are out, so the
+            # thread cannot be finished (by a call of it ending) while its handler runs.
+            thread = d.thread
             try:
-                thread = d.thread
-                thread.pending -= 1
                 if threads.get(thread.id) is not thread:
                     counters["dropped"] += 1
                     log.info(
@@ -785,13 +810,18 @@ class Pump:
                     await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), d)
                     continue
                 if type(result) is HandlerResponse and type(result.payload) is etree._Element:
-                    if not (result.is_response and self._answer_client(listener, thread, result)):
-                        await self._emit(listener, thread, result, result.payload)
+                    if result.is_response and self._answer_client(listener, thread, result):
+                        continue
+                    await self._emit(listener, thread, result, result.payload)
                 else:
                     await self._apply(listener, thread, result, d)
             finally:
+                thread.pending -= 1
                 rt.handled += 1
                 self._done()
+            if not (thread.children or thread.pins or thread.pending):
+                # Nothing can reach this thread any more (it answered, or its chain ended).
+                self._settle(thread)
 
     async def _deadline_monitor(self) -> None:
         """Keep the pump's coarse clock and cancel handlers that overrun their timeout.
@@ -852,8 +882,7 @@ class Pump:
         self, listener: Listener, thread: ThreadRecord, result: object, d: _Delivery
     ) -> None:
         if result is None:
-            self.threads.finish(thread)
-            return
+            return  # the chain ends (the worker settles the thread)
         if isinstance(result, HandlerResponse):
             items: tuple[HandlerResponse, ...] = (result,)
         elif isinstance(result, list | tuple) and all(
@@ -870,7 +899,6 @@ class Pump:
             await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), d)
             return
         if not items:
-            self.threads.finish(thread)
             return
         for item in items:
             try:
@@ -944,11 +972,11 @@ class Pump:
         if self.threads.get(thread.id) is not thread:
             return
         thread.strikes += 1
-        original = canonical_or_empty(element)
         if thread.strikes > MAX_STRIKES:
-            await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), None, original)
+            # The caller never sees the refused output: it is the listener's, not its own.
+            await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), None)
             return
-        primitive = primitive_for(refusal, original)
+        primitive = primitive_for(refusal, canonical_or_empty(element))
         ptype = self.payloads.get(primitive.tag)
         try:
             await self._enqueue(
@@ -957,26 +985,36 @@ class Pump:
         except DeliveryRefused:
             log.warning("%s: could not return a refusal (queue full)", listener.name)
 
-    async def _fail(
-        self,
-        thread: ThreadRecord,
-        refusal: Refusal,
-        d: _Delivery | None,
-        original: bytes | None = None,
-    ) -> None:
-        """The owner of ``thread`` failed: its caller gets one primitive; the thread ends."""
-        if original is None and d is not None:
-            original = d.original if d.original is not None else canonical_or_empty(d.payload)
+    async def _fail(self, thread: ThreadRecord, refusal: Refusal, d: _Delivery | None) -> None:
+        """The owner of ``thread`` failed (on delivery ``d``, if known): its caller gets
+        one primitive; the thread ends.
+
+        A ``<huh>``'s ``original-attempt`` echoes only the caller's own message: ``d`` if
+        the caller sent it, else nothing (a peer's answer or the owner's own output are
+        none of the caller's business; for a client they may be internal data)."""
         parent = self.threads.prune(thread)
         if parent is None:
             return
-        primitive = primitive_for(refusal, original or b"")
+        original = b""
+        if d is not None and d.from_id == parent.owner and not d.is_self_call:
+            original = d.original if d.original is not None else canonical_or_empty(d.payload)
+        primitive = primitive_for(refusal, original)
         try:
             await self._deliver_to_owner(
                 parent, primitive, self.payloads.get(primitive.tag), SYSTEM, thread.id
             )
         except DeliveryRefused:
             log.warning("could not deliver a failure notice to %s", parent.owner)
+
+    def _settle(self, thread: ThreadRecord) -> None:
+        """End ``thread`` if nothing can reach it any more (see ``ThreadRegistry.finish``).
+        If that ends an endpoint's request without an answer, tell the endpoint, so that
+        a server frees the request's in-flight slot now."""
+        top = self.threads.finish(thread)
+        if top is not None and top.parent is not None and len(top.chain) == 2:
+            endpoint = self._endpoints.get(top.chain[0])
+            if endpoint is not None:
+                endpoint.chain_ended()
 
     def _refuse_sync(self, thread: ThreadRecord, refusal: Refusal) -> None:
         """On cancellation: tell an external caller now (pushing to an endpoint never blocks)."""

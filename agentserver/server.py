@@ -20,8 +20,9 @@ Outcomes (also in docs/wire.md):
   retry allowed) and is closed.
 - At most ``max_inflight`` requests, of at most ``max_inflight_bytes`` bytes in all, per
   connection wait for replies; past that the server stops reading from that connection
-  (TCP pushes back). A request stops counting when a reply is written or after
-  ``inflight_ttl`` seconds. One request is always admitted when none waits.
+  (TCP pushes back). A request stops counting when a reply is written, when it ends
+  without one (its handler returned ``None``, or the last hop of its chain ended), or
+  after ``inflight_ttl`` seconds. One request is always admitted when none waits.
 - Replies wait in a buffer of ``outgoing_buffer`` messages and ``outgoing_buffer_bytes``
   bytes; a client that stops reading is disconnected when it overflows, or when one write
   blocks for ``write_timeout`` seconds.
@@ -214,6 +215,7 @@ class _Connection:
         self._direct = _direct_handle(self.stream)
         if self._direct is not None:
             endpoint.sink = self._write_now
+        endpoint.on_chain_end = self._chain_ended
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._writer, nursery.cancel_scope)
@@ -231,6 +233,7 @@ class _Connection:
                     endpoint.close()
         finally:
             endpoint.sink = None
+            endpoint.on_chain_end = None
             if self._direct is not None:
                 # Before the stream closes: an open duplicate would keep the socket open.
                 self._direct.close()
@@ -395,6 +398,11 @@ class _Connection:
         for _ in range(min(count, len(inflight))):
             self._inflight_bytes -= inflight.popleft()[1]
         self._room.set()
+
+    def _chain_ended(self) -> None:
+        # A request that ended without a reply frees its slot now, not after inflight_ttl
+        # (counted like a reply: requests and replies are not matched, see _replied).
+        self._replied(1)
 
     async def _linger(self) -> None:
         """The client closed its sending side: give owed replies a bounded time to go out."""

@@ -6,9 +6,21 @@ everything below it) and routes to the parent, whose tail is the caller. Because
 gets a fresh id and a parent link, two concurrent conversations along the same path never
 share a thread: each reply finds its own caller.
 
+A thread is *finished* when nothing can reach it any more: its owner's handler is done
+with it (nothing ``pending``), it has no calls out (no children) and nobody holds it (no
+``pins``). :meth:`ThreadRegistry.finish` removes such a thread and then every caller hop
+that its removal finishes in turn (a listener that forwarded and returned waits for nothing
+once its last call ended without an answer). A *transient* root (an external party's
+conversation) exists only for its hops: it is removed with its last one, whether that hop
+answered or ended silently, so finished conversations hold no capacity. Reusing its id
+later simply opens it again.
+
 Bounds: at most ``max_threads`` live threads. When full, idle threads (no activity for
 ``idle_ttl`` seconds, not pinned) are expired first; if none can go, opening a thread raises
-:class:`RegistryFull`. Time is passed in by the caller (``now``), so tests control it.
+:class:`RegistryFull`. A tree may also be charged to a :class:`ThreadQuota` (one external
+party's share): every thread of the tree counts against it, and past its limit opening
+one more in that tree raises :class:`QuotaExceeded`, so one party cannot fill the registry
+for everyone. Time is passed in by the caller (``now``), so tests control it.
 """
 
 from __future__ import annotations
@@ -78,6 +90,18 @@ class RegistryFull(AgentServerError):
     """No room for another thread, even after expiring idle ones."""
 
 
+class QuotaExceeded(RegistryFull):
+    """No room for another thread in a tree charged to a full :class:`ThreadQuota`."""
+
+
+@dataclass(slots=True, eq=False)
+class ThreadQuota:
+    """One party's share of the registry: the threads of the trees charged to it."""
+
+    limit: int
+    used: int = 0
+
+
 @dataclass(slots=True, eq=False)
 class ThreadRecord:
     id: str
@@ -87,10 +111,15 @@ class ThreadRecord:
     children: set[str] = field(default_factory=set)
     #: Holds (e.g. an open agent Turn) keep a thread from idle expiry.
     pins: int = 0
-    #: Messages queued for the owner on this thread and not yet handled.
+    #: Messages for the owner on this thread, queued or being handled (until the
+    #: handler's outputs are out).
     pending: int = 0
     #: Consecutive outputs of the owner that the pump refused (bounded, see the pump).
     strikes: int = 0
+    #: The share this thread is charged to (shared by its whole tree), if any.
+    quota: ThreadQuota | None = None
+    #: A root that is removed with its last child (see the module docstring).
+    transient: bool = False
 
     @property
     def owner(self) -> str:
@@ -120,16 +149,31 @@ class ThreadRegistry:
         return self._threads.get(thread_id)
 
     def open_root(
-        self, chain: tuple[str, ...], now: float, thread_id: str | None = None
+        self,
+        chain: tuple[str, ...],
+        now: float,
+        thread_id: str | None = None,
+        *,
+        quota: ThreadQuota | None = None,
+        transient: bool = False,
     ) -> ThreadRecord:
-        """Open a thread with no parent (the system root, or an external conversation)."""
+        """Open a thread with no parent (the system root, or an external conversation).
+
+        ``quota``: charge this tree to it. ``transient``: remove the root with its last
+        child (an external conversation); such a root that never gets a child is removed
+        by :meth:`finish`.
+        """
         if not chain:
             raise ValueError("a chain needs at least one name")
         tid = thread_id or new_thread_id()
         if tid in self._threads:
             raise ValueError(f"thread {tid} exists")
         self._make_room(now)
-        record = ThreadRecord(tid, chain, None, now)
+        if quota is not None:
+            if quota.used >= quota.limit:
+                raise QuotaExceeded(f"{quota.used} threads in this party's share")
+            quota.used += 1
+        record = ThreadRecord(tid, chain, None, now, quota=quota, transient=transient)
         self._threads[tid] = record
         return record
 
@@ -149,7 +193,12 @@ class ThreadRegistry:
         elif thread_id in threads:
             raise ValueError(f"thread {thread_id} exists")
         self._make_room(now)
-        record = ThreadRecord(thread_id, (*parent.chain, target), parent.id, now)
+        quota = parent.quota
+        if quota is not None:
+            if quota.used >= quota.limit:
+                raise QuotaExceeded(f"{quota.used} threads in this party's share")
+            quota.used += 1
+        record = ThreadRecord(thread_id, (*parent.chain, target), parent.id, now, quota=quota)
         threads[thread_id] = record
         parent.children.add(thread_id)
         parent.last_active = now
@@ -159,7 +208,9 @@ class ThreadRegistry:
         """Remove ``record`` and its whole subtree; return its parent (the caller's thread).
 
         Returns ``None`` for a thread with no parent (nobody to answer). Idempotent:
-        pruning an already-removed thread returns ``None`` and changes nothing.
+        pruning an already-removed thread returns ``None`` and changes nothing. A transient
+        parent left without children is removed too (it is returned all the same: its
+        owner, an external party, only needs its id to be answered).
         """
         threads = self._threads
         if threads.get(record.id) is not record:
@@ -168,20 +219,33 @@ class ThreadRegistry:
         self._remove_subtree(record)
         return parent
 
-    def finish(self, record: ThreadRecord) -> bool:
-        """The thread's owner is done with it. Removed now unless it still has live calls.
+    def finish(self, record: ThreadRecord) -> ThreadRecord | None:
+        """The thread's owner is done with it. Removed now if finished (see the module
+        docstring), with every caller hop its removal finishes.
 
         A thread that still has children stays until they answer (the owner may be waiting
-        for several peers), as does one with messages still queued for its owner (answers
-        that arrived together), until those are handled or the thread expires. Returns True
-        if removed.
+        for several peers), as does one with messages pending for its owner, or a pinned
+        one. Returns the topmost thread removed, whose caller (its parent's owner) will
+        get no answer on it, or None if nothing was removed.
         """
-        if self._threads.get(record.id) is not record:
-            return False
+        threads = self._threads
+        if threads.get(record.id) is not record:
+            return None
         if record.children or record.pins or record.pending:
-            return False
-        self._remove_subtree(record)
-        return True
+            return None
+        top = record
+        while True:
+            self._remove_subtree(top)  # a leaf: detaches it, collapses a transient parent
+            parent = threads.get(top.parent) if top.parent is not None else None
+            if (
+                parent is None
+                or parent.parent is None
+                or parent.children
+                or parent.pins
+                or parent.pending
+            ):
+                return top
+            top = parent
 
     def pin(self, record: ThreadRecord) -> None:
         record.pins += 1
@@ -241,23 +305,35 @@ class ThreadRegistry:
         if not record.children:  # the common case: a leaf hop answering its caller
             if threads.pop(record.id, None) is None:
                 return 0
-            if record.parent is not None:
-                parent = threads.get(record.parent)
-                if parent is not None:
-                    parent.children.discard(record.id)
-            return 1
-        stack = [record]
-        count = 0
-        while stack:
-            node = stack.pop()
-            if self._threads.pop(node.id, None) is None:
-                continue
-            count += 1
-            stack.extend(self._threads[c] for c in node.children if c in self._threads)
+            count = 1
+            if record.quota is not None:
+                record.quota.used -= 1
+        else:
+            stack = [record]
+            count = 0
+            while stack:
+                node = stack.pop()
+                if threads.pop(node.id, None) is None:
+                    continue
+                count += 1
+                if node.quota is not None:
+                    node.quota.used -= 1
+                stack.extend(threads[c] for c in node.children if c in threads)
         if record.parent is not None:
-            parent = self._threads.get(record.parent)
+            parent = threads.get(record.parent)
             if parent is not None:
                 parent.children.discard(record.id)
+                if (
+                    parent.transient
+                    and not parent.children
+                    and not parent.pins
+                    and not parent.pending
+                ):
+                    # The conversation's last hop ended: the root holds nothing any more.
+                    del threads[parent.id]
+                    if parent.quota is not None:
+                        parent.quota.used -= 1
+                    count += 1
         return count
 
     def _make_room(self, now: float) -> None:

@@ -43,6 +43,9 @@ class Limits:
     drain_timeout: float = 5.0
     delivery_timeout: float = 10.0
     max_threads: int = 100_000
+    #: Threads the conversations of one connection may hold: one client alone cannot
+    #: fill the registry.
+    max_threads_per_connection: int = 1024
     thread_ttl: float = 3600.0
 
 
@@ -127,6 +130,7 @@ class Topology:
             organism=self.organism,
             max_message_bytes=lim.max_message_bytes,
             max_threads=lim.max_threads,
+            max_threads_per_endpoint=lim.max_threads_per_connection,
             thread_idle_ttl=lim.thread_ttl,
             delivery_timeout=lim.delivery_timeout,
             endpoint_buffer=lim.outgoing_buffer,

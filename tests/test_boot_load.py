@@ -110,6 +110,31 @@ def test_frame_limit_beyond_a_4_byte_length_is_refused_by_check(tmp_path):
     assert largest.topology.limits.max_threads == 12345678901234567891  # every digit kept
 
 
+def test_threads_per_connection_is_read_defaults_sanely_and_warns_when_it_is_no_bound(tmp_path):
+    listeners = '<listeners><listener name="echo" handler="echo"/></listeners>'
+    default = boot.load(write(tmp_path, listeners))
+    limits = default.topology.limits
+    # A sane default: one connection holds at most ~1% of the registry.
+    assert 0 < limits.max_threads_per_connection * 50 < limits.max_threads
+    assert default.problems == []
+    path = write(tmp_path, f'<limits max-threads-per-connection="7"/>\n{listeners}')
+    topo = boot.load(path).topology
+    assert topo.limits.max_threads_per_connection == 7
+    assert topo.pump_config().max_threads_per_endpoint == 7
+    path = write(
+        tmp_path, f'<limits max-threads="10" max-threads-per-connection="10"/>\n{listeners}'
+    )
+    result = boot.load(path)
+    assert result.ok
+    assert messages(result) == [
+        f"{path}:2: warning: max-threads-per-connection (10) is not below max-threads (10): "
+        "one client can fill the thread registry and have every other refused"
+    ]
+    refused = boot.load(write(tmp_path, f'<limits max-threads-per-connection="0"/>\n{listeners}'))
+    assert not refused.ok
+    assert any("max-threads-per-connection" in p.message for p in refused.problems)
+
+
 def test_unset_or_empty_token_variable_is_a_warning_not_an_error(tmp_path):
     path = write(
         tmp_path,

@@ -119,8 +119,9 @@ async def test_three_hop_forward_respond_chain():
         assert payload[0].text == "1050"  # ((4+1)+100)*10
         assert meta["from"] == "a"
         await trio.testing.wait_all_tasks_blocked()
-        # Every hop thread is gone; only the root thread and the client's conversation stay.
-        assert len(pump.threads) == 2
+        # Every hop thread is gone, and with them the client's finished conversation: only
+        # the root thread stays.
+        assert len(pump.threads) == 1
     assert [t[:2] for t in trace] == [
         ("a", "Ping"),
         ("b", "Add"),
@@ -140,7 +141,42 @@ async def test_none_ends_chain_and_cleans_thread():
         ep = pump.open_endpoint()
         await ep.send(envelope_bytes(Note(text="x"), to="sink"))
         assert await drain(ep) == []
-        assert len(pump.threads) == 2  # root + the client's conversation; the hop is gone
+        assert len(pump.threads) == 1  # the hop and the finished conversation are gone
+
+
+async def test_the_endpoint_is_told_once_per_request_that_ends_without_an_answer():
+    held: list[str] = []
+    pump_ref = []
+
+    async def sink(p, meta):
+        return None
+
+    async def relay(p, meta):
+        return HandlerResponse(Note(text=p.text), to="sink")
+
+    async def keep(p, meta):
+        held.append(meta.thread_id)
+        pump_ref[0].hold(meta.thread_id)
+        return None
+
+    listeners = [
+        Listener("sink", (Note,), sink),
+        Listener("relay", (Ping,), relay, peers=("sink",)),
+        Listener("keep", (Add,), keep),
+    ]
+    async with open_pump(listeners) as pump:
+        pump_ref.append(pump)
+        ep = pump.open_endpoint()
+        ended = []
+        ep.on_chain_end = lambda: ended.append(ep.unanswered)
+        await ep.send(envelope_bytes(Note(text="x"), to="sink"))  # None
+        await ep.send(envelope_bytes(Ping(text="x"), to="relay"))  # the last hop's None
+        await ep.send(envelope_bytes(Add(a=1, b=2), to="keep"))  # held: not ended
+        assert await drain(ep) == []
+        assert ended == [1, 2] and ep.unanswered == 2
+        assert len(pump.threads) == 3  # the root, and the held request's conversation
+        pump.release(held[0])  # given up without an answer: it ends now
+        assert ended == [1, 2, 3] and len(pump.threads) == 1
 
 
 async def test_concurrent_conversations_on_same_path_each_get_their_reply():
@@ -528,6 +564,65 @@ async def test_invalid_output_bounces_to_sender_then_caller_after_strikes():
     assert count == 4  # the original + MAX_STRIKES bounces of <huh>
 
 
+def original_attempt(payload: etree._Element) -> bytes:
+    return base64.b64decode(
+        payload.findtext("{https://xml-pipeline.org/ns/core/v1}original-attempt")
+    )
+
+
+async def test_refused_output_never_reaches_the_caller_in_its_huh():
+    """After MAX_STRIKES refused outputs the caller gets a <huh>: it echoes nothing of
+    the listener's output (which may hold internal data), only what the caller sent."""
+
+    async def leaky(p, meta):
+        return HandlerResponse.respond(
+            etree.fromstring(f'<pong xmlns="{NS}"><bad>INTERNAL-SECRET</bad></pong>'.encode())
+        )
+
+    data = envelope_bytes(Ping(text="mine"), to="echo")
+    async with open_pump([echo_listener(handler=leaky)]) as pump:
+        _, payload = await _one_answer(pump, data)
+    assert huh_text(payload) == HuhReason.HANDLER_FAILED.value
+    echoed = original_attempt(payload)
+    assert b"INTERNAL-SECRET" not in echoed
+    assert echoed in (b"", data)
+
+
+async def test_a_peers_answer_never_reaches_the_caller_in_its_huh():
+    """A handler that fails on a peer's answer: its caller's <huh> does not carry that
+    answer (the caller never sent it)."""
+
+    async def ask(p, meta):
+        if isinstance(p, Ping):
+            return HandlerResponse(Add(a=1, b=2), to="calc")
+        raise RuntimeError("cannot use the answer")
+
+    async def calc(p, meta):
+        return HandlerResponse.respond(Sum(value=-424242))
+
+    listeners = [
+        Listener("asker", (Ping,), ask, peers=("calc",), responses=(Pong,)),
+        Listener("calc", (Add,), calc, responses=(Sum,)),
+    ]
+    data = envelope_bytes(Ping(text="mine"), to="asker")
+    async with open_pump(listeners) as pump:
+        _, payload = await _one_answer(pump, data)
+    assert huh_text(payload) == HuhReason.HANDLER_FAILED.value
+    echoed = original_attempt(payload)
+    assert b"424242" not in echoed
+    assert echoed in (b"", data)
+
+
+async def test_a_failure_on_the_callers_own_message_echoes_it():
+    async def boom(p, meta):
+        raise RuntimeError("no")
+
+    data = envelope_bytes(Ping(text="mine"), to="echo")
+    async with open_pump([echo_listener(handler=boom)]) as pump:
+        _, payload = await _one_answer(pump, data)
+    assert original_attempt(payload) == data
+
+
 async def test_full_queue_pushes_back_on_sender():
     release = trio.Event()
     blocked = echo_after(release)
@@ -762,12 +857,14 @@ async def test_root_thread_exists_and_system_payload_reaches_boot_listener():
 
 async def test_client_cannot_hijack_another_partys_thread():
     seen = []
+    release = trio.Event()
 
     async def relay(p, meta):
         seen.append(meta.thread_id)
+        await release.wait()  # keeps the conversations live
         return None
 
-    async with open_pump([Listener("relay", (Note,), relay)]) as pump:
+    async with open_pump([Listener("relay", (Note,), relay, concurrency=2)]) as pump:
         a = pump.open_endpoint("a")
         b = pump.open_endpoint("b")
         thread = "33333333-3333-4333-8333-333333333333"
@@ -779,6 +876,7 @@ async def test_client_cannot_hijack_another_partys_thread():
         assert {r.chain for r in roots} >= {("a",), ("b",)}
         b_root = next(r for r in roots if r.chain == ("b",))
         assert b_root.id != thread
+        release.set()
 
 
 async def test_endpoint_restricted_to_allowed_listeners():

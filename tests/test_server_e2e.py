@@ -123,10 +123,14 @@ async def test_non_uuid_and_foreign_threads_are_replaced(server):
         await a.send_raw(envelope(Ping(text="1"), to="echo", thread="not-a-uuid"))
         first = await a.receive()
         assert is_uuid4(first.thread)
-        # b tries to talk on a's thread: it gets a thread of its own.
-        await b.send_raw(envelope(Ping(text="2"), to="echo", thread=first.thread))
+        # b tries to talk on a's live conversation: it gets a thread of its own.
+        busy = new_thread_id()
+        await a.send_raw(envelope(Job(text="a", seconds=0.5), to="slow", thread=busy))
+        await trio.sleep(0.2)  # a's job is in its handler
+        await b.send_raw(envelope(Ping(text="2"), to="echo", thread=busy))
         second = await b.receive()
-        assert is_uuid4(second.thread) and second.thread != first.thread
+        assert is_uuid4(second.thread) and second.thread != busy
+        assert (await a.receive()).thread == busy
 
 
 @pytest.mark.parametrize(

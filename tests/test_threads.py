@@ -9,7 +9,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from agentserver.threads import RegistryFull, ThreadRegistry, is_uuid4, new_thread_id
+from agentserver.threads import (
+    QuotaExceeded,
+    RegistryFull,
+    ThreadQuota,
+    ThreadRegistry,
+    is_uuid4,
+    new_thread_id,
+)
 
 
 def test_extend_and_prune_follow_the_chain():
@@ -45,6 +52,72 @@ def test_finish_waits_for_children_and_pending():
     assert not reg.finish(a)
     a.pending = 0
     assert reg.finish(a) and reg.get(a.id) is None
+
+
+def test_a_transient_root_ends_with_its_last_hop():
+    reg = ThreadRegistry()
+    conv = reg.open_root(("client",), 0.0, transient=True)
+    a = reg.extend(conv, "a", 0.0)
+    b = reg.extend(conv, "b", 0.0)
+    assert reg.prune(a) is conv and conv.id in reg  # b is still in flight
+    assert reg.prune(b) is conv  # answered: the caller's thread is returned...
+    assert conv.id not in reg and len(reg) == 0  # ...and the finished conversation is gone
+    # Its id can be used again (a follow-up on the same thread).
+    again = reg.open_root(("client",), 1.0, thread_id=conv.id, transient=True)
+    assert reg.get(conv.id) is again
+    # A transient root that never got a hop is ended by finish.
+    assert reg.finish(again) is again and len(reg) == 0
+
+
+def test_finish_ends_the_callers_that_wait_for_nothing_any_more():
+    reg = ThreadRegistry()
+    system = reg.open_root(("system", "org"), 0.0)
+    reg.pin(system)
+    conv = reg.open_root(("client",), 0.0, transient=True)
+    a = reg.extend(conv, "a", 0.0)  # a forwarded to b and returned
+    b = reg.extend(a, "b", 0.0)
+    c = reg.extend(b, "c", 0.0)
+    # c ends its chain: b and a get no answer and have nothing left to wait for.
+    assert reg.finish(c) is a
+    assert len(reg) == 1 and system.id in reg
+
+
+def test_finish_stops_at_a_caller_that_still_waits_or_works():
+    reg = ThreadRegistry()
+    conv = reg.open_root(("client",), 0.0, transient=True)
+    a = reg.extend(conv, "a", 0.0)
+    b1 = reg.extend(a, "b", 0.0)
+    b2 = reg.extend(a, "b", 0.0)
+    assert reg.finish(b1) is b1 and a.id in reg  # a still waits for b2
+    a.pending = 1  # an answer for a is queued, or a's handler is running
+    assert reg.finish(b2) is b2 and a.id in reg and conv.id in reg
+    a.pending = 0
+    reg.pin(a)  # held (an agent answers later)
+    assert reg.finish(a) is None and a.id in reg
+    reg.unpin(a)
+    assert reg.finish(a) is a and len(reg) == 0
+
+
+def test_a_quota_counts_every_thread_of_its_trees():
+    reg = ThreadRegistry(max_threads=100)
+    quota = ThreadQuota(4)
+    conv = reg.open_root(("client",), 0.0, quota=quota, transient=True)
+    a = reg.extend(conv, "a", 0.0)
+    b = reg.extend(a, "b", 0.0)
+    other = reg.open_root(("client",), 0.0, quota=quota, transient=True)
+    assert quota.used == 4
+    with pytest.raises(QuotaExceeded):
+        reg.extend(a, "c", 0.0)  # a listener's forward counts against its caller's share
+    with pytest.raises(RegistryFull):  # what the pump catches
+        reg.open_root(("client",), 0.0, quota=quota)
+    assert len(reg) == 4
+    reg.open_root(("someone-else",), 0.0)  # other parties are not affected
+    reg.prune(b)
+    assert quota.used == 3
+    reg.extend(other, "a", 0.0)
+    reg.prune(a)  # a's conversation ends with it
+    assert quota.used == 2 and conv.id not in reg
+    assert reg.remove_owned_by("client") == 2 and quota.used == 0
 
 
 def test_expiry_spares_busy_and_pinned_trees():
@@ -108,17 +181,29 @@ class RegistryMachine(RuleBasedStateMachine):
         self.reg = ThreadRegistry(max_threads=10_000, idle_ttl=100)
         self.now = 0.0
         self.live: list = []
+        self.quota = ThreadQuota(12)
 
-    @rule(name=st.sampled_from(["c1", "c2"]))
-    def open_root(self, name):
-        self.live.append(self.reg.open_root((name,), self.now))
+    @rule(name=st.sampled_from(["c1", "c2"]), transient=st.booleans(), charged=st.booleans())
+    def open_root(self, name, transient, charged):
+        try:
+            root = self.reg.open_root(
+                (name,), self.now, quota=self.quota if charged else None, transient=transient
+            )
+        except QuotaExceeded:
+            assert charged and self.quota.used == self.quota.limit
+            return
+        self.live.append(root)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 10_000), name=st.sampled_from(["a", "b", "c"]))
     def forward(self, i, name):
         parent = self.live[i % len(self.live)]
         if parent.id in self.reg:
-            child = self.reg.extend(parent, name, self.now)
+            try:
+                child = self.reg.extend(parent, name, self.now)
+            except QuotaExceeded:
+                assert parent.quota is self.quota and self.quota.used == self.quota.limit
+                return
             assert child.chain == (*parent.chain, name)
             self.live.append(child)
 
@@ -138,9 +223,12 @@ class RegistryMachine(RuleBasedStateMachine):
     def finish(self, i):
         rec = self.live[i % len(self.live)]
         had_children = bool(rec.children)
-        removed = self.reg.finish(rec)
-        if removed:
-            assert not had_children
+        top = self.reg.finish(rec)
+        if top is not None:
+            assert not had_children and rec.id not in self.reg
+            # what was removed is rec and callers of it, up to top
+            assert top.chain == rec.chain[: len(top.chain)]
+            assert top.id not in self.reg
 
     @rule(dt=st.floats(0, 200))
     def tick_and_expire(self, dt):
@@ -158,6 +246,19 @@ class RegistryMachine(RuleBasedStateMachine):
                 assert threads[rec.parent].chain == rec.chain[:-1]
             for child in rec.children:
                 assert child in threads
+            # a transient root lives only for its hops (or until finished, if it got none)
+            if rec.transient and not rec.children:
+                assert rec.id in self.fresh_roots()
+        assert self.quota.used == sum(1 for r in threads.values() if r.quota is self.quota)
+        assert self.quota.used <= self.quota.limit
+
+    def fresh_roots(self):
+        # transient roots that never had a child (opened, not yet used)
+        return {
+            r.id
+            for r in self.live
+            if r.parent is None and not any(c.parent == r.id for c in self.live)
+        }
 
 
 TestRegistryMachine = RegistryMachine.TestCase

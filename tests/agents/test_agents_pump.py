@@ -128,8 +128,8 @@ async def test_task_through_pump_calls_tools_iterates_and_answers_once(tmp_path)
             assert extra is None
             tasks = [e for e in events.drain() if isinstance(e, TaskEvent)]
             assert len(tasks) == 1
-            # the hop thread was released: only root + the client's conversation remain
-            assert len(pump.threads) == 2
+            # the hop thread was answered: with the finished conversation, it is gone
+            assert len(pump.threads) == 1
             nursery.cancel_scope.cancel()
         await rt.aclose()
     assert len(llm.requests) == 3
