@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import re
 import ssl
@@ -97,9 +98,12 @@ async def load(
     depth: int,
     seconds: float,
     ssl_context: ssl.SSLContext | None = None,
-) -> float:
+    server_pid: int | None = None,
+) -> tuple[float, float | None]:
     """Closed loop: each connection keeps ``depth`` requests outstanding. Returns replies/s
-    over the measured window (after a short warm-up)."""
+    over the measured window (after a short warm-up), and the server's CPU microseconds
+    per reply in that window (None where /proc is missing): unlike the rate, the CPU cost
+    hardly depends on what else this machine is running."""
     counts = [0] * connections
     window = {"start": 0.0, "measuring": False}
 
@@ -132,12 +136,30 @@ async def load(
         ready.set()
         await trio.sleep(min(1.0, seconds / 3))  # warm-up
         window["measuring"] = True
+        cpu_start = cpu_seconds(server_pid)
         start = time.perf_counter()
         await trio.sleep(seconds)
         window["measuring"] = False
         elapsed = time.perf_counter() - start
+        cpu_end = cpu_seconds(server_pid)
         nursery.cancel_scope.cancel()
-    return sum(counts) / elapsed
+    replies = sum(counts)
+    cpu = None
+    if cpu_start is not None and cpu_end is not None and replies:
+        cpu = (cpu_end - cpu_start) / replies * 1e6
+    return replies / elapsed, cpu
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of process ``pid`` so far (Linux /proc), else None."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- orchestration ----------------------------------------------------------------------
@@ -264,28 +286,34 @@ def run_benchmark(args: argparse.Namespace, scratch: pathlib.Path) -> None:
     # Both servers run for the whole benchmark and are loaded in alternation, round after
     # round: a slower moment of this (shared) machine then hits both sides of a ratio.
     ports: dict[str, int] = {}
+    pids: dict[str, int] = {}
     procs = []
     rates: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {"a": [], "b": []}
     try:
         for name, (argv, cwd) in servers.items():
             proc, ports[name] = start(argv, cwd)
             procs.append(proc)
+            pids[name] = proc.pid
         for r in range(args.rounds):
             for load_name, depth in (("a", 1), ("b", args.depth)):
                 got = {}
                 for name in servers:
-                    got[name] = trio.run(
-                        lambda d=depth, p=ports[name], c=contexts.get(name): load(  # noqa: B008
+                    got[name], cpu = trio.run(
+                        lambda d=depth, p=ports[name], c=contexts.get(name), i=pids[name]: load(  # noqa: B008
                             "127.0.0.1",
                             p,
                             connections=args.connections,
                             depth=d,
                             seconds=args.seconds,
                             ssl_context=c,
+                            server_pid=i,
                         )
                     )
                     rates.setdefault(f"{name}_{load_name}", []).append(got[name])
+                    if cpu is not None:
+                        cpus.setdefault(f"{name}_{load_name}_cpu_us", []).append(cpu)
                 ratios[load_name].append(got[first] / got[second])
                 print(
                     f"round {r + 1}/{args.rounds} ({load_name}) {args.connections} connections x "
@@ -297,6 +325,12 @@ def run_benchmark(args: argparse.Namespace, scratch: pathlib.Path) -> None:
         for proc in procs:
             stop(proc)
     figures = {key: round(statistics.median(values)) for key, values in rates.items()}
+    cpu_figures = {key: round(statistics.median(values), 1) for key, values in cpus.items()}
+    if cpu_figures:
+        print(
+            "median server CPU per reply: "
+            + ", ".join(f"{key[:-7]} {value:.0f} us" for key, value in cpu_figures.items())
+        )
     ratio_a = statistics.median(ratios["a"])
     ratio_b = statistics.median(ratios["b"])
     print(
@@ -312,6 +346,7 @@ def run_benchmark(args: argparse.Namespace, scratch: pathlib.Path) -> None:
                 "seconds": args.seconds,
                 "rounds": args.rounds,
                 **figures,
+                **cpu_figures,
                 "ratio_a": round(ratio_a, 3),
                 "ratio_b": round(ratio_b, 3),
             }
