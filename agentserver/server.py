@@ -373,18 +373,6 @@ class _Connection:
         server = self.server
         throttle = server.throttle
         address = self.address
-        delay = throttle.delay(address, trio.current_time())
-        if delay > 0:
-            server.counters["throttled"] += 1
-            if address in server._throttled:
-                # One slowed hello per address at a time: more would only hold slots.
-                await _send_refusal(self.stream, huh(HuhReason.UNAUTHENTICATED))
-                return None
-            server._throttled.add(address)
-            try:
-                await trio.sleep(delay)
-            finally:
-                server._throttled.discard(address)
         decoder = FrameDecoder(MAX_HELLO_BYTES)
         frame: bytes | None = None
         with trio.move_on_after(self.limits.hello_timeout):
@@ -397,6 +385,20 @@ class _Connection:
                     frame = decoder.next_frame()
             except FrameTooLarge:
                 frame = None
+        # Throttled only once the hello is read: closing on unread input would reset the
+        # connection, and the client might never see its refusal.
+        delay = throttle.delay(address, trio.current_time())
+        if delay > 0:
+            server.counters["throttled"] += 1
+            if address in server._throttled:
+                # One slowed hello per address at a time: more would only hold slots.
+                await _send_refusal(self.stream, huh(HuhReason.UNAUTHENTICATED))
+                return None
+            server._throttled.add(address)
+            try:
+                await trio.sleep(delay)
+            finally:
+                server._throttled.discard(address)
         try:
             if frame is None:
                 raise Unauthenticated("no hello in time, or an oversize first frame")
