@@ -152,6 +152,18 @@ async def test_a_stalled_tls_handshake_is_closed_at_the_read_timeout(pki):
         await partial.aclose()
 
 
+async def test_one_connection_too_many_gets_its_refusal_over_tls(pki):
+    limits = Limits(max_connections=1, read_timeout=1.0, hello_timeout=1.0)
+    async with serving(pki.server_context(), limits=limits) as (server, port):
+        async with open_client("127.0.0.1", port, tls=pki.client_context()) as first:
+            assert (await first.request(Ping(text="1"), to="echo", timeout=5)).payload[0].text
+            with trio.fail_after(5):
+                async with open_client("127.0.0.1", port, tls=pki.client_context()) as second:
+                    refusal = await second.receive()  # readable: it came through TLS
+            assert refusal.is_system_error
+        assert server.counters["refused_busy"] == 1
+
+
 async def test_tls_hello_with_token_still_works(pki):
     clients = {"alice": Credential(TOKEN)}
     async with serving(pki.server_context(), clients=clients) as (_, port):
