@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 import trio
+import trio.testing
 from lxml import etree
 from tlsutil import Pki, make_pki
 
@@ -198,15 +199,16 @@ async def test_twenty_wrong_tokens_are_slowed_and_another_address_is_not(caplog)
     caplog.set_level(logging.INFO, logger="agentserver.server")
     async with serving(None, clients=clients, throttle=throttle) as (server, port):
         with trio.fail_after(30):
-            waits = [await wrong_hello(port, "127.0.0.1") for _ in range(20)]
-            # The first five are answered at once; after that each waits longer, up to
-            # the cap: 0.05, 0.1, 0.2, 0.4, 0.4, ...
-            assert all(w < 0.05 for w in waits[:5]), waits
+            waits = []
+            for i in range(20):
+                waits.append(await wrong_hello(port, "127.0.0.1"))
+                # The first five are answered without delay; every later one is slowed.
+                assert server.counters["throttled"] == max(0, i - 4)
+            # ... each longer than the one before, up to the cap: 0.05, 0.1, 0.2, 0.4, 0.4...
             assert waits[5] >= 0.04 and waits[7] >= 0.18 and min(waits[8:]) >= 0.35, waits
+            # Another address is not slowed, and its right token works.
+            await wrong_hello(port, "127.0.0.2")
             assert server.counters["throttled"] == 15
-            # Another address is not slowed, and its right token works at once.
-            other = await wrong_hello(port, "127.0.0.2")
-            assert other < 0.05
             stream = await trio.open_tcp_stream("127.0.0.1", port, local_address="127.0.0.2")
             await stream.send_all(
                 encode_frame(hello_frame_body("alice", TOKEN)) + ping_frame("from elsewhere")
@@ -228,9 +230,20 @@ async def test_a_throttled_address_gets_one_waiting_hello_at_a_time():
     async with serving(None, clients=clients, throttle=throttle) as (server, port):
         with trio.fail_after(10):
             await wrong_hello(port, "127.0.0.1")
+            first_done = trio.Event()
+
+            async def slowed() -> None:
+                assert await wrong_hello(port, "127.0.0.1") >= 1.5  # waits 2 s
+                first_done.set()
+
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(wrong_hello, port, "127.0.0.1")  # waits 2 s
-                await trio.sleep(0.3)
-                # A second one meanwhile is refused at once, unchecked (same refusal).
-                assert await wrong_hello(port, "127.0.0.1") < 1.0
-        assert server.counters["throttled"] == 2
+                nursery.start_soon(slowed)
+                # Until the first hello was read and waits (every task blocked a while).
+                await trio.testing.wait_all_tasks_blocked(cushion=0.1)
+                assert server._throttled == {"127.0.0.1"}
+                # A second one meanwhile is refused unchecked (same refusal), before the
+                # first is answered.
+                await wrong_hello(port, "127.0.0.1")
+                assert not first_done.is_set()
+                assert server.counters["unauthenticated"] == 1  # only the first was checked
+        assert server.counters["throttled"] == 2 and server.counters["unauthenticated"] == 2
