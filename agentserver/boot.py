@@ -33,6 +33,14 @@ from agentserver.namespaces import BOOT_NS, CORE_NS
 from agentserver.payloads import PayloadType
 from agentserver.primitives.core import Boot
 from agentserver.schemas_export import schema_path
+from agentserver.tls import (
+    DEFAULT_MIN_VERSION,
+    TlsError,
+    TlsSpec,
+    normalize_fingerprint,
+    parse_subject,
+    server_context,
+)
 from agentserver.topology import (
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -226,13 +234,31 @@ class _Loader:
         port = int(listen.get("port", DEFAULT_PORT)) if listen is not None else DEFAULT_PORT
         limits = self.limits(root.find(_B + "limits"))
         listeners = self.listeners(root.find(_B + "listeners"))
+        tls_el = root.find(_B + "tls")
+        tls = self.tls(tls_el) if tls_el is not None else None
         clients = self.clients(root.find(_B + "clients"), {s.name for s in listeners})
+        self.check_client_certificates(clients, tls, tls_el)
+        insecure_plaintext = listen is not None and _bool(listen, "insecure-plaintext")
         if not clients and not is_loopback(host) and listen is not None:
             self.warn(
                 listen.sourceline,
                 f"no clients are declared, so connections are anonymous: 'run' refuses to "
                 f"listen on non-loopback {host} unless started with --insecure",
             )
+        elif clients and tls_el is None and not is_loopback(host):
+            if insecure_plaintext:
+                self.warn(
+                    listen.sourceline,
+                    f'insecure-plaintext="true": tokens and messages cross the network to '
+                    f"{host} in clear (add <tls>)",
+                )
+            else:
+                self.error(
+                    listen.sourceline if listen is not None else 0,
+                    f"clients are declared but {host} is not loopback and there is no <tls>: "
+                    "tokens would cross the network in clear (add <tls>, or "
+                    'insecure-plaintext="true" on <listen> to accept that)',
+                )
         llm = root.find(_B + "llm")
         store = root.find(_B + "store")
         if llm is not None:
@@ -251,6 +277,8 @@ class _Loader:
             description=description,
             llm=llm,
             store=store,
+            tls=tls,
+            insecure_plaintext=insecure_plaintext,
         )
 
     def limits(self, el: etree._Element | None) -> Limits:
@@ -513,6 +541,15 @@ class _Loader:
                 self.error(line, f"client name {name!r} is a listener's name")
                 continue
             seen[name] = line
+            subject = cel.get("cert-subject")
+            fingerprint = cel.get("cert-fingerprint")
+            if subject is not None:
+                try:
+                    parse_subject(subject)
+                except ValueError as exc:
+                    self.error(line, f"client {name!r}: cert-subject: {exc}")
+            if fingerprint is not None:
+                fingerprint = normalize_fingerprint(fingerprint)  # the schema checked it
             may = cel.get("may-address")
             allowed = tuple(may.split()) if may is not None else None
             for target in allowed or ():
@@ -520,17 +557,78 @@ class _Loader:
                     self.error(
                         line, f"client {name!r}: may-address names unknown listener {target!r}"
                     )
-            value = self.environ.get(env)
-            if value is None:
+            by_cert = subject is not None or fingerprint is not None
+            if not env and not by_cert:
+                self.error(
+                    line, f"client {name!r} needs token-env, cert-subject or cert-fingerprint"
+                )
+            value = self.environ.get(env) if env else ""
+            # A client with a certificate may have no token: only a token alone must work.
+            if env and value is None and not by_cert:
                 self.warn(
                     line, f"client {name!r}: token variable {env} is not set (it cannot connect)"
                 )
-            elif not value.strip():
+            elif env and value is not None and not value.strip() and not by_cert:
                 self.warn(
                     line, f"client {name!r}: token variable {env} is empty (it cannot connect)"
                 )
-            specs.append(ClientSpec(name, env, allowed, line))
+            specs.append(ClientSpec(name, env or None, allowed, line, subject, fingerprint))
         return specs
+
+    def tls(self, el: etree._Element) -> TlsSpec | None:
+        """``<tls>``: paths resolved against boot.xml's directory, and the files loaded
+        now (so ``check`` reports a bad file or a key that is not the certificate's)."""
+        line = el.sourceline or 0
+        base = self.path.parent
+
+        def path(attr: str) -> pathlib.Path | None:
+            value = el.get(attr)
+            return base / value if value is not None else None
+
+        spec = TlsSpec(
+            cert=path("cert"),
+            key=path("key"),
+            client_ca=path("client-ca"),
+            min_version=el.get("min-version", DEFAULT_MIN_VERSION),
+            cert_env=el.get("cert-env"),
+            key_env=el.get("key-env"),
+            base_dir=base,
+            line=line,
+        )
+        ok = True
+        for what in ("cert", "key"):
+            if el.get(what) is None and el.get(f"{what}-env") is None:
+                self.error(line, f"<tls> needs {what}= or {what}-env=")
+                ok = False
+        if not ok:
+            return None
+        try:
+            server_context(spec, self.environ)
+        except TlsError as exc:
+            self.error(line, f"<tls>: {exc}")
+            return None
+        return spec
+
+    def check_client_certificates(
+        self, clients: list[ClientSpec], tls: TlsSpec | None, el: etree._Element | None
+    ) -> None:
+        by_cert = [c for c in clients if c.cert_subject or c.cert_fingerprint]
+        mutual = el is not None and el.get("client-ca") is not None
+        for client in by_cert:
+            if not mutual:
+                self.error(
+                    client.line,
+                    f"client {client.name!r}: cert-subject/cert-fingerprint need mutual TLS "
+                    "(<tls client-ca=...>)",
+                )
+        if mutual:
+            for client in clients:
+                if client not in by_cert:
+                    self.warn(
+                        client.line,
+                        f"client {client.name!r} has no cert-subject or cert-fingerprint: "
+                        "with mutual TLS (<tls client-ca>) it cannot connect",
+                    )
 
     def check_llm(self, el: etree._Element) -> None:
         try:

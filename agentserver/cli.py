@@ -31,6 +31,8 @@ EXIT_TIMEOUT = 3
 EXIT_CONNECTION = 4
 DEFAULT_CONNECT = f"127.0.0.1:{DEFAULT_PORT}"
 TOKEN_ENV = "AGENTSERVER_TOKEN"
+#: Environment alternatives to --ca, --cert and --key.
+TLS_ENV = {"ca": "AGENTSERVER_CA", "cert": "AGENTSERVER_CERT", "key": "AGENTSERVER_KEY"}
 BUNDLED_NAME = "<bundled boot.xml>"
 
 log = logging.getLogger("agentserver.cli")
@@ -84,7 +86,30 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument(
         "--client",
         metavar="NAME",
-        help=f"client name for the hello; the token is read from ${TOKEN_ENV}",
+        help=f"client name for the hello; the token is read from ${TOKEN_ENV} (not needed "
+        "with a client certificate)",
+    )
+    remote.add_argument(
+        "--tls",
+        action="store_true",
+        help="connect with TLS, verifying the server's certificate and name (implied by "
+        "--ca, --cert, --key and their variables)",
+    )
+    remote.add_argument(
+        "--ca",
+        metavar="FILE",
+        help=f"CA certificate(s) (PEM) to verify the server with, instead of the system's "
+        f"(default: ${TLS_ENV['ca']})",
+    )
+    remote.add_argument(
+        "--cert",
+        metavar="FILE",
+        help=f"client certificate (PEM) for mutual TLS (default: ${TLS_ENV['cert']})",
+    )
+    remote.add_argument(
+        "--key",
+        metavar="FILE",
+        help=f"its private key (PEM; default: ${TLS_ENV['key']}, else in the --cert file)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -364,10 +389,28 @@ async def _watch_signals(shutdown: trio.Event, scope: trio.CancelScope) -> None:
 # -- send -----------------------------------------------------------------------------------
 
 
-def _credentials(args: argparse.Namespace) -> tuple[str | None, str | None] | None:
+def _tls_options(args: argparse.Namespace) -> dict | None:
+    """open_client's TLS arguments from --tls/--ca/--cert/--key (each file option falls
+    back to its variable in TLS_ENV); None on a usage error (printed)."""
+    files = {
+        name: getattr(args, name) or os.environ.get(env) or None for name, env in TLS_ENV.items()
+    }
+    if files["key"] is not None and files["cert"] is None:
+        print(f"--key needs --cert (or ${TLS_ENV['cert']})", file=sys.stderr)
+        return None
+    if not args.tls and not any(files.values()):
+        return {}
+    return {"tls": True, **files}
+
+
+def _credentials(
+    args: argparse.Namespace, tls: dict | None = None
+) -> tuple[str | None, str | None] | None:
     if args.client is None:
         return None, None
     token = os.environ.get(TOKEN_ENV)
+    if not token and tls and tls.get("cert"):
+        return args.client, None  # the client certificate says who this is
     if not token:
         print(f"--client needs the token in ${TOKEN_ENV}", file=sys.stderr)
         return None
@@ -397,13 +440,14 @@ def cmd_send(args: argparse.Namespace) -> int:
             problem = f"is not well-formed XML: {exc.detail or exc}"
         print(f"the payload {problem}", file=sys.stderr)
         return EXIT_USAGE
-    creds = _credentials(args)
-    if creds is None:
+    tls = _tls_options(args)
+    creds = _credentials(args, tls)
+    if tls is None or creds is None:
         return EXIT_USAGE
     host, port = args.connect
 
     async def send() -> int:
-        async with open_client(host, port, client=creds[0], token=creds[1]) as client:
+        async with open_client(host, port, client=creds[0], token=creds[1], **tls) as client:
             reply = await client.request(
                 payload, to=args.to, timeout=args.timeout, thread=args.thread
             )
@@ -423,6 +467,9 @@ def cmd_send(args: argparse.Namespace) -> int:
     except RequestTimeout as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_TIMEOUT
+    except ConfigurationError as exc:  # a CA, certificate or key file that cannot be used
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
     except (ClientError, OSError, trio.TooSlowError) as exc:
         print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
         return EXIT_CONNECTION
@@ -436,8 +483,9 @@ def cmd_console(args: argparse.Namespace) -> int:
     from agentserver.listeners.console import StdioTerminal
     from agentserver.remote_console import run_remote_console
 
-    creds = _credentials(args)
-    if creds is None:
+    tls = _tls_options(args)
+    creds = _credentials(args, tls)
+    if tls is None or creds is None:
         return EXIT_USAGE
     host, port = args.connect
     terminal = StdioTerminal()
@@ -452,13 +500,18 @@ def cmd_console(args: argparse.Namespace) -> int:
                         return
 
             nursery.start_soon(signals)
-            status = await run_remote_console(host, port, terminal, client=creds[0], token=creds[1])
+            status = await run_remote_console(
+                host, port, terminal, client=creds[0], token=creds[1], **tls
+            )
             nursery.cancel_scope.cancel()
             return status
         return EXIT_OK  # interrupted
 
     try:
         status = _trio_run(console)
+    except ConfigurationError as exc:  # a CA, certificate or key file that cannot be used
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
     except (ClientError, OSError, trio.TooSlowError) as exc:
         print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
         return EXIT_CONNECTION

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -50,6 +52,11 @@ class RequestTimeout(ClientError):
 
 class ProtocolError(ClientError):
     """The server sent something that is not a valid framed envelope."""
+
+
+class TlsHandshakeError(ConnectionClosed):
+    """The TLS handshake failed: the server's certificate is not trusted or not for this
+    host name, the server refused ours, or the server does not speak TLS."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +279,63 @@ class Client:
         await self._closed.wait()
 
 
+PathLike = str | os.PathLike[str]
+
+
+def tls_context(
+    tls: bool | ssl.SSLContext,
+    *,
+    ca: PathLike | None = None,
+    cert: PathLike | None = None,
+    key: PathLike | None = None,
+) -> ssl.SSLContext | None:
+    """The client's TLS context, or None for plaintext. ``ca``, ``cert`` or ``key`` turn
+    TLS on by themselves; a ready context is used as is (and excludes them)."""
+    if isinstance(tls, ssl.SSLContext):
+        if ca is not None or cert is not None or key is not None:
+            raise ValueError("pass ca/cert/key or an SSLContext, not both")
+        return tls
+    if not tls and ca is None and cert is None and key is None:
+        return None
+    from agentserver.tls import client_context
+
+    return client_context(ca=ca, cert=cert, key=key)
+
+
+def _handshake_failure(host: str, port: int, exc: BaseException) -> TlsHandshakeError:
+    cause = exc.__cause__
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        detail = cause.verify_message or str(cause)
+        return TlsHandshakeError(
+            f"TLS to {host}:{port}: the server's certificate is not accepted ({detail}); "
+            "is the CA that signed it given (ca=, --ca, $AGENTSERVER_CA)?"
+        )
+    if isinstance(cause, ssl.SSLError):
+        return TlsHandshakeError(f"TLS to {host}:{port} failed: {cause.reason or cause}")
+    return TlsHandshakeError(
+        f"TLS to {host}:{port} failed: the server closed the connection during the handshake "
+        "(it may not speak TLS, or refused our certificate)"
+    )
+
+
+async def _connect(
+    host: str, port: int, context: ssl.SSLContext | None, server_hostname: str | None
+) -> trio.abc.Stream:
+    tcp = await trio.open_tcp_stream(host, port)
+    if context is None:
+        return tcp
+    stream = trio.SSLStream(tcp, context, server_hostname=server_hostname or host)
+    try:
+        await stream.do_handshake()
+    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        await tcp.aclose()
+        raise _handshake_failure(host, port, exc) from None
+    except BaseException:
+        await trio.aclose_forcefully(tcp)
+        raise
+    return stream
+
+
 @contextlib.asynccontextmanager
 async def open_client(
     host: str,
@@ -281,17 +345,31 @@ async def open_client(
     token: str | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     connect_timeout: float = 10.0,
+    tls: bool | ssl.SSLContext = False,
+    ca: PathLike | None = None,
+    cert: PathLike | None = None,
+    key: PathLike | None = None,
+    server_hostname: str | None = None,
 ) -> AsyncIterator[Client]:
     """Connect; with ``client`` and ``token``, send the hello first. Leaving the block
-    closes the connection."""
-    if client is not None and token is None:
-        raise ValueError("a client name needs a token")
+    closes the connection.
+
+    TLS: ``tls=True`` (or any of ``ca``/``cert``/``key``) verifies the server's
+    certificate against ``ca`` (default: the system's CAs) and its name against
+    ``server_hostname`` (default: ``host``); ``cert``/``key`` present a client
+    certificate (mutual TLS; then ``client`` needs no token: no hello is sent). A ready
+    ``ssl.SSLContext`` may be passed as ``tls`` instead. A failed handshake raises
+    :class:`TlsHandshakeError`."""
+    context = tls_context(tls, ca=ca, cert=cert, key=key)
+    by_certificate = context is not None and (cert is not None or isinstance(tls, ssl.SSLContext))
+    if client is not None and token is None and not by_certificate:
+        raise ValueError("a client name needs a token (or a client certificate)")
     with trio.fail_after(connect_timeout):
-        stream = await trio.open_tcp_stream(host, port)
+        stream = await _connect(host, port, context, server_hostname)
     try:
         async with stream, trio.open_nursery() as nursery:
             conn = Client(stream, name=client or "client", max_message_bytes=max_message_bytes)
-            if client is not None:
+            if client is not None and token is not None:
                 await conn.send_raw(hello_frame_body(client, token))
             nursery.start_soon(conn._read_loop)
             try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import trio
 from lxml import etree
@@ -62,9 +63,11 @@ async def run_remote_console(
     client: str | None = None,
     token: str | None = None,
     reply_timeout: float = 120.0,
+    **tls: Any,
 ) -> int:
-    """Run until the user quits (0) or the server goes away (1)."""
-    async with open_client(host, port, client=client, token=token) as conn:
+    """Run until the user quits (0) or the server goes away (1). ``tls``: the TLS
+    arguments of :func:`agentserver.client.open_client` (``tls``, ``ca``, ``cert``, ``key``)."""
+    async with open_client(host, port, client=client, token=token, **tls) as conn:
         done = trio.Event()
         lost = False
         listeners = [

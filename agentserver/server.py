@@ -28,6 +28,12 @@ Outcomes (also in docs/wire.md):
   blocks for ``write_timeout`` seconds.
 - On end of input from the client, replies still owed are written for up to
   ``read_timeout`` seconds, then the connection is closed.
+- With TLS (boot.xml ``<tls>``, docs/security.md) every connection is wrapped in a
+  ``trio.SSLStream`` whose handshake must end within ``read_timeout`` (a plaintext client
+  fails it and is closed); replies then always go through the writer (a direct write
+  would bypass the encryption). With mutual TLS the client certificate names the client
+  and no hello is read.
+- Failed hellos are throttled per source address (:mod:`agentserver.throttle`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import logging
 import math
 import os
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -60,6 +67,8 @@ from agentserver.handshake import MAX_HELLO_BYTES, Credential, HelloGate, Identi
 from agentserver.primitives.core import huh, primitive_for
 from agentserver.pump import SYSTEM, Pump
 from agentserver.threads import new_thread_id
+from agentserver.throttle import HelloThrottle
+from agentserver.tls import CertificateRule, match_certificate, normalize_fingerprint, parse_subject
 from agentserver.topology import Limits, Topology
 
 log = logging.getLogger("agentserver.server")
@@ -73,7 +82,7 @@ _MAX_GATHER_ROUNDS = 4
 _REFUSAL_WRITE_TIMEOUT = 1.0
 
 
-async def _send_refusal(stream: trio.SocketStream, payload: etree._Element) -> None:
+async def _send_refusal(stream: trio.abc.Stream, payload: etree._Element) -> None:
     """Send a connection's one refusal, giving up after a short while or if it is gone."""
     frame = encode_frame(encode(SYSTEM, None, new_thread_id(), payload))
     with trio.move_on_after(_REFUSAL_WRITE_TIMEOUT):
@@ -87,15 +96,25 @@ _WAKE = b""
 _NO_SIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 
 
-def _direct_handle(stream: trio.SocketStream) -> socket.socket | None:
+def _direct_handle(stream: trio.abc.Stream) -> socket.socket | None:
     """A plain non-blocking socket object on a duplicate of the stream's descriptor, for
-    synchronous writes; None where that is not possible."""
+    synchronous writes; None where that is not possible, and always for TLS (bytes
+    written on the socket itself would bypass the encryption)."""
+    if not isinstance(stream, trio.SocketStream):
+        return None
     try:
         direct = socket.socket(fileno=os.dup(stream.socket.fileno()))
         direct.setblocking(False)
     except OSError:
         return None
     return direct
+
+
+def _peer_host(stream: trio.SocketStream) -> str:
+    try:
+        return str(stream.socket.getpeername()[0])
+    except (OSError, IndexError):
+        return "?"
 
 
 def format_address(sockname: tuple) -> str:
@@ -107,10 +126,30 @@ class Server:
     """Serves one pump on TCP. ``serve`` runs until :meth:`stop_accepting` and until every
     connection has ended (connections end when the pump closes their endpoints)."""
 
-    def __init__(self, pump: Pump, limits: Limits, gate: HelloGate) -> None:
+    def __init__(
+        self,
+        pump: Pump,
+        limits: Limits,
+        gate: HelloGate,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        cert_rules: tuple[CertificateRule, ...] = (),
+        allowed: dict[str, frozenset[str] | None] | None = None,
+        throttle: HelloThrottle | None = None,
+    ) -> None:
         self.pump = pump
         self.limits = limits
         self.gate = gate
+        #: TLS on every connection when set (a client certificate is required if the
+        #: context asks for one; ``cert_rules`` then say whom it proves).
+        self.ssl_context = ssl_context
+        self.cert_rules = cert_rules
+        #: The listeners each client named by a certificate may address (None: all).
+        self.allowed = allowed or {}
+        self.throttle = throttle if throttle is not None else HelloThrottle()
+        #: Source addresses with a slowed hello waiting (one each; more are refused).
+        self._throttled: set[str] = set()
+        self._handshaking = 0
         self._accept_scope = trio.CancelScope()
         self._connections: set[_Connection] = set()
         #: Called with the endpoint of each authenticated named client when it connects
@@ -126,6 +165,10 @@ class Server:
             "writes": 0,
             # Direct writes the socket took only part of (the writer sent the rest).
             "carried": 0,
+            # TLS handshakes that failed or stalled (a plaintext client, a bad certificate).
+            "tls_failed": 0,
+            # Hellos checked late, or refused unchecked, because their address kept failing.
+            "throttled": 0,
         }
 
     async def serve(
@@ -154,29 +197,94 @@ class Server:
 
     async def _on_stream(self, stream: trio.SocketStream) -> None:
         async with stream:
-            if len(self._connections) >= self.limits.max_connections:
-                self.counters["refused_busy"] += 1
-                busy = DeliveryRefused(SystemErrorCode.ROUTING, retry_allowed=True)
-                await _send_refusal(stream, primitive_for(busy))
-                return
-            self.counters["accepted"] += 1
-            conn = _Connection(self, stream)
-            self._connections.add(conn)
+            address = _peer_host(stream)
+            busy = len(self._connections) + self._handshaking >= self.limits.max_connections
+            wire: trio.abc.Stream = stream
+            if self.ssl_context is not None:
+                # A busy server still completes a (short) handshake so the refusal can be
+                # read; a connection slot is held from the handshake on.
+                timeout = _REFUSAL_WRITE_TIMEOUT if busy else self.limits.read_timeout
+                self._handshaking += 0 if busy else 1
+                try:
+                    wire = await self._tls_handshake(stream, address, timeout)
+                finally:
+                    self._handshaking -= 0 if busy else 1
+                if wire is None:
+                    return
             try:
-                await conn.run()
-            except Exception:
-                # A bug in one connection's handling must not take the server down.
-                log.exception("connection failed; closing it")
+                await self._serve(wire, address, busy)
             finally:
-                self._connections.discard(conn)
+                if wire is not stream:
+                    with trio.move_on_after(_REFUSAL_WRITE_TIMEOUT):
+                        # close_notify; the socket is closed whatever happens.
+                        await wire.aclose()
+
+    async def _tls_handshake(
+        self, stream: trio.SocketStream, address: str, seconds: float
+    ) -> trio.SSLStream | None:
+        """The TLS stream once its handshake is done, within ``seconds`` (a stalled one must
+        not hold a connection slot); None if it failed (logged, counted)."""
+        assert self.ssl_context is not None
+        wrapped = trio.SSLStream(stream, self.ssl_context, server_side=True)
+        reason = "stalled"
+        with trio.move_on_after(seconds):
+            try:
+                await wrapped.do_handshake()
+                return wrapped
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                cause = exc.__cause__
+                reason = getattr(cause, "reason", None) or str(cause or exc) or "closed"
+        self.counters["tls_failed"] += 1
+        log.info("TLS handshake from %s failed: %s", address, reason)
+        return None
+
+    async def _serve(self, stream: trio.abc.Stream, address: str, busy: bool) -> None:
+        identity: Identity | None = None
+        mutual = self.ssl_context is not None and self.ssl_context.verify_mode == ssl.CERT_REQUIRED
+        if isinstance(stream, trio.SSLStream) and mutual:
+            # The certificate was verified against the client CA: now, whom does it name?
+            name = match_certificate(
+                self.cert_rules, stream.getpeercert(), stream.getpeercert(binary_form=True)
+            )
+            if name is None:
+                self.counters["unauthenticated"] += 1
+                log.info("connection from %s refused: its certificate names no client", address)
+                await _send_refusal(stream, huh(HuhReason.UNAUTHENTICATED))
+                return
+            identity = Identity(name, self.allowed.get(name))
+        if busy or len(self._connections) >= self.limits.max_connections:
+            self.counters["refused_busy"] += 1
+            refusal = DeliveryRefused(SystemErrorCode.ROUTING, retry_allowed=True)
+            await _send_refusal(stream, primitive_for(refusal))
+            return
+        self.counters["accepted"] += 1
+        conn = _Connection(self, stream, address, identity)
+        self._connections.add(conn)
+        try:
+            await conn.run()
+        except Exception:
+            # A bug in one connection's handling must not take the server down.
+            log.exception("connection failed; closing it")
+        finally:
+            self._connections.discard(conn)
 
 
 class _Connection:
     """One client connection (see the module docstring for the rules it applies)."""
 
-    def __init__(self, server: Server, stream: trio.SocketStream) -> None:
+    def __init__(
+        self,
+        server: Server,
+        stream: trio.abc.Stream,
+        address: str = "?",
+        identity: Identity | None = None,
+    ) -> None:
         self.server = server
         self.stream = stream
+        #: The peer's host, for hello throttling.
+        self.address = address
+        #: Set when the TLS client certificate already named the client (no hello).
+        self.identity = identity
         self.limits = server.limits
         self.endpoint: Endpoint | None = None
         self._reading = trio.CancelScope()
@@ -260,9 +368,14 @@ class _Connection:
     # -- handshake -----------------------------------------------------------------------
 
     async def _handshake(self) -> Identity | None:
+        if self.identity is not None:
+            return self.identity
         gate = self.server.gate
         if not gate.required:
             return Identity(None)
+        server = self.server
+        throttle = server.throttle
+        address = self.address
         decoder = FrameDecoder(MAX_HELLO_BYTES)
         frame: bytes | None = None
         with trio.move_on_after(self.limits.hello_timeout):
@@ -275,15 +388,39 @@ class _Connection:
                     frame = decoder.next_frame()
             except FrameTooLarge:
                 frame = None
+        # Throttled only once the hello is read: closing on unread input would reset the
+        # connection, and the client might never see its refusal.
+        delay = throttle.delay(address, trio.current_time())
+        if delay > 0:
+            server.counters["throttled"] += 1
+            if address in server._throttled:
+                # One slowed hello per address at a time: more would only hold slots.
+                await _send_refusal(self.stream, huh(HuhReason.UNAUTHENTICATED))
+                return None
+            server._throttled.add(address)
+            try:
+                await trio.sleep(delay)
+            finally:
+                server._throttled.discard(address)
         try:
             if frame is None:
                 raise Unauthenticated("no hello in time, or an oversize first frame")
             identity = self.server.gate.check(frame)
         except Unauthenticated as exc:
-            self.server.counters["unauthenticated"] += 1
-            log.info("connection refused: %s", exc)
+            server.counters["unauthenticated"] += 1
+            now = trio.current_time()
+            if throttle.failed(address, now):
+                log.warning(
+                    "%d failed hellos from %s: slowing its hellos down (logged once per burst)",
+                    throttle.failures(address, now),
+                    address,
+                )
+            elif throttle.failures(address, now) < throttle.free_failures:
+                log.info("connection from %s refused: %s", address, exc)
+            # The same canned refusal whatever was wrong (name, token, or frame).
             await _send_refusal(self.stream, huh(HuhReason.UNAUTHENTICATED))
             return None
+        throttle.succeeded(address)
         # Frames sent right behind the hello are not lost: the reader starts with them.
         self._early = decoder.take_remainder()
         return identity
@@ -487,7 +624,7 @@ class _Connection:
     async def _write_batches(
         self,
         endpoint: Endpoint,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
         guard: trio.CancelScope,
         write_timeout: float,
     ) -> None:
@@ -554,10 +691,27 @@ def credentials(topology: Topology, environ) -> dict[str, Credential]:
     token was reported by the boot loader, as a warning with its line.)"""
     out = {}
     for client in topology.clients:
-        token = environ.get(client.token_env) or None
+        token = (environ.get(client.token_env) if client.token_env else None) or None
         allowed = frozenset(client.may_address) if client.may_address is not None else None
         out[client.name] = Credential(token, allowed)
     return out
+
+
+def certificate_rules(topology: Topology) -> tuple[CertificateRule, ...]:
+    """Who a client certificate proves, from the clients' cert-subject/cert-fingerprint
+    (only consulted with mutual TLS: ``<tls client-ca>``)."""
+    tls = topology.tls
+    if tls is None or tls.client_ca is None:
+        return ()
+    return tuple(
+        CertificateRule(
+            c.name,
+            parse_subject(c.cert_subject) if c.cert_subject else None,
+            normalize_fingerprint(c.cert_fingerprint) if c.cert_fingerprint else None,
+        )
+        for c in topology.clients
+        if c.cert_subject or c.cert_fingerprint
+    )
 
 
 async def run_server(
@@ -582,9 +736,34 @@ async def run_server(
             f"no clients are declared, so connections are anonymous: refusing to listen on "
             f"non-loopback address {host} (declare clients in boot.xml, or pass --insecure)"
         )
+    if topology.clients and topology.tls is None and not is_loopback(host):
+        if not topology.insecure_plaintext:
+            raise ConfigurationError(
+                f"clients are declared but {host} is not loopback and there is no <tls>: "
+                "tokens would cross the network in clear (add <tls>, or "
+                'insecure-plaintext="true" on <listen> to accept that)'
+            )
+        log.warning(
+            "insecure-plaintext: tokens and messages to %s cross the network in clear", host
+        )
+    ssl_context = None
+    if topology.tls is not None:
+        from agentserver.tls import server_context
+
+        ssl_context = server_context(topology.tls, environ)  # TlsError is a ConfigurationError
     listeners = build_listeners(topology, ctx)
     pump = Pump(listeners, config=topology.pump_config())
-    server = Server(pump, topology.limits, HelloGate(credentials(topology, environ)))
+    server = Server(
+        pump,
+        topology.limits,
+        HelloGate(credentials(topology, environ)),
+        ssl_context=ssl_context,
+        cert_rules=certificate_rules(topology) if topology.tls is not None else (),
+        allowed={
+            c.name: frozenset(c.may_address) if c.may_address is not None else None
+            for c in topology.clients
+        },
+    )
     async with ctx.resources:
         async with trio.open_nursery() as nursery:
             await nursery.start(pump.run)

@@ -18,6 +18,7 @@ from agentserver.endpoint import DEFAULT_BUFFER_BYTES
 from agentserver.listener import DEFAULT_CONCURRENCY, DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT
 from agentserver.primitives.core import Boot, boot_primitive
 from agentserver.pump import PumpConfig
+from agentserver.tls import TlsSpec
 from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
 
 DEFAULT_HOST = "127.0.0.1"
@@ -51,13 +52,17 @@ class Limits:
 
 @dataclass(frozen=True, slots=True)
 class ClientSpec:
-    """A named client. Its token is read from the environment variable ``token_env``."""
+    """A named client. Its token is read from the environment variable ``token_env``
+    (None: it has none); with mutual TLS, a client certificate with ``cert_subject``'s
+    attributes or ``cert_fingerprint`` (``sha256:HEX``) authenticates it instead."""
 
     name: str
-    token_env: str
+    token_env: str | None
     #: Listener names it may address; None means all.
     may_address: tuple[str, ...] | None = None
     line: int = 0
+    cert_subject: str | None = None
+    cert_fingerprint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +113,11 @@ class Topology:
     llm: etree._Element | None = field(default=None, compare=False)
     #: The ``<store>`` section (``StoreSectionType``), for the agent store; None if absent.
     store: etree._Element | None = field(default=None, compare=False)
+    #: ``<tls>``: every connection on the listener is TLS; None: plaintext.
+    tls: TlsSpec | None = None
+    #: ``<listen insecure-plaintext="true">``: declared clients on a non-loopback address
+    #: without TLS (tokens cross the network in clear).
+    insecure_plaintext: bool = False
 
     def listener(self, name: str) -> ListenerSpec:
         for spec in self.listeners:

@@ -10,7 +10,11 @@ sending the next, (b) CONNECTIONS connections with DEPTH requests in flight each
 generator frames pre-built requests and counts reply frames without parsing them, so it
 costs far less than either server.
 
-Usage: python bench/socket.py (or bench/wire_bench.py) [--seconds S] [--rounds R]
+With --tls, the real server over TLS against the real server over plaintext instead (a
+copy of the topology with ``<tls>``, certificates made by trustme in a temporary
+directory); the ratio is TLS/plaintext (target >= 70%).
+
+Usage: python bench/socket.py (or bench/wire_bench.py) [--tls] [--seconds S] [--rounds R]
        [--connections N] [--depth D]
 The last line printed is one JSON object with the figures.
 """
@@ -19,11 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import re
+import ssl
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -83,14 +90,28 @@ def request_frame() -> bytes:
     return encode_frame(body)
 
 
-async def load(host: str, port: int, *, connections: int, depth: int, seconds: float) -> float:
+async def load(
+    host: str,
+    port: int,
+    *,
+    connections: int,
+    depth: int,
+    seconds: float,
+    ssl_context: ssl.SSLContext | None = None,
+    server_pid: int | None = None,
+) -> tuple[float, float | None]:
     """Closed loop: each connection keeps ``depth`` requests outstanding. Returns replies/s
-    over the measured window (after a short warm-up)."""
+    over the measured window (after a short warm-up), and the server's CPU microseconds
+    per reply in that window (None where /proc is missing): unlike the rate, the CPU cost
+    hardly depends on what else this machine is running."""
     counts = [0] * connections
     window = {"start": 0.0, "measuring": False}
 
     async def one(i: int, ready: trio.Event) -> None:
-        stream = await trio.open_tcp_stream(host, port)
+        stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
+        if ssl_context is not None:
+            stream = trio.SSLStream(stream, ssl_context, server_hostname=host)
+            await stream.do_handshake()
         frame = request_frame()  # one thread per connection, reused (its own)
         decoder = FrameDecoder(1024 * 1024)
         async with stream:
@@ -115,23 +136,41 @@ async def load(host: str, port: int, *, connections: int, depth: int, seconds: f
         ready.set()
         await trio.sleep(min(1.0, seconds / 3))  # warm-up
         window["measuring"] = True
+        cpu_start = cpu_seconds(server_pid)
         start = time.perf_counter()
         await trio.sleep(seconds)
         window["measuring"] = False
         elapsed = time.perf_counter() - start
+        cpu_end = cpu_seconds(server_pid)
         nursery.cancel_scope.cancel()
-    return sum(counts) / elapsed
+    replies = sum(counts)
+    cpu = None
+    if cpu_start is not None and cpu_end is not None and replies:
+        cpu = (cpu_end - cpu_start) / replies * 1e6
+    return replies / elapsed, cpu
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of process ``pid`` so far (Linux /proc), else None."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- orchestration ----------------------------------------------------------------------
 
 
-def start(args: list[str]) -> tuple[subprocess.Popen, int]:
+def start(args: list[str], cwd: pathlib.Path = REPO) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(
         [sys.executable, *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        cwd=REPO,
+        cwd=cwd,
     )
     found: list[int] = []
     event = threading.Event()
@@ -160,10 +199,40 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def tls_setup(boot: pathlib.Path, directory: pathlib.Path) -> tuple[pathlib.Path, ssl.SSLContext]:
+    """A copy of ``boot`` in ``directory`` with ``<tls>``, its certificate and key (made by
+    trustme, a dev dependency), and a client context that trusts them."""
+    import trustme
+
+    from agentserver.namespaces import BOOT_NS
+
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1", "localhost")
+    issued.cert_chain_pems[0].write_to_path(str(directory / "server.pem"))
+    issued.private_key_pem.write_to_path(str(directory / "server.key"))
+    tree = etree.parse(str(boot))
+    tree.getroot().insert(
+        0, etree.Element(f"{{{BOOT_NS}}}tls", cert="server.pem", key="server.key")
+    )
+    target = directory / "boot.xml"
+    tree.write(str(target), xml_declaration=True, encoding="UTF-8")
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    return target, context
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--seconds", type=float, default=2.0, help="measured seconds per load (default 2)"
+        "--tls",
+        action="store_true",
+        help="compare the real server over TLS with itself over plaintext (not with bare)",
+    )
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="measured seconds per load (default 2; 1.5 with --tls, to stay under a minute)",
     )
     ap.add_argument(
         "--rounds", type=int, default=3, help="alternating rounds; medians are reported"
@@ -183,69 +252,101 @@ def main() -> None:
     if args.bare_server:
         trio.run(bare_server, args.port)
         return
+    if args.seconds is None:
+        args.seconds = 1.5 if args.tls else 2.0
+    with tempfile.TemporaryDirectory(prefix="agentserver-bench-") as scratch:
+        run_benchmark(args, pathlib.Path(scratch))
 
-    servers = {
-        "real": [
-            "-m",
-            "agentserver",
-            "--log-level",
-            "warning",
-            "run",
-            str(pathlib.Path(args.boot).resolve()),
-            "--port",
-            "0",
-        ],
-        "bare": [str(pathlib.Path(__file__).resolve()), "--bare-server"],
-    }
+
+def run_benchmark(args: argparse.Namespace, scratch: pathlib.Path) -> None:
+    def real(boot: pathlib.Path) -> list[str]:
+        return ["-m", "agentserver", "--log-level", "warning", "run", str(boot), "--port", "0"]
+
+    boot = pathlib.Path(args.boot).resolve()
+    contexts: dict[str, ssl.SSLContext | None] = {}
+    if args.tls:
+        # Both from the scratch directory, so they differ only in <tls> (the store too).
+        plain_dir, tls_dir = scratch / "plain", scratch / "tls"
+        plain_dir.mkdir()
+        tls_dir.mkdir()
+        (plain_dir / "boot.xml").write_bytes(boot.read_bytes())
+        tls_boot, contexts["tls"] = tls_setup(boot, tls_dir)
+        servers = {
+            "tls": (real(tls_boot), tls_dir),
+            "plain": (real(plain_dir / "boot.xml"), plain_dir),
+        }
+        target = 0.70
+    else:
+        servers = {
+            "real": (real(boot), REPO),
+            "bare": ([str(pathlib.Path(__file__).resolve()), "--bare-server"], REPO),
+        }
+        target = 0.60
+    first, second = servers
     # Both servers run for the whole benchmark and are loaded in alternation, round after
     # round: a slower moment of this (shared) machine then hits both sides of a ratio.
     ports: dict[str, int] = {}
+    pids: dict[str, int] = {}
     procs = []
     rates: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {"a": [], "b": []}
     try:
-        for name, argv in servers.items():
-            proc, ports[name] = start(argv)
+        for name, (argv, cwd) in servers.items():
+            proc, ports[name] = start(argv, cwd)
             procs.append(proc)
+            pids[name] = proc.pid
         for r in range(args.rounds):
             for load_name, depth in (("a", 1), ("b", args.depth)):
                 got = {}
-                for name in ("real", "bare"):
-                    got[name] = trio.run(
-                        lambda d=depth, p=ports[name]: load(
+                for name in servers:
+                    got[name], cpu = trio.run(
+                        lambda d=depth, p=ports[name], c=contexts.get(name), i=pids[name]: load(  # noqa: B008
                             "127.0.0.1",
                             p,
                             connections=args.connections,
                             depth=d,
                             seconds=args.seconds,
+                            ssl_context=c,
+                            server_pid=i,
                         )
                     )
                     rates.setdefault(f"{name}_{load_name}", []).append(got[name])
-                ratios[load_name].append(got["real"] / got["bare"])
+                    if cpu is not None:
+                        cpus.setdefault(f"{name}_{load_name}_cpu_us", []).append(cpu)
+                ratios[load_name].append(got[first] / got[second])
                 print(
                     f"round {r + 1}/{args.rounds} ({load_name}) {args.connections} connections x "
-                    f"{depth:2} in flight: real {got['real']:8,.0f} msg/s, bare "
-                    f"{got['bare']:8,.0f} msg/s, ratio {ratios[load_name][-1]:.0%}",
+                    f"{depth:2} in flight: {first} {got[first]:8,.0f} msg/s, {second} "
+                    f"{got[second]:8,.0f} msg/s, ratio {ratios[load_name][-1]:.0%}",
                     flush=True,
                 )
     finally:
         for proc in procs:
             stop(proc)
     figures = {key: round(statistics.median(values)) for key, values in rates.items()}
+    cpu_figures = {key: round(statistics.median(values), 1) for key, values in cpus.items()}
+    if cpu_figures:
+        print(
+            "median server CPU per reply: "
+            + ", ".join(f"{key[:-7]} {value:.0f} us" for key, value in cpu_figures.items())
+        )
     ratio_a = statistics.median(ratios["a"])
     ratio_b = statistics.median(ratios["b"])
     print(
-        f"median ratio (a) real/bare: {ratio_a:.0%}   (b) real/bare: {ratio_b:.0%}   "
-        "(target >= 60%)"
+        f"median ratio (a) {first}/{second}: {ratio_a:.0%}   (b) {first}/{second}: "
+        f"{ratio_b:.0%}   (target >= {target:.0%})"
     )
     print(
         json.dumps(
             {
+                "mode": "tls" if args.tls else "bare",
                 "connections": args.connections,
                 "depth": args.depth,
                 "seconds": args.seconds,
                 "rounds": args.rounds,
                 **figures,
+                **cpu_figures,
                 "ratio_a": round(ratio_a, 3),
                 "ratio_b": round(ratio_b, 3),
             }

@@ -62,6 +62,13 @@ class ServerProcess:
         self.host = host
         self.port = port
         self._lines = lines
+        #: For a TLS server: the client context that trusts its CA (None: plaintext).
+        self.ssl_context = None
+
+    @property
+    def client_options(self) -> dict:
+        """Keyword arguments for ``open_client`` to reach this server."""
+        return {} if self.ssl_context is None else {"tls": self.ssl_context}
 
     @classmethod
     def start(
@@ -133,16 +140,26 @@ class ServerProcess:
         return self.proc.wait(timeout)
 
 
+async def open_stream(server: ServerProcess) -> trio.abc.Stream:
+    """A bare stream to ``server``: TCP, or TLS (handshake done) for a TLS server."""
+    tcp = await trio.open_tcp_stream(server.host, server.port)
+    if server.ssl_context is None:
+        return tcp
+    stream = trio.SSLStream(tcp, server.ssl_context, server_hostname=server.host)
+    await stream.do_handshake()
+    return stream
+
+
 class RawConnection:
     """A bare framed socket, for hostile input and protocol tests."""
 
-    def __init__(self, stream: trio.SocketStream, max_frame: int = 4 * 1024 * 1024) -> None:
+    def __init__(self, stream: trio.abc.Stream, max_frame: int = 4 * 1024 * 1024) -> None:
         self.stream = stream
         self.decoder = FrameDecoder(max_frame)
 
     @classmethod
     async def open(cls, server: ServerProcess) -> RawConnection:
-        return cls(await trio.open_tcp_stream(server.host, server.port))
+        return cls(await open_stream(server))
 
     async def send_frame(self, body: bytes) -> None:
         await self.stream.send_all(encode_frame(body))

@@ -1,5 +1,6 @@
 """Hostile input over the socket. Every case gets its documented outcome (docs/wire.md),
-fast, and the server keeps serving normal clients afterwards."""
+fast, and the server keeps serving normal clients afterwards. The whole suite runs twice:
+over plaintext and over TLS (same assertions)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import random
 import pytest
 import trio
 from lxml import etree
-from serverproc import RawConnection
+from serverproc import DATA, RawConnection, ServerProcess, open_stream
+from tlsutil import make_pki, with_tls
 
 from agentserver.client import open_client
 from agentserver.envelope import build_envelope
@@ -83,8 +85,23 @@ CORE_PAYLOAD = (
 )
 
 
+@pytest.fixture(scope="module", params=["plaintext", "tls"])
+def server(request, tmp_path_factory):
+    """The e2e server, as is or with <tls> (a copy of e2e-boot.xml next to its certificate)."""
+    boot = DATA / "e2e-boot.xml"
+    pki = None
+    if request.param == "tls":
+        pki = make_pki(tmp_path_factory.mktemp("tls"))
+        boot = with_tls(boot, pki.dir / "boot.xml", cert="server.pem", key="server.key")
+    proc = ServerProcess.start(boot)
+    if pki is not None:
+        proc.ssl_context = pki.client_context()
+    yield proc
+    assert proc.stop() == 0
+
+
 async def assert_still_serving(server) -> None:
-    async with open_client(server.host, server.port) as client:
+    async with open_client(server.host, server.port, **server.client_options) as client:
         reply = await client.request(Ping(text="still here"), to="echo", timeout=5)
     assert reply.payload_xml == '<pong xmlns="urn:agentserver:echo"><text>still here</text></pong>'
 
@@ -194,7 +211,7 @@ async def test_unframed_random_bytes_are_refused_and_closed(server):
 
 
 async def test_hostile_frame_does_not_disturb_a_concurrent_client(server):
-    async with open_client(server.host, server.port) as client:
+    async with open_client(server.host, server.port, **server.client_options) as client:
         conn = await RawConnection.open(server)
         with trio.fail_after(5):
             await conn.send_frame(BILLION_LAUGHS)
@@ -208,7 +225,7 @@ async def test_hostile_frame_does_not_disturb_a_concurrent_client(server):
 async def test_client_that_never_reads_is_disconnected_and_others_are_fine(server):
     """Flood requests without reading replies: the server stops reading at max-inflight
     and, once its writes block, disconnects; memory stays bounded."""
-    stream = await trio.open_tcp_stream(server.host, server.port)
+    stream = await open_stream(server)
     body = etree.tostring(
         build_envelope("x", "echo", new_thread_id(), Ping(text="x" * 20_000).to_xml_tree())
     )
