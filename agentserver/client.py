@@ -248,6 +248,15 @@ class Client:
             raise RequestTimeout(f"no reply on thread {thread} within {timeout:g} s")
         finally:
             self._waiters.pop(thread, None)
+            try:
+                late = receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                pass
+            else:
+                # Arrived as the request gave up: a durable reply is not dropped unseen
+                # (unacknowledged, it would come again only on the next connection).
+                if late.id is not None:
+                    self._to_inbox(late)
 
     # -- receiving -----------------------------------------------------------------------
 
@@ -344,9 +353,15 @@ class Client:
         if waiter is not None:
             waiter.send_nowait(reply)  # capacity 1, used once
             return
+        self._to_inbox(reply)
+
+    def _to_inbox(self, reply: Reply) -> None:
         if len(self._inbox) >= self._inbox_size:
-            self._inbox.popleft()
+            lost = self._inbox.popleft()
             self.dropped += 1
+            if lost.id is not None:
+                # Not acknowledged: the server sends it again on the next connection.
+                self._queued_ids.discard(lost.id)
         self._inbox.append(reply)
         self._inbox_ready.set()
 
