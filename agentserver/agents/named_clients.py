@@ -102,9 +102,9 @@ class NamedClientReplies:
         lost = [rid for rid, holder in self._offered.items() if holder is link]
         for rid in lost:
             del self._offered[rid]
-        target = self._pick(link.identity)
-        if lost and target is not None:
+        for target in self._candidates(link.identity):
             await self._flush(target)
+            break
 
     async def received(self, link: ClientLink, reply_ids: list[int]) -> None:
         """The client has these replies (acknowledged, or written while it was reading)."""
@@ -115,18 +115,18 @@ class NamedClientReplies:
 
     async def deliver(self, identity: str, reply_id: int, body: bytes) -> bool:
         """Offer a reply just kept for ``identity``; False if no connection took it."""
-        link = self._pick(identity)
-        return link is not None and await self._offer(link, reply_id, body)
+        for link in self._candidates(identity):
+            if await self._offer(link, reply_id, body):
+                return True
+        return False
 
-    def _pick(self, identity: str) -> ClientLink | None:
-        # The newest connection that can still confirm receipt, else any.
-        links = self._links.get(identity)
-        if not links:
-            return None
-        for link in reversed(links):
-            if link.input_open:
-                return link
-        return links[-1]
+    def _candidates(self, identity: str) -> list[ClientLink]:
+        """The identity's connections, best first: the newest that can still confirm
+        receipt, then the others (a reply written to those stays kept)."""
+        links = self._links.get(identity, [])
+        return [lk for lk in reversed(links) if lk.input_open] + [
+            lk for lk in reversed(links) if not lk.input_open
+        ]
 
     async def _offer(self, link: ClientLink, reply_id: int, body: bytes) -> bool:
         data = with_reply_id(body, reply_id) if link.acks else body

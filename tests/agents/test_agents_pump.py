@@ -192,6 +192,15 @@ async def test_named_client_replies_stay_kept_until_received(tmp_path):
         kept = await store.record_client_reply("bob", {}, b"<m><n>0</n></m>", failed=False)
         await clients.received(second, [kept])
         assert len(await store.pending_client_replies("bob")) == 1
+        # a new reply goes to the newest connection that takes it
+        third = Link("alice-2", room=0)
+        await clients.attach(third)
+        rid = await store.record_client_reply("alice", {}, b"<m><n>150</n></m>", failed=False)
+        assert await clients.deliver("alice", rid, b"<m><n>150</n></m>")
+        assert second.got[-1] == 150 and third.got == []
+        await clients.detach(third)
         await clients.detach(second)
         assert clients.identity_of("alice-1") is None
+        assert not await clients.deliver("alice", rid, b"<m><n>150</n></m>")  # kept
+        assert [r.reply_id for r in await store.pending_client_replies("alice")] == [rid]
         await store.aclose()
