@@ -311,6 +311,28 @@ class Client:
             except ConnectionClosed:
                 return
 
+    async def receive_on(self, thread: str) -> Reply:
+        """The next reply on ``thread`` no :meth:`request` was waiting for; replies on
+        other threads stay in the inbox (not handed over, so not acknowledged: a durable
+        one is sent again on the next connection if nobody reads it here).
+        Raises :class:`ConnectionClosed` once the connection is gone and none is left."""
+        while True:
+            for reply in self._inbox:
+                if reply.thread == thread:
+                    self._inbox.remove(reply)
+                    if reply.id is not None and reply.id in self.delivered:
+                        self._queued_ids.discard(reply.id)
+                        self.duplicates += 1
+                        break  # look again: the deque changed
+                    self._handed(reply)
+                    return reply
+            else:
+                if self._closed.is_set():
+                    raise self._failure or ConnectionClosed("connection closed")
+                if self._inbox_ready.is_set():
+                    self._inbox_ready = trio.Event()
+                await self._inbox_ready.wait()
+
     def __aiter__(self) -> AsyncIterator[Reply]:
         return self._iterate()
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import trio
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
 from lxml import etree
-from serverproc import DATA, RawConnection, ServerProcess, subprocess_env
+from serverproc import DATA, RawConnection, ServerProcess, cli, subprocess_env
 from test_agents_crash import Store, until
 
 from agentserver.client import Client, Reply, open_client
@@ -235,3 +235,33 @@ async def test_a_second_connection_answer_is_kept_when_she_is_gone(tmp_path):
         await until(lambda: answered(store), "the answer is ready", store, servers)
         async with alice(server) as client:
             check_answer(await exactly_one(client), "job-6", thread)
+
+
+async def test_agentserver_send_leaves_her_kept_answers_for_a_client_that_reads_them(tmp_path):
+    async with running(tmp_path, 0.0) as (_, server, store, _, servers):
+        async with alice(server) as client:
+            thread = await client.send(task("job-7"), to="assistant")
+        await until(lambda: answered(store), "the answer is ready", store, servers)
+        # `agentserver send` as alice is handed the kept answer at her hello too: it
+        # prints only the reply on its own thread and leaves the other unacknowledged
+        add = '<add xmlns="urn:agentserver:calculator"><a>1</a><b>2</b></add>'
+        result = await trio.to_thread.run_sync(
+            lambda: cli(
+                "send",
+                "--connect",
+                f"{server.host}:{server.port}",
+                "--client",
+                "alice",
+                "--to",
+                "calculator",
+                "--linger",
+                "1",
+                input=add.encode(),
+                env=subprocess_env(AGENTSERVER_TOKEN=TOKEN),
+            )
+        )
+        assert result.returncode == 0, result.stderr
+        assert b"<value>3</value>" in result.stdout and b"job-7" not in result.stdout
+        assert kept(store) == 1
+        async with alice(server) as client:
+            check_answer(await exactly_one(client), "job-7", thread)
