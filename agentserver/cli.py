@@ -8,6 +8,7 @@ a ``<huh>`` or ``<SystemError>`` reply); 2 bad usage or input; 3 no reply in tim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import pathlib
@@ -418,7 +419,13 @@ def _credentials(
 
 
 def cmd_send(args: argparse.Namespace) -> int:
-    from agentserver.client import ClientError, RequestTimeout, open_client, payload_element
+    from agentserver.client import (
+        ClientError,
+        ConnectionClosed,
+        RequestTimeout,
+        open_client,
+        payload_element,
+    )
 
     if args.thread is not None and not is_uuid4(args.thread):
         print("--thread must be a lowercase uuid4", file=sys.stderr)
@@ -453,10 +460,12 @@ def cmd_send(args: argparse.Namespace) -> int:
             )
             replies = [reply]
             with trio.move_on_after(max(args.linger, 0)):
-                # Ends early if the server closes: what arrived is still printed.
-                async for more in client:
-                    if more.thread == reply.thread:
-                        replies.append(more)
+                # Ends early if the server closes: what arrived is still printed. Replies
+                # on other threads (a named client's answers kept from before) are left
+                # unread, so they stay kept for a client that reads them.
+                with contextlib.suppress(ConnectionClosed):
+                    while True:
+                        replies.append(await client.receive_on(reply.thread))
         for r in replies:
             sys.stdout.write(r.raw.decode("utf-8") + "\n")
         sys.stdout.flush()

@@ -10,6 +10,13 @@ Several requests may be in flight on one connection; each reply is matched by it
 Replies nobody waits for (another ``send``, a broadcast's extra answers) go to a bounded
 inbox read with :meth:`Client.receive`; when the inbox is full the oldest is dropped and
 counted in :attr:`Client.dropped`.
+
+A named client always asks for reply acknowledgement (docs/wire.md): a durable reply
+carries an id (:attr:`Reply.id`), is acknowledged once :meth:`Client.request` or
+:meth:`Client.receive` has handed it to the application, and a second copy of an id
+already handed over is dropped (counted in :attr:`Client.duplicates`). Pass one
+:class:`DeliveredIds` to every connection of a client to drop copies that come again
+after a reconnect.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from pydantic_xml import BaseXmlModel
 from agentserver.envelope import MESSAGE, build_envelope
 from agentserver.errors import AgentServerError, InputRefused, sole_exception
 from agentserver.framing import FrameDecoder, FramingError, encode_frame
-from agentserver.handshake import hello_frame_body
+from agentserver.handshake import MAX_ACK_IDS, ack_frame_body, hello_frame_body
 from agentserver.listener import to_element
 from agentserver.namespaces import CORE_NS, ENVELOPE_NS
 from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
@@ -36,6 +43,8 @@ from agentserver.threads import is_uuid4, new_thread_id
 from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser
 
 _E = f"{{{ENVELOPE_NS}}}"
+#: How long closing a connection waits to send the acknowledgements still owed.
+ACK_FLUSH_TIMEOUT = 1.0
 
 
 class ClientError(AgentServerError):
@@ -68,6 +77,8 @@ class Reply:
     thread: str
     payload: etree._Element
     raw: bytes
+    #: The ``reply-id`` of a durable reply (on a connection that asked for acks), else None.
+    id: int | None = None
 
     @property
     def is_huh(self) -> bool:
@@ -105,13 +116,39 @@ def parse_reply(data: bytes, parser: SafeParser) -> Reply:
     if root.tag != MESSAGE or len(root) != 2:
         raise ProtocolError("reply is not an envelope")
     meta, payload = root[0], root[1]
+    reply_id = root.get("reply-id")
+    if reply_id is not None and not reply_id.isdigit():
+        raise ProtocolError(f"reply-id {reply_id[:32]!r} is not a number")
     return Reply(
         (meta.findtext(_E + "from") or "").strip(),
         (meta.findtext(_E + "to") or "").strip() or None,
         (meta.findtext(_E + "thread") or "").strip(),
         payload,
         data,
+        int(reply_id) if reply_id is not None else None,
     )
+
+
+class DeliveredIds:
+    """The ids of the durable replies handed to the application (the most recent
+    ``capacity``). Share one between the connections of a client so that a reply sent
+    again after a reconnect (its acknowledgement was lost) is dropped."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self._order: collections.deque[int] = collections.deque()
+        self._ids: set[int] = set()
+        self._capacity = capacity
+
+    def __contains__(self, reply_id: int) -> bool:
+        return reply_id in self._ids
+
+    def add(self, reply_id: int) -> None:
+        if reply_id in self._ids:
+            return
+        self._ids.add(reply_id)
+        self._order.append(reply_id)
+        while len(self._order) > self._capacity:
+            self._ids.discard(self._order.popleft())
 
 
 def payload_element(payload: BaseXmlModel | etree._Element | bytes | str) -> etree._Element:
@@ -133,6 +170,7 @@ class Client:
         name: str = "client",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         inbox_size: int = 1024,
+        delivered: DeliveredIds | None = None,
     ) -> None:
         self._stream = stream
         self._name = name
@@ -147,6 +185,14 @@ class Client:
         self._failure: ClientError | None = None
         #: Replies dropped because the inbox was full.
         self.dropped = 0
+        #: Durable replies received again and dropped (already handed over, or queued).
+        self.duplicates = 0
+        self.delivered = delivered if delivered is not None else DeliveredIds()
+        #: Ids of durable replies received and not yet handed to the application.
+        self._queued_ids: set[int] = set()
+        #: Ids handed over (or dropped as copies) and not yet acknowledged.
+        self._to_ack: list[int] = []
+        self._ack_wanted = trio.Event()
 
     # -- sending -------------------------------------------------------------------------
 
@@ -201,27 +247,98 @@ class Client:
             await self.send(payload, to=to, thread=thread)
             with trio.move_on_after(timeout):
                 try:
-                    return await receive.receive()
+                    reply = await receive.receive()
                 except trio.EndOfChannel:
                     raise self._failure or ConnectionClosed("connection closed") from None
+                self._handed(reply)
+                return reply
             raise RequestTimeout(f"no reply on thread {thread} within {timeout:g} s")
         finally:
             self._waiters.pop(thread, None)
+            try:
+                late = receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                pass
+            else:
+                # Arrived as the request gave up: a durable reply is not dropped unseen
+                # (unacknowledged, it would come again only on the next connection).
+                if late.id is not None:
+                    self._to_inbox(late)
 
     # -- receiving -----------------------------------------------------------------------
 
     async def receive(self) -> Reply:
         """The next reply no :meth:`request` was waiting for.
         Raises :class:`ConnectionClosed` once the connection is gone and the inbox empty."""
-        while not self._inbox:
-            if self._closed.is_set():
-                raise self._failure or ConnectionClosed("connection closed")
-            if self._inbox_ready.is_set():
-                # A fresh event only once the last one fired: several tasks may wait at
-                # once, and each must be woken by the next reply or by the close.
-                self._inbox_ready = trio.Event()
-            await self._inbox_ready.wait()
-        return self._inbox.popleft()
+        while True:
+            while not self._inbox:
+                if self._closed.is_set():
+                    raise self._failure or ConnectionClosed("connection closed")
+                if self._inbox_ready.is_set():
+                    # A fresh event only once the last one fired: several tasks may wait at
+                    # once, and each must be woken by the next reply or by the close.
+                    self._inbox_ready = trio.Event()
+                await self._inbox_ready.wait()
+            reply = self._inbox.popleft()
+            if reply.id is not None and reply.id in self.delivered:
+                # Handed over meanwhile by another connection sharing ``delivered``.
+                self._queued_ids.discard(reply.id)
+                self.duplicates += 1
+                continue
+            self._handed(reply)
+            return reply
+
+    # -- acknowledgement -----------------------------------------------------------------
+
+    def _handed(self, reply: Reply) -> None:
+        """``reply`` reached the application: remember and acknowledge its id."""
+        if reply.id is None:
+            return
+        self._queued_ids.discard(reply.id)
+        self.delivered.add(reply.id)
+        self._acknowledge(reply.id)
+
+    def _acknowledge(self, reply_id: int) -> None:
+        self._to_ack.append(reply_id)
+        self._ack_wanted.set()
+
+    async def _ack_loop(self) -> None:
+        """Send the acknowledgements, all that are owed in one frame."""
+        while True:
+            await self._ack_wanted.wait()
+            self._ack_wanted = trio.Event()
+            await self.flush_acks()
+
+    async def flush_acks(self) -> None:
+        """Send the acknowledgements owed now (the connection's close does it too)."""
+        while self._to_ack and self._failure is None:
+            ids, self._to_ack = self._to_ack[:MAX_ACK_IDS], self._to_ack[MAX_ACK_IDS:]
+            try:
+                await self.send_raw(ack_frame_body(self._name, ids))
+            except ConnectionClosed:
+                return
+
+    async def receive_on(self, thread: str) -> Reply:
+        """The next reply on ``thread`` no :meth:`request` was waiting for; replies on
+        other threads stay in the inbox (not handed over, so not acknowledged: a durable
+        one is sent again on the next connection if nobody reads it here).
+        Raises :class:`ConnectionClosed` once the connection is gone and none is left."""
+        while True:
+            for reply in self._inbox:
+                if reply.thread == thread:
+                    self._inbox.remove(reply)
+                    if reply.id is not None and reply.id in self.delivered:
+                        self._queued_ids.discard(reply.id)
+                        self.duplicates += 1
+                        break  # look again: the deque changed
+                    self._handed(reply)
+                    return reply
+            else:
+                if self._closed.is_set():
+                    raise self._failure or ConnectionClosed("connection closed")
+                if self._inbox_ready.is_set():
+                    self._inbox_ready = trio.Event()
+                await self._inbox_ready.wait()
 
     def __aiter__(self) -> AsyncIterator[Reply]:
         return self._iterate()
@@ -251,13 +368,29 @@ class Client:
             self._fail(ProtocolError(str(exc)))
 
     def _dispatch(self, reply: Reply) -> None:
+        if reply.id is not None:
+            if reply.id in self.delivered:
+                # Sent again: our acknowledgement was lost (e.g. the server restarted).
+                self.duplicates += 1
+                self._acknowledge(reply.id)
+                return
+            if reply.id in self._queued_ids:
+                self.duplicates += 1
+                return
+            self._queued_ids.add(reply.id)
         waiter = self._waiters.pop(reply.thread, None)
         if waiter is not None:
             waiter.send_nowait(reply)  # capacity 1, used once
             return
+        self._to_inbox(reply)
+
+    def _to_inbox(self, reply: Reply) -> None:
         if len(self._inbox) >= self._inbox_size:
-            self._inbox.popleft()
+            lost = self._inbox.popleft()
             self.dropped += 1
+            if lost.id is not None:
+                # Not acknowledged: the server sends it again on the next connection.
+                self._queued_ids.discard(lost.id)
         self._inbox.append(reply)
         self._inbox_ready.set()
 
@@ -350,16 +483,19 @@ async def open_client(
     cert: PathLike | None = None,
     key: PathLike | None = None,
     server_hostname: str | None = None,
+    delivered: DeliveredIds | None = None,
 ) -> AsyncIterator[Client]:
-    """Connect; with ``client`` and ``token``, send the hello first. Leaving the block
-    closes the connection.
+    """Connect; with ``client`` and ``token``, send the hello first, asking for reply
+    acknowledgement. Leaving the block sends the acknowledgements still owed (for up to
+    ``ACK_FLUSH_TIMEOUT`` s) and closes the connection. ``delivered``: see
+    :class:`DeliveredIds`.
 
     TLS: ``tls=True`` (or any of ``ca``/``cert``/``key``) verifies the server's
     certificate against ``ca`` (default: the system's CAs) and its name against
     ``server_hostname`` (default: ``host``); ``cert``/``key`` present a client
-    certificate (mutual TLS; then ``client`` needs no token: no hello is sent). A ready
-    ``ssl.SSLContext`` may be passed as ``tls`` instead. A failed handshake raises
-    :class:`TlsHandshakeError`."""
+    certificate (mutual TLS; then ``client`` needs no token: the hello carries an empty
+    one and only asks for acknowledgement). A ready ``ssl.SSLContext`` may be passed as
+    ``tls`` instead. A failed handshake raises :class:`TlsHandshakeError`."""
     context = tls_context(tls, ca=ca, cert=cert, key=key)
     by_certificate = context is not None and (cert is not None or isinstance(tls, ssl.SSLContext))
     if client is not None and token is None and not by_certificate:
@@ -368,13 +504,25 @@ async def open_client(
         stream = await _connect(host, port, context, server_hostname)
     try:
         async with stream, trio.open_nursery() as nursery:
-            conn = Client(stream, name=client or "client", max_message_bytes=max_message_bytes)
-            if client is not None and token is not None:
-                await conn.send_raw(hello_frame_body(client, token))
+            conn = Client(
+                stream,
+                name=client or "client",
+                max_message_bytes=max_message_bytes,
+                delivered=delivered,
+            )
+            if client is not None:
+                await conn.send_raw(hello_frame_body(client, token or "", ack=True))
+                nursery.start_soon(conn._ack_loop)
             nursery.start_soon(conn._read_loop)
             try:
                 yield conn
             finally:
+                # What the application got must not come again: acknowledge it first.
+                with trio.move_on_after(ACK_FLUSH_TIMEOUT) as flush:
+                    flush.shield = True
+                    async with conn._send_lock:
+                        pass  # an acknowledgement being sent is finished first
+                    await conn.flush_acks()
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # The reader task never raises, so a group holds the caller's own exception:

@@ -34,19 +34,26 @@ Outcomes (also in docs/wire.md):
   would bypass the encryption). With mutual TLS the client certificate names the client
   and no hello is read.
 - Failed hellos are throttled per source address (:mod:`agentserver.throttle`).
+- A named client's connection is a :class:`~agentserver.agents.named_clients.ClientLink`
+  for its durable replies (agents' answers): with ``<hello ack="true">`` they carry a
+  ``reply-id`` and the client's core ``<ack>`` frames are consumed here (never reach the
+  pump, never count as requests); without, a durable reply counts as received once written
+  while the client's input is open.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import os
 import socket
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 from lxml import etree
@@ -63,7 +70,14 @@ from agentserver.errors import (
     SystemErrorCode,
 )
 from agentserver.framing import FrameDecoder, FrameTooLarge, encode_frame, encode_frames
-from agentserver.handshake import MAX_HELLO_BYTES, Credential, HelloGate, Identity, Unauthenticated
+from agentserver.handshake import (
+    MAX_HELLO_BYTES,
+    AckReader,
+    Credential,
+    HelloGate,
+    Identity,
+    Unauthenticated,
+)
 from agentserver.primitives.core import huh, primitive_for
 from agentserver.pump import SYSTEM, Pump
 from agentserver.threads import new_thread_id
@@ -80,6 +94,10 @@ MAX_BATCH = 256
 _MAX_GATHER_ROUNDS = 4
 #: How long a refused connection gets to take its one refusal.
 _REFUSAL_WRITE_TIMEOUT = 1.0
+#: How long a connection named by its client certificate is given to send an (optional)
+#: hello asking for acknowledgement before it is served without: the client library sends
+#: it at once, so only a client that sends nothing waits this long for its kept replies.
+CERT_HELLO_WAIT = 1.0
 
 
 async def _send_refusal(stream: trio.abc.Stream, payload: etree._Element) -> None:
@@ -117,6 +135,15 @@ def _peer_host(stream: trio.SocketStream) -> str:
         return "?"
 
 
+class NamedClients(Protocol):
+    """Where a named client's connections meet its durable replies
+    (:class:`agentserver.agents.named_clients.NamedClientReplies`)."""
+
+    async def attach(self, link: _Connection) -> None: ...
+    async def detach(self, link: _Connection) -> None: ...
+    async def received(self, link: _Connection, reply_ids: list[int]) -> None: ...
+
+
 def format_address(sockname: tuple) -> str:
     host, port = sockname[0], sockname[1]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -152,9 +179,11 @@ class Server:
         self._handshaking = 0
         self._accept_scope = trio.CancelScope()
         self._connections: set[_Connection] = set()
-        #: Called with the endpoint of each authenticated named client when it connects
-        #: (the agents hand over the replies produced while it was away).
-        self.on_named_connect: Callable[[Endpoint], Awaitable[object]] | None = None
+        #: The named clients' durable replies (set when agents run): each named
+        #: connection is attached to it after the hello and detached when it ends.
+        self.named_clients: NamedClients | None = None
+        #: Reads the ``<ack>`` frames of connections whose hello asked for acks.
+        self.acks = AckReader(limits.max_message_bytes)
         self.counters = {
             "accepted": 0,
             "refused_busy": 0,
@@ -283,8 +312,9 @@ class _Connection:
         self.stream = stream
         #: The peer's host, for hello throttling.
         self.address = address
-        #: Set when the TLS client certificate already named the client (no hello).
-        self.identity = identity
+        #: Set when the TLS client certificate already named the client (its hello, if
+        #: any, only asks for acknowledgement).
+        self.cert_identity = identity
         self.limits = server.limits
         self.endpoint: Endpoint | None = None
         self._reading = trio.CancelScope()
@@ -303,9 +333,49 @@ class _Connection:
         self._pipelining = False
         #: What the socket did not take of a direct write; the writer sends it first.
         self._carry = b""
+        # As a ClientLink (named clients only; see agentserver.agents.named_clients):
+        self.identity = ""
+        self.endpoint_name = ""
+        self.acks = False
+        self.input_open = True
+        #: Durable replies queued on a no-ack link, by id() of their bytes: (bytes, id).
+        #: Empty on every other connection, so the write paths only test it.
+        self._durable: dict[int, tuple[bytes, int]] = {}
+        #: Ids of those written while the client's input was open (counted received).
+        self._written: list[int] = []
 
     def stop_reading(self) -> None:
         self._reading.cancel()
+
+    # -- as a ClientLink (named clients) ---------------------------------------------------
+
+    def offer(self, reply_id: int, body: bytes) -> bool:
+        """Queue a durable reply (see :class:`NamedClients`); False if it was dropped."""
+        endpoint = self.endpoint
+        if endpoint is None or endpoint.closed:
+            return False
+        if not self.acks:
+            self._durable[id(body)] = (body, reply_id)
+        if endpoint.push(body):
+            return True
+        self._durable.pop(id(body), None)
+        return False
+
+    def take_written(self) -> list[int]:
+        written, self._written = self._written, []
+        return written
+
+    def _wrote(self, body: bytes) -> None:
+        """A reply was written: a durable one on a no-ack link counts as received if the
+        client's input is still open (one written after its end of input stays kept)."""
+        entry = self._durable.pop(id(body), None)
+        if entry is not None and entry[0] is body and self.input_open:
+            self._written.append(entry[1])
+
+    async def _acked(self, reply_ids: list[int]) -> None:
+        named = self.server.named_clients
+        if named is not None and self.identity:
+            await named.received(self, reply_ids)
 
     async def run(self) -> None:
         try:
@@ -324,16 +394,15 @@ class _Connection:
         if self._direct is not None:
             endpoint.sink = self._write_now
         endpoint.on_chain_end = self._chain_ended
+        named = self.server.named_clients if identity.name is not None else None
+        self.acks = identity.ack
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._writer, nursery.cancel_scope)
-                hook = self.server.on_named_connect
-                if (
-                    hook is not None
-                    and identity.name is not None
-                    and endpoint.name == identity.name
-                ):
-                    await hook(endpoint)
+                if named is not None:
+                    assert identity.name is not None
+                    self.identity, self.endpoint_name = identity.name, endpoint.name
+                    await named.attach(self)
                 reason = await self._read_loop()
                 if reason == "eof":
                     await self._linger()
@@ -346,6 +415,12 @@ class _Connection:
                 # Before the stream closes: an open duplicate would keep the socket open.
                 self._direct.close()
             endpoint.close()
+            if named is not None:
+                self.input_open = False
+                # Short and synchronous underneath (one SQLite read): hand what this
+                # connection did not receive to another, even while being cancelled.
+                with trio.CancelScope(shield=True):
+                    await named.detach(self)
             log.debug("connection %s closed (pump %s)", endpoint.name, pump.running)
 
     def _open_endpoint(self, identity: Identity) -> Endpoint:
@@ -368,8 +443,8 @@ class _Connection:
     # -- handshake -----------------------------------------------------------------------
 
     async def _handshake(self) -> Identity | None:
-        if self.identity is not None:
-            return self.identity
+        if self.cert_identity is not None:
+            return await self._certificate_hello(self.cert_identity)
         gate = self.server.gate
         if not gate.required:
             return Identity(None)
@@ -425,6 +500,39 @@ class _Connection:
         self._early = decoder.take_remainder()
         return identity
 
+    async def _certificate_hello(self, identity: Identity) -> Identity | None:
+        """A client named by its certificate may still send a hello first, to ask for
+        acknowledgement (its token is not checked: the certificate proved who it is). Waits
+        up to ``CERT_HELLO_WAIT`` s for a first frame; one that is not a hello is kept for
+        the reader, a hello naming another client is refused."""
+        decoder = FrameDecoder(self.limits.max_message_bytes)
+        received = b""
+        frame: bytes | None = None
+        with trio.move_on_after(CERT_HELLO_WAIT):
+            try:
+                while frame is None:
+                    data = await self.stream.receive_some(RECEIVE_SIZE)
+                    if not data:
+                        break
+                    received += data
+                    decoder.feed(data)
+                    frame = decoder.next_frame()
+            except FrameTooLarge:
+                frame = None  # the reader refuses it, from the bytes kept below
+        if frame is not None:
+            try:
+                ack = self.server.gate.certificate_hello(frame, identity.name)
+            except Unauthenticated as exc:
+                self.server.counters["unauthenticated"] += 1
+                log.info("connection from %s refused: %s", self.address, exc)
+                await _send_refusal(self.stream, huh(HuhReason.UNAUTHENTICATED))
+                return None
+            if ack is not None:
+                self._early = decoder.take_remainder()
+                return dataclasses.replace(identity, ack=ack)
+        self._early = received
+        return identity
+
     # -- reading -------------------------------------------------------------------------
 
     async def _read_loop(self) -> str:
@@ -438,6 +546,7 @@ class _Connection:
         frame_deadline = math.inf
         pending = self._early
         self._early = b""
+        acks = self.server.acks if self.acks else None
         with self._reading:
             while True:
                 if pending:
@@ -460,12 +569,14 @@ class _Connection:
                                 data = await stream.receive_some(RECEIVE_SIZE)
                             timed_out = waited.cancelled_caught
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        self.input_open = False
                         return "closed"
                     if timed_out:
                         reason = "stalled" if decoder.mid_frame else "idle"
                         log.info("connection %s %s: closing", endpoint.name, reason)
                         return reason
                     if not data:
+                        self.input_open = False
                         return "eof"
                 new_frame = not decoder.mid_frame
                 decoder.feed(data)
@@ -485,6 +596,11 @@ class _Connection:
                     # A frame ended, so whatever follows starts a new one (and time spent
                     # waiting for in-flight room below is not the client's stall).
                     new_frame = True
+                    if acks is not None:
+                        reply_ids = acks.ids(frame)
+                        if reply_ids is not None:  # not a request: nothing in flight
+                            await self._acked(reply_ids)
+                            continue
                     frames += 1
                     if frames == 2:
                         self._pipelining = True
@@ -572,6 +688,8 @@ class _Connection:
             self._writer_idle = False
             return False
         self._replied(1)
+        if self._durable:
+            self._wrote(body)
         counters = self.server.counters
         counters["replies"] += 1
         counters["writes"] += 1
@@ -672,6 +790,17 @@ class _Connection:
             self._replied(len(replies))
             counters["replies"] += len(replies)
             await write(data)
+            if self._durable:
+                for body in replies:
+                    self._wrote(body)
+                if self._written:
+                    await self._written_now()
+
+    async def _written_now(self) -> None:
+        named = self.server.named_clients
+        written = self.take_written()
+        if named is not None and written:
+            await named.received(self, written)
 
 
 # -- running a topology ---------------------------------------------------------------------
@@ -778,7 +907,7 @@ async def run_server(
                 environ=environ,
             )
             if agents is not None:
-                server.on_named_connect = agents.ports.flush_client
+                server.named_clients = agents.ports.clients
             await pump.inject_system(
                 topology.boot_primitive(),
                 to=topology.boot_listener.name,

@@ -11,7 +11,7 @@ import datetime
 from typing import Annotated, Literal
 
 from lxml import etree
-from pydantic_xml import BaseXmlModel, element
+from pydantic_xml import BaseXmlModel, attr, element
 
 from agentserver.errors import (
     DeliveryRefused,
@@ -58,13 +58,23 @@ class Boot(BaseXmlModel, tag="boot", nsmap=_NSMAP):
 
 
 class Hello(BaseXmlModel, tag="hello", nsmap=_NSMAP):
-    """Connection handshake; consumed by the server, never routed."""
+    """Connection handshake; consumed by the server, never routed. ``ack="true"`` asks for
+    reply acknowledgement: durable replies then carry ``reply-id`` and stay kept until
+    the client acknowledges them with :class:`Ack` (docs/wire.md)."""
 
     client: str = element()
     token: str = element()
+    ack: bool | None = attr(default=None)
 
 
-CORE_MODELS: tuple[type[BaseXmlModel], ...] = (Huh, SystemErrorPayload, Boot, Hello)
+class Ack(BaseXmlModel, tag="ack", nsmap=_NSMAP):
+    """A client's acknowledgement of durable replies, by ``reply-id``; consumed by the
+    server on a connection whose hello asked for acks, never routed."""
+
+    ids: list[int] = element(tag="id", default_factory=list)
+
+
+CORE_MODELS: tuple[type[BaseXmlModel], ...] = (Huh, SystemErrorPayload, Boot, Hello, Ack)
 
 
 def boot_primitive(organism: str, listener_count: int) -> Boot:

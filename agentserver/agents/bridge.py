@@ -15,10 +15,10 @@ from collections.abc import Iterable
 from lxml import etree
 
 from agentserver.agents.errors import PumpRefused
+from agentserver.agents.named_clients import NamedClientReplies
 from agentserver.agents.ports import ReplyRef
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store import AgentStore
-from agentserver.endpoint import Endpoint
 from agentserver.envelope import encode
 from agentserver.errors import Refusal
 from agentserver.listener import Handler, HandlerMetadata
@@ -41,20 +41,34 @@ def _refused(refusal: Refusal, payload: etree._Element) -> PumpRefused:
 class PumpPorts:
     """:class:`~agentserver.agents.ports.ToolPort` and ``ReplyPort`` over a running pump.
 
-    ``named_clients`` are the client identities declared in boot.xml: a reply for one that
-    is not connected is kept in the store and handed over when it reconnects
-    (:meth:`flush_client`). A reply for an anonymous client that has gone is recorded in the
-    store only (its deliverable card).
+    ``named_clients`` are the client identities declared in boot.xml: a reply for one is
+    kept in the store until received and offered to a live connection of that identity
+    (:attr:`clients`, see :mod:`agentserver.agents.named_clients`), whichever of its
+    connections sent the task. A reply for an anonymous client that has gone is recorded in
+    the store only (its deliverable card).
     """
 
     def __init__(self, pump: Pump, *, named_clients: Iterable[str] = ()) -> None:
         self.pump = pump
         self.named_clients = frozenset(named_clients)
         self.store: AgentStore | None = None
+        #: The named clients' connections (set by :meth:`attach`).
+        self.clients: NamedClientReplies | None = None
         self._delivered: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def attach(self, store: AgentStore) -> None:
         self.store = store
+        self.clients = NamedClientReplies(store, self.named_clients)
+
+    def reply_ref(self, ref: ThreadRef) -> dict[str, object]:
+        """The durable reference of a task's hop; it names the client identity when the
+        caller is a connection of a named client (a second connection's endpoint is not
+        named after it), so the answer still finds her after the connection ends."""
+        data = ref.to_json()
+        identity = self.clients.identity_of(ref.caller) if self.clients is not None else None
+        if identity is not None:
+            data["client"] = identity
+        return data
 
     # -- ToolPort -------------------------------------------------------------------------
 
@@ -84,18 +98,23 @@ class PumpPorts:
         ref = ThreadRef.from_json(reply_ref)
         agent = ref.chain[-1]
         caller = ref.caller
-        if self.pump.is_connected(caller):
+        identity = reply_ref.get("client") if isinstance(reply_ref, dict) else None
+        if identity not in self.named_clients:
+            identity = caller if caller in self.named_clients else None
+        if identity is not None and self.store is not None and self.clients is not None:
+            # Kept before it is offered: it leaves the store only once received.
+            body = encode(agent, identity, ref.caller_thread, payload)
+            reply_id = await self.store.record_client_reply(
+                identity, ref.to_json(), body, failed=failed, agent_turn_id=turn_id
+            )
+            hop = self.pump.threads.get(ref.hop)
+            if hop is not None:
+                self.pump.threads.prune(hop)  # as an answer would: the hop and its calls end
+            if reply_id:
+                await self.clients.deliver(identity, reply_id, body)
+        elif self.pump.is_connected(caller):
             if not await self.pump.answer(agent, ref, payload):
                 log.info("turn %s: caller %s went away; answer kept in the store", turn_id, caller)
-        elif caller in self.named_clients and self.store is not None:
-            await self.store.record_client_reply(
-                caller,
-                ref.to_json(),
-                encode(agent, caller, ref.caller_thread, payload),
-                failed=failed,
-                agent_turn_id=turn_id,
-            )
-            self.pump.release(ref.hop)
         else:
             log.info(
                 "turn %s: anonymous caller %s is gone; answer kept in the store", turn_id, caller
@@ -105,27 +124,12 @@ class PumpPorts:
         while len(self._delivered) > _DEDUP_WINDOW:
             self._delivered.popitem(last=False)
 
-    async def flush_client(self, endpoint: Endpoint) -> int:
-        """Hand a reconnected named client the replies produced while it was away (each once)."""
-        if self.store is None or endpoint.name not in self.named_clients:
-            return 0
-        sent = 0
-        while True:
-            replies = await self.store.take_client_replies(endpoint.name)
-            if not replies:
-                return sent
-            for i, reply in enumerate(replies):
-                if endpoint.push(reply.payload):
-                    sent += 1
-                    continue
-                # The connection could not take it (closed, or its buffer is full): keep
-                # this reply and the rest, in order, for the next connection.
-                await self.store.untake_client_replies([r.reply_id for r in replies[i:]])
-                return sent
 
-
-def agent_handler(runtime: AgentRuntime, pump: Pump, name: str) -> Handler:
-    """The pump handler of agent ``name`` (a raw listener: it receives lxml elements)."""
+def agent_handler(
+    runtime: AgentRuntime, pump: Pump, name: str, ports: PumpPorts | None = None
+) -> Handler:
+    """The pump handler of agent ``name`` (a raw listener: it receives lxml elements).
+    With ``ports``, a task's reference names its named client (:meth:`PumpPorts.reply_ref`)."""
 
     async def handle(payload: etree._Element, meta: HandlerMetadata) -> None:
         if meta.response_thread is not None:
@@ -139,7 +143,9 @@ def agent_handler(runtime: AgentRuntime, pump: Pump, name: str) -> Handler:
             return None
         ref = pump.hold(meta.thread_id)
         try:
-            await runtime.enqueue(name, payload, ref.to_json())
+            await runtime.enqueue(
+                name, payload, ports.reply_ref(ref) if ports is not None else ref.to_json()
+            )
         except BaseException:
             pump.release(meta.thread_id)
             raise

@@ -138,7 +138,7 @@ async def start_agents(
     resources.push_async_callback(runtime.aclose)
     ports.attach(runtime.store)
     for name in profiles:
-        handlers[name].target = agent_handler(runtime, pump, name)
+        handlers[name].target = agent_handler(runtime, pump, name, ports)
     service = AgentService(runtime, ports, profiles)
 
     async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

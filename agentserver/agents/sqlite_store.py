@@ -1336,26 +1336,29 @@ class SqliteAgentStore:
             )
             return int(cur.lastrowid or 0)
 
-    async def take_client_replies(self, client: str, limit: int = 100) -> list[ClientReply]:
-        """The undelivered replies of ``client``, oldest first, each returned only once."""
-        with self._tx() as db:
-            rows = db.execute(
-                "SELECT reply_id, client, thread_ref, payload, failed, created_at "
-                "FROM client_replies WHERE client = ? AND delivered_at IS NULL "
-                "ORDER BY reply_id LIMIT ?",
-                (client, limit),
-            ).fetchall()
-            db.executemany(
-                "UPDATE client_replies SET delivered_at = ? WHERE reply_id = ?",
-                [(self._clock.now(), r[0]) for r in rows],
-            )
+    async def pending_client_replies(
+        self, client: str, after_id: int = 0, limit: int = 100
+    ) -> list[ClientReply]:
+        """The replies kept for ``client`` with an id above ``after_id``, oldest first.
+        Reading does not hand them over: they stay until :meth:`ack_client_replies`."""
+        rows = self._db.execute(
+            "SELECT reply_id, client, thread_ref, payload, failed, created_at "
+            "FROM client_replies WHERE client = ? AND delivered_at IS NULL AND reply_id > ? "
+            "ORDER BY reply_id LIMIT ?",
+            (client, after_id, limit),
+        ).fetchall()
         return [ClientReply(r[0], r[1], r[2], bytes(r[3]), bool(r[4]), r[5]) for r in rows]
 
-    async def untake_client_replies(self, reply_ids: Sequence[int]) -> None:
-        """Undo :meth:`take_client_replies` for replies that could not be handed over:
-        they are taken again, in their first order, by the next connection."""
+    async def ack_client_replies(self, client: str, reply_ids: Sequence[int]) -> int:
+        """Forget the replies of ``client`` it has received (ids of other clients are
+        ignored); how many were still kept."""
+        if not reply_ids:
+            return 0
         with self._tx() as db:
-            db.executemany(
-                "UPDATE client_replies SET delivered_at = NULL WHERE reply_id = ?",
-                [(reply_id,) for reply_id in reply_ids],
+            return sum(
+                db.execute(
+                    "DELETE FROM client_replies WHERE client = ? AND reply_id = ?",
+                    (client, reply_id),
+                ).rowcount
+                for reply_id in reply_ids
             )

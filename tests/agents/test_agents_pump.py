@@ -135,22 +135,34 @@ async def test_task_through_pump_calls_tools_iterates_and_answers_once(tmp_path)
     assert len(llm.requests) == 3
 
 
-async def test_flush_client_keeps_replies_a_closed_connection_could_not_take(tmp_path):
+async def test_named_client_replies_stay_kept_until_received(tmp_path):
+    """A kept reply is offered to a live connection of the identity and leaves the store
+    only once received; what a connection could not take, or took and never
+    acknowledged, goes to the next one, in order."""
+    from agentserver.agents.named_clients import REPLY_ID_ATTR
     from agentserver.agents.sqlite_store import SqliteAgentStore
 
-    class FullEndpoint:
-        name = "alice"
+    class Link:
+        identity = "alice"
+        acks = True
 
-        def __init__(self, room: int) -> None:
+        def __init__(self, name: str, room: int) -> None:
+            self.endpoint_name = name
             self.room = room
-            self.got: list[bytes] = []
+            self.input_open = True
+            self.got: list[int] = []
 
-        def push(self, data: bytes) -> bool:
+        def offer(self, reply_id: int, body: bytes) -> bool:
             if self.room == 0:
                 return False
             self.room -= 1
-            self.got.append(data)
+            root = etree.fromstring(body)
+            assert root.get(REPLY_ID_ATTR) == str(reply_id)
+            self.got.append(int(root[0].text))
             return True
+
+        def take_written(self) -> list[int]:
+            return []
 
     async with open_pump([Listener("calculator", (Add,), calculator, responses=(Sum,))]) as pump:
         ports = PumpPorts(pump, named_clients=["alice"])
@@ -158,13 +170,37 @@ async def test_flush_client_keeps_replies_a_closed_connection_could_not_take(tmp
             tmp_path / "s.sqlite3", settings=StoreSettings(path=tmp_path / "s.sqlite3")
         )
         ports.attach(store)
+        clients = ports.clients
         # More than one batch (100) is stored: the ones kept must not overtake the rest.
+        ids = []
         for i in range(150):
-            await store.record_client_reply("alice", {"i": i}, f"<r{i}/>".encode(), failed=False)
-        first = FullEndpoint(room=10)
-        assert await ports.flush_client(first) == 10
-        second = FullEndpoint(room=1000)
-        assert await ports.flush_client(second) == 140
-        assert first.got + second.got == [f"<r{i}/>".encode() for i in range(150)]
-        assert await ports.flush_client(FullEndpoint(room=10)) == 0
+            body = f"<m><n>{i}</n></m>".encode()
+            ids.append(await store.record_client_reply("alice", {"i": i}, body, failed=False))
+        first, second = Link("alice", room=10), Link("alice-1", room=1000)
+        await clients.attach(first)
+        await clients.attach(second)
+        # the second connection gets what the first did not (the first may still ack)
+        assert first.got == list(range(10)) and second.got == list(range(10, 150))
+        assert clients.identity_of("alice-1") == "alice"
+        await clients.received(second, ids[10:])
+        await clients.detach(first)  # never acknowledged: its ten go to the live one
+        assert second.got[140:] == list(range(10))
+        assert len(await store.pending_client_replies("alice")) == 10
+        await clients.received(second, ids[:10])
+        assert await store.pending_client_replies("alice") == []
+        # an identity cannot acknowledge another's replies
+        kept = await store.record_client_reply("bob", {}, b"<m><n>0</n></m>", failed=False)
+        await clients.received(second, [kept])
+        assert len(await store.pending_client_replies("bob")) == 1
+        # a new reply goes to the newest connection that takes it
+        third = Link("alice-2", room=0)
+        await clients.attach(third)
+        rid = await store.record_client_reply("alice", {}, b"<m><n>150</n></m>", failed=False)
+        assert await clients.deliver("alice", rid, b"<m><n>150</n></m>")
+        assert second.got[-1] == 150 and third.got == []
+        await clients.detach(third)
+        await clients.detach(second)
+        assert clients.identity_of("alice-1") is None
+        assert not await clients.deliver("alice", rid, b"<m><n>150</n></m>")  # kept
+        assert [r.reply_id for r in await store.pending_client_replies("alice")] == [rid]
         await store.aclose()

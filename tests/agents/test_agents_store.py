@@ -30,14 +30,19 @@ def test_store_is_created_in_wal_and_reopened_without_migrating_twice(tmp_path):
     s.close()
 
 
-async def test_client_replies_are_bounded_and_delivered_once(tmp_path):
+async def test_client_replies_are_bounded_and_kept_until_received(tmp_path):
     h = make_harness(tmp_path, lambda r: "x", client_replies_max=3)
     store = h.rt.store
     for i in range(5):
         await store.record_client_reply("alice", {"t": i}, b"<a/>", failed=False)
-    got = await store.take_client_replies("alice")
+    got = await store.pending_client_replies("alice")
     assert [r.thread_ref_json for r in got] == ['{"t": 2}', '{"t": 3}', '{"t": 4}']
-    assert await store.take_client_replies("alice") == []
+    # kept until received, then gone
+    assert await store.pending_client_replies("alice") == got
+    assert await store.ack_client_replies("alice", [r.reply_id for r in got[:2]]) == 2
+    assert await store.pending_client_replies("alice", after_id=0) == got[2:]
+    assert await store.ack_client_replies("alice", [r.reply_id for r in got]) == 1
+    assert await store.pending_client_replies("alice") == []
 
 
 async def test_stale_token_writes_nothing(tmp_path):
@@ -182,8 +187,7 @@ async def test_client_reply_kept_and_outbox_marked_sent_in_one_transaction(tmp_p
     )
     await store.mark_reply_sent(turn_id)  # idempotent
     assert h.sql("SELECT status, attempts FROM agent_replies") == [("sent", 2)]
-    assert [r.payload for r in await store.take_client_replies("alice")] == [b"<r/>"]
-    assert await store.take_client_replies("alice") == []
+    assert [r.payload for r in await store.pending_client_replies("alice")] == [b"<r/>"]
 
 
 def test_store_file_is_owned_by_one_process_at_a_time(tmp_path):
