@@ -8,7 +8,11 @@ bare: a trio server (subprocess, this file with --bare-server) that only parses 
 Two loads against each: (a) CONNECTIONS connections each waiting for its reply before
 sending the next, (b) CONNECTIONS connections with DEPTH requests in flight each. The load
 generator frames pre-built requests and counts reply frames without parsing them, so it
-costs far less than either server.
+costs far less than either server; it only checks, with one byte comparison per frame,
+that each reply is the expected answer on the connection's thread (a pong from the real
+server, the canonical echo from the bare one). Any other reply (a ``<huh>``, a
+``<SystemError>``) fails the run: a server answering everything with refusals must not
+look fast.
 
 Usage: python bench/socket.py (or bench/wire_bench.py) [--seconds S] [--rounds R]
        [--connections N] [--depth D]
@@ -24,6 +28,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -32,7 +37,7 @@ from lxml import etree
 
 from agentserver.envelope import build_envelope, load_envelope_schema
 from agentserver.framing import FrameDecoder, encode_frame, encode_frames
-from agentserver.listeners.echo import Ping
+from agentserver.listeners.echo import Ping, Pong
 from agentserver.payloads import PayloadType
 from agentserver.threads import new_thread_id
 from agentserver.xmlsafe import SafeParser, canonicalize
@@ -76,22 +81,40 @@ async def bare_server(port: int) -> None:
 # -- load generator ---------------------------------------------------------------------
 
 
-def request_frame() -> bytes:
-    body = etree.tostring(
-        build_envelope("bench", "echo", new_thread_id(), Ping(text="hello").to_xml_tree())
+class WrongReply(RuntimeError):
+    """A server answered something other than the expected reply."""
+
+
+# What each server answers a ping with: the real one's echo listener a pong, the bare one
+# the request itself (canonicalised).
+ANSWERS = {"real": Pong(text="hello"), "bare": Ping(text="hello")}
+
+
+def request_frame(answer: Ping | Pong) -> tuple[bytes, bytes]:
+    """A framed ping on a new thread, and the ending every good reply to it has: the
+    thread, then the expected payload in canonical form (what both servers send)."""
+    thread = new_thread_id()
+    body = etree.tostring(build_envelope("bench", "echo", thread, Ping(text="hello").to_xml_tree()))
+    # A byte pattern to search replies for, not a document: the uuid needs no escaping.
+    expected = b"<thread>%s</thread></meta>%s</message>" % (
+        thread.encode(),
+        canonicalize(answer.to_xml_tree()),
     )
-    return encode_frame(body)
+    return encode_frame(body), expected
 
 
-async def load(host: str, port: int, *, connections: int, depth: int, seconds: float) -> float:
+async def load(
+    host: str, port: int, *, answer: Ping | Pong, connections: int, depth: int, seconds: float
+) -> float:
     """Closed loop: each connection keeps ``depth`` requests outstanding. Returns replies/s
-    over the measured window (after a short warm-up)."""
+    over the measured window (after a short warm-up). Raises :class:`WrongReply` when a
+    reply is not ``answer`` on the connection's thread."""
     counts = [0] * connections
     window = {"start": 0.0, "measuring": False}
 
     async def one(i: int, ready: trio.Event) -> None:
         stream = await trio.open_tcp_stream(host, port)
-        frame = request_frame()  # one thread per connection, reused (its own)
+        frame, expected = request_frame(answer)  # one thread per connection, reused
         decoder = FrameDecoder(1024 * 1024)
         async with stream:
             await ready.wait()
@@ -101,7 +124,11 @@ async def load(host: str, port: int, *, connections: int, depth: int, seconds: f
                 if not data:
                     raise RuntimeError("server closed the connection")
                 decoder.feed(data)
-                got = len(decoder.frames())
+                frames = decoder.frames()
+                for reply in frames:
+                    if not reply.endswith(expected):
+                        raise WrongReply(f"expected {expected!r}, got {reply[:600]!r}")
+                got = len(frames)
                 if got:
                     if window["measuring"]:
                         counts[i] += got
@@ -126,12 +153,12 @@ async def load(host: str, port: int, *, connections: int, depth: int, seconds: f
 # -- orchestration ----------------------------------------------------------------------
 
 
-def start(args: list[str]) -> tuple[subprocess.Popen, int]:
+def start(args: list[str], cwd: str) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(
         [sys.executable, *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        cwd=REPO,
+        cwd=cwd,  # a scratch directory: the server's agent store (./state/) goes there
     )
     found: list[int] = []
     event = threading.Event()
@@ -203,18 +230,20 @@ def main() -> None:
     procs = []
     rates: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {"a": [], "b": []}
+    scratch = tempfile.TemporaryDirectory(prefix="agentserver-bench-")
     try:
         for name, argv in servers.items():
-            proc, ports[name] = start(argv)
+            proc, ports[name] = start(argv, scratch.name)
             procs.append(proc)
         for r in range(args.rounds):
             for load_name, depth in (("a", 1), ("b", args.depth)):
                 got = {}
                 for name in ("real", "bare"):
                     got[name] = trio.run(
-                        lambda d=depth, p=ports[name]: load(
+                        lambda d=depth, p=ports[name], a=ANSWERS[name]: load(
                             "127.0.0.1",
                             p,
+                            answer=a,
                             connections=args.connections,
                             depth=d,
                             seconds=args.seconds,
@@ -228,9 +257,16 @@ def main() -> None:
                     f"{got['bare']:8,.0f} msg/s, ratio {ratios[load_name][-1]:.0%}",
                     flush=True,
                 )
+    except* WrongReply as group:
+        first: BaseException = group
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        print(f"FAILED: {first}", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         for proc in procs:
             stop(proc)
+        scratch.cleanup()
     figures = {key: round(statistics.median(values)) for key, values in rates.items()}
     ratio_a = statistics.median(ratios["a"])
     ratio_b = statistics.median(ratios["b"])
