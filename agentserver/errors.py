@@ -10,6 +10,8 @@ import enum
 class HuhReason(enum.Enum):
     """The fixed set of canned ``<huh>`` texts.
 
+    The single source of these texts, which clients match on: ``schemas/core.xsd`` is
+    generated from this enum and a test holds ``docs/protocol.md`` and ``docs/wire.md`` to it.
     The texts are deliberately abstract: an unknown root tag, a payload failing its XSD and
     an unknown or unauthorised ``to`` all read ``INVALID_PAYLOAD`` so that a sender cannot
     probe the topology.
@@ -25,10 +27,15 @@ class HuhReason(enum.Enum):
 
 
 class SystemErrorCode(enum.Enum):
-    """``<SystemError>`` codes with their generic, non-revealing messages."""
+    """``<SystemError>`` codes with their generic, non-revealing messages.
+
+    Like :class:`HuhReason`, these are the single source of the codes and messages:
+    ``schemas/core.xsd`` is generated from them and a test holds ``docs/protocol.md`` and
+    ``docs/wire.md`` to them. (A ``validation`` code was dropped: nothing emitted it; a
+    payload failing its XSD is ``<huh>`` ``INVALID_PAYLOAD``.)
+    """
 
     ROUTING = "routing"
-    VALIDATION = "validation"
     TIMEOUT = "timeout"
 
     @property
@@ -38,7 +45,6 @@ class SystemErrorCode(enum.Enum):
 
 _SYSTEM_ERROR_TEXT = {
     SystemErrorCode.ROUTING: "Message could not be delivered. Please verify your target and try again.",
-    SystemErrorCode.VALIDATION: "Message could not be validated.",
     SystemErrorCode.TIMEOUT: "The request did not complete in time.",
 }
 

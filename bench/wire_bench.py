@@ -8,7 +8,11 @@ bare: a trio server (subprocess, this file with --bare-server) that only parses 
 Two loads against each: (a) CONNECTIONS connections each waiting for its reply before
 sending the next, (b) CONNECTIONS connections with DEPTH requests in flight each. The load
 generator frames pre-built requests and counts reply frames without parsing them, so it
-costs far less than either server.
+costs far less than either server; it only checks, with one byte comparison per frame,
+that each reply is the expected answer on the connection's thread (a pong from the real
+server, the canonical echo from the bare one). Any other reply (a ``<huh>``, a
+``<SystemError>``) fails the run: a server answering everything with refusals must not
+look fast.
 
 With --tls, the real server over TLS against the real server over plaintext instead (a
 copy of the topology with ``<tls>``, certificates made by trustme in a temporary
@@ -22,6 +26,7 @@ The last line printed is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -39,7 +44,7 @@ from lxml import etree
 
 from agentserver.envelope import build_envelope, load_envelope_schema
 from agentserver.framing import FrameDecoder, encode_frame, encode_frames
-from agentserver.listeners.echo import Ping
+from agentserver.listeners.echo import Ping, Pong
 from agentserver.payloads import PayloadType
 from agentserver.threads import new_thread_id
 from agentserver.xmlsafe import SafeParser, canonicalize
@@ -83,17 +88,38 @@ async def bare_server(port: int) -> None:
 # -- load generator ---------------------------------------------------------------------
 
 
-def request_frame() -> bytes:
-    body = etree.tostring(
-        build_envelope("bench", "echo", new_thread_id(), Ping(text="hello").to_xml_tree())
+class WrongReply(RuntimeError):
+    """A server answered something other than the expected reply."""
+
+
+# What each server answers a ping with: the real one's echo listener a pong, the bare one
+# the request itself (canonicalised).
+ANSWERS = {
+    "real": Pong(text="hello"),
+    "tls": Pong(text="hello"),
+    "plain": Pong(text="hello"),
+    "bare": Ping(text="hello"),
+}
+
+
+def request_frame(answer: Ping | Pong) -> tuple[bytes, bytes]:
+    """A framed ping on a new thread, and the ending every good reply to it has: the
+    thread, then the expected payload in canonical form (what both servers send)."""
+    thread = new_thread_id()
+    body = etree.tostring(build_envelope("bench", "echo", thread, Ping(text="hello").to_xml_tree()))
+    # A byte pattern to search replies for, not a document: the uuid needs no escaping.
+    expected = b"<thread>%s</thread></meta>%s</message>" % (
+        thread.encode(),
+        canonicalize(answer.to_xml_tree()),
     )
-    return encode_frame(body)
+    return encode_frame(body), expected
 
 
 async def load(
     host: str,
     port: int,
     *,
+    answer: Ping | Pong,
     connections: int,
     depth: int,
     seconds: float,
@@ -103,7 +129,8 @@ async def load(
     """Closed loop: each connection keeps ``depth`` requests outstanding. Returns replies/s
     over the measured window (after a short warm-up), and the server's CPU microseconds
     per reply in that window (None where /proc is missing): unlike the rate, the CPU cost
-    hardly depends on what else this machine is running."""
+    hardly depends on what else this machine is running. Raises :class:`WrongReply` when a
+    reply is not ``answer`` on the connection's thread."""
     counts = [0] * connections
     window = {"start": 0.0, "measuring": False}
 
@@ -112,7 +139,7 @@ async def load(
         if ssl_context is not None:
             stream = trio.SSLStream(stream, ssl_context, server_hostname=host)
             await stream.do_handshake()
-        frame = request_frame()  # one thread per connection, reused (its own)
+        frame, expected = request_frame(answer)  # one thread per connection, reused
         decoder = FrameDecoder(1024 * 1024)
         async with stream:
             await ready.wait()
@@ -122,7 +149,11 @@ async def load(
                 if not data:
                     raise RuntimeError("server closed the connection")
                 decoder.feed(data)
-                got = len(decoder.frames())
+                frames = decoder.frames()
+                for reply in frames:
+                    if not reply.endswith(expected):
+                        raise WrongReply(f"expected {expected!r}, got {reply[:600]!r}")
+                got = len(frames)
                 if got:
                     if window["measuring"]:
                         counts[i] += got
@@ -165,12 +196,12 @@ def cpu_seconds(pid: int | None) -> float | None:
 # -- orchestration ----------------------------------------------------------------------
 
 
-def start(args: list[str], cwd: pathlib.Path = REPO) -> tuple[subprocess.Popen, int]:
+def start(args: list[str], cwd: pathlib.Path) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(
         [sys.executable, *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        cwd=cwd,
+        cwd=cwd,  # a scratch directory: the server's agent store (./state/) goes there
     )
     found: list[int] = []
     event = threading.Event()
@@ -278,8 +309,8 @@ def run_benchmark(args: argparse.Namespace, scratch: pathlib.Path) -> None:
         target = 0.70
     else:
         servers = {
-            "real": (real(boot), REPO),
-            "bare": ([str(pathlib.Path(__file__).resolve()), "--bare-server"], REPO),
+            "real": (real(boot), scratch),
+            "bare": ([str(pathlib.Path(__file__).resolve()), "--bare-server"], scratch),
         }
         target = 0.60
     first, second = servers
@@ -301,14 +332,16 @@ def run_benchmark(args: argparse.Namespace, scratch: pathlib.Path) -> None:
                 got = {}
                 for name in servers:
                     got[name], cpu = trio.run(
-                        lambda d=depth, p=ports[name], c=contexts.get(name), i=pids[name]: load(  # noqa: B008
+                        functools.partial(
+                            load,
                             "127.0.0.1",
-                            p,
+                            ports[name],
+                            answer=ANSWERS[name],
                             connections=args.connections,
-                            depth=d,
+                            depth=depth,
                             seconds=args.seconds,
-                            ssl_context=c,
-                            server_pid=i,
+                            ssl_context=contexts.get(name),
+                            server_pid=pids[name],
                         )
                     )
                     rates.setdefault(f"{name}_{load_name}", []).append(got[name])
@@ -321,6 +354,12 @@ def run_benchmark(args: argparse.Namespace, scratch: pathlib.Path) -> None:
                     f"{got[second]:8,.0f} msg/s, ratio {ratios[load_name][-1]:.0%}",
                     flush=True,
                 )
+    except* WrongReply as group:
+        first: BaseException = group
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        print(f"FAILED: {first}", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         for proc in procs:
             stop(proc)

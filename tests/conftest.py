@@ -7,7 +7,7 @@ import trio
 import trio.testing
 from lxml import etree
 from pydantic_xml import BaseXmlModel, element
-from serverproc import DATA, ServerProcess
+from serverproc import DATA, ScratchRoot, ServerProcess
 
 from agentserver.envelope import build_envelope
 from agentserver.errors import EndpointClosed
@@ -93,6 +93,21 @@ async def drain(endpoint) -> list[bytes]:
 async def receive(endpoint, seconds: float = 5) -> tuple[dict[str, str | None], etree._Element]:
     with trio.fail_after(seconds):
         return parse_reply(await endpoint.receive())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_root(tmp_path_factory):
+    """Subprocess working directories go to this session's pytest temporary directory."""
+    ScratchRoot.path = tmp_path_factory.mktemp("scratch")
+    yield
+    ScratchRoot.path = None
+
+
+@pytest.fixture(autouse=True)
+def _own_working_directory(tmp_path, monkeypatch):
+    """Every test runs in its own temporary directory, so a relative path (the agent
+    store's default ``state/agents.sqlite3``) never reaches the checkout nor another test."""
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -34,10 +34,21 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+class ScratchRoot:
+    """Where :func:`scratch_dir` makes its directories: pytest's temporary directory of the
+    running session, set by ``conftest.py``. Nothing may land in the checkout (a server's
+    ``./state/``) nor be left in ``/tmp`` (pytest prunes its own old session directories;
+    the OS does not prune ``/tmp``)."""
+
+    path: pathlib.Path | None = None
+
+
 def scratch_dir() -> pathlib.Path:
-    """A new empty working directory for a subprocess (removed with the test session's
-    temporary files by the OS, never inside the repository)."""
-    return pathlib.Path(tempfile.mkdtemp(prefix="agentserver-test-"))
+    """A new empty working directory for a subprocess, inside the session's temporary
+    directory."""
+    if ScratchRoot.path is None:
+        raise RuntimeError("scratch_dir() needs the pytest session (tests/conftest.py)")
+    return pathlib.Path(tempfile.mkdtemp(prefix="agentserver-test-", dir=ScratchRoot.path))
 
 
 def cli(

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from lxml import etree
 
 from agentserver.errors import HuhReason, InputRefused
-from agentserver.xmlsafe import SafeParser, canonicalize
+from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser, canonicalize
 
 BILLION_LAUGHS = b"""<?xml version="1.0"?>
 <!DOCTYPE lolz [
@@ -57,10 +57,23 @@ def test_oversize_is_refused_before_parsing():
     assert info.value.reason is HuhReason.TOO_LARGE
 
 
-def test_many_attributes_within_size_limit_parse_or_refuse_cleanly():
-    attrs = b" ".join(b'a%d="1"' % i for i in range(100_000))
-    with pytest.raises(InputRefused):
-        SafeParser().parse(b"<a " + attrs + b"/>")  # > 1 MiB: refused by size
+def _many_attributes(n: int) -> bytes:
+    return b"<a " + b" ".join(b'a%d="1"' % i for i in range(n)) + b"/>"
+
+
+def test_many_attributes_within_size_limit_are_parsed():
+    data = _many_attributes(90_000)
+    assert len(data) <= DEFAULT_MAX_MESSAGE_BYTES  # just under 1 MiB
+    root = SafeParser().parse(data)
+    assert len(root.attrib) == 90_000 and root.get("a89999") == "1"
+
+
+def test_many_attributes_over_size_limit_are_refused_by_size():
+    data = _many_attributes(100_000)
+    assert len(data) > DEFAULT_MAX_MESSAGE_BYTES
+    with pytest.raises(InputRefused) as info:
+        SafeParser().parse(data)
+    assert info.value.reason is HuhReason.TOO_LARGE
 
 
 def test_comments_and_processing_instructions_are_dropped():

@@ -10,8 +10,11 @@ delays, streams that break after N chunks); when the script is empty the
 server answers with a success that echoes the last user message. Every request
 is recorded with its arrival time on trio's clock.
 
-The shapes follow the providers' documented formats; ``test_llm_fakes.py``
-checks them with the official ``openai`` and ``anthropic`` clients.
+The shapes follow the providers' documented formats: every reply and streamed
+event a builder below makes is checked, strictly, against the official SDKs'
+response models (and Ollama's documented schema) by ``provider_schemas``, and
+``test_llm_fakes.py`` reads them with the official ``openai`` and ``anthropic``
+clients. Hand-made :class:`Script` bodies are for malformed replies only.
 """
 
 from __future__ import annotations
@@ -26,6 +29,29 @@ from typing import Any
 
 import h11
 import trio
+
+if __package__:  # imported as ``llm.llm_fakes`` (from tests/), or as ``llm_fakes``
+    from .provider_schemas import (
+        check_anthropic_error,
+        check_anthropic_event,
+        check_anthropic_message,
+        check_ollama_chat,
+        check_ollama_error,
+        check_openai_chunk,
+        check_openai_completion,
+        check_openai_error,
+    )
+else:
+    from provider_schemas import (
+        check_anthropic_error,
+        check_anthropic_event,
+        check_anthropic_message,
+        check_ollama_chat,
+        check_ollama_error,
+        check_openai_chunk,
+        check_openai_completion,
+        check_openai_error,
+    )
 
 __all__ = [
     "FakeServer",
@@ -99,7 +125,7 @@ def openai_ok(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": content},
+                "message": {"role": "assistant", "content": content, "refusal": None},
                 "logprobs": None,
                 "finish_reason": finish_reason,
             }
@@ -110,6 +136,7 @@ def openai_ok(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+    check_openai_completion(body)
     return Script(200, list(headers), json.dumps(body).encode(), delay=delay)
 
 
@@ -142,27 +169,28 @@ def openai_stream(
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
         }
 
-    out = [_sse(chunk({"role": "assistant", "content": ""}, None))]
-    out += [_sse(chunk({"content": p}, None)) for p in pieces]
-    out.append(_sse(chunk({}, finish_reason)))
+    events = [chunk({"role": "assistant", "content": ""}, None)]
+    events += [chunk({"content": p}, None) for p in pieces]
+    events.append(chunk({}, finish_reason))
     if include_usage:
         done = len(pieces) if completion_tokens is None else completion_tokens
-        out.append(
-            _sse(
-                {
-                    "id": cid,
-                    "object": "chat.completion.chunk",
-                    "created": 1700000000,
-                    "model": model,
-                    "choices": [],
-                    "usage": {
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": done,
-                        "total_tokens": prompt_tokens + done,
-                    },
-                }
-            )
+        events.append(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": 1700000000,
+                "model": model,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": done,
+                    "total_tokens": prompt_tokens + done,
+                },
+            }
         )
+    for event in events:
+        check_openai_chunk(event)
+    out = [_sse(event) for event in events]
     out.append(_sse("[DONE]"))
     return Script(
         200,
@@ -184,6 +212,7 @@ def openai_error(
     delay: float = 0.0,
 ) -> Script:
     body = {"error": {"message": message, "type": type, "param": None, "code": code}}
+    check_openai_error(body)
     return Script(status, list(headers), json.dumps(body).encode(), delay=delay)
 
 
@@ -208,7 +237,13 @@ def anthropic_ok(
         "stop_sequence": None,
         "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
     }
+    check_anthropic_message(body)
     return Script(200, [("request-id", f"req_{next(_ids)}")], json.dumps(body).encode())
+
+
+def _anthropic_event(data: dict[str, Any], event: str) -> bytes:
+    check_anthropic_event(event, data)
+    return _sse(data, event)
 
 
 def anthropic_stream(
@@ -224,7 +259,7 @@ def anthropic_stream(
     """``error=(type, message)`` sends an error event after the text."""
     pieces = list(pieces)
     out = [
-        _sse(
+        _anthropic_event(
             {
                 "type": "message_start",
                 "message": {
@@ -240,7 +275,7 @@ def anthropic_stream(
             },
             "message_start",
         ),
-        _sse(
+        _anthropic_event(
             {
                 "type": "content_block_start",
                 "index": 0,
@@ -248,11 +283,11 @@ def anthropic_stream(
             },
             "content_block_start",
         ),
-        _sse({"type": "ping"}, "ping"),
+        _anthropic_event({"type": "ping"}, "ping"),
     ]
     for p in pieces:
         out.append(
-            _sse(
+            _anthropic_event(
                 {
                     "type": "content_block_delta",
                     "index": 0,
@@ -263,12 +298,14 @@ def anthropic_stream(
         )
     if error is not None:
         out.append(
-            _sse({"type": "error", "error": {"type": error[0], "message": error[1]}}, "error")
+            _anthropic_event(
+                {"type": "error", "error": {"type": error[0], "message": error[1]}}, "error"
+            )
         )
         return Script(200, [], chunks=out, content_type="text/event-stream")
-    out.append(_sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))
+    out.append(_anthropic_event({"type": "content_block_stop", "index": 0}, "content_block_stop"))
     out.append(
-        _sse(
+        _anthropic_event(
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": stop_reason, "stop_sequence": None},
@@ -277,7 +314,7 @@ def anthropic_stream(
             "message_delta",
         )
     )
-    out.append(_sse({"type": "message_stop"}, "message_stop"))
+    out.append(_anthropic_event({"type": "message_stop"}, "message_stop"))
     return Script(200, [], chunks=out, content_type="text/event-stream", break_after=break_after)
 
 
@@ -289,6 +326,7 @@ def anthropic_error(
     headers: Iterable[tuple[str, str]] = (),
 ) -> Script:
     body = {"type": "error", "error": {"type": type, "message": message}}
+    check_anthropic_error(body)
     return Script(status, list(headers), json.dumps(body).encode())
 
 
@@ -313,7 +351,13 @@ def ollama_ok(
         "prompt_eval_count": prompt_eval_count,
         "eval_count": eval_count,
     }
+    check_ollama_chat(body)
     return Script(200, [], json.dumps(body).encode())
+
+
+def _ollama_line(data: dict[str, Any], check: Callable[[Any], None] = check_ollama_chat) -> bytes:
+    check(data)
+    return (json.dumps(data) + "\n").encode()
 
 
 def ollama_stream(
@@ -326,21 +370,18 @@ def ollama_stream(
 ) -> Script:
     pieces = list(pieces)
     out = [
-        (
-            json.dumps(
-                {
-                    "model": model,
-                    "created_at": "2024-01-01T00:00:00Z",
-                    "message": {"role": "assistant", "content": p},
-                    "done": False,
-                }
-            )
-            + "\n"
-        ).encode()
+        _ollama_line(
+            {
+                "model": model,
+                "created_at": "2024-01-01T00:00:00Z",
+                "message": {"role": "assistant", "content": p},
+                "done": False,
+            }
+        )
         for p in pieces
     ]
     if error is not None:
-        out.append((json.dumps({"error": error}) + "\n").encode())
+        out.append(_ollama_line({"error": error}, check_ollama_error))
     else:
         final = {
             "model": model,
@@ -351,12 +392,14 @@ def ollama_stream(
             "prompt_eval_count": prompt_eval_count,
             "eval_count": len(pieces),
         }
-        out.append((json.dumps(final) + "\n").encode())
+        out.append(_ollama_line(final))
     return Script(200, [], chunks=out, content_type="application/x-ndjson", break_after=break_after)
 
 
 def ollama_error(status: int, message: str) -> Script:
-    return Script(status, [], json.dumps({"error": message}).encode())
+    body = {"error": message}
+    check_ollama_error(body)
+    return Script(status, [], json.dumps(body).encode())
 
 
 # -- the server ---------------------------------------------------------------

@@ -1,7 +1,10 @@
-"""The fakes are checked by the official clients, so they cannot drift from the real APIs."""
+"""The fakes are read by the official clients, and every reply and event they build is held
+strictly to the providers' response models (``provider_schemas``), so they cannot drift from
+the real APIs."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import anthropic
@@ -11,12 +14,26 @@ import pytest
 import trio
 from llm_fakes import (
     anthropic_error,
+    anthropic_ok,
     anthropic_stream,
     ollama_error,
+    ollama_ok,
     ollama_stream,
     openai_error,
+    openai_ok,
     openai_stream,
     start_fake,
+)
+from provider_schemas import (
+    FakeDrift,
+    check_anthropic_error,
+    check_anthropic_event,
+    check_anthropic_message,
+    check_ollama_chat,
+    check_ollama_error,
+    check_openai_chunk,
+    check_openai_completion,
+    check_openai_error,
 )
 
 
@@ -227,3 +244,235 @@ async def test_fake_breaks_stream_after_n_chunks(nursery):
                 async for line in r.aiter_lines():
                     got.append(line)
         assert sum(1 for line in got if line.startswith("data:")) == 2
+
+
+# -- every reply and event is held to the providers' response models ---------------------
+
+
+def _sse_events(script) -> list[tuple[str | None, object]]:
+    out = []
+    for chunk in script.chunks:
+        event, data = None, None
+        for line in chunk.decode().splitlines():
+            if line.startswith("event: "):
+                event = line[len("event: ") :]
+            elif line.startswith("data: "):
+                data = line[len("data: ") :]
+        out.append((event, data if data == "[DONE]" else json.loads(data)))
+    return out
+
+
+def _without(data, path: str):
+    """A deep copy of ``data`` with the key at dotted ``path`` removed (``choices.0.index``)."""
+    data = copy.deepcopy(data)
+    *parents, last = path.split(".")
+    node = data
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    del node[last]
+    return data
+
+
+def _with(data, path: str, value):
+    data = copy.deepcopy(data)
+    *parents, last = path.split(".")
+    node = data
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[last] = value
+    return data
+
+
+def test_every_builder_variant_passes_the_strict_checks():
+    # The builders check what they build; these variants must all be accepted.
+    openai_ok("x", finish_reason="length")
+    openai_stream(["a"], include_usage=False)
+    openai_stream([], completion_tokens=0)
+    openai_error(429, "slow down", type="requests", code="rate_limit_exceeded")
+    anthropic_ok("x", stop_reason="max_tokens")
+    anthropic_stream(["a", "b"], stop_reason="stop_sequence")
+    anthropic_stream(["a"], error=("overloaded_error", "Overloaded"))
+    anthropic_error(529, "Overloaded", type="overloaded_error")
+    ollama_ok("x", done_reason="length")
+    ollama_stream(["a", "b"])
+    ollama_stream(["a"], error="boom")
+    ollama_error(404, "model 'x' not found")
+
+
+OPENAI_REQUIRED = [
+    "id",
+    "object",
+    "created",
+    "model",
+    "choices",
+    "choices.0.index",
+    "choices.0.message",
+    "choices.0.message.role",
+    "choices.0.message.content",
+    "choices.0.message.refusal",
+    "choices.0.logprobs",
+    "choices.0.finish_reason",
+    "usage.prompt_tokens",
+    "usage.completion_tokens",
+    "usage.total_tokens",
+]
+
+
+@pytest.mark.parametrize("path", OPENAI_REQUIRED)
+def test_openai_completion_without_a_required_field_is_drift(path):
+    body = json.loads(openai_ok("hi").body)
+    check_openai_completion(body)
+    with pytest.raises(FakeDrift):
+        check_openai_completion(_without(body, path))
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("created", "1700000000"),  # a string where the API sends an integer
+        ("object", "chat.completions"),
+        ("choices.0.message.role", "user"),
+        ("choices.0.finish_reason", "done"),
+        ("choices.0.finish_reasn", "stop"),  # a field the API does not have
+    ],
+)
+def test_openai_completion_with_a_wrong_field_is_drift(path, value):
+    body = json.loads(openai_ok("hi").body)
+    with pytest.raises(FakeDrift):
+        check_openai_completion(_with(body, path, value))
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "choices.0.index",
+        "choices.0.delta",
+        "choices.0.finish_reason",
+    ],
+)
+def test_openai_chunk_without_a_required_field_is_drift(path):
+    events = [data for _, data in _sse_events(openai_stream(["a"])) if data != "[DONE]"]
+    for event in events:
+        check_openai_chunk(event)
+    with pytest.raises(FakeDrift):
+        check_openai_chunk(_without(events[1], path))
+
+
+def test_openai_stream_usage_chunk_is_checked():
+    *_, usage, done = _sse_events(openai_stream(["a"]))
+    assert done == (None, "[DONE]") and usage[1]["choices"] == []
+    with pytest.raises(FakeDrift):
+        check_openai_chunk(_without(usage[1], "usage.total_tokens"))
+
+
+@pytest.mark.parametrize("path", ["error.message", "error.type", "error"])
+def test_openai_error_without_a_required_field_is_drift(path):
+    body = json.loads(openai_error(400, "bad").body)
+    with pytest.raises(FakeDrift):
+        check_openai_error(_without(body, path))
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "id",
+        "type",
+        "role",
+        "model",
+        "content",
+        "content.0.type",
+        "content.0.text",
+        "stop_reason",
+        "stop_sequence",
+        "usage",
+        "usage.input_tokens",
+        "usage.output_tokens",
+    ],
+)
+def test_anthropic_message_without_a_required_field_is_drift(path):
+    body = json.loads(anthropic_ok("hi").body)
+    check_anthropic_message(body)
+    with pytest.raises(FakeDrift):
+        check_anthropic_message(_without(body, path))
+
+
+ANTHROPIC_EVENT_REQUIRED = {
+    "message_start": ["message", "message.id", "message.stop_reason", "message.usage"],
+    "content_block_start": ["index", "content_block", "content_block.text"],
+    "content_block_delta": ["index", "delta", "delta.type", "delta.text"],
+    "content_block_stop": ["index"],
+    "message_delta": [
+        "delta",
+        "delta.stop_reason",
+        "delta.stop_sequence",
+        "usage",
+        "usage.output_tokens",
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("event", "path"), [(e, p) for e, paths in ANTHROPIC_EVENT_REQUIRED.items() for p in paths]
+)
+def test_anthropic_event_without_a_required_field_is_drift(event, path):
+    events = dict(_sse_events(anthropic_stream(["a"])))
+    assert set(events) == {*ANTHROPIC_EVENT_REQUIRED, "ping", "message_stop"}
+    check_anthropic_event(event, events[event])
+    with pytest.raises(FakeDrift):
+        check_anthropic_event(event, _without(events[event], path))
+
+
+def test_anthropic_event_name_must_match_its_type():
+    events = dict(_sse_events(anthropic_stream(["a"])))
+    with pytest.raises(FakeDrift):
+        check_anthropic_event("content_block_stop", events["message_stop"])
+    with pytest.raises(FakeDrift):
+        check_anthropic_event("ping", {"type": "ping", "extra": 1})
+    error = dict(_sse_events(anthropic_stream(["a"], error=("overloaded_error", "x"))))["error"]
+    with pytest.raises(FakeDrift):
+        check_anthropic_event("error", _without(error, "error.message"))
+
+
+@pytest.mark.parametrize("path", ["type", "error", "error.type", "error.message"])
+def test_anthropic_error_without_a_required_field_is_drift(path):
+    body = json.loads(anthropic_error(400, "bad").body)
+    with pytest.raises(FakeDrift):
+        check_anthropic_error(_without(body, path))
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "model",
+        "created_at",
+        "message",
+        "message.role",
+        "message.content",
+        "done",
+        "done_reason",
+        "prompt_eval_count",
+        "eval_count",
+    ],
+)
+def test_ollama_reply_without_a_documented_field_is_drift(path):
+    body = json.loads(ollama_ok("hi").body)
+    check_ollama_chat(body)
+    with pytest.raises(FakeDrift):
+        check_ollama_chat(_without(body, path))
+
+
+def test_ollama_stream_lines_are_checked():
+    lines = [json.loads(c) for c in ollama_stream(["a"]).chunks]
+    for line in lines:
+        check_ollama_chat(line)
+    with pytest.raises(FakeDrift):
+        check_ollama_chat(_with(lines[0], "done", "false"))
+    with pytest.raises(FakeDrift):
+        check_ollama_chat(_without(lines[-1], "eval_count"))
+    with pytest.raises(FakeDrift):
+        check_ollama_error({"error": "x", "code": 1})
