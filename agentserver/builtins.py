@@ -157,6 +157,7 @@ BUILTIN_PAYLOADS: Mapping[str, type[BaseXmlModel]] = MappingProxyType(
         "calculator.difference": calculator.Difference,
         "calculator.product": calculator.Product,
         "calculator.quotient": calculator.Quotient,
+        "calculator.error": calculator.CalculatorError,
         "assistant.task": assistant.Task,
         "assistant.answer": assistant.Answer,
         "console.prompt": Prompt,

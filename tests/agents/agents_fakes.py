@@ -109,6 +109,8 @@ class FakeTools:
 @dataclass
 class FakeReplies:
     sent: list[tuple[Any, str, bool, str]] = field(default_factory=list)
+    #: the ``status`` attribute of each reply's root, in the order of ``sent``
+    statuses: list[str | None] = field(default_factory=list)
     broken: bool = False
 
     async def deliver(
@@ -118,6 +120,7 @@ class FakeReplies:
             raise ConnectionError("caller away")
         text = "".join(payload.itertext())
         self.sent.append((reply_ref, text, failed, turn_id))
+        self.statuses.append(payload.get("status"))
 
 
 @dataclass
