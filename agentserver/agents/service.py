@@ -28,6 +28,7 @@ from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile import AgentProfile
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.listener import Handler, HandlerMetadata
+from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
 from agentserver.pump import Pump
 from agentserver.topology import Topology
 
@@ -90,9 +91,11 @@ def build_profiles(
         if not spec.agent:
             continue
         peers: dict[str, str] = {}
+        quotable = [HUH_TAG, SYSTEM_ERROR_TAG]  # what the model reads: results, refusals
         for peer in spec.peers:
             for model in topology.listener(peer).accepts:
                 peers[tag_of[model]] = peer
+            quotable += (tag_of[m] for m in topology.listener(peer).responds if m in tag_of)
         profile = profile_from_element(
             spec.agent_profile,
             name=spec.name,
@@ -102,6 +105,7 @@ def build_profiles(
             answer_tag=tag_of[spec.responds[0]] if spec.responds else "",
             environ=environ,
         )
+        profile = dataclasses.replace(profile, quotable=tuple(dict.fromkeys(quotable)))
         reply_type = ptype_of.get(profile.answer_tag)
         if reply_type is not None and takes_failure_status(profile, reply_type.is_valid):
             profile = dataclasses.replace(profile, failure_status=True)

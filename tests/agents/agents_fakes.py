@@ -32,6 +32,7 @@ def profile(**kw: Any) -> AgentProfile:
         model="m",
         own_roots=(f"{{{ASSISTANT_NS}}}task",),
         peers={CALC: "calculator", SEARCH: "search"},
+        quotable=("{urn:calc}sum", "{urn:search}hits"),  # the peers' answers
         max_steps=6,
         resume_deadline_s=30.0,
     )

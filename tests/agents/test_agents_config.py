@@ -77,3 +77,22 @@ def test_defaults_and_model_from_environment():
     assert p.model == "m" and p.max_steps == 12
     with pytest.raises(AgentConfigError):
         profile_from_element(None, name="a", own_roots=(), peers={}, environ={})
+
+
+async def test_the_bundled_assistants_profile_marks_failures_and_may_quote_results():
+    from serverproc import REPO
+
+    from agentserver import boot
+    from agentserver.agents.service import build_profiles
+    from agentserver.builtins import RunContext, build_listeners
+    from agentserver.primitives.core import HUH_TAG
+    from agentserver.pump import open_pump
+
+    topo = boot.load_or_raise(REPO / "boot.xml")
+    ctx = RunContext(topo)
+    async with ctx.resources, open_pump(build_listeners(topo, ctx)) as pump:
+        profile = build_profiles(topo, pump, {})["assistant"]
+    calc = "{urn:agentserver:calculator}"
+    assert profile.failure_status  # its <answer> declares status
+    assert {calc + "sum", calc + "quotient", calc + "error", HUH_TAG} <= set(profile.quotable)
+    assert calc + "add" in profile.peers and calc + "add" not in profile.quotable

@@ -323,6 +323,24 @@ async def test_refused_and_ambiguous_payloads_earn_a_huh_and_the_model_retries(t
     assert h.sql("SELECT count(*) FROM cards WHERE card_type = 'sys.huh'") == [(2,)]
 
 
+async def test_an_unknown_element_gets_one_huh_and_is_never_the_answer(tmp_path):
+    def script(req):
+        if len(h.llm.requests) == 1:
+            return "<teleport><to>mars</to></teleport> and <fly/>"
+        return "I cannot teleport; use the <b> tag only in prose."
+
+    h = make_harness(tmp_path, script)
+    await h.rt.enqueue("assistant", task("go to mars"), "ref")
+    await h.pump()
+    assert h.sql("SELECT count(*) FROM cards WHERE card_type = 'sys.huh'") == [(1,)]
+    seen = h.llm.requests[1].messages[-1].content
+    assert seen.startswith("Your payload was refused:") and "<teleport>, <fly>" in seen
+    assert '<add xmlns="urn:calc"> (a tool call to calculator)' in seen
+    assert [(r[1], r[2]) for r in h.replies.sent] == [
+        ("I cannot teleport; use the <b> tag only in prose.", False)
+    ]
+
+
 async def test_submit_result_degraded_not_rejected(tmp_path):
     from agentserver.agents.profile import ResultField
 
