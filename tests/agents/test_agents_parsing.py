@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 from agents_fakes import CALC, profile
 from hypothesis import given
@@ -7,6 +9,7 @@ from lxml import etree
 from agentserver.agents.decide import CallTools, Deliver, Feedback, SelfIterate, Submit, decide
 from agentserver.agents.events import EventBus, TaskEvent
 from agentserver.agents.parsing import PayloadKind, extract_payloads
+from agentserver.agents.quoting import quoted_spans
 
 ADD = '<add xmlns="urn:calc"><a>1</a><b>2</b></add>'
 
@@ -213,3 +216,20 @@ async def test_event_bus_is_bounded_and_never_blocks():
     sub.close()
     bus.publish(TaskEvent("a", "x", "succeeded", "b", "c"))  # no subscriber: fine
     assert etree  # keep the import used
+
+
+@given(st.text(st.sampled_from("`~ \nab<>xml\t"), max_size=80))
+def test_quoted_spans_are_disjoint_and_inside_the_text(text):
+    spans = quoted_spans(text).as_list()
+    for (_, end_1), (start_2, _) in itertools.pairwise(spans):
+        assert end_1 <= start_2
+    for start, end in spans:
+        assert 0 <= start < end <= len(text)
+        assert text[start] in "`~ "  # a backtick run or a fence line (maybe indented)
+        assert start in quoted_spans(text) and end not in quoted_spans(text)
+
+
+@given(code=st.text(st.characters(exclude_characters="`", exclude_categories=("Cs",)), min_size=1))
+def test_an_inline_code_span_quotes_exactly_its_text(code):
+    text = "say `" + code + "` now"
+    assert quoted_spans(text).as_list() == [(4, 4 + len(code) + 2)]
