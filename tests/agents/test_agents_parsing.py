@@ -233,3 +233,9 @@ def test_quoted_spans_are_disjoint_and_inside_the_text(text):
 def test_an_inline_code_span_quotes_exactly_its_text(code):
     text = "say `" + code + "` now"
     assert quoted_spans(text).as_list() == [(4, 4 + len(code) + 2)]
+
+
+def test_the_model_is_told_how_to_mention_markup():
+    from agentserver.agents.submit import usage_text
+
+    assert "put it in backticks" in usage_text(())
