@@ -11,12 +11,16 @@ Any other markup is prose as long as it only *mentions* tags: a start tag that i
 closed (``use the <b> tag``), anything in inline code or in a fenced block that names a
 language other than XML (:mod:`agentserver.agents.quoting`), text such as ``a < b``,
 markup that is not well-formed, and an element the model read and may quote: a peer's
-answer or a primitive (``AgentProfile.quotable``; without a namespace, by local name). But a well-formed element with an unknown name written
-outside such quotes (``<teleport><to>mars</to></teleport>``, ``<b>bold</b>``, ``<br/>``)
-is an attempt to send something the agent cannot send: all of them together earn one
-error, whose hint names the payloads the model may send. Elements are matched to their end
-tags with one pass over the text and a stack per name, so a reply costs linear time however
-its tags nest.
+answer or a primitive (``AgentProfile.quotable``; without a namespace, by local name).
+But a well-formed element with an unknown name written outside such quotes
+(``<teleport><to>mars</to></teleport>``, ``<b>bold</b>``, ``<br/>``) is an attempt to send
+something the agent cannot send: all of them together earn one error, whose hint names
+the payloads the model may send.
+
+Cost: elements are matched to their end tags in one pass over the text with a stack per
+name; unknown candidates that turn out not to be well-formed are re-read from inside, so
+the bytes parsed for them are bounded (``_PARSE_BUDGET`` per character of the reply), past
+which the reply is refused as too large rather than read for ever.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ MAX_PAYLOADS = 16
 _MAX_ATTEMPT_BYTES = 2048
 
 _MAX_UNKNOWN_NAMED = 5  # unknown elements named in the hint; the rest are counted
+_PARSE_BUDGET = 4  # bytes parsed for unknown candidates, per character of the reply
 
 _START = re.compile(r"<(?:([A-Za-z_][\w.\-]*):)?([A-Za-z_][\w.\-]*)(?=[\s/>])")
 # Any start, end or empty-element tag (as the payload finder reads them: up to the first
@@ -157,6 +162,7 @@ def extract_payloads(text: str, profile: AgentProfile) -> ParseResult:
     ends = element_ends(text)
     quoted = quoted_spans(text)
     unknown: list[str] = []  # raw text of each unknown element written as markup
+    budget = _PARSE_BUDGET * len(text) + 65536
     pos = 0
     while True:
         m = _START.search(text, pos)
@@ -170,6 +176,11 @@ def extract_payloads(text: str, profile: AgentProfile) -> ParseResult:
             if end is None or m.start() in quoted:
                 continue  # a mention: an unclosed start tag, or quoted as code
             raw = text[m.start() : end]
+            budget -= end - m.start()
+            if budget < 0:
+                hint = "too much nested markup to read; write less XML"
+                result.errors.append(PayloadError(HuhReason.TOO_LARGE, hint, raw[:200]))
+                break
             try:
                 element = parser.parse(raw.encode("utf-8"))
             except InputRefused:

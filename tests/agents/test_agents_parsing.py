@@ -239,3 +239,11 @@ def test_the_model_is_told_how_to_mention_markup():
     from agentserver.agents.submit import usage_text
 
     assert "put it in backticks" in usage_text(())
+
+
+def test_deeply_nested_malformed_markup_is_refused_not_read_for_ever():
+    text = "<a>" * 3000 + "&" + "</a>" * 3000  # each level fails to parse, from inside
+    r = extract_payloads(text, profile())
+    assert r.payloads == [] and [e.reason.name for e in r.errors] == ["TOO_LARGE"]
+    shallow = "<a>" * 20 + "&" + "</a>" * 20  # well within the budget: prose
+    assert kinds(shallow) == ([], [])
