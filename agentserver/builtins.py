@@ -157,6 +157,7 @@ BUILTIN_PAYLOADS: Mapping[str, type[BaseXmlModel]] = MappingProxyType(
         "calculator.difference": calculator.Difference,
         "calculator.product": calculator.Product,
         "calculator.quotient": calculator.Quotient,
+        "calculator.error": calculator.CalculatorError,
         "assistant.task": assistant.Task,
         "assistant.answer": assistant.Answer,
         "console.prompt": Prompt,
@@ -197,7 +198,12 @@ def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
                 responses=spec.responds,
                 agent=spec.agent,
                 broadcast=spec.broadcast,
-                concurrency=spec.concurrency,
+                # An agent's handler is intake only (one short store commit). More than
+                # one pump slot would let trio run two slots woken together in either
+                # order, so a connection's back-to-back tasks could reach the inbox out of
+                # send order; one slot takes the queue strictly first in, first out. Its
+                # Turns run in the agent worker (<store worker-concurrency>), not here.
+                concurrency=1 if spec.agent else spec.concurrency,
                 timeout=spec.timeout,
                 queue_size=spec.queue_size,
                 raw=spec.raw or spec.agent,

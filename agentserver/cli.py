@@ -1,7 +1,7 @@
 """The ``agentserver`` command: run, send, check, console.
 
 Exit statuses: 0 success; 1 a problem with the topology or the request (boot.xml errors,
-a ``<huh>`` or ``<SystemError>`` reply); 2 bad usage or input; 3 no reply in time;
+a ``<huh>`` or ``<SystemError>`` reply, or a reply marked ``status="failed"``); 2 bad usage or input; 3 no reply in time;
 4 cannot connect, or the connection was lost.
 """
 
@@ -15,6 +15,7 @@ import pathlib
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -24,6 +25,9 @@ from agentserver.errors import ConfigurationError, HuhReason, InputRefused, sole
 from agentserver.threads import is_uuid4
 from agentserver.topology import DEFAULT_PORT
 from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
+
+if TYPE_CHECKING:
+    from agentserver.client import Reply
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -66,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="agentserver",
         description="An XML message-pump agent server.",
-        epilog="Exit status: 0 ok, 1 failed (boot.xml errors, <huh>/<SystemError> reply), "
+        epilog="Exit status: 0 ok, 1 failed (boot.xml errors, <huh>/<SystemError> reply, "
+        'a reply marked status="failed"), '
         "2 usage, 3 timeout, 4 connection.",
     )
     levels = ["debug", "info", "warning", "error"]
@@ -150,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="send one payload and print the reply",
         description="Send one payload (an XML element, from FILE or standard input) to "
         "listener NAME and print the reply envelope(s) of its thread. Exit 1 if a reply is "
-        "a <huh> or <SystemError>, 3 if none comes in time, 4 if the server is unreachable.",
+        'a <huh> or <SystemError> or is marked status="failed" (e.g. an agent\'s failed '
+        "<answer>), 3 if none comes in time, 4 if the server is unreachable.",
     )
     send.add_argument(
         "file",
@@ -418,6 +424,12 @@ def _credentials(
     return args.client, token
 
 
+def _failed(reply: Reply) -> bool:
+    """A refusal, or an answer that says the request failed (``status="failed"`` on its
+    root, as an agent's failed ``<answer>`` or the calculator's ``<error>`` carry)."""
+    return reply.is_error or reply.payload.get("status") == "failed"
+
+
 def cmd_send(args: argparse.Namespace) -> int:
     from agentserver.client import (
         ClientError,
@@ -469,7 +481,7 @@ def cmd_send(args: argparse.Namespace) -> int:
         for r in replies:
             sys.stdout.write(r.raw.decode("utf-8") + "\n")
         sys.stdout.flush()
-        return EXIT_FAILED if any(r.is_error for r in replies) else EXIT_OK
+        return EXIT_FAILED if any(_failed(r) for r in replies) else EXIT_OK
 
     try:
         return _trio_run(send)

@@ -1,7 +1,7 @@
 """The ``assistant`` entry of the bundled topology: the default agent of the console.
 
 The payloads are fixed (``<task>`` in, ``<answer>`` out, namespace
-``urn:agentserver:assistant``). Declared with ``agent="true"`` (as in the bundled
+``urn:agentserver:assistant``; ``<answer status="failed">`` for a task that failed). Declared with ``agent="true"`` (as in the bundled
 boot.xml) the listener is run by the agent runtime (``agentserver.agents``), which uses
 only these payload types. The handler below serves a topology that declares the built-in
 without ``agent="true"``: it answers every task with a clear notice instead.
@@ -9,7 +9,9 @@ without ``agent="true"``: it answers every task with a clear notice instead.
 
 from __future__ import annotations
 
-from pydantic_xml import BaseXmlModel, element
+from typing import Literal
+
+from pydantic_xml import BaseXmlModel, attr, element
 
 from agentserver.listener import HandlerMetadata, HandlerResponse
 
@@ -28,6 +30,11 @@ class Task(BaseXmlModel, tag="task", nsmap=_NSMAP):
 
 
 class Answer(BaseXmlModel, tag="answer", nsmap=_NSMAP):
+    """The deliverable. ``status="failed"`` marks a task that did not succeed (no model,
+    timeout, step limit, stopped, ...): ``text`` then says why. A success carries no
+    ``status`` (``ok`` is accepted as its explicit spelling)."""
+
+    status: Literal["ok", "failed"] | None = attr(default=None)
     text: str = element()
 
 

@@ -6,8 +6,12 @@ Each request is answered on the caller's thread:
 - ``<subtract><a/><b/></subtract>`` → ``<difference><value>a-b</value></difference>``
 - ``<multiply><a/><b/></multiply>`` → ``<product><value>a*b</value></product>``
 - ``<divide><a/><b/></divide>`` → ``<quotient><value>a//b</value><remainder>a%b</remainder>
-  </quotient>`` (floor division; dividing by zero is answered with the pump's generic
-  "request could not be completed" ``<huh>``)
+  </quotient>`` (floor division)
+
+A request that has no result (dividing by zero, a result outside ``xs:long``) is answered
+with ``<error status="failed"><code>division-by-zero|overflow</code><message>…</message>
+</error>``: an answer the caller can read (``agentserver send`` exits 1 for it), not a
+handler failure.
 
 All in namespace ``urn:agentserver:calculator``. Operands and results are bounded to 64-bit
 signed integers (``xs:long``) so a request cannot make the server build enormous numbers.
@@ -15,9 +19,9 @@ signed integers (``xs:long``) so a request cannot make the server build enormous
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic_xml import BaseXmlModel, element
+from pydantic_xml import BaseXmlModel, attr, element
 
 from agentserver.listener import HandlerMetadata, HandlerResponse
 from agentserver.xsdgen import XsdType
@@ -69,8 +73,17 @@ class Quotient(BaseXmlModel, tag="quotient", nsmap=_NSMAP):
     remainder: Long = element()
 
 
+class CalculatorError(BaseXmlModel, tag="error", nsmap=_NSMAP):
+    """The request has no result. ``status="failed"`` is the project's mark of a failed
+    answer; ``code`` is for programs, ``message`` for people."""
+
+    status: Literal["failed"] = attr(default="failed")
+    code: Literal["division-by-zero", "overflow"] = element()
+    message: str = element()
+
+
 REQUESTS = (Add, Subtract, Multiply, Divide)
-RESULTS = (Sum, Difference, Product, Quotient)
+RESULTS = (Sum, Difference, Product, Quotient, CalculatorError)
 
 
 def _checked(value: int) -> int:
@@ -81,7 +94,8 @@ def _checked(value: int) -> int:
 
 def calculate(payload: Add | Subtract | Multiply | Divide) -> BaseXmlModel:
     """The result payload of one request. Raises ``ZeroDivisionError`` or
-    :class:`CalculationOverflow` (the pump turns either into a canned ``<huh>``)."""
+    :class:`CalculationOverflow` when there is none (:func:`answer` turns them into a
+    :class:`CalculatorError`)."""
     a, b = payload.a, payload.b
     if isinstance(payload, Add):
         return Sum(value=_checked(a + b))
@@ -95,8 +109,24 @@ def calculate(payload: Add | Subtract | Multiply | Divide) -> BaseXmlModel:
     raise TypeError(f"not a calculator request: {type(payload).__name__}")
 
 
+def answer(payload: Add | Subtract | Multiply | Divide) -> BaseXmlModel:
+    """The result of one request, or the :class:`CalculatorError` saying why there is none."""
+    try:
+        return calculate(payload)
+    except ZeroDivisionError:
+        return CalculatorError(
+            code="division-by-zero", message=f"cannot divide {payload.a} by zero"
+        )
+    except CalculationOverflow:
+        return CalculatorError(
+            code="overflow",
+            message=f"the result does not fit in a 64-bit signed integer ({_LONG_MIN} to "
+            f"{_LONG_MAX})",
+        )
+
+
 async def handle(
     payload: Add | Subtract | Multiply | Divide, meta: HandlerMetadata
 ) -> HandlerResponse:
-    """Answer the caller with the result."""
-    return HandlerResponse.respond(calculate(payload))
+    """Answer the caller with the result (or the error)."""
+    return HandlerResponse.respond(answer(payload))

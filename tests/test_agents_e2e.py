@@ -80,6 +80,7 @@ async def test_assistant_calls_tools_in_parallel_iterates_and_answers_once(tmp_p
                 assert reply.from_id == "assistant"
                 assert reply.payload.tag == f"{{{ASSISTANT}}}answer"
                 assert reply.payload.findtext(f"{{{ASSISTANT}}}text") == "2+3 = 5 and 6*7 = 42."
+                assert reply.payload.get("status") is None  # a success carries no status
                 # exactly one reply: nothing else arrives on any thread
                 with trio.move_on_after(1.0) as quiet:
                     extra = await client.receive()
@@ -109,6 +110,7 @@ async def test_assistant_without_a_reachable_backend_answers_one_clear_failure(t
             assert reply.payload.tag == f"{{{ASSISTANT}}}answer"
             text = reply.payload.findtext(f"{{{ASSISTANT}}}text")
             assert "could not be reached" in text
+            assert reply.payload.get("status") == "failed"
             with trio.move_on_after(0.5) as quiet:
                 await client.receive()
             assert quiet.cancelled_caught

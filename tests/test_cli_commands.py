@@ -230,6 +230,37 @@ def test_send_exits_1_on_huh_and_on_system_error(server):
     )
 
 
+def test_send_divide_by_zero_answers_a_readable_error_and_exits_1(server):
+    divide = b'<divide xmlns="urn:agentserver:calculator"><a>7</a><b>0</b></divide>'
+    result = cli("send", "--to", "calculator", "--connect", connect(server), input=divide)
+    assert result.returncode == 1, result.stderr
+    out = result.stdout.decode()
+    assert (
+        '<error xmlns="urn:agentserver:calculator" status="failed">'
+        "<code>division-by-zero</code><message>cannot divide 7 by zero</message></error>"
+    ) in out
+    big = b'<multiply xmlns="urn:agentserver:calculator"><a>9223372036854775807</a><b>2</b></multiply>'
+    overflow = cli("send", "--to", "calculator", "--connect", connect(server), input=big)
+    assert overflow.returncode == 1 and b"<code>overflow</code>" in overflow.stdout
+    # an answer, not a handler crash: nothing in the server's log
+    assert "Traceback" not in server.stderr and "handler raised" not in server.stderr
+
+
+def test_send_exits_1_for_an_agents_failed_answer(tmp_path):
+    env = subprocess_env(
+        OPENAI_BASE_URL="http://127.0.0.1:9/v1", OPENAI_API_KEY="k", AGENTSERVER_MODEL="m"
+    )
+    proc = ServerProcess.start(REPO / "boot.xml", env=env, cwd=tmp_path)
+    try:
+        task = b'<task xmlns="urn:agentserver:assistant"><text>hello?</text></task>'
+        result = cli("send", "--to", "assistant", "--connect", connect(proc), input=task)
+    finally:
+        assert proc.stop() == 0
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert b'<answer xmlns="urn:agentserver:assistant" status="failed">' in result.stdout
+    assert b"could not be reached" in result.stdout
+
+
 def test_send_exits_3_on_timeout(server):
     result = cli(
         "send",

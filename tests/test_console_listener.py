@@ -159,7 +159,8 @@ async def test_console_round_trips_through_the_topology(tmp_path, monkeypatch):
         '[echo] <pong xmlns="urn:agentserver:echo"><text>hi</text></pong>',
         '[calculator] <sum xmlns="urn:agentserver:calculator"><value>3</value></sum>',
         f"error: {HuhReason.INVALID_PAYLOAD.value}",
-        f"error: {HuhReason.HANDLER_FAILED.value}",
+        '[calculator] <error xmlns="urn:agentserver:calculator" status="failed">'
+        "<code>division-by-zero</code><message>cannot divide 1 by zero</message></error>",
         "bye",
     ]
     assert terminal.lines == ["never read"]

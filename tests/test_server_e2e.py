@@ -51,7 +51,11 @@ async def test_calculator_round_trips(server):
         by_zero = await client.request(Divide(a=1, b=0), to="calculator", timeout=5)
     assert total.payload_xml == '<sum xmlns="urn:agentserver:calculator"><value>42</value></sum>'
     assert "<value>-42</value>" in product.payload_xml
-    assert huh_text(by_zero) == HuhReason.HANDLER_FAILED.value
+    # an answer the caller can read (issue 10), not a handler failure
+    assert by_zero.payload_xml == (
+        '<error xmlns="urn:agentserver:calculator" status="failed"><code>division-by-zero</code>'
+        "<message>cannot divide 1 by zero</message></error>"
+    )
 
 
 async def test_many_requests_in_flight_on_one_connection(server):

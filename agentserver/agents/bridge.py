@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from lxml import etree
 
+from agentserver.agents.answer import FAILED, STATUS_ATTR
 from agentserver.agents.errors import PumpRefused
 from agentserver.agents.named_clients import NamedClientReplies
 from agentserver.agents.ports import ReplyRef
@@ -133,7 +134,10 @@ def agent_handler(
 
     async def handle(payload: etree._Element, meta: HandlerMetadata) -> None:
         if meta.response_thread is not None:
-            failed = isinstance(payload.tag, str) and payload.tag.startswith(_CORE)
+            # A refusal, or a peer's answer that says it failed (status="failed").
+            failed = isinstance(payload.tag, str) and (
+                payload.tag.startswith(_CORE) or payload.get(STATUS_ATTR) == FAILED
+            )
             await runtime.report_tool_result(name, meta.response_thread, payload, failed=failed)
             return None
         if meta.from_id == "system":

@@ -94,7 +94,7 @@ class TurnEnder:
             agent_id,
             status,
             text,
-            answer_bytes(profile, text) if profile else None,
+            answer_bytes(profile, text, failed=True) if profile else None,
             agent_turn_id=agent_turn_id,
             turn_epoch=turn_epoch,
             expect_status=expect_status,

@@ -29,6 +29,11 @@ class AgentProfile:
     call. ``answer_tag`` is the root tag of the reply sent to the caller; its ``<text>``
     child carries the deliverable text. ``terminate_tools`` name peers whose result ends
     the Turn (the seed's ``after_execution=terminate``); other tools suspend and resume.
+    ``quotable`` are root tags (Clark) of what the agent reads but does not send: its
+    peers' answers (the server adds the core primitives): such an element written in a
+    reply quotes a tool's result, and is prose. ``failure_status`` puts ``status="failed"`` on the answer of a Turn that did not
+    succeed; set it only when the reply type's schema declares that attribute (the server
+    checks, see :func:`agentserver.agents.answer.takes_failure_status`).
     """
 
     name: str
@@ -45,6 +50,8 @@ class AgentProfile:
     max_tokens: int | None = None
     llm_timeout_s: float = 300.0
     terminate_tools: tuple[str, ...] = ()
+    failure_status: bool = False
+    quotable: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:

@@ -9,6 +9,7 @@ state lives in the store of ``<store>`` (default ``./state/agents.sqlite3``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from pathlib import Path
 import trio
 from lxml import etree
 
+from agentserver.agents.answer import takes_failure_status
 from agentserver.agents.bridge import PumpPorts, agent_handler
 from agentserver.agents.config import profile_from_element, store_settings_from_element
 from agentserver.agents.errors import LLMUnavailable
@@ -26,6 +28,7 @@ from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile import AgentProfile
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.listener import Handler, HandlerMetadata
+from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
 from agentserver.pump import Pump
 from agentserver.topology import Topology
 
@@ -82,15 +85,18 @@ def build_profiles(
 ) -> dict[str, AgentProfile]:
     """One profile per agent listener, from its ``<agent>`` settings and the topology."""
     tag_of = {p.model: p.tag for p in pump.payloads}
+    ptype_of = {p.tag: p for p in pump.payloads}
     profiles = {}
     for spec in topology.listeners:
         if not spec.agent:
             continue
         peers: dict[str, str] = {}
+        quotable = [HUH_TAG, SYSTEM_ERROR_TAG]  # what the model reads: results, refusals
         for peer in spec.peers:
             for model in topology.listener(peer).accepts:
                 peers[tag_of[model]] = peer
-        profiles[spec.name] = profile_from_element(
+            quotable += (tag_of[m] for m in topology.listener(peer).responds if m in tag_of)
+        profile = profile_from_element(
             spec.agent_profile,
             name=spec.name,
             own_roots=tuple(tag_of[m] for m in spec.accepts),
@@ -99,6 +105,18 @@ def build_profiles(
             answer_tag=tag_of[spec.responds[0]] if spec.responds else "",
             environ=environ,
         )
+        profile = dataclasses.replace(profile, quotable=tuple(dict.fromkeys(quotable)))
+        reply_type = ptype_of.get(profile.answer_tag)
+        if reply_type is not None and takes_failure_status(profile, reply_type.is_valid):
+            profile = dataclasses.replace(profile, failure_status=True)
+        else:
+            log.warning(
+                "agent %s: its reply type %s declares no status attribute, so its failed "
+                'answers cannot say status="failed"',
+                spec.name,
+                profile.answer_tag,
+            )
+        profiles[spec.name] = profile
     return profiles
 
 

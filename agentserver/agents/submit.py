@@ -44,6 +44,11 @@ def usage_text(fields: tuple[ResultField, ...]) -> str:
     for f in fields:
         need = "required" if f.required else "optional"
         lines.append(f"- {f.name} ({need}){': ' + f.description if f.description else ''}")
+    # The payload finder refuses any other element written as markup (parsing.py).
+    lines.append(
+        "Any other XML element you write is taken as something you try to send; to show "
+        "markup as text, put it in backticks."
+    )
     return "\n".join(lines)
 
 

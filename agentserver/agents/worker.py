@@ -175,7 +175,7 @@ class Worker:
             except Exception:
                 problem = "the task payload is not well-formed XML"
         if problem is not None:
-            reply = answer_bytes(profile, problem) if profile and ref_ok else None
+            reply = answer_bytes(profile, problem, failed=True) if profile and ref_ok else None
             fin = await self.store.fail_turn_row(row, problem, reply)
             if fin is not None:
                 await self.ender.after(fin)
@@ -390,9 +390,8 @@ class Worker:
         text: str,
         metadata: Mapping[str, object] | None = None,
     ) -> None:
-        fin = await self.store.finish(
-            token, status, text, dict(metadata or {}), answer_bytes(profile, text)
-        )
+        reply = answer_bytes(profile, text, failed=status != TaskStatus.SUCCEEDED)
+        fin = await self.store.finish(token, status, text, dict(metadata or {}), reply)
         await self.ender.after(fin)
 
     def _step_event(self, token: TurnToken, step_id: str, phase: str, activity: str) -> None:

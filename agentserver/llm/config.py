@@ -110,7 +110,8 @@ class RetryConfig:
     failovers together. Backoff without a Retry-After header starts at
     ``base_delay`` and doubles up to ``max_delay`` (with jitter). A provider's
     Retry-After is honoured up to ``max_retry_after``; a longer wait makes the
-    router fail over instead of retrying that backend."""
+    router fail over instead of retrying that backend. The same bound caps how long a
+    429's Retry-After keeps the backend cooling for every request (then one probe)."""
 
     max_attempts: int = 4
     base_delay: float = 0.5

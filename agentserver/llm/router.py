@@ -5,8 +5,9 @@ its attempt budget is spent or its deadline passes::
 
     choose a backend  (strategy; only backends serving the model, not excluded
                        for this request, breaker permitting, not cooling down
-                       after a Retry-After; if all are cooling, wait for the
-                       first to return if that fits the deadline)
+                       after a Retry-After (capped by max_retry_after, then
+                       one probe); if all are cooling, wait for the first to
+                       return if that fits the deadline)
     admit             (concurrency slot, then requests + tokens buckets at once)
     call              (one HTTP attempt, bounded by the backend timeout and the
                        request deadline; counts against the attempt budget)
@@ -38,7 +39,7 @@ import trio
 
 from .accounting import AgentStats, BackendStats, Counters, RouterStats
 from .backends import Backend, BackendStream, make_backend
-from .breaker import Breaker, BreakerState, Permit
+from .breaker import Breaker, BreakerState, Cooling, Permit
 from .bucket import ExceedsCapacity, Limiter, QueueFull, TokenBucket
 from .classify import DECISIONS, Action, ErrorKind, backoff_delay
 from .config import BackendConfig, RouterConfig, Strategy, missing_key_reason
@@ -56,7 +57,7 @@ class _Runtime:
         "backend",
         "breaker",
         "config",
-        "cooling_until",
+        "cooling",
         "counters",
         "limiter",
         "name",
@@ -74,7 +75,7 @@ class _Runtime:
         self.backend = backend
         self.rank = rank
         self.breaker = Breaker(router_cfg.breaker.failures, router_cfg.breaker.cooldown)
-        self.cooling_until = -math.inf
+        self.cooling = Cooling()
         self.counters = Counters()
         self.active = 0
         now = trio.current_time() if _in_trio() else 0.0
@@ -99,10 +100,16 @@ class _Runtime:
         return out
 
     def try_permit(self, now: float) -> Permit | None:
-        """A breaker permit, unless a Retry-After still cools this backend down."""
-        if self.cooling_until > now:
+        """A breaker permit, unless a Retry-After still cools this backend down. The
+        first call after the cooling ends is its probe (``cooling_probe``)."""
+        if not self.cooling.ready(now):
             return None
-        return self.breaker.try_acquire(now)
+        permit = self.breaker.try_acquire(now)
+        if permit is None:
+            return None
+        if self.cooling.try_acquire(now):
+            return Permit(permit.probe, permit.generation, cooling_probe=True)
+        return permit
 
     def token_capacity(self) -> float:
         if self.limiter is None or self.tok_index is None:
@@ -247,7 +254,7 @@ class Router:
                 consecutive_failures=rt.breaker.consecutive_failures,
                 breaker_opens=rt.breaker.opens,
                 active=rt.active,
-                cooling_for=max(0.0, rt.cooling_until - now) if now is not None else 0.0,
+                cooling_for=rt.cooling.remaining(now) if now is not None else 0.0,
                 requests_bucket_fill=fill[rt.req_index]
                 if fill and rt.req_index is not None
                 else None,
@@ -372,7 +379,9 @@ class Router:
                 if cut or decision.action is Action.STOP:
                     raise err.with_attempts(tuple(failures)) from None
                 if err.kind is ErrorKind.RATE_LIMIT and err.retry_after is not None:
-                    rt.cooling_until = max(rt.cooling_until, now + err.retry_after)
+                    # Capped like a retry's wait: a provider asking for an hour must not
+                    # take the backend out for an hour; a single probe follows the cap.
+                    rt.cooling.cool(now, min(err.retry_after, retry.max_retry_after))
                 if decision.action is Action.FAILOVER:
                     excluded.add(rt)
                     if err.kind is ErrorKind.CONTEXT_OVERFLOW:
@@ -434,18 +443,21 @@ class Router:
             # Every candidate is cooling down: find the first to come back, and
             # whether a Retry-After (RATE_LIMIT) or a breaker (OVERLOADED) holds it.
             earliest = math.inf
-            kind = ErrorKind.OVERLOADED
+            kind: ErrorKind | None = None
             probing = False  # a probe is out: its outcome, not the clock, decides
             for r in candidates:
                 rt = r.runtime
                 back = rt.breaker.available_at(now)
-                probing = probing or back is None
+                cool = rt.cooling.available_at(now)
+                probing = probing or back is None or cool is None
                 breaker_at = math.inf if back is None else back
-                at = max(rt.cooling_until, breaker_at)
-                if at < earliest:
+                cooling_at = math.inf if cool is None else cool
+                at = max(cooling_at, breaker_at)
+                if kind is None or at < earliest:
                     earliest = at
-                    limited = rt.cooling_until >= breaker_at
+                    limited = cooling_at >= breaker_at
                     kind = ErrorKind.RATE_LIMIT if limited else ErrorKind.OVERLOADED
+            assert kind is not None  # candidates is not empty
             if earliest > deadline and (not probing or now >= deadline):
                 wait = earliest - now if math.isfinite(earliest) else None
                 names = ", ".join(r.runtime.name for r in candidates)
@@ -573,6 +585,13 @@ class Router:
             rt.breaker.release(lease.permit)
         else:
             rt.breaker.record(lease.permit, healthy, now)
+        if lease.permit.cooling_probe:
+            # Any answer ends the cooling (a new 429 cools again, after this); a probe with
+            # no verdict passes the turn to the next caller.
+            if healthy is None:
+                rt.cooling.release()
+            else:
+                rt.cooling.probe_done()
         if lease.reserved and rt.limiter is not None and rt.tok_index is not None:
             if reply is not None:
                 back = lease.reserved - reply.usage.total_tokens

@@ -32,6 +32,7 @@ def profile(**kw: Any) -> AgentProfile:
         model="m",
         own_roots=(f"{{{ASSISTANT_NS}}}task",),
         peers={CALC: "calculator", SEARCH: "search"},
+        quotable=("{urn:calc}sum", "{urn:search}hits"),  # the peers' answers
         max_steps=6,
         resume_deadline_s=30.0,
     )
@@ -109,6 +110,8 @@ class FakeTools:
 @dataclass
 class FakeReplies:
     sent: list[tuple[Any, str, bool, str]] = field(default_factory=list)
+    #: the ``status`` attribute of each reply's root, in the order of ``sent``
+    statuses: list[str | None] = field(default_factory=list)
     broken: bool = False
 
     async def deliver(
@@ -118,6 +121,7 @@ class FakeReplies:
             raise ConnectionError("caller away")
         text = "".join(payload.itertext())
         self.sent.append((reply_ref, text, failed, turn_id))
+        self.statuses.append(payload.get("status"))
 
 
 @dataclass

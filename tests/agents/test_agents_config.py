@@ -77,3 +77,46 @@ def test_defaults_and_model_from_environment():
     assert p.model == "m" and p.max_steps == 12
     with pytest.raises(AgentConfigError):
         profile_from_element(None, name="a", own_roots=(), peers={}, environ={})
+
+
+async def test_the_bundled_assistants_profile_marks_failures_and_may_quote_results():
+    from serverproc import REPO
+
+    from agentserver import boot
+    from agentserver.agents.service import build_profiles
+    from agentserver.builtins import RunContext, build_listeners
+    from agentserver.primitives.core import HUH_TAG
+    from agentserver.pump import open_pump
+
+    topo = boot.load_or_raise(REPO / "boot.xml")
+    ctx = RunContext(topo)
+    async with ctx.resources, open_pump(build_listeners(topo, ctx)) as pump:
+        profile = build_profiles(topo, pump, {})["assistant"]
+    calc = "{urn:agentserver:calculator}"
+    assert profile.failure_status  # its <answer> declares status
+    assert {calc + "sum", calc + "quotient", calc + "error", HUH_TAG} <= set(profile.quotable)
+    assert calc + "add" in profile.peers and calc + "add" not in profile.quotable
+
+
+async def test_an_agent_whose_reply_type_has_no_status_does_not_mark_failures(tmp_path, caplog):
+    from agentserver import boot
+    from agentserver.agents.service import build_profiles
+    from agentserver.builtins import RunContext, build_listeners
+    from agentserver.pump import open_pump
+
+    path = tmp_path / "boot.xml"
+    path.write_text(
+        '<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="t">'
+        "<listeners>"
+        '<listener name="scribe" handler="e2e_handlers:record" agent="true">'
+        '<accepts type="e2e_handlers:Record"/><responds type="e2e_handlers:Note"/>'
+        '<agent model="m"/>'
+        "</listener></listeners></organism>"
+    )
+    topo = boot.load_or_raise(path)
+    ctx = RunContext(topo)
+    async with ctx.resources, open_pump(build_listeners(topo, ctx)) as pump:
+        profile = build_profiles(topo, pump, {})["scribe"]
+    # <note> declares no status: marking a failure would make the pump refuse the answer
+    assert profile.answer_tag == "{urn:test:e2e}note" and not profile.failure_status
+    assert 'cannot say status="failed"' in caplog.text

@@ -226,6 +226,42 @@ async def test_no_llm_backend_ends_with_one_clear_failed_answer(tmp_path):
     assert (await h.rt.store.head("assistant")).status == "idle"
 
 
+async def test_failed_turns_answer_status_failed_and_successes_carry_no_status(tmp_path):
+    h = make_harness(
+        tmp_path,
+        lambda req: (
+            "<task><text>again</text></task>"
+            if any("loop" in m.content for m in req.messages)
+            else echo(req)
+        ),
+        profiles={"assistant": profile(failure_status=True)},
+    )
+    await h.rt.enqueue("assistant", b"<task xmlns='urn:agentserver:assistant'><text>oops", "r1")
+    await h.rt.enqueue("assistant", task("fine"), "r2")
+    await h.rt.enqueue("assistant", task("loop"), "r3")
+    await h.pump()
+    h.llm.fail = "connection refused"
+    await h.rt.enqueue("assistant", task("x"), "r4")
+    await h.pump()
+    h.llm.fail, h.llm.gate = None, trio.Event()
+    await h.rt.enqueue("assistant", task("stop me"), "r5")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(h.pump)
+        await h.llm.entered.wait()
+        assert await h.rt.stop("assistant")
+        h.llm.gate.set()
+    assert [e.status for e in h.task_events()] == [
+        "failed",  # malformed task
+        "succeeded",
+        "failed",  # step limit
+        "failed",  # no model
+        "stopped",
+    ]
+    assert [r[0] for r in h.replies.sent] == ["r1", "r2", "r3", "r4", "r5"]
+    assert h.replies.statuses == ["failed", None, "failed", "failed", "failed"]
+    assert [r[2] for r in h.replies.sent] == [True, False, True, True, True]
+
+
 async def test_llm_that_hangs_is_bounded_by_llm_timeout(tmp_path, autojump_clock):
     h = make_harness(tmp_path, echo, profiles={"assistant": profile(llm_timeout_s=5)})
     h.llm.gate = trio.Event()  # never set
@@ -233,6 +269,7 @@ async def test_llm_that_hangs_is_bounded_by_llm_timeout(tmp_path, autojump_clock
     await h.pump()
     [(_, text, failed, _)] = h.replies.sent
     assert failed and "did not answer" in text
+    assert h.replies.statuses == [None]  # the profile's reply type takes no status
 
 
 async def test_step_limit_ends_a_turn(tmp_path):
@@ -284,6 +321,24 @@ async def test_refused_and_ambiguous_payloads_earn_a_huh_and_the_model_retries(t
     assert "ambiguous" in h.llm.requests[1].messages[-1].content
     assert h.replies.sent[0][1] == "giving up: Your payload was refused:"
     assert h.sql("SELECT count(*) FROM cards WHERE card_type = 'sys.huh'") == [(2,)]
+
+
+async def test_an_unknown_element_gets_one_huh_and_is_never_the_answer(tmp_path):
+    def script(req):
+        if len(h.llm.requests) == 1:
+            return "<teleport><to>mars</to></teleport> and <fly/>"
+        return "I cannot teleport; use the <b> tag only in prose."
+
+    h = make_harness(tmp_path, script)
+    await h.rt.enqueue("assistant", task("go to mars"), "ref")
+    await h.pump()
+    assert h.sql("SELECT count(*) FROM cards WHERE card_type = 'sys.huh'") == [(1,)]
+    seen = h.llm.requests[1].messages[-1].content
+    assert seen.startswith("Your payload was refused:") and "<teleport>, <fly>" in seen
+    assert '<add xmlns="urn:calc"> (a tool call to calculator)' in seen
+    assert [(r[1], r[2]) for r in h.replies.sent] == [
+        ("I cannot teleport; use the <b> tag only in prose.", False)
+    ]
 
 
 async def test_submit_result_degraded_not_rejected(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentserver.llm.breaker import Breaker, BreakerState
+from agentserver.llm.breaker import Breaker, BreakerState, Cooling
 
 
 def fail(b: Breaker, now: float) -> None:
@@ -99,3 +99,26 @@ def test_never_more_than_one_probe_out(ops):
         if settle and out:
             q = out.pop(0)
             b.record(q, healthy, now)
+
+
+def test_cooling_holds_back_then_grants_exactly_one_probe():
+    c = Cooling()
+    assert c.try_acquire(0) is False and c.available_at(0) == 0  # not cooling: call freely
+    c.cool(0, 30)
+    assert c.try_acquire(29.9) is None and c.available_at(10) == 30 and c.remaining(10) == 20
+    assert c.try_acquire(30) is True  # the probe
+    assert c.try_acquire(31) is None and c.available_at(31) is None  # its outcome decides
+    c.release()  # abandoned: the next caller probes
+    assert c.try_acquire(32) is True
+    c.probe_done()
+    assert c.try_acquire(33) is False and c.remaining(33) == 0
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e4), st.floats(0, 1e4)), min_size=1, max_size=20))
+def test_cooling_ends_at_the_latest_requested_time(cools):
+    c = Cooling()
+    for now, seconds in cools:
+        c.cool(now, seconds)
+    end = max(now + seconds for now, seconds in cools)
+    assert c.try_acquire(end - 1e-3) is None
+    assert c.try_acquire(end) is True

@@ -114,8 +114,8 @@ async def test_retry_after_beyond_cap_fails_over_at_once(nursery, autojump_clock
     async with router(backend_for(a, "a", priority=1), backend_for(b, "b", priority=2)) as r:
         out = await r.complete(req())
         assert out.backend == "b" and out.latency == 0.0
-        # The backend stays cooling for everyone for the advised 120 s.
-        assert r.stats().backends["a"].cooling_for == pytest.approx(120.0)
+        # The backend cools for everyone, but only as long as max-retry-after (30 s).
+        assert r.stats().backends["a"].cooling_for == pytest.approx(30.0)
         again = await r.complete(req())
     assert again.backend == "b" and len(a.requests) == 1
 
@@ -135,6 +135,73 @@ async def test_retry_after_beyond_cap_with_one_backend_raises_with_the_wait(
         120.0,
     )
     assert trio.current_time() == 0.0 and len(a.requests) == 1
+
+
+async def test_retry_after_of_an_hour_cools_for_the_cap_then_lets_one_probe_through(
+    nursery, autojump_clock
+):
+    # One 429 asking for an hour must not take the backend out for an hour: it cools for
+    # max-retry-after (30 s), then exactly one probe goes out and the rest follow its answer.
+    fake = await start_fake(nursery, "openai", rate_limited("3600"))
+    async with router(backend_for(fake, "a"), breaker=BreakerConfig(failures=10)) as r:
+        with pytest.raises(LLMError) as info:
+            await r.complete(req())
+        assert info.value.kind is ErrorKind.RATE_LIMIT and info.value.retry_after == 3600.0
+        assert r.stats().backends["a"].cooling_for == pytest.approx(30.0)
+        fake.push(openai_ok("probe", delay=5.0))
+        results: list[Completion] = []
+
+        async def caller() -> None:
+            results.append(await r.complete(req(deadline=trio.current_time() + 120)))
+
+        async with trio.open_nursery() as callers:
+            for _ in range(4):
+                callers.start_soon(caller)
+        assert r.stats().backends["a"].cooling_for == 0.0
+    arrivals = [s.at for s in fake.requests[1:]]
+    assert arrivals[0] == pytest.approx(30.0)  # the probe, when the capped cooling ends
+    assert all(t == pytest.approx(35.0) for t in arrivals[1:])  # the rest after its answer
+    assert len(arrivals) == 4 and sorted(c.content for c in results)[-1] == "probe"
+
+
+async def test_rate_limited_probe_cools_again_and_others_keep_waiting(nursery, autojump_clock):
+    fake = await start_fake(nursery, "openai", rate_limited("3600"), rate_limited("3600"))
+    retry = RetryConfig(max_attempts=1, max_retry_after=20.0)
+    async with router(backend_for(fake, "a"), retry=retry, breaker=BreakerConfig(failures=10)) as r:
+        with pytest.raises(LLMError):
+            await r.complete(req())
+        results: list[Completion | LLMError] = []
+
+        async def caller() -> None:
+            try:
+                results.append(await r.complete(req(deadline=trio.current_time() + 100)))
+            except LLMError as err:
+                results.append(err)
+
+        async with trio.open_nursery() as callers:
+            for _ in range(3):
+                callers.start_soon(caller)
+    times = [s.at for s in fake.requests]
+    # t=0 the 429; t=20 the probe, 429 again (that caller's budget of one call is spent);
+    # t=40 the next probe succeeds, then the last caller goes.
+    assert times == [0.0, pytest.approx(20.0), pytest.approx(40.0), pytest.approx(40.0)]
+    assert sum(isinstance(x, Completion) for x in results) == 2
+
+
+async def test_abandoned_cooling_probe_passes_to_the_next_caller(nursery, autojump_clock):
+    fake = await start_fake(nursery, "openai", rate_limited("3600"))
+    retry = RetryConfig(max_attempts=1, max_retry_after=10.0)
+    async with router(backend_for(fake, "a"), retry=retry, breaker=BreakerConfig(failures=10)) as r:
+        with pytest.raises(LLMError):
+            await r.complete(req())
+        fake.push(openai_ok("slow", delay=50.0))
+        with trio.move_on_after(12):  # the probe goes at t=10 and is cancelled at t=12
+            await r.complete(req(deadline=trio.current_time() + 100))
+        out = await r.complete(req(deadline=trio.current_time() + 100))
+    assert out.content != "slow" and [s.at for s in fake.requests][1:] == [
+        pytest.approx(10.0),
+        pytest.approx(12.0),
+    ]
 
 
 async def test_backoff_without_header_is_exponential_with_jitter(nursery, autojump_clock):
@@ -332,9 +399,9 @@ async def test_request_deadline_cuts_the_attempt_and_is_no_breaker_verdict(nurse
 
 
 async def test_all_cooling_waits_for_the_first_back_within_deadline(nursery, autojump_clock):
-    a = await start_fake(nursery, "openai", rate_limited("25"))
+    a = await start_fake(nursery, "openai", rate_limited("3600"))  # cools 20 s, the cap
     b = await start_fake(nursery, "openai", rate_limited("10"))
-    retry = RetryConfig(max_attempts=4, max_retry_after=5.0)  # both fail over, both cool
+    retry = RetryConfig(max_attempts=2, max_retry_after=20.0)  # budget spent, both cool
     async with router(
         backend_for(a, "a", priority=1), backend_for(b, "b", priority=2), retry=retry
     ) as r:
@@ -348,9 +415,9 @@ async def test_all_cooling_waits_for_the_first_back_within_deadline(nursery, aut
 async def test_all_cooling_fails_at_once_when_the_wait_exceeds_the_deadline(
     nursery, autojump_clock
 ):
-    a = await start_fake(nursery, "openai", rate_limited("25"))
+    a = await start_fake(nursery, "openai", rate_limited("3600"))
     b = await start_fake(nursery, "openai", rate_limited("10"))
-    retry = RetryConfig(max_attempts=4, max_retry_after=5.0)
+    retry = RetryConfig(max_attempts=2, max_retry_after=20.0)
     async with router(
         backend_for(a, "a", priority=1), backend_for(b, "b", priority=2), retry=retry
     ) as r:

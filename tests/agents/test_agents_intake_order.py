@@ -1,0 +1,65 @@
+"""Tasks sent back to back on one connection reach the agent's inbox in send order.
+
+The bundled topology in a real pump with the real agent store: two tasks sent without a
+pause between them used to be taken by two of the agent listener's pump slots, which
+trio's scheduler runs in either order, so the second could be enqueued (and answered)
+first. Each round below is such a pair; the rounds are many so that old code fails with
+certainty (each round had an even chance to invert).
+"""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+from lxml import etree
+from serverproc import REPO
+
+from agentserver import boot
+from agentserver.agents.service import start_agents
+from agentserver.builtins import RunContext, build_listeners
+from agentserver.envelope import build_envelope
+from agentserver.listeners.assistant import Task
+from agentserver.pump import open_pump
+from agentserver.threads import new_thread_id
+
+ROUNDS = 30
+
+
+async def test_back_to_back_tasks_are_enqueued_and_answered_in_send_order(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the agent store goes to ./state/
+    topo = boot.load_or_raise(REPO / "boot.xml")
+    ctx = RunContext(topo)
+    sent: list[str] = []
+    answered: list[str] = []
+    async with (
+        ctx.resources,
+        open_pump(build_listeners(topo, ctx), config=topo.pump_config()) as pump,
+    ):
+        async with trio.open_nursery() as nursery:
+            # No API key: every Turn fails at once, which is all this test needs.
+            agents = await start_agents(
+                topo, pump, ctx.services["agent_handlers"], nursery, ctx.resources, environ={}
+            )
+            assert agents is not None
+            ep = pump.open_endpoint("client", buffer=4 * ROUNDS)
+            for i in range(ROUNDS):
+                for j in range(2):  # a pair, back to back: no checkpoint between them
+                    thread = new_thread_id()
+                    task = Task(text=f"task {i}.{j}").to_xml_tree()
+                    await ep.send(
+                        etree.tostring(build_envelope("client", "assistant", thread, task))
+                    )
+                    sent.append(thread)
+                await trio.testing.wait_all_tasks_blocked()
+            with trio.fail_after(60):
+                while len(answered) < len(sent):
+                    reply = etree.fromstring(await ep.receive())
+                    answered.append(reply[0][-1].text)
+            inbox = agents.runtime.store._db.execute(  # type: ignore[attr-defined]
+                "SELECT payload FROM agent_inbox WHERE message_type = 'turn' ORDER BY seq"
+            ).fetchall()
+            agents.stop()
+            nursery.cancel_scope.cancel()
+    texts = [etree.fromstring(row[0]).findtext("{urn:agentserver:assistant}text") for row in inbox]
+    assert texts == [f"task {i}.{j}" for i in range(ROUNDS) for j in range(2)]
+    assert answered == sent  # one Turn at a time, in inbox order
