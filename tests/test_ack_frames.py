@@ -64,3 +64,18 @@ def test_the_hello_asks_for_acks_only_when_told():
     assert b"ack" not in plain and gate.check(plain).ack is False
     with pytest.raises(Unauthenticated):
         gate.check(plain.replace(b"<hello ", b'<hello ack="maybe" '))
+
+
+def test_a_certificate_named_client_may_ask_for_acks_with_a_hello():
+    """With mutual TLS the certificate names the client; a hello (token unchecked, even
+    empty) only negotiates acknowledgement, and must name the same client."""
+    gate = HelloGate({"alice": Credential(None)})
+    assert gate.certificate_hello(hello_frame_body("alice", "", ack=True), "alice") is True
+    assert gate.certificate_hello(hello_frame_body("alice", "anything"), "alice") is False
+    with pytest.raises(Unauthenticated):
+        gate.certificate_hello(hello_frame_body("mallory", "", ack=True), "alice")
+    request = etree.tostring(
+        build_envelope("alice", "echo", new_thread_id(), Ping(text="hi").to_xml_tree())
+    )
+    assert gate.certificate_hello(request, "alice") is None  # a request: for the reader
+    assert gate.certificate_hello(b"\x00garbage", "alice") is None
