@@ -439,6 +439,13 @@ class _Loader:
         if not ok:
             self.broken.add(name)
             return None
+        if handler is not None and not agent and not responds and not _bool(el, "ends-chains"):
+            self.warn(
+                line,
+                f"listener {name!r} declares no <responds>: an answer from its handler will "
+                'be refused (add <responds type="module:Class"/>, or ends-chains="true" if it '
+                "never answers its caller)",
+            )
         # The built-in's tuning, then what the file sets; ListenerSpec has the defaults.
         tuning = dict(defaults)
         if (value := el.get("concurrency")) is not None:
@@ -544,6 +551,7 @@ class _Loader:
                     f"root tag {_pretty(tag)} is accepted by {listed}: several listeners may "
                     'share a root tag only if all of them are broadcast="true"',
                 )
+        self.check_agent_peers(specs)
         boots = [s for s in specs if s.is_boot]
         if len(boots) > 1:
             self.error(boots[1].line, "more than one listener takes the core boot primitive")
@@ -564,6 +572,35 @@ class _Loader:
                     f"boot listener {boot.name!r} has no console among its peers: "
                     "'run --console' cannot start one",
                 )
+
+    def check_agent_peers(self, specs: list[ListenerSpec]) -> None:
+        """Warn about an agent's peer it can never reach: the agent addresses a peer by
+        a payload's root tag, and the same mapping as the agent runtime's
+        (agents.service.build_profiles: its own tags first, the last peer wins a shared
+        tag, core primitives never) leaves that peer no tag."""
+        by_name = {s.name: s for s in specs}
+        for spec in specs:
+            if not spec.agent:
+                continue
+            own = {model_root_tag(m) for m in spec.accepts}
+            owner: dict[str, str] = {}
+            for peer in spec.peers:
+                if peer in by_name:
+                    for model in by_name[peer].accepts:
+                        owner[model_root_tag(model)] = peer
+            reachable = {
+                peer
+                for tag, peer in owner.items()
+                if tag not in own and split_tag(tag)[0] != CORE_NS
+            }
+            for peer in spec.peers:
+                if peer in by_name and peer not in reachable:
+                    self.warn(
+                        spec.line,
+                        f"agent {spec.name!r}: peer {peer!r} accepts nothing the agent could "
+                        "send (its root tags are the agent's own, a core primitive, or taken "
+                        "by a later peer)",
+                    )
 
     # -- clients and sections ------------------------------------------------------------
 
