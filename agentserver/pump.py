@@ -47,6 +47,7 @@ from agentserver.errors import (
     Refusal,
     SystemErrorCode,
 )
+from agentserver.handler_types import unreadable
 from agentserver.listener import (
     NAME_RE,
     RESERVED_NAMES,
@@ -56,7 +57,7 @@ from agentserver.listener import (
     to_element,
 )
 from agentserver.payloads import PayloadRegistry, PayloadType
-from agentserver.primitives.core import CORE_MODELS, primitive_for
+from agentserver.primitives.core import CORE_MODELS, SystemErrorPayload, primitive_for
 from agentserver.routing import RoutingTable, SelfCall
 from agentserver.threads import (
     RegistryFull,
@@ -208,11 +209,22 @@ class _Waiters:
 
 
 class _Runtime:
-    __slots__ = ("handled", "listener", "receive", "send", "slots", "usage", "waiters")
+    __slots__ = (
+        "handled",
+        "listener",
+        "receive",
+        "send",
+        "slots",
+        "unreadable",
+        "usage",
+        "waiters",
+    )
 
     def __init__(self, listener: Listener, usage: str) -> None:
         self.listener = listener
         self.usage = usage
+        #: Primitives the handler's annotation does not admit (see handler_types).
+        self.unreadable = unreadable(listener.handler, CORE_MODELS, raw=listener.raw)
         self.send, self.receive = trio.open_memory_channel[_Delivery](listener.queue_size)
         self.waiters = _Waiters()
         self.handled = 0
@@ -746,6 +758,7 @@ class Pump:
         listener = rt.listener
         handler = listener.handler
         raw = listener.raw
+        unreadable = rt.unreadable
         threads = self.threads
         counters = self.counters
         streak = 0
@@ -780,6 +793,9 @@ class Pump:
                     continue
                 counters["delivered"] += 1
                 thread.last_active = self._now
+                if unreadable and d.ptype.model in unreadable:
+                    await self._pass_up(listener, thread, d)
+                    continue
                 meta = HandlerMetadata(
                     thread.id,
                     d.from_id,
@@ -1005,6 +1021,30 @@ class Pump:
             )
         except DeliveryRefused:
             log.warning("could not deliver a failure notice to %s", parent.owner)
+
+    async def _pass_up(self, listener: Listener, thread: ThreadRecord, d: _Delivery) -> None:
+        """``d`` is a primitive the handler cannot read (its annotation does not admit
+        it): instead of crashing the handler, its caller gets the failure. A
+        ``<SystemError>`` goes up as it is; a ``<huh>`` becomes the caller's own
+        "could not be completed" (its original-attempt is the listener's output, none of
+        the caller's business)."""
+        log.warning(
+            "%s: its handler does not take <%s> (annotate its payload parameter with %s to "
+            "receive it), so its caller gets the failure on %s",
+            listener.name,
+            d.ptype.local,
+            d.ptype.model.__name__,
+            thread.dotted,
+        )
+        if d.ptype.model is SystemErrorPayload:
+            parent = self.threads.prune(thread)
+            if parent is not None:
+                try:
+                    await self._deliver_to_owner(parent, d.payload, d.ptype, SYSTEM, thread.id)
+                except DeliveryRefused:
+                    log.warning("could not deliver a failure notice to %s", parent.owner)
+            return
+        await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), None)
 
     def _settle(self, thread: ThreadRecord) -> None:
         """End ``thread`` if nothing can reach it any more (see ``ThreadRegistry.finish``).
