@@ -147,18 +147,33 @@ def build_parser() -> argparse.ArgumentParser:
         "send",
         parents=[common, remote],
         help="send one payload and print the reply",
-        description="Send one payload (an XML element, from FILE or standard input) to "
-        "listener NAME and print the reply envelope(s) of its thread. Exit 1 if a reply is "
-        "a <huh> or <SystemError>, 3 if none comes in time, 4 if the server is unreachable.",
+        description="Send one payload (an XML element: given as the argument, or read from "
+        "FILE or standard input) and print the reply envelope(s) of its thread. Without "
+        "--to, the payload's root tag picks the listener. The text of a <huh> or "
+        "<SystemError> reply is also printed on standard error. Exit 1 if a reply is a "
+        "<huh> or <SystemError>, 3 if none comes in time, 4 if the server is unreachable.",
     )
     send.add_argument(
         "file",
         nargs="?",
         default="-",
-        metavar="FILE",
-        help="payload file, or - for standard input (default)",
+        metavar="PAYLOAD|FILE",
+        help="the payload itself (an argument starting with '<'), a payload file, or - for "
+        "standard input (default)",
     )
-    send.add_argument("--to", required=True, metavar="NAME", help="listener to address")
+    send.add_argument(
+        "--to",
+        metavar="NAME",
+        help="listener to address (default: the one registered for the payload's root tag)",
+    )
+    output = send.add_mutually_exclusive_group()
+    output.add_argument(
+        "--payload-only",
+        action="store_true",
+        help="print only each reply's payload, pretty-printed (a <huh> or <SystemError> "
+        "then goes to standard error only)",
+    )
+    output.add_argument("--pretty", action="store_true", help="pretty-print the reply envelope(s)")
     send.add_argument(
         "--thread", metavar="UUID", help="thread to use (a uuid4; default: a new one)"
     )
@@ -424,7 +439,9 @@ def cmd_send(args: argparse.Namespace) -> int:
         print("--thread must be a lowercase uuid4", file=sys.stderr)
         return EXIT_USAGE
     try:
-        if args.file == "-":
+        if args.file.lstrip().startswith("<"):
+            data = args.file.encode("utf-8")
+        elif args.file == "-":
             data = sys.stdin.buffer.read()
         else:
             data = pathlib.Path(args.file).read_bytes()
@@ -458,7 +475,11 @@ def cmd_send(args: argparse.Namespace) -> int:
                     if more.thread == reply.thread:
                         replies.append(more)
         for r in replies:
-            sys.stdout.write(r.raw.decode("utf-8") + "\n")
+            if r.is_error:
+                print(error_line(r), file=sys.stderr)
+                if args.payload_only:
+                    continue
+            sys.stdout.write(render_reply(r, payload_only=args.payload_only, pretty=args.pretty))
         sys.stdout.flush()
         return EXIT_FAILED if any(r.is_error for r in replies) else EXIT_OK
 
@@ -473,6 +494,33 @@ def cmd_send(args: argparse.Namespace) -> int:
     except (ClientError, OSError, trio.TooSlowError) as exc:
         print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
         return EXIT_CONNECTION
+
+
+def render_reply(reply, *, payload_only: bool = False, pretty: bool = False) -> str:
+    """A reply as ``send`` prints it: the envelope as received (one line), the envelope
+    pretty-printed, or only the payload pretty-printed."""
+    from lxml import etree
+
+    if payload_only:
+        return etree.tostring(reply.payload, encoding="unicode", pretty_print=True, with_tail=False)
+    if pretty:
+        root = reply.payload.getroottree().getroot()
+        return etree.tostring(root, encoding="unicode", pretty_print=True)
+    return reply.raw.decode("utf-8") + "\n"
+
+
+def error_line(reply) -> str:
+    """``huh from NAME: TEXT`` / ``SystemError (CODE) from NAME: TEXT``, with the
+    explanation a server run with --explain-refusals adds."""
+    from agentserver.namespaces import CORE_NS
+
+    if reply.is_huh:
+        kind = "huh"
+    else:
+        kind = f"SystemError ({reply.payload.findtext(f'{{{CORE_NS}}}code')})"
+    line = f"{kind} from {reply.from_id}: {reply.error_text}"
+    detail = reply.payload.findtext(f"{{{CORE_NS}}}detail")
+    return f"{line} ({detail})" if detail else line
 
 
 # -- console --------------------------------------------------------------------------------
