@@ -142,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="attach the console listener to this terminal; quitting it stops the server",
     )
+    run.add_argument(
+        "--explain-refusals",
+        action="store_true",
+        help="development only (loopback): each <huh> carries the reason it was refused "
+        "(e.g. which element is missing) instead of the canned text alone",
+    )
 
     send = sub.add_parser(
         "send",
@@ -364,7 +370,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         terminal=StdioTerminal() if args.console else None,
         on_console_exit=shutdown.set,
     )
-    options = ServeOptions(host=args.host, port=args.port, insecure=args.insecure)
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        insecure=args.insecure,
+        explain_refusals=args.explain_refusals,
+    )
 
     def listening(addresses: list[str]) -> None:
         # Printed, not only logged: tools and tests read the bound address from this line.
