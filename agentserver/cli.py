@@ -34,6 +34,12 @@ TOKEN_ENV = "AGENTSERVER_TOKEN"
 #: Environment alternatives to --ca, --cert and --key.
 TLS_ENV = {"ca": "AGENTSERVER_CA", "cert": "AGENTSERVER_CERT", "key": "AGENTSERVER_KEY"}
 BUNDLED_NAME = "<bundled boot.xml>"
+#: Defaults from the environment (a container sets these); a command-line option wins.
+HOST_ENV = "AGENTSERVER_HOST"
+PORT_ENV = "AGENTSERVER_PORT"
+BOOT_ENV = "AGENTSERVER_BOOT"
+LOG_LEVEL_ENV = "AGENTSERVER_LOG_LEVEL"
+LEVELS = ("debug", "info", "warning", "error")
 
 log = logging.getLogger("agentserver.cli")
 
@@ -68,8 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 ok, 1 failed (boot.xml errors, <huh>/<SystemError> reply), "
         "2 usage, 3 timeout, 4 connection.",
     )
-    levels = ["debug", "info", "warning", "error"]
-    level_help = "log level on standard error (default: info for run, warning otherwise)"
+    levels = list(LEVELS)
+    level_help = (
+        f"log level on standard error (default: ${LOG_LEVEL_ENV}, else info for run, "
+        "warning otherwise)"
+    )
     parser.add_argument("--log-level", choices=levels, help=level_help)
     # Also accepted after the command; SUPPRESS keeps a value given before it.
     common = argparse.ArgumentParser(add_help=False)
@@ -79,9 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument(
         "--connect",
         type=_address,
-        default=DEFAULT_CONNECT,
         metavar="HOST:PORT",
-        help=f"server address (default: {DEFAULT_CONNECT})",
+        help=f"server address (default: ${HOST_ENV}:${PORT_ENV}, each else {DEFAULT_CONNECT})",
     )
     remote.add_argument(
         "--client",
@@ -126,11 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
         "boot",
         nargs="?",
         metavar="BOOT",
-        help="boot.xml to run (default: ./boot.xml, else the bundled one)",
+        help=f"boot.xml to run (default: ${BOOT_ENV}, else ./boot.xml, else the bundled one)",
     )
-    run.add_argument("--host", help="address to listen on (default: boot.xml <listen host>)")
     run.add_argument(
-        "--port", type=_port, help="port to listen on; 0 picks a free one (default: boot.xml)"
+        "--host", help=f"address to listen on (default: ${HOST_ENV}, else boot.xml <listen host>)"
+    )
+    run.add_argument(
+        "--port",
+        type=_port,
+        help=f"port to listen on; 0 picks a free one (default: ${PORT_ENV}, else boot.xml)",
     )
     run.add_argument(
         "--insecure",
@@ -207,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
         "each problem as FILE:LINE: message and exits 1 on errors; prints a one-line summary "
         "and exits 0 when the file is good (warnings do not fail it).",
     )
-    check.add_argument("boot", metavar="BOOT", help="the boot.xml to check")
+    check.add_argument(
+        "boot", nargs="?", metavar="BOOT", help=f"the boot.xml to check (default: ${BOOT_ENV})"
+    )
 
     schemas = sub.add_parser(
         "schemas",
@@ -241,7 +255,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    level = args.log_level or ("info" if args.command == "run" else "warning")
+    level = args.log_level or os.environ.get(LOG_LEVEL_ENV, "").strip().lower() or None
+    if level is not None and level not in LEVELS:
+        print(f"${LOG_LEVEL_ENV}: {level!r} is not one of {', '.join(LEVELS)}", file=sys.stderr)
+        return EXIT_USAGE
+    level = level or ("info" if args.command == "run" else "warning")
+    try:
+        _apply_environment(args)
+    except argparse.ArgumentTypeError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    if args.command == "check" and args.boot is None:
+        print(f"check needs BOOT (or ${BOOT_ENV})", file=sys.stderr)
+        return EXIT_USAGE
     logging.basicConfig(
         level=level.upper(),
         stream=sys.stderr,
@@ -255,6 +281,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         "schemas": cmd_schemas,
     }
     return handler[args.command](args)
+
+
+def _apply_environment(args: argparse.Namespace) -> None:
+    """Fill the options left unset from AGENTSERVER_HOST/PORT/BOOT. Raises
+    ArgumentTypeError for a variable that is not a valid value."""
+    env = os.environ
+    host = env.get(HOST_ENV, "").strip() or None
+    port_text = env.get(PORT_ENV, "").strip() or None
+    try:
+        port = _port(port_text) if port_text is not None else None
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"${PORT_ENV}: {exc}") from None
+    if getattr(args, "boot", "given") is None:
+        args.boot = env.get(BOOT_ENV, "").strip() or None
+    if args.command == "run":
+        args.host = args.host or host
+        args.port = args.port if args.port is not None else port
+    if hasattr(args, "connect") and args.connect is None:
+        default_host, default_port = _address(DEFAULT_CONNECT)
+        if port == 0:
+            raise argparse.ArgumentTypeError(f"${PORT_ENV}=0 is no address to connect to")
+        args.connect = (host or default_host, port or default_port)
 
 
 def _trio_run(fn):
