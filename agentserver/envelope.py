@@ -94,7 +94,7 @@ class EnvelopeCodec:
         return ptype
 
 
-_CLARK = re.compile(r"'?\{[^}]*\}([^\s',)]+)'?")
+_CLARK = re.compile(r"'?\{[^}\s']+\}([^\s',)]+)'?")
 
 
 def schema_reason(schema: etree.XMLSchema, tag: str) -> str:
