@@ -394,8 +394,8 @@ def load_boot_for_run(explicit: str | None) -> tuple[str, boot.LoadResult]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from agentserver.builtins import RunContext, console_listener_names
-    from agentserver.listeners.console import StdioTerminal
     from agentserver.server import ServeOptions, run_server
+    from agentserver.terminal import logs_above_prompt, make_terminal
 
     name, result = load_boot_for_run(args.boot)
     _print_problems(result)
@@ -413,11 +413,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             return EXIT_FAILED
     log.info("topology %r from %s", topology.organism, name)
     shutdown = trio.Event()
-    ctx = RunContext(
-        topology,
-        terminal=StdioTerminal() if args.console else None,
-        on_console_exit=shutdown.set,
-    )
+    terminal = make_terminal() if args.console else None
+    if terminal is not None and hasattr(terminal, "set_listeners"):
+        terminal.set_listeners(_console_targets(topology))
+    ctx = RunContext(topology, terminal=terminal, on_console_exit=shutdown.set)
     options = ServeOptions(
         host=args.host,
         port=args.port,
@@ -431,14 +430,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_signals, shutdown, nursery.cancel_scope)
+            nursery.start_soon(_watch_signals, shutdown, nursery.cancel_scope, terminal)
             await run_server(
                 topology, options, ctx, shutdown, environ=os.environ, on_listening=listening
             )
             nursery.cancel_scope.cancel()
 
     try:
-        _trio_run(serve)
+        with logs_above_prompt(terminal):
+            _trio_run(serve)
     except ConfigurationError as exc:
         print(f"{name}: not started: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -448,8 +448,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _watch_signals(shutdown: trio.Event, scope: trio.CancelScope) -> None:
-    """First SIGINT/SIGTERM: graceful shutdown. A second one: stop at once."""
+#: With a console attached, how long Ctrl-C lets in-flight work drain before stopping.
+CONSOLE_INTERRUPT_GRACE = 0.5
+
+
+def _console_targets(topology) -> list[str]:
+    """The listeners the console can address (its router's peers), for completion."""
+    return sorted(
+        {peer for s in topology.listeners if s.builtin == "console-router" for peer in s.peers}
+    )
+
+
+async def _watch_signals(
+    shutdown: trio.Event, scope: trio.CancelScope, terminal: object = None
+) -> None:
+    """First SIGINT/SIGTERM: graceful shutdown. A second one: stop at once.
+
+    With a console attached, a person pressed Ctrl-C and waits: the console's pending
+    read ends now and the server stops after CONSOLE_INTERRUPT_GRACE at most, instead of
+    draining for the full drain-timeout (durable agent work resumes at the next start)."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             if shutdown.is_set():
@@ -458,6 +475,11 @@ async def _watch_signals(shutdown: trio.Event, scope: trio.CancelScope) -> None:
                 return
             log.info("%s: shutting down", signal.Signals(signum).name)
             shutdown.set()
+            if terminal is not None:
+                interrupt = getattr(terminal, "interrupt", None)
+                if interrupt is not None:
+                    interrupt()
+                scope.deadline = min(scope.deadline, trio.current_time() + CONSOLE_INTERRUPT_GRACE)
 
 
 # -- send -----------------------------------------------------------------------------------
@@ -587,15 +609,15 @@ def error_line(reply) -> str:
 
 def cmd_console(args: argparse.Namespace) -> int:
     from agentserver.client import ClientError
-    from agentserver.listeners.console import StdioTerminal
     from agentserver.remote_console import run_remote_console
+    from agentserver.terminal import logs_above_prompt, make_terminal
 
     tls = _tls_options(args)
     creds = _credentials(args, tls)
     if tls is None or creds is None:
         return EXIT_USAGE
     host, port = args.connect
-    terminal = StdioTerminal()
+    terminal = make_terminal()
 
     async def console() -> int:
         async with trio.open_nursery() as nursery:
@@ -615,7 +637,8 @@ def cmd_console(args: argparse.Namespace) -> int:
         return EXIT_OK  # interrupted
 
     try:
-        status = _trio_run(console)
+        with logs_above_prompt(terminal):
+            status = _trio_run(console)
     except ConfigurationError as exc:  # a CA, certificate or key file that cannot be used
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
