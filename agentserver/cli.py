@@ -8,6 +8,7 @@ a ``<huh>`` or ``<SystemError>`` reply); 2 bad usage or input; 3 no reply in tim
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import pathlib
@@ -431,6 +432,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_signals, shutdown, nursery.cancel_scope, terminal)
+            if hasattr(terminal, "chunk"):
+                from agentserver.terminal import show_chunks
+
+                ctx.services["on_agent_events"] = functools.partial(
+                    nursery.start_soon, show_chunks, terminal
+                )
             await run_server(
                 topology, options, ctx, shutdown, environ=os.environ, on_listening=listening
             )

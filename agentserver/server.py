@@ -795,6 +795,10 @@ async def run_server(
             )
             if agents is not None:
                 server.on_named_connect = agents.ports.flush_client
+                # An attached console shows the agents' streamed text (run --console).
+                on_events = ctx.services.get("on_agent_events")
+                if on_events is not None:
+                    on_events(agents.runtime.events)
             await pump.inject_system(
                 topology.boot_primitive(),
                 to=topology.boot_listener.name,

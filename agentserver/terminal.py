@@ -89,6 +89,9 @@ class PromptTerminal:
             history=kept, completer=_Completer(), input=input, output=output
         )
         self._working = False
+        #: A reply is awaited (from working() until the next prompt).
+        self.waiting = False
+        self._streamed = False
 
     def set_listeners(self, names: Iterable[str]) -> None:
         """The listener names ``@`` and ``/describe`` complete."""
@@ -96,6 +99,7 @@ class PromptTerminal:
 
     async def read_line(self, prompt: str) -> str | None:
         self._clear_working()
+        self.waiting = False
         try:
             return await trio.to_thread.run_sync(self._read, prompt, abandon_on_cancel=True)
         except trio.Cancelled:
@@ -128,6 +132,7 @@ class PromptTerminal:
 
     def working(self) -> None:
         """Show that a reply is awaited, until the next line is written or read."""
+        self.waiting = True
         if not self._working:
             sys.stdout.write(WORKING)
             sys.stdout.flush()
@@ -135,15 +140,33 @@ class PromptTerminal:
 
     def chunk(self, text: str) -> None:
         """A piece of a streamed answer, shown as it comes (replaces the indicator)."""
-        self._clear_working()
+        if self._working:
+            sys.stdout.write("\r\x1b[K")  # the text replaces the indicator
+            self._working = False
         sys.stdout.write(text)
         sys.stdout.flush()
+        self._streamed = True
 
     def _clear_working(self) -> None:
+        if self._streamed:  # what follows starts on a line of its own
+            sys.stdout.write("\n")
+            self._streamed = False
         if self._working:
             sys.stdout.write("\r\x1b[K")  # back to the start of the line, erase it
             sys.stdout.flush()
             self._working = False
+
+
+async def show_chunks(terminal: PromptTerminal, bus) -> None:
+    """Show the text agents stream (``ChunkEvent``) while the console awaits a reply.
+    ``bus`` is the agents' :class:`~agentserver.agents.events.EventBus`; a slow terminal
+    only loses chunks (the subscription is bounded), never the answer."""
+    from agentserver.agents.events import ChunkEvent
+
+    with contextlib.closing(bus.subscribe(capacity=256)) as subscription:
+        async for event in subscription:
+            if isinstance(event, ChunkEvent) and terminal.waiting and event.text:
+                terminal.chunk(event.text)
 
 
 def is_interactive() -> bool:

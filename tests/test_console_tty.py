@@ -188,3 +188,62 @@ def test_describe_is_answered_by_the_router():
         "echo",
         "calculator",
     ]
+
+
+@pytest.mark.slow
+def test_run_console_shows_an_agent_s_streamed_text_then_its_answer(tmp_path):
+    import shutil
+    import subprocess
+
+    example = REPO / "examples" / "agent-tool"
+    for name in ("glossary.py", "scripted_model.py"):
+        shutil.copy(example / name, tmp_path / name)
+    model = subprocess.Popen(
+        [sys.executable, "scripted_model.py", "--port", "0"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = model.stdout.readline().split()[-1]
+        (tmp_path / "boot.xml").write_text(
+            f"""<organism xmlns="{NS}" name="streaming">
+  <llm>
+    <backend name="scripted" provider="openai" base-url="{url}"><model name="scripted"/></backend>
+  </llm>
+  <store path="state/agents.sqlite3"/>
+  <listeners>
+    <listener name="boot" handler="system-boot" peers="console"/>
+    <listener name="glossary" handler="glossary:lookup">
+      <accepts type="glossary:Lookup"/><responds type="glossary:Definition"/>
+    </listener>
+    <listener name="assistant" handler="assistant" agent="true" peers="glossary">
+      <agent model="scripted" max-steps="4"/>
+    </listener>
+    <listener name="console" handler="console" peers="console-router"/>
+    <listener name="console-router" handler="console-router" peers="assistant glossary"/>
+  </listeners>
+</organism>
+"""
+        )
+        child = spawn(["run", "boot.xml", "--port", "0", "--console"], tmp_path)
+        try:
+            child.expect_exact(READY)
+            child.send('What is a "pump"?\r')
+            child.expect_exact("working…")
+            # The model's first reply, streamed as it comes (in two writes): the tool call.
+            child.expect_exact("<lookup xmlns=")
+            child.expect_exact("</term></lookup>")
+            # Its second, streamed, then the agent's answer as the console renders it.
+            child.expect_exact("pump: the router that validates")
+            child.expect_exact("[assistant] pump: the router that validates")
+            child.expect_exact(READY)
+            child.send("/quit\r")
+            child.expect(pexpect.EOF)
+        finally:
+            child.close(force=True)
+        assert child.exitstatus == 0
+    finally:
+        model.terminate()
+        model.wait(10)
+        model.stdout.close()
