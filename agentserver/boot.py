@@ -19,6 +19,7 @@ import inspect
 import ipaddress
 import os
 import pathlib
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,7 +102,14 @@ class BootError(ConfigurationError):
 
 
 class _Unresolved(Exception):
-    """A reference in boot.xml that does not resolve (message is user-facing)."""
+    """A reference in boot.xml that does not resolve (message is user-facing).
+
+    ``module`` is set when the module itself failed to import: later references to it
+    would only repeat that error."""
+
+    def __init__(self, message: str, module: str | None = None) -> None:
+        super().__init__(message)
+        self.module = module
 
 
 def boot_schema() -> etree.XMLSchema:
@@ -135,6 +143,16 @@ def load_or_raise(
     return result.topology
 
 
+def add_import_dir(directory: pathlib.Path) -> None:
+    """Put ``directory`` (boot.xml's) first on the import path, as Python does for a
+    script's directory, so a module written next to boot.xml imports with no
+    ``PYTHONPATH``. It stays there: a handler may import more of its siblings later."""
+    entry = str(directory.resolve())
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
+        importlib.invalidate_caches()
+
+
 def resolve_import(ref: str) -> Any:
     """``package.module:attr.sub`` → the object. Raises ``_Unresolved`` with the reason."""
     module_name, _, attr_path = ref.partition(":")
@@ -143,7 +161,7 @@ def resolve_import(ref: str) -> Any:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:  # any failure of user code at import time is a config error
-        raise _Unresolved(f"cannot import module {module_name!r}: {exc}") from None
+        raise _Unresolved(f"cannot import module {module_name!r}: {exc}", module_name) from None
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
@@ -179,6 +197,11 @@ class _Loader:
         self.environ = environ
         self.problems: list[Problem] = []
         self.data: bytes | None = None
+        #: Modules that failed to import, reported once each.
+        self.failed_modules: set[str] = set()
+        #: Listeners declared but broken (already reported): naming one as a peer or in
+        #: may-address is not a second error.
+        self.broken: set[str] = set()
 
     def error(self, line: int | None, message: str) -> None:
         self.problems.append(Problem(self.shown, line or 0, message))
@@ -194,6 +217,8 @@ class _Loader:
     # -- phases --------------------------------------------------------------------------
 
     def run(self) -> LoadResult:
+        if self.data is None:
+            add_import_dir(self.path.parent)
         root = self.parse()
         if root is None:
             return self.result(None)
@@ -366,7 +391,7 @@ class _Loader:
         responds: list[type[BaseXmlModel]] = []
         if ":" in ref:
             try:
-                handler = resolve_import(ref)
+                handler = self.resolve(ref)
                 if not callable(handler):
                     raise _Unresolved(f"handler {ref!r} is not callable")
                 if not (
@@ -375,7 +400,7 @@ class _Loader:
                 ):
                     raise _Unresolved(f"handler {ref!r} is not an async function")
             except _Unresolved as exc:
-                self.error(line, f"listener {name!r}: {exc}")
+                self.unresolved(line, name, exc)
                 ok = False
         elif ref in BUILTIN_HANDLERS:
             builtin = BUILTIN_HANDLERS[ref]
@@ -412,7 +437,15 @@ class _Loader:
             self.error(profile.sourceline, f'listener {name!r}: <agent> settings need agent="true"')
             ok = False
         if not ok:
+            self.broken.add(name)
             return None
+        if handler is not None and not agent and not responds and not _bool(el, "ends-chains"):
+            self.warn(
+                line,
+                f"listener {name!r} declares no <responds>: an answer from its handler will "
+                'be refused (add <responds type="module:Class"/>, or ends-chains="true" if it '
+                "never answers its caller)",
+            )
         # The built-in's tuning, then what the file sets; ListenerSpec has the defaults.
         tuning = dict(defaults)
         if (value := el.get("concurrency")) is not None:
@@ -443,17 +476,33 @@ class _Loader:
             Listener(spec.name, spec.accepts, _placeholder, peers=spec.peers)
         except ConfigurationError as exc:
             self.error(line, str(exc))
+            self.broken.add(name)
             return None
         return spec
+
+    def resolve(self, ref: str) -> Any:
+        module = ref.partition(":")[0]
+        if module in self.failed_modules:
+            raise _Unresolved("", module)  # reported already; see unresolved()
+        try:
+            return resolve_import(ref)
+        except _Unresolved as exc:
+            if exc.module is not None:
+                self.failed_modules.add(exc.module)
+            raise
+
+    def unresolved(self, line: int | None, listener: str, exc: _Unresolved) -> None:
+        if str(exc):  # empty: the same module's import failure is already reported
+            self.error(line, f"listener {listener!r}: {exc}")
 
     def payload_model(self, el: etree._Element, listener: str) -> type[BaseXmlModel] | None:
         ref = el.get("type", "")
         line = el.sourceline
         if ":" in ref:
             try:
-                model = resolve_import(ref)
+                model = self.resolve(ref)
             except _Unresolved as exc:
-                self.error(line, f"listener {listener!r}: {exc}")
+                self.unresolved(line, listener, exc)
                 return None
         elif ref in BUILTIN_PAYLOADS:
             model = BUILTIN_PAYLOADS[ref]
@@ -480,7 +529,7 @@ class _Loader:
         model_of: dict[str, type[BaseXmlModel]] = {}
         for spec in specs:
             for peer in spec.peers:
-                if peer not in names:
+                if peer not in names and peer not in self.broken:
                     self.error(spec.line, f"listener {spec.name!r}: unknown peer {peer!r}")
             for model in (*spec.accepts, *spec.responds):
                 tag = model_root_tag(model)
@@ -502,6 +551,7 @@ class _Loader:
                     f"root tag {_pretty(tag)} is accepted by {listed}: several listeners may "
                     'share a root tag only if all of them are broadcast="true"',
                 )
+        self.check_agent_peers(specs)
         boots = [s for s in specs if s.is_boot]
         if len(boots) > 1:
             self.error(boots[1].line, "more than one listener takes the core boot primitive")
@@ -522,6 +572,35 @@ class _Loader:
                     f"boot listener {boot.name!r} has no console among its peers: "
                     "'run --console' cannot start one",
                 )
+
+    def check_agent_peers(self, specs: list[ListenerSpec]) -> None:
+        """Warn about an agent's peer it can never reach: the agent addresses a peer by
+        a payload's root tag, and the same mapping as the agent runtime's
+        (agents.service.build_profiles: its own tags first, the last peer wins a shared
+        tag, core primitives never) leaves that peer no tag."""
+        by_name = {s.name: s for s in specs}
+        for spec in specs:
+            if not spec.agent:
+                continue
+            own = {model_root_tag(m) for m in spec.accepts}
+            owner: dict[str, str] = {}
+            for peer in spec.peers:
+                if peer in by_name:
+                    for model in by_name[peer].accepts:
+                        owner[model_root_tag(model)] = peer
+            reachable = {
+                peer
+                for tag, peer in owner.items()
+                if tag not in own and split_tag(tag)[0] != CORE_NS
+            }
+            for peer in spec.peers:
+                if peer in by_name and peer not in reachable:
+                    self.warn(
+                        spec.line,
+                        f"agent {spec.name!r}: peer {peer!r} accepts nothing the agent could "
+                        "send (its root tags are the agent's own, a core primitive, or taken "
+                        "by a later peer)",
+                    )
 
     # -- clients and sections ------------------------------------------------------------
 
@@ -553,7 +632,7 @@ class _Loader:
             may = cel.get("may-address")
             allowed = tuple(may.split()) if may is not None else None
             for target in allowed or ():
-                if target not in listener_names:
+                if target not in listener_names and target not in self.broken:
                     self.error(
                         line, f"client {name!r}: may-address names unknown listener {target!r}"
                     )

@@ -75,6 +75,29 @@ def _console(spec: ListenerSpec, ctx: RunContext) -> Handler:
     return Console(ctx.terminal, trusted=(*spec.peers, *boots), on_exit=ctx.on_console_exit)
 
 
+def _describer(topology: Topology) -> Callable[[str], tuple[str, ...]]:
+    """``/describe NAME``: each payload type NAME accepts, as docs/protocol.md's usage
+    instructions show it to agents (rendered on first use: xmlschema is slow to import)."""
+    cache: dict[str, tuple[str, ...]] = {}
+
+    def describe(name: str) -> tuple[str, ...]:
+        if name not in cache:
+            from agentserver.payloads import PayloadType
+            from agentserver.usage import describe_payload
+
+            spec = topology.listener(name)
+            lines = [f"@{name}" + (f": {spec.description}" if spec.description else "")]
+            for model in spec.accepts:
+                lines.extend(
+                    "  " + line
+                    for line in describe_payload(PayloadType.from_model(model)).splitlines()
+                )
+            cache[name] = tuple(lines)
+        return cache[name]
+
+    return describe
+
+
 def _console_router(spec: ListenerSpec, ctx: RunContext) -> Handler:
     return ConsoleRouter(
         peers=_accepted_tags(ctx.topology, spec.peers),
@@ -82,6 +105,7 @@ def _console_router(spec: ListenerSpec, ctx: RunContext) -> Handler:
         reply_wait=spec.timeout * 0.9,
         default_agent=DEFAULT_AGENT,
         max_bytes=ctx.topology.limits.max_message_bytes,
+        describe=_describer(ctx.topology),
     )
 
 

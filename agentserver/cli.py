@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import pathlib
@@ -39,6 +40,12 @@ TOKEN_ENV = "AGENTSERVER_TOKEN"
 #: Environment alternatives to --ca, --cert and --key.
 TLS_ENV = {"ca": "AGENTSERVER_CA", "cert": "AGENTSERVER_CERT", "key": "AGENTSERVER_KEY"}
 BUNDLED_NAME = "<bundled boot.xml>"
+#: Defaults from the environment (a container sets these); a command-line option wins.
+HOST_ENV = "AGENTSERVER_HOST"
+PORT_ENV = "AGENTSERVER_PORT"
+BOOT_ENV = "AGENTSERVER_BOOT"
+LOG_LEVEL_ENV = "AGENTSERVER_LOG_LEVEL"
+LEVELS = ("debug", "info", "warning", "error")
 
 log = logging.getLogger("agentserver.cli")
 
@@ -74,8 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         'a reply marked status="failed"), '
         "2 usage, 3 timeout, 4 connection.",
     )
-    levels = ["debug", "info", "warning", "error"]
-    level_help = "log level on standard error (default: info for run, warning otherwise)"
+    levels = list(LEVELS)
+    level_help = (
+        f"log level on standard error (default: ${LOG_LEVEL_ENV}, else info for run, "
+        "warning otherwise)"
+    )
     parser.add_argument("--log-level", choices=levels, help=level_help)
     # Also accepted after the command; SUPPRESS keeps a value given before it.
     common = argparse.ArgumentParser(add_help=False)
@@ -85,9 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument(
         "--connect",
         type=_address,
-        default=DEFAULT_CONNECT,
         metavar="HOST:PORT",
-        help=f"server address (default: {DEFAULT_CONNECT})",
+        help=f"server address (default: ${HOST_ENV}:${PORT_ENV}, each else {DEFAULT_CONNECT})",
     )
     remote.add_argument(
         "--client",
@@ -132,11 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
         "boot",
         nargs="?",
         metavar="BOOT",
-        help="boot.xml to run (default: ./boot.xml, else the bundled one)",
+        help=f"boot.xml to run (default: ${BOOT_ENV}, else ./boot.xml, else the bundled one)",
     )
-    run.add_argument("--host", help="address to listen on (default: boot.xml <listen host>)")
     run.add_argument(
-        "--port", type=_port, help="port to listen on; 0 picks a free one (default: boot.xml)"
+        "--host", help=f"address to listen on (default: ${HOST_ENV}, else boot.xml <listen host>)"
+    )
+    run.add_argument(
+        "--port",
+        type=_port,
+        help=f"port to listen on; 0 picks a free one (default: ${PORT_ENV}, else boot.xml)",
     )
     run.add_argument(
         "--insecure",
@@ -148,24 +161,45 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="attach the console listener to this terminal; quitting it stops the server",
     )
+    run.add_argument(
+        "--explain-refusals",
+        action="store_true",
+        help="development only (loopback): each <huh> carries the reason it was refused "
+        "(e.g. which element is missing) instead of the canned text alone",
+    )
 
     send = sub.add_parser(
         "send",
         parents=[common, remote],
         help="send one payload and print the reply",
-        description="Send one payload (an XML element, from FILE or standard input) to "
-        "listener NAME and print the reply envelope(s) of its thread. Exit 1 if a reply is "
-        'a <huh> or <SystemError> or is marked status="failed" (e.g. an agent\'s failed '
+        description="Send one payload (an XML element: given as the argument, or read from "
+        "FILE or standard input) and print the reply envelope(s) of its thread. Without "
+        "--to, the payload's root tag picks the listener. The text of a <huh> or "
+        "<SystemError> reply is also printed on standard error. Exit 1 if a reply is a "
+        '<huh> or <SystemError> or is marked status="failed" (e.g. an agent\'s failed '
         "<answer>), 3 if none comes in time, 4 if the server is unreachable.",
     )
     send.add_argument(
         "file",
         nargs="?",
         default="-",
-        metavar="FILE",
-        help="payload file, or - for standard input (default)",
+        metavar="PAYLOAD|FILE",
+        help="the payload itself (an argument starting with '<'), a payload file, or - for "
+        "standard input (default)",
     )
-    send.add_argument("--to", required=True, metavar="NAME", help="listener to address")
+    send.add_argument(
+        "--to",
+        metavar="NAME",
+        help="listener to address (default: the one registered for the payload's root tag)",
+    )
+    output = send.add_mutually_exclusive_group()
+    output.add_argument(
+        "--payload-only",
+        action="store_true",
+        help="print only each reply's payload, pretty-printed (a <huh> or <SystemError> "
+        "then goes to standard error only)",
+    )
+    output.add_argument("--pretty", action="store_true", help="pretty-print the reply envelope(s)")
     send.add_argument(
         "--thread", metavar="UUID", help="thread to use (a uuid4; default: a new one)"
     )
@@ -193,7 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
         "each problem as FILE:LINE: message and exits 1 on errors; prints a one-line summary "
         "and exits 0 when the file is good (warnings do not fail it).",
     )
-    check.add_argument("boot", metavar="BOOT", help="the boot.xml to check")
+    check.add_argument(
+        "boot", nargs="?", metavar="BOOT", help=f"the boot.xml to check (default: ${BOOT_ENV})"
+    )
 
     schemas = sub.add_parser(
         "schemas",
@@ -227,7 +263,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    level = args.log_level or ("info" if args.command == "run" else "warning")
+    level = args.log_level or os.environ.get(LOG_LEVEL_ENV, "").strip().lower() or None
+    if level is not None and level not in LEVELS:
+        print(f"${LOG_LEVEL_ENV}: {level!r} is not one of {', '.join(LEVELS)}", file=sys.stderr)
+        return EXIT_USAGE
+    level = level or ("info" if args.command == "run" else "warning")
+    try:
+        _apply_environment(args)
+    except argparse.ArgumentTypeError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    if args.command == "check" and args.boot is None:
+        print(f"check needs BOOT (or ${BOOT_ENV})", file=sys.stderr)
+        return EXIT_USAGE
     logging.basicConfig(
         level=level.upper(),
         stream=sys.stderr,
@@ -241,6 +289,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         "schemas": cmd_schemas,
     }
     return handler[args.command](args)
+
+
+def _apply_environment(args: argparse.Namespace) -> None:
+    """Fill the options left unset from AGENTSERVER_HOST/PORT/BOOT. Raises
+    ArgumentTypeError for a variable that is not a valid value."""
+    env = os.environ
+    host = env.get(HOST_ENV, "").strip() or None
+    port_text = env.get(PORT_ENV, "").strip() or None
+    try:
+        port = _port(port_text) if port_text is not None else None
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"${PORT_ENV}: {exc}") from None
+    if getattr(args, "boot", "given") is None:
+        args.boot = env.get(BOOT_ENV, "").strip() or None
+    if args.command == "run":
+        args.host = args.host or host
+        args.port = args.port if args.port is not None else port
+    if hasattr(args, "connect") and args.connect is None:
+        default_host, default_port = _address(DEFAULT_CONNECT)
+        if port == 0:
+            raise argparse.ArgumentTypeError(f"${PORT_ENV}=0 is no address to connect to")
+        args.connect = (host or default_host, port or default_port)
 
 
 def _trio_run(fn):
@@ -332,8 +402,8 @@ def load_boot_for_run(explicit: str | None) -> tuple[str, boot.LoadResult]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from agentserver.builtins import RunContext, console_listener_names
-    from agentserver.listeners.console import StdioTerminal
     from agentserver.server import ServeOptions, run_server
+    from agentserver.terminal import logs_above_prompt, make_terminal
 
     name, result = load_boot_for_run(args.boot)
     _print_problems(result)
@@ -351,12 +421,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             return EXIT_FAILED
     log.info("topology %r from %s", topology.organism, name)
     shutdown = trio.Event()
-    ctx = RunContext(
-        topology,
-        terminal=StdioTerminal() if args.console else None,
-        on_console_exit=shutdown.set,
+    terminal = make_terminal() if args.console else None
+    if terminal is not None and hasattr(terminal, "set_listeners"):
+        terminal.set_listeners(_console_targets(topology))
+    ctx = RunContext(topology, terminal=terminal, on_console_exit=shutdown.set)
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        insecure=args.insecure,
+        explain_refusals=args.explain_refusals,
     )
-    options = ServeOptions(host=args.host, port=args.port, insecure=args.insecure)
 
     def listening(addresses: list[str]) -> None:
         # Printed, not only logged: tools and tests read the bound address from this line.
@@ -364,14 +438,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_signals, shutdown, nursery.cancel_scope)
+            nursery.start_soon(_watch_signals, shutdown, nursery.cancel_scope, terminal)
+            if hasattr(terminal, "chunk"):
+                from agentserver.terminal import show_chunks
+
+                ctx.services["on_agent_events"] = functools.partial(
+                    nursery.start_soon, show_chunks, terminal
+                )
             await run_server(
                 topology, options, ctx, shutdown, environ=os.environ, on_listening=listening
             )
             nursery.cancel_scope.cancel()
 
     try:
-        _trio_run(serve)
+        with logs_above_prompt(terminal):
+            _trio_run(serve)
     except ConfigurationError as exc:
         print(f"{name}: not started: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -381,8 +462,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _watch_signals(shutdown: trio.Event, scope: trio.CancelScope) -> None:
-    """First SIGINT/SIGTERM: graceful shutdown. A second one: stop at once."""
+#: With a console attached, how long Ctrl-C lets in-flight work drain before stopping.
+CONSOLE_INTERRUPT_GRACE = 0.5
+
+
+def _console_targets(topology) -> list[str]:
+    """The listeners the console can address (its router's peers), for completion."""
+    return sorted(
+        {peer for s in topology.listeners if s.builtin == "console-router" for peer in s.peers}
+    )
+
+
+async def _watch_signals(
+    shutdown: trio.Event, scope: trio.CancelScope, terminal: object = None
+) -> None:
+    """First SIGINT/SIGTERM: graceful shutdown. A second one: stop at once.
+
+    With a console attached, a person pressed Ctrl-C and waits: the console's pending
+    read ends now and the server stops after CONSOLE_INTERRUPT_GRACE at most, instead of
+    draining for the full drain-timeout (durable agent work resumes at the next start)."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             if shutdown.is_set():
@@ -391,6 +489,11 @@ async def _watch_signals(shutdown: trio.Event, scope: trio.CancelScope) -> None:
                 return
             log.info("%s: shutting down", signal.Signals(signum).name)
             shutdown.set()
+            if terminal is not None:
+                interrupt = getattr(terminal, "interrupt", None)
+                if interrupt is not None:
+                    interrupt()
+                scope.deadline = min(scope.deadline, trio.current_time() + CONSOLE_INTERRUPT_GRACE)
 
 
 # -- send -----------------------------------------------------------------------------------
@@ -443,7 +546,9 @@ def cmd_send(args: argparse.Namespace) -> int:
         print("--thread must be a lowercase uuid4", file=sys.stderr)
         return EXIT_USAGE
     try:
-        if args.file == "-":
+        if args.file.lstrip().startswith("<"):
+            data = args.file.encode("utf-8")
+        elif args.file == "-":
             data = sys.stdin.buffer.read()
         else:
             data = pathlib.Path(args.file).read_bytes()
@@ -479,7 +584,11 @@ def cmd_send(args: argparse.Namespace) -> int:
                     while True:
                         replies.append(await client.receive_on(reply.thread))
         for r in replies:
-            sys.stdout.write(r.raw.decode("utf-8") + "\n")
+            if r.is_error:
+                print(error_line(r), file=sys.stderr)
+                if args.payload_only:
+                    continue
+            sys.stdout.write(render_reply(r, payload_only=args.payload_only, pretty=args.pretty))
         sys.stdout.flush()
         return EXIT_FAILED if any(_failed(r) for r in replies) else EXIT_OK
 
@@ -496,20 +605,47 @@ def cmd_send(args: argparse.Namespace) -> int:
         return EXIT_CONNECTION
 
 
+def render_reply(reply, *, payload_only: bool = False, pretty: bool = False) -> str:
+    """A reply as ``send`` prints it: the envelope as received (one line), the envelope
+    pretty-printed, or only the payload pretty-printed."""
+    from lxml import etree
+
+    if payload_only:
+        return etree.tostring(reply.payload, encoding="unicode", pretty_print=True, with_tail=False)
+    if pretty:
+        root = reply.payload.getroottree().getroot()
+        return etree.tostring(root, encoding="unicode", pretty_print=True)
+    return reply.raw.decode("utf-8") + "\n"
+
+
+def error_line(reply) -> str:
+    """``huh from NAME: TEXT`` / ``SystemError (CODE) from NAME: TEXT``, with the
+    explanation a server run with --explain-refusals adds."""
+    from agentserver.namespaces import CORE_NS
+
+    if reply.is_huh:
+        kind = "huh"
+    else:
+        kind = f"SystemError ({reply.payload.findtext(f'{{{CORE_NS}}}code')})"
+    line = f"{kind} from {reply.from_id}: {reply.error_text}"
+    detail = reply.payload.findtext(f"{{{CORE_NS}}}detail")
+    return f"{line} ({detail})" if detail else line
+
+
 # -- console --------------------------------------------------------------------------------
 
 
 def cmd_console(args: argparse.Namespace) -> int:
     from agentserver.client import ClientError
-    from agentserver.listeners.console import StdioTerminal
     from agentserver.remote_console import run_remote_console
+    from agentserver.terminal import logs_above_prompt, make_terminal
 
     tls = _tls_options(args)
     creds = _credentials(args, tls)
     if tls is None or creds is None:
         return EXIT_USAGE
     host, port = args.connect
-    terminal = StdioTerminal()
+    terminal = make_terminal()
 
     async def console() -> int:
         async with trio.open_nursery() as nursery:
@@ -529,7 +665,8 @@ def cmd_console(args: argparse.Namespace) -> int:
         return EXIT_OK  # interrupted
 
     try:
-        status = _trio_run(console)
+        with logs_above_prompt(terminal):
+            status = _trio_run(console)
     except ConfigurationError as exc:  # a CA, certificate or key file that cannot be used
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE

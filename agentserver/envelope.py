@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TypeAlias
 
 from lxml import etree
@@ -89,8 +90,22 @@ class EnvelopeCodec:
         if ptype is None:
             raise InputRefused(HuhReason.INVALID_PAYLOAD, f"unknown root tag {tag}")
         if not ptype.schema.validate(payload):
-            raise InputRefused(HuhReason.INVALID_PAYLOAD, f"{tag} fails its XSD")
+            raise InputRefused(HuhReason.INVALID_PAYLOAD, schema_reason(ptype.schema, tag))
         return ptype
+
+
+_CLARK = re.compile(r"'?\{[^}\s']+\}([^\s',)]+)'?")
+
+
+def schema_reason(schema: etree.XMLSchema, tag: str) -> str:
+    """Why ``schema`` refused ``tag`` (its last error, element names without their
+    namespace), for the log and ``--explain-refusals``: e.g. ``<add>: Missing child
+    element(s). Expected is ( <b> ).``"""
+    entry = schema.error_log.last_error
+    if entry is None:
+        return f"{tag} fails its XSD"
+    message = _CLARK.sub(r"<\1>", entry.message).replace("Element <", "<", 1)
+    return f"{tag} fails its XSD: {message}"
 
 
 def _template(with_to: bool) -> etree._Element:

@@ -47,6 +47,7 @@ from agentserver.errors import (
     Refusal,
     SystemErrorCode,
 )
+from agentserver.handler_types import unreadable
 from agentserver.listener import (
     NAME_RE,
     RESERVED_NAMES,
@@ -55,8 +56,9 @@ from agentserver.listener import (
     Listener,
     to_element,
 )
+from agentserver.namespaces import CORE_NS
 from agentserver.payloads import PayloadRegistry, PayloadType
-from agentserver.primitives.core import CORE_MODELS, primitive_for
+from agentserver.primitives.core import CORE_MODELS, SystemErrorPayload, primitive_for
 from agentserver.routing import RoutingTable, SelfCall
 from agentserver.threads import (
     RegistryFull,
@@ -92,6 +94,9 @@ class PumpConfig:
     endpoint_buffer: int = 256
     endpoint_buffer_bytes: int = DEFAULT_BUFFER_BYTES
     drain_timeout: float = 5.0
+    #: ``run --explain-refusals``: every ``<huh>`` carries the logged reason in
+    #: ``<detail>`` (development only: it tells a sender about the topology).
+    explain_refusals: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,11 +213,22 @@ class _Waiters:
 
 
 class _Runtime:
-    __slots__ = ("handled", "listener", "receive", "send", "slots", "usage", "waiters")
+    __slots__ = (
+        "handled",
+        "listener",
+        "receive",
+        "send",
+        "slots",
+        "unreadable",
+        "usage",
+        "waiters",
+    )
 
     def __init__(self, listener: Listener, usage: str) -> None:
         self.listener = listener
         self.usage = usage
+        #: Primitives the handler's annotation does not admit (see handler_types).
+        self.unreadable = unreadable(listener.handler, CORE_MODELS, raw=listener.raw)
         self.send, self.receive = trio.open_memory_channel[_Delivery](listener.queue_size)
         self.waiters = _Waiters()
         self.handled = 0
@@ -494,7 +510,7 @@ class Pump:
     ) -> None:
         self.counters["refused"] += 1
         log.info("refused message from %s: %s", endpoint.name, refusal)
-        endpoint.push(encode(SYSTEM, endpoint.name, thread_id, primitive_for(refusal, original)))
+        endpoint.push(encode(SYSTEM, endpoint.name, thread_id, self._primitive(refusal, original)))
 
     async def inject_system(self, payload: BaseXmlModel | etree._Element, to: str) -> None:
         """Deliver a pump-originated payload (e.g. the boot primitive) to listener ``to`` on
@@ -746,6 +762,7 @@ class Pump:
         listener = rt.listener
         handler = listener.handler
         raw = listener.raw
+        unreadable = rt.unreadable
         threads = self.threads
         counters = self.counters
         streak = 0
@@ -780,6 +797,9 @@ class Pump:
                     continue
                 counters["delivered"] += 1
                 thread.last_active = self._now
+                if unreadable and d.ptype.model in unreadable:
+                    await self._pass_up(listener, thread, d)
+                    continue
                 meta = HandlerMetadata(
                     thread.id,
                     d.from_id,
@@ -804,10 +824,11 @@ class Pump:
                             thread, DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True)
                         )
                     raise
-                except Exception:
+                except Exception as exc:
                     counters["handler_errors"] += 1
                     log.exception("%s: handler raised on %s", listener.name, thread.dotted)
-                    await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), d)
+                    reason = f"{listener.name}: handler raised {type(exc).__name__}: {exc}"
+                    await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
                     continue
                 if type(result) is HandlerResponse and type(result.payload) is etree._Element:
                     if result.is_response and self._answer_client(listener, thread, result):
@@ -896,17 +917,19 @@ class Pump:
                 listener.name,
                 type(result).__name__,
             )
-            await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), d)
+            reason = f"{listener.name}: handler returned {type(result).__name__}"
+            await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
             return
         if not items:
             return
         for item in items:
             try:
                 element = to_element(item.payload)
-            except Exception:
+            except Exception as exc:
                 self.counters["handler_errors"] += 1
                 log.exception("%s: handler returned an unusable payload", listener.name)
-                await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), d)
+                reason = f"{listener.name}: handler returned an unusable payload: {exc}"
+                await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
                 return
             await self._emit(listener, thread, item, element)
 
@@ -974,9 +997,10 @@ class Pump:
         thread.strikes += 1
         if thread.strikes > MAX_STRIKES:
             # The caller never sees the refused output: it is the listener's, not its own.
-            await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), None)
+            reason = f"{listener.name}: {MAX_STRIKES} outputs refused in a row, the last: {refusal}"
+            await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), None)
             return
-        primitive = primitive_for(refusal, canonical_or_empty(element))
+        primitive = self._primitive(refusal, canonical_or_empty(element))
         ptype = self.payloads.get(primitive.tag)
         try:
             await self._enqueue(
@@ -998,13 +1022,44 @@ class Pump:
         original = b""
         if d is not None and d.from_id == parent.owner and not d.is_self_call:
             original = d.original if d.original is not None else canonical_or_empty(d.payload)
-        primitive = primitive_for(refusal, original)
+        primitive = self._primitive(refusal, original)
         try:
             await self._deliver_to_owner(
                 parent, primitive, self.payloads.get(primitive.tag), SYSTEM, thread.id
             )
         except DeliveryRefused:
             log.warning("could not deliver a failure notice to %s", parent.owner)
+
+    async def _pass_up(self, listener: Listener, thread: ThreadRecord, d: _Delivery) -> None:
+        """``d`` is a primitive the handler cannot read (its annotation does not admit
+        it): instead of crashing the handler, its caller gets the failure. A
+        ``<SystemError>`` goes up as it is; a ``<huh>`` becomes the caller's own
+        "could not be completed" (its original-attempt is the listener's output, none of
+        the caller's business)."""
+        log.warning(
+            "%s: its handler does not take <%s> (annotate its payload parameter with %s to "
+            "receive it), so its caller gets the failure on %s",
+            listener.name,
+            d.ptype.local,
+            d.ptype.model.__name__,
+            thread.dotted,
+        )
+        if d.ptype.model is SystemErrorPayload:
+            parent = self.threads.prune(thread)
+            if parent is not None:
+                try:
+                    await self._deliver_to_owner(parent, d.payload, d.ptype, SYSTEM, thread.id)
+                except DeliveryRefused:
+                    log.warning("could not deliver a failure notice to %s", parent.owner)
+            return
+        reason = f"{listener.name}: its output was refused and its handler does not take <huh>"
+        detail = d.payload.findtext(f"{{{CORE_NS}}}detail")
+        if detail:
+            reason += f" (the refusal: {detail})"
+        await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), None)
+
+    def _primitive(self, refusal: Refusal, original: bytes = b"") -> etree._Element:
+        return primitive_for(refusal, original, explain=self.config.explain_refusals)
 
     def _settle(self, thread: ThreadRecord) -> None:
         """End ``thread`` if nothing can reach it any more (see ``ThreadRegistry.finish``).
@@ -1024,7 +1079,7 @@ class Pump:
         endpoint = self._endpoints.get(parent.owner)
         if endpoint is not None:
             self.counters["refused"] += 1
-            endpoint.push(encode(SYSTEM, endpoint.name, parent.id, primitive_for(refusal)))
+            endpoint.push(encode(SYSTEM, endpoint.name, parent.id, self._primitive(refusal)))
 
     def _refuse_leftovers(self) -> None:
         """After cancellation: refuse every delivery still queued, so none is lost silently."""

@@ -21,7 +21,7 @@ from agentserver.client import Client, ClientError, RequestTimeout, open_client
 from agentserver.listener import HandlerMetadata, HandlerResponse, Listener
 from agentserver.listeners.console import NS as CONSOLE_NS
 from agentserver.listeners.console import Console, Input, Prompt, Terminal
-from agentserver.listeners.console_router import render_reply
+from agentserver.listeners.console_router import listener_names, render_reply
 from agentserver.listeners.system_boot import SystemBoot
 from agentserver.primitives.core import Boot, boot_primitive
 from agentserver.pump import PumpConfig, open_pump
@@ -55,6 +55,18 @@ class Bridge:
         )
 
 
+async def _listener_names(conn: Client, wait: float) -> list[str]:
+    """The listeners the server's console router can address (its ``/listeners``), for
+    completion; none if it does not say."""
+    try:
+        reply = await conn.request(Input(line="/listeners"), timeout=wait)
+    except (RequestTimeout, ClientError):
+        return []
+    if reply.payload.tag != PROMPT_TAG:
+        return []
+    return listener_names(Prompt.from_xml_tree(reply.payload).lines)
+
+
 async def run_remote_console(
     host: str,
     port: int,
@@ -68,6 +80,8 @@ async def run_remote_console(
     """Run until the user quits (0) or the server goes away (1). ``tls``: the TLS
     arguments of :func:`agentserver.client.open_client` (``tls``, ``ca``, ``cert``, ``key``)."""
     async with open_client(host, port, client=client, token=token, **tls) as conn:
+        if hasattr(terminal, "set_listeners"):
+            terminal.set_listeners(await _listener_names(conn, reply_timeout))
         done = trio.Event()
         lost = False
         listeners = [

@@ -813,6 +813,8 @@ class ServeOptions:
     host: str | None = None
     port: int | None = None
     insecure: bool = False
+    #: Development only (loopback): each <huh> carries its logged reason (docs/protocol.md).
+    explain_refusals: bool = False
 
 
 def credentials(topology: Topology, environ) -> dict[str, Credential]:
@@ -875,13 +877,26 @@ async def run_server(
         log.warning(
             "insecure-plaintext: tokens and messages to %s cross the network in clear", host
         )
+    if options.explain_refusals:
+        if not is_loopback(host):
+            raise ConfigurationError(
+                f"--explain-refusals is for development on a loopback address, not {host}: "
+                "it tells every sender why it was refused"
+            )
+        log.warning(
+            "--explain-refusals: every <huh> carries the reason it was refused "
+            "(development only; never on a server others use)"
+        )
     ssl_context = None
     if topology.tls is not None:
         from agentserver.tls import server_context
 
         ssl_context = server_context(topology.tls, environ)  # TlsError is a ConfigurationError
     listeners = build_listeners(topology, ctx)
-    pump = Pump(listeners, config=topology.pump_config())
+    config = topology.pump_config()
+    if options.explain_refusals:
+        config = dataclasses.replace(config, explain_refusals=True)
+    pump = Pump(listeners, config=config)
     server = Server(
         pump,
         topology.limits,
@@ -908,6 +923,10 @@ async def run_server(
             )
             if agents is not None:
                 server.named_clients = agents.ports.clients
+                # An attached console shows the agents' streamed text (run --console).
+                on_events = ctx.services.get("on_agent_events")
+                if on_events is not None:
+                    on_events(agents.runtime.events)
             await pump.inject_system(
                 topology.boot_primitive(),
                 to=topology.boot_listener.name,

@@ -132,4 +132,7 @@ class Console:
                 return None
             line = xml_safe(line).strip()
             if line:
+                working = getattr(terminal, "working", None)
+                if working is not None:  # an interactive terminal shows it waits
+                    working()
                 return HandlerResponse(Input(line=line))

@@ -6,7 +6,8 @@ clients) parses the line:
 
 - ``@NAME <payload .../>`` forwards the payload to peer ``NAME``;
 - plain text goes to the default agent as ``<task xmlns="urn:agentserver:assistant">``;
-- ``/help`` and ``/listeners`` are answered by the router itself.
+- ``/help``, ``/listeners`` and ``/describe NAME`` (the payloads NAME accepts, with their
+  fields and an example) are answered by the router itself.
 
 Whatever comes back on the router's thread (the peer's reply, or a ``<huh>`` /
 ``<SystemError>`` from the pump) is rendered as readable lines and returned to the console
@@ -20,7 +21,7 @@ console after ``reply_wait`` seconds if the reply has not come.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import trio
@@ -47,6 +48,7 @@ HELP = (
     '  @NAME <payload .../>   send a payload to listener NAME, e.g. @echo <ping xmlns="urn:agentserver:echo"><text>hi</text></ping>',
     "  TEXT                   send plain text to the default agent (assistant)",
     "  /listeners             list the listeners this console can address",
+    "  /describe NAME         the payloads NAME accepts: their fields and an example",
     "  /help                  this help",
     "  /quit                  leave the console (end of input does the same)",
 )
@@ -67,20 +69,37 @@ class Say:
     lines: tuple[str, ...]
 
 
+#: ``/describe NAME``'s source: a listener name → readable lines about what it accepts.
+Describe = Callable[[str], tuple[str, ...]]
+
+
 def parse_command(
     line: str,
     *,
     peers: Mapping[str, tuple[str, ...]],
     default_agent: str | None = DEFAULT_AGENT,
     parser: SafeParser | None = None,
+    describe: Describe | None = None,
 ) -> Send | Say:
-    """Decide what one console line means. Pure (no I/O). ``peers`` maps each addressable
-    listener to the root tags it takes (Clark notation), for ``/listeners``."""
+    """Decide what one console line means. Pure (no I/O) but for ``describe``, which
+    renders the payload types of a listener. ``peers`` maps each addressable listener to
+    the root tags it takes (Clark notation), for ``/listeners``."""
     text = line.strip()
     if not text:
         return Say(())
     if text == "/help":
         return Say(HELP)
+    if text.split()[0] == "/describe":
+        name = text[len("/describe") :].strip().removeprefix("@")
+        if not name:
+            return Say(("error: write /describe NAME (try /listeners)",))
+        if name not in peers:
+            return Say(
+                (f"error: {name!r} is not a listener this console can address (try /listeners)",)
+            )
+        if describe is None:
+            return Say(("  " + ", ".join(_readable_tag(tag) for tag in peers[name]),))
+        return Say(describe(name))
     if text == "/listeners":
         if not peers:
             return Say(("this console cannot address any listener",))
@@ -116,6 +135,11 @@ def parse_command(
     return Send(default_agent, Task(text=text).to_xml_tree())
 
 
+def listener_names(lines: list[str] | tuple[str, ...]) -> list[str]:
+    """The names in ``/listeners``' answer (lines ``  @NAME: <tag …>``)."""
+    return [line.strip()[1:].partition(":")[0] for line in lines if line.strip().startswith("@")]
+
+
 def _readable_tag(tag: str) -> str:
     qname = etree.QName(tag)
     return f'<{qname.localname} xmlns="{qname.namespace}">' if qname.namespace else f"<{tag}>"
@@ -148,8 +172,10 @@ class ConsoleRouter:
         default_agent: str | None = DEFAULT_AGENT,
         max_bytes: int = 1024 * 1024,
         max_pending: int = 1024,
+        describe: Describe | None = None,
     ) -> None:
         self._peers = dict(peers)
+        self._describe = describe
         self._reply_wait = reply_wait
         self._default_agent = default_agent
         self._parser = SafeParser(max_bytes)
@@ -167,7 +193,11 @@ class ConsoleRouter:
     def _on_input(self, payload: etree._Element, meta: HandlerMetadata):
         line = Input.from_xml_tree(payload).line
         decision = parse_command(
-            line, peers=self._peers, default_agent=self._default_agent, parser=self._parser
+            line,
+            peers=self._peers,
+            default_agent=self._default_agent,
+            parser=self._parser,
+            describe=self._describe,
         )
         if isinstance(decision, Say):
             return HandlerResponse.respond(Prompt(lines=list(decision.lines)))

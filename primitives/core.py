@@ -35,10 +35,14 @@ Base64 = Annotated[str, XsdType("xs:base64Binary")]
 
 
 class Huh(BaseXmlModel, tag="huh", nsmap=_NSMAP):
-    """Canned validation error: the text is one of :class:`HuhReason`, never validator output."""
+    """Canned validation error: the text is one of :class:`HuhReason`, never validator output.
+
+    ``detail`` (the logged reason) is present only from a server run with
+    ``--explain-refusals`` (development, loopback only)."""
 
     error: HuhText = element()
     original_attempt: Base64 = element(tag="original-attempt")
+    detail: str | None = element(default=None)
 
 
 class SystemErrorPayload(BaseXmlModel, tag="SystemError", nsmap=_NSMAP):
@@ -85,9 +89,11 @@ def boot_primitive(organism: str, listener_count: int) -> Boot:
     )
 
 
-def huh(reason: HuhReason, original: bytes = b"") -> etree._Element:
+def huh(reason: HuhReason, original: bytes = b"", detail: str | None = None) -> etree._Element:
     attempt = base64.b64encode(original[:ORIGINAL_ATTEMPT_MAX_BYTES]).decode("ascii")
-    return Huh(error=reason.value, original_attempt=attempt).to_xml_tree()
+    return Huh(error=reason.value, original_attempt=attempt, detail=detail or None).to_xml_tree(
+        exclude_none=True
+    )
 
 
 def system_error(code: SystemErrorCode, *, retry_allowed: bool) -> etree._Element:
@@ -96,10 +102,13 @@ def system_error(code: SystemErrorCode, *, retry_allowed: bool) -> etree._Elemen
     ).to_xml_tree()
 
 
-def primitive_for(refusal: Refusal, original: bytes = b"") -> etree._Element:
-    """The single mapping from a refusal to the primitive its sender receives."""
+def primitive_for(
+    refusal: Refusal, original: bytes = b"", *, explain: bool = False
+) -> etree._Element:
+    """The single mapping from a refusal to the primitive its sender receives. With
+    ``explain`` (``run --explain-refusals``) a ``<huh>`` carries the logged reason too."""
     if isinstance(refusal, InputRefused):
-        return huh(refusal.reason, original)
+        return huh(refusal.reason, original, refusal.detail if explain else None)
     if isinstance(refusal, DeliveryRefused):
         return system_error(refusal.code, retry_allowed=refusal.retry_allowed)
     raise TypeError(f"no primitive for {type(refusal).__name__}")

@@ -297,7 +297,8 @@ def test_send_exits_2_on_bad_input(server):
         ).returncode
         == 2
     )
-    assert cli("send", "--connect", connect(server), input=PING).returncode == 2  # --to missing
+    # Without --to the root tag routes (issue 17): not a usage error any more.
+    assert cli("send", "--connect", connect(server), input=PING).returncode == 0
 
 
 def test_send_with_a_client_name_and_token(tmp_path):
