@@ -325,9 +325,9 @@ def load_boot_for_run(explicit: str | None) -> tuple[str, boot.LoadResult]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from agentserver.app import ServeOptions, run_server
     from agentserver.builtins import RunContext, console_listener_names
     from agentserver.listeners.console import StdioTerminal
-    from agentserver.server import ServeOptions, run_server
 
     name, result = load_boot_for_run(args.boot)
     _print_problems(result)
