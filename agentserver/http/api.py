@@ -70,7 +70,12 @@ class HttpContext:
     organism: str = ""
     version: str = ""
     counters: dict[str, int] = field(
-        default_factory=lambda: {"requests": 0, "unauthenticated": 0, "sse_dropped": 0}
+        default_factory=lambda: {
+            "requests": 0,
+            "unauthenticated": 0,
+            "throttled": 0,
+            "sse_dropped": 0,
+        }
     )
 
 
@@ -101,6 +106,13 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
     return problem(405, "method-not-allowed", "Method not allowed.")
 
 
+def _unread(response: Response) -> Response:
+    """A response sent before the request's body was read: the connection is closed after
+    it (the unread rest of the body cannot be told from a next request)."""
+    response.headers["Connection"] = "close"
+    return response
+
+
 def _peer(request: Request) -> str | None:
     client = request.client
     return client.host if client is not None else None
@@ -114,6 +126,8 @@ class _Api:
         )
         #: SSE streams open now.
         self.streams = 0
+        #: Addresses with a slowed (throttled) request waiting.
+        self._throttled: set[str] = set()
 
     # -- auth -----------------------------------------------------------------------------
 
@@ -126,7 +140,15 @@ class _Api:
         throttle = ctx.throttle
         delay = throttle.delay(peer, trio.current_time())
         if delay > 0:
-            await trio.sleep(delay)
+            ctx.counters["throttled"] += 1
+            if peer in self._throttled:
+                # One slowed request per address at a time: more would only hold tasks.
+                return huh_problem(HuhReason.UNAUTHENTICATED)
+            self._throttled.add(peer)
+            try:
+                await trio.sleep(delay)
+            finally:
+                self._throttled.discard(peer)
         try:
             identity = ctx.auth.identify(request.headers.get("authorization"), _peer(request))
         except AnonymousRefused as exc:
@@ -185,19 +207,19 @@ class _Api:
     async def post_message(self, request: Request) -> Response:
         identity = await self._identify(request)
         if isinstance(identity, Response):
-            return identity
+            return _unread(identity)
         gateway = self.ctx.gateway
         limit = gateway.max_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             # Refused before the body is read, as an oversize frame is on the socket.
-            return huh_problem(HuhReason.TOO_LARGE)
+            return _unread(huh_problem(HuhReason.TOO_LARGE))
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                return huh_problem(HuhReason.TOO_LARGE)
+                return _unread(huh_problem(HuhReason.TOO_LARGE))
             chunks.append(chunk)
         params = request.query_params
         wait = params.get("wait", "true").lower() not in ("false", "0", "no")
