@@ -165,8 +165,9 @@ async def run_server(
                 to=topology.boot_listener.name,
             )
             http_stop = trio.Event()
+            http_ctx = None
             if http is not None:
-                urls = await _start_http(
+                http_ctx, urls = await _start_http(
                     nursery,
                     topology,
                     http,
@@ -192,6 +193,8 @@ async def run_server(
                 on_listening(shown)
             await shutdown.wait()
             log.info("shutting down: draining for up to %ss", topology.limits.drain_timeout)
+            if http_ctx is not None:
+                http_ctx.close()
             http_stop.set()
             server.stop_accepting()
             if agents is not None:
@@ -213,9 +216,10 @@ async def _start_http(
     ctx: RunContext,
     stop: trio.Event,
     environ,
-) -> list[str]:
+) -> tuple[Any, list[str]]:
     """Start the HTTP API in ``nursery`` (it ends once ``stop`` is set and its requests
-    are done, or after the drain timeout); returns its URLs."""
+    are done, or after the drain timeout); returns its context (to close its event
+    streams at shutdown) and its URLs."""
     from agentserver import package_version
     from agentserver.http.agents_view import AgentsView
     from agentserver.http.api import HttpContext, build_app
@@ -266,4 +270,4 @@ async def _start_http(
             gateway_scope.cancel()
 
     await nursery.start(run_gateway)
-    return await nursery.start(run_http)
+    return app_ctx, await nursery.start(run_http)

@@ -221,13 +221,21 @@ async def test_metrics_are_prometheus_text_and_move_with_messages(api):
     assert received(after.text) == received(before.text) + 3
 
 
-async def test_events_stream_opens_without_agents(api):
+async def test_events_stream_opens_without_agents_and_ends_with_its_client(api):
     async with api.stream("GET", "/v1/events") as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         async for line in response.aiter_lines():
             assert line.startswith(":")  # the opening comment
             break
+        assert (await api.get("/v1/status")).json()["connections"]["sse_streams"] == 1
+    # the client went away: its stream (and subscription) ends
+    for _ in range(100):
+        if (await api.get("/v1/status")).json()["connections"]["sse_streams"] == 0:
+            break
+        await trio.sleep(0.05)
+    else:
+        raise AssertionError("the event stream outlived its client")
 
 
 async def test_status_document_and_cli(server, api):
@@ -273,3 +281,27 @@ def test_run_http_port_option_and_boot_element(tmp_path):
         assert response.status_code == 200
     finally:
         assert proc.stop() == 0, proc.stderr
+
+
+async def test_shutdown_ends_open_event_streams_instead_of_waiting_for_them(tmp_path):
+    # A drain timeout far longer than the stop below waits: an event stream left open
+    # would hold the server for all of it.
+    boot = tmp_path / "boot.xml"
+    boot.write_text(
+        '<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="h">'
+        '<limits drain-timeout="120"/><http port="0"/>'
+        '<listeners><listener name="echo" handler="echo"/></listeners></organism>'
+    )
+    proc = await trio.to_thread.run_sync(lambda: ServerProcess.start(boot))
+    try:
+        async with httpx.AsyncClient(base_url=http_url(proc), timeout=30) as client:
+            async with client.stream("GET", "/v1/events") as response:
+                lines = response.aiter_lines()
+                assert (await lines.__anext__()).startswith(":")
+                code = await trio.to_thread.run_sync(lambda: proc.stop(timeout=60))
+                rest = [line async for line in lines]  # the server ended the stream
+        assert code == 0, proc.stderr
+        assert all(not line or line.startswith(":") for line in rest)
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()

@@ -229,4 +229,3 @@ def test_boot_http_element():
     public = _boot('<http host="0.0.0.0"/>')
     assert public.topology is not None
     assert any("HTTP callers" in str(w) for w in public.warnings)
-

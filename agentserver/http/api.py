@@ -8,10 +8,11 @@ every error is an RFC 9457 problem (:mod:`agentserver.http.problems`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,10 +21,18 @@ from lxml import etree
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentserver.agents.events import ChunkEvent, Event, EventBus, StateEvent, StepEvent, TaskEvent
+from agentserver.agents.events import (
+    ChunkEvent,
+    Event,
+    EventBus,
+    StateEvent,
+    StepEvent,
+    Subscription,
+    TaskEvent,
+)
 from agentserver.errors import HuhReason
 from agentserver.handshake import Identity, Unauthenticated
 from agentserver.http.agents_view import AgentsView
@@ -77,6 +86,17 @@ class HttpContext:
             "sse_dropped": 0,
         }
     )
+    #: Set by :meth:`close`.
+    closing: trio.Event = field(default_factory=trio.Event)
+    #: The open event streams' subscriptions.
+    subscriptions: set[Subscription] = field(default_factory=set)
+
+    def close(self) -> None:
+        """The server is shutting down: end the event streams now (endless, they would
+        hold the server for the whole graceful timeout)."""
+        self.closing.set()
+        for sub in list(self.subscriptions):
+            sub.close()
 
 
 def build_app(ctx: HttpContext) -> Starlette:
@@ -366,22 +386,29 @@ class _Api:
             sub = bus.subscribe(SSE_BUFFER) if bus is not None else None
         except RuntimeError:
             return problem(503, "busy", "Too many event subscribers.", {"Retry-After": "5"})
-        return StreamingResponse(
-            self._stream(sub, identity, agent, thread),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return EventStreamResponse(self._stream(sub, identity, agent, thread))
 
-    async def _stream(self, sub, identity: Identity, agent: str | None, thread: str | None):
+    async def _stream(
+        self, sub: Subscription | None, identity: Identity, agent: str | None, thread: str | None
+    ):
+        ctx = self.ctx
         self.streams += 1
+        if sub is not None:
+            ctx.subscriptions.add(sub)
         try:
             yield ": agentserver events\n\n"
-            while True:
+            while not ctx.closing.is_set():
                 event = None
                 with trio.move_on_after(SSE_KEEPALIVE):
-                    if sub is None:
-                        await trio.sleep_forever()
-                    event = await sub.receive()
+                    try:
+                        if sub is None:
+                            await ctx.closing.wait()
+                        else:
+                            event = await sub.receive()
+                    except (trio.EndOfChannel, trio.ClosedResourceError):
+                        return  # closed: the server is shutting down
+                if ctx.closing.is_set():
+                    return
                 if event is None:
                     yield ": keep-alive\n\n"
                     continue
@@ -394,7 +421,9 @@ class _Api:
                     yield _sse(event)
         finally:
             self.streams -= 1
+            log.debug("event stream ended (%d open)", self.streams)
             if sub is not None:
+                ctx.subscriptions.discard(sub)
                 sub.close()
 
     # -- status ---------------------------------------------------------------------------
@@ -436,6 +465,46 @@ class _Api:
         if isinstance(identity, Response):
             return identity
         return JSONResponse(self.status_document())
+
+
+class EventStreamResponse(Response):
+    """A ``text/event-stream`` response that always ends properly.
+
+    Not Starlette's StreamingResponse: when Hypercorn begins its graceful shutdown it tells
+    the app the client disconnected, StreamingResponse then stops mid-body, and the
+    unfinished response holds the connection (and the shutdown) until the client goes.
+    Here the end of the body is sent whatever ended the stream (the client leaving, the
+    server closing, an overflow), and the connection is closed after it."""
+
+    def __init__(self, chunks: AsyncGenerator[str, None]) -> None:
+        # No Response.__init__: it would declare a Content-Length for the empty body.
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+            (b"connection", b"close"),
+        ]
+        self._chunks = chunks
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async with contextlib.aclosing(self._chunks) as chunks:
+            async with trio.open_nursery() as nursery:
+
+                async def disconnected() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(disconnected)
+                async for chunk in chunks:
+                    body = chunk.encode("utf-8")
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                nursery.cancel_scope.cancel()
+        with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _sse(event: Event) -> str:
