@@ -225,9 +225,10 @@ async def test_events_stream_opens_without_agents_and_ends_with_its_client(api):
     async with api.stream("GET", "/v1/events") as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
-        async for line in response.aiter_lines():
-            assert line.startswith(":")  # the opening comment
-            break
+        # Held (not a broken-off loop): a dropped line iterator is closed whenever it is
+        # collected, which would end the stream early.
+        lines = response.aiter_lines()
+        assert (await lines.__anext__()).startswith(":")  # the opening comment
         assert (await api.get("/v1/status")).json()["connections"]["sse_streams"] == 1
     # the client went away: its stream (and subscription) ends
     for _ in range(100):
