@@ -8,11 +8,9 @@ every error is an RFC 9457 problem (:mod:`agentserver.http.problems`).
 from __future__ import annotations
 
 import collections
-import contextlib
-import dataclasses
 import json
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,13 +23,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentserver.agents.events import (
-    ChunkEvent,
     Event,
     EventBus,
-    StateEvent,
-    StepEvent,
     Subscription,
-    TaskEvent,
 )
 from agentserver.errors import HuhReason
 from agentserver.handshake import Identity, Unauthenticated
@@ -44,6 +38,7 @@ from agentserver.http.problems import (
     refusal_problem,
     reply_problem,
 )
+from agentserver.http.sse import EventStreamResponse, sse
 from agentserver.pump import Pump
 from agentserver.threads import is_uuid4
 from agentserver.throttle import HelloThrottle
@@ -58,7 +53,6 @@ SSE_BUFFER = 256
 SSE_KEEPALIVE = 15.0
 #: Turn → (caller thread, hop thread) entries kept for the SSE thread filter.
 _TURN_CACHE = 1024
-_EVENT_KIND = {StepEvent: "step", ChunkEvent: "chunk", TaskEvent: "task", StateEvent: "state"}
 
 
 @dataclass
@@ -418,7 +412,7 @@ class _Api:
                     yield f"event: overflow\ndata: {json.dumps({'dropped': sub.dropped})}\n\n"
                     return
                 if self._matches(event, identity, agent, thread):
-                    yield _sse(event)
+                    yield sse(event)
         finally:
             self.streams -= 1
             log.debug("event stream ended (%d open)", self.streams)
@@ -465,48 +459,3 @@ class _Api:
         if isinstance(identity, Response):
             return identity
         return JSONResponse(self.status_document())
-
-
-class EventStreamResponse(Response):
-    """A ``text/event-stream`` response that always ends properly.
-
-    Not Starlette's StreamingResponse: when Hypercorn begins its graceful shutdown it tells
-    the app the client disconnected, StreamingResponse then stops mid-body, and the
-    unfinished response holds the connection (and the shutdown) until the client goes.
-    Here the end of the body is sent whatever ended the stream (the client leaving, the
-    server closing, an overflow), and the connection is closed after it."""
-
-    def __init__(self, chunks: AsyncGenerator[str, None]) -> None:
-        # No Response.__init__: it would declare a Content-Length for the empty body.
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"),
-            (b"connection", b"close"),
-        ]
-        self._chunks = chunks
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        async with contextlib.aclosing(self._chunks) as chunks:
-            async with trio.open_nursery() as nursery:
-
-                async def disconnected() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(disconnected)
-                async for chunk in chunks:
-                    body = chunk.encode("utf-8")
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
-                nursery.cancel_scope.cancel()
-        with trio.CancelScope(shield=True), contextlib.suppress(Exception):
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def _sse(event: Event) -> str:
-    data = dataclasses.asdict(event)
-    return f"event: {_EVENT_KIND[type(event)]}\ndata: {json.dumps(data)}\n\n"
