@@ -44,8 +44,10 @@ from agentserver.tls import (
 )
 from agentserver.topology import (
     DEFAULT_HOST,
+    DEFAULT_HTTP_PORT,
     DEFAULT_PORT,
     ClientSpec,
+    HttpSpec,
     Limits,
     ListenerSpec,
     Topology,
@@ -284,6 +286,7 @@ class _Loader:
                     "tokens would cross the network in clear (add <tls>, or "
                     'insecure-plaintext="true" on <listen> to accept that)',
                 )
+        http = self.http(root.find(_B + "http"), bool(clients))
         llm = root.find(_B + "llm")
         store = root.find(_B + "store")
         if llm is not None:
@@ -304,7 +307,32 @@ class _Loader:
             store=store,
             tls=tls,
             insecure_plaintext=insecure_plaintext,
+            http=http,
         )
+
+    def http(self, el: etree._Element | None, clients: bool) -> HttpSpec | None:
+        """``<http>``; the same address rules as ``<listen>`` (checked again by ``run``)."""
+        if el is None:
+            return None
+        default = HttpSpec()
+        spec = HttpSpec(
+            host=el.get("host", DEFAULT_HOST),
+            port=int(el.get("port", DEFAULT_HTTP_PORT)),
+            max_pending=int(el.get("max-pending", default.max_pending)),
+            reply_ttl=float(el.get("reply-ttl", default.reply_ttl)),
+            max_replies=int(el.get("max-replies", default.max_replies)),
+            wait_timeout=float(el.get("wait-timeout", default.wait_timeout)),
+            line=el.sourceline or 0,
+        )
+        if not is_loopback(spec.host):
+            if not clients:
+                self.warn(
+                    el.sourceline,
+                    f"<http> on non-loopback {spec.host} without declared clients: 'run' "
+                    "refuses it unless started with --insecure, and anonymous HTTP callers "
+                    "are served only from loopback addresses",
+                )
+        return spec
 
     def limits(self, el: etree._Element | None) -> Limits:
         if el is None:

@@ -1,4 +1,4 @@
-"""The ``agentserver`` command: run, send, check, console.
+"""The ``agentserver`` command: run, send, check, console, schemas, status.
 
 Exit statuses: 0 success; 1 a problem with the topology or the request (boot.xml errors,
 a ``<huh>`` or ``<SystemError>`` reply, or a reply marked ``status="failed"``); 2 bad usage or input; 3 no reply in time;
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import logging
 import os
 import pathlib
@@ -24,7 +25,7 @@ from agentserver import boot
 from agentserver.bundled import BOOT_XML
 from agentserver.errors import ConfigurationError, HuhReason, InputRefused, sole_exception
 from agentserver.threads import is_uuid4
-from agentserver.topology import DEFAULT_PORT
+from agentserver.topology import DEFAULT_HTTP_PORT, DEFAULT_PORT
 from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
 EXIT_CONNECTION = 4
 DEFAULT_CONNECT = f"127.0.0.1:{DEFAULT_PORT}"
+DEFAULT_HTTP_URL = f"http://127.0.0.1:{DEFAULT_HTTP_PORT}"
+HTTP_URL_ENV = "AGENTSERVER_HTTP_URL"
 TOKEN_ENV = "AGENTSERVER_TOKEN"
 #: Environment alternatives to --ca, --cert and --key.
 TLS_ENV = {"ca": "AGENTSERVER_CA", "cert": "AGENTSERVER_CERT", "key": "AGENTSERVER_KEY"}
@@ -81,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         'a reply marked status="failed"), '
         "2 usage, 3 timeout, 4 connection.",
     )
+    from agentserver import package_version
+
+    parser.add_argument("--version", action="version", version=f"agentserver {package_version()}")
     levels = list(LEVELS)
     level_help = (
         f"log level on standard error (default: ${LOG_LEVEL_ENV}, else info for run, "
@@ -155,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure",
         action="store_true",
         help="allow anonymous connections on a non-loopback address (no clients declared)",
+    )
+    run.add_argument(
+        "--http-port",
+        type=_port,
+        metavar="PORT",
+        help="serve the HTTP API on PORT; 0 picks a free one (default: boot.xml <http port>; "
+        "not served without either). Logs 'agentserver http listening on URL'",
     )
     run.add_argument(
         "--console",
@@ -247,6 +260,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="target directory (default: ./schemas-export)",
     )
 
+    status = sub.add_parser(
+        "status",
+        parents=[common],
+        help="show what a running server is doing",
+        description="Ask a running server's HTTP API (GET /v1/status) for its listeners and "
+        "queues, agents with their state and queue, LLM backends with breaker and bucket "
+        "state, and connections. Needs the HTTP API (<http> in boot.xml or run --http-port). "
+        f"With declared clients the token is read from ${TOKEN_ENV}. Exit 4 if unreachable.",
+    )
+    status.add_argument(
+        "--url",
+        default=os.environ.get(HTTP_URL_ENV) or DEFAULT_HTTP_URL,
+        metavar="URL",
+        help=f"the HTTP API (default: ${HTTP_URL_ENV}, else {DEFAULT_HTTP_URL})",
+    )
+    status.add_argument(
+        "--ca",
+        metavar="FILE",
+        help=f"CA certificate(s) (PEM) to verify an https URL with (default: ${TLS_ENV['ca']}, "
+        "else the system's)",
+    )
+    status.add_argument("--json", action="store_true", help="print the status document as JSON")
+    status.add_argument(
+        "--timeout",
+        type=_positive,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long to wait for the answer (default: 10)",
+    )
+
     sub.add_parser(
         "console",
         parents=[common, remote],
@@ -287,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "check": cmd_check,
         "console": cmd_console,
         "schemas": cmd_schemas,
+        "status": cmd_status,
     }
     return handler[args.command](args)
 
@@ -401,8 +445,8 @@ def load_boot_for_run(explicit: str | None) -> tuple[str, boot.LoadResult]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from agentserver.app import ServeOptions, run_server
     from agentserver.builtins import RunContext, console_listener_names
-    from agentserver.server import ServeOptions, run_server
     from agentserver.terminal import logs_above_prompt, make_terminal
 
     name, result = load_boot_for_run(args.boot)
@@ -429,12 +473,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         insecure=args.insecure,
+        http_port=args.http_port,
         explain_refusals=args.explain_refusals,
     )
 
     def listening(addresses: list[str]) -> None:
         # Printed, not only logged: tools and tests read the bound address from this line.
         print(f"agentserver listening on {', '.join(addresses)}", file=sys.stderr, flush=True)
+
+    def http_listening(urls: list[str]) -> None:
+        print(f"agentserver http listening on {', '.join(urls)}", file=sys.stderr, flush=True)
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
@@ -446,7 +494,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                     nursery.start_soon, show_chunks, terminal
                 )
             await run_server(
-                topology, options, ctx, shutdown, environ=os.environ, on_listening=listening
+                topology,
+                options,
+                ctx,
+                shutdown,
+                environ=os.environ,
+                on_listening=listening,
+                on_http=http_listening,
             )
             nursery.cancel_scope.cancel()
 
@@ -674,3 +728,101 @@ def cmd_console(args: argparse.Namespace) -> int:
         print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
         return EXIT_CONNECTION
     return EXIT_CONNECTION if status else EXIT_OK
+
+
+# -- status ---------------------------------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import httpx
+
+    headers = {}
+    token = os.environ.get(TOKEN_ENV)
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    ca = args.ca or os.environ.get(TLS_ENV["ca"])
+    url = args.url.rstrip("/") + "/v1/status"
+    try:
+        with httpx.Client(verify=ca or True, timeout=args.timeout) as client:
+            response = client.get(url, headers=headers)
+    except httpx.HTTPError as exc:
+        print(
+            f"cannot reach the HTTP API at {args.url}: {exc} (is the server running with "
+            "<http> in boot.xml or run --http-port?)",
+            file=sys.stderr,
+        )
+        return EXIT_CONNECTION
+    if response.status_code != 200:
+        try:
+            title = response.json().get("title", "")
+        except ValueError:
+            title = response.text[:200]
+        print(f"{url}: {response.status_code} {title}", file=sys.stderr)
+        return EXIT_FAILED
+    doc = response.json()
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        print(format_status(doc))
+    return EXIT_OK
+
+
+def format_status(doc: dict) -> str:
+    """The status document (GET /v1/status) for a terminal."""
+    ready = doc.get("ready", {})
+    checks = ", ".join(f"{k} {_yes(v)}" for k, v in ready.get("checks", {}).items())
+    pump = doc.get("pump", {})
+    lines = [
+        f"organism {doc.get('organism')!r} (agentserver {doc.get('version')}): "
+        f"{'ready' if ready.get('ready') else 'NOT ready'} ({checks})",
+        f"pump {pump.get('state')}: {pump.get('inflight', 0)} in flight, "
+        f"{pump.get('threads', 0)} threads, {pump.get('endpoints', 0)} endpoints",
+        "listeners:",
+    ]
+    for lst in doc.get("listeners", []):
+        lines.append(
+            f"  {lst['name']:<20} queue {lst['queue']:<5} waiting {lst['waiting']:<5} "
+            f"handled {lst['handled']}{'  (agent)' if lst.get('agent') else ''}"
+        )
+    agents = doc.get("agents", [])
+    if agents:
+        lines.append("agents:")
+        for agent in agents:
+            turn = agent.get("active_turn")
+            active = f", turn {turn['id'][:8]} step {turn['steps']}" if turn else ""
+            error = agent.get("last_error")
+            last = f", last error ({error['status']}): {error['text'][:60]!r}" if error else ""
+            lines.append(
+                f"  {agent['name']:<20} {agent['state']:<10} queue {agent['queue']}{active}{last}"
+            )
+    backends = doc.get("backends", {})
+    if backends:
+        lines.append("LLM backends:")
+        for name, b in backends.items():
+            if b.get("skipped"):
+                lines.append(f"  {name:<20} skipped: {b['skipped']}")
+                continue
+            buckets = ", ".join(
+                f"{label} bucket {b[key]:.0%}"
+                for key, label in (
+                    ("requests_bucket_fill", "requests"),
+                    ("tokens_bucket_fill", "tokens"),
+                )
+                if b.get(key) is not None
+            )
+            cooling = f", cooling {b['cooling_for']:.1f}s" if b.get("cooling_for") else ""
+            lines.append(
+                f"  {name:<20} breaker {b['breaker']}, {b['active']} active{cooling}"
+                f"{', ' + buckets if buckets else ''}"
+            )
+    conns = doc.get("connections", {})
+    lines.append(
+        f"connections: socket {conns.get('socket', 0)}, HTTP pending {conns.get('http_pending', 0)}, "
+        f"HTTP kept threads {conns.get('http_kept_threads', 0)}, "
+        f"event streams {conns.get('sse_streams', 0)}"
+    )
+    return "\n".join(lines)
+
+
+def _yes(value: object) -> str:
+    return "n/a" if value is None else ("ok" if value else "FAILING")

@@ -23,6 +23,7 @@ from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7340
+DEFAULT_HTTP_PORT = 7341
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,24 @@ class Limits:
     #: fill the registry.
     max_threads_per_connection: int = 1024
     thread_ttl: float = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSpec:
+    """boot.xml ``<http>``: the HTTP API (docs/operations.md). Same clients, tokens and
+    ``<tls>`` as the socket; the bounds of ``?wait=false`` threads are its own."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_HTTP_PORT
+    #: Messages over HTTP waiting for their replies at once (each holds an endpoint).
+    max_pending: int = 1024
+    #: Seconds a ``?wait=false`` thread keeps its replies after its last one (or its start).
+    reply_ttl: float = 300.0
+    #: Replies one ``?wait=false`` thread keeps (later ones are dropped and counted).
+    max_replies: int = 64
+    #: Seconds a waiting ``POST /v1/messages`` waits for its first reply.
+    wait_timeout: float = 60.0
+    line: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +137,8 @@ class Topology:
     #: ``<listen insecure-plaintext="true">``: declared clients on a non-loopback address
     #: without TLS (tokens cross the network in clear).
     insecure_plaintext: bool = False
+    #: ``<http>``: the HTTP API; None: not served (unless ``run --http-port``).
+    http: HttpSpec | None = None
 
     def listener(self, name: str) -> ListenerSpec:
         for spec in self.listeners:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tlsutil import make_pki
 
 from agentserver import boot
-from agentserver.server import certificate_rules
+from agentserver.app import certificate_rules
 from agentserver.throttle import HelloThrottle
 from agentserver.tls import (
     CertificateRule,

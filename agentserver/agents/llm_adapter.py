@@ -28,6 +28,8 @@ class RouterLLM:
 
     def __init__(self, router: _Router) -> None:
         self._router = router
+        #: The router itself, for status and readiness (agentserver status, /readyz).
+        self.router = router
 
     def _request(self, request: LLMRequest) -> Request:
         return Request(

@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import trio
 from lxml import etree
@@ -70,6 +71,8 @@ class AgentService:
     ports: PumpPorts
     profiles: Mapping[str, AgentProfile]
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    #: The LLM router (None without ``<llm>``), for status and readiness.
+    router: Any = None
 
     def stop(self) -> None:
         """Stop the worker and watchdog (their work is durable and resumes on restart)."""
@@ -157,7 +160,7 @@ async def start_agents(
     ports.attach(runtime.store)
     for name in profiles:
         handlers[name].target = agent_handler(runtime, pump, name, ports)
-    service = AgentService(runtime, ports, profiles)
+    service = AgentService(runtime, ports, profiles, router=getattr(llm, "router", None))
 
     async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with service.scope:

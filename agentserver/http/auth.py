@@ -1,0 +1,62 @@
+"""Who an HTTP caller is: the socket's rules with a bearer token for the hello.
+
+With clients declared, every request needs ``Authorization: Bearer <token>`` of one of
+them (the token names the client). Without, callers are anonymous and served only from a
+loopback address (the peer's address is checked, whatever the listening address).
+Sans I/O: the app passes the header and the peer address in.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from collections.abc import Mapping
+
+from agentserver.handshake import Credential, Identity, Unauthenticated
+
+
+def is_loopback_peer(peer: str | None) -> bool:
+    """A peer address (never a name) on loopback, an IPv4-mapped one included."""
+    if not peer:
+        return False
+    try:
+        address = ipaddress.ip_address(peer.strip("[]").split("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+class AnonymousRefused(Unauthenticated):
+    """An anonymous caller from a non-loopback address."""
+
+
+class HttpAuth:
+    def __init__(self, clients: Mapping[str, Credential]) -> None:
+        # Clients whose token variable is unset cannot authenticate (as on the socket).
+        self._tokens = [
+            (name, cred.token.encode("utf-8"), cred.allowed)
+            for name, cred in clients.items()
+            if cred.token
+        ]
+        self.required = bool(clients)
+
+    def identify(self, authorization: str | None, peer: str | None) -> Identity:
+        """The caller's identity. Raises :class:`Unauthenticated` (a missing, malformed or
+        unknown token) or :class:`AnonymousRefused`. The reason is for the log only."""
+        if not self.required:
+            if not is_loopback_peer(peer):
+                raise AnonymousRefused(f"anonymous caller from {peer}")
+            return Identity(None)
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise Unauthenticated("no bearer token")
+        token = given.strip().encode("utf-8")
+        found: Identity | None = None
+        # Every token is compared, so timing does not tell how far the search went.
+        for name, expected, allowed in self._tokens:
+            if hmac.compare_digest(token, expected) and found is None:
+                found = Identity(name, allowed)
+        if found is None:
+            raise Unauthenticated("unknown bearer token")
+        return found

@@ -1,0 +1,179 @@
+"""Messages over HTTP into the pump: one endpoint per message, as a socket connection has
+one per connection, so the pump validates, routes and refuses them exactly as it does
+socket frames (same ``max-message-bytes``, same canned ``<huh>`` texts, same
+``may-address``)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import trio
+from lxml import etree
+
+from agentserver.endpoint import Endpoint
+from agentserver.envelope import build_envelope
+from agentserver.errors import (
+    ConfigurationError,
+    DeliveryRefused,
+    EndpointClosed,
+    HuhReason,
+    InputRefused,
+    PumpClosed,
+    Refusal,
+    SystemErrorCode,
+)
+from agentserver.handshake import Identity
+from agentserver.http.replies import Exchange, PendingThreads, ThreadView
+from agentserver.pump import Pump
+from agentserver.threads import new_thread_id
+from agentserver.topology import HttpSpec, Limits
+from agentserver.xmlsafe import SafeParser
+
+log = logging.getLogger("agentserver.http")
+
+#: Refused when max-pending messages already wait (the socket's "server busy").
+BUSY = DeliveryRefused(SystemErrorCode.ROUTING, retry_allowed=True, detail="http busy")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of one message: ``kind`` is reply (``reply`` holds the envelope),
+    accepted (kept for ``GET /v1/threads``), unanswered (its request ended without a
+    reply), timeout (no reply within wait-timeout: kept like an accepted one), or refused
+    (``refusal``: it never reached the pump)."""
+
+    kind: str
+    thread: str = ""
+    reply: bytes = b""
+    refusal: Refusal | None = None
+
+
+class HttpGateway:
+    """Sends messages for HTTP callers and keeps the replies of ``?wait=false`` ones."""
+
+    def __init__(self, pump: Pump, limits: Limits, spec: HttpSpec) -> None:
+        self.pump = pump
+        self.limits = limits
+        self.spec = spec
+        self._parser = SafeParser(limits.max_message_bytes)
+        self.pending = PendingThreads(spec.max_pending, spec.reply_ttl)
+        #: Messages holding an endpoint now (waiting ones and kept ones).
+        self.active = 0
+        self.counters = {"messages": 0, "refused": 0, "busy": 0, "timeouts": 0, "expired": 0}
+
+    @property
+    def max_bytes(self) -> int:
+        return self.limits.max_message_bytes
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Forget kept threads whose time is up (closing their endpoints), until cancelled."""
+        interval = max(0.05, min(self.spec.reply_ttl / 4, 5.0))
+        task_status.started()
+        try:
+            while True:
+                await trio.sleep(interval)
+                now = trio.current_time()
+                self.pending.touch(now)
+                for exchange in self.pending.expire(now):
+                    self.counters["expired"] += 1
+                    self._release(exchange)
+        finally:
+            for exchange in self.pending.clear():
+                self._release(exchange)
+
+    def thread(self, thread: str, owner: str | None) -> ThreadView | None:
+        return self.pending.view(thread, owner, trio.current_time())
+
+    async def send(
+        self,
+        identity: Identity,
+        to: str | None,
+        body: bytes,
+        *,
+        wait: bool,
+        thread: str | None = None,
+    ) -> Outcome:
+        """Send ``body`` (one XML payload) to ``to`` as ``identity``, on ``thread`` (a
+        uuid4 the caller chose) or a new thread."""
+        self.counters["messages"] += 1
+        if self.active >= self.spec.max_pending or (not wait and self.pending.full):
+            self.counters["busy"] += 1
+            return Outcome("refused", refusal=BUSY)
+        try:
+            payload = self._parser.parse(body)
+        except InputRefused as refusal:
+            self.counters["refused"] += 1
+            return Outcome("refused", refusal=refusal)
+        try:
+            endpoint = self._open_endpoint(identity)
+        except PumpClosed:
+            return Outcome("refused", refusal=BUSY)
+        thread = thread or new_thread_id()
+        exchange = Exchange(thread, identity.name, endpoint, self.spec.max_replies)
+        endpoint.sink = exchange.take
+        endpoint.on_chain_end = exchange.chain_ended
+        self.active += 1
+        kept = False
+        try:
+            try:
+                envelope = build_envelope(endpoint.name, to, thread, payload)
+            except ValueError:  # a ``to`` that XML cannot carry (control characters)
+                self.counters["refused"] += 1
+                return Outcome("refused", refusal=InputRefused(HuhReason.INVALID_ENVELOPE))
+            try:
+                await endpoint.send(etree.tostring(envelope))
+            except (PumpClosed, EndpointClosed):
+                return Outcome("refused", refusal=BUSY)
+            if not wait:
+                self._keep(exchange)
+                kept = True
+                return Outcome("accepted", thread)
+            with trio.move_on_after(self.spec.wait_timeout):
+                await exchange.wait_settled()
+            if exchange.replies:
+                return Outcome("reply", thread, reply=exchange.replies[0])
+            if exchange.unanswered:
+                return Outcome("unanswered", thread)
+            # Still running: its replies are kept for GET /v1/threads/{id}, if there is room.
+            self.counters["timeouts"] += 1
+            if not self.pending.full:
+                self._keep(exchange)
+                kept = True
+            return Outcome("timeout", thread)
+        finally:
+            if not kept:
+                self._release(exchange)
+
+    def _keep(self, exchange: Exchange) -> None:
+        replaced = self.pending.keep(exchange, trio.current_time())
+        if replaced is not None and replaced is not exchange:
+            self._release(replaced)
+
+    def _release(self, exchange: Exchange) -> None:
+        self.active -= 1
+        endpoint = exchange.endpoint
+        endpoint.sink = None
+        endpoint.on_chain_end = None
+        endpoint.close()
+
+    def _open_endpoint(self, identity: Identity) -> Endpoint:
+        pump = self.pump
+        if not pump.running:
+            raise PumpClosed("not running")
+        size = {
+            "buffer": self.limits.outgoing_buffer,
+            "buffer_bytes": self.limits.outgoing_buffer_bytes,
+        }
+        if identity.name is None:
+            return pump.open_endpoint(None, **size)
+        # Always suffixed: an HTTP message of a named client is answered on its own
+        # endpoint (like a second socket connection of that client), never handed to the
+        # client's socket connections.
+        for _ in range(8):
+            name = f"{identity.name[:55]}-{new_thread_id()[:8]}"
+            try:
+                return pump.open_endpoint(name, allowed=identity.allowed, **size)
+            except ConfigurationError:
+                continue
+        raise PumpClosed("no endpoint name")

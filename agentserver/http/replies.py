@@ -1,0 +1,144 @@
+"""What one message sent over HTTP gets back on its thread (sans I/O but for an Event).
+
+A message sent over HTTP has an endpoint of its own; its :class:`Exchange` is that
+endpoint's sink. A waiting request reads the first reply; a ``?wait=false`` one is kept in
+:class:`PendingThreads` for ``GET /v1/threads/{id}``, bounded in count, in replies per
+thread and in time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import trio
+
+from agentserver.endpoint import Endpoint
+
+
+class Exchange:
+    """One message's thread: its replies (at most ``max_replies``, later ones dropped and
+    counted) and the requests of it that ended without an answer."""
+
+    __slots__ = (
+        "changed",
+        "deadline",
+        "dropped",
+        "endpoint",
+        "fresh",
+        "max_replies",
+        "owner",
+        "replies",
+        "thread",
+        "unanswered",
+    )
+
+    def __init__(
+        self, thread: str, owner: str | None, endpoint: Endpoint, max_replies: int
+    ) -> None:
+        self.thread = thread
+        #: The client who sent it (None: anonymous); only it may read the thread.
+        self.owner = owner
+        self.endpoint = endpoint
+        self.max_replies = max_replies
+        self.replies: list[bytes] = []
+        self.dropped = 0
+        self.unanswered = 0
+        #: When a kept thread is forgotten (set once it is kept).
+        self.deadline = 0.0
+        #: Something came since the last :meth:`PendingThreads.touch`.
+        self.fresh = False
+        self.changed = trio.Event()
+
+    def take(self, data: bytes) -> bool:
+        """The endpoint's sink: never blocks, never refuses (the endpoint never closes on a
+        slow HTTP caller: what does not fit is dropped and counted)."""
+        if len(self.replies) < self.max_replies:
+            self.replies.append(data)
+        else:
+            self.dropped += 1
+        self.fresh = True
+        self.changed.set()
+        return True
+
+    def chain_ended(self) -> None:
+        self.unanswered += 1
+        self.fresh = True
+        self.changed.set()
+
+    @property
+    def settled(self) -> bool:
+        """Something came back: a reply, or the end of the request without one."""
+        return bool(self.replies) or self.unanswered > 0
+
+    async def wait_settled(self) -> None:
+        while not self.settled:
+            self.changed = trio.Event()
+            await self.changed.wait()
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadView:
+    """What ``GET /v1/threads/{id}`` shows."""
+
+    thread: str
+    replies: list[bytes]
+    unanswered: int
+    dropped: int
+    expires_in: float
+
+
+class PendingThreads:
+    """The threads of ``?wait=false`` messages, each kept ``ttl`` seconds after its last
+    reply (or its start), at most ``max_threads`` at once. Pure: times are passed in."""
+
+    def __init__(self, max_threads: int, ttl: float) -> None:
+        self.max_threads = max_threads
+        self.ttl = ttl
+        self._threads: dict[str, Exchange] = {}
+
+    def __len__(self) -> int:
+        return len(self._threads)
+
+    @property
+    def full(self) -> bool:
+        return len(self._threads) >= self.max_threads
+
+    def keep(self, exchange: Exchange, now: float) -> Exchange | None:
+        """Keep ``exchange``; returns the one it replaces (same thread id), if any."""
+        exchange.deadline = now + self.ttl
+        old = self._threads.get(exchange.thread)
+        self._threads[exchange.thread] = exchange
+        return old
+
+    def view(self, thread: str, owner: str | None, now: float) -> ThreadView | None:
+        """The thread if ``owner`` sent it and it is still kept; None otherwise (an
+        unknown thread and another client's look the same)."""
+        exchange = self._threads.get(thread)
+        if exchange is None or exchange.owner != owner or exchange.deadline <= now:
+            return None
+        return ThreadView(
+            thread,
+            list(exchange.replies),
+            exchange.unanswered,
+            exchange.dropped,
+            exchange.deadline - now,
+        )
+
+    def touch(self, now: float) -> None:
+        """Threads that got something since they were kept live ``ttl`` from now."""
+        for exchange in self._threads.values():
+            if exchange.fresh:
+                exchange.fresh = False
+                exchange.deadline = now + self.ttl
+
+    def expire(self, now: float) -> list[Exchange]:
+        """Forget the threads whose time is up; returns them (their endpoints to close)."""
+        gone = [e for e in self._threads.values() if e.deadline <= now]
+        for exchange in gone:
+            del self._threads[exchange.thread]
+        return gone
+
+    def clear(self) -> list[Exchange]:
+        gone = list(self._threads.values())
+        self._threads.clear()
+        return gone
