@@ -12,10 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
+from prometheus_client import CollectorRegistry
 
 from agentserver.builtins import RunContext, build_listeners
 from agentserver.errors import ConfigurationError
 from agentserver.handshake import Credential, HelloGate
+from agentserver.observability import Metrics, Tracing
 from agentserver.pump import Pump
 from agentserver.server import Server, format_address
 from agentserver.tls import CertificateRule, normalize_fingerprint, parse_subject
@@ -69,11 +71,16 @@ async def run_server(
     *,
     environ,
     on_listening: Callable[[list[str]], None] | None = None,
+    registry: CollectorRegistry | None = None,
+    tracing: Tracing | None = None,
 ) -> None:
     """Run ``topology`` until ``shutdown`` is set, then shut down cleanly: stop accepting,
     let in-flight work drain (``drain_timeout``), flush and close connections, close the
     resources subsystems registered on ``ctx.resources``. Raises ConfigurationError if the
-    server must not start (e.g. anonymous access on a public address without insecure)."""
+    server must not start (e.g. anonymous access on a public address without insecure).
+
+    ``registry`` receives the server's Prometheus metrics (a fresh one by default);
+    ``tracing`` defaults to what the ``OTEL_*`` variables of ``environ`` ask for."""
     from agentserver.boot import is_loopback  # boot imports builtins; keep imports acyclic
 
     host = options.host or topology.host
@@ -98,8 +105,13 @@ async def run_server(
         from agentserver.tls import server_context
 
         ssl_context = server_context(topology.tls, environ)  # TlsError is a ConfigurationError
+    # -- observability (traces, metrics) --
+    if tracing is None:
+        tracing = Tracing.from_environ(environ)
+        ctx.resources.callback(tracing.shutdown)
+    metrics = Metrics(registry if registry is not None else CollectorRegistry())
     listeners = build_listeners(topology, ctx)
-    pump = Pump(listeners, config=topology.pump_config())
+    pump = Pump(listeners, config=topology.pump_config(), tracing=tracing)
     server = Server(
         pump,
         topology.limits,
@@ -111,6 +123,8 @@ async def run_server(
             for c in topology.clients
         },
     )
+    # The server keeps no public count (yet): read its set of connections at scrape time.
+    metrics.bind_pump(pump, lambda: len(server._connections))
     async with ctx.resources:
         async with trio.open_nursery() as nursery:
             await nursery.start(pump.run)
@@ -123,6 +137,8 @@ async def run_server(
                 nursery,
                 ctx.resources,
                 environ=environ,
+                tracing=tracing,
+                metrics=metrics,
             )
             if agents is not None:
                 server.named_clients = agents.ports.clients

@@ -21,6 +21,7 @@ import trio
 from agentserver import boot
 from agentserver.bundled import BOOT_XML
 from agentserver.errors import ConfigurationError, HuhReason, InputRefused, sole_exception
+from agentserver.observability.logs import LOG_FORMATS, configure_logging
 from agentserver.threads import is_uuid4
 from agentserver.topology import DEFAULT_PORT
 from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
@@ -72,9 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     levels = ["debug", "info", "warning", "error"]
     level_help = "log level on standard error (default: info for run, warning otherwise)"
     parser.add_argument("--log-level", choices=levels, help=level_help)
+    format_help = (
+        "log format on standard error: text (human) or json (one object per line); "
+        "default: text on a terminal, json otherwise"
+    )
+    parser.add_argument("--log-format", choices=LOG_FORMATS, help=format_help)
     # Also accepted after the command; SUPPRESS keeps a value given before it.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", choices=levels, default=argparse.SUPPRESS, help=level_help)
+    common.add_argument(
+        "--log-format", choices=LOG_FORMATS, default=argparse.SUPPRESS, help=format_help
+    )
     # What the commands that talk to a running server share.
     remote = argparse.ArgumentParser(add_help=False)
     remote.add_argument(
@@ -222,11 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     level = args.log_level or ("info" if args.command == "run" else "warning")
-    logging.basicConfig(
-        level=level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(level, args.log_format, sys.stderr)
     handler = {
         "run": cmd_run,
         "send": cmd_send,

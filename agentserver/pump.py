@@ -27,6 +27,7 @@ import enum
 import functools
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -55,6 +56,9 @@ from agentserver.listener import (
     Listener,
     to_element,
 )
+from agentserver.observability.logs import current_slot
+from agentserver.observability.metrics import LatencyHistogram
+from agentserver.observability.tracing import Tracing, attach, detach, record_error
 from agentserver.payloads import PayloadRegistry, PayloadType
 from agentserver.primitives.core import CORE_MODELS, primitive_for
 from agentserver.routing import RoutingTable, SelfCall
@@ -134,14 +138,18 @@ class _Delivery:
     response_thread: str | None
     #: The bytes as received from an endpoint (for ``original-attempt``), else None.
     original: bytes | None
+    #: The span that sent it (tracing on only): the parent of its ``handle`` span.
+    trace: object = None
 
 
 class _Slot:
     """A worker's bookkeeping, read by the deadline monitor."""
 
-    __slots__ = ("current", "deadline", "expired", "scope")
+    __slots__ = ("current", "deadline", "expired", "listener", "scope")
 
-    def __init__(self) -> None:
+    def __init__(self, listener: str) -> None:
+        #: Read by the log processor (``observability.logs.add_chain``) too.
+        self.listener = listener
         self.current: _Delivery | None = None
         self.deadline = math.inf
         self.expired: _Delivery | None = None
@@ -208,7 +216,16 @@ class _Waiters:
 
 
 class _Runtime:
-    __slots__ = ("handled", "listener", "receive", "send", "slots", "usage", "waiters")
+    __slots__ = (
+        "handled",
+        "latency",
+        "listener",
+        "receive",
+        "send",
+        "slots",
+        "usage",
+        "waiters",
+    )
 
     def __init__(self, listener: Listener, usage: str) -> None:
         self.listener = listener
@@ -216,6 +233,7 @@ class _Runtime:
         self.send, self.receive = trio.open_memory_channel[_Delivery](listener.queue_size)
         self.waiters = _Waiters()
         self.handled = 0
+        self.latency = LatencyHistogram()
         self.slots: list[_Slot] = []
 
 
@@ -223,9 +241,19 @@ class Pump:
     """Register listeners, then ``await nursery.start(pump.run)`` (or use :func:`open_pump`)."""
 
     def __init__(
-        self, listeners: Iterable[Listener] = (), *, config: PumpConfig | None = None
+        self,
+        listeners: Iterable[Listener] = (),
+        *,
+        config: PumpConfig | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config or PumpConfig()
+        self.tracing = tracing or Tracing()
+        #: None when tracing is off: the hot paths test this one attribute.
+        self._tracer = self.tracing if self.tracing.enabled else None
+        if self._tracer is not None:
+            # Chosen once, here, so that the untraced path pays nothing per message.
+            self.inject = self._inject_traced  # type: ignore[method-assign]
         if not NAME_RE.match(self.config.organism):
             raise ConfigurationError(f"organism name {self.config.organism!r}: use [a-z0-9_-]")
         self.payloads = PayloadRegistry()
@@ -254,7 +282,10 @@ class Pump:
             "timeouts": 0,
             "dropped": 0,
             "self_calls": 0,
+            "sent": 0,
         }
+        #: Refusals by (listener or endpoint refused, reason): for the metrics.
+        self.refusals: collections.Counter[tuple[str, str]] = collections.Counter()
         for listener in listeners:
             self.register(listener)
 
@@ -362,6 +393,15 @@ class Pump:
             **self.counters,
         }
 
+    def handler_latency(self) -> dict[str, LatencyHistogram]:
+        """Each listener's handler durations (for the metrics)."""
+        return {n: rt.latency for n, rt in self._runtimes.items()}
+
+    def _count_refusal(self, name: str, refusal: Refusal) -> None:
+        self.counters["refused"] += 1
+        reason = getattr(refusal, "reason", None) or getattr(refusal, "code", None)
+        self.refusals[name, getattr(reason, "value", str(reason))] += 1
+
     async def _expirer(self) -> None:
         while True:
             await trio.sleep(self.config.expire_interval)
@@ -406,7 +446,17 @@ class Pump:
             del self._endpoints[endpoint.name]
             self.threads.remove_owned_by(endpoint.name)
 
-    async def inject(self, data: bytes, endpoint: Endpoint) -> None:
+    async def _inject_traced(self, data: bytes, endpoint: Endpoint) -> None:
+        """:meth:`inject` in a ``message`` span, the root of the chain's trace."""
+        span = self._tracer.start_message(endpoint.name)
+        token = attach(span)
+        try:
+            await Pump.inject(self, data, endpoint, span)
+        finally:
+            detach(token)
+            span.end()
+
+    async def inject(self, data: bytes, endpoint: Endpoint, span: object = None) -> None:
         """Validate and route one envelope from ``endpoint``.
 
         Returns once the message is queued for its listener(s), or once the refusal is queued
@@ -423,6 +473,8 @@ class Pump:
             self._answer_endpoint(endpoint, guess_thread(root) or new_thread_id(), refusal, data)
             return
         to, thread_id, inbound_payload, ptype = inbound
+        if span is not None:
+            self._tracer.name_message(span, to, thread_id)
         now = self._now
         try:
             thread = self._client_thread(endpoint, thread_id, now)
@@ -492,7 +544,7 @@ class Pump:
     def _answer_endpoint(
         self, endpoint: Endpoint, thread_id: str, refusal: Refusal, original: bytes
     ) -> None:
-        self.counters["refused"] += 1
+        self._count_refusal(endpoint.name, refusal)
         log.info("refused message from %s: %s", endpoint.name, refusal)
         endpoint.push(encode(SYSTEM, endpoint.name, thread_id, primitive_for(refusal, original)))
 
@@ -634,6 +686,8 @@ class Pump:
         rt = self._runtimes[target]
         if rt.waiters:
             return False
+        if self._tracer is not None:
+            delivery.trace = self._tracer.current_span()
         try:
             rt.send.send_nowait(delivery)
         except trio.WouldBlock:
@@ -651,6 +705,8 @@ class Pump:
             raise DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True, detail="closed")
         self._inflight += 1
         delivery.thread.pending += 1
+        if self._tracer is not None:
+            delivery.trace = self._tracer.current_span()
         try:
             deadline = trio.current_time() + self.config.delivery_timeout
             if await rt.waiters.wait(delivery, deadline):
@@ -700,7 +756,9 @@ class Pump:
         self, endpoint: Endpoint, from_id: str, thread_id: str, payload: etree._Element
     ) -> None:
         """Send a validated payload to an endpoint (never waits; counted if dropped)."""
-        if not endpoint.push(encode(from_id, endpoint.name, thread_id, payload)):
+        if endpoint.push(encode(from_id, endpoint.name, thread_id, payload)):
+            self.counters["sent"] += 1
+        else:
             self.counters["dropped"] += 1
 
     # -- handlers ------------------------------------------------------------------------
@@ -710,7 +768,8 @@ class Pump:
         cancelled by :meth:`_deadline_monitor` through this slot's cancel scope; the slot
         then answers the caller with a timeout and starts over in a fresh scope. (A cancel
         scope per call would cost more than the rest of a delivery.)"""
-        slot = _Slot()
+        slot = _Slot(rt.listener.name)
+        current_slot.set(slot)  # this task's log records name the delivery it handles
         while True:
             with trio.CancelScope() as scope:
                 slot.scope = scope
@@ -739,7 +798,9 @@ class Pump:
         """Take deliveries off the listener's queue and run the handler on each.
 
         The whole of a delivery runs inline here (no coroutine per step): this loop is the
-        pump's hot path. Nothing reads the clock per message; see :meth:`_deadline_monitor`.
+        pump's hot path. Nothing reads trio's clock per message (see
+        :meth:`_deadline_monitor`); the handler's duration, for the metrics, is two
+        ``perf_counter`` reads. With tracing on, the delivery runs in its ``handle`` span.
         """
         receive = rt.receive
         waiters = rt.waiters
@@ -748,6 +809,10 @@ class Pump:
         raw = listener.raw
         threads = self.threads
         counters = self.counters
+        latency = rt.latency
+        perf_counter = time.perf_counter
+        tracer = self._tracer
+        span = token = None
         streak = 0
         while True:
             try:
@@ -769,6 +834,9 @@ class Pump:
             # The delivery stays pending on its thread until its outputs are out, so the
             # thread cannot be finished (by a call of it ending) while its handler runs.
             thread = d.thread
+            if tracer is not None:
+                span = tracer.start_handle(listener.name, d.trace, d.from_id, thread.id)
+                token = attach(span)
             try:
                 if threads.get(thread.id) is not thread:
                     counters["dropped"] += 1
@@ -793,18 +861,24 @@ class Pump:
                     payload = d.payload if raw else d.ptype.model.from_xml_tree(d.payload)
                     slot.deadline = math.inf  # the monitor starts the clock at its next tick
                     slot.current = d
+                    started = perf_counter()
                     try:
                         result = await handler(payload, meta)
                     finally:
                         slot.current = None
+                        latency.observe(perf_counter() - started)
                 except trio.Cancelled:
                     if slot.expired is None:
                         # Shutdown, not a timeout: tell an external caller now, synchronously.
                         self._refuse_sync(
                             thread, DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True)
                         )
+                    elif span is not None:
+                        record_error(span, "timeout")
                     raise
-                except Exception:
+                except Exception as exc:
+                    if span is not None:
+                        record_error(span, type(exc).__name__)
                     counters["handler_errors"] += 1
                     log.exception("%s: handler raised on %s", listener.name, thread.dotted)
                     await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED), d)
@@ -819,6 +893,10 @@ class Pump:
                 thread.pending -= 1
                 rt.handled += 1
                 self._done()
+                if span is not None:
+                    detach(token)
+                    span.end()
+                    span = None
             if not (thread.children or thread.pins or thread.pending):
                 # Nothing can reach this thread any more (it answered, or its chain ended).
                 self._settle(thread)
@@ -967,7 +1045,7 @@ class Pump:
         self, listener: Listener, thread: ThreadRecord, refusal: Refusal, element: etree._Element
     ) -> None:
         """Return a refused output to its sender, on the sender's thread."""
-        self.counters["refused"] += 1
+        self._count_refusal(listener.name, refusal)
         log.info("%s: output refused on %s: %s", listener.name, thread.dotted, refusal)
         if self.threads.get(thread.id) is not thread:
             return
@@ -1023,7 +1101,7 @@ class Pump:
             return
         endpoint = self._endpoints.get(parent.owner)
         if endpoint is not None:
-            self.counters["refused"] += 1
+            self._count_refusal(endpoint.name, refusal)
             endpoint.push(encode(SYSTEM, endpoint.name, parent.id, primitive_for(refusal)))
 
     def _refuse_leftovers(self) -> None:
