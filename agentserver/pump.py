@@ -145,11 +145,13 @@ class _Delivery:
 class _Slot:
     """A worker's bookkeeping, read by the deadline monitor."""
 
-    __slots__ = ("current", "deadline", "expired", "listener", "scope")
+    __slots__ = ("current", "deadline", "delivery", "expired", "listener", "scope")
 
     def __init__(self, listener: str) -> None:
-        #: Read by the log processor (``observability.logs.add_chain``) too.
+        #: The listener and the delivery being (or last) handled: log records of this
+        #: worker's task name them (``observability.logs.add_chain``).
         self.listener = listener
+        self.delivery: _Delivery | None = None
         self.current: _Delivery | None = None
         self.deadline = math.inf
         self.expired: _Delivery | None = None
@@ -251,9 +253,6 @@ class Pump:
         self.tracing = tracing or Tracing()
         #: None when tracing is off: the hot paths test this one attribute.
         self._tracer = self.tracing if self.tracing.enabled else None
-        if self._tracer is not None:
-            # Chosen once, here, so that the untraced path pays nothing per message.
-            self.inject = self._inject_traced  # type: ignore[method-assign]
         if not NAME_RE.match(self.config.organism):
             raise ConfigurationError(f"organism name {self.config.organism!r}: use [a-z0-9_-]")
         self.payloads = PayloadRegistry()
@@ -446,17 +445,7 @@ class Pump:
             del self._endpoints[endpoint.name]
             self.threads.remove_owned_by(endpoint.name)
 
-    async def _inject_traced(self, data: bytes, endpoint: Endpoint) -> None:
-        """:meth:`inject` in a ``message`` span, the root of the chain's trace."""
-        span = self._tracer.start_message(endpoint.name)
-        token = attach(span)
-        try:
-            await Pump.inject(self, data, endpoint, span)
-        finally:
-            detach(token)
-            span.end()
-
-    async def inject(self, data: bytes, endpoint: Endpoint, span: object = None) -> None:
+    async def inject(self, data: bytes, endpoint: Endpoint) -> None:
         """Validate and route one envelope from ``endpoint``.
 
         Returns once the message is queued for its listener(s), or once the refusal is queued
@@ -473,8 +462,6 @@ class Pump:
             self._answer_endpoint(endpoint, guess_thread(root) or new_thread_id(), refusal, data)
             return
         to, thread_id, inbound_payload, ptype = inbound
-        if span is not None:
-            self._tracer.name_message(span, to, thread_id)
         now = self._now
         try:
             thread = self._client_thread(endpoint, thread_id, now)
@@ -834,8 +821,11 @@ class Pump:
             # The delivery stays pending on its thread until its outputs are out, so the
             # thread cannot be finished (by a call of it ending) while its handler runs.
             thread = d.thread
+            slot.delivery = d
             if tracer is not None:
-                span = tracer.start_handle(listener.name, d.trace, d.from_id, thread.id)
+                span = tracer.start_handle(
+                    listener.name, d.trace, d.from_id, thread.id, d.original is not None
+                )
                 token = attach(span)
             try:
                 if threads.get(thread.id) is not thread:
@@ -1121,10 +1111,13 @@ class Pump:
 
 @asynccontextmanager
 async def open_pump(
-    listeners: Iterable[Listener] = (), *, config: PumpConfig | None = None
+    listeners: Iterable[Listener] = (),
+    *,
+    config: PumpConfig | None = None,
+    tracing: Tracing | None = None,
 ) -> AsyncIterator[Pump]:
     """Run a pump for the duration of the block; leaving it drains and closes the pump."""
-    pump = Pump(listeners, config=config)
+    pump = Pump(listeners, config=config, tracing=tracing)
     async with trio.open_nursery() as nursery:
         await nursery.start(pump.run)
         try:

@@ -20,6 +20,7 @@ from llm.llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from serverproc import DATA, REPO, ServerProcess, subprocess_env
@@ -160,18 +161,17 @@ async def test_echo_round_trip_is_one_trace_and_moves_the_counters():
     }
 
     spans = exporter.get_finished_spans()
-    (message,) = [s for s in spans if s.name == "message echo"]
-    chain = by_trace(spans, message.context.trace_id)
-    assert sorted(s.name for s in chain) == ["handle echo", "message echo"]
-    (handle,) = [s for s in chain if s.name == "handle echo"]
-    assert message.parent is None
-    assert parent_of(handle, chain) is message
-    assert message.attributes["agentserver.thread.id"] == thread
+    # the client's message is its trace's root span; the refused one (unknown payload)
+    # reached no handler, so it has none
+    (handle,) = [s for s in spans if s.name == "handle echo"]
+    assert by_trace(spans, handle.context.trace_id) == [handle]
+    assert handle.parent is None
+    assert handle.kind is SpanKind.SERVER
     assert handle.attributes["agentserver.listener"] == "echo"
-    # the refused message (unknown payload) got its own trace, unnamed and handled by nobody
-    (refused_span,) = [s for s in spans if s.name == "message"]
-    assert refused_span.context.trace_id != message.context.trace_id
-    assert by_trace(spans, refused_span.context.trace_id) == [refused_span]
+    assert handle.attributes["agentserver.sender"].startswith("client-")
+    hop = handle.attributes["agentserver.thread.id"]
+    assert hop != thread and len(hop) == 36  # the echo's hop under the client's thread
+    assert sorted(s.name for s in spans) == ["handle boot", "handle echo"]
 
 
 # -- an assistant task with a tool call: one trace with the GenAI spans ----------------------
@@ -221,13 +221,13 @@ async def test_assistant_task_with_a_tool_call_is_one_trace(tmp_path, monkeypatc
     assert len(model.requests) == 2
 
     spans = exporter.get_finished_spans()
-    (message,) = [s for s in spans if s.name == "message assistant"]
-    chain = by_trace(spans, message.context.trace_id)
+    (request,) = [s for s in spans if s.name == "handle assistant" and s.parent is None]
+    assert request.kind is SpanKind.SERVER  # the client's message: the root
+    chain = by_trace(spans, request.context.trace_id)
     names = sorted(s.name for s in chain)
     assert names == sorted(
         [
-            "message assistant",
-            "handle assistant",  # the task
+            "handle assistant",  # the task (intake)
             "invoke_agent assistant",  # the Turn until it suspends on the tool call
             "chat m",
             "execute_tool calculator",
@@ -237,10 +237,8 @@ async def test_assistant_task_with_a_tool_call_is_one_trace(tmp_path, monkeypatc
             "chat m",
         ]
     ), names
-    intake = parent_of(next(s for s in chain if s.name == "invoke_agent assistant"), chain)
-    assert intake.name == "handle assistant" and parent_of(intake, chain) is message
     runs = [s for s in chain if s.name == "invoke_agent assistant"]
-    assert all(parent_of(r, chain) is intake for r in runs)
+    assert all(parent_of(r, chain) is request for r in runs)
     for chat in (s for s in chain if s.name == "chat m"):
         assert parent_of(chat, chain) in runs
         a = chat.attributes
@@ -256,7 +254,9 @@ async def test_assistant_task_with_a_tool_call_is_one_trace(tmp_path, monkeypatc
     assert tool.attributes["gen_ai.tool.name"] == "calculator"
     assert tool.attributes["gen_ai.operation.name"] == "execute_tool"
     (calc,) = [s for s in chain if s.name == "handle calculator"]
-    assert parent_of(calc, chain) is tool
+    assert parent_of(calc, chain) is tool and calc.kind is SpanKind.CONSUMER
+    (answer,) = [s for s in chain if s.name == "handle assistant" and s is not request]
+    assert parent_of(answer, chain) is calc  # the tool's answer, sent by the calculator
     assert tool.attributes["gen_ai.tool.call.id"] == calc.attributes["agentserver.thread.id"]
     for run in runs:
         assert run.attributes["gen_ai.agent.name"] == "assistant"
@@ -288,20 +288,41 @@ async def test_assistant_task_with_a_tool_call_is_one_trace(tmp_path, monkeypatc
     assert value(got, "agentserver_messages_received_total", listener="calculator") == 1
 
 
-async def test_message_contents_are_recorded_only_when_opted_in():
-    tracing, _ = recording()
-    tracing = Tracing(tracing.provider, capture_content=True)
-    assert tracing.capture_content
-    assert not Tracing(None, capture_content=True).capture_content
+def test_message_contents_are_recorded_only_when_opted_in():
+    from agentserver.llm.types import Completion, Message, Usage
+
+    messages = [Message.user("what is 2+3?")]
+    done = Completion("it is 5", "m", "openai", Usage(3, 2), "stop", 0.1)
+    for opted_in in (False, True):
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        tracing = Tracing(provider, capture_content=opted_in)
+        tracing.end_chat(tracing.start_chat("m", "assistant", messages), done, "openai")
+        with tracing.execute_tool("calculator", "<add/>"):
+            pass
+        chat, tool = exporter.get_finished_spans()
+        assert chat.attributes["gen_ai.usage.output_tokens"] == 2
+        if opted_in:
+            assert "what is 2+3?" in chat.attributes["gen_ai.input.messages"]
+            assert chat.attributes["gen_ai.output.messages"] == "it is 5"
+            assert tool.attributes["gen_ai.tool.call.arguments"] == "<add/>"
+        else:
+            assert not any("messages" in k or "arguments" in k for k in chat.attributes)
+            assert "gen_ai.tool.call.arguments" not in tool.attributes
+
+
+def test_tracing_is_switched_by_the_otel_variables():
     assert not Tracing.from_environ({}).enabled  # nothing set: off, no exporter
-    assert not Tracing.from_environ(
-        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x", "OTEL_SDK_DISABLED": "true"}
-    ).enabled
-    on = Tracing.from_environ(
-        {"OTEL_TRACES_EXPORTER": "console", "AGENTSERVER_TRACE_CONTENT": "true"}
-    )
+    disabled = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_SDK_DISABLED": "true"}
+    assert not Tracing.from_environ(disabled).enabled
+    assert not Tracing.from_environ({"OTEL_TRACES_EXPORTER": "none"}).enabled
+    on = Tracing.from_environ({"OTEL_TRACES_EXPORTER": "console", "AGENTSERVER_TRACE_CONTENT": "1"})
     assert on.enabled and on.capture_content
     on.shutdown()
+    otlp = Tracing.from_environ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"})
+    assert otlp.enabled and not otlp.capture_content
+    otlp.shutdown()  # nothing was recorded: nothing is sent
 
 
 # -- logs ------------------------------------------------------------------------------------

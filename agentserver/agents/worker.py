@@ -208,7 +208,10 @@ class Worker:
                     token.agent_id, token.agent_turn_id, thread, ref.get("traceparent")
                 ),
                 structlog.contextvars.bound_contextvars(
-                    agent=token.agent_id, turn=token.agent_turn_id, thread=thread
+                    agent=token.agent_id,
+                    turn=token.agent_turn_id,
+                    thread=ref.get("hop"),
+                    caller_thread=thread,
                 ),
             ):
                 await self._steps(token, profile, reply_ref)

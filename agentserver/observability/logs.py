@@ -1,8 +1,10 @@
 """Structured logs: structlog renders every record, stdlib ``logging`` calls included.
 
-Each record carries the message chain it belongs to: ``thread`` and ``listener`` while a
-pump handler runs (read from the worker's slot, so the pump binds nothing per message),
-``agent``, ``turn`` and ``thread`` while an agent runs a Turn (bound with
+Each record carries the message chain it belongs to: ``listener``, ``thread`` (the hop the
+listener works on, as its handler's ``meta.thread_id``) and ``caller_thread`` (the
+sender's thread: a client's conversation thread) while a pump worker handles a message
+(read from the worker's slot, so the pump binds nothing per message); ``agent``, ``turn``,
+``thread`` and ``caller_thread`` while an agent runs a Turn (bound with
 :func:`structlog.contextvars.bound_contextvars`; trio gives each task its own context).
 Fields are listed in docs/operations.md.
 """
@@ -28,9 +30,12 @@ def add_chain(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, An
     slot = current_slot.get()
     if slot is not None:
         event.setdefault("listener", slot.listener)
-        delivery = slot.current
+        delivery = slot.delivery
         if delivery is not None:
-            event.setdefault("thread", delivery.thread.id)
+            thread = delivery.thread
+            event.setdefault("thread", thread.id)
+            if thread.parent is not None:
+                event.setdefault("caller_thread", thread.parent)
     return event
 
 

@@ -6,10 +6,10 @@ then checks one attribute per delivery and never calls into OpenTelemetry.
 
 Spans (see docs/operations.md):
 
-- ``message {listener}`` (SERVER): a client's message entering the pump; the root of its
-  chain's trace.
-- ``handle {listener}`` (CONSUMER): one handler call; its parent is the span that sent
-  the message (a ``message`` span, another ``handle`` span, or an agent's span).
+- ``handle {listener}``: one handler call. For a client's message (kind SERVER) it is the
+  root of the chain's trace; otherwise (CONSUMER) its parent is the span that sent the
+  message (another ``handle`` span, or an agent's span). One span per message: a span
+  costs as much as a third of a whole delivery, so the pump adds no other.
 - ``invoke_agent {agent}``: an agent running its Turn (one span per run: a Turn suspended
   on tool calls continues in a new ``invoke_agent`` span of the same trace when the
   results are in). The trace context travels with the task's durable reply reference,
@@ -45,6 +45,8 @@ _ENABLING_ENV = (
 MAX_CONTENT_CHARS = 8192
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+#: An empty context: a span started in it begins a new trace.
+_ROOT = otel_context.Context()
 
 
 class Tracing:
@@ -107,34 +109,28 @@ class Tracing:
 
     # -- the pump (called only when enabled) -----------------------------------------------
 
-    def start_message(self, sender: str) -> Span:
-        """A client's message entering the pump: a new trace (named once decoded)."""
-        span = self.tracer.start_span(
-            "message",
-            context=otel_context.Context(),  # a client's message starts a new trace
-            kind=SpanKind.SERVER,
+    def start_handle(
+        self, listener: str, parent: Span | None, sender: str, thread_id: str, from_client: bool
+    ) -> Span:
+        """The span of one handler call. A client's message has no parent span: its
+        ``handle`` span (kind SERVER) is the root of the chain's trace."""
+        if from_client or parent is None:
+            ctx, kind = _ROOT, SpanKind.SERVER
+        else:
+            ctx, kind = trace.set_span_in_context(parent), SpanKind.CONSUMER
+        # Attributes given at the start: one pass instead of a locked call per attribute.
+        return self.tracer.start_span(
+            f"handle {listener}",
+            context=ctx,
+            kind=kind,
+            attributes={
+                "agentserver.listener": listener,
+                "agentserver.sender": sender,
+                "agentserver.thread.id": thread_id,
+            },
         )
-        if span.is_recording():
-            span.set_attribute("agentserver.sender", sender)
-        return span
-
-    def name_message(self, span: Span, to: str | None, thread_id: str) -> None:
-        span.update_name(f"message {to or 'broadcast'}")
-        if span.is_recording():
-            span.set_attribute("agentserver.thread.id", thread_id)
-            if to:
-                span.set_attribute("agentserver.listener", to)
 
     current_span = staticmethod(trace.get_current_span)
-
-    def start_handle(self, listener: str, parent: Span | None, sender: str, thread_id: str) -> Span:
-        ctx = trace.set_span_in_context(parent) if parent is not None else None
-        span = self.tracer.start_span(f"handle {listener}", context=ctx, kind=SpanKind.CONSUMER)
-        if span.is_recording():
-            span.set_attribute("agentserver.listener", listener)
-            span.set_attribute("agentserver.sender", sender)
-            span.set_attribute("agentserver.thread.id", thread_id)
-        return span
 
     # -- agents --------------------------------------------------------------------------
 
@@ -154,11 +150,7 @@ class Tracing:
         if not self.enabled:
             yield trace.INVALID_SPAN
             return
-        ctx = (
-            _PROPAGATOR.extract({"traceparent": traceparent})
-            if traceparent
-            else otel_context.Context()
-        )
+        ctx = _PROPAGATOR.extract({"traceparent": traceparent}) if traceparent else _ROOT
         with self.tracer.start_as_current_span(
             f"invoke_agent {agent}", context=ctx, kind=SpanKind.INTERNAL
         ) as span:
