@@ -403,3 +403,38 @@ async def test_cli_json_logs_parse_line_by_line_and_carry_the_thread_id():
     assert "RuntimeError" in crash["exception"]
     (booted,) = [r for r in records if r["event"].startswith("organism e2e booted")]
     assert booted["listener"] == "boot" and re.fullmatch(r"[0-9a-f-]{36}", booted["thread"])
+
+
+async def test_agent_log_records_carry_the_agent_turn_and_threads(tmp_path, restore_logging):
+    from agents.agents_fakes import make_harness, task
+
+    stream = io.StringIO()
+    configure_logging("info", "json", stream)
+
+    def broken_port(request):
+        raise RuntimeError("a bug in the LLM port")
+
+    h = make_harness(tmp_path, broken_port)
+    try:
+        ref = {
+            "hop": new_thread_id(),
+            "caller_thread": new_thread_id(),
+            "chain": ["c", "assistant"],
+        }
+        await h.rt.enqueue("assistant", task("hello"), ref)
+        await h.pump()
+        (ended,) = h.task_events()
+        assert ended.status == "failed"
+    finally:
+        await h.rt.aclose()
+    records = [json.loads(line) for line in stream.getvalue().splitlines()]
+    (failed,) = [r for r in records if r["event"] == "LLM port failed"]
+    assert failed["agent"] == "assistant"
+    assert failed["turn"] == ended.agent_turn_id
+    assert failed["thread"] == ref["hop"]
+    assert failed["caller_thread"] == ref["caller_thread"]
+    assert "a bug in the LLM port" in failed["exception"]
+    # the bindings end with the Turn's run
+    import structlog
+
+    assert structlog.contextvars.get_contextvars() == {}

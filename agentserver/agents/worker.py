@@ -196,37 +196,39 @@ class Worker:
 
     # -- the Turn -----------------------------------------------------------------------
     async def _run_turn(self, token: TurnToken, profile: AgentProfile) -> None:
-        try:
-            ref_json = await self.store.turn_reply_ref(token)
-            reply_ref: ReplyRef = json.loads(ref_json) if ref_json else None
-            ref = reply_ref if isinstance(reply_ref, dict) else {}
-            thread = ref.get("caller_thread")
-            # One span and one set of log fields per run of the Turn; the trace context
-            # came with the task (see bridge.agent_handler), so it survives a restart.
-            with (
-                self.tracing.invoke_agent(
-                    token.agent_id, token.agent_turn_id, thread, ref.get("traceparent")
-                ),
-                structlog.contextvars.bound_contextvars(
-                    agent=token.agent_id,
-                    turn=token.agent_turn_id,
-                    thread=ref.get("hop"),
-                    caller_thread=thread,
-                ),
-            ):
-                await self._steps(token, profile, reply_ref)
-        except StaleTurn:
-            log.info("turn %s of %s moved on; dropping it", token.agent_turn_id, token.agent_id)
-        except trio.Cancelled:
-            raise
-        except Exception as exc:
-            log.exception("turn %s of %s failed", token.agent_turn_id, token.agent_id)
+        # Every log record of this run names the agent and Turn (and, once read from the
+        # task's reference, its threads).
+        with structlog.contextvars.bound_contextvars(
+            agent=token.agent_id, turn=token.agent_turn_id
+        ):
             try:
-                await self._finish(
-                    token, profile, TaskStatus.FAILED, f"internal error: {type(exc).__name__}"
-                )
+                ref_json = await self.store.turn_reply_ref(token)
+                reply_ref: ReplyRef = json.loads(ref_json) if ref_json else None
+                ref = reply_ref if isinstance(reply_ref, dict) else {}
+                thread = ref.get("caller_thread")
+                # One span per run of the Turn; the trace context came with the task
+                # (see bridge.agent_handler), so it survives a restart.
+                with (
+                    self.tracing.invoke_agent(
+                        token.agent_id, token.agent_turn_id, thread, ref.get("traceparent")
+                    ),
+                    structlog.contextvars.bound_contextvars(
+                        thread=ref.get("hop"), caller_thread=thread
+                    ),
+                ):
+                    await self._steps(token, profile, reply_ref)
             except StaleTurn:
-                pass
+                log.info("turn %s of %s moved on; dropping it", token.agent_turn_id, token.agent_id)
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                log.exception("turn %s of %s failed", token.agent_turn_id, token.agent_id)
+                try:
+                    await self._finish(
+                        token, profile, TaskStatus.FAILED, f"internal error: {type(exc).__name__}"
+                    )
+                except StaleTurn:
+                    pass
 
     async def _steps(self, token: TurnToken, profile: AgentProfile, reply_ref: ReplyRef) -> None:
         """Take steps until the Turn suspends or ends. Raises StaleTurn when fenced out."""
