@@ -438,3 +438,37 @@ async def test_agent_log_records_carry_the_agent_turn_and_threads(tmp_path, rest
     import structlog
 
     assert structlog.contextvars.get_contextvars() == {}
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.002])
+async def test_handler_durations_stand_for_every_call(pause):
+    """Fast handlers are timed one call in 16, each timing counting for the calls it
+    stands for: the histogram's count is the calls up to the last timed one."""
+    from lxml import etree
+
+    from agentserver.envelope import build_envelope
+
+    async def answer(payload: Ping, meta) -> HandlerResponse:
+        if pause:
+            await trio.sleep(pause)
+        return HandlerResponse.respond(Pong(text=payload.text))
+
+    n = 40
+    listener = Listener("answer", (Ping,), answer, responses=(Pong,), concurrency=1)
+    async with open_pump([listener]) as pump:
+        ep = pump.open_endpoint("tester")
+        for _ in range(n):
+            envelope = build_envelope(
+                "tester", "answer", new_thread_id(), Ping(text="x").to_xml_tree()
+            )
+            await ep.send(etree.tostring(envelope))
+        with trio.fail_after(10):
+            for _ in range(n):
+                await ep.receive()
+        hist = pump.handler_latency()["answer"]
+        ep.close()
+    count = hist.buckets()[-1][1]
+    assert n - 16 < count <= n
+    if pause:
+        assert count == n  # every slow call is timed
+        assert hist.total >= n * pause

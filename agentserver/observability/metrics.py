@@ -65,7 +65,9 @@ _BREAKER_STATES = ("closed", "open", "half_open")
 
 class LatencyHistogram:
     """A histogram cheap enough for the pump's per-message path: no lock (trio runs the
-    pump on one thread), one bisect per observation. Read by :class:`_PumpCollector`."""
+    pump on one thread), one bisect per observation. An observation may stand for
+    ``weight`` calls (the pump times fast handlers one call in several). Read by
+    :class:`_PumpCollector`."""
 
     __slots__ = ("bounds", "counts", "total")
 
@@ -74,9 +76,9 @@ class LatencyHistogram:
         self.counts = [0] * (len(bounds) + 1)
         self.total = 0.0
 
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        self.total += seconds
+    def observe(self, seconds: float, weight: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += weight
+        self.total += seconds * weight
 
     def buckets(self) -> list[tuple[str, int]]:
         """Cumulative ``(le, count)`` pairs, ``+Inf`` last."""
