@@ -472,3 +472,51 @@ async def test_handler_durations_stand_for_every_call(pause):
     if pause:
         assert count == n  # every slow call is timed
         assert hist.total >= n * pause
+
+
+def test_spans_are_exported_with_otlp_to_the_endpoint_of_the_environment():
+    """A collector fake on loopback (real HTTP) receives the spans as OTLP/protobuf."""
+    import http.server
+    import threading
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    received: list[tuple[str, str, bytes]] = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.path, self.headers["Content-Type"], body))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Collector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        tracing = Tracing.from_environ({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint})
+        assert tracing.enabled
+        with tracing.invoke_agent("assistant", "turn-1", "conv-1", None):
+            pass
+        tracing.shutdown()  # flushes the batch
+    finally:
+        server.shutdown()
+        server.server_close()
+    ((path, content_type, body),) = received
+    assert path == "/v1/traces" and content_type == "application/x-protobuf"
+    request = ExportTraceServiceRequest.FromString(body)
+    (resource_spans,) = request.resource_spans
+    service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+    assert service["service.name"] == "agentserver"
+    (span,) = resource_spans.scope_spans[0].spans
+    assert span.name == "invoke_agent assistant"
+    attributes = {a.key: a.value.string_value for a in span.attributes}
+    assert attributes["gen_ai.conversation.id"] == "conv-1"

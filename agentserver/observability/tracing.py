@@ -95,7 +95,19 @@ class Tracing:
             except ImportError:
                 log.warning("the OTLP exporter is not installed: tracing is off")
                 return cls()
-            exporter = OTLPSpanExporter()
+            protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get(
+                "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
+            )
+            if protocol != "http/protobuf":
+                log.warning(
+                    "OTLP protocol %s is not supported: exporting with http/protobuf", protocol
+                )
+            endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            if not endpoint and environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+                endpoint = environ["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
+            # The endpoint from ``environ`` (the server's); headers, timeout, compression
+            # and certificates the exporter reads from the process environment itself.
+            exporter = OTLPSpanExporter(endpoint=endpoint or None)
         service = environ.get("OTEL_SERVICE_NAME") or "agentserver"
         provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service}))
         provider.add_span_processor(BatchSpanProcessor(exporter))
