@@ -520,3 +520,23 @@ def test_spans_are_exported_with_otlp_to_the_endpoint_of_the_environment():
     assert span.name == "invoke_agent assistant"
     attributes = {a.key: a.value.string_value for a in span.attributes}
     assert attributes["gen_ai.conversation.id"] == "conv-1"
+
+
+def test_log_format_is_text_on_a_terminal_and_json_otherwise(restore_logging):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal, pipe = Terminal(), io.StringIO()
+    assert configure_logging("warning", None, terminal) == "text"
+    logging.getLogger("tests.fmt").warning("disk %s is full", "sda")
+    logging.getLogger("tests.fmt").info("not shown below warning")
+    (line,) = terminal.getvalue().splitlines()
+    assert "disk sda is full" in line and "warning" in line
+    assert not line.startswith("{")
+    assert configure_logging("warning", None, pipe) == "json"
+    logging.getLogger("tests.fmt").warning("disk %s is full", "sdb")
+    (record,) = [json.loads(line) for line in pipe.getvalue().splitlines()]
+    assert record["event"] == "disk sdb is full" and record["logger"] == "tests.fmt"
+    with pytest.raises(ValueError):
+        configure_logging("info", "xml", pipe)
