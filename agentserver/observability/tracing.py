@@ -9,7 +9,7 @@ Spans (see docs/operations.md):
 - ``handle {listener}``: one handler call. For a client's message (kind SERVER) it is the
   root of the chain's trace; otherwise (CONSUMER) its parent is the span that sent the
   message (another ``handle`` span, or an agent's span). One span per message: a span
-  costs as much as a third of a whole delivery, so the pump adds no other.
+  costs about half of a whole echo delivery, so the pump adds no other.
 - ``invoke_agent {agent}``: an agent running its Turn (one span per run: a Turn suspended
   on tool calls continues in a new ``invoke_agent`` span of the same trace when the
   results are in). The trace context travels with the task's durable reply reference,
