@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from agentserver.builtins import RunContext, build_listeners
 from agentserver.errors import ConfigurationError
 from agentserver.handshake import Credential, HelloGate
+from agentserver.observability import Metrics, Tracing
 from agentserver.pump import Pump
 from agentserver.server import Server, format_address
 from agentserver.tls import CertificateRule, normalize_fingerprint, parse_subject
@@ -112,6 +113,7 @@ async def run_server(
     on_listening: Callable[[list[str]], None] | None = None,
     on_http: Callable[[list[str]], None] | None = None,
     registry: CollectorRegistry | None = None,
+    tracing: Tracing | None = None,
 ) -> None:
     """Run ``topology`` until ``shutdown`` is set, then shut down cleanly: stop accepting,
     let in-flight work drain (``drain_timeout``), flush and close connections, close the
@@ -120,7 +122,9 @@ async def run_server(
 
     With ``<http>`` (or ``options.http_port``) the HTTP API is served too, before the
     socket, and ``on_http`` gets its URLs. ``registry`` is the Prometheus registry
-    ``/metrics`` serves (a new one by default): subsystems register their metrics in it."""
+    ``/metrics`` serves and the server's metrics are registered in (a new one by
+    default); ``tracing`` defaults to what the ``OTEL_*`` variables of ``environ`` ask
+    for."""
     if registry is None:
         registry = CollectorRegistry()
     host = options.host or topology.host
@@ -146,11 +150,16 @@ async def run_server(
         from agentserver.tls import server_context
 
         ssl_context = server_context(topology.tls, environ)  # TlsError is a ConfigurationError
+    # -- observability (traces, metrics) --
+    if tracing is None:
+        tracing = Tracing.from_environ(environ)
+        ctx.resources.callback(tracing.shutdown)
+    metrics = Metrics(registry)
     listeners = build_listeners(topology, ctx)
     config = topology.pump_config()
     if options.explain_refusals:
         config = dataclasses.replace(config, explain_refusals=True)
-    pump = Pump(listeners, config=config)
+    pump = Pump(listeners, config=config, tracing=tracing)
     server = Server(
         pump,
         topology.limits,
@@ -162,6 +171,8 @@ async def run_server(
             for c in topology.clients
         },
     )
+    # The server keeps no public count (yet): read its set of connections at scrape time.
+    metrics.bind_pump(pump, lambda: len(server._connections))
     async with ctx.resources:
         async with trio.open_nursery() as nursery:
             await nursery.start(pump.run)
@@ -174,6 +185,8 @@ async def run_server(
                 nursery,
                 ctx.resources,
                 environ=environ,
+                tracing=tracing,
+                metrics=metrics,
             )
             if agents is not None:
                 server.named_clients = agents.ports.clients

@@ -24,6 +24,7 @@ import trio
 from agentserver import boot
 from agentserver.bundled import BOOT_XML
 from agentserver.errors import ConfigurationError, HuhReason, InputRefused, sole_exception
+from agentserver.observability.logs import LOG_FORMATS, configure_logging
 from agentserver.threads import is_uuid4
 from agentserver.topology import DEFAULT_HTTP_PORT, DEFAULT_PORT
 from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
@@ -93,9 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
         "warning otherwise)"
     )
     parser.add_argument("--log-level", choices=levels, help=level_help)
+    format_help = (
+        "log format on standard error: text (human) or json (one object per line); "
+        "default: text on a terminal, json otherwise"
+    )
+    parser.add_argument("--log-format", choices=LOG_FORMATS, help=format_help)
     # Also accepted after the command; SUPPRESS keeps a value given before it.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", choices=levels, default=argparse.SUPPRESS, help=level_help)
+    common.add_argument(
+        "--log-format", choices=LOG_FORMATS, default=argparse.SUPPRESS, help=format_help
+    )
     # What the commands that talk to a running server share.
     remote = argparse.ArgumentParser(add_help=False)
     remote.add_argument(
@@ -319,11 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check" and args.boot is None:
         print(f"check needs BOOT (or ${BOOT_ENV})", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(
-        level=level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(level, args.log_format, sys.stderr)
     handler = {
         "run": cmd_run,
         "send": cmd_send,
@@ -450,11 +455,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from agentserver.terminal import logs_above_prompt, make_terminal
 
     name, result = load_boot_for_run(args.boot)
-    _print_problems(result)
     topology = result.topology
     if topology is None:
+        _print_problems(result)
         print(f"{name}: not started: fix the errors above", file=sys.stderr)
         return EXIT_FAILED
+    for problem in result.problems:
+        # Logged, not printed: with --log-format json every line on stderr stays one object.
+        log.warning("%s", problem)
     if args.console:
         reachable = set(console_listener_names(topology)) & set(topology.boot_listener.peers)
         if not reachable:

@@ -27,6 +27,7 @@ import enum
 import functools
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -57,6 +58,9 @@ from agentserver.listener import (
     to_element,
 )
 from agentserver.namespaces import CORE_NS
+from agentserver.observability.logs import current_slot
+from agentserver.observability.metrics import LatencyHistogram
+from agentserver.observability.tracing import Tracing, attach, detach, record_error
 from agentserver.payloads import PayloadRegistry, PayloadType
 from agentserver.primitives.core import CORE_MODELS, SystemErrorPayload, primitive_for
 from agentserver.routing import RoutingTable, SelfCall
@@ -79,6 +83,10 @@ SYSTEM = "system"
 MAX_STRIKES = 3
 #: A worker yields to the scheduler at least every this many back-to-back deliveries.
 _YIELD_EVERY = 16
+#: Handler calls shorter than this are timed (for the metrics) one in ``_TIME_EVERY``:
+#: a clock read costs about 0.5 µs here, a fast handler's whole delivery about 30 µs.
+_SLOW_HANDLER = 0.001
+_TIME_EVERY = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,14 +147,20 @@ class _Delivery:
     response_thread: str | None
     #: The bytes as received from an endpoint (for ``original-attempt``), else None.
     original: bytes | None
+    #: The span that sent it (tracing on only): the parent of its ``handle`` span.
+    trace: object = None
 
 
 class _Slot:
     """A worker's bookkeeping, read by the deadline monitor."""
 
-    __slots__ = ("current", "deadline", "expired", "scope")
+    __slots__ = ("current", "deadline", "delivery", "expired", "listener", "scope")
 
-    def __init__(self) -> None:
+    def __init__(self, listener: str) -> None:
+        #: The listener and the delivery being (or last) handled: log records of this
+        #: worker's task name them (``observability.logs.add_chain``).
+        self.listener = listener
+        self.delivery: _Delivery | None = None
         self.current: _Delivery | None = None
         self.deadline = math.inf
         self.expired: _Delivery | None = None
@@ -215,6 +229,7 @@ class _Waiters:
 class _Runtime:
     __slots__ = (
         "handled",
+        "latency",
         "listener",
         "receive",
         "send",
@@ -232,6 +247,7 @@ class _Runtime:
         self.send, self.receive = trio.open_memory_channel[_Delivery](listener.queue_size)
         self.waiters = _Waiters()
         self.handled = 0
+        self.latency = LatencyHistogram()
         self.slots: list[_Slot] = []
 
 
@@ -239,9 +255,16 @@ class Pump:
     """Register listeners, then ``await nursery.start(pump.run)`` (or use :func:`open_pump`)."""
 
     def __init__(
-        self, listeners: Iterable[Listener] = (), *, config: PumpConfig | None = None
+        self,
+        listeners: Iterable[Listener] = (),
+        *,
+        config: PumpConfig | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config or PumpConfig()
+        self.tracing = tracing or Tracing()
+        #: None when tracing is off: the hot paths test this one attribute.
+        self._tracer = self.tracing if self.tracing.enabled else None
         if not NAME_RE.match(self.config.organism):
             raise ConfigurationError(f"organism name {self.config.organism!r}: use [a-z0-9_-]")
         self.payloads = PayloadRegistry()
@@ -270,7 +293,10 @@ class Pump:
             "timeouts": 0,
             "dropped": 0,
             "self_calls": 0,
+            "sent": 0,
         }
+        #: Refusals by (listener or endpoint refused, reason): for the metrics.
+        self.refusals: collections.Counter[tuple[str, str]] = collections.Counter()
         for listener in listeners:
             self.register(listener)
 
@@ -377,6 +403,15 @@ class Pump:
             "handled": {n: rt.handled for n, rt in self._runtimes.items()},
             **self.counters,
         }
+
+    def handler_latency(self) -> dict[str, LatencyHistogram]:
+        """Each listener's handler durations (for the metrics)."""
+        return {n: rt.latency for n, rt in self._runtimes.items()}
+
+    def _count_refusal(self, name: str, refusal: Refusal) -> None:
+        self.counters["refused"] += 1
+        reason = getattr(refusal, "reason", None) or getattr(refusal, "code", None)
+        self.refusals[name, getattr(reason, "value", str(reason))] += 1
 
     async def _expirer(self) -> None:
         while True:
@@ -508,7 +543,7 @@ class Pump:
     def _answer_endpoint(
         self, endpoint: Endpoint, thread_id: str, refusal: Refusal, original: bytes
     ) -> None:
-        self.counters["refused"] += 1
+        self._count_refusal(endpoint.name, refusal)
         log.info("refused message from %s: %s", endpoint.name, refusal)
         endpoint.push(encode(SYSTEM, endpoint.name, thread_id, self._primitive(refusal, original)))
 
@@ -650,6 +685,8 @@ class Pump:
         rt = self._runtimes[target]
         if rt.waiters:
             return False
+        if self._tracer is not None:
+            delivery.trace = self._tracer.current_span()
         try:
             rt.send.send_nowait(delivery)
         except trio.WouldBlock:
@@ -667,6 +704,8 @@ class Pump:
             raise DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True, detail="closed")
         self._inflight += 1
         delivery.thread.pending += 1
+        if self._tracer is not None:
+            delivery.trace = self._tracer.current_span()
         try:
             deadline = trio.current_time() + self.config.delivery_timeout
             if await rt.waiters.wait(delivery, deadline):
@@ -716,7 +755,9 @@ class Pump:
         self, endpoint: Endpoint, from_id: str, thread_id: str, payload: etree._Element
     ) -> None:
         """Send a validated payload to an endpoint (never waits; counted if dropped)."""
-        if not endpoint.push(encode(from_id, endpoint.name, thread_id, payload)):
+        if endpoint.push(encode(from_id, endpoint.name, thread_id, payload)):
+            self.counters["sent"] += 1
+        else:
             self.counters["dropped"] += 1
 
     # -- handlers ------------------------------------------------------------------------
@@ -726,7 +767,8 @@ class Pump:
         cancelled by :meth:`_deadline_monitor` through this slot's cancel scope; the slot
         then answers the caller with a timeout and starts over in a fresh scope. (A cancel
         scope per call would cost more than the rest of a delivery.)"""
-        slot = _Slot()
+        slot = _Slot(rt.listener.name)
+        current_slot.set(slot)  # this task's log records name the delivery it handles
         while True:
             with trio.CancelScope() as scope:
                 slot.scope = scope
@@ -755,7 +797,11 @@ class Pump:
         """Take deliveries off the listener's queue and run the handler on each.
 
         The whole of a delivery runs inline here (no coroutine per step): this loop is the
-        pump's hot path. Nothing reads the clock per message; see :meth:`_deadline_monitor`.
+        pump's hot path. Nothing reads the clock per message (see
+        :meth:`_deadline_monitor`): a handler's duration, for the metrics, is measured for
+        every call after a slow one (``_SLOW_HANDLER``) but only one call in
+        ``_TIME_EVERY`` after a fast one, that observation then counting for the calls
+        skipped. With tracing on, the delivery runs in its ``handle`` span.
         """
         receive = rt.receive
         waiters = rt.waiters
@@ -765,6 +811,11 @@ class Pump:
         unreadable = rt.unreadable
         threads = self.threads
         counters = self.counters
+        latency = rt.latency
+        perf_counter = time.perf_counter
+        skip, weight = 0, 1  # handler calls not to time; the weight of the next timing
+        tracer = self._tracer
+        span = token = None
         streak = 0
         while True:
             try:
@@ -786,6 +837,12 @@ class Pump:
             # The delivery stays pending on its thread until its outputs are out, so the
             # thread cannot be finished (by a call of it ending) while its handler runs.
             thread = d.thread
+            slot.delivery = d
+            if tracer is not None:
+                span = tracer.start_handle(
+                    listener.name, d.trace, d.from_id, thread.id, d.original is not None
+                )
+                token = attach(span)
             try:
                 if threads.get(thread.id) is not thread:
                     counters["dropped"] += 1
@@ -813,18 +870,32 @@ class Pump:
                     payload = d.payload if raw else d.ptype.model.from_xml_tree(d.payload)
                     slot.deadline = math.inf  # the monitor starts the clock at its next tick
                     slot.current = d
+                    timed = not skip
+                    if timed:
+                        started = perf_counter()
+                    else:
+                        skip -= 1
                     try:
                         result = await handler(payload, meta)
                     finally:
                         slot.current = None
+                        if timed:
+                            elapsed = perf_counter() - started
+                            latency.observe(elapsed, weight)
+                            weight = 1 if elapsed >= _SLOW_HANDLER else _TIME_EVERY
+                            skip = weight - 1
                 except trio.Cancelled:
                     if slot.expired is None:
                         # Shutdown, not a timeout: tell an external caller now, synchronously.
                         self._refuse_sync(
                             thread, DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True)
                         )
+                    elif span is not None:
+                        record_error(span, "timeout")
                     raise
                 except Exception as exc:
+                    if span is not None:
+                        record_error(span, type(exc).__name__)
                     counters["handler_errors"] += 1
                     log.exception("%s: handler raised on %s", listener.name, thread.dotted)
                     reason = f"{listener.name}: handler raised {type(exc).__name__}: {exc}"
@@ -840,6 +911,10 @@ class Pump:
                 thread.pending -= 1
                 rt.handled += 1
                 self._done()
+                if span is not None:
+                    detach(token)
+                    span.end()
+                    span = None
             if not (thread.children or thread.pins or thread.pending):
                 # Nothing can reach this thread any more (it answered, or its chain ended).
                 self._settle(thread)
@@ -990,7 +1065,7 @@ class Pump:
         self, listener: Listener, thread: ThreadRecord, refusal: Refusal, element: etree._Element
     ) -> None:
         """Return a refused output to its sender, on the sender's thread."""
-        self.counters["refused"] += 1
+        self._count_refusal(listener.name, refusal)
         log.info("%s: output refused on %s: %s", listener.name, thread.dotted, refusal)
         if self.threads.get(thread.id) is not thread:
             return
@@ -1078,7 +1153,7 @@ class Pump:
             return
         endpoint = self._endpoints.get(parent.owner)
         if endpoint is not None:
-            self.counters["refused"] += 1
+            self._count_refusal(endpoint.name, refusal)
             endpoint.push(encode(SYSTEM, endpoint.name, parent.id, self._primitive(refusal)))
 
     def _refuse_leftovers(self) -> None:
@@ -1098,10 +1173,13 @@ class Pump:
 
 @asynccontextmanager
 async def open_pump(
-    listeners: Iterable[Listener] = (), *, config: PumpConfig | None = None
+    listeners: Iterable[Listener] = (),
+    *,
+    config: PumpConfig | None = None,
+    tracing: Tracing | None = None,
 ) -> AsyncIterator[Pump]:
     """Run a pump for the duration of the block; leaving it drains and closes the pump."""
-    pump = Pump(listeners, config=config)
+    pump = Pump(listeners, config=config, tracing=tracing)
     async with trio.open_nursery() as nursery:
         await nursery.start(pump.run)
         try:

@@ -6,7 +6,10 @@ pump: bytes → parse → validate envelope and payload → route → the built-
 bare: the same message through parse → validate envelope and payload → C14N → serialise,
       in a plain loop.
 
-Usage: python bench/pump.py [--messages N] [--rounds R] [--text-bytes B] [--floor]
+traced: the pump with tracing on (--tracing; needs the OpenTelemetry SDK): every message
+      gets its span (``handle``), kept by an in-memory exporter.
+
+Usage: python bench/pump.py [--messages N] [--rounds R] [--text-bytes B] [--floor] [--tracing]
 The last line printed is one JSON object with the figures.
 """
 
@@ -23,6 +26,7 @@ from agentserver.envelope import build_envelope, load_envelope_schema
 from agentserver.listener import Listener
 from agentserver.listeners.echo import Ping, Pong
 from agentserver.listeners.echo import handle as echo
+from agentserver.observability import Tracing
 from agentserver.payloads import PayloadType
 from agentserver.pump import PumpConfig, open_pump
 from agentserver.xmlsafe import SafeParser, canonicalize
@@ -55,13 +59,25 @@ def bare_loop(data: bytes, n: int) -> float:
     return n / elapsed
 
 
-async def pump_run(data: bytes, n: int) -> float:
+def memory_tracing():
+    """Tracing on, spans exported to memory (what the tracing figure measures)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=1 << 20))
+    return Tracing(provider), exporter
+
+
+async def pump_run(data: bytes, n: int, tracing: Tracing | None = None) -> float:
     listener = Listener(
         "echo", (Ping,), echo, responses=(Pong,), raw=True, concurrency=4, queue_size=256
     )
     # Room for every reply: the reader may fall behind the pump (it only counts them).
     config = PumpConfig(endpoint_buffer=n + 16, endpoint_buffer_bytes=n * (2 * len(data) + 512))
-    async with open_pump([listener], config=config) as pump:
+    async with open_pump([listener], config=config, tracing=tracing) as pump:
         ep = pump.open_endpoint("bench")
         got = 0
         last = b""
@@ -165,14 +181,28 @@ def main() -> None:
         action="store_true",
         help="also measure the same XML work through a minimal trio pipeline (see floor_run)",
     )
+    ap.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also run the pump with tracing on (OpenTelemetry SDK, spans kept in memory)",
+    )
     args = ap.parse_args()
     data = message(args.text_bytes)
     print(f"message: {len(data)} bytes; {args.messages:,} messages per run")
-    rates: dict[str, list[float]] = {"pump": [], "bare": [], "floor": []}
+    rates: dict[str, list[float]] = {"pump": [], "bare": [], "floor": [], "traced": []}
+    spans = 0
     for r in range(args.rounds):
         rates["bare"].append(bare_loop(data, args.messages))
         rates["pump"].append(trio.run(pump_run, data, args.messages))
         line = f"pump {rates['pump'][-1]:,.0f} msg/s, bare {rates['bare'][-1]:,.0f} msg/s"
+        if args.tracing:
+            tracing, exporter = memory_tracing()
+            rates["traced"].append(trio.run(pump_run, data, args.messages, tracing))
+            tracing.shutdown()  # flushes the batch processor
+            spans = len(exporter.get_finished_spans())
+            if spans != args.messages:  # one handle span per message
+                raise AssertionError(f"tracing on recorded {spans} spans")
+            line += f", traced {rates['traced'][-1]:,.0f} msg/s"
         if args.floor:
             rates["floor"].append(trio.run(floor_run, data, args.messages))
             line += f", floor {rates['floor'][-1]:,.0f} msg/s"
@@ -188,6 +218,13 @@ def main() -> None:
         figures["floor_msgs_per_s"] = round(floor_best)
         figures["floor_ratio"] = round(floor_best / bare_best, 3)
         print(f"floor {floor_best:,.0f} msg/s: ratio {floor_best / bare_best:.2f}")
+    if args.tracing:
+        traced_best = max(rates["traced"])
+        cost = 1 - traced_best / pump_best
+        figures["traced_msgs_per_s"] = round(traced_best)
+        figures["tracing_on_cost"] = round(cost, 3)
+        figures["spans_per_run"] = spans
+        print(f"tracing on: {traced_best:,.0f} msg/s, {cost:.1%} below tracing off (target < 25%)")
     figures.update(
         pump_msgs_per_s=round(pump_best),
         baseline_msgs_per_s=round(bare_best),

@@ -146,10 +146,13 @@ def agent_handler(
             log.info("%s: system notice on %s ignored", name, meta.thread_id)
             return None
         ref = pump.hold(meta.thread_id)
+        reply_ref = ports.reply_ref(ref) if ports is not None else ref.to_json()
+        traceparent = pump.tracing.traceparent()
+        if traceparent is not None:
+            # Stored with the task: its Turn joins this trace, even after a restart.
+            reply_ref["traceparent"] = traceparent
         try:
-            await runtime.enqueue(
-                name, payload, ports.reply_ref(ref) if ports is not None else ref.to_json()
-            )
+            await runtime.enqueue(name, payload, reply_ref)
         except BaseException:
             pump.release(meta.thread_id)
             raise

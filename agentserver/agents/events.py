@@ -10,7 +10,7 @@ per Turn; a slow subscriber can still miss it (and can reread the deliverable ca
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -103,7 +103,13 @@ class EventBus:
 
     def __init__(self, max_subscribers: int = 64) -> None:
         self._subscribers: set[Subscription] = set()
+        self._observers: list[Callable[[Event], None]] = []
         self.max_subscribers = max_subscribers
+
+    def observe(self, callback: Callable[[Event], None]) -> None:
+        """Call ``callback`` with every event, synchronously (e.g. to count them for the
+        metrics). It must be quick and must not raise."""
+        self._observers.append(callback)
 
     def subscribe(self, capacity: int = 1024) -> Subscription:
         """Open a subscription buffering up to ``capacity`` events (must be finite)."""
@@ -117,5 +123,7 @@ class EventBus:
 
     def publish(self, event: Event) -> None:
         """Offer ``event`` to every subscriber; never blocks."""
+        for callback in self._observers:
+            callback(event)
         for sub in tuple(self._subscribers):
             sub._offer(event)

@@ -24,6 +24,7 @@ from agentserver.agents.sqlite_store import SqliteAgentStore
 from agentserver.agents.store import AgentStore, TaskStatus
 from agentserver.agents.watchdog import Watchdog
 from agentserver.agents.worker import Worker
+from agentserver.observability.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class AgentRuntime:
         settings: StoreSettings,
         clock: Clock | None = None,
         events: EventBus | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.store = store
         self.profiles = dict(profiles)
@@ -57,7 +59,12 @@ class AgentRuntime:
             store, self.profiles, replies, self.events, self.doorbell, settings.reply_max_attempts
         )
         self.worker = Worker(
-            ender=self.ender, llm=llm, tools=tools, clock=self.clock, settings=settings
+            ender=self.ender,
+            llm=llm,
+            tools=tools,
+            clock=self.clock,
+            settings=settings,
+            tracing=tracing,
         )
         self.watchdog = Watchdog(ender=self.ender, settings=settings)
 
@@ -71,6 +78,7 @@ class AgentRuntime:
         tools: ToolPort,
         replies: ReplyPort,
         clock: Clock | None = None,
+        tracing: Tracing | None = None,
     ) -> AgentRuntime:
         """Open the SQLite store at ``settings.path`` (created/migrated) and wire everything."""
         clock = clock or SystemClock()
@@ -83,6 +91,7 @@ class AgentRuntime:
             replies=replies,
             settings=settings,
             clock=clock,
+            tracing=tracing,
         )
 
     # -- intake (from the pump handlers) ---------------------------------------------

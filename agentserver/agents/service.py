@@ -29,6 +29,7 @@ from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile import AgentProfile
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.listener import Handler, HandlerMetadata
+from agentserver.observability import LLMTelemetry, Metrics, Tracing
 from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
 from agentserver.pump import Pump
 from agentserver.topology import Topology
@@ -124,13 +125,24 @@ def build_profiles(
 
 
 async def open_llm(
-    topology: Topology, resources: contextlib.AsyncExitStack, environ: Mapping[str, str]
+    topology: Topology,
+    resources: contextlib.AsyncExitStack,
+    environ: Mapping[str, str],
+    *,
+    tracing: Tracing | None = None,
+    metrics: Metrics | None = None,
 ) -> LLMPort:
     if topology.llm is None:
         return NoLLM()
     from agentserver.llm import Router, parse_llm_section
 
-    router = Router(parse_llm_section(topology.llm, environ=environ), environ=environ)
+    config = parse_llm_section(topology.llm, environ=environ)
+    telemetry = LLMTelemetry(
+        tracing or Tracing(), metrics, {b.name: b.provider.value for b in config.backends}
+    )
+    router = Router(config, environ=environ, telemetry=telemetry)
+    if metrics is not None:
+        metrics.bind_router(router)
     await resources.enter_async_context(router)
     for backend, reason in router.skipped.items():
         log.warning("LLM backend %s skipped: %s", backend, reason)
@@ -145,6 +157,8 @@ async def start_agents(
     resources: contextlib.AsyncExitStack,
     *,
     environ: Mapping[str, str] | None = None,
+    tracing: Tracing | None = None,
+    metrics: Metrics | None = None,
 ) -> AgentService | None:
     """Open the store and router, bind the agent listeners and start the runtime in
     ``nursery``. Call once the pump runs. Returns None if the topology has no agents."""
@@ -153,9 +167,13 @@ async def start_agents(
     env = os.environ if environ is None else environ
     settings = store_settings_from_element(topology.store, base_dir=Path.cwd())
     profiles = build_profiles(topology, pump, env)
-    llm = await open_llm(topology, resources, env)
+    llm = await open_llm(topology, resources, env, tracing=tracing, metrics=metrics)
     ports = PumpPorts(pump, named_clients=[c.name for c in topology.clients])
-    runtime = AgentRuntime.open(settings, profiles, llm=llm, tools=ports, replies=ports)
+    runtime = AgentRuntime.open(
+        settings, profiles, llm=llm, tools=ports, replies=ports, tracing=tracing
+    )
+    if metrics is not None:
+        runtime.events.observe(metrics.bind_agents())
     resources.push_async_callback(runtime.aclose)
     ports.attach(runtime.store)
     for name in profiles:

@@ -20,8 +20,10 @@ import json
 import logging
 from collections.abc import Mapping
 
+import structlog
 import trio
 from lxml import etree
+from opentelemetry import trace
 
 from agentserver.agents.answer import answer_bytes
 from agentserver.agents.clock import Clock
@@ -60,6 +62,7 @@ from agentserver.agents.store import (
     TurnToken,
 )
 from agentserver.agents.submit import evaluate_submit, usage_text
+from agentserver.observability.tracing import Tracing, record_error
 from agentserver.usage import RESPOND_WARNING
 from agentserver.xmlsafe import SafeParser
 
@@ -77,7 +80,9 @@ class Worker:
         tools: ToolPort,
         clock: Clock,
         settings: StoreSettings,
+        tracing: Tracing | None = None,
     ) -> None:
+        self.tracing = tracing or Tracing()
         self.store = ender.store
         self.profiles = ender.profiles
         self.events = ender.events
@@ -191,25 +196,42 @@ class Worker:
 
     # -- the Turn -----------------------------------------------------------------------
     async def _run_turn(self, token: TurnToken, profile: AgentProfile) -> None:
-        try:
-            await self._steps(token, profile)
-        except StaleTurn:
-            log.info("turn %s of %s moved on; dropping it", token.agent_turn_id, token.agent_id)
-        except trio.Cancelled:
-            raise
-        except Exception as exc:
-            log.exception("turn %s of %s failed", token.agent_turn_id, token.agent_id)
+        # Every log record of this run names the agent and Turn (and, once read from the
+        # task's reference, its threads).
+        with structlog.contextvars.bound_contextvars(
+            agent=token.agent_id, turn=token.agent_turn_id
+        ):
             try:
-                await self._finish(
-                    token, profile, TaskStatus.FAILED, f"internal error: {type(exc).__name__}"
-                )
+                ref_json = await self.store.turn_reply_ref(token)
+                reply_ref: ReplyRef = json.loads(ref_json) if ref_json else None
+                ref = reply_ref if isinstance(reply_ref, dict) else {}
+                thread = ref.get("caller_thread")
+                # One span per run of the Turn; the trace context came with the task
+                # (see bridge.agent_handler), so it survives a restart.
+                with (
+                    self.tracing.invoke_agent(
+                        token.agent_id, token.agent_turn_id, thread, ref.get("traceparent")
+                    ),
+                    structlog.contextvars.bound_contextvars(
+                        thread=ref.get("hop"), caller_thread=thread
+                    ),
+                ):
+                    await self._steps(token, profile, reply_ref)
             except StaleTurn:
-                pass
+                log.info("turn %s of %s moved on; dropping it", token.agent_turn_id, token.agent_id)
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                log.exception("turn %s of %s failed", token.agent_turn_id, token.agent_id)
+                try:
+                    await self._finish(
+                        token, profile, TaskStatus.FAILED, f"internal error: {type(exc).__name__}"
+                    )
+                except StaleTurn:
+                    pass
 
-    async def _steps(self, token: TurnToken, profile: AgentProfile) -> None:
+    async def _steps(self, token: TurnToken, profile: AgentProfile, reply_ref: ReplyRef) -> None:
         """Take steps until the Turn suspends or ends. Raises StaleTurn when fenced out."""
-        ref_json = await self.store.turn_reply_ref(token)
-        reply_ref: ReplyRef = json.loads(ref_json) if ref_json else None
         while True:
             head = await self._fence(token)
             if head.step_count >= profile.max_steps:
@@ -283,8 +305,20 @@ class Worker:
         cards: list[NewCard] = []
         for call in calls:
             await self._fence(token)  # no new side effect once fenced out
+            content = None
+            if self.tracing.capture_content:
+                content = etree.tostring(call.element, encoding="unicode")
             try:
-                sub_thread = await self.tools.call(token.agent_id, reply_ref, call.element, call.to)
+                # The span covers the dispatch; the tool's handle span is its child.
+                with self.tracing.execute_tool(call.to, content) as span:
+                    try:
+                        sub_thread = await self.tools.call(
+                            token.agent_id, reply_ref, call.element, call.to
+                        )
+                    except PumpRefused:
+                        record_error(span, "refused")
+                        raise
+                    span.set_attribute("gen_ai.tool.call.id", sub_thread)
             except PumpRefused as refused:
                 cards.append(_huh_card(refused.element, f"the call to {call.to} was refused"))
                 continue
@@ -390,6 +424,11 @@ class Worker:
         text: str,
         metadata: Mapping[str, object] | None = None,
     ) -> None:
+        if self.tracing.enabled:
+            span = trace.get_current_span()
+            span.set_attribute("agentserver.task.status", status)
+            if status != TaskStatus.SUCCEEDED:
+                record_error(span, str(status))
         reply = answer_bytes(profile, text, failed=status != TaskStatus.SUCCEEDED)
         fin = await self.store.finish(token, status, text, dict(metadata or {}), reply)
         await self.ender.after(fin)

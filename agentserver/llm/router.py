@@ -32,7 +32,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import httpx
 import trio
@@ -164,9 +164,13 @@ class Router:
         environ: Mapping[str, str] | None = None,
         client: httpx.AsyncClient | None = None,
         rng: random.Random | None = None,
+        telemetry: Any = None,
     ) -> None:
         env = os.environ if environ is None else environ
         self.config = config
+        #: Reports each call (a ``chat`` span, the GenAI metrics): an
+        #: :class:`~agentserver.observability.LLMTelemetry`, or None.
+        self.telemetry = telemetry
         self._owns_client = client is None
         self._client = client or httpx.AsyncClient(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=100)
@@ -219,8 +223,16 @@ class Router:
     async def complete(self, request: Request) -> Completion:
         """Run ``request`` to a :class:`Completion` or raise :class:`LLMError`."""
         started = trio.current_time()
-        result = await self._route(request, started, streaming=False)
+        call = self.telemetry.start(request) if self.telemetry is not None else None
+        try:
+            result = await self._route(request, started, streaming=False)
+        except BaseException as exc:
+            if call is not None:
+                call.failed(exc)
+            raise
         assert isinstance(result, Completion)
+        if call is not None:
+            call.succeeded(result)
         return result
 
     def stream(self, request: Request) -> CompletionStream:
@@ -672,6 +684,7 @@ class CompletionStream:
         self._started = 0.0
         self._deadline = math.inf
         self._attempts = 0
+        self._call: Any = None
 
     def __aiter__(self) -> Self:
         return self
@@ -694,10 +707,13 @@ class CompletionStream:
         if self._state == "new":
             self._state = "opening"
             self._started = trio.current_time()
+            if router.telemetry is not None:
+                self._call = router.telemetry.start(self._request)
             try:
                 result = await router._route(self._request, self._started, streaming=True)
-            except BaseException:
+            except BaseException as exc:
                 self._state = "done"
+                self._report(exc)
                 raise
             assert isinstance(result, tuple)
             self._lease, self._stream, item, self._deadline, self._attempts = result
@@ -718,6 +734,7 @@ class CompletionStream:
                 router._settle(self._lease, healthy=_verdict(err), reply=None)
                 rt.counters.error(err.kind)
                 router._agent(self._request.agent).error(err.kind)
+                self._report(err)
                 await self._close_stream()
                 raise
             except BaseException:
@@ -728,9 +745,19 @@ class CompletionStream:
             completion = router._succeed(
                 self._request, self._lease.runtime, self._lease, item, self._started, self._attempts
             )
+            self._report(None, completion)
             await self._close_stream()
             return completion
         return item
+
+    def _report(self, exc: BaseException | None, completion: Completion | None = None) -> None:
+        call, self._call = self._call, None
+        if call is None:
+            return
+        if completion is not None:
+            call.succeeded(completion)
+        else:
+            call.failed(exc)  # None: abandoned before its end
 
     async def _close_stream(self) -> None:
         self._state = "done"
@@ -743,6 +770,7 @@ class CompletionStream:
         """Abandon the stream if unfinished; idempotent."""
         if self._lease is not None and not self._lease.settled:
             self._router._settle(self._lease, healthy=None, reply=None)
+        self._report(None)
         await self._close_stream()
 
     def __del__(self) -> None:

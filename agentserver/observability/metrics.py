@@ -1,0 +1,353 @@
+"""Prometheus metrics, on a ``CollectorRegistry`` the composition root creates.
+
+The pump's hot path only bumps plain ints and one cheap latency histogram of its own
+(:class:`LatencyHistogram`); they are read when the registry is scraped, by collectors
+bound here. Cold paths (LLM calls, agent events) use prometheus-client's metrics
+directly. Metrics of a subsystem that is absent (no agents, no LLM router) are not
+registered. The list is in docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+#: Seconds; handlers range from microseconds (echo) to the handler timeout.
+HANDLER_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+#: The GenAI semantic conventions' advice for gen_ai.client.operation.duration.
+LLM_DURATION_BUCKETS = (
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)
+#: ... and for gen_ai.client.token.usage.
+TOKEN_BUCKETS = tuple(float(4**i) for i in range(14))
+_BREAKER_STATES = ("closed", "open", "half_open")
+
+
+class LatencyHistogram:
+    """A histogram cheap enough for the pump's per-message path: no lock (trio runs the
+    pump on one thread), one bisect per observation. An observation may stand for
+    ``weight`` calls (the pump times fast handlers one call in several). Read by
+    :class:`_PumpCollector`."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...] = HANDLER_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, seconds: float, weight: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += weight
+        self.total += seconds * weight
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """Cumulative ``(le, count)`` pairs, ``+Inf`` last."""
+        out, running = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        return out
+
+
+class _PumpCollector(Collector):
+    def __init__(self, pump: Any, connections: Callable[[], int] | None) -> None:
+        self.pump = pump
+        self.connections = connections
+
+    def collect(self) -> Iterator[Metric]:
+        pump = self.pump
+        stats = pump.stats()
+        yield _counter(
+            "agentserver_messages_received",
+            "Messages delivered to a listener's handler, by listener.",
+            ["listener"],
+            stats["handled"].items(),
+        )
+        yield _counter(
+            "agentserver_messages_injected",
+            "Messages received from clients (endpoints), before validation.",
+            [],
+            [((), stats["injected"])],
+        )
+        yield _counter(
+            "agentserver_messages_sent",
+            "Messages the pump pushed to clients (endpoints): replies and refusals.",
+            [],
+            [((), stats["sent"])],
+        )
+        yield _counter(
+            "agentserver_messages_refused",
+            "Messages refused by the pump, by the listener (or client) refused and reason.",
+            ["listener", "reason"],
+            pump.refusals.items(),
+        )
+        events = [
+            ("handler_errors", "Handler calls that raised or returned something unusable."),
+            ("timeouts", "Handler calls and queue waits that timed out."),
+            ("dropped", "Messages dropped because nobody could receive them any more."),
+        ]
+        for key, doc in events:
+            yield _counter(f"agentserver_pump_{key}", doc, [], [((), stats[key])])
+        queue = GaugeMetricFamily(
+            "agentserver_queue_depth", "Messages queued for a listener.", labels=["listener"]
+        )
+        for name, depth in stats["queues"].items():
+            queue.add_metric([name], depth)
+        yield queue
+        waiting = GaugeMetricFamily(
+            "agentserver_queue_waiters",
+            "Senders waiting for room in a listener's full queue.",
+            labels=["listener"],
+        )
+        for name, n in stats["waiting"].items():
+            waiting.add_metric([name], n)
+        yield waiting
+        yield GaugeMetricFamily(
+            "agentserver_threads", "Threads in the thread registry.", value=stats["threads"]
+        )
+        yield GaugeMetricFamily(
+            "agentserver_inflight", "Messages queued or being handled.", value=stats["inflight"]
+        )
+        yield GaugeMetricFamily(
+            "agentserver_endpoints",
+            "Attached endpoints (client connections and in-process endpoints).",
+            value=stats["endpoints"],
+        )
+        if self.connections is not None:
+            yield GaugeMetricFamily(
+                "agentserver_connections", "Open client connections.", value=self.connections()
+            )
+        latency = HistogramMetricFamily(
+            "agentserver_handler_duration_seconds",
+            "Time a listener's handler took per message (the handler call only).",
+            labels=["listener"],
+        )
+        for name, hist in pump.handler_latency().items():
+            latency.add_metric([name], hist.buckets(), hist.total)
+        yield latency
+
+
+class _RouterCollector(Collector):
+    def __init__(self, router: Any) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.router.stats()
+        breaker = GaugeMetricFamily(
+            "agentserver_llm_breaker_state",
+            "1 for the breaker state a backend is in, 0 for the others.",
+            labels=["backend", "state"],
+        )
+        cooling = GaugeMetricFamily(
+            "agentserver_llm_cooling_seconds",
+            "Seconds until a backend's Retry-After expires.",
+            labels=["backend"],
+        )
+        active = GaugeMetricFamily(
+            "agentserver_llm_active_calls",
+            "Calls holding or waiting for a backend's slot or rate-limit admission.",
+            labels=["backend"],
+        )
+        buckets = GaugeMetricFamily(
+            "agentserver_llm_bucket_fill_ratio",
+            "A backend's rate-limit bucket level over its capacity (1 = full).",
+            labels=["backend", "bucket"],
+        )
+        attempts = CounterMetricFamily(
+            "agentserver_llm_backend_attempts",
+            "HTTP attempts sent to a backend (retries and failovers included).",
+            labels=["backend"],
+        )
+        opens = CounterMetricFamily(
+            "agentserver_llm_breaker_opens", "Times a backend's breaker opened.", labels=["backend"]
+        )
+        for name, b in stats.backends.items():
+            if b.skipped is not None:
+                continue
+            for state in _BREAKER_STATES:
+                breaker.add_metric([name, state], 1.0 if b.breaker == state else 0.0)
+            cooling.add_metric([name], b.cooling_for)
+            active.add_metric([name], b.active)
+            if b.requests_bucket_fill is not None:
+                buckets.add_metric([name, "requests"], b.requests_bucket_fill)
+            if b.tokens_bucket_fill is not None:
+                buckets.add_metric([name, "tokens"], b.tokens_bucket_fill)
+            attempts.add_metric([name], b.counters.requests)
+            opens.add_metric([name], b.breaker_opens)
+        yield from (breaker, cooling, active, buckets, attempts, opens)
+
+
+def _counter(name: str, doc: str, labels: list[str], items: Any) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for key, value in items:
+        family.add_metric(list(key) if isinstance(key, tuple) else [key], value)
+    return family
+
+
+class Metrics:
+    """The server's metrics on ``registry``. Bind each subsystem that exists."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._llm: _LLMMetrics | None = None
+        self._agents: _AgentMetrics | None = None
+
+    def bind_pump(self, pump: Any, connections: Callable[[], int] | None = None) -> None:
+        """Expose the pump's counters, queues and handler latencies (read at scrape time);
+        ``connections`` returns the TCP server's open connections, if there is one."""
+        self.registry.register(_PumpCollector(pump, connections))
+
+    def bind_router(self, router: Any) -> None:
+        """Expose the router's breakers and buckets and count its calls (the router calls
+        :meth:`llm_call` through its telemetry)."""
+        self.registry.register(_RouterCollector(router))
+        if self._llm is None:
+            self._llm = _LLMMetrics(self.registry)
+
+    def bind_agents(self) -> Callable[[object], None]:
+        """Register the agent metrics; returns the observer for the runtime's event bus."""
+        if self._agents is None:
+            self._agents = _AgentMetrics(self.registry)
+        return self._agents.observe
+
+    def llm_call(
+        self,
+        *,
+        provider: str,
+        model: str,
+        backend: str | None,
+        duration: float,
+        completion: Any = None,
+        error_type: str | None = None,
+    ) -> None:
+        llm = self._llm
+        if llm is None:
+            return
+        backend = backend or ""
+        status = "error" if error_type else "ok"
+        llm.calls.labels(backend, model, status).inc()
+        llm.duration.labels("chat", provider, model, error_type or "").observe(duration)
+        if completion is None:
+            return
+        usage = completion.usage
+        llm.tokens.labels(backend, model, "input").inc(usage.prompt_tokens)
+        llm.tokens.labels(backend, model, "output").inc(usage.completion_tokens)
+        llm.token_usage.labels("chat", provider, model, "input").observe(usage.prompt_tokens)
+        llm.token_usage.labels("chat", provider, model, "output").observe(usage.completion_tokens)
+        if completion.cost:
+            llm.cost.labels(backend, model).inc(completion.cost)
+
+
+class _LLMMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.calls = Counter(
+            "agentserver_llm_calls",
+            "Model calls through the router, by backend, requested model and status.",
+            ["backend", "model", "status"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "agentserver_llm_tokens",
+            "Tokens used, by backend, requested model and direction (input/output).",
+            ["backend", "model", "direction"],
+            registry=registry,
+        )
+        self.cost = Counter(
+            "agentserver_llm_cost",
+            "Cost of model calls (in the unit of boot.xml's prices), by backend and model.",
+            ["backend", "model"],
+            registry=registry,
+        )
+        # The GenAI semantic conventions' metrics, with their attributes as labels.
+        self.duration = Histogram(
+            "gen_ai_client_operation_duration_seconds",
+            "gen_ai.client.operation.duration: a model call, retries included.",
+            ["gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "error_type"],
+            buckets=LLM_DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.token_usage = Histogram(
+            "gen_ai_client_token_usage",
+            "gen_ai.client.token.usage: tokens per model call, by type (input/output).",
+            [
+                "gen_ai_operation_name",
+                "gen_ai_provider_name",
+                "gen_ai_request_model",
+                "gen_ai_token_type",
+            ],
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
+        )
+
+
+class _AgentMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.turns = Counter(
+            "agentserver_agent_turns",
+            "Agent Turns that ended, by agent and status.",
+            ["agent", "status"],
+            registry=registry,
+        )
+        self.steps = Counter(
+            "agentserver_agent_steps",
+            "Agent steps (model calls within Turns) started, by agent.",
+            ["agent"],
+            registry=registry,
+        )
+        self.started = Counter(
+            "agentserver_agent_turns_started",
+            "Agent Turns that started running (resumptions included), by agent.",
+            ["agent"],
+            registry=registry,
+        )
+
+    def observe(self, event: object) -> None:
+        from agentserver.agents.events import StateEvent, StepEvent, TaskEvent
+
+        if isinstance(event, StepEvent):
+            if event.phase == "started":
+                self.steps.labels(event.agent_id).inc()
+        elif isinstance(event, TaskEvent):
+            self.turns.labels(event.agent_id, event.status).inc()
+        elif isinstance(event, StateEvent) and event.status == "running":
+            self.started.labels(event.agent_id).inc()
