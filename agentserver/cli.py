@@ -211,6 +211,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="target directory (default: ./schemas-export)",
     )
 
+    runner = sub.add_parser(
+        "runner",
+        parents=[common, remote],
+        help="serve a remote listener with a Python handler",
+        description="Connect to a server as a runner (a client declared with serves=...), "
+        "announce <serve>, and run HANDLER on every job of LISTENER (docs/wire.md, Runners).",
+    )
+    runner.add_argument(
+        "--token-env",
+        metavar="VAR",
+        default=TOKEN_ENV,
+        help=f"environment variable holding the client's token (default: {TOKEN_ENV})",
+    )
+    runner.add_argument("--listener", required=True, metavar="NAME", help="remote listener")
+    runner.add_argument(
+        "--handler", required=True, metavar="MOD:FUNC", help="async handler(payload, meta)"
+    )
+    runner.add_argument(
+        "--concurrency", type=int, default=4, metavar="N", help="jobs at once (default: 4)"
+    )
     sub.add_parser(
         "console",
         parents=[common, remote],
@@ -239,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "check": cmd_check,
         "console": cmd_console,
         "schemas": cmd_schemas,
+        "runner": cmd_runner,
     }
     return handler[args.command](args)
 
@@ -494,6 +515,69 @@ def cmd_send(args: argparse.Namespace) -> int:
     except (ClientError, OSError, trio.TooSlowError) as exc:
         print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
         return EXIT_CONNECTION
+
+
+# -- runner ---------------------------------------------------------------------------------
+
+
+def cmd_runner(args: argparse.Namespace) -> int:
+    from agentserver.client import ClientError
+    from agentserver.runner import RunnerRefused, run_runner
+
+    # The command line the docs show names no client: a runner of LISTENER is, by
+    # default, the client LISTENER-runner (declare it with serves="LISTENER").
+    client = args.client or f"{args.listener}-runner"
+    token = os.environ.get(args.token_env)
+    if not token:
+        print(f"runner needs the token in ${args.token_env}", file=sys.stderr)
+        return EXIT_USAGE
+    if not 1 <= args.concurrency <= 1024:
+        print("--concurrency must be 1..1024", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        handler = boot.resolve_import(args.handler)
+    except Exception as exc:
+        print(f"--handler {args.handler}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    tls = _tls_options(args)
+    if tls is None:
+        return EXIT_USAGE
+    host, port = args.connect
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def signals() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+                    async for _ in received:
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(signals)
+            await run_runner(
+                host,
+                port,
+                client=client,
+                token=token,
+                listener=args.listener,
+                handler=handler,
+                concurrency=args.concurrency,
+                **tls,
+            )
+            nursery.cancel_scope.cancel()
+
+    try:
+        _trio_run(serve)
+    except RunnerRefused as exc:
+        print(f"the server refused this runner: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except ConfigurationError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    except (ClientError, OSError, trio.TooSlowError) as exc:
+        print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
+        return EXIT_CONNECTION
+    return EXIT_OK
 
 
 # -- console --------------------------------------------------------------------------------

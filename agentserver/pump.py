@@ -804,6 +804,12 @@ class Pump:
                             thread, DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True)
                         )
                     raise
+                except Refusal as refusal:
+                    # A handler may answer its caller with a primitive on purpose (a
+                    # remote listener's step that timed out or failed: agentserver.runners).
+                    log.info("%s: refused on %s: %s", listener.name, thread.dotted, refusal)
+                    await self._fail(thread, refusal, d)
+                    continue
                 except Exception:
                     counters["handler_errors"] += 1
                     log.exception("%s: handler raised on %s", listener.name, thread.dotted)

@@ -80,6 +80,7 @@ from agentserver.handshake import (
 )
 from agentserver.primitives.core import huh, primitive_for
 from agentserver.pump import SYSTEM, Pump
+from agentserver.runners import RunnerHub, RunnerLink
 from agentserver.threads import new_thread_id
 from agentserver.throttle import HelloThrottle
 from agentserver.tls import CertificateRule, match_certificate, normalize_fingerprint, parse_subject
@@ -184,6 +185,9 @@ class Server:
         self.named_clients: NamedClients | None = None
         #: Reads the ``<ack>`` frames of connections whose hello asked for acks.
         self.acks = AckReader(limits.max_message_bytes)
+        #: The remote listeners and their runners (set when the topology has any): a
+        #: runner client's frames go to it, never to the pump (agentserver.runners).
+        self.runners: RunnerHub | None = None
         self.counters = {
             "accepted": 0,
             "refused_busy": 0,
@@ -343,6 +347,8 @@ class _Connection:
         self._durable: dict[int, tuple[bytes, int]] = {}
         #: Ids of those written while the client's input was open (counted received).
         self._written: list[int] = []
+        #: Set on a runner client's connection: its frames are job replies.
+        self.runner: RunnerLink | None = None
 
     def stop_reading(self) -> None:
         self._reading.cancel()
@@ -396,6 +402,10 @@ class _Connection:
         endpoint.on_chain_end = self._chain_ended
         named = self.server.named_clients if identity.name is not None else None
         self.acks = identity.ack
+        hub = self.server.runners
+        if hub is not None and hub.is_runner(identity.name):
+            assert identity.name is not None
+            self.runner = hub.attach(identity.name, endpoint.name, endpoint.push)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._writer, nursery.cancel_scope)
@@ -409,6 +419,8 @@ class _Connection:
                 if reason != "stopped":
                     endpoint.close()
         finally:
+            if self.runner is not None:
+                hub.detach(self.runner)  # its jobs go to other runners (or fail)
             endpoint.sink = None
             endpoint.on_chain_end = None
             if self._direct is not None:
@@ -547,6 +559,8 @@ class _Connection:
         pending = self._early
         self._early = b""
         acks = self.server.acks if self.acks else None
+        runner = self.runner
+        runners = self.server.runners
         with self._reading:
             while True:
                 if pending:
@@ -601,6 +615,10 @@ class _Connection:
                         if reply_ids is not None:  # not a request: nothing in flight
                             await self._acked(reply_ids)
                             continue
+                    if runner is not None:
+                        # Job replies and <serve>: not requests, nothing in flight.
+                        runners.frame(runner, frame)
+                        continue
                     frames += 1
                     if frames == 2:
                         self._pipelining = True
@@ -893,6 +911,7 @@ async def run_server(
             for c in topology.clients
         },
     )
+    server.runners = ctx.services.get("runner_hub")
     async with ctx.resources:
         async with trio.open_nursery() as nursery:
             await nursery.start(pump.run)
