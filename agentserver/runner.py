@@ -143,40 +143,63 @@ async def run_runner(
             finally:
                 jobs.pop(job, None)
 
+        refused: list[str] = []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(writer)
             task_status.started()
-            decoder = FrameDecoder(max_message_bytes)
-            while True:
-                try:
-                    data = await stream.receive_some(READ_SIZE)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    data = b""
-                if not data:
-                    nursery.cancel_scope.cancel()
+            await _read_jobs(
+                stream, parser, max_message_bytes, jobs, refused, nursery, run_job, listener
+            )
+            nursery.cancel_scope.cancel()
+        if refused:
+            raise RunnerRefused(refused[0])
+
+
+async def _read_jobs(
+    stream: trio.abc.Stream,
+    parser: SafeParser,
+    max_message_bytes: int,
+    jobs: dict[str, trio.CancelScope],
+    refused: list[str],
+    nursery: trio.Nursery,
+    run_job,
+    listener: str,
+) -> None:
+    """Read frames until the connection ends or the server refuses us (then ``refused``
+    holds why); start a task per job, cancel jobs on ``<cancel>``."""
+    decoder = FrameDecoder(max_message_bytes)
+    while True:
+        try:
+            data = await stream.receive_some(READ_SIZE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            data = b""
+        if not data:
+            return
+        decoder.feed(data)
+        for frame in decoder.frames():
+            try:
+                root = parser.parse(frame)
+            except InputRefused:
+                log.warning("unreadable frame from the server: ignored")
+                continue
+            if root.tag != MESSAGE or len(root) != 2:
+                continue
+            meta, payload = root[0], root[1]
+            sender = (meta[0].text or "").strip()
+            thread = (meta[-1].text or "").strip()
+            if payload.tag == _C + "cancel":
+                scope = jobs.get(thread)
+                if scope is not None:
+                    scope.cancel()
+                continue
+            to = (meta[1].text or "").strip() if len(meta) == 3 else None
+            if to != listener:
+                # Addressed to this runner, not a job: a refusal of its hello or <serve>.
+                if payload.tag in (_C + "huh", _C + "SystemError"):
+                    refused.append(etree.tostring(payload, encoding="unicode"))
                     return
-                decoder.feed(data)
-                for frame in decoder.frames():
-                    try:
-                        root = parser.parse(frame)
-                    except InputRefused:
-                        log.warning("%s: unreadable frame from the server: ignored", listener)
-                        continue
-                    if root.tag != MESSAGE or len(root) != 2:
-                        continue
-                    meta, payload = root[0], root[1]
-                    sender = (meta[0].text or "").strip()
-                    thread = (meta[-1].text or "").strip()
-                    if payload.tag == _C + "cancel":
-                        scope = jobs.get(thread)
-                        if scope is not None:
-                            scope.cancel()
-                        continue
-                    if payload.tag in (_C + "huh", _C + "SystemError"):
-                        if thread not in jobs:
-                            raise RunnerRefused(etree.tostring(payload, encoding="unicode"))
-                        continue
-                    root.remove(payload)
-                    # Registered now, so a <cancel> read before the job starts finds it.
-                    scope = jobs[thread] = trio.CancelScope()
-                    nursery.start_soon(run_job, thread, sender, payload, scope)
+                continue
+            root.remove(payload)
+            # Registered now, so a <cancel> read before the job starts finds it.
+            scope = jobs[thread] = trio.CancelScope()
+            nursery.start_soon(run_job, thread, sender, payload, scope)

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import pathlib
+import sys
+from functools import partial
 
+import pytest
 import trio
-from runner_handlers import NS, Query, handle
+from runner_handlers import NS, Query, Result, handle
 
 from agentserver import boot
 from agentserver.builtins import RunContext
 from agentserver.client import open_client
-from agentserver.runner import run_runner
+from agentserver.envelope import encode
+from agentserver.framing import encode_frame
+from agentserver.listener import HandlerResponse
+from agentserver.runner import RunnerRefused, hello_frame, run_runner
 from agentserver.server import ServeOptions, run_server
 
 ENV = {"RT_ALICE": "alice-token", "RT_RUNNER": "runner-token", "RT_OTHER": "other-token"}
@@ -86,4 +94,107 @@ async def test_a_python_runner_answers_a_client_request():
             replies = [await c.request(Query(text=f"q{i}"), timeout=5) for i in range(3)]
         assert [r.payload.findtext(f"{{{NS}}}text") for r in replies] == ["q0", "q1", "q2"]
         assert all(r.from_id == "search" for r in replies)
+        nursery.cancel_scope.cancel()
+
+
+def labelled(
+    label: str,
+    gate: trio.Event | None = None,
+    seen: list | None = None,
+    arrived: trio.Event | None = None,
+):
+    """A runner handler answering with ``label`` as its runner; it records the job's
+    thread in ``seen`` and waits for ``gate`` first, if given."""
+
+    async def handler(payload, meta):
+        if seen is not None:
+            seen.append(meta.thread_id)
+        if arrived is not None:
+            arrived.set()
+        if gate is not None:
+            await gate.wait()
+        seconds = float(payload.findtext(f"{{{NS}}}seconds") or 0)
+        await trio.sleep(seconds)
+        return HandlerResponse.respond(Result(text=payload.findtext(f"{{{NS}}}text"), runner=label))
+
+    return handler
+
+
+async def test_jobs_spread_over_runners_within_their_concurrency():
+    async with serving(boot_xml()) as (port, hub), trio.open_nursery() as nursery:
+        nursery.start_soon(runner(port, handler=labelled("a"), concurrency=1))
+        nursery.start_soon(runner(port, "other-runner", handler=labelled("b"), concurrency=1))
+        await wait_for_runners(hub, 2)
+        answers: list[str] = []
+        async with open_client("127.0.0.1", port, client="alice", token="alice-token") as c:
+
+            async def ask(i: int) -> None:
+                reply = await c.request(Query(text=f"q{i}", seconds=0.2), timeout=10)
+                answers.append(reply.payload.findtext(f"{{{NS}}}runner"))
+
+            async with trio.open_nursery() as asks:
+                for i in range(6):
+                    asks.start_soon(ask, i)
+        # Concurrency 1 each: never more than one job per runner, and both got some.
+        assert sorted(answers) == ["a", "a", "a", "b", "b", "b"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_reply_from_a_connection_not_given_the_job_is_ignored():
+    gate, arrived = trio.Event(), trio.Event()
+    seen: list[str] = []
+    async with serving(boot_xml()) as (port, hub), trio.open_nursery() as nursery:
+        nursery.start_soon(runner(port, handler=labelled("real", gate, seen, arrived)))
+        await wait_for_runners(hub, 1)
+        # A second runner that serves nothing yet: it holds no job.
+        forger = await trio.open_tcp_stream("127.0.0.1", port)
+        await forger.send_all(hello_frame("other-runner", ENV["RT_OTHER"]))
+        async with open_client("127.0.0.1", port, client="alice", token="alice-token") as c:
+            thread = await c.send(Query(text="mine"), to="search")
+            with trio.fail_after(5):
+                await arrived.wait()
+            forged = Result(text="forged", runner="forger").to_xml_tree()
+            await forger.send_all(encode_frame(encode("other-runner", None, seen[0], forged)))
+            with trio.move_on_after(0.5):
+                early = await c.receive_on(thread)
+                pytest.fail(f"the forged reply got through: {early.raw!r}")
+            assert hub.counters["ignored"] == 1
+            gate.set()
+            with trio.fail_after(5):
+                reply = await c.receive_on(thread)
+        assert reply.payload.findtext(f"{{{NS}}}runner") == "real"
+        await forger.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_client_not_declared_to_serve_a_listener_is_refused():
+    async with serving(boot_xml()) as (port, hub):
+        with pytest.raises(RunnerRefused):
+            with trio.fail_after(5):
+                await run_runner(
+                    "127.0.0.1",
+                    port,
+                    client="search-runner",
+                    token=ENV["RT_RUNNER"],
+                    listener="other",
+                    handler=handle,
+                )
+        assert hub.runners("search") == 0
+
+
+async def test_a_runner_written_from_the_wire_doc_alone_serves_a_listener():
+    script = pathlib.Path(__file__).with_name("raw_runner.py")
+    async with serving(boot_xml()) as (port, hub), trio.open_nursery() as nursery:
+        env = {**os.environ, "RAW_RUNNER_TOKEN": ENV["RT_RUNNER"]}
+        # No agentserver on its path: -I ignores PYTHONPATH and the user site.
+        cmd = [sys.executable, "-I", str(script), "127.0.0.1", str(port)]
+        proc = await nursery.start(
+            partial(trio.run_process, [*cmd, "search-runner", "search"], env=env, check=False)
+        )
+        await wait_for_runners(hub, 1)
+        async with open_client("127.0.0.1", port, client="alice", token="alice-token") as c:
+            reply = await c.request(Query(text="hello"), to="search", timeout=5)
+        assert reply.payload.findtext(f"{{{NS}}}text") == "HELLO"
+        assert reply.payload.findtext(f"{{{NS}}}runner") == "raw"
+        proc.kill()
         nursery.cancel_scope.cancel()
