@@ -11,6 +11,7 @@ from functools import partial
 import pytest
 import trio
 from runner_handlers import NS, Query, Result, handle
+from serverproc import subprocess_env
 
 from agentserver import boot
 from agentserver.builtins import RunContext
@@ -18,6 +19,7 @@ from agentserver.client import open_client
 from agentserver.envelope import encode
 from agentserver.framing import encode_frame
 from agentserver.listener import HandlerResponse
+from agentserver.namespaces import CORE_NS
 from agentserver.runner import RunnerRefused, hello_frame, run_runner
 from agentserver.server import ServeOptions, run_server
 
@@ -197,4 +199,88 @@ async def test_a_runner_written_from_the_wire_doc_alone_serves_a_listener():
         assert reply.payload.findtext(f"{{{NS}}}text") == "HELLO"
         assert reply.payload.findtext(f"{{{NS}}}runner") == "raw"
         proc.kill()
+        nursery.cancel_scope.cancel()
+
+
+async def test_killing_a_runner_mid_job_moves_the_step_to_the_other(tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**subprocess_env(RUNNER_MARKS=str(marks)), **ENV}
+    async with serving(boot_xml()) as (port, hub), trio.open_nursery() as nursery:
+        procs = []
+        for _ in range(2):
+            cmd = [sys.executable, "-m", "agentserver", "runner", "--connect", f"127.0.0.1:{port}"]
+            cmd += ["--client", "search-runner", "--token-env", "RT_RUNNER", "--listener"]
+            cmd += ["search", "--handler", "runner_handlers:handle", "--concurrency", "1"]
+            procs.append(await nursery.start(partial(trio.run_process, cmd, env=env, check=False)))
+        await wait_for_runners(hub, 2)
+        async with open_client("127.0.0.1", port, client="alice", token="alice-token") as c:
+            thread = await c.send(Query(text="slow", seconds=1.5), to="search")
+            with trio.fail_after(10):
+                while not list(marks.iterdir()):  # noqa: ASYNC110 (a file, not a trio event)
+                    await trio.sleep(0.02)
+            [first] = [int(p.name) for p in marks.iterdir()]
+            victim = next(p for p in procs if p.pid == first)
+            victim.kill()
+            with trio.fail_after(15):
+                reply = await c.receive_on(thread)
+            survivor = next(p for p in procs if p.pid != first)
+            assert reply.payload.findtext(f"{{{NS}}}runner") == str(survivor.pid)
+            with trio.move_on_after(0.5):
+                extra = await c.receive_on(thread)
+                pytest.fail(f"answered twice: {extra.raw!r}")
+        retried = [row for row in hub.step_log if row.event == "step.retried"]
+        assert len(retried) == 1 and retried[0].attempt == 2
+        for proc in procs:
+            proc.kill()
+        nursery.cancel_scope.cancel()
+
+
+def slow_first(seconds: float, cancelled: list[str]):
+    """A handler whose first job takes ``seconds``, the others none; it records the jobs
+    that were cancelled (by the server's <cancel>)."""
+    calls: list[str] = []
+
+    async def handler(payload, meta):
+        calls.append(meta.thread_id)
+        try:
+            if len(calls) == 1:
+                await trio.sleep(seconds)
+        except trio.Cancelled:
+            cancelled.append(meta.thread_id)
+            raise
+        return HandlerResponse.respond(Result(text="late" if len(calls) == 1 else "ok", runner="r"))
+
+    return handler
+
+
+async def test_a_slow_runner_times_out_and_an_idempotent_step_is_retried():
+    cancelled: list[str] = []
+    xml = boot_xml('timeout="10" step-timeout="0.5" idempotent="true"')
+    async with serving(xml) as (port, hub), trio.open_nursery() as nursery:
+        nursery.start_soon(runner(port, handler=slow_first(5, cancelled)))
+        await wait_for_runners(hub, 1)
+        async with open_client("127.0.0.1", port, client="alice", token="alice-token") as c:
+            reply = await c.request(Query(text="q"), to="search", timeout=10)
+        assert reply.payload.findtext(f"{{{NS}}}text") == "ok"
+        events = [row.event for row in hub.step_log]
+        assert events.count("step.retried") == 1
+        assert events[-1] == "step.succeeded"
+        assert len(cancelled) == 1  # the runner was told to abandon the first attempt
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_slow_runner_times_out_and_a_non_idempotent_step_is_not_retried():
+    cancelled: list[str] = []
+    xml = boot_xml('timeout="10" step-timeout="0.5"')
+    async with serving(xml) as (port, hub), trio.open_nursery() as nursery:
+        nursery.start_soon(runner(port, handler=slow_first(5, cancelled)))
+        await wait_for_runners(hub, 1)
+        async with open_client("127.0.0.1", port, client="alice", token="alice-token") as c:
+            reply = await c.request(Query(text="q"), to="search", timeout=10)
+        assert reply.is_system_error and reply.error_text
+        assert reply.payload.findtext(f"{{{CORE_NS}}}code") == "timeout"
+        events = [row.event for row in hub.step_log]
+        assert "step.retried" not in events and events[-1] == "step.timed_out"
+        assert len(cancelled) == 1
         nursery.cancel_scope.cancel()
