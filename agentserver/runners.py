@@ -125,6 +125,8 @@ class RunnerHub:
         #: Woken (and replaced) whenever a listener may have gained a free runner slot.
         self._changed: dict[str, trio.Event] = {name: trio.Event() for name in policies}
         self._jobs: dict[str, Job] = {}
+        #: Steps in progress: step id -> (caller, its cancel scope), for stop from outside.
+        self._steps: dict[str, tuple[str, trio.CancelScope]] = {}
         self.step_log: collections.deque[StepRow] = collections.deque(maxlen=STEP_LOG_SIZE)
         self.counters = collections.Counter[str]()
 
@@ -292,6 +294,37 @@ class RunnerHub:
         """Attempt until an answer, a final failure, or cancellation. Raises a
         :class:`~agentserver.errors.Refusal` for the caller on failure."""
         step = new_thread_id()
+        scope = trio.CancelScope()
+        self._steps[step] = (meta.from_id, scope)
+        try:
+            with scope:
+                return await self._run_step(step, name, policy, payload, meta)
+        finally:
+            del self._steps[step]
+            if scope.cancelled_caught:
+                self._log(StepRow(step, name, meta.from_id, 0, "step.cancelled", "stopped"))
+                # Reaches the caller's thread only if it still exists (a stopped Turn's
+                # tool call is over: the report is skipped as stale).
+                raise DeliveryRefused(
+                    SystemErrorCode.TIMEOUT, retry_allowed=False, detail="cancelled"
+                )
+
+    def cancel_caller(self, caller: str) -> int:
+        """Cancel every step ``caller`` (e.g. a stopped agent) has in progress: their
+        runners get ``<cancel>``, late results are ignored. Returns how many."""
+        scopes = [scope for who, scope in self._steps.values() if who == caller]
+        for scope in scopes:
+            scope.cancel()
+        return len(scopes)
+
+    async def _run_step(
+        self,
+        step: str,
+        name: str,
+        policy: StepPolicy,
+        payload: etree._Element,
+        meta: HandlerMetadata,
+    ) -> HandlerResult:
         retries = 0
         while True:
             outcome, started, outputs = await self._attempt(name, policy, payload, meta, step)

@@ -78,6 +78,7 @@ from agentserver.handshake import (
     Identity,
     Unauthenticated,
 )
+from agentserver.operator import Operator
 from agentserver.primitives.core import huh, primitive_for
 from agentserver.pump import SYSTEM, Pump
 from agentserver.runners import RunnerHub, RunnerLink
@@ -188,6 +189,11 @@ class Server:
         #: The remote listeners and their runners (set when the topology has any): a
         #: runner client's frames go to it, never to the pump (agentserver.runners).
         self.runners: RunnerHub | None = None
+        #: Carries out operator commands (stop/cancel; agentserver.operator) for the
+        #: clients in ``operators`` (and anonymous connections if ``anonymous_operators``).
+        self.operator: Operator | None = None
+        self.operators: frozenset[str] = frozenset()
+        self.anonymous_operators = False
         self.counters = {
             "accepted": 0,
             "refused_busy": 0,
@@ -349,6 +355,8 @@ class _Connection:
         self._written: list[int] = []
         #: Set on a runner client's connection: its frames are job replies.
         self.runner: RunnerLink | None = None
+        #: May send operator commands (stop, cancel).
+        self.is_operator = False
 
     def stop_reading(self) -> None:
         self._reading.cancel()
@@ -402,6 +410,12 @@ class _Connection:
         endpoint.on_chain_end = self._chain_ended
         named = self.server.named_clients if identity.name is not None else None
         self.acks = identity.ack
+        server = self.server
+        self.is_operator = server.operator is not None and (
+            identity.name in server.operators
+            if identity.name is not None
+            else server.anonymous_operators
+        )
         hub = self.server.runners
         if hub is not None and hub.is_runner(identity.name):
             assert identity.name is not None
@@ -561,6 +575,7 @@ class _Connection:
         acks = self.server.acks if self.acks else None
         runner = self.runner
         runners = self.server.runners
+        operator = self.server.operator if self.is_operator else None
         with self._reading:
             while True:
                 if pending:
@@ -619,6 +634,11 @@ class _Connection:
                         # Job replies and <serve>: not requests, nothing in flight.
                         runners.frame(runner, frame)
                         continue
+                    if operator is not None and operator.may_be_command(frame):
+                        answer = await operator.handle(frame, endpoint.name)
+                        if answer is not None:  # a command: carried out, not a request
+                            endpoint.push(answer)
+                            continue
                     frames += 1
                     if frames == 2:
                         self._pipelining = True
@@ -912,6 +932,8 @@ async def run_server(
         },
     )
     server.runners = ctx.services.get("runner_hub")
+    server.operators = frozenset(c.name for c in topology.clients if c.operator)
+    server.anonymous_operators = not topology.clients
     async with ctx.resources:
         async with trio.open_nursery() as nursery:
             await nursery.start(pump.run)
@@ -927,6 +949,11 @@ async def run_server(
             )
             if agents is not None:
                 server.named_clients = agents.ports.clients
+            server.operator = Operator(
+                agents.runtime if agents is not None else None,
+                server.runners,
+                max_message_bytes=topology.limits.max_message_bytes,
+            )
             await pump.inject_system(
                 topology.boot_primitive(),
                 to=topology.boot_listener.name,

@@ -98,8 +98,28 @@ class Failed(BaseXmlModel, tag="failed", nsmap=_NSMAP):
 
 
 class Cancel(BaseXmlModel, tag="cancel", nsmap=_NSMAP):
-    """The server's notice to a runner, on a job's thread: abandon this job; any result
-    it still sends is ignored."""
+    """The server's notice to a runner, on a job's thread (no attributes): abandon this
+    job; any result it still sends is ignored. From an operator (``agentserver cancel``):
+    cancel agent ``agent``'s task sent on ``thread`` (queued: skipped; running: stopped)."""
+
+    agent: str | None = attr(default=None)
+    thread: str | None = attr(default=None)
+
+
+class Stop(BaseXmlModel, tag="stop", nsmap=_NSMAP):
+    """An operator's command (``agentserver stop``): end agent ``agent``'s active Turn
+    (only if it is the task sent on ``thread``, when given) with a failed answer."""
+
+    agent: str = attr()
+    thread: str | None = attr(default=None)
+
+
+class Outcome(BaseXmlModel, tag="outcome", nsmap=_NSMAP):
+    """The server's answer to an operator command: how many tasks it ended."""
+
+    command: str = attr()
+    agent: str = attr()
+    count: int = attr()
 
 
 CORE_MODELS: tuple[type[BaseXmlModel], ...] = (
@@ -113,6 +133,8 @@ CORE_MODELS: tuple[type[BaseXmlModel], ...] = (
     Done,
     Failed,
     Cancel,
+    Stop,
+    Outcome,
 )
 
 

@@ -82,6 +82,7 @@ class InboxEvent(enum.StrEnum):
     SKIP = "skip"  # duplicate, late or stale report: acknowledged, no effect
     FAIL = "fail"  # malformed row, or retries exhausted
     ABANDON = "abandon"  # its Turn was force-ended before the row was used
+    CANCEL = "cancel"  # an operator cancelled the queued task (agentserver cancel)
 
 
 class MessageType(enum.StrEnum):
@@ -105,6 +106,7 @@ INBOX_TRANSITIONS: Mapping[tuple[InboxStatus, InboxEvent], Transition] = {
     (_I.QUEUED, InboxEvent.FAIL): Transition(_I.ERROR, False, "malformed at lease"),
     (_I.PENDING, InboxEvent.ABANDON): Transition(_I.SKIPPED, False, "Turn force-ended"),
     (_I.DEFERRED, InboxEvent.ABANDON): Transition(_I.SKIPPED, False, "Turn force-ended"),
+    (_I.QUEUED, InboxEvent.CANCEL): Transition(_I.SKIPPED, False, "cancelled; failed answer"),
 }
 
 DUE_INBOX = frozenset({_I.PENDING, _I.DEFERRED})
