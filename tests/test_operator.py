@@ -71,6 +71,25 @@ async def test_cancel_a_queued_task_and_stop_a_running_one_then_the_next_runs(tm
                     extra = await client.receive()
                     raise AssertionError(f"an extra reply: {extra.raw!r}")
 
+                # The console's /stop and /cancel, on its own (operator) connection.
+                slow = new_thread_id()
+                await client.send(Task(text="slow again"), to="assistant", thread=slow)
+                await trio.sleep(0.5)
+                script = f"/stop assistant\n/cancel {new_thread_id()}\n/cancel x\n/quit\n"
+                done = await trio.to_thread.run_sync(
+                    lambda: cli("console", "--connect", connect, input=script.encode(), env=env)
+                )
+                lines = done.stdout.decode().splitlines()[1:]
+                assert lines == [
+                    "stop: 1 task(s) of assistant ended",
+                    "cancel: nothing to cancel for assistant",
+                    "error: THREAD is the uuid4 the task was sent on",
+                    "bye",
+                ], done.stdout.decode() + done.stderr.decode()
+                with trio.fail_after(10):
+                    stopped = await client.receive_on(slow)
+                assert stopped.payload.get("status") == "failed"
+
                 # Nothing left to stop; an unknown agent is refused.
                 code, out = await run_cli("stop", "assistant", "--connect", connect, env=env)
                 assert code == 1 and 'count="0"' in out

@@ -231,3 +231,46 @@ def test_boot_checks_remote_listeners_and_runner_clients():
         '<listener name="echo" handler="echo"/>', '<client name="r" token-env="T" serves="echo"/>'
     )
     assert any("not a remote listener" in p for p in bad)
+
+
+async def test_cancelling_a_callers_steps_tells_the_runner_and_fails_the_step(autojump_clock):
+    hub = RunnerHub(
+        {"search": StepPolicy(60, True, 3)},
+        {"runner": frozenset({"search"})},
+        max_message_bytes=65536,
+    )
+    fake = FakeRunner(hub)
+    raised: list[BaseException] = []
+
+    async def step() -> None:
+        try:
+            await hub.run_step("search", hub.policies["search"], etree.Element("{urn:q}q"), meta())
+        except DeliveryRefused as exc:
+            raised.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(step)
+        await trio.sleep(1)
+        assert hub.cancel_caller("someone-else") == 0
+        assert hub.cancel_caller("agent") == 1
+    [job] = fake.jobs()
+    cancels = [m for m in fake.sent if m[1].tag == f"{{{CORE_NS}}}cancel"]
+    assert [c[0][-1].text for c in cancels] == [job[0][-1].text]
+    assert len(raised) == 1 and "step.retried" not in [r.event for r in hub.step_log]
+    assert hub.step_log[-1].event == "step.cancelled"
+    fake.reply(job, "late")  # after the cancel: ignored
+    assert hub.counters["ignored"] == 1
+
+
+def test_console_operator_lines():
+    from agentserver.console_ops import OperatorLine, parse_line
+
+    thread = new_thread_id()
+    assert parse_line("/stop assistant", default_agent="assistant") == OperatorLine(
+        "stop", "assistant"
+    )
+    assert parse_line(f"/cancel {thread}", default_agent="a") == OperatorLine("cancel", "a", thread)
+    assert parse_line("/stop", default_agent="a") == "error: write /stop AGENT"
+    assert parse_line("/cancel nope", default_agent="a").startswith("error:")
+    assert parse_line("hello /stop", default_agent="a") is None
+    assert parse_line("/help", default_agent="a") is None
