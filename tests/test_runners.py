@@ -10,6 +10,7 @@ from functools import partial
 
 import pytest
 import trio
+from lxml import etree
 from runner_handlers import NS, Query, Result, handle
 from serverproc import subprocess_env
 
@@ -283,4 +284,23 @@ async def test_a_slow_runner_times_out_and_a_non_idempotent_step_is_not_retried(
         events = [row.event for row in hub.step_log]
         assert "step.retried" not in events and events[-1] == "step.timed_out"
         assert len(cancelled) == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_runners_invalid_answer_comes_back_to_it_as_a_huh_job():
+    seen: list[str] = []
+
+    async def sloppy(payload, meta):
+        seen.append(etree.QName(payload).localname)
+        if payload.tag == f"{{{CORE_NS}}}huh":
+            return HandlerResponse.respond(Result(text="fixed", runner="sloppy"))
+        return HandlerResponse.respond(etree.Element("{urn:test:runner}bogus"))
+
+    async with serving(boot_xml()) as (port, hub), trio.open_nursery() as nursery:
+        nursery.start_soon(runner(port, handler=sloppy))
+        await wait_for_runners(hub, 1)
+        async with open_client("127.0.0.1", port, client="alice", token="alice-token") as c:
+            reply = await c.request(Query(text="q"), to="search", timeout=5)
+        assert reply.payload.findtext(f"{{{NS}}}text") == "fixed"
+        assert seen == ["query", "huh"]
         nursery.cancel_scope.cancel()
