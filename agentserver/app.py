@@ -20,6 +20,7 @@ from agentserver.builtins import RunContext, build_listeners
 from agentserver.errors import ConfigurationError
 from agentserver.handshake import Credential, HelloGate
 from agentserver.observability import Metrics, Tracing
+from agentserver.operator import Operator
 from agentserver.pump import Pump
 from agentserver.server import Server, format_address
 from agentserver.tls import CertificateRule, normalize_fingerprint, parse_subject
@@ -171,6 +172,9 @@ async def run_server(
             for c in topology.clients
         },
     )
+    server.runners = ctx.services.get("runner_hub")
+    server.operators = frozenset(c.name for c in topology.clients if c.operator)
+    server.anonymous_operators = not topology.clients
     # The server keeps no public count (yet): read its set of connections at scrape time.
     metrics.bind_pump(pump, lambda: len(server._connections))
     async with ctx.resources:
@@ -194,6 +198,11 @@ async def run_server(
                 on_events = ctx.services.get("on_agent_events")
                 if on_events is not None:
                     on_events(agents.runtime.events)
+            server.operator = Operator(
+                agents.runtime if agents is not None else None,
+                server.runners,
+                max_message_bytes=topology.limits.max_message_bytes,
+            )
             await pump.inject_system(
                 topology.boot_primitive(),
                 to=topology.boot_listener.name,

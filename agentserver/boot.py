@@ -204,6 +204,7 @@ class _Loader:
         #: Listeners declared but broken (already reported): naming one as a peer or in
         #: may-address is not a second error.
         self.broken: set[str] = set()
+        self.remote_names: set[str] = set()
 
     def error(self, line: int | None, message: str) -> None:
         self.problems.append(Problem(self.shown, line or 0, message))
@@ -263,7 +264,16 @@ class _Loader:
         listeners = self.listeners(root.find(_B + "listeners"))
         tls_el = root.find(_B + "tls")
         tls = self.tls(tls_el) if tls_el is not None else None
+        self.remote_names = {s.name for s in listeners if s.remote}
         clients = self.clients(root.find(_B + "clients"), {s.name for s in listeners})
+        served = {name for c in clients for name in c.serves}
+        for spec in listeners:
+            if spec.remote and spec.name not in served:
+                self.warn(
+                    spec.line,
+                    f"remote listener {spec.name!r}: no client serves it (add "
+                    f'serves="{spec.name}" to a <client>); its messages will time out',
+                )
         self.check_client_certificates(clients, tls, tls_el)
         insecure_plaintext = listen is not None and _bool(listen, "insecure-plaintext")
         if not clients and not is_loopback(host) and listen is not None:
@@ -417,7 +427,17 @@ class _Loader:
         defaults: Mapping[str, Any] = {}
         accepts: list[type[BaseXmlModel]] = []
         responds: list[type[BaseXmlModel]] = []
-        if ":" in ref:
+        remote = _bool(el, "remote")
+        if remote:
+            if ref:
+                self.error(line, f"listener {name!r}: a remote listener has no handler")
+                ok = False
+        elif not ref:
+            self.error(line, f'listener {name!r} needs a handler (or remote="true")')
+            return None
+        if remote:
+            pass
+        elif ":" in ref:
             try:
                 handler = self.resolve(ref)
                 if not callable(handler):
@@ -484,6 +504,17 @@ class _Loader:
             tuning["queue_size"] = int(value)
         if el.get("raw") is not None:
             tuning["raw"] = _bool(el, "raw")
+        for attr in ("step-timeout", "idempotent", "retries"):
+            if el.get(attr) is not None and not remote:
+                self.error(line, f"listener {name!r}: {attr} applies to remote listeners only")
+                return None
+        if remote:
+            tuning["remote"] = True
+            tuning["idempotent"] = _bool(el, "idempotent")
+            if (value := el.get("step-timeout")) is not None:
+                tuning["step_timeout"] = float(value)
+            if (value := el.get("retries")) is not None:
+                tuning["retries"] = int(value)
         spec = ListenerSpec(
             name=name,
             handler_ref=ref,
@@ -679,7 +710,24 @@ class _Loader:
                 self.warn(
                     line, f"client {name!r}: token variable {env} is empty (it cannot connect)"
                 )
-            specs.append(ClientSpec(name, env or None, allowed, line, subject, fingerprint))
+            serves = tuple(dict.fromkeys((cel.get("serves") or "").split()))
+            for target in serves:
+                if target not in self.remote_names:
+                    self.error(
+                        line, f"client {name!r}: serves {target!r}, which is not a remote listener"
+                    )
+            specs.append(
+                ClientSpec(
+                    name,
+                    env or None,
+                    allowed,
+                    line,
+                    subject,
+                    fingerprint,
+                    serves=serves,
+                    operator=_bool(cel, "operator"),
+                )
+            )
         return specs
 
     def tls(self, el: etree._Element) -> TlsSpec | None:

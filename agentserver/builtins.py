@@ -202,7 +202,18 @@ def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
     listeners = []
     late = ctx.services.setdefault("agent_handlers", {})
     for spec in topology.listeners:
-        if spec.agent:
+        timeout = spec.timeout
+        if spec.remote:
+            # Served by runners over the wire: the hub's handler sends each delivery as a
+            # job and returns the runner's reply (agentserver.runners).
+            from agentserver.runners import hub_for, pump_timeout
+
+            hub = ctx.services.get("runner_hub") or ctx.services.setdefault(
+                "runner_hub", hub_for(topology)
+            )
+            handler = hub.handler_for(spec.name)
+            timeout = pump_timeout(hub.policies[spec.name])
+        elif spec.agent:
             # Agents are run by the agent runtime, bound once the pump runs
             # (agentserver.agents.service.start_agents); they take raw elements.
             from agentserver.agents.service import LateHandler
@@ -228,9 +239,9 @@ def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
                 # send order; one slot takes the queue strictly first in, first out. Its
                 # Turns run in the agent worker (<store worker-concurrency>), not here.
                 concurrency=1 if spec.agent else spec.concurrency,
-                timeout=spec.timeout,
+                timeout=timeout,
                 queue_size=spec.queue_size,
-                raw=spec.raw or spec.agent,
+                raw=spec.raw or spec.agent or spec.remote,
                 description=spec.description,
             )
         )

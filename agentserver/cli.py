@@ -299,6 +299,49 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long to wait for the answer (default: 10)",
     )
 
+    runner = sub.add_parser(
+        "runner",
+        parents=[common, remote],
+        help="serve a remote listener with a Python handler",
+        description="Connect to a server as a runner (a client declared with serves=...), "
+        "announce <serve>, and run HANDLER on every job of LISTENER (docs/wire.md, Runners).",
+    )
+    runner.add_argument(
+        "--token-env",
+        metavar="VAR",
+        default=TOKEN_ENV,
+        help=f"environment variable holding the client's token (default: {TOKEN_ENV})",
+    )
+    runner.add_argument("--listener", required=True, metavar="NAME", help="remote listener")
+    runner.add_argument(
+        "--handler", required=True, metavar="MOD:FUNC", help="async handler(payload, meta)"
+    )
+    runner.add_argument(
+        "--concurrency", type=int, default=4, metavar="N", help="jobs at once (default: 4)"
+    )
+    for verb, summary in (
+        ("stop", "end an agent's active task with a failed answer"),
+        ("cancel", "cancel an agent's task (queued: skipped; running: stopped)"),
+    ):
+        command = sub.add_parser(
+            verb,
+            parents=[common, remote],
+            help=summary,
+            description=f"{summary[0].upper()}{summary[1:]}, over the socket. Allowed for "
+            'clients declared operator="true", and for anonymous loopback connections when '
+            "no clients are declared (docs/agents.md, Stop and cancel).",
+        )
+        command.add_argument("agent", metavar="AGENT", help="the agent listener")
+        command.add_argument(
+            "--thread",
+            required=verb == "cancel",
+            metavar="T",
+            help="the thread the task was sent on"
+            + (" (default: whatever task is active)" if verb == "stop" else ""),
+        )
+        command.add_argument(
+            "--timeout", type=_positive, default=30.0, metavar="S", help="seconds (default 30)"
+        )
     sub.add_parser(
         "console",
         parents=[common, remote],
@@ -336,6 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "console": cmd_console,
         "schemas": cmd_schemas,
         "status": cmd_status,
+        "runner": cmd_runner,
+        "stop": cmd_operator,
+        "cancel": cmd_operator,
     }
     return handler[args.command](args)
 
@@ -692,6 +738,115 @@ def error_line(reply) -> str:
     line = f"{kind} from {reply.from_id}: {reply.error_text}"
     detail = reply.payload.findtext(f"{{{CORE_NS}}}detail")
     return f"{line} ({detail})" if detail else line
+
+
+# -- stop / cancel --------------------------------------------------------------------------
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    """``stop`` and ``cancel``: one operator command, its ``<outcome>`` printed."""
+    from lxml import etree
+
+    from agentserver.client import ClientError, RequestTimeout, open_client
+    from agentserver.namespaces import CORE_NS
+
+    if args.thread is not None and not is_uuid4(args.thread):
+        print("--thread must be a lowercase uuid4", file=sys.stderr)
+        return EXIT_USAGE
+    tls = _tls_options(args)
+    creds = _credentials(args, tls)
+    if tls is None or creds is None:
+        return EXIT_USAGE
+    host, port = args.connect
+    command = etree.Element(f"{{{CORE_NS}}}{args.command}", nsmap={None: CORE_NS})
+    command.set("agent", args.agent)
+    if args.thread is not None:
+        command.set("thread", args.thread)
+
+    async def send() -> int:
+        async with open_client(host, port, client=creds[0], token=creds[1], **tls) as client:
+            thread = await client.send(command)
+            with trio.fail_after(args.timeout):
+                reply = await client.receive_on(thread)
+        sys.stdout.write(reply.raw.decode("utf-8") + "\n")
+        if reply.is_error:
+            return EXIT_FAILED
+        return EXIT_OK if reply.payload.get("count", "0") != "0" else EXIT_FAILED
+
+    try:
+        return _trio_run(send)
+    except (RequestTimeout, trio.TooSlowError):
+        print(f"no answer within {args.timeout} s", file=sys.stderr)
+        return EXIT_TIMEOUT
+    except ConfigurationError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    except (ClientError, OSError) as exc:
+        print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
+        return EXIT_CONNECTION
+
+
+# -- runner ---------------------------------------------------------------------------------
+
+
+def cmd_runner(args: argparse.Namespace) -> int:
+    from agentserver.client import ClientError
+    from agentserver.runner import RunnerRefused, run_runner
+
+    # The command line the docs show names no client: a runner of LISTENER is, by
+    # default, the client LISTENER-runner (declare it with serves="LISTENER").
+    client = args.client or f"{args.listener}-runner"
+    token = os.environ.get(args.token_env)
+    if not token:
+        print(f"runner needs the token in ${args.token_env}", file=sys.stderr)
+        return EXIT_USAGE
+    if not 1 <= args.concurrency <= 1024:
+        print("--concurrency must be 1..1024", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        handler = boot.resolve_import(args.handler)
+    except Exception as exc:
+        print(f"--handler {args.handler}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    tls = _tls_options(args)
+    if tls is None:
+        return EXIT_USAGE
+    host, port = args.connect
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def signals() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+                    async for _ in received:
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(signals)
+            await run_runner(
+                host,
+                port,
+                client=client,
+                token=token,
+                listener=args.listener,
+                handler=handler,
+                concurrency=args.concurrency,
+                **tls,
+            )
+            nursery.cancel_scope.cancel()
+
+    try:
+        _trio_run(serve)
+    except RunnerRefused as exc:
+        print(f"the server refused this runner: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except ConfigurationError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    except (ClientError, OSError, trio.TooSlowError) as exc:
+        print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
+        return EXIT_CONNECTION
+    return EXIT_OK
 
 
 # -- console --------------------------------------------------------------------------------

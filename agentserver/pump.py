@@ -893,6 +893,14 @@ class Pump:
                     elif span is not None:
                         record_error(span, "timeout")
                     raise
+                except Refusal as refusal:
+                    # A handler may answer its caller with a primitive on purpose (a
+                    # remote listener's step that timed out or failed: agentserver.runners).
+                    if span is not None:
+                        record_error(span, type(refusal).__name__)
+                    log.info("%s: refused on %s: %s", listener.name, thread.dotted, refusal)
+                    await self._fail(thread, refusal, d)
+                    continue
                 except Exception as exc:
                     if span is not None:
                         record_error(span, type(exc).__name__)

@@ -18,10 +18,11 @@ from lxml import etree
 
 from agentserver.builtins import BUILTIN_HANDLERS
 from agentserver.client import Client, ClientError, RequestTimeout, open_client
+from agentserver.console_ops import HELP, carry_out, parse_line
 from agentserver.listener import HandlerMetadata, HandlerResponse, Listener
 from agentserver.listeners.console import NS as CONSOLE_NS
 from agentserver.listeners.console import Console, Input, Prompt, Terminal
-from agentserver.listeners.console_router import listener_names, render_reply
+from agentserver.listeners.console_router import DEFAULT_AGENT, listener_names, render_reply
 from agentserver.listeners.system_boot import SystemBoot
 from agentserver.primitives.core import Boot, boot_primitive
 from agentserver.pump import PumpConfig, open_pump
@@ -39,6 +40,20 @@ class Bridge:
         self._timeout = timeout
 
     async def __call__(self, payload: etree._Element, meta: HandlerMetadata) -> HandlerResponse:
+        line = payload.findtext(f"{{{CONSOLE_NS}}}line") or ""
+        command = parse_line(line, default_agent=DEFAULT_AGENT)
+        if isinstance(command, str):
+            return HandlerResponse.respond(Prompt(lines=[command]))
+        if command is not None:
+            lines = await carry_out(self._client, command, reply_timeout=self._timeout)
+            return HandlerResponse.respond(Prompt(lines=lines))
+        if line.strip() == "/help":
+            reply = await self._relay(payload)
+            reply.payload.lines.extend(HELP)
+            return reply
+        return await self._relay(payload)
+
+    async def _relay(self, payload: etree._Element) -> HandlerResponse:
         try:
             # Relayed by root tag: whichever server listener takes console <input>.
             reply = await self._client.request(copy.deepcopy(payload), timeout=self._timeout)

@@ -74,8 +74,10 @@ from agentserver.handshake import (
     Identity,
     Unauthenticated,
 )
+from agentserver.operator import Operator
 from agentserver.primitives.core import huh, primitive_for
 from agentserver.pump import SYSTEM, Pump
+from agentserver.runners import RunnerHub, RunnerLink
 from agentserver.threads import new_thread_id
 from agentserver.throttle import HelloThrottle
 from agentserver.tls import CertificateRule, match_certificate
@@ -180,6 +182,14 @@ class Server:
         self.named_clients: NamedClients | None = None
         #: Reads the ``<ack>`` frames of connections whose hello asked for acks.
         self.acks = AckReader(limits.max_message_bytes)
+        #: The remote listeners and their runners (set when the topology has any): a
+        #: runner client's frames go to it, never to the pump (agentserver.runners).
+        self.runners: RunnerHub | None = None
+        #: Carries out operator commands (stop/cancel; agentserver.operator) for the
+        #: clients in ``operators`` (and anonymous connections if ``anonymous_operators``).
+        self.operator: Operator | None = None
+        self.operators: frozenset[str] = frozenset()
+        self.anonymous_operators = False
         self.counters = {
             "accepted": 0,
             "refused_busy": 0,
@@ -339,6 +349,10 @@ class _Connection:
         self._durable: dict[int, tuple[bytes, int]] = {}
         #: Ids of those written while the client's input was open (counted received).
         self._written: list[int] = []
+        #: Set on a runner client's connection: its frames are job replies.
+        self.runner: RunnerLink | None = None
+        #: May send operator commands (stop, cancel).
+        self.is_operator = False
 
     def stop_reading(self) -> None:
         self._reading.cancel()
@@ -392,6 +406,16 @@ class _Connection:
         endpoint.on_chain_end = self._chain_ended
         named = self.server.named_clients if identity.name is not None else None
         self.acks = identity.ack
+        server = self.server
+        self.is_operator = server.operator is not None and (
+            identity.name in server.operators
+            if identity.name is not None
+            else server.anonymous_operators
+        )
+        hub = self.server.runners
+        if hub is not None and hub.is_runner(identity.name):
+            assert identity.name is not None
+            self.runner = hub.attach(identity.name, endpoint.name, endpoint.push)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._writer, nursery.cancel_scope)
@@ -405,6 +429,8 @@ class _Connection:
                 if reason != "stopped":
                     endpoint.close()
         finally:
+            if self.runner is not None:
+                hub.detach(self.runner)  # its jobs go to other runners (or fail)
             endpoint.sink = None
             endpoint.on_chain_end = None
             if self._direct is not None:
@@ -543,6 +569,9 @@ class _Connection:
         pending = self._early
         self._early = b""
         acks = self.server.acks if self.acks else None
+        runner = self.runner
+        runners = self.server.runners
+        operator = self.server.operator if self.is_operator else None
         with self._reading:
             while True:
                 if pending:
@@ -596,6 +625,15 @@ class _Connection:
                         reply_ids = acks.ids(frame)
                         if reply_ids is not None:  # not a request: nothing in flight
                             await self._acked(reply_ids)
+                            continue
+                    if runner is not None:
+                        # Job replies and <serve>: not requests, nothing in flight.
+                        runners.frame(runner, frame)
+                        continue
+                    if operator is not None and operator.may_be_command(frame):
+                        answer = await operator.handle(frame, endpoint.name)
+                        if answer is not None:  # a command: carried out, not a request
+                            endpoint.push(answer)
                             continue
                     frames += 1
                     if frames == 2:

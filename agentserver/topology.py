@@ -82,6 +82,10 @@ class ClientSpec:
     line: int = 0
     cert_subject: str | None = None
     cert_fingerprint: str | None = None
+    #: Remote listeners it may serve as a runner (docs/wire.md, "Runners").
+    serves: tuple[str, ...] = ()
+    #: May stop and cancel agents' tasks from outside (``agentserver stop`` / ``cancel``).
+    operator: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +93,8 @@ class ListenerSpec:
     """One declared listener with every reference resolved.
 
     Exactly one of ``builtin`` (a name in :data:`agentserver.builtins.BUILTIN_HANDLERS`)
-    and ``handler`` (an imported async callable) is set.
+    and ``handler`` (an imported async callable) is set, unless ``remote`` (then neither:
+    runners serve it over the wire).
     """
 
     name: str
@@ -109,6 +114,14 @@ class ListenerSpec:
     #: The ``<agent>`` settings element (``AgentProfileType``), for the agent runtime.
     agent_profile: etree._Element | None = field(default=None, compare=False)
     line: int = 0
+    #: Served by runners over the wire (:mod:`agentserver.runners`).
+    remote: bool = False
+    #: Remote: seconds one attempt may take (None: ``timeout``).
+    step_timeout: float | None = None
+    #: Remote: failed or timed-out attempts may be retried automatically.
+    idempotent: bool = False
+    #: Remote and idempotent: automatic retries after the first attempt.
+    retries: int = 3
 
     @property
     def is_boot(self) -> bool:

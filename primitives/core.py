@@ -78,7 +78,68 @@ class Ack(BaseXmlModel, tag="ack", nsmap=_NSMAP):
     ids: list[int] = element(tag="id", default_factory=list)
 
 
-CORE_MODELS: tuple[type[BaseXmlModel], ...] = (Huh, SystemErrorPayload, Boot, Hello, Ack)
+class Serve(BaseXmlModel, tag="serve", nsmap=_NSMAP):
+    """A runner's announcement (docs/wire.md, "Runners"): from now on send me the jobs of
+    remote listener ``listener``, at most ``concurrency`` at a time. Consumed by the
+    server, never routed."""
+
+    listener: str = attr()
+    concurrency: int = attr(default=1)
+
+
+class Started(BaseXmlModel, tag="started", nsmap=_NSMAP):
+    """A runner's optional report, on a job's thread, that it has begun the job."""
+
+
+class Done(BaseXmlModel, tag="done", nsmap=_NSMAP):
+    """A runner's end of a job without an answer to the caller (after its forwards, if
+    any): the in-process handler's ``None``."""
+
+
+class Failed(BaseXmlModel, tag="failed", nsmap=_NSMAP):
+    """A runner's report that a job failed (its handler raised): the caller gets what an
+    in-process handler's exception gives, unless an idempotent listener retries it."""
+
+
+class Cancel(BaseXmlModel, tag="cancel", nsmap=_NSMAP):
+    """The server's notice to a runner, on a job's thread (no attributes): abandon this
+    job; any result it still sends is ignored. From an operator (``agentserver cancel``):
+    cancel agent ``agent``'s task sent on ``thread`` (queued: skipped; running: stopped)."""
+
+    agent: str | None = attr(default=None)
+    thread: str | None = attr(default=None)
+
+
+class Stop(BaseXmlModel, tag="stop", nsmap=_NSMAP):
+    """An operator's command (``agentserver stop``): end agent ``agent``'s active Turn
+    (only if it is the task sent on ``thread``, when given) with a failed answer."""
+
+    agent: str = attr()
+    thread: str | None = attr(default=None)
+
+
+class Outcome(BaseXmlModel, tag="outcome", nsmap=_NSMAP):
+    """The server's answer to an operator command: how many tasks it ended."""
+
+    command: str = attr()
+    agent: str = attr()
+    count: int = attr()
+
+
+CORE_MODELS: tuple[type[BaseXmlModel], ...] = (
+    Huh,
+    SystemErrorPayload,
+    Boot,
+    Hello,
+    Ack,
+    Serve,
+    Started,
+    Done,
+    Failed,
+    Cancel,
+    Stop,
+    Outcome,
+)
 
 
 def boot_primitive(organism: str, listener_count: int) -> Boot:

@@ -1362,3 +1362,53 @@ class SqliteAgentStore:
                 ).rowcount
                 for reply_id in reply_ids
             )
+
+    # -- stop and cancel from outside (agentserver.operator) -----------------------------
+
+    async def turn_of_thread(self, agent_id: str, caller_thread: str) -> str | None:
+        """The active Turn's id if it is the task sent on the caller's ``caller_thread``."""
+        row = self._db.execute(
+            "SELECT h.active_agent_turn_id FROM agent_state_head h JOIN agent_inbox i "
+            "ON i.inbox_id = h.turn_inbox_id WHERE h.agent_id = ? "
+            "AND json_extract(i.reply_ref, '$.caller_thread') = ?",
+            (agent_id, caller_thread),
+        ).fetchone()
+        return row[0] if row and row[0] else None
+
+    async def cancel_queued(
+        self, agent_id: str, caller_thread: str | None, failed_answer: bytes
+    ) -> list[PendingReply]:
+        """Cancel the agent's queued tasks (only the one sent on ``caller_thread``, if
+        given): ``queued → skipped`` and, in the same transaction, one failed answer per
+        task in the reply outbox (keyed ``cancel:INBOX_ID``; sent like a Turn's and resent
+        after a crash). Returns the replies to send now."""
+        sources = inbox_sources(InboxEvent.CANCEL)
+        marks = ",".join("?" * len(sources))
+        query = (
+            f"SELECT inbox_id, reply_ref FROM agent_inbox WHERE agent_id = ? "
+            f"AND message_type = 'turn' AND status IN ({marks})"
+        )
+        args: list[object] = [agent_id, *sources]
+        if caller_thread is not None:
+            query += " AND json_extract(reply_ref, '$.caller_thread') = ?"
+            args.append(caller_thread)
+        target = inbox_transition(InboxStatus.QUEUED, InboxEvent.CANCEL).target
+        now = self._clock.now()
+        out: list[PendingReply] = []
+        with self._tx() as db:
+            for inbox_id, ref in db.execute(query, args).fetchall():
+                changed = db.execute(
+                    f"UPDATE agent_inbox SET status = ?, updated_at = ? WHERE inbox_id = ? "
+                    f"AND status IN ({marks})",
+                    (str(target), now, inbox_id, *sources),
+                ).rowcount
+                if not changed or ref is None:
+                    continue
+                key = f"cancel:{inbox_id}"
+                db.execute(
+                    "INSERT INTO agent_replies (agent_turn_id, agent_id, reply_ref, payload, "
+                    "failed, status, created_at) VALUES (?,?,?,?,1,'pending',?)",
+                    (key, agent_id, ref, failed_answer, now),
+                )
+                out.append(PendingReply(key, agent_id, ref, failed_answer, True, 0))
+        return out

@@ -82,6 +82,7 @@ class InboxEvent(enum.StrEnum):
     SKIP = "skip"  # duplicate, late or stale report: acknowledged, no effect
     FAIL = "fail"  # malformed row, or retries exhausted
     ABANDON = "abandon"  # its Turn was force-ended before the row was used
+    CANCEL = "cancel"  # an operator cancelled the queued task (agentserver cancel)
 
 
 class MessageType(enum.StrEnum):
@@ -105,9 +106,58 @@ INBOX_TRANSITIONS: Mapping[tuple[InboxStatus, InboxEvent], Transition] = {
     (_I.QUEUED, InboxEvent.FAIL): Transition(_I.ERROR, False, "malformed at lease"),
     (_I.PENDING, InboxEvent.ABANDON): Transition(_I.SKIPPED, False, "Turn force-ended"),
     (_I.DEFERRED, InboxEvent.ABANDON): Transition(_I.SKIPPED, False, "Turn force-ended"),
+    (_I.QUEUED, InboxEvent.CANCEL): Transition(_I.SKIPPED, False, "cancelled; failed answer"),
 }
 
 DUE_INBOX = frozenset({_I.PENDING, _I.DEFERRED})
+
+
+class StepStatus(enum.StrEnum):
+    """One attempt of a tool invocation on a remote listener (:mod:`agentserver.runners`)."""
+
+    PENDING = "pending"
+    DISPATCHED = "dispatched"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+
+
+class StepEvent(enum.StrEnum):
+    DISPATCH = "dispatch"  # the job was written to a runner
+    START = "start"  # the runner said <started/>, or its first output arrived
+    SUCCEED = "succeed"  # the runner answered or ended the job
+    FAIL = "fail"  # the runner's connection was lost
+    TIME_OUT = "time_out"  # step-timeout reached
+    CANCEL = "cancel"  # stopped from outside, or the pump gave up on the call
+
+
+_S = StepStatus
+#: States an attempt ends in.
+FINAL_STEP = frozenset({_S.SUCCEEDED, _S.FAILED, _S.TIMED_OUT, _S.CANCELLED})
+
+STEP_TRANSITIONS: Mapping[tuple[StepStatus, StepEvent], Transition] = {
+    (_S.PENDING, StepEvent.DISPATCH): Transition(_S.DISPATCHED, False, "sent to a runner"),
+    (_S.PENDING, StepEvent.TIME_OUT): Transition(_S.TIMED_OUT, False, "no runner in time"),
+    (_S.PENDING, StepEvent.CANCEL): Transition(_S.CANCELLED, False, "stopped"),
+    (_S.DISPATCHED, StepEvent.START): Transition(_S.RUNNING, False, "runner began"),
+    (_S.DISPATCHED, StepEvent.FAIL): Transition(_S.FAILED, False, "runner lost, not started"),
+    (_S.DISPATCHED, StepEvent.TIME_OUT): Transition(_S.TIMED_OUT, False, "deadline"),
+    (_S.DISPATCHED, StepEvent.CANCEL): Transition(_S.CANCELLED, False, "stopped; <cancel> sent"),
+    (_S.RUNNING, StepEvent.SUCCEED): Transition(_S.SUCCEEDED, False, "answered or ended"),
+    (_S.RUNNING, StepEvent.FAIL): Transition(_S.FAILED, False, "runner lost mid-job"),
+    (_S.RUNNING, StepEvent.TIME_OUT): Transition(_S.TIMED_OUT, False, "deadline"),
+    (_S.RUNNING, StepEvent.CANCEL): Transition(_S.CANCELLED, False, "stopped; <cancel> sent"),
+}
+
+
+def step_transition(state: StepStatus | str, event: StepEvent | str) -> Transition:
+    """Return the transition for ``(state, event)`` or raise :class:`IllegalTransition`."""
+    try:
+        return STEP_TRANSITIONS[(StepStatus(state), StepEvent(event))]
+    except (KeyError, ValueError):
+        raise IllegalTransition("step", str(state), str(event)) from None
 
 
 def head_transition(state: HeadStatus | str, event: HeadEvent | str) -> Transition:
@@ -152,4 +202,6 @@ def render_markdown() -> str:
     lines += _table(HEAD_TRANSITIONS, epoch_col=True)
     lines += ["", "Inbox row (`agent_inbox.status`):", ""]
     lines += _table(INBOX_TRANSITIONS, epoch_col=False)
+    lines += ["", "Step attempt (remote listeners, `agentserver.runners`):", ""]
+    lines += _table(STEP_TRANSITIONS, epoch_col=False)
     return "\n".join(lines) + "\n"

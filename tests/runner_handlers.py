@@ -1,0 +1,42 @@
+"""Payloads and runner handlers of the remote-listener tests (tests/test_runners*.py).
+
+Imported by the server (for the payload types) and by runner subprocesses (the handler).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import trio
+from lxml import etree
+from pydantic_xml import BaseXmlModel, element
+
+from agentserver.listener import HandlerMetadata, HandlerResponse
+
+NS = "urn:test:runner"
+_NSMAP = {"": NS}
+
+
+class Query(BaseXmlModel, tag="query", nsmap=_NSMAP):
+    text: str = element()
+    seconds: float = element(default=0.0)
+
+
+class Result(BaseXmlModel, tag="result", nsmap=_NSMAP):
+    text: str = element()
+    runner: str = element()
+
+
+async def handle(payload: etree._Element, meta: HandlerMetadata) -> HandlerResponse:
+    """Answer ``<result>`` with the query's text after ``seconds``. With
+    ``$RUNNER_MARKS`` set, first leave a file named after this process in that
+    directory, so a test can tell which runner holds a job."""
+    text = payload.findtext(f"{{{NS}}}text") or ""
+    seconds = float(payload.findtext(f"{{{NS}}}seconds") or 0)
+    marks = os.environ.get("RUNNER_MARKS")
+    if marks:
+        (pathlib.Path(marks) / str(os.getpid())).write_text(text)
+    if seconds:
+        await trio.sleep(seconds)
+    return HandlerResponse.respond(Result(text=text, runner=str(os.getpid())))
