@@ -41,7 +41,7 @@ class RouterLLM:
         try:
             done = await self._router.complete(self._request(request))
         except LLMError as exc:
-            raise LLMUnavailable(str(exc), kind=str(exc.kind.value)) from exc
+            raise _unavailable(exc) from exc
         return _completion(done)
 
     @contextlib.asynccontextmanager
@@ -57,7 +57,11 @@ class RouterLLM:
             async with self._router.stream(self._request(request)) as chunks:
                 yield _adapt(chunks)
         except LLMError as exc:
-            raise LLMUnavailable(str(exc), kind=str(exc.kind.value)) from exc
+            raise _unavailable(exc) from exc
+
+
+def _unavailable(exc: LLMError) -> LLMUnavailable:
+    return LLMUnavailable(str(exc), kind=str(exc.kind.value), retry_after=exc.retry_after)
 
 
 async def _adapt(chunks: AsyncIterator[str | Completion]) -> AsyncIterator[str | LLMCompletion]:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from lxml import etree
 
+from agentserver.agents.retry import RetryPolicy
+
 SUBMIT_RESULT = "submit_result"
 
 
@@ -52,15 +54,23 @@ class AgentProfile:
     terminate_tools: tuple[str, ...] = ()
     failure_status: bool = False
     quotable: tuple[str, ...] = ()
+    step_retries: int = 3
+    step_retry_base_s: float = 2.0
+    max_retry_after_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:
             raise ValueError("max_steps must be >= 1")
         if self.resume_deadline_s <= 0:
             raise ValueError("resume_deadline_s must be > 0")
+        RetryPolicy(self.step_retries, self.step_retry_base_s, self.max_retry_after_s)
         if not self.answer_tag:
             ns = etree.QName(self.own_roots[0]).namespace if self.own_roots else None
             object.__setattr__(self, "answer_tag", etree.QName(ns, "answer").text)
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(self.step_retries, self.step_retry_base_s, self.max_retry_after_s)
 
     @property
     def known_roots(self) -> tuple[str, ...]:

@@ -27,6 +27,7 @@ from typing import Any
 from agentserver.agents.clock import Clock, SystemClock
 from agentserver.agents.errors import StaleTurn, StoreError, StoreInUse
 from agentserver.agents.ports import LLMCompletion, ReplyRef
+from agentserver.agents.retry import step_retries_done, step_retry_payload
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.states import (
     ACTIVE_HEAD,
@@ -531,6 +532,7 @@ class SqliteAgentStore:
             for ev in (InboxEvent.ABANDON, InboxEvent.FAIL):
                 if self._inbox_move(db, turn_inbox_id, ev, defer_reason=f"turn {status}"):
                     break
+        self._abandon_step_retries(db, token)
         if ref and ref[0] is not None and reply_payload is not None:
             db.execute(
                 "INSERT INTO agent_replies (agent_turn_id, agent_id, reply_ref, payload, failed, "
@@ -1244,6 +1246,7 @@ class SqliteAgentStore:
             ).fetchall()
             for r in rows:
                 token = TurnToken(*r)
+                due, payload = self._pending_step_retry(db, token, now)
                 epoch = self._cas(db, token, HeadEvent.RECOVER, {"running_since": now})
                 db.execute(
                     "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, "
@@ -1256,8 +1259,8 @@ class SqliteAgentStore:
                         InboxStatus.PENDING,
                         token.agent_turn_id,
                         epoch,
-                        b"",
-                        now,
+                        payload,
+                        due,
                         now,
                         now,
                     ),
@@ -1265,6 +1268,82 @@ class SqliteAgentStore:
                 self._edge(db, token.agent_id, token.agent_turn_id, "recover", "request")
                 out.append(TurnToken(token.agent_id, token.agent_turn_id, epoch))
         return out
+
+    # -- step retry (issue 12) ---------------------------------------------------------
+    async def retry_step(
+        self,
+        token: TurnToken,
+        step_id: str,
+        *,
+        attempt: int,
+        kind: str,
+        delay_s: float,
+        error: str,
+    ) -> float:
+        """Close the failed step as ``retrying`` and queue a ``resume`` row due after
+        ``delay_s``: the durable retry wait. The failed attempt does not count toward the
+        step limit and leaves no card. Returns the due time. CAS-fenced on ``running``.
+        """
+        now = self._clock.now()
+        due = now + delay_s
+        with self._tx() as db:
+            self._fenced(
+                db, token, HeadStatus.RUNNING, now, set_sql="step_count = max(step_count - 1, 0)"
+            )
+            meta = {"attempt": attempt, "kind": kind, "delay_s": delay_s, "error": error}
+            db.execute(
+                "UPDATE agent_steps SET status = 'retrying', ended_at = ?, metadata = ? "
+                "WHERE step_id = ?",
+                (now, json.dumps(meta), step_id),
+            )
+            db.execute(
+                "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, "
+                "agent_turn_id, turn_epoch, payload, next_retry_at, defer_reason, created_at, "
+                "updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    _new_id(),
+                    token.agent_id,
+                    MessageType.RESUME,
+                    InboxStatus.PENDING,
+                    token.agent_turn_id,
+                    token.turn_epoch,
+                    step_retry_payload(attempt),
+                    due,
+                    f"step retry {attempt} after {kind}",
+                    now,
+                    now,
+                ),
+            )
+            self._edge(
+                db, token.agent_id, token.agent_turn_id, "step_retry", "request", metadata=meta
+            )
+        return due
+
+    def _abandon_step_retries(self, db: sqlite3.Connection, token: TurnToken) -> None:
+        """A Turn that ends (e.g. stopped during a retry wait) drops its retry wait."""
+        rows = db.execute(
+            "SELECT inbox_id FROM agent_inbox WHERE agent_id = ? AND agent_turn_id = ? "
+            "AND message_type = ? AND status = ?",
+            (token.agent_id, token.agent_turn_id, MessageType.RESUME, InboxStatus.PENDING),
+        ).fetchall()
+        for (inbox_id,) in rows:
+            self._inbox_move(db, inbox_id, InboxEvent.ABANDON, defer_reason="turn ended")
+
+    def _pending_step_retry(
+        self, db: sqlite3.Connection, token: TurnToken, now: float
+    ) -> tuple[float, bytes]:
+        """A restart keeps a Turn's retry wait: the due time and retry count of its
+        not-yet-taken retry row (which the recovery's own resume row replaces)."""
+        row = db.execute(
+            "SELECT inbox_id, next_retry_at, payload FROM agent_inbox WHERE agent_id = ? "
+            "AND agent_turn_id = ? AND message_type = ? AND status = ? "
+            "ORDER BY next_retry_at DESC LIMIT 1",
+            (token.agent_id, token.agent_turn_id, MessageType.RESUME, InboxStatus.PENDING),
+        ).fetchone()
+        if row is None or step_retries_done(bytes(row[2])) == 0:
+            return now, b""
+        self._inbox_move(db, row[0], InboxEvent.ABANDON, defer_reason="replaced at restart")
+        return max(now, float(row[1])), bytes(row[2])
 
     # -- replies ----------------------------------------------------------------------
     async def pending_replies(self, limit: int, older_than_s: float = 0.0) -> list[PendingReply]:

@@ -218,6 +218,19 @@ class AgentStore(Protocol):
     async def apply_report(self, row: InboxRow) -> ReportOutcome: ...
     async def take_resume(self, row: InboxRow) -> TurnToken | None: ...
     async def add_cards(self, token: TurnToken, cards: Sequence[NewCard]) -> None: ...
+    async def retry_step(
+        self,
+        token: TurnToken,
+        step_id: str,
+        *,
+        attempt: int,
+        kind: str,
+        delay_s: float,
+        error: str,
+    ) -> float:
+        """Close a failed step as ``retrying`` and queue its durable retry wait."""
+        ...
+
     async def finish(
         self,
         token: TurnToken,

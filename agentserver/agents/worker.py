@@ -47,6 +47,7 @@ from agentserver.agents.ports import (
     ToolPort,
 )
 from agentserver.agents.profile import AgentProfile
+from agentserver.agents.retry import RetryStep, decide_retry, step_retries_done
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.states import HeadStatus, MessageType
 from agentserver.agents.store import (
@@ -153,7 +154,7 @@ class Worker:
             token = await self.store.take_resume(row)
             profile = self.profiles.get(row.agent_id)
             if token is not None and profile is not None:
-                await self._run_turn(token, profile)
+                await self._run_turn(token, profile, step_retries_done(row.payload))
         else:
             await self.store.skip_row(row, f"unknown message type {row.message_type!r}")
 
@@ -190,9 +191,11 @@ class Worker:
         await self._run_turn(token, profile)
 
     # -- the Turn -----------------------------------------------------------------------
-    async def _run_turn(self, token: TurnToken, profile: AgentProfile) -> None:
+    async def _run_turn(
+        self, token: TurnToken, profile: AgentProfile, retries_done: int = 0
+    ) -> None:
         try:
-            await self._steps(token, profile)
+            await self._steps(token, profile, retries_done)
         except StaleTurn:
             log.info("turn %s of %s moved on; dropping it", token.agent_turn_id, token.agent_id)
         except trio.Cancelled:
@@ -206,8 +209,11 @@ class Worker:
             except StaleTurn:
                 pass
 
-    async def _steps(self, token: TurnToken, profile: AgentProfile) -> None:
-        """Take steps until the Turn suspends or ends. Raises StaleTurn when fenced out."""
+    async def _steps(self, token: TurnToken, profile: AgentProfile, retries_done: int = 0) -> None:
+        """Take steps until the Turn suspends, waits to retry a step, or ends.
+
+        ``retries_done``: retries the first step already had (a retry wait's resume).
+        Raises StaleTurn when fenced out."""
         ref_json = await self.store.turn_reply_ref(token)
         reply_ref: ReplyRef = json.loads(ref_json) if ref_json else None
         while True:
@@ -222,9 +228,10 @@ class Worker:
                 return
             step_id, _ = await self.store.begin_step(token)
             self._step_event(token, step_id, "started", "thinking")
-            completion = await self._complete(token, head, profile, step_id)
+            completion = await self._complete(token, head, profile, step_id, retries_done)
             if completion is None:
                 return
+            retries_done = 0
             await self.store.complete_step(
                 token,
                 step_id,
@@ -310,9 +317,15 @@ class Worker:
         return True
 
     async def _complete(
-        self, token: TurnToken, head: Head, profile: AgentProfile, step_id: str
+        self,
+        token: TurnToken,
+        head: Head,
+        profile: AgentProfile,
+        step_id: str,
+        retries_done: int = 0,
     ) -> LLMCompletion | None:
-        """One model call; on any failure the Turn ends failed and None is returned.
+        """One model call; None when it failed: then either the step waits to be retried
+        (a retryable kind, see :mod:`agentserver.agents.retry`) or the Turn ended failed.
 
         With a streaming port, each text chunk is published as a :class:`ChunkEvent` as it
         arrives; otherwise the whole text is published as one chunk.
@@ -346,6 +359,10 @@ class Worker:
                     raise LLMUnavailable("the model's stream ended without a result", kind="stream")
                 return final
         except LLMUnavailable as exc:
+            decision = decide_retry(exc.kind, exc.retry_after, retries_done, profile.retry_policy)
+            if isinstance(decision, RetryStep):
+                await self._wait_to_retry(token, step_id, decision, exc)
+                return None
             problem = f"the model could not be reached: {exc}"
         except trio.TooSlowError:
             problem = f"the model did not answer within {profile.llm_timeout_s:g} s"
@@ -354,6 +371,39 @@ class Worker:
             problem = f"the model call failed: {type(exc).__name__}"
         await self._finish(token, profile, TaskStatus.FAILED, problem)
         return None
+
+    async def _wait_to_retry(
+        self, token: TurnToken, step_id: str, retry: RetryStep, exc: LLMUnavailable
+    ) -> None:
+        """Record the retry wait durably and let go of the Turn: the dispatcher takes the
+        ``resume`` row when it is due (after a restart too); a stop ends the Turn."""
+        await self.store.retry_step(
+            token,
+            step_id,
+            attempt=retry.attempt,
+            kind=exc.kind,
+            delay_s=retry.delay_s,
+            error=str(exc),
+        )
+        log.info(
+            "turn %s of %s: step retry %d in %g s after %s",
+            token.agent_turn_id,
+            token.agent_id,
+            retry.attempt,
+            retry.delay_s,
+            exc.kind,
+        )
+        self.events.publish(
+            StepEvent(
+                token.agent_id,
+                token.agent_turn_id,
+                step_id,
+                "retrying",
+                retry.attempt,
+                exc.kind,
+                retry.delay_s,
+            )
+        )
 
     async def _hydrate(self, head: Head, profile: AgentProfile) -> list[LLMMessage]:
         system = [profile.system_prompt]
