@@ -29,6 +29,15 @@ class RouterLLM:
     def __init__(self, router: _Router) -> None:
         self._router = router
 
+    def context_window(self, model: str) -> int | None:
+        """The model's declared window in the router's configuration (None: unknown)."""
+        config = getattr(self._router, "config", None)
+        if config is None:
+            return None
+        from agentserver.llm.config import model_context_window
+
+        return model_context_window(config, model)
+
     def _request(self, request: LLMRequest) -> Request:
         return Request(
             [Message(Role(m.role), m.content) for m in request.messages],

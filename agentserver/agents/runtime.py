@@ -75,6 +75,7 @@ class AgentRuntime:
         """Open the SQLite store at ``settings.path`` (created/migrated) and wire everything."""
         clock = clock or SystemClock()
         store = SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
+        store.tool_result_caps = {n: p.budget.tool_result_cap for n, p in profiles.items()}
         return cls(
             store=store,
             profiles=profiles,

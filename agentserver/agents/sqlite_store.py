@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from agentserver.agents.budget import card_tokens
 from agentserver.agents.clock import Clock, SystemClock
 from agentserver.agents.errors import StaleTurn, StoreError, StoreInUse
 from agentserver.agents.ports import LLMCompletion, ReplyRef
@@ -57,7 +58,7 @@ from agentserver.agents.store import (
     TurnToken,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -187,12 +188,22 @@ CREATE TABLE client_replies (
 );
 CREATE INDEX client_replies_client ON client_replies (client, delivered_at, reply_id);
 """,
+    # Issue 12: the context budget. A card's estimated cost as the model is shown it, and
+    # the running sum over the head's two boxes (so the budget check is O(1) per step).
+    2: """
+ALTER TABLE cards ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE agent_state_head ADD COLUMN context_tokens INTEGER NOT NULL DEFAULT 0;
+""",
 }
+
+#: Card types the worker never shows the model (``worker._card_message`` returns None):
+#: they cost no context tokens.
+_UNSHOWN = frozenset({CardType.DELIVERABLE, CardType.TOOL_CALL})
 
 _HEAD_COLS = (
     "agent_id, status, active_agent_turn_id, turn_epoch, turn_inbox_id, context_box_id, "
     "output_box_id, step_count, waiting_tool_count, resume_deadline, "
-    "dispatched_at, running_since, updated_at"
+    "dispatched_at, running_since, updated_at, context_tokens"
 )
 _INBOX_COLS = (
     "inbox_id, agent_id, message_type, status, agent_turn_id, turn_epoch, correlation_id, "
@@ -238,6 +249,8 @@ class SqliteAgentStore:
         self._clock = clock
         self.settings = settings
         self._lock_fd: int | None = None
+        #: agent id → the most tokens one tool result is shown with (budget.tool_result_cap)
+        self.tool_result_caps: dict[str, int] = {}
 
     # -- lifecycle -------------------------------------------------------------------
     @classmethod
@@ -389,9 +402,10 @@ class SqliteAgentStore:
         card: NewCard,
     ) -> str:
         card_id = _new_id()
+        tokens = self._card_tokens(db, box_id, card)
         db.execute(
             "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, metadata, "
-            "created_at) VALUES (?,?,?,?,?,?,?)",
+            "created_at, tokens) VALUES (?,?,?,?,?,?,?,?)",
             (
                 card_id,
                 box_id,
@@ -400,9 +414,53 @@ class SqliteAgentStore:
                 card.content,
                 json.dumps(dict(card.metadata)),
                 self._clock.now(),
+                tokens,
             ),
         )
+        if tokens:
+            db.execute(
+                "UPDATE agent_state_head SET context_tokens = context_tokens + ? "
+                "WHERE active_agent_turn_id = ? AND (output_box_id = ? OR context_box_id = ?)",
+                (tokens, turn_id, box_id, box_id),
+            )
         return card_id
+
+    # -- context budget (issue 12) ------------------------------------------------------
+    def _card_tokens(self, db: sqlite3.Connection, box_id: str, card: NewCard) -> int:
+        if card.card_type in _UNSHOWN:
+            return 0
+        cap = None
+        if card.card_type == CardType.TOOL_RESULT and self.tool_result_caps:
+            agent = db.execute("SELECT agent_id FROM boxes WHERE box_id = ?", (box_id,)).fetchone()
+            cap = self.tool_result_caps.get(agent[0]) if agent else None
+        return card_tokens(card.content, cap)
+
+    def _recount(self, db: sqlite3.Connection, agent_id: str) -> int:
+        """Set the head's running count to the sum over its two boxes (after a swap)."""
+        db.execute(
+            "UPDATE agent_state_head SET context_tokens = (SELECT coalesce(sum(c.tokens), 0) "
+            "FROM cards c WHERE c.box_id IN (agent_state_head.context_box_id, "
+            "agent_state_head.output_box_id)) WHERE agent_id = ?",
+            (agent_id,),
+        )
+        row = db.execute(
+            "SELECT context_tokens FROM agent_state_head WHERE agent_id = ?", (agent_id,)
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    async def add_context_tokens(self, token: TurnToken, delta: int) -> None:
+        """The provider counted more than the estimate: correct the running count up."""
+        if delta <= 0:
+            return
+        with self._tx() as db:
+            self._fenced(
+                db,
+                token,
+                HeadStatus.RUNNING,
+                self._clock.now(),
+                set_sql="context_tokens = context_tokens + ?",
+                params=(delta,),
+            )
 
     def _output_box(self, db: sqlite3.Connection, agent_id: str) -> str:
         row = db.execute(
@@ -471,6 +529,7 @@ class SqliteAgentStore:
         )
         if cur.rowcount != 1:  # cannot happen under the single writer; be safe anyway
             raise StaleTurn(f"{agent_id}: lease lost")
+        self._recount(db, agent_id)
         self._inbox_move(
             db,
             inbox_id,
@@ -714,6 +773,7 @@ class SqliteAgentStore:
                 None,
                 None,
                 self._clock.now(),
+                0,
             )
         return Head(*row)
 

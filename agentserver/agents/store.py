@@ -60,6 +60,8 @@ class Head:
     dispatched_at: float | None
     running_since: float | None
     updated_at: float
+    #: estimated tokens of the cards in the two boxes, as shown (agents/budget.py)
+    context_tokens: int = 0
 
     @property
     def token(self) -> TurnToken | None:
@@ -218,6 +220,10 @@ class AgentStore(Protocol):
     async def apply_report(self, row: InboxRow) -> ReportOutcome: ...
     async def take_resume(self, row: InboxRow) -> TurnToken | None: ...
     async def add_cards(self, token: TurnToken, cards: Sequence[NewCard]) -> None: ...
+    async def add_context_tokens(self, token: TurnToken, delta: int) -> None:
+        """Correct the running token count up by ``delta`` (the provider's usage)."""
+        ...
+
     async def retry_step(
         self,
         token: TurnToken,

@@ -24,6 +24,7 @@ import trio
 from lxml import etree
 
 from agentserver.agents.answer import answer_bytes
+from agentserver.agents.budget import shown_text
 from agentserver.agents.clock import Clock
 from agentserver.agents.decide import (
     CallTools,
@@ -420,8 +421,9 @@ class Worker:
             cards += await self.store.cards(head.context_box_id)
         if head.output_box_id:
             cards += await self.store.cards(head.output_box_id)
+        cap = profile.budget.tool_result_cap
         for card in cards:
-            message = _card_message(card)
+            message = _card_message(card, cap)
             if message is not None:
                 messages.append(message)
         return messages
@@ -460,8 +462,9 @@ def _huh_card(element: etree._Element, hint: str) -> NewCard:
     return NewCard(CardType.HUH, _text(element), {"hint": hint} if hint else {})
 
 
-def _card_message(card: Card) -> LLMMessage | None:
-    """How a card reads in the model's context (None: not shown)."""
+def _card_message(card: Card, tool_result_cap: int | None = None) -> LLMMessage | None:
+    """How a card reads in the model's context (None: not shown). A tool result is cut
+    to ``tool_result_cap`` tokens (the store keeps it whole)."""
     t = card.card_type
     if t == CardType.TASK_INPUT:
         return LLMMessage("user", card.content)
@@ -470,7 +473,7 @@ def _card_message(card: Card) -> LLMMessage | None:
     if t == CardType.TOOL_RESULT:
         to = card.metadata.get("to", "?")
         head = f"Tool call to {to} failed:" if card.metadata.get("failed") else f"Result from {to}:"
-        return LLMMessage("user", f"{head}\n{card.content}")
+        return LLMMessage("user", f"{head}\n{shown_text(card.content, tool_result_cap)}")
     if t == CardType.HUH:
         hint = card.metadata.get("hint")
         tail = f"\nHint: {hint}" if hint else ""
