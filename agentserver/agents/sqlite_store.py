@@ -448,6 +448,56 @@ class SqliteAgentStore:
         ).fetchone()
         return int(row[0]) if row else 0
 
+    async def compact(
+        self,
+        token: TurnToken,
+        summary: NewCard,
+        keep: Sequence[str],
+        *,
+        edge: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Swap the Turn's boxes to [``summary``] + [copies of the ``keep`` cards, in
+        order] in one CAS-fenced transaction; the old boxes stay in the store. Returns the
+        new running token count."""
+        now = self._clock.now()
+        with self._tx() as db:
+            self._fenced(db, token, HeadStatus.RUNNING, now)
+            context_box, output_box = _new_id(), _new_id()
+            db.executemany(
+                "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) "
+                "VALUES (?,?,?,?,?)",
+                [
+                    (context_box, token.agent_id, token.agent_turn_id, "context", now),
+                    (output_box, token.agent_id, token.agent_turn_id, "output", now),
+                ],
+            )
+            self._card(db, context_box, token.agent_turn_id, summary)
+            for card_id in keep:
+                db.execute(
+                    "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, "
+                    "metadata, created_at, tokens) SELECT ?, ?, agent_turn_id, card_type, "
+                    "content, metadata, created_at, tokens FROM cards WHERE card_id = ?",
+                    (_new_id(), output_box, card_id),
+                )
+            self._fenced(
+                db,
+                token,
+                HeadStatus.RUNNING,
+                now,
+                set_sql="context_box_id = ?, output_box_id = ?",
+                params=(context_box, output_box),
+            )
+            total = self._recount(db, token.agent_id)
+            self._edge(
+                db,
+                token.agent_id,
+                token.agent_turn_id,
+                "compact",
+                "response",
+                metadata={**(edge or {}), "context_tokens": total},
+            )
+        return total
+
     async def add_context_tokens(self, token: TurnToken, delta: int) -> None:
         """The provider counted more than the estimate: correct the running count up."""
         if delta <= 0:

@@ -27,6 +27,7 @@ class CardType:
     HUH = "sys.huh"
     NOTE = "sys.note"
     DELIVERABLE = "task.deliverable"
+    SUMMARY = "sys.summary"  # the rolling summary of compacted cards (compaction.py)
 
 
 class TaskStatus:
@@ -220,6 +221,17 @@ class AgentStore(Protocol):
     async def apply_report(self, row: InboxRow) -> ReportOutcome: ...
     async def take_resume(self, row: InboxRow) -> TurnToken | None: ...
     async def add_cards(self, token: TurnToken, cards: Sequence[NewCard]) -> None: ...
+    async def compact(
+        self,
+        token: TurnToken,
+        summary: NewCard,
+        keep: Sequence[str],
+        *,
+        edge: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Swap the Turn's boxes to [summary] + [copies of ``keep``]; returns the count."""
+        ...
+
     async def add_context_tokens(self, token: TurnToken, delta: int) -> None:
         """Correct the running token count up by ``delta`` (the provider's usage)."""
         ...

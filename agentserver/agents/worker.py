@@ -26,6 +26,7 @@ from lxml import etree
 from agentserver.agents.answer import answer_bytes
 from agentserver.agents.budget import shown_text
 from agentserver.agents.clock import Clock
+from agentserver.agents.compactor import compact_turn
 from agentserver.agents.decide import (
     CallTools,
     Deliver,
@@ -62,6 +63,7 @@ from agentserver.agents.store import (
     TurnToken,
 )
 from agentserver.agents.submit import evaluate_submit, usage_text
+from agentserver.llm.tokens import PER_REQUEST, estimate_message_tokens
 from agentserver.usage import RESPOND_WARNING
 from agentserver.xmlsafe import SafeParser
 
@@ -330,36 +332,49 @@ class Worker:
 
         With a streaming port, each text chunk is published as a :class:`ChunkEvent` as it
         arrives; otherwise the whole text is published as one chunk.
+
+        Before the call, a context over budget is compacted (``agents/compaction.py``); a
+        provider's CONTEXT_OVERFLOW compacts once more, keeping only the task, and retries
+        at once; a second overflow ends the Turn.
         """
-        request = LLMRequest(
-            agent=token.agent_id,
-            model=profile.model,
-            messages=await self._hydrate(head, profile),
-            max_tokens=profile.max_tokens,
-        )
-
-        def chunk(text: str) -> None:
-            self.events.publish(ChunkEvent(token.agent_id, token.agent_turn_id, step_id, text))
-
+        budget = profile.budget
+        system = _system_text(profile)
+        system_tokens = estimate_message_tokens(system)
+        overflowed = False
         problem: str
         try:
             with trio.fail_after(profile.llm_timeout_s):
-                stream = getattr(self.llm, "stream", None)
-                if stream is None:
-                    completion = await self.llm.complete(request)
-                    chunk(completion.content)
+                while True:
+                    if overflowed or budget.over(system_tokens, head.context_tokens):
+                        await compact_turn(
+                            self.store, self.llm, token, profile, keep_nothing=overflowed
+                        )
+                        head = await self._fence(token)
+                    try:
+                        completion = await self._call(token, head, profile, step_id, system)
+                    except LLMUnavailable as exc:
+                        if exc.kind.upper() == "CONTEXT_OVERFLOW" and not overflowed:
+                            overflowed = True
+                            continue
+                        raise
+                    # The provider's count corrects the running estimate (upwards only:
+                    # the estimate is kept pessimistic).
+                    estimated = PER_REQUEST + system_tokens + head.context_tokens
+                    if completion.usage.prompt_tokens > estimated:
+                        await self.store.add_context_tokens(
+                            token, completion.usage.prompt_tokens - estimated
+                        )
                     return completion
-                final: LLMCompletion | None = None
-                async with stream(request) as items:
-                    async for item in items:
-                        if isinstance(item, str):
-                            chunk(item)
-                        else:
-                            final = item
-                if final is None:
-                    raise LLMUnavailable("the model's stream ended without a result", kind="stream")
-                return final
+        except StaleTurn:
+            raise
         except LLMUnavailable as exc:
+            if exc.kind.upper() == "CONTEXT_OVERFLOW":
+                problem = (
+                    "the conversation does not fit the model's context window, even after "
+                    f"compaction: {exc}"
+                )
+                await self._finish(token, profile, TaskStatus.FAILED, problem)
+                return None
             decision = decide_retry(exc.kind, exc.retry_after, retries_done, profile.retry_policy)
             if isinstance(decision, RetryStep):
                 await self._wait_to_retry(token, step_id, decision, exc)
@@ -372,6 +387,36 @@ class Worker:
             problem = f"the model call failed: {type(exc).__name__}"
         await self._finish(token, profile, TaskStatus.FAILED, problem)
         return None
+
+    async def _call(
+        self, token: TurnToken, head: Head, profile: AgentProfile, step_id: str, system: str
+    ) -> LLMCompletion:
+        """One model call for the step (streamed when the port can); errors propagate."""
+        request = LLMRequest(
+            agent=token.agent_id,
+            model=profile.model,
+            messages=await self._hydrate(head, profile, system),
+            max_tokens=profile.max_tokens,
+        )
+
+        def chunk(text: str) -> None:
+            self.events.publish(ChunkEvent(token.agent_id, token.agent_turn_id, step_id, text))
+
+        stream = getattr(self.llm, "stream", None)
+        if stream is None:
+            completion = await self.llm.complete(request)
+            chunk(completion.content)
+            return completion
+        final: LLMCompletion | None = None
+        async with stream(request) as items:
+            async for item in items:
+                if isinstance(item, str):
+                    chunk(item)
+                else:
+                    final = item
+        if final is None:
+            raise LLMUnavailable("the model's stream ended without a result", kind="stream")
+        return final
 
     async def _wait_to_retry(
         self, token: TurnToken, step_id: str, retry: RetryStep, exc: LLMUnavailable
@@ -406,16 +451,8 @@ class Worker:
             )
         )
 
-    async def _hydrate(self, head: Head, profile: AgentProfile) -> list[LLMMessage]:
-        system = [profile.system_prompt]
-        if profile.usage_instructions:
-            system.append(profile.usage_instructions)
-        system.append(usage_text(profile.result_fields))
-        if not profile.usage_instructions:
-            # The pump's usage_instructions already end with the respond-prunes warning;
-            # an agent run without them still gets it, once.
-            system.append(RESPOND_WARNING)
-        messages = [LLMMessage("system", "\n\n".join(system))]
+    async def _hydrate(self, head: Head, profile: AgentProfile, system: str) -> list[LLMMessage]:
+        messages = [LLMMessage("system", system)]
         cards: list[Card] = []
         if head.context_box_id:
             cards += await self.store.cards(head.context_box_id)
@@ -454,6 +491,18 @@ class Worker:
             )
 
 
+def _system_text(profile: AgentProfile) -> str:
+    system = [profile.system_prompt]
+    if profile.usage_instructions:
+        system.append(profile.usage_instructions)
+    system.append(usage_text(profile.result_fields))
+    if not profile.usage_instructions:
+        # The pump's usage_instructions already end with the respond-prunes warning;
+        # an agent run without them still gets it, once.
+        system.append(RESPOND_WARNING)
+    return "\n\n".join(system)
+
+
 def _text(element: etree._Element) -> str:
     return etree.tostring(element, encoding="unicode")
 
@@ -482,4 +531,6 @@ def _card_message(card: Card, tool_result_cap: int | None = None) -> LLMMessage 
         return LLMMessage("user", f"(self-iteration accepted; continue)\n{card.content}")
     if t == CardType.NOTE:
         return LLMMessage("user", card.content)
+    if t == CardType.SUMMARY:
+        return LLMMessage("user", f"Summary of the conversation so far:\n{card.content}")
     return None
