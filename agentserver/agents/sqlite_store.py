@@ -58,7 +58,7 @@ from agentserver.agents.store import (
     TurnToken,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -193,6 +193,19 @@ CREATE INDEX client_replies_client ON client_replies (client, delivered_at, repl
     2: """
 ALTER TABLE cards ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE agent_state_head ADD COLUMN context_tokens INTEGER NOT NULL DEFAULT 0;
+""",
+    # Issue 12: memory across tasks. A Turn's conversation (agents/memory.py), and where
+    # each conversation's last Turn left its cards.
+    3: """
+ALTER TABLE agent_inbox ADD COLUMN conversation TEXT;
+CREATE TABLE conversations (
+    agent_id TEXT NOT NULL,
+    conversation TEXT NOT NULL,
+    context_box_id TEXT NOT NULL,
+    output_box_id TEXT NOT NULL,
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (agent_id, conversation)
+);
 """,
 }
 
@@ -535,13 +548,13 @@ class SqliteAgentStore:
         if head is None or head[0] != HeadStatus.IDLE:
             return False
         row = db.execute(
-            "SELECT inbox_id, payload FROM agent_inbox WHERE agent_id = ? AND status = ? "
-            "ORDER BY created_at, seq LIMIT 1",
+            "SELECT inbox_id, payload, conversation FROM agent_inbox WHERE agent_id = ? "
+            "AND status = ? ORDER BY created_at, seq LIMIT 1",
             (agent_id, InboxStatus.QUEUED),
         ).fetchone()
         if row is None:
             return False
-        inbox_id, payload = row
+        inbox_id, payload, conversation = row
         now = self._clock.now()
         t = head_transition(head[0], HeadEvent.LEASE)
         epoch = head[1] + 1 if t.bumps_epoch else head[1]
@@ -556,6 +569,8 @@ class SqliteAgentStore:
             ],
         )
         text = bytes(payload).decode("utf-8", "replace")
+        if conversation is not None:
+            self._continue_conversation(db, agent_id, conversation, context_box, turn_id)
         self._card(db, context_box, turn_id, NewCard(CardType.TASK_INPUT, text))
         cur = db.execute(
             "UPDATE agent_state_head SET status = ?, active_agent_turn_id = ?, turn_epoch = ?, "
@@ -603,10 +618,11 @@ class SqliteAgentStore:
     ) -> Finished:
         """Deliverable card + head to idle + reply outbox + next lease, in one transaction."""
         head = db.execute(
-            "SELECT output_box_id, turn_inbox_id FROM agent_state_head WHERE agent_id = ?",
+            "SELECT output_box_id, turn_inbox_id, context_box_id FROM agent_state_head "
+            "WHERE agent_id = ?",
             (token.agent_id,),
         ).fetchone()
-        output_box, turn_inbox_id = head
+        output_box, turn_inbox_id, context_box = head
         self._cas(
             db,
             token,
@@ -642,6 +658,7 @@ class SqliteAgentStore:
                 if self._inbox_move(db, turn_inbox_id, ev, defer_reason=f"turn {status}"):
                     break
         self._abandon_step_retries(db, token)
+        self._save_conversation(db, token.agent_id, turn_inbox_id, context_box, output_box, now)
         if ref and ref[0] is not None and reply_payload is not None:
             db.execute(
                 "INSERT INTO agent_replies (agent_turn_id, agent_id, reply_ref, payload, failed, "
@@ -683,9 +700,10 @@ class SqliteAgentStore:
                 self._ensure_head(db, agent_id)
 
     async def enqueue_turn(
-        self, agent_id: str, payload: bytes, reply_ref: ReplyRef
+        self, agent_id: str, payload: bytes, reply_ref: ReplyRef, *, conversation: str | None = None
     ) -> EnqueueResult:
         """Write the Enqueue as a queued row; lease it at once if the agent is idle.
+        ``conversation``: the Turn continues that conversation (``memory="client"``).
 
         Raises ``TypeError``/``ValueError`` (nothing written) if ``reply_ref`` is not JSON.
         """
@@ -696,7 +714,8 @@ class SqliteAgentStore:
             self._ensure_head(db, agent_id)
             db.execute(
                 "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, payload, "
-                "reply_ref, next_retry_at, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?)",
+                "reply_ref, next_retry_at, created_at, updated_at, conversation) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (
                     inbox_id,
                     agent_id,
@@ -707,6 +726,7 @@ class SqliteAgentStore:
                     now,
                     now,
                     now,
+                    conversation,
                 ),
             )
             self._edge(db, agent_id, None, "enqueue", "request", inbox_id=inbox_id)
@@ -1378,6 +1398,124 @@ class SqliteAgentStore:
                 self._edge(db, token.agent_id, token.agent_turn_id, "recover", "request")
                 out.append(TurnToken(token.agent_id, token.agent_turn_id, epoch))
         return out
+
+    # -- memory across tasks (issue 12) ------------------------------------------------
+    def _continue_conversation(
+        self,
+        db: sqlite3.Connection,
+        agent_id: str,
+        conversation: str,
+        context_box: str,
+        turn_id: str,
+    ) -> None:
+        """Copy the conversation's cards (what its last Turn's model saw, plus that Turn's
+        own cards but its deliverable) into a new Turn's context box, in order."""
+        row = db.execute(
+            "SELECT context_box_id, output_box_id FROM conversations "
+            "WHERE agent_id = ? AND conversation = ?",
+            (agent_id, conversation),
+        ).fetchone()
+        if row is None:
+            return
+        for box in row:
+            db.execute(
+                "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, "
+                "metadata, created_at, tokens) SELECT lower(hex(randomblob(16))), ?, ?, "
+                "card_type, content, metadata, created_at, tokens FROM cards "
+                "WHERE box_id = ? AND card_type != ? ORDER BY seq",
+                (context_box, turn_id, box, CardType.DELIVERABLE),
+            )
+
+    def _save_conversation(
+        self,
+        db: sqlite3.Connection,
+        agent_id: str,
+        turn_inbox_id: str | None,
+        context_box: str | None,
+        output_box: str | None,
+        now: float,
+    ) -> None:
+        if not turn_inbox_id or not context_box or not output_box:
+            return
+        row = db.execute(
+            "SELECT conversation FROM agent_inbox WHERE inbox_id = ?", (turn_inbox_id,)
+        ).fetchone()
+        if row is None or row[0] is None:
+            return
+        db.execute(
+            "INSERT INTO conversations (agent_id, conversation, context_box_id, output_box_id, "
+            "updated_at) VALUES (?,?,?,?,?) ON CONFLICT (agent_id, conversation) DO UPDATE "
+            "SET context_box_id = excluded.context_box_id, "
+            "output_box_id = excluded.output_box_id, updated_at = excluded.updated_at",
+            (agent_id, row[0], context_box, output_box, now),
+        )
+
+    async def conversation_cards(self, agent_id: str, conversation: str) -> list[Card]:
+        """The cards a new task of ``conversation`` would continue from (read only)."""
+        row = self._db.execute(
+            "SELECT context_box_id, output_box_id FROM conversations "
+            "WHERE agent_id = ? AND conversation = ?",
+            (agent_id, conversation),
+        ).fetchone()
+        if row is None:
+            return []
+        cards = await self.cards(row[0]) + await self.cards(row[1])
+        return [c for c in cards if c.card_type != CardType.DELIVERABLE]
+
+    async def replace_conversation(
+        self,
+        agent_id: str,
+        conversation: str,
+        expect_boxes: tuple[str, str],
+        summary: NewCard,
+        keep: Sequence[str],
+    ) -> bool:
+        """Manual compaction of an idle conversation: [summary] + copies of ``keep``, if
+        the conversation still points at ``expect_boxes`` (else False, nothing written)."""
+        now = self._clock.now()
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT context_box_id, output_box_id FROM conversations "
+                "WHERE agent_id = ? AND conversation = ?",
+                (agent_id, conversation),
+            ).fetchone()
+            if row is None or tuple(row) != tuple(expect_boxes):
+                return False
+            turn = f"compaction:{_new_id()}"
+            context_box, output_box = _new_id(), _new_id()
+            db.executemany(
+                "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) "
+                "VALUES (?,?,?,?,?)",
+                [
+                    (context_box, agent_id, turn, "context", now),
+                    (output_box, agent_id, turn, "output", now),
+                ],
+            )
+            self._card(db, context_box, turn, summary)
+            for card_id in keep:
+                db.execute(
+                    "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, "
+                    "metadata, created_at, tokens) SELECT ?, ?, ?, card_type, "
+                    "content, metadata, created_at, tokens FROM cards WHERE card_id = ?",
+                    (_new_id(), output_box, turn, card_id),
+                )
+            db.execute(
+                "UPDATE conversations SET context_box_id = ?, output_box_id = ?, updated_at = ? "
+                "WHERE agent_id = ? AND conversation = ?",
+                (context_box, output_box, now, agent_id, conversation),
+            )
+            self._edge(
+                db, agent_id, None, "compact", "response", metadata={"conversation": conversation}
+            )
+        return True
+
+    async def conversation_boxes(self, agent_id: str, conversation: str) -> tuple[str, str] | None:
+        row = self._db.execute(
+            "SELECT context_box_id, output_box_id FROM conversations "
+            "WHERE agent_id = ? AND conversation = ?",
+            (agent_id, conversation),
+        ).fetchone()
+        return (row[0], row[1]) if row else None
 
     # -- step retry (issue 12) ---------------------------------------------------------
     async def retry_step(

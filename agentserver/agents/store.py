@@ -182,9 +182,10 @@ class AgentStore(Protocol):
     # -- intake (called by the pump through the runtime) ---------------------------
     async def ensure_agents(self, agent_ids: Sequence[str]) -> None: ...
     async def enqueue_turn(
-        self, agent_id: str, payload: bytes, reply_ref: ReplyRef
+        self, agent_id: str, payload: bytes, reply_ref: ReplyRef, *, conversation: str | None = None
     ) -> EnqueueResult:
-        """Write a queued Turn (and lease it if the agent is idle) before anything else."""
+        """Write a queued Turn (and lease it if the agent is idle) before anything else;
+        with ``conversation`` the Turn continues that conversation's cards."""
         ...
 
     async def report_tool_result(
@@ -306,5 +307,19 @@ class AgentStore(Protocol):
     async def ack_client_replies(self, client: str, reply_ids: Sequence[int]) -> int:
         """Forget kept replies the client has received."""
         ...
+
+    # -- memory across tasks --------------------------------------------------------
+    async def conversation_cards(self, agent_id: str, conversation: str) -> list[Card]: ...
+    async def conversation_boxes(
+        self, agent_id: str, conversation: str
+    ) -> tuple[str, str] | None: ...
+    async def replace_conversation(
+        self,
+        agent_id: str,
+        conversation: str,
+        expect_boxes: tuple[str, str],
+        summary: NewCard,
+        keep: Sequence[str],
+    ) -> bool: ...
 
     async def aclose(self) -> None: ...
