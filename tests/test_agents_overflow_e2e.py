@@ -70,3 +70,32 @@ async def test_context_overflow_compacts_once_then_fails(tmp_path, overflows):
     else:
         assert status == "failed" and "context window" in text
         assert calls == 2
+
+
+async def test_an_auth_failure_is_one_model_call_and_one_failed_answer(tmp_path):
+    async with trio.open_nursery() as nursery:
+        model = (
+            await Model("openai")
+            .push(openai_error(401, "Incorrect API key provided", type="invalid_request_error"))
+            .start(nursery)
+        )
+        env = subprocess_env(
+            CRETRY_LLM_BASE_URL=model.base_url, CRETRY_LLM_KEY="k", CRETRY_ALICE_TOKEN=TOKEN
+        )
+        server = await trio.to_thread.run_sync(
+            lambda: ServerProcess.start(BOOT, env=env, cwd=tmp_path)
+        )
+        try:
+            async with open_client(server.host, server.port, client="alice", token=TOKEN) as c:
+                await c.send(Task(text="hello"), to="assistant", thread=new_thread_id())
+                with trio.fail_after(PATIENCE):
+                    reply = await c.receive()
+                with trio.move_on_after(1.0) as quiet:
+                    extra = await c.receive()
+                assert quiet.cancelled_caught, f"an extra reply arrived: {extra.raw!r}"
+        finally:
+            await trio.to_thread.run_sync(server.stop)
+            nursery.cancel_scope.cancel()
+    assert reply.payload.get("status") == "failed"
+    assert "AUTH" in "".join(reply.payload.itertext())
+    assert len(model.requests) == 1

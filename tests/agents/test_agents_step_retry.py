@@ -175,3 +175,44 @@ def test_decide_retry_rule(kind, after, done, retries, base, cap):
     assert isinstance(d, RetryStep) and d.attempt == done + 1
     expected = min(after, cap) if after is not None else base * 2**done
     assert d.delay_s == pytest.approx(expected)
+
+
+async def test_chunks_of_a_failed_attempt_are_marked_by_the_retrying_event(tmp_path):
+    import contextlib
+
+    from agentserver.agents.events import ChunkEvent
+
+    class CutStream:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        @contextlib.asynccontextmanager
+        async def stream(self, request):
+            self.calls += 1
+            first = self.calls == 1
+
+            async def items():
+                yield "Half an ans"
+                if first:
+                    raise LLMUnavailable("overloaded mid-stream", kind="OVERLOADED")
+                yield "wer, whole."
+                yield LLMCompletion("Half an answer, whole.")
+
+            yield items()
+
+        async def complete(self, request):  # pragma: no cover - stream is preferred
+            raise AssertionError("complete() used although stream() exists")
+
+    h = make_harness(tmp_path, lambda req: "unused")
+    h.rt.worker.llm = CutStream()
+    await h.rt.enqueue("assistant", task("x"), "ref")
+    assert await run_waits(h) == [2]
+    events = [e for e in h.events.drain() if isinstance(e, (ChunkEvent, StepEvent))]
+    retrying = next(e for e in events if isinstance(e, StepEvent) and e.phase == "retrying")
+    failed_chunks = [
+        e.text for e in events if isinstance(e, ChunkEvent) and e.step_id == retrying.step_id
+    ]
+    assert failed_chunks == ["Half an ans"]  # published before the failure, then disowned
+    cards = h.sql("SELECT content FROM cards WHERE card_type = 'llm.message'")
+    assert cards == [("Half an answer, whole.",)]  # no partial text in the history
+    assert [r[1] for r in h.replies.sent] == ["Half an answer, whole."]
