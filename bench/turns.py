@@ -5,7 +5,10 @@ step 1: the model calls the calculator → the tool call is forwarded through th
 calculator listener answers on the call's sub-thread → the result is recorded in the inbox
 → resume → step 2: the model answers → deliverable card → the answer is routed through the
 pump back to the client's thread. The model is an instant scripted LLM port, so the figures
-are the protocol's own cost (store transactions, parsing, routing).
+are the protocol's own cost (store transactions, parsing, routing). Step retry and the
+context budget checks (issue 12) are part of that cost: every step checks the budget
+against the running token count on the head, every card's token estimate is written with
+it.
 
 Only successful answers count: an ``<answer>`` carrying the model's final text ("The sum is
 3.") and not marked failed. Any other reply (a failed Turn's answer, a refusal) fails the

@@ -250,7 +250,13 @@ def test_send_exits_1_for_an_agents_failed_answer(tmp_path):
     env = subprocess_env(
         OPENAI_BASE_URL="http://127.0.0.1:9/v1", OPENAI_API_KEY="k", AGENTSERVER_MODEL="m"
     )
-    proc = ServerProcess.start(REPO / "boot.xml", env=env, cwd=tmp_path)
+    # The bundled boot.xml, without step retries: an unreachable model (a transport
+    # error, retryable) would otherwise be retried for 2 + 4 + 8 s before the failed answer.
+    text = (REPO / "boot.xml").read_text()
+    assert 'memory="client"/>' in text
+    boot_file = tmp_path / "boot.xml"
+    boot_file.write_text(text.replace('memory="client"/>', 'memory="client" step-retries="0"/>'))
+    proc = ServerProcess.start(boot_file, env=env, cwd=tmp_path)
     try:
         task = b'<task xmlns="urn:agentserver:assistant"><text>hello?</text></task>'
         result = cli("send", "--to", "assistant", "--connect", connect(proc), input=task)

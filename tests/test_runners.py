@@ -15,6 +15,7 @@ from runner_handlers import NS, Query, Result, handle
 from serverproc import subprocess_env
 
 from agentserver import boot
+from agentserver.app import ServeOptions, run_server
 from agentserver.builtins import RunContext
 from agentserver.client import open_client
 from agentserver.envelope import encode
@@ -22,7 +23,6 @@ from agentserver.framing import encode_frame
 from agentserver.listener import HandlerResponse
 from agentserver.namespaces import CORE_NS
 from agentserver.runner import RunnerRefused, hello_frame, run_runner
-from agentserver.app import ServeOptions, run_server
 
 ENV = {"RT_ALICE": "alice-token", "RT_RUNNER": "runner-token", "RT_OTHER": "other-token"}
 

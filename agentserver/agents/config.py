@@ -123,6 +123,16 @@ def profile_from_element(
             resume_deadline_s=_num(el, "resume-deadline", _profile_default("resume_deadline_s")),
             llm_timeout_s=_num(el, "llm-timeout", _profile_default("llm_timeout_s")),
             max_tokens=int(max_tokens) if max_tokens else None,
+            step_retries=int(_num(el, "step-retries", _profile_default("step_retries"), int)),
+            step_retry_base_s=_num(el, "step-retry-base", _profile_default("step_retry_base_s")),
+            max_retry_after_s=_num(el, "max-retry-after", _profile_default("max_retry_after_s")),
+            context_window=int(window) if (window := el.get("context-window")) else None,
+            context_reserve=int(
+                _num(el, "context-reserve", _profile_default("context_reserve"), int)
+            ),
+            keep_recent=int(_num(el, "keep-recent", _profile_default("keep_recent"), int)),
+            tool_result_share=_num(el, "tool-result-share", _profile_default("tool_result_share")),
+            memory=el.get("memory", _profile_default("memory")),
             must_end_with=tuple((m.text or "").strip() for m in el.iterfind(_q("must-end-with"))),
             result_fields=fields,
             terminate_tools=tuple(

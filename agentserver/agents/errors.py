@@ -46,12 +46,16 @@ class LLMUnavailable(AgentError):
     """The LLM port could not produce a completion (no backend, all retries failed, ...).
 
     ``kind`` is a short machine-readable category (the router's ``LLMError.kind`` when the
-    error came from the router).
+    error came from the router); ``retry_after`` the provider's Retry-After in seconds,
+    when it sent one.
     """
 
-    def __init__(self, message: str, kind: str = "unavailable") -> None:
+    def __init__(
+        self, message: str, kind: str = "unavailable", retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.kind = kind
+        self.retry_after = retry_after
 
 
 class StoreError(AgentError):

@@ -22,7 +22,12 @@ class StepEvent:
     agent_id: str
     agent_turn_id: str
     step_id: str
-    phase: str  # started | planning | executing | completed
+    phase: str  # started | planning | executing | completed | retrying
+    #: ``retrying`` only: which retry this is, the error kind and the wait before it.
+    #: The step's chunks published so far belong to the failed attempt.
+    attempt: int = 0
+    kind: str = ""
+    delay_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,15 @@ class RouterLLM:
         #: The router itself, for status and readiness (agentserver status, /readyz).
         self.router = router
 
+    def context_window(self, model: str) -> int | None:
+        """The model's declared window in the router's configuration (None: unknown)."""
+        config = getattr(self._router, "config", None)
+        if config is None:
+            return None
+        from agentserver.llm.config import model_context_window
+
+        return model_context_window(config, model)
+
     def _request(self, request: LLMRequest) -> Request:
         return Request(
             [Message(Role(m.role), m.content) for m in request.messages],
@@ -43,7 +52,7 @@ class RouterLLM:
         try:
             done = await self._router.complete(self._request(request))
         except LLMError as exc:
-            raise LLMUnavailable(str(exc), kind=str(exc.kind.value)) from exc
+            raise _unavailable(exc) from exc
         return _completion(done)
 
     @contextlib.asynccontextmanager
@@ -59,7 +68,11 @@ class RouterLLM:
             async with self._router.stream(self._request(request)) as chunks:
                 yield _adapt(chunks)
         except LLMError as exc:
-            raise LLMUnavailable(str(exc), kind=str(exc.kind.value)) from exc
+            raise _unavailable(exc) from exc
+
+
+def _unavailable(exc: LLMError) -> LLMUnavailable:
+    return LLMUnavailable(str(exc), kind=str(exc.kind.value), retry_after=exc.retry_after)
 
 
 async def _adapt(chunks: AsyncIterator[str | Completion]) -> AsyncIterator[str | LLMCompletion]:

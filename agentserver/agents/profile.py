@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 
 from lxml import etree
 
+from agentserver.agents.budget import DEFAULT_CONTEXT_WINDOW, Budget
+from agentserver.agents.retry import RetryPolicy
+
+#: The output allowance of a request when the agent sets no max-tokens (the LLM
+#: adapter's default).
+DEFAULT_MAX_OUTPUT = 1024
+
 SUBMIT_RESULT = "submit_result"
 
 
@@ -52,15 +59,42 @@ class AgentProfile:
     terminate_tools: tuple[str, ...] = ()
     failure_status: bool = False
     quotable: tuple[str, ...] = ()
+    step_retries: int = 3
+    step_retry_base_s: float = 2.0
+    max_retry_after_s: float = 60.0
+    #: None: the model's declared window (``<model context-window>``), else 128k.
+    context_window: int | None = None
+    context_reserve: int = 8192
+    keep_recent: int = 16384
+    tool_result_share: float = 0.25
+    memory: str = "none"  # or "client": one durable conversation per client
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:
             raise ValueError("max_steps must be >= 1")
         if self.resume_deadline_s <= 0:
             raise ValueError("resume_deadline_s must be > 0")
+        RetryPolicy(self.step_retries, self.step_retry_base_s, self.max_retry_after_s)
+        self.budget  # noqa: B018 - validates the context settings
+        if self.memory not in ("none", "client"):
+            raise ValueError(f"memory must be none or client, not {self.memory!r}")
         if not self.answer_tag:
             ns = etree.QName(self.own_roots[0]).namespace if self.own_roots else None
             object.__setattr__(self, "answer_tag", etree.QName(ns, "answer").text)
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(self.step_retries, self.step_retry_base_s, self.max_retry_after_s)
+
+    @property
+    def budget(self) -> Budget:
+        return Budget(
+            self.context_window or DEFAULT_CONTEXT_WINDOW,
+            self.context_reserve,
+            self.keep_recent,
+            self.tool_result_share,
+            self.max_tokens or DEFAULT_MAX_OUTPUT,
+        )
 
     @property
     def known_roots(self) -> tuple[str, ...]:

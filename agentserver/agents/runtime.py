@@ -13,15 +13,18 @@ import trio
 from lxml import etree
 
 from agentserver.agents.clock import Clock, SystemClock
+from agentserver.agents.compaction import SUMMARY, plan, summary_chunks, summary_max_tokens
+from agentserver.agents.compactor import summarise
 from agentserver.agents.delivery import TurnEnder
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.events import EventBus
+from agentserver.agents.memory import CLIENT, conversation_key
 from agentserver.agents.ports import LLMPort, ReplyPort, ReplyRef, ToolPort
 from agentserver.agents.profile import AgentProfile
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.sqlite_store import SqliteAgentStore
-from agentserver.agents.store import AgentStore, TaskStatus
+from agentserver.agents.store import AgentStore, NewCard, TaskStatus
 from agentserver.agents.watchdog import Watchdog
 from agentserver.agents.worker import Worker
 from agentserver.observability.tracing import Tracing
@@ -83,6 +86,7 @@ class AgentRuntime:
         """Open the SQLite store at ``settings.path`` (created/migrated) and wire everything."""
         clock = clock or SystemClock()
         store = SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
+        store.tool_result_caps = {n: p.budget.tool_result_cap for n, p in profiles.items()}
         return cls(
             store=store,
             profiles=profiles,
@@ -106,7 +110,11 @@ class AgentRuntime:
         """
         if agent_id not in self.profiles:
             raise KeyError(f"unknown agent {agent_id!r}")
-        result = await self.store.enqueue_turn(agent_id, _bytes(payload), reply_ref)
+        profile = self.profiles[agent_id]
+        conversation = conversation_key(reply_ref) if profile.memory == CLIENT else None
+        result = await self.store.enqueue_turn(
+            agent_id, _bytes(payload), reply_ref, conversation=conversation
+        )
         self.doorbell.ring()
         return result.inbox_id
 
@@ -125,6 +133,36 @@ class AgentRuntime:
         )
         self.doorbell.ring()
         return inbox_id
+
+    async def compact_conversation(self, agent_id: str, conversation: str) -> bool:
+        """Fold an idle conversation's older cards into its rolling summary now (the same
+        rule as before a model call, ``agents/compaction.py``). False when there is nothing
+        to fold, or a Turn of that conversation ended meanwhile (nothing written then).
+        Raises ``LLMUnavailable`` when the summary call fails."""
+        profile = self.profiles[agent_id]
+        boxes = await self.store.conversation_boxes(agent_id, conversation)
+        if boxes is None:
+            return False
+        cards = await self.store.conversation_cards(agent_id, conversation)
+        p = plan(cards, profile.budget)
+        if not p.older:
+            return False
+        budget = profile.budget
+        summary = await summarise(
+            self.worker.llm,
+            agent_id,
+            profile,
+            p.previous_summary,
+            summary_chunks(p, budget, summary_max_tokens(budget)),
+        )
+        keep = ([p.pinned.card_id] if p.pinned else []) + [c.card_id for c in p.recent]
+        return await self.store.replace_conversation(
+            agent_id,
+            conversation,
+            boxes,
+            NewCard(SUMMARY, summary, {"folded_cards": len(p.older)}),
+            keep,
+        )
 
     async def stop(self, agent_id: str, agent_turn_id: str | None = None) -> bool:
         """End the agent's active Turn (or only ``agent_turn_id``) with a stopped deliverable.

@@ -168,6 +168,15 @@ async def start_agents(
     settings = store_settings_from_element(topology.store, base_dir=Path.cwd())
     profiles = build_profiles(topology, pump, env)
     llm = await open_llm(topology, resources, env, tracing=tracing, metrics=metrics)
+    window_of = getattr(llm, "context_window", None)
+    if window_of is not None:
+        # <agent context-window> wins; else the model's <model context-window>; else 128k.
+        profiles = {
+            name: p
+            if p.context_window is not None or (w := window_of(p.model)) is None
+            else dataclasses.replace(p, context_window=w)
+            for name, p in profiles.items()
+        }
     ports = PumpPorts(pump, named_clients=[c.name for c in topology.clients])
     runtime = AgentRuntime.open(
         settings, profiles, llm=llm, tools=ports, replies=ports, tracing=tracing

@@ -24,9 +24,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from agentserver.agents.budget import card_tokens
 from agentserver.agents.clock import Clock, SystemClock
 from agentserver.agents.errors import StaleTurn, StoreError, StoreInUse
 from agentserver.agents.ports import LLMCompletion, ReplyRef
+from agentserver.agents.retry import step_retries_done, step_retry_payload
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.states import (
     ACTIVE_HEAD,
@@ -56,7 +58,7 @@ from agentserver.agents.store import (
     TurnToken,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 3
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -186,12 +188,35 @@ CREATE TABLE client_replies (
 );
 CREATE INDEX client_replies_client ON client_replies (client, delivered_at, reply_id);
 """,
+    # Issue 12: the context budget. A card's estimated cost as the model is shown it, and
+    # the running sum over the head's two boxes (so the budget check is O(1) per step).
+    2: """
+ALTER TABLE cards ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE agent_state_head ADD COLUMN context_tokens INTEGER NOT NULL DEFAULT 0;
+""",
+    # Issue 12: memory across tasks. A Turn's conversation (agents/memory.py), and where
+    # each conversation's last Turn left its cards.
+    3: """
+ALTER TABLE agent_inbox ADD COLUMN conversation TEXT;
+CREATE TABLE conversations (
+    agent_id TEXT NOT NULL,
+    conversation TEXT NOT NULL,
+    context_box_id TEXT NOT NULL,
+    output_box_id TEXT NOT NULL,
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (agent_id, conversation)
+);
+""",
 }
+
+#: Card types the worker never shows the model (``worker._card_message`` returns None):
+#: they cost no context tokens.
+_UNSHOWN = frozenset({CardType.DELIVERABLE, CardType.TOOL_CALL})
 
 _HEAD_COLS = (
     "agent_id, status, active_agent_turn_id, turn_epoch, turn_inbox_id, context_box_id, "
     "output_box_id, step_count, waiting_tool_count, resume_deadline, "
-    "dispatched_at, running_since, updated_at"
+    "dispatched_at, running_since, updated_at, context_tokens"
 )
 _INBOX_COLS = (
     "inbox_id, agent_id, message_type, status, agent_turn_id, turn_epoch, correlation_id, "
@@ -237,6 +262,8 @@ class SqliteAgentStore:
         self._clock = clock
         self.settings = settings
         self._lock_fd: int | None = None
+        #: agent id → the most tokens one tool result is shown with (budget.tool_result_cap)
+        self.tool_result_caps: dict[str, int] = {}
 
     # -- lifecycle -------------------------------------------------------------------
     @classmethod
@@ -388,9 +415,10 @@ class SqliteAgentStore:
         card: NewCard,
     ) -> str:
         card_id = _new_id()
+        tokens = self._card_tokens(db, box_id, card)
         db.execute(
             "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, metadata, "
-            "created_at) VALUES (?,?,?,?,?,?,?)",
+            "created_at, tokens) VALUES (?,?,?,?,?,?,?,?)",
             (
                 card_id,
                 box_id,
@@ -399,9 +427,103 @@ class SqliteAgentStore:
                 card.content,
                 json.dumps(dict(card.metadata)),
                 self._clock.now(),
+                tokens,
             ),
         )
+        if tokens:
+            db.execute(
+                "UPDATE agent_state_head SET context_tokens = context_tokens + ? "
+                "WHERE active_agent_turn_id = ? AND (output_box_id = ? OR context_box_id = ?)",
+                (tokens, turn_id, box_id, box_id),
+            )
         return card_id
+
+    # -- context budget (issue 12) ------------------------------------------------------
+    def _card_tokens(self, db: sqlite3.Connection, box_id: str, card: NewCard) -> int:
+        if card.card_type in _UNSHOWN:
+            return 0
+        cap = None
+        if card.card_type == CardType.TOOL_RESULT and self.tool_result_caps:
+            agent = db.execute("SELECT agent_id FROM boxes WHERE box_id = ?", (box_id,)).fetchone()
+            cap = self.tool_result_caps.get(agent[0]) if agent else None
+        return card_tokens(card.content, cap)
+
+    def _recount(self, db: sqlite3.Connection, agent_id: str) -> int:
+        """Set the head's running count to the sum over its two boxes (after a swap)."""
+        db.execute(
+            "UPDATE agent_state_head SET context_tokens = (SELECT coalesce(sum(c.tokens), 0) "
+            "FROM cards c WHERE c.box_id IN (agent_state_head.context_box_id, "
+            "agent_state_head.output_box_id)) WHERE agent_id = ?",
+            (agent_id,),
+        )
+        row = db.execute(
+            "SELECT context_tokens FROM agent_state_head WHERE agent_id = ?", (agent_id,)
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    async def compact(
+        self,
+        token: TurnToken,
+        summary: NewCard,
+        keep: Sequence[str],
+        *,
+        edge: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Swap the Turn's boxes to [``summary``] + [copies of the ``keep`` cards, in
+        order] in one CAS-fenced transaction; the old boxes stay in the store. Returns the
+        new running token count."""
+        now = self._clock.now()
+        with self._tx() as db:
+            self._fenced(db, token, HeadStatus.RUNNING, now)
+            context_box, output_box = _new_id(), _new_id()
+            db.executemany(
+                "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) "
+                "VALUES (?,?,?,?,?)",
+                [
+                    (context_box, token.agent_id, token.agent_turn_id, "context", now),
+                    (output_box, token.agent_id, token.agent_turn_id, "output", now),
+                ],
+            )
+            self._card(db, context_box, token.agent_turn_id, summary)
+            for card_id in keep:
+                db.execute(
+                    "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, "
+                    "metadata, created_at, tokens) SELECT ?, ?, agent_turn_id, card_type, "
+                    "content, metadata, created_at, tokens FROM cards WHERE card_id = ?",
+                    (_new_id(), output_box, card_id),
+                )
+            self._fenced(
+                db,
+                token,
+                HeadStatus.RUNNING,
+                now,
+                set_sql="context_box_id = ?, output_box_id = ?",
+                params=(context_box, output_box),
+            )
+            total = self._recount(db, token.agent_id)
+            self._edge(
+                db,
+                token.agent_id,
+                token.agent_turn_id,
+                "compact",
+                "response",
+                metadata={**(edge or {}), "context_tokens": total},
+            )
+        return total
+
+    async def add_context_tokens(self, token: TurnToken, delta: int) -> None:
+        """The provider counted more than the estimate: correct the running count up."""
+        if delta <= 0:
+            return
+        with self._tx() as db:
+            self._fenced(
+                db,
+                token,
+                HeadStatus.RUNNING,
+                self._clock.now(),
+                set_sql="context_tokens = context_tokens + ?",
+                params=(delta,),
+            )
 
     def _output_box(self, db: sqlite3.Connection, agent_id: str) -> str:
         row = db.execute(
@@ -426,13 +548,13 @@ class SqliteAgentStore:
         if head is None or head[0] != HeadStatus.IDLE:
             return False
         row = db.execute(
-            "SELECT inbox_id, payload FROM agent_inbox WHERE agent_id = ? AND status = ? "
-            "ORDER BY created_at, seq LIMIT 1",
+            "SELECT inbox_id, payload, conversation FROM agent_inbox WHERE agent_id = ? "
+            "AND status = ? ORDER BY created_at, seq LIMIT 1",
             (agent_id, InboxStatus.QUEUED),
         ).fetchone()
         if row is None:
             return False
-        inbox_id, payload = row
+        inbox_id, payload, conversation = row
         now = self._clock.now()
         t = head_transition(head[0], HeadEvent.LEASE)
         epoch = head[1] + 1 if t.bumps_epoch else head[1]
@@ -447,6 +569,8 @@ class SqliteAgentStore:
             ],
         )
         text = bytes(payload).decode("utf-8", "replace")
+        if conversation is not None:
+            self._continue_conversation(db, agent_id, conversation, context_box, turn_id)
         self._card(db, context_box, turn_id, NewCard(CardType.TASK_INPUT, text))
         cur = db.execute(
             "UPDATE agent_state_head SET status = ?, active_agent_turn_id = ?, turn_epoch = ?, "
@@ -470,6 +594,7 @@ class SqliteAgentStore:
         )
         if cur.rowcount != 1:  # cannot happen under the single writer; be safe anyway
             raise StaleTurn(f"{agent_id}: lease lost")
+        self._recount(db, agent_id)
         self._inbox_move(
             db,
             inbox_id,
@@ -493,10 +618,11 @@ class SqliteAgentStore:
     ) -> Finished:
         """Deliverable card + head to idle + reply outbox + next lease, in one transaction."""
         head = db.execute(
-            "SELECT output_box_id, turn_inbox_id FROM agent_state_head WHERE agent_id = ?",
+            "SELECT output_box_id, turn_inbox_id, context_box_id FROM agent_state_head "
+            "WHERE agent_id = ?",
             (token.agent_id,),
         ).fetchone()
-        output_box, turn_inbox_id = head
+        output_box, turn_inbox_id, context_box = head
         self._cas(
             db,
             token,
@@ -531,6 +657,8 @@ class SqliteAgentStore:
             for ev in (InboxEvent.ABANDON, InboxEvent.FAIL):
                 if self._inbox_move(db, turn_inbox_id, ev, defer_reason=f"turn {status}"):
                     break
+        self._abandon_step_retries(db, token)
+        self._save_conversation(db, token.agent_id, turn_inbox_id, context_box, output_box, now)
         if ref and ref[0] is not None and reply_payload is not None:
             db.execute(
                 "INSERT INTO agent_replies (agent_turn_id, agent_id, reply_ref, payload, failed, "
@@ -572,9 +700,10 @@ class SqliteAgentStore:
                 self._ensure_head(db, agent_id)
 
     async def enqueue_turn(
-        self, agent_id: str, payload: bytes, reply_ref: ReplyRef
+        self, agent_id: str, payload: bytes, reply_ref: ReplyRef, *, conversation: str | None = None
     ) -> EnqueueResult:
         """Write the Enqueue as a queued row; lease it at once if the agent is idle.
+        ``conversation``: the Turn continues that conversation (``memory="client"``).
 
         Raises ``TypeError``/``ValueError`` (nothing written) if ``reply_ref`` is not JSON.
         """
@@ -585,7 +714,8 @@ class SqliteAgentStore:
             self._ensure_head(db, agent_id)
             db.execute(
                 "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, payload, "
-                "reply_ref, next_retry_at, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?)",
+                "reply_ref, next_retry_at, created_at, updated_at, conversation) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (
                     inbox_id,
                     agent_id,
@@ -596,6 +726,7 @@ class SqliteAgentStore:
                     now,
                     now,
                     now,
+                    conversation,
                 ),
             )
             self._edge(db, agent_id, None, "enqueue", "request", inbox_id=inbox_id)
@@ -712,6 +843,7 @@ class SqliteAgentStore:
                 None,
                 None,
                 self._clock.now(),
+                0,
             )
         return Head(*row)
 
@@ -1244,6 +1376,7 @@ class SqliteAgentStore:
             ).fetchall()
             for r in rows:
                 token = TurnToken(*r)
+                due, payload = self._pending_step_retry(db, token, now)
                 epoch = self._cas(db, token, HeadEvent.RECOVER, {"running_since": now})
                 db.execute(
                     "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, "
@@ -1256,8 +1389,8 @@ class SqliteAgentStore:
                         InboxStatus.PENDING,
                         token.agent_turn_id,
                         epoch,
-                        b"",
-                        now,
+                        payload,
+                        due,
                         now,
                         now,
                     ),
@@ -1265,6 +1398,200 @@ class SqliteAgentStore:
                 self._edge(db, token.agent_id, token.agent_turn_id, "recover", "request")
                 out.append(TurnToken(token.agent_id, token.agent_turn_id, epoch))
         return out
+
+    # -- memory across tasks (issue 12) ------------------------------------------------
+    def _continue_conversation(
+        self,
+        db: sqlite3.Connection,
+        agent_id: str,
+        conversation: str,
+        context_box: str,
+        turn_id: str,
+    ) -> None:
+        """Copy the conversation's cards (what its last Turn's model saw, plus that Turn's
+        own cards but its deliverable) into a new Turn's context box, in order."""
+        row = db.execute(
+            "SELECT context_box_id, output_box_id FROM conversations "
+            "WHERE agent_id = ? AND conversation = ?",
+            (agent_id, conversation),
+        ).fetchone()
+        if row is None:
+            return
+        for box in row:
+            db.execute(
+                "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, "
+                "metadata, created_at, tokens) SELECT lower(hex(randomblob(16))), ?, ?, "
+                "card_type, content, metadata, created_at, tokens FROM cards "
+                "WHERE box_id = ? AND card_type != ? ORDER BY seq",
+                (context_box, turn_id, box, CardType.DELIVERABLE),
+            )
+
+    def _save_conversation(
+        self,
+        db: sqlite3.Connection,
+        agent_id: str,
+        turn_inbox_id: str | None,
+        context_box: str | None,
+        output_box: str | None,
+        now: float,
+    ) -> None:
+        if not turn_inbox_id or not context_box or not output_box:
+            return
+        row = db.execute(
+            "SELECT conversation FROM agent_inbox WHERE inbox_id = ?", (turn_inbox_id,)
+        ).fetchone()
+        if row is None or row[0] is None:
+            return
+        db.execute(
+            "INSERT INTO conversations (agent_id, conversation, context_box_id, output_box_id, "
+            "updated_at) VALUES (?,?,?,?,?) ON CONFLICT (agent_id, conversation) DO UPDATE "
+            "SET context_box_id = excluded.context_box_id, "
+            "output_box_id = excluded.output_box_id, updated_at = excluded.updated_at",
+            (agent_id, row[0], context_box, output_box, now),
+        )
+
+    async def conversation_cards(self, agent_id: str, conversation: str) -> list[Card]:
+        """The cards a new task of ``conversation`` would continue from (read only)."""
+        row = self._db.execute(
+            "SELECT context_box_id, output_box_id FROM conversations "
+            "WHERE agent_id = ? AND conversation = ?",
+            (agent_id, conversation),
+        ).fetchone()
+        if row is None:
+            return []
+        cards = await self.cards(row[0]) + await self.cards(row[1])
+        return [c for c in cards if c.card_type != CardType.DELIVERABLE]
+
+    async def replace_conversation(
+        self,
+        agent_id: str,
+        conversation: str,
+        expect_boxes: tuple[str, str],
+        summary: NewCard,
+        keep: Sequence[str],
+    ) -> bool:
+        """Manual compaction of an idle conversation: [summary] + copies of ``keep``, if
+        the conversation still points at ``expect_boxes`` (else False, nothing written)."""
+        now = self._clock.now()
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT context_box_id, output_box_id FROM conversations "
+                "WHERE agent_id = ? AND conversation = ?",
+                (agent_id, conversation),
+            ).fetchone()
+            if row is None or tuple(row) != tuple(expect_boxes):
+                return False
+            turn = f"compaction:{_new_id()}"
+            context_box, output_box = _new_id(), _new_id()
+            db.executemany(
+                "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) "
+                "VALUES (?,?,?,?,?)",
+                [
+                    (context_box, agent_id, turn, "context", now),
+                    (output_box, agent_id, turn, "output", now),
+                ],
+            )
+            self._card(db, context_box, turn, summary)
+            for card_id in keep:
+                db.execute(
+                    "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, "
+                    "metadata, created_at, tokens) SELECT ?, ?, ?, card_type, "
+                    "content, metadata, created_at, tokens FROM cards WHERE card_id = ?",
+                    (_new_id(), output_box, turn, card_id),
+                )
+            db.execute(
+                "UPDATE conversations SET context_box_id = ?, output_box_id = ?, updated_at = ? "
+                "WHERE agent_id = ? AND conversation = ?",
+                (context_box, output_box, now, agent_id, conversation),
+            )
+            self._edge(
+                db, agent_id, None, "compact", "response", metadata={"conversation": conversation}
+            )
+        return True
+
+    async def conversation_boxes(self, agent_id: str, conversation: str) -> tuple[str, str] | None:
+        row = self._db.execute(
+            "SELECT context_box_id, output_box_id FROM conversations "
+            "WHERE agent_id = ? AND conversation = ?",
+            (agent_id, conversation),
+        ).fetchone()
+        return (row[0], row[1]) if row else None
+
+    # -- step retry (issue 12) ---------------------------------------------------------
+    async def retry_step(
+        self,
+        token: TurnToken,
+        step_id: str,
+        *,
+        attempt: int,
+        kind: str,
+        delay_s: float,
+        error: str,
+    ) -> float:
+        """Close the failed step as ``retrying`` and queue a ``resume`` row due after
+        ``delay_s``: the durable retry wait. The failed attempt does not count toward the
+        step limit and leaves no card. Returns the due time. CAS-fenced on ``running``.
+        """
+        now = self._clock.now()
+        due = now + delay_s
+        with self._tx() as db:
+            self._fenced(
+                db, token, HeadStatus.RUNNING, now, set_sql="step_count = max(step_count - 1, 0)"
+            )
+            meta = {"attempt": attempt, "kind": kind, "delay_s": delay_s, "error": error}
+            db.execute(
+                "UPDATE agent_steps SET status = 'retrying', ended_at = ?, metadata = ? "
+                "WHERE step_id = ?",
+                (now, json.dumps(meta), step_id),
+            )
+            db.execute(
+                "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, "
+                "agent_turn_id, turn_epoch, payload, next_retry_at, defer_reason, created_at, "
+                "updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    _new_id(),
+                    token.agent_id,
+                    MessageType.RESUME,
+                    InboxStatus.PENDING,
+                    token.agent_turn_id,
+                    token.turn_epoch,
+                    step_retry_payload(attempt),
+                    due,
+                    f"step retry {attempt} after {kind}",
+                    now,
+                    now,
+                ),
+            )
+            self._edge(
+                db, token.agent_id, token.agent_turn_id, "step_retry", "request", metadata=meta
+            )
+        return due
+
+    def _abandon_step_retries(self, db: sqlite3.Connection, token: TurnToken) -> None:
+        """A Turn that ends (e.g. stopped during a retry wait) drops its retry wait."""
+        rows = db.execute(
+            "SELECT inbox_id FROM agent_inbox WHERE agent_id = ? AND agent_turn_id = ? "
+            "AND message_type = ? AND status = ?",
+            (token.agent_id, token.agent_turn_id, MessageType.RESUME, InboxStatus.PENDING),
+        ).fetchall()
+        for (inbox_id,) in rows:
+            self._inbox_move(db, inbox_id, InboxEvent.ABANDON, defer_reason="turn ended")
+
+    def _pending_step_retry(
+        self, db: sqlite3.Connection, token: TurnToken, now: float
+    ) -> tuple[float, bytes]:
+        """A restart keeps a Turn's retry wait: the due time and retry count of its
+        not-yet-taken retry row (which the recovery's own resume row replaces)."""
+        row = db.execute(
+            "SELECT inbox_id, next_retry_at, payload FROM agent_inbox WHERE agent_id = ? "
+            "AND agent_turn_id = ? AND message_type = ? AND status = ? "
+            "ORDER BY next_retry_at DESC LIMIT 1",
+            (token.agent_id, token.agent_turn_id, MessageType.RESUME, InboxStatus.PENDING),
+        ).fetchone()
+        if row is None or step_retries_done(bytes(row[2])) == 0:
+            return now, b""
+        self._inbox_move(db, row[0], InboxEvent.ABANDON, defer_reason="replaced at restart")
+        return max(now, float(row[1])), bytes(row[2])
 
     # -- replies ----------------------------------------------------------------------
     async def pending_replies(self, limit: int, older_than_s: float = 0.0) -> list[PendingReply]:

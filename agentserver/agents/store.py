@@ -27,6 +27,7 @@ class CardType:
     HUH = "sys.huh"
     NOTE = "sys.note"
     DELIVERABLE = "task.deliverable"
+    SUMMARY = "sys.summary"  # the rolling summary of compacted cards (compaction.py)
 
 
 class TaskStatus:
@@ -60,6 +61,8 @@ class Head:
     dispatched_at: float | None
     running_since: float | None
     updated_at: float
+    #: estimated tokens of the cards in the two boxes, as shown (agents/budget.py)
+    context_tokens: int = 0
 
     @property
     def token(self) -> TurnToken | None:
@@ -179,9 +182,10 @@ class AgentStore(Protocol):
     # -- intake (called by the pump through the runtime) ---------------------------
     async def ensure_agents(self, agent_ids: Sequence[str]) -> None: ...
     async def enqueue_turn(
-        self, agent_id: str, payload: bytes, reply_ref: ReplyRef
+        self, agent_id: str, payload: bytes, reply_ref: ReplyRef, *, conversation: str | None = None
     ) -> EnqueueResult:
-        """Write a queued Turn (and lease it if the agent is idle) before anything else."""
+        """Write a queued Turn (and lease it if the agent is idle) before anything else;
+        with ``conversation`` the Turn continues that conversation's cards."""
         ...
 
     async def report_tool_result(
@@ -218,6 +222,34 @@ class AgentStore(Protocol):
     async def apply_report(self, row: InboxRow) -> ReportOutcome: ...
     async def take_resume(self, row: InboxRow) -> TurnToken | None: ...
     async def add_cards(self, token: TurnToken, cards: Sequence[NewCard]) -> None: ...
+    async def compact(
+        self,
+        token: TurnToken,
+        summary: NewCard,
+        keep: Sequence[str],
+        *,
+        edge: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Swap the Turn's boxes to [summary] + [copies of ``keep``]; returns the count."""
+        ...
+
+    async def add_context_tokens(self, token: TurnToken, delta: int) -> None:
+        """Correct the running token count up by ``delta`` (the provider's usage)."""
+        ...
+
+    async def retry_step(
+        self,
+        token: TurnToken,
+        step_id: str,
+        *,
+        attempt: int,
+        kind: str,
+        delay_s: float,
+        error: str,
+    ) -> float:
+        """Close a failed step as ``retrying`` and queue its durable retry wait."""
+        ...
+
     async def finish(
         self,
         token: TurnToken,
@@ -275,5 +307,19 @@ class AgentStore(Protocol):
     async def ack_client_replies(self, client: str, reply_ids: Sequence[int]) -> int:
         """Forget kept replies the client has received."""
         ...
+
+    # -- memory across tasks --------------------------------------------------------
+    async def conversation_cards(self, agent_id: str, conversation: str) -> list[Card]: ...
+    async def conversation_boxes(
+        self, agent_id: str, conversation: str
+    ) -> tuple[str, str] | None: ...
+    async def replace_conversation(
+        self,
+        agent_id: str,
+        conversation: str,
+        expect_boxes: tuple[str, str],
+        summary: NewCard,
+        keep: Sequence[str],
+    ) -> bool: ...
 
     async def aclose(self) -> None: ...

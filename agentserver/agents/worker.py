@@ -26,7 +26,9 @@ from lxml import etree
 from opentelemetry import trace
 
 from agentserver.agents.answer import answer_bytes
+from agentserver.agents.budget import shown_text
 from agentserver.agents.clock import Clock
+from agentserver.agents.compactor import compact_turn
 from agentserver.agents.decide import (
     CallTools,
     Deliver,
@@ -49,6 +51,7 @@ from agentserver.agents.ports import (
     ToolPort,
 )
 from agentserver.agents.profile import AgentProfile
+from agentserver.agents.retry import RetryStep, decide_retry, step_retries_done
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.states import HeadStatus, MessageType
 from agentserver.agents.store import (
@@ -62,6 +65,7 @@ from agentserver.agents.store import (
     TurnToken,
 )
 from agentserver.agents.submit import evaluate_submit, usage_text
+from agentserver.llm.tokens import PER_REQUEST, estimate_message_tokens
 from agentserver.observability.tracing import Tracing, record_error
 from agentserver.usage import RESPOND_WARNING
 from agentserver.xmlsafe import SafeParser
@@ -158,7 +162,7 @@ class Worker:
             token = await self.store.take_resume(row)
             profile = self.profiles.get(row.agent_id)
             if token is not None and profile is not None:
-                await self._run_turn(token, profile)
+                await self._run_turn(token, profile, step_retries_done(row.payload))
         else:
             await self.store.skip_row(row, f"unknown message type {row.message_type!r}")
 
@@ -195,7 +199,9 @@ class Worker:
         await self._run_turn(token, profile)
 
     # -- the Turn -----------------------------------------------------------------------
-    async def _run_turn(self, token: TurnToken, profile: AgentProfile) -> None:
+    async def _run_turn(
+        self, token: TurnToken, profile: AgentProfile, retries_done: int = 0
+    ) -> None:
         # Every log record of this run names the agent and Turn (and, once read from the
         # task's reference, its threads).
         with structlog.contextvars.bound_contextvars(
@@ -216,7 +222,7 @@ class Worker:
                         thread=ref.get("hop"), caller_thread=thread
                     ),
                 ):
-                    await self._steps(token, profile, reply_ref)
+                    await self._steps(token, profile, reply_ref, retries_done)
             except StaleTurn:
                 log.info("turn %s of %s moved on; dropping it", token.agent_turn_id, token.agent_id)
             except trio.Cancelled:
@@ -230,8 +236,17 @@ class Worker:
                 except StaleTurn:
                     pass
 
-    async def _steps(self, token: TurnToken, profile: AgentProfile, reply_ref: ReplyRef) -> None:
-        """Take steps until the Turn suspends or ends. Raises StaleTurn when fenced out."""
+    async def _steps(
+        self,
+        token: TurnToken,
+        profile: AgentProfile,
+        reply_ref: ReplyRef,
+        retries_done: int = 0,
+    ) -> None:
+        """Take steps until the Turn suspends, waits to retry a step, or ends.
+
+        ``retries_done``: retries the first step already had (a retry wait's resume).
+        Raises StaleTurn when fenced out."""
         while True:
             head = await self._fence(token)
             if head.step_count >= profile.max_steps:
@@ -244,9 +259,10 @@ class Worker:
                 return
             step_id, _ = await self.store.begin_step(token)
             self._step_event(token, step_id, "started", "thinking")
-            completion = await self._complete(token, head, profile, step_id)
+            completion = await self._complete(token, head, profile, step_id, retries_done)
             if completion is None:
                 return
+            retries_done = 0
             await self.store.complete_step(
                 token,
                 step_id,
@@ -344,42 +360,65 @@ class Worker:
         return True
 
     async def _complete(
-        self, token: TurnToken, head: Head, profile: AgentProfile, step_id: str
+        self,
+        token: TurnToken,
+        head: Head,
+        profile: AgentProfile,
+        step_id: str,
+        retries_done: int = 0,
     ) -> LLMCompletion | None:
-        """One model call; on any failure the Turn ends failed and None is returned.
+        """One model call; None when it failed: then either the step waits to be retried
+        (a retryable kind, see :mod:`agentserver.agents.retry`) or the Turn ended failed.
 
         With a streaming port, each text chunk is published as a :class:`ChunkEvent` as it
         arrives; otherwise the whole text is published as one chunk.
+
+        Before the call, a context over budget is compacted (``agents/compaction.py``); a
+        provider's CONTEXT_OVERFLOW compacts once more, keeping only the task, and retries
+        at once; a second overflow ends the Turn.
         """
-        request = LLMRequest(
-            agent=token.agent_id,
-            model=profile.model,
-            messages=await self._hydrate(head, profile),
-            max_tokens=profile.max_tokens,
-        )
-
-        def chunk(text: str) -> None:
-            self.events.publish(ChunkEvent(token.agent_id, token.agent_turn_id, step_id, text))
-
+        budget = profile.budget
+        system = _system_text(profile)
+        system_tokens = estimate_message_tokens(system)
+        overflowed = False
         problem: str
         try:
             with trio.fail_after(profile.llm_timeout_s):
-                stream = getattr(self.llm, "stream", None)
-                if stream is None:
-                    completion = await self.llm.complete(request)
-                    chunk(completion.content)
+                while True:
+                    if overflowed or budget.over(system_tokens, head.context_tokens):
+                        await compact_turn(
+                            self.store, self.llm, token, profile, keep_nothing=overflowed
+                        )
+                        head = await self._fence(token)
+                    try:
+                        completion = await self._call(token, head, profile, step_id, system)
+                    except LLMUnavailable as exc:
+                        if exc.kind.upper() == "CONTEXT_OVERFLOW" and not overflowed:
+                            overflowed = True
+                            continue
+                        raise
+                    # The provider's count corrects the running estimate (upwards only:
+                    # the estimate is kept pessimistic).
+                    estimated = PER_REQUEST + system_tokens + head.context_tokens
+                    if completion.usage.prompt_tokens > estimated:
+                        await self.store.add_context_tokens(
+                            token, completion.usage.prompt_tokens - estimated
+                        )
                     return completion
-                final: LLMCompletion | None = None
-                async with stream(request) as items:
-                    async for item in items:
-                        if isinstance(item, str):
-                            chunk(item)
-                        else:
-                            final = item
-                if final is None:
-                    raise LLMUnavailable("the model's stream ended without a result", kind="stream")
-                return final
+        except StaleTurn:
+            raise
         except LLMUnavailable as exc:
+            if exc.kind.upper() == "CONTEXT_OVERFLOW":
+                problem = (
+                    "the conversation does not fit the model's context window, even after "
+                    f"compaction: {exc}"
+                )
+                await self._finish(token, profile, TaskStatus.FAILED, problem)
+                return None
+            decision = decide_retry(exc.kind, exc.retry_after, retries_done, profile.retry_policy)
+            if isinstance(decision, RetryStep):
+                await self._wait_to_retry(token, step_id, decision, exc)
+                return None
             problem = f"the model could not be reached: {exc}"
         except trio.TooSlowError:
             problem = f"the model did not answer within {profile.llm_timeout_s:g} s"
@@ -389,23 +428,79 @@ class Worker:
         await self._finish(token, profile, TaskStatus.FAILED, problem)
         return None
 
-    async def _hydrate(self, head: Head, profile: AgentProfile) -> list[LLMMessage]:
-        system = [profile.system_prompt]
-        if profile.usage_instructions:
-            system.append(profile.usage_instructions)
-        system.append(usage_text(profile.result_fields))
-        if not profile.usage_instructions:
-            # The pump's usage_instructions already end with the respond-prunes warning;
-            # an agent run without them still gets it, once.
-            system.append(RESPOND_WARNING)
-        messages = [LLMMessage("system", "\n\n".join(system))]
+    async def _call(
+        self, token: TurnToken, head: Head, profile: AgentProfile, step_id: str, system: str
+    ) -> LLMCompletion:
+        """One model call for the step (streamed when the port can); errors propagate."""
+        request = LLMRequest(
+            agent=token.agent_id,
+            model=profile.model,
+            messages=await self._hydrate(head, profile, system),
+            max_tokens=profile.max_tokens,
+        )
+
+        def chunk(text: str) -> None:
+            self.events.publish(ChunkEvent(token.agent_id, token.agent_turn_id, step_id, text))
+
+        stream = getattr(self.llm, "stream", None)
+        if stream is None:
+            completion = await self.llm.complete(request)
+            chunk(completion.content)
+            return completion
+        final: LLMCompletion | None = None
+        async with stream(request) as items:
+            async for item in items:
+                if isinstance(item, str):
+                    chunk(item)
+                else:
+                    final = item
+        if final is None:
+            raise LLMUnavailable("the model's stream ended without a result", kind="stream")
+        return final
+
+    async def _wait_to_retry(
+        self, token: TurnToken, step_id: str, retry: RetryStep, exc: LLMUnavailable
+    ) -> None:
+        """Record the retry wait durably and let go of the Turn: the dispatcher takes the
+        ``resume`` row when it is due (after a restart too); a stop ends the Turn."""
+        await self.store.retry_step(
+            token,
+            step_id,
+            attempt=retry.attempt,
+            kind=exc.kind,
+            delay_s=retry.delay_s,
+            error=str(exc),
+        )
+        log.info(
+            "turn %s of %s: step retry %d in %g s after %s",
+            token.agent_turn_id,
+            token.agent_id,
+            retry.attempt,
+            retry.delay_s,
+            exc.kind,
+        )
+        self.events.publish(
+            StepEvent(
+                token.agent_id,
+                token.agent_turn_id,
+                step_id,
+                "retrying",
+                retry.attempt,
+                exc.kind,
+                retry.delay_s,
+            )
+        )
+
+    async def _hydrate(self, head: Head, profile: AgentProfile, system: str) -> list[LLMMessage]:
+        messages = [LLMMessage("system", system)]
         cards: list[Card] = []
         if head.context_box_id:
             cards += await self.store.cards(head.context_box_id)
         if head.output_box_id:
             cards += await self.store.cards(head.output_box_id)
+        cap = profile.budget.tool_result_cap
         for card in cards:
-            message = _card_message(card)
+            message = _card_message(card, cap)
             if message is not None:
                 messages.append(message)
         return messages
@@ -441,6 +536,18 @@ class Worker:
             )
 
 
+def _system_text(profile: AgentProfile) -> str:
+    system = [profile.system_prompt]
+    if profile.usage_instructions:
+        system.append(profile.usage_instructions)
+    system.append(usage_text(profile.result_fields))
+    if not profile.usage_instructions:
+        # The pump's usage_instructions already end with the respond-prunes warning;
+        # an agent run without them still gets it, once.
+        system.append(RESPOND_WARNING)
+    return "\n\n".join(system)
+
+
 def _text(element: etree._Element) -> str:
     return etree.tostring(element, encoding="unicode")
 
@@ -449,8 +556,9 @@ def _huh_card(element: etree._Element, hint: str) -> NewCard:
     return NewCard(CardType.HUH, _text(element), {"hint": hint} if hint else {})
 
 
-def _card_message(card: Card) -> LLMMessage | None:
-    """How a card reads in the model's context (None: not shown)."""
+def _card_message(card: Card, tool_result_cap: int | None = None) -> LLMMessage | None:
+    """How a card reads in the model's context (None: not shown). A tool result is cut
+    to ``tool_result_cap`` tokens (the store keeps it whole)."""
     t = card.card_type
     if t == CardType.TASK_INPUT:
         return LLMMessage("user", card.content)
@@ -459,7 +567,7 @@ def _card_message(card: Card) -> LLMMessage | None:
     if t == CardType.TOOL_RESULT:
         to = card.metadata.get("to", "?")
         head = f"Tool call to {to} failed:" if card.metadata.get("failed") else f"Result from {to}:"
-        return LLMMessage("user", f"{head}\n{card.content}")
+        return LLMMessage("user", f"{head}\n{shown_text(card.content, tool_result_cap)}")
     if t == CardType.HUH:
         hint = card.metadata.get("hint")
         tail = f"\nHint: {hint}" if hint else ""
@@ -468,4 +576,6 @@ def _card_message(card: Card) -> LLMMessage | None:
         return LLMMessage("user", f"(self-iteration accepted; continue)\n{card.content}")
     if t == CardType.NOTE:
         return LLMMessage("user", card.content)
+    if t == CardType.SUMMARY:
+        return LLMMessage("user", f"Summary of the conversation so far:\n{card.content}")
     return None

@@ -95,6 +95,8 @@ class BackendConfig:
     timeout: float = 60.0
     context_window: int | None = None
     price: Price | None = None
+    #: ``<model context-window>``: a model's own window, over the backend's.
+    model_windows: Mapping[str, int] = field(default_factory=dict)
     line: int | None = None
 
     def resolve(self, model: str) -> str | None:
@@ -137,6 +139,21 @@ class RouterConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     timeout: float = 120.0
     queue_limit: int = 1000
+
+
+def model_context_window(config: RouterConfig, model: str) -> int | None:
+    """The declared context window of ``model`` (a name or alias): the smallest over the
+    backends that serve it (a request may land on any of them); None when none declares
+    one. ``<model context-window>`` wins over its backend's ``context-window``."""
+    windows = []
+    for backend in config.backends:
+        name = backend.resolve(model)
+        if name is None:
+            continue
+        window = backend.model_windows.get(name, backend.context_window)
+        if window is not None:
+            windows.append(window)
+    return min(windows) if windows else None
 
 
 class LlmConfigError(ValueError):
@@ -222,6 +239,7 @@ def _backend(el: etree._Element, environ: Mapping[str, str]) -> BackendConfig:
     if not base_url:
         raise LlmConfigError(line, f"backend {name!r}: base-url is required")
     models: list[str] = []
+    model_windows: dict[str, int] = {}
     aliases: dict[str, str] = {}
     limits = price = None
     for child in el:
@@ -229,6 +247,9 @@ def _backend(el: etree._Element, environ: Mapping[str, str]) -> BackendConfig:
             continue
         if child.tag == _NS + "model":
             models.append(_from_env(child, "name", environ) or "")
+            window = _opt(child, "context-window", _positive(int))
+            if window is not None:
+                model_windows[models[-1]] = window
         elif child.tag == _NS + "alias":
             aliases[child.get("name", "")] = child.get("model", "")
         elif child.tag == _NS + "limits":
@@ -257,6 +278,7 @@ def _backend(el: etree._Element, environ: Mapping[str, str]) -> BackendConfig:
         priority=_opt(el, "priority", int, BackendConfig.priority),
         timeout=_opt(el, "timeout", pos_float, BackendConfig.timeout),
         context_window=_opt(el, "context-window", pos_int),
+        model_windows=model_windows,
         requests_per_minute=None
         if limits is None
         else _opt(limits, "requests-per-minute", pos_int),
