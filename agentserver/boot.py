@@ -238,6 +238,7 @@ class _Loader:
         tls = self.tls(tls_el) if tls_el is not None else None
         clients = self.clients(root.find(_B + "clients"), {s.name for s in listeners})
         self.check_client_certificates(clients, tls, tls_el)
+        self.check_approvers(listeners, clients)
         insecure_plaintext = listen is not None and _bool(listen, "insecure-plaintext")
         if not clients and not is_loopback(host) and listen is not None:
             self.warn(
@@ -411,6 +412,9 @@ class _Loader:
         if profile is not None and not agent:
             self.error(profile.sourceline, f'listener {name!r}: <agent> settings need agent="true"')
             ok = False
+        governance = self.governance(el, name, agent)
+        if governance is None:
+            ok = False
         if not ok:
             return None
         # The built-in's tuning, then what the file sets; ListenerSpec has the defaults.
@@ -436,6 +440,8 @@ class _Loader:
             description=(el.findtext(_B + "description") or "").strip(),
             agent_profile=profile,
             line=line,
+            agent_policy=governance[0] if governance else None,
+            agent_guardrails=governance[1] if governance else (),
             **tuning,
         )
         try:
@@ -445,6 +451,61 @@ class _Loader:
             self.error(line, str(exc))
             return None
         return spec
+
+    def governance(
+        self, el: etree._Element, name: str, agent: bool
+    ) -> tuple[Any, tuple[Any, ...]] | None:
+        """The listener's ``<policy>`` and ``<guardrail>``s (None: errors were reported)."""
+        from agentserver.agents.guardrails import GuardrailSpec
+        from agentserver.agents.policy import parse_policy, policy_problems
+
+        policy_el = el.find(_B + "policy")
+        guard_els = list(el.iterfind(_B + "guardrail"))
+        ok = True
+        for extra in (policy_el, *guard_els):
+            if extra is not None and not agent:
+                self.error(
+                    extra.sourceline,
+                    f'listener {name!r}: <{etree.QName(extra).localname}> needs agent="true"',
+                )
+                ok = False
+        policy = None
+        if policy_el is not None:
+            problems = policy_problems(policy_el)
+            for problem in problems:
+                self.error(problem.line, f"listener {name!r}: {problem}")
+            if problems:
+                ok = False
+            else:
+                policy = parse_policy(policy_el)
+        guards = []
+        for gel in guard_els:
+            ref = gel.get("handler", "")
+            try:
+                if ":" not in ref:
+                    raise _Unresolved(f"guardrail handler {ref!r} is not module:function")
+                handler = resolve_import(ref)
+                if not callable(handler):
+                    raise _Unresolved(f"guardrail handler {ref!r} is not callable")
+            except _Unresolved as exc:
+                self.error(gel.sourceline, f"listener {name!r}: {exc}")
+                ok = False
+                continue
+            guards.append(GuardrailSpec(gel.get("when", "before"), ref, handler))
+        return (policy, tuple(guards)) if ok else None
+
+    def check_approvers(self, specs: list[ListenerSpec], clients: list[ClientSpec]) -> None:
+        known = {s.name for s in specs} | {c.name for c in clients}
+        for spec in specs:
+            if spec.agent_policy is None:
+                continue
+            for rule in spec.agent_policy.rules:
+                if rule.approver and rule.approver not in known:
+                    self.error(
+                        rule.line,
+                        f"listener {spec.name!r}: <rule> approver {rule.approver!r} is "
+                        "neither a declared client nor a listener",
+                    )
 
     def payload_model(self, el: etree._Element, listener: str) -> type[BaseXmlModel] | None:
         ref = el.get("type", "")

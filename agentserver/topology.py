@@ -90,6 +90,10 @@ class ListenerSpec:
     #: The ``<agent>`` settings element (``AgentProfileType``), for the agent runtime.
     agent_profile: etree._Element | None = field(default=None, compare=False)
     line: int = 0
+    #: The agent's tool-call policy (``agentserver.agents.policy.Policy``; None: peers only)
+    #: and guardrails (``agentserver.agents.guardrails.GuardrailSpec``).
+    agent_policy: Any = field(default=None, compare=False)
+    agent_guardrails: tuple[Any, ...] = field(default=(), compare=False)
 
     @property
     def is_boot(self) -> bool:

@@ -105,7 +105,12 @@ def build_profiles(
             answer_tag=tag_of[spec.responds[0]] if spec.responds else "",
             environ=environ,
         )
-        profile = dataclasses.replace(profile, quotable=tuple(dict.fromkeys(quotable)))
+        profile = dataclasses.replace(
+            profile,
+            quotable=tuple(dict.fromkeys(quotable)),
+            policy=spec.agent_policy,
+            guardrails=tuple(spec.agent_guardrails),
+        )
         reply_type = ptype_of.get(profile.answer_tag)
         if reply_type is not None and takes_failure_status(profile, reply_type.is_valid):
             profile = dataclasses.replace(profile, failure_status=True)
