@@ -24,8 +24,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from agentserver.agents import governance_store
 from agentserver.agents.clock import Clock, SystemClock
 from agentserver.agents.errors import StaleTurn, StoreError, StoreInUse
+from agentserver.agents.governance_store import GovernanceStoreMixin
 from agentserver.agents.ports import LLMCompletion, ReplyRef
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.states import (
@@ -56,7 +58,7 @@ from agentserver.agents.store import (
     TurnToken,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -186,6 +188,7 @@ CREATE TABLE client_replies (
 );
 CREATE INDEX client_replies_client ON client_replies (client, delivered_at, reply_id);
 """,
+    2: governance_store.MIGRATION,
 }
 
 _HEAD_COLS = (
@@ -229,7 +232,7 @@ def _lock(path: Path) -> int:
     return fd
 
 
-class SqliteAgentStore:
+class SqliteAgentStore(GovernanceStoreMixin):
     """SQLite-backed agent store. Create with :meth:`open`; close with :meth:`aclose`."""
 
     def __init__(self, conn: sqlite3.Connection, clock: Clock, settings: StoreSettings) -> None:
@@ -896,7 +899,7 @@ class SqliteAgentStore:
                     NewCard(
                         CardType.TOOL_CALL,
                         call.payload,
-                        {"tool_call_id": call.tool_call_id, "to": call.to},
+                        {**call.metadata, "tool_call_id": call.tool_call_id, "to": call.to},
                     ),
                 )
                 db.execute(

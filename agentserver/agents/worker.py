@@ -37,6 +37,7 @@ from agentserver.agents.decide import (
 from agentserver.agents.delivery import TurnEnder
 from agentserver.agents.errors import LLMUnavailable, PumpRefused, StaleTurn
 from agentserver.agents.events import ChunkEvent, StateEvent, StepEvent
+from agentserver.agents.governance import Governor, result_annotations
 from agentserver.agents.parsing import extract_payloads, make_huh
 from agentserver.agents.ports import (
     LLMCompletion,
@@ -65,6 +66,11 @@ from agentserver.xmlsafe import SafeParser
 
 log = logging.getLogger(__name__)
 
+LAST_STEP_NOTE = (
+    "This is your last step: answer now with what you have. Tool calls made now will not "
+    "be followed by another step."
+)
+
 
 class Worker:
     """Runs Turns. Holds only infrastructure (store, ports, bus, settings)."""
@@ -87,6 +93,7 @@ class Worker:
         self.tools = tools
         self.clock = clock
         self.settings = settings
+        self.governor = Governor(self.store, clock)  # type: ignore[arg-type]
 
     # -- scheduling ---------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -212,15 +219,18 @@ class Worker:
         reply_ref: ReplyRef = json.loads(ref_json) if ref_json else None
         while True:
             head = await self._fence(token)
+            if profile.guardrails and head.output_box_id:
+                cards = await self.store.cards(head.output_box_id)
+                halt = await self.governor.guard_results(token, head.step_count, profile, cards)
+                if halt is not None:
+                    await self._finish(token, profile, TaskStatus.FAILED, f"halted: {halt}")
+                    return
             if head.step_count >= profile.max_steps:
                 await self._finish(
-                    token,
-                    profile,
-                    TaskStatus.FAILED,
-                    f"step limit reached ({profile.max_steps} steps) without an answer",
+                    token, profile, TaskStatus.FAILED, await self._limit_text(head, profile)
                 )
                 return
-            step_id, _ = await self.store.begin_step(token)
+            step_id, step_no = await self.store.begin_step(token)
             self._step_event(token, step_id, "started", "thinking")
             completion = await self._complete(token, head, profile, step_id)
             if completion is None:
@@ -250,7 +260,7 @@ class Worker:
                         card = NewCard(CardType.SELF_CALL, _text(payload.element))
                     await self.store.add_cards(token, [card])
                 case CallTools(calls):
-                    if await self._call_tools(token, step_id, profile, reply_ref, calls):
+                    if await self._call_tools(token, step_id, step_no, profile, reply_ref, calls):
                         return
                 case Submit(payload):
                     outcome = evaluate_submit(payload.element, profile.result_fields)
@@ -274,14 +284,31 @@ class Worker:
         self,
         token: TurnToken,
         step_id: str,
+        step_no: int,
         profile: AgentProfile,
         reply_ref: ReplyRef,
         calls: tuple,
     ) -> bool:
-        """Forward tool calls; suspend if any was accepted. True when suspended."""
+        """Forward the tool calls governance lets through; suspend if any was accepted.
+        True when the Turn suspended or ended."""
         records: list[ToolCallRecord] = []
         cards: list[NewCard] = []
-        for call in calls:
+        if (
+            profile.policy is not None
+            or profile.guardrails
+            or profile.loop_warn
+            or profile.loop_block
+        ):
+            head = await self._fence(token)
+            history = await self.store.cards(head.output_box_id) if head.output_box_id else []
+            screened = await self.governor.screen(token, step_id, step_no, profile, history, calls)
+            if screened.halt is not None:
+                await self._finish(token, profile, TaskStatus.FAILED, f"halted: {screened.halt}")
+                return True
+            send = [(a.call, a.metadata) for a in screened.send]
+        else:
+            send = [(call, {}) for call in calls]
+        for call, metadata in send:
             await self._fence(token)  # no new side effect once fenced out
             try:
                 sub_thread = await self.tools.call(token.agent_id, reply_ref, call.element, call.to)
@@ -289,7 +316,9 @@ class Worker:
                 cards.append(_huh_card(refused.element, f"the call to {call.to} was refused"))
                 continue
             after = "terminate" if call.to in profile.terminate_tools else "suspend"
-            records.append(ToolCallRecord(sub_thread, call.to, _text(call.element), after))
+            records.append(
+                ToolCallRecord(sub_thread, call.to, _text(call.element), after, metadata)
+            )
         if not records:
             await self.store.add_cards(token, cards)
             return False
@@ -370,11 +399,24 @@ class Worker:
             cards += await self.store.cards(head.context_box_id)
         if head.output_box_id:
             cards += await self.store.cards(head.output_box_id)
+        notes = result_annotations(cards)
         for card in cards:
-            message = _card_message(card)
+            message = _card_message(card, notes)
             if message is not None:
                 messages.append(message)
+        if head.step_count + 1 == profile.max_steps:
+            messages.append(LLMMessage("user", LAST_STEP_NOTE))
         return messages
+
+    async def _limit_text(self, head: Head, profile: AgentProfile) -> str:
+        """The failed answer at the step limit, with the last thing the model said."""
+        text = f"step limit reached ({profile.max_steps} steps) without an answer"
+        cards = await self.store.cards(head.output_box_id) if head.output_box_id else []
+        said = [c.content.strip() for c in cards if c.card_type == CardType.LLM_MESSAGE]
+        said = [t for t in said if t]
+        if said:
+            text += f". The model's last message: {said[-1]}"
+        return text
 
     async def _fence(self, token: TurnToken) -> Head:
         head = await self.store.head(token.agent_id)
@@ -410,8 +452,12 @@ def _huh_card(element: etree._Element, hint: str) -> NewCard:
     return NewCard(CardType.HUH, _text(element), {"hint": hint} if hint else {})
 
 
-def _card_message(card: Card) -> LLMMessage | None:
-    """How a card reads in the model's context (None: not shown)."""
+def _card_message(
+    card: Card, notes: Mapping[str, Mapping[str, object]] | None = None
+) -> LLMMessage | None:
+    """How a card reads in the model's context (None: not shown). ``notes``: what
+    governance adds to tool results (:func:`~agentserver.agents.governance.result_annotations`).
+    """
     t = card.card_type
     if t == CardType.TASK_INPUT:
         return LLMMessage("user", card.content)
@@ -419,8 +465,15 @@ def _card_message(card: Card) -> LLMMessage | None:
         return LLMMessage("assistant", card.content)
     if t == CardType.TOOL_RESULT:
         to = card.metadata.get("to", "?")
+        note = (notes or {}).get(str(card.metadata.get("tool_call_id")), {})
+        if note.get("block"):
+            return LLMMessage("user", f"Tool call to {to} failed:\nblocked: {note['block']}")
         head = f"Tool call to {to} failed:" if card.metadata.get("failed") else f"Result from {to}:"
-        return LLMMessage("user", f"{head}\n{card.content}")
+        tail = "".join(f"\n{w}" for w in note.get("warn") or ())  # type: ignore[attr-defined]
+        return LLMMessage("user", f"{head}\n{card.content}{tail}")
+    if t == CardType.TOOL_REFUSED:
+        to = card.metadata.get("to", "?")
+        return LLMMessage("user", f"Tool call to {to} failed:\n{card.content}")
     if t == CardType.HUH:
         hint = card.metadata.get("hint")
         tail = f"\nHint: {hint}" if hint else ""
