@@ -396,6 +396,9 @@ class _Loader:
                     ok = False
                 elif model not in target:
                     target.append(model)
+        governance = self.governance(el, name, _bool(el, "agent"))
+        if governance is None:
+            ok = False
         if builtin_name is not None:
             if not accepts:
                 accepts.extend(builtin.accepts)
@@ -403,6 +406,15 @@ class _Loader:
         elif ok and not accepts:
             self.error(line, f"listener {name!r} accepts no payload type (add <accepts type=.../>)")
             ok = False
+        policy = governance[0] if governance else None
+        if policy is not None and any(r.approver for r in policy.rules):
+            from agentserver.agents.approvals import ApprovalAck, ApprovalDecision
+
+            # The approvers' decisions are addressed to the agent, which acknowledges them.
+            if ApprovalDecision not in accepts:
+                accepts.append(ApprovalDecision)
+            if ApprovalAck not in responds:
+                responds.append(ApprovalAck)
         for model in accepts:
             if model is not Boot and split_tag(model_root_tag(model))[0] == CORE_NS:
                 self.error(line, f"listener {name!r}: core primitives cannot be accepted")
@@ -411,9 +423,6 @@ class _Loader:
         agent = _bool(el, "agent")
         if profile is not None and not agent:
             self.error(profile.sourceline, f'listener {name!r}: <agent> settings need agent="true"')
-            ok = False
-        governance = self.governance(el, name, agent)
-        if governance is None:
             ok = False
         if not ok:
             return None
@@ -499,12 +508,23 @@ class _Loader:
         for spec in specs:
             if spec.agent_policy is None:
                 continue
+            clients_ = {c.name for c in clients}
             for rule in spec.agent_policy.rules:
                 if rule.approver and rule.approver not in known:
                     self.error(
                         rule.line,
                         f"listener {spec.name!r}: <rule> approver {rule.approver!r} is "
                         "neither a declared client nor a listener",
+                    )
+                elif (
+                    rule.approver
+                    and rule.approver not in clients_
+                    and rule.approver not in spec.peers
+                ):
+                    self.error(
+                        rule.line,
+                        f"listener {spec.name!r}: <rule> approver {rule.approver!r} is a "
+                        "listener, so it must be among the agent's peers",
                     )
 
     def payload_model(self, el: etree._Element, listener: str) -> type[BaseXmlModel] | None:

@@ -275,3 +275,154 @@ async def test_the_last_step_asks_for_an_answer_and_the_limit_keeps_the_last_wor
     assert "Almost there, the sum so far is 2." in answer
     assert "This is your last step" not in "\n".join(r.seen(0))
     assert r.seen(1)[-1].startswith("This is your last step")
+
+
+# -- human approval ------------------------------------------------------------------------
+
+APPROVAL_BOOT = """\
+<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="gov">
+  <limits hello-timeout="2" read-timeout="2" drain-timeout="1" write-timeout="2"/>
+  <clients>
+    <client name="alice" token-env="GOV_ALICE_TOKEN"/>
+    <client name="bob" token-env="GOV_BOB_TOKEN"/>
+  </clients>
+  <llm max-attempts="1" timeout="60">
+    <backend name="fake" provider="openai" base-url="http://127.0.0.1:9/v1"
+             base-url-env="GOV_LLM_BASE_URL" api-key-env="GOV_LLM_KEY" timeout="60">
+      <model name="m"/>
+    </backend>
+  </llm>
+  <store path="state/agents.sqlite3" watchdog-interval="0.2"/>
+  <listeners>
+    <listener name="ledger" handler="governance_support:ledger">
+      <accepts type="governance_support:Pay"/>
+      <responds type="governance_support:Paid"/>
+    </listener>
+    <listener name="assistant" handler="assistant" agent="true" peers="ledger">
+      <agent model="m" max-steps="6"/>
+      <policy default="allow">
+        <rule priority="1" id="quick" decision="require-approval" target="ledger"
+              approver="alice" timeout="1s"><arg path="to" equals="carol"/></rule>
+        <rule priority="2" id="payments" decision="require-approval" target="ledger"
+              approver="alice" timeout="10m"/>
+      </policy>
+    </listener>
+  </listeners>
+</organism>
+"""
+
+
+class ApprovalRun(Run):
+    def __init__(self, tmp_path: Path):
+        super().__init__(tmp_path, "")
+        self.boot.write_text(APPROVAL_BOOT)
+        self.env: dict[str, str] = {}
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        if self.model.port is None:
+            await self.model.start(nursery)
+        self.env = subprocess_env(
+            GOV_LLM_BASE_URL=self.model.base_url,
+            GOV_LLM_KEY="k",
+            GOV_LEDGER=str(self.ledger),
+            GOV_ALICE_TOKEN="alice-token",
+            GOV_BOB_TOKEN="bob-token",
+        )
+        self.server = await trio.to_thread.run_sync(
+            lambda: ServerProcess.start(self.boot, env=self.env, cwd=self.dir)
+        )
+
+    def client(self, name: str):
+        assert self.server is not None
+        return open_client(self.server.host, self.server.port, client=name, token=f"{name}-token")
+
+    async def until(self, predicate, what: str) -> None:
+        # Another process writes the store: poll it (bounded).
+        with trio.move_on_after(PATIENCE):
+            while True:
+                if predicate():
+                    return
+                await trio.sleep(0.05)
+        raise AssertionError(f"timed out waiting until {what}")
+
+    def approvals(self) -> list[tuple[str, str]]:
+        return self.rows("SELECT target, status FROM approvals ORDER BY created_at")
+
+
+async def test_approval_survives_sigkill_reaches_the_approver_on_reconnect_and_forwards_once(
+    tmp_path,
+):
+    from agentserver.client import approval_ack_status, approval_request
+
+    r = ApprovalRun(tmp_path)
+    r.script(f"Paying. {pay('bob', '5')}", "Paid bob.")
+    async with trio.open_nursery() as nursery:
+        try:
+            await r.start(nursery)
+            async with r.client("bob") as bob:
+                thread = await bob.send(Task(text="pay bob 5"), to="assistant")
+                # alice (the approver) is away: the call waits, durably.
+                await r.until(lambda: r.approvals() == [("ledger", "pending")], "pending")
+                # SIGKILL with the request pending.
+                await trio.to_thread.run_sync(r.server.proc.kill)
+                await trio.to_thread.run_sync(r.server.wait_exit, 10)
+            await r.start(nursery)
+            assert r.approvals() == [("ledger", "pending")]
+            assert r.paid() == []
+            async with r.client("alice") as alice:
+                with trio.fail_after(PATIENCE):
+                    request = approval_request(await alice.receive())
+                assert request is not None and request["target"] == "ledger"
+                assert request["rule"] == "payments" and "<to>bob</to>" in request["payload"]
+                assert request["agent"] == "assistant"
+                ack = await alice.decide_approval("assistant", request["request"], True, "ok")
+                with trio.fail_after(PATIENCE):
+                    reply = await alice.receive()
+                assert reply.thread == ack and approval_ack_status(reply) == "applied"
+                # A second decision is acknowledged and changes nothing.
+                await alice.decide_approval("assistant", request["request"], False, "oops")
+                with trio.fail_after(PATIENCE):
+                    assert approval_ack_status(await alice.receive()) == "duplicate"
+            async with r.client("bob") as bob:
+                with trio.fail_after(PATIENCE):
+                    answer = await bob.receive()
+            assert answer.thread == thread
+            assert answer.payload.findtext(f"{{{ASSISTANT_NS}}}text") == "Paid bob."
+            assert r.paid() == ["bob 5"]  # forwarded exactly once
+            assert r.approvals() == [("ledger", "forwarded")]
+            assert "Result from ledger:" in "\n".join(r.seen(1))
+        finally:
+            r.stop()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_denied_and_a_timed_out_approval_become_refusals(tmp_path):
+    from agentserver.client import approval_request
+
+    r = ApprovalRun(tmp_path)
+    r.script(f"{pay('carol', '1')} {pay('dave', '2')}", "Neither was paid.")
+    async with trio.open_nursery() as nursery:
+        try:
+            await r.start(nursery)
+            async with r.client("alice") as alice, r.client("bob") as bob:
+                await bob.send(Task(text="pay carol and dave"), to="assistant")
+                requests = []
+                with trio.fail_after(PATIENCE):
+                    while len(requests) < 2:
+                        requests.append(approval_request(await alice.receive()))
+                dave = next(q for q in requests if "<to>dave</to>" in q["payload"])
+                # carol's request (timeout 1 s) is left to time out; dave's is denied.
+                await alice.decide_approval("assistant", dave["request"], False, "not today")
+                with trio.fail_after(PATIENCE):
+                    answer = await bob.receive()
+                    while answer.payload.tag != f"{{{ASSISTANT_NS}}}answer":
+                        answer = await bob.receive()
+            assert answer.payload.findtext(f"{{{ASSISTANT_NS}}}text") == "Neither was paid."
+            assert r.paid() == []
+            seen = "\n".join(r.seen(1))
+            assert "denied by alice: not today; it was not sent" in seen
+            assert "got no decision from alice within 1 s" in seen
+            assert sorted(r.approvals()) == [("ledger", "denied"), ("ledger", "timed_out")]
+        finally:
+            r.stop()
+            nursery.cancel_scope.cancel()

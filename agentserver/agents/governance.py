@@ -13,11 +13,13 @@ and a restarted server decides exactly as the old one would have.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lxml import etree
 
+from agentserver.agents.approvals import PendingApproval
 from agentserver.agents.clock import Clock
 from agentserver.agents.governance_store import DecisionRecord, GovernanceStore
 from agentserver.agents.guardrails import (
@@ -56,6 +58,7 @@ class Approved:
 class NeedsApproval:
     call: FoundPayload
     rule: Rule
+    request_id: str
 
 
 @dataclass(slots=True)
@@ -88,6 +91,11 @@ def refusal_card(to: str, canon: str, rule: str, decision: str, text: str) -> Ne
     )
 
 
+def thread_of(token: TurnToken) -> str:
+    """The task's thread as the approver is told it (the Turn's id names it durably)."""
+    return token.agent_turn_id
+
+
 def _tag(call: FoundPayload) -> str:
     return str(call.element.tag)
 
@@ -114,6 +122,7 @@ class Governor:
         history = list(past_calls(cards))
         decisions: list[DecisionRecord] = []
         refusals: list[NewCard] = []
+        pending: list[PendingApproval] = []
         now = self.clock.now()
         batch: dict[str, list[float]] = {}  # rate windows grown by earlier calls of this step
 
@@ -182,17 +191,29 @@ class Governor:
             if isinstance(loop, Warn):
                 warnings.insert(0, loop.text)
             if approval is not None:
+                request_id = uuid.uuid4().hex
                 decisions.append(
-                    DecisionRecord(
-                        to, _tag(call), "require-approval", rule_name, "awaiting approval"
+                    DecisionRecord(to, _tag(call), "require-approval", rule_name, request_id)
+                )
+                out.approvals.append(NeedsApproval(call, approval, request_id))
+                pending.append(
+                    PendingApproval(
+                        request_id,
+                        token.agent_id,
+                        token.agent_turn_id,
+                        to,
+                        etree.tostring(call.element, encoding="unicode"),
+                        rule_name,
+                        approval.approver or "",
+                        now + approval.timeout_s,
+                        thread_of(token),
                     )
                 )
-                out.approvals.append(NeedsApproval(call, approval))
                 continue
             decisions.append(DecisionRecord(to, _tag(call), "allow", rule_name, "", key))
             out.send.append(Approved(call, {"warn": warnings} if warnings else {}))
         if decisions or refusals:
-            await self.store.record_decisions(token, step_id, decisions, refusals)
+            await self.store.record_decisions(token, step_id, decisions, refusals, pending)
         return out
 
     async def guard_results(

@@ -1199,7 +1199,7 @@ class SqliteAgentStore(GovernanceStoreMixin):
             )
             waiting = db.execute(
                 "SELECT tool_call_id, to_listener FROM turn_waiting_tools WHERE agent_turn_id = ? "
-                "AND turn_epoch = ? AND status = 'waiting'",
+                "AND turn_epoch = ? AND status = 'waiting' AND after_execution != 'approval'",
                 (token.agent_turn_id, token.turn_epoch),
             ).fetchall()
             for tool_call_id, to in waiting:

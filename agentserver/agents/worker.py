@@ -24,6 +24,12 @@ import trio
 from lxml import etree
 
 from agentserver.agents.answer import answer_bytes
+from agentserver.agents.approvals import (
+    APPROVAL_PREFIX,
+    WAITING_KIND,
+    Approvals,
+    forward_granted,
+)
 from agentserver.agents.clock import Clock
 from agentserver.agents.decide import (
     CallTools,
@@ -94,6 +100,8 @@ class Worker:
         self.clock = clock
         self.settings = settings
         self.governor = Governor(self.store, clock)  # type: ignore[arg-type]
+        #: Sends approval requests (set by the runtime; None: approvals wait for its tick).
+        self.approvals: Approvals | None = None
 
     # -- scheduling ---------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -156,6 +164,8 @@ class Worker:
                 )
                 return
             await self._run_turn(outcome.resumed, profile)
+        elif row.message_type == MessageType.APPROVAL:
+            await forward_granted(self, row)
         elif row.message_type == MessageType.RESUME:
             token = await self.store.take_resume(row)
             profile = self.profiles.get(row.agent_id)
@@ -306,6 +316,17 @@ class Worker:
                 await self._finish(token, profile, TaskStatus.FAILED, f"halted: {screened.halt}")
                 return True
             send = [(a.call, a.metadata) for a in screened.send]
+            for ask in screened.approvals:
+                # Waits durably as a call of its own kind until a decision or the timeout.
+                records.append(
+                    ToolCallRecord(
+                        APPROVAL_PREFIX + ask.request_id,
+                        ask.call.to or "",
+                        _text(ask.call.element),
+                        WAITING_KIND,
+                        {"approval": ask.request_id},
+                    )
+                )
         else:
             send = [(call, {}) for call in calls]
         for call, metadata in send:
@@ -336,6 +357,8 @@ class Worker:
         )
         # Results that arrived before the suspend committed are due now.
         self.doorbell.ring()
+        if self.approvals is not None and any(r.after_execution == WAITING_KIND for r in records):
+            await self.approvals.deliver_requests()
         return True
 
     async def _complete(
