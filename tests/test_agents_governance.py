@@ -298,6 +298,7 @@ APPROVAL_BOOT = """\
       <accepts type="governance_support:Pay"/>
       <responds type="governance_support:Paid"/>
     </listener>
+    <listener name="console-router" handler="console-router" peers="assistant"/>
     <listener name="assistant" handler="assistant" agent="true" peers="ledger">
       <agent model="m" max-steps="6"/>
       <policy default="allow">
@@ -423,6 +424,45 @@ async def test_a_denied_and_a_timed_out_approval_become_refusals(tmp_path):
             assert "denied by alice: not today; it was not sent" in seen
             assert "got no decision from alice within 1 s" in seen
             assert sorted(r.approvals()) == [("ledger", "denied"), ("ledger", "timed_out")]
+        finally:
+            r.stop()
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_operator_decides_at_the_console_with_approve_and_deny(tmp_path):
+    from agentserver.listeners.console import NS as CONSOLE_NS
+    from agentserver.listeners.console import Input
+
+    r = ApprovalRun(tmp_path)
+    r.script(f"Paying. {pay('erin', '3')}", "Erin was not paid.")
+
+    async def console(client, line: str) -> list[str]:
+        reply = await client.request(Input(line=line), to="console-router", timeout=PATIENCE)
+        return [e.text or "" for e in reply.payload.iter(f"{{{CONSOLE_NS}}}line")]
+
+    async with trio.open_nursery() as nursery:
+        try:
+            await r.start(nursery)
+            async with r.client("bob") as bob:
+                await bob.send(Task(text="pay erin"), to="assistant")
+                await r.until(lambda: r.approvals() == [("ledger", "pending")], "pending")
+                (request_id,) = r.rows("SELECT request_id FROM approvals")[0]
+                assert "/approve ID" in "\n".join(await console(bob, "/help"))
+                assert await console(bob, "/deny") == ["error: write /deny ID [REASON]"]
+                assert await console(bob, "/approve nope") == ["approval nope: no such request"]
+                assert await console(bob, f"/deny {request_id} not erin") == [
+                    f"approval {request_id}: decision applied"
+                ]
+                assert await console(bob, f"/approve {request_id}") == [
+                    f"approval {request_id}: already decided (or timed out); nothing changed"
+                ]
+                with trio.fail_after(PATIENCE):
+                    answer = await bob.receive()
+                    while answer.payload.tag != f"{{{ASSISTANT_NS}}}answer":
+                        answer = await bob.receive()
+            assert answer.payload.findtext(f"{{{ASSISTANT_NS}}}text") == "Erin was not paid."
+            assert r.paid() == []
+            assert "denied by the operator: not erin" in "\n".join(r.seen(1))
         finally:
             r.stop()
             nursery.cancel_scope.cancel()

@@ -64,6 +64,8 @@ class PumpPorts:
         #: The named clients' connections (set by :meth:`attach`).
         self.clients: NamedClientReplies | None = None
         self._delivered: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: Listeners whose approval decisions are the operator's (console routers).
+        self.operators: frozenset[str] = frozenset()
 
     def attach(self, store: AgentStore) -> None:
         self.store = store
@@ -162,8 +164,10 @@ async def approval_decision(
     """An approver's ``<approval-decision>``: the first one per request wins; every one is
     acknowledged (a listener approver's, arriving as its response, needs no ack)."""
     decision = ApprovalDecision.from_xml_tree(payload)
-    by = meta.from_id
-    if ports is not None and ports.clients is not None:
+    by: str | None = meta.from_id
+    if ports is not None and meta.from_id in ports.operators:
+        by = None  # the server's own console: the operator may decide any request
+    elif ports is not None and ports.clients is not None:
         by = ports.clients.identity_of(meta.from_id) or meta.from_id
     status = await runtime.approvals.decide(
         decision.request, decision.grant, decision.reason.strip(), by

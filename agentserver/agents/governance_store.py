@@ -277,7 +277,8 @@ class GovernanceStoreMixin:
                 self._settle(db, request_id, agent_id, "granted", None)
             else:
                 why = f": {reason}" if reason else ""
-                text = f"the call to {target} was denied by {approver}{why}; it was not sent"
+                who = by or "the operator"
+                text = f"the call to {target} was denied by {who}{why}; it was not sent"
                 self._settle(db, request_id, agent_id, "denied", text)
             return "applied"
 

@@ -163,6 +163,7 @@ async def start_agents(
     resources.push_async_callback(runtime.aclose)
     ports.attach(runtime.store)
     runtime.approvals.send = ports.send_approval
+    ports.operators = frozenset(s.name for s in topology.listeners if s.builtin == "console-router")
     clients = {c.name for c in topology.clients}
     runtime.listener_approvers = tuple(
         sorted(
