@@ -367,6 +367,14 @@ class GovernanceStoreMixin:
                 "WHERE agent_id = ? AND active_agent_turn_id = ? AND turn_epoch = ? AND status = ?",
                 (deadline, row.agent_id, waiting[0], waiting[1], HeadStatus.SUSPENDED),
             )
+            # The call's card now names its sub-thread, so what governance noted for the
+            # call (warnings) reaches its result.
+            db.execute(
+                "UPDATE cards SET metadata = json_set(metadata, '$.tool_call_id', ?) "
+                "WHERE agent_turn_id = ? AND card_type = 'tool.call' "
+                "AND json_extract(metadata, '$.tool_call_id') = ?",
+                (sub_thread, waiting[0], row.correlation_id),
+            )
             # A result that beat this transaction waits deferred: due now.
             db.execute(
                 "UPDATE agent_inbox SET next_retry_at = ?, agent_turn_id = ?, turn_epoch = ? "

@@ -53,6 +53,10 @@ async def test_the_first_decision_wins_and_a_grant_is_forwarded_once(tmp_path):
     assert [to for _, to, _ in h.tools.calls] == ["calculator"]
     sub = h.tools.calls[0][0]
     assert h.sql("SELECT status, tool_call_id FROM approvals") == [("forwarded", sub)]
+    cards = h.sql(
+        "SELECT json_extract(metadata, '$.tool_call_id') FROM cards WHERE card_type = 'tool.call'"
+    )
+    assert cards == [(sub,)]
     await h.rt.report_tool_result("assistant", sub, b'<sum xmlns="urn:calc">3</sum>')
     await h.pump()
     assert h.replies.sent[0][1].startswith("done")
