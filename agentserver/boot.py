@@ -275,6 +275,7 @@ class _Loader:
                     f'serves="{spec.name}" to a <client>); its messages will time out',
                 )
         self.check_client_certificates(clients, tls, tls_el)
+        self.check_approvers(listeners, clients)
         insecure_plaintext = listen is not None and _bool(listen, "insecure-plaintext")
         if not clients and not is_loopback(host) and listen is not None:
             self.warn(
@@ -468,6 +469,9 @@ class _Loader:
                     ok = False
                 elif model not in target:
                     target.append(model)
+        governance = self.governance(el, name, _bool(el, "agent"))
+        if governance is None:
+            ok = False
         if builtin_name is not None:
             if not accepts:
                 accepts.extend(builtin.accepts)
@@ -475,6 +479,15 @@ class _Loader:
         elif ok and not accepts:
             self.error(line, f"listener {name!r} accepts no payload type (add <accepts type=.../>)")
             ok = False
+        policy = governance[0] if governance else None
+        if policy is not None and any(r.approver for r in policy.rules):
+            from agentserver.agents.approvals import ApprovalAck, ApprovalDecision
+
+            # The approvers' decisions are addressed to the agent, which acknowledges them.
+            if ApprovalDecision not in accepts:
+                accepts.append(ApprovalDecision)
+            if ApprovalAck not in responds:
+                responds.append(ApprovalAck)
         for model in accepts:
             if model is not Boot and split_tag(model_root_tag(model))[0] == CORE_NS:
                 self.error(line, f"listener {name!r}: core primitives cannot be accepted")
@@ -528,6 +541,8 @@ class _Loader:
             description=(el.findtext(_B + "description") or "").strip(),
             agent_profile=profile,
             line=line,
+            agent_policy=governance[0] if governance else None,
+            agent_guardrails=governance[1] if governance else (),
             **tuning,
         )
         try:
@@ -553,6 +568,72 @@ class _Loader:
     def unresolved(self, line: int | None, listener: str, exc: _Unresolved) -> None:
         if str(exc):  # empty: the same module's import failure is already reported
             self.error(line, f"listener {listener!r}: {exc}")
+
+    def governance(
+        self, el: etree._Element, name: str, agent: bool
+    ) -> tuple[Any, tuple[Any, ...]] | None:
+        """The listener's ``<policy>`` and ``<guardrail>``s (None: errors were reported)."""
+        from agentserver.agents.guardrails import GuardrailSpec
+        from agentserver.agents.policy import parse_policy, policy_problems
+
+        policy_el = el.find(_B + "policy")
+        guard_els = list(el.iterfind(_B + "guardrail"))
+        ok = True
+        for extra in (policy_el, *guard_els):
+            if extra is not None and not agent:
+                self.error(
+                    extra.sourceline,
+                    f'listener {name!r}: <{etree.QName(extra).localname}> needs agent="true"',
+                )
+                ok = False
+        policy = None
+        if policy_el is not None:
+            problems = policy_problems(policy_el)
+            for problem in problems:
+                self.error(problem.line, f"listener {name!r}: {problem}")
+            if problems:
+                ok = False
+            else:
+                policy = parse_policy(policy_el)
+        guards = []
+        for gel in guard_els:
+            ref = gel.get("handler", "")
+            try:
+                if ":" not in ref:
+                    raise _Unresolved(f"guardrail handler {ref!r} is not module:function")
+                handler = resolve_import(ref)
+                if not callable(handler):
+                    raise _Unresolved(f"guardrail handler {ref!r} is not callable")
+            except _Unresolved as exc:
+                self.error(gel.sourceline, f"listener {name!r}: {exc}")
+                ok = False
+                continue
+            guards.append(GuardrailSpec(gel.get("when", "before"), ref, handler))
+        return (policy, tuple(guards)) if ok else None
+
+    def check_approvers(self, specs: list[ListenerSpec], clients: list[ClientSpec]) -> None:
+        known = {s.name for s in specs} | {c.name for c in clients}
+        for spec in specs:
+            if spec.agent_policy is None:
+                continue
+            clients_ = {c.name for c in clients}
+            for rule in spec.agent_policy.rules:
+                if rule.approver and rule.approver not in known:
+                    self.error(
+                        rule.line,
+                        f"listener {spec.name!r}: <rule> approver {rule.approver!r} is "
+                        "neither a declared client nor a listener",
+                    )
+                elif (
+                    rule.approver
+                    and rule.approver not in clients_
+                    and rule.approver not in spec.peers
+                ):
+                    self.error(
+                        rule.line,
+                        f"listener {spec.name!r}: <rule> approver {rule.approver!r} is a "
+                        "listener, so it must be among the agent's peers",
+                    )
 
     def payload_model(self, el: etree._Element, listener: str) -> type[BaseXmlModel] | None:
         ref = el.get("type", "")

@@ -213,6 +213,19 @@ class Client:
         await self.send_raw(body)
         return thread
 
+    async def decide_approval(
+        self, agent: str, request_id: str, grant: bool, reason: str = ""
+    ) -> str:
+        """Answer an approval request (see :func:`approval_request`) addressed to ``agent``:
+        grant or deny the tool call it holds. The agent acknowledges it with an
+        ``<approval-ack status="applied|duplicate|unknown|not-yours">`` on the returned
+        thread (:func:`approval_ack_status` reads it)."""
+        from agentserver.agents.approvals import ApprovalDecision
+
+        return await self.send(
+            ApprovalDecision(request=request_id, grant=grant, reason=reason), to=agent
+        )
+
     async def send_raw(self, body: bytes) -> None:
         """Send one frame with ``body`` as is (tests, tools)."""
         if self._failure is not None:
@@ -528,3 +541,23 @@ async def open_client(
         # The reader task never raises, so a group holds the caller's own exception:
         # hand it back as raised (callers catch RequestTimeout, not a group of one).
         raise sole_exception(group) from None
+
+
+def approval_request(reply: Reply) -> dict[str, str] | None:
+    """The fields of an ``<approval-request>`` (request, agent, thread, target, rule,
+    timeout, payload), or None if ``reply`` is something else (docs/agents.md)."""
+    from agentserver.agents.approvals import REQUEST_TAG, ApprovalRequest
+
+    if reply.payload.tag != REQUEST_TAG:
+        return None
+    model = ApprovalRequest.from_xml_tree(reply.payload)
+    return {k: str(v) for k, v in model.model_dump().items()}
+
+
+def approval_ack_status(reply: Reply) -> str | None:
+    """The status of an ``<approval-ack>`` (applied, duplicate, unknown, not-yours)."""
+    from agentserver.agents.approvals import NS
+
+    if reply.payload.tag != f"{{{NS}}}approval-ack":
+        return None
+    return reply.payload.get("status")

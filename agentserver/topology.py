@@ -122,6 +122,10 @@ class ListenerSpec:
     idempotent: bool = False
     #: Remote and idempotent: automatic retries after the first attempt.
     retries: int = 3
+    #: The agent's tool-call policy (``agentserver.agents.policy.Policy``; None: peers only)
+    #: and guardrails (``agentserver.agents.guardrails.GuardrailSpec``).
+    agent_policy: Any = field(default=None, compare=False)
+    agent_guardrails: tuple[Any, ...] = field(default=(), compare=False)
 
     @property
     def is_boot(self) -> bool:

@@ -32,6 +32,8 @@ from agentserver.listener import HandlerMetadata, HandlerResponse
 from agentserver.listeners.assistant import Task
 from agentserver.listeners.console import NS as CONSOLE_NS
 from agentserver.listeners.console import Input, Pending, Prompt
+from agentserver.listeners.console_approvals import HELP as APPROVAL_HELP
+from agentserver.listeners.console_approvals import parse_approval, render_ack
 from agentserver.namespaces import CORE_NS, clark
 from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
 from agentserver.xmlsafe import SafeParser
@@ -49,6 +51,7 @@ HELP = (
     "  TEXT                   send plain text to the default agent (assistant)",
     "  /listeners             list the listeners this console can address",
     "  /describe NAME         the payloads NAME accepts: their fields and an example",
+    *APPROVAL_HELP,
     "  /help                  this help",
     "  /quit                  leave the console (end of input does the same)",
 )
@@ -109,6 +112,11 @@ def parse_command(
                 for name, tags in sorted(peers.items())
             )
         )
+    approval = parse_approval(text, peers)
+    if isinstance(approval, str):
+        return Say((approval,))
+    if approval is not None:
+        return Send(*approval)
     if text.startswith("/"):
         return Say((f"error: unknown command {text.split()[0]} (try /help)",))
     if text.startswith("@"):
@@ -147,6 +155,9 @@ def _readable_tag(tag: str) -> str:
 
 def render_reply(payload: etree._Element, from_id: str) -> tuple[str, ...]:
     """A reply as readable lines: errors by their canned text, payloads as XML."""
+    ack = render_ack(payload)
+    if ack is not None:
+        return ack
     if payload.tag == HUH_TAG:
         return (f"error: {payload.findtext(clark(CORE_NS, 'error'), '').strip()}",)
     if payload.tag == SYSTEM_ERROR_TAG:

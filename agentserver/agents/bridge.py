@@ -9,23 +9,31 @@ the worker, which talks back to the pump through :class:`PumpPorts`.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 from collections.abc import Iterable
 
 from lxml import etree
 
 from agentserver.agents.answer import FAILED, STATUS_ATTR
+from agentserver.agents.approvals import (
+    DECISION_TAG,
+    ApprovalAck,
+    ApprovalDecision,
+    PendingApproval,
+)
 from agentserver.agents.errors import PumpRefused
 from agentserver.agents.named_clients import NamedClientReplies
 from agentserver.agents.ports import ReplyRef
 from agentserver.agents.runtime import AgentRuntime
-from agentserver.agents.store import AgentStore
+from agentserver.agents.store import AgentStore, TurnToken
 from agentserver.envelope import encode
 from agentserver.errors import Refusal
-from agentserver.listener import Handler, HandlerMetadata
+from agentserver.listener import Handler, HandlerMetadata, HandlerResponse, HandlerResult
 from agentserver.namespaces import CORE_NS
 from agentserver.primitives.core import primitive_for
 from agentserver.pump import Pump, ThreadRef
+from agentserver.threads import new_thread_id
 from agentserver.xmlsafe import canonical_or_empty
 
 log = logging.getLogger(__name__)
@@ -56,6 +64,8 @@ class PumpPorts:
         #: The named clients' connections (set by :meth:`attach`).
         self.clients: NamedClientReplies | None = None
         self._delivered: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: Listeners whose approval decisions are the operator's (console routers).
+        self.operators: frozenset[str] = frozenset()
 
     def attach(self, store: AgentStore) -> None:
         self.store = store
@@ -88,6 +98,28 @@ class PumpPorts:
             self.pump.check_self_call(agent, payload)
         except Refusal as refusal:
             raise _refused(refusal, payload) from None
+
+    # -- approval requests ------------------------------------------------------------------
+
+    async def send_approval(self, pending: PendingApproval, request: etree._Element) -> None:
+        """Send an approval request to its approver: a named client durably (kept until
+        she has received it, offered again at her next hello), a listener through the pump
+        (a sub-thread of the Turn, so its answer comes back to the agent)."""
+        approver = pending.approver
+        if approver in self.named_clients and self.store is not None and self.clients:
+            body = encode(pending.agent_id, approver, new_thread_id(), request)
+            reply_id = await self.store.record_client_reply(
+                approver, {"approval": pending.request_id}, body, failed=False
+            )
+            if reply_id:
+                await self.clients.deliver(approver, reply_id, body)
+            return
+        if self.store is None:
+            raise RuntimeError("approval requests need the store")
+        ref = await self.store.turn_reply_ref(TurnToken(pending.agent_id, pending.agent_turn_id, 0))
+        if ref is None:
+            raise RuntimeError(f"turn {pending.agent_turn_id} has no reply reference")
+        await self.call(pending.agent_id, json.loads(ref), request, approver)
 
     # -- ReplyPort ------------------------------------------------------------------------
 
@@ -126,13 +158,36 @@ class PumpPorts:
             self._delivered.popitem(last=False)
 
 
+async def approval_decision(
+    runtime: AgentRuntime, payload: etree._Element, meta: HandlerMetadata, ports: PumpPorts | None
+) -> HandlerResult:
+    """An approver's ``<approval-decision>``: the first one per request wins; every one is
+    acknowledged (a listener approver's, arriving as its response, needs no ack)."""
+    decision = ApprovalDecision.from_xml_tree(payload)
+    by: str | None = meta.from_id
+    if ports is not None and meta.from_id in ports.operators:
+        by = None  # the server's own console: the operator may decide any request
+    elif ports is not None and ports.clients is not None:
+        by = ports.clients.identity_of(meta.from_id) or meta.from_id
+    status = await runtime.approvals.decide(
+        decision.request, decision.grant, decision.reason.strip(), by
+    )
+    if status != "applied":
+        log.info("approval decision for %s from %s: %s", decision.request, by, status)
+    if meta.response_thread is not None:
+        return None
+    return HandlerResponse.respond(ApprovalAck(request=decision.request, status=status))
+
+
 def agent_handler(
     runtime: AgentRuntime, pump: Pump, name: str, ports: PumpPorts | None = None
 ) -> Handler:
     """The pump handler of agent ``name`` (a raw listener: it receives lxml elements).
     With ``ports``, a task's reference names its named client (:meth:`PumpPorts.reply_ref`)."""
 
-    async def handle(payload: etree._Element, meta: HandlerMetadata) -> None:
+    async def handle(payload: etree._Element, meta: HandlerMetadata) -> HandlerResult:
+        if payload.tag == DECISION_TAG:
+            return await approval_decision(runtime, payload, meta, ports)
         if meta.response_thread is not None:
             # A refusal, or a peer's answer that says it failed (status="failed").
             failed = isinstance(payload.tag, str) and (

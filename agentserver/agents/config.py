@@ -142,6 +142,8 @@ def profile_from_element(
             own_roots=own_roots,
             peers=dict(peers),
             answer_tag=answer_tag,
+            loop_warn=int(_num(el, "loop-warn", _profile_default("loop_warn"), int)),
+            loop_block=int(_num(el, "loop-block", _profile_default("loop_block"), int)),
         )
     except ValueError as exc:
         raise AgentConfigError(f"agent {name!r}: {exc}") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from lxml import etree
 
@@ -68,6 +69,13 @@ class AgentProfile:
     keep_recent: int = 16384
     tool_result_share: float = 0.25
     memory: str = "none"  # or "client": one durable conversation per client
+    #: Tool-call policy (:class:`agentserver.agents.policy.Policy`; None: peers only),
+    #: guardrails (:class:`agentserver.agents.guardrails.GuardrailSpec`) and the built-in
+    #: loop detector's thresholds (0: off).
+    policy: Any = None
+    guardrails: tuple[Any, ...] = ()
+    loop_warn: int = 2
+    loop_block: int = 5
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import trio
 from lxml import etree
 
+from agentserver.agents.approvals import Approvals
 from agentserver.agents.clock import Clock, SystemClock
 from agentserver.agents.compaction import SUMMARY, plan, summary_chunks, summary_max_tokens
 from agentserver.agents.compactor import summarise
@@ -70,6 +71,12 @@ class AgentRuntime:
             tracing=tracing,
         )
         self.watchdog = Watchdog(ender=self.ender, settings=settings)
+        self.approvals = Approvals(
+            store, self.clock, self.doorbell, interval_s=settings.watchdog_interval_s
+        )
+        self.worker.approvals = self.approvals
+        #: Approvers that are listeners (their requests are sent again after a restart).
+        self.listener_approvers: tuple[str, ...] = ()
 
     @classmethod
     def open(
@@ -203,6 +210,7 @@ class AgentRuntime:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.worker.run)
             await nursery.start(self.watchdog.run)
+            await nursery.start(self.approvals.run, self.listener_approvers)
             task_status.started()
 
     async def aclose(self) -> None:

@@ -21,6 +21,7 @@ import trio
 from lxml import etree
 
 from agentserver.agents.answer import takes_failure_status
+from agentserver.agents.approvals import DECISION_TAG, REQUEST_TAG
 from agentserver.agents.bridge import PumpPorts, agent_handler
 from agentserver.agents.config import profile_from_element, store_settings_from_element
 from agentserver.agents.errors import LLMUnavailable
@@ -98,18 +99,24 @@ def build_profiles(
         quotable = [HUH_TAG, SYSTEM_ERROR_TAG]  # what the model reads: results, refusals
         for peer in spec.peers:
             for model in topology.listener(peer).accepts:
-                peers[tag_of[model]] = peer
+                if tag_of[model] not in (REQUEST_TAG, DECISION_TAG):  # approvals, not tools
+                    peers[tag_of[model]] = peer
             quotable += (tag_of[m] for m in topology.listener(peer).responds if m in tag_of)
         profile = profile_from_element(
             spec.agent_profile,
             name=spec.name,
-            own_roots=tuple(tag_of[m] for m in spec.accepts),
+            own_roots=tuple(tag_of[m] for m in spec.accepts if tag_of[m] != DECISION_TAG),
             peers=peers,
             usage_instructions=pump.usage_instructions(spec.name),
             answer_tag=tag_of[spec.responds[0]] if spec.responds else "",
             environ=environ,
         )
-        profile = dataclasses.replace(profile, quotable=tuple(dict.fromkeys(quotable)))
+        profile = dataclasses.replace(
+            profile,
+            quotable=tuple(dict.fromkeys(quotable)),
+            policy=spec.agent_policy,
+            guardrails=tuple(spec.agent_guardrails),
+        )
         reply_type = ptype_of.get(profile.answer_tag)
         if reply_type is not None and takes_failure_status(profile, reply_type.is_valid):
             profile = dataclasses.replace(profile, failure_status=True)
@@ -185,6 +192,20 @@ async def start_agents(
         runtime.events.observe(metrics.bind_agents())
     resources.push_async_callback(runtime.aclose)
     ports.attach(runtime.store)
+    runtime.approvals.send = ports.send_approval
+    ports.operators = frozenset(s.name for s in topology.listeners if s.builtin == "console-router")
+    clients = {c.name for c in topology.clients}
+    runtime.listener_approvers = tuple(
+        sorted(
+            {
+                r.approver
+                for p in profiles.values()
+                if p.policy is not None
+                for r in p.policy.rules
+                if r.approver and r.approver not in clients
+            }
+        )
+    )
     for name in profiles:
         handlers[name].target = agent_handler(runtime, pump, name, ports)
     service = AgentService(runtime, ports, profiles, router=getattr(llm, "router", None))

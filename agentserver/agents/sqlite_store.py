@@ -24,9 +24,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from agentserver.agents import governance_store
 from agentserver.agents.budget import card_tokens
 from agentserver.agents.clock import Clock, SystemClock
 from agentserver.agents.errors import StaleTurn, StoreError, StoreInUse
+from agentserver.agents.governance_store import GovernanceStoreMixin
 from agentserver.agents.ports import LLMCompletion, ReplyRef
 from agentserver.agents.retry import step_retries_done, step_retry_payload
 from agentserver.agents.settings import StoreSettings
@@ -58,7 +60,7 @@ from agentserver.agents.store import (
     TurnToken,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -207,11 +209,13 @@ CREATE TABLE conversations (
     PRIMARY KEY (agent_id, conversation)
 );
 """,
+    # Issue 14: governance. Policy decisions (rate windows) and approval requests.
+    4: governance_store.MIGRATION,
 }
 
 #: Card types the worker never shows the model (``worker._card_message`` returns None):
 #: they cost no context tokens.
-_UNSHOWN = frozenset({CardType.DELIVERABLE, CardType.TOOL_CALL})
+_UNSHOWN = frozenset({CardType.DELIVERABLE, CardType.TOOL_CALL, CardType.GUARD})
 
 _HEAD_COLS = (
     "agent_id, status, active_agent_turn_id, turn_epoch, turn_inbox_id, context_box_id, "
@@ -254,7 +258,7 @@ def _lock(path: Path) -> int:
     return fd
 
 
-class SqliteAgentStore:
+class SqliteAgentStore(GovernanceStoreMixin):
     """SQLite-backed agent store. Create with :meth:`open`; close with :meth:`aclose`."""
 
     def __init__(self, conn: sqlite3.Connection, clock: Clock, settings: StoreSettings) -> None:
@@ -1028,7 +1032,7 @@ class SqliteAgentStore:
                     NewCard(
                         CardType.TOOL_CALL,
                         call.payload,
-                        {"tool_call_id": call.tool_call_id, "to": call.to},
+                        {**call.metadata, "tool_call_id": call.tool_call_id, "to": call.to},
                     ),
                 )
                 db.execute(
@@ -1328,7 +1332,7 @@ class SqliteAgentStore:
             )
             waiting = db.execute(
                 "SELECT tool_call_id, to_listener FROM turn_waiting_tools WHERE agent_turn_id = ? "
-                "AND turn_epoch = ? AND status = 'waiting'",
+                "AND turn_epoch = ? AND status = 'waiting' AND after_execution != 'approval'",
                 (token.agent_turn_id, token.turn_epoch),
             ).fetchall()
             for tool_call_id, to in waiting:

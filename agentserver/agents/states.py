@@ -90,6 +90,7 @@ class MessageType(enum.StrEnum):
     TOOL_RESULT = "tool_result"
     TIMEOUT = "timeout"
     RESUME = "resume"
+    APPROVAL = "approval"  # a granted tool call to forward (agents/approvals.py)
 
 
 _I = InboxStatus

@@ -28,6 +28,11 @@ class CardType:
     NOTE = "sys.note"
     DELIVERABLE = "task.deliverable"
     SUMMARY = "sys.summary"  # the rolling summary of compacted cards (compaction.py)
+    #: A tool call governance did not send (policy, loop detector, guardrail): the model
+    #: sees it as a failed call (metadata: to, payload, rule, decision).
+    TOOL_REFUSED = "tool.refused"
+    #: A guardrail's verdict on one tool result (metadata: tool_call_id, warn, block).
+    GUARD = "sys.guard"
 
 
 class TaskStatus:
@@ -121,6 +126,8 @@ class ToolCallRecord:
     to: str
     payload: str
     after_execution: str = "suspend"  # or "terminate"
+    #: Extra metadata for the tool.call card (e.g. a guardrail's warnings for its result).
+    metadata: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

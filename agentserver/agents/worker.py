@@ -26,6 +26,12 @@ from lxml import etree
 from opentelemetry import trace
 
 from agentserver.agents.answer import answer_bytes
+from agentserver.agents.approvals import (
+    APPROVAL_PREFIX,
+    WAITING_KIND,
+    Approvals,
+    forward_granted,
+)
 from agentserver.agents.budget import shown_text
 from agentserver.agents.clock import Clock
 from agentserver.agents.compactor import compact_turn
@@ -41,6 +47,7 @@ from agentserver.agents.decide import (
 from agentserver.agents.delivery import TurnEnder
 from agentserver.agents.errors import LLMUnavailable, PumpRefused, StaleTurn
 from agentserver.agents.events import ChunkEvent, StateEvent, StepEvent
+from agentserver.agents.governance import Governor, result_annotations
 from agentserver.agents.parsing import extract_payloads, make_huh
 from agentserver.agents.ports import (
     LLMCompletion,
@@ -72,6 +79,11 @@ from agentserver.xmlsafe import SafeParser
 
 log = logging.getLogger(__name__)
 
+LAST_STEP_NOTE = (
+    "This is your last step: answer now with what you have. Tool calls made now will not "
+    "be followed by another step."
+)
+
 
 class Worker:
     """Runs Turns. Holds only infrastructure (store, ports, bus, settings)."""
@@ -96,6 +108,9 @@ class Worker:
         self.tools = tools
         self.clock = clock
         self.settings = settings
+        self.governor = Governor(self.store, clock)  # type: ignore[arg-type]
+        #: Sends approval requests (set by the runtime; None: approvals wait for its tick).
+        self.approvals: Approvals | None = None
 
     # -- scheduling ---------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -158,6 +173,8 @@ class Worker:
                 )
                 return
             await self._run_turn(outcome.resumed, profile)
+        elif row.message_type == MessageType.APPROVAL:
+            await forward_granted(self, row)
         elif row.message_type == MessageType.RESUME:
             token = await self.store.take_resume(row)
             profile = self.profiles.get(row.agent_id)
@@ -249,15 +266,18 @@ class Worker:
         Raises StaleTurn when fenced out."""
         while True:
             head = await self._fence(token)
+            if profile.guardrails and head.output_box_id:
+                cards = await self.store.cards(head.output_box_id)
+                halt = await self.governor.guard_results(token, head.step_count, profile, cards)
+                if halt is not None:
+                    await self._finish(token, profile, TaskStatus.FAILED, f"halted: {halt}")
+                    return
             if head.step_count >= profile.max_steps:
                 await self._finish(
-                    token,
-                    profile,
-                    TaskStatus.FAILED,
-                    f"step limit reached ({profile.max_steps} steps) without an answer",
+                    token, profile, TaskStatus.FAILED, await self._limit_text(head, profile)
                 )
                 return
-            step_id, _ = await self.store.begin_step(token)
+            step_id, step_no = await self.store.begin_step(token)
             self._step_event(token, step_id, "started", "thinking")
             completion = await self._complete(token, head, profile, step_id, retries_done)
             if completion is None:
@@ -288,7 +308,7 @@ class Worker:
                         card = NewCard(CardType.SELF_CALL, _text(payload.element))
                     await self.store.add_cards(token, [card])
                 case CallTools(calls):
-                    if await self._call_tools(token, step_id, profile, reply_ref, calls):
+                    if await self._call_tools(token, step_id, step_no, profile, reply_ref, calls):
                         return
                 case Submit(payload):
                     outcome = evaluate_submit(payload.element, profile.result_fields)
@@ -312,14 +332,42 @@ class Worker:
         self,
         token: TurnToken,
         step_id: str,
+        step_no: int,
         profile: AgentProfile,
         reply_ref: ReplyRef,
         calls: tuple,
     ) -> bool:
-        """Forward tool calls; suspend if any was accepted. True when suspended."""
+        """Forward the tool calls governance lets through; suspend if any was accepted.
+        True when the Turn suspended or ended."""
         records: list[ToolCallRecord] = []
         cards: list[NewCard] = []
-        for call in calls:
+        if (
+            profile.policy is not None
+            or profile.guardrails
+            or profile.loop_warn
+            or profile.loop_block
+        ):
+            head = await self._fence(token)
+            history = await self.store.cards(head.output_box_id) if head.output_box_id else []
+            screened = await self.governor.screen(token, step_id, step_no, profile, history, calls)
+            if screened.halt is not None:
+                await self._finish(token, profile, TaskStatus.FAILED, f"halted: {screened.halt}")
+                return True
+            send = [(a.call, a.metadata) for a in screened.send]
+            for ask in screened.approvals:
+                # Waits durably as a call of its own kind until a decision or the timeout.
+                records.append(
+                    ToolCallRecord(
+                        APPROVAL_PREFIX + ask.request_id,
+                        ask.call.to or "",
+                        _text(ask.call.element),
+                        WAITING_KIND,
+                        {"approval": ask.request_id},
+                    )
+                )
+        else:
+            send = [(call, {}) for call in calls]
+        for call, metadata in send:
             await self._fence(token)  # no new side effect once fenced out
             content = None
             if self.tracing.capture_content:
@@ -339,7 +387,9 @@ class Worker:
                 cards.append(_huh_card(refused.element, f"the call to {call.to} was refused"))
                 continue
             after = "terminate" if call.to in profile.terminate_tools else "suspend"
-            records.append(ToolCallRecord(sub_thread, call.to, _text(call.element), after))
+            records.append(
+                ToolCallRecord(sub_thread, call.to, _text(call.element), after, metadata)
+            )
         if not records:
             await self.store.add_cards(token, cards)
             return False
@@ -357,6 +407,8 @@ class Worker:
         )
         # Results that arrived before the suspend committed are due now.
         self.doorbell.ring()
+        if self.approvals is not None and any(r.after_execution == WAITING_KIND for r in records):
+            await self.approvals.deliver_requests()
         return True
 
     async def _complete(
@@ -499,11 +551,24 @@ class Worker:
         if head.output_box_id:
             cards += await self.store.cards(head.output_box_id)
         cap = profile.budget.tool_result_cap
+        notes = result_annotations(cards)
         for card in cards:
-            message = _card_message(card, cap)
+            message = _card_message(card, notes, cap)
             if message is not None:
                 messages.append(message)
+        if head.step_count + 1 == profile.max_steps:
+            messages.append(LLMMessage("user", LAST_STEP_NOTE))
         return messages
+
+    async def _limit_text(self, head: Head, profile: AgentProfile) -> str:
+        """The failed answer at the step limit, with the last thing the model said."""
+        text = f"step limit reached ({profile.max_steps} steps) without an answer"
+        cards = await self.store.cards(head.output_box_id) if head.output_box_id else []
+        said = [c.content.strip() for c in cards if c.card_type == CardType.LLM_MESSAGE]
+        said = [t for t in said if t]
+        if said:
+            text += f". The model's last message: {said[-1]}"
+        return text
 
     async def _fence(self, token: TurnToken) -> Head:
         head = await self.store.head(token.agent_id)
@@ -556,9 +621,15 @@ def _huh_card(element: etree._Element, hint: str) -> NewCard:
     return NewCard(CardType.HUH, _text(element), {"hint": hint} if hint else {})
 
 
-def _card_message(card: Card, tool_result_cap: int | None = None) -> LLMMessage | None:
-    """How a card reads in the model's context (None: not shown). A tool result is cut
-    to ``tool_result_cap`` tokens (the store keeps it whole)."""
+def _card_message(
+    card: Card,
+    notes: Mapping[str, Mapping[str, object]] | None = None,
+    tool_result_cap: int | None = None,
+) -> LLMMessage | None:
+    """How a card reads in the model's context (None: not shown). ``notes``: what
+    governance adds to tool results (:func:`~agentserver.agents.governance.result_annotations`).
+    A tool result is cut to ``tool_result_cap`` tokens (the store keeps it whole).
+    """
     t = card.card_type
     if t == CardType.TASK_INPUT:
         return LLMMessage("user", card.content)
@@ -566,8 +637,15 @@ def _card_message(card: Card, tool_result_cap: int | None = None) -> LLMMessage 
         return LLMMessage("assistant", card.content)
     if t == CardType.TOOL_RESULT:
         to = card.metadata.get("to", "?")
+        note = (notes or {}).get(str(card.metadata.get("tool_call_id")), {})
+        if note.get("block"):
+            return LLMMessage("user", f"Tool call to {to} failed:\nblocked: {note['block']}")
         head = f"Tool call to {to} failed:" if card.metadata.get("failed") else f"Result from {to}:"
-        return LLMMessage("user", f"{head}\n{shown_text(card.content, tool_result_cap)}")
+        tail = "".join(f"\n{w}" for w in note.get("warn") or ())  # type: ignore[attr-defined]
+        return LLMMessage("user", f"{head}\n{shown_text(card.content, tool_result_cap)}{tail}")
+    if t == CardType.TOOL_REFUSED:
+        to = card.metadata.get("to", "?")
+        return LLMMessage("user", f"Tool call to {to} failed:\n{card.content}")
     if t == CardType.HUH:
         hint = card.metadata.get("hint")
         tail = f"\nHint: {hint}" if hint else ""

@@ -1,0 +1,92 @@
+"""Approvals in the worker and the store, on a manual clock (no sockets): the first
+decision wins, a grant is forwarded once, a crash while forwarding never sends twice, and
+the rule's timeout becomes a refusal."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from agents_fakes import make_harness, profile, task
+from lxml import etree
+
+from agentserver.agents.policy import parse_policy
+from agentserver.agents.states import MessageType
+from agentserver.namespaces import BOOT_NS
+
+ADD = '<add xmlns="urn:calc"><a>1</a><b>2</b></add>'
+
+
+def approval_profile():
+    el = etree.fromstring(
+        f'<policy xmlns="{BOOT_NS}" default="allow">'
+        '<rule priority="1" id="ask" decision="require-approval" target="calculator" '
+        'approver="alice" timeout="5m"/></policy>'
+    )
+    return dataclasses.replace(profile(), policy=parse_policy(el))
+
+
+def script(request) -> str:
+    seen = "\n".join(m.content for m in request.messages)
+    return (
+        "done: " + seen.rsplit("\n", 1)[-1] if "Tool call to" in seen or "Result" in seen else ADD
+    )
+
+
+async def start(tmp_path):
+    h = make_harness(tmp_path, script, profiles={"assistant": approval_profile()})
+    await h.rt.enqueue("assistant", task("add"), {"r": 1})
+    await h.pump()
+    (request_id,) = h.sql("SELECT request_id FROM approvals WHERE status = 'pending'")[0]
+    assert h.tools.calls == []
+    assert h.sql("SELECT status FROM agent_state_head") == [("suspended",)]
+    return h, request_id
+
+
+async def test_the_first_decision_wins_and_a_grant_is_forwarded_once(tmp_path):
+    h, rid = await start(tmp_path)
+    assert await h.rt.approvals.decide(rid, True, "", "mallory") == "not-yours"
+    assert await h.rt.approvals.decide("nope", True, "", "alice") == "unknown"
+    assert await h.rt.approvals.decide(rid, True, "fine", "alice") == "applied"
+    assert await h.rt.approvals.decide(rid, False, "no", "alice") == "duplicate"
+    await h.pump()
+    await h.pump()  # the forward is exactly one pump call, however often rows are handled
+    assert [to for _, to, _ in h.tools.calls] == ["calculator"]
+    sub = h.tools.calls[0][0]
+    assert h.sql("SELECT status, tool_call_id FROM approvals") == [("forwarded", sub)]
+    cards = h.sql(
+        "SELECT json_extract(metadata, '$.tool_call_id') FROM cards WHERE card_type = 'tool.call'"
+    )
+    assert cards == [(sub,)]
+    await h.rt.report_tool_result("assistant", sub, b'<sum xmlns="urn:calc">3</sum>')
+    await h.pump()
+    assert h.replies.sent[0][1].startswith("done")
+    await h.rt.approvals.expire()  # nothing left to time out
+    assert h.sql("SELECT status FROM approvals") == [("forwarded",)]
+
+
+async def test_a_crash_while_forwarding_reports_the_call_lost_and_never_sends_it(tmp_path):
+    h, rid = await start(tmp_path)
+    assert await h.rt.approvals.decide(rid, True, "", "alice") == "applied"
+    (row,) = await h.rt.store.claim_due("assistant", 1)
+    assert row.message_type == MessageType.APPROVAL
+    assert await h.rt.store.begin_forward(row) is not None  # then the process dies
+    h.clock.advance(60)
+    assert await h.rt.store.requeue_stuck(30) == 1  # the restarted worker's watchdog
+    await h.pump()
+    assert h.tools.calls == []  # never sent: it may have left before the crash
+    assert h.sql("SELECT status FROM approvals") == [("lost",)]
+    assert "interrupted by a restart" in h.replies.sent[0][1]
+
+
+async def test_no_decision_before_the_timeout_becomes_a_refusal(tmp_path):
+    h, rid = await start(tmp_path)
+    h.clock.advance(299)
+    assert await h.rt.approvals.expire() == 0
+    h.clock.advance(2)
+    assert await h.rt.approvals.expire() == 1
+    assert await h.rt.approvals.decide(rid, True, "", "alice") == "duplicate"
+    await h.pump()
+    assert h.tools.calls == []
+    (answer,) = h.replies.sent
+    assert "got no decision from alice within 300 s" in answer[1]
+    assert h.sql("SELECT status FROM approvals") == [("timed_out",)]
