@@ -98,7 +98,9 @@ async def run(turns: int, agents: int, concurrency: int, path: Path) -> dict[str
     ]
     listeners.append(Listener("calculator", (Add,), calculator, responses=(Sum,), concurrency=8))
     llm = InstantLLM()
-    config = PumpConfig(endpoint_buffer=turns + 16)
+    # The one "bench" endpoint stands for many clients sending every task at once: its
+    # share of the registry (max_threads_per_endpoint) must hold all their threads.
+    config = PumpConfig(endpoint_buffer=turns + 16, max_threads_per_endpoint=4 * turns + 64)
     async with open_pump(listeners, config=config) as pump:
         ports = PumpPorts(pump)
         profiles = {
