@@ -217,6 +217,7 @@ async def test_assistant_task_with_a_tool_call_is_one_trace(tmp_path, monkeypatc
                     Task(text="2+3?"), to="assistant", thread=thread, timeout=20
                 )
                 assert reply.payload.findtext(f"{{{ASSISTANT}}}text") == "2+3 = 5."
+            live = samples(registry)  # the store figures are read only while it runs
         nursery.cancel_scope.cancel()
     assert len(model.requests) == 2
 
@@ -286,6 +287,9 @@ async def test_assistant_task_with_a_tool_call_is_one_trace(tmp_path, monkeypatc
     assert value(got, "agentserver_agent_steps_total", agent="assistant") == 2
     assert value(got, "agentserver_llm_breaker_state", backend="openai", state="closed") == 1
     assert value(got, "agentserver_messages_received_total", listener="calculator") == 1
+    # the store figures are wired (read at scrape time): nothing waited once the task was done
+    assert live[("agentserver_agent_inbox_lag_seconds", (("agent", "assistant"),))] == 0
+    assert live[("agentserver_agent_approvals_pending", (("agent", "assistant"),))] == 0
 
 
 def test_message_contents_are_recorded_only_when_opted_in():
@@ -540,3 +544,117 @@ def test_log_format_is_text_on_a_terminal_and_json_otherwise(restore_logging):
     assert record["event"] == "disk sdb is full" and record["logger"] == "tests.fmt"
     with pytest.raises(ValueError):
         configure_logging("info", "xml", pipe)
+
+
+# -- agent figures read from the store at scrape time, and step retries ---------------------
+
+
+def agent_metrics(h, figures=None) -> CollectorRegistry:
+    """A registry with the agent metrics bound to harness ``h``'s runtime and store."""
+    from agentserver.agents.store_figures import StoreFigures
+    from agentserver.observability import Metrics
+
+    registry = CollectorRegistry()
+    figures = figures or StoreFigures(h.rt.store.settings.path, h.clock)
+    h.rt.events.observe(Metrics(registry).bind_agents(figures, ("assistant", "idle")))
+    return registry
+
+
+async def test_inbox_lag_is_the_age_of_the_oldest_waiting_task(tmp_path):
+    from agents.agents_fakes import make_harness, task
+
+    from agentserver.agents.store_figures import StoreFigures
+
+    h = make_harness(tmp_path, lambda request: "done")
+    figures = StoreFigures(h.rt.store.settings.path, h.clock)
+    registry = agent_metrics(h, figures)
+    try:
+        lag = "agentserver_agent_inbox_lag_seconds"
+        assert value(samples(registry), lag, agent="assistant") == 0
+        await h.rt.enqueue("assistant", task("first"), {"r": 1})
+        h.clock.advance(3)
+        await h.rt.enqueue("assistant", task("second"), {"r": 2})
+        h.clock.advance(4)
+        got = samples(registry)
+        assert value(got, lag, agent="assistant") == 7  # the first, leased but not started
+        assert got[(lag, (("agent", "idle"),))] == 0  # every agent has a sample
+        (first,) = await h.rt.store.claim_due("assistant", 1)
+        await h.rt.store.start_turn(first)
+        assert value(samples(registry), lag, agent="assistant") == 4  # the second, queued
+        h.clock.advance(1)
+        assert value(samples(registry), lag, agent="assistant") == 5
+    finally:
+        await h.rt.aclose()
+        figures.close()
+    # a closed store leaves the agent figures out of the scrape, and the rest of it whole
+    names = family_names(registry)
+    assert lag not in names and "agentserver_agent_turns" in names
+
+
+async def test_step_retries_are_counted_by_agent_and_error_kind(tmp_path):
+    from agents.agents_fakes import make_harness, task
+
+    from agentserver.agents.errors import LLMUnavailable
+
+    h = make_harness(tmp_path, lambda request: "done")
+    registry = agent_metrics(h)
+    failures = ["OVERLOADED", "RATE_LIMIT", "OVERLOADED"]
+    complete = h.llm.complete
+
+    async def flaky(request):
+        if failures:
+            kind = failures.pop(0)
+            raise LLMUnavailable(f"{kind} from the fake", kind=kind, retry_after=1)
+        return await complete(request)
+
+    h.llm.complete = flaky
+    try:
+        await h.rt.enqueue("assistant", task("x"), {"r": 1})
+        await h.pump()
+        retries = "agentserver_agent_step_retries_total"
+        assert value(samples(registry), retries, agent="assistant", kind="OVERLOADED") == 1
+        for _ in range(2):
+            h.clock.advance(1)
+            await h.pump()
+        got = samples(registry)
+        assert value(got, retries, agent="assistant", kind="OVERLOADED") == 2
+        assert value(got, retries, agent="assistant", kind="RATE_LIMIT") == 1
+        h.clock.advance(1)
+        await h.pump()
+        assert [(r[1], r[2]) for r in h.replies.sent] == [("done", False)]
+        got = samples(registry)
+        assert value(got, retries, agent="assistant", kind="OVERLOADED") == 2
+        assert value(got, "agentserver_agent_steps_total", agent="assistant") == 4
+    finally:
+        await h.rt.aclose()
+
+
+async def test_pending_approvals_are_counted_until_decided(tmp_path):
+    import dataclasses
+
+    from agents.agents_fakes import make_harness, profile, task
+    from lxml import etree
+
+    from agentserver.agents.policy import parse_policy
+    from agentserver.namespaces import BOOT_NS
+
+    rule = etree.fromstring(
+        f'<policy xmlns="{BOOT_NS}" default="allow">'
+        '<rule priority="1" id="ask" decision="require-approval" target="calculator" '
+        'approver="alice" timeout="5m"/></policy>'
+    )
+    assistant = dataclasses.replace(profile(), policy=parse_policy(rule))
+    add = '<add xmlns="urn:calc"><a>1</a><b>2</b></add>'
+    h = make_harness(tmp_path, lambda request: add, profiles={"assistant": assistant})
+    registry = agent_metrics(h)
+    pending = "agentserver_agent_approvals_pending"
+    try:
+        assert value(samples(registry), pending, agent="assistant") == 0
+        await h.rt.enqueue("assistant", task("add"), {"r": 1})
+        await h.pump()
+        (request_id,) = h.sql("SELECT request_id FROM approvals WHERE status = 'pending'")[0]
+        assert value(samples(registry), pending, agent="assistant") == 1
+        assert await h.rt.approvals.decide(request_id, False, "no", "alice") == "applied"
+        assert value(samples(registry), pending, agent="assistant") == 0
+    finally:
+        await h.rt.aclose()

@@ -188,9 +188,13 @@ async def start_agents(
     runtime = AgentRuntime.open(
         settings, profiles, llm=llm, tools=ports, replies=ports, tracing=tracing
     )
-    if metrics is not None:
-        runtime.events.observe(metrics.bind_agents())
     resources.push_async_callback(runtime.aclose)
+    if metrics is not None:
+        from agentserver.agents.store_figures import StoreFigures
+
+        figures = StoreFigures(settings.path, runtime.clock)
+        resources.callback(figures.close)
+        runtime.events.observe(metrics.bind_agents(figures, tuple(profiles)))
     ports.attach(runtime.store)
     runtime.approvals.send = ports.send_approval
     ports.operators = frozenset(s.name for s in topology.listeners if s.builtin == "console-router")

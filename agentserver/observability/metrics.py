@@ -10,6 +10,8 @@ registered. The list is in docs/operations.md.
 from __future__ import annotations
 
 import bisect
+import logging
+import sqlite3
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +23,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
 
 #: Seconds; handlers range from microseconds (echo) to the handler timeout.
 HANDLER_BUCKETS = (
@@ -217,6 +221,40 @@ class _RouterCollector(Collector):
         yield from (breaker, cooling, active, buckets, attempts, opens)
 
 
+class _AgentStoreCollector(Collector):
+    """Inbox lag and pending approvals, read from the agent store at scrape time.
+    ``figures`` is an :class:`agentserver.agents.store_figures.StoreFigures`; every agent
+    of ``agents`` gets a sample (0 when it has nothing waiting)."""
+
+    def __init__(self, figures: Any, agents: tuple[str, ...]) -> None:
+        self.figures = figures
+        self.agents = agents
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            lag = self.figures.inbox_lag()
+            pending = self.figures.approvals_pending()
+        except sqlite3.Error as exc:
+            # A busy or closed store must not break the rest of the scrape.
+            log.warning("agent store figures unavailable: %s", exc)
+            return
+        lag_family = GaugeMetricFamily(
+            "agentserver_agent_inbox_lag_seconds",
+            "Age of an agent's oldest task not yet started (0 when none waits).",
+            labels=["agent"],
+        )
+        pending_family = GaugeMetricFamily(
+            "agentserver_agent_approvals_pending",
+            "Approval requests of an agent's tool calls waiting for a decision.",
+            labels=["agent"],
+        )
+        for agent in sorted({*self.agents, *lag, *pending}):
+            lag_family.add_metric([agent], lag.get(agent, 0.0))
+            pending_family.add_metric([agent], pending.get(agent, 0))
+        yield lag_family
+        yield pending_family
+
+
 def _counter(name: str, doc: str, labels: list[str], items: Any) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc, labels=labels)
     for key, value in items:
@@ -244,10 +282,16 @@ class Metrics:
         if self._llm is None:
             self._llm = _LLMMetrics(self.registry)
 
-    def bind_agents(self) -> Callable[[object], None]:
-        """Register the agent metrics; returns the observer for the runtime's event bus."""
+    def bind_agents(
+        self, figures: Any = None, agents: tuple[str, ...] = ()
+    ) -> Callable[[object], None]:
+        """Register the agent metrics; returns the observer for the runtime's event bus.
+        ``figures`` (a :class:`~agentserver.agents.store_figures.StoreFigures`) adds the
+        inbox lag and pending approvals of ``agents``, read at scrape time."""
         if self._agents is None:
             self._agents = _AgentMetrics(self.registry)
+        if figures is not None:
+            self.registry.register(_AgentStoreCollector(figures, agents))
         return self._agents.observe
 
     def llm_call(
@@ -340,6 +384,12 @@ class _AgentMetrics:
             ["agent"],
             registry=registry,
         )
+        self.retries = Counter(
+            "agentserver_agent_step_retries",
+            "Failed steps the worker retries later, by agent and error kind.",
+            ["agent", "kind"],
+            registry=registry,
+        )
 
     def observe(self, event: object) -> None:
         from agentserver.agents.events import StateEvent, StepEvent, TaskEvent
@@ -347,6 +397,8 @@ class _AgentMetrics:
         if isinstance(event, StepEvent):
             if event.phase == "started":
                 self.steps.labels(event.agent_id).inc()
+            elif event.phase == "retrying":
+                self.retries.labels(event.agent_id, event.kind).inc()
         elif isinstance(event, TaskEvent):
             self.turns.labels(event.agent_id, event.status).inc()
         elif isinstance(event, StateEvent) and event.status == "running":
