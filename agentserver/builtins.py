@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic_xml import BaseXmlModel
 
+from agentserver.agents.approvals import ApprovalRequest
 from agentserver.listener import Handler, Listener
 from agentserver.listeners import assistant, calculator, echo
 from agentserver.listeners.console import Console, Input, Pending, Prompt, Terminal
@@ -72,7 +73,13 @@ def _accepted_tags(topology: Topology, names: tuple[str, ...]) -> dict[str, tupl
 
 def _console(spec: ListenerSpec, ctx: RunContext) -> Handler:
     boots = tuple(s.name for s in ctx.topology.listeners if s.is_boot)
-    return Console(ctx.terminal, trusted=(*spec.peers, *boots), on_exit=ctx.on_console_exit)
+    return Console(
+        ctx.terminal,
+        trusted=(*spec.peers, *boots),
+        on_exit=ctx.on_console_exit,
+        # Listener approvers get requests from the agents that name them (docs/agents.md).
+        requesters=tuple(s.name for s in ctx.topology.listeners if s.agent),
+    )
 
 
 def _describer(topology: Topology) -> Callable[[str], tuple[str, ...]]:
@@ -144,11 +151,12 @@ BUILTIN_HANDLERS: Mapping[str, Builtin] = MappingProxyType(
         ),
         "console": Builtin(
             _console,
-            (Prompt,),
+            (Prompt, ApprovalRequest),
             (Input,),
-            # One prompt at a time; a human may take long to type a line.
-            {"concurrency": 1, "timeout": 86400.0},
-            summary="prompt → reads a line → input",
+            # A human may take long to type a line. Prompts are read one at a time by the
+            # handler itself, so an approval request is shown while a prompt waits.
+            {"concurrency": 4, "timeout": 86400.0},
+            summary="prompt → reads a line → input; approval-request → shown",
         ),
         "console-router": Builtin(
             _console_router,

@@ -5,6 +5,9 @@ local boot listener prompts the console, the console's ``<input>`` goes to a loc
 named ``console-router``, which relays it over the socket to the server's console router
 and returns the server's answer (a ``<prompt>``) to the console, and so on. Errors from
 the server (``<huh>``, ``<SystemError>``) are shown readably.
+
+With ``--client NAME``, messages the server sends unasked (an ``<approval-request>`` for
+an approver ``NAME``, kept for her until received) are shown as they arrive.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from agentserver.console_ops import HELP, carry_out, parse_line
 from agentserver.listener import HandlerMetadata, HandlerResponse, Listener
 from agentserver.listeners.console import NS as CONSOLE_NS
 from agentserver.listeners.console import Console, Input, Prompt, Terminal
+from agentserver.listeners.console_approvals import render_request
 from agentserver.listeners.console_router import DEFAULT_AGENT, listener_names, render_reply
 from agentserver.listeners.system_boot import SystemBoot
 from agentserver.primitives.core import Boot, boot_primitive
@@ -68,6 +72,22 @@ class Bridge:
         return HandlerResponse.respond(
             Prompt(lines=list(render_reply(reply.payload, reply.from_id)))
         )
+
+
+async def show_unasked(conn: Client, terminal: Terminal) -> None:
+    """Print what the server sends without being asked, until the connection ends: an
+    approval request as its line, anything else (a late answer) as :func:`render_reply`
+    renders it."""
+    while True:
+        try:
+            reply = await conn.receive()
+        except ClientError:
+            return
+        lines = render_request(reply.payload)
+        if lines is None:
+            lines = render_reply(reply.payload, reply.from_id)
+        for line in lines:
+            terminal.write(line)
 
 
 async def _listener_names(conn: Client, wait: float) -> list[str]:
@@ -142,6 +162,7 @@ async def run_remote_console(
                 done.set()
 
             nursery.start_soon(watch)
+            nursery.start_soon(show_unasked, conn, terminal)
             await pump.inject_system(boot_primitive("console", 3), to="boot")
             await done.wait()
             nursery.cancel_scope.cancel()

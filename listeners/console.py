@@ -7,6 +7,10 @@ topology routes (by root tag, to the console's peer that takes ``<input>``: norm
 ``<prompt>``, and so on. ``/quit`` or end of input makes the handler return ``None``,
 which ends the chain.
 
+The console also takes ``<approval-request>`` (when it is a rule's approver): it prints
+the request as one line at once, even while a prompt waits for the user's line, and
+answers nothing; the operator decides with ``/approve ID`` or ``/deny ID``.
+
 Only prompts from trusted senders (the boot listener and the console's peers) are
 shown: anybody else who sends the console a ``<prompt>`` is ignored, so a client cannot
 write to the operator's terminal or make the server read its standard input.
@@ -24,9 +28,12 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import trio
+from lxml import etree
 from pydantic_xml import BaseXmlModel, element
 
+from agentserver.agents.approvals import ApprovalRequest
 from agentserver.listener import HandlerMetadata, HandlerResponse
+from agentserver.listeners.console_approvals import render_request
 
 NS = "urn:agentserver:console"
 _NSMAP = {"": NS}
@@ -97,7 +104,12 @@ class StdioTerminal:
 
 
 class Console:
-    """The console listener's handler (accepts :class:`Prompt`)."""
+    """The console listener's handler (accepts :class:`Prompt` and
+    :class:`~agentserver.agents.approvals.ApprovalRequest`).
+
+    ``requesters``: the listeners whose approval requests are shown (a client cannot write
+    to the operator's terminal this way either). Prompts are taken one at a time (a lock,
+    not the listener's concurrency, so that a request is shown while a prompt waits)."""
 
     def __init__(
         self,
@@ -106,21 +118,37 @@ class Console:
         trusted: Iterable[str],
         on_exit: Callable[[], None] | None = None,
         prompt: str = "> ",
+        requesters: Iterable[str] = (),
     ) -> None:
         self._terminal = terminal
         self._trusted = frozenset(trusted)
+        self._requesters = frozenset(requesters)
         self._on_exit = on_exit
         self._prompt = prompt
+        self._reading = trio.Lock()
 
-    async def __call__(self, payload: Prompt, meta: HandlerMetadata) -> HandlerResponse | None:
+    async def __call__(
+        self, payload: Prompt | ApprovalRequest, meta: HandlerMetadata
+    ) -> HandlerResponse | None:
         terminal = self._terminal
         if terminal is None:
             # No terminal attached (the server runs without --console): nothing to show.
-            log.info("console: prompt from %s ignored (no terminal)", meta.from_id)
+            log.info("console: message from %s ignored (no terminal)", meta.from_id)
             return None
+        if isinstance(payload, ApprovalRequest):
+            if meta.from_id not in self._requesters:
+                log.warning("console: approval request from %s ignored", meta.from_id)
+                return None
+            for line in render_request(etree.fromstring(payload.to_xml())) or ():
+                terminal.write(line)
+            return None  # the decision comes from /approve or /deny, through the router
         if meta.from_id not in self._trusted:
             log.warning("console: prompt from untrusted sender %s ignored", meta.from_id)
             return None
+        async with self._reading:
+            return await self._read(payload, terminal)
+
+    async def _read(self, payload: Prompt, terminal: Terminal) -> HandlerResponse | None:
         for line in payload.lines:
             terminal.write(line)
         while True:

@@ -55,3 +55,22 @@ def render_ack(payload: etree._Element) -> tuple[str, ...] | None:
         "not-yours": f"approval {request}: you are not its approver",
     }
     return (texts.get(status, f"approval {request}: {status}"),)
+
+
+def render_request(payload: etree._Element) -> tuple[str, ...] | None:
+    """An ``<approval-request>`` as one console line saying how to answer it (None: not
+    one). The payload text is folded onto the line: a request is read at a glance."""
+    if payload.tag != f"{{{APPROVAL_NS}}}approval-request":
+        return None
+    request = payload.get("request", "")
+    text = " ".join((payload.findtext(f"{{{APPROVAL_NS}}}payload") or "").split())
+    try:
+        left = f"{float(payload.get('timeout', '')):g}"
+    except ValueError:
+        left = "?"
+    return (
+        f"approval request {request}: {payload.get('agent', '')} wants to call "
+        f"{payload.get('target', '')} with {text} (rule {payload.get('rule', '')}, "
+        f"{left} s left): "
+        f"/approve {request} or /deny {request} [reason]",
+    )

@@ -466,3 +466,71 @@ async def test_the_operator_decides_at_the_console_with_approve_and_deny(tmp_pat
         finally:
             r.stop()
             nursery.cancel_scope.cancel()
+
+
+class ApproverTerminal:
+    """The approver at ``agentserver console``: waits until an approval request is shown,
+    types ``/approve ID`` from that line, then leaves."""
+
+    def __init__(self) -> None:
+        self.out: list[str] = []
+        self.shown = trio.Event()
+        self.typed: list[str] = []
+
+    async def read_line(self, prompt: str):
+        if self.typed:
+            return None
+        with trio.fail_after(PATIENCE):
+            await self.shown.wait()
+        line = next(line for line in self.out if line.startswith("approval request "))
+        self.typed.append(line.split(": ", 1)[0].replace("approval request", "/approve"))
+        return self.typed[-1]
+
+    def write(self, text: str) -> None:
+        self.out.append(text)
+        if text.startswith("approval request "):
+            self.shown.set()
+
+
+async def test_the_console_shows_a_request_as_it_arrives_and_approve_settles_it(tmp_path):
+    from agentserver.remote_console import run_remote_console
+
+    r = ApprovalRun(tmp_path)
+    r.script(f"Paying. {pay('erin', '3')}", "Erin is paid.")
+    async with trio.open_nursery() as nursery:
+        try:
+            await r.start(nursery)
+            async with r.client("bob") as bob:
+                await bob.send(Task(text="pay erin"), to="assistant")
+                await r.until(lambda: r.approvals() == [("ledger", "pending")], "pending")
+                (request_id,) = r.rows("SELECT request_id FROM approvals")[0]
+                # alice, the rule's approver, opens the console: the request is shown.
+                terminal = ApproverTerminal()
+                with trio.fail_after(PATIENCE):
+                    code = await run_remote_console(
+                        r.server.host,
+                        r.server.port,
+                        terminal,
+                        client="alice",
+                        token="alice-token",
+                        reply_timeout=PATIENCE,
+                    )
+                assert code == 0
+                (shown,) = [line for line in terminal.out if line.startswith("approval request")]
+                assert shown.startswith(
+                    f"approval request {request_id}: assistant wants to call ledger with <pay"
+                )
+                assert "erin" in shown and "(rule payments, " in shown
+                assert shown.endswith(f"/approve {request_id} or /deny {request_id} [reason]")
+                assert terminal.typed == [f"/approve {request_id}"]
+                assert f"approval {request_id}: decision applied" in terminal.out
+                with trio.fail_after(PATIENCE):
+                    answer = await bob.receive()
+                    while answer.payload.tag != f"{{{ASSISTANT_NS}}}answer":
+                        answer = await bob.receive()
+            assert answer.payload.findtext(f"{{{ASSISTANT_NS}}}text") == "Erin is paid."
+            assert r.approvals() == [("ledger", "forwarded")]
+            assert len(r.paid()) == 1
+        finally:
+            r.stop()
+            nursery.cancel_scope.cancel()

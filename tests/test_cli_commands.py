@@ -397,6 +397,8 @@ def test_schemas_exports_one_valid_xsd_per_payload_namespace(tmp_path):
     assert names == [
         "core.xsd",
         "envelope.xsd",
+        # The console takes <approval-request> (it may be a rule's approver).
+        "urn-agentserver-approval.xsd",
         "urn-agentserver-assistant.xsd",
         "urn-agentserver-calculator.xsd",
         "urn-agentserver-console.xsd",

@@ -208,3 +208,77 @@ async def test_without_a_terminal_the_console_never_reads():
         await pump.inject_system(topo.boot_primitive(), to=topo.boot_listener.name)
         await trio.testing.wait_all_tasks_blocked()
         assert pump.stats()["handled"].get("console", 0) == 0
+
+
+def approval_request(request: str = "r1"):
+    from agentserver.agents.approvals import ApprovalRequest
+
+    return ApprovalRequest(
+        request=request,
+        agent="assistant",
+        thread="t1",
+        target="ledger",
+        rule="payments",
+        timeout=600.0,
+        payload='<pay xmlns="urn:payments">\n  <to>erin</to>\n</pay>',
+    )
+
+
+def test_an_approval_request_renders_as_one_line_saying_how_to_answer():
+    from agentserver.listeners.console_approvals import render_request
+
+    assert render_request(approval_request().to_xml_tree()) == (
+        'approval request r1: assistant wants to call ledger with <pay xmlns="urn:payments"> '
+        "<to>erin</to> </pay> (rule payments, 600 s left): /approve r1 or /deny r1 [reason]",
+    )
+    assert render_request(Prompt(lines=["x"]).to_xml_tree()) is None
+
+
+async def test_an_approval_request_is_shown_while_a_prompt_waits_for_its_line():
+    # The console as a listener approver (run --console): the agent's request arrives while
+    # the console reads the operator's line, and is printed at once.
+    from agentserver.listener import HandlerMetadata
+    from agentserver.listeners.console import Console
+
+    typed = trio.Event()
+
+    class WaitingTerminal(ScriptedTerminal):
+        async def read_line(self, prompt: str):
+            await typed.wait()
+            return "/approve r1"
+
+    terminal = WaitingTerminal([])
+    console = Console(terminal, trusted=("boot",), requesters=("assistant",))
+
+    def meta(sender: str) -> HandlerMetadata:
+        return HandlerMetadata(new_thread_id(), sender, "console", False, "")
+
+    answers = []
+    async with trio.open_nursery() as nursery:
+
+        async def prompt() -> None:
+            answers.append(await console(Prompt(lines=["hello"]), meta("boot")))
+
+        nursery.start_soon(prompt)
+        await trio.testing.wait_all_tasks_blocked()
+        assert terminal.out == ["hello"]  # the prompt waits for a line
+        assert await console(approval_request(), meta("assistant")) is None
+        assert await console(approval_request("r2"), meta("mallory")) is None  # not an agent
+        assert len(terminal.out) == 2 and terminal.out[1].startswith("approval request r1: ")
+        typed.set()
+    assert answers[0].payload.line == "/approve r1"
+
+
+async def test_approval_requests_reach_the_console_through_the_pump_only_from_agents():
+    async def spoof(pump):
+        endpoint = pump.open_endpoint("mallory")
+        request = approval_request().to_xml_tree()
+        await endpoint.send(
+            etree.tostring(build_envelope("mallory", "console", new_thread_id(), request))
+        )
+        await trio.testing.wait_all_tasks_blocked()
+        # Delivered (the console takes the type) and ignored: mallory is no agent.
+        assert pump.stats()["handled"].get("console", 0) == 1
+
+    terminal, _ = await run_console(REPO / "boot.xml", ["/quit"], extra=spoof)
+    assert all("approval request" not in line for line in terminal.out)
