@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import trio
 from lxml import etree
@@ -42,7 +41,7 @@ from lxml import etree
 # http.py and socket.py never shadow the standard modules here.
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
-from wire_bench import WrongReply, cpu_seconds, load, stop
+from wire_bench import WrongReply, load, measure, stop
 
 from agentserver.listeners.echo import Ping, Pong
 from agentserver.threads import new_thread_id
@@ -108,26 +107,7 @@ async def http_load(
                 if window["measuring"]:
                     counts[i] += 1
 
-    ready = trio.Event()
-    async with trio.open_nursery() as nursery:
-        for i in range(connections):
-            nursery.start_soon(one, i, ready)
-        await trio.sleep(0.3)
-        ready.set()
-        await trio.sleep(min(1.0, seconds / 3))  # warm-up
-        window["measuring"] = True
-        cpu_start = cpu_seconds(server_pid)
-        start = time.perf_counter()
-        await trio.sleep(seconds)
-        window["measuring"] = False
-        elapsed = time.perf_counter() - start
-        cpu_end = cpu_seconds(server_pid)
-        nursery.cancel_scope.cancel()
-    replies = sum(counts)
-    cpu = None
-    if cpu_start is not None and cpu_end is not None and replies:
-        cpu = (cpu_end - cpu_start) / replies * 1e6
-    return replies / elapsed, cpu
+    return await measure(one, counts, window, seconds=seconds, server_pid=server_pid)
 
 
 # -- the bare Hypercorn server ---------------------------------------------------------

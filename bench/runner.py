@@ -20,16 +20,20 @@ import argparse
 import json
 import os
 import pathlib
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import trio
 from lxml import etree
+
+# wire_bench (its server start/stop) sits next to this file; appended, so that this
+# directory's socket.py cannot shadow the standard library's socket module.
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+
+from wire_bench import start, stop
 
 from agentserver.envelope import build_envelope
 from agentserver.framing import FrameDecoder, encode_frame
@@ -38,7 +42,6 @@ from agentserver.namespaces import CORE_NS
 from agentserver.threads import new_thread_id
 from agentserver.xmlsafe import canonicalize
 
-LISTENING = re.compile(r"listening on (\S+?):(\d+)")
 TOKENS = {"BENCH_CLIENT_TOKEN": "bench-client-token", "BENCH_RUNNER_TOKEN": "bench-runner-token"}
 
 
@@ -66,39 +69,8 @@ def boot_xml(remote: bool, depth: int) -> str:
 </organism>"""
 
 
-def start_server(boot: pathlib.Path, cwd: pathlib.Path, env: dict) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentserver", "run", str(boot), "--port", "0"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=cwd,
-        env=env,
-    )
-    found: list[int] = []
-    event = threading.Event()
-
-    def read() -> None:
-        for raw in proc.stderr:
-            match = LISTENING.search(raw.decode("utf-8", "replace"))
-            if match and not found:
-                found.append(int(match.group(2)))
-                event.set()
-        event.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not event.wait(30) or not found:
-        proc.kill()
-        raise RuntimeError(f"server for {boot} did not start")
-    return proc, found[0]
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def _run_args(boot: pathlib.Path) -> list[str]:
+    return ["-m", "agentserver", "run", str(boot), "--port", "0"]
 
 
 def hello_frame() -> bytes:
@@ -191,8 +163,8 @@ def main() -> None:
         for name, remote in (("in_process", False), ("remote", True)):
             boots[name] = scratch / f"{name}.xml"
             boots[name].write_text(boot_xml(remote, args.depth))
-        local, local_port = start_server(boots["in_process"], scratch, env)
-        remote, remote_port = start_server(boots["remote"], scratch, env)
+        local, local_port = start(_run_args(boots["in_process"]), scratch, env)
+        remote, remote_port = start(_run_args(boots["remote"]), scratch, env)
         runner = subprocess.Popen(
             [
                 sys.executable,

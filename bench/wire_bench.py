@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 
 import trio
 from lxml import etree
@@ -159,9 +160,23 @@ async def load(
                         counts[i] += got
                     await stream.send_all(frame * got)
 
+    return await measure(one, counts, window, seconds=seconds, server_pid=server_pid)
+
+
+async def measure(
+    one: Callable[[int, trio.Event], Awaitable[None]],
+    counts: list[int],
+    window: dict,
+    *,
+    seconds: float,
+    server_pid: int | None,
+) -> tuple[float, float | None]:
+    """Run ``one(i, ready)`` for each of ``len(counts)`` connections, open the measured
+    window (``window["measuring"]``) after a warm-up, and return replies/s over it and the
+    server's CPU microseconds per reply (None where /proc is missing)."""
     ready = trio.Event()
     async with trio.open_nursery() as nursery:
-        for i in range(connections):
+        for i in range(len(counts)):
             nursery.start_soon(one, i, ready)
         await trio.sleep(0.3)
         ready.set()
@@ -196,12 +211,16 @@ def cpu_seconds(pid: int | None) -> float | None:
 # -- orchestration ----------------------------------------------------------------------
 
 
-def start(args: list[str], cwd: pathlib.Path) -> tuple[subprocess.Popen, int]:
+def start(
+    args: list[str], cwd: pathlib.Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, int]:
+    """Start ``python ARGS`` (a server) in ``cwd`` and wait for the port it prints."""
     proc = subprocess.Popen(
         [sys.executable, *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         cwd=cwd,  # a scratch directory: the server's agent store (./state/) goes there
+        env=env,
     )
     found: list[int] = []
     event = threading.Event()
