@@ -789,6 +789,14 @@ def cmd_operator(args: argparse.Namespace) -> int:
 # -- runner ---------------------------------------------------------------------------------
 
 
+async def _cancel_on_signal(scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` at the first SIGINT or SIGTERM (a client command's Ctrl-C)."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+        async for _ in received:
+            scope.cancel()
+            return
+
+
 def cmd_runner(args: argparse.Namespace) -> int:
     from agentserver.client import ClientError
     from agentserver.runner import RunnerRefused, run_runner
@@ -815,14 +823,7 @@ def cmd_runner(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
-
-            async def signals() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
-                    async for _ in received:
-                        nursery.cancel_scope.cancel()
-                        return
-
-            nursery.start_soon(signals)
+            nursery.start_soon(_cancel_on_signal, nursery.cancel_scope)
             await run_runner(
                 host,
                 port,
@@ -866,14 +867,7 @@ def cmd_console(args: argparse.Namespace) -> int:
 
     async def console() -> int:
         async with trio.open_nursery() as nursery:
-
-            async def signals() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
-                    async for _ in received:
-                        nursery.cancel_scope.cancel()
-                        return
-
-            nursery.start_soon(signals)
+            nursery.start_soon(_cancel_on_signal, nursery.cancel_scope)
             status = await run_remote_console(
                 host, port, terminal, client=creds[0], token=creds[1], **tls
             )
