@@ -143,3 +143,18 @@ def test_store_file_is_owned_by_one_process_at_a_time(tmp_path):
     second = SqliteAgentStore.open(path)  # released on close
     second.close()
     second.close()  # idempotent
+
+
+def test_the_store_sql_names_statuses_only_through_their_declarations():
+    """Every status the store writes is declared in states.py; its SQL uses the constants
+    (a quoted literal in a query would drift from the tables and the docs)."""
+    from pathlib import Path
+
+    from agentserver.agents import sql
+    from agentserver.agents.states import STORE_STATUSES, MessageType
+
+    declared = [HeadStatus, InboxStatus, MessageType, *STORE_STATUSES.values()]
+    values = {str(v) for enum in declared for v in enum}
+    for path in sorted(Path(sql.__file__).parent.glob("*.py")):
+        text = path.read_text()
+        assert not [v for v in values if f"'{v}'" in text], path.name
