@@ -13,7 +13,14 @@ from typing import Any
 
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.sql import conversations
-from agentserver.agents.sql.common import HEAD_COLS, edge, inbox_move, insert_cards, tokens_of
+from agentserver.agents.sql.common import (
+    HEAD_COLS,
+    edge,
+    inbox_move,
+    insert_cards,
+    insert_copies,
+    tokens_of,
+)
 from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
 from agentserver.agents.states import (
     HeadEvent,
@@ -185,7 +192,7 @@ def lease_next(tx: Tx, env: StoreEnv, agent_id: str) -> bool:
             (output_box, agent_id, turn_id, "output", now),
         ],
     )
-    conversations.insert_copies(tx, context_box, turn_id, earlier)
+    insert_copies(tx, context_box, turn_id, earlier)
     insert_cards(tx, env, context_box, turn_id, [(task, task_tokens)])
     inbox_move(
         tx,
