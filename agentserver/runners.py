@@ -22,13 +22,15 @@ import collections
 import copy
 import logging
 import math
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 from lxml import etree
 
 from agentserver.agents.states import StepEvent, StepStatus, step_transition
+from agentserver.agents.step_log import MemoryStepLog, StepLog, StepRow
 from agentserver.agents.steps import StepPolicy, backoff, should_retry
 from agentserver.envelope import MESSAGE, encode, load_envelope_schema
 from agentserver.errors import DeliveryRefused, HuhReason, InputRefused, SystemErrorCode
@@ -48,8 +50,6 @@ FAILED = _C + "failed"
 CANCEL = _C + "cancel"
 #: A runner may not ask for more jobs at once than this (one ``<serve>``).
 MAX_RUNNER_CONCURRENCY = 1024
-#: Step-log rows kept in memory (oldest dropped).
-STEP_LOG_SIZE = 4096
 #: Outputs one job may forward before it ends (a runner cannot grow a job without bound).
 MAX_JOB_OUTPUTS = 64
 
@@ -91,18 +91,6 @@ class RunnerLink:
         return self.capacity.get(listener, 0) - self.busy[listener]
 
 
-@dataclass(frozen=True, slots=True)
-class StepRow:
-    """One line of the step log (also what ``on_step`` receives)."""
-
-    step: str
-    listener: str
-    caller: str
-    attempt: int
-    event: str  # step.dispatched | step.retried | step.succeeded | step.failed | ...
-    detail: str = ""
-
-
 class RunnerHub:
     """The remote listeners of one server and the runner connections that serve them."""
 
@@ -127,7 +115,9 @@ class RunnerHub:
         self._jobs: dict[str, Job] = {}
         #: Steps in progress: step id -> (caller, its cancel scope), for stop from outside.
         self._steps: dict[str, tuple[str, trio.CancelScope]] = {}
-        self.step_log: collections.deque[StepRow] = collections.deque(maxlen=STEP_LOG_SIZE)
+        #: Where step events are recorded: in memory until the server gives the hub its
+        #: agent store (app.py), durable from then on (agents/step_log.py).
+        self.step_log: StepLog = MemoryStepLog()
         self.counters = collections.Counter[str]()
 
     # -- connections -------------------------------------------------------------------
@@ -398,7 +388,12 @@ class RunnerHub:
         self._release(job)
 
     def _log(self, row: StepRow) -> None:
-        self.step_log.append(row)
+        row = replace(row, at=time.time())
+        try:
+            row = self.step_log.append(row)
+        except Exception:
+            # The log is a record, not a decision: losing a row must not fail the step.
+            log.exception("step log: could not record %s of step %s", row.event, row.step)
         if row.event == "step.retried":
             log.warning(
                 "step.retried step=%s listener=%s caller=%s attempt=%d reason=%s",

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from agentserver.agents import governance_store
+from agentserver.agents import governance_store, step_log
 from agentserver.agents.budget import card_tokens
 from agentserver.agents.clock import Clock, SystemClock
 from agentserver.agents.errors import StaleTurn, StoreError, StoreInUse
@@ -45,6 +45,7 @@ from agentserver.agents.states import (
     inbox_sources,
     inbox_transition,
 )
+from agentserver.agents.step_log import StepLogStoreMixin
 from agentserver.agents.store import (
     Card,
     CardType,
@@ -60,7 +61,7 @@ from agentserver.agents.store import (
     TurnToken,
 )
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -211,6 +212,8 @@ CREATE TABLE conversations (
 """,
     # Issue 14: governance. Policy decisions (rate windows) and approval requests.
     4: governance_store.MIGRATION,
+    # Issue 15: the step log of remote listeners (agents/step_log.py).
+    5: step_log.MIGRATION,
 }
 
 #: Card types the worker never shows the model (``worker._card_message`` returns None):
@@ -258,7 +261,7 @@ def _lock(path: Path) -> int:
     return fd
 
 
-class SqliteAgentStore(GovernanceStoreMixin):
+class SqliteAgentStore(GovernanceStoreMixin, StepLogStoreMixin):
     """SQLite-backed agent store. Create with :meth:`open`; close with :meth:`aclose`."""
 
     def __init__(self, conn: sqlite3.Connection, clock: Clock, settings: StoreSettings) -> None:
