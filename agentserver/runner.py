@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import trio
 from lxml import etree
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from agentserver.client import _connect, tls_context
 from agentserver.envelope import MESSAGE, encode
@@ -28,6 +31,7 @@ from agentserver.errors import AgentServerError, InputRefused
 from agentserver.framing import FrameDecoder, encode_frame, encode_frames
 from agentserver.listener import Handler, HandlerMetadata, HandlerResponse, to_element
 from agentserver.namespaces import CORE_NS
+from agentserver.observability.tracing import context_of, record_error
 from agentserver.threads import new_thread_id
 from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser
 
@@ -97,11 +101,17 @@ async def run_runner(
     key: str | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     connect_timeout: float = 10.0,
+    tracer_provider: Any | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Connect, say hello, announce ``<serve>``, then run jobs until the server closes
     the connection (returns) or the caller cancels. Raises :class:`RunnerRefused` if the
-    server refuses the hello or the ``<serve>``."""
+    server refuses the hello or the ``<serve>``.
+
+    Each job runs in a ``handle {listener}`` span continuing the trace of the job's
+    ``traceparent`` (docs/wire.md), recorded by ``tracer_provider`` (default:
+    OpenTelemetry's global provider; without an SDK configured, nothing is recorded)."""
+    tracer = trace.get_tracer("agentserver.runner", tracer_provider=tracer_provider)
     context = tls_context(tls, ca=ca, cert=cert, key=key)
     with trio.fail_after(connect_timeout):
         stream = await _connect(host, port, context, None)
@@ -126,18 +136,36 @@ async def run_runner(
                     await stream.send_all(encode_frames(batch))
 
         async def run_job(
-            job: str, sender: str, payload: etree._Element, scope: trio.CancelScope
+            job: str,
+            sender: str,
+            payload: etree._Element,
+            scope: trio.CancelScope,
+            traceparent: str | None,
         ) -> None:
             try:
                 with scope:
                     await send.send(encode(client, None, job, _core("started")))
                     meta = HandlerMetadata(job, sender, listener, False, "", None, ())
-                    try:
-                        result = await handler(payload, meta)
-                        bodies = result_frames(client, job, result)
-                    except Exception:
-                        log.exception("%s: handler failed on job %s", listener, job)
-                        bodies = [encode(client, None, job, _core("failed"))]
+                    with tracer.start_as_current_span(
+                        f"handle {listener}",
+                        context=context_of(traceparent),
+                        kind=SpanKind.CONSUMER,
+                        attributes={
+                            "agentserver.listener": listener,
+                            "agentserver.sender": sender,
+                            "agentserver.thread.id": job,
+                            "agentserver.runner": client,
+                        },
+                        record_exception=False,
+                        set_status_on_exception=False,
+                    ) as span:
+                        try:
+                            result = await handler(payload, meta)
+                            bodies = result_frames(client, job, result)
+                        except Exception as exc:
+                            log.exception("%s: handler failed on job %s", listener, job)
+                            record_error(span, type(exc).__name__)
+                            bodies = [encode(client, None, job, _core("failed"))]
                     for body in bodies:
                         await send.send(body)
             finally:
@@ -202,4 +230,4 @@ async def _read_jobs(
             root.remove(payload)
             # Registered now, so a <cancel> read before the job starts finds it.
             scope = jobs[thread] = trio.CancelScope()
-            nursery.start_soon(run_job, thread, sender, payload, scope)
+            nursery.start_soon(run_job, thread, sender, payload, scope, root.get("traceparent"))

@@ -32,13 +32,14 @@ from lxml import etree
 from agentserver.agents.states import StepEvent, StepStatus, step_transition
 from agentserver.agents.step_log import MemoryStepLog, StepLog, StepRow
 from agentserver.agents.steps import StepPolicy, backoff, should_retry
-from agentserver.envelope import MESSAGE, encode, load_envelope_schema
+from agentserver.envelope import MESSAGE, build_envelope, encode, load_envelope_schema
 from agentserver.errors import DeliveryRefused, HuhReason, InputRefused, SystemErrorCode
 from agentserver.listener import HandlerMetadata, HandlerResponse, HandlerResult
 from agentserver.namespaces import CORE_NS
+from agentserver.observability.tracing import current_traceparent
 from agentserver.primitives.core import huh
 from agentserver.threads import new_thread_id
-from agentserver.xmlsafe import SafeParser
+from agentserver.xmlsafe import SafeParser, canonicalize
 
 log = logging.getLogger("agentserver.runners")
 
@@ -344,6 +345,9 @@ class RunnerHub:
     ) -> tuple[StepStatus, bool, list[HandlerResponse]]:
         job: Job | None = None
         state = StepStatus.PENDING
+        # The pump's span of this delivery (the tool's ``handle`` span): the runner
+        # continues the trace from it.
+        traceparent = current_traceparent()
         try:
             with trio.move_on_after(policy.step_timeout):
                 link = await self._acquire(name)
@@ -351,7 +355,10 @@ class RunnerHub:
                 link.jobs[job.id] = job
                 link.busy[name] += 1
                 self._jobs[job.id] = job
-                body = encode(meta.from_id, name, job.id, copy.deepcopy(payload))
+                envelope = build_envelope(meta.from_id, name, job.id, copy.deepcopy(payload))
+                if traceparent is not None:
+                    envelope.set("traceparent", traceparent)
+                body = canonicalize(envelope)
                 self._log(StepRow(step, name, meta.from_id, 0, "step.dispatched", link.name))
                 if not link.push(body):
                     job.lost = True

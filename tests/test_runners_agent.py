@@ -177,3 +177,71 @@ async def test_killing_the_runner_holding_an_agents_tool_call_moves_it_once(tmp_
         stored = db.execute("SELECT event, attempt, caller FROM step_log ORDER BY seq").fetchall()
     assert [e for e, _, _ in stored] == events
     assert stored.count(("step.retried", 2, "assistant")) == 1
+
+
+async def test_a_remote_tool_call_and_its_runner_are_one_trace(tmp_path):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind
+    from runner_handlers import handle
+
+    from agentserver.observability import Tracing
+    from agentserver.runner import run_runner
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with trio.open_nursery() as nursery:
+        model = await SearchingModel(seconds=0).start(nursery)
+        xml = boot_xml(str(tmp_path / "agents.sqlite3"), model.base_url)
+        async with serving(xml, tracing=Tracing(provider)) as (port, _url, hub):
+            # The runner records with the same provider (in another process it would be
+            # its own, exporting to the same collector).
+            nursery.start_soon(
+                partial(
+                    run_runner,
+                    "127.0.0.1",
+                    port,
+                    client="search-runner",
+                    token=ENV["RT_RUNNER"],
+                    listener="search",
+                    handler=handle,
+                    tracer_provider=provider,
+                )
+            )
+            with trio.fail_after(10):
+                await hub.wait_runners("search", 1)
+            async with open_client("127.0.0.1", port, client="alice", token="alice-token") as c:
+                reply = await c.request(Task(text="find"), to="assistant", timeout=20)
+            assert reply.payload.findtext(f"{{{ASSISTANT}}}text").startswith("found by ")
+        nursery.cancel_scope.cancel()
+
+    spans = exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+
+    def parent(span):
+        return by_id[span.parent.span_id] if span.parent is not None else None
+
+    (runner_span,) = [s for s in spans if s.attributes.get("agentserver.runner")]
+    assert runner_span.name == "handle search" and runner_span.kind is SpanKind.CONSUMER
+    assert runner_span.attributes["agentserver.runner"] == "search-runner"
+    # runner handler -> the server's handle search -> execute_tool -> the Turn -> request
+    chain = [runner_span]
+    while parent(chain[-1]) is not None:
+        chain.append(parent(chain[-1]))
+    assert [s.name for s in chain] == [
+        "handle search",
+        "handle search",
+        "execute_tool search",
+        "invoke_agent assistant",
+        "handle assistant",
+    ]
+    assert chain[-1].kind is SpanKind.SERVER  # the client's request is the root
+    trace_id = chain[-1].context.trace_id
+    # What the runner sent back continues the same trace: the agent got it, and its Turn
+    # resumed and answered in it.
+    (answer,) = [s for s in spans if s.name == "handle assistant" and parent(s) is chain[1]]
+    assert answer.context.trace_id == trace_id
+    runs = [s for s in spans if s.name == "invoke_agent assistant"]
+    assert len(runs) == 2 and all(s.context.trace_id == trace_id for s in runs)
