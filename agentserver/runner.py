@@ -108,9 +108,10 @@ async def run_runner(
     the connection (returns) or the caller cancels. Raises :class:`RunnerRefused` if the
     server refuses the hello or the ``<serve>``.
 
-    Each job runs in a ``handle {listener}`` span continuing the trace of the job's
-    ``traceparent`` (docs/wire.md), recorded by ``tracer_provider`` (default:
-    OpenTelemetry's global provider; without an SDK configured, nothing is recorded)."""
+    A job that carries a ``traceparent`` (docs/wire.md) runs in a ``handle {listener}``
+    span continuing that trace, recorded by ``tracer_provider`` (default: OpenTelemetry's
+    global provider; without an SDK configured, nothing is recorded). With
+    ``tracer_provider`` given, jobs without one get a span too (a new trace)."""
     tracer = trace.get_tracer("agentserver.runner", tracer_provider=tracer_provider)
     context = tls_context(tls, ca=ca, cert=cert, key=key)
     with trio.fail_after(connect_timeout):
@@ -120,20 +121,42 @@ async def run_runner(
         await stream.send_all(
             hello_frame(client, token) + encode_frame(encode(client, None, new_thread_id(), serve))
         )
-        send, receive = trio.open_memory_channel[bytes](OUTGOING)
+        # (job, frame body, final?); a None body is the job's <started/>, encoded only if
+        # it is still worth sending when written.
+        send, receive = trio.open_memory_channel[tuple[str, bytes | None, bool]](OUTGOING)
         parser = SafeParser(max_message_bytes)
         jobs: dict[str, trio.CancelScope] = {}
+        traced = tracer_provider is not None
 
         async def writer() -> None:
             async with receive:
-                async for body in receive:
-                    batch = [body]
+                async for item in receive:
+                    batch = [item]
                     while len(batch) < 64:
                         try:
                             batch.append(receive.receive_nowait())
                         except trio.WouldBlock:
                             break
-                    await stream.send_all(encode_frames(batch))
+                    # A job whose last reply is in this write needs no <started/>: any
+                    # reply counts as started, and they reach the server together.
+                    ended = {job for job, _, final in batch if final}
+                    bodies = [
+                        body if body is not None else encode(client, None, job, _core("started"))
+                        for job, body, _ in batch
+                        if body is not None or job not in ended
+                    ]
+                    await stream.send_all(encode_frames(bodies))
+
+        async def call(
+            job: str, payload: etree._Element, meta: HandlerMetadata, span: Any
+        ) -> list[bytes]:
+            try:
+                return result_frames(client, job, await handler(payload, meta))
+            except Exception as exc:
+                log.exception("%s: handler failed on job %s", listener, job)
+                if span is not None:
+                    record_error(span, type(exc).__name__)
+                return [encode(client, None, job, _core("failed"))]
 
         async def run_job(
             job: str,
@@ -144,30 +167,33 @@ async def run_runner(
         ) -> None:
             try:
                 with scope:
-                    await send.send(encode(client, None, job, _core("started")))
+                    try:
+                        # Queued without a checkpoint, so a quick answer joins it in the
+                        # writer's batch (which then drops it).
+                        send.send_nowait((job, None, False))
+                    except trio.WouldBlock:
+                        await send.send((job, None, False))
                     meta = HandlerMetadata(job, sender, listener, False, "", None, ())
-                    with tracer.start_as_current_span(
-                        f"handle {listener}",
-                        context=context_of(traceparent),
-                        kind=SpanKind.CONSUMER,
-                        attributes={
-                            "agentserver.listener": listener,
-                            "agentserver.sender": sender,
-                            "agentserver.thread.id": job,
-                            "agentserver.runner": client,
-                        },
-                        record_exception=False,
-                        set_status_on_exception=False,
-                    ) as span:
-                        try:
-                            result = await handler(payload, meta)
-                            bodies = result_frames(client, job, result)
-                        except Exception as exc:
-                            log.exception("%s: handler failed on job %s", listener, job)
-                            record_error(span, type(exc).__name__)
-                            bodies = [encode(client, None, job, _core("failed"))]
-                    for body in bodies:
-                        await send.send(body)
+                    if traceparent is None and not traced:
+                        bodies = await call(job, payload, meta, None)
+                    else:
+                        with tracer.start_as_current_span(
+                            f"handle {listener}",
+                            context=context_of(traceparent),
+                            kind=SpanKind.CONSUMER,
+                            attributes={
+                                "agentserver.listener": listener,
+                                "agentserver.sender": sender,
+                                "agentserver.thread.id": job,
+                                "agentserver.runner": client,
+                            },
+                            record_exception=False,
+                            set_status_on_exception=False,
+                        ) as span:
+                            bodies = await call(job, payload, meta, span)
+                    last = len(bodies) - 1
+                    for i, body in enumerate(bodies):
+                        await send.send((job, body, i == last))
             finally:
                 jobs.pop(job, None)
 

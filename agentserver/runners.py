@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import trio
 from lxml import etree
@@ -74,6 +74,23 @@ class Job:
         self.state = StepStatus(step_transition(self.state, event).target)
 
 
+class _Stopped(Exception):
+    """A step was stopped from outside (:meth:`RunnerHub.cancel_caller`)."""
+
+
+@dataclass(slots=True)
+class _StepEntry:
+    """A step in progress: whose it is, and the scope of what it waits for now."""
+
+    caller: str
+    scope: trio.CancelScope | None = None
+    stopped: bool = False
+
+    def open_scope(self, deadline: float = math.inf) -> trio.CancelScope:
+        self.scope = trio.CancelScope(deadline=deadline)
+        return self.scope
+
+
 class RunnerLink:
     """One runner connection: what it serves and the jobs it holds. ``push`` queues a
     frame body for it without blocking (False: the connection is gone or full)."""
@@ -114,8 +131,8 @@ class RunnerHub:
         #: Woken (and replaced) whenever a listener may have gained a free runner slot.
         self._changed: dict[str, trio.Event] = {name: trio.Event() for name in policies}
         self._jobs: dict[str, Job] = {}
-        #: Steps in progress: step id -> (caller, its cancel scope), for stop from outside.
-        self._steps: dict[str, tuple[str, trio.CancelScope]] = {}
+        #: Steps in progress, for stop from outside.
+        self._steps: dict[str, _StepEntry] = {}
         #: Where step events are recorded: in memory until the server gives the hub its
         #: agent store (app.py), durable from then on (agents/step_log.py).
         self.step_log: StepLog = MemoryStepLog()
@@ -285,28 +302,28 @@ class RunnerHub:
         """Attempt until an answer, a final failure, or cancellation. Raises a
         :class:`~agentserver.errors.Refusal` for the caller on failure."""
         step = new_thread_id()
-        scope = trio.CancelScope()
-        self._steps[step] = (meta.from_id, scope)
+        entry = self._steps[step] = _StepEntry(meta.from_id)
         try:
-            with scope:
-                return await self._run_step(step, name, policy, payload, meta)
+            return await self._run_step(step, name, policy, payload, meta, entry)
+        except _Stopped:
+            self._log(StepRow(step, name, meta.from_id, 0, "step.cancelled", "stopped"))
+            # Reaches the caller's thread only if it still exists (a stopped Turn's tool
+            # call is over: the report is skipped as stale).
+            raise DeliveryRefused(
+                SystemErrorCode.TIMEOUT, retry_allowed=False, detail="cancelled"
+            ) from None
         finally:
             del self._steps[step]
-            if scope.cancelled_caught:
-                self._log(StepRow(step, name, meta.from_id, 0, "step.cancelled", "stopped"))
-                # Reaches the caller's thread only if it still exists (a stopped Turn's
-                # tool call is over: the report is skipped as stale).
-                raise DeliveryRefused(
-                    SystemErrorCode.TIMEOUT, retry_allowed=False, detail="cancelled"
-                )
 
     def cancel_caller(self, caller: str) -> int:
         """Cancel every step ``caller`` (e.g. a stopped agent) has in progress: their
         runners get ``<cancel>``, late results are ignored. Returns how many."""
-        scopes = [scope for who, scope in self._steps.values() if who == caller]
-        for scope in scopes:
-            scope.cancel()
-        return len(scopes)
+        entries = [entry for entry in self._steps.values() if entry.caller == caller]
+        for entry in entries:
+            entry.stopped = True
+            if entry.scope is not None:
+                entry.scope.cancel()
+        return len(entries)
 
     async def _run_step(
         self,
@@ -315,10 +332,13 @@ class RunnerHub:
         policy: StepPolicy,
         payload: etree._Element,
         meta: HandlerMetadata,
+        entry: _StepEntry,
     ) -> HandlerResult:
         retries = 0
         while True:
-            outcome, started, outputs = await self._attempt(name, policy, payload, meta, step)
+            outcome, started, outputs = await self._attempt(
+                name, policy, payload, meta, step, entry
+            )
             attempt = retries + 1
             if outcome is StepStatus.SUCCEEDED:
                 self._log(StepRow(step, name, meta.from_id, attempt, "step.succeeded"))
@@ -333,7 +353,10 @@ class RunnerHub:
             self.counters["retried"] += 1
             self._log(StepRow(step, name, meta.from_id, attempt + 1, "step.retried", detail))
             if outcome is StepStatus.TIMED_OUT or started:
-                await trio.sleep(backoff(retries))
+                with entry.open_scope():
+                    await trio.sleep(backoff(retries))
+                if entry.stopped:
+                    raise _Stopped
 
     async def _attempt(
         self,
@@ -342,14 +365,20 @@ class RunnerHub:
         payload: etree._Element,
         meta: HandlerMetadata,
         step: str,
+        entry: _StepEntry,
     ) -> tuple[StepStatus, bool, list[HandlerResponse]]:
+        if entry.stopped:
+            raise _Stopped
         job: Job | None = None
         state = StepStatus.PENDING
         # The pump's span of this delivery (the tool's ``handle`` span): the runner
         # continues the trace from it.
         traceparent = current_traceparent()
+        # One scope per attempt, for both its step-timeout and a stop from outside (a
+        # second scope per step cost as much as the rest of the hub's work on a job).
+        scope = entry.open_scope(trio.current_time() + policy.step_timeout)
         try:
-            with trio.move_on_after(policy.step_timeout):
+            with scope:
                 link = await self._acquire(name)
                 job = Job(new_thread_id(), name, link)
                 link.jobs[job.id] = job
@@ -364,6 +393,8 @@ class RunnerHub:
                     job.lost = True
                     job.done.set()
                 await job.done.wait()
+            if entry.stopped and scope.cancelled_caught:
+                raise _Stopped  # the job, if any, is cancelled below
             if job is None:
                 state = StepStatus(step_transition(state, StepEvent.TIME_OUT).target)
                 return state, False, []
@@ -379,7 +410,7 @@ class RunnerHub:
             self._cancel_remote(job)
             return job.state, started, []
         except BaseException:
-            # Cancelled from outside (stop, shutdown, the pump's backstop timeout).
+            # Stopped, or cancelled from outside (shutdown, the pump's backstop timeout).
             if job is not None and job.state not in (StepStatus.SUCCEEDED, StepStatus.FAILED):
                 if job.state is not StepStatus.TIMED_OUT:
                     job.move(StepEvent.CANCEL)
@@ -395,9 +426,9 @@ class RunnerHub:
         self._release(job)
 
     def _log(self, row: StepRow) -> None:
-        row = replace(row, at=time.time())
+        row.at = time.time()
         try:
-            row = self.step_log.append(row)
+            self.step_log.append(row)
         except Exception:
             # The log is a record, not a decision: losing a row must not fail the step.
             log.exception("step log: could not record %s of step %s", row.event, row.step)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 MIGRATION = """
@@ -42,10 +42,12 @@ MAX_ROWS = 1000
 _COLS = "seq, step_id, listener, caller, attempt, event, detail, at"
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: the log numbers a row in place (a dataclasses.replace per row cost more
+# than the rest of recording it).
+@dataclass(slots=True)
 class StepRow:
     """One step event. ``attempt`` is 1 for the first try (0 on ``step.dispatched`` and
-    ``step.cancelled``, which are not counted per attempt); ``seq`` is given by the log."""
+    ``step.cancelled``, which are not counted per attempt); ``seq`` is set by the log."""
 
     step: str
     listener: str
@@ -104,7 +106,7 @@ class MemoryStepLog:
 
     def append(self, row: StepRow) -> StepRow:
         self._seq += 1
-        row = replace(row, seq=self._seq)
+        row.seq = self._seq
         self._rows.append(row)
         return row
 
@@ -143,7 +145,7 @@ class StepLogStoreMixin:
         if self._step_seq is None:
             self._step_seq = self._db.execute("SELECT max(seq) FROM step_log").fetchone()[0] or 0
         self._step_seq += 1
-        row = replace(row, seq=self._step_seq)
+        row.seq = self._step_seq
         self._db.execute(
             f"INSERT INTO step_log ({_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
