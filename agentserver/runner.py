@@ -193,7 +193,10 @@ async def run_runner(
                             bodies = await call(job, payload, meta, span)
                     last = len(bodies) - 1
                     for i, body in enumerate(bodies):
-                        await send.send((job, body, i == last))
+                        try:
+                            send.send_nowait((job, body, i == last))
+                        except trio.WouldBlock:
+                            await send.send((job, body, i == last))
             finally:
                 jobs.pop(job, None)
 
