@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import trio
 from lxml import etree
 
-from agentserver.agents.states import StepEvent, StepStatus, step_transition
+from agentserver.agents.states import STEP_TRANSITIONS, StepEvent, StepStatus, step_transition
 from agentserver.agents.step_log import MemoryStepLog, StepLog, StepRow
 from agentserver.agents.steps import StepPolicy, backoff, should_retry
 from agentserver.envelope import MESSAGE, build_envelope, encode, load_envelope_schema
@@ -54,6 +54,10 @@ MAX_RUNNER_CONCURRENCY = 1024
 MAX_JOB_OUTPUTS = 64
 
 
+#: STEP_TRANSITIONS as (state, event) -> next state: one lookup per move on the job path.
+_NEXT = {key: StepStatus(t.target) for key, t in STEP_TRANSITIONS.items()}
+
+
 @dataclass(slots=True)
 class Job:
     """One attempt, as given to one runner link."""
@@ -70,7 +74,11 @@ class Job:
     failed: bool = False
 
     def move(self, event: StepEvent) -> None:
-        self.state = StepStatus(step_transition(self.state, event).target)
+        try:
+            self.state = _NEXT[self.state, event]
+        except KeyError:
+            step_transition(self.state, event)  # raises IllegalTransition
+            raise
 
 
 class _Stopped(Exception):
