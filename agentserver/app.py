@@ -194,6 +194,13 @@ async def run_server(
             )
             if agents is not None:
                 server.named_clients = agents.ports.clients
+                from agentserver.agents.step_log import StepLogStoreMixin, StoreStepLog
+
+                if server.runners is not None and isinstance(
+                    agents.runtime.store, StepLogStoreMixin
+                ):
+                    # Step events are durable rows in the embedded store from now on.
+                    server.runners.step_log = StoreStepLog(agents.runtime.store)
                 # An attached console shows the agents' streamed text (run --console).
                 on_events = ctx.services.get("on_agent_events")
                 if on_events is not None:
@@ -287,6 +294,7 @@ async def _start_http(
         events=agents.runtime.events if agents is not None else None,
         backends=(lambda: router.stats().as_dict()["backends"]) if router is not None else None,
         transports=lambda: {"socket": len(server._connections), **server.counters},
+        steps=server.runners.step_log if server.runners is not None else None,
         organism=topology.organism,
         version=package_version(),
     )

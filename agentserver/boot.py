@@ -54,6 +54,7 @@ from agentserver.topology import (
 )
 from agentserver.xmlsafe import make_parser
 from agentserver.xsdgen import model_root_tag, split_tag
+from agentserver.xsdpayload import read_schema, schema_model
 
 #: boot.xml files are small; refuse anything absurd before parsing it.
 MAX_BOOT_BYTES = 4 * 1024 * 1024
@@ -205,6 +206,9 @@ class _Loader:
         #: may-address is not a second error.
         self.broken: set[str] = set()
         self.remote_names: set[str] = set()
+        #: Payload schema files read so far, and the type of each (file, root) pair.
+        self.schema_docs: dict[str, etree._Element | ConfigurationError] = {}
+        self.schema_models: dict[tuple[str, str], type[BaseXmlModel]] = {}
 
     def error(self, line: int | None, message: str) -> None:
         self.problems.append(Problem(self.shown, line or 0, message))
@@ -638,6 +642,14 @@ class _Loader:
     def payload_model(self, el: etree._Element, listener: str) -> type[BaseXmlModel] | None:
         ref = el.get("type", "")
         line = el.sourceline
+        if el.get("schema") is not None or el.get("root") is not None:
+            return self.schema_payload(el, listener)
+        if not ref:
+            self.error(
+                line,
+                f'listener {listener!r}: <{etree.QName(el).localname}> needs type="..." or schema="..." root="{{ns}}name"',
+            )
+            return None
         if ":" in ref:
             try:
                 model = self.resolve(ref)
@@ -661,6 +673,44 @@ class _Loader:
         except ConfigurationError as exc:
             self.error(line, f"listener {listener!r}: payload type {ref!r}: {exc}")
             return None
+        return model
+
+    def schema_payload(self, el: etree._Element, listener: str) -> type[BaseXmlModel] | None:
+        """``<accepts schema="file.xsd" root="{ns}name"/>``: a payload type from an XSD
+        file (relative to boot.xml's directory), one type per (file, root)."""
+        line = el.sourceline
+        what = etree.QName(el).localname
+        file, root = el.get("schema"), el.get("root")
+        if el.get("type") is not None or not file or not root:
+            self.error(
+                line,
+                f'listener {listener!r}: <{what}> takes type="..." or both schema="..." and '
+                'root="{ns}name", not a mix',
+            )
+            return None
+        path = (self.path.parent / file).resolve()
+        key = (str(path), root)
+        if key in self.schema_models:
+            return self.schema_models[key]
+        try:
+            doc = self.schema_docs.get(str(path))
+            if doc is None:
+                try:
+                    doc = self.schema_docs[str(path)] = read_schema(path)
+                except ConfigurationError as exc:
+                    # Reported once per file, not once per root named in it.
+                    self.schema_docs[str(path)] = exc
+                    raise
+            elif isinstance(doc, ConfigurationError):
+                return None
+            model = schema_model(doc, root, file)
+            if split_tag(root)[0] == CORE_NS:
+                raise ConfigurationError("core primitives cannot be declared by a schema file")
+            PayloadType.from_model(model)
+        except ConfigurationError as exc:
+            self.error(line, f"listener {listener!r}: <{what} schema={file!r}>: {exc}")
+            return None
+        self.schema_models[key] = model
         return model
 
     def check_topology(self, specs: list[ListenerSpec]) -> None:
@@ -793,7 +843,7 @@ class _Loader:
                 )
             serves = tuple(dict.fromkeys((cel.get("serves") or "").split()))
             for target in serves:
-                if target not in self.remote_names:
+                if target not in self.remote_names and target not in self.broken:
                     self.error(
                         line, f"client {name!r}: serves {target!r}, which is not a remote listener"
                     )

@@ -820,6 +820,10 @@ def cmd_runner(args: argparse.Namespace) -> int:
     if tls is None:
         return EXIT_USAGE
     host, port = args.connect
+    from agentserver.observability.tracing import Tracing
+
+    # The same OTEL_* switches as the server's: each job's span joins the caller's trace.
+    tracing = Tracing.from_environ(os.environ)
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
@@ -832,6 +836,7 @@ def cmd_runner(args: argparse.Namespace) -> int:
                 listener=args.listener,
                 handler=handler,
                 concurrency=args.concurrency,
+                tracer_provider=tracing.provider,
                 **tls,
             )
             nursery.cancel_scope.cancel()
@@ -847,6 +852,8 @@ def cmd_runner(args: argparse.Namespace) -> int:
     except (ClientError, OSError, trio.TooSlowError) as exc:
         print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
         return EXIT_CONNECTION
+    finally:
+        tracing.shutdown()  # flush the spans of the last jobs
     return EXIT_OK
 
 

@@ -9,6 +9,7 @@ from pydantic_xml import BaseXmlModel
 
 from agentserver.errors import ConfigurationError
 from agentserver.xsdgen import derive_schema, merge_schemas, model_root_tag, split_tag
+from agentserver.xsdpayload import schema_doc_of
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -25,7 +26,10 @@ class PayloadType:
     @classmethod
     def from_model(cls, model: type[BaseXmlModel]) -> PayloadType:
         """Derive and compile the schema. Raises :class:`ConfigurationError` if it cannot."""
-        doc = derive_schema(model)
+        # A type declared by an XSD file brings its schema; a model's is derived.
+        doc = schema_doc_of(model)
+        if doc is None:
+            doc = derive_schema(model)
         try:
             compiled = etree.XMLSchema(doc)
         except etree.XMLSchemaParseError as exc:  # a bug in derivation, not user input

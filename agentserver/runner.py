@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import trio
 from lxml import etree
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from agentserver.client import _connect, tls_context
 from agentserver.envelope import MESSAGE, encode
@@ -28,6 +31,7 @@ from agentserver.errors import AgentServerError, InputRefused
 from agentserver.framing import FrameDecoder, encode_frame, encode_frames
 from agentserver.listener import Handler, HandlerMetadata, HandlerResponse, to_element
 from agentserver.namespaces import CORE_NS
+from agentserver.observability.tracing import context_of, record_error
 from agentserver.threads import new_thread_id
 from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser
 
@@ -97,11 +101,18 @@ async def run_runner(
     key: str | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     connect_timeout: float = 10.0,
+    tracer_provider: Any | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Connect, say hello, announce ``<serve>``, then run jobs until the server closes
     the connection (returns) or the caller cancels. Raises :class:`RunnerRefused` if the
-    server refuses the hello or the ``<serve>``."""
+    server refuses the hello or the ``<serve>``.
+
+    A job that carries a ``traceparent`` (docs/wire.md) runs in a ``handle {listener}``
+    span continuing that trace, recorded by ``tracer_provider`` (default: OpenTelemetry's
+    global provider; without an SDK configured, nothing is recorded). With
+    ``tracer_provider`` given, jobs without one get a span too (a new trace)."""
+    tracer = trace.get_tracer("agentserver.runner", tracer_provider=tracer_provider)
     context = tls_context(tls, ca=ca, cert=cert, key=key)
     with trio.fail_after(connect_timeout):
         stream = await _connect(host, port, context, None)
@@ -110,36 +121,82 @@ async def run_runner(
         await stream.send_all(
             hello_frame(client, token) + encode_frame(encode(client, None, new_thread_id(), serve))
         )
-        send, receive = trio.open_memory_channel[bytes](OUTGOING)
+        # (job, frame body, final?); a None body is the job's <started/>, encoded only if
+        # it is still worth sending when written.
+        send, receive = trio.open_memory_channel[tuple[str, bytes | None, bool]](OUTGOING)
         parser = SafeParser(max_message_bytes)
         jobs: dict[str, trio.CancelScope] = {}
+        traced = tracer_provider is not None
 
         async def writer() -> None:
             async with receive:
-                async for body in receive:
-                    batch = [body]
+                async for item in receive:
+                    batch = [item]
                     while len(batch) < 64:
                         try:
                             batch.append(receive.receive_nowait())
                         except trio.WouldBlock:
                             break
-                    await stream.send_all(encode_frames(batch))
+                    # A job whose last reply is in this write needs no <started/>: any
+                    # reply counts as started, and they reach the server together.
+                    ended = {job for job, _, final in batch if final}
+                    bodies = [
+                        body if body is not None else encode(client, None, job, _core("started"))
+                        for job, body, _ in batch
+                        if body is not None or job not in ended
+                    ]
+                    await stream.send_all(encode_frames(bodies))
+
+        async def call(
+            job: str, payload: etree._Element, meta: HandlerMetadata, span: Any
+        ) -> list[bytes]:
+            try:
+                return result_frames(client, job, await handler(payload, meta))
+            except Exception as exc:
+                log.exception("%s: handler failed on job %s", listener, job)
+                if span is not None:
+                    record_error(span, type(exc).__name__)
+                return [encode(client, None, job, _core("failed"))]
 
         async def run_job(
-            job: str, sender: str, payload: etree._Element, scope: trio.CancelScope
+            job: str,
+            sender: str,
+            payload: etree._Element,
+            scope: trio.CancelScope,
+            traceparent: str | None,
         ) -> None:
             try:
                 with scope:
-                    await send.send(encode(client, None, job, _core("started")))
-                    meta = HandlerMetadata(job, sender, listener, False, "", None, ())
                     try:
-                        result = await handler(payload, meta)
-                        bodies = result_frames(client, job, result)
-                    except Exception:
-                        log.exception("%s: handler failed on job %s", listener, job)
-                        bodies = [encode(client, None, job, _core("failed"))]
-                    for body in bodies:
-                        await send.send(body)
+                        # Queued without a checkpoint, so a quick answer joins it in the
+                        # writer's batch (which then drops it).
+                        send.send_nowait((job, None, False))
+                    except trio.WouldBlock:
+                        await send.send((job, None, False))
+                    meta = HandlerMetadata(job, sender, listener, False, "", None, ())
+                    if traceparent is None and not traced:
+                        bodies = await call(job, payload, meta, None)
+                    else:
+                        with tracer.start_as_current_span(
+                            f"handle {listener}",
+                            context=context_of(traceparent),
+                            kind=SpanKind.CONSUMER,
+                            attributes={
+                                "agentserver.listener": listener,
+                                "agentserver.sender": sender,
+                                "agentserver.thread.id": job,
+                                "agentserver.runner": client,
+                            },
+                            record_exception=False,
+                            set_status_on_exception=False,
+                        ) as span:
+                            bodies = await call(job, payload, meta, span)
+                    last = len(bodies) - 1
+                    for i, body in enumerate(bodies):
+                        try:
+                            send.send_nowait((job, body, i == last))
+                        except trio.WouldBlock:
+                            await send.send((job, body, i == last))
             finally:
                 jobs.pop(job, None)
 
@@ -202,4 +259,4 @@ async def _read_jobs(
             root.remove(payload)
             # Registered now, so a <cancel> read before the job starts finds it.
             scope = jobs[thread] = trio.CancelScope()
-            nursery.start_soon(run_job, thread, sender, payload, scope)
+            nursery.start_soon(run_job, thread, sender, payload, scope, root.get("traceparent"))

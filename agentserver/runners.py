@@ -19,24 +19,26 @@ connection's read loop); nothing here reads a socket.
 from __future__ import annotations
 
 import collections
-import copy
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
 from lxml import etree
 
-from agentserver.agents.states import StepEvent, StepStatus, step_transition
+from agentserver.agents.states import STEP_TRANSITIONS, StepEvent, StepStatus, step_transition
+from agentserver.agents.step_log import MemoryStepLog, StepLog, StepRow
 from agentserver.agents.steps import StepPolicy, backoff, should_retry
-from agentserver.envelope import MESSAGE, encode, load_envelope_schema
+from agentserver.envelope import MESSAGE, build_envelope, encode, load_envelope_schema
 from agentserver.errors import DeliveryRefused, HuhReason, InputRefused, SystemErrorCode
 from agentserver.listener import HandlerMetadata, HandlerResponse, HandlerResult
 from agentserver.namespaces import CORE_NS
+from agentserver.observability.tracing import current_traceparent
 from agentserver.primitives.core import huh
 from agentserver.threads import new_thread_id
-from agentserver.xmlsafe import SafeParser
+from agentserver.xmlsafe import SafeParser, canonicalize
 
 log = logging.getLogger("agentserver.runners")
 
@@ -48,10 +50,12 @@ FAILED = _C + "failed"
 CANCEL = _C + "cancel"
 #: A runner may not ask for more jobs at once than this (one ``<serve>``).
 MAX_RUNNER_CONCURRENCY = 1024
-#: Step-log rows kept in memory (oldest dropped).
-STEP_LOG_SIZE = 4096
 #: Outputs one job may forward before it ends (a runner cannot grow a job without bound).
 MAX_JOB_OUTPUTS = 64
+
+
+#: STEP_TRANSITIONS as (state, event) -> next state: one lookup per move on the job path.
+_NEXT = {key: StepStatus(t.target) for key, t in STEP_TRANSITIONS.items()}
 
 
 @dataclass(slots=True)
@@ -70,7 +74,28 @@ class Job:
     failed: bool = False
 
     def move(self, event: StepEvent) -> None:
-        self.state = StepStatus(step_transition(self.state, event).target)
+        try:
+            self.state = _NEXT[self.state, event]
+        except KeyError:
+            step_transition(self.state, event)  # raises IllegalTransition
+            raise
+
+
+class _Stopped(Exception):
+    """A step was stopped from outside (:meth:`RunnerHub.cancel_caller`)."""
+
+
+@dataclass(slots=True)
+class _StepEntry:
+    """A step in progress: whose it is, and the scope of what it waits for now."""
+
+    caller: str
+    scope: trio.CancelScope | None = None
+    stopped: bool = False
+
+    def open_scope(self, deadline: float = math.inf) -> trio.CancelScope:
+        self.scope = trio.CancelScope(deadline=deadline)
+        return self.scope
 
 
 class RunnerLink:
@@ -89,18 +114,6 @@ class RunnerLink:
 
     def free(self, listener: str) -> int:
         return self.capacity.get(listener, 0) - self.busy[listener]
-
-
-@dataclass(frozen=True, slots=True)
-class StepRow:
-    """One line of the step log (also what ``on_step`` receives)."""
-
-    step: str
-    listener: str
-    caller: str
-    attempt: int
-    event: str  # step.dispatched | step.retried | step.succeeded | step.failed | ...
-    detail: str = ""
 
 
 class RunnerHub:
@@ -125,9 +138,11 @@ class RunnerHub:
         #: Woken (and replaced) whenever a listener may have gained a free runner slot.
         self._changed: dict[str, trio.Event] = {name: trio.Event() for name in policies}
         self._jobs: dict[str, Job] = {}
-        #: Steps in progress: step id -> (caller, its cancel scope), for stop from outside.
-        self._steps: dict[str, tuple[str, trio.CancelScope]] = {}
-        self.step_log: collections.deque[StepRow] = collections.deque(maxlen=STEP_LOG_SIZE)
+        #: Steps in progress, for stop from outside.
+        self._steps: dict[str, _StepEntry] = {}
+        #: Where step events are recorded: in memory until the server gives the hub its
+        #: agent store (app.py), durable from then on (agents/step_log.py).
+        self.step_log: StepLog = MemoryStepLog()
         self.counters = collections.Counter[str]()
 
     # -- connections -------------------------------------------------------------------
@@ -294,28 +309,28 @@ class RunnerHub:
         """Attempt until an answer, a final failure, or cancellation. Raises a
         :class:`~agentserver.errors.Refusal` for the caller on failure."""
         step = new_thread_id()
-        scope = trio.CancelScope()
-        self._steps[step] = (meta.from_id, scope)
+        entry = self._steps[step] = _StepEntry(meta.from_id)
         try:
-            with scope:
-                return await self._run_step(step, name, policy, payload, meta)
+            return await self._run_step(step, name, policy, payload, meta, entry)
+        except _Stopped:
+            self._log(StepRow(step, name, meta.from_id, 0, "step.cancelled", "stopped"))
+            # Reaches the caller's thread only if it still exists (a stopped Turn's tool
+            # call is over: the report is skipped as stale).
+            raise DeliveryRefused(
+                SystemErrorCode.TIMEOUT, retry_allowed=False, detail="cancelled"
+            ) from None
         finally:
             del self._steps[step]
-            if scope.cancelled_caught:
-                self._log(StepRow(step, name, meta.from_id, 0, "step.cancelled", "stopped"))
-                # Reaches the caller's thread only if it still exists (a stopped Turn's
-                # tool call is over: the report is skipped as stale).
-                raise DeliveryRefused(
-                    SystemErrorCode.TIMEOUT, retry_allowed=False, detail="cancelled"
-                )
 
     def cancel_caller(self, caller: str) -> int:
         """Cancel every step ``caller`` (e.g. a stopped agent) has in progress: their
         runners get ``<cancel>``, late results are ignored. Returns how many."""
-        scopes = [scope for who, scope in self._steps.values() if who == caller]
-        for scope in scopes:
-            scope.cancel()
-        return len(scopes)
+        entries = [entry for entry in self._steps.values() if entry.caller == caller]
+        for entry in entries:
+            entry.stopped = True
+            if entry.scope is not None:
+                entry.scope.cancel()
+        return len(entries)
 
     async def _run_step(
         self,
@@ -324,10 +339,13 @@ class RunnerHub:
         policy: StepPolicy,
         payload: etree._Element,
         meta: HandlerMetadata,
+        entry: _StepEntry,
     ) -> HandlerResult:
         retries = 0
         while True:
-            outcome, started, outputs = await self._attempt(name, policy, payload, meta, step)
+            outcome, started, outputs = await self._attempt(
+                name, policy, payload, meta, step, entry
+            )
             attempt = retries + 1
             if outcome is StepStatus.SUCCEEDED:
                 self._log(StepRow(step, name, meta.from_id, attempt, "step.succeeded"))
@@ -342,7 +360,10 @@ class RunnerHub:
             self.counters["retried"] += 1
             self._log(StepRow(step, name, meta.from_id, attempt + 1, "step.retried", detail))
             if outcome is StepStatus.TIMED_OUT or started:
-                await trio.sleep(backoff(retries))
+                with entry.open_scope():
+                    await trio.sleep(backoff(retries))
+                if entry.stopped:
+                    raise _Stopped
 
     async def _attempt(
         self,
@@ -351,22 +372,38 @@ class RunnerHub:
         payload: etree._Element,
         meta: HandlerMetadata,
         step: str,
+        entry: _StepEntry,
     ) -> tuple[StepStatus, bool, list[HandlerResponse]]:
+        if entry.stopped:
+            raise _Stopped
         job: Job | None = None
         state = StepStatus.PENDING
+        # The pump's span of this delivery (the tool's ``handle`` span): the runner
+        # continues the trace from it.
+        traceparent = current_traceparent()
+        # One scope per attempt, for both its step-timeout and a stop from outside (a
+        # second scope per step cost as much as the rest of the hub's work on a job).
+        scope = entry.open_scope(trio.current_time() + policy.step_timeout)
         try:
-            with trio.move_on_after(policy.step_timeout):
+            with scope:
                 link = await self._acquire(name)
                 job = Job(new_thread_id(), name, link)
                 link.jobs[job.id] = job
                 link.busy[name] += 1
                 self._jobs[job.id] = job
-                body = encode(meta.from_id, name, job.id, copy.deepcopy(payload))
+                # __deepcopy__ directly: copy.deepcopy's generic dispatch costs as much again.
+                copied = payload.__deepcopy__(None)
+                envelope = build_envelope(meta.from_id, name, job.id, copied)
+                if traceparent is not None:
+                    envelope.set("traceparent", traceparent)
+                body = canonicalize(envelope)
                 self._log(StepRow(step, name, meta.from_id, 0, "step.dispatched", link.name))
                 if not link.push(body):
                     job.lost = True
                     job.done.set()
                 await job.done.wait()
+            if entry.stopped and scope.cancelled_caught:
+                raise _Stopped  # the job, if any, is cancelled below
             if job is None:
                 state = StepStatus(step_transition(state, StepEvent.TIME_OUT).target)
                 return state, False, []
@@ -382,7 +419,7 @@ class RunnerHub:
             self._cancel_remote(job)
             return job.state, started, []
         except BaseException:
-            # Cancelled from outside (stop, shutdown, the pump's backstop timeout).
+            # Stopped, or cancelled from outside (shutdown, the pump's backstop timeout).
             if job is not None and job.state not in (StepStatus.SUCCEEDED, StepStatus.FAILED):
                 if job.state is not StepStatus.TIMED_OUT:
                     job.move(StepEvent.CANCEL)
@@ -398,7 +435,12 @@ class RunnerHub:
         self._release(job)
 
     def _log(self, row: StepRow) -> None:
-        self.step_log.append(row)
+        row.at = time.time()
+        try:
+            self.step_log.append(row)
+        except Exception:
+            # The log is a record, not a decision: losing a row must not fail the step.
+            log.exception("step log: could not record %s of step %s", row.event, row.step)
         if row.event == "step.retried":
             log.warning(
                 "step.retried step=%s listener=%s caller=%s attempt=%d reason=%s",

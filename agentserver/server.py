@@ -416,6 +416,9 @@ class _Connection:
         if hub is not None and hub.is_runner(identity.name):
             assert identity.name is not None
             self.runner = hub.attach(identity.name, endpoint.name, endpoint.push)
+            # Jobs come in bursts (one per request read): the writer batches them into one
+            # write; the direct write would cost a send per job.
+            endpoint.sink = None
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._writer, nursery.cancel_scope)

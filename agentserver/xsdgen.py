@@ -93,15 +93,16 @@ def merge_schemas(schemas: list[etree._Element]) -> etree._Element:
         raise ValueError("nothing to merge")
     target = schemas[0].get("targetNamespace")
     merged = etree.Element(_XS + "schema", nsmap={"xs": XSD_NS}, attrib=dict(schemas[0].attrib))
-    seen: set[str] = set()
+    seen: set[tuple[str, str | None]] = set()
     for s in schemas:
         if s.get("targetNamespace") != target:
             raise ValueError("schemas of different namespaces cannot be merged")
         for decl in s:
-            name = decl.get("name")
-            if name in seen:
+            # By kind and name: a schema file may name a type and an element alike.
+            key = (decl.tag, decl.get("name"))
+            if key in seen:
                 continue
-            seen.add(name)
+            seen.add(key)
             merged.append(_copy(decl))
     return merged
 

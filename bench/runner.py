@@ -94,7 +94,7 @@ def cpu_seconds(pids: list[int]) -> float | None:
 
 async def load(
     port: int, depth: int, seconds: float, pids: list[int]
-) -> tuple[float, float | None]:
+) -> tuple[float, float | None, list[float | None]]:
     """Closed loop on one named connection with ``depth`` requests outstanding; returns
     checked replies per second over the window (after a warm-up), and the CPU
     microseconds per reply that processes ``pids`` spent in it (the servers' cost,
@@ -137,17 +137,24 @@ async def load(
         await trio.sleep(min(1.0, seconds / 3))  # warm-up
         counted["measuring"] = True
         cpu_start = cpu_seconds(pids)
+        each_start = [cpu_seconds([pid]) for pid in pids]
         began = time.perf_counter()
         await trio.sleep(seconds)
         counted["measuring"] = False
         elapsed = time.perf_counter() - began
         cpu_end = cpu_seconds(pids)
+        each_end = [cpu_seconds([pid]) for pid in pids]
         nursery.cancel_scope.cancel()
     n = counted["n"]
     if not n:
         raise RuntimeError("no reply in the window")
     cpu = None if cpu_start is None or cpu_end is None else (cpu_end - cpu_start) / n * 1e6
-    return n / elapsed, cpu
+    # Each process's share (the server's and, on the remote path, the runner's).
+    each = [
+        None if a is None or b is None else (b - a) / n * 1e6
+        for a, b in zip(each_start, each_end, strict=True)
+    ]
+    return n / elapsed, cpu, each
 
 
 def main() -> None:
@@ -189,6 +196,8 @@ def main() -> None:
         )
         rates: dict[str, list[float]] = {"in_process": [], "remote": []}
         cpus: dict[str, list[float]] = {"in_process": [], "remote": []}
+        #: The remote path's CPU per reply, by process (server, runner).
+        sides: dict[str, list[float]] = {"server": [], "runner": []}
         paths = (
             ("in_process", local_port, [local.pid]),
             ("remote", remote_port, [remote.pid, runner.pid]),
@@ -196,11 +205,15 @@ def main() -> None:
         try:
             for r in range(args.rounds):
                 for name, port, pids in paths:
-                    rate, cpu = trio.run(load, port, args.depth, args.seconds, pids)
+                    rate, cpu, each = trio.run(load, port, args.depth, args.seconds, pids)
                     rates[name].append(rate)
                     if cpu is not None:
                         cpus[name].append(cpu)
                     shown = f", {cpu:.0f} CPU us/reply" if cpu is not None else ""
+                    if name == "remote" and None not in each:
+                        sides["server"].append(each[0])
+                        sides["runner"].append(each[1])
+                        shown += f" (server {each[0]:.0f}, runner {each[1]:.0f})"
                     print(f"round {r + 1} {name}: {rate:.0f} replies/s{shown}", flush=True)
         finally:
             runner.terminate()
@@ -222,6 +235,12 @@ def main() -> None:
                 "ratio": round(ratio, 3),
                 "in_process_cpu_us": round(cpu["in_process"]) if cpu["in_process"] else None,
                 "remote_cpu_us": round(cpu["remote"]) if cpu["remote"] else None,
+                "remote_server_cpu_us": round(statistics.median(sides["server"]))
+                if sides["server"]
+                else None,
+                "remote_runner_cpu_us": round(statistics.median(sides["runner"]))
+                if sides["runner"]
+                else None,
                 # What the ratio would be with a core per process: CPU per reply only.
                 "cpu_ratio": round(cpu["in_process"] / cpu["remote"], 3)
                 if cpu["in_process"] and cpu["remote"]

@@ -304,3 +304,49 @@ async def test_a_runners_invalid_answer_comes_back_to_it_as_a_huh_job():
         assert reply.payload.findtext(f"{{{NS}}}text") == "fixed"
         assert seen == ["query", "huh"]
         nursery.cancel_scope.cancel()
+
+
+async def test_the_python_runner_sends_started_only_for_a_job_still_running():
+    """Against a listening socket playing the server: a job answered at once goes out as
+    its answer alone (any reply counts as started); a slow one says <started/> first."""
+    from agentserver.framing import FrameDecoder
+    from agentserver.xmlsafe import SafeParser
+
+    async def handler(payload, meta):
+        seconds = float(payload.findtext(f"{{{NS}}}seconds") or 0)
+        if seconds:
+            await trio.sleep(seconds)
+        return HandlerResponse.respond(Result(text="ok", runner="py"))
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    parser, decoder = SafeParser(), FrameDecoder(1 << 20)
+
+    async def frames(stream, n: int) -> list:
+        out = []
+        with trio.fail_after(5):
+            while len(out) < n:
+                decoder.feed(await stream.receive_some(65536))
+                out.extend(parser.parse(f) for f in decoder.frames())
+        return out
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(runner(port, handler=handler))
+        with trio.fail_after(5):
+            stream = await listeners[0].accept()
+        hello, serve = await frames(stream, 2)
+        assert hello[1].tag == f"{{{CORE_NS}}}hello" and serve[1].tag == f"{{{CORE_NS}}}serve"
+        tags = {}
+        for job, seconds in (("fast-job", 0.0), ("slow-job", 0.3)):
+            query = Query(text="q", seconds=seconds).to_xml_tree()
+            await stream.send_all(encode_frame(encode("alice", "search", job, query)))
+            got = await frames(stream, 2 if seconds else 1)
+            tags[job] = [(f[0][-1].text, etree.QName(f[1]).localname) for f in got]
+        assert tags == {
+            "fast-job": [("fast-job", "result")],
+            "slow-job": [("slow-job", "started"), ("slow-job", "result")],
+        }
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+    for listener in listeners:
+        await listener.aclose()

@@ -70,6 +70,8 @@ class HttpContext:
     backends: Callable[[], dict[str, dict[str, Any]]] | None = None
     #: ``() -> dict`` of the transports' figures (connections, counters) for /v1/status.
     transports: Callable[[], dict[str, Any]] = dict
+    #: The remote listeners' step log (agents/step_log.py; None: no remote listeners).
+    steps: Any = None
     organism: str = ""
     version: str = ""
     counters: dict[str, int] = field(
@@ -107,6 +109,7 @@ def build_app(ctx: HttpContext) -> Starlette:
             Route("/v1/agents/{name}/tasks/{thread}", api.task),
             Route("/v1/events", api.events),
             Route("/v1/status", api.status),
+            Route("/v1/steps", api.steps),
         ],
         exception_handlers={404: _not_found, 405: _not_allowed},
     )
@@ -453,6 +456,29 @@ class _Api:
             },
             "http": {**ctx.counters, **ctx.gateway.counters},
         }
+
+    async def steps(self, request: Request) -> Response:
+        """The remote listeners' step log, oldest first: ``?listener=``, ``?step=``,
+        ``?after=SEQ`` (page on from the last row's ``seq``), ``?limit=`` (1-1000)."""
+        identity = await self._identify(request)
+        if isinstance(identity, Response):
+            return identity
+        q = request.query_params
+        try:
+            after, limit = int(q.get("after", "0")), int(q.get("limit", "100"))
+        except ValueError:
+            return problem(400, "bad-request", "after and limit are integers.")
+        log_ = self.ctx.steps
+        listener = q.get("listener") or None
+        if log_ is None or (listener is not None and not self._may_see(identity, listener)):
+            return JSONResponse({"durable": False, "steps": []})
+        rows = log_.rows(step=q.get("step") or None, listener=listener, after=after, limit=limit)
+        return JSONResponse(
+            {
+                "durable": log_.durable,
+                "steps": [r.as_dict() for r in rows if self._may_see(identity, r.listener)],
+            }
+        )
 
     async def status(self, request: Request) -> Response:
         identity = await self._identify(request)

@@ -17,6 +17,8 @@ Spans (see docs/operations.md):
 - ``chat {model}`` (CLIENT): one model call through the LLM router.
 - ``execute_tool {listener}``: an agent's tool call being dispatched; the tool's own
   ``handle`` span is its child.
+- A remote listener's job carries its ``handle`` span as a ``traceparent`` attribute of
+  the job envelope (docs/wire.md); ``agentserver.runner`` continues it in the runner.
 """
 
 from __future__ import annotations
@@ -216,6 +218,22 @@ class Tracing:
             if self.capture_content:
                 span.set_attribute("gen_ai.output.messages", completion.content[:MAX_CONTENT_CHARS])
         span.end()
+
+
+def current_traceparent() -> str | None:
+    """The current span as a W3C ``traceparent`` value, for a message leaving the process
+    (a remote runner's job); None when there is no valid span (tracing off: one check)."""
+    if not trace.get_current_span().get_span_context().is_valid:
+        return None
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return carrier.get("traceparent")
+
+
+def context_of(traceparent: str | None) -> otel_context.Context:
+    """The context a span continuing ``traceparent`` starts in (a new trace if None or
+    malformed: the propagator ignores what does not parse)."""
+    return _PROPAGATOR.extract({"traceparent": traceparent}) if traceparent else _ROOT
 
 
 def record_error(span: Span, kind: str) -> None:

@@ -8,6 +8,7 @@ column types: ``INTEGER PRIMARY KEY AUTOINCREMENT`` becomes an identity column, 
 
 from __future__ import annotations
 
+from agentserver.agents import step_log
 from agentserver.agents.errors import StoreError
 from agentserver.agents.sql.db import POSTGRESQL, SQLITE, Tx
 
@@ -49,7 +50,7 @@ CREATE TABLE approvals (
 CREATE INDEX approvals_status ON approvals (status, deadline);
 """
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -200,6 +201,8 @@ CREATE TABLE conversations (
 """,
     # Issue 14: governance. Policy decisions (rate windows) and approval requests.
     4: _GOVERNANCE,
+    # Issue 15: the step log of remote listeners (agents/step_log.py).
+    5: step_log.MIGRATION,
 }
 
 

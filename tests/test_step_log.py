@@ -1,0 +1,142 @@
+"""The step log: durable rows in the agent store, or the last rows in memory."""
+
+from __future__ import annotations
+
+from agentserver.agents.sqlite_store import SqliteAgentStore
+from agentserver.agents.step_log import MemoryStepLog, StepRow, StoreStepLog
+
+
+def rows(n: int, listener: str = "search") -> list[StepRow]:
+    return [
+        StepRow(f"s{i // 2}", listener, "assistant", i % 2, "step.x", at=float(i)) for i in range(n)
+    ]
+
+
+def test_store_rows_survive_a_reopen_and_page_in_order(tmp_path):
+    path = tmp_path / "agents.sqlite3"
+    store = SqliteAgentStore.open(path)
+    log = StoreStepLog(store)
+    written = [log.append(r) for r in rows(5)]
+    assert [r.seq for r in written] == [1, 2, 3, 4, 5]
+    store.close()
+    store = SqliteAgentStore.open(path)
+    log = StoreStepLog(store)
+    assert [r.seq for r in log] == [1, 2, 3, 4, 5]
+    assert log.append(rows(1, "other")[0]).seq == 6  # numbering goes on after a restart
+    assert [r.seq for r in log.rows(after=2, limit=2)] == [3, 4]
+    assert [r.seq for r in log.rows(step="s1")] == [3, 4]
+    assert [r.listener for r in log.rows(listener="other")] == ["other"]
+    assert log.rows(after=2, limit=2)[0] == StepRow(
+        "s1", "search", "assistant", 0, "step.x", "", 2.0, 3
+    )
+    store.close()
+
+
+def test_memory_log_keeps_the_last_rows():
+    log = MemoryStepLog(size=3)
+    for r in rows(5):
+        log.append(r)
+    assert [r.seq for r in log] == [3, 4, 5]
+    assert [r.seq for r in log.rows(after=3)] == [4, 5]
+    assert [r.seq for r in log.rows(step="s2")] == [5]
+    assert not log.durable
+
+
+async def test_steps_over_http_without_an_agent_store_are_the_memory_log():
+    """GET /v1/steps on a server with no agents: the in-memory rows (durable false), only
+    for callers that may address the listener, paged with after=."""
+    from functools import partial
+
+    import httpx
+    import trio
+    from runner_handlers import Query, handle
+
+    from agentserver import boot
+    from agentserver.app import ServeOptions, run_server
+    from agentserver.builtins import RunContext
+    from agentserver.client import open_client
+    from agentserver.runner import run_runner
+
+    env = {"A": "alice-token", "B": "bob-token", "R": "runner-token"}
+    xml = b"""<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="steps">
+  <limits drain-timeout="1"/>
+  <clients>
+    <client name="alice" token-env="A"/>
+    <client name="bob" token-env="B" may-address="echo"/>
+    <client name="search-runner" token-env="R" serves="search"/>
+  </clients>
+  <http host="127.0.0.1" port="0"/>
+  <listeners>
+    <listener name="echo" handler="echo"/>
+    <listener name="search" remote="true" timeout="5">
+      <accepts type="runner_handlers:Query"/><responds type="runner_handlers:Result"/>
+    </listener>
+  </listeners>
+</organism>"""
+    topology = boot.load_bytes(xml, environ=env).topology
+    ctx = RunContext(topology)
+    shutdown = trio.Event()
+    ports: list[int] = []
+    urls: list[str] = []
+    ready = trio.Event()
+
+    def listening(addresses: list[str]) -> None:
+        ports.append(int(addresses[0].rsplit(":", 1)[1]))
+        ready.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            partial(
+                run_server,
+                topology,
+                ServeOptions(port=0),
+                ctx,
+                shutdown,
+                environ=env,
+                on_listening=listening,
+                on_http=urls.extend,
+            )
+        )
+        with trio.fail_after(10):
+            await ready.wait()
+        port, url, hub = ports[0], urls[0], ctx.services["runner_hub"]
+        nursery.start_soon(
+            partial(
+                run_runner,
+                "127.0.0.1",
+                port,
+                client="search-runner",
+                token="runner-token",
+                listener="search",
+                handler=handle,
+            )
+        )
+        with trio.fail_after(5):
+            await hub.wait_runners("search", 1)
+        async with open_client("127.0.0.1", port, client="alice", token="alice-token") as c:
+            for i in range(2):
+                await c.request(Query(text=f"q{i}"), to="search", timeout=5)
+        async with httpx.AsyncClient() as http:
+
+            async def steps(token: str, **params) -> dict:
+                got = await http.get(
+                    f"{url}/v1/steps", params=params, headers={"authorization": f"Bearer {token}"}
+                )
+                assert got.status_code == 200, got.text
+                return got.json()
+
+            alice = await steps("alice-token")
+            bob = await steps("bob-token")
+            page = await steps("alice-token", after=alice["steps"][1]["seq"], limit=1)
+            bad = await http.get(
+                f"{url}/v1/steps?after=x", headers={"authorization": "Bearer alice-token"}
+            )
+        shutdown.set()
+        nursery.cancel_scope.cancel()
+    assert alice["durable"] is False
+    events = [s["event"] for s in alice["steps"]]
+    assert events == ["step.dispatched", "step.succeeded"] * 2
+    assert {s["caller"] for s in alice["steps"]} == {"alice"}
+    assert bob == {"durable": False, "steps": []}  # bob may not address search
+    assert [s["seq"] for s in page["steps"]] == [alice["steps"][2]["seq"]]
+    assert bad.status_code == 400
