@@ -379,7 +379,8 @@ async def test_connection_refused_fails_over(nursery, autojump_clock):
     ) as r:
         out = await r.complete(req())
         errors = r.stats().backends["dead"].counters.errors
-    assert out.backend == "ok" and errors == {"TIMEOUT": 1}
+    assert out.backend == "ok" and errors == {"UNREACHABLE": 1}
+    assert trio.current_time() < 0.1  # at once: no backoff before failing over
 
 
 async def test_request_deadline_cuts_the_attempt_and_is_no_breaker_verdict(nursery, autojump_clock):
