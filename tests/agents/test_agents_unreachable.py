@@ -66,6 +66,23 @@ async def test_only_backend_unreachable_fails_the_turn_at_once(tmp_path, autojum
     assert (await h.rt.store.head("assistant")).status == "idle"
 
 
+async def test_every_turn_fails_at_once_while_the_backend_stays_down(tmp_path, autojump_clock):
+    # After three refused connections the breaker opens; the next Turns must not wait
+    # for its probe (30 s here) either.
+    h = make_harness(tmp_path, lambda req: "unused", profiles={"assistant": profile()})
+    async with router(dead_backend(await dead_port())) as r:
+        h.rt.worker.llm = RouterLLM(r)
+        for i in range(5):
+            await h.rt.enqueue("assistant", task(f"x{i}"), f"ref{i}")
+            await h.pump()
+    assert trio.current_time() < 0.5
+    assert [(ref, failed) for ref, _, failed, _ in h.replies.sent] == [
+        (f"ref{i}", True) for i in range(5)
+    ]
+    assert all("UNREACHABLE" in text for _, text, _, _ in h.replies.sent)
+    assert pending_retries(h) == []
+
+
 async def test_unreachable_backend_fails_over_to_a_healthy_one_at_once(
     nursery, tmp_path, autojump_clock
 ):
