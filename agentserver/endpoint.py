@@ -19,6 +19,8 @@ log = logging.getLogger("agentserver.endpoint")
 #: Default bound on the bytes waiting for one endpoint (see :class:`Endpoint`).
 DEFAULT_BUFFER_BYTES = 16 * 1024 * 1024
 
+_Channel = tuple[trio.MemorySendChannel[bytes], trio.MemoryReceiveChannel[bytes]]
+
 
 class Endpoint:
     """One external party. Messages it sends carry its name as ``<from>``, whatever they say.
@@ -44,7 +46,11 @@ class Endpoint:
         #: Listener names this endpoint may address; None means all.
         self.allowed = allowed
         self._pump = pump
-        self._out_send, self._out_recv = trio.open_memory_channel[bytes](buffer)
+        # The outgoing channel is made on first use: an HTTP message's endpoint (one per
+        # message) hands every reply to its sink and never needs one, and making a trio
+        # channel costs about a third of an echo delivery.
+        self._buffer = buffer
+        self._out: _Channel | None = None
         self._max_bytes = buffer_bytes
         #: Bytes of the messages waiting in the buffer.
         self.buffered_bytes = 0
@@ -75,10 +81,18 @@ class Endpoint:
             raise EndpointClosed(self.name)
         return self._pump.inject(data, self)
 
+    def _channel(self) -> _Channel:
+        out = self._out
+        if out is None:
+            out = self._out = trio.open_memory_channel[bytes](self._buffer)
+            if self.closed:  # closed before anything was buffered: drained already
+                out[0].close()
+        return out
+
     async def receive(self) -> bytes:
         """The next outbound envelope. Raises EndpointClosed once closed and drained."""
         try:
-            data = await self._out_recv.receive()
+            data = await self._channel()[1].receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise EndpointClosed(self.name) from None
         self.buffered_bytes -= len(data)
@@ -87,7 +101,7 @@ class Endpoint:
     def receive_nowait(self) -> bytes:
         """Like :meth:`receive`, raising ``trio.WouldBlock`` when nothing is waiting."""
         try:
-            data = self._out_recv.receive_nowait()
+            data = self._channel()[1].receive_nowait()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise EndpointClosed(self.name) from None
         self.buffered_bytes -= len(data)
@@ -120,7 +134,7 @@ class Endpoint:
         size = len(data)
         if self.buffered_bytes + size <= self._max_bytes or not self.buffered_bytes:
             try:
-                self._out_send.send_nowait(data)
+                self._channel()[0].send_nowait(data)
                 self.buffered_bytes += size
                 return True
             except trio.WouldBlock:
@@ -137,5 +151,6 @@ class Endpoint:
         if self.closed:
             return
         self.closed = True
-        self._out_send.close()
+        if self._out is not None:
+            self._out[0].close()
         self._pump._detach(self)

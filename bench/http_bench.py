@@ -72,7 +72,12 @@ def http_request(port: int) -> tuple[bytes, bytes]:
 
 
 async def http_load(
-    port: int, *, connections: int, seconds: float, server_pid: int | None
+    port: int,
+    *,
+    connections: int,
+    seconds: float,
+    server_pid: int | None,
+    client_cpu: list[float] | None = None,
 ) -> tuple[float, float | None]:
     """Closed loop over keep-alive connections, one request in flight each. Returns
     replies/s over the measured window and the server's CPU microseconds per reply."""
@@ -107,7 +112,9 @@ async def http_load(
                 if window["measuring"]:
                     counts[i] += 1
 
-    return await measure(one, counts, window, seconds=seconds, server_pid=server_pid)
+    return await measure(
+        one, counts, window, seconds=seconds, server_pid=server_pid, client_cpu=client_cpu
+    )
 
 
 # -- the bare Hypercorn server ---------------------------------------------------------
@@ -205,6 +212,9 @@ def run_benchmark(args: argparse.Namespace, scratch: pathlib.Path) -> None:
     )
     rates: dict[str, list[float]] = {"socket": [], "http": [], "bare_http": []}
     cpus: dict[str, list[float]] = {"socket": [], "http": [], "bare_http": []}
+    #: The load generator's own CPU per reply: were it near the server's, the client
+    #: would be what limits the rate.
+    client: dict[str, list[float]] = {"socket": [], "http": [], "bare_http": []}
     ratios: list[float] = []
     try:
         for r in range(args.rounds):
@@ -218,6 +228,7 @@ def run_benchmark(args: argparse.Namespace, scratch: pathlib.Path) -> None:
                     depth=1,
                     seconds=args.seconds,
                     server_pid=proc.pid,
+                    client_cpu=client["socket"],
                 )
             )
             http_rate, http_cpu = trio.run(
@@ -227,6 +238,7 @@ def run_benchmark(args: argparse.Namespace, scratch: pathlib.Path) -> None:
                     connections=args.connections,
                     seconds=args.seconds,
                     server_pid=proc.pid,
+                    client_cpu=client["http"],
                 )
             )
             bare_rate, bare_cpu = trio.run(
@@ -236,6 +248,7 @@ def run_benchmark(args: argparse.Namespace, scratch: pathlib.Path) -> None:
                     connections=args.connections,
                     seconds=args.seconds,
                     server_pid=bare.pid,
+                    client_cpu=client["bare_http"],
                 )
             )
             rates["socket"].append(socket_rate)
@@ -271,6 +284,27 @@ def run_benchmark(args: argparse.Namespace, scratch: pathlib.Path) -> None:
             "median server CPU per reply: "
             + ", ".join(f"{k[:-7]} {v:.0f} us" for k, v in cpu_figures.items())
         )
+    client_figures = {
+        f"{name}_client_cpu_us": round(statistics.median(values), 1)
+        for name, values in client.items()
+        if values
+    }
+    print(
+        "median load generator CPU per reply: "
+        + ", ".join(f"{k[:-14]} {v:.0f} us" for k, v in client_figures.items())
+    )
+    if {"socket_cpu_us", "http_cpu_us", "bare_http_cpu_us"} <= cpu_figures.keys():
+        # What the rates would be if the server's CPU were the only limit.
+        cpu_figures["cpu_ratio"] = round(
+            cpu_figures["socket_cpu_us"] / cpu_figures["http_cpu_us"], 3
+        )
+        cpu_figures["bare_cpu_ratio"] = round(
+            cpu_figures["socket_cpu_us"] / cpu_figures["bare_http_cpu_us"], 3
+        )
+        print(
+            f"server-CPU ratio http/socket: {cpu_figures['cpu_ratio']:.0%} "
+            f"(bare Hypercorn/socket: {cpu_figures['bare_cpu_ratio']:.0%})"
+        )
     print(f"median ratio http/socket: {ratio:.0%}   (target >= {TARGET:.0%})")
     print(
         json.dumps(
@@ -288,6 +322,7 @@ def run_benchmark(args: argparse.Namespace, scratch: pathlib.Path) -> None:
                     3,
                 ),
                 **cpu_figures,
+                **client_figures,
                 "ratio": round(ratio, 3),
                 "target": TARGET,
             }

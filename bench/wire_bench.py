@@ -126,6 +126,7 @@ async def load(
     seconds: float,
     ssl_context: ssl.SSLContext | None = None,
     server_pid: int | None = None,
+    client_cpu: list[float] | None = None,
 ) -> tuple[float, float | None]:
     """Closed loop: each connection keeps ``depth`` requests outstanding. Returns replies/s
     over the measured window (after a short warm-up), and the server's CPU microseconds
@@ -160,7 +161,9 @@ async def load(
                         counts[i] += got
                     await stream.send_all(frame * got)
 
-    return await measure(one, counts, window, seconds=seconds, server_pid=server_pid)
+    return await measure(
+        one, counts, window, seconds=seconds, server_pid=server_pid, client_cpu=client_cpu
+    )
 
 
 async def measure(
@@ -170,10 +173,12 @@ async def measure(
     *,
     seconds: float,
     server_pid: int | None,
+    client_cpu: list[float] | None = None,
 ) -> tuple[float, float | None]:
     """Run ``one(i, ready)`` for each of ``len(counts)`` connections, open the measured
     window (``window["measuring"]``) after a warm-up, and return replies/s over it and the
-    server's CPU microseconds per reply (None where /proc is missing)."""
+    server's CPU microseconds per reply (None where /proc is missing). ``client_cpu``, if
+    given, gets this load generator's own CPU microseconds per reply (is it the limit?)."""
     ready = trio.Event()
     async with trio.open_nursery() as nursery:
         for i in range(len(counts)):
@@ -183,13 +188,17 @@ async def measure(
         await trio.sleep(min(1.0, seconds / 3))  # warm-up
         window["measuring"] = True
         cpu_start = cpu_seconds(server_pid)
+        own_start = time.process_time()
         start = time.perf_counter()
         await trio.sleep(seconds)
         window["measuring"] = False
         elapsed = time.perf_counter() - start
+        own = time.process_time() - own_start
         cpu_end = cpu_seconds(server_pid)
         nursery.cancel_scope.cancel()
     replies = sum(counts)
+    if client_cpu is not None and replies:
+        client_cpu.append(own / replies * 1e6)
     cpu = None
     if cpu_start is not None and cpu_end is not None and replies:
         cpu = (cpu_end - cpu_start) / replies * 1e6

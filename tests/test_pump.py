@@ -782,6 +782,39 @@ async def test_slow_endpoint_is_closed_not_buffered_forever():
         assert pump.stats()["endpoints"] == 0
 
 
+async def test_endpoint_closed_keeps_what_it_buffered_and_then_ends():
+    # The outgoing channel is made lazily: an endpoint closed before anything was
+    # buffered ends at once; one closed with replies waiting still hands them out.
+    from agentserver.errors import EndpointClosed
+
+    async with open_pump([echo_listener()]) as pump:
+        idle = pump.open_endpoint()
+        idle.close()
+        with pytest.raises(EndpointClosed):
+            await idle.receive()
+        assert not idle.push(b"<late/>") and idle.dropped == 1
+
+        busy = pump.open_endpoint()
+        await busy.send(envelope_bytes(Ping(text="kept"), to="echo"))
+        await trio.testing.wait_all_tasks_blocked()
+        busy.close()
+        _, payload = await receive(busy)
+        assert payload.findtext("{urn:test:pump}text") == "kept"
+        with pytest.raises(EndpointClosed):
+            busy.receive_nowait()
+
+        waiting = pump.open_endpoint()
+        async with trio.open_nursery() as nursery:
+
+            async def reader() -> None:
+                with pytest.raises(EndpointClosed):
+                    await waiting.receive()
+
+            nursery.start_soon(reader)
+            await trio.testing.wait_all_tasks_blocked()
+            waiting.close()  # wakes the task waiting on the channel it made
+
+
 async def test_shutdown_drains_queued_work():
     async def slowish(p, meta):
         await trio.sleep(0.01)

@@ -22,6 +22,9 @@ RETRY_TABLE: Mapping[str, bool] = {
     "SERVER_ERROR": True,
     "TIMEOUT": True,
     "UNKNOWN": True,
+    # A backend that refuses connections is down, not busy: waiting 2+4+8 s would only
+    # delay the failed answer (the router has already failed over to any other backend).
+    "UNREACHABLE": False,
     "CONTEXT_OVERFLOW": False,  # handled by compaction, not by waiting
     "AUTH": False,
     "AUTH_PERMANENT": False,

@@ -48,6 +48,9 @@ class ErrorKind(StrEnum):
     OVERLOADED = "OVERLOADED"
     SERVER_ERROR = "SERVER_ERROR"
     TIMEOUT = "TIMEOUT"
+    #: No connection could be made (refused, DNS failure, network unreachable): the
+    #: backend is down or misconfigured, not slow. Not in seed 004: see DECISIONS.
+    UNREACHABLE = "UNREACHABLE"
     CONTEXT_OVERFLOW = "CONTEXT_OVERFLOW"
     UNKNOWN = "UNKNOWN"
     AUTH = "AUTH"
@@ -92,7 +95,13 @@ DECISIONS: Final[dict[ErrorKind, Decision]] = {
     ErrorKind.TIMEOUT: Decision(
         Action.FAILOVER,
         True,
-        "connection errors too; a slow backend is not retried within a request",
+        "a connection lost or cut mid-answer too; a slow backend is not retried within a request",
+    ),
+    ErrorKind.UNREACHABLE: Decision(
+        Action.FAILOVER,
+        True,
+        "no connection (refused, DNS failure, network unreachable): fail over at once; "
+        "an agent's step is not retried, so a Turn whose only backend is down fails at once",
     ),
     ErrorKind.CONTEXT_OVERFLOW: Decision(
         Action.FAILOVER,
@@ -131,6 +140,8 @@ class Rule:
     statuses: frozenset[int | None] = frozenset()
     patterns: tuple[str, ...] = ()
     transport: bool = False
+    #: A transport rule for failures to connect at all (nothing was sent).
+    connect: bool = False
 
 
 def _span(lo: int, hi: int, *extra: int | None) -> frozenset[int | None]:
@@ -140,6 +151,7 @@ def _span(lo: int, hi: int, *extra: int | None) -> frozenset[int | None]:
 _4XX_OR_NONE = _span(400, 499, None)
 
 RULES: Final[tuple[Rule, ...]] = (
+    Rule("connect", ErrorKind.UNREACHABLE, transport=True, connect=True),
     Rule("transport", ErrorKind.TIMEOUT, transport=True),
     # No bare "billing": OpenAI's ordinary RPM 429 links to the billing page.
     Rule(
@@ -226,16 +238,19 @@ def classify(
     *,
     code: str = "",
     transport: bool = False,
+    connect: bool = False,
 ) -> Classification:
     """Classify one failure. Total: never raises, always returns a kind.
 
     ``status`` is the HTTP status (``None`` for transport failures and for
     error events inside a stream), ``message`` the provider's error text,
     ``code`` its error type/code fields joined, ``transport`` whether the
-    failure was a connection, timeout or protocol error rather than an answer.
+    failure was a connection, timeout or protocol error rather than an answer, and
+    ``connect`` (with ``transport``) that no connection could be made at all.
     """
     if transport:
-        return Classification(ErrorKind.TIMEOUT, RULES[0].name)
+        rule = RULES[0] if connect else RULES[1]
+        return Classification(rule.kind, rule.name)
     text = f"{message} {code}".lower()
     for rule in RULES:
         if rule.transport:
@@ -313,6 +328,8 @@ def decision_table_markdown() -> str:
 
 
 def _statuses_text(rule: Rule) -> str:
+    if rule.connect:
+        return "(no connection)"
     if rule.transport:
         return "(no response)"
     if not rule.statuses:

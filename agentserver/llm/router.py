@@ -59,6 +59,7 @@ class _Runtime:
         "config",
         "cooling",
         "counters",
+        "down",
         "limiter",
         "name",
         "rank",
@@ -78,6 +79,9 @@ class _Runtime:
         self.cooling = Cooling()
         self.counters = Counters()
         self.active = 0
+        #: Its last attempt could not connect (UNREACHABLE): while its breaker is open,
+        #: a request fails at once instead of waiting for the probe (see Router._choose).
+        self.down = False
         now = trio.current_time() if _in_trio() else 0.0
         buckets: list[TokenBucket] = []
         self.req_index: int | None = None
@@ -386,6 +390,7 @@ class Router:
                 cut = isinstance(err, _DeadlineReached)
                 self._settle(lease, healthy=_verdict(err), reply=None)
                 rt.counters.error(err.kind)
+                rt.down = err.kind is ErrorKind.UNREACHABLE
                 failures.append(Attempt(rt.name, err.kind, err.status))
                 last = err
                 if cut or decision.action is Action.STOP:
@@ -470,6 +475,17 @@ class Router:
                     limited = cooling_at >= breaker_at
                     kind = ErrorKind.RATE_LIMIT if limited else ErrorKind.OVERLOADED
             assert kind is not None  # candidates is not empty
+            if all(r.runtime.down for r in candidates):
+                # Every backend refused the connection last time: waiting for a breaker's
+                # probe would only delay the failure (a backend that is down is not busy).
+                names = ", ".join(r.runtime.name for r in candidates)
+                raise LLMError(
+                    ErrorKind.UNREACHABLE,
+                    f"every backend for this model is unreachable ({names}); "
+                    "it is tried again when its breaker lets a probe through",
+                    retry_after=earliest - now if math.isfinite(earliest) else None,
+                    attempts=tuple(failures),
+                )
             if earliest > deadline and (not probing or now >= deadline):
                 wait = earliest - now if math.isfinite(earliest) else None
                 names = ", ".join(r.runtime.name for r in candidates)
@@ -632,6 +648,7 @@ class Router:
         attempts: int,
     ) -> Completion:
         self._settle(lease, healthy=True, reply=reply)
+        rt.down = False
         price = rt.config.price
         cost = price.cost(reply.usage) if price is not None else None
         rt.counters.success(reply.usage, cost)
@@ -733,6 +750,7 @@ class CompletionStream:
                 rt = self._lease.runtime
                 router._settle(self._lease, healthy=_verdict(err), reply=None)
                 rt.counters.error(err.kind)
+                rt.down = False  # it answered before failing
                 router._agent(self._request.agent).error(err.kind)
                 self._report(err)
                 await self._close_stream()

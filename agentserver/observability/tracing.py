@@ -165,14 +165,18 @@ class Tracing:
             yield trace.INVALID_SPAN
             return
         ctx = _PROPAGATOR.extract({"traceparent": traceparent}) if traceparent else _ROOT
+        attributes = {
+            "gen_ai.operation.name": "invoke_agent",
+            "gen_ai.agent.name": agent,
+            "gen_ai.agent.id": turn_id,
+        }
+        if conversation:
+            attributes["gen_ai.conversation.id"] = conversation
+        # Attributes given at the start: the SDK cleans them in one pass, where each
+        # set_attribute call takes the span's lock and cleans its value on its own.
         with self.tracer.start_as_current_span(
-            f"invoke_agent {agent}", context=ctx, kind=SpanKind.INTERNAL
+            f"invoke_agent {agent}", context=ctx, kind=SpanKind.INTERNAL, attributes=attributes
         ) as span:
-            span.set_attribute("gen_ai.operation.name", "invoke_agent")
-            span.set_attribute("gen_ai.agent.name", agent)
-            span.set_attribute("gen_ai.agent.id", turn_id)
-            if conversation:
-                span.set_attribute("gen_ai.conversation.id", conversation)
             yield span
 
     @contextlib.contextmanager
@@ -180,29 +184,27 @@ class Tracing:
         if not self.enabled:
             yield trace.INVALID_SPAN
             return
+        attributes = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": listener}
+        if self.capture_content and content is not None:
+            attributes["gen_ai.tool.call.arguments"] = content[:MAX_CONTENT_CHARS]
         with self.tracer.start_as_current_span(
-            f"execute_tool {listener}", kind=SpanKind.INTERNAL
+            f"execute_tool {listener}", kind=SpanKind.INTERNAL, attributes=attributes
         ) as span:
-            span.set_attribute("gen_ai.operation.name", "execute_tool")
-            span.set_attribute("gen_ai.tool.name", listener)
-            if self.capture_content and content is not None:
-                span.set_attribute("gen_ai.tool.call.arguments", content[:MAX_CONTENT_CHARS])
             yield span
 
     def start_chat(self, model: str, agent: str, messages: Any = None) -> Span:
         """A ``chat`` span, child of the current span; not made current (a stream's span
         outlives the frame that opened it). End it with :meth:`end_chat`."""
-        span = self.tracer.start_span(f"chat {model}", kind=SpanKind.CLIENT)
-        if span.is_recording():
-            span.set_attribute("gen_ai.operation.name", "chat")
-            span.set_attribute("gen_ai.request.model", model)
-            if agent:
-                span.set_attribute("gen_ai.agent.name", agent)
-            if self.capture_content and messages is not None:
-                span.set_attribute(
-                    "gen_ai.input.messages",
-                    "\n".join(f"{m.role}: {m.content}" for m in messages)[:MAX_CONTENT_CHARS],
-                )
+        attributes = {"gen_ai.operation.name": "chat", "gen_ai.request.model": model}
+        if agent:
+            attributes["gen_ai.agent.name"] = agent
+        span = self.tracer.start_span(f"chat {model}", kind=SpanKind.CLIENT, attributes=attributes)
+        # The prompt is formatted only for a span that records (a sampled-out one drops it).
+        if self.capture_content and messages is not None and span.is_recording():
+            span.set_attribute(
+                "gen_ai.input.messages",
+                "\n".join(f"{m.role}: {m.content}" for m in messages)[:MAX_CONTENT_CHARS],
+            )
         return span
 
     def end_chat(self, span: Span, completion: Any = None, provider: str | None = None) -> None:

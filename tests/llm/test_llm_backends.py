@@ -306,7 +306,7 @@ async def test_stream_error_status_is_classified(nursery, client):
     assert (info.value.kind, info.value.status) == (ErrorKind.AUTH, 401)
 
 
-async def test_connection_refused_is_timeout(client):
+async def test_connection_refused_is_unreachable(client):
     with trio.socket.socket() as sock:  # a port nobody listens on
         await sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -315,7 +315,28 @@ async def test_connection_refused_is_timeout(client):
     cfg = BackendConfig("x", Provider.OPENAI, f"http://127.0.0.1:{port}/v1", ("m",))
     with pytest.raises(LLMError) as info:
         await make_backend(cfg, client, None).complete(REQ, "m", 5)
-    assert info.value.kind is ErrorKind.TIMEOUT and "ConnectError" in info.value.provider_message
+    assert info.value.kind is ErrorKind.UNREACHABLE
+    assert "ConnectError" in info.value.provider_message
+
+
+async def test_connect_failures_are_unreachable_and_other_transport_failures_timeout(client):
+    # What httpx raises for a DNS failure and an unreachable network (no lookup here:
+    # tests never touch the network), for a connect timeout and a connection reset.
+    from agentserver.llm import BackendConfig, Provider
+
+    backend = make_backend(
+        BackendConfig("x", Provider.OPENAI, "http://127.0.0.1:9/v1", ("m",)), client, None
+    )
+    kinds = [
+        backend.transport_error(exc).kind
+        for exc in (
+            httpx.ConnectError("[Errno -2] Name or service not known"),
+            httpx.ConnectError("[Errno 101] Network is unreachable"),
+            httpx.ConnectTimeout("timed out"),
+            httpx.ReadError("[Errno 104] Connection reset by peer"),
+        )
+    ]
+    assert kinds == [ErrorKind.UNREACHABLE, ErrorKind.UNREACHABLE] + [ErrorKind.TIMEOUT] * 2
 
 
 def test_sse_decoder():

@@ -25,8 +25,17 @@ from agentserver.llm.classify import (
 
 # (rule expected to fire, status, message, code, transport, kind). One row per
 # classifier rule, written from real provider error bodies where there is one.
+# ``transport``: False (an answer), True (a failure after connecting), "connect".
 ROWS = [
-    ("transport", None, "ConnectError: [Errno 111] Connection refused", "", True, "TIMEOUT"),
+    (
+        "connect",
+        None,
+        "ConnectError: [Errno 111] Connection refused",
+        "",
+        "connect",
+        "UNREACHABLE",
+    ),
+    ("transport", None, "ReadTimeout: timed out", "", True, "TIMEOUT"),
     (
         "billing-message",
         429,
@@ -101,7 +110,9 @@ ROWS = [
     ("rule", "status", "message", "code", "transport", "kind"), ROWS, ids=[r[0] for r in ROWS]
 )
 def test_classifier_row(rule, status, message, code, transport, kind):
-    got = classify(status, message, code=code, transport=transport)
+    got = classify(
+        status, message, code=code, transport=bool(transport), connect=transport == "connect"
+    )
     assert (got.rule, got.kind) == (rule, ErrorKind(kind))
 
 
@@ -134,6 +145,13 @@ def test_traps(status, message, kind):
 
 def test_transport_wins_over_any_message():
     assert classify(429, "insufficient_quota", transport=True).kind is ErrorKind.TIMEOUT
+    got = classify(429, "insufficient_quota", transport=True, connect=True)
+    assert got.kind is ErrorKind.UNREACHABLE
+
+
+def test_connect_without_transport_is_an_answer():
+    # ``connect`` qualifies a transport failure; on its own the status decides.
+    assert classify(503, "", connect=True).kind is ErrorKind.OVERLOADED
 
 
 def test_decision_table_covers_every_kind_and_stops_where_the_issue_says():
@@ -142,6 +160,8 @@ def test_decision_table_covers_every_kind_and_stops_where_the_issue_says():
     assert stops == {ErrorKind.CONTENT_BLOCKED, ErrorKind.FORMAT_ERROR, ErrorKind.AUTH_PERMANENT}
     assert DECISIONS[ErrorKind.BILLING].action is Action.FAILOVER
     assert DECISIONS[ErrorKind.TIMEOUT].action is Action.FAILOVER
+    assert DECISIONS[ErrorKind.UNREACHABLE].action is Action.FAILOVER
+    assert DECISIONS[ErrorKind.UNREACHABLE].breaker
     assert DECISIONS[ErrorKind.RATE_LIMIT].action is Action.RETRY
 
 
@@ -161,9 +181,10 @@ def test_docs_show_the_code_tables():
     st.text(),
     st.text(),
     st.booleans(),
+    st.booleans(),
 )
-def test_classifier_is_total(status, message, code, transport):
-    got = classify(status, message, code=code, transport=transport)
+def test_classifier_is_total(status, message, code, transport, connect):
+    got = classify(status, message, code=code, transport=transport, connect=connect)
     assert got.kind in DECISIONS
 
 

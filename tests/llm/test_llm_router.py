@@ -379,7 +379,42 @@ async def test_connection_refused_fails_over(nursery, autojump_clock):
     ) as r:
         out = await r.complete(req())
         errors = r.stats().backends["dead"].counters.errors
-    assert out.backend == "ok" and errors == {"TIMEOUT": 1}
+    assert out.backend == "ok" and errors == {"UNREACHABLE": 1}
+    assert trio.current_time() < 0.1  # at once: no backoff before failing over
+
+
+async def test_unreachable_backend_with_open_breaker_fails_at_once(nursery, autojump_clock):
+    # Three refused connections open the breaker; then requests fail at once (no wait for
+    # the probe: a backend that is down is not busy), until the cool-down lets one probe.
+    with trio.socket.socket() as sock:
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dead = FakeServer("openai")
+    dead.port = port
+    async with router(backend_for(dead, "dead")) as r:
+        kinds = []
+        for _ in range(5):
+            with pytest.raises(LLMError) as info:
+                await r.complete(req())
+            kinds.append(info.value.kind)
+        assert trio.current_time() == 0
+        assert kinds == [ErrorKind.UNREACHABLE] * 5
+        assert r.stats().backends["dead"].counters.requests == 3  # two never left
+        assert "unreachable" in str(info.value) and info.value.retry_after == 30.0
+        await trio.sleep(30)
+        with pytest.raises(LLMError) as info:
+            await r.complete(req())
+        assert info.value.kind is ErrorKind.UNREACHABLE
+        assert r.stats().backends["dead"].counters.requests == 4  # the probe
+        assert trio.current_time() == 30
+
+
+async def test_a_rate_limited_backend_is_still_waited_for(nursery, autojump_clock):
+    # Not down, only cooling: the request waits for it within its deadline, as before.
+    fake = await start_fake(nursery, "openai", rate_limited("5"))
+    async with router(backend_for(fake, "a")) as r:
+        out = await r.complete(req("x"))
+    assert out.backend == "a" and trio.current_time() == pytest.approx(5.0)
 
 
 async def test_request_deadline_cuts_the_attempt_and_is_no_breaker_verdict(nursery, autojump_clock):

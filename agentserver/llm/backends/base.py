@@ -224,7 +224,10 @@ class Backend(ABC):
 
     def transport_error(self, exc: BaseException | str) -> LLMError:
         text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}".rstrip(": ")
-        kind = classify(None, text, transport=True).kind
+        # ConnectError: refused, DNS failure, network unreachable (a connect *timeout* is
+        # a ConnectTimeout, still TIMEOUT: a slow network is not a down backend).
+        connect = isinstance(exc, httpx.ConnectError)
+        kind = classify(None, text, transport=True, connect=connect).kind
         return LLMError(kind, text, backend=self.name)
 
     def malformed(self, message: str) -> LLMError:
