@@ -162,8 +162,9 @@ def test_the_store_sql_names_statuses_only_through_their_declarations():
 
 
 async def test_a_v4_file_with_a_turn_in_flight_opens_and_the_turn_goes_on(tmp_path):
-    """Files in the field are at schema v4 (the split store kept the schema): one with a
-    suspended Turn opens without migrating, and the Turn resumes and ends."""
+    """Files in the field are at schema v4 (the split store kept the schema): one opens,
+    is migrated to the current version (v5 adds the step log), and a Turn suspended in
+    it resumes and ends."""
     import sqlite3
 
     from agentserver.agents.sql.schema import ddl
@@ -189,7 +190,7 @@ async def test_a_v4_file_with_a_turn_in_flight_opens_and_the_turn_goes_on(tmp_pa
 
     store = SqliteAgentStore.open(path, clock=clock)
     versions = store._db.execute("SELECT version FROM schema_version").fetchall()
-    assert versions == [(1,), (2,), (3,), (4,)] and SCHEMA_VERSION == 4
+    assert versions == [(v,) for v in range(1, SCHEMA_VERSION + 1)] and SCHEMA_VERSION == 5
     await store.report_tool_result("a", "c1", b"3", failed=False)
     [report] = await store.claim_due("a", 5)
     resumed = (await store.apply_report(report)).resumed
