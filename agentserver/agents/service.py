@@ -172,7 +172,7 @@ async def start_agents(
     if not agent_names(topology):
         return None
     env = os.environ if environ is None else environ
-    settings = store_settings_from_element(topology.store, base_dir=Path.cwd())
+    settings = store_settings_from_element(topology.store, base_dir=Path.cwd(), environ=env)
     profiles = build_profiles(topology, pump, env)
     llm = await open_llm(topology, resources, env, tracing=tracing, metrics=metrics)
     window_of = getattr(llm, "context_window", None)
@@ -219,5 +219,5 @@ async def start_agents(
             await runtime.run(task_status=task_status)
 
     await nursery.start(run)
-    log.info("agents running: %s (store %s)", ", ".join(profiles), settings.path)
+    log.info("agents running: %s (store %s)", ", ".join(profiles), settings.where)
     return service
