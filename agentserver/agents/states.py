@@ -153,6 +153,52 @@ STEP_TRANSITIONS: Mapping[tuple[StepStatus, StepEvent], Transition] = {
 }
 
 
+class WaitingStatus(enum.StrEnum):
+    """A tool call of a suspended Turn (``turn_waiting_tools.status``)."""
+
+    WAITING = "waiting"  # sent, no result yet
+    RECEIVED = "received"  # its result was applied
+    TIMEOUT = "timeout"  # its timeout report was applied
+    CANCELLED = "cancelled"  # the Turn ended first
+
+
+class AfterExecution(enum.StrEnum):
+    """What a tool call's result does to its Turn (``turn_waiting_tools.after_execution``)."""
+
+    SUSPEND = "suspend"  # the Turn resumes when the waiting set is complete
+    TERMINATE = "terminate"  # the Turn ends with this tool's result
+    APPROVAL = "approval"  # waiting for a human decision (agents/approvals.py): no timeout
+
+
+class AgentStepStatus(enum.StrEnum):
+    """One model step of a Turn (``agent_steps.status``)."""
+
+    STARTED = "started"
+    COMPLETED = "completed"
+    RETRYING = "retrying"  # the model call failed; a durable retry wait follows
+
+
+class ReplyStatus(enum.StrEnum):
+    """A Turn's answer in the reply outbox (``agent_replies.status``)."""
+
+    PENDING = "pending"
+    SENT = "sent"
+    UNDELIVERABLE = "undeliverable"  # the delivery gave up
+
+
+class ApprovalStatus(enum.StrEnum):
+    """A request for a human decision on one tool call (``approvals.status``)."""
+
+    PENDING = "pending"
+    GRANTED = "granted"
+    DENIED = "denied"
+    TIMED_OUT = "timed_out"
+    FORWARDING = "forwarding"  # claimed for sending (committed before the send)
+    FORWARDED = "forwarded"
+    LOST = "lost"  # a crash between claim and send: reported, never resent
+    REFUSED = "refused"  # the pump refused the granted call
+
+
 def step_transition(state: StepStatus | str, event: StepEvent | str) -> Transition:
     """Return the transition for ``(state, event)`` or raise :class:`IllegalTransition`."""
     try:
@@ -175,6 +221,13 @@ def inbox_transition(state: InboxStatus | str, event: InboxEvent | str) -> Trans
         return INBOX_TRANSITIONS[(InboxStatus(state), InboxEvent(event))]
     except (KeyError, ValueError):
         raise IllegalTransition("inbox", str(state), str(event)) from None
+
+
+def head_event(event: HeadEvent) -> Transition:
+    """The one transition of ``event`` whatever its source (every head event has one
+    target and one epoch rule), so a compare-and-set needs no read before its UPDATE."""
+    (t,) = {t for (_, e), t in HEAD_TRANSITIONS.items() if e == event}
+    return t
 
 
 def head_sources(event: HeadEvent) -> tuple[str, ...]:

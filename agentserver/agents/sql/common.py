@@ -1,0 +1,175 @@
+"""Row shapes and the small writes every concern shares: inbox moves, edges, cards."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from agentserver.agents.budget import card_tokens
+from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
+from agentserver.agents.states import InboxEvent, inbox_sources, inbox_transition
+from agentserver.agents.store import Card, CardType, InboxRow, NewCard
+
+HEAD_COLS = (
+    "agent_id, status, active_agent_turn_id, turn_epoch, turn_inbox_id, context_box_id, "
+    "output_box_id, step_count, waiting_tool_count, resume_deadline, "
+    "dispatched_at, running_since, updated_at, context_tokens"
+)
+INBOX_COLS = (
+    "inbox_id, agent_id, message_type, status, agent_turn_id, turn_epoch, correlation_id, "
+    "payload, reply_ref, failed, retry_count, next_retry_at, defer_reason, created_at"
+)
+CARD_COLS = "card_id, box_id, card_type, content, metadata, created_at"
+
+#: Card types the worker never shows the model (``worker._card_message`` returns None):
+#: they cost no context tokens.
+UNSHOWN = frozenset({CardType.DELIVERABLE, CardType.TOOL_CALL, CardType.GUARD})
+
+
+def inbox_row(row: Sequence[Any]) -> InboxRow:
+    r = list(row)
+    r[7] = bytes(r[7])
+    r[9] = bool(r[9])
+    return InboxRow(*r)
+
+
+def card_row(r: Sequence[Any]) -> Card:
+    return Card(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5])
+
+
+def inbox_move(tx: Tx, env: StoreEnv, inbox_id: str, event: InboxEvent, **sets: Any) -> bool:
+    """Move one inbox row by ``event`` if it is in one of the event's source statuses."""
+    sources = inbox_sources(event)
+    target = inbox_transition(sources[0], event).target
+    cols = {"status": str(target), "updated_at": env.clock.now(), **sets}
+    assignments = ", ".join(f"{c} = ?" for c in cols)
+    tx.execute(
+        f"UPDATE agent_inbox SET {assignments} WHERE inbox_id = ? "
+        f"AND status IN ({marks(len(sources))})",
+        (*cols.values(), inbox_id, *sources),
+    )
+    return tx.rowcount == 1
+
+
+def edge(
+    tx: Tx,
+    env: StoreEnv,
+    agent_id: str,
+    turn_id: str | None,
+    primitive: str,
+    phase: str,
+    *,
+    correlation_id: str | None = None,
+    inbox_id: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> None:
+    tx.execute(
+        "INSERT INTO execution_edges (agent_id, agent_turn_id, primitive, edge_phase, "
+        "correlation_id, inbox_id, created_at, metadata) VALUES (?,?,?,?,?,?,?,?)",
+        (
+            agent_id,
+            turn_id,
+            primitive,
+            phase,
+            correlation_id,
+            inbox_id,
+            env.clock.now(),
+            json.dumps(metadata or {}),
+        ),
+    )
+
+
+def tokens_of(env: StoreEnv, agent_id: str, card: NewCard) -> int:
+    """A card's estimated cost as the model is shown it (pure: no database)."""
+    if card.card_type in UNSHOWN:
+        return 0
+    cap = env.tool_result_caps.get(agent_id) if card.card_type == CardType.TOOL_RESULT else None
+    return card_tokens(card.content, cap)
+
+
+def insert_cards(
+    tx: Tx,
+    env: StoreEnv,
+    box_id: str,
+    turn_id: str,
+    cards: Sequence[tuple[NewCard, int]],
+) -> list[str]:
+    """Insert ``(card, tokens)`` pairs into ``box_id`` in one statement; their ids.
+
+    The head's running token count is the caller's to move (in its compare-and-set)."""
+    if not cards:
+        return []
+    now = env.clock.now()
+    ids = [new_id() for _ in cards]
+    tx.executemany(
+        "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, metadata, "
+        "created_at, tokens) VALUES (?,?,?,?,?,?,?,?)",
+        [
+            (
+                card_id,
+                box_id,
+                turn_id,
+                card.card_type,
+                card.content,
+                json.dumps(dict(card.metadata)),
+                now,
+                tokens,
+            )
+            for card_id, (card, tokens) in zip(ids, cards, strict=True)
+        ],
+    )
+    return ids
+
+
+def copy_cards(
+    tx: Tx, box_id: str, turn_id: str | None, card_ids: Sequence[str]
+) -> tuple[int, int]:
+    """Copy cards (new ids, same content, in the order given) into ``box_id``; with
+    ``turn_id`` None a copy keeps its card's Turn. Returns (count, their tokens)."""
+    if not card_ids:
+        return 0, 0
+    rows = tx.all(
+        "SELECT card_id, agent_turn_id, card_type, content, metadata, created_at, tokens "
+        f"FROM cards WHERE card_id IN ({marks(len(card_ids))})",
+        tuple(card_ids),
+    )
+    by_id = {r[0]: r for r in rows}
+    found = [by_id[c] for c in card_ids if c in by_id]
+    return insert_copies(tx, box_id, turn_id, found)
+
+
+def box_cards_raw(tx: Tx, boxes: Sequence[str], skip_type: str) -> list[tuple[Any, ...]]:
+    """The cards of ``boxes`` but those of ``skip_type``, as rows for :func:`insert_copies`:
+    the first box's cards before the second's, each box in its own order."""
+    rows = tx.all(
+        "SELECT card_id, agent_turn_id, card_type, content, metadata, created_at, tokens, "
+        f"box_id, seq FROM cards WHERE box_id IN ({marks(len(boxes))}) AND card_type != ?",
+        (*boxes, skip_type),
+    )
+    order = {b: i for i, b in enumerate(boxes)}
+    rows.sort(key=lambda r: (order[r[7]], r[8]))
+    return rows
+
+
+def insert_copies(
+    tx: Tx, box_id: str, turn_id: str | None, rows: Sequence[Sequence[Any]]
+) -> tuple[int, int]:
+    if not rows:
+        return 0, 0
+    tx.executemany(
+        "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, metadata, "
+        "created_at, tokens) VALUES (?,?,?,?,?,?,?,?)",
+        [(new_id(), box_id, turn_id or r[1], r[2], r[3], r[4], r[5], r[6]) for r in rows],
+    )
+    return len(rows), sum(int(r[6]) for r in rows)
+
+
+def cards(tx: Tx, box_id: str) -> list[Card]:
+    rows = tx.all(f"SELECT {CARD_COLS} FROM cards WHERE box_id = ? ORDER BY seq", (box_id,))
+    return [card_row(r) for r in rows]
+
+
+def card(tx: Tx, card_id: str) -> Card | None:
+    r = tx.one(f"SELECT {CARD_COLS} FROM cards WHERE card_id = ?", (card_id,))
+    return card_row(r) if r else None

@@ -1,0 +1,55 @@
+"""The tiny database adapter every store function runs on, and what it needs besides.
+
+A backend supplies a :class:`Tx` for the span of one transaction (SQLite: the connection
+between ``BEGIN IMMEDIATE`` and ``COMMIT``; PostgreSQL: one pooled connection's
+transaction). SQL is written with ``?`` placeholders in the subset both engines accept;
+the PostgreSQL adapter rewrites them. Where a statement must differ, the function branches
+on :attr:`Tx.dialect` in one place (so far only the schema's DDL does).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agentserver.agents.clock import Clock
+from agentserver.agents.settings import StoreSettings
+
+SQLITE = "sqlite"
+POSTGRESQL = "postgresql"
+
+
+class Tx(Protocol):
+    """One open transaction. ``rowcount``: rows changed by the last ``execute``."""
+
+    dialect: str
+    rowcount: int
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any: ...
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
+    def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+        """The first row (all rows are fetched, so a ``RETURNING`` statement completes)."""
+        ...
+
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
+
+
+@dataclass(slots=True)
+class StoreEnv:
+    """What the store functions need besides the transaction (no module singletons)."""
+
+    clock: Clock
+    settings: StoreSettings
+    #: agent id → the most tokens one tool result is shown with (budget.tool_result_cap)
+    tool_result_caps: dict[str, int] = field(default_factory=dict)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def marks(n: int) -> str:
+    """``?,?,…`` for an ``IN (…)`` of ``n`` values."""
+    return ",".join("?" * n)

@@ -1,0 +1,174 @@
+"""The agent head: the one compare-and-set every head update goes through, and the lease.
+
+:func:`cas` is a single ``UPDATE … WHERE <expected> RETURNING <head>``: the expected
+statuses and the target come from the transition tables (``agents/states.py``), so no
+read precedes it, and the head it returns is passed down instead of read again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from agentserver.agents.errors import StaleTurn
+from agentserver.agents.sql import conversations
+from agentserver.agents.sql.common import HEAD_COLS, edge, inbox_move, insert_cards, tokens_of
+from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
+from agentserver.agents.states import (
+    HeadEvent,
+    HeadStatus,
+    InboxEvent,
+    InboxStatus,
+    head_event,
+    head_sources,
+)
+from agentserver.agents.store import CardType, Head, NewCard, TurnToken
+
+
+def cas(
+    tx: Tx,
+    env: StoreEnv,
+    agent_id: str,
+    turn_id: str | None,
+    epoch: int | None,
+    how: HeadEvent | HeadStatus,
+    *,
+    sets: Mapping[str, Any] | None = None,
+    exprs: Mapping[str, str] | None = None,
+    expr_params: Sequence[Any] = (),
+    where: str = "",
+    stale: str = "",
+) -> Head:
+    """Compare-and-set the head of ``agent_id``; returns the head as updated.
+
+    ``how``: a :class:`HeadEvent` (the status moves to its target, the epoch bumps if the
+    transition says so) or a :class:`HeadStatus` (a fence: the head must be in it and
+    stays). The head must hold ``turn_id`` at ``epoch`` (None: not checked, as for the
+    lease of an idle head). ``sets`` are ``column = value``; ``exprs`` and ``where`` are
+    fixed SQL fragments (``column = expr``, whose ``?`` take ``expr_params``; `` AND …``). Raises StaleTurn on a miss, and
+    then nothing was written.
+    """
+    cols: dict[str, Any] = {}
+    raw: list[str] = []
+    if isinstance(how, HeadEvent):
+        t = head_event(how)
+        sources: tuple[str, ...] = head_sources(how)
+        cols["status"] = str(t.target)
+        if t.bumps_epoch:
+            raw.append("turn_epoch = turn_epoch + 1")
+    else:
+        sources = (str(how),)
+    cols.update(sets or {})
+    cols["updated_at"] = env.clock.now()
+    raw += [f"{c} = {e}" for c, e in (exprs or {}).items()]
+    cond = "agent_id = ?"
+    params: list[Any] = [*cols.values(), *expr_params, agent_id]
+    if turn_id is not None:
+        cond += " AND active_agent_turn_id = ?"
+        params.append(turn_id)
+    if epoch is not None:
+        cond += " AND turn_epoch = ?"
+        params.append(epoch)
+    assignments = ", ".join([f"{c} = ?" for c in cols] + raw)
+    row = tx.one(
+        f"UPDATE agent_state_head SET {assignments} WHERE {cond} "
+        f"AND status IN ({marks(len(sources))}){where} RETURNING {HEAD_COLS}",
+        (*params, *sources),
+    )
+    if row is None:
+        raise StaleTurn(f"{agent_id}/{turn_id}@{epoch}: {stale or f'head not {how}'}")
+    return Head(*row)
+
+
+def fence(
+    tx: Tx,
+    env: StoreEnv,
+    token: TurnToken,
+    how: HeadEvent | HeadStatus = HeadStatus.RUNNING,
+    **kw: Any,
+) -> Head:
+    """:func:`cas` keyed by a Turn's token (every worker write)."""
+    return cas(tx, env, token.agent_id, token.agent_turn_id, token.turn_epoch, how, **kw)
+
+
+def idle_head(env: StoreEnv, agent_id: str) -> Head:
+    return Head(
+        agent_id, HeadStatus.IDLE, None, 0, None, None, None, 0, 0, None, None, None,
+        env.clock.now(), 0,
+    )  # fmt: skip
+
+
+def read(tx: Tx, env: StoreEnv, agent_id: str) -> Head:
+    row = tx.one(f"SELECT {HEAD_COLS} FROM agent_state_head WHERE agent_id = ?", (agent_id,))
+    return Head(*row) if row else idle_head(env, agent_id)
+
+
+def ensure(tx: Tx, env: StoreEnv, agent_id: str) -> None:
+    tx.execute(
+        "INSERT INTO agent_state_head (agent_id, status, updated_at) VALUES (?, ?, ?) "
+        "ON CONFLICT (agent_id) DO NOTHING",
+        (agent_id, HeadStatus.IDLE, env.clock.now()),
+    )
+
+
+def lease_next(tx: Tx, env: StoreEnv, agent_id: str) -> bool:
+    """L0 dispatch_next: lease the oldest queued Turn if the agent is idle.
+
+    Everything is read before the compare-and-set, so a busy head writes nothing."""
+    row = tx.one(
+        "SELECT inbox_id, payload, conversation FROM agent_inbox WHERE agent_id = ? "
+        "AND status = ? ORDER BY created_at, seq LIMIT 1",
+        (agent_id, InboxStatus.QUEUED),
+    )
+    if row is None:
+        return False
+    inbox_id, payload, conversation = row
+    earlier = conversations.earlier_cards(tx, agent_id, conversation) if conversation else []
+    task = NewCard(CardType.TASK_INPUT, bytes(payload).decode("utf-8", "replace"))
+    task_tokens = tokens_of(env, agent_id, task)
+    now = env.clock.now()
+    turn_id, context_box, output_box = new_id(), new_id(), new_id()
+    try:
+        head = cas(
+            tx,
+            env,
+            agent_id,
+            None,
+            None,
+            HeadEvent.LEASE,
+            sets={
+                "active_agent_turn_id": turn_id,
+                "turn_inbox_id": inbox_id,
+                "context_box_id": context_box,
+                "output_box_id": output_box,
+                "step_count": 0,
+                "waiting_tool_count": 0,
+                "resume_deadline": None,
+                "expecting_correlation_id": None,
+                "dispatched_at": now,
+                "running_since": None,
+                "context_tokens": sum(int(r[6]) for r in earlier) + task_tokens,
+            },
+        )
+    except StaleTurn:
+        return False  # busy: the row stays queued for the Turn's end
+    tx.executemany(
+        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) VALUES (?,?,?,?,?)",
+        [
+            (context_box, agent_id, turn_id, "context", now),
+            (output_box, agent_id, turn_id, "output", now),
+        ],
+    )
+    conversations.insert_copies(tx, context_box, turn_id, earlier)
+    insert_cards(tx, env, context_box, turn_id, [(task, task_tokens)])
+    inbox_move(
+        tx,
+        env,
+        inbox_id,
+        InboxEvent.DISPATCH,
+        agent_turn_id=turn_id,
+        turn_epoch=head.turn_epoch,
+        next_retry_at=now,
+    )
+    edge(tx, env, agent_id, turn_id, "lease", "request", inbox_id=inbox_id)
+    return True

@@ -1,0 +1,247 @@
+"""Tool waits: the suspend with its waiting set, applying reports, timeouts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from agentserver.agents.errors import StaleTurn
+from agentserver.agents.sql import head
+from agentserver.agents.sql.common import edge, inbox_move, insert_cards, tokens_of
+from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
+from agentserver.agents.sql.inbox import insert_report
+from agentserver.agents.sql.turns import append_cards, close_step
+from agentserver.agents.states import (
+    AfterExecution,
+    AgentStepStatus,
+    HeadEvent,
+    HeadStatus,
+    InboxEvent,
+    InboxStatus,
+    MessageType,
+    WaitingStatus,
+)
+from agentserver.agents.store import (
+    CardType,
+    InboxRow,
+    NewCard,
+    ReportOutcome,
+    ToolCallRecord,
+    TurnToken,
+)
+
+
+def suspend(
+    tx: Tx,
+    env: StoreEnv,
+    token: TurnToken,
+    step_id: str,
+    calls: Sequence[ToolCallRecord],
+    cards: Sequence[NewCard],
+    resume_deadline: float,
+) -> None:
+    """running → suspended with the waiting set ``calls`` (tool.call cards included).
+
+    Reports for these calls that arrived early (deferred) become due immediately."""
+    if not calls:
+        raise ValueError("suspend needs at least one tool call")
+    now = env.clock.now()
+    call_cards = [
+        NewCard(
+            CardType.TOOL_CALL,
+            call.payload,
+            {**call.metadata, "tool_call_id": call.tool_call_id, "to": call.to},
+        )
+        for call in calls
+    ]
+    ids, _ = append_cards(
+        tx,
+        env,
+        token,
+        [*cards, *call_cards],
+        HeadEvent.SUSPEND,
+        sets={
+            "waiting_tool_count": len(calls),
+            "resume_deadline": resume_deadline,
+            "expecting_correlation_id": None,
+        },
+    )
+    call_ids = [c.tool_call_id for c in calls]
+    tx.executemany(
+        "INSERT INTO turn_waiting_tools (tool_call_id, agent_id, agent_turn_id, "
+        "turn_epoch, step_id, to_listener, after_execution, status, created_at, "
+        "updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        [
+            (
+                call.tool_call_id,
+                token.agent_id,
+                token.agent_turn_id,
+                token.turn_epoch,
+                step_id,
+                call.to,
+                call.after_execution,
+                WaitingStatus.WAITING,
+                now,
+                now,
+            )
+            for call in calls
+        ],
+    )
+    tx.executemany(
+        "INSERT INTO execution_edges (agent_id, agent_turn_id, primitive, edge_phase, "
+        "correlation_id, inbox_id, created_at, metadata) VALUES (?,?,?,?,?,?,?,?)",
+        [
+            (
+                token.agent_id,
+                token.agent_turn_id,
+                "tool_call",
+                "request",
+                call.tool_call_id,
+                None,
+                now,
+                json.dumps({"to": call.to, "card_id": card_id}),
+            )
+            for call, card_id in zip(calls, ids[len(cards) :], strict=True)
+        ],
+    )
+    tx.execute(
+        "UPDATE agent_inbox SET next_retry_at = ?, agent_turn_id = ?, turn_epoch = ? "
+        f"WHERE correlation_id IN ({marks(len(call_ids))}) AND status = ?",
+        (now, token.agent_turn_id, token.turn_epoch, *call_ids, InboxStatus.DEFERRED),
+    )
+    close_step(tx, env, step_id, None, AgentStepStatus.COMPLETED, call_ids)
+
+
+def apply_report(tx: Tx, env: StoreEnv, row: InboxRow) -> ReportOutcome:
+    """Apply one claimed tool_result/timeout row to its waiting set (single winner).
+
+    Duplicates and late results are acknowledged (``skipped``) and change nothing. A
+    report with no waiting row yet is deferred with backoff until
+    ``settings.max_retries`` is exhausted, then marked ``error``."""
+    now = env.clock.now()
+    s = env.settings
+    waiting = tx.one(
+        "SELECT agent_turn_id, turn_epoch, status, to_listener, after_execution "
+        "FROM turn_waiting_tools WHERE tool_call_id = ? AND agent_id = ?",
+        (row.correlation_id, row.agent_id),
+    )
+    if waiting is None:
+        if row.retry_count >= s.max_retries:
+            inbox_move(
+                tx,
+                env,
+                row.inbox_id,
+                InboxEvent.FAIL,
+                defer_reason="retries exhausted: no such tool call",
+            )
+            return ReportOutcome("exhausted")
+        inbox_move(
+            tx,
+            env,
+            row.inbox_id,
+            InboxEvent.DEFER,
+            retry_count=row.retry_count + 1,
+            next_retry_at=now + s.retry_base_s * (2**row.retry_count),
+            defer_reason="awaiting suspend",
+        )
+        return ReportOutcome("deferred")
+    turn_id, epoch, wstatus, to, after = waiting
+    if wstatus != WaitingStatus.WAITING:
+        inbox_move(
+            tx, env, row.inbox_id, InboxEvent.SKIP, defer_reason=f"duplicate or late ({wstatus})"
+        )
+        return ReportOutcome("duplicate")
+    token = TurnToken(row.agent_id, turn_id, epoch)
+    is_timeout = row.message_type == MessageType.TIMEOUT
+    failed = row.failed or is_timeout
+    result = NewCard(
+        CardType.TOOL_RESULT,
+        bytes(row.payload).decode("utf-8", "replace"),
+        {
+            "tool_call_id": row.correlation_id,
+            "to": to,
+            "failed": failed,
+            "timeout": is_timeout,
+            "after_execution": after,
+        },
+    )
+    tokens = tokens_of(env, row.agent_id, result)
+    try:
+        h = head.fence(
+            tx,
+            env,
+            token,
+            HeadStatus.SUSPENDED,
+            exprs={
+                "waiting_tool_count": "waiting_tool_count - 1",
+                "context_tokens": "context_tokens + ?",
+            },
+            expr_params=(tokens,),
+            stale="suspended head moved",
+        )
+    except StaleTurn:
+        inbox_move(tx, env, row.inbox_id, InboxEvent.SKIP, defer_reason="stale turn")
+        return ReportOutcome("stale")
+    (card_id,) = insert_cards(tx, env, str(h.output_box_id), turn_id, [(result, tokens)])
+    tx.execute(
+        "UPDATE turn_waiting_tools SET status = ?, result_card_id = ?, updated_at = ? "
+        "WHERE tool_call_id = ? AND status = ?",
+        (
+            WaitingStatus.TIMEOUT if is_timeout else WaitingStatus.RECEIVED,
+            card_id,
+            now,
+            row.correlation_id,
+            WaitingStatus.WAITING,
+        ),
+    )
+    inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME)
+    if h.waiting_tool_count > 0:
+        return ReportOutcome("applied")
+    resumed = head.fence(
+        tx,
+        env,
+        token,
+        HeadEvent.RESUME,
+        sets={"waiting_tool_count": 0, "resume_deadline": None, "running_since": now},
+    )
+    term = tx.one(
+        "SELECT result_card_id FROM turn_waiting_tools WHERE agent_turn_id = ? "
+        "AND turn_epoch = ? AND status = ? AND after_execution = ? "
+        "ORDER BY created_at LIMIT 1",
+        (turn_id, epoch, WaitingStatus.RECEIVED, AfterExecution.TERMINATE),
+    )
+    edge(tx, env, row.agent_id, turn_id, "resume", "request")
+    return ReportOutcome(
+        "applied", TurnToken(row.agent_id, turn_id, resumed.turn_epoch), term[0] if term else None
+    )
+
+
+def inject_timeouts(tx: Tx, env: StoreEnv, token: TurnToken, reason: str) -> int:
+    """One timeout report per still-waiting tool; clears ``resume_deadline`` (once)."""
+    head.fence(
+        tx,
+        env,
+        token,
+        HeadStatus.SUSPENDED,
+        sets={"resume_deadline": None},
+        where=" AND resume_deadline IS NOT NULL",
+        stale="not suspended with a deadline",
+    )
+    waiting = tx.all(
+        "SELECT tool_call_id, to_listener FROM turn_waiting_tools WHERE agent_turn_id = ? "
+        "AND turn_epoch = ? AND status = ? AND after_execution != ?",
+        (token.agent_turn_id, token.turn_epoch, WaitingStatus.WAITING, AfterExecution.APPROVAL),
+    )
+    for tool_call_id, to in waiting:
+        text = f"No result from {to}: the tool call {reason}."
+        insert_report(
+            tx,
+            env,
+            new_id(),
+            token.agent_id,
+            MessageType.TIMEOUT,
+            tool_call_id,
+            text.encode(),
+            True,
+        )
+    return len(waiting)
