@@ -22,7 +22,7 @@ import contextlib
 import functools
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -51,26 +51,33 @@ def to_pg(sql: str) -> str:
 class PgTx:
     """One open transaction: the store's tiny SQL interface (``?`` placeholders)."""
 
-    __slots__ = ("conn",)
+    __slots__ = ("conn", "rowcount")
     dialect = "postgresql"
 
     def __init__(self, conn: psycopg.Connection) -> None:
         self.conn = conn
+        self.rowcount = 0
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        """Run one statement; returns the number of rows it changed."""
+        """Run one statement; returns (and keeps in ``rowcount``) the rows it changed."""
         cur = self.conn.execute(to_pg(sql), params, prepare=True)
+        self.rowcount = cur.rowcount
         return cur.rowcount
 
-    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         with self.conn.cursor() as cur:
-            cur.executemany(to_pg(sql), rows)
+            cur.executemany(to_pg(sql), list(rows))
+            self.rowcount = cur.rowcount
 
     def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
-        return self.conn.execute(to_pg(sql), params, prepare=True).fetchone()
+        """The first row; all are fetched, so a ``RETURNING`` statement completes."""
+        rows = self.all(sql, params)
+        return rows[0] if rows else None
 
     def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        return self.conn.execute(to_pg(sql), params, prepare=True).fetchall()
+        cur = self.conn.execute(to_pg(sql), params, prepare=True)
+        self.rowcount = cur.rowcount
+        return cur.fetchall() if cur.description is not None else []
 
 
 class _CommitLost(Exception):
@@ -96,6 +103,7 @@ class PgExecutor:
         connect_timeout_s: float = 10.0,
         retries: int = 5,
         application_name: str = "agentserver",
+        options: Mapping[str, str] | None = None,
     ) -> None:
         if pool_size < 1 or retries < 0:
             raise ValueError("pool_size must be >= 1 and retries >= 0")
@@ -113,6 +121,8 @@ class PgExecutor:
             # A process that dies mid-transaction must not hold its locks for long.
             f"-c idle_in_transaction_session_timeout={round(statement_timeout_s * 2000)}"
         )
+        for name, value in (options or {}).items():
+            settings += f" -c {name}={value}"  # names and values are ours (no spaces)
         self._pool = ConnectionPool(
             url,
             min_size=1,
@@ -130,20 +140,27 @@ class PgExecutor:
     @classmethod
     async def open(cls, url: str, **kwargs: Any) -> PgExecutor:
         """A started executor: its first connection is made (StoreError if it cannot be)."""
+        return await trio.to_thread.run_sync(functools.partial(cls.open_sync, url, **kwargs))
+
+    @classmethod
+    def open_sync(cls, url: str, **kwargs: Any) -> PgExecutor:
+        """:meth:`open`, blocking the calling thread (start-up paths that are sync)."""
         ex = cls(url, **kwargs)
         try:
-            await trio.to_thread.run_sync(
-                functools.partial(ex._pool.open, wait=True, timeout=ex.connect_timeout_s)
-            )
+            ex._pool.open(wait=True, timeout=ex.connect_timeout_s)
         except (PoolTimeout, psycopg.Error) as exc:
-            await trio.to_thread.run_sync(ex._pool.close)
+            ex._pool.close()
             raise StoreError(
                 f"cannot connect to the agent store {redact(url)}: {redact_text(exc, url)}"
             ) from None
         return ex
 
     async def aclose(self) -> None:
-        await trio.to_thread.run_sync(self._pool.close)
+        await trio.to_thread.run_sync(self.close)
+
+    def close(self) -> None:
+        """Close every connection (blocking). Idempotent."""
+        self._pool.close()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(tx, *args)`` in one transaction, in a worker thread; its result, or its
