@@ -16,7 +16,7 @@ run after the JSON line. ``amortized_step_ms`` is the run's wall time divided by
 steps of all agents and workers together: the inverse of the step throughput, not the
 latency of one step (steps run concurrently, so each takes longer than that).
 
-Usage: python bench/turns.py [--turns N] [--agents K] [--concurrency C]
+Usage: python bench/turns.py [--turns N] [--agents K] [--concurrency C] [--count-statements]
 The last line printed is one JSON object.
 """
 
@@ -86,7 +86,9 @@ def succeeded(reply: etree._Element) -> bool:
     )
 
 
-async def run(turns: int, agents: int, concurrency: int, path: Path) -> dict[str, float]:
+async def run(
+    turns: int, agents: int, concurrency: int, path: Path, count_statements: bool = False
+) -> dict[str, float]:
     names = [f"agent{i}" for i in range(agents)]
     models = [agent_models(i) for i in range(agents)]
     late = {n: LateHandler(n) for n in names}
@@ -116,6 +118,13 @@ async def run(turns: int, agents: int, concurrency: int, path: Path) -> dict[str
         settings = StoreSettings(path=path, worker_concurrency=concurrency)
         rt = AgentRuntime.open(settings, profiles, llm=llm, tools=ports, replies=ports)
         ports.attach(rt.store)
+        statements = [0]
+        if count_statements:
+            # Every SQL statement the store runs (BEGIN and COMMIT included).
+            def count(_sql: str) -> None:
+                statements[0] += 1
+
+            rt.store._db.set_trace_callback(count)  # type: ignore[attr-defined]
         for n in names:
             late[n].target = agent_handler(rt, pump, n)
         client = pump.open_endpoint("bench")
@@ -156,6 +165,7 @@ async def run(turns: int, agents: int, concurrency: int, path: Path) -> dict[str
         "turns_per_s": round(ok / elapsed, 1),
         "steps": llm.calls,
         "amortized_step_ms": round(elapsed * 1000 / llm.calls, 3),
+        "statements_per_turn": round(statements[0] / max(ok + failed, 1), 1),
     }
 
 
@@ -164,9 +174,21 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=2000)
     ap.add_argument("--agents", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument(
+        "--count-statements",
+        action="store_true",
+        help="count the SQL statements per Turn (a trace callback: slows the run a little)",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        out = trio.run(run, args.turns, args.agents, args.concurrency, Path(tmp) / "bench.sqlite3")
+        out = trio.run(
+            run,
+            args.turns,
+            args.agents,
+            args.concurrency,
+            Path(tmp) / "bench.sqlite3",
+            args.count_statements,
+        )
     print(
         f"{out['succeeded']} of {out['turns']} turns answered ({out['steps']} model steps) "
         f"over {out['agents']} agents in {out['seconds']} s, through the pump"
@@ -177,7 +199,10 @@ def main() -> None:
     )
     if out["failed"]:
         print(f"FAILED: {out['failed']} answers were not successful, e.g. {out['first_failure']}")
-    keys = ("turns_per_s", "amortized_step_ms", "succeeded", "failed")
+    keys = ["turns_per_s", "amortized_step_ms", "succeeded", "failed"]
+    if args.count_statements:
+        print(f"{out['statements_per_turn']} SQL statements per Turn")
+        keys.append("statements_per_turn")
     print(json.dumps({k: out[k] for k in keys}))
     if out["failed"]:
         raise SystemExit(1)

@@ -4,7 +4,8 @@ function inside one transaction.
 
 A backend supplies :meth:`SqlAgentStore._run` (run a function in one transaction and
 commit it, or roll it back and re-raise), :meth:`SqlAgentStore._read` (a read-only call;
-by default a transaction too) and :meth:`SqlAgentStore.aclose`. Its hooks:
+by default a transaction too), :meth:`SqlAgentStore._run1` (a one-statement write; by
+default a transaction too) and :meth:`SqlAgentStore.aclose`. Its hooks:
 :attr:`SqlAgentStore.claim_lock` (the row-lock clause of a claim, e.g. PostgreSQL's
 ``FOR UPDATE SKIP LOCKED``).
 """
@@ -80,6 +81,11 @@ class SqlAgentStore:
         """A call that writes nothing (the backend may skip the transaction)."""
         return await self._run(fn, *args)
 
+    async def _run1(self, fn: Callable[..., T], *args: Any) -> T:
+        """A call that runs exactly one statement, so it is atomic by itself (the backend
+        may run it in autocommit, saving the ``BEGIN``/``COMMIT`` round trips)."""
+        return await self._run(fn, *args)
+
     async def aclose(self) -> None:
         raise NotImplementedError
 
@@ -102,7 +108,7 @@ class SqlAgentStore:
         return await self._read(inbox.due_agents, limit)
 
     async def claim_due(self, agent_id: str, limit: int) -> list[InboxRow]:
-        return await self._run(inbox.claim_due, agent_id, limit, self.claim_lock)
+        return await self._run1(inbox.claim_due, agent_id, limit, self.claim_lock)
 
     async def head(self, agent_id: str) -> Head:
         return await self._read(head.read, agent_id)
@@ -111,7 +117,7 @@ class SqlAgentStore:
         return await self._run(turns.start_turn, row)
 
     async def skip_row(self, row: InboxRow, reason: str) -> None:
-        await self._run(turns.skip_row, row, reason)
+        await self._run1(turns.skip_row, row, reason)
 
     async def fail_turn_row(
         self, row: InboxRow, reason: str, reply_payload: bytes | None
@@ -163,7 +169,7 @@ class SqlAgentStore:
 
     async def add_context_tokens(self, token: TurnToken, delta: int) -> None:
         if delta > 0:
-            await self._run(turns.add_context_tokens, token, delta)
+            await self._run1(turns.add_context_tokens, token, delta)
 
     async def retry_step(
         self,
@@ -220,7 +226,7 @@ class SqlAgentStore:
 
     # -- watchdog ---------------------------------------------------------------------------
     async def requeue_stuck(self, older_than_s: float) -> int:
-        return await self._run(inbox.requeue_stuck, older_than_s)
+        return await self._run1(inbox.requeue_stuck, older_than_s)
 
     async def expired_suspensions(self) -> list[TurnToken]:
         return await self._read(watchdog.expired_suspensions)
@@ -245,10 +251,10 @@ class SqlAgentStore:
         return await self._read(replies.pending_replies, limit, older_than_s)
 
     async def mark_reply_sent(self, agent_turn_id: str) -> None:
-        await self._run(replies.mark_reply_sent, agent_turn_id)
+        await self._run1(replies.mark_reply_sent, agent_turn_id)
 
     async def mark_reply_attempt(self, agent_turn_id: str, give_up: bool) -> None:
-        await self._run(replies.mark_reply_attempt, agent_turn_id, give_up)
+        await self._run1(replies.mark_reply_attempt, agent_turn_id, give_up)
 
     async def record_client_reply(
         self,
@@ -271,7 +277,7 @@ class SqlAgentStore:
     async def ack_client_replies(self, client: str, reply_ids: Sequence[int]) -> int:
         if not reply_ids:
             return 0
-        return await self._run(replies.ack_client_replies, client, list(reply_ids))
+        return await self._run1(replies.ack_client_replies, client, list(reply_ids))
 
     async def turn_of_thread(self, agent_id: str, caller_thread: str) -> str | None:
         return await self._read(replies.turn_of_thread, agent_id, caller_thread)
@@ -332,11 +338,11 @@ class SqlAgentStore:
         return await self._read(governance.approval_status, request_id)
 
     async def mark_approval_sent(self, request_id: str) -> None:
-        await self._run(governance.mark_approval_sent, request_id)
+        await self._run1(governance.mark_approval_sent, request_id)
 
     async def unsend_approvals(self, approvers: Sequence[str]) -> None:
         if approvers:
-            await self._run(governance.unsend_approvals, list(approvers))
+            await self._run1(governance.unsend_approvals, list(approvers))
 
     async def decide_approval(
         self, request_id: str, grant: bool, reason: str, by: str | None

@@ -142,6 +142,10 @@ class SqliteAgentStore(SqlAgentStore):
         # Inline on the trio thread: no await inside, so transactions never interleave.
         return self._transact(fn, *args)
 
+    async def _run1(self, fn: Callable[..., T], *args: Any) -> T:
+        # One statement in autocommit is its own transaction (same lock, same busy wait).
+        return fn(self._tx, self.env, *args)
+
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
         # A single reader statement needs no BEGIN (autocommit reads one snapshot each).
         return fn(self._tx, self.env, *args)

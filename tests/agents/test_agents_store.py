@@ -1,4 +1,5 @@
-"""Store-level properties: migrations, client replies, CAS fencing, random sequences."""
+"""Store-level properties of the SQLite backend and the state machines: migrations, the
+file lock, random sequences. The backend-neutral contract is test_store_contract.py."""
 
 import trio
 from agents_fakes import make_harness, result, task
@@ -6,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentserver.agents.clock import ManualClock
-from agentserver.agents.errors import IllegalTransition, StaleTurn
+from agentserver.agents.errors import IllegalTransition
 from agentserver.agents.sqlite_store import SCHEMA_VERSION, SqliteAgentStore
 from agentserver.agents.states import (
     HEAD_TRANSITIONS,
@@ -18,7 +19,6 @@ from agentserver.agents.states import (
     head_transition,
     inbox_transition,
 )
-from agentserver.agents.store import NewCard, TurnToken
 
 
 def test_store_is_created_in_wal_and_reopened_without_migrating_twice(tmp_path):
@@ -29,43 +29,6 @@ def test_store_is_created_in_wal_and_reopened_without_migrating_twice(tmp_path):
     versions = s._db.execute("SELECT version FROM schema_version ORDER BY version").fetchall()
     assert versions == [(v,) for v in range(1, SCHEMA_VERSION + 1)]
     s.close()
-
-
-async def test_client_replies_are_bounded_and_kept_until_received(tmp_path):
-    h = make_harness(tmp_path, lambda r: "x", client_replies_max=3)
-    store = h.rt.store
-    for i in range(5):
-        await store.record_client_reply("alice", {"t": i}, b"<a/>", failed=False)
-    got = await store.pending_client_replies("alice")
-    assert [r.thread_ref_json for r in got] == ['{"t": 2}', '{"t": 3}', '{"t": 4}']
-    # kept until received, then gone
-    assert await store.pending_client_replies("alice") == got
-    assert await store.ack_client_replies("alice", [r.reply_id for r in got[:2]]) == 2
-    assert await store.pending_client_replies("alice", after_id=0) == got[2:]
-    assert await store.ack_client_replies("alice", [r.reply_id for r in got]) == 1
-    assert await store.pending_client_replies("alice") == []
-
-
-async def test_stale_token_writes_nothing(tmp_path):
-    h = make_harness(tmp_path, lambda r: "x")
-    await h.rt.enqueue("assistant", task("x"), "ref")
-    [row] = await h.rt.store.claim_due("assistant", 5)
-    token = await h.rt.store.start_turn(row)
-    stale = TurnToken(token.agent_id, token.agent_turn_id, token.turn_epoch - 1)
-    before = h.sql("SELECT count(*) FROM cards")
-    for call in (
-        h.rt.store.add_cards(stale, [NewCard("sys.note", "no")]),
-        h.rt.store.begin_step(stale),
-        h.rt.store.finish(stale, "succeeded", "no", {}, b"<a/>"),
-    ):
-        try:
-            await call
-        except StaleTurn:
-            pass
-        else:
-            raise AssertionError("stale write accepted")
-    assert h.sql("SELECT count(*) FROM cards") == before
-    assert (await h.rt.store.head("assistant")).status == "running"
 
 
 @given(st.lists(st.sampled_from(list(HeadEvent)), max_size=40))
@@ -164,31 +127,6 @@ async def _random_run(path, ops):
     )
     assert len(per_turn) == enqueued and all(n == 1 for _, n in per_turn)
     await h.rt.aclose()
-
-
-async def test_client_reply_kept_and_outbox_marked_sent_in_one_transaction(tmp_path):
-    from agents_fakes import make_harness, task
-
-    h = make_harness(tmp_path, lambda req: "the answer")
-    h.replies.broken = True  # the caller is away: the reply stays pending in the outbox
-    await h.rt.enqueue("assistant", task("x"), "ref")
-    await h.pump()
-    [(turn_id,)] = h.sql("SELECT agent_turn_id FROM agent_replies WHERE status = 'pending'")
-    store = h.rt.store
-    assert await store.record_client_reply(
-        "alice", {"t": 1}, b"<r/>", failed=False, agent_turn_id=turn_id
-    )
-    assert h.sql("SELECT status, attempts FROM agent_replies") == [("sent", 2)]
-    # kept once: a second hand-over of the same Turn (e.g. a retry) keeps nothing more
-    assert (
-        await store.record_client_reply(
-            "alice", {"t": 1}, b"<r/>", failed=False, agent_turn_id=turn_id
-        )
-        == 0
-    )
-    await store.mark_reply_sent(turn_id)  # idempotent
-    assert h.sql("SELECT status, attempts FROM agent_replies") == [("sent", 2)]
-    assert [r.payload for r in await store.pending_client_replies("alice")] == [b"<r/>"]
 
 
 def test_store_file_is_owned_by_one_process_at_a_time(tmp_path):

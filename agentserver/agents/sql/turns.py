@@ -325,7 +325,9 @@ def end_turn(
     deliverable = NewCard(CardType.DELIVERABLE, text, {"status": status, **metadata})
     (card_id,) = insert_cards(tx, env, output_box, token.agent_turn_id, [(deliverable, 0)])
     if event == HeadEvent.FORCE_END:
-        # A running Turn has no waiting calls (it resumed when its set was complete).
+        # Only an end from outside can leave waiting calls or a retry wait: a FINISH comes
+        # from the worker of a running Turn, which resumed when its waiting set was
+        # complete and took its retry wait's row.
         tx.execute(
             "UPDATE turn_waiting_tools SET status = ?, updated_at = ? "
             "WHERE agent_turn_id = ? AND status = ?",
@@ -336,7 +338,7 @@ def end_turn(
             for ev in (InboxEvent.ABANDON, InboxEvent.FAIL):
                 if inbox_move(tx, env, turn_inbox_id, ev, defer_reason=f"turn {status}"):
                     break
-    abandon_step_retries(tx, env, token)
+        abandon_step_retries(tx, env, token)
     conversations.save(tx, token.agent_id, conversation, context_box, output_box, now)
     reply: PendingReply | None = None
     if ref is not None and reply_payload is not None:
