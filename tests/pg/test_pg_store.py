@@ -107,7 +107,7 @@ async def test_a_live_process_keeps_its_turns_a_dead_one_loses_them_fenced(pg_ur
         assert (head.status, head.turn_epoch) == (HeadStatus.RUNNING, taken.turn_epoch)
         owners = [p[0] for p in await b.executor.run(processes, b.env)]
         assert owners == [b.owner]  # a's registration went with its Turns
-        assert await b.recover_running() == []  # taken over once
+        assert await b.reclaim() == []  # taken over once
     finally:
         await a.aclose()
         await b.aclose()

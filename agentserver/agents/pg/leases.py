@@ -56,9 +56,10 @@ def release(tx: Tx, env: StoreEnv, owner: str) -> None:
     tx.execute("UPDATE agentserver_processes SET lease_until = 0 WHERE owner = ?", (owner,))
 
 
-def reclaim(tx: Tx, env: StoreEnv, limit: int = 8) -> Reclaimed:
-    """Take over the work of up to ``limit`` processes whose lease has expired."""
-    owners = tuple(
+def reclaim(tx: Tx, env: StoreEnv, limit: int = 8, mine: str | None = None) -> Reclaimed:
+    """Take over the work of up to ``limit`` processes whose lease has expired; with
+    ``mine``, also that owner's own (its worker is not running: start-up recovery)."""
+    dead = tuple(
         r[0]
         for r in tx.all(
             f"SELECT owner FROM agentserver_processes WHERE lease_until < {_DB_NOW} "
@@ -66,6 +67,7 @@ def reclaim(tx: Tx, env: StoreEnv, limit: int = 8) -> Reclaimed:
             (limit,),
         )
     )
+    owners = (*dead, mine) if mine else dead
     if not owners:
         return Reclaimed()
     now = env.clock.now()
@@ -89,8 +91,9 @@ def reclaim(tx: Tx, env: StoreEnv, limit: int = 8) -> Reclaimed:
         if status == HeadStatus.RUNNING
     ]
     suspended = [TurnToken(a, t, e) for a, t, e, status in heads if status == HeadStatus.SUSPENDED]
-    tx.execute(f"DELETE FROM agentserver_processes WHERE {of}", owners)
-    return Reclaimed(owners, recovered, suspended, requeued)
+    if dead:
+        tx.execute(f"DELETE FROM agentserver_processes WHERE owner IN ({marks(len(dead))})", dead)
+    return Reclaimed(dead, recovered, suspended, requeued)
 
 
 def processes(tx: Tx, env: StoreEnv) -> list[tuple[str, float, str, int]]:

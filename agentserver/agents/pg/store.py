@@ -126,14 +126,16 @@ class PostgresAgentStore(SqlAgentStore):
         await trio.to_thread.run_sync(self.close)
 
     async def recover_running(self) -> list[TurnToken]:
-        """Take over the Turns of processes whose lease expired (this process's previous
-        run, if it stopped cleanly or its lease ran out): never those of a live one."""
-        return await self.reclaim()
+        """Before this process's worker runs: recover its own running Turns and take over
+        those of processes whose lease expired (e.g. this server's previous run); never
+        those of a live process."""
+        return await self.reclaim(mine=True)
 
-    async def reclaim(self) -> list[TurnToken]:
-        """One round of :func:`leases.reclaim`; timeouts for the dead processes' tool
-        calls. Returns the recovered running Turns."""
-        got = await self._run(leases.reclaim)
+    async def reclaim(self, *, mine: bool = False) -> list[TurnToken]:
+        """One round of :func:`leases.reclaim` (``mine``: this process's work too);
+        timeouts for the dead processes' tool calls. Returns the recovered running
+        Turns."""
+        got = await self._run(leases.reclaim, 8, self.owner if mine else None)
         if got.owners:
             log.warning(
                 "agent store: took over from %d stopped process(es): %d running turn(s) "
