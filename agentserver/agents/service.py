@@ -189,7 +189,9 @@ async def start_agents(
         settings, profiles, llm=llm, tools=ports, replies=ports, tracing=tracing
     )
     resources.push_async_callback(runtime.aclose)
-    if metrics is not None:
+    if metrics is not None and settings.backend == "sqlite":
+        # (StoreFigures reads the SQLite file; on PostgreSQL the store figures are not
+        # exported yet, docs/deploy.md.)
         from agentserver.agents.store_figures import StoreFigures
 
         figures = StoreFigures(settings.path, runtime.clock)
