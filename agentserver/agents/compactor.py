@@ -1,10 +1,14 @@
 """Runs a compaction (the I/O half of :mod:`agentserver.agents.compaction`): reads the
-Turn's cards, asks the model for the rolling summary, and swaps the boxes in the store."""
+Turn's cards and asks the model for the rolling summary. The box swap itself waits for
+the step: it is committed by the step's ``complete_step``, in the same compare-and-set
+transaction as the step's results, so a Turn fenced out meanwhile writes neither."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+from agentserver.agents.budget import card_tokens
 from agentserver.agents.compaction import (
     SUMMARY,
     SUMMARY_SYSTEM,
@@ -15,7 +19,7 @@ from agentserver.agents.compaction import (
 )
 from agentserver.agents.ports import LLMMessage, LLMPort, LLMRequest
 from agentserver.agents.profile import AgentProfile
-from agentserver.agents.store import AgentStore, Card, NewCard, TurnToken
+from agentserver.agents.store import AgentStore, BoxSwap, Card, CardType, NewCard, TurnToken
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,16 @@ async def summarise(
     return summary
 
 
+@dataclass(frozen=True, slots=True)
+class PendingSwap:
+    """A compaction ready for its step: the swap to commit with it, what the model is
+    shown meanwhile (the summary, then the kept cards) and their estimated tokens."""
+
+    swap: BoxSwap
+    cards: list[Card]
+    tokens: int
+
+
 async def compact_turn(
     store: AgentStore,
     llm: LLMPort,
@@ -60,17 +74,17 @@ async def compact_turn(
     profile: AgentProfile,
     *,
     keep_nothing: bool = False,
-) -> bool:
-    """Compact the running Turn of ``token``; False when there was nothing to fold.
+) -> PendingSwap | None:
+    """Plan and summarise a compaction of the running Turn of ``token``; None when there
+    was nothing to fold. Nothing is written: the step commits the returned swap.
 
-    Raises ``LLMUnavailable`` when a summary call fails (the caller's retry rule applies)
-    and ``StaleTurn`` when the Turn moved on (nothing was swapped).
+    Raises ``LLMUnavailable`` when a summary call fails (the caller's retry rule applies).
     """
     head = await store.head(token.agent_id)
     cards = await turn_cards(store, head.context_box_id, head.output_box_id)
     p = plan(cards, profile.budget, keep_nothing=keep_nothing)
     if not p.older:
-        return False
+        return None
     budget = profile.budget
     summary = await summarise(
         llm,
@@ -79,18 +93,23 @@ async def compact_turn(
         p.previous_summary,
         summary_chunks(p, budget, summary_max_tokens(budget)),
     )
-    keep = ([p.pinned.card_id] if p.pinned else []) + [c.card_id for c in p.recent]
-    total = await store.compact(
-        token,
-        NewCard(SUMMARY, summary, {"folded_cards": len(p.older)}),
-        keep,
-        edge={"folded_cards": len(p.older), "kept_cards": len(keep), "overflow": keep_nothing},
+    kept = ([p.pinned] if p.pinned else []) + list(p.recent)
+    folded = {"folded_cards": len(p.older)}
+    swap = BoxSwap(
+        NewCard(SUMMARY, summary, folded),
+        tuple(c.card_id for c in kept),
+        {**folded, "kept_cards": len(kept), "overflow": keep_nothing},
+    )
+    shown = [Card("", "", SUMMARY, summary, folded, 0.0), *kept]
+    cap = budget.tool_result_cap
+    tokens = sum(
+        card_tokens(c.content, cap if c.card_type == CardType.TOOL_RESULT else None) for c in shown
     )
     log.info(
-        "agent %s: compacted %d cards into the summary, kept %d (%d tokens now)",
+        "agent %s: compacting %d cards into the summary, keeping %d (about %d tokens)",
         token.agent_id,
         len(p.older),
-        len(keep),
-        total,
+        len(kept),
+        tokens,
     )
-    return True
+    return PendingSwap(swap, shown, tokens)

@@ -33,6 +33,7 @@ from agentserver.agents.sql import (
 )
 from agentserver.agents.sql.db import StoreEnv, Tx
 from agentserver.agents.store import (
+    BoxSwap,
     Card,
     ClientReply,
     EnqueueResult,
@@ -133,8 +134,10 @@ class SqlAgentStore:
         step_id: str,
         completion: LLMCompletion | None,
         cards: Sequence[NewCard],
+        *,
+        swap: BoxSwap | None = None,
     ) -> None:
-        await self._run(turns.complete_step, token, step_id, completion, cards)
+        await self._run(turns.complete_step, token, step_id, completion, cards, swap)
 
     async def suspend(
         self,
@@ -165,7 +168,7 @@ class SqlAgentStore:
         *,
         edge: Mapping[str, Any] | None = None,
     ) -> int:
-        return await self._run(turns.compact, token, summary, list(keep), edge)
+        return await self._run(turns.compact, BoxSwap(summary, tuple(keep), edge or {}), token)
 
     async def add_context_tokens(self, token: TurnToken, delta: int) -> None:
         if delta > 0:

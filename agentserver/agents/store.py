@@ -119,6 +119,19 @@ class NewCard:
 
 
 @dataclass(frozen=True, slots=True)
+class BoxSwap:
+    """A compaction that waits for its step (issue 12): :meth:`AgentStore.complete_step`
+    swaps the Turn's boxes to [``summary``] + [copies of the ``keep`` cards, in order] and
+    adds the step's cards to the new output box, all in the step's compare-and-set
+    transaction. ``correction``: tokens the provider counted above the estimate."""
+
+    summary: NewCard
+    keep: tuple[str, ...]
+    edge: Mapping[str, Any] = field(default_factory=dict)
+    correction: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCallRecord:
     """One forwarded tool call: ``tool_call_id`` is the pump's sub-thread id."""
 
@@ -217,7 +230,13 @@ class AgentStore(Protocol):
         step_id: str,
         completion: LLMCompletion | None,
         cards: Sequence[NewCard],
-    ) -> None: ...
+        *,
+        swap: BoxSwap | None = None,
+    ) -> None:
+        """Close the step with its cards; with ``swap``, the boxes are compacted first in
+        the same transaction (a stale token writes neither)."""
+        ...
+
     async def suspend(
         self,
         token: TurnToken,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 
 import structlog
 import trio
@@ -34,7 +35,7 @@ from agentserver.agents.approvals import (
 )
 from agentserver.agents.budget import shown_text
 from agentserver.agents.clock import Clock
-from agentserver.agents.compactor import compact_turn
+from agentserver.agents.compactor import PendingSwap, compact_turn
 from agentserver.agents.decide import (
     CallTools,
     Deliver,
@@ -62,6 +63,7 @@ from agentserver.agents.retry import RetryStep, decide_retry, step_retries_done
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.states import HeadStatus, MessageType
 from agentserver.agents.store import (
+    BoxSwap,
     Card,
     CardType,
     Head,
@@ -279,15 +281,17 @@ class Worker:
                 return
             step_id, step_no = await self.store.begin_step(token)
             self._step_event(token, step_id, "started", "thinking")
-            completion = await self._complete(token, head, profile, step_id, retries_done)
-            if completion is None:
+            done = await self._complete(token, head, profile, step_id, retries_done)
+            if done is None:
                 return
+            completion, swap = done
             retries_done = 0
             await self.store.complete_step(
                 token,
                 step_id,
                 completion,
                 [NewCard(CardType.LLM_MESSAGE, completion.content, {"step_id": step_id})],
+                swap=swap,
             )
             parsed = extract_payloads(completion.content, profile)
             decision = decide(completion.content, parsed, profile)
@@ -418,32 +422,42 @@ class Worker:
         profile: AgentProfile,
         step_id: str,
         retries_done: int = 0,
-    ) -> LLMCompletion | None:
-        """One model call; None when it failed: then either the step waits to be retried
-        (a retryable kind, see :mod:`agentserver.agents.retry`) or the Turn ended failed.
+    ) -> tuple[LLMCompletion, BoxSwap | None] | None:
+        """One model call, and the compaction to commit with the step (or None); None
+        when it failed: then either the step waits to be retried (a retryable kind, see
+        :mod:`agentserver.agents.retry`) or the Turn ended failed.
 
         With a streaming port, each text chunk is published as a :class:`ChunkEvent` as it
         arrives; otherwise the whole text is published as one chunk.
 
         Before the call, a context over budget is compacted (``agents/compaction.py``); a
         provider's CONTEXT_OVERFLOW compacts once more, keeping only the task, and retries
-        at once; a second overflow ends the Turn.
+        at once; a second overflow ends the Turn. The model is shown the compacted cards
+        at once, but the box swap is committed only with the step's results.
         """
         budget = profile.budget
         system = _system_text(profile)
         system_tokens = estimate_message_tokens(system)
         overflowed = False
+        pending: PendingSwap | None = None
         problem: str
         try:
             with trio.fail_after(profile.llm_timeout_s):
                 while True:
-                    if overflowed or budget.over(system_tokens, head.context_tokens):
-                        await compact_turn(
-                            self.store, self.llm, token, profile, keep_nothing=overflowed
+                    shown = pending.tokens if pending else head.context_tokens
+                    if overflowed or budget.over(system_tokens, shown):
+                        pending = (
+                            await compact_turn(
+                                self.store, self.llm, token, profile, keep_nothing=overflowed
+                            )
+                            or pending
                         )
                         head = await self._fence(token)
+                        shown = pending.tokens if pending else head.context_tokens
                     try:
-                        completion = await self._call(token, head, profile, step_id, system)
+                        completion = await self._call(
+                            token, head, profile, step_id, system, pending
+                        )
                     except LLMUnavailable as exc:
                         if exc.kind.upper() == "CONTEXT_OVERFLOW" and not overflowed:
                             overflowed = True
@@ -451,12 +465,12 @@ class Worker:
                         raise
                     # The provider's count corrects the running estimate (upwards only:
                     # the estimate is kept pessimistic).
-                    estimated = PER_REQUEST + system_tokens + head.context_tokens
-                    if completion.usage.prompt_tokens > estimated:
-                        await self.store.add_context_tokens(
-                            token, completion.usage.prompt_tokens - estimated
-                        )
-                    return completion
+                    over = completion.usage.prompt_tokens - (PER_REQUEST + system_tokens + shown)
+                    if pending is not None:
+                        return completion, replace(pending.swap, correction=max(over, 0))
+                    if over > 0:
+                        await self.store.add_context_tokens(token, over)
+                    return completion, None
         except StaleTurn:
             raise
         except LLMUnavailable as exc:
@@ -481,13 +495,19 @@ class Worker:
         return None
 
     async def _call(
-        self, token: TurnToken, head: Head, profile: AgentProfile, step_id: str, system: str
+        self,
+        token: TurnToken,
+        head: Head,
+        profile: AgentProfile,
+        step_id: str,
+        system: str,
+        pending: PendingSwap | None = None,
     ) -> LLMCompletion:
         """One model call for the step (streamed when the port can); errors propagate."""
         request = LLMRequest(
             agent=token.agent_id,
             model=profile.model,
-            messages=await self._hydrate(head, profile, system),
+            messages=await self._hydrate(head, profile, system, pending.cards if pending else None),
             max_tokens=profile.max_tokens,
         )
 
@@ -543,12 +563,22 @@ class Worker:
             )
         )
 
-    async def _hydrate(self, head: Head, profile: AgentProfile, system: str) -> list[LLMMessage]:
+    async def _hydrate(
+        self,
+        head: Head,
+        profile: AgentProfile,
+        system: str,
+        compacted: list[Card] | None = None,
+    ) -> list[LLMMessage]:
+        """The request's messages from the Turn's boxes, or from ``compacted`` (the cards
+        of a compaction the step will commit)."""
         messages = [LLMMessage("system", system)]
         cards: list[Card] = []
-        if head.context_box_id:
+        if compacted is not None:
+            cards = list(compacted)
+        if compacted is None and head.context_box_id:
             cards += await self.store.cards(head.context_box_id)
-        if head.output_box_id:
+        if compacted is None and head.output_box_id:
             cards += await self.store.cards(head.output_box_id)
         cap = profile.budget.tool_result_cap
         notes = result_annotations(cards)

@@ -8,6 +8,8 @@ characters / 4 over every message, plus the requested output tokens.
 
 from __future__ import annotations
 
+import json
+
 from agents_fakes import ASSISTANT_NS, make_harness, profile, task
 
 from agentserver.agents.compaction import SUMMARY_SYSTEM, plan
@@ -145,3 +147,54 @@ def test_a_tool_call_and_its_result_are_never_split():
             assert p.recent[0].card_type in (CardType.LLM_MESSAGE, CardType.TASK_INPUT)
         ids = [c.card_id for c in (*p.older, *([p.pinned] if p.pinned else []), *p.recent)]
         assert sorted(ids) == sorted(c.card_id for c in cards)  # nothing lost or doubled
+
+
+async def test_the_box_swap_is_committed_with_its_step_or_not_at_all(tmp_path):
+    """The summary is made before the model call, but the boxes change only with the
+    step's results: a Turn stopped during that call keeps its boxes (no summary card,
+    no compact edge), and its deliverable lands in the box holding its cards."""
+    filler = "notes " * 1500  # about 3000 tokens a step: a later step is over budget
+
+    class StopDuringTheCall(Model):
+        async def complete(self, request):
+            if self.summaries and not is_summary(request):
+                await h.rt.stop("assistant")  # from outside, while the step waits
+            return await super().complete(request)
+
+    model = StopDuringTheCall(
+        lambda r: f"{filler}<task xmlns='{ASSISTANT_NS}'><text>more</text></task>"
+    )
+    h = harness(tmp_path, model, context_window=8000, context_reserve=1024, max_tokens=512)
+    await h.rt.enqueue("assistant", task("go"), "ref")
+    await h.pump()
+    assert model.summaries >= 1  # the compaction ran ...
+    assert [e.status for e in h.task_events()] == ["stopped"]
+    # ... but nothing of it was written: the step it belonged to was fenced out.
+    assert h.sql("SELECT count(*) FROM cards WHERE card_type = 'sys.summary'") == [(0,)]
+    assert h.sql("SELECT count(*) FROM execution_edges WHERE primitive = 'compact'") == [(0,)]
+    [(box,)] = h.sql("SELECT box_id FROM cards WHERE card_type = 'task.deliverable'")
+    types = [t for (t,) in h.sql("SELECT card_type FROM cards WHERE box_id = ? ORDER BY seq", box)]
+    [(replies,)] = h.sql("SELECT count(*) FROM cards WHERE card_type = 'llm.message'")
+    assert types.count("llm.message") == replies >= 3 and types[-1] == "task.deliverable"
+
+
+async def test_a_step_commits_its_compaction_with_its_card(tmp_path):
+    filler = "notes " * 1500
+
+    def script(request):
+        if any(m.content.startswith("Summary of") for m in request.messages):
+            return "Done."
+        return f"{filler}<task xmlns='{ASSISTANT_NS}'><text>more</text></task>"
+
+    model = Model(script)
+    h = harness(tmp_path, model, context_window=8000, context_reserve=1024, max_tokens=512)
+    await h.rt.enqueue("assistant", task("go"), "ref")
+    await h.pump()
+    assert [(r[1], r[2]) for r in h.replies.sent] == [("Done.", False)]
+    [(box,)] = h.sql("SELECT box_id FROM cards WHERE card_type = 'task.deliverable'")
+    types = [t for (t,) in h.sql("SELECT card_type FROM cards WHERE box_id = ? ORDER BY seq", box)]
+    # The new output box: the kept cards, then the compacting step's own reply.
+    assert types[-2:] == ["llm.message", "task.deliverable"]
+    [(edge_turn,)] = h.sql("SELECT agent_turn_id FROM execution_edges WHERE primitive = 'compact'")
+    [(meta,)] = h.sql("SELECT metadata FROM execution_edges WHERE primitive = 'compact'")
+    assert edge_turn and json.loads(meta)["folded_cards"] >= 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -35,7 +36,14 @@ from agentserver.agents.states import (
     ReplyStatus,
     WaitingStatus,
 )
-from agentserver.agents.store import CardType, NewCard, TaskStatus, ToolCallRecord, TurnToken
+from agentserver.agents.store import (
+    BoxSwap,
+    CardType,
+    NewCard,
+    TaskStatus,
+    ToolCallRecord,
+    TurnToken,
+)
 
 TABLES = (
     "agent_state_head",
@@ -479,6 +487,31 @@ async def test_compaction_swaps_the_boxes_and_recounts(store):
     assert [c.content for c in await store.cards(head.context_box_id)] == ["sum"]
     assert [c.content for c in await store.cards(head.output_box_id)] == ["b" * 40]
     assert await store.cards(old[0].box_id) == old  # the old boxes stay
+
+
+async def test_a_step_commits_its_compaction_or_neither(store):
+    token = await running(store)
+    step_id, _ = await store.begin_step(token)
+    await store.add_cards(token, [NewCard(CardType.LLM_MESSAGE, "old " * 100)])
+    [old] = await store.cards((await store.head(A)).output_box_id)
+    swap = BoxSwap(NewCard(CardType.SUMMARY, "sum"), (old.card_id,), {"folded_cards": 1})
+    reply = [NewCard(CardType.LLM_MESSAGE, "new")]
+    stale = TurnToken(token.agent_id, token.agent_turn_id, token.turn_epoch + 1)
+    before = await snapshot(store)
+    with pytest.raises(StaleTurn):
+        await store.complete_step(stale, step_id, None, reply, swap=swap)
+    assert await snapshot(store) == before
+    await store.complete_step(token, step_id, None, reply, swap=replace(swap, correction=7))
+    head = await store.head(A)
+    assert [c.content for c in await store.cards(head.context_box_id)] == ["sum"]
+    shown = [c.content for c in await store.cards(head.output_box_id)]
+    assert shown == [old.content, "new"]
+    [(meta,)] = await rows(
+        store, "SELECT metadata FROM execution_edges WHERE primitive = ?", "compact"
+    )
+    assert json.loads(meta)["context_tokens"] == head.context_tokens
+    [(status,)] = await rows(store, "SELECT status FROM agent_steps WHERE step_id = ?", step_id)
+    assert status == AgentStepStatus.COMPLETED
 
 
 # -- governance rows ---------------------------------------------------------------------------

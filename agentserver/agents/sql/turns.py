@@ -11,7 +11,7 @@ from agentserver.agents.ports import LLMCompletion
 from agentserver.agents.retry import step_retry_payload
 from agentserver.agents.sql import conversations, head
 from agentserver.agents.sql.common import edge, inbox_move, insert_cards, tokens_of
-from agentserver.agents.sql.db import StoreEnv, Tx, new_id
+from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
 from agentserver.agents.states import (
     ACTIVE_HEAD,
     AgentStepStatus,
@@ -25,6 +25,7 @@ from agentserver.agents.states import (
     inbox_transition,
 )
 from agentserver.agents.store import (
+    BoxSwap,
     CardType,
     Finished,
     InboxRow,
@@ -106,9 +107,14 @@ def complete_step(
     step_id: str,
     completion: LLMCompletion | None,
     cards: Sequence[NewCard],
+    swap: BoxSwap | None = None,
 ) -> None:
-    """Record the model's reply (usage, cost) and the step's cards; CAS-fenced."""
-    append_cards(tx, env, token, cards)
+    """Record the model's reply (usage, cost) and the step's cards; CAS-fenced. With
+    ``swap``, the step's compaction is committed with it (one compare-and-set)."""
+    if swap is None:
+        append_cards(tx, env, token, cards)
+    else:
+        compact(tx, env, swap, token, cards)
     close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, ())
 
 
@@ -165,24 +171,26 @@ def close_step(
 def compact(
     tx: Tx,
     env: StoreEnv,
+    swap: BoxSwap,
     token: TurnToken,
-    summary: NewCard,
-    keep: Sequence[str],
-    edge_meta: Mapping[str, Any] | None = None,
+    step_cards: Sequence[NewCard] = (),
 ) -> int:
-    """Swap the Turn's boxes to [``summary``] + [copies of the ``keep`` cards, in order]
-    (CAS-fenced on running; the old boxes stay in the store). Returns the new running
-    token count."""
+    """Swap the Turn's boxes to [summary] + [copies of the kept cards, in order] +
+    ``step_cards`` in one compare-and-set on running; the old boxes stay in the store.
+    Returns the new running token count."""
     now = env.clock.now()
-    rows = tx.all(
+    keep = list(swap.keep)
+    found = tx.all(
         "SELECT card_id, agent_turn_id, card_type, content, metadata, created_at, tokens "
-        f"FROM cards WHERE card_id IN ({','.join('?' * len(keep))})",
+        f"FROM cards WHERE card_id IN ({marks(len(keep))})",
         tuple(keep),
     ) if keep else []  # fmt: skip
-    by_id = {r[0]: r for r in rows}
+    by_id = {r[0]: r for r in found}
     kept = [by_id[c] for c in keep if c in by_id]
-    summary_tokens = tokens_of(env, token.agent_id, summary)
-    total = summary_tokens + sum(int(r[6]) for r in kept)
+    summary = (swap.summary, tokens_of(env, token.agent_id, swap.summary))
+    priced = _priced(env, token.agent_id, step_cards)
+    total = summary[1] + sum(int(r[6]) for r in kept) + sum(t for _, t in priced)
+    total += max(swap.correction, 0)
     context_box, output_box = new_id(), new_id()
     head.fence(
         tx,
@@ -197,8 +205,9 @@ def compact(
             (output_box, token.agent_id, token.agent_turn_id, "output", now),
         ],
     )
-    insert_cards(tx, env, context_box, token.agent_turn_id, [(summary, summary_tokens)])
+    insert_cards(tx, env, context_box, token.agent_turn_id, [summary])
     conversations.insert_copies(tx, output_box, None, kept)
+    insert_cards(tx, env, output_box, token.agent_turn_id, priced)
     edge(
         tx,
         env,
@@ -206,7 +215,7 @@ def compact(
         token.agent_turn_id,
         "compact",
         "response",
-        metadata={**(edge_meta or {}), "context_tokens": total},
+        metadata={**swap.edge, "context_tokens": total},
     )
     return total
 
