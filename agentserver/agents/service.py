@@ -218,7 +218,16 @@ async def start_agents(
 
     async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with service.scope:
-            await runtime.run(task_status=task_status)
+            kept = getattr(runtime.store, "client_replies", None)
+            if kept is None or ports.clients is None:
+                await runtime.run(task_status=task_status)
+                return
+            # A shared store: replies other processes keep for clients connected here.
+            from agentserver.agents.named_clients import forward_kept
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(forward_kept, kept, ports.clients)
+                await runtime.run(task_status=task_status)
 
     await nursery.start(run)
     log.info("agents running: %s (store %s)", ", ".join(profiles), settings.where)

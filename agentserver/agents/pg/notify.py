@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 #: Turns of some agent may be due (new inbox rows, a lease released or expired).
 WAKE_CHANNEL = "agentserver_wake"
+#: A reply was kept for a named client (the process holding its connection offers it).
+CLIENT_REPLIES_CHANNEL = "agentserver_client_replies"
 
 
 def notify(tx, channel: str) -> None:

@@ -24,7 +24,12 @@ from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StaleTurn, StoreError
 from agentserver.agents.pg import leases
 from agentserver.agents.pg.executor import PgExecutor
-from agentserver.agents.pg.notify import WAKE_CHANNEL, PgListener, notify
+from agentserver.agents.pg.notify import (
+    CLIENT_REPLIES_CHANNEL,
+    WAKE_CHANNEL,
+    PgListener,
+    notify,
+)
 from agentserver.agents.pg.schema import OWNER_SETTING, migrate_pg
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.sql import inbox, replies, tools, turns, watchdog
@@ -34,9 +39,11 @@ from agentserver.agents.store import TurnToken
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-#: Store functions after whose commit another process may have work to do.
-_WAKES = frozenset(
-    {
+#: Store functions after whose commit another process may have work to do, and the
+#: channel that says so.
+_NOTIFIES = {
+    fn: WAKE_CHANNEL
+    for fn in (
         inbox.enqueue_turn,
         inbox.report_tool_result,
         inbox.requeue_stuck,
@@ -49,13 +56,14 @@ _WAKES = frozenset(
         watchdog.recover_running,
         replies.cancel_queued,
         leases.reclaim,
-    }
-)
+    )
+}
+_NOTIFIES[replies.record_client_reply] = CLIENT_REPLIES_CHANNEL
 
 
-def _ringing(tx, env, fn, *args):
+def _notifying(tx, env, channel, fn, *args):
     result = fn(tx, env, *args)
-    notify(tx, WAKE_CHANNEL)
+    notify(tx, channel)
     return result
 
 
@@ -74,6 +82,9 @@ class PostgresAgentStore(SqlAgentStore):
         super().__init__(clock, settings)
         self.executor = executor
         self.owner = owner
+        #: Rings when some process kept a reply for a named client (named_clients.py's
+        #: forward_kept offers it to the connection this process holds, if any).
+        self.client_replies = Doorbell()
 
     @classmethod
     def open(
@@ -118,8 +129,9 @@ class PostgresAgentStore(SqlAgentStore):
         self.executor.close()
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        if fn in _WAKES:
-            return await self.executor.run(_ringing, self.env, fn, *args)
+        channel = _NOTIFIES.get(fn)
+        if channel is not None:
+            return await self.executor.run(_notifying, self.env, channel, fn, *args)
         return await self.executor.run(fn, self.env, *args)
 
     async def aclose(self) -> None:
@@ -161,7 +173,10 @@ class PostgresAgentStore(SqlAgentStore):
         """Until cancelled: ring ``doorbell`` when another process (or this one) makes work
         due, and at least every second; renew this process's lease every heartbeat and
         take over the work of processes whose lease expired."""
-        listener = PgListener(self.executor.url, {WAKE_CHANNEL: doorbell.ring})
+        listener = PgListener(
+            self.executor.url,
+            {WAKE_CHANNEL: doorbell.ring, CLIENT_REPLIES_CHANNEL: self.client_replies.ring},
+        )
         async with trio.open_nursery() as nursery:
             await nursery.start(listener.run)
             nursery.start_soon(self._keep_lease, doorbell)
