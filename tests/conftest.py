@@ -100,7 +100,10 @@ def pytest_collection_modifyitems(items):
     """Every test that needs the PostgreSQL server is marked ``postgresql`` (so
     ``pytest -m postgresql`` selects them), whether it says so itself or not."""
     for item in items:
-        if "pg_server" in getattr(item, "fixturenames", ()):
+        callspec = getattr(item, "callspec", None)
+        # (a fixture parametrised over backends asks for pg_url only when it runs)
+        on_pg = callspec is not None and "postgresql" in callspec.params.values()
+        if on_pg or "pg_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.postgresql)
 
 

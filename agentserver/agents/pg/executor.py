@@ -130,6 +130,7 @@ class PgExecutor:
             open=False,
             timeout=connect_timeout_s,
             kwargs={
+                "autocommit": True,
                 "options": settings,
                 "application_name": application_name,
                 "connect_timeout": max(1, round(connect_timeout_s)),
@@ -168,12 +169,21 @@ class PgExecutor:
         that raised is committed."""
         return await trio.to_thread.run_sync(self.run_sync, fn, *args, limiter=self.limiter)
 
-    def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
-        """:meth:`run` on the calling thread (a worker thread, or a start-up path)."""
+    async def run_single(self, fn: Callable[..., T], *args: Any) -> T:
+        """Like :meth:`run` for a ``fn`` that reads, or runs one statement (atomic by
+        itself): in autocommit, without the ``BEGIN``/``COMMIT`` round trips. A read of
+        several statements sees a snapshot per statement."""
+        return await trio.to_thread.run_sync(
+            functools.partial(self.run_sync, fn, *args, atomic=False), limiter=self.limiter
+        )
+
+    def run_sync(self, fn: Callable[..., T], *args: Any, atomic: bool = True) -> T:
+        """:meth:`run` (``atomic=False``: :meth:`run_single`) on the calling thread (a
+        worker thread, or a start-up path)."""
         attempt = 0
         while True:
             try:
-                return self._once(fn, args)
+                return self._once(fn, args, atomic)
             except RETRYABLE as exc:
                 if attempt >= self.retries:
                     raise StoreError(f"transaction failed {attempt + 1} times: {exc}") from exc
@@ -194,18 +204,21 @@ class PgExecutor:
             self.reruns += 1
             time.sleep(random.uniform(0, 0.002 * 2**attempt))
 
-    def _once(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+    def _once(self, fn: Callable[..., T], args: tuple[Any, ...], atomic: bool) -> T:
         with self._pool.connection() as conn:
-            # Not autocommit: the first statement opens the transaction (BEGIN).
+            # The pool's connections are autocommit: BEGIN/COMMIT only where needed.
+            if not atomic:
+                return fn(PgTx(conn), *args)
+            conn.execute("BEGIN")
             try:
                 result = fn(PgTx(conn), *args)
             except BaseException:
                 if not conn.broken:
                     with contextlib.suppress(psycopg.Error):
-                        conn.rollback()
+                        conn.execute("ROLLBACK")
                 raise
             try:
-                conn.commit()
+                conn.execute("COMMIT")
             except psycopg.OperationalError as exc:
                 if conn.broken:
                     raise _CommitLost(redact_text(exc, self.url)) from None

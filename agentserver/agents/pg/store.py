@@ -134,6 +134,14 @@ class PostgresAgentStore(SqlAgentStore):
             return await self.executor.run(_notifying, self.env, channel, fn, *args)
         return await self.executor.run(fn, self.env, *args)
 
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.executor.run_single(fn, self.env, *args)
+
+    async def _run1(self, fn: Callable[..., T], *args: Any) -> T:
+        if fn in _NOTIFIES:  # the NOTIFY must commit with the write
+            return await self._run(fn, *args)
+        return await self.executor.run_single(fn, self.env, *args)
+
     async def aclose(self) -> None:
         await trio.to_thread.run_sync(self.close)
 
