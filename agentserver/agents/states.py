@@ -15,6 +15,7 @@ test, so code, store and documentation cannot drift apart.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -223,6 +224,18 @@ def inbox_transition(state: InboxStatus | str, event: InboxEvent | str) -> Trans
         raise IllegalTransition("inbox", str(state), str(event)) from None
 
 
+#: Every status column the store writes besides the head and the inbox rows, and its
+#: declared values (the store's SQL uses these constants, never a literal).
+STORE_STATUSES: Mapping[str, type[enum.StrEnum]] = {
+    "turn_waiting_tools.status": WaitingStatus,
+    "turn_waiting_tools.after_execution": AfterExecution,
+    "agent_steps.status": AgentStepStatus,
+    "agent_replies.status": ReplyStatus,
+    "approvals.status": ApprovalStatus,
+}
+
+
+@functools.cache
 def head_event(event: HeadEvent) -> Transition:
     """The one transition of ``event`` whatever its source (every head event has one
     target and one epoch rule), so a compare-and-set needs no read before its UPDATE."""
@@ -230,11 +243,13 @@ def head_event(event: HeadEvent) -> Transition:
     return t
 
 
+@functools.cache
 def head_sources(event: HeadEvent) -> tuple[str, ...]:
     """Statuses from which ``event`` is legal: the expected status set of a head CAS."""
     return tuple(sorted(str(s) for (s, e) in HEAD_TRANSITIONS if e == event))
 
 
+@functools.cache
 def inbox_sources(event: InboxEvent) -> tuple[str, ...]:
     """Statuses from which ``event`` is legal for an inbox row."""
     return tuple(sorted(str(s) for (s, e) in INBOX_TRANSITIONS if e == event))
@@ -258,4 +273,8 @@ def render_markdown() -> str:
     lines += _table(INBOX_TRANSITIONS, epoch_col=False)
     lines += ["", "Step attempt (remote listeners, `agentserver.runners`):", ""]
     lines += _table(STEP_TRANSITIONS, epoch_col=False)
+    lines += ["", "The other statuses the store writes:", ""]
+    lines += ["| column | values |", "|---|---|"]
+    for column, values in STORE_STATUSES.items():
+        lines.append(f"| `{column}` | {', '.join(f'`{v}`' for v in values)} |")
     return "\n".join(lines) + "\n"

@@ -19,6 +19,7 @@ from agentserver.agents.states import (
     head_transition,
     inbox_transition,
 )
+from agentserver.agents.store import ToolCallRecord
 
 
 def test_store_is_created_in_wal_and_reopened_without_migrating_twice(tmp_path):
@@ -143,3 +144,56 @@ def test_store_file_is_owned_by_one_process_at_a_time(tmp_path):
     second = SqliteAgentStore.open(path)  # released on close
     second.close()
     second.close()  # idempotent
+
+
+def test_the_store_sql_names_statuses_only_through_their_declarations():
+    """Every status the store writes is declared in states.py; its SQL uses the constants
+    (a quoted literal in a query would drift from the tables and the docs)."""
+    from pathlib import Path
+
+    from agentserver.agents import sql
+    from agentserver.agents.states import STORE_STATUSES, MessageType
+
+    declared = [HeadStatus, InboxStatus, MessageType, *STORE_STATUSES.values()]
+    values = {str(v) for enum in declared for v in enum}
+    for path in sorted(Path(sql.__file__).parent.glob("*.py")):
+        text = path.read_text()
+        assert not [v for v in values if f"'{v}'" in text], path.name
+
+
+async def test_a_v4_file_with_a_turn_in_flight_opens_and_the_turn_goes_on(tmp_path):
+    """Files in the field are at schema v4 (the split store kept the schema): one with a
+    suspended Turn opens without migrating, and the Turn resumes and ends."""
+    import sqlite3
+
+    from agentserver.agents.sql.schema import ddl
+
+    path = tmp_path / "old.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for version in range(1, 5):
+        for statement in ddl(version, "sqlite"):
+            conn.execute(statement)
+        conn.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+    conn.commit()
+    conn.close()
+    clock = ManualClock()
+    store = SqliteAgentStore.open(path, clock=clock)
+    await store.enqueue_turn("a", b"task", {"caller_thread": "t"})
+    [row] = await store.claim_due("a", 5)
+    token = await store.start_turn(row)
+    step_id, _ = await store.begin_step(token)
+    call = ToolCallRecord("c1", "calc", "<add/>")
+    await store.suspend(token, step_id, [call], [], clock.now() + 60)
+    store.close()
+
+    store = SqliteAgentStore.open(path, clock=clock)
+    versions = store._db.execute("SELECT version FROM schema_version").fetchall()
+    assert versions == [(1,), (2,), (3,), (4,)] and SCHEMA_VERSION == 4
+    await store.report_tool_result("a", "c1", b"3", failed=False)
+    [report] = await store.claim_due("a", 5)
+    resumed = (await store.apply_report(report)).resumed
+    assert resumed is not None
+    fin = await store.finish(resumed, "succeeded", "3", {}, b"<a/>")
+    assert fin.reply is not None and (await store.head("a")).status == HeadStatus.IDLE
+    store.close()

@@ -11,13 +11,10 @@ from agentserver.agents.sql.common import (
     copy_cards,
     edge,
     insert_cards,
-    insert_copies,
     tokens_of,
 )
 from agentserver.agents.sql.db import StoreEnv, Tx, new_id
 from agentserver.agents.store import Card, CardType, NewCard
-
-__all__ = ["insert_copies"]  # re-exported for the lease
 
 
 def boxes(tx: Tx, agent_id: str, conversation: str) -> tuple[str, str] | None:

@@ -7,12 +7,20 @@ read precedes it, and the head it returns is passed down instead of read again.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.sql import conversations
-from agentserver.agents.sql.common import HEAD_COLS, edge, inbox_move, insert_cards, tokens_of
+from agentserver.agents.sql.common import (
+    HEAD_COLS,
+    edge,
+    inbox_move,
+    insert_cards,
+    insert_copies,
+    tokens_of,
+)
 from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
 from agentserver.agents.states import (
     HeadEvent,
@@ -45,39 +53,64 @@ def cas(
     transition says so) or a :class:`HeadStatus` (a fence: the head must be in it and
     stays). The head must hold ``turn_id`` at ``epoch`` (None: not checked, as for the
     lease of an idle head). ``sets`` are ``column = value``; ``exprs`` and ``where`` are
-    fixed SQL fragments (``column = expr``, whose ``?`` take ``expr_params``; `` AND …``). Raises StaleTurn on a miss, and
-    then nothing was written.
+    fixed SQL fragments (``column = expr``, whose ``?`` take ``expr_params``; `` AND …``).
+    Raises StaleTurn on a miss, and then nothing was written.
     """
     cols: dict[str, Any] = {}
-    raw: list[str] = []
+    bump = False
     if isinstance(how, HeadEvent):
         t = head_event(how)
         sources: tuple[str, ...] = head_sources(how)
         cols["status"] = str(t.target)
-        if t.bumps_epoch:
-            raw.append("turn_epoch = turn_epoch + 1")
+        bump = t.bumps_epoch
     else:
         sources = (str(how),)
     cols.update(sets or {})
     cols["updated_at"] = env.clock.now()
-    raw += [f"{c} = {e}" for c, e in (exprs or {}).items()]
-    cond = "agent_id = ?"
     params: list[Any] = [*cols.values(), *expr_params, agent_id]
     if turn_id is not None:
-        cond += " AND active_agent_turn_id = ?"
         params.append(turn_id)
     if epoch is not None:
-        cond += " AND turn_epoch = ?"
         params.append(epoch)
-    assignments = ", ".join([f"{c} = ?" for c in cols] + raw)
-    row = tx.one(
-        f"UPDATE agent_state_head SET {assignments} WHERE {cond} "
-        f"AND status IN ({marks(len(sources))}){where} RETURNING {HEAD_COLS}",
-        (*params, *sources),
+    sql = _cas_sql(
+        tuple(cols),
+        bump,
+        tuple((exprs or {}).items()),
+        turn_id is not None,
+        epoch is not None,
+        len(sources),
+        where,
     )
+    row = tx.one(sql, (*params, *sources))
     if row is None:
         raise StaleTurn(f"{agent_id}/{turn_id}@{epoch}: {stale or f'head not {how}'}")
     return Head(*row)
+
+
+@functools.cache
+def _cas_sql(
+    cols: tuple[str, ...],
+    bump: bool,
+    exprs: tuple[tuple[str, str], ...],
+    by_turn: bool,
+    by_epoch: bool,
+    n_sources: int,
+    where: str,
+) -> str:
+    """The text of one shape of compare-and-set (built once per shape)."""
+    assignments = [f"{c} = ?" for c in cols]
+    if bump:
+        assignments.append("turn_epoch = turn_epoch + 1")
+    assignments += [f"{c} = {e}" for c, e in exprs]
+    cond = "agent_id = ?"
+    if by_turn:
+        cond += " AND active_agent_turn_id = ?"
+    if by_epoch:
+        cond += " AND turn_epoch = ?"
+    return (
+        f"UPDATE agent_state_head SET {', '.join(assignments)} WHERE {cond} "
+        f"AND status IN ({marks(n_sources)}){where} RETURNING {HEAD_COLS}"
+    )
 
 
 def fence(
@@ -159,7 +192,7 @@ def lease_next(tx: Tx, env: StoreEnv, agent_id: str) -> bool:
             (output_box, agent_id, turn_id, "output", now),
         ],
     )
-    conversations.insert_copies(tx, context_box, turn_id, earlier)
+    insert_copies(tx, context_box, turn_id, earlier)
     insert_cards(tx, env, context_box, turn_id, [(task, task_tokens)])
     inbox_move(
         tx,

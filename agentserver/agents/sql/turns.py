@@ -10,7 +10,13 @@ from agentserver.agents.errors import StaleTurn
 from agentserver.agents.ports import LLMCompletion
 from agentserver.agents.retry import step_retry_payload
 from agentserver.agents.sql import conversations, head
-from agentserver.agents.sql.common import edge, inbox_move, insert_cards, tokens_of
+from agentserver.agents.sql.common import (
+    edge,
+    inbox_move,
+    insert_cards,
+    insert_copies,
+    tokens_of,
+)
 from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
 from agentserver.agents.states import (
     ACTIVE_HEAD,
@@ -206,7 +212,7 @@ def compact(
         ],
     )
     insert_cards(tx, env, context_box, token.agent_turn_id, [summary])
-    conversations.insert_copies(tx, output_box, None, kept)
+    insert_copies(tx, output_box, None, kept)
     insert_cards(tx, env, output_box, token.agent_turn_id, priced)
     edge(
         tx,
