@@ -281,7 +281,8 @@ async def _start_http(
     gateway = HttpGateway(pump, topology.limits, spec)
     registry.register(HttpCollector(gateway))
     view = None
-    if agents is not None:
+    if agents is not None and agents.runtime.store.settings.backend == "sqlite":
+        # The view reads the SQLite file; on PostgreSQL /v1/agents is not served yet.
         view = AgentsView(agents.runtime.store.settings.path, tuple(agents.profiles))
         ctx.resources.callback(view.close)
     router = agents.router if agents is not None else None

@@ -939,9 +939,19 @@ class _Loader:
             self.warn(el.sourceline, f"<store> not checked: the agent store is unavailable ({exc})")
             return
         try:
-            store_settings_from_element(el, base_dir=self.path.parent)
+            settings = store_settings_from_element(
+                el, base_dir=self.path.parent, environ=self.environ
+            )
         except Exception as exc:
             self.error(el.sourceline, f"<store>: {exc}")
+            return
+        var = el.get("url-env")
+        if var and not self.environ.get(var) and settings.url is None:
+            self.warn(
+                el.sourceline,
+                f"<store url-env>: ${var} is not set and there is no url: the agents' store "
+                f"is the SQLite file {settings.path}",
+            )
 
 
 async def _placeholder(payload: object, meta: object) -> None:

@@ -252,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "boot", nargs="?", metavar="BOOT", help=f"the boot.xml to check (default: ${BOOT_ENV})"
     )
+    check.add_argument(
+        "--connect",
+        action="store_true",
+        help="also connect to the agents' store when it is PostgreSQL (<store url>) and say "
+        "whether it is reachable (an unreachable store fails the check)",
+    )
 
     schemas = sub.add_parser(
         "schemas",
@@ -433,7 +439,26 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{args.boot}: {count} error{'s' * (count != 1)}", file=sys.stderr)
         return EXIT_FAILED
     print(summary(args.boot, result))
+    if getattr(args, "connect", False):
+        return _check_store_reachable(args.boot, result.topology)
     return EXIT_OK
+
+
+def _check_store_reachable(name: str, topology) -> int:
+    """``check --connect``: one line saying whether the PostgreSQL store answers."""
+    from agentserver.agents.config import store_settings_from_element
+    from agentserver.agents.pg.url import probe
+
+    settings = store_settings_from_element(topology.store, base_dir=topology.path.parent)
+    if settings.url is None:
+        print(f"{name}: store: SQLite file {settings.path} (nothing to connect to)")
+        return EXIT_OK
+    ok, detail = probe(settings.url)
+    if ok:
+        print(f"{name}: store {settings.where}: reachable ({detail})")
+        return EXIT_OK
+    print(f"{name}: store {settings.where}: NOT reachable: {detail}", file=sys.stderr)
+    return EXIT_FAILED
 
 
 def cmd_schemas(args: argparse.Namespace) -> int:

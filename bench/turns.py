@@ -16,7 +16,12 @@ run after the JSON line. ``amortized_step_ms`` is the run's wall time divided by
 steps of all agents and workers together: the inverse of the step throughput, not the
 latency of one step (steps run concurrently, so each takes longer than that).
 
+With ``--store postgresql://...`` the same run uses that PostgreSQL database as the store
+(its tables are emptied first, so use a database of its own); ``--compare`` runs SQLite
+and then the PostgreSQL store in one invocation and prints both.
+
 Usage: python bench/turns.py [--turns N] [--agents K] [--concurrency C] [--count-statements]
+                             [--store URL [--compare]]
 The last line printed is one JSON object.
 """
 
@@ -86,8 +91,22 @@ def succeeded(reply: etree._Element) -> bool:
     )
 
 
+def empty_pg_store(url: str) -> None:
+    """Drop the store's tables in ``url`` (a bench database), so each run starts empty."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("DROP SCHEMA public CASCADE")
+        conn.execute("CREATE SCHEMA public")
+
+
 async def run(
-    turns: int, agents: int, concurrency: int, path: Path, count_statements: bool = False
+    turns: int,
+    agents: int,
+    concurrency: int,
+    path: Path,
+    count_statements: bool = False,
+    url: str | None = None,
 ) -> dict[str, float]:
     names = [f"agent{i}" for i in range(agents)]
     models = [agent_models(i) for i in range(agents)]
@@ -115,7 +134,7 @@ async def run(
             )
             for i, n in enumerate(names)
         }
-        settings = StoreSettings(path=path, worker_concurrency=concurrency)
+        settings = StoreSettings(path=path, url=url, worker_concurrency=concurrency)
         rt = AgentRuntime.open(settings, profiles, llm=llm, tools=ports, replies=ports)
         ports.attach(rt.store)
         statements = [0]
@@ -179,16 +198,32 @@ def main() -> None:
         action="store_true",
         help="count the SQL statements per Turn (a trace callback: slows the run a little)",
     )
+    ap.add_argument("--store", metavar="URL", help="a PostgreSQL database for the store")
+    ap.add_argument(
+        "--compare", action="store_true", help="with --store: run SQLite first, then PostgreSQL"
+    )
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = trio.run(
-            run,
-            args.turns,
-            args.agents,
-            args.concurrency,
-            Path(tmp) / "bench.sqlite3",
-            args.count_statements,
-        )
+    if args.count_statements and args.store:
+        ap.error("--count-statements counts SQLite statements only")
+    backends = [None, args.store] if args.compare and args.store else [args.store]
+    for url in backends:
+        if url:
+            empty_pg_store(url)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = trio.run(
+                run,
+                args.turns,
+                args.agents,
+                args.concurrency,
+                Path(tmp) / "bench.sqlite3",
+                args.count_statements,
+                url,
+            )
+        report(out, args.count_statements, "PostgreSQL" if url else "SQLite")
+
+
+def report(out: dict, count_statements: bool, backend: str) -> None:
+    print(f"-- store: {backend}")
     print(
         f"{out['succeeded']} of {out['turns']} turns answered ({out['steps']} model steps) "
         f"over {out['agents']} agents in {out['seconds']} s, through the pump"
@@ -200,10 +235,10 @@ def main() -> None:
     if out["failed"]:
         print(f"FAILED: {out['failed']} answers were not successful, e.g. {out['first_failure']}")
     keys = ["turns_per_s", "amortized_step_ms", "succeeded", "failed"]
-    if args.count_statements:
+    if count_statements:
         print(f"{out['statements_per_turn']} SQL statements per Turn")
         keys.append("statements_per_turn")
-    print(json.dumps({k: out[k] for k in keys}))
+    print(json.dumps({"store": backend, **{k: out[k] for k in keys}}))
     if out["failed"]:
         raise SystemExit(1)
 

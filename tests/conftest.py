@@ -6,6 +6,7 @@ import pytest
 import trio
 import trio.testing
 from lxml import etree
+from pgutil import pg_server, pg_url  # noqa: F401 - fixtures for the PostgreSQL tests
 from pydantic_xml import BaseXmlModel, element
 from serverproc import DATA, ScratchRoot, ServerProcess
 
@@ -93,6 +94,17 @@ async def drain(endpoint) -> list[bytes]:
 async def receive(endpoint, seconds: float = 5) -> tuple[dict[str, str | None], etree._Element]:
     with trio.fail_after(seconds):
         return parse_reply(await endpoint.receive())
+
+
+def pytest_collection_modifyitems(items):
+    """Every test that needs the PostgreSQL server is marked ``postgresql`` (so
+    ``pytest -m postgresql`` selects them), whether it says so itself or not."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        # (a fixture parametrised over backends asks for pg_url only when it runs)
+        on_pg = callspec is not None and "postgresql" in callspec.params.values()
+        if on_pg or "pg_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.postgresql)
 
 
 @pytest.fixture(scope="session", autouse=True)

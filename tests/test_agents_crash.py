@@ -147,12 +147,23 @@ class CrashModel(FakeServer):
 
 
 class Store:
-    """Read-only queries on the server's SQLite file (safe while it runs: WAL)."""
+    """Read-only queries on the server's SQLite file (safe while it runs: WAL); with
+    ``url``, on its PostgreSQL database instead."""
+
+    url: str | None = None
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def rows(self, sql: str, args: tuple = ()) -> list[tuple]:
+        if self.url is not None:
+            import psycopg
+
+            with psycopg.connect(self.url, autocommit=True) as pg:
+                try:
+                    return pg.execute(sql.replace("?", "%s"), args).fetchall()
+                except psycopg.errors.UndefinedTable:
+                    return []  # the server has not created the schema yet
         if not self.path.exists():
             return []
         conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=5)
@@ -262,15 +273,28 @@ async def receive_exactly(client: Client, count: int) -> list[Reply]:
 # -- the test ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("reconnect", ["after-turns-ended", "at-once"])
-async def test_sigkill_with_turns_open_every_task_ends_once(tmp_path, reconnect):
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgresql)])
+def backend(request, tmp_path) -> tuple[Store, dict[str, str]]:
+    """The store the servers use (the boot file's ``<store url-env>``), and its reader."""
     store = Store(tmp_path / "state" / "agents.sqlite3")
+    if request.param == "sqlite":
+        return store, {}
+    store.url = request.getfixturevalue("pg_url")
+    return store, {"AGENTS_TEST_STORE_URL": store.url}
+
+
+@pytest.mark.parametrize("reconnect", ["after-turns-ended", "at-once"])
+async def test_sigkill_with_turns_open_every_task_ends_once(tmp_path, reconnect, backend):
+    store, store_env = backend
     servers: list[ServerProcess] = []
     threads: dict[str, str] = {}
     async with trio.open_nursery() as nursery:
         model = await CrashModel().start(nursery)
         env = subprocess_env(
-            CRASH_LLM_BASE_URL=model.base_url, CRASH_LLM_KEY="test-key", CRASH_ALICE_TOKEN=TOKEN
+            CRASH_LLM_BASE_URL=model.base_url,
+            CRASH_LLM_KEY="test-key",
+            CRASH_ALICE_TOKEN=TOKEN,
+            **store_env,
         )
         try:
             # -- first life: open Turns in every state, then SIGKILL -----------------------
@@ -397,12 +421,18 @@ async def test_sigkill_with_turns_open_every_task_ends_once(tmp_path, reconnect)
     for job in ("job1-slow", "job3-mixed"):
         tools = store.waiting_tools(turn_of[job])
         assert ("waiter", "timeout") in tools and ("waiter", "waiting") not in tools, tools
-        lost = store.rows(
-            "SELECT content FROM cards WHERE agent_turn_id = ? AND card_type = 'tool.result' "
-            "AND json_extract(metadata, '$.timeout')",
-            (turn_of[job],),
-        )
-        assert len(lost) == 1 and "interrupted by a restart" in lost[0][0], lost
+        lost = [
+            content
+            for content, meta in store.rows(
+                "SELECT content, metadata FROM cards WHERE agent_turn_id = ? "
+                "AND card_type = 'tool.result'",
+                (turn_of[job],),
+            )
+            if json.loads(meta).get("timeout")
+        ]
+        # (on PostgreSQL the new process took over from the dead one: same path, own words)
+        why = "was lost with the process that sent it" if store.url else "interrupted by a restart"
+        assert len(lost) == 1 and why in lost[0], lost
     # the in-flight model call was re-run after the restart, and its Turn went on with a tool
     assert model.requests_for("job2-hang", restarted=True) == ["calc", "answer"]
     for job in OPEN:

@@ -8,8 +8,10 @@ exactly one reply on its thread.
 
 from __future__ import annotations
 
+import pathlib
 import re
 
+import pytest
 import trio
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
 from serverproc import REPO, ServerProcess, subprocess_env
@@ -61,14 +63,29 @@ class ScriptedModel(FakeServer):
         return say(seen, f"2+3 = {total} and 6*7 = {product}.")
 
 
-async def test_assistant_calls_tools_in_parallel_iterates_and_answers_once(tmp_path):
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgresql)])
+def boot_file(request, tmp_path) -> tuple[str | None, pathlib.Path]:
+    """The bundled boot.xml, or a copy of it whose ``<store>`` is a PostgreSQL database."""
+    if request.param == "sqlite":
+        return None, REPO / "boot.xml"
+    url = request.getfixturevalue("pg_url")
+    text = (REPO / "boot.xml").read_text()
+    store = '<store path="state/agents.sqlite3"/>'
+    assert store in text
+    copy = tmp_path / "boot-pg.xml"
+    copy.write_text(text.replace(store, f'<store url-env="E2E_STORE_URL" url="{url}"/>'))
+    return url, copy
+
+
+async def test_assistant_calls_tools_in_parallel_iterates_and_answers_once(tmp_path, boot_file):
+    pg_url, boot = boot_file
     async with trio.open_nursery() as nursery:
         model = await ScriptedModel().start(nursery)
         env = subprocess_env(
             OPENAI_BASE_URL=model.base_url, OPENAI_API_KEY="test-key", AGENTSERVER_MODEL="m"
         )
         server = await trio.to_thread.run_sync(
-            lambda: ServerProcess.start(REPO / "boot.xml", env=env, cwd=tmp_path)
+            lambda: ServerProcess.start(boot, env=env, cwd=tmp_path)
         )
         try:
             async with open_client(server.host, server.port) as client:
@@ -94,7 +111,14 @@ async def test_assistant_calls_tools_in_parallel_iterates_and_answers_once(tmp_p
     assert len(model.requests) == 3
     # the agent streams its model calls (chunks become events as they arrive)
     assert all(r.body.get("stream") for r in model.requests)
-    assert (tmp_path / "state" / "agents.sqlite3").exists()
+    # the store used is the one configured (no SQLite file beside a PostgreSQL store)
+    assert (tmp_path / "state" / "agents.sqlite3").exists() == (pg_url is None)
+    if pg_url is not None:
+        import psycopg
+
+        with psycopg.connect(pg_url) as db:
+            rows = db.execute("SELECT count(*) FROM cards WHERE card_type = 'task.deliverable'")
+            assert rows.fetchall() == [(1,)]
 
 
 async def test_assistant_without_a_reachable_backend_answers_one_clear_failure(tmp_path):

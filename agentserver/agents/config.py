@@ -51,10 +51,31 @@ def _profile_default(name: str) -> Any:
     return AgentProfile.__dataclass_fields__[name].default
 
 
+def store_url(el: etree._Element, environ: Mapping[str, str] | None = None) -> str | None:
+    """``<store url>``, or the value of its ``url-env`` variable when that is set; checked
+    (``AgentConfigError``). None: the store is the SQLite file."""
+    env = os.environ if environ is None else environ
+    var = el.get("url-env")
+    url = (env.get(var) if var else None) or el.get("url")
+    if not url:
+        return None
+    from agentserver.agents.pg.url import StoreUrlError, check_url
+
+    try:
+        return check_url(url)
+    except StoreUrlError as exc:
+        source = f"${var}" if var and env.get(var) else "url"
+        raise AgentConfigError(f"{source}: {exc}") from None
+
+
 def store_settings_from_element(
-    el: etree._Element | None, *, base_dir: Path | None = None
+    el: etree._Element | None,
+    *,
+    base_dir: Path | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> StoreSettings:
-    """Settings from a ``StoreSectionType`` element (``None``: all defaults)."""
+    """Settings from a ``StoreSectionType`` element (``None``: all defaults); ``url-env``
+    is read from ``environ`` (default: the process environment)."""
     d = StoreSettings()
     if el is None:
         path = d.path
@@ -67,6 +88,10 @@ def store_settings_from_element(
     try:
         return StoreSettings(
             path=path,
+            url=store_url(el, environ),
+            lease_s=_num(el, "lease", d.lease_s),
+            heartbeat_s=_num(el, "heartbeat", d.heartbeat_s),
+            pool_size=int(_num(el, "pool-size", d.pool_size, int)),
             worker_concurrency=int(_num(el, "worker-concurrency", d.worker_concurrency, int)),
             watchdog_interval_s=_num(el, "watchdog-interval", d.watchdog_interval_s),
             processing_timeout_s=_num(el, "processing-timeout", d.processing_timeout_s),

@@ -120,6 +120,16 @@ class NamedClientReplies:
                 return True
         return False
 
+    async def flush_all(self) -> int:
+        """Offer every connected identity what is kept for it (replies another server
+        process recorded, on a shared store); how many were offered."""
+        sent = 0
+        for identity in list(self._links):
+            for link in self._candidates(identity):
+                sent += await self._flush(link)
+                break
+        return sent
+
     def _candidates(self, identity: str) -> list[ClientLink]:
         """The identity's connections, best first: the newest that can still confirm
         receipt, then the others (a reply written to those stays kept)."""
@@ -154,3 +164,11 @@ class NamedClientReplies:
                 if not await self._offer(link, reply.reply_id, reply.payload):
                     return sent
                 sent += 1
+
+
+async def forward_kept(bell, clients: NamedClientReplies) -> None:
+    """On a shared store: each time ``bell`` rings (another process kept a reply for a
+    named client), offer the connected clients what is kept for them. Until cancelled."""
+    while True:
+        await bell.wait()
+        await clients.flush_all()

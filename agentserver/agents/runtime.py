@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import trio
 from lxml import etree
@@ -29,6 +30,9 @@ from agentserver.agents.store import AgentStore, NewCard, TaskStatus
 from agentserver.agents.watchdog import Watchdog
 from agentserver.agents.worker import Worker
 from agentserver.observability.tracing import Tracing
+
+if TYPE_CHECKING:
+    from agentserver.agents.pg.store import PostgresAgentStore
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +94,16 @@ class AgentRuntime:
         clock: Clock | None = None,
         tracing: Tracing | None = None,
     ) -> AgentRuntime:
-        """Open the SQLite store at ``settings.path`` (created/migrated) and wire everything."""
+        """Open the store (created/migrated) and wire everything: the PostgreSQL database
+        of ``settings.url`` if set, else the SQLite file at ``settings.path``."""
         clock = clock or SystemClock()
-        store = SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
+        store: SqliteAgentStore | PostgresAgentStore
+        if settings.url:
+            from agentserver.agents.pg.store import PostgresAgentStore
+
+            store = PostgresAgentStore.open(settings.url, clock=clock, settings=settings)
+        else:
+            store = SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
         store.tool_result_caps = {n: p.budget.tool_result_cap for n, p in profiles.items()}
         return cls(
             store=store,
@@ -193,6 +204,10 @@ class AgentRuntime:
         recovered = await self.store.recover_running()
         if recovered:
             log.warning("recovered %d running turn(s) after a restart", len(recovered))
+        if getattr(self.store, "shared", False):
+            # Other live processes own the other suspended Turns and unsent replies; the
+            # store's leases hand over a dead process's (recover_running, then its loop).
+            return
         # The pump's threads did not survive: a tool call in flight before the restart will
         # never be answered, so do not make its Turn wait out the whole resume deadline.
         for token in await self.store.suspended_turns():
@@ -208,6 +223,9 @@ class AgentRuntime:
         """Recover, then run the worker and the watchdog until cancelled."""
         await self.recover()
         async with trio.open_nursery() as nursery:
+            serve = getattr(self.store, "serve", None)
+            if serve is not None:  # a shared store: rings from other processes, leases
+                await nursery.start(serve, self.doorbell)
             await nursery.start(self.worker.run)
             await nursery.start(self.watchdog.run)
             await nursery.start(self.approvals.run, self.listener_approvers)

@@ -172,7 +172,7 @@ async def start_agents(
     if not agent_names(topology):
         return None
     env = os.environ if environ is None else environ
-    settings = store_settings_from_element(topology.store, base_dir=Path.cwd())
+    settings = store_settings_from_element(topology.store, base_dir=Path.cwd(), environ=env)
     profiles = build_profiles(topology, pump, env)
     llm = await open_llm(topology, resources, env, tracing=tracing, metrics=metrics)
     window_of = getattr(llm, "context_window", None)
@@ -189,7 +189,9 @@ async def start_agents(
         settings, profiles, llm=llm, tools=ports, replies=ports, tracing=tracing
     )
     resources.push_async_callback(runtime.aclose)
-    if metrics is not None:
+    if metrics is not None and settings.backend == "sqlite":
+        # (StoreFigures reads the SQLite file; on PostgreSQL the store figures are not
+        # exported yet, docs/deploy.md.)
         from agentserver.agents.store_figures import StoreFigures
 
         figures = StoreFigures(settings.path, runtime.clock)
@@ -216,8 +218,17 @@ async def start_agents(
 
     async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with service.scope:
-            await runtime.run(task_status=task_status)
+            kept = getattr(runtime.store, "client_replies", None)
+            if kept is None or ports.clients is None:
+                await runtime.run(task_status=task_status)
+                return
+            # A shared store: replies other processes keep for clients connected here.
+            from agentserver.agents.named_clients import forward_kept
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(forward_kept, kept, ports.clients)
+                await runtime.run(task_status=task_status)
 
     await nursery.start(run)
-    log.info("agents running: %s (store %s)", ", ".join(profiles), settings.path)
+    log.info("agents running: %s (store %s)", ", ".join(profiles), settings.where)
     return service

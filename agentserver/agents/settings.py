@@ -26,6 +26,15 @@ class StoreSettings:
     claim_batch: int = 32
     client_replies_max: int = 256
     reply_max_attempts: int = 10
+    #: ``<store url>`` (or its ``url-env`` variable): the agents' store is this PostgreSQL
+    #: database instead of the SQLite file at ``path`` (docs/deploy.md).
+    url: str | None = None
+    #: PostgreSQL only: how long a process's claim on a Turn lasts without a heartbeat,
+    #: and how often each process renews the claims it holds.
+    lease_s: float = 10.0
+    heartbeat_s: float = 3.0
+    #: PostgreSQL only: connections (and so store transactions in flight) per process.
+    pool_size: int = 8
 
     def __post_init__(self) -> None:
         if self.worker_concurrency < 1:
@@ -35,3 +44,23 @@ class StoreSettings:
                 raise ValueError(f"{name} must be > 0")
         if self.max_running_s <= 0 or self.retry_base_s < 0 or self.max_retries < 0:
             raise ValueError("invalid retry or running limits")
+        if self.heartbeat_s <= 0 or self.lease_s <= self.heartbeat_s:
+            raise ValueError(
+                f"lease ({self.lease_s}s) must be longer than heartbeat ({self.heartbeat_s}s) > 0"
+            )
+        if self.pool_size < 1:
+            raise ValueError("pool_size must be >= 1")
+
+    @property
+    def backend(self) -> str:
+        """``"postgresql"`` with a URL, else ``"sqlite"``."""
+        return "postgresql" if self.url else "sqlite"
+
+    @property
+    def where(self) -> str:
+        """The store as a log line may show it (never a password)."""
+        if self.url is None:
+            return str(self.path)
+        from agentserver.agents.pg.url import redact
+
+        return redact(self.url)

@@ -7,7 +7,7 @@ compaction, governance rows. Raw rows are read through the store's own ``_read``
 backend-neutral transaction), never through a backend's driver.
 
 Backends: ``sqlite`` always; ``postgresql`` when a server is reachable (the ``pg_url``
-fixture skips otherwise) and the build has ``agentserver.agents.postgres_store``.
+fixture skips otherwise).
 """
 
 from __future__ import annotations
@@ -71,10 +71,8 @@ async def store(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[SqlAg
 
         s: SqlAgentStore = SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
     else:
-        try:
-            from agentserver.agents.postgres_store import PostgresAgentStore  # type: ignore
-        except ImportError:
-            pytest.skip("this build has no PostgreSQL backend (agents/postgres_store.py)")
+        from agentserver.agents.pg.store import PostgresAgentStore
+
         url = request.getfixturevalue("pg_url")  # skips when no server is reachable
         opened = PostgresAgentStore.open(url, clock=clock, settings=settings)
         s = await opened if inspect.isawaitable(opened) else opened

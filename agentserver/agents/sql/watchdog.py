@@ -74,26 +74,32 @@ def recover_running(tx: Tx, env: StoreEnv) -> list[TurnToken]:
         (HeadStatus.RUNNING,),
     )
     for r in rows:
-        token = TurnToken(*r)
-        due, payload = _pending_step_retry(tx, env, token, now)
-        h = head.fence(tx, env, token, HeadEvent.RECOVER, sets={"running_since": now})
-        tx.execute(
-            "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, "
-            "agent_turn_id, turn_epoch, payload, next_retry_at, created_at, updated_at) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?)",
-            (
-                new_id(),
-                token.agent_id,
-                MessageType.RESUME,
-                InboxStatus.PENDING,
-                token.agent_turn_id,
-                h.turn_epoch,
-                payload,
-                due,
-                now,
-                now,
-            ),
-        )
-        edge(tx, env, token.agent_id, token.agent_turn_id, "recover", "request")
-        out.append(TurnToken(token.agent_id, token.agent_turn_id, h.turn_epoch))
+        out.append(recover_turn(tx, env, TurnToken(*r), now))
     return out
+
+
+def recover_turn(tx: Tx, env: StoreEnv, token: TurnToken, now: float) -> TurnToken:
+    """Fence one ``running`` Turn whose worker is gone (epoch + 1) and queue the
+    ``resume`` row that re-runs its next step; returns its new token. (Also used by a
+    shared store for the Turns of a process whose lease expired.)"""
+    due, payload = _pending_step_retry(tx, env, token, now)
+    h = head.fence(tx, env, token, HeadEvent.RECOVER, sets={"running_since": now})
+    tx.execute(
+        "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, "
+        "agent_turn_id, turn_epoch, payload, next_retry_at, created_at, updated_at) "
+        "VALUES (?,?,?,?,?,?,?,?,?,?)",
+        (
+            new_id(),
+            token.agent_id,
+            MessageType.RESUME,
+            InboxStatus.PENDING,
+            token.agent_turn_id,
+            h.turn_epoch,
+            payload,
+            due,
+            now,
+            now,
+        ),
+    )
+    edge(tx, env, token.agent_id, token.agent_turn_id, "recover", "request")
+    return TurnToken(token.agent_id, token.agent_turn_id, h.turn_epoch)

@@ -1,0 +1,234 @@
+"""Store transactions on PostgreSQL, from trio: one whole transaction per thread hop.
+
+psycopg's async API and psycopg_pool's async pool need asyncio, so the store uses the
+sync driver: :meth:`PgExecutor.run` runs a sync function over a :class:`PgTx` inside one
+transaction in ``trio.to_thread.run_sync``, with a ``trio.CapacityLimiter`` the size of
+the pool (trio's default limiter allows 40 threads; more threads than connections would
+only queue inside the pool, out of trio's sight).
+
+A thread cannot be abandoned (``to_thread.run_sync`` waits for it even when cancelled),
+so every wait inside one is bounded on the server: ``statement_timeout`` and
+``lock_timeout`` on each connection, and the pool's own timeout for a free connection.
+
+Retries: a serialization failure or a deadlock rolls the transaction back, so it is run
+again (a bounded number of times, with a short random backoff). A connection lost before
+``COMMIT`` was sent also rolled back, so it is retried on a new connection; one lost
+during ``COMMIT`` may or may not have committed, and is raised as :class:`StoreError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import psycopg
+import trio
+from psycopg import errors as pg_errors
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from agentserver.agents.errors import StoreError
+from agentserver.agents.pg.url import redact, redact_text
+
+T = TypeVar("T")
+
+#: The errors after which running the same transaction again is correct.
+RETRYABLE = (pg_errors.SerializationFailure, pg_errors.DeadlockDetected)
+
+
+@functools.lru_cache(maxsize=1024)
+def to_pg(sql: str) -> str:
+    """``?`` placeholders (the store's SQL, shared with SQLite) → psycopg's ``%s``.
+
+    The store's SQL never has a ``?`` or ``%`` inside a literal; ``%`` is escaped anyway
+    so a ``LIKE 'x%'`` cannot be taken for a placeholder."""
+    return sql.replace("%", "%%").replace("?", "%s")
+
+
+class PgTx:
+    """One open transaction: the store's tiny SQL interface (``?`` placeholders)."""
+
+    __slots__ = ("conn", "rowcount")
+    dialect = "postgresql"
+
+    def __init__(self, conn: psycopg.Connection) -> None:
+        self.conn = conn
+        self.rowcount = 0
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """Run one statement; returns (and keeps in ``rowcount``) the rows it changed."""
+        cur = self.conn.execute(to_pg(sql), params, prepare=True)
+        self.rowcount = cur.rowcount
+        return cur.rowcount
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        with self.conn.cursor() as cur:
+            cur.executemany(to_pg(sql), list(rows))
+            self.rowcount = cur.rowcount
+
+    def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+        """The first row; all are fetched, so a ``RETURNING`` statement completes."""
+        rows = self.all(sql, params)
+        return rows[0] if rows else None
+
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        cur = self.conn.execute(to_pg(sql), params, prepare=True)
+        self.rowcount = cur.rowcount
+        return cur.fetchall() if cur.description is not None else []
+
+
+class _CommitLost(Exception):
+    """The connection broke while COMMIT was in flight: the outcome is unknown."""
+
+
+class PgExecutor:
+    """A connection pool and the trio side of it. Open with :meth:`open`, close with
+    :meth:`aclose`.
+
+    ``statement_timeout_s`` bounds any one statement, ``lock_timeout_s`` any wait for a
+    row lock (a claim uses ``SKIP LOCKED`` and never waits), ``connect_timeout_s`` the
+    wait for a free connection or a new one; ``retries`` bounds the reruns of one
+    transaction."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        pool_size: int = 8,
+        statement_timeout_s: float = 30.0,
+        lock_timeout_s: float = 10.0,
+        connect_timeout_s: float = 10.0,
+        retries: int = 5,
+        application_name: str = "agentserver",
+        options: Mapping[str, str] | None = None,
+    ) -> None:
+        if pool_size < 1 or retries < 0:
+            raise ValueError("pool_size must be >= 1 and retries >= 0")
+        self.url = url
+        self.pool_size = pool_size
+        self.retries = retries
+        self.connect_timeout_s = connect_timeout_s
+        self.limiter = trio.CapacityLimiter(pool_size)
+        #: Transactions run again after a serialization failure, deadlock or lost
+        #: connection (figures; tests read it).
+        self.reruns = 0
+        settings = (
+            f"-c statement_timeout={round(statement_timeout_s * 1000)} "
+            f"-c lock_timeout={round(lock_timeout_s * 1000)} "
+            # A process that dies mid-transaction must not hold its locks for long.
+            f"-c idle_in_transaction_session_timeout={round(statement_timeout_s * 2000)}"
+        )
+        for name, value in (options or {}).items():
+            settings += f" -c {name}={value}"  # names and values are ours (no spaces)
+        self._pool = ConnectionPool(
+            url,
+            min_size=1,
+            max_size=pool_size,
+            open=False,
+            timeout=connect_timeout_s,
+            kwargs={
+                "autocommit": True,
+                "options": settings,
+                "application_name": application_name,
+                "connect_timeout": max(1, round(connect_timeout_s)),
+            },
+            name="agentserver-store",
+        )
+
+    @classmethod
+    async def open(cls, url: str, **kwargs: Any) -> PgExecutor:
+        """A started executor: its first connection is made (StoreError if it cannot be)."""
+        return await trio.to_thread.run_sync(functools.partial(cls.open_sync, url, **kwargs))
+
+    @classmethod
+    def open_sync(cls, url: str, **kwargs: Any) -> PgExecutor:
+        """:meth:`open`, blocking the calling thread (start-up paths that are sync)."""
+        ex = cls(url, **kwargs)
+        try:
+            ex._pool.open(wait=True, timeout=ex.connect_timeout_s)
+        except (PoolTimeout, psycopg.Error) as exc:
+            ex._pool.close()
+            raise StoreError(
+                f"cannot connect to the agent store {redact(url)}: {redact_text(exc, url)}"
+            ) from None
+        return ex
+
+    async def aclose(self) -> None:
+        await trio.to_thread.run_sync(self.close)
+
+    def close(self) -> None:
+        """Close every connection (blocking). Idempotent."""
+        self._pool.close()
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(tx, *args)`` in one transaction, in a worker thread; its result, or its
+        exception (psycopg's errors as :class:`StoreError`). Nothing of a transaction
+        that raised is committed."""
+        return await trio.to_thread.run_sync(self.run_sync, fn, *args, limiter=self.limiter)
+
+    async def run_single(self, fn: Callable[..., T], *args: Any) -> T:
+        """Like :meth:`run` for a ``fn`` that reads, or runs one statement (atomic by
+        itself): in autocommit, without the ``BEGIN``/``COMMIT`` round trips. A read of
+        several statements sees a snapshot per statement."""
+        return await trio.to_thread.run_sync(
+            functools.partial(self.run_sync, fn, *args, atomic=False), limiter=self.limiter
+        )
+
+    def run_sync(self, fn: Callable[..., T], *args: Any, atomic: bool = True) -> T:
+        """:meth:`run` (``atomic=False``: :meth:`run_single`) on the calling thread (a
+        worker thread, or a start-up path)."""
+        attempt = 0
+        while True:
+            try:
+                return self._once(fn, args, atomic)
+            except RETRYABLE as exc:
+                if attempt >= self.retries:
+                    raise StoreError(f"transaction failed {attempt + 1} times: {exc}") from exc
+            except psycopg.OperationalError as exc:
+                # Lost before COMMIT: the server rolled it back. Anything else is real.
+                if attempt >= self.retries or not _connection_lost(exc):
+                    raise StoreError(redact_text(exc, self.url)) from exc
+            except _CommitLost as exc:
+                raise StoreError(
+                    f"the connection to the agent store broke during COMMIT ({exc}); "
+                    "the transaction may or may not have been committed"
+                ) from None
+            except PoolTimeout as exc:
+                raise StoreError(f"no connection to the agent store: {exc}") from None
+            except psycopg.Error as exc:
+                raise StoreError(redact_text(exc, self.url)) from exc
+            attempt += 1
+            self.reruns += 1
+            time.sleep(random.uniform(0, 0.002 * 2**attempt))
+
+    def _once(self, fn: Callable[..., T], args: tuple[Any, ...], atomic: bool) -> T:
+        with self._pool.connection() as conn:
+            # The pool's connections are autocommit: BEGIN/COMMIT only where needed.
+            if not atomic:
+                return fn(PgTx(conn), *args)
+            conn.execute("BEGIN")
+            try:
+                result = fn(PgTx(conn), *args)
+            except BaseException:
+                if not conn.broken:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.execute("ROLLBACK")
+                raise
+            try:
+                conn.execute("COMMIT")
+            except psycopg.OperationalError as exc:
+                if conn.broken:
+                    raise _CommitLost(redact_text(exc, self.url)) from None
+                raise
+            return result
+
+
+def _connection_lost(exc: psycopg.OperationalError) -> bool:
+    """Whether ``exc`` says the connection is gone (not a timeout or a refusal by the
+    server, which are OperationalErrors too)."""
+    if isinstance(exc, pg_errors.QueryCanceled | pg_errors.LockNotAvailable):
+        return False
+    return exc.sqlstate is None or exc.sqlstate.startswith(("08", "57P"))

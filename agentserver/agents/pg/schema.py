@@ -1,0 +1,57 @@
+"""The schema on PostgreSQL: the shared migrations (``agents/sql/schema.py``) plus what
+only a shared database needs (which process wrote a row last, and each process's lease),
+created and migrated at start under a transaction-scoped advisory lock, so processes
+starting together migrate once and the others wait, then find the schema current.
+
+Ownership without touching the shared SQL: each connection carries its process's owner
+id (``SET agentserver.owner``, from the connection options), and a trigger stamps it on
+every row of ``agent_state_head`` and ``agent_inbox`` the connection inserts or updates.
+A running or suspended head's owner is the process running its Turn (or waiting for its
+tools); a ``processing`` inbox row's owner is the process that claimed it.
+"""
+
+from __future__ import annotations
+
+from agentserver.agents.sql.db import StoreEnv, Tx
+from agentserver.agents.sql.schema import migrate
+
+#: ``pg_advisory_xact_lock`` key of the migration (a constant: "agentsrv" in ASCII).
+MIGRATION_LOCK = 0x6167656E74737276
+
+OWNER_SETTING = "agentserver.owner"
+
+EXTRAS = (
+    """CREATE TABLE IF NOT EXISTS agentserver_processes (
+    owner TEXT PRIMARY KEY,
+    lease_until DOUBLE PRECISION NOT NULL,
+    started_at DOUBLE PRECISION NOT NULL,
+    host TEXT NOT NULL,
+    pid INTEGER NOT NULL
+)""",
+    "ALTER TABLE agent_state_head ADD COLUMN IF NOT EXISTS owner TEXT",
+    "ALTER TABLE agent_inbox ADD COLUMN IF NOT EXISTS owner TEXT",
+    "CREATE INDEX IF NOT EXISTS agent_state_head_owner ON agent_state_head (owner, status)",
+    "CREATE INDEX IF NOT EXISTS agent_inbox_owner ON agent_inbox (owner, status)",
+    f"""CREATE OR REPLACE FUNCTION agentserver_stamp_owner() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.owner := coalesce(nullif(current_setting('{OWNER_SETTING}', true), ''), NEW.owner);
+    RETURN NEW;
+END $$""",
+    "DROP TRIGGER IF EXISTS agentserver_head_owner ON agent_state_head",
+    "CREATE TRIGGER agentserver_head_owner BEFORE INSERT OR UPDATE ON agent_state_head "
+    "FOR EACH ROW EXECUTE FUNCTION agentserver_stamp_owner()",
+    "DROP TRIGGER IF EXISTS agentserver_inbox_owner ON agent_inbox",
+    "CREATE TRIGGER agentserver_inbox_owner BEFORE INSERT OR UPDATE ON agent_inbox "
+    "FOR EACH ROW EXECUTE FUNCTION agentserver_stamp_owner()",
+)
+
+
+def migrate_pg(tx: Tx, env: StoreEnv | None = None) -> int:
+    """Create or migrate the schema (one transaction, under the advisory lock); returns
+    the version found."""
+    tx.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK,))
+    found = migrate(tx, env)
+    for statement in EXTRAS:
+        tx.execute(statement)
+    return found

@@ -1,0 +1,203 @@
+"""The PostgreSQL backend of :class:`~agentserver.agents.sql_store.SqlAgentStore`.
+
+Every store method is one transaction in a worker thread (:mod:`.executor`); claims lock
+with ``FOR UPDATE SKIP LOCKED`` so processes sharing the database take disjoint rows;
+every Turn write is fenced by the head's epoch (the compare-and-set of ``agents/sql``),
+so a process whose Turn was taken over writes nothing. Transactions that make work due
+somewhere ``NOTIFY`` the other processes (:mod:`.notify`); the leases of
+:mod:`.leases` give the Turns of a dead process to the living.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import trio
+
+from agentserver.agents.clock import Clock, SystemClock
+from agentserver.agents.doorbell import Doorbell
+from agentserver.agents.errors import StaleTurn, StoreError
+from agentserver.agents.pg import leases
+from agentserver.agents.pg.executor import PgExecutor
+from agentserver.agents.pg.notify import (
+    CLIENT_REPLIES_CHANNEL,
+    WAKE_CHANNEL,
+    PgListener,
+    notify,
+)
+from agentserver.agents.pg.schema import OWNER_SETTING, migrate_pg
+from agentserver.agents.settings import StoreSettings
+from agentserver.agents.sql import inbox, replies, tools, turns, watchdog
+from agentserver.agents.sql_store import SqlAgentStore
+from agentserver.agents.store import TurnToken
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+#: Store functions after whose commit another process may have work to do, and the
+#: channel that says so.
+_NOTIFIES = {
+    fn: WAKE_CHANNEL
+    for fn in (
+        inbox.enqueue_turn,
+        inbox.report_tool_result,
+        inbox.requeue_stuck,
+        tools.suspend,
+        tools.inject_timeouts,
+        turns.finish,
+        turns.fail_turn_row,
+        turns.force_end,
+        turns.retry_step,
+        watchdog.recover_running,
+        replies.cancel_queued,
+        leases.reclaim,
+    )
+}
+_NOTIFIES[replies.record_client_reply] = CLIENT_REPLIES_CHANNEL
+
+
+def _notifying(tx, env, channel, fn, *args):
+    result = fn(tx, env, *args)
+    notify(tx, channel)
+    return result
+
+
+class PostgresAgentStore(SqlAgentStore):
+    """The agent store on PostgreSQL. Create with :meth:`open`; close with :meth:`aclose`.
+    ``owner`` identifies this process in the database (rows it owns, its lease)."""
+
+    claim_lock = " FOR UPDATE SKIP LOCKED"
+    #: Other processes use this store too: recovery at start must take over only the
+    #: work of processes that are gone (their lease expired), never all of it.
+    shared = True
+
+    def __init__(
+        self, executor: PgExecutor, clock: Clock, settings: StoreSettings, owner: str
+    ) -> None:
+        super().__init__(clock, settings)
+        self.executor = executor
+        self.owner = owner
+        #: Rings when some process kept a reply for a named client (named_clients.py's
+        #: forward_kept offers it to the connection this process holds, if any).
+        self.client_replies = Doorbell()
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        *,
+        clock: Clock | None = None,
+        settings: StoreSettings | None = None,
+        owner: str | None = None,
+    ) -> PostgresAgentStore:
+        """Connect, then create or migrate the schema (StoreError if the server cannot be
+        reached or the schema is newer than this code). Blocking, like opening the SQLite
+        file: call once at start (or in a thread)."""
+        settings = settings or StoreSettings(url=url)
+        owner = owner or uuid.uuid4().hex
+        executor = PgExecutor.open_sync(
+            url,
+            pool_size=settings.pool_size,
+            application_name=f"agentserver {owner[:8]}",
+            options={OWNER_SETTING: owner},
+        )
+        store = cls(executor, clock or SystemClock(), settings, owner)
+        try:
+            executor.run_sync(migrate_pg, store.env)
+            # Registered before its first write: every row it owns has a live lease.
+            executor.run_sync(leases.heartbeat, store.env, *store._lease_args())
+        except BaseException:
+            executor.close()
+            raise
+        return store
+
+    def _lease_args(self) -> tuple[str, float, str, int]:
+        return (self.owner, self.settings.lease_s, socket.gethostname(), os.getpid())
+
+    def close(self) -> None:
+        """Release the lease (the others take over this process's Turns at once), close
+        the connections. Blocking."""
+        try:
+            self.executor.run_sync(leases.release, self.env, self.owner)
+        except StoreError as exc:
+            log.warning("agent store: could not release the lease: %s", exc)
+        self.executor.close()
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        channel = _NOTIFIES.get(fn)
+        if channel is not None:
+            return await self.executor.run(_notifying, self.env, channel, fn, *args)
+        return await self.executor.run(fn, self.env, *args)
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.executor.run_single(fn, self.env, *args)
+
+    async def _run1(self, fn: Callable[..., T], *args: Any) -> T:
+        if fn in _NOTIFIES:  # the NOTIFY must commit with the write
+            return await self._run(fn, *args)
+        return await self.executor.run_single(fn, self.env, *args)
+
+    async def aclose(self) -> None:
+        await trio.to_thread.run_sync(self.close)
+
+    async def recover_running(self) -> list[TurnToken]:
+        """Before this process's worker runs: recover its own running Turns and take over
+        those of processes whose lease expired (e.g. this server's previous run); never
+        those of a live process."""
+        return await self.reclaim(mine=True)
+
+    async def reclaim(self, *, mine: bool = False) -> list[TurnToken]:
+        """One round of :func:`leases.reclaim` (``mine``: this process's work too);
+        timeouts for the dead processes' tool calls. Returns the recovered running
+        Turns."""
+        got = await self._run(leases.reclaim, 8, self.owner if mine else None)
+        if got.owners:
+            log.warning(
+                "agent store: took over from %d stopped process(es): %d running turn(s) "
+                "recovered, %d suspended, %d inbox row(s) requeued",
+                len(got.owners),
+                len(got.recovered),
+                len(got.suspended),
+                got.requeued,
+            )
+        for token in got.suspended:
+            try:
+                await self.inject_timeouts(token, "was lost with the process that sent it")
+            except StaleTurn:
+                continue
+        return got.recovered
+
+    async def serve(
+        self,
+        doorbell: Doorbell,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Until cancelled: ring ``doorbell`` when another process (or this one) makes work
+        due, and at least every second; renew this process's lease every heartbeat and
+        take over the work of processes whose lease expired."""
+        listener = PgListener(
+            self.executor.url,
+            {WAKE_CHANNEL: doorbell.ring, CLIENT_REPLIES_CHANNEL: self.client_replies.ring},
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(listener.run)
+            nursery.start_soon(self._keep_lease, doorbell)
+            task_status.started()
+
+    async def _keep_lease(self, doorbell: Doorbell) -> None:
+        while True:
+            await trio.sleep(self.settings.heartbeat_s)
+            try:
+                await self.executor.run(leases.heartbeat, self.env, *self._lease_args())
+                if await self.reclaim():
+                    doorbell.ring()
+            except StoreError as exc:
+                # The database is unreachable: keep trying; if the lease runs out
+                # meanwhile, another process takes these Turns over (and fences them).
+                log.warning("agent store: heartbeat failed: %s", exc)

@@ -1,0 +1,183 @@
+"""PostgresAgentStore's own guarantees on a real server: schema created once by
+processes starting together, claims that skip locked rows, leases (a live process's
+Turns are never taken; a dead one's are, fenced), NOTIFY after work is made due."""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pytest
+import trio
+
+from agentserver.agents.errors import StaleTurn
+from agentserver.agents.pg.leases import processes
+from agentserver.agents.pg.store import PostgresAgentStore
+from agentserver.agents.settings import StoreSettings
+from agentserver.agents.sql.schema import SCHEMA_VERSION
+from agentserver.agents.states import HeadStatus, InboxStatus
+from agentserver.agents.store import NewCard, ToolCallRecord
+
+
+def _open(url: str, **kw) -> PostgresAgentStore:
+    return PostgresAgentStore.open(url, settings=StoreSettings(url=url, **kw))
+
+
+def _sql(url: str, query: str, *args):
+    with psycopg.connect(url) as conn:
+        cur = conn.execute(query, args)
+        return cur.fetchall() if cur.description is not None else []
+
+
+def test_processes_starting_together_migrate_once(pg_url: str) -> None:
+    stores: list[PostgresAgentStore] = []
+    errors: list[BaseException] = []
+    gate = threading.Barrier(4)
+
+    def start() -> None:
+        gate.wait()
+        try:
+            stores.append(_open(pg_url))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert errors == []
+        versions = _sql(pg_url, "SELECT version FROM schema_version ORDER BY version")
+        assert versions == [(v,) for v in range(1, SCHEMA_VERSION + 1)]
+        assert len(_sql(pg_url, "SELECT owner FROM agentserver_processes")) == 4
+    finally:
+        for s in stores:
+            s.close()
+
+
+async def _running(store: PostgresAgentStore, agent: str = "a"):
+    await store.ensure_agents([agent])
+    result = await store.enqueue_turn(agent, b"<task>x</task>", {"ref": 1})
+    assert result.leased
+    [row] = await store.claim_due(agent, 5)
+    return await store.start_turn(row)
+
+
+async def test_claims_skip_rows_another_transaction_holds(pg_url: str) -> None:
+    store = _open(pg_url)
+    try:
+        token = await _running(store)
+        await store.suspend(
+            token,
+            (await store.begin_step(token))[0],
+            [ToolCallRecord("t1", "calc", "<add/>"), ToolCallRecord("t2", "calc", "<add/>")],
+            [],
+            resume_deadline=1e12,
+        )
+        first = await store.report_tool_result("a", "t1", b"<sum>1</sum>", failed=False)
+        await store.report_tool_result("a", "t2", b"<sum>2</sum>", failed=False)
+        with psycopg.connect(pg_url) as holder:
+            holder.execute("SELECT 1 FROM agent_inbox WHERE inbox_id = %s FOR UPDATE", (first,))
+            rows = await store.claim_due("a", 5)  # no wait: lock_timeout would fail it
+            assert [r.correlation_id for r in rows] == ["t2"]
+        rows = await store.claim_due("a", 5)
+        assert [r.inbox_id for r in rows] == [first]
+    finally:
+        await store.aclose()
+
+
+async def test_a_live_process_keeps_its_turns_a_dead_one_loses_them_fenced(pg_url: str) -> None:
+    a, b = _open(pg_url), _open(pg_url)
+    try:
+        token = await _running(a)
+        assert await b.recover_running() == []  # a's lease is live
+        await a.add_cards(token, [NewCard("sys.note", "still a's")])
+        # a stops renewing (killed): once its lease is over, b takes the Turn over.
+        _sql(pg_url, "UPDATE agentserver_processes SET lease_until = 0 WHERE owner = %s", a.owner)
+        [taken] = await b.recover_running()
+        assert taken.agent_turn_id == token.agent_turn_id
+        assert taken.turn_epoch == token.turn_epoch + 1
+        with pytest.raises(StaleTurn):
+            await a.add_cards(token, [NewCard("sys.note", "from the dead")])
+        [resume] = await b.claim_due("a", 5)
+        assert resume.message_type == "resume" and resume.turn_epoch == taken.turn_epoch
+        assert await b.take_resume(resume) == taken
+        head = await b.head("a")
+        assert (head.status, head.turn_epoch) == (HeadStatus.RUNNING, taken.turn_epoch)
+        owners = [p[0] for p in await b.executor.run(processes, b.env)]
+        assert owners == [b.owner]  # a's registration went with its Turns
+        assert await b.reclaim() == []  # taken over once
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_an_expired_lease_is_taken_over_and_tool_calls_time_out(pg_url: str) -> None:
+    a = _open(pg_url, lease_s=0.3, heartbeat_s=0.1)
+    b = _open(pg_url)
+    try:
+        token = await _running(a)
+        step, _ = await a.begin_step(token)
+        await a.suspend(token, step, [ToolCallRecord("t1", "calc", "<add/>")], [], 1e12)
+        await a.ensure_agents(["other"])
+        await a.enqueue_turn("other", b"<task/>", {"ref": 2})
+        [claimed] = await a.claim_due("other", 5)  # a dies holding it in processing
+        for _ in range(100):  # a's lease (0.3 s) runs out: b's reclaim takes over
+            await b.reclaim()
+            if _sql(pg_url, "SELECT 1 FROM agent_inbox WHERE message_type = 'timeout'"):
+                break
+            await trio.sleep(0.1)
+        [(status,)] = _sql(
+            pg_url, "SELECT status FROM agent_inbox WHERE inbox_id = %s", claimed.inbox_id
+        )
+        assert status == InboxStatus.PENDING
+        [(corr, failed)] = _sql(
+            pg_url, "SELECT correlation_id, failed FROM agent_inbox WHERE message_type = 'timeout'"
+        )
+        assert (corr, failed) == ("t1", 1)
+    finally:
+        a.close()
+        await b.aclose()
+
+
+async def test_a_clean_close_hands_over_at_once(pg_url: str) -> None:
+    a, b = _open(pg_url), _open(pg_url)
+    try:
+        token = await _running(a)
+    finally:
+        await a.aclose()
+    try:
+        [taken] = await b.recover_running()
+        assert taken.turn_epoch == token.turn_epoch + 1
+    finally:
+        await b.aclose()
+
+
+async def test_work_made_due_rings_every_process(pg_url: str) -> None:
+    from agentserver.agents.doorbell import Doorbell
+
+    a, b = _open(pg_url), _open(pg_url)
+    bell = Doorbell()
+    rings = 0
+
+    class Counting(Doorbell):
+        def ring(self) -> None:
+            nonlocal rings
+            rings += 1
+            bell.ring()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(b.serve, Counting())
+            with trio.fail_after(10):
+                await bell.wait()  # after connecting
+                before = rings
+                await a.ensure_agents(["a"])
+                await a.enqueue_turn("a", b"<task/>", {"ref": 1})
+                await bell.wait()
+                assert rings == before + 1
+            nursery.cancel_scope.cancel()
+    finally:
+        await a.aclose()
+        await b.aclose()
