@@ -34,7 +34,7 @@ from lxml import etree
 from agentserver.envelope import build_envelope, load_envelope_schema
 from agentserver.listener import Listener
 from agentserver.listeners.echo import Ping, Pong
-from agentserver.listeners.echo import handle as echo
+from agentserver.listeners.echo import respond as echo
 from agentserver.observability import Tracing
 from agentserver.payloads import PayloadType
 from agentserver.pump import PumpConfig, open_pump
@@ -73,11 +73,7 @@ def same_work_loop(data: bytes, n: int) -> float:
         if not env_schema.validate(root) or not ping.schema.validate(root[1]):
             raise AssertionError("bench message invalid")
         thread = root[0][-1].text
-        # The handler is a coroutine function that never suspends: run it to its return.
-        try:
-            echo(root[1], None).send(None)
-        except StopIteration as done:
-            reply = done.value.payload
+        reply = echo(root[1], None).payload
         if not pong.schema.validate(reply):
             raise AssertionError("reply invalid")
         out = canonicalize(build_envelope("echo", "bench", thread, reply))
@@ -101,7 +97,14 @@ def memory_tracing():
 
 async def pump_run(data: bytes, n: int, tracing: Tracing | None = None) -> float:
     listener = Listener(
-        "echo", (Ping,), echo, responses=(Pong,), raw=True, concurrency=4, queue_size=256
+        "echo",
+        (Ping,),
+        echo,
+        responses=(Pong,),
+        raw=True,
+        sync=True,
+        concurrency=4,
+        queue_size=256,
     )
     # Room for every reply: the reader may fall behind the pump (it only counts them).
     config = PumpConfig(endpoint_buffer=n + 16, endpoint_buffer_bytes=n * (2 * len(data) + 512))
@@ -147,7 +150,14 @@ async def latency_run(text_bytes: int, connections: int, seconds: float) -> list
     own thread. Returns the request → reply times (seconds) after a short warm-up; every
     reply must be the pong on the endpoint's thread."""
     listener = Listener(
-        "echo", (Ping,), echo, responses=(Pong,), raw=True, concurrency=4, queue_size=256
+        "echo",
+        (Ping,),
+        echo,
+        responses=(Pong,),
+        raw=True,
+        sync=True,
+        concurrency=4,
+        queue_size=256,
     )
     samples: list[float] = []
     window = {"measuring": False}
@@ -207,7 +217,7 @@ async def floor_run(data: bytes, n: int) -> float:
                     return
             except trio.EndOfChannel:
                 return
-            out = (await echo(payload, None)).payload
+            out = echo(payload, None).payload
             if not pong.schema.validate(out):
                 raise AssertionError("reply invalid")
             to_reader.send_nowait(canonicalize(build_envelope("echo", "bench", thread, out)))

@@ -49,7 +49,7 @@ from lxml import etree
 from agentserver.envelope import build_envelope, load_envelope_schema
 from agentserver.framing import FrameDecoder, encode_frame, encode_frames
 from agentserver.listeners.echo import Ping, Pong
-from agentserver.listeners.echo import handle as echo
+from agentserver.listeners.echo import respond as echo
 from agentserver.payloads import PayloadType
 from agentserver.threads import new_thread_id
 from agentserver.xmlsafe import SafeParser, canonicalize
@@ -70,11 +70,7 @@ async def bare_server(port: int) -> None:
         root = parser.parse(frame)
         if not (envelope_schema.validate(root) and ping.is_valid(root[1])):
             return None
-        # The handler is a coroutine function that never suspends: run it to its return.
-        try:
-            echo(root[1], None).send(None)
-        except StopIteration as done:
-            reply = done.value.payload
+        reply = echo(root[1], None).payload
         if not pong.is_valid(reply):
             return None
         return canonicalize(build_envelope("echo", "bench", root[0][-1].text, reply))
