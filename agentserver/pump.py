@@ -39,7 +39,7 @@ from lxml import etree
 from pydantic_xml import BaseXmlModel
 
 from agentserver.endpoint import DEFAULT_BUFFER_BYTES, Endpoint
-from agentserver.envelope import EnvelopeCodec, encode, guess_thread
+from agentserver.envelope import EnvelopeCodec, build_envelope, encode, guess_thread
 from agentserver.errors import (
     ConfigurationError,
     DeliveryRefused,
@@ -74,7 +74,7 @@ from agentserver.threads import (
     new_thread_id,
 )
 from agentserver.usage import describe_payload, usage_instructions
-from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, canonical_or_empty
+from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, canonical_or_empty, canonicalize
 
 log = logging.getLogger("agentserver.pump")
 
@@ -230,6 +230,7 @@ class _Waiters:
 class _Runtime:
     __slots__ = (
         "call",
+        "chain",
         "handled",
         "latency",
         "listener",
@@ -253,6 +254,8 @@ class _Runtime:
         self.sync = listener.handler if listener.sync else None
         #: Fast-path calls not to time, and the weight of the next timing (as in _serve).
         self.skip, self.weight = 0, 1
+        #: The tail of the chain of a hop to this listener.
+        self.chain = (listener.name,)
         #: Primitives the handler's annotation does not admit (see handler_types).
         self.unreadable = unreadable(listener.handler, CORE_MODELS, raw=listener.raw)
         self.send, self.receive = trio.open_memory_channel[_Delivery](listener.queue_size)
@@ -260,6 +263,9 @@ class _Runtime:
         self.handled = 0
         self.latency = LatencyHistogram()
         self.slots: list[_Slot] = []
+
+
+_new_meta = tuple.__new__
 
 
 def _awaitable(handler: Callable[..., Any]) -> Callable[..., Coroutine[Any, Any, Any]]:
@@ -580,13 +586,27 @@ class Pump:
                 record.last_active = self._now
             else:
                 thread_id = new_thread_id()
-        elif not is_uuid4(thread_id):
-            thread_id = new_thread_id()
+        elif thread_id != endpoint.last_thread:
+            # A client usually goes on on one thread: its id is checked once, not per
+            # message (the registry lookup above is still made every time).
+            if is_uuid4(thread_id):
+                endpoint.last_thread = thread_id
+            else:
+                thread_id = new_thread_id()
         listener = rt.listener
         name = listener.name
-        hop = new_thread_id()
-        meta = HandlerMetadata(
-            hop, endpoint.name, name, False, rt.usage, None, (endpoint.name, name)
+        # tuple.__new__: a NamedTuple's own __new__ is a Python function (twice the cost).
+        meta = _new_meta(
+            HandlerMetadata,
+            (
+                new_thread_id(),
+                endpoint.name,
+                name,
+                False,
+                rt.usage,
+                None,
+                endpoint.chain + rt.chain,
+            ),
         )
         self.counters["delivered"] += 1
         rt.handled += 1
@@ -603,24 +623,30 @@ class Pump:
                 rt.skip = rt.weight - 1
         except Exception as exc:
             return self._sync_fallback(
-                rt, endpoint, thread_id, hop, payload, ptype, data, exc, raised=True
+                rt, endpoint, thread_id, meta[0], payload, ptype, data, exc, raised=True
             )
         if (
             type(result) is HandlerResponse
             and result.is_response
             and type(result.payload) is etree._Element
         ):
+            answer = result.payload
             try:
-                self._codec.validate_payload(result.payload)
+                self._codec.validate_payload(answer)
             except Refusal:
                 pass  # bounced to the listener by the general path
             else:
-                self._push(endpoint, name, thread_id, result.payload)
+                if endpoint.push(
+                    canonicalize(build_envelope(name, endpoint.name, thread_id, answer))
+                ):
+                    self.counters["sent"] += 1
+                else:
+                    self.counters["dropped"] += 1
                 return None
         elif result is None:
             endpoint.chain_ended()  # the request ends unanswered, as a worker's would
             return None
-        return self._sync_fallback(rt, endpoint, thread_id, hop, payload, ptype, data, result)
+        return self._sync_fallback(rt, endpoint, thread_id, meta[0], payload, ptype, data, result)
 
     async def _sync_fallback(
         self,

@@ -83,11 +83,14 @@ async def test_answered_in_the_injecting_task_with_no_thread_or_queue():
 
 
 async def test_a_thread_that_is_not_the_clients_own_uuid4_is_replaced():
+    kept = "0b6d2f4e-8c51-4b7a-9d3e-2f1a6c5b4e3d"
     async with open_pump([sync_listener()]) as pump:
         ep = pump.open_endpoint("alice")
-        await ep.send(envelope_bytes(Ping(text="x"), thread="not-a-uuid"))
-        meta, _ = await receive(ep)
-        assert is_uuid4(meta["thread"])
+        for thread in (kept, kept, "not-a-uuid", kept, kept.upper()):
+            await ep.send(envelope_bytes(Ping(text="x"), thread=thread))
+            meta, _ = await receive(ep)
+            assert is_uuid4(meta["thread"])
+            assert (meta["thread"] == kept) == (thread == kept)
         # Another party's thread (the pump's root) is not the client's to attach to.
         await ep.send(envelope_bytes(Ping(text="x"), thread=pump.root_thread.id))
         meta, payload = await receive(ep)
