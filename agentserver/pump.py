@@ -304,8 +304,7 @@ class Pump:
         self._runtimes: dict[str, _Runtime] = {}
         self._endpoints: dict[str, Endpoint] = {}
         self._table: RoutingTable | None = None
-        #: Root tag → the runtime of the one synchronous listener taking it (tracing off
-        #: only: a fast-path call has no span).
+        #: Root tag → the runtime of the one synchronous listener taking it.
         self._sync_by_tag: dict[str, _Runtime] = {}
         self._state = _State.NEW
         self._inflight = 0
@@ -366,10 +365,9 @@ class Pump:
             self._runtimes[listener.name] = _Runtime(
                 listener, usage_instructions(listener.name, own, peers, describe=describe)
             )
-        if self._tracer is None:
-            for tag, names in self._table.by_tag.items():
-                if len(names) == 1 and self._runtimes[names[0]].sync is not None:
-                    self._sync_by_tag[tag] = self._runtimes[names[0]]
+        for tag, names in self._table.by_tag.items():
+            if len(names) == 1 and self._runtimes[names[0]].sync is not None:
+                self._sync_by_tag[tag] = self._runtimes[names[0]]
 
     def usage_instructions(self, name: str) -> str:
         """The generated instructions of a listener (available once the pump runs)."""
@@ -610,6 +608,8 @@ class Pump:
         )
         self.counters["delivered"] += 1
         rt.handled += 1
+        if self._tracer is not None:
+            return self._inject_sync_traced(rt, endpoint, thread_id, payload, ptype, data, meta)
         try:
             if rt.skip:
                 rt.skip -= 1
@@ -648,6 +648,55 @@ class Pump:
             return None
         return self._sync_fallback(rt, endpoint, thread_id, meta[0], payload, ptype, data, result)
 
+    def _inject_sync_traced(
+        self,
+        rt: _Runtime,
+        endpoint: Endpoint,
+        thread_id: str,
+        payload: etree._Element,
+        ptype: PayloadType,
+        data: bytes,
+        meta: HandlerMetadata,
+    ) -> Coroutine[Any, Any, None] | None:
+        """:meth:`_inject_sync`'s call and answer with tracing on: in the call's ``handle``
+        span, as a worker would run it (what falls back runs after the span, in the
+        sender's context)."""
+        span = self._tracer.start_handle(rt.listener.name, None, endpoint.name, meta[0], True)
+        token = attach(span)
+        raised = False
+        try:
+            started = time.perf_counter()
+            result = rt.sync(payload, meta)
+            rt.latency.observe(time.perf_counter() - started, 1)  # a span reads clocks anyway
+        except Exception as exc:
+            record_error(span, type(exc).__name__)
+            result, raised = exc, True
+        finally:
+            detach(token)
+        if raised:
+            pass
+        elif (
+            type(result) is HandlerResponse
+            and result.is_response
+            and type(result.payload) is etree._Element
+        ):
+            try:
+                self._codec.validate_payload(result.payload)
+            except Refusal:
+                pass
+            else:
+                self._push(endpoint, rt.listener.name, thread_id, result.payload)
+                span.end()
+                return None
+        elif result is None:
+            endpoint.chain_ended()
+            span.end()
+            return None
+        # The general path runs in the span too (a forward's hop is its child), then ends it.
+        return self._sync_fallback(
+            rt, endpoint, thread_id, meta[0], payload, ptype, data, result, raised=raised, span=span
+        )
+
     async def _sync_fallback(
         self,
         rt: _Runtime,
@@ -660,6 +709,7 @@ class Pump:
         result: object,
         *,
         raised: bool = False,
+        span: object = None,
     ) -> None:
         """A fast-path call that did not simply answer: open its conversation and hop (with
         the ids its handler saw) and finish it as a worker would have."""
@@ -676,10 +726,14 @@ class Pump:
                 SystemErrorCode.ROUTING, retry_allowed=True, detail="registry full"
             )
             self._answer_endpoint(endpoint, thread_id, busy, data)
+            if span is not None:
+                record_error(span, "registry_full")
+                span.end()
             return
         d = _Delivery(payload, ptype, child, endpoint.name, False, None, data)
         self._inflight += 1
         child.pending += 1
+        token = attach(span) if span is not None else None
         try:
             if raised and isinstance(result, Refusal):
                 log.info("%s: refused on %s: %s", listener.name, child.dotted, result)
@@ -696,6 +750,9 @@ class Pump:
         finally:
             child.pending -= 1
             self._done()
+            if span is not None:
+                detach(token)
+                span.end()
         if not (child.children or child.pins or child.pending):
             self._settle(child)
 

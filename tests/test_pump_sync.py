@@ -194,7 +194,7 @@ async def _forwarding_front(p, meta):
     return HandlerResponse.respond(Pong(text=p.text))
 
 
-async def test_tracing_on_takes_the_general_path():
+async def test_tracing_on_gives_each_fast_path_call_its_handle_span():
     from agentserver.observability import Tracing
 
     pytest.importorskip("opentelemetry.sdk")
@@ -211,7 +211,9 @@ async def test_tracing_on_takes_the_general_path():
         await ep.send(envelope_bytes(Ping(text="x")))
         _, payload = await receive(ep)
         assert local(payload) == "pong"
-    assert any(span.name.startswith("handle") for span in exporter.get_finished_spans())
+        assert len(pump.threads) == 1  # still the fast path: no thread was made
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "handle echo" and span.parent is None
 
 
 async def test_registry_limits_do_not_refuse_what_holds_no_thread():
@@ -223,3 +225,44 @@ async def test_registry_limits_do_not_refuse_what_holds_no_thread():
             await ep.send(envelope_bytes(Ping(text=str(i))))
             _, payload = await receive(ep)
             assert local(payload) == "pong" and payload[0].text == str(i)
+
+
+async def test_tracing_on_a_fallback_runs_in_the_calls_span():
+    """A forward from the fast path: the peer's handle span is the sync call's child."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from agentserver.observability import Tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    listeners = [
+        Listener(
+            "front", (Ping,), _sync_front, peers=("adder",), responses=(Pong,), raw=True, sync=True
+        ),
+        Listener("adder", (Add,), _adder, responses=(Sum,)),
+    ]
+    async with open_pump(listeners, tracing=Tracing(provider)) as pump:
+        ep = pump.open_endpoint("alice")
+        await ep.send(envelope_bytes(Ping(text="1")))
+        _, payload = await receive(ep)
+        assert payload[0].text == "2"
+    spans = {s.name: s for s in exporter.get_finished_spans() if s.name.startswith("handle")}
+    first = next(s for s in exporter.get_finished_spans() if s.name == "handle front")
+    assert spans["handle adder"].parent.span_id == first.context.span_id
+
+
+def _sync_front(p, meta):
+    if etree.QName(p).localname == "ping":
+        add = etree.Element(f"{{{NS}}}add", nsmap={None: NS})
+        etree.SubElement(add, f"{{{NS}}}a").text = p[0].text
+        etree.SubElement(add, f"{{{NS}}}b").text = "1"
+        return HandlerResponse(add, to="adder")
+    return HandlerResponse.respond(pong(p[0].text))
+
+
+async def _adder(p: Add, meta):
+    return HandlerResponse.respond(Sum(value=p.a + p.b))
