@@ -574,9 +574,8 @@ class Pump:
         other outcome (an exception, a forward, an invalid reply, ...) gets its threads
         made then and goes through the general machinery: the returned coroutine does
         that, and the caller awaits it."""
-        threads = self.threads
         # The conversation thread, as _client_thread would choose it.
-        record = threads.get(thread_id)
+        record = self.threads.lookup(thread_id)
         if record is not None:
             if record.parent is None and (
                 record.chain is endpoint.chain or record.chain == endpoint.chain

@@ -87,9 +87,9 @@ _ids = _IdPool()
 os.register_at_fork(after_in_child=_ids.clear)
 
 
-def new_thread_id() -> str:
-    """A random uuid4 string (``uuid.uuid4()`` is several times slower on the hot path)."""
-    return _ids.take()
+#: ``new_thread_id() -> str``: a random uuid4 string (``uuid.uuid4()`` is several times
+#: slower on the hot path). The pool's own method: one Python call less per id.
+new_thread_id = _ids.take
 
 
 class RegistryFull(AgentServerError):
@@ -144,6 +144,9 @@ class ThreadRegistry:
         self.max_threads = max_threads
         self.idle_ttl = idle_ttl
         self._threads: dict[str, ThreadRecord] = {}
+        #: ``lookup(thread_id) -> ThreadRecord | None``: :meth:`get` without a Python call
+        #: (for the pump's hot path).
+        self.lookup = self._threads.get
 
     def __len__(self) -> int:
         return len(self._threads)
