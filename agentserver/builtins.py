@@ -54,6 +54,9 @@ class Builtin:
     responds: tuple[type[BaseXmlModel], ...] = ()
     defaults: Mapping[str, Any] = field(default_factory=dict)
     summary: str = ""
+    #: A synchronous raw handler doing the same (``Listener(sync=True)``), used whenever
+    #: the listener runs raw.
+    sync_handler: Callable[..., Any] | None = None
 
 
 def _static(handler: Handler) -> Factory:
@@ -136,6 +139,7 @@ BUILTIN_HANDLERS: Mapping[str, Builtin] = MappingProxyType(
             # Raw: the handler builds the reply with lxml, skipping two model conversions.
             {"raw": True},
             summary="ping → pong",
+            sync_handler=echo.respond,
         ),
         "calculator": Builtin(
             _static(calculator.handle),
@@ -211,6 +215,7 @@ def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
     late = ctx.services.setdefault("agent_handlers", {})
     for spec in topology.listeners:
         timeout = spec.timeout
+        sync = False
         if spec.remote:
             # Served by runners over the wire: the hub's handler sends each delivery as a
             # job and returns the runner's reply (agentserver.runners).
@@ -228,7 +233,11 @@ def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
 
             handler = late[spec.name] = LateHandler(spec.name)
         elif spec.builtin is not None:
-            handler = BUILTIN_HANDLERS[spec.builtin].factory(spec, ctx)
+            builtin = BUILTIN_HANDLERS[spec.builtin]
+            if builtin.sync_handler is not None and spec.raw:
+                handler, sync = builtin.sync_handler, True
+            else:
+                handler = builtin.factory(spec, ctx)
         else:
             assert spec.handler is not None  # the loader resolved it
             handler = spec.handler
@@ -251,6 +260,7 @@ def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
                 queue_size=spec.queue_size,
                 raw=spec.raw or spec.agent or spec.remote,
                 description=spec.description,
+                sync=sync,
             )
         )
     return listeners

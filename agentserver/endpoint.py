@@ -70,6 +70,9 @@ class Endpoint:
         self.on_chain_end: Callable[[], None] | None = None
         #: Requests that ended without an answer.
         self.unanswered = 0
+        #: The last conversation thread id of this endpoint found to be a uuid4 (the
+        #: pump's fast path checks a new one only).
+        self.last_thread = ""
 
     def send(self, data: bytes) -> Coroutine[Any, Any, None]:
         """Inject one envelope: ``await endpoint.send(data)``. Waits while the target

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -88,6 +89,13 @@ class Listener:
     bounds how many wait (a full queue pushes back on the sender). ``timeout`` bounds one
     handler call, in seconds. ``raw=True`` hands the handler the validated lxml element
     instead of a model instance (faster; the element must not be kept after returning).
+
+    ``sync=True`` (needs ``raw``) declares the handler a plain function that returns at
+    once: it never awaits, blocks or keeps anything. A client's request to it is then
+    handled in the task that injects it, with no queue, worker or thread record (see
+    docs/architecture.md, "The synchronous fast path"); ``timeout``, ``concurrency`` and
+    ``queue_size`` apply only to its other deliveries (from listeners), which go through
+    its queue as usual.
     """
 
     name: str
@@ -103,6 +111,7 @@ class Listener:
     raw: bool = False
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    sync: bool = False
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name) or self.name in RESERVED_NAMES:
@@ -121,3 +130,14 @@ class Listener:
             raise ConfigurationError(f"listener {self.name!r}: concurrency and queue_size >= 1")
         if not self.timeout > 0:
             raise ConfigurationError(f"listener {self.name!r}: timeout must be positive")
+        if self.sync and not self.raw:
+            raise ConfigurationError(f"listener {self.name!r}: a sync handler must be raw")
+        if self.sync and _is_async(self.handler):
+            raise ConfigurationError(
+                f"listener {self.name!r}: sync=True needs a plain function, not a coroutine one"
+            )
+
+
+def _is_async(handler: Callable[..., Any]) -> bool:
+    call = handler if inspect.isfunction(handler) else getattr(handler, "__call__", handler)  # noqa: B004
+    return inspect.iscoroutinefunction(inspect.unwrap(call))

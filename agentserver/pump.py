@@ -28,9 +28,10 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import outcome
 import trio
@@ -38,7 +39,7 @@ from lxml import etree
 from pydantic_xml import BaseXmlModel
 
 from agentserver.endpoint import DEFAULT_BUFFER_BYTES, Endpoint
-from agentserver.envelope import EnvelopeCodec, encode, guess_thread
+from agentserver.envelope import EnvelopeCodec, build_envelope, encode, guess_thread
 from agentserver.errors import (
     ConfigurationError,
     DeliveryRefused,
@@ -73,7 +74,7 @@ from agentserver.threads import (
     new_thread_id,
 )
 from agentserver.usage import describe_payload, usage_instructions
-from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, canonical_or_empty
+from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, canonical_or_empty, canonicalize
 
 log = logging.getLogger("agentserver.pump")
 
@@ -228,20 +229,33 @@ class _Waiters:
 
 class _Runtime:
     __slots__ = (
+        "call",
+        "chain",
         "handled",
         "latency",
         "listener",
         "receive",
         "send",
+        "skip",
         "slots",
+        "sync",
         "unreadable",
         "usage",
         "waiters",
+        "weight",
     )
 
     def __init__(self, listener: Listener, usage: str) -> None:
         self.listener = listener
         self.usage = usage
+        #: The handler as workers call it (``await call(payload, meta)``).
+        self.call = _awaitable(listener.handler) if listener.sync else listener.handler
+        #: The synchronous handler of the fast path (see Pump._inject_sync), else None.
+        self.sync = listener.handler if listener.sync else None
+        #: Fast-path calls not to time, and the weight of the next timing (as in _serve).
+        self.skip, self.weight = 0, 1
+        #: The tail of the chain of a hop to this listener.
+        self.chain = (listener.name,)
         #: Primitives the handler's annotation does not admit (see handler_types).
         self.unreadable = unreadable(listener.handler, CORE_MODELS, raw=listener.raw)
         self.send, self.receive = trio.open_memory_channel[_Delivery](listener.queue_size)
@@ -249,6 +263,18 @@ class _Runtime:
         self.handled = 0
         self.latency = LatencyHistogram()
         self.slots: list[_Slot] = []
+
+
+_new_meta = tuple.__new__
+
+
+def _awaitable(handler: Callable[..., Any]) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """A sync handler as workers call every handler."""
+
+    async def call(payload: object, meta: HandlerMetadata) -> object:
+        return handler(payload, meta)
+
+    return call
 
 
 class Pump:
@@ -278,6 +304,8 @@ class Pump:
         self._runtimes: dict[str, _Runtime] = {}
         self._endpoints: dict[str, Endpoint] = {}
         self._table: RoutingTable | None = None
+        #: Root tag → the runtime of the one synchronous listener taking it.
+        self._sync_by_tag: dict[str, _Runtime] = {}
         self._state = _State.NEW
         self._inflight = 0
         #: trio's clock as of the deadline monitor's last tick (see _deadline_monitor).
@@ -337,6 +365,9 @@ class Pump:
             self._runtimes[listener.name] = _Runtime(
                 listener, usage_instructions(listener.name, own, peers, describe=describe)
             )
+        for tag, names in self._table.by_tag.items():
+            if len(names) == 1 and self._runtimes[names[0]].sync is not None:
+                self._sync_by_tag[tag] = self._runtimes[names[0]]
 
     def usage_instructions(self, name: str) -> str:
         """The generated instructions of a listener (available once the pump runs)."""
@@ -474,6 +505,16 @@ class Pump:
             self._answer_endpoint(endpoint, guess_thread(root) or new_thread_id(), refusal, data)
             return
         to, thread_id, inbound_payload, ptype = inbound
+        rt = self._sync_by_tag.get(ptype.tag)
+        if (
+            rt is not None
+            and (to is None or to == rt.listener.name)
+            and (endpoint.allowed is None or rt.listener.name in endpoint.allowed)
+        ):
+            fallback = self._inject_sync(rt, endpoint, thread_id, inbound_payload, ptype, data)
+            if fallback is not None:
+                await fallback
+            return
         now = self._now
         try:
             thread = self._client_thread(endpoint, thread_id, now)
@@ -516,6 +557,203 @@ class Pump:
                 self._answer_endpoint(endpoint, thread.id, refusal, data)
         if not thread.children:  # no hop was opened: the conversation holds nothing
             self.threads.finish(thread)
+
+    def _inject_sync(
+        self,
+        rt: _Runtime,
+        endpoint: Endpoint,
+        thread_id: str,
+        payload: etree._Element,
+        ptype: PayloadType,
+        data: bytes,
+    ) -> Coroutine[Any, Any, None] | None:
+        """The synchronous fast path: ``endpoint``'s request to ``rt``'s sync handler,
+        run here, in the injecting task. The common outcome, a valid response, is pushed
+        to the endpoint at once, and the request never touches a queue, a worker or the
+        thread registry (its conversation and hop would live for this call only). Any
+        other outcome (an exception, a forward, an invalid reply, ...) gets its threads
+        made then and goes through the general machinery: the returned coroutine does
+        that, and the caller awaits it."""
+        # The conversation thread, as _client_thread would choose it.
+        record = self.threads.lookup(thread_id)
+        if record is not None:
+            if record.parent is None and (
+                record.chain is endpoint.chain or record.chain == endpoint.chain
+            ):
+                record.last_active = self._now
+            else:
+                thread_id = new_thread_id()
+        elif thread_id != endpoint.last_thread:
+            # A client usually goes on on one thread: its id is checked once, not per
+            # message (the registry lookup above is still made every time).
+            if is_uuid4(thread_id):
+                endpoint.last_thread = thread_id
+            else:
+                thread_id = new_thread_id()
+        listener = rt.listener
+        name = listener.name
+        # tuple.__new__: a NamedTuple's own __new__ is a Python function (twice the cost).
+        meta = _new_meta(
+            HandlerMetadata,
+            (
+                new_thread_id(),
+                endpoint.name,
+                name,
+                False,
+                rt.usage,
+                None,
+                endpoint.chain + rt.chain,
+            ),
+        )
+        self.counters["delivered"] += 1
+        rt.handled += 1
+        if self._tracer is not None:
+            return self._inject_sync_traced(rt, endpoint, thread_id, payload, ptype, data, meta)
+        try:
+            if rt.skip:
+                rt.skip -= 1
+                result = rt.sync(payload, meta)
+            else:
+                started = time.perf_counter()
+                result = rt.sync(payload, meta)
+                elapsed = time.perf_counter() - started
+                rt.latency.observe(elapsed, rt.weight)
+                rt.weight = 1 if elapsed >= _SLOW_HANDLER else _TIME_EVERY
+                rt.skip = rt.weight - 1
+        except Exception as exc:
+            return self._sync_fallback(
+                rt, endpoint, thread_id, meta[0], payload, ptype, data, exc, raised=True
+            )
+        if (
+            type(result) is HandlerResponse
+            and result.is_response
+            and type(result.payload) is etree._Element
+        ):
+            answer = result.payload
+            try:
+                self._codec.validate_payload(answer)
+            except Refusal:
+                pass  # bounced to the listener by the general path
+            else:
+                if endpoint.push(
+                    canonicalize(build_envelope(name, endpoint.name, thread_id, answer))
+                ):
+                    self.counters["sent"] += 1
+                else:
+                    self.counters["dropped"] += 1
+                return None
+        elif result is None:
+            endpoint.chain_ended()  # the request ends unanswered, as a worker's would
+            return None
+        return self._sync_fallback(rt, endpoint, thread_id, meta[0], payload, ptype, data, result)
+
+    def _inject_sync_traced(
+        self,
+        rt: _Runtime,
+        endpoint: Endpoint,
+        thread_id: str,
+        payload: etree._Element,
+        ptype: PayloadType,
+        data: bytes,
+        meta: HandlerMetadata,
+    ) -> Coroutine[Any, Any, None] | None:
+        """:meth:`_inject_sync`'s call and answer with tracing on: in the call's ``handle``
+        span, as a worker would run it (what falls back runs after the span, in the
+        sender's context)."""
+        span = self._tracer.start_handle(rt.listener.name, None, endpoint.name, meta[0], True)
+        token = attach(span)
+        raised = False
+        try:
+            started = time.perf_counter()
+            result = rt.sync(payload, meta)
+            rt.latency.observe(time.perf_counter() - started, 1)  # a span reads clocks anyway
+        except Exception as exc:
+            record_error(span, type(exc).__name__)
+            result, raised = exc, True
+        finally:
+            detach(token)
+        if raised:
+            pass
+        elif (
+            type(result) is HandlerResponse
+            and result.is_response
+            and type(result.payload) is etree._Element
+        ):
+            try:
+                self._codec.validate_payload(result.payload)
+            except Refusal:
+                pass
+            else:
+                self._push(endpoint, rt.listener.name, thread_id, result.payload)
+                span.end()
+                return None
+        elif result is None:
+            endpoint.chain_ended()
+            span.end()
+            return None
+        # The general path runs in the span too (a forward's hop is its child), then ends it.
+        return self._sync_fallback(
+            rt, endpoint, thread_id, meta[0], payload, ptype, data, result, raised=raised, span=span
+        )
+
+    async def _sync_fallback(
+        self,
+        rt: _Runtime,
+        endpoint: Endpoint,
+        thread_id: str,
+        hop: str,
+        payload: etree._Element,
+        ptype: PayloadType,
+        data: bytes,
+        result: object,
+        *,
+        raised: bool = False,
+        span: object = None,
+    ) -> None:
+        """A fast-path call that did not simply answer: open its conversation and hop (with
+        the ids its handler saw) and finish it as a worker would have."""
+        listener = rt.listener
+        now = self._now
+        thread = None
+        try:
+            thread = self._client_thread(endpoint, thread_id, now)
+            child = self.threads.extend(thread, listener.name, now, thread_id=hop)
+        except RegistryFull:
+            if thread is not None and not thread.children:
+                self.threads.finish(thread)
+            busy = DeliveryRefused(
+                SystemErrorCode.ROUTING, retry_allowed=True, detail="registry full"
+            )
+            self._answer_endpoint(endpoint, thread_id, busy, data)
+            if span is not None:
+                record_error(span, "registry_full")
+                span.end()
+            return
+        d = _Delivery(payload, ptype, child, endpoint.name, False, None, data)
+        self._inflight += 1
+        child.pending += 1
+        token = attach(span) if span is not None else None
+        try:
+            if raised and isinstance(result, Refusal):
+                log.info("%s: refused on %s: %s", listener.name, child.dotted, result)
+                await self._fail(child, result, d)
+            elif raised:
+                self.counters["handler_errors"] += 1
+                log.error("%s: handler raised on %s", listener.name, child.dotted, exc_info=result)
+                reason = f"{listener.name}: handler raised {type(result).__name__}: {result}"
+                await self._fail(child, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
+            elif type(result) is HandlerResponse and type(result.payload) is etree._Element:
+                await self._emit(listener, child, result, result.payload)
+            else:
+                await self._apply(listener, child, result, d)
+        finally:
+            child.pending -= 1
+            self._done()
+            if span is not None:
+                detach(token)
+                span.end()
+        if not (child.children or child.pins or child.pending):
+            self._settle(child)
 
     def _client_thread(self, endpoint: Endpoint, thread_id: str, now: float) -> ThreadRecord:
         """The endpoint's conversation thread: reused if it is the endpoint's own, accepted
@@ -806,7 +1044,7 @@ class Pump:
         receive = rt.receive
         waiters = rt.waiters
         listener = rt.listener
-        handler = listener.handler
+        handler = rt.call
         raw = listener.raw
         unreadable = rt.unreadable
         threads = self.threads

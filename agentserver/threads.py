@@ -43,6 +43,9 @@ def is_uuid4(value: str) -> bool:
 _VERSION_BYTE = bytes((b & 0x0F) | 0x40 for b in range(256))
 _VARIANT_BYTE = bytes((b & 0x3F) | 0x80 for b in range(256))
 _BATCH = 256
+#: Where each of an id's 32 hex digits goes among its 36 characters (after the dashes).
+_HEX_AT = tuple(i + (i >= 8) + (i >= 12) + (i >= 16) + (i >= 20) for i in range(32))
+_DASHES = b"-" * (36 * _BATCH)
 
 
 class _IdPool:
@@ -66,11 +69,14 @@ class _IdPool:
         raw = bytearray(os.urandom(16 * _BATCH))
         raw[6::16] = raw[6::16].translate(_VERSION_BYTE)
         raw[8::16] = raw[8::16].translate(_VARIANT_BYTE)
-        h = raw.hex()
-        return [
-            f"{h[i : i + 8]}-{h[i + 8 : i + 12]}-{h[i + 12 : i + 16]}-{h[i + 16 : i + 20]}-{h[i + 20 : i + 32]}"
-            for i in range(0, 32 * _BATCH, 32)
-        ]
+        digits = raw.hex().encode()
+        # Digit i of every id is placed by one strided copy: 32 copies for the whole batch
+        # instead of five slices and a format per id (callgrind: a third of the cost).
+        out = bytearray(_DASHES)
+        for i, at in enumerate(_HEX_AT):
+            out[at::36] = digits[i::32]
+        text = out.decode("ascii")
+        return [text[i : i + 36] for i in range(0, 36 * _BATCH, 36)]
 
     def clear(self) -> None:
         self._ids = []
@@ -81,9 +87,9 @@ _ids = _IdPool()
 os.register_at_fork(after_in_child=_ids.clear)
 
 
-def new_thread_id() -> str:
-    """A random uuid4 string (``uuid.uuid4()`` is several times slower on the hot path)."""
-    return _ids.take()
+#: ``new_thread_id() -> str``: a random uuid4 string (``uuid.uuid4()`` is several times
+#: slower on the hot path). The pool's own method: one Python call less per id.
+new_thread_id = _ids.take
 
 
 class RegistryFull(AgentServerError):
@@ -138,6 +144,9 @@ class ThreadRegistry:
         self.max_threads = max_threads
         self.idle_ttl = idle_ttl
         self._threads: dict[str, ThreadRecord] = {}
+        #: ``lookup(thread_id) -> ThreadRecord | None``: :meth:`get` without a Python call
+        #: (for the pump's hot path).
+        self.lookup = self._threads.get
 
     def __len__(self) -> int:
         return len(self._threads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 import trio
+import trio.testing
 from conftest import parse_reply
 from lxml import etree
 from serverproc import DATA, REPO
@@ -315,4 +316,7 @@ async def test_topology_builds_a_pump_that_serves_and_boots():
             meta, payload = parse_reply(await endpoint.receive())
         assert meta["from"] == "echo" and payload[0].text == "in-process"
         assert pump.root_thread.dotted == "system.hello"
+        # The echo answers in the sending task (a sync listener): the boot listener's
+        # worker may not have run yet.
+        await trio.testing.wait_all_tasks_blocked()
         assert pump.stats()["handled"]["boot"] == 1
