@@ -27,6 +27,7 @@ from pydantic_xml import BaseXmlModel
 
 from agentserver.errors import ConfigurationError
 from agentserver.namespaces import XSD_NS
+from agentserver.xmlsafe import make_parser
 
 #: A payload schema file larger than this is refused.
 MAX_SCHEMA_BYTES = 1 << 20
@@ -68,18 +69,6 @@ def schema_doc_of(model: type[BaseXmlModel]) -> etree._Element | None:
     return None
 
 
-def _parser() -> etree.XMLParser:
-    return etree.XMLParser(
-        resolve_entities=False,
-        no_network=True,
-        load_dtd=False,
-        dtd_validation=False,
-        huge_tree=False,
-        remove_comments=True,
-        remove_pis=True,
-    )
-
-
 def read_schema(path: pathlib.Path) -> etree._Element:
     """Read and check a payload schema file. Raises :class:`ConfigurationError` saying
     what is wrong (missing, too large, not XML, hostile, does not compile)."""
@@ -91,7 +80,7 @@ def read_schema(path: pathlib.Path) -> etree._Element:
     if len(data) > MAX_SCHEMA_BYTES:
         raise ConfigurationError(f"schema file {path}: larger than {MAX_SCHEMA_BYTES} bytes")
     try:
-        tree = etree.ElementTree(etree.fromstring(data, _parser()))
+        tree = etree.ElementTree(etree.fromstring(data, make_parser()))
     except etree.XMLSyntaxError as exc:
         raise ConfigurationError(f"schema file {path}: not well-formed XML: {exc}") from None
     if tree.docinfo.doctype or tree.docinfo.internalDTD is not None:
