@@ -224,7 +224,9 @@ class AgentRuntime:
         await self.recover()
         async with trio.open_nursery() as nursery:
             serve = getattr(self.store, "serve", None)
-            if serve is not None:  # a shared store: rings from other processes, leases
+            # The store's own background work: PostgreSQL, rings from other processes and
+            # leases; SQLite, WAL checkpoints off the trio thread.
+            if serve is not None:
                 await nursery.start(serve, self.doorbell)
             await nursery.start(self.worker.run)
             await nursery.start(self.watchdog.run)
