@@ -117,9 +117,12 @@ async def run(
     count_statements: bool = False,
     url: str | None = None,
     gate: Callable[[], Awaitable[None]] | None = None,
+    hold: Callable[[dict], Awaitable[None]] | None = None,
 ) -> dict[str, float]:
     """Run ``turns`` Turns; with ``gate``, wait for it once everything is running, just
-    before the first task is sent (the start of the clock)."""
+    before the first task is sent (the start of the clock); with ``hold``, pass it the
+    figures once every answer is in, and keep running until it returns (the Turns this
+    process runs for other processes' callers go on)."""
     names = [f"agent{i}" for i in range(agents)]
     models = [agent_models(i) for i in range(agents)]
     late = {n: LateHandler(n) for n in names}
@@ -188,8 +191,25 @@ async def run(
                     first_failure = first_failure or etree.tostring(reply).decode()[:600]
             elapsed = time.perf_counter() - t0
             ended_at = time.time()
+            out = figures(turns, agents, ok, failed, first_failure, elapsed, llm, statements[0])
+            out.update(started_at=started_at, ended_at=ended_at)
+            if hold is not None:
+                await hold(out)
             nursery.cancel_scope.cancel()
         await rt.aclose()
+    return out
+
+
+def figures(
+    turns: int,
+    agents: int,
+    ok: int,
+    failed: int,
+    first_failure: str,
+    elapsed: float,
+    llm: InstantLLM,
+    statements: int,
+) -> dict:
     return {
         "turns": turns,
         "agents": agents,
@@ -200,15 +220,13 @@ async def run(
         "turns_per_s": round(ok / elapsed, 1),
         "steps": llm.calls,
         "amortized_step_ms": round(elapsed * 1000 / llm.calls, 3),
-        "statements_per_turn": round(statements[0] / max(ok + failed, 1), 1),
-        "started_at": started_at,
-        "ended_at": ended_at,
+        "statements_per_turn": round(statements / max(ok + failed, 1), 1),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--turns", type=int, default=400)
+    ap.add_argument("--turns", type=int, help="Turns per case (default 2000; 400 with --store)")
     ap.add_argument("--agents", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument(
@@ -230,6 +248,10 @@ def main() -> None:
     )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.turns is None:
+        # With a store there are three cases, PostgreSQL's several times slower: under
+        # a minute in all.
+        args.turns = 400 if args.store else 2000
     if args.worker:
         return worker(args)
     if args.count_statements and args.store:
@@ -275,8 +297,12 @@ def worker(args: argparse.Namespace) -> None:
         print("ready", flush=True)
         await trio.to_thread.run_sync(sys.stdin.readline)
 
+    async def hold(out: dict) -> None:
+        print(json.dumps(out), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.readline)  # every process is done
+
     with tempfile.TemporaryDirectory() as tmp:
-        out = trio.run(
+        trio.run(
             run,
             args.turns,
             args.agents,
@@ -285,8 +311,8 @@ def worker(args: argparse.Namespace) -> None:
             False,
             args.store,
             gate,
+            hold,
         )
-    print(json.dumps(out), flush=True)
 
 
 def processes(args: argparse.Namespace, n: int) -> dict:
@@ -324,6 +350,9 @@ def processes(args: argparse.Namespace, n: int) -> dict:
             p.stdin.flush()
         outs = [json.loads(p.stdout.readline()) for p in procs]
     finally:
+        for p in procs:  # stop (or, after an error, end) them all
+            if p.stdin and not p.stdin.closed:
+                p.stdin.close()
         for p in procs:
             if p.wait(timeout=60) != 0:
                 raise SystemExit(f"a bench process failed ({p.returncode})")
