@@ -16,21 +16,30 @@ run after the JSON line. ``amortized_step_ms`` is the run's wall time divided by
 steps of all agents and workers together: the inverse of the step throughput, not the
 latency of one step (steps run concurrently, so each takes longer than that).
 
-With ``--store postgresql://...`` the same run uses that PostgreSQL database as the store
-(its tables are emptied first, so use a database of its own); ``--compare`` runs SQLite
-and then the PostgreSQL store in one invocation and prints both.
+With ``--store postgresql://...`` the same Turns run, in one invocation, on SQLite, then on
+that PostgreSQL database with one process, then with ``--processes N`` (default 2) processes
+sharing it (its tables are emptied before each, so use a database of its own). Each of the
+N processes is a real OS process (this script with ``--worker``): its own pump, runtime and
+store connections, its own anonymous client sending its share of the Turns to all the
+agents, so the Turns run on either process and their answers come back through the store
+(docs/deploy.md). The processes start sending together; their figure is all the answers
+over the time from that start to the last answer, in any process.
 
 Usage: python bench/turns.py [--turns N] [--agents K] [--concurrency C] [--count-statements]
-                             [--store URL [--compare]]
-The last line printed is one JSON object.
+                             [--store URL [--processes N]]
+The last line printed is one JSON object (with a store: every case, and the ratio of N
+processes to one).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -107,7 +116,13 @@ async def run(
     path: Path,
     count_statements: bool = False,
     url: str | None = None,
+    gate: Callable[[], Awaitable[None]] | None = None,
+    hold: Callable[[dict], Awaitable[None]] | None = None,
 ) -> dict[str, float]:
+    """Run ``turns`` Turns; with ``gate``, wait for it once everything is running, just
+    before the first task is sent (the start of the clock); with ``hold``, pass it the
+    figures once every answer is in, and keep running until it returns (the Turns this
+    process runs for other processes' callers go on)."""
     names = [f"agent{i}" for i in range(agents)]
     models = [agent_models(i) for i in range(agents)]
     late = {n: LateHandler(n) for n in names}
@@ -160,6 +175,9 @@ async def run(
         ]
         async with trio.open_nursery() as nursery:
             await nursery.start(rt.run)
+            if gate is not None:
+                await gate()
+            started_at = time.time()
             t0 = time.perf_counter()
             for data in requests:
                 await client.send(data)
@@ -172,8 +190,26 @@ async def run(
                     failed += 1
                     first_failure = first_failure or etree.tostring(reply).decode()[:600]
             elapsed = time.perf_counter() - t0
+            ended_at = time.time()
+            out = figures(turns, agents, ok, failed, first_failure, elapsed, llm, statements[0])
+            out.update(started_at=started_at, ended_at=ended_at)
+            if hold is not None:
+                await hold(out)
             nursery.cancel_scope.cancel()
         await rt.aclose()
+    return out
+
+
+def figures(
+    turns: int,
+    agents: int,
+    ok: int,
+    failed: int,
+    first_failure: str,
+    elapsed: float,
+    llm: InstantLLM,
+    statements: int,
+) -> dict:
     return {
         "turns": turns,
         "agents": agents,
@@ -184,13 +220,13 @@ async def run(
         "turns_per_s": round(ok / elapsed, 1),
         "steps": llm.calls,
         "amortized_step_ms": round(elapsed * 1000 / llm.calls, 3),
-        "statements_per_turn": round(statements[0] / max(ok + failed, 1), 1),
+        "statements_per_turn": round(statements / max(ok + failed, 1), 1),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--turns", type=int, default=2000)
+    ap.add_argument("--turns", type=int, help="Turns per case (default 2000; 400 with --store)")
     ap.add_argument("--agents", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument(
@@ -198,28 +234,150 @@ def main() -> None:
         action="store_true",
         help="count the SQL statements per Turn (a trace callback: slows the run a little)",
     )
-    ap.add_argument("--store", metavar="URL", help="a PostgreSQL database for the store")
     ap.add_argument(
-        "--compare", action="store_true", help="with --store: run SQLite first, then PostgreSQL"
+        "--store",
+        metavar="URL",
+        help="a PostgreSQL database: run SQLite, then it with 1 and with N processes",
     )
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=2,
+        metavar="N",
+        help="with --store: the processes of the last case (default 2; 1 skips it)",
+    )
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.turns is None:
+        # With a store there are three cases, PostgreSQL's several times slower: under
+        # a minute in all.
+        args.turns = 400 if args.store else 2000
+    if args.worker:
+        return worker(args)
     if args.count_statements and args.store:
         ap.error("--count-statements counts SQLite statements only")
-    backends = [None, args.store] if args.compare and args.store else [args.store]
-    for url in backends:
-        if url:
-            empty_pg_store(url)
-        with tempfile.TemporaryDirectory() as tmp:
-            out = trio.run(
-                run,
-                args.turns,
-                args.agents,
-                args.concurrency,
-                Path(tmp) / "bench.sqlite3",
-                args.count_statements,
-                url,
-            )
-        report(out, args.count_statements, "PostgreSQL" if url else "SQLite")
+    if args.processes < 1:
+        ap.error("--processes must be at least 1")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = trio.run(
+            run,
+            args.turns,
+            args.agents,
+            args.concurrency,
+            Path(tmp) / "bench.sqlite3",
+            args.count_statements,
+        )
+    report(out, args.count_statements, "SQLite")
+    if not args.store:
+        print(json.dumps({"store": "SQLite", **summary(out, args.count_statements)}))
+        raise SystemExit(1 if out["failed"] else 0)
+    cases = {"sqlite": out}
+    counts = [1] if args.processes == 1 else [1, args.processes]
+    for n in counts:
+        empty_pg_store(args.store)
+        got = processes(args, n)
+        report(got, False, f"PostgreSQL, {n} process{'es' if n > 1 else ''}")
+        cases[f"postgresql_{n}p"] = got
+    figures: dict[str, object] = {k: summary(v, False) for k, v in cases.items()}
+    if len(counts) > 1:
+        one = cases["postgresql_1p"]["turns_per_s"]
+        many = cases[f"postgresql_{args.processes}p"]["turns_per_s"]
+        figures[f"ratio_{args.processes}p_1p"] = round(many / one, 2) if one else None
+        print(f"{args.processes} processes / 1 process: {figures[f'ratio_{args.processes}p_1p']}x")
+    print(json.dumps(figures))
+    if any(c["failed"] or c["succeeded"] < c["turns"] for c in cases.values()):
+        raise SystemExit(1)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One of N processes: say "ready" once running, start on a line from stdin, print
+    the figures as one JSON line."""
+
+    async def gate() -> None:
+        print("ready", flush=True)
+        await trio.to_thread.run_sync(sys.stdin.readline)
+
+    async def hold(out: dict) -> None:
+        print(json.dumps(out), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.readline)  # every process is done
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trio.run(
+            run,
+            args.turns,
+            args.agents,
+            args.concurrency,
+            Path(tmp) / "unused.sqlite3",
+            False,
+            args.store,
+            gate,
+            hold,
+        )
+
+
+def processes(args: argparse.Namespace, n: int) -> dict:
+    """Run the Turns in ``n`` worker processes on the store ``args.store`` (each sends
+    its share); the figures over all of them."""
+    shares = [args.turns // n + (1 if i < args.turns % n else 0) for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--store",
+                args.store,
+                "--turns",
+                str(share),
+                "--agents",
+                str(args.agents),
+                "--concurrency",
+                str(args.concurrency),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for share in shares
+    ]
+    try:
+        for p in procs:
+            line = p.stdout.readline()
+            if line.strip() != "ready":
+                raise SystemExit(f"a bench process did not start: {line!r}")
+        for p in procs:  # every process is running: start them together
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [json.loads(p.stdout.readline()) for p in procs]
+    finally:
+        for p in procs:  # stop (or, after an error, end) them all
+            if p.stdin and not p.stdin.closed:
+                p.stdin.close()
+        for p in procs:
+            if p.wait(timeout=60) != 0:
+                raise SystemExit(f"a bench process failed ({p.returncode})")
+    elapsed = max(o["ended_at"] for o in outs) - min(o["started_at"] for o in outs)
+    ok = sum(o["succeeded"] for o in outs)
+    steps = sum(o["steps"] for o in outs)
+    return {
+        "turns": args.turns,
+        "agents": args.agents,
+        "succeeded": ok,
+        "failed": sum(o["failed"] for o in outs),
+        "first_failure": next((o["first_failure"] for o in outs if o["first_failure"]), ""),
+        "seconds": round(elapsed, 3),
+        "turns_per_s": round(ok / elapsed, 1),
+        "steps": steps,
+        "amortized_step_ms": round(elapsed * 1000 / max(steps, 1), 3),
+        "statements_per_turn": 0.0,
+    }
+
+
+def summary(out: dict, count_statements: bool) -> dict:
+    keys = ["turns_per_s", "amortized_step_ms", "succeeded", "failed"]
+    if count_statements:
+        keys.append("statements_per_turn")
+    return {k: out[k] for k in keys}
 
 
 def report(out: dict, count_statements: bool, backend: str) -> None:
@@ -234,13 +392,8 @@ def report(out: dict, count_statements: bool, backend: str) -> None:
     )
     if out["failed"]:
         print(f"FAILED: {out['failed']} answers were not successful, e.g. {out['first_failure']}")
-    keys = ["turns_per_s", "amortized_step_ms", "succeeded", "failed"]
     if count_statements:
         print(f"{out['statements_per_turn']} SQL statements per Turn")
-        keys.append("statements_per_turn")
-    print(json.dumps({"store": backend, **{k: out[k] for k in keys}}))
-    if out["failed"]:
-        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ from agentserver.agents.approvals import (
     ApprovalDecision,
     PendingApproval,
 )
-from agentserver.agents.errors import PumpRefused
+from agentserver.agents.errors import CallerElsewhere, PumpRefused
 from agentserver.agents.named_clients import NamedClientReplies
+from agentserver.agents.pg.callers import PROCESS_KEY
 from agentserver.agents.ports import ReplyRef
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store import AgentStore, TurnToken
@@ -134,6 +135,10 @@ class PumpPorts:
         identity = reply_ref.get("client") if isinstance(reply_ref, dict) else None
         if identity not in self.named_clients:
             identity = caller if caller in self.named_clients else None
+        home = reply_ref.get(PROCESS_KEY) if isinstance(reply_ref, dict) else None
+        if identity is None and home is not None and home != getattr(self.store, "owner", home):
+            # An anonymous caller connected to another process: that one answers it.
+            raise CallerElsewhere(str(home))
         if identity is not None and self.store is not None and self.clients is not None:
             # Kept before it is offered: it leaves the store only once received.
             body = encode(agent, identity, ref.caller_thread, payload)
@@ -202,6 +207,11 @@ def agent_handler(
             return None
         ref = pump.hold(meta.thread_id)
         reply_ref = ports.reply_ref(ref) if ports is not None else ref.to_json()
+        owner = getattr(runtime.store, "owner", None)
+        if getattr(runtime.store, "shared", False) and owner is not None:
+            # The caller's connection is in this process: an anonymous caller is answered
+            # from here, whichever process runs the Turn (pg/callers.py).
+            reply_ref[PROCESS_KEY] = owner
         traceparent = pump.tracing.traceparent()
         if traceparent is not None:
             # Stored with the task: its Turn joins this trace, even after a restart.

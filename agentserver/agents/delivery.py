@@ -16,6 +16,7 @@ from lxml import etree
 
 from agentserver.agents.answer import answer_bytes
 from agentserver.agents.doorbell import Doorbell
+from agentserver.agents.errors import CallerElsewhere
 from agentserver.agents.events import EventBus, StateEvent, TaskEvent
 from agentserver.agents.ports import ReplyPort
 from agentserver.agents.profile import AgentProfile
@@ -69,6 +70,12 @@ class TurnEnder:
             return False
         try:
             await self.replies.deliver(ref, payload, failed=reply.failed, turn_id=turn_id)
+        except CallerElsewhere as elsewhere:
+            # Still pending: the process holding the caller's connection sends it.
+            hand_over = getattr(store, "hand_over_reply", None)
+            if hand_over is None or not await hand_over(turn_id, elsewhere.process):
+                log.info("turn %s: the caller's process is gone; answer kept", turn_id)
+            return False
         except Exception:
             log.warning("reply of turn %s not delivered", turn_id, exc_info=True)
             give_up = reply.attempts + 1 >= self.max_attempts

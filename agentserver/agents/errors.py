@@ -69,3 +69,12 @@ class StoreInUse(StoreError, ConfigurationError):
 
 class AgentConfigError(AgentError):
     """An agent or store section of boot.xml is invalid."""
+
+
+class CallerElsewhere(AgentError):
+    """A reply's anonymous caller is connected to another server process (a shared
+    store): that process must send it; the reply stays pending in the outbox."""
+
+    def __init__(self, process: str) -> None:
+        super().__init__(f"the caller is connected to process {process}")
+        self.process = process

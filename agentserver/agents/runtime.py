@@ -19,7 +19,7 @@ from agentserver.agents.compaction import SUMMARY, plan, summary_chunks, summary
 from agentserver.agents.compactor import summarise
 from agentserver.agents.delivery import TurnEnder
 from agentserver.agents.doorbell import Doorbell
-from agentserver.agents.errors import StaleTurn
+from agentserver.agents.errors import StaleTurn, StoreError
 from agentserver.agents.events import EventBus
 from agentserver.agents.memory import CLIENT, conversation_key
 from agentserver.agents.ports import LLMPort, ReplyPort, ReplyRef, ToolPort
@@ -231,7 +231,23 @@ class AgentRuntime:
             await nursery.start(self.worker.run)
             await nursery.start(self.watchdog.run)
             await nursery.start(self.approvals.run, self.listener_approvers)
+            here = getattr(self.store, "replies_here", None)
+            if here is not None:
+                nursery.start_soon(self._answer_callers_here, here)
             task_status.started()
+
+    async def _answer_callers_here(self, bell: Doorbell) -> None:
+        """On a shared store: send the replies other processes left for the anonymous
+        callers connected to this one (rung by NOTIFY, and by the listener's poll)."""
+        while True:
+            await bell.wait()
+            try:
+                pending = await self.store.pending_replies_here()  # type: ignore[attr-defined]
+            except StoreError as exc:
+                log.warning("replies for callers here: %s", exc)
+                continue
+            for reply in pending:
+                await self.ender.resend(reply)
 
     async def aclose(self) -> None:
         await self.store.aclose()

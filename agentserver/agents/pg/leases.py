@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from agentserver.agents.pg import callers
 from agentserver.agents.sql.db import StoreEnv, Tx, marks
 from agentserver.agents.sql.watchdog import recover_turn
 from agentserver.agents.states import HeadStatus, InboxEvent, inbox_sources, inbox_transition
@@ -92,6 +93,8 @@ def reclaim(tx: Tx, env: StoreEnv, limit: int = 8, mine: str | None = None) -> R
     ]
     suspended = [TurnToken(a, t, e) for a, t, e, status in heads if status == HeadStatus.SUSPENDED]
     if dead:
+        # Their callers' connections died with them: nobody is left to answer.
+        callers.give_up(tx, env, dead)
         tx.execute(f"DELETE FROM agentserver_processes WHERE owner IN ({marks(len(dead))})", dead)
     return Reclaimed(dead, recovered, suspended, requeued)
 

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 WAKE_CHANNEL = "agentserver_wake"
 #: A reply was kept for a named client (the process holding its connection offers it).
 CLIENT_REPLIES_CHANNEL = "agentserver_client_replies"
+#: A reply waits for an anonymous caller connected to some process (pg/callers.py).
+REPLIES_CHANNEL = "agentserver_replies"
 
 
 def notify(tx, channel: str) -> None:

@@ -22,10 +22,11 @@ import trio
 from agentserver.agents.clock import Clock, SystemClock
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StaleTurn, StoreError
-from agentserver.agents.pg import leases
+from agentserver.agents.pg import callers, leases
 from agentserver.agents.pg.executor import PgExecutor
 from agentserver.agents.pg.notify import (
     CLIENT_REPLIES_CHANNEL,
+    REPLIES_CHANNEL,
     WAKE_CHANNEL,
     PgListener,
     notify,
@@ -34,7 +35,7 @@ from agentserver.agents.pg.schema import OWNER_SETTING, migrate_pg
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.sql import inbox, replies, tools, turns, watchdog
 from agentserver.agents.sql_store import SqlAgentStore
-from agentserver.agents.store import TurnToken
+from agentserver.agents.store import PendingReply, TurnToken
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -67,6 +68,13 @@ def _notifying(tx, env, channel, fn, *args):
     return result
 
 
+def _hand_over(tx, env, agent_turn_id: str, process: str) -> bool:
+    if callers.hand_over(tx, env, agent_turn_id, process):
+        notify(tx, REPLIES_CHANNEL)
+        return True
+    return False
+
+
 class PostgresAgentStore(SqlAgentStore):
     """The agent store on PostgreSQL. Create with :meth:`open`; close with :meth:`aclose`.
     ``owner`` identifies this process in the database (rows it owns, its lease)."""
@@ -85,6 +93,9 @@ class PostgresAgentStore(SqlAgentStore):
         #: Rings when some process kept a reply for a named client (named_clients.py's
         #: forward_kept offers it to the connection this process holds, if any).
         self.client_replies = Doorbell()
+        #: Rings when a reply may be waiting for an anonymous caller connected here
+        #: (:mod:`.callers`; the runtime's ``answer_callers_here`` sends it).
+        self.replies_here = Doorbell()
 
     @classmethod
     def open(
@@ -142,6 +153,15 @@ class PostgresAgentStore(SqlAgentStore):
             return await self._run(fn, *args)
         return await self.executor.run_single(fn, self.env, *args)
 
+    async def pending_replies_here(self, limit: int = 256) -> list[PendingReply]:
+        """The pending replies whose anonymous caller is connected to this process."""
+        return await self._read(callers.pending_here, self.owner, limit)
+
+    async def hand_over_reply(self, agent_turn_id: str, process: str) -> bool:
+        """Leave a reply for its caller's process ``process`` and ring it (True), or give
+        it up if that process is gone (False)."""
+        return await self.executor.run(_hand_over, self.env, agent_turn_id, process)
+
     async def aclose(self) -> None:
         await trio.to_thread.run_sync(self.close)
 
@@ -183,7 +203,11 @@ class PostgresAgentStore(SqlAgentStore):
         take over the work of processes whose lease expired."""
         listener = PgListener(
             self.executor.url,
-            {WAKE_CHANNEL: doorbell.ring, CLIENT_REPLIES_CHANNEL: self.client_replies.ring},
+            {
+                WAKE_CHANNEL: doorbell.ring,
+                CLIENT_REPLIES_CHANNEL: self.client_replies.ring,
+                REPLIES_CHANNEL: self.replies_here.ring,
+            },
         )
         async with trio.open_nursery() as nursery:
             await nursery.start(listener.run)
