@@ -208,9 +208,15 @@ def agent_handler(
         ref = pump.hold(meta.thread_id)
         reply_ref = ports.reply_ref(ref) if ports is not None else ref.to_json()
         owner = getattr(runtime.store, "owner", None)
-        if getattr(runtime.store, "shared", False) and owner is not None:
+        if (
+            getattr(runtime.store, "shared", False)
+            and owner is not None
+            and ("client" not in reply_ref)
+        ):
             # The caller's connection is in this process: an anonymous caller is answered
-            # from here, whichever process runs the Turn (pg/callers.py).
+            # from here, whichever process runs the Turn (pg/callers.py). A named client's
+            # answer is kept for her wherever she reconnects, so it names no process (a
+            # dead process's callers' replies are given up).
             reply_ref[PROCESS_KEY] = owner
         traceparent = pump.tracing.traceparent()
         if traceparent is not None:

@@ -24,12 +24,16 @@ _DB_NOW = "extract(epoch from clock_timestamp())::double precision"
 
 
 def process_of(ref_json: str | None) -> str | None:
-    """The process named by a stored reply reference, if any."""
+    """The process named by a stored reply reference of an anonymous caller, if any."""
     try:
         ref = json.loads(ref_json) if ref_json else None
     except ValueError:
         return None
-    found = ref.get(PROCESS_KEY) if isinstance(ref, dict) else None
+    if not isinstance(ref, dict) or ref.get("client") is not None:
+        # A named client's reply is kept for her wherever she connects: never pinned to
+        # a process, never given up with one.
+        return None
+    found = ref.get(PROCESS_KEY)
     return found if isinstance(found, str) else None
 
 
