@@ -12,6 +12,7 @@ default a transaction too) and :meth:`SqlAgentStore.aclose`. Its hooks:
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -50,8 +51,9 @@ from agentserver.agents.store import (
 T = TypeVar("T")
 
 
-class SqlAgentStore:
-    """The store's logic over a backend's transactions (see the module docstring)."""
+class SqlAgentStore(abc.ABC):
+    """The store's logic over a backend's transactions (see the module docstring). A
+    backend supplies :meth:`_run` and :meth:`aclose`; it cannot be instantiated without."""
 
     #: The row-lock clause appended to a claim's inner SELECT (a fixed SQL fragment).
     claim_lock: str = ""
@@ -74,9 +76,9 @@ class SqlAgentStore:
         self.env.tool_result_caps = dict(caps)
 
     # -- the backend's part ---------------------------------------------------------------
+    @abc.abstractmethod
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """Call ``fn(tx, env, *args)`` in one transaction; commit, or roll back and raise."""
-        raise NotImplementedError
 
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
         """A call that writes nothing (the backend may skip the transaction)."""
@@ -87,8 +89,9 @@ class SqlAgentStore:
         may run it in autocommit, saving the ``BEGIN``/``COMMIT`` round trips)."""
         return await self._run(fn, *args)
 
+    @abc.abstractmethod
     async def aclose(self) -> None:
-        raise NotImplementedError
+        """Release the backend's connections (and, for SQLite, the file's lock)."""
 
     # -- intake -----------------------------------------------------------------------------
     async def ensure_agents(self, agent_ids: Sequence[str]) -> None:
