@@ -14,7 +14,79 @@ from agentserver.agents.pg.executor import PgExecutor, to_pg
 
 
 def test_placeholders() -> None:
-    assert to_pg("SELECT ? WHERE x LIKE 'a%'") == "SELECT %s WHERE x LIKE 'a%%'"
+    assert (
+        to_pg("SELECT ? WHERE x LIKE 'a%' AND y = ?") == b"SELECT $1 WHERE x LIKE 'a%' AND y = $2"
+    )
+    assert to_pg("SELECT 1") == b"SELECT 1"
+
+
+async def test_values_round_trip_as_psycopg_types(pg_url: str) -> None:
+    """The statement layer under PgTx (libpq and psycopg's adapters, no cursors): each
+    Python type the store uses goes in and comes back as itself, whatever the order in
+    which one prepared statement sees its parameter types."""
+    ex = await PgExecutor.open(pg_url)
+    try:
+        await ex.run(
+            lambda tx: tx.execute(
+                "CREATE TABLE vals (k text PRIMARY KEY, i bigint, f double precision, "
+                "b bytea, flag integer)"
+            )
+        )
+        rows = [
+            ("small", 1, 0.5, b"\x00\xff", 0),
+            ("big", 2**62, -1e300, b"", 1),
+            ("none", None, None, None, None),
+            ("ünïcode \u2603", -(2**40), float("inf"), bytes(range(256)), 1),
+        ]
+        insert = "INSERT INTO vals (k, i, f, b, flag) VALUES (?, ?, ?, ?, ?)"
+        for row in rows:  # one statement, prepared once per set of parameter types
+            assert await ex.run(lambda tx, r=row: tx.execute(insert, r)) == 1
+        got = await ex.run(lambda tx: tx.all("SELECT k, i, f, b, flag FROM vals"))
+        assert sorted(got, key=repr) == sorted(rows, key=repr)
+        assert await ex.run(lambda tx: tx.one("SELECT k FROM vals WHERE k = ?", ("nope",))) is None
+        # rowcount of an UPDATE, of executemany, and of a statement with no rows
+        n = await ex.run(lambda tx: tx.execute("UPDATE vals SET flag = ? WHERE flag = ?", (7, 1)))
+        assert n == 2
+
+        def many(tx) -> int:
+            tx.executemany(
+                "UPDATE vals SET i = ? WHERE k = ?", [(1, "small"), (2, "big"), (3, "x")]
+            )
+            return tx.rowcount
+
+        assert await ex.run(many) == 2
+        assert await ex.run_single(lambda tx: tx.all("UPDATE vals SET i = 0 WHERE false")) == []
+    finally:
+        await ex.aclose()
+
+
+async def test_statement_errors_are_typed_and_leave_the_connection_usable(pg_url: str) -> None:
+    ex = await PgExecutor.open(pg_url, pool_size=1)
+    try:
+        with pytest.raises(StoreError, match="division by zero"):
+            await ex.run(lambda tx: tx.one("SELECT 1 / ?", (0,)))
+        with pytest.raises(StoreError, match="syntax"):
+            await ex.run(lambda tx: tx.one("SELEKT ?", (1,)))
+        # the same (only) connection, after both failures, inside and outside BEGIN
+        assert await ex.run(lambda tx: tx.one("SELECT 1 / ?", (1,))) == (1,)
+        assert await ex.run_single(lambda tx: tx.one("SELECT ?::int + 1", (1,))) == (2,)
+    finally:
+        await ex.aclose()
+
+
+async def test_past_the_prepared_statements_cap_statements_run_unprepared(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentserver.agents.pg import executor
+
+    monkeypatch.setattr(executor, "MAX_PREPARED", 1)
+    ex = await PgExecutor.open(pg_url, pool_size=1)
+    try:
+        for i in range(5):
+            assert await ex.run(lambda tx, i=i: tx.one(f"SELECT ?::int + {i}", (1,))) == (1 + i,)
+        assert len(next(iter(ex._statements.values()))) == 1
+    finally:
+        await ex.aclose()
 
 
 async def _executor(url: str, **kw) -> PgExecutor:
