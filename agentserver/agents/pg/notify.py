@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 
 import psycopg
 import trio
-from psycopg import sql
+from psycopg import pq, sql
 
 from agentserver.agents.pg.url import redact, redact_text
 
@@ -39,6 +39,20 @@ REPLIES_CHANNEL = "agentserver_replies"
 def notify(tx, channel: str) -> None:
     """Ring ``channel`` when the transaction of ``tx`` commits (no payload)."""
     tx.execute("SELECT pg_notify(?, '')", (channel,))
+
+
+def _drain(pgconn: pq.abc.PGconn) -> set[str]:
+    """The channels of every notification that arrived on ``pgconn`` (readable), read
+    without blocking straight from libpq: psycopg's ``notifies(timeout=0)`` went through
+    its generator and wait machinery, about 0.7 ms of the trio thread per wake-up.
+    Raises ``psycopg.OperationalError`` when the connection is gone."""
+    pgconn.consume_input()  # at end of stream: OperationalError
+    if pgconn.status == pq.ConnStatus.BAD:
+        raise psycopg.OperationalError("the listening connection closed")
+    channels = set()
+    while (n := pgconn.notifies()) is not None:
+        channels.add(n.relname.decode())
+    return channels
 
 
 class PgListener:
@@ -127,10 +141,7 @@ class PgListener:
             if poll.cancelled_caught:
                 self._ring(self.callbacks)
                 continue
-            # Readable: notifications, or the connection closing (raises psycopg.Error).
-            channels = {n.channel for n in conn.notifies(timeout=0)}
-            if conn.closed or conn.broken:
-                raise psycopg.OperationalError("the listening connection closed")
+            channels = _drain(conn.pgconn)
             self.received += len(channels)
             self._ring(channels)
 
