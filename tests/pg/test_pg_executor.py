@@ -217,3 +217,22 @@ async def test_statement_and_lock_timeouts_bound_a_thread(pg_url: str) -> None:
 async def test_an_unreachable_server_is_a_clear_error() -> None:
     with pytest.raises(StoreError, match=r"cannot connect to the agent store .*:\*\*\*@"):
         await PgExecutor.open("postgresql://u:pw@127.0.0.1:1/db", connect_timeout_s=1)
+
+
+async def test_opening_an_executor_shortens_the_switch_interval_never_lengthens_it(
+    pg_url: str,
+) -> None:
+    import sys
+
+    from agentserver.agents.pg.executor import SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        await (await PgExecutor.open(pg_url)).aclose()
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+        sys.setswitchinterval(SWITCH_INTERVAL_S / 2)
+        await (await PgExecutor.open(pg_url)).aclose()
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S / 2)
+    finally:
+        sys.setswitchinterval(before)
