@@ -40,6 +40,10 @@ from agentserver.agents.pg.url import redact, redact_text
 
 T = TypeVar("T")
 
+#: The name of the worker threads while they run a transaction (trio would otherwise
+#: format one from the function and the task, on every call).
+THREAD_NAME = "agentserver store transaction"
+
 #: The errors after which running the same transaction again is correct.
 RETRYABLE = (pg_errors.SerializationFailure, pg_errors.DeadlockDetected)
 
@@ -256,14 +260,18 @@ class PgExecutor:
         """``fn(tx, *args)`` in one transaction, in a worker thread; its result, or its
         exception (psycopg's errors as :class:`StoreError`). Nothing of a transaction
         that raised is committed."""
-        return await trio.to_thread.run_sync(self.run_sync, fn, *args, limiter=self.limiter)
+        return await trio.to_thread.run_sync(
+            self.run_sync, fn, *args, limiter=self.limiter, thread_name=THREAD_NAME
+        )
 
     async def run_single(self, fn: Callable[..., T], *args: Any) -> T:
         """Like :meth:`run` for a ``fn`` that reads, or runs one statement (atomic by
         itself): in autocommit, without the ``BEGIN``/``COMMIT`` round trips. A read of
         several statements sees a snapshot per statement."""
         return await trio.to_thread.run_sync(
-            functools.partial(self.run_sync, fn, *args, atomic=False), limiter=self.limiter
+            functools.partial(self.run_sync, fn, *args, atomic=False),
+            limiter=self.limiter,
+            thread_name=THREAD_NAME,
         )
 
     def run_sync(self, fn: Callable[..., T], *args: Any, atomic: bool = True) -> T:
