@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentserver.agents.sql.db import POSTGRESQL, StoreEnv, Tx, marks
-from agentserver.agents.states import InboxStatus, MessageType
+from agentserver.agents.states import ApprovalStatus, InboxStatus, MessageType
 
 #: Characters of a failed Turn's deliverable shown as an agent's last error.
 ERROR_TEXT_CHARS = 500
@@ -188,7 +188,8 @@ def figures(tx: Tx, env: StoreEnv) -> FigureRows:
         (*_WAITING, MessageType.TURN.value),
     )
     pending = tx.all(
-        "SELECT agent_id, count(*) FROM approvals WHERE status = 'pending' GROUP BY agent_id"
+        "SELECT agent_id, count(*) FROM approvals WHERE status = ? GROUP BY agent_id",
+        (ApprovalStatus.PENDING.value,),
     )
     return FigureRows(
         {a: float(t) for a, t in lag},
