@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sqlite3
+from collections.abc import Callable
 from functools import partial
 
 import httpx
@@ -129,10 +131,26 @@ async def serving(xml: bytes):
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def store_element(request, tmp_path) -> str:
+def store(request, tmp_path) -> tuple[str, Callable[[str], None]]:
+    """boot.xml's ``<store>``, and a function running one DDL statement on that store
+    from outside the server (as an operator's client would)."""
     if request.param == "sqlite":
-        return f'<store path="{tmp_path / "agents.sqlite3"}"/>'
-    return f'<store url="{request.getfixturevalue("pg_url")}"/>'
+        path = tmp_path / "agents.sqlite3"
+
+        def sqlite_ddl(sql: str) -> None:
+            with contextlib.closing(sqlite3.connect(path, timeout=10)) as db:
+                db.execute(sql)
+
+        return f'<store path="{path}"/>', sqlite_ddl
+    import psycopg
+
+    url = request.getfixturevalue("pg_url")
+
+    def pg_ddl(sql: str) -> None:
+        with psycopg.connect(url, autocommit=True) as db:
+            db.execute(sql)
+
+    return f'<store url="{url}"/>', pg_ddl
 
 
 def metric(text: str, name: str, **labels: str) -> float | None:
@@ -143,10 +161,11 @@ def metric(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-async def test_agents_figures_and_steps_are_served_on_every_backend(store_element):
+async def test_agents_figures_and_steps_are_served_on_every_backend(store):
+    element, ddl = store
     async with trio.open_nursery() as nursery:
         model = await SearchingModel().start(nursery)
-        xml = boot_xml(store_element, model.base_url)
+        xml = boot_xml(element, model.base_url)
         async with serving(xml) as (http, port):
             thread = new_thread_id()
             async with open_client("127.0.0.1", port, client="alice", token="alice-token") as c:
@@ -159,6 +178,11 @@ async def test_agents_figures_and_steps_are_served_on_every_backend(store_elemen
             metrics = (await http.get("/metrics")).text
             steps = (await http.get("/v1/steps", params={"listener": "search"})).json()
             status = (await http.get("/v1/status")).json()
+            # a store that cannot answer the view: a problem the caller may retry
+            await trio.to_thread.run_sync(ddl, "ALTER TABLE boxes RENAME TO boxes_away")
+            broken = await http.get("/v1/agents")
+            await trio.to_thread.run_sync(ddl, "ALTER TABLE boxes_away RENAME TO boxes")
+            mended = (await http.get("/v1/agents")).json()
         # the same run against the same store again: the step log is still there
         async with serving(xml) as (http, _port):
             again = (await http.get("/v1/steps", params={"listener": "search"})).json()
@@ -167,7 +191,9 @@ async def test_agents_figures_and_steps_are_served_on_every_backend(store_elemen
 
     idle = {"name": "assistant", "state": "idle", "active_turn": None, "queue": 0}
     assert agents == {"agents": [{**idle, "last_error": None}]}
-    assert agents_again == agents
+    assert agents_again == agents == mended
+    assert broken.status_code == 503 and broken.headers["retry-after"] == "5"
+    assert broken.json()["type"].endswith("/store-unavailable")
     assert status["agents"] == agents["agents"]
     assert task["status"] == "succeeded" and task["thread"] == thread
     assert [(s["step"], s["status"], s["model"]) for s in task["steps"]] == [

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agentserver.agents.errors import StoreError
 from agentserver.agents.events import (
     Event,
     EventBus,
@@ -111,7 +113,12 @@ def build_app(ctx: HttpContext) -> Starlette:
             Route("/v1/status", api.status),
             Route("/v1/steps", api.steps),
         ],
-        exception_handlers={404: _not_found, 405: _not_allowed},
+        exception_handlers={
+            404: _not_found,
+            405: _not_allowed,
+            StoreError: _store_unavailable,
+            sqlite3.Error: _store_unavailable,
+        },
     )
 
 
@@ -121,6 +128,15 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:
     return problem(405, "method-not-allowed", "Method not allowed.")
+
+
+async def _store_unavailable(request: Request, exc: Exception) -> Response:
+    # A view read through the agent store failed (the database unreachable, or closed at
+    # shutdown): the caller may retry; the details are for the log only.
+    log.warning("%s: the agent store could not be read: %s", request.url.path, exc)
+    return problem(
+        503, "store-unavailable", "The agent store cannot be read now.", {"Retry-After": "5"}
+    )
 
 
 def _unread(response: Response) -> Response:
@@ -355,7 +371,12 @@ class _Api:
         cached = self._turns.get(turn)
         if cached is None or cached == (None, None):
             view = self.ctx.agents
-            cached = await view.turn_thread(turn) if view is not None else (None, None)
+            try:
+                cached = await view.turn_thread(turn) if view is not None else (None, None)
+            except (StoreError, sqlite3.Error) as exc:
+                # Mid-stream: no response to fail; the event is not shown (not cached).
+                log.warning("event filter: the agent store could not be read: %s", exc)
+                return (None, None)
             self._turns[turn] = cached
             while len(self._turns) > _TURN_CACHE:
                 self._turns.popitem(last=False)
