@@ -171,14 +171,21 @@ class MemoryStepLog:
 
 
 def record_rows(tx: Tx, env: StoreEnv, rows: Sequence[StepRow]) -> None:
-    """Insert ``rows`` in order; each gets its ``seq``, numbered by the database."""
-    for row in rows:
-        got = tx.one(
-            f"INSERT INTO step_log ({_INSERT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING seq",
-            (row.step, row.listener, row.caller, row.attempt, row.event, row.detail, row.at),
-        )
-        assert got is not None
-        row.seq = int(got[0])
+    """Insert ``rows`` in one statement; each gets its ``seq``, numbered by the database.
+
+    Both engines number a multi-row ``VALUES`` in its order, so the sorted returned
+    ``seq``s are the rows' in order (whatever order ``RETURNING`` lists them in)."""
+    if not rows:
+        return
+    values = ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(rows))
+    params = [
+        v for r in rows for v in (r.step, r.listener, r.caller, r.attempt, r.event, r.detail, r.at)
+    ]
+    got = tx.all(f"INSERT INTO step_log ({_INSERT_COLS}) VALUES {values} RETURNING seq", params)
+    if len(got) != len(rows):
+        raise StoreError(f"step log: {len(rows)} rows inserted, {len(got)} numbered")
+    for row, seq in zip(rows, sorted(int(g[0]) for g in got), strict=True):
+        row.seq = seq
 
 
 def select_rows(
