@@ -267,3 +267,35 @@ async def test_a_failing_store_keeps_the_rows_and_a_full_buffer_drops_counted(op
         *(("late", f"s{i // 2}") for i in range(3)),
     ]
     assert log.dropped == 2 and "writing again (2 row(s) dropped in all)" in caplog.text
+
+
+async def test_processes_sharing_a_postgresql_store_see_each_others_agents_and_steps(pg_url):
+    """Two processes on one database: each one's view shows the agents and the step
+    events of both (the figures too)."""
+    from agentserver.agents.pg.store import PostgresAgentStore
+
+    clock = ManualClock(1000.0)
+    settings = StoreSettings(url=pg_url)
+    one = await trio.to_thread.run_sync(
+        lambda: PostgresAgentStore.open(pg_url, clock=clock, settings=settings)
+    )
+    two = await trio.to_thread.run_sync(
+        lambda: PostgresAgentStore.open(pg_url, clock=clock, settings=settings)
+    )
+    try:
+        await one.enqueue_turn(A, b"task", {"caller_thread": "t"})
+        [row] = await one.claim_due(A, 5)
+        token = await one.start_turn(row)
+        [seen] = await AgentsView(two, (A,)).agent_list()
+        assert seen["state"] == "running" and seen["active_turn"]["id"] == token.agent_turn_id
+        logs = [StoreStepLog(one), StoreStepLog(two)]
+        for i, log in enumerate(logs):
+            log.append(rows(1, f"from-{i}")[0])
+            await log.drain()
+        for log in logs:
+            assert [r.listener for r in await log.rows()] == ["from-0", "from-1"]
+        figures = StoreFigures(two, clock)
+        assert await figures.refresh() and figures.inbox_lag() == {}
+    finally:
+        await one.aclose()
+        await two.aclose()
