@@ -177,6 +177,7 @@ async def run_server(
     server.anonymous_operators = not topology.clients
     # The server keeps no public count (yet): read its set of connections at scrape time.
     metrics.bind_pump(pump, lambda: len(server._connections))
+    step_log = step_writer = None
     async with ctx.resources:
         async with trio.open_nursery() as nursery:
             await nursery.start(pump.run)
@@ -194,13 +195,12 @@ async def run_server(
             )
             if agents is not None:
                 server.named_clients = agents.ports.clients
-                from agentserver.agents.step_log import StepLogStoreMixin, StoreStepLog
-
-                if server.runners is not None and isinstance(
-                    agents.runtime.store, StepLogStoreMixin
-                ):
-                    # Step events are durable rows in the embedded store from now on.
-                    server.runners.step_log = StoreStepLog(agents.runtime.store)
+                if server.runners is not None:
+                    # Step events are durable rows in the agents' store from now on.
+                    step_log, step_writer = await _durable_step_log(
+                        nursery, agents.runtime.store, metrics
+                    )
+                    server.runners.step_log = step_log
                 # An attached console shows the agents' streamed text (run --console).
                 on_events = ctx.services.get("on_agent_events")
                 if on_events is not None:
@@ -252,7 +252,32 @@ async def run_server(
                 # race the draining pump; an interrupted Turn resumes at the next start.
                 agents.stop()
             pump.close()
+            if step_writer is not None:
+                step_writer.cancel()  # the rows the draining pump still logs wait for drain()
+        if step_log is not None:
+            # The hub has stopped and the writer with it: what it still held goes to
+            # the store before the store closes (ctx.resources).
+            await step_log.drain()
     log.info("agentserver stopped")
+
+
+async def _durable_step_log(
+    nursery: trio.Nursery, store: Any, metrics: Metrics
+) -> tuple[Any, trio.CancelScope]:
+    """The runner hub's step log in the agents' store, and the scope of its writer (run
+    in ``nursery``; cancelled at shutdown, then ``drain()`` writes the rest)."""
+    from agentserver.agents.step_log import StoreStepLog
+
+    step_log = StoreStepLog(store)
+    metrics.bind_step_log(step_log)
+    scope = trio.CancelScope()
+
+    async def write(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await step_log.run(task_status=task_status)
+
+    await nursery.start(write)
+    return step_log, scope
 
 
 async def _start_http(
@@ -281,10 +306,8 @@ async def _start_http(
     gateway = HttpGateway(pump, topology.limits, spec)
     registry.register(HttpCollector(gateway))
     view = None
-    if agents is not None and agents.runtime.store.settings.backend == "sqlite":
-        # The view reads the SQLite file; on PostgreSQL /v1/agents is not served yet.
-        view = AgentsView(agents.runtime.store.settings.path, tuple(agents.profiles))
-        ctx.resources.callback(view.close)
+    if agents is not None:
+        view = AgentsView(agents.runtime.store, tuple(agents.profiles))
     router = agents.router if agents is not None else None
     app_ctx = HttpContext(
         pump=pump,

@@ -217,7 +217,7 @@ async def test_assistant_task_with_a_tool_call_is_one_trace(tmp_path, monkeypatc
                     Task(text="2+3?"), to="assistant", thread=thread, timeout=20
                 )
                 assert reply.payload.findtext(f"{{{ASSISTANT}}}text") == "2+3 = 5."
-            live = samples(registry)  # the store figures are read only while it runs
+            live = samples(registry)  # the store figures are refreshed only while it runs
         nursery.cancel_scope.cancel()
     assert len(model.requests) == 2
 
@@ -287,7 +287,7 @@ async def test_assistant_task_with_a_tool_call_is_one_trace(tmp_path, monkeypatc
     assert value(got, "agentserver_agent_steps_total", agent="assistant") == 2
     assert value(got, "agentserver_llm_breaker_state", backend="openai", state="closed") == 1
     assert value(got, "agentserver_messages_received_total", listener="calculator") == 1
-    # the store figures are wired (read at scrape time): nothing waited once the task was done
+    # the store figures are wired (a snapshot the server refreshes): nothing waits
     assert live[("agentserver_agent_inbox_lag_seconds", (("agent", "assistant"),))] == 0
     assert live[("agentserver_agent_approvals_pending", (("agent", "assistant"),))] == 0
 
@@ -546,47 +546,56 @@ def test_log_format_is_text_on_a_terminal_and_json_otherwise(restore_logging):
         configure_logging("info", "xml", pipe)
 
 
-# -- agent figures read from the store at scrape time, and step retries ---------------------
+# -- agent figures: a snapshot of the store, and step retries ---------------------------------
 
 
-def agent_metrics(h, figures=None) -> CollectorRegistry:
-    """A registry with the agent metrics bound to harness ``h``'s runtime and store."""
-    from agentserver.agents.store_figures import StoreFigures
-    from agentserver.observability import Metrics
+class AgentMetrics:
+    """A registry with the agent metrics bound to harness ``h``'s runtime and store;
+    :meth:`scrape` refreshes the store figures' snapshot first (as the server's task
+    does every few seconds)."""
 
-    registry = CollectorRegistry()
-    figures = figures or StoreFigures(h.rt.store.settings.path, h.clock)
-    h.rt.events.observe(Metrics(registry).bind_agents(figures, ("assistant", "idle")))
-    return registry
+    def __init__(self, h) -> None:
+        from agentserver.agents.store_figures import StoreFigures
+        from agentserver.observability import Metrics
+
+        self.registry = CollectorRegistry()
+        self.figures = StoreFigures(h.rt.store, h.clock)
+        h.rt.events.observe(Metrics(self.registry).bind_agents(self.figures, ("assistant", "idle")))
+
+    async def scrape(self) -> dict:
+        await self.figures.refresh()
+        return samples(self.registry)
 
 
 async def test_inbox_lag_is_the_age_of_the_oldest_waiting_task(tmp_path):
     from agents.agents_fakes import make_harness, task
 
-    from agentserver.agents.store_figures import StoreFigures
-
     h = make_harness(tmp_path, lambda request: "done")
-    figures = StoreFigures(h.rt.store.settings.path, h.clock)
-    registry = agent_metrics(h, figures)
+    metrics = AgentMetrics(h)
+    registry = metrics.registry
+    lag = "agentserver_agent_inbox_lag_seconds"
     try:
-        lag = "agentserver_agent_inbox_lag_seconds"
-        assert value(samples(registry), lag, agent="assistant") == 0
+        assert lag not in family_names(registry)  # no snapshot yet: left out
+        assert value(await metrics.scrape(), lag, agent="assistant") == 0
         await h.rt.enqueue("assistant", task("first"), {"r": 1})
         h.clock.advance(3)
         await h.rt.enqueue("assistant", task("second"), {"r": 2})
         h.clock.advance(4)
-        got = samples(registry)
+        got = await metrics.scrape()
         assert value(got, lag, agent="assistant") == 7  # the first, leased but not started
         assert got[(lag, (("agent", "idle"),))] == 0  # every agent has a sample
         (first,) = await h.rt.store.claim_due("assistant", 1)
         await h.rt.store.start_turn(first)
-        assert value(samples(registry), lag, agent="assistant") == 4  # the second, queued
         h.clock.advance(1)
-        assert value(samples(registry), lag, agent="assistant") == 5
+        # between refreshes the snapshot's oldest task ages with the clock
+        assert value(samples(registry), lag, agent="assistant") == 8
+        assert value(await metrics.scrape(), lag, agent="assistant") == 5  # the second, queued
+        h.clock.advance(1)
+        assert value(samples(registry), lag, agent="assistant") == 6
     finally:
         await h.rt.aclose()
-        figures.close()
     # a closed store leaves the agent figures out of the scrape, and the rest of it whole
+    assert not await metrics.figures.refresh()
     names = family_names(registry)
     assert lag not in names and "agentserver_agent_turns" in names
 
@@ -597,7 +606,7 @@ async def test_step_retries_are_counted_by_agent_and_error_kind(tmp_path):
     from agentserver.agents.errors import LLMUnavailable
 
     h = make_harness(tmp_path, lambda request: "done")
-    registry = agent_metrics(h)
+    registry = AgentMetrics(h).registry
     failures = ["OVERLOADED", "RATE_LIMIT", "OVERLOADED"]
     complete = h.llm.complete
 
@@ -646,15 +655,16 @@ async def test_pending_approvals_are_counted_until_decided(tmp_path):
     assistant = dataclasses.replace(profile(), policy=parse_policy(rule))
     add = '<add xmlns="urn:calc"><a>1</a><b>2</b></add>'
     h = make_harness(tmp_path, lambda request: add, profiles={"assistant": assistant})
-    registry = agent_metrics(h)
+    metrics = AgentMetrics(h)
     pending = "agentserver_agent_approvals_pending"
     try:
-        assert value(samples(registry), pending, agent="assistant") == 0
+        assert value(await metrics.scrape(), pending, agent="assistant") == 0
         await h.rt.enqueue("assistant", task("add"), {"r": 1})
         await h.pump()
         (request_id,) = h.sql("SELECT request_id FROM approvals WHERE status = 'pending'")[0]
-        assert value(samples(registry), pending, agent="assistant") == 1
+        assert value(await metrics.scrape(), pending, agent="assistant") == 1
         assert await h.rt.approvals.decide(request_id, False, "no", "alice") == "applied"
-        assert value(samples(registry), pending, agent="assistant") == 0
+        assert value(samples(metrics.registry), pending, agent="assistant") == 1  # the snapshot
+        assert value(await metrics.scrape(), pending, agent="assistant") == 0
     finally:
         await h.rt.aclose()

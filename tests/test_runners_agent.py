@@ -152,7 +152,7 @@ async def test_killing_the_runner_holding_an_agents_tool_call_moves_it_once(tmp_
                 with trio.move_on_after(1):
                     extra = await c.receive_on(thread)
                     raise AssertionError(f"the agent answered twice: {extra.raw!r}")
-            rows = list(hub.step_log)
+            rows = await hub.step_log.rows(listener="search")
             async with httpx.AsyncClient() as http:
                 got = await http.get(
                     f"{url}/v1/steps",

@@ -189,13 +189,13 @@ async def start_agents(
         settings, profiles, llm=llm, tools=ports, replies=ports, tracing=tracing
     )
     resources.push_async_callback(runtime.aclose)
-    if metrics is not None and settings.backend == "sqlite":
-        # (StoreFigures reads the SQLite file; on PostgreSQL the store figures are not
-        # exported yet, docs/deploy.md.)
+    figures = None
+    if metrics is not None:
+        # A snapshot refreshed by its own task (run below): a scrape never waits on the
+        # store, whichever backend it is.
         from agentserver.agents.store_figures import StoreFigures
 
-        figures = StoreFigures(settings.path, runtime.clock)
-        resources.callback(figures.close)
+        figures = StoreFigures(runtime.store, runtime.clock)
         runtime.events.observe(metrics.bind_agents(figures, tuple(profiles)))
     ports.attach(runtime.store)
     runtime.approvals.send = ports.send_approval
@@ -219,15 +219,16 @@ async def start_agents(
     async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with service.scope:
             kept = getattr(runtime.store, "client_replies", None)
-            if kept is None or ports.clients is None:
-                await runtime.run(task_status=task_status)
-                return
-            # A shared store: replies other processes keep for clients connected here.
-            from agentserver.agents.named_clients import forward_kept
-
             async with trio.open_nursery() as inner:
-                inner.start_soon(forward_kept, kept, ports.clients)
+                if figures is not None:
+                    inner.start_soon(figures.run)
+                if kept is not None and ports.clients is not None:
+                    # A shared store: replies other processes keep for clients here.
+                    from agentserver.agents.named_clients import forward_kept
+
+                    inner.start_soon(forward_kept, kept, ports.clients)
                 await runtime.run(task_status=task_status)
+                inner.cancel_scope.cancel()  # the runtime ended: so do its helpers
 
     await nursery.start(run)
     log.info("agents running: %s (store %s)", ", ".join(profiles), settings.where)

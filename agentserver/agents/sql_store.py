@@ -13,11 +13,14 @@ default a transaction too) and :meth:`SqlAgentStore.aclose`. Its hooks:
 from __future__ import annotations
 
 import abc
+import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from agentserver.agents import step_log
 from agentserver.agents.approvals import PendingApproval
 from agentserver.agents.clock import Clock
+from agentserver.agents.errors import StoreError
 from agentserver.agents.governance_store import DecisionRecord
 from agentserver.agents.ports import LLMCompletion, ReplyRef
 from agentserver.agents.settings import StoreSettings
@@ -30,9 +33,11 @@ from agentserver.agents.sql import (
     replies,
     tools,
     turns,
+    views,
     watchdog,
 )
 from agentserver.agents.sql.db import StoreEnv, Tx
+from agentserver.agents.step_log import StepRow
 from agentserver.agents.store import (
     BoxSwap,
     Card,
@@ -368,6 +373,37 @@ class SqlAgentStore(abc.ABC):
 
     async def fail_forward(self, request_id: str, row: InboxRow, text: str) -> None:
         await self._run(governance.fail_forward, request_id, row, text)
+
+    # -- read-only views (HTTP API, metrics) and the runner step log -------------------------
+    async def reachable(self) -> bool:
+        """Whether the store answers a query now (``/readyz``)."""
+        try:
+            await self._read(views.ping)
+        except (StoreError, sqlite3.Error):
+            return False
+        return True
+
+    async def agent_views(self, names: Sequence[str]) -> list[dict[str, Any]]:
+        return await self._read(views.agents, list(names))
+
+    async def task_view(self, agent_id: str, thread: str) -> dict[str, Any] | None:
+        return await self._read(views.task, agent_id, thread)
+
+    async def turn_thread(self, agent_turn_id: str) -> tuple[str | None, str | None]:
+        return await self._read(views.turn_thread, agent_turn_id)
+
+    async def figures(self) -> views.FigureRows:
+        return await self._read(views.figures)
+
+    async def record_steps(self, rows: Sequence[StepRow]) -> None:
+        """Insert step-log rows in one transaction (their ``seq`` set once committed)."""
+        if rows:
+            await self._run(step_log.record_rows, list(rows))
+
+    async def step_rows(
+        self, step: str | None, listener: str | None, after: int, limit: int
+    ) -> list[StepRow]:
+        return await self._read(step_log.select_rows, step, listener, after, limit)
 
 
 def _cards(tx: Tx, env: StoreEnv, box_id: str) -> list[Card]:

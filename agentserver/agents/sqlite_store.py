@@ -40,7 +40,6 @@ from agentserver.agents.settings import StoreSettings
 from agentserver.agents.sql.db import SQLITE
 from agentserver.agents.sql.schema import MIGRATIONS, SCHEMA_VERSION, migrate
 from agentserver.agents.sql_store import SqlAgentStore
-from agentserver.agents.step_log import StepLogStoreMixin
 
 __all__ = ["SCHEMA_VERSION", "_MIGRATIONS", "SqliteAgentStore", "SqliteTx"]
 
@@ -101,7 +100,7 @@ def _lock(path: Path) -> int:
     return fd
 
 
-class SqliteAgentStore(SqlAgentStore, StepLogStoreMixin):
+class SqliteAgentStore(SqlAgentStore):
     """SQLite-backed agent store. Create with :meth:`open`; close with :meth:`aclose`."""
 
     def __init__(self, conn: sqlite3.Connection, clock: Clock, settings: StoreSettings) -> None:

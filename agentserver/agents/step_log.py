@@ -5,23 +5,34 @@ connection), ``step.retried`` (a new attempt follows a timed-out or failed one),
 ``step.succeeded``, ``step.failed``, ``step.timed_out`` (the final outcome when no retry
 follows) and ``step.cancelled`` (stopped from outside).
 
-Where the server has an embedded (SQLite) agent store, rows are durable: a mixin of
-:class:`agentserver.agents.sqlite_store.SqliteAgentStore` writes them to its
-``step_log`` table (schema migration 5, created on PostgreSQL too; ``seq`` is numbered
-by the database). Without an agent store (no agents declared), and for now on the
-PostgreSQL store (whose writes cannot run on the hub's synchronous path),
-:class:`MemoryStepLog` keeps the last :data:`MEMORY_ROWS` rows in memory; they are
-gone at restart.
+Where the server has an agent store (any agent declared; SQLite or PostgreSQL), rows are
+durable in its ``step_log`` table (schema migration 5; ``seq`` is numbered by the
+database): :class:`StoreStepLog`. The hub records from synchronous paths, where no store
+write can run (on PostgreSQL a write is a thread hop), so :meth:`StoreStepLog.append`
+only puts the row in a bounded buffer, and a task (:meth:`StoreStepLog.run`) writes what
+it holds in batches, one store transaction per batch. A full buffer (the store has been
+failing or slow for :data:`BUFFER_ROWS` rows) drops the new row, counted
+(:attr:`StoreStepLog.dropped`, ``agentserver_step_log_dropped_total``) and logged: the
+log is a record, and a runner's step must not wait on it. Without an agent store,
+:class:`MemoryStepLog` keeps the last :data:`MEMORY_ROWS` rows in memory; they are gone
+at restart.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+import logging
+import sqlite3
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agentserver.agents.sql.db import Tx
+import trio
+
+from agentserver.agents.errors import StoreError
+from agentserver.agents.sql.db import StoreEnv, Tx
+
+log = logging.getLogger(__name__)
 
 MIGRATION = """
 CREATE TABLE step_log (
@@ -42,6 +53,16 @@ CREATE INDEX step_log_listener ON step_log (listener, seq);
 MEMORY_ROWS = 4096
 #: The most rows one query returns.
 MAX_ROWS = 1000
+#: Rows a :class:`StoreStepLog` holds before they are written (beyond: counted drops).
+BUFFER_ROWS = 4096
+#: The most rows one write transaction takes.
+BATCH_ROWS = 256
+#: How long a read waits for the rows recorded before it to be written (then it reads
+#: what is there: a failing store must not hold ``GET /v1/steps``).
+FLUSH_WAIT_S = 2.0
+#: The pause after a failed write, doubling up to :data:`RETRY_MAX_S`.
+RETRY_MIN_S = 0.5
+RETRY_MAX_S = 30.0
 _INSERT_COLS = "step_id, listener, caller, attempt, event, detail, at"
 _COLS = "seq, " + _INSERT_COLS
 
@@ -76,12 +97,13 @@ class StepRow:
 
 
 class StepLog(Protocol):
+    durable: bool
+
     def append(self, row: StepRow) -> StepRow:
-        """Record ``row``; returns it with its ``seq``. Never blocks the caller for long:
-        called from the hub's synchronous paths."""
+        """Record ``row``. Never blocks: called from the hub's synchronous paths."""
         ...
 
-    def rows(
+    async def rows(
         self,
         *,
         step: str | None = None,
@@ -91,8 +113,6 @@ class StepLog(Protocol):
     ) -> list[StepRow]:
         """Rows in ``seq`` order after ``after``, optionally of one step or listener."""
         ...
-
-    def __iter__(self) -> Iterator[StepRow]: ...
 
 
 def _limit(limit: int) -> int:
@@ -114,7 +134,17 @@ class MemoryStepLog:
         self._rows.append(row)
         return row
 
-    def rows(
+    async def rows(
+        self,
+        *,
+        step: str | None = None,
+        listener: str | None = None,
+        after: int = 0,
+        limit: int = 100,
+    ) -> list[StepRow]:
+        return self.select(step=step, listener=listener, after=after, limit=limit)
+
+    def select(
         self,
         *,
         step: str | None = None,
@@ -137,18 +167,29 @@ class MemoryStepLog:
         return iter(list(self._rows))
 
 
-def record(tx: Tx, row: StepRow) -> int:
-    """Insert ``row`` (one statement); returns its ``seq``, numbered by the database."""
-    got = tx.one(
-        f"INSERT INTO step_log ({_INSERT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING seq",
-        (row.step, row.listener, row.caller, row.attempt, row.event, row.detail, row.at),
-    )
-    assert got is not None
-    return int(got[0])
+# -- the SQL (plain functions over one transaction, both backends) ------------------------
 
 
-def select(
-    tx: Tx, *, step: str | None, listener: str | None, after: int, limit: int
+def record_rows(tx: Tx, env: StoreEnv, rows: Sequence[StepRow]) -> None:
+    """Insert ``rows`` in one statement; each gets its ``seq``, numbered by the database.
+
+    Both engines number a multi-row ``VALUES`` in its order, so the sorted returned
+    ``seq``s are the rows' in order (whatever order ``RETURNING`` lists them in)."""
+    if not rows:
+        return
+    values = ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(rows))
+    params = [
+        v for r in rows for v in (r.step, r.listener, r.caller, r.attempt, r.event, r.detail, r.at)
+    ]
+    got = tx.all(f"INSERT INTO step_log ({_INSERT_COLS}) VALUES {values} RETURNING seq", params)
+    if len(got) != len(rows):
+        raise StoreError(f"step log: {len(rows)} rows inserted, {len(got)} numbered")
+    for row, seq in zip(rows, sorted(int(g[0]) for g in got), strict=True):
+        row.seq = seq
+
+
+def select_rows(
+    tx: Tx, env: StoreEnv, step: str | None, listener: str | None, after: int, limit: int
 ) -> list[StepRow]:
     where: list[str] = ["seq > ?"]
     args: list[Any] = [after]
@@ -165,42 +206,95 @@ def select(
     return [StepRow(r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[0]) for r in got]
 
 
-class StepLogStoreMixin:
-    """The embedded (SQLite) store's part of the step log: one autocommitted statement
-    on its connection, inline. The hub records from synchronous paths, and a SQLite
-    insert is tens of microseconds; no store transaction is ever open across an await,
-    so this cannot land inside another one. (A networked store has no synchronous
-    path: see :class:`MemoryStepLog` and docs/agents.md.)"""
-
-    _tx: Tx
-
-    def record_step(self, row: StepRow) -> StepRow:
-        row.seq = record(self._tx, row)
-        return row
-
-    def step_rows(
-        self,
-        *,
-        step: str | None = None,
-        listener: str | None = None,
-        after: int = 0,
-        limit: int = 100,
-    ) -> list[StepRow]:
-        return select(self._tx, step=step, listener=listener, after=after, limit=limit)
-
-
 class StoreStepLog:
-    """:class:`StepLog` over an agent store (durable rows)."""
+    """:class:`StepLog` over an agent store (durable rows, any backend): rows wait in a
+    bounded buffer until :meth:`run` writes them (see the module docstring). ``store`` is
+    a :class:`~agentserver.agents.sql_store.SqlAgentStore`."""
 
     durable = True
 
-    def __init__(self, store: StepLogStoreMixin) -> None:
+    def __init__(self, store: Any, *, buffer: int = BUFFER_ROWS) -> None:
         self._store = store
+        self._send, self._receive = trio.open_memory_channel[StepRow](buffer)
+        #: Rows taken from the buffer and not yet written (a failed write keeps them).
+        self._batch: list[StepRow] = []
+        #: Rows buffered (so far) and rows written: the buffer is first in, first out, so
+        #: every row buffered before a moment is written once ``written`` reaches
+        #: ``buffered`` of that moment.
+        self.buffered = 0
+        self.written = 0
+        #: Rows lost because the buffer was full.
+        self.dropped = 0
+        self._progress = trio.Event()
+        self._dropping = False
+        #: The first pause after a failed write (doubling up to :data:`RETRY_MAX_S`).
+        self.retry_s = RETRY_MIN_S
 
     def append(self, row: StepRow) -> StepRow:
-        return self._store.record_step(row)
+        """Buffer ``row`` (its ``seq`` is set once it is written); a full buffer drops it,
+        counted and logged."""
+        try:
+            self._send.send_nowait(row)
+        except trio.WouldBlock:
+            self.dropped += 1
+            if not self._dropping:  # once per run of drops, not once per row
+                self._dropping = True
+                log.error(
+                    "step log: buffer full (%d rows waiting for the agent store): dropping "
+                    "step events until it is written (%d dropped so far)",
+                    self.waiting,
+                    self.dropped,
+                )
+        else:
+            self.buffered += 1
+        return row
 
-    def rows(
+    @property
+    def waiting(self) -> int:
+        """Rows buffered or taken and not yet written."""
+        return self._receive.statistics().current_buffer_used + len(self._batch)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Write buffered rows in batches until cancelled; a failed write is retried
+        (the rows are kept) after a pause doubling from :attr:`retry_s`."""
+        task_status.started()
+        pause = self.retry_s
+        while True:
+            if not self._batch:
+                self._batch.append(await self._receive.receive())
+            self._take_buffered()
+            try:
+                await self._write()
+            except (StoreError, sqlite3.Error) as exc:
+                log.warning(
+                    "step log: could not write %d row(s) (retrying in %.1fs): %s",
+                    len(self._batch),
+                    pause,
+                    exc,
+                )
+                await trio.sleep(pause)
+                pause = min(pause * 2, RETRY_MAX_S)
+                continue
+            pause = self.retry_s
+
+    async def drain(self) -> None:
+        """Write every row still waiting (at shutdown, once the hub has stopped and
+        :meth:`run` is cancelled, before the store closes); a failure is logged with
+        the count of rows lost."""
+        try:
+            while self._batch or self._take_buffered():
+                await self._write()
+        except (StoreError, sqlite3.Error) as exc:
+            log.error("step log: %d row(s) not written at shutdown: %s", self.waiting, exc)
+
+    async def flush(self) -> None:
+        """Wait until every row buffered before this call is written (unbounded while
+        the store fails: callers bound it)."""
+        target = self.buffered
+        while self.written < target:
+            await self._progress.wait()
+
+    async def rows(
         self,
         *,
         step: str | None = None,
@@ -208,10 +302,32 @@ class StoreStepLog:
         after: int = 0,
         limit: int = 100,
     ) -> list[StepRow]:
-        return self._store.step_rows(step=step, listener=listener, after=after, limit=limit)
+        """The stored rows, after the rows recorded so far are written (read your
+        writes; bounded by :data:`FLUSH_WAIT_S`)."""
+        with trio.move_on_after(FLUSH_WAIT_S):
+            await self.flush()
+        return await self._store.step_rows(step, listener, after, limit)
 
-    def __iter__(self) -> Iterator[StepRow]:
-        after = 0
-        while batch := self.rows(after=after, limit=MAX_ROWS):
-            yield from batch
-            after = batch[-1].seq
+    def _take_buffered(self) -> int:
+        """Move buffered rows into the batch (up to :data:`BATCH_ROWS`); how many."""
+        took = 0
+        while len(self._batch) < BATCH_ROWS:
+            try:
+                self._batch.append(self._receive.receive_nowait())
+            except trio.WouldBlock:
+                break
+            took += 1
+        return took
+
+    async def _write(self) -> None:
+        batch = self._batch
+        await self._store.record_steps(batch)
+        # No checkpoint between the write and this bookkeeping: a cancel arriving during
+        # a PostgreSQL write lands after it (the thread is never abandoned).
+        self._batch = []
+        self.written += len(batch)
+        self._progress.set()
+        self._progress = trio.Event()
+        if self._dropping:
+            self._dropping = False
+            log.warning("step log: writing again (%d row(s) dropped in all)", self.dropped)

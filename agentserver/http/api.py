@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agentserver.agents.errors import StoreError
 from agentserver.agents.events import (
     Event,
     EventBus,
@@ -111,7 +113,12 @@ def build_app(ctx: HttpContext) -> Starlette:
             Route("/v1/status", api.status),
             Route("/v1/steps", api.steps),
         ],
-        exception_handlers={404: _not_found, 405: _not_allowed},
+        exception_handlers={
+            404: _not_found,
+            405: _not_allowed,
+            StoreError: _store_unavailable,
+            sqlite3.Error: _store_unavailable,
+        },
     )
 
 
@@ -121,6 +128,15 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:
     return problem(405, "method-not-allowed", "Method not allowed.")
+
+
+async def _store_unavailable(request: Request, exc: Exception) -> Response:
+    # A view read through the agent store failed (the database unreachable, or closed at
+    # shutdown): the caller may retry; the details are for the log only.
+    log.warning("%s: the agent store could not be read: %s", request.url.path, exc)
+    return problem(
+        503, "store-unavailable", "The agent store cannot be read now.", {"Retry-After": "5"}
+    )
 
 
 def _unread(response: Response) -> Response:
@@ -191,11 +207,11 @@ class _Api:
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    def readiness(self) -> dict[str, Any]:
+    async def readiness(self) -> dict[str, Any]:
         ctx = self.ctx
         checks: dict[str, bool | None] = {"pump": ctx.pump.running, "store": None, "llm": None}
         if ctx.agents is not None:
-            checks["store"] = ctx.agents.reachable()
+            checks["store"] = await ctx.agents.reachable()
             if ctx.backends is not None:
                 backends = ctx.backends().values()
                 checks["llm"] = any(
@@ -210,7 +226,7 @@ class _Api:
         return {"ready": ready, "checks": checks}
 
     async def readyz(self, request: Request) -> Response:
-        body = self.readiness()
+        body = await self.readiness()
         return JSONResponse(body, 200 if body["ready"] else 503)
 
     async def metrics(self, request: Request) -> Response:
@@ -333,9 +349,8 @@ class _Api:
         view = self.ctx.agents
         if view is None:
             return JSONResponse({"agents": []})
-        return JSONResponse(
-            {"agents": [view.agent(n) for n in view.agents if self._may_see(identity, n)]}
-        )
+        names = [n for n in view.agents if self._may_see(identity, n)]
+        return JSONResponse({"agents": await view.agent_list(names)})
 
     async def task(self, request: Request) -> Response:
         identity = await self._identify(request)
@@ -345,31 +360,38 @@ class _Api:
         view = self.ctx.agents
         found = None
         if view is not None and name in view.agents and self._may_see(identity, name):
-            found = view.task(name, request.path_params["thread"])
+            found = await view.task(name, request.path_params["thread"])
         if found is None:
             return problem(404, "not-found", "Not found.")
         return JSONResponse(found)
 
     # -- events ---------------------------------------------------------------------------
 
-    def _turn_threads(self, turn: str) -> tuple[str | None, str | None]:
+    async def _turn_threads(self, turn: str) -> tuple[str | None, str | None]:
         cached = self._turns.get(turn)
         if cached is None or cached == (None, None):
             view = self.ctx.agents
-            cached = view.turn_thread(turn) if view is not None else (None, None)
+            try:
+                cached = await view.turn_thread(turn) if view is not None else (None, None)
+            except (StoreError, sqlite3.Error) as exc:
+                # Mid-stream: no response to fail; the event is not shown (not cached).
+                log.warning("event filter: the agent store could not be read: %s", exc)
+                return (None, None)
             self._turns[turn] = cached
             while len(self._turns) > _TURN_CACHE:
                 self._turns.popitem(last=False)
         return cached
 
-    def _matches(self, event: Event, identity: Identity, agent: str | None, thread: str | None):
+    async def _matches(
+        self, event: Event, identity: Identity, agent: str | None, thread: str | None
+    ) -> bool:
         if not self._may_see(identity, event.agent_id):
             return False
         if agent is not None and event.agent_id != agent:
             return False
         if thread is not None:
             turn = event.agent_turn_id
-            return turn is not None and thread in self._turn_threads(turn)
+            return turn is not None and thread in await self._turn_threads(turn)
         return True
 
     async def events(self, request: Request) -> Response:
@@ -414,7 +436,7 @@ class _Api:
                     self.ctx.counters["sse_dropped"] += 1
                     yield f"event: overflow\ndata: {json.dumps({'dropped': sub.dropped})}\n\n"
                     return
-                if self._matches(event, identity, agent, thread):
+                if await self._matches(event, identity, agent, thread):
                     yield sse(event)
         finally:
             self.streams -= 1
@@ -425,7 +447,7 @@ class _Api:
 
     # -- status ---------------------------------------------------------------------------
 
-    def status_document(self) -> dict[str, Any]:
+    async def status_document(self) -> dict[str, Any]:
         ctx = self.ctx
         pump = ctx.pump
         stats = pump.stats()
@@ -443,10 +465,10 @@ class _Api:
         return {
             "organism": ctx.organism,
             "version": ctx.version,
-            "ready": self.readiness(),
+            "ready": await self.readiness(),
             "pump": {k: v for k, v in stats.items() if k not in ("queues", "waiting", "handled")},
             "listeners": listeners,
-            "agents": [view.agent(n) for n in view.agents] if view is not None else [],
+            "agents": await view.agent_list() if view is not None else [],
             "backends": ctx.backends() if ctx.backends is not None else {},
             "connections": {
                 **ctx.transports(),
@@ -472,7 +494,9 @@ class _Api:
         listener = q.get("listener") or None
         if log_ is None or (listener is not None and not self._may_see(identity, listener)):
             return JSONResponse({"durable": False, "steps": []})
-        rows = log_.rows(step=q.get("step") or None, listener=listener, after=after, limit=limit)
+        rows = await log_.rows(
+            step=q.get("step") or None, listener=listener, after=after, limit=limit
+        )
         return JSONResponse(
             {
                 "durable": log_.durable,
@@ -484,4 +508,4 @@ class _Api:
         identity = await self._identify(request)
         if isinstance(identity, Response):
             return identity
-        return JSONResponse(self.status_document())
+        return JSONResponse(await self.status_document())

@@ -10,8 +10,6 @@ registered. The list is in docs/operations.md.
 from __future__ import annotations
 
 import bisect
-import logging
-import sqlite3
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,8 +21,6 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-
-log = logging.getLogger(__name__)
 
 #: Seconds; handlers range from microseconds (echo) to the handler timeout.
 HANDLER_BUCKETS = (
@@ -222,21 +218,20 @@ class _RouterCollector(Collector):
 
 
 class _AgentStoreCollector(Collector):
-    """Inbox lag and pending approvals, read from the agent store at scrape time.
-    ``figures`` is an :class:`agentserver.agents.store_figures.StoreFigures`; every agent
-    of ``agents`` gets a sample (0 when it has nothing waiting)."""
+    """Inbox lag and pending approvals of the agent store, from the snapshot of
+    ``figures`` (an :class:`agentserver.agents.store_figures.StoreFigures`, refreshed by
+    its own task: a scrape never waits on the database); every agent of ``agents`` gets a
+    sample (0 when it has nothing waiting)."""
 
     def __init__(self, figures: Any, agents: tuple[str, ...]) -> None:
         self.figures = figures
         self.agents = agents
 
     def collect(self) -> Iterator[Metric]:
-        try:
-            lag = self.figures.inbox_lag()
-            pending = self.figures.approvals_pending()
-        except sqlite3.Error as exc:
-            # A busy or closed store must not break the rest of the scrape.
-            log.warning("agent store figures unavailable: %s", exc)
+        lag = self.figures.inbox_lag()
+        pending = self.figures.approvals_pending()
+        if lag is None or pending is None:
+            # No snapshot yet, or the store is failing: left out, the rest stays whole.
             return
         lag_family = GaugeMetricFamily(
             "agentserver_agent_inbox_lag_seconds",
@@ -253,6 +248,26 @@ class _AgentStoreCollector(Collector):
             pending_family.add_metric([agent], pending.get(agent, 0))
         yield lag_family
         yield pending_family
+
+
+class _StepLogCollector(Collector):
+    """The durable step log's buffer (agents/step_log.py ``StoreStepLog``): rows waiting
+    to be written, and rows dropped because the buffer was full."""
+
+    def __init__(self, step_log: Any) -> None:
+        self.step_log = step_log
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "agentserver_step_log_waiting",
+            "Step-log rows buffered and not yet written to the agent store.",
+            value=self.step_log.waiting,
+        )
+        yield CounterMetricFamily(
+            "agentserver_step_log_dropped",
+            "Step-log rows dropped because the buffer was full (the store failing or slow).",
+            value=self.step_log.dropped,
+        )
 
 
 def _counter(name: str, doc: str, labels: list[str], items: Any) -> CounterMetricFamily:
@@ -287,12 +302,16 @@ class Metrics:
     ) -> Callable[[object], None]:
         """Register the agent metrics; returns the observer for the runtime's event bus.
         ``figures`` (a :class:`~agentserver.agents.store_figures.StoreFigures`) adds the
-        inbox lag and pending approvals of ``agents``, read at scrape time."""
+        inbox lag and pending approvals of ``agents``, from its snapshot."""
         if self._agents is None:
             self._agents = _AgentMetrics(self.registry)
         if figures is not None:
             self.registry.register(_AgentStoreCollector(figures, agents))
         return self._agents.observe
+
+    def bind_step_log(self, step_log: Any) -> None:
+        """Expose the durable step log's buffer (waiting rows, dropped rows)."""
+        self.registry.register(_StepLogCollector(step_log))
 
     def llm_call(
         self,

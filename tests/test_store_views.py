@@ -1,0 +1,301 @@
+"""The store's read-only views (``/v1/agents``), its ``/metrics`` figures and the runner
+step log, through the store on every backend (``opener`` is parametrised: ``sqlite``
+always, ``postgresql`` when a server is reachable, skipped otherwise)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+from prometheus_client import CollectorRegistry
+
+from agentserver.agents.clock import ManualClock
+from agentserver.agents.ports import LLMCompletion, LLMUsage
+from agentserver.agents.settings import StoreSettings
+from agentserver.agents.sql.views import ERROR_TEXT_CHARS
+from agentserver.agents.sql_store import SqlAgentStore
+from agentserver.agents.step_log import StepRow, StoreStepLog
+from agentserver.agents.store import CardType, NewCard, TaskStatus
+from agentserver.agents.store_figures import StoreFigures
+from agentserver.http.agents_view import AgentsView
+
+A, B = "assistant", "helper"
+Opener = Callable[[], Awaitable[SqlAgentStore]]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def opener(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[Opener]:
+    """Opens the test's store (again: the same file or database, as after a restart);
+    every store it opened is closed at the end."""
+    clock = ManualClock(1000.0)
+    settings = StoreSettings(path=tmp_path / "agents.sqlite3")
+    url = request.getfixturevalue("pg_url") if request.param == "postgresql" else None
+    opened: list[SqlAgentStore] = []
+
+    async def open_store() -> SqlAgentStore:
+        if url is None:
+            from agentserver.agents.sqlite_store import SqliteAgentStore
+
+            store: Any = SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
+        else:
+            from agentserver.agents.pg.store import PostgresAgentStore
+
+            store = PostgresAgentStore.open(url, clock=clock, settings=settings)
+        store = await store if inspect.isawaitable(store) else store
+        opened.append(store)
+        return store
+
+    try:
+        yield open_store
+    finally:
+        for store in opened:
+            await store.aclose()
+
+
+def rows(n: int, listener: str = "search") -> list[StepRow]:
+    return [
+        StepRow(f"s{i // 2}", listener, "assistant", i % 2, "step.x", at=float(i)) for i in range(n)
+    ]
+
+
+async def failed_turn(store: SqlAgentStore, text: str, thread: str) -> str:
+    """Run one Turn of agent A on ``thread``: one step with usage, then a failed end."""
+    clock = store.env.clock
+    await store.enqueue_turn(A, text.encode(), {"caller_thread": thread})
+    [row] = await store.claim_due(A, 5)
+    token = await store.start_turn(row)
+    step_id, _ = await store.begin_step(token)
+    clock.advance(2)
+    usage = LLMUsage(prompt_tokens=10, completion_tokens=5, total_tokens=15)
+    completion = LLMCompletion("trying", usage=usage, cost=0.25, model="m", backend="b")
+    await store.complete_step(token, step_id, completion, [NewCard(CardType.LLM_MESSAGE, "x")])
+    clock.advance(1)
+    await store.finish(token, TaskStatus.FAILED, "no luck " * 100, {}, b"<a/>")
+    return token.agent_turn_id
+
+
+# -- GET /v1/agents and the task view ---------------------------------------------------------
+
+
+async def test_agents_view_is_the_same_on_every_backend(opener):
+    store = await opener()
+    await store.ensure_agents([A, B])
+    view = AgentsView(store, (A, B))
+    assert await view.reachable()
+    idle = {"state": "idle", "active_turn": None, "queue": 0, "last_error": None}
+    assert await view.agent_list() == [{"name": A, **idle}, {"name": B, **idle}]
+    assert await view.task(A, "nothing") is None
+
+    turn = await failed_turn(store, "first", "t1")
+    await store.enqueue_turn(A, b"second", {"caller_thread": "t2"})  # leased, not started
+    await store.enqueue_turn(A, b"third", {"caller_thread": "t3", "hop": "h3"})  # queued
+    [row] = await store.claim_due(A, 5)
+    running = await store.start_turn(row)
+    await store.begin_step(running)
+    error = {"turn": turn, "status": "failed", "text": ("no luck " * 100)[:ERROR_TEXT_CHARS]}
+    assert await view.agent_list([A]) == [
+        {
+            "name": A,
+            "state": "running",
+            "active_turn": {
+                "id": running.agent_turn_id,
+                "steps": 1,
+                "waiting_tools": 0,
+                "running_since": 1003.0,
+            },
+            "queue": 1,
+            "last_error": {**error, "at": 1003.0},
+        }
+    ]
+    assert await view.agent(B) == {"name": B, **idle}
+    assert await view.task(A, "t1") == {
+        "agent": A,
+        "thread": "t1",
+        "turn": turn,
+        "status": "failed",
+        "created_at": 1000.0,
+        "finished_at": 1003.0,
+        "error": error["text"],
+        "steps": [
+            {
+                "step": 1,
+                "status": "completed",
+                "model": "m",
+                "backend": "b",
+                "prompt_tokens": 10,
+                "completion_tokens": 5,
+                "total_tokens": 15,
+                "cost": 0.25,
+                "started_at": 1000.0,
+                "ended_at": 1002.0,
+                "tool_calls": 0,
+            }
+        ],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15, "cost": 0.25},
+    }
+    running_task = await view.task(A, "t2")
+    assert running_task is not None and running_task["status"] == "running"
+    assert running_task["turn"] == running.agent_turn_id
+    queued = await view.task(A, "h3")  # found by the hop thread too
+    assert queued is not None and (queued["status"], queued["turn"]) == ("queued", None)
+    assert await view.turn_thread(turn) == ("t1", None)
+    assert await view.turn_thread("no-such-turn") == (None, None)
+
+
+async def test_an_unreachable_store_is_not_ready(opener):
+    store = await opener()
+    view = AgentsView(store, (A,))
+    assert await view.reachable()
+    await store.aclose()
+    assert not await view.reachable()
+
+
+# -- the /metrics store figures ---------------------------------------------------------------
+
+
+async def test_store_figures_are_a_snapshot_refreshed_by_a_task(opener):
+    from agentserver.observability import Metrics
+
+    store = await opener()
+    clock = store.env.clock
+    figures = StoreFigures(store, clock, period=0.05)
+    registry = CollectorRegistry()
+    Metrics(registry).bind_agents(figures, (A,))
+
+    def sample(name: str) -> float | None:
+        return registry.get_sample_value(name, {"agent": A})
+
+    lag = "agentserver_agent_inbox_lag_seconds"
+    assert sample(lag) is None  # no snapshot yet: left out of the scrape
+    await store.enqueue_turn(A, b"one", {"caller_thread": "one"})
+    clock.advance(4)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(figures.run)  # the first refresh is done when it has started
+        assert sample(lag) == 4
+        assert sample("agentserver_agent_approvals_pending") == 0
+        [row] = await store.claim_due(A, 5)
+        await store.start_turn(row)
+        taken = figures.taken_at
+        clock.advance(1)
+        assert sample(lag) == 5  # the snapshot's oldest task, aged at scrape time
+        with trio.fail_after(10):
+            while figures.taken_at == taken:  # noqa: ASYNC110 (the task's next refresh)
+                await trio.sleep(0.01)
+        assert sample(lag) == 0  # nothing waits any more
+        nursery.cancel_scope.cancel()
+    await store.aclose()
+    assert not await figures.refresh()
+    assert sample(lag) is None  # a failing store: left out until a refresh succeeds
+
+
+# -- the runner step log ----------------------------------------------------------------------
+
+
+async def test_step_log_rows_are_written_in_batches_and_survive_a_restart(opener):
+    store = await opener()
+    log = StoreStepLog(store)
+    written = [log.append(r) for r in rows(5)]
+    assert [r.seq for r in written] == [0] * 5  # buffered: numbered once written
+    assert log.waiting == 5
+    async with trio.open_nursery() as nursery:
+        await nursery.start(log.run)
+        with trio.fail_after(10):
+            await log.flush()
+        assert [r.seq for r in written] == [1, 2, 3, 4, 5]
+        assert log.waiting == 0 and log.written == 5
+        log.append(rows(1, "other")[0])
+        # a read waits for the rows recorded before it
+        assert [r.listener for r in await log.rows(listener="other")] == ["other"]
+        nursery.cancel_scope.cancel()
+    await store.aclose()
+
+    store = await opener()  # a restart
+    log = StoreStepLog(store)
+    assert [r.seq for r in await log.rows()] == [1, 2, 3, 4, 5, 6]
+    log.append(rows(1, "third")[0])
+    await log.drain()  # no writer running: what is buffered is written now
+    assert [r.seq for r in await log.rows(listener="third")] == [7]  # numbering goes on
+    assert [r.seq for r in await log.rows(after=2, limit=2)] == [3, 4]
+    assert [r.seq for r in await log.rows(step="s1")] == [3, 4]
+    assert (await log.rows(after=2, limit=2))[0] == StepRow(
+        "s1", "search", "assistant", 0, "step.x", "", 2.0, 3
+    )
+
+
+async def test_a_failing_store_keeps_the_rows_and_a_full_buffer_drops_counted(opener, caplog):
+    from agentserver.observability import Metrics
+
+    store = await opener()
+
+    async def ddl(sql: str) -> None:
+        def run(tx: Any, env: Any) -> None:
+            tx.execute(sql)
+
+        await store._run(run)
+
+    await ddl("ALTER TABLE step_log RENAME TO step_log_away")  # every write fails
+    log = StoreStepLog(store, buffer=3)
+    registry = CollectorRegistry()
+    Metrics(registry).bind_step_log(log)
+    log.retry_s = 0.01
+    caplog.set_level(logging.WARNING, logger="agentserver.agents.step_log")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(log.run)
+        for row in rows(3):
+            log.append(row)
+        with trio.fail_after(10):
+            while "could not write" not in caplog.text:  # noqa: ASYNC110 (a log record)
+                await trio.sleep(0.01)
+        # the writer holds the 3 rows it took; the buffer takes 3 more, then drops
+        for row in rows(5, "late"):
+            log.append(row)
+        assert (log.written, log.waiting, log.dropped) == (0, 6, 2)
+        assert registry.get_sample_value("agentserver_step_log_dropped_total") == 2
+        assert registry.get_sample_value("agentserver_step_log_waiting") == 6
+        assert "buffer full" in caplog.text and caplog.text.count("buffer full") == 1
+        await ddl("ALTER TABLE step_log_away RENAME TO step_log")  # the store is back
+        with trio.fail_after(10):
+            await log.flush()
+        nursery.cancel_scope.cancel()
+    got = await log.rows(limit=1000)
+    assert [(r.listener, r.step) for r in got] == [
+        *(("search", f"s{i // 2}") for i in range(3)),
+        *(("late", f"s{i // 2}") for i in range(3)),
+    ]
+    assert log.dropped == 2 and "writing again (2 row(s) dropped in all)" in caplog.text
+
+
+async def test_processes_sharing_a_postgresql_store_see_each_others_agents_and_steps(pg_url):
+    """Two processes on one database: each one's view shows the agents and the step
+    events of both (the figures too)."""
+    from agentserver.agents.pg.store import PostgresAgentStore
+
+    clock = ManualClock(1000.0)
+    settings = StoreSettings(url=pg_url)
+    one = await trio.to_thread.run_sync(
+        lambda: PostgresAgentStore.open(pg_url, clock=clock, settings=settings)
+    )
+    two = await trio.to_thread.run_sync(
+        lambda: PostgresAgentStore.open(pg_url, clock=clock, settings=settings)
+    )
+    try:
+        await one.enqueue_turn(A, b"task", {"caller_thread": "t"})
+        [row] = await one.claim_due(A, 5)
+        token = await one.start_turn(row)
+        [seen] = await AgentsView(two, (A,)).agent_list()
+        assert seen["state"] == "running" and seen["active_turn"]["id"] == token.agent_turn_id
+        logs = [StoreStepLog(one), StoreStepLog(two)]
+        for i, log in enumerate(logs):
+            log.append(rows(1, f"from-{i}")[0])
+            await log.drain()
+        for log in logs:
+            assert [r.listener for r in await log.rows()] == ["from-0", "from-1"]
+        figures = StoreFigures(two, clock)
+        assert await figures.refresh() and figures.inbox_lag() == {}
+    finally:
+        await one.aclose()
+        await two.aclose()
