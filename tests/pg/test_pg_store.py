@@ -154,6 +154,25 @@ async def test_a_clean_close_hands_over_at_once(pg_url: str) -> None:
         await b.aclose()
 
 
+async def test_a_takeover_warns_only_when_it_takes_work_over(pg_url: str, caplog) -> None:
+    """A process that stopped cleanly with nothing in hand leaves nothing to take over:
+    the next start says nothing; one that left a running Turn is named in a warning."""
+    await _open(pg_url).aclose()
+    b = _open(pg_url)
+    try:
+        with caplog.at_level("WARNING", logger="agentserver.agents.pg.store"):
+            assert await b.recover_running() == []
+        assert "took over" not in caplog.text
+        c = _open(pg_url)
+        await _running(c)
+        await c.aclose()
+        with caplog.at_level("WARNING", logger="agentserver.agents.pg.store"):
+            assert len(await b.reclaim()) == 1
+        assert "took over from 1 stopped process(es): 1 running turn(s)" in caplog.text
+    finally:
+        await b.aclose()
+
+
 async def test_work_made_due_rings_every_process(pg_url: str) -> None:
     from agentserver.agents.doorbell import Doorbell
 

@@ -176,7 +176,7 @@ class PostgresAgentStore(SqlAgentStore):
         timeouts for the dead processes' tool calls. Returns the recovered running
         Turns."""
         got = await self._run(leases.reclaim, 8, self.owner if mine else None)
-        if got.owners:
+        if got.recovered or got.suspended or got.requeued:
             log.warning(
                 "agent store: took over from %d stopped process(es): %d running turn(s) "
                 "recovered, %d suspended, %d inbox row(s) requeued",
