@@ -154,6 +154,25 @@ async def test_a_clean_close_hands_over_at_once(pg_url: str) -> None:
         await b.aclose()
 
 
+async def test_a_takeover_warns_only_when_it_takes_work_over(pg_url: str, caplog) -> None:
+    """A process that stopped cleanly with nothing in hand leaves nothing to take over:
+    the next start says nothing; one that left a running Turn is named in a warning."""
+    await _open(pg_url).aclose()
+    b = _open(pg_url)
+    try:
+        with caplog.at_level("WARNING", logger="agentserver.agents.pg.store"):
+            assert await b.recover_running() == []
+        assert "took over" not in caplog.text
+        c = _open(pg_url)
+        await _running(c)
+        await c.aclose()
+        with caplog.at_level("WARNING", logger="agentserver.agents.pg.store"):
+            assert len(await b.reclaim()) == 1
+        assert "took over from 1 stopped process(es): 1 running turn(s)" in caplog.text
+    finally:
+        await b.aclose()
+
+
 async def test_work_made_due_rings_every_process(pg_url: str) -> None:
     from agentserver.agents.doorbell import Doorbell
 
@@ -181,3 +200,57 @@ async def test_work_made_due_rings_every_process(pg_url: str) -> None:
     finally:
         await a.aclose()
         await b.aclose()
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await trio.sleep(0.02)
+    raise AssertionError("the condition did not become true in time")
+
+
+async def test_alone_on_the_store_a_process_rings_itself_instead_of_notifying(
+    pg_url: str,
+) -> None:
+    """While no other process holds a live lease, work made due rings this process's own
+    doorbell and sends no NOTIFY; once another process is there (its lease seen at a
+    heartbeat, or any notification heard) it notifies again."""
+    from agentserver.agents.doorbell import Doorbell
+    from agentserver.agents.pg.notify import WAKE_CHANNEL
+
+    spy = psycopg.connect(pg_url, autocommit=True)
+    spy.execute(f"LISTEN {WAKE_CHANNEL}")
+
+    def heard() -> int:
+        return sum(1 for _ in spy.notifies(timeout=0.3))
+
+    a = _open(pg_url, heartbeat_s=0.1)
+    bell = Doorbell()
+    b = None
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.serve, bell)
+            await a.ensure_agents(["x", "y", "z"])
+            assert a.others_alive is False
+            with trio.fail_after(10):
+                await bell.wait()  # the listener's first ring, after connecting
+                await a.enqueue_turn("x", b"<task/>", {"ref": 1})
+                await bell.wait()  # rung at once, by the store itself
+            assert await trio.to_thread.run_sync(heard) == 0
+            b = _open(pg_url)  # another process: seen at a's next heartbeat
+            await _until(lambda: a.others_alive)
+            await a.enqueue_turn("y", b"<task/>", {"ref": 2})
+            assert await trio.to_thread.run_sync(heard) >= 1
+            # alone again once b is gone; a notification heard ends it at once
+            await b.aclose()
+            b = None
+            await _until(lambda: not a.others_alive)
+            spy.execute(f"NOTIFY {WAKE_CHANNEL}")
+            await _until(lambda: a.others_alive)
+            nursery.cancel_scope.cancel()
+    finally:
+        spy.close()
+        if b is not None:
+            await b.aclose()
+        await a.aclose()

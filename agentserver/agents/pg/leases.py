@@ -41,14 +41,20 @@ class Reclaimed:
     requeued: int = 0
 
 
-def heartbeat(tx: Tx, env: StoreEnv, owner: str, lease_s: float, host: str, pid: int) -> None:
-    """Register ``owner`` or renew its lease to ``lease_s`` from now."""
+def heartbeat(tx: Tx, env: StoreEnv, owner: str, lease_s: float, host: str, pid: int) -> int:
+    """Register ``owner`` or renew its lease to ``lease_s`` from now; returns how many
+    other processes hold a live lease."""
     tx.execute(
         "INSERT INTO agentserver_processes (owner, lease_until, started_at, host, pid) "
         f"VALUES (?, {_DB_NOW} + ?, {_DB_NOW}, ?, ?) "
         "ON CONFLICT (owner) DO UPDATE SET lease_until = excluded.lease_until",
         (owner, lease_s, host, pid),
     )
+    row = tx.one(
+        f"SELECT count(*) FROM agentserver_processes WHERE owner <> ? AND lease_until >= {_DB_NOW}",
+        (owner,),
+    )
+    return int(row[0]) if row else 0
 
 
 def release(tx: Tx, env: StoreEnv, owner: str) -> None:

@@ -18,7 +18,7 @@ duplicates of one transaction.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import psycopg
 import trio
@@ -68,17 +68,24 @@ class PgListener:
         *,
         poll_s: float = 1.0,
         reconnect_s: float = 1.0,
+        on_poll: Iterable[Callable[[], None]] | None = None,
     ) -> None:
         if not callbacks:
             raise ValueError("PgListener needs at least one channel")
         self.url = url
         self.callbacks = dict(callbacks)
         self.poll_s = poll_s
+        #: What a poll (no notification) calls: ``on_poll``, else every channel's callback.
+        self.on_poll = tuple(on_poll) if on_poll is not None else tuple(self.callbacks.values())
         self.reconnect_s = reconnect_s
         #: (re)connections made and notifications received (figures; tests read them)
         self.connections = 0
         self.received = 0
         self._conn: psycopg.Connection | None = None
+
+    def _poll(self) -> None:
+        for callback in self.on_poll:
+            callback()
 
     def _ring(self, channels) -> None:
         for channel in channels:
@@ -111,14 +118,14 @@ class PgListener:
                         redact_text(exc, self.url),
                         self.reconnect_s,
                     )
-                    self._ring(self.callbacks)  # meanwhile, behave as a poll
+                    self._poll()  # meanwhile, behave as a poll
                     await trio.sleep(self.reconnect_s)
                     continue
                 self.connections += 1
                 if not started:
                     started = True
                     task_status.started()
-                self._ring(self.callbacks)
+                self._poll()
                 try:
                     await self._listen(self._conn)
                 except psycopg.Error as exc:
@@ -139,7 +146,7 @@ class PgListener:
             with trio.move_on_after(self.poll_s) as poll:
                 await trio.lowlevel.wait_readable(conn.fileno())
             if poll.cancelled_caught:
-                self._ring(self.callbacks)
+                self._poll()
                 continue
             channels = _drain(conn.pgconn)
             self.received += len(channels)

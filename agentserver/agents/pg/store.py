@@ -10,6 +10,7 @@ somewhere ``NOTIFY`` the other processes (:mod:`.notify`); the leases of
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -96,6 +97,14 @@ class PostgresAgentStore(SqlAgentStore):
         #: Rings when a reply may be waiting for an anonymous caller connected here
         #: (:mod:`.callers`; the runtime's ``answer_callers_here`` sends it).
         self.replies_here = Doorbell()
+        #: Whether another process may be using the store: its lease was live at the
+        #: last heartbeat, or a notification came (some process is there). While there
+        #: is none, a transaction that makes work due rings this process's own
+        #: doorbells after it commits instead of sending ``NOTIFY`` (a statement per
+        #: write, and the notification's round trip back to this process's listener).
+        self.others_alive = True
+        #: channel → this process's own doorbell for it (set by :meth:`serve`)
+        self._rings: dict[str, Callable[[], None]] = {}
 
     @classmethod
     def open(
@@ -121,7 +130,8 @@ class PostgresAgentStore(SqlAgentStore):
         try:
             executor.run_sync(migrate_pg, store.env)
             # Registered before its first write: every row it owns has a live lease.
-            executor.run_sync(leases.heartbeat, store.env, *store._lease_args())
+            others = executor.run_sync(leases.heartbeat, store.env, *store._lease_args())
+            store.others_alive = others > 0
         except BaseException:
             executor.close()
             raise
@@ -141,9 +151,15 @@ class PostgresAgentStore(SqlAgentStore):
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         channel = _NOTIFIES.get(fn)
-        if channel is not None:
+        if channel is None:
+            return await self.executor.run(fn, self.env, *args)
+        ring = self._rings.get(channel)
+        if ring is None or self.others_alive:
             return await self.executor.run(_notifying, self.env, channel, fn, *args)
-        return await self.executor.run(fn, self.env, *args)
+        # Alone on the store: what the NOTIFY would do, without it (see others_alive).
+        result = await self.executor.run(fn, self.env, *args)
+        ring()
+        return result
 
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.executor.run_single(fn, self.env, *args)
@@ -176,7 +192,7 @@ class PostgresAgentStore(SqlAgentStore):
         timeouts for the dead processes' tool calls. Returns the recovered running
         Turns."""
         got = await self._run(leases.reclaim, 8, self.owner if mine else None)
-        if got.owners:
+        if got.recovered or got.suspended or got.requeued:
             log.warning(
                 "agent store: took over from %d stopped process(es): %d running turn(s) "
                 "recovered, %d suspended, %d inbox row(s) requeued",
@@ -201,24 +217,33 @@ class PostgresAgentStore(SqlAgentStore):
         """Until cancelled: ring ``doorbell`` when another process (or this one) makes work
         due, and at least every second; renew this process's lease every heartbeat and
         take over the work of processes whose lease expired."""
+        rings = {
+            WAKE_CHANNEL: doorbell.ring,
+            CLIENT_REPLIES_CHANNEL: self.client_replies.ring,
+            REPLIES_CHANNEL: self.replies_here.ring,
+        }
         listener = PgListener(
             self.executor.url,
-            {
-                WAKE_CHANNEL: doorbell.ring,
-                CLIENT_REPLIES_CHANNEL: self.client_replies.ring,
-                REPLIES_CHANNEL: self.replies_here.ring,
-            },
+            {channel: functools.partial(self._heard, ring) for channel, ring in rings.items()},
+            on_poll=rings.values(),
         )
+        self._rings = rings
         async with trio.open_nursery() as nursery:
             await nursery.start(listener.run)
             nursery.start_soon(self._keep_lease, doorbell)
             task_status.started()
 
+    def _heard(self, ring: Callable[[], None]) -> None:
+        # A notification: another process is there (this one sends none while alone).
+        self.others_alive = True
+        ring()
+
     async def _keep_lease(self, doorbell: Doorbell) -> None:
         while True:
             await trio.sleep(self.settings.heartbeat_s)
             try:
-                await self.executor.run(leases.heartbeat, self.env, *self._lease_args())
+                others = await self.executor.run(leases.heartbeat, self.env, *self._lease_args())
+                self.others_alive = others > 0
                 if await self.reclaim():
                     doorbell.ring()
             except StoreError as exc:
