@@ -44,6 +44,7 @@ from agentserver.agents.store import (
     NewCard,
     PendingReply,
     ReportOutcome,
+    StepStart,
     ToolCallRecord,
     TurnToken,
 )
@@ -131,6 +132,12 @@ class SqlAgentStore(abc.ABC):
     async def begin_step(self, token: TurnToken) -> tuple[str, int]:
         return await self._run(turns.begin_step, token)
 
+    async def open_step(self, token: TurnToken, max_steps: int) -> StepStart:
+        return await self._run(turns.open_step, token, max_steps)
+
+    async def start_turn_step(self, row: InboxRow, max_steps: int) -> StepStart:
+        return await self._run(turns.start_turn_step, row, max_steps)
+
     async def complete_step(
         self,
         token: TurnToken,
@@ -149,13 +156,13 @@ class SqlAgentStore(abc.ABC):
         calls: Sequence[ToolCallRecord],
         cards: Sequence[NewCard],
         resume_deadline: float,
-    ) -> None:
+    ) -> int:
         if not calls:
             raise ValueError("suspend needs at least one tool call")
-        await self._run(tools.suspend, token, step_id, calls, cards, resume_deadline)
+        return await self._run(tools.suspend, token, step_id, calls, cards, resume_deadline)
 
-    async def apply_report(self, row: InboxRow) -> ReportOutcome:
-        return await self._run(tools.apply_report, row)
+    async def apply_report(self, row: InboxRow, *, then_step: int | None = None) -> ReportOutcome:
+        return await self._run(tools.apply_report, row, then_step)
 
     async def take_resume(self, row: InboxRow) -> TurnToken | None:
         return await self._run(turns.take_resume, row)

@@ -170,6 +170,23 @@ def cards(tx: Tx, box_id: str) -> list[Card]:
     return [card_row(r) for r in rows]
 
 
+def turn_cards(
+    tx: Tx, context_box: str | None, output_box: str | None
+) -> tuple[tuple[Card, ...], tuple[Card, ...]]:
+    """The cards of a Turn's context and output boxes, each in its order (one SELECT)."""
+    boxes = [b for b in (context_box, output_box) if b]
+    if not boxes:
+        return (), ()
+    rows = tx.all(
+        f"SELECT {CARD_COLS}, seq FROM cards WHERE box_id IN ({marks(len(boxes))})", boxes
+    )
+    rows.sort(key=lambda r: r[6])
+    return (
+        tuple(card_row(r) for r in rows if r[1] == context_box),
+        tuple(card_row(r) for r in rows if r[1] == output_box),
+    )
+
+
 def card(tx: Tx, card_id: str) -> Card | None:
     r = tx.one(f"SELECT {CARD_COLS} FROM cards WHERE card_id = ?", (card_id,))
     return card_row(r) if r else None

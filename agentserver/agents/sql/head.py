@@ -45,6 +45,7 @@ def cas(
     exprs: Mapping[str, str] | None = None,
     expr_params: Sequence[Any] = (),
     where: str = "",
+    where_params: Sequence[Any] = (),
     stale: str = "",
 ) -> Head:
     """Compare-and-set the head of ``agent_id``; returns the head as updated.
@@ -53,7 +54,8 @@ def cas(
     transition says so) or a :class:`HeadStatus` (a fence: the head must be in it and
     stays). The head must hold ``turn_id`` at ``epoch`` (None: not checked, as for the
     lease of an idle head). ``sets`` are ``column = value``; ``exprs`` and ``where`` are
-    fixed SQL fragments (``column = expr``, whose ``?`` take ``expr_params``; `` AND …``).
+    fixed SQL fragments (``column = expr``, whose ``?`` take ``expr_params``; `` AND …``,
+    whose ``?`` take ``where_params``).
     Raises StaleTurn on a miss, and then nothing was written.
     """
     cols: dict[str, Any] = {}
@@ -81,7 +83,7 @@ def cas(
         len(sources),
         where,
     )
-    row = tx.one(sql, (*params, *sources))
+    row = tx.one(sql, (*params, *sources, *where_params))
     if row is None:
         raise StaleTurn(f"{agent_id}/{turn_id}@{epoch}: {stale or f'head not {how}'}")
     return Head(*row)

@@ -16,6 +16,7 @@ from agentserver.agents.sql.common import (
     insert_cards,
     insert_copies,
     tokens_of,
+    turn_cards,
 )
 from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
 from agentserver.agents.states import (
@@ -37,6 +38,7 @@ from agentserver.agents.store import (
     InboxRow,
     NewCard,
     PendingReply,
+    StepStart,
     TaskStatus,
     TurnToken,
 )
@@ -60,8 +62,12 @@ def skip_row(tx: Tx, env: StoreEnv, row: InboxRow, reason: str) -> None:
 
 def begin_step(tx: Tx, env: StoreEnv, token: TurnToken) -> tuple[str, int]:
     """Record a new step (``started``) and count it; returns ``(step_id, step_no)``."""
-    step_id = new_id()
     h = head.fence(tx, env, token, exprs={"step_count": "step_count + 1"})
+    return _insert_step(tx, env, token, h.step_count), h.step_count
+
+
+def _insert_step(tx: Tx, env: StoreEnv, token: TurnToken, step_no: int) -> str:
+    step_id = new_id()
     tx.execute(
         "INSERT INTO agent_steps (step_id, agent_id, agent_turn_id, turn_epoch, step_no, "
         "status, started_at) VALUES (?,?,?,?,?,?,?)",
@@ -70,12 +76,65 @@ def begin_step(tx: Tx, env: StoreEnv, token: TurnToken) -> tuple[str, int]:
             token.agent_id,
             token.agent_turn_id,
             token.turn_epoch,
-            h.step_count,
+            step_no,
             AgentStepStatus.STARTED,
             env.clock.now(),
         ),
     )
-    return step_id, h.step_count
+    return step_id
+
+
+_UNDER_LIMIT = " AND step_count < ?"
+
+
+def open_step(tx: Tx, env: StoreEnv, token: TurnToken, max_steps: int) -> StepStart:
+    """The worker's step: count and record it unless ``max_steps`` are taken (then no
+    step, the head as it is), and the Turn's cards for its model call. CAS-fenced."""
+    try:
+        h = head.fence(
+            tx,
+            env,
+            token,
+            exprs={"step_count": "step_count + 1"},
+            where=_UNDER_LIMIT,
+            where_params=(max_steps,),
+        )
+    except StaleTurn:
+        # Missed: fenced out (raise), or at the step limit (nothing was written).
+        h = head.read(tx, env, token.agent_id)
+        if h.token != token or h.status != HeadStatus.RUNNING:
+            raise
+        return StepStart(h, None, h.step_count, *turn_cards(tx, h.context_box_id, h.output_box_id))
+    step_id = _insert_step(tx, env, token, h.step_count)
+    return StepStart(h, step_id, h.step_count, *turn_cards(tx, h.context_box_id, h.output_box_id))
+
+
+def start_turn_step(tx: Tx, env: StoreEnv, row: InboxRow, max_steps: int) -> StepStart:
+    """:func:`start_turn` and :func:`open_step` in one transaction, with one
+    compare-and-set (dispatched → running, the first step counted)."""
+    token = row.token
+    if token is None:
+        raise StaleTurn(f"inbox {row.inbox_id} carries no Turn")
+    try:
+        h = head.fence(
+            tx,
+            env,
+            token,
+            HeadEvent.START,
+            sets={"running_since": env.clock.now()},
+            exprs={"step_count": "step_count + 1"},
+            where=_UNDER_LIMIT,
+            where_params=(max_steps,),
+        )
+    except StaleTurn:
+        # Nothing was written: fenced out (start_turn raises) or at the step limit.
+        start_turn(tx, env, row)
+        return open_step(tx, env, token, max_steps)
+    if not inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME):
+        raise StaleTurn(f"inbox {row.inbox_id} is no longer processing")
+    edge(tx, env, token.agent_id, token.agent_turn_id, "start", "request", inbox_id=row.inbox_id)
+    step_id = _insert_step(tx, env, token, h.step_count)
+    return StepStart(h, step_id, h.step_count, *turn_cards(tx, h.context_box_id, h.output_box_id))
 
 
 def _priced(env: StoreEnv, agent_id: str, cards: Sequence[NewCard]) -> list[tuple[NewCard, int]]:
