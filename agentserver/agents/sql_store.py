@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from agentserver.agents.approvals import PendingApproval
 from agentserver.agents.clock import Clock
-from agentserver.agents.governance_store import DecisionRecord
+from agentserver.agents.governance_store import DecisionRecord, StepRecord
 from agentserver.agents.ports import LLMCompletion, ReplyRef
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.sql import (
@@ -146,8 +146,16 @@ class SqlAgentStore(abc.ABC):
         cards: Sequence[NewCard],
         *,
         swap: BoxSwap | None = None,
+        screened: StepRecord | None = None,
     ) -> None:
-        await self._run(turns.complete_step, token, step_id, completion, cards, swap)
+        if not screened:
+            await self._run(turns.complete_step, token, step_id, completion, cards, swap)
+            return
+        if swap is not None:
+            raise ValueError("a step's governance record cannot be written with a box swap")
+        await self._run(
+            governance.complete_screened_step, token, step_id, completion, cards, screened
+        )
 
     async def suspend(
         self,

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentserver.agents.ports import LLMCompletion, ReplyRef
+
+if TYPE_CHECKING:
+    from agentserver.agents.governance_store import StepRecord
 
 
 class CardType:
@@ -260,9 +263,12 @@ class AgentStore(Protocol):
         cards: Sequence[NewCard],
         *,
         swap: BoxSwap | None = None,
+        screened: StepRecord | None = None,
     ) -> None:
         """Close the step with its cards; with ``swap``, the boxes are compacted first in
-        the same transaction (a stale token writes neither)."""
+        the same transaction (a stale token writes neither); with ``screened`` (not with
+        ``swap``), governance's record of the step's calls is written with it, as
+        ``record_decisions`` would."""
         ...
 
     async def suspend(

@@ -48,7 +48,7 @@ from agentserver.agents.decide import (
 from agentserver.agents.delivery import TurnEnder
 from agentserver.agents.errors import LLMUnavailable, PumpRefused, StaleTurn
 from agentserver.agents.events import ChunkEvent, StateEvent, StepEvent
-from agentserver.agents.governance import Governor, result_annotations
+from agentserver.agents.governance import Governor, Screened, result_annotations
 from agentserver.agents.parsing import extract_payloads, make_huh
 from agentserver.agents.ports import (
     LLMCompletion,
@@ -329,15 +329,28 @@ class Worker:
             # refusals, which the step's own card is not); read again after a swap.
             history = None if swap is not None else step.output
             step = None
+            parsed = extract_payloads(completion.content, profile)
+            decision = decide(completion.content, parsed, profile)
+            said = [NewCard(CardType.LLM_MESSAGE, completion.content, {"step_id": step_id})]
+            screened: Screened | None = None
+            if isinstance(decision, CallTools) and history is not None and _governed(profile):
+                # Screened first, so that its record is written with the step (one
+                # compare-and-set instead of two).
+                try:
+                    screened = await self.governor.screen(
+                        token, step_id, step_no, profile, history, decision.calls, record=False
+                    )
+                except Exception:
+                    await self.store.complete_step(token, step_id, completion, said)
+                    raise
             await self.store.complete_step(
                 token,
                 step_id,
                 completion,
-                [NewCard(CardType.LLM_MESSAGE, completion.content, {"step_id": step_id})],
+                said,
                 swap=swap,
+                screened=screened.record if screened is not None else None,
             )
-            parsed = extract_payloads(completion.content, profile)
-            decision = decide(completion.content, parsed, profile)
             self._step_event(token, step_id, "planning", "")
             match decision:
                 case Feedback(errors):
@@ -355,11 +368,11 @@ class Worker:
                         card = NewCard(CardType.SELF_CALL, _text(payload.element))
                     await self.store.add_cards(token, [card])
                 case CallTools(calls):
-                    waits = await self._call_tools(
-                        token, step_id, step_no, profile, reply_ref, calls, history
+                    more = await self._call_tools(
+                        token, step_id, step_no, profile, reply_ref, calls, history, screened
                     )
-                    if waits is not None:
-                        return waits
+                    if more is not None:
+                        return more
                 case Submit(payload):
                     outcome = evaluate_submit(payload.element, profile.result_fields)
                     if outcome.warnings:
@@ -400,25 +413,26 @@ class Worker:
         reply_ref: ReplyRef,
         calls: tuple,
         history: Sequence[Card] | None = None,
+        screened: Screened | None = None,
     ) -> bool | None:
         """Forward the tool calls governance lets through; suspend if any was accepted.
         None when the Turn goes on; else whether a report is due already (True too when
-        the Turn ended). ``history``: the Turn's output cards, if the caller has them.
+        the Turn ended). ``history``: the Turn's output cards, if the caller has them;
+        ``screened``: the calls' screening, if written with the step already.
 
         Called right after the step's compare-and-set (``complete_step``), which is the
         fence of the first call: each later call is fenced again first."""
         records: list[ToolCallRecord] = []
         cards: list[NewCard] = []
-        if (
-            profile.policy is not None
-            or profile.guardrails
-            or profile.loop_warn
-            or profile.loop_block
-        ):
-            if history is None:
-                head = await self._fence(token)
-                history = await self.store.cards(head.output_box_id) if head.output_box_id else []
-            screened = await self.governor.screen(token, step_id, step_no, profile, history, calls)
+        if _governed(profile):
+            if screened is None:
+                if history is None:
+                    head = await self._fence(token)
+                    box = head.output_box_id
+                    history = await self.store.cards(box) if box else []
+                screened = await self.governor.screen(
+                    token, step_id, step_no, profile, history, calls
+                )
             if screened.halt is not None:
                 await self._finish(token, profile, TaskStatus.FAILED, f"halted: {screened.halt}")
                 return True
@@ -437,9 +451,9 @@ class Worker:
         else:
             send = [(call, {}) for call in calls]
         # No new side effect once fenced out. The last store call was a compare-and-set on
-        # the running head: complete_step's, or (governed) record_decisions', which ends
-        # screen() whenever it lets a call through. Each call awaits the pump: fence the
-        # next one again.
+        # the running head: complete_step's, or record_decisions', which ends screen()
+        # whenever it lets a call through. Each call awaits the pump: fence the next one
+        # again.
         fenced = True
         for call, metadata in send:
             if not fenced:
@@ -668,6 +682,13 @@ class Worker:
             self.events.publish(
                 StateEvent(token.agent_id, token.agent_turn_id, HeadStatus.RUNNING, activity)
             )
+
+
+def _governed(profile: AgentProfile) -> bool:
+    """Whether governance screens the agent's tool calls (agents/governance.py)."""
+    return bool(
+        profile.policy is not None or profile.guardrails or profile.loop_warn or profile.loop_block
+    )
 
 
 def _messages(

@@ -195,7 +195,10 @@ def close_step(
     completion: LLMCompletion | None,
     status: AgentStepStatus,
     tool_call_ids: Sequence[str],
+    policy: Sequence[Mapping[str, str]] = (),
 ) -> None:
+    """Close a step; with a completion, its usage and cost (and governance's ``policy``
+    decisions) become its metadata."""
     now = env.clock.now()
     if completion is None:
         tx.execute(
@@ -213,6 +216,8 @@ def close_step(
         },
         "llm_response_cost": completion.cost,
     }
+    if policy:
+        meta["policy"] = list(policy)
     tx.execute(
         "UPDATE agent_steps SET status = ?, ended_at = ?, model = ?, backend = ?, "
         "prompt_tokens = ?, completion_tokens = ?, total_tokens = ?, cost = ?, "
