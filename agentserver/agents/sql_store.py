@@ -211,8 +211,24 @@ class SqlAgentStore(abc.ABC):
         text: str,
         metadata: Mapping[str, Any],
         reply_payload: bytes,
+        *,
+        step_id: str | None = None,
+        completion: LLMCompletion | None = None,
+        cards: Sequence[NewCard] = (),
     ) -> Finished:
-        return await self._run(turns.finish, token, status, text, metadata, reply_payload)
+        if step_id is None and cards:
+            raise ValueError("cards are written with the step they close")
+        return await self._run(
+            turns.finish,
+            token,
+            status,
+            text,
+            metadata,
+            reply_payload,
+            step_id,
+            completion,
+            list(cards),
+        )
 
     async def force_end(
         self,

@@ -324,7 +324,16 @@ class AgentStore(Protocol):
         text: str,
         metadata: Mapping[str, Any],
         reply_payload: bytes,
-    ) -> Finished: ...
+        *,
+        step_id: str | None = None,
+        completion: LLMCompletion | None = None,
+        cards: Sequence[NewCard] = (),
+    ) -> Finished:
+        """running → idle with the deliverable and the reply; with ``step_id``, that step
+        is completed first in the same transaction (``complete_step(token, step_id,
+        completion, cards)``: the Turn's last step and its end, one compare-and-set)."""
+        ...
+
     async def force_end(
         self,
         agent_id: str,

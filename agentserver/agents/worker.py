@@ -332,6 +332,16 @@ class Worker:
             parsed = extract_payloads(completion.content, profile)
             decision = decide(completion.content, parsed, profile)
             said = [NewCard(CardType.LLM_MESSAGE, completion.content, {"step_id": step_id})]
+            if isinstance(decision, Submit | Deliver) and swap is None:
+                # The last step: written with the Turn's end, in one transaction.
+                self._step_event(token, step_id, "planning", "")
+                status, text, meta = TaskStatus.SUCCEEDED, "", None
+                if isinstance(decision, Deliver):
+                    text = decision.text
+                else:
+                    text, meta = _submitted(decision, profile)
+                await self._finish(token, profile, status, text, meta, (step_id, completion, said))
+                return True
             screened: Screened | None = None
             if isinstance(decision, CallTools) and history is not None and _governed(profile):
                 # Screened first, so that its record is written with the step (one
@@ -373,18 +383,9 @@ class Worker:
                     )
                     if more is not None:
                         return more
-                case Submit(payload):
-                    outcome = evaluate_submit(payload.element, profile.result_fields)
-                    if outcome.warnings:
-                        log.warning("submit_result degraded: %s", "; ".join(outcome.warnings))
-                    meta = {
-                        "fields": dict(outcome.fields),
-                        "degraded": outcome.degraded,
-                        "warnings": list(outcome.warnings),
-                    }
-                    await self._finish(
-                        token, profile, TaskStatus.SUCCEEDED, outcome.as_text(), meta
-                    )
+                case Submit():
+                    text, meta = _submitted(decision, profile)
+                    await self._finish(token, profile, TaskStatus.SUCCEEDED, text, meta)
                     return True
                 case Deliver(text):
                     await self._finish(token, profile, TaskStatus.SUCCEEDED, text)
@@ -666,14 +667,27 @@ class Worker:
         status: str,
         text: str,
         metadata: Mapping[str, object] | None = None,
+        step: tuple[str, LLMCompletion, list[NewCard]] | None = None,
     ) -> None:
+        """End the Turn with ``text``; ``step``: (step id, completion, cards) of the step
+        to complete in the same transaction."""
         if self.tracing.enabled:
             span = trace.get_current_span()
             span.set_attribute("agentserver.task.status", status)
             if status != TaskStatus.SUCCEEDED:
                 record_error(span, str(status))
         reply = answer_bytes(profile, text, failed=status != TaskStatus.SUCCEEDED)
-        fin = await self.store.finish(token, status, text, dict(metadata or {}), reply)
+        step_id, completion, cards = step or (None, None, [])
+        fin = await self.store.finish(
+            token,
+            status,
+            text,
+            dict(metadata or {}),
+            reply,
+            step_id=step_id,
+            completion=completion,
+            cards=cards,
+        )
         await self.ender.after(fin)
 
     def _step_event(self, token: TurnToken, step_id: str, phase: str, activity: str) -> None:
@@ -682,6 +696,19 @@ class Worker:
             self.events.publish(
                 StateEvent(token.agent_id, token.agent_turn_id, HeadStatus.RUNNING, activity)
             )
+
+
+def _submitted(decision: Submit, profile: AgentProfile) -> tuple[str, dict[str, object]]:
+    """The answer text and deliverable metadata of a ``submit_result`` call."""
+    outcome = evaluate_submit(decision.payload.element, profile.result_fields)
+    if outcome.warnings:
+        log.warning("submit_result degraded: %s", "; ".join(outcome.warnings))
+    meta = {
+        "fields": dict(outcome.fields),
+        "degraded": outcome.degraded,
+        "warnings": list(outcome.warnings),
+    }
+    return outcome.as_text(), meta
 
 
 def _governed(profile: AgentProfile) -> bool:

@@ -14,6 +14,7 @@ from test_store_contract import A, clock_of, rows, running, snapshot, store, sus
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.governance_store import DecisionRecord, StepRecord
 from agentserver.agents.ports import LLMCompletion, LLMUsage
+from agentserver.agents.sql.db import INSERT_CHUNK
 from agentserver.agents.states import AgentStepStatus, HeadStatus, InboxStatus
 from agentserver.agents.store import BoxSwap, CardType, NewCard, ToolCallRecord, TurnToken
 
@@ -192,3 +193,43 @@ async def test_complete_step_writes_the_screened_record_with_the_step(store):
         {"target": "search", "decision": "allow", "rule": "peers"},
     ]
     assert await store.rate_window("k1", 0.0) == [decided[1].at]
+
+
+async def test_cards_inserted_in_one_batch_keep_their_order_past_a_chunk(store):
+    token = await running(store)
+    many = [NewCard(CardType.NOTE, f"note {i}") for i in range(INSERT_CHUNK * 2 + 3)]
+    await store.add_cards(token, many)
+    head = await store.head(A)
+    assert [c.content for c in await store.cards(head.output_box_id)] == [c.content for c in many]
+
+
+async def test_finish_with_its_last_step_writes_both_in_one_transaction(store):
+    token = await running(store)
+    step_id, _ = await store.begin_step(token)
+    tokens_before = (await store.head(A)).context_tokens
+    completion = LLMCompletion("done", LLMUsage(10, 5, 15), cost=0.5, model="m", backend="b")
+    stale = TurnToken(A, token.agent_turn_id, token.turn_epoch + 1)
+    before = await snapshot(store)
+    with pytest.raises(StaleTurn):
+        await store.finish(
+            stale, "succeeded", "done", {}, b"<a/>", step_id=step_id, completion=completion,
+            cards=_said("done"),
+        )  # fmt: skip
+    assert await snapshot(store) == before
+    fin = await store.finish(
+        token, "succeeded", "done", {}, b"<a/>", step_id=step_id, completion=completion,
+        cards=_said("done"),
+    )  # fmt: skip
+    cards = await store.cards(fin.output_box_id)
+    assert [(c.card_type, c.content) for c in cards] == [
+        (CardType.LLM_MESSAGE, "done"),
+        (CardType.DELIVERABLE, "done"),
+    ]
+    assert fin.deliverable_card_id == cards[-1].card_id
+    head = await store.head(A)
+    assert head.status == HeadStatus.IDLE and head.context_tokens > tokens_before
+    [(status, total, meta)] = await rows(
+        store, "SELECT status, total_tokens, metadata FROM agent_steps WHERE step_id = ?", step_id
+    )
+    assert (status, total) == (AgentStepStatus.COMPLETED, 15)
+    assert json.loads(meta)["llm_response_cost"] == 0.5

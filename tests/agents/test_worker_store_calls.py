@@ -27,7 +27,7 @@ def count_calls(store: Any) -> list[str]:
     return calls
 
 
-async def test_a_turn_with_one_tool_call_costs_ten_worker_calls(tmp_path):
+async def test_a_turn_with_one_tool_call_costs_nine_worker_calls(tmp_path):
     h = make_harness(tmp_path, answer_after_tool)
     calls = count_calls(h.rt.store)
     await h.rt.enqueue("assistant", task("1+2"), "ref")
@@ -41,12 +41,12 @@ async def test_a_turn_with_one_tool_call_costs_ten_worker_calls(tmp_path):
     del calls[:]
     await h.rt.report_tool_result("assistant", sub, result("3"))
     assert await h.rt.worker.process_agent("assistant", poll_waiting=False) == 1
-    # The resume opens the second step and returns the reply reference; the Turn ends.
+    # The resume opens the second step and returns the reply reference; the last step is
+    # written with the Turn's end.
     assert calls == [
         "report_tool_result",
         "claim_due",
         "apply_report",
-        "complete_step",
         "finish",
         "mark_reply_sent",
         "claim_due",
@@ -56,6 +56,18 @@ async def test_a_turn_with_one_tool_call_costs_ten_worker_calls(tmp_path):
     assert len(h.llm.requests) == 2
     # The model saw the whole Turn: the task, its own call, the result.
     assert [m.role for m in h.llm.requests[1].messages] == ["system", "user", "assistant", "user"]
+    assert h.sql("SELECT step_no, status, total_tokens FROM agent_steps ORDER BY step_no") == [
+        (1, "completed", 15),
+        (2, "completed", 15),
+    ]
+    assert [t for (t,) in h.sql("SELECT card_type FROM cards ORDER BY seq")] == [
+        "task.input",
+        "llm.message",
+        "tool.call",
+        "tool.result",
+        "llm.message",
+        "task.deliverable",
+    ]
 
 
 async def test_process_agent_polls_after_a_suspend_unless_told_not_to(tmp_path):

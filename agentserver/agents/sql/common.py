@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentserver.agents.budget import card_tokens
-from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
+from agentserver.agents.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.states import InboxEvent, inbox_sources, inbox_transition
 from agentserver.agents.store import Card, CardType, InboxRow, NewCard
 
@@ -102,9 +102,10 @@ def insert_cards(
         return []
     now = env.clock.now()
     ids = [new_id() for _ in cards]
-    tx.executemany(
+    insert_rows(
+        tx,
         "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, metadata, "
-        "created_at, tokens) VALUES (?,?,?,?,?,?,?,?)",
+        "created_at, tokens)",
         [
             (
                 card_id,
@@ -157,9 +158,10 @@ def insert_copies(
 ) -> tuple[int, int]:
     if not rows:
         return 0, 0
-    tx.executemany(
+    insert_rows(
+        tx,
         "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, metadata, "
-        "created_at, tokens) VALUES (?,?,?,?,?,?,?,?)",
+        "created_at, tokens)",
         [(new_id(), box_id, turn_id or r[1], r[2], r[3], r[4], r[5], r[6]) for r in rows],
     )
     return len(rows), sum(int(r[6]) for r in rows)

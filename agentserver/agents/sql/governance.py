@@ -14,7 +14,7 @@ from agentserver.agents.governance_store import DecisionRecord, StepRecord
 from agentserver.agents.ports import LLMCompletion
 from agentserver.agents.sql import head
 from agentserver.agents.sql.common import inbox_move
-from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
+from agentserver.agents.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.sql.inbox import insert_report
 from agentserver.agents.sql.turns import append_cards, close_step
 from agentserver.agents.states import (
@@ -102,10 +102,10 @@ def _insert_decisions(
     now = env.clock.now()
     if approvals:
         # Not sent before its waiting row exists (the suspend that follows).
-        tx.executemany(
+        insert_rows(
+            tx,
             "INSERT INTO approvals (request_id, agent_id, agent_turn_id, step_id, "
-            "target, payload, rule, approver, thread, status, deadline, created_at) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            "target, payload, rule, approver, thread, status, deadline, created_at)",
             [
                 (
                     a.request_id,
@@ -126,9 +126,10 @@ def _insert_decisions(
         )
     if not decisions:
         return
-    tx.executemany(
+    insert_rows(
+        tx,
         "INSERT INTO policy_decisions (agent_id, agent_turn_id, step_id, target, "
-        "payload_tag, decision, rule, reason, rate_key, at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        "payload_tag, decision, rule, reason, rate_key, at)",
         [
             (
                 token.agent_id,

@@ -21,7 +21,7 @@ from agentserver.agents.sql.common import (
     insert_copies,
     tokens_of,
 )
-from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
+from agentserver.agents.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.states import (
     HeadEvent,
     HeadStatus,
@@ -187,8 +187,9 @@ def lease_next(tx: Tx, env: StoreEnv, agent_id: str) -> bool:
         )
     except StaleTurn:
         return False  # busy: the row stays queued for the Turn's end
-    tx.executemany(
-        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) VALUES (?,?,?,?,?)",
+    insert_rows(
+        tx,
+        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at)",
         [
             (context_box, agent_id, turn_id, "context", now),
             (output_box, agent_id, turn_id, "output", now),

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.sql import head
 from agentserver.agents.sql.common import edge, inbox_move, insert_cards, tokens_of
-from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
+from agentserver.agents.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.sql.inbox import insert_report
 from agentserver.agents.sql.turns import append_cards, close_step, open_step
 from agentserver.agents.states import (
@@ -68,10 +68,11 @@ def suspend(
         },
     )
     call_ids = [c.tool_call_id for c in calls]
-    tx.executemany(
+    insert_rows(
+        tx,
         "INSERT INTO turn_waiting_tools (tool_call_id, agent_id, agent_turn_id, "
         "turn_epoch, step_id, to_listener, after_execution, status, created_at, "
-        "updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        "updated_at)",
         [
             (
                 call.tool_call_id,
@@ -88,9 +89,10 @@ def suspend(
             for call in calls
         ],
     )
-    tx.executemany(
+    insert_rows(
+        tx,
         "INSERT INTO execution_edges (agent_id, agent_turn_id, primitive, edge_phase, "
-        "correlation_id, inbox_id, created_at, metadata) VALUES (?,?,?,?,?,?,?,?)",
+        "correlation_id, inbox_id, created_at, metadata)",
         [
             (
                 token.agent_id,

@@ -18,7 +18,7 @@ from agentserver.agents.sql.common import (
     tokens_of,
     turn_cards,
 )
-from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
+from agentserver.agents.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.states import (
     ACTIVE_HEAD,
     AgentStepStatus,
@@ -268,8 +268,9 @@ def compact(
         token,
         sets={"context_box_id": context_box, "output_box_id": output_box, "context_tokens": total},
     )
-    tx.executemany(
-        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) VALUES (?,?,?,?,?)",
+    insert_rows(
+        tx,
+        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at)",
         [
             (context_box, token.agent_id, token.agent_turn_id, "context", now),
             (output_box, token.agent_id, token.agent_turn_id, "output", now),
@@ -377,21 +378,27 @@ def end_turn(
     metadata: Mapping[str, Any],
     reply_payload: bytes | None,
     ending: Sequence[Any] | None = None,
+    before: Sequence[NewCard] = (),
 ) -> Finished:
     """Deliverable card + head to idle + reply outbox + next lease, in one transaction.
 
-    ``ending``: the row of ``_ENDING`` if the caller read it already."""
+    ``ending``: the row of ``_ENDING`` if the caller read it already; ``before``: cards
+    to add ahead of the deliverable (counted on the head like any others)."""
     if ending is None:
         ending = tx.one(_ENDING, (token.agent_id, token.agent_turn_id))
         if ending is None:
             raise StaleTurn(f"{token}: not the active Turn")
     _, _, output_box, context_box, turn_inbox_id, ref, conversation = ending
     now = env.clock.now()
+    priced = _priced(env, token.agent_id, before)
+    delta = sum(t for _, t in priced)
     head.fence(
         tx,
         env,
         token,
         event,
+        exprs={"context_tokens": "context_tokens + ?"} if delta else None,
+        expr_params=(delta,) if delta else (),
         sets={
             "active_agent_turn_id": None,
             "turn_inbox_id": None,
@@ -402,7 +409,9 @@ def end_turn(
         },
     )
     deliverable = NewCard(CardType.DELIVERABLE, text, {"status": status, **metadata})
-    (card_id,) = insert_cards(tx, env, output_box, token.agent_turn_id, [(deliverable, 0)])
+    *_, card_id = insert_cards(
+        tx, env, output_box, token.agent_turn_id, [*priced, (deliverable, 0)]
+    )
     if event == HeadEvent.FORCE_END:
         # Only an end from outside can leave waiting calls or a retry wait: a FINISH comes
         # from the worker of a running Turn, which resumed when its waiting set was
@@ -475,9 +484,19 @@ def finish(
     text: str,
     metadata: Mapping[str, Any],
     reply_payload: bytes,
+    step_id: str | None = None,
+    completion: LLMCompletion | None = None,
+    cards: Sequence[NewCard] = (),
 ) -> Finished:
-    """running → idle with the deliverable card and the pending reply (one transaction)."""
-    return end_turn(tx, env, token, HeadEvent.FINISH, status, text, metadata, reply_payload)
+    """running → idle with the deliverable card and the pending reply (one transaction).
+    With ``step_id``, that step is completed first, as :func:`complete_step` would
+    (``completion``, ``cards`` ahead of the deliverable), in the same compare-and-set."""
+    fin = end_turn(
+        tx, env, token, HeadEvent.FINISH, status, text, metadata, reply_payload, before=cards
+    )
+    if step_id is not None:
+        close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, ())
+    return fin
 
 
 def force_end(
