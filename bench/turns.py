@@ -25,6 +25,10 @@ agents, so the Turns run on either process and their answers come back through t
 (docs/deploy.md). The processes start sending together; their figure is all the answers
 over the time from that start to the last answer, in any process.
 
+Every case also prints its store calls per Turn, by store function (each call one
+transaction or one autocommit statement; on PostgreSQL one thread hop), counted from the
+runtime's start to the last answer (``store_calls_per_turn`` in the JSON).
+
 Usage: python bench/turns.py [--turns N] [--agents K] [--concurrency C] [--count-statements]
                              [--store URL [--processes N]]
 The last line printed is one JSON object (with a store: every case, and the ratio of N
