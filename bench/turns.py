@@ -25,6 +25,10 @@ agents, so the Turns run on either process and their answers come back through t
 (docs/deploy.md). The processes start sending together; their figure is all the answers
 over the time from that start to the last answer, in any process.
 
+Every case also prints its store calls per Turn, by store function (each call one
+transaction or one autocommit statement; on PostgreSQL one thread hop), counted from the
+runtime's start to the last answer (``store_calls_per_turn`` in the JSON).
+
 Usage: python bench/turns.py [--turns N] [--agents K] [--concurrency C] [--count-statements]
                              [--store URL [--processes N]]
 The last line printed is one JSON object (with a store: every case, and the ratio of N
@@ -34,6 +38,8 @@ processes to one).
 from __future__ import annotations
 
 import argparse
+import collections
+import contextvars
 import json
 import subprocess
 import sys
@@ -100,6 +106,30 @@ def succeeded(reply: etree._Element) -> bool:
     )
 
 
+_COUNTED = contextvars.ContextVar("_COUNTED", default=False)
+
+
+def count_store_calls(store: object, calls: collections.Counter) -> None:
+    """Count the store's calls (one transaction or one autocommit statement each; on
+    PostgreSQL, one thread hop each) by the store function they run, in ``calls``."""
+
+    def wrap(method: Callable) -> Callable:
+        async def counted(fn: Callable, *args: object) -> object:
+            if _COUNTED.get():  # a call that delegates to another (PostgreSQL's _run1)
+                return await method(fn, *args)
+            calls[fn.__name__] += 1
+            _COUNTED.set(True)
+            try:
+                return await method(fn, *args)
+            finally:
+                _COUNTED.set(False)
+
+        return counted
+
+    for name in ("_run", "_read", "_run1"):
+        setattr(store, name, wrap(getattr(store, name)))
+
+
 def empty_pg_store(url: str) -> None:
     """Drop the store's tables in ``url`` (a bench database), so each run starts empty."""
     import psycopg
@@ -152,6 +182,8 @@ async def run(
         settings = StoreSettings(path=path, url=url, worker_concurrency=concurrency)
         rt = AgentRuntime.open(settings, profiles, llm=llm, tools=ports, replies=ports)
         ports.attach(rt.store)
+        calls: collections.Counter = collections.Counter()
+        count_store_calls(rt.store, calls)
         statements = [0]
         if count_statements:
             # Every SQL statement the store runs (BEGIN and COMMIT included).
@@ -191,7 +223,9 @@ async def run(
                     first_failure = first_failure or etree.tostring(reply).decode()[:600]
             elapsed = time.perf_counter() - t0
             ended_at = time.time()
-            out = figures(turns, agents, ok, failed, first_failure, elapsed, llm, statements[0])
+            out = figures(
+                turns, agents, ok, failed, first_failure, elapsed, llm, statements[0], calls
+            )
             out.update(started_at=started_at, ended_at=ended_at)
             if hold is not None:
                 await hold(out)
@@ -209,7 +243,9 @@ def figures(
     elapsed: float,
     llm: InstantLLM,
     statements: int,
+    calls: collections.Counter,
 ) -> dict:
+    done = max(ok + failed, 1)
     return {
         "turns": turns,
         "agents": agents,
@@ -220,7 +256,10 @@ def figures(
         "turns_per_s": round(ok / elapsed, 1),
         "steps": llm.calls,
         "amortized_step_ms": round(elapsed * 1000 / llm.calls, 3),
-        "statements_per_turn": round(statements / max(ok + failed, 1), 1),
+        "statements_per_turn": round(statements / done, 1),
+        # Counted from the start of the runtime to the last answer, start-up included.
+        "store_calls_per_turn": round(sum(calls.values()) / done, 2),
+        "store_calls": dict(calls.most_common()),
     }
 
 
@@ -370,11 +409,19 @@ def processes(args: argparse.Namespace, n: int) -> dict:
         "steps": steps,
         "amortized_step_ms": round(elapsed * 1000 / max(steps, 1), 3),
         "statements_per_turn": 0.0,
+        "store_calls_per_turn": round(sum(sum(o["store_calls"].values()) for o in outs) / ok, 2)
+        if ok
+        else 0.0,
+        "store_calls": dict(
+            sum(
+                (collections.Counter(o["store_calls"]) for o in outs), start=collections.Counter()
+            ).most_common()
+        ),
     }
 
 
 def summary(out: dict, count_statements: bool) -> dict:
-    keys = ["turns_per_s", "amortized_step_ms", "succeeded", "failed"]
+    keys = ["turns_per_s", "amortized_step_ms", "store_calls_per_turn", "succeeded", "failed"]
     if count_statements:
         keys.append("statements_per_turn")
     return {k: out[k] for k in keys}
@@ -392,6 +439,9 @@ def report(out: dict, count_statements: bool, backend: str) -> None:
     )
     if out["failed"]:
         print(f"FAILED: {out['failed']} answers were not successful, e.g. {out['first_failure']}")
+    done = max(out["succeeded"] + out["failed"], 1)
+    per = ", ".join(f"{k} {v / done:.2f}" for k, v in out["store_calls"].items())
+    print(f"{out['store_calls_per_turn']} store calls per Turn: {per}")
     if count_statements:
         print(f"{out['statements_per_turn']} SQL statements per Turn")
 

@@ -21,7 +21,7 @@ from lxml import etree
 
 from agentserver.agents.approvals import PendingApproval
 from agentserver.agents.clock import Clock
-from agentserver.agents.governance_store import DecisionRecord, GovernanceStore
+from agentserver.agents.governance_store import DecisionRecord, GovernanceStore, StepRecord
 from agentserver.agents.guardrails import (
     AFTER,
     BEFORE,
@@ -68,6 +68,9 @@ class Screened:
     send: list[Approved] = field(default_factory=list)
     approvals: list[NeedsApproval] = field(default_factory=list)
     halt: str | None = None
+    #: What screening decided, as the store writes it (already written unless
+    #: ``screen(record=False)``).
+    record: StepRecord = field(default_factory=StepRecord)
 
 
 def past_calls(cards: Sequence[Card]) -> tuple[PastCall, ...]:
@@ -116,8 +119,11 @@ class Governor:
         profile: AgentProfile,
         cards: Sequence[Card],
         calls: Sequence[FoundPayload],
+        *,
+        record: bool = True,
     ) -> Screened:
-        """Decide every call of one step, and record the decisions and refusals."""
+        """Decide every call of one step, and record the decisions and refusals (with
+        ``record=False``, the caller writes ``Screened.record`` with the step)."""
         out = Screened()
         history = list(past_calls(cards))
         decisions: list[DecisionRecord] = []
@@ -212,7 +218,8 @@ class Governor:
                 continue
             decisions.append(DecisionRecord(to, _tag(call), "allow", rule_name, "", key))
             out.send.append(Approved(call, {"warn": warnings} if warnings else {}))
-        if decisions or refusals:
+        out.record = StepRecord(tuple(decisions), tuple(refusals), tuple(pending))
+        if record and out.record:
             await self.store.record_decisions(token, step_id, decisions, refusals, pending)
         return out
 

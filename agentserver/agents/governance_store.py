@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from agentserver.agents.approvals import PendingApproval
 from agentserver.agents.store import NewCard, TurnToken
 
 
@@ -31,6 +32,20 @@ class DecisionRecord:
     rate_key: str | None = None
     step_id: str = ""
     at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What governance decided for one step's calls, written with the step itself
+    (``complete_step(..., screened=...)``): the decisions, the refusal cards (after the
+    step's own) and the approval requests."""
+
+    decisions: tuple[DecisionRecord, ...] = ()
+    cards: tuple[NewCard, ...] = ()
+    approvals: tuple[PendingApproval, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.decisions or self.cards)
 
 
 class GovernanceStore(Protocol):

@@ -21,7 +21,7 @@ from agentserver.agents import step_log
 from agentserver.agents.approvals import PendingApproval
 from agentserver.agents.clock import Clock
 from agentserver.agents.errors import StoreError
-from agentserver.agents.governance_store import DecisionRecord
+from agentserver.agents.governance_store import DecisionRecord, StepRecord
 from agentserver.agents.ports import LLMCompletion, ReplyRef
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.sql import (
@@ -49,6 +49,7 @@ from agentserver.agents.store import (
     NewCard,
     PendingReply,
     ReportOutcome,
+    StepStart,
     ToolCallRecord,
     TurnToken,
 )
@@ -136,6 +137,12 @@ class SqlAgentStore(abc.ABC):
     async def begin_step(self, token: TurnToken) -> tuple[str, int]:
         return await self._run(turns.begin_step, token)
 
+    async def open_step(self, token: TurnToken, max_steps: int) -> StepStart:
+        return await self._run(turns.open_step, token, max_steps)
+
+    async def start_turn_step(self, row: InboxRow, max_steps: int) -> StepStart:
+        return await self._run(turns.start_turn_step, row, max_steps)
+
     async def complete_step(
         self,
         token: TurnToken,
@@ -144,8 +151,16 @@ class SqlAgentStore(abc.ABC):
         cards: Sequence[NewCard],
         *,
         swap: BoxSwap | None = None,
+        screened: StepRecord | None = None,
     ) -> None:
-        await self._run(turns.complete_step, token, step_id, completion, cards, swap)
+        if not screened:
+            await self._run(turns.complete_step, token, step_id, completion, cards, swap)
+            return
+        if swap is not None:
+            raise ValueError("a step's governance record cannot be written with a box swap")
+        await self._run(
+            governance.complete_screened_step, token, step_id, completion, cards, screened
+        )
 
     async def suspend(
         self,
@@ -154,13 +169,13 @@ class SqlAgentStore(abc.ABC):
         calls: Sequence[ToolCallRecord],
         cards: Sequence[NewCard],
         resume_deadline: float,
-    ) -> None:
+    ) -> int:
         if not calls:
             raise ValueError("suspend needs at least one tool call")
-        await self._run(tools.suspend, token, step_id, calls, cards, resume_deadline)
+        return await self._run(tools.suspend, token, step_id, calls, cards, resume_deadline)
 
-    async def apply_report(self, row: InboxRow) -> ReportOutcome:
-        return await self._run(tools.apply_report, row)
+    async def apply_report(self, row: InboxRow, *, then_step: int | None = None) -> ReportOutcome:
+        return await self._run(tools.apply_report, row, then_step)
 
     async def take_resume(self, row: InboxRow) -> TurnToken | None:
         return await self._run(turns.take_resume, row)
@@ -201,8 +216,24 @@ class SqlAgentStore(abc.ABC):
         text: str,
         metadata: Mapping[str, Any],
         reply_payload: bytes,
+        *,
+        step_id: str | None = None,
+        completion: LLMCompletion | None = None,
+        cards: Sequence[NewCard] = (),
     ) -> Finished:
-        return await self._run(turns.finish, token, status, text, metadata, reply_payload)
+        if step_id is None and cards:
+            raise ValueError("cards are written with the step they close")
+        return await self._run(
+            turns.finish,
+            token,
+            status,
+            text,
+            metadata,
+            reply_payload,
+            step_id,
+            completion,
+            list(cards),
+        )
 
     async def force_end(
         self,

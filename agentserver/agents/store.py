@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentserver.agents.ports import LLMCompletion, ReplyRef
+
+if TYPE_CHECKING:
+    from agentserver.agents.governance_store import StepRecord
 
 
 class CardType:
@@ -167,17 +170,36 @@ class Finished:
 
 
 @dataclass(frozen=True, slots=True)
+class StepStart:
+    """A step begun, with what its model call needs, read in the step's own transaction
+    (:meth:`AgentStore.open_step`): the head as updated (``step_count`` counts this step)
+    and the cards of the Turn's two boxes. ``step_id`` is None when the step limit was
+    reached: then no step was begun and the head is as it was."""
+
+    head: Head
+    step_id: str | None
+    step_no: int
+    context: tuple[Card, ...]
+    output: tuple[Card, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ReportOutcome:
     """What applying one tool_result/timeout row did.
 
     ``kind``: applied | duplicate | stale | deferred | exhausted. ``resumed`` is set when
     this report completed the waiting set (the head is now ``running`` at a new epoch);
-    ``terminate_card_id`` when a tool of that set ends the Turn (after_execution).
+    ``terminate_card_id`` when a tool of that set ends the Turn (after_execution). On a
+    resume, ``reply_ref_json`` is the Turn's reply reference and, when asked for
+    (``then_step``) and no tool ends the Turn, ``step`` the step begun in the same
+    transaction.
     """
 
     kind: str
     resumed: TurnToken | None = None
     terminate_card_id: str | None = None
+    reply_ref_json: str | None = None
+    step: StepStart | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +246,15 @@ class AgentStore(Protocol):
         self, row: InboxRow, reason: str, reply_payload: bytes | None
     ) -> Finished | None: ...
     async def begin_step(self, token: TurnToken) -> tuple[str, int]: ...
+    async def open_step(self, token: TurnToken, max_steps: int) -> StepStart:
+        """Begin a step unless ``max_steps`` are taken, and read the Turn's cards, in one
+        compare-and-set transaction (the worker's step: no separate head or card reads)."""
+        ...
+
+    async def start_turn_step(self, row: InboxRow, max_steps: int) -> StepStart:
+        """:meth:`start_turn` and :meth:`open_step` in one transaction."""
+        ...
+
     async def complete_step(
         self,
         token: TurnToken,
@@ -232,9 +263,12 @@ class AgentStore(Protocol):
         cards: Sequence[NewCard],
         *,
         swap: BoxSwap | None = None,
+        screened: StepRecord | None = None,
     ) -> None:
         """Close the step with its cards; with ``swap``, the boxes are compacted first in
-        the same transaction (a stale token writes neither)."""
+        the same transaction (a stale token writes neither); with ``screened`` (not with
+        ``swap``), governance's record of the step's calls is written with it, as
+        ``record_decisions`` would."""
         ...
 
     async def suspend(
@@ -244,8 +278,15 @@ class AgentStore(Protocol):
         calls: Sequence[ToolCallRecord],
         cards: Sequence[NewCard],
         resume_deadline: float,
-    ) -> None: ...
-    async def apply_report(self, row: InboxRow) -> ReportOutcome: ...
+    ) -> int:
+        """running → suspended; returns how many reports that came early are due now."""
+        ...
+
+    async def apply_report(self, row: InboxRow, *, then_step: int | None = None) -> ReportOutcome:
+        """Apply a report; with ``then_step`` (the step limit), a resume also opens the
+        next step in the same transaction (:meth:`open_step`)."""
+        ...
+
     async def take_resume(self, row: InboxRow) -> TurnToken | None: ...
     async def add_cards(self, token: TurnToken, cards: Sequence[NewCard]) -> None: ...
     async def compact(
@@ -283,7 +324,16 @@ class AgentStore(Protocol):
         text: str,
         metadata: Mapping[str, Any],
         reply_payload: bytes,
-    ) -> Finished: ...
+        *,
+        step_id: str | None = None,
+        completion: LLMCompletion | None = None,
+        cards: Sequence[NewCard] = (),
+    ) -> Finished:
+        """running → idle with the deliverable and the reply; with ``step_id``, that step
+        is completed first in the same transaction (``complete_step(token, step_id,
+        completion, cards)``: the Turn's last step and its end, one compare-and-set)."""
+        ...
+
     async def force_end(
         self,
         agent_id: str,

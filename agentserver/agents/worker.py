@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import structlog
@@ -48,7 +48,7 @@ from agentserver.agents.decide import (
 from agentserver.agents.delivery import TurnEnder
 from agentserver.agents.errors import LLMUnavailable, PumpRefused, StaleTurn
 from agentserver.agents.events import ChunkEvent, StateEvent, StepEvent
-from agentserver.agents.governance import Governor, result_annotations
+from agentserver.agents.governance import Governor, Screened, result_annotations
 from agentserver.agents.parsing import extract_payloads, make_huh
 from agentserver.agents.ports import (
     LLMCompletion,
@@ -69,6 +69,7 @@ from agentserver.agents.store import (
     Head,
     InboxRow,
     NewCard,
+    StepStart,
     TaskStatus,
     ToolCallRecord,
     TurnToken,
@@ -85,6 +86,14 @@ LAST_STEP_NOTE = (
     "This is your last step: answer now with what you have. Tool calls made now will not "
     "be followed by another step."
 )
+
+
+class _Unread:
+    """The type of :data:`UNREAD`."""
+
+
+#: A Turn's reply reference not read yet (None is a value: a Turn with none).
+UNREAD = _Unread()
 
 
 class Worker:
@@ -137,7 +146,7 @@ class Worker:
         async with recv:
             async for agent_id in recv:
                 try:
-                    await self.process_agent(agent_id)
+                    await self.process_agent(agent_id, poll_waiting=False)
                 except Exception:
                     log.exception("agent %s: unexpected error while processing", agent_id)
                 finally:
@@ -145,47 +154,60 @@ class Worker:
                     # Rows may have arrived after our last claim: have the dispatcher look.
                     self.doorbell.ring()
 
-    async def process_agent(self, agent_id: str) -> int:
+    async def process_agent(self, agent_id: str, *, poll_waiting: bool = True) -> int:
         """Handle every due inbox row of ``agent_id``, one at a time; returns how many.
+
+        ``poll_waiting=False`` (the runners): stop after a row that left the Turn waiting
+        for its tools with none of their reports due, instead of claiming once more for
+        nothing; a report that comes later rings the doorbell, as a runner does when it
+        lets go of its agent, so the dispatcher brings the agent back.
 
         Must not run concurrently for the same agent (:meth:`run` guarantees it).
         """
         handled = 0
         while rows := await self.store.claim_due(agent_id, 1):
-            await self.handle_row(rows[0])
+            more = await self.handle_row(rows[0])
             handled += 1
+            if not (more or poll_waiting):
+                break
         return handled
 
     # -- rows ---------------------------------------------------------------------------
-    async def handle_row(self, row: InboxRow) -> None:
-        """Handle one claimed (``processing``) inbox row."""
+    async def handle_row(self, row: InboxRow) -> bool:
+        """Handle one claimed (``processing``) inbox row. False when it left the Turn
+        waiting for its tools with no report due yet (see :meth:`process_agent`)."""
         if row.message_type == MessageType.TURN:
-            await self._start(row)
-        elif row.message_type in (MessageType.TOOL_RESULT, MessageType.TIMEOUT):
-            outcome = await self.store.apply_report(row)
-            if outcome.resumed is None:
-                return
+            return await self._start(row)
+        if row.message_type in (MessageType.TOOL_RESULT, MessageType.TIMEOUT):
             profile = self.profiles.get(row.agent_id)
-            if profile is None:
-                return  # unreachable in practice: a Turn exists only for a known agent
+            # Without after-guardrails (which judge the results before the next step
+            # begins), the resume opens the next step in its own transaction.
+            then_step = profile.max_steps if profile and not profile.guardrails else None
+            outcome = await self.store.apply_report(row, then_step=then_step)
+            if outcome.resumed is None or profile is None:
+                # (profile None: unreachable in practice, a Turn exists only for a known agent)
+                return True
             if outcome.terminate_card_id is not None:
                 card = await self.store.card(outcome.terminate_card_id)
                 await self._finish(
                     outcome.resumed, profile, TaskStatus.SUCCEEDED, card.content if card else ""
                 )
-                return
-            await self._run_turn(outcome.resumed, profile)
-        elif row.message_type == MessageType.APPROVAL:
+                return True
+            return await self._run_turn(
+                outcome.resumed, profile, ref_json=outcome.reply_ref_json, step=outcome.step
+            )
+        if row.message_type == MessageType.APPROVAL:
             await forward_granted(self, row)
         elif row.message_type == MessageType.RESUME:
             token = await self.store.take_resume(row)
             profile = self.profiles.get(row.agent_id)
             if token is not None and profile is not None:
-                await self._run_turn(token, profile, step_retries_done(row.payload))
+                return await self._run_turn(token, profile, step_retries_done(row.payload))
         else:
             await self.store.skip_row(row, f"unknown message type {row.message_type!r}")
+        return True
 
-    async def _start(self, row: InboxRow) -> None:
+    async def _start(self, row: InboxRow) -> bool:
         profile = self.profiles.get(row.agent_id)
         problem = None
         ref_ok = True
@@ -207,27 +229,43 @@ class Worker:
             fin = await self.store.fail_turn_row(row, problem, reply)
             if fin is not None:
                 await self.ender.after(fin)
-            return
-        assert profile is not None
+            return True
+        assert profile is not None and row.token is not None
+        step: StepStart | None = None
         try:
-            token = await self.store.start_turn(row)
+            if profile.guardrails:  # they judge the cards before each step begins
+                token = await self.store.start_turn(row)
+            else:
+                step = await self.store.start_turn_step(row, profile.max_steps)
+                token = row.token
         except StaleTurn:
             await self.store.skip_row(row, "turn no longer dispatched")
-            return
+            return True
         self.events.publish(StateEvent(token.agent_id, token.agent_turn_id, HeadStatus.RUNNING))
-        await self._run_turn(token, profile)
+        # The reference was read with the row: the Turn's own (its Enqueue).
+        return await self._run_turn(token, profile, ref_json=row.reply_ref_json, step=step)
 
     # -- the Turn -----------------------------------------------------------------------
     async def _run_turn(
-        self, token: TurnToken, profile: AgentProfile, retries_done: int = 0
-    ) -> None:
+        self,
+        token: TurnToken,
+        profile: AgentProfile,
+        retries_done: int = 0,
+        *,
+        ref_json: str | _Unread | None = UNREAD,
+        step: StepStart | None = None,
+    ) -> bool:
+        """Run the Turn until it suspends, waits or ends. ``ref_json``: its reply
+        reference if the caller read it already; ``step``: its first step if begun.
+        False when it suspended with no report due yet."""
         # Every log record of this run names the agent and Turn (and, once read from the
         # task's reference, its threads).
         with structlog.contextvars.bound_contextvars(
             agent=token.agent_id, turn=token.agent_turn_id
         ):
             try:
-                ref_json = await self.store.turn_reply_ref(token)
+                if isinstance(ref_json, _Unread):
+                    ref_json = await self.store.turn_reply_ref(token)
                 reply_ref: ReplyRef = json.loads(ref_json) if ref_json else None
                 ref = reply_ref if isinstance(reply_ref, dict) else {}
                 thread = ref.get("caller_thread")
@@ -241,7 +279,7 @@ class Worker:
                         thread=ref.get("hop"), caller_thread=thread
                     ),
                 ):
-                    await self._steps(token, profile, reply_ref, retries_done)
+                    return await self._steps(token, profile, reply_ref, retries_done, step)
             except StaleTurn:
                 log.info("turn %s of %s moved on; dropping it", token.agent_turn_id, token.agent_id)
             except trio.Cancelled:
@@ -254,6 +292,7 @@ class Worker:
                     )
                 except StaleTurn:
                     pass
+        return True
 
     async def _steps(
         self,
@@ -261,40 +300,67 @@ class Worker:
         profile: AgentProfile,
         reply_ref: ReplyRef,
         retries_done: int = 0,
-    ) -> None:
-        """Take steps until the Turn suspends, waits to retry a step, or ends.
+        step: StepStart | None = None,
+    ) -> bool:
+        """Take steps until the Turn suspends, waits to retry a step, or ends; False when
+        it suspended with no report due yet.
 
-        ``retries_done``: retries the first step already had (a retry wait's resume).
-        Raises StaleTurn when fenced out."""
+        ``retries_done``: retries the first step already had (a retry wait's resume);
+        ``step``: the first step, if the transaction that started or resumed the Turn
+        began it. Raises StaleTurn when fenced out."""
         while True:
-            head = await self._fence(token)
-            if profile.guardrails and head.output_box_id:
-                cards = await self.store.cards(head.output_box_id)
-                halt = await self.governor.guard_results(token, head.step_count, profile, cards)
-                if halt is not None:
-                    await self._finish(token, profile, TaskStatus.FAILED, f"halted: {halt}")
-                    return
-            if head.step_count >= profile.max_steps:
+            if step is None:
+                step = await self._open_step(token, profile)
+                if step is None:
+                    return True
+            head, step_id, step_no = step.head, step.step_id, step.step_no
+            if step_id is None:
                 await self._finish(
-                    token, profile, TaskStatus.FAILED, await self._limit_text(head, profile)
+                    token, profile, TaskStatus.FAILED, _limit_text(step.output, profile)
                 )
-                return
-            step_id, step_no = await self.store.begin_step(token)
+                return True
             self._step_event(token, step_id, "started", "thinking")
-            done = await self._complete(token, head, profile, step_id, retries_done)
+            done = await self._complete(token, head, profile, step_id, retries_done, step)
             if done is None:
-                return
+                return True
             completion, swap = done
             retries_done = 0
+            # The output box as the step leaves it (past_calls reads only tool calls and
+            # refusals, which the step's own card is not); read again after a swap.
+            history = None if swap is not None else step.output
+            step = None
+            parsed = extract_payloads(completion.content, profile)
+            decision = decide(completion.content, parsed, profile)
+            said = [NewCard(CardType.LLM_MESSAGE, completion.content, {"step_id": step_id})]
+            if isinstance(decision, Submit | Deliver) and swap is None:
+                # The last step: written with the Turn's end, in one transaction.
+                self._step_event(token, step_id, "planning", "")
+                status, text, meta = TaskStatus.SUCCEEDED, "", None
+                if isinstance(decision, Deliver):
+                    text = decision.text
+                else:
+                    text, meta = _submitted(decision, profile)
+                await self._finish(token, profile, status, text, meta, (step_id, completion, said))
+                return True
+            screened: Screened | None = None
+            if isinstance(decision, CallTools) and history is not None and _governed(profile):
+                # Screened first, so that its record is written with the step (one
+                # compare-and-set instead of two).
+                try:
+                    screened = await self.governor.screen(
+                        token, step_id, step_no, profile, history, decision.calls, record=False
+                    )
+                except Exception:
+                    await self.store.complete_step(token, step_id, completion, said)
+                    raise
             await self.store.complete_step(
                 token,
                 step_id,
                 completion,
-                [NewCard(CardType.LLM_MESSAGE, completion.content, {"step_id": step_id})],
+                said,
                 swap=swap,
+                screened=screened.record if screened is not None else None,
             )
-            parsed = extract_payloads(completion.content, profile)
-            decision = decide(completion.content, parsed, profile)
             self._step_event(token, step_id, "planning", "")
             match decision:
                 case Feedback(errors):
@@ -312,25 +378,32 @@ class Worker:
                         card = NewCard(CardType.SELF_CALL, _text(payload.element))
                     await self.store.add_cards(token, [card])
                 case CallTools(calls):
-                    if await self._call_tools(token, step_id, step_no, profile, reply_ref, calls):
-                        return
-                case Submit(payload):
-                    outcome = evaluate_submit(payload.element, profile.result_fields)
-                    if outcome.warnings:
-                        log.warning("submit_result degraded: %s", "; ".join(outcome.warnings))
-                    meta = {
-                        "fields": dict(outcome.fields),
-                        "degraded": outcome.degraded,
-                        "warnings": list(outcome.warnings),
-                    }
-                    await self._finish(
-                        token, profile, TaskStatus.SUCCEEDED, outcome.as_text(), meta
+                    more = await self._call_tools(
+                        token, step_id, step_no, profile, reply_ref, calls, history, screened
                     )
-                    return
+                    if more is not None:
+                        return more
+                case Submit():
+                    text, meta = _submitted(decision, profile)
+                    await self._finish(token, profile, TaskStatus.SUCCEEDED, text, meta)
+                    return True
                 case Deliver(text):
                     await self._finish(token, profile, TaskStatus.SUCCEEDED, text)
-                    return
+                    return True
             self._step_event(token, step_id, "completed", "")
+
+    async def _open_step(self, token: TurnToken, profile: AgentProfile) -> StepStart | None:
+        """Begin the next step (:meth:`AgentStore.open_step`), after the ``after``
+        guardrails judged the results so far; None when they halted the Turn."""
+        if profile.guardrails:
+            head = await self._fence(token)
+            if head.output_box_id:
+                cards = await self.store.cards(head.output_box_id)
+                halt = await self.governor.guard_results(token, head.step_count, profile, cards)
+                if halt is not None:
+                    await self._finish(token, profile, TaskStatus.FAILED, f"halted: {halt}")
+                    return None
+        return await self.store.open_step(token, profile.max_steps)
 
     async def _call_tools(
         self,
@@ -340,20 +413,27 @@ class Worker:
         profile: AgentProfile,
         reply_ref: ReplyRef,
         calls: tuple,
-    ) -> bool:
+        history: Sequence[Card] | None = None,
+        screened: Screened | None = None,
+    ) -> bool | None:
         """Forward the tool calls governance lets through; suspend if any was accepted.
-        True when the Turn suspended or ended."""
+        None when the Turn goes on; else whether a report is due already (True too when
+        the Turn ended). ``history``: the Turn's output cards, if the caller has them;
+        ``screened``: the calls' screening, if written with the step already.
+
+        Called right after the step's compare-and-set (``complete_step``), which is the
+        fence of the first call: each later call is fenced again first."""
         records: list[ToolCallRecord] = []
         cards: list[NewCard] = []
-        if (
-            profile.policy is not None
-            or profile.guardrails
-            or profile.loop_warn
-            or profile.loop_block
-        ):
-            head = await self._fence(token)
-            history = await self.store.cards(head.output_box_id) if head.output_box_id else []
-            screened = await self.governor.screen(token, step_id, step_no, profile, history, calls)
+        if _governed(profile):
+            if screened is None:
+                if history is None:
+                    head = await self._fence(token)
+                    box = head.output_box_id
+                    history = await self.store.cards(box) if box else []
+                screened = await self.governor.screen(
+                    token, step_id, step_no, profile, history, calls
+                )
             if screened.halt is not None:
                 await self._finish(token, profile, TaskStatus.FAILED, f"halted: {screened.halt}")
                 return True
@@ -371,8 +451,15 @@ class Worker:
                 )
         else:
             send = [(call, {}) for call in calls]
+        # No new side effect once fenced out. The last store call was a compare-and-set on
+        # the running head: complete_step's, or record_decisions', which ends screen()
+        # whenever it lets a call through. Each call awaits the pump: fence the next one
+        # again.
+        fenced = True
         for call, metadata in send:
-            await self._fence(token)  # no new side effect once fenced out
+            if not fenced:
+                await self._fence(token)
+            fenced = False
             content = None
             if self.tracing.capture_content:
                 content = etree.tostring(call.element, encoding="unicode")
@@ -396,9 +483,9 @@ class Worker:
             )
         if not records:
             await self.store.add_cards(token, cards)
-            return False
+            return None
         deadline = self.clock.now() + profile.resume_deadline_s
-        await self.store.suspend(token, step_id, records, cards, deadline)
+        early = await self.store.suspend(token, step_id, records, cards, deadline)
         self.events.publish(
             StateEvent(
                 token.agent_id,
@@ -413,7 +500,7 @@ class Worker:
         self.doorbell.ring()
         if self.approvals is not None and any(r.after_execution == WAITING_KIND for r in records):
             await self.approvals.deliver_requests()
-        return True
+        return early > 0
 
     async def _complete(
         self,
@@ -421,10 +508,11 @@ class Worker:
         head: Head,
         profile: AgentProfile,
         step_id: str,
-        retries_done: int = 0,
+        retries_done: int,
+        step: StepStart,
     ) -> tuple[LLMCompletion, BoxSwap | None] | None:
-        """One model call, and the compaction to commit with the step (or None); None
-        when it failed: then either the step waits to be retried (a retryable kind, see
+        """One model call on the cards ``step`` read, and the compaction to commit with
+        the step (or None); None when it failed: then either the step waits to be retried (a retryable kind, see
         :mod:`agentserver.agents.retry`) or the Turn ended failed.
 
         With a streaming port, each text chunk is published as a :class:`ChunkEvent` as it
@@ -456,7 +544,7 @@ class Worker:
                         shown = pending.tokens if pending else head.context_tokens
                     try:
                         completion = await self._call(
-                            token, head, profile, step_id, system, pending
+                            token, profile, step_id, system, pending or step, step.step_no
                         )
                     except LLMUnavailable as exc:
                         if exc.kind.upper() == "CONTEXT_OVERFLOW" and not overflowed:
@@ -497,17 +585,20 @@ class Worker:
     async def _call(
         self,
         token: TurnToken,
-        head: Head,
         profile: AgentProfile,
         step_id: str,
         system: str,
-        pending: PendingSwap | None = None,
+        shown: PendingSwap | StepStart,
+        step_no: int,
     ) -> LLMCompletion:
-        """One model call for the step (streamed when the port can); errors propagate."""
+        """One model call for the step (streamed when the port can) on the cards of
+        ``shown``: a compaction's, or the Turn's as the step read them (nothing else
+        writes a running Turn's cards meanwhile). Errors propagate."""
+        cards = shown.cards if isinstance(shown, PendingSwap) else [*shown.context, *shown.output]
         request = LLMRequest(
             agent=token.agent_id,
             model=profile.model,
-            messages=await self._hydrate(head, profile, system, pending.cards if pending else None),
+            messages=_messages(profile, system, cards, step_no == profile.max_steps),
             max_tokens=profile.max_tokens,
         )
 
@@ -563,43 +654,6 @@ class Worker:
             )
         )
 
-    async def _hydrate(
-        self,
-        head: Head,
-        profile: AgentProfile,
-        system: str,
-        compacted: list[Card] | None = None,
-    ) -> list[LLMMessage]:
-        """The request's messages from the Turn's boxes, or from ``compacted`` (the cards
-        of a compaction the step will commit)."""
-        messages = [LLMMessage("system", system)]
-        cards: list[Card] = []
-        if compacted is not None:
-            cards = list(compacted)
-        if compacted is None and head.context_box_id:
-            cards += await self.store.cards(head.context_box_id)
-        if compacted is None and head.output_box_id:
-            cards += await self.store.cards(head.output_box_id)
-        cap = profile.budget.tool_result_cap
-        notes = result_annotations(cards)
-        for card in cards:
-            message = _card_message(card, notes, cap)
-            if message is not None:
-                messages.append(message)
-        if head.step_count + 1 == profile.max_steps:
-            messages.append(LLMMessage("user", LAST_STEP_NOTE))
-        return messages
-
-    async def _limit_text(self, head: Head, profile: AgentProfile) -> str:
-        """The failed answer at the step limit, with the last thing the model said."""
-        text = f"step limit reached ({profile.max_steps} steps) without an answer"
-        cards = await self.store.cards(head.output_box_id) if head.output_box_id else []
-        said = [c.content.strip() for c in cards if c.card_type == CardType.LLM_MESSAGE]
-        said = [t for t in said if t]
-        if said:
-            text += f". The model's last message: {said[-1]}"
-        return text
-
     async def _fence(self, token: TurnToken) -> Head:
         head = await self.store.head(token.agent_id)
         if head.token != token or head.status != HeadStatus.RUNNING:
@@ -613,14 +667,27 @@ class Worker:
         status: str,
         text: str,
         metadata: Mapping[str, object] | None = None,
+        step: tuple[str, LLMCompletion, list[NewCard]] | None = None,
     ) -> None:
+        """End the Turn with ``text``; ``step``: (step id, completion, cards) of the step
+        to complete in the same transaction."""
         if self.tracing.enabled:
             span = trace.get_current_span()
             span.set_attribute("agentserver.task.status", status)
             if status != TaskStatus.SUCCEEDED:
                 record_error(span, str(status))
         reply = answer_bytes(profile, text, failed=status != TaskStatus.SUCCEEDED)
-        fin = await self.store.finish(token, status, text, dict(metadata or {}), reply)
+        step_id, completion, cards = step or (None, None, [])
+        fin = await self.store.finish(
+            token,
+            status,
+            text,
+            dict(metadata or {}),
+            reply,
+            step_id=step_id,
+            completion=completion,
+            cards=cards,
+        )
         await self.ender.after(fin)
 
     def _step_event(self, token: TurnToken, step_id: str, phase: str, activity: str) -> None:
@@ -629,6 +696,53 @@ class Worker:
             self.events.publish(
                 StateEvent(token.agent_id, token.agent_turn_id, HeadStatus.RUNNING, activity)
             )
+
+
+def _submitted(decision: Submit, profile: AgentProfile) -> tuple[str, dict[str, object]]:
+    """The answer text and deliverable metadata of a ``submit_result`` call."""
+    outcome = evaluate_submit(decision.payload.element, profile.result_fields)
+    if outcome.warnings:
+        log.warning("submit_result degraded: %s", "; ".join(outcome.warnings))
+    meta = {
+        "fields": dict(outcome.fields),
+        "degraded": outcome.degraded,
+        "warnings": list(outcome.warnings),
+    }
+    return outcome.as_text(), meta
+
+
+def _governed(profile: AgentProfile) -> bool:
+    """Whether governance screens the agent's tool calls (agents/governance.py)."""
+    return bool(
+        profile.policy is not None or profile.guardrails or profile.loop_warn or profile.loop_block
+    )
+
+
+def _messages(
+    profile: AgentProfile, system: str, cards: Sequence[Card], last: bool
+) -> list[LLMMessage]:
+    """The request's messages: the system text, the cards as the model reads them, and
+    on the ``last`` step, the note saying so."""
+    messages = [LLMMessage("system", system)]
+    cap = profile.budget.tool_result_cap
+    notes = result_annotations(cards)
+    for card in cards:
+        message = _card_message(card, notes, cap)
+        if message is not None:
+            messages.append(message)
+    if last:
+        messages.append(LLMMessage("user", LAST_STEP_NOTE))
+    return messages
+
+
+def _limit_text(output: Sequence[Card], profile: AgentProfile) -> str:
+    """The failed answer at the step limit, with the last thing the model said."""
+    text = f"step limit reached ({profile.max_steps} steps) without an answer"
+    said = [c.content.strip() for c in output if c.card_type == CardType.LLM_MESSAGE]
+    said = [t for t in said if t]
+    if said:
+        text += f". The model's last message: {said[-1]}"
+    return text
 
 
 def _system_text(profile: AgentProfile) -> str:

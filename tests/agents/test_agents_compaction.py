@@ -198,3 +198,20 @@ async def test_a_step_commits_its_compaction_with_its_card(tmp_path):
     [(edge_turn,)] = h.sql("SELECT agent_turn_id FROM execution_edges WHERE primitive = 'compact'")
     [(meta,)] = h.sql("SELECT metadata FROM execution_edges WHERE primitive = 'compact'")
     assert edge_turn and json.loads(meta)["folded_cards"] >= 1
+
+
+async def test_the_last_step_note_comes_on_the_last_step_after_a_compaction_too(tmp_path):
+    model = Model(lambda req: f"Next. {ADD}")  # never answers: runs into the step limit
+    h = harness(tmp_path, model, context_window=32_000, max_steps=5)
+    await h.rt.enqueue("assistant", task("add"), "ref")
+    await h.pump()
+    for _ in range(4):
+        [(sub, _, _)] = h.tools.calls[-1:]
+        big = "<sum xmlns='urn:calc'>" + "7" * 400_000 + "</sum>"
+        await h.rt.report_tool_result("assistant", sub, big.encode())
+        await h.pump()
+    steps = [r for r in model.requests if not is_summary(r)]
+    # Step 4 compacts first (S: a summary call; A: a step's own call).
+    assert "".join("S" if is_summary(r) else "A" for r in model.requests) == "AAASSAA"
+    last = [r.messages[-1].content.startswith("This is your last step") for r in steps]
+    assert last == [False, False, False, False, True]

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentserver.agents.budget import card_tokens
-from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
+from agentserver.agents.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.states import InboxEvent, inbox_sources, inbox_transition
 from agentserver.agents.store import Card, CardType, InboxRow, NewCard
 
@@ -102,9 +102,10 @@ def insert_cards(
         return []
     now = env.clock.now()
     ids = [new_id() for _ in cards]
-    tx.executemany(
+    insert_rows(
+        tx,
         "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, metadata, "
-        "created_at, tokens) VALUES (?,?,?,?,?,?,?,?)",
+        "created_at, tokens)",
         [
             (
                 card_id,
@@ -157,9 +158,10 @@ def insert_copies(
 ) -> tuple[int, int]:
     if not rows:
         return 0, 0
-    tx.executemany(
+    insert_rows(
+        tx,
         "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, metadata, "
-        "created_at, tokens) VALUES (?,?,?,?,?,?,?,?)",
+        "created_at, tokens)",
         [(new_id(), box_id, turn_id or r[1], r[2], r[3], r[4], r[5], r[6]) for r in rows],
     )
     return len(rows), sum(int(r[6]) for r in rows)
@@ -168,6 +170,23 @@ def insert_copies(
 def cards(tx: Tx, box_id: str) -> list[Card]:
     rows = tx.all(f"SELECT {CARD_COLS} FROM cards WHERE box_id = ? ORDER BY seq", (box_id,))
     return [card_row(r) for r in rows]
+
+
+def turn_cards(
+    tx: Tx, context_box: str | None, output_box: str | None
+) -> tuple[tuple[Card, ...], tuple[Card, ...]]:
+    """The cards of a Turn's context and output boxes, each in its order (one SELECT)."""
+    boxes = [b for b in (context_box, output_box) if b]
+    if not boxes:
+        return (), ()
+    rows = tx.all(
+        f"SELECT {CARD_COLS}, seq FROM cards WHERE box_id IN ({marks(len(boxes))})", boxes
+    )
+    rows.sort(key=lambda r: r[6])
+    return (
+        tuple(card_row(r) for r in rows if r[1] == context_box),
+        tuple(card_row(r) for r in rows if r[1] == output_box),
+    )
 
 
 def card(tx: Tx, card_id: str) -> Card | None:

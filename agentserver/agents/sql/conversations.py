@@ -13,7 +13,7 @@ from agentserver.agents.sql.common import (
     insert_cards,
     tokens_of,
 )
-from agentserver.agents.sql.db import StoreEnv, Tx, new_id
+from agentserver.agents.sql.db import StoreEnv, Tx, insert_rows, new_id
 from agentserver.agents.store import Card, CardType, NewCard
 
 
@@ -89,8 +89,9 @@ def replace_conversation(
     )
     if tx.rowcount != 1:
         return False
-    tx.executemany(
-        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) VALUES (?,?,?,?,?)",
+    insert_rows(
+        tx,
+        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at)",
         [
             (context_box, agent_id, turn, "context", now),
             (output_box, agent_id, turn, "output", now),

@@ -9,6 +9,7 @@ on :attr:`Tx.dialect` in one place (so far only the schema's DDL does).
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -53,3 +54,22 @@ def new_id() -> str:
 def marks(n: int) -> str:
     """``?,?,…`` for an ``IN (…)`` of ``n`` values."""
     return ",".join("?" * n)
+
+
+#: Rows per statement of :func:`insert_rows` (SQLite allows 32766 parameters, psycopg 65535).
+INSERT_CHUNK = 256
+
+
+def insert_rows(tx: Tx, into: str, rows: Sequence[Sequence[Any]]) -> None:
+    """``into`` (``INSERT INTO t (columns)``) with ``rows``, all of one width, as one
+    multi-row ``VALUES`` statement per :data:`INSERT_CHUNK` rows: one round trip, where a
+    PostgreSQL ``executemany`` pipelines a statement per row."""
+    for i in range(0, len(rows), INSERT_CHUNK):
+        part = rows[i : i + INSERT_CHUNK]
+        tx.execute(_values_sql(into, len(part[0]), len(part)), [v for r in part for v in r])
+
+
+@functools.lru_cache(maxsize=256)
+def _values_sql(into: str, width: int, n: int) -> str:
+    one = "(" + ",".join("?" * width) + ")"
+    return f"{into} VALUES {','.join([one] * n)}"

@@ -10,13 +10,15 @@ from typing import Any
 
 from agentserver.agents.approvals import APPROVAL_PREFIX, PendingApproval
 from agentserver.agents.errors import StaleTurn
-from agentserver.agents.governance_store import DecisionRecord
+from agentserver.agents.governance_store import DecisionRecord, StepRecord
+from agentserver.agents.ports import LLMCompletion
 from agentserver.agents.sql import head
 from agentserver.agents.sql.common import inbox_move
-from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
+from agentserver.agents.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.sql.inbox import insert_report
-from agentserver.agents.sql.turns import append_cards
+from agentserver.agents.sql.turns import append_cards, close_step
 from agentserver.agents.states import (
+    AgentStepStatus,
     ApprovalStatus,
     HeadStatus,
     InboxEvent,
@@ -50,14 +52,60 @@ def record_decisions(
     approvals: Sequence[PendingApproval],
 ) -> None:
     """Log the step's decisions and add ``cards`` (refusals), CAS-fenced on running."""
-    now = env.clock.now()
     append_cards(tx, env, token, cards)
+    _insert_decisions(tx, env, token, step_id, decisions, approvals)
+    _add_policy_meta(tx, step_id, decisions)
+
+
+def complete_screened_step(
+    tx: Tx,
+    env: StoreEnv,
+    token: TurnToken,
+    step_id: str,
+    completion: LLMCompletion | None,
+    cards: Sequence[NewCard],
+    screened: StepRecord,
+) -> None:
+    """``complete_step`` and ``record_decisions`` of the same step in one compare-and-set:
+    the step's cards, then the refusals; the decisions in the step's metadata."""
+    append_cards(tx, env, token, [*cards, *screened.cards])
+    policy = _policy(screened.decisions)
+    close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, (), policy)
+    if completion is None:
+        _add_policy_meta(tx, step_id, screened.decisions)
+    _insert_decisions(tx, env, token, step_id, screened.decisions, screened.approvals)
+
+
+def _policy(decisions: Sequence[DecisionRecord]) -> list[dict[str, str]]:
+    """The step log's account of governance's decisions (the step's metadata)."""
+    return [{"target": d.target, "decision": d.decision, "rule": d.rule} for d in decisions]
+
+
+def _add_policy_meta(tx: Tx, step_id: str, decisions: Sequence[DecisionRecord]) -> None:
+    if not decisions:
+        return
+    # The step log names what governance decided for this step's calls.
+    row = tx.one("SELECT metadata FROM agent_steps WHERE step_id = ?", (step_id,))
+    meta = json.loads(row[0]) if row and row[0] else {}
+    meta.setdefault("policy", []).extend(_policy(decisions))
+    tx.execute("UPDATE agent_steps SET metadata = ? WHERE step_id = ?", (json.dumps(meta), step_id))
+
+
+def _insert_decisions(
+    tx: Tx,
+    env: StoreEnv,
+    token: TurnToken,
+    step_id: str,
+    decisions: Sequence[DecisionRecord],
+    approvals: Sequence[PendingApproval],
+) -> None:
+    now = env.clock.now()
     if approvals:
         # Not sent before its waiting row exists (the suspend that follows).
-        tx.executemany(
+        insert_rows(
+            tx,
             "INSERT INTO approvals (request_id, agent_id, agent_turn_id, step_id, "
-            "target, payload, rule, approver, thread, status, deadline, created_at) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            "target, payload, rule, approver, thread, status, deadline, created_at)",
             [
                 (
                     a.request_id,
@@ -78,9 +126,10 @@ def record_decisions(
         )
     if not decisions:
         return
-    tx.executemany(
+    insert_rows(
+        tx,
         "INSERT INTO policy_decisions (agent_id, agent_turn_id, step_id, target, "
-        "payload_tag, decision, rule, reason, rate_key, at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        "payload_tag, decision, rule, reason, rate_key, at)",
         [
             (
                 token.agent_id,
@@ -97,13 +146,6 @@ def record_decisions(
             for d in decisions
         ],
     )
-    # The step log names what governance decided for this step's calls.
-    row = tx.one("SELECT metadata FROM agent_steps WHERE step_id = ?", (step_id,))
-    meta = json.loads(row[0]) if row and row[0] else {}
-    meta.setdefault("policy", []).extend(
-        {"target": d.target, "decision": d.decision, "rule": d.rule} for d in decisions
-    )
-    tx.execute("UPDATE agent_steps SET metadata = ? WHERE step_id = ?", (json.dumps(meta), step_id))
 
 
 def turn_decisions(tx: Tx, env: StoreEnv, agent_turn_id: str) -> list[DecisionRecord]:

@@ -21,7 +21,7 @@ from agentserver.agents.sql.common import (
     insert_copies,
     tokens_of,
 )
-from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
+from agentserver.agents.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.states import (
     HeadEvent,
     HeadStatus,
@@ -45,6 +45,7 @@ def cas(
     exprs: Mapping[str, str] | None = None,
     expr_params: Sequence[Any] = (),
     where: str = "",
+    where_params: Sequence[Any] = (),
     stale: str = "",
 ) -> Head:
     """Compare-and-set the head of ``agent_id``; returns the head as updated.
@@ -53,7 +54,8 @@ def cas(
     transition says so) or a :class:`HeadStatus` (a fence: the head must be in it and
     stays). The head must hold ``turn_id`` at ``epoch`` (None: not checked, as for the
     lease of an idle head). ``sets`` are ``column = value``; ``exprs`` and ``where`` are
-    fixed SQL fragments (``column = expr``, whose ``?`` take ``expr_params``; `` AND …``).
+    fixed SQL fragments (``column = expr``, whose ``?`` take ``expr_params``; `` AND …``,
+    whose ``?`` take ``where_params``).
     Raises StaleTurn on a miss, and then nothing was written.
     """
     cols: dict[str, Any] = {}
@@ -81,7 +83,7 @@ def cas(
         len(sources),
         where,
     )
-    row = tx.one(sql, (*params, *sources))
+    row = tx.one(sql, (*params, *sources, *where_params))
     if row is None:
         raise StaleTurn(f"{agent_id}/{turn_id}@{epoch}: {stale or f'head not {how}'}")
     return Head(*row)
@@ -185,8 +187,9 @@ def lease_next(tx: Tx, env: StoreEnv, agent_id: str) -> bool:
         )
     except StaleTurn:
         return False  # busy: the row stays queued for the Turn's end
-    tx.executemany(
-        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) VALUES (?,?,?,?,?)",
+    insert_rows(
+        tx,
+        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at)",
         [
             (context_box, agent_id, turn_id, "context", now),
             (output_box, agent_id, turn_id, "output", now),

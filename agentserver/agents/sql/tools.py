@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.sql import head
 from agentserver.agents.sql.common import edge, inbox_move, insert_cards, tokens_of
-from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
+from agentserver.agents.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.sql.inbox import insert_report
-from agentserver.agents.sql.turns import append_cards, close_step
+from agentserver.agents.sql.turns import append_cards, close_step, open_step
 from agentserver.agents.states import (
     AfterExecution,
     AgentStepStatus,
@@ -39,10 +39,11 @@ def suspend(
     calls: Sequence[ToolCallRecord],
     cards: Sequence[NewCard],
     resume_deadline: float,
-) -> None:
+) -> int:
     """running → suspended with the waiting set ``calls`` (tool.call cards included).
 
-    Reports for these calls that arrived early (deferred) become due immediately."""
+    Reports for these calls that arrived early (deferred) become due immediately; returns
+    how many."""
     if not calls:
         raise ValueError("suspend needs at least one tool call")
     now = env.clock.now()
@@ -67,10 +68,11 @@ def suspend(
         },
     )
     call_ids = [c.tool_call_id for c in calls]
-    tx.executemany(
+    insert_rows(
+        tx,
         "INSERT INTO turn_waiting_tools (tool_call_id, agent_id, agent_turn_id, "
         "turn_epoch, step_id, to_listener, after_execution, status, created_at, "
-        "updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        "updated_at)",
         [
             (
                 call.tool_call_id,
@@ -87,9 +89,10 @@ def suspend(
             for call in calls
         ],
     )
-    tx.executemany(
+    insert_rows(
+        tx,
         "INSERT INTO execution_edges (agent_id, agent_turn_id, primitive, edge_phase, "
-        "correlation_id, inbox_id, created_at, metadata) VALUES (?,?,?,?,?,?,?,?)",
+        "correlation_id, inbox_id, created_at, metadata)",
         [
             (
                 token.agent_id,
@@ -109,15 +112,21 @@ def suspend(
         f"WHERE correlation_id IN ({marks(len(call_ids))}) AND status = ?",
         (now, token.agent_turn_id, token.turn_epoch, *call_ids, InboxStatus.DEFERRED),
     )
+    early = tx.rowcount
     close_step(tx, env, step_id, None, AgentStepStatus.COMPLETED, call_ids)
+    return early
 
 
-def apply_report(tx: Tx, env: StoreEnv, row: InboxRow) -> ReportOutcome:
+def apply_report(
+    tx: Tx, env: StoreEnv, row: InboxRow, then_step: int | None = None
+) -> ReportOutcome:
     """Apply one claimed tool_result/timeout row to its waiting set (single winner).
 
     Duplicates and late results are acknowledged (``skipped``) and change nothing. A
     report with no waiting row yet is deferred with backoff until
-    ``settings.max_retries`` is exhausted, then marked ``error``."""
+    ``settings.max_retries`` is exhausted, then marked ``error``. A resume returns the
+    Turn's reply reference and, with ``then_step`` (the step limit) unless a tool ends
+    the Turn, opens its next step (:func:`~agentserver.agents.sql.turns.open_step`)."""
     now = env.clock.now()
     s = env.settings
     waiting = tx.one(
@@ -204,16 +213,26 @@ def apply_report(tx: Tx, env: StoreEnv, row: InboxRow) -> ReportOutcome:
         HeadEvent.RESUME,
         sets={"waiting_tool_count": 0, "resume_deadline": None, "running_since": now},
     )
-    term = tx.one(
-        "SELECT result_card_id FROM turn_waiting_tools WHERE agent_turn_id = ? "
+    # The terminating result (if any) and the Turn's reply reference, in one statement.
+    term, ref = tx.one(
+        "SELECT (SELECT result_card_id FROM turn_waiting_tools WHERE agent_turn_id = ? "
         "AND turn_epoch = ? AND status = ? AND after_execution = ? "
-        "ORDER BY created_at LIMIT 1",
-        (turn_id, epoch, WaitingStatus.RECEIVED, AfterExecution.TERMINATE),
-    )
+        "ORDER BY created_at LIMIT 1), "
+        "(SELECT reply_ref FROM agent_inbox WHERE inbox_id = ?)",
+        (
+            turn_id,
+            epoch,
+            WaitingStatus.RECEIVED,
+            AfterExecution.TERMINATE,
+            resumed.turn_inbox_id,
+        ),
+    ) or (None, None)
     edge(tx, env, row.agent_id, turn_id, "resume", "request")
-    return ReportOutcome(
-        "applied", TurnToken(row.agent_id, turn_id, resumed.turn_epoch), term[0] if term else None
-    )
+    now_running = TurnToken(row.agent_id, turn_id, resumed.turn_epoch)
+    step = None
+    if then_step is not None and term is None:
+        step = open_step(tx, env, now_running, then_step)
+    return ReportOutcome("applied", now_running, term, ref, step)
 
 
 def inject_timeouts(tx: Tx, env: StoreEnv, token: TurnToken, reason: str) -> int:

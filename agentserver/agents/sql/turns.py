@@ -16,8 +16,9 @@ from agentserver.agents.sql.common import (
     insert_cards,
     insert_copies,
     tokens_of,
+    turn_cards,
 )
-from agentserver.agents.sql.db import StoreEnv, Tx, marks, new_id
+from agentserver.agents.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.states import (
     ACTIVE_HEAD,
     AgentStepStatus,
@@ -37,6 +38,7 @@ from agentserver.agents.store import (
     InboxRow,
     NewCard,
     PendingReply,
+    StepStart,
     TaskStatus,
     TurnToken,
 )
@@ -60,8 +62,12 @@ def skip_row(tx: Tx, env: StoreEnv, row: InboxRow, reason: str) -> None:
 
 def begin_step(tx: Tx, env: StoreEnv, token: TurnToken) -> tuple[str, int]:
     """Record a new step (``started``) and count it; returns ``(step_id, step_no)``."""
-    step_id = new_id()
     h = head.fence(tx, env, token, exprs={"step_count": "step_count + 1"})
+    return _insert_step(tx, env, token, h.step_count), h.step_count
+
+
+def _insert_step(tx: Tx, env: StoreEnv, token: TurnToken, step_no: int) -> str:
+    step_id = new_id()
     tx.execute(
         "INSERT INTO agent_steps (step_id, agent_id, agent_turn_id, turn_epoch, step_no, "
         "status, started_at) VALUES (?,?,?,?,?,?,?)",
@@ -70,12 +76,65 @@ def begin_step(tx: Tx, env: StoreEnv, token: TurnToken) -> tuple[str, int]:
             token.agent_id,
             token.agent_turn_id,
             token.turn_epoch,
-            h.step_count,
+            step_no,
             AgentStepStatus.STARTED,
             env.clock.now(),
         ),
     )
-    return step_id, h.step_count
+    return step_id
+
+
+_UNDER_LIMIT = " AND step_count < ?"
+
+
+def open_step(tx: Tx, env: StoreEnv, token: TurnToken, max_steps: int) -> StepStart:
+    """The worker's step: count and record it unless ``max_steps`` are taken (then no
+    step, the head as it is), and the Turn's cards for its model call. CAS-fenced."""
+    try:
+        h = head.fence(
+            tx,
+            env,
+            token,
+            exprs={"step_count": "step_count + 1"},
+            where=_UNDER_LIMIT,
+            where_params=(max_steps,),
+        )
+    except StaleTurn:
+        # Missed: fenced out (raise), or at the step limit (nothing was written).
+        h = head.read(tx, env, token.agent_id)
+        if h.token != token or h.status != HeadStatus.RUNNING:
+            raise
+        return StepStart(h, None, h.step_count, *turn_cards(tx, h.context_box_id, h.output_box_id))
+    step_id = _insert_step(tx, env, token, h.step_count)
+    return StepStart(h, step_id, h.step_count, *turn_cards(tx, h.context_box_id, h.output_box_id))
+
+
+def start_turn_step(tx: Tx, env: StoreEnv, row: InboxRow, max_steps: int) -> StepStart:
+    """:func:`start_turn` and :func:`open_step` in one transaction, with one
+    compare-and-set (dispatched → running, the first step counted)."""
+    token = row.token
+    if token is None:
+        raise StaleTurn(f"inbox {row.inbox_id} carries no Turn")
+    try:
+        h = head.fence(
+            tx,
+            env,
+            token,
+            HeadEvent.START,
+            sets={"running_since": env.clock.now()},
+            exprs={"step_count": "step_count + 1"},
+            where=_UNDER_LIMIT,
+            where_params=(max_steps,),
+        )
+    except StaleTurn:
+        # Nothing was written: fenced out (start_turn raises) or at the step limit.
+        start_turn(tx, env, row)
+        return open_step(tx, env, token, max_steps)
+    if not inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME):
+        raise StaleTurn(f"inbox {row.inbox_id} is no longer processing")
+    edge(tx, env, token.agent_id, token.agent_turn_id, "start", "request", inbox_id=row.inbox_id)
+    step_id = _insert_step(tx, env, token, h.step_count)
+    return StepStart(h, step_id, h.step_count, *turn_cards(tx, h.context_box_id, h.output_box_id))
 
 
 def _priced(env: StoreEnv, agent_id: str, cards: Sequence[NewCard]) -> list[tuple[NewCard, int]]:
@@ -136,7 +195,10 @@ def close_step(
     completion: LLMCompletion | None,
     status: AgentStepStatus,
     tool_call_ids: Sequence[str],
+    policy: Sequence[Mapping[str, str]] = (),
 ) -> None:
+    """Close a step; with a completion, its usage and cost (and governance's ``policy``
+    decisions) become its metadata."""
     now = env.clock.now()
     if completion is None:
         tx.execute(
@@ -154,6 +216,8 @@ def close_step(
         },
         "llm_response_cost": completion.cost,
     }
+    if policy:
+        meta["policy"] = list(policy)
     tx.execute(
         "UPDATE agent_steps SET status = ?, ended_at = ?, model = ?, backend = ?, "
         "prompt_tokens = ?, completion_tokens = ?, total_tokens = ?, cost = ?, "
@@ -204,8 +268,9 @@ def compact(
         token,
         sets={"context_box_id": context_box, "output_box_id": output_box, "context_tokens": total},
     )
-    tx.executemany(
-        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) VALUES (?,?,?,?,?)",
+    insert_rows(
+        tx,
+        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at)",
         [
             (context_box, token.agent_id, token.agent_turn_id, "context", now),
             (output_box, token.agent_id, token.agent_turn_id, "output", now),
@@ -313,21 +378,27 @@ def end_turn(
     metadata: Mapping[str, Any],
     reply_payload: bytes | None,
     ending: Sequence[Any] | None = None,
+    before: Sequence[NewCard] = (),
 ) -> Finished:
     """Deliverable card + head to idle + reply outbox + next lease, in one transaction.
 
-    ``ending``: the row of ``_ENDING`` if the caller read it already."""
+    ``ending``: the row of ``_ENDING`` if the caller read it already; ``before``: cards
+    to add ahead of the deliverable (counted on the head like any others)."""
     if ending is None:
         ending = tx.one(_ENDING, (token.agent_id, token.agent_turn_id))
         if ending is None:
             raise StaleTurn(f"{token}: not the active Turn")
     _, _, output_box, context_box, turn_inbox_id, ref, conversation = ending
     now = env.clock.now()
+    priced = _priced(env, token.agent_id, before)
+    delta = sum(t for _, t in priced)
     head.fence(
         tx,
         env,
         token,
         event,
+        exprs={"context_tokens": "context_tokens + ?"} if delta else None,
+        expr_params=(delta,) if delta else (),
         sets={
             "active_agent_turn_id": None,
             "turn_inbox_id": None,
@@ -338,7 +409,9 @@ def end_turn(
         },
     )
     deliverable = NewCard(CardType.DELIVERABLE, text, {"status": status, **metadata})
-    (card_id,) = insert_cards(tx, env, output_box, token.agent_turn_id, [(deliverable, 0)])
+    *_, card_id = insert_cards(
+        tx, env, output_box, token.agent_turn_id, [*priced, (deliverable, 0)]
+    )
     if event == HeadEvent.FORCE_END:
         # Only an end from outside can leave waiting calls or a retry wait: a FINISH comes
         # from the worker of a running Turn, which resumed when its waiting set was
@@ -411,9 +484,19 @@ def finish(
     text: str,
     metadata: Mapping[str, Any],
     reply_payload: bytes,
+    step_id: str | None = None,
+    completion: LLMCompletion | None = None,
+    cards: Sequence[NewCard] = (),
 ) -> Finished:
-    """running → idle with the deliverable card and the pending reply (one transaction)."""
-    return end_turn(tx, env, token, HeadEvent.FINISH, status, text, metadata, reply_payload)
+    """running → idle with the deliverable card and the pending reply (one transaction).
+    With ``step_id``, that step is completed first, as :func:`complete_step` would
+    (``completion``, ``cards`` ahead of the deliverable), in the same compare-and-set."""
+    fin = end_turn(
+        tx, env, token, HeadEvent.FINISH, status, text, metadata, reply_payload, before=cards
+    )
+    if step_id is not None:
+        close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, ())
+    return fin
 
 
 def force_end(
