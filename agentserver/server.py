@@ -126,6 +126,21 @@ def _direct_handle(stream: trio.abc.Stream) -> socket.socket | None:
     return direct
 
 
+async def _receive_direct(direct: socket.socket, readable: trio.socket.SocketType) -> bytes:
+    """What ``direct`` (see :func:`_direct_handle`) has to read: b"" at end of input;
+    OSError if the connection broke. Yields first, then reads without waiting when it
+    can: by then the client has usually sent its next request (a client waiting for its
+    reply sends the next one at once), so the read neither fails nor waits on the I/O
+    manager (trio's ``receive_some`` reads at once, fails, registers the socket with
+    epoll, waits a round, reads, and yields again). A checkpoint: cancellable."""
+    await trio.lowlevel.checkpoint()
+    while True:
+        try:
+            return direct.recv(RECEIVE_SIZE)
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(readable)
+
+
 def _peer_host(stream: trio.SocketStream) -> str:
     try:
         return str(stream.socket.getpeername()[0])
@@ -575,6 +590,10 @@ class _Connection:
         runner = self.runner
         runners = self.server.runners
         operator = self.server.operator if self.is_operator else None
+        direct = self._direct
+        # Readiness is waited for on trio's own socket (which tells trio's I/O manager
+        # when it closes), never on the duplicate.
+        readable = stream.socket if direct is not None else None
         with self._reading:
             while True:
                 if pending:
@@ -590,13 +609,16 @@ class _Connection:
                         if deadline == math.inf:
                             # The common case (between frames, no idle timeout): no cancel
                             # scope, which would cost more than the read itself.
-                            data = await stream.receive_some(RECEIVE_SIZE)
+                            if direct is not None:
+                                data = await _receive_direct(direct, readable)
+                            else:
+                                data = await stream.receive_some(RECEIVE_SIZE)
                             timed_out = False
                         else:
                             with trio.move_on_at(deadline) as waited:
                                 data = await stream.receive_some(RECEIVE_SIZE)
                             timed_out = waited.cancelled_caught
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         self.input_open = False
                         return "closed"
                     if timed_out:

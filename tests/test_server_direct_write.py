@@ -3,6 +3,7 @@ in order, never interleaved, and whole even when the socket takes only part of o
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -97,4 +98,49 @@ async def test_pipelined_replies_are_batched_by_the_writer_not_written_one_by_on
         assert sorted(r[0][-1].text for r in got) == sorted(threads)
         assert server.counters["replies"] == 64
         assert server.counters["writes"] < 64  # more than one reply per write
+        await stream.aclose()
+
+
+async def test_a_client_resetting_its_connection_ends_it_quietly(caplog):
+    # The reader reads the socket directly (not through trio's stream): a reset must end
+    # the connection as a closed one, not as a failure, and others go on being served.
+    echo = Listener("echo", (Ping,), handle, responses=(Pong,), raw=True)
+    async with serving(echo, Limits()) as (server, port):
+        rude = trio.socket.socket()
+        await rude.connect(("127.0.0.1", port))
+        stream = trio.SocketStream(rude)
+        decoder = FrameDecoder(1024 * 1024)
+        thread = new_thread_id()
+        await stream.send_all(ping_frame("one", thread))
+        assert etree.fromstring(await read_frame(stream, decoder))[0][-1].text == thread
+        # Linger 0: close() sends a RST while the server's reader waits for a request.
+        rude.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        rude.close()
+        with trio.fail_after(10):
+            while server._connections:  # noqa: ASYNC110 (the server has no event for it)
+                await trio.sleep(0.01)
+        polite = await trio.open_tcp_stream("127.0.0.1", port)
+        thread = new_thread_id()
+        await polite.send_all(ping_frame("two", thread))
+        reply = etree.fromstring(await read_frame(polite, FrameDecoder(1024 * 1024)))
+        assert (reply[0][-1].text, reply[1][0].text) == (thread, "two")
+        await polite.aclose()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_stopping_the_server_ends_a_connection_waiting_for_its_next_request():
+    # The direct read waits for the socket in a cancellable checkpoint: stopping the server
+    # (which stops every reader) must not wait for the idle client to send or leave.
+    echo = Listener("echo", (Ping,), handle, responses=(Pong,), raw=True)
+    with trio.fail_after(10):
+        async with serving(echo, Limits()) as (server, port):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            thread = new_thread_id()
+            await stream.send_all(ping_frame("one", thread))
+            reply = await read_frame(stream, FrameDecoder(1024 * 1024))
+            assert etree.fromstring(reply)[0][-1].text == thread
+            await trio.sleep(0.05)  # the reader is waiting for the socket now
+        # serving() returned: the server stopped and every connection ended.
+        assert not server._connections
+        assert await stream.receive_some(65536) == b""  # closed by the server
         await stream.aclose()
