@@ -15,7 +15,7 @@ from agentserver.envelope import build_envelope
 from agentserver.framing import FrameDecoder, encode_frame
 from agentserver.handshake import HelloGate
 from agentserver.listener import Listener
-from agentserver.listeners.echo import Ping, Pong, handle
+from agentserver.listeners.echo import Ping, Pong, handle, respond
 from agentserver.pump import PumpConfig, open_pump
 from agentserver.server import Server
 from agentserver.threads import new_thread_id
@@ -37,6 +37,11 @@ async def read_frame(stream: trio.SocketStream, decoder: FrameDecoder) -> bytes:
 
 
 BIG = 8 * 1024 * 1024
+
+
+def sync_echo() -> Listener:
+    """The built-in echo's form: answered in the reader's task, in the requests' order."""
+    return Listener("echo", (Ping,), respond, responses=(Pong,), raw=True, sync=True)
 
 
 @asynccontextmanager
@@ -143,4 +148,70 @@ async def test_stopping_the_server_ends_a_connection_waiting_for_its_next_reques
         # serving() returned: the server stopped and every connection ended.
         assert not server._connections
         assert await stream.receive_some(65536) == b""  # closed by the server
+        await stream.aclose()
+
+
+async def test_replies_to_one_read_go_out_together_without_the_writer():
+    # Pipelined requests to a sync listener: the reader collects the replies to what it
+    # read and writes them with one send; none goes through the endpoint's buffer.
+    echo = sync_echo()
+    async with serving(echo, Limits()) as (server, port):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        decoder = FrameDecoder(1024 * 1024)
+        for burst in range(5):
+            threads = [new_thread_id() for _ in range(8)]
+            await stream.send_all(
+                b"".join(ping_frame(f"{burst}.{i}", t) for i, t in enumerate(threads))
+            )
+            got = [etree.fromstring(await read_frame(stream, decoder)) for _ in threads]
+            # One connection's replies are in its requests' order.
+            assert [(r[0][-1].text, r[1][0].text) for r in got] == [
+                (t, f"{burst}.{i}") for i, t in enumerate(threads)
+            ]
+        assert server.counters["replies"] == 40
+        assert server.counters["queued"] == 0
+        assert server.counters["writes"] < 40
+        await stream.aclose()
+
+
+async def test_a_client_pipelining_past_its_inflight_limit_gets_every_reply():
+    # The reader holds the replies it collects until it is done with a read; when the
+    # in-flight limit stops it first, it must write them (they free the room it waits
+    # for) rather than wait for room that only they can make.
+    echo = sync_echo()
+    async with serving(echo, Limits(max_inflight=4)) as (_server, port):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        decoder = FrameDecoder(1024 * 1024)
+        threads = [new_thread_id() for _ in range(50)]
+        await stream.send_all(b"".join(ping_frame(str(i), t) for i, t in enumerate(threads)))
+        got = [etree.fromstring(await read_frame(stream, decoder)) for _ in threads]
+        assert [(r[0][-1].text, r[1][0].text) for r in got] == [
+            (t, str(i)) for i, t in enumerate(threads)
+        ]
+        await stream.aclose()
+
+
+async def test_pipelined_large_replies_to_a_slow_reader_arrive_whole_and_in_order():
+    # Collected replies the socket cannot take whole: the rest is carried over to the
+    # writer, and later replies queue behind it.
+    echo = sync_echo()
+    config = PumpConfig(max_message_bytes=BIG)
+    async with serving(echo, Limits(max_message_bytes=BIG), config) as (server, port):
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        await sock.connect(("127.0.0.1", port))
+        stream = trio.SocketStream(sock)
+        decoder = FrameDecoder(BIG)
+        sizes = [100, 3_000_000, 50, 200_000, 10, 3_000_000, 5]
+        threads = [new_thread_id() for _ in sizes]
+        texts = [f"{i}:" + "x" * size for i, size in enumerate(sizes)]
+        await stream.send_all(
+            b"".join(ping_frame(t, th) for t, th in zip(texts, threads, strict=True))
+        )
+        await trio.sleep(0.2)  # not reading yet: the socket fills
+        for text, thread in zip(texts, threads, strict=True):
+            reply = etree.fromstring(await read_frame(stream, decoder))
+            assert (reply[0][-1].text, reply[1][0].text) == (thread, text)
+        assert server.counters["carried"] >= 1
+        assert server.counters["replies"] == len(sizes)
         await stream.aclose()
