@@ -2,10 +2,13 @@
 
 One task pair per connection: a reader that decodes frames (:mod:`agentserver.framing`)
 and injects them into the pump through the connection's endpoint, and a writer that takes
-every reply that is ready from the endpoint and writes them with one ``send_all``. A
-client with one request at a time is answered without the writer: its reply is sent at
-once, with one non-blocking ``send``, by the task that produced it (see
-``_Connection._write_now``); that saves two scheduler rounds per reply.
+every reply that is ready from the endpoint and writes them with one ``send_all``. On a
+plaintext connection most replies skip the writer: the reader reads the socket itself
+(yielding first, so the next request is usually there: no failed read, no epoll
+registration), collects the replies produced while it injects one read's requests and
+writes them with one non-blocking ``send`` (see ``_Connection._start_batch``); a reply
+produced by another task, for a client with one request at a time, is sent at once by
+that task (see ``_Connection._write_now``). Either saves the writer's wake-up and write.
 
 Outcomes (also in docs/wire.md):
 
