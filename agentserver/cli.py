@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import logging
 import os
@@ -557,6 +558,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
 
     def listening(addresses: list[str]) -> None:
+        # What start-up made (modules, schemas, the topology, the pump) lives as long as the
+        # process: out of the cyclic collector's reach, a full collection no longer walks
+        # it (under load one took ~45 ms, the tail of every request in flight meanwhile).
+        gc.freeze()
         # Printed, not only logged: tools and tests read the bound address from this line.
         print(f"agentserver listening on {', '.join(addresses)}", file=sys.stderr, flush=True)
 

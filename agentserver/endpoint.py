@@ -84,6 +84,14 @@ class Endpoint:
             raise EndpointClosed(self.name)
         return self._pump.inject(data, self)
 
+    def send_now(self, data: bytes) -> Coroutine[Any, Any, None] | None:
+        """Inject one envelope as far as it goes without waiting: None if it was dealt
+        with, else a coroutine that does the rest, which must be awaited (see
+        :meth:`Pump.inject_now`). Raises like :meth:`send`."""
+        if self.closed:
+            raise EndpointClosed(self.name)
+        return self._pump.inject_now(data, self)
+
     def _channel(self) -> _Channel:
         out = self._out
         if out is None:

@@ -494,6 +494,16 @@ class Pump:
         Returns once the message is queued for its listener(s), or once the refusal is queued
         for the endpoint. Raises :class:`PumpClosed` if the pump does not accept messages.
         """
+        rest = self.inject_now(data, endpoint)
+        if rest is not None:
+            await rest
+
+    def inject_now(self, data: bytes, endpoint: Endpoint) -> Coroutine[Any, Any, None] | None:
+        """:meth:`inject`'s synchronous part: None if the message was dealt with here (a
+        refusal, or a sync listener's answer: the common case), else the coroutine that
+        does the rest, which the caller must await. Raises :class:`PumpClosed` like
+        :meth:`inject`. Saves a coroutine per message on the fast path, and tells a
+        caller (the server's reader) whether the message was dealt with without waiting."""
         if self._state is not _State.RUNNING:
             raise PumpClosed(self._state.value)
         self.counters["injected"] += 1
@@ -503,7 +513,7 @@ class Pump:
             inbound = self._codec.decode(root)
         except InputRefused as refusal:
             self._answer_endpoint(endpoint, guess_thread(root) or new_thread_id(), refusal, data)
-            return
+            return None
         to, thread_id, inbound_payload, ptype = inbound
         rt = self._sync_by_tag.get(ptype.tag)
         if (
@@ -511,10 +521,19 @@ class Pump:
             and (to is None or to == rt.listener.name)
             and (endpoint.allowed is None or rt.listener.name in endpoint.allowed)
         ):
-            fallback = self._inject_sync(rt, endpoint, thread_id, inbound_payload, ptype, data)
-            if fallback is not None:
-                await fallback
-            return
+            return self._inject_sync(rt, endpoint, thread_id, inbound_payload, ptype, data)
+        return self._inject_routed(endpoint, to, thread_id, inbound_payload, ptype, data)
+
+    async def _inject_routed(
+        self,
+        endpoint: Endpoint,
+        to: str | None,
+        thread_id: str,
+        inbound_payload: etree._Element,
+        ptype: PayloadType,
+        data: bytes,
+    ) -> None:
+        """:meth:`inject` through the routing table and the listeners' queues."""
         now = self._now
         try:
             thread = self._client_thread(endpoint, thread_id, now)

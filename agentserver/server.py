@@ -2,10 +2,13 @@
 
 One task pair per connection: a reader that decodes frames (:mod:`agentserver.framing`)
 and injects them into the pump through the connection's endpoint, and a writer that takes
-every reply that is ready from the endpoint and writes them with one ``send_all``. A
-client with one request at a time is answered without the writer: its reply is sent at
-once, with one non-blocking ``send``, by the task that produced it (see
-``_Connection._write_now``); that saves two scheduler rounds per reply.
+every reply that is ready from the endpoint and writes them with one ``send_all``. On a
+plaintext connection most replies skip the writer: the reader reads the socket itself
+(yielding first, so the next request is usually there: no failed read, no epoll
+registration), collects the replies produced while it injects one read's requests and
+writes them with one non-blocking ``send`` (see ``_Connection._start_batch``); a reply
+produced by another task, for a client with one request at a time, is sent at once by
+that task (see ``_Connection._write_now``). Either saves the writer's wake-up and write.
 
 Outcomes (also in docs/wire.md):
 
@@ -88,6 +91,9 @@ log = logging.getLogger("agentserver.server")
 RECEIVE_SIZE = 64 * 1024
 #: Replies written with one ``send_all`` at most (bounds one write's size and latency).
 MAX_BATCH = 256
+#: The reader writes the replies it collects once they reach this many bytes, if not
+#: before (bounds the memory they hold outside the endpoint's buffer).
+MAX_BATCH_BYTES = 256 * 1024
 #: Scheduler rounds a writer waits at most for more of the replies it is owed.
 _MAX_GATHER_ROUNDS = 4
 #: How long a refused connection gets to take its one refusal.
@@ -124,6 +130,21 @@ def _direct_handle(stream: trio.abc.Stream) -> socket.socket | None:
     except OSError:
         return None
     return direct
+
+
+async def _receive_direct(direct: socket.socket, readable: trio.socket.SocketType) -> bytes:
+    """What ``direct`` (see :func:`_direct_handle`) has to read: b"" at end of input;
+    OSError if the connection broke. Yields first, then reads without waiting when it
+    can: by then the client has usually sent its next request (a client waiting for its
+    reply sends the next one at once), so the read neither fails nor waits on the I/O
+    manager (trio's ``receive_some`` reads at once, fails, registers the socket with
+    epoll, waits a round, reads, and yields again). A checkpoint: cancellable."""
+    await trio.lowlevel.checkpoint()
+    while True:
+        try:
+            return direct.recv(RECEIVE_SIZE)
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(readable)
 
 
 def _peer_host(stream: trio.SocketStream) -> str:
@@ -200,6 +221,10 @@ class Server:
             "writes": 0,
             # Direct writes the socket took only part of (the writer sent the rest).
             "carried": 0,
+            # Replies that went through the endpoint's buffer to the writer (the others
+            # were written by the task that produced them, or by the reader together
+            # with the other replies to one read).
+            "queued": 0,
             # TLS handshakes that failed or stalled (a plaintext client, a bad certificate).
             "tls_failed": 0,
             # Hellos checked late, or refused unchecked, because their address kept failing.
@@ -339,6 +364,10 @@ class _Connection:
         self._pipelining = False
         #: What the socket did not take of a direct write; the writer sends it first.
         self._carry = b""
+        #: The replies produced while the reader injects one read's requests, written
+        #: together when it is done with them (see _read_loop); None when not collecting.
+        self._batch: list[bytes] | None = None
+        self._batch_bytes = 0
         # As a ClientLink (named clients only; see agentserver.agents.named_clients):
         self.identity = ""
         self.endpoint_name = ""
@@ -575,6 +604,16 @@ class _Connection:
         runner = self.runner
         runners = self.server.runners
         operator = self.server.operator if self.is_operator else None
+        direct = self._direct
+        # Readiness is waited for on trio's own socket (which tells trio's I/O manager
+        # when it closes), never on the duplicate.
+        readable = stream.socket if direct is not None else None
+        # The replies to one read's requests are collected and written with one send once
+        # they are all injected (answered inline, as a sync listener's are) instead of each
+        # going through the endpoint's channel to the writer. Never across a wait: the
+        # reader flushes before anything that may wait, so whatever another task produces
+        # meanwhile takes the usual way, and nothing is overtaken.
+        batching = direct is not None and runner is None
         with self._reading:
             while True:
                 if pending:
@@ -590,13 +629,16 @@ class _Connection:
                         if deadline == math.inf:
                             # The common case (between frames, no idle timeout): no cancel
                             # scope, which would cost more than the read itself.
-                            data = await stream.receive_some(RECEIVE_SIZE)
+                            if direct is not None:
+                                data = await _receive_direct(direct, readable)
+                            else:
+                                data = await stream.receive_some(RECEIVE_SIZE)
                             timed_out = False
                         else:
                             with trio.move_on_at(deadline) as waited:
                                 data = await stream.receive_some(RECEIVE_SIZE)
                             timed_out = waited.cancelled_caught
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         self.input_open = False
                         return "closed"
                     if timed_out:
@@ -610,47 +652,67 @@ class _Connection:
                 decoder.feed(data)
                 now = trio.current_time()
                 frames = 0
-                while True:
-                    try:
-                        frame = decoder.next_frame()
-                    except FrameTooLarge as exc:
-                        self.server.counters["oversize"] += 1
-                        log.info("connection %s: %s", endpoint.name, exc)
-                        refusal = huh(HuhReason.TOO_LARGE)
-                        endpoint.push(encode(SYSTEM, endpoint.name, new_thread_id(), refusal))
-                        return "oversize"
-                    if frame is None:
-                        break
-                    # A frame ended, so whatever follows starts a new one (and time spent
-                    # waiting for in-flight room below is not the client's stall).
-                    new_frame = True
-                    if acks is not None:
-                        reply_ids = acks.ids(frame)
-                        if reply_ids is not None:  # not a request: nothing in flight
-                            await self._acked(reply_ids)
+                if batching:
+                    self._start_batch()
+                try:
+                    while True:
+                        try:
+                            frame = decoder.next_frame()
+                        except FrameTooLarge as exc:
+                            self.server.counters["oversize"] += 1
+                            log.info("connection %s: %s", endpoint.name, exc)
+                            refusal = huh(HuhReason.TOO_LARGE)
+                            endpoint.push(encode(SYSTEM, endpoint.name, new_thread_id(), refusal))
+                            return "oversize"
+                        if frame is None:
+                            break
+                        # A frame ended, so whatever follows starts a new one (and time spent
+                        # waiting for in-flight room below is not the client's stall).
+                        new_frame = True
+                        if acks is not None:
+                            reply_ids = acks.ids(frame)
+                            if reply_ids is not None:  # not a request: nothing in flight
+                                self._flush()
+                                await self._acked(reply_ids)
+                                if batching:
+                                    self._start_batch()
+                                continue
+                        if runner is not None:
+                            # Job replies and <serve>: not requests, nothing in flight.
+                            runners.frame(runner, frame)
                             continue
-                    if runner is not None:
-                        # Job replies and <serve>: not requests, nothing in flight.
-                        runners.frame(runner, frame)
-                        continue
-                    if operator is not None and operator.may_be_command(frame):
-                        answer = await operator.handle(frame, endpoint.name)
-                        if answer is not None:  # a command: carried out, not a request
-                            endpoint.push(answer)
-                            continue
-                    frames += 1
-                    if frames == 2:
-                        self._pipelining = True
-                    size = len(frame)
-                    if not self._has_room(size):
-                        await self._wait_for_room(size)
-                        now = trio.current_time()  # waiting for room is not the client's stall
-                    self._inflight.append((now + limits.inflight_ttl, size))
-                    self._inflight_bytes += size
-                    try:
-                        await endpoint.send(frame)
-                    except (PumpClosed, EndpointClosed):
-                        return "stopped"
+                        if operator is not None and operator.may_be_command(frame):
+                            self._flush()
+                            answer = await operator.handle(frame, endpoint.name)
+                            if batching:
+                                self._start_batch()
+                            if answer is not None:  # a command: carried out, not a request
+                                endpoint.push(answer)
+                                continue
+                        frames += 1
+                        if frames == 2:
+                            self._pipelining = True
+                        size = len(frame)
+                        if not self._has_room(size):
+                            self._flush()  # written replies free room
+                            if not self._has_room(size):
+                                await self._wait_for_room(size)
+                            now = trio.current_time()  # waiting is not the client's stall
+                            if batching:
+                                self._start_batch()
+                        self._inflight.append((now + limits.inflight_ttl, size))
+                        self._inflight_bytes += size
+                        try:
+                            rest = endpoint.send_now(frame)
+                            if rest is not None:  # it may wait: write what is collected
+                                self._flush()
+                                await rest
+                                if batching:
+                                    self._start_batch()
+                        except (PumpClosed, EndpointClosed):
+                            return "stopped"
+                finally:
+                    self._flush()
                 if frames == 1:
                     self._pipelining = False
                 if new_frame and decoder.mid_frame:
@@ -703,17 +765,65 @@ class _Connection:
 
     # -- writing -------------------------------------------------------------------------
 
+    def _start_batch(self) -> None:
+        """Collect the replies produced from now on, for one write by :meth:`_flush`, if
+        nothing is queued for the writer or half-written (they would be overtaken)."""
+        if self._writer_idle and not self._carry:
+            self._batch = []
+            self._batch_bytes = 0
+
+    def _flush(self) -> None:
+        """Stop collecting replies, and write those collected with one non-blocking send;
+        what the socket does not take is carried over to the writer, which is woken to
+        send it before anything else (as :meth:`_write_now` does)."""
+        batch = self._batch
+        if batch is None:
+            return
+        self._batch = None
+        if not batch:
+            return
+        assert self._direct is not None
+        count = len(batch)
+        data = encode_frames(batch) if count > 1 else encode_frame(batch[0])
+        try:
+            sent = self._direct.send(data, _NO_SIGNAL)
+        except OSError:  # full, or broken: the writer's write finds out which
+            sent = 0
+        self._replied(count)
+        if self._durable:
+            for body in batch:
+                self._wrote(body)
+        counters = self.server.counters
+        counters["replies"] += count
+        counters["writes"] += 1
+        if sent < len(data):
+            counters["carried"] += 1
+            self._carry = data[sent:]
+            self._writer_idle = False
+            assert self.endpoint is not None
+            self.endpoint.push(_WAKE)  # queued (the writer is no longer idle): wakes it
+
     def _write_now(self, body: bytes) -> bool:
         """The endpoint's sink: write one reply straight to the socket, from whichever
         task produced it, when that can neither reorder nor block anything. That is when
         the writer waits with nothing queued or half-written, this is the last reply owed
         and the client is not pipelining (else the writer batches replies into one write).
+        While the reader collects the replies to what it read (see :meth:`_start_batch`),
+        the reply joins them instead.
 
         True if the reply was written. What the socket did not take is carried over to the
         writer, which is woken to send it before anything else. On False (and on a full
         or broken socket) the reply is queued for the writer as usual. Never blocks: one
         non-blocking ``send``, which costs less than the writer's wake-up and write.
         """
+        batch = self._batch
+        if batch is not None:
+            batch.append(body)
+            self._batch_bytes += len(body)
+            if len(batch) >= MAX_BATCH or self._batch_bytes >= MAX_BATCH_BYTES:
+                self._flush()
+                self._start_batch()
+            return True
         if not self._writer_idle or self._pipelining or len(self._inflight) > 1:
             # Queued for the writer, which that wakes: later replies must queue behind it.
             self._writer_idle = False
@@ -826,6 +936,7 @@ class _Connection:
                 data, self._carry = self._carry + data, b""
             self._replied(len(replies))
             counters["replies"] += len(replies)
+            counters["queued"] += len(replies)
             await write(data)
             if self._durable:
                 for body in replies:

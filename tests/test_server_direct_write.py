@@ -3,18 +3,20 @@ in order, never interleaved, and whole even when the socket takes only part of o
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import trio
+import trio.testing
 from lxml import etree
 
 from agentserver.envelope import build_envelope
 from agentserver.framing import FrameDecoder, encode_frame
 from agentserver.handshake import HelloGate
 from agentserver.listener import Listener
-from agentserver.listeners.echo import Ping, Pong, handle
+from agentserver.listeners.echo import Ping, Pong, handle, respond
 from agentserver.pump import PumpConfig, open_pump
 from agentserver.server import Server
 from agentserver.threads import new_thread_id
@@ -36,6 +38,11 @@ async def read_frame(stream: trio.SocketStream, decoder: FrameDecoder) -> bytes:
 
 
 BIG = 8 * 1024 * 1024
+
+
+def sync_echo() -> Listener:
+    """The built-in echo's form: answered in the reader's task, in the requests' order."""
+    return Listener("echo", (Ping,), respond, responses=(Pong,), raw=True, sync=True)
 
 
 @asynccontextmanager
@@ -97,4 +104,121 @@ async def test_pipelined_replies_are_batched_by_the_writer_not_written_one_by_on
         assert sorted(r[0][-1].text for r in got) == sorted(threads)
         assert server.counters["replies"] == 64
         assert server.counters["writes"] < 64  # more than one reply per write
+        await stream.aclose()
+
+
+async def test_a_client_resetting_its_connection_ends_it_quietly(caplog):
+    # The reader reads the socket directly (not through trio's stream): a reset must end
+    # the connection as a closed one, not as a failure, and others go on being served.
+    echo = Listener("echo", (Ping,), handle, responses=(Pong,), raw=True)
+    async with serving(echo, Limits()) as (server, port):
+        rude = trio.socket.socket()
+        await rude.connect(("127.0.0.1", port))
+        stream = trio.SocketStream(rude)
+        decoder = FrameDecoder(1024 * 1024)
+        thread = new_thread_id()
+        await stream.send_all(ping_frame("one", thread))
+        assert etree.fromstring(await read_frame(stream, decoder))[0][-1].text == thread
+        # Linger 0: close() sends a RST while the server's reader waits for a request.
+        rude.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        rude.close()
+        with trio.fail_after(10):
+            while server._connections:  # noqa: ASYNC110 (the server has no event for it)
+                await trio.sleep(0.01)
+        polite = await trio.open_tcp_stream("127.0.0.1", port)
+        thread = new_thread_id()
+        await polite.send_all(ping_frame("two", thread))
+        reply = etree.fromstring(await read_frame(polite, FrameDecoder(1024 * 1024)))
+        assert (reply[0][-1].text, reply[1][0].text) == (thread, "two")
+        await polite.aclose()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_stopping_the_server_ends_a_connection_waiting_for_its_next_request():
+    # The direct read waits for the socket in a cancellable checkpoint: stopping the server
+    # (which stops every reader) must not wait for the idle client to send or leave.
+    echo = Listener("echo", (Ping,), handle, responses=(Pong,), raw=True)
+    with trio.fail_after(10):
+        async with serving(echo, Limits()) as (server, port):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            thread = new_thread_id()
+            await stream.send_all(ping_frame("one", thread))
+            reply = await read_frame(stream, FrameDecoder(1024 * 1024))
+            assert etree.fromstring(reply)[0][-1].text == thread
+            await trio.sleep(0.05)  # the reader is waiting for the socket now
+        # serving() returned: the server stopped and every connection ended.
+        assert not server._connections
+        assert await stream.receive_some(65536) == b""  # closed by the server
+        await stream.aclose()
+
+
+async def test_replies_to_one_read_go_out_together_without_the_writer():
+    # Pipelined requests to a sync listener: the reader collects the replies to what it
+    # read and writes them with one send; none goes through the endpoint's buffer.
+    echo = sync_echo()
+    async with serving(echo, Limits()) as (server, port):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        decoder = FrameDecoder(1024 * 1024)
+        # One exchange first: until the connection's writer has started (and waits), the
+        # reader leaves replies to it.
+        await stream.send_all(ping_frame("first", new_thread_id()))
+        await read_frame(stream, decoder)
+        await trio.testing.wait_all_tasks_blocked()
+        queued = server.counters["queued"]
+        for burst in range(5):
+            threads = [new_thread_id() for _ in range(8)]
+            await stream.send_all(
+                b"".join(ping_frame(f"{burst}.{i}", t) for i, t in enumerate(threads))
+            )
+            got = [etree.fromstring(await read_frame(stream, decoder)) for _ in threads]
+            # One connection's replies are in its requests' order.
+            assert [(r[0][-1].text, r[1][0].text) for r in got] == [
+                (t, f"{burst}.{i}") for i, t in enumerate(threads)
+            ]
+        assert server.counters["replies"] == 41
+        assert server.counters["queued"] == queued
+        assert server.counters["writes"] < 41
+        await stream.aclose()
+
+
+async def test_a_client_pipelining_past_its_inflight_limit_gets_every_reply():
+    # The reader holds the replies it collects until it is done with a read; when the
+    # in-flight limit stops it first, it must write them (they free the room it waits
+    # for) rather than wait for room that only they can make.
+    echo = sync_echo()
+    async with serving(echo, Limits(max_inflight=4)) as (_server, port):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        decoder = FrameDecoder(1024 * 1024)
+        threads = [new_thread_id() for _ in range(50)]
+        await stream.send_all(b"".join(ping_frame(str(i), t) for i, t in enumerate(threads)))
+        got = [etree.fromstring(await read_frame(stream, decoder)) for _ in threads]
+        assert [(r[0][-1].text, r[1][0].text) for r in got] == [
+            (t, str(i)) for i, t in enumerate(threads)
+        ]
+        await stream.aclose()
+
+
+async def test_pipelined_large_replies_to_a_slow_reader_arrive_whole_and_in_order():
+    # Collected replies the socket cannot take whole: the rest is carried over to the
+    # writer, and later replies queue behind it.
+    echo = sync_echo()
+    config = PumpConfig(max_message_bytes=BIG)
+    async with serving(echo, Limits(max_message_bytes=BIG), config) as (server, port):
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        await sock.connect(("127.0.0.1", port))
+        stream = trio.SocketStream(sock)
+        decoder = FrameDecoder(BIG)
+        sizes = [100, 3_000_000, 50, 200_000, 10, 3_000_000, 5]
+        threads = [new_thread_id() for _ in sizes]
+        texts = [f"{i}:" + "x" * size for i, size in enumerate(sizes)]
+        await stream.send_all(
+            b"".join(ping_frame(t, th) for t, th in zip(texts, threads, strict=True))
+        )
+        await trio.sleep(0.2)  # not reading yet: the socket fills
+        for text, thread in zip(texts, threads, strict=True):
+            reply = etree.fromstring(await read_frame(stream, decoder))
+            assert (reply[0][-1].text, reply[1][0].text) == (thread, text)
+        assert server.counters["carried"] >= 1
+        assert server.counters["replies"] == len(sizes)
         await stream.aclose()
