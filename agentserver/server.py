@@ -789,9 +789,16 @@ class _Connection:
             sent = self._direct.send(data, _NO_SIGNAL)
         except OSError:  # full, or broken: the writer's write finds out which
             sent = 0
+        self._sent(batch, data, sent)
+
+    def _sent(self, bodies: list[bytes], data: bytes, sent: int) -> None:
+        """Account for the replies ``bodies``, framed as ``data``, of which one
+        non-blocking send took ``sent`` bytes: the rest is carried over to the writer,
+        which is woken to send it before anything else."""
+        count = len(bodies)
         self._replied(count)
         if self._durable:
-            for body in batch:
+            for body in bodies:
                 self._wrote(body)
         counters = self.server.counters
         counters["replies"] += count
@@ -834,18 +841,7 @@ class _Connection:
         except OSError:  # full (nothing sent) or broken: the writer finds out
             self._writer_idle = False
             return False
-        self._replied(1)
-        if self._durable:
-            self._wrote(body)
-        counters = self.server.counters
-        counters["replies"] += 1
-        counters["writes"] += 1
-        if sent < len(frame):
-            counters["carried"] += 1
-            self._carry = frame[sent:]
-            self._writer_idle = False
-            assert self.endpoint is not None
-            self.endpoint.push(_WAKE)  # queued (the writer is no longer idle): wakes it
+        self._sent([body], frame, sent)
         return True
 
     async def _writer(self, connection_scope: trio.CancelScope) -> None:
