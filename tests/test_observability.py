@@ -24,9 +24,9 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from serverproc import DATA, REPO, ServerProcess, subprocess_env
+from serverutil import start_in_process
 
 from agentserver import boot
-from agentserver.app import ServeOptions, run_server
 from agentserver.builtins import RunContext
 from agentserver.client import open_client
 from agentserver.listener import HandlerResponse, Listener
@@ -60,33 +60,19 @@ def recording() -> tuple[Tracing, InMemorySpanExporter]:
 @asynccontextmanager
 async def app(topology, *, environ, registry=None, tracing=None):
     """run_server in this trio run; yields the bound port; shuts down on exit."""
-    shutdown = trio.Event()
-    ports: list[int] = []
-    ready = trio.Event()
-
-    def listening(addresses: list[str]) -> None:
-        ports.append(int(addresses[0].rsplit(":", 1)[1]))
-        ready.set()
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            lambda: run_server(
-                topology,
-                ServeOptions(port=0),
-                RunContext(topology),
-                shutdown,
-                environ=environ,
-                on_listening=listening,
-                registry=registry,
-                tracing=tracing,
-            )
+        server = await start_in_process(
+            nursery,
+            topology,
+            RunContext(topology),
+            environ=environ,
+            registry=registry,
+            tracing=tracing,
         )
-        with trio.fail_after(20):
-            await ready.wait()
         try:
-            yield ports[0]
+            yield server.port
         finally:
-            shutdown.set()
+            server.shutdown.set()
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:

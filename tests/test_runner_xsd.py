@@ -9,9 +9,9 @@ from functools import partial
 
 import trio
 from lxml import etree
+from serverutil import start_in_process
 
 from agentserver import boot
-from agentserver.app import ServeOptions, run_server
 from agentserver.builtins import RunContext, build_listeners
 from agentserver.client import open_client
 from agentserver.namespaces import CORE_NS
@@ -163,29 +163,10 @@ def test_agent_usage_instructions_describe_an_xsd_peer(tmp_path):
 async def test_a_raw_socket_runner_serves_a_listener_declared_only_by_xsd(tmp_path):
     topology = boot.load(write_boot(tmp_path, boot_xml()), environ=ENV).topology
     ctx = RunContext(topology)
-    shutdown = trio.Event()
     script = pathlib.Path(__file__).with_name("raw_runner.py")
     async with trio.open_nursery() as nursery:
-        ports: list[int] = []
-        ready = trio.Event()
-
-        def listening(addresses: list[str]) -> None:
-            ports.append(int(addresses[0].rsplit(":", 1)[1]))
-            ready.set()
-
-        nursery.start_soon(
-            partial(
-                run_server,
-                topology,
-                ServeOptions(port=0),
-                ctx,
-                shutdown,
-                environ=ENV,
-                on_listening=listening,
-            )
-        )
-        await ready.wait()
-        port = ports[0]
+        server = await start_in_process(nursery, topology, ctx, environ=ENV)
+        port = server.port
         hub = ctx.services["runner_hub"]
         env = {**os.environ, "RAW_RUNNER_TOKEN": ENV["RT_RUNNER"]}
         cmd = [sys.executable, "-I", str(script), "127.0.0.1", str(port), "search-runner"]
@@ -203,7 +184,7 @@ async def test_a_raw_socket_runner_serves_a_listener_declared_only_by_xsd(tmp_pa
             refused = await c.request(query("x", extra="bogus"), to="search", timeout=5)
             assert refused.payload.tag == f"{{{CORE_NS}}}huh"
         proc.kill()
-        shutdown.set()
+        server.shutdown.set()
 
 
 def test_agentserver_check_names_the_line_of_a_bad_schema_reference(tmp_path):

@@ -13,9 +13,9 @@ import trio
 from lxml import etree
 from runner_handlers import NS, Query, Result, handle
 from serverproc import subprocess_env
+from serverutil import start_in_process
 
 from agentserver import boot
-from agentserver.app import ServeOptions, run_server
 from agentserver.builtins import RunContext
 from agentserver.client import open_client
 from agentserver.envelope import encode
@@ -51,30 +51,12 @@ async def serving(xml: bytes):
     topology = boot.load_bytes(xml, environ=ENV).topology
     assert topology is not None
     ctx = RunContext(topology)
-    shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
-        ready = trio.Event()
-        ports: list[int] = []
-
-        def listening(addresses: list[str]) -> None:
-            ports.append(int(addresses[0].rsplit(":", 1)[1]))
-            ready.set()
-
-        nursery.start_soon(
-            lambda: run_server(
-                topology,
-                ServeOptions(port=0),
-                ctx,
-                shutdown,
-                environ=ENV,
-                on_listening=listening,
-            )
-        )
-        await ready.wait()
+        server = await start_in_process(nursery, topology, ctx, environ=ENV)
         try:
-            yield ports[0], ctx.services["runner_hub"]
+            yield server.port, ctx.services["runner_hub"]
         finally:
-            shutdown.set()
+            server.shutdown.set()
 
 
 async def wait_for_runners(hub, n: int, listener: str = "search") -> None:

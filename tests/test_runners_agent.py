@@ -18,9 +18,9 @@ import trio
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
 from runner_handlers import NS
 from serverproc import subprocess_env
+from serverutil import start_in_process
 
 from agentserver import boot
-from agentserver.app import ServeOptions, run_server
 from agentserver.builtins import RunContext
 from agentserver.client import open_client
 from agentserver.listeners.assistant import Task
@@ -83,35 +83,12 @@ async def serving(xml: bytes, *, tracing=None):
     topology = boot.load_bytes(xml, environ=ENV).topology
     assert topology is not None
     ctx = RunContext(topology)
-    shutdown = trio.Event()
-    ports: list[int] = []
-    urls: list[str] = []
-    ready = trio.Event()
-
-    def listening(addresses: list[str]) -> None:
-        ports.append(int(addresses[0].rsplit(":", 1)[1]))
-        ready.set()
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            partial(
-                run_server,
-                topology,
-                ServeOptions(port=0),
-                ctx,
-                shutdown,
-                environ=ENV,
-                on_listening=listening,
-                on_http=urls.extend,
-                tracing=tracing,
-            )
-        )
-        with trio.fail_after(20):
-            await ready.wait()
+        server = await start_in_process(nursery, topology, ctx, environ=ENV, tracing=tracing)
         try:
-            yield ports[0], urls[0], ctx.services["runner_hub"]
+            yield server.port, server.urls[0], ctx.services["runner_hub"]
         finally:
-            shutdown.set()
+            server.shutdown.set()
 
 
 async def test_killing_the_runner_holding_an_agents_tool_call_moves_it_once(tmp_path):

@@ -3,6 +3,8 @@ agent store, on every backend: tests/test_store_views.py.)"""
 
 from __future__ import annotations
 
+from serverutil import start_in_process
+
 from agentserver.agents.step_log import MemoryStepLog, StepRow
 
 
@@ -32,7 +34,6 @@ async def test_steps_over_http_without_an_agent_store_are_the_memory_log():
     from runner_handlers import Query, handle
 
     from agentserver import boot
-    from agentserver.app import ServeOptions, run_server
     from agentserver.builtins import RunContext
     from agentserver.client import open_client
     from agentserver.runner import run_runner
@@ -55,31 +56,9 @@ async def test_steps_over_http_without_an_agent_store_are_the_memory_log():
 </organism>"""
     topology = boot.load_bytes(xml, environ=env).topology
     ctx = RunContext(topology)
-    shutdown = trio.Event()
-    ports: list[int] = []
-    urls: list[str] = []
-    ready = trio.Event()
-
-    def listening(addresses: list[str]) -> None:
-        ports.append(int(addresses[0].rsplit(":", 1)[1]))
-        ready.set()
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            partial(
-                run_server,
-                topology,
-                ServeOptions(port=0),
-                ctx,
-                shutdown,
-                environ=env,
-                on_listening=listening,
-                on_http=urls.extend,
-            )
-        )
-        with trio.fail_after(10):
-            await ready.wait()
-        port, url, hub = ports[0], urls[0], ctx.services["runner_hub"]
+        server = await start_in_process(nursery, topology, ctx, environ=env, timeout_s=10)
+        port, url, hub = server.port, server.urls[0], ctx.services["runner_hub"]
         nursery.start_soon(
             partial(
                 run_runner,
@@ -111,7 +90,7 @@ async def test_steps_over_http_without_an_agent_store_are_the_memory_log():
             bad = await http.get(
                 f"{url}/v1/steps?after=x", headers={"authorization": "Bearer alice-token"}
             )
-        shutdown.set()
+        server.shutdown.set()
         nursery.cancel_scope.cancel()
     assert alice["durable"] is False
     events = [s["event"] for s in alice["steps"]]

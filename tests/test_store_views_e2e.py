@@ -9,7 +9,6 @@ import contextlib
 import re
 import sqlite3
 from collections.abc import Callable
-from functools import partial
 
 import httpx
 import pytest
@@ -17,9 +16,9 @@ import trio
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
 from prometheus_client.parser import text_string_to_metric_families
 from runner_handlers import NS, handle
+from serverutil import start_in_process
 
 from agentserver import boot
-from agentserver.app import ServeOptions, run_server
 from agentserver.builtins import RunContext
 from agentserver.client import open_client
 from agentserver.listeners.assistant import Task
@@ -80,30 +79,8 @@ async def serving(xml: bytes):
     topology = boot.load_bytes(xml, environ=ENV).topology
     assert topology is not None
     ctx = RunContext(topology)
-    shutdown = trio.Event()
-    ports: list[int] = []
-    urls: list[str] = []
-    ready = trio.Event()
-
-    def listening(addresses: list[str]) -> None:
-        ports.append(int(addresses[0].rsplit(":", 1)[1]))
-        ready.set()
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            partial(
-                run_server,
-                topology,
-                ServeOptions(port=0),
-                ctx,
-                shutdown,
-                environ=ENV,
-                on_listening=listening,
-                on_http=urls.extend,
-            )
-        )
-        with trio.fail_after(20):
-            await ready.wait()
+        server = await start_in_process(nursery, topology, ctx, environ=ENV)
         hub = ctx.services["runner_hub"]
         runner = trio.CancelScope()
 
@@ -111,7 +88,7 @@ async def serving(xml: bytes):
             with runner:
                 await run_runner(
                     "127.0.0.1",
-                    ports[0],
+                    server.port,
                     client="search-runner",
                     token="runner-token",
                     listener="search",
@@ -123,11 +100,13 @@ async def serving(xml: bytes):
             await hub.wait_runners("search", 1)
         headers = {"authorization": "Bearer alice-token"}
         try:
-            async with httpx.AsyncClient(base_url=urls[0], headers=headers, timeout=20) as http:
-                yield http, ports[0]
+            async with httpx.AsyncClient(
+                base_url=server.urls[0], headers=headers, timeout=20
+            ) as http:
+                yield http, server.port
         finally:
             runner.cancel()
-            shutdown.set()
+            server.shutdown.set()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
