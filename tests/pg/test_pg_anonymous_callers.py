@@ -15,7 +15,7 @@ import pytest
 import trio
 from llm.llm_fakes import FakeServer
 from serverproc import ServerProcess, subprocess_env
-from test_pg_two_processes import AGENTS, DoneModel
+from test_pg_two_processes import AGENT_LISTENERS, AGENTS, DoneModel
 
 from agentserver.client import open_client
 from agentserver.namespaces import BOOT_NS
@@ -35,22 +35,7 @@ BOOT = f"""<organism xmlns="{BOOT_NS}" name="anon">
     </backend>
   </llm>
   <store url-env="ANON_STORE_URL" worker-concurrency="4" lease="2" heartbeat="0.5"/>
-  <listeners>
-    <listener name="assistant" handler="assistant" agent="true">
-      <agent model="m" max-steps="4" llm-timeout="60"/>
-    </listener>
-    <listener name="planner" handler="agents_crash_support:agent_placeholder" agent="true">
-      <accepts type="agents_crash_support:PlanTask"/>
-      <responds type="agents_crash_support:PlanAnswer"/>
-      <agent model="m" max-steps="4" llm-timeout="60"/>
-    </listener>
-    <listener name="mixer" handler="agents_crash_support:agent_placeholder" agent="true">
-      <accepts type="agents_crash_support:MixTask"/>
-      <responds type="agents_crash_support:MixAnswer"/>
-      <agent model="m" max-steps="4" llm-timeout="60"/>
-    </listener>
-  </listeners>
-</organism>
+{AGENT_LISTENERS}</organism>
 """
 
 

@@ -33,21 +33,8 @@ PATIENCE = 120.0
 AGENTS = (("assistant", Task), ("planner", PlanTask), ("mixer", MixTask))
 TOKENS = {"alice": "alice-token", "bob": "bob-token"}
 
-BOOT = f"""<organism xmlns="{BOOT_NS}" name="two">
-  <limits hello-timeout="2" read-timeout="5" drain-timeout="1" write-timeout="2"/>
-  <clients>
-    <client name="alice" token-env="TWO_ALICE_TOKEN"/>
-    <client name="bob" token-env="TWO_BOB_TOKEN"/>
-  </clients>
-  <llm max-attempts="1" timeout="60">
-    <backend name="fake" provider="openai" base-url="http://127.0.0.1:9/v1"
-             base-url-env="TWO_LLM_BASE_URL" api-key-env="TWO_LLM_KEY" timeout="60">
-      <model name="m"/>
-    </backend>
-  </llm>
-  <store url-env="TWO_STORE_URL" worker-concurrency="4" watchdog-interval="0.2"
-         lease="1" heartbeat="0.25"/>
-  <listeners>
+#: The three agents of both two-process tests (boot.xml's ``<listeners>``).
+AGENT_LISTENERS = """  <listeners>
     <listener name="assistant" handler="assistant" agent="true">
       <agent model="m" max-steps="4" llm-timeout="60"/>
     </listener>
@@ -62,7 +49,23 @@ BOOT = f"""<organism xmlns="{BOOT_NS}" name="two">
       <agent model="m" max-steps="4" llm-timeout="60"/>
     </listener>
   </listeners>
-</organism>
+"""
+
+BOOT = f"""<organism xmlns="{BOOT_NS}" name="two">
+  <limits hello-timeout="2" read-timeout="5" drain-timeout="1" write-timeout="2"/>
+  <clients>
+    <client name="alice" token-env="TWO_ALICE_TOKEN"/>
+    <client name="bob" token-env="TWO_BOB_TOKEN"/>
+  </clients>
+  <llm max-attempts="1" timeout="60">
+    <backend name="fake" provider="openai" base-url="http://127.0.0.1:9/v1"
+             base-url-env="TWO_LLM_BASE_URL" api-key-env="TWO_LLM_KEY" timeout="60">
+      <model name="m"/>
+    </backend>
+  </llm>
+  <store url-env="TWO_STORE_URL" worker-concurrency="4" watchdog-interval="0.2"
+         lease="1" heartbeat="0.25"/>
+{AGENT_LISTENERS}</organism>
 """
 
 
