@@ -102,8 +102,9 @@ def memory_tracing():
     return Tracing(provider), exporter
 
 
-async def pump_run(data: bytes, n: int, tracing: Tracing | None = None) -> float:
-    listener = Listener(
+def echo_listener() -> Listener:
+    """The built-in echo as the server declares it (the synchronous fast path)."""
+    return Listener(
         "echo",
         (Ping,),
         echo,
@@ -113,6 +114,10 @@ async def pump_run(data: bytes, n: int, tracing: Tracing | None = None) -> float
         concurrency=4,
         queue_size=256,
     )
+
+
+async def pump_run(data: bytes, n: int, tracing: Tracing | None = None) -> float:
+    listener = echo_listener()
     # Room for every reply: the reader may fall behind the pump (it only counts them).
     config = PumpConfig(endpoint_buffer=n + 16, endpoint_buffer_bytes=n * (2 * len(data) + 512))
     async with open_pump([listener], config=config, tracing=tracing) as pump:
@@ -156,16 +161,7 @@ async def latency_run(text_bytes: int, connections: int, seconds: float) -> list
     """Load (a) in process: ``connections`` endpoints, each with one ping in flight on its
     own thread. Returns the request → reply times (seconds) after a short warm-up; every
     reply must be the pong on the endpoint's thread."""
-    listener = Listener(
-        "echo",
-        (Ping,),
-        echo,
-        responses=(Pong,),
-        raw=True,
-        sync=True,
-        concurrency=4,
-        queue_size=256,
-    )
+    listener = echo_listener()
     samples: list[float] = []
     window = {"measuring": False}
     perf_counter = time.perf_counter
