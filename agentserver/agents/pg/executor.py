@@ -113,12 +113,9 @@ class PgTx:
                 raise psycopg.OperationalError(
                     self._pg.get_error_message() or "the connection was lost"
                 )
-            raise pg_errors.error_from_result(res, encoding=self._encoding())
+            raise pg_errors.error_from_result(res, encoding=self.conn.info.encoding)
         self.rowcount = res.command_tuples if res.command_tuples is not None else -1
         return res
-
-    def _encoding(self) -> str:
-        return self.conn.info.encoding
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         """Run one statement; returns (and keeps in ``rowcount``) the rows it changed."""
