@@ -1,4 +1,13 @@
-"""agentserver: an XML message-pump agent server."""
+"""agentserver: an XML message-pump agent server.
+
+The packages are layers (docs/architecture.md): ``core`` (sans-IO), ``observability``,
+``pump``, ``net``, ``llm``, ``agents``, ``remote``, ``http``, ``config``, ``console``,
+``app`` (the composition root) and ``cli``. The public API is listed in docs/api.md.
+"""
+
+from agentserver import _moved
+
+_moved.install()
 
 
 def package_version() -> str:

@@ -1,5 +1,5 @@
 """``python -m agentserver``: the same as the ``agentserver`` command."""
 
-from agentserver.cli import main
+from agentserver.cli.main import main
 
 raise SystemExit(main())

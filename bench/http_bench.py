@@ -43,9 +43,9 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 from wire_bench import WrongReply, load, measure, stop
 
+from agentserver.core.threads import new_thread_id
+from agentserver.core.xmlsafe import canonicalize
 from agentserver.listeners.echo import Ping, Pong
-from agentserver.threads import new_thread_id
-from agentserver.xmlsafe import canonicalize
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SOCKET = re.compile(r"agentserver listening on (\S+?):(\d+)")

@@ -21,7 +21,7 @@ import timeit
 from lxml import etree
 
 from agentserver.agents.policy import CallInfo, Decision, evaluate, parse_policy
-from agentserver.namespaces import BOOT_NS
+from agentserver.core.namespaces import BOOT_NS
 
 CALC = "urn:agentserver:calculator"
 

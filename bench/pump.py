@@ -34,15 +34,15 @@ import time
 import trio
 from lxml import etree
 
-from agentserver.envelope import build_envelope, load_envelope_schema
-from agentserver.listener import Listener
+from agentserver.core.envelope import build_envelope, load_envelope_schema
+from agentserver.core.listener import Listener
+from agentserver.core.payloads import PayloadType
+from agentserver.core.threads import new_thread_id
+from agentserver.core.xmlsafe import SafeParser, canonicalize
 from agentserver.listeners.echo import Ping, Pong
 from agentserver.listeners.echo import respond as echo
 from agentserver.observability import Tracing
-from agentserver.payloads import PayloadType
-from agentserver.pump import PumpConfig, open_pump
-from agentserver.threads import new_thread_id
-from agentserver.xmlsafe import SafeParser, canonicalize
+from agentserver.pump.pump import PumpConfig, open_pump
 
 #: The clock of the throughput figures: this process's CPU time by default (on a shared
 #: machine other processes' bursts then hardly move a ratio), wall time with --wall.

@@ -35,12 +35,12 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 from wire_bench import start, stop
 
-from agentserver.envelope import build_envelope
-from agentserver.framing import FrameDecoder, encode_frame
+from agentserver.core.envelope import build_envelope
+from agentserver.core.framing import FrameDecoder, encode_frame
+from agentserver.core.namespaces import CORE_NS
+from agentserver.core.threads import new_thread_id
+from agentserver.core.xmlsafe import canonicalize
 from agentserver.listeners.echo import Ping, Pong
-from agentserver.namespaces import CORE_NS
-from agentserver.threads import new_thread_id
-from agentserver.xmlsafe import canonicalize
 
 TOKENS = {"BENCH_CLIENT_TOKEN": "bench-client-token", "BENCH_RUNNER_TOKEN": "bench-runner-token"}
 

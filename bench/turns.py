@@ -58,10 +58,10 @@ from agentserver.agents.profile import AgentProfile
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.service import LateHandler
 from agentserver.agents.settings import StoreSettings
-from agentserver.envelope import build_envelope
-from agentserver.listener import HandlerResponse, Listener
+from agentserver.core.envelope import build_envelope
+from agentserver.core.listener import HandlerResponse, Listener
 from agentserver.listeners.calculator import Add, Sum
-from agentserver.pump import PumpConfig, open_pump
+from agentserver.pump.pump import PumpConfig, open_pump
 
 CALC = "urn:agentserver:calculator"
 ADD = f'<add xmlns="{CALC}"><a>1</a><b>2</b></add>'

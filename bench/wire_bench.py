@@ -46,13 +46,13 @@ from collections.abc import Awaitable, Callable
 import trio
 from lxml import etree
 
-from agentserver.envelope import build_envelope, load_envelope_schema
-from agentserver.framing import FrameDecoder, encode_frame, encode_frames
+from agentserver.core.envelope import build_envelope, load_envelope_schema
+from agentserver.core.framing import FrameDecoder, encode_frame, encode_frames
+from agentserver.core.payloads import PayloadType
+from agentserver.core.threads import new_thread_id
+from agentserver.core.xmlsafe import SafeParser, canonicalize
 from agentserver.listeners.echo import Ping, Pong
 from agentserver.listeners.echo import respond as echo
-from agentserver.payloads import PayloadType
-from agentserver.threads import new_thread_id
-from agentserver.xmlsafe import SafeParser, canonicalize
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 LISTENING = re.compile(r"listening on (\S+?):(\d+)")
@@ -289,7 +289,7 @@ def tls_setup(boot: pathlib.Path, directory: pathlib.Path) -> tuple[pathlib.Path
     trustme, a dev dependency), and a client context that trusts them."""
     import trustme
 
-    from agentserver.namespaces import BOOT_NS
+    from agentserver.core.namespaces import BOOT_NS
 
     ca = trustme.CA()
     issued = ca.issue_cert("127.0.0.1", "localhost")

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic_xml import BaseXmlModel, attr, element
 
-from agentserver.listener import HandlerMetadata, HandlerResponse
+from agentserver.core.listener import HandlerMetadata, HandlerResponse
 
 NS = "urn:agentserver:assistant"
 _NSMAP = {"": NS}

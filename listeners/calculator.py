@@ -23,8 +23,8 @@ from typing import Annotated, Literal
 
 from pydantic_xml import BaseXmlModel, attr, element
 
-from agentserver.listener import HandlerMetadata, HandlerResponse
-from agentserver.xsdgen import XsdType
+from agentserver.core.listener import HandlerMetadata, HandlerResponse
+from agentserver.core.xsdgen import XsdType
 
 NS = "urn:agentserver:calculator"
 _NSMAP = {"": NS}

@@ -32,7 +32,7 @@ from lxml import etree
 from pydantic_xml import BaseXmlModel, element
 
 from agentserver.agents.approvals import ApprovalRequest
-from agentserver.listener import HandlerMetadata, HandlerResponse
+from agentserver.core.listener import HandlerMetadata, HandlerResponse
 from agentserver.listeners.console_approvals import render_request
 
 NS = "urn:agentserver:console"

@@ -27,16 +27,16 @@ from dataclasses import dataclass
 import trio
 from lxml import etree
 
-from agentserver.errors import InputRefused
-from agentserver.listener import HandlerMetadata, HandlerResponse
+from agentserver.core.errors import InputRefused
+from agentserver.core.listener import HandlerMetadata, HandlerResponse
+from agentserver.core.namespaces import CORE_NS, clark
+from agentserver.core.xmlsafe import SafeParser
 from agentserver.listeners.assistant import Task
 from agentserver.listeners.console import NS as CONSOLE_NS
 from agentserver.listeners.console import Input, Pending, Prompt
 from agentserver.listeners.console_approvals import HELP as APPROVAL_HELP
 from agentserver.listeners.console_approvals import parse_approval, render_ack
-from agentserver.namespaces import CORE_NS, clark
 from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
-from agentserver.xmlsafe import SafeParser
 
 log = logging.getLogger("agentserver.console")
 

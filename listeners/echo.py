@@ -9,7 +9,7 @@ from __future__ import annotations
 from lxml import etree
 from pydantic_xml import BaseXmlModel, element
 
-from agentserver.listener import HandlerMetadata, HandlerResponse
+from agentserver.core.listener import HandlerMetadata, HandlerResponse
 
 NS = "urn:agentserver:echo"
 _NSMAP = {"": NS}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from agentserver.listener import HandlerMetadata, HandlerResponse
+from agentserver.core.listener import HandlerMetadata, HandlerResponse
 from agentserver.listeners.console import Prompt
 from agentserver.primitives.core import Boot
 

@@ -1,6 +1,6 @@
 """The system primitives, in the core namespace. Only the pump emits them.
 
-``schemas/core.xsd`` is generated from these models (``python -m agentserver.schemas_export``);
+``schemas/core.xsd`` is generated from these models (``python -m agentserver.core.schemas_export``);
 a test keeps the checked-in file identical to the generated one.
 """
 
@@ -13,15 +13,15 @@ from typing import Annotated, Literal
 from lxml import etree
 from pydantic_xml import BaseXmlModel, attr, element
 
-from agentserver.errors import (
+from agentserver.core.errors import (
     DeliveryRefused,
     HuhReason,
     InputRefused,
     Refusal,
     SystemErrorCode,
 )
-from agentserver.namespaces import CORE_NS
-from agentserver.xsdgen import XsdType
+from agentserver.core.namespaces import CORE_NS
+from agentserver.core.xsdgen import XsdType
 
 #: ``original-attempt`` carries at most this many of the received bytes (before base64).
 ORIGINAL_ATTEMPT_MAX_BYTES = 4096

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic_xml import BaseXmlModel, element
 
-from agentserver.listener import HandlerMetadata, HandlerResponse
+from agentserver.core.listener import HandlerMetadata, HandlerResponse
 
 TOOL_NS = "urn:test:budget"
 #: Characters of one result: 400 KB, far over a 32k-token window.

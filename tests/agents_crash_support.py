@@ -12,7 +12,7 @@ from __future__ import annotations
 import trio
 from pydantic_xml import BaseXmlModel, element
 
-from agentserver.listener import HandlerMetadata, HandlerResponse
+from agentserver.core.listener import HandlerMetadata, HandlerResponse
 
 TOOL_NS = "urn:test:crash"
 PLANNER_NS = "urn:test:crash:planner"

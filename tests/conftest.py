@@ -10,9 +10,9 @@ from pgutil import pg_server, pg_url  # noqa: F401 - fixtures for the PostgreSQL
 from pydantic_xml import BaseXmlModel, element
 from serverproc import DATA, ScratchRoot, ServerProcess
 
-from agentserver.envelope import build_envelope
-from agentserver.errors import EndpointClosed
-from agentserver.namespaces import CORE_NS, ENVELOPE_NS
+from agentserver.core.envelope import build_envelope
+from agentserver.core.errors import EndpointClosed
+from agentserver.core.namespaces import CORE_NS, ENVELOPE_NS
 
 NS = "urn:test:pump"
 NSMAP = {"": NS}

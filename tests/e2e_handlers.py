@@ -10,7 +10,7 @@ import os
 import trio
 from pydantic_xml import BaseXmlModel, element
 
-from agentserver.listener import HandlerMetadata, HandlerResponse
+from agentserver.core.listener import HandlerMetadata, HandlerResponse
 from agentserver.listeners.echo import Ping
 from agentserver.primitives.core import SystemErrorPayload
 

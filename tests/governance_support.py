@@ -13,7 +13,7 @@ import trio
 from pydantic_xml import BaseXmlModel, element
 
 from agentserver.agents.guardrails import Block, GuardCall, Halt, Warn
-from agentserver.listener import HandlerMetadata, HandlerResponse
+from agentserver.core.listener import HandlerMetadata, HandlerResponse
 
 NS = "urn:test:gov"
 

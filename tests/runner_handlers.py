@@ -12,7 +12,7 @@ import trio
 from lxml import etree
 from pydantic_xml import BaseXmlModel, element
 
-from agentserver.listener import HandlerMetadata, HandlerResponse
+from agentserver.core.listener import HandlerMetadata, HandlerResponse
 
 NS = "urn:test:runner"
 _NSMAP = {"": NS}

@@ -18,7 +18,7 @@ import time
 
 import trio
 
-from agentserver.framing import FrameDecoder, encode_frame
+from agentserver.core.framing import FrameDecoder, encode_frame
 
 TESTS = pathlib.Path(__file__).resolve().parent
 REPO = TESTS.parent

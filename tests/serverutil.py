@@ -9,9 +9,9 @@ from typing import Any
 
 import trio
 
-from agentserver.app import ServeOptions, run_server
-from agentserver.builtins import RunContext
-from agentserver.topology import Topology
+from agentserver.app.builtins import RunContext
+from agentserver.app.root import ServeOptions, run_server
+from agentserver.config.topology import Topology
 
 
 @dataclass

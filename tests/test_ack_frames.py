@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lxml import etree
 
-from agentserver.envelope import build_envelope
-from agentserver.handshake import (
+from agentserver.core.envelope import build_envelope
+from agentserver.core.handshake import (
     MAX_ACK_IDS,
     AckReader,
     Credential,
@@ -18,9 +18,9 @@ from agentserver.handshake import (
     ack_frame_body,
     hello_frame_body,
 )
+from agentserver.core.namespaces import CORE_NS
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.echo import Ping
-from agentserver.namespaces import CORE_NS
-from agentserver.threads import new_thread_id
 
 READER = AckReader(1 << 20)
 

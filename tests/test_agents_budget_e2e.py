@@ -15,9 +15,9 @@ from llm.llm_fakes import FakeServer, Seen, openai_ok, openai_stream
 from serverproc import DATA, ServerProcess, subprocess_env
 
 from agentserver.agents.compaction import SUMMARY_SYSTEM
-from agentserver.client import open_client
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import Task
-from agentserver.threads import new_thread_id
+from agentserver.net.client import open_client
 
 BOOT = DATA / "agents-budget-boot.xml"
 TOKEN = "alice-budget-token"

@@ -42,10 +42,10 @@ from agents_crash_support import MIXER_NS, PLANNER_NS, TOOL_NS, MixTask, PlanTas
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import DATA, ServerProcess, subprocess_env
 
-from agentserver.client import Client, Reply, open_client
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import NS as ASSISTANT_NS
 from agentserver.listeners.assistant import Task
-from agentserver.threads import new_thread_id
+from agentserver.net.client import Client, Reply, open_client
 
 BOOT = DATA / "agents-crash-boot.xml"
 CALC_NS = "urn:agentserver:calculator"

@@ -16,9 +16,9 @@ import trio
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
 from serverproc import REPO, ServerProcess, subprocess_env
 
-from agentserver.client import open_client
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import Task
-from agentserver.threads import new_thread_id
+from agentserver.net.client import open_client
 
 CALC = "urn:agentserver:calculator"
 ASSISTANT = "urn:agentserver:assistant"

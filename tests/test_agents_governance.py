@@ -19,10 +19,10 @@ from governance_support import NS as GOV_NS
 from llm.llm_fakes import FakeServer, openai_ok
 from serverproc import ServerProcess, subprocess_env
 
-from agentserver.client import open_client
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import NS as ASSISTANT_NS
 from agentserver.listeners.assistant import Task
-from agentserver.threads import new_thread_id
+from agentserver.net.client import open_client
 
 CALC = "urn:agentserver:calculator"
 PATIENCE = 30.0
@@ -353,7 +353,7 @@ class ApprovalRun(Run):
 async def test_approval_survives_sigkill_reaches_the_approver_on_reconnect_and_forwards_once(
     tmp_path,
 ):
-    from agentserver.client import approval_ack_status, approval_request
+    from agentserver.net.client import approval_ack_status, approval_request
 
     r = ApprovalRun(tmp_path)
     r.script(f"Paying. {pay('bob', '5')}", "Paid bob.")
@@ -398,7 +398,7 @@ async def test_approval_survives_sigkill_reaches_the_approver_on_reconnect_and_f
 
 
 async def test_a_denied_and_a_timed_out_approval_become_refusals(tmp_path):
-    from agentserver.client import approval_request
+    from agentserver.net.client import approval_request
 
     r = ApprovalRun(tmp_path)
     r.script(f"{pay('carol', '1')} {pay('dave', '2')}", "Neither was paid.")
@@ -493,7 +493,7 @@ class ApproverTerminal:
 
 
 async def test_the_console_shows_a_request_as_it_arrives_and_approve_settles_it(tmp_path):
-    from agentserver.remote_console import run_remote_console
+    from agentserver.console.remote import run_remote_console
 
     r = ApprovalRun(tmp_path)
     r.script(f"Paying. {pay('erin', '3')}", "Erin is paid.")

@@ -15,9 +15,9 @@ import trio
 from llm.llm_fakes import FakeServer, Seen, openai_error, openai_ok, openai_stream
 from serverproc import DATA, ServerProcess, subprocess_env
 
-from agentserver.client import open_client
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import Task
-from agentserver.threads import new_thread_id
+from agentserver.net.client import open_client
 
 BOOT = DATA / "agents-retry-boot.xml"
 TOKEN = "alice-retry-token"

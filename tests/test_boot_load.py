@@ -1,4 +1,4 @@
-"""Loading and checking boot.xml without sockets (agentserver.boot is sans-IO)."""
+"""Loading and checking boot.xml without sockets (agentserver.config.loader is sans-IO)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from conftest import parse_reply
 from lxml import etree
 from serverproc import DATA, REPO
 
-from agentserver import boot
-from agentserver.builtins import RunContext, build_listeners
-from agentserver.bundled import BOOT_XML
-from agentserver.envelope import build_envelope
+from agentserver.app.builtins import RunContext, build_listeners
+from agentserver.config import loader as boot
+from agentserver.config.bundled import BOOT_XML
+from agentserver.core.envelope import build_envelope
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.echo import Ping
-from agentserver.pump import open_pump
-from agentserver.threads import new_thread_id
+from agentserver.pump.pump import open_pump
 
 NS = "https://xml-pipeline.org/ns/boot/v1"
 
@@ -59,7 +59,7 @@ def test_bundled_boot_warns_clearly_without_an_api_key():
 
 
 def test_bundled_copy_matches_the_repository_file():
-    # agentserver/bundled_boot.xml links to boot.xml; a wheel carries its content.
+    # agentserver/config/bundled_boot.xml links to boot.xml; a wheel carries its content.
     assert BOOT_XML == (REPO / "boot.xml").read_text()
     assert boot.load_bytes(BOOT_XML.encode(), name="<bundled>", environ={}).ok
 

@@ -7,12 +7,12 @@ import trio
 from lxml import etree
 from test_server_direct_write import ping_frame, read_frame, serving
 
-from agentserver.framing import FrameDecoder
-from agentserver.listener import Listener
+from agentserver.config.topology import Limits
+from agentserver.core.framing import FrameDecoder
+from agentserver.core.listener import Listener
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.echo import Ping, Pong, handle
-from agentserver.pump import PumpConfig, open_pump
-from agentserver.threads import new_thread_id
-from agentserver.topology import Limits
+from agentserver.pump.pump import PumpConfig, open_pump
 
 TEXT = "x" * 2000
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
-from agentserver import boot
+from agentserver.config import loader as boot
 
 NS = "https://xml-pipeline.org/ns/boot/v1"
 

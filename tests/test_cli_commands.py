@@ -12,7 +12,7 @@ import trio
 from e2e_handlers import Job, LongJob
 from serverproc import DATA, REPO, ServerProcess, cli, subprocess_env
 
-from agentserver.client import open_client
+from agentserver.net.client import open_client
 
 PING = b'<ping xmlns="urn:agentserver:echo"><text>hi</text></ping>'
 CORE = "https://xml-pipeline.org/ns/core/v1"

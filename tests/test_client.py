@@ -6,10 +6,10 @@ import trio
 import trio.testing
 from test_server_direct_write import serving
 
-from agentserver.client import open_client
-from agentserver.listener import Listener
+from agentserver.config.topology import Limits
+from agentserver.core.listener import Listener
 from agentserver.listeners.echo import Ping, Pong, handle
-from agentserver.topology import Limits
+from agentserver.net.client import open_client
 
 
 async def test_concurrent_receivers_are_each_woken_by_a_reply():

@@ -8,12 +8,12 @@ from __future__ import annotations
 import trio
 from lxml import etree
 
-from agentserver.client import DeliveredIds, open_client
-from agentserver.envelope import build_envelope
-from agentserver.framing import FrameDecoder, encode_frame
-from agentserver.handshake import ACK_TAG, HELLO_TAG
+from agentserver.core.envelope import build_envelope
+from agentserver.core.framing import FrameDecoder, encode_frame
+from agentserver.core.handshake import ACK_TAG, HELLO_TAG
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.echo import Pong
-from agentserver.threads import new_thread_id
+from agentserver.net.client import DeliveredIds, open_client
 
 PATIENCE = 10.0
 

@@ -11,16 +11,16 @@ import trio.testing
 from lxml import etree
 from serverproc import DATA, REPO
 
-from agentserver import boot
 from agentserver.agents.service import start_agents
-from agentserver.builtins import RunContext, build_listeners
-from agentserver.envelope import build_envelope
-from agentserver.errors import HuhReason, SystemErrorCode
+from agentserver.app.builtins import RunContext, build_listeners
+from agentserver.config import loader as boot
+from agentserver.core.envelope import build_envelope
+from agentserver.core.errors import HuhReason, SystemErrorCode
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.console import Prompt, xml_safe
 from agentserver.listeners.console_router import Say, Send, parse_command, render_reply
 from agentserver.primitives.core import huh, system_error
-from agentserver.pump import open_pump
-from agentserver.threads import new_thread_id
+from agentserver.pump.pump import open_pump
 
 PEERS = {"echo": ("{urn:agentserver:echo}ping",), "assistant": ("{urn:agentserver:assistant}task",)}
 
@@ -237,7 +237,7 @@ def test_an_approval_request_renders_as_one_line_saying_how_to_answer():
 async def test_an_approval_request_is_shown_while_a_prompt_waits_for_its_line():
     # The console as a listener approver (run --console): the agent's request arrives while
     # the console reads the operator's line, and is printed at once.
-    from agentserver.listener import HandlerMetadata
+    from agentserver.core.listener import HandlerMetadata
     from agentserver.listeners.console import Console
 
     typed = trio.Event()

@@ -13,7 +13,7 @@ import pexpect
 import pytest
 from serverproc import REPO, ServerProcess
 
-from agentserver.terminal import COMMANDS, completions, history_path
+from agentserver.console.terminal import COMMANDS, completions, history_path
 
 #: prompt_toolkit turns bracketed paste on each time a prompt starts: the prompt is up.
 READY = "\x1b[?2004h"

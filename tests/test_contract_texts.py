@@ -1,6 +1,6 @@
 """The canned refusal texts and codes are a public contract: clients match on them.
 
-:mod:`agentserver.errors` is their one source and ``schemas/core.xsd`` is generated from
+:mod:`agentserver.core.errors` is their one source and ``schemas/core.xsd`` is generated from
 it; these tests read the checked-in XSD and the documentation as a client would, so a text
 changed in one place only fails here (comparing the product with its own enum would not).
 """
@@ -11,8 +11,8 @@ import re
 
 from lxml import etree
 
-from agentserver.errors import HuhReason, SystemErrorCode
-from agentserver.schemas_export import schema_path
+from agentserver.core.errors import HuhReason, SystemErrorCode
+from agentserver.core.schemas_export import schema_path
 
 DOCS = schema_path("core.xsd").parents[1] / "docs"
 XS = "{http://www.w3.org/2001/XMLSchema}"

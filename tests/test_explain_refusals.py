@@ -10,10 +10,10 @@ from conftest import Ping, Pong, envelope_bytes, huh_text, receive
 from lxml import etree
 from serverproc import REPO, ServerProcess, cli, scratch_dir, subprocess_env
 
-from agentserver.errors import HuhReason
-from agentserver.listener import HandlerMetadata, HandlerResponse, Listener
+from agentserver.core.errors import HuhReason
+from agentserver.core.listener import HandlerMetadata, HandlerResponse, Listener
 from agentserver.listeners.calculator import Add, Sum, handle
-from agentserver.pump import PumpConfig, open_pump
+from agentserver.pump.pump import PumpConfig, open_pump
 
 BAD_ADD = b'<add xmlns="urn:agentserver:calculator"><a>2</a></add>'
 DETAIL = "{https://xml-pipeline.org/ns/core/v1}detail"

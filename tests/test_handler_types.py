@@ -9,11 +9,11 @@ from conftest import Note, Ping, Pong, envelope_bytes, huh_text, is_huh, is_syst
 from lxml import etree
 from pydantic_xml import BaseXmlModel
 
-from agentserver.errors import HuhReason
-from agentserver.handler_types import unreadable
-from agentserver.listener import HandlerMetadata, HandlerResponse, Listener
+from agentserver.core.errors import HuhReason
+from agentserver.core.handler_types import unreadable
+from agentserver.core.listener import HandlerMetadata, HandlerResponse, Listener
 from agentserver.primitives.core import CORE_MODELS, Boot, Huh, SystemErrorPayload
-from agentserver.pump import open_pump
+from agentserver.pump.pump import open_pump
 
 PRIMITIVES = (Huh, SystemErrorPayload)
 

@@ -12,11 +12,11 @@ from lxml import etree
 from serverproc import DATA, RawConnection, ServerProcess, open_stream
 from tlsutil import make_pki, with_tls
 
-from agentserver.client import open_client
-from agentserver.envelope import build_envelope
-from agentserver.errors import HuhReason
+from agentserver.core.envelope import build_envelope
+from agentserver.core.errors import HuhReason
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.echo import Ping
-from agentserver.threads import new_thread_id
+from agentserver.net.client import open_client
 
 ENV_HEAD = (
     b'<message xmlns="https://xml-pipeline.org/ns/envelope/v1"><meta><from>x</from>'

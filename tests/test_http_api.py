@@ -14,9 +14,9 @@ from lxml import etree
 from prometheus_client.parser import text_string_to_metric_families
 from serverproc import DATA, RawConnection, ServerProcess, cli, subprocess_env
 
-from agentserver.errors import HuhReason
-from agentserver.framing import encode_frame
-from agentserver.threads import new_thread_id
+from agentserver.core.errors import HuhReason
+from agentserver.core.framing import encode_frame
+from agentserver.core.threads import new_thread_id
 
 ECHO = "urn:agentserver:echo"
 E2E = "urn:test:e2e"

@@ -14,7 +14,7 @@ from httputil import http_url
 from serverproc import DATA, ServerProcess, subprocess_env
 from tlsutil import make_pki, with_tls
 
-from agentserver.errors import HuhReason
+from agentserver.core.errors import HuhReason
 
 ECHO = "urn:agentserver:echo"
 E2E = "urn:test:e2e"

@@ -12,7 +12,7 @@ from httputil import http_url
 from llm.llm_fakes import FakeServer, openai_stream
 from serverproc import REPO, ServerProcess, subprocess_env
 
-from agentserver.threads import new_thread_id
+from agentserver.core.threads import new_thread_id
 
 ASSISTANT = "urn:agentserver:assistant"
 PIECES = ["Hello", " there", ",", " streaming", " world", "."]

@@ -12,18 +12,18 @@ import trio.testing
 from conftest import Ping, Pong, parse_reply
 from prometheus_client import CollectorRegistry
 
-from agentserver import boot
 from agentserver.agents.events import ChunkEvent, EventBus
-from agentserver.errors import DeliveryRefused, HuhReason, InputRefused, SystemErrorCode
-from agentserver.handshake import Credential, Identity, Unauthenticated
+from agentserver.config import loader as boot
+from agentserver.config.topology import HttpSpec, Limits
+from agentserver.core.errors import DeliveryRefused, HuhReason, InputRefused, SystemErrorCode
+from agentserver.core.handshake import Credential, Identity, Unauthenticated
+from agentserver.core.listener import HandlerMetadata, HandlerResponse, Listener
 from agentserver.http.api import SSE_BUFFER, HttpContext, _Api
 from agentserver.http.auth import AnonymousRefused, HttpAuth, is_loopback_peer
 from agentserver.http.gateway import HttpGateway
 from agentserver.http.problems import refusal_problem, reply_problem
 from agentserver.http.replies import Exchange, PendingThreads
-from agentserver.listener import HandlerMetadata, HandlerResponse, Listener
-from agentserver.pump import PumpConfig, open_pump
-from agentserver.topology import HttpSpec, Limits
+from agentserver.pump.pump import PumpConfig, open_pump
 
 NS = "urn:test:pump"
 PING = f'<ping xmlns="{NS}"><text>hi</text></ping>'.encode()

@@ -8,15 +8,15 @@ import textwrap
 
 from serverproc import ServerProcess
 
-from agentserver import boot
-from agentserver.client import open_client
+from agentserver.config import loader as boot
+from agentserver.net.client import open_client
 
 NS = "https://xml-pipeline.org/ns/boot/v1"
 
 REVERSE_PY = """\
 from pydantic_xml import BaseXmlModel, element
 
-from agentserver.listener import HandlerResponse
+from agentserver.core.listener import HandlerResponse
 
 NSMAP = {"": "urn:example:reverse"}
 

@@ -12,9 +12,9 @@ import trio
 from serverproc import REPO, ServerProcess
 from tlsutil import make_pki, with_tls
 
-from agentserver.client import open_client
 from agentserver.listeners.calculator import Add
 from agentserver.listeners.echo import Ping
+from agentserver.net.client import open_client
 
 CONNECTIONS = 200
 REQUESTS = 100

@@ -26,16 +26,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from serverproc import DATA, REPO, ServerProcess, subprocess_env
 from serverutil import start_in_process
 
-from agentserver import boot
-from agentserver.builtins import RunContext
-from agentserver.client import open_client
-from agentserver.listener import HandlerResponse, Listener
+from agentserver.app.builtins import RunContext
+from agentserver.config import loader as boot
+from agentserver.core.listener import HandlerResponse, Listener
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import Task
 from agentserver.listeners.echo import Ping, Pong
+from agentserver.net.client import open_client
 from agentserver.observability import Tracing
 from agentserver.observability.logs import configure_logging
-from agentserver.pump import open_pump
-from agentserver.threads import new_thread_id
+from agentserver.pump.pump import open_pump
 
 CALC = "urn:agentserver:calculator"
 ASSISTANT = "urn:agentserver:assistant"
@@ -342,7 +342,7 @@ async def test_json_logs_carry_the_chain_of_the_handled_message(restore_logging)
         ep = pump.open_endpoint("tester")
         from lxml import etree
 
-        from agentserver.envelope import build_envelope
+        from agentserver.core.envelope import build_envelope
 
         thread = new_thread_id()
         await ep.send(
@@ -436,7 +436,7 @@ async def test_handler_durations_stand_for_every_call(pause):
     stands for: the histogram's count is the calls up to the last timed one."""
     from lxml import etree
 
-    from agentserver.envelope import build_envelope
+    from agentserver.core.envelope import build_envelope
 
     async def answer(payload: Ping, meta) -> HandlerResponse:
         if pause:
@@ -631,7 +631,7 @@ async def test_pending_approvals_are_counted_until_decided(tmp_path):
     from lxml import etree
 
     from agentserver.agents.policy import parse_policy
-    from agentserver.namespaces import BOOT_NS
+    from agentserver.core.namespaces import BOOT_NS
 
     rule = etree.fromstring(
         f'<policy xmlns="{BOOT_NS}" default="allow">'

@@ -6,9 +6,9 @@ import trio
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import REPO, ServerProcess, cli, subprocess_env
 
-from agentserver.client import open_client
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import Task
-from agentserver.threads import new_thread_id
+from agentserver.net.client import open_client
 
 
 class SlowOnRequest(FakeServer):

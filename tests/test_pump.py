@@ -26,11 +26,11 @@ from conftest import (
 )
 from lxml import etree
 
-from agentserver.errors import ConfigurationError, HuhReason
-from agentserver.listener import HandlerMetadata, HandlerResponse, Listener
-from agentserver.pump import PumpConfig, open_pump
-from agentserver.threads import is_uuid4
-from agentserver.usage import RESPOND_WARNING
+from agentserver.core.errors import ConfigurationError, HuhReason
+from agentserver.core.listener import HandlerMetadata, HandlerResponse, Listener
+from agentserver.core.threads import is_uuid4
+from agentserver.core.usage import RESPOND_WARNING
+from agentserver.pump.pump import PumpConfig, open_pump
 
 
 async def echo(p: Ping, meta: HandlerMetadata):
@@ -275,7 +275,7 @@ async def test_broadcast_reaches_every_listener_concurrently():
 
 
 def test_shared_root_tag_requires_broadcast():
-    from agentserver.pump import Pump
+    from agentserver.pump.pump import Pump
 
     pump = Pump([Listener("x1", (Ping,), echo), Listener("x2", (Ping,), echo)])
     with pytest.raises(ConfigurationError, match="broadcast"):
@@ -283,7 +283,7 @@ def test_shared_root_tag_requires_broadcast():
 
 
 def test_unknown_peer_is_a_configuration_error():
-    from agentserver.pump import Pump
+    from agentserver.pump.pump import Pump
 
     with pytest.raises(ConfigurationError, match="unknown peers"):
         Pump([Listener("x1", (Ping,), echo, peers=("ghost",))])._freeze()
@@ -768,7 +768,7 @@ async def test_full_queue_times_out_with_system_error(autojump_clock):
 
 async def test_slow_endpoint_is_closed_not_buffered_forever():
     async with open_pump([echo_listener()], config=PumpConfig(endpoint_buffer=2)) as pump:
-        from agentserver.errors import EndpointClosed
+        from agentserver.core.errors import EndpointClosed
 
         ep = pump.open_endpoint()
         sent = 0
@@ -785,7 +785,7 @@ async def test_slow_endpoint_is_closed_not_buffered_forever():
 async def test_endpoint_closed_keeps_what_it_buffered_and_then_ends():
     # The outgoing channel is made lazily: an endpoint closed before anything was
     # buffered ends at once; one closed with replies waiting still hands them out.
-    from agentserver.errors import EndpointClosed
+    from agentserver.core.errors import EndpointClosed
 
     async with open_pump([echo_listener()]) as pump:
         idle = pump.open_endpoint()
@@ -847,7 +847,7 @@ async def test_shutdown_refuses_what_cannot_drain(autojump_clock):
 
 
 async def test_pump_refuses_injection_after_close():
-    from agentserver.errors import PumpClosed
+    from agentserver.core.errors import PumpClosed
 
     async with open_pump([echo_listener()]) as pump:
         ep = pump.open_endpoint()

@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lxml import etree
 
-from agentserver.envelope import build_envelope
-from agentserver.listener import HandlerResponse, Listener
-from agentserver.namespaces import CORE_NS, ENVELOPE_NS
-from agentserver.pump import open_pump
+from agentserver.core.envelope import build_envelope
+from agentserver.core.listener import HandlerResponse, Listener
+from agentserver.core.namespaces import CORE_NS, ENVELOPE_NS
+from agentserver.pump.pump import open_pump
 
 NAMESPACES = [None, ENVELOPE_NS, CORE_NS, NS, "urn:other"]
 NAMES = ["message", "meta", "from", "to", "thread", "ping", "text", "pong", "huh", "x"]

@@ -22,10 +22,10 @@ from conftest import (
 )
 from lxml import etree
 
-from agentserver.errors import ConfigurationError
-from agentserver.listener import HandlerMetadata, HandlerResponse, Listener
-from agentserver.pump import PumpConfig, open_pump
-from agentserver.threads import is_uuid4
+from agentserver.core.errors import ConfigurationError
+from agentserver.core.listener import HandlerMetadata, HandlerResponse, Listener
+from agentserver.core.threads import is_uuid4
+from agentserver.pump.pump import PumpConfig, open_pump
 
 
 def pong(text: str | None) -> etree._Element:

@@ -24,12 +24,12 @@ from lxml import etree
 from serverproc import DATA, RawConnection, ServerProcess, cli, subprocess_env
 from test_agents_crash import Store, until
 
-from agentserver.client import Client, Reply, open_client
-from agentserver.envelope import build_envelope
-from agentserver.handshake import ack_frame_body, hello_frame_body
+from agentserver.core.envelope import build_envelope
+from agentserver.core.handshake import ack_frame_body, hello_frame_body
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import NS as ASSISTANT_NS
 from agentserver.listeners.assistant import Task
-from agentserver.threads import new_thread_id
+from agentserver.net.client import Client, Reply, open_client
 
 BOOT = DATA / "agents-crash-boot.xml"
 TOKEN = "alice-secret-token"

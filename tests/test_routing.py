@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from conftest import Add, Note, Ping, Pong
 
-from agentserver.errors import ConfigurationError, DeliveryRefused, InputRefused
-from agentserver.listener import Listener
-from agentserver.payloads import PayloadRegistry
-from agentserver.routing import SELF_CALL, Forward, RoutingTable
+from agentserver.core.errors import ConfigurationError, DeliveryRefused, InputRefused
+from agentserver.core.listener import Listener
+from agentserver.core.payloads import PayloadRegistry
+from agentserver.core.routing import SELF_CALL, Forward, RoutingTable
 
 
 async def h(p, m):

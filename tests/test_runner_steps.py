@@ -18,12 +18,12 @@ from agentserver.agents.states import (
     step_transition,
 )
 from agentserver.agents.steps import StepPolicy, backoff, should_retry
-from agentserver.envelope import encode
-from agentserver.errors import DeliveryRefused, InputRefused
-from agentserver.listener import HandlerMetadata
-from agentserver.namespaces import CORE_NS
-from agentserver.runners import RunnerHub
-from agentserver.threads import new_thread_id
+from agentserver.core.envelope import encode
+from agentserver.core.errors import DeliveryRefused, InputRefused
+from agentserver.core.listener import HandlerMetadata
+from agentserver.core.namespaces import CORE_NS
+from agentserver.core.threads import new_thread_id
+from agentserver.remote.hub import RunnerHub
 
 S = StepStatus
 
@@ -202,7 +202,7 @@ async def test_a_job_lost_before_it_started_goes_to_another_runner(autojump_cloc
 
 
 def test_boot_checks_remote_listeners_and_runner_clients():
-    from agentserver import boot
+    from agentserver.config import loader as boot
 
     def problems(listeners: str, clients: str) -> list[str]:
         xml = f"""<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="x">
@@ -263,7 +263,7 @@ async def test_cancelling_a_callers_steps_tells_the_runner_and_fails_the_step(au
 
 
 def test_console_operator_lines():
-    from agentserver.console_ops import OperatorLine, parse_line
+    from agentserver.console.commands import OperatorLine, parse_line
 
     thread = new_thread_id()
     assert parse_line("/stop assistant", default_agent="assistant") == OperatorLine(

@@ -11,11 +11,11 @@ import trio
 from lxml import etree
 from serverutil import start_in_process
 
-from agentserver import boot
-from agentserver.builtins import RunContext, build_listeners
-from agentserver.client import open_client
-from agentserver.namespaces import CORE_NS
-from agentserver.pump import Pump
+from agentserver.app.builtins import RunContext, build_listeners
+from agentserver.config import loader as boot
+from agentserver.core.namespaces import CORE_NS
+from agentserver.net.client import open_client
+from agentserver.pump.pump import Pump
 
 NS = "urn:test:xsdsearch"
 XSD = f"""<?xml version="1.0"?>

@@ -1,4 +1,4 @@
-"""Remote listeners served by runners over real loopback sockets (agentserver.runners)."""
+"""Remote listeners served by runners over real loopback sockets (agentserver.remote.hub)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from runner_handlers import NS, Query, Result, handle
 from serverproc import subprocess_env
 from serverutil import start_in_process
 
-from agentserver import boot
-from agentserver.builtins import RunContext
-from agentserver.client import open_client
-from agentserver.envelope import encode
-from agentserver.framing import encode_frame
-from agentserver.listener import HandlerResponse
-from agentserver.namespaces import CORE_NS
-from agentserver.runner import RunnerRefused, hello_frame, run_runner
+from agentserver.app.builtins import RunContext
+from agentserver.config import loader as boot
+from agentserver.core.envelope import encode
+from agentserver.core.framing import encode_frame
+from agentserver.core.listener import HandlerResponse
+from agentserver.core.namespaces import CORE_NS
+from agentserver.net.client import open_client
+from agentserver.remote.runner import RunnerRefused, hello_frame, run_runner
 
 ENV = {"RT_ALICE": "alice-token", "RT_RUNNER": "runner-token", "RT_OTHER": "other-token"}
 
@@ -291,8 +291,8 @@ async def test_a_runners_invalid_answer_comes_back_to_it_as_a_huh_job():
 async def test_the_python_runner_sends_started_only_for_a_job_still_running():
     """Against a listening socket playing the server: a job answered at once goes out as
     its answer alone (any reply counts as started); a slow one says <started/> first."""
-    from agentserver.framing import FrameDecoder
-    from agentserver.xmlsafe import SafeParser
+    from agentserver.core.framing import FrameDecoder
+    from agentserver.core.xmlsafe import SafeParser
 
     async def handler(payload, meta):
         seconds = float(payload.findtext(f"{{{NS}}}seconds") or 0)

@@ -20,11 +20,11 @@ from runner_handlers import NS
 from serverproc import subprocess_env
 from serverutil import start_in_process
 
-from agentserver import boot
-from agentserver.builtins import RunContext
-from agentserver.client import open_client
+from agentserver.app.builtins import RunContext
+from agentserver.config import loader as boot
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import Task
-from agentserver.threads import new_thread_id
+from agentserver.net.client import open_client
 
 ASSISTANT = "urn:agentserver:assistant"
 ENV = {"RT_ALICE": "alice-token", "RT_RUNNER": "runner-token", "OPENAI_API_KEY": "test-key"}
@@ -164,7 +164,7 @@ async def test_a_remote_tool_call_and_its_runner_are_one_trace(tmp_path):
     from runner_handlers import handle
 
     from agentserver.observability import Tracing
-    from agentserver.runner import run_runner
+    from agentserver.remote.runner import run_runner
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

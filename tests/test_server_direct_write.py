@@ -12,15 +12,15 @@ import trio
 import trio.testing
 from lxml import etree
 
-from agentserver.envelope import build_envelope
-from agentserver.framing import FrameDecoder, encode_frame
-from agentserver.handshake import HelloGate
-from agentserver.listener import Listener
+from agentserver.config.topology import Limits
+from agentserver.core.envelope import build_envelope
+from agentserver.core.framing import FrameDecoder, encode_frame
+from agentserver.core.handshake import HelloGate
+from agentserver.core.listener import Listener
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.echo import Ping, Pong, handle, respond
-from agentserver.pump import PumpConfig, open_pump
-from agentserver.server import Server
-from agentserver.threads import new_thread_id
-from agentserver.topology import Limits
+from agentserver.net.server import Server
+from agentserver.pump.pump import PumpConfig, open_pump
 
 
 def ping_frame(text: str, thread: str) -> bytes:

@@ -10,13 +10,13 @@ from e2e_handlers import Crash, Job, Note, Record, Relay, Silent, Wrong
 from lxml import etree
 from serverproc import RawConnection, ServerProcess
 
-from agentserver.client import ConnectionClosed, open_client
-from agentserver.envelope import build_envelope
-from agentserver.errors import HuhReason
+from agentserver.core.envelope import build_envelope
+from agentserver.core.errors import HuhReason
+from agentserver.core.threads import is_uuid4, new_thread_id
 from agentserver.listeners.calculator import Add, Divide, Multiply
 from agentserver.listeners.echo import Ping
+from agentserver.net.client import ConnectionClosed, open_client
 from agentserver.primitives.core import Boot, Hello
-from agentserver.threads import is_uuid4, new_thread_id
 
 CORE = "https://xml-pipeline.org/ns/core/v1"
 

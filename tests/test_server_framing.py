@@ -9,17 +9,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lxml import etree
 
-from agentserver.envelope import build_envelope
-from agentserver.framing import FrameDecoder, FrameTooLarge, encode_frame, encode_frames
-from agentserver.handshake import (
+from agentserver.core.envelope import build_envelope
+from agentserver.core.framing import FrameDecoder, FrameTooLarge, encode_frame, encode_frames
+from agentserver.core.handshake import (
     MAX_HELLO_BYTES,
     Credential,
     HelloGate,
     Unauthenticated,
     hello_frame_body,
 )
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.echo import Ping
-from agentserver.threads import new_thread_id
 
 
 @given(

@@ -8,12 +8,12 @@ from e2e_handlers import Record
 from lxml import etree
 from serverproc import DATA, RawConnection, ServerProcess, subprocess_env
 
-from agentserver.client import ConnectionClosed, open_client
-from agentserver.envelope import build_envelope
-from agentserver.errors import HuhReason
-from agentserver.handshake import hello_frame_body
+from agentserver.core.envelope import build_envelope
+from agentserver.core.errors import HuhReason
+from agentserver.core.handshake import hello_frame_body
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.echo import Ping
-from agentserver.threads import new_thread_id
+from agentserver.net.client import ConnectionClosed, open_client
 
 ALICE = "alice-token-0123456789"
 BOB = "bob-token-9876543210"

@@ -33,10 +33,10 @@ async def test_steps_over_http_without_an_agent_store_are_the_memory_log():
     import trio
     from runner_handlers import Query, handle
 
-    from agentserver import boot
-    from agentserver.builtins import RunContext
-    from agentserver.client import open_client
-    from agentserver.runner import run_runner
+    from agentserver.app.builtins import RunContext
+    from agentserver.config import loader as boot
+    from agentserver.net.client import open_client
+    from agentserver.remote.runner import run_runner
 
     env = {"A": "alice-token", "B": "bob-token", "R": "runner-token"}
     xml = b"""<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="steps">

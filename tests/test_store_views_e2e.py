@@ -18,12 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from runner_handlers import NS, handle
 from serverutil import start_in_process
 
-from agentserver import boot
-from agentserver.builtins import RunContext
-from agentserver.client import open_client
+from agentserver.app.builtins import RunContext
+from agentserver.config import loader as boot
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import Task
-from agentserver.runner import run_runner
-from agentserver.threads import new_thread_id
+from agentserver.net.client import open_client
+from agentserver.remote.runner import run_runner
 
 ASSISTANT = "urn:agentserver:assistant"
 ENV = {"SV_ALICE": "alice-token", "SV_RUNNER": "runner-token", "OPENAI_API_KEY": "test-key"}

@@ -13,16 +13,16 @@ from lxml import etree
 from pydantic_xml import BaseXmlModel, element
 from test_server_direct_write import ping_frame, read_frame
 
-from agentserver.envelope import build_envelope
-from agentserver.framing import FrameDecoder, encode_frame
-from agentserver.handshake import HelloGate
-from agentserver.listener import HandlerResponse, Listener
+from agentserver.config.topology import Limits
+from agentserver.core.envelope import build_envelope
+from agentserver.core.framing import FrameDecoder, encode_frame
+from agentserver.core.handshake import HelloGate
+from agentserver.core.listener import HandlerResponse, Listener
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.echo import Ping, Pong
 from agentserver.listeners.echo import handle as echo
-from agentserver.pump import Pump, PumpConfig, open_pump
-from agentserver.server import Server
-from agentserver.threads import new_thread_id
-from agentserver.topology import Limits
+from agentserver.net.server import Server
+from agentserver.pump.pump import Pump, PumpConfig, open_pump
 
 CORE = "{https://xml-pipeline.org/ns/core/v1}"
 NSMAP = {"": "urn:test:capacity"}

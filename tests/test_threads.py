@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from agentserver.threads import (
+from agentserver.core.threads import (
     QuotaExceeded,
     RegistryFull,
     ThreadQuota,

@@ -13,18 +13,18 @@ import trio.testing
 from lxml import etree
 from tlsutil import Pki, make_pki
 
-from agentserver.client import ConnectionClosed, TlsHandshakeError, open_client
-from agentserver.envelope import build_envelope
-from agentserver.errors import HuhReason
-from agentserver.framing import FrameDecoder, encode_frame
-from agentserver.handshake import Credential, HelloGate, hello_frame_body
-from agentserver.listener import Listener
+from agentserver.config.topology import Limits
+from agentserver.core.envelope import build_envelope
+from agentserver.core.errors import HuhReason
+from agentserver.core.framing import FrameDecoder, encode_frame
+from agentserver.core.handshake import Credential, HelloGate, hello_frame_body
+from agentserver.core.listener import Listener
+from agentserver.core.threads import new_thread_id
+from agentserver.core.throttle import HelloThrottle
 from agentserver.listeners.echo import Ping, Pong, handle
-from agentserver.pump import open_pump
-from agentserver.server import Server
-from agentserver.threads import new_thread_id
-from agentserver.throttle import HelloThrottle
-from agentserver.topology import Limits
+from agentserver.net.client import ConnectionClosed, TlsHandshakeError, open_client
+from agentserver.net.server import Server
+from agentserver.pump.pump import open_pump
 
 TOKEN = "alice-token-0123456789"
 

@@ -13,10 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tlsutil import make_pki
 
-from agentserver import boot
-from agentserver.app import certificate_rules
-from agentserver.throttle import HelloThrottle
-from agentserver.tls import (
+from agentserver.app.root import certificate_rules
+from agentserver.config import loader as boot
+from agentserver.core.throttle import HelloThrottle
+from agentserver.net.tls import (
     CertificateRule,
     TlsError,
     client_context,
@@ -152,7 +152,7 @@ def test_a_bad_fingerprint_is_a_schema_error(pki, tmp_path):
 
 
 async def test_min_version_13_refuses_a_tls_12_client(pki, tmp_path):
-    from agentserver.tls import TlsSpec, server_context
+    from agentserver.net.tls import TlsSpec, server_context
 
     ctx = server_context(TlsSpec(pki.cert_file, pki.key_file, min_version="1.3"), {})
     assert ctx.minimum_version == ssl.TLSVersion.TLSv1_3

@@ -11,11 +11,11 @@ from e2e_handlers import Record
 from serverproc import DATA, REPO, ServerProcess, cli, subprocess_env
 from tlsutil import make_pki
 
-from agentserver.client import ClientError, open_client
-from agentserver.errors import HuhReason
-from agentserver.framing import FrameDecoder
+from agentserver.core.errors import HuhReason
+from agentserver.core.framing import FrameDecoder
 from agentserver.listeners.echo import Ping
-from agentserver.tls import fingerprint_of
+from agentserver.net.client import ClientError, open_client
+from agentserver.net.tls import fingerprint_of
 
 CAROL = "carol-token-0123456789"
 PING = b'<ping xmlns="urn:agentserver:echo"><text>over tls</text></ping>'

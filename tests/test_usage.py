@@ -5,10 +5,10 @@ from __future__ import annotations
 from conftest import Add, Note, Ping, Sum
 from lxml import etree
 
-from agentserver.listener import Listener
-from agentserver.payloads import PayloadType
-from agentserver.pump import open_pump
-from agentserver.usage import RESPOND_WARNING, describe_payload
+from agentserver.core.listener import Listener
+from agentserver.core.payloads import PayloadType
+from agentserver.core.usage import RESPOND_WARNING, describe_payload
+from agentserver.pump.pump import open_pump
 
 
 async def h(p, m):
@@ -40,7 +40,7 @@ async def test_instructions_name_every_peer_and_end_with_the_warning():
 
 
 async def test_each_peer_type_is_described_once_however_many_listeners_name_it(monkeypatch):
-    import agentserver.pump as pump_module
+    import agentserver.pump.pump as pump_module
 
     described: list[str] = []
 

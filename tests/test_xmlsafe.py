@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lxml import etree
 
-from agentserver.errors import HuhReason, InputRefused
-from agentserver.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser, canonicalize
+from agentserver.core.errors import HuhReason, InputRefused
+from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser, canonicalize
 
 BILLION_LAUGHS = b"""<?xml version="1.0"?>
 <!DOCTYPE lolz [

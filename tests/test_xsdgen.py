@@ -14,10 +14,10 @@ from lxml import etree
 from pydantic import Field
 from pydantic_xml import BaseXmlModel, attr, element, wrapped
 
-from agentserver.errors import SchemaDerivationError
-from agentserver.payloads import PayloadRegistry, PayloadType
-from agentserver.schemas_export import core_xsd_bytes, schema_path
-from agentserver.xsdgen import XsdType, derive_schema
+from agentserver.core.errors import SchemaDerivationError
+from agentserver.core.payloads import PayloadRegistry, PayloadType
+from agentserver.core.schemas_export import core_xsd_bytes, schema_path
+from agentserver.core.xsdgen import XsdType, derive_schema
 
 NS = {"": "urn:test:xsd"}
 

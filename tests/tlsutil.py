@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import trustme
 from lxml import etree
 
-from agentserver.namespaces import BOOT_NS
+from agentserver.core.namespaces import BOOT_NS
 
 _B = f"{{{BOOT_NS}}}"
 

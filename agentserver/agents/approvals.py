@@ -29,7 +29,7 @@ from pydantic_xml import BaseXmlModel, attr, element
 
 from agentserver.agents.clock import Clock
 from agentserver.agents.errors import PumpRefused, StaleTurn
-from agentserver.xmlsafe import SafeParser
+from agentserver.core.xmlsafe import SafeParser
 
 log = logging.getLogger(__name__)
 

@@ -28,14 +28,14 @@ from agentserver.agents.pg.callers import PROCESS_KEY
 from agentserver.agents.ports import ReplyRef
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store import AgentStore, TurnToken
-from agentserver.envelope import encode
-from agentserver.errors import Refusal
-from agentserver.listener import Handler, HandlerMetadata, HandlerResponse, HandlerResult
-from agentserver.namespaces import CORE_NS
+from agentserver.core.envelope import encode
+from agentserver.core.errors import Refusal
+from agentserver.core.listener import Handler, HandlerMetadata, HandlerResponse, HandlerResult
+from agentserver.core.namespaces import CORE_NS
+from agentserver.core.threads import new_thread_id
+from agentserver.core.xmlsafe import canonical_or_empty
 from agentserver.primitives.core import primitive_for
-from agentserver.pump import Pump, ThreadRef
-from agentserver.threads import new_thread_id
-from agentserver.xmlsafe import canonical_or_empty
+from agentserver.pump.pump import Pump, ThreadRef
 
 log = logging.getLogger(__name__)
 

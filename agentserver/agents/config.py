@@ -19,7 +19,7 @@ from lxml import etree
 from agentserver.agents.errors import AgentConfigError
 from agentserver.agents.profile import AgentProfile, ResultField
 from agentserver.agents.settings import StoreSettings
-from agentserver.namespaces import BOOT_NS
+from agentserver.core.namespaces import BOOT_NS
 
 SCHEMA_FILE = "boot-agents.xsd"
 MODEL_ENV = "AGENTSERVER_MODEL"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from agentserver.agents.parsing import FoundPayload, ParseResult, PayloadError, PayloadKind
 from agentserver.agents.profile import SUBMIT_RESULT, AgentProfile
-from agentserver.errors import HuhReason
+from agentserver.core.errors import HuhReason
 
 EMPTY_ANSWER = "(the agent produced an empty answer)"
 

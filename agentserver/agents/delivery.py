@@ -21,7 +21,7 @@ from agentserver.agents.events import EventBus, StateEvent, TaskEvent
 from agentserver.agents.ports import ReplyPort
 from agentserver.agents.profile import AgentProfile
 from agentserver.agents.store import AgentStore, Finished, PendingReply
-from agentserver.xmlsafe import make_parser
+from agentserver.core.xmlsafe import make_parser
 
 log = logging.getLogger(__name__)
 

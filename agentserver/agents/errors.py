@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lxml import etree
 
-from agentserver.errors import AgentServerError, ConfigurationError
+from agentserver.core.errors import AgentServerError, ConfigurationError
 
 
 class AgentError(AgentServerError):

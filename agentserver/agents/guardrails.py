@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from lxml import etree
 
-from agentserver.xmlsafe import SafeParser
+from agentserver.core.xmlsafe import SafeParser
 
 log = logging.getLogger(__name__)
 

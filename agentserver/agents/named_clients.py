@@ -26,7 +26,7 @@ from typing import Protocol
 from lxml import etree
 
 from agentserver.agents.store import AgentStore
-from agentserver.xmlsafe import canonicalize, make_parser
+from agentserver.core.xmlsafe import canonicalize, make_parser
 
 log = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ from lxml import etree
 
 from agentserver.agents.profile import SUBMIT_RESULT, AgentProfile
 from agentserver.agents.quoting import quoted_spans
-from agentserver.errors import HuhReason, InputRefused
+from agentserver.core.errors import HuhReason, InputRefused
+from agentserver.core.xmlsafe import SafeParser
 from agentserver.primitives.core import huh
-from agentserver.xmlsafe import SafeParser
 
 MAX_TEXT_CHARS = 1_000_000
 MAX_PAYLOADS = 16

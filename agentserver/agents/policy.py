@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from lxml import etree
 
-from agentserver.namespaces import BOOT_NS
+from agentserver.core.namespaces import BOOT_NS
 
 DEFAULT_APPROVAL_TIMEOUT_S = 300.0
 _B = f"{{{BOOT_NS}}}"

@@ -29,11 +29,11 @@ from agentserver.agents.llm_adapter import RouterLLM
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile import AgentProfile
 from agentserver.agents.runtime import AgentRuntime
-from agentserver.listener import Handler, HandlerMetadata
+from agentserver.config.topology import Topology
+from agentserver.core.listener import Handler, HandlerMetadata
 from agentserver.observability import LLMTelemetry, Metrics, Tracing
 from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
-from agentserver.pump import Pump
-from agentserver.topology import Topology
+from agentserver.pump.pump import Pump
 
 log = logging.getLogger(__name__)
 

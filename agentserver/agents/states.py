@@ -115,7 +115,7 @@ DUE_INBOX = frozenset({_I.PENDING, _I.DEFERRED})
 
 
 class StepStatus(enum.StrEnum):
-    """One attempt of a tool invocation on a remote listener (:mod:`agentserver.runners`)."""
+    """One attempt of a tool invocation on a remote listener (:mod:`agentserver.remote.hub`)."""
 
     PENDING = "pending"
     DISPATCHED = "dispatched"
@@ -271,7 +271,7 @@ def render_markdown() -> str:
     lines += _table(HEAD_TRANSITIONS, epoch_col=True)
     lines += ["", "Inbox row (`agent_inbox.status`):", ""]
     lines += _table(INBOX_TRANSITIONS, epoch_col=False)
-    lines += ["", "Step attempt (remote listeners, `agentserver.runners`):", ""]
+    lines += ["", "Step attempt (remote listeners, `agentserver.remote.hub`):", ""]
     lines += _table(STEP_TRANSITIONS, epoch_col=False)
     lines += ["", "The other statuses the store writes:", ""]
     lines += ["| column | values |", "|---|---|"]

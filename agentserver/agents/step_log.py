@@ -1,4 +1,4 @@
-"""The step log of remote listeners: one row per step event (agentserver.runners).
+"""The step log of remote listeners: one row per step event (agentserver.remote.hub).
 
 Events: ``step.dispatched`` (an attempt given to a runner; detail: the runner
 connection), ``step.retried`` (a new attempt follows a timed-out or failed one),

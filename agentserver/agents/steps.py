@@ -1,7 +1,7 @@
 """Retry decisions for steps (attempts on remote listeners). Pure: no clock, no I/O.
 
 The step state machine itself is :data:`agentserver.agents.states.STEP_TRANSITIONS`;
-:mod:`agentserver.runners` applies it and these decisions, and only moves bytes and time.
+:mod:`agentserver.remote.hub` applies it and these decisions, and only moves bytes and time.
 """
 
 from __future__ import annotations

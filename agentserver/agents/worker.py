@@ -75,10 +75,10 @@ from agentserver.agents.store import (
     TurnToken,
 )
 from agentserver.agents.submit import evaluate_submit, usage_text
+from agentserver.core.usage import RESPOND_WARNING
+from agentserver.core.xmlsafe import SafeParser
 from agentserver.llm.tokens import PER_REQUEST, estimate_message_tokens
 from agentserver.observability.tracing import Tracing, record_error
-from agentserver.usage import RESPOND_WARNING
-from agentserver.xmlsafe import SafeParser
 
 log = logging.getLogger(__name__)
 

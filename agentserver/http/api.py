@@ -29,8 +29,10 @@ from agentserver.agents.events import (
     EventBus,
     Subscription,
 )
-from agentserver.errors import HuhReason
-from agentserver.handshake import Identity, Unauthenticated
+from agentserver.core.errors import HuhReason
+from agentserver.core.handshake import Identity, Unauthenticated
+from agentserver.core.threads import is_uuid4
+from agentserver.core.throttle import HelloThrottle
 from agentserver.http.agents_view import AgentsView
 from agentserver.http.auth import AnonymousRefused, HttpAuth
 from agentserver.http.gateway import HttpGateway
@@ -41,9 +43,7 @@ from agentserver.http.problems import (
     reply_problem,
 )
 from agentserver.http.sse import EventStreamResponse, sse
-from agentserver.pump import Pump
-from agentserver.threads import is_uuid4
-from agentserver.throttle import HelloThrottle
+from agentserver.pump.pump import Pump
 
 log = logging.getLogger("agentserver.http")
 

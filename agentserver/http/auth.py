@@ -13,7 +13,7 @@ import hmac
 import ipaddress
 from collections.abc import Mapping
 
-from agentserver.handshake import Credential, Identity, Unauthenticated
+from agentserver.core.handshake import Credential, Identity, Unauthenticated
 
 
 # Cached: parsing an address costs ~40 us here, as much as Starlette's whole routing, and

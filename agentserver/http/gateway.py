@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import trio
 from lxml import etree
 
-from agentserver.endpoint import Endpoint
-from agentserver.envelope import build_envelope
-from agentserver.errors import (
+from agentserver.config.topology import HttpSpec, Limits
+from agentserver.core.envelope import build_envelope
+from agentserver.core.errors import (
     ConfigurationError,
     DeliveryRefused,
     EndpointClosed,
@@ -23,12 +23,12 @@ from agentserver.errors import (
     Refusal,
     SystemErrorCode,
 )
-from agentserver.handshake import Identity
+from agentserver.core.handshake import Identity
+from agentserver.core.threads import new_thread_id
+from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.replies import Exchange, PendingThreads, ThreadView
-from agentserver.pump import Pump
-from agentserver.threads import new_thread_id
-from agentserver.topology import HttpSpec, Limits
-from agentserver.xmlsafe import SafeParser
+from agentserver.pump.endpoint import Endpoint
+from agentserver.pump.pump import Pump
 
 log = logging.getLogger("agentserver.http")
 

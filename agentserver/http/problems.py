@@ -14,9 +14,15 @@ from typing import Any
 from lxml import etree
 from starlette.responses import Response
 
-from agentserver.envelope import MESSAGE
-from agentserver.errors import DeliveryRefused, HuhReason, InputRefused, Refusal, SystemErrorCode
-from agentserver.namespaces import CORE_NS
+from agentserver.core.envelope import MESSAGE
+from agentserver.core.errors import (
+    DeliveryRefused,
+    HuhReason,
+    InputRefused,
+    Refusal,
+    SystemErrorCode,
+)
+from agentserver.core.namespaces import CORE_NS
 
 PROBLEM_TYPE = "https://xml-pipeline.org/problems/"
 MEDIA_TYPE = "application/problem+json"

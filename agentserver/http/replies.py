@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import trio
 
-from agentserver.endpoint import Endpoint
+from agentserver.pump.endpoint import Endpoint
 
 
 class Exchange:

@@ -15,7 +15,7 @@ log = logging.getLogger("agentserver.http")
 
 class _Config(Config):
     """Hypercorn's config with our TLS context (the socket's certificate, key and
-    client-CA rules, built by agentserver.tls) instead of its certfile/keyfile."""
+    client-CA rules, built by agentserver.net.tls) instead of its certfile/keyfile."""
 
     def __init__(self, ssl_context: ssl.SSLContext | None) -> None:
         super().__init__()

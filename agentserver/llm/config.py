@@ -16,7 +16,7 @@ from importlib.resources import as_file, files
 
 from lxml import etree
 
-from agentserver.namespaces import BOOT_NS
+from agentserver.core.namespaces import BOOT_NS
 
 from .types import Usage
 

@@ -1,6 +1,6 @@
 """Observability: OpenTelemetry traces, Prometheus metrics, structured logs.
 
-The composition root (:mod:`agentserver.app`) builds one :class:`Tracing` and one
+The composition root (:mod:`agentserver.app.root`) builds one :class:`Tracing` and one
 :class:`Metrics` per server and hands them to the subsystems; nothing here is global.
 See docs/operations.md for the span, metric and log field lists.
 """

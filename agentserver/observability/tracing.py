@@ -18,7 +18,7 @@ Spans (see docs/operations.md):
 - ``execute_tool {listener}``: an agent's tool call being dispatched; the tool's own
   ``handle`` span is its child.
 - A remote listener's job carries its ``handle`` span as a ``traceparent`` attribute of
-  the job envelope (docs/wire.md); ``agentserver.runner`` continues it in the runner.
+  the job envelope (docs/wire.md); ``agentserver.remote.runner`` continues it in the runner.
 """
 
 from __future__ import annotations

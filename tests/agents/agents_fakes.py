@@ -19,7 +19,7 @@ from agentserver.agents.ports import LLMCompletion, LLMRequest, LLMUsage
 from agentserver.agents.profile import AgentProfile
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.settings import StoreSettings
-from agentserver.errors import HuhReason
+from agentserver.core.errors import HuhReason
 
 ASSISTANT_NS = "urn:agentserver:assistant"
 CALC = "{urn:calc}add"

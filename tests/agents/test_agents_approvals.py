@@ -11,7 +11,7 @@ from lxml import etree
 
 from agentserver.agents.policy import parse_policy
 from agentserver.agents.states import MessageType
-from agentserver.namespaces import BOOT_NS
+from agentserver.core.namespaces import BOOT_NS
 
 ADD = '<add xmlns="urn:calc"><a>1</a><b>2</b></add>'
 

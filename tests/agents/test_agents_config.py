@@ -9,7 +9,7 @@ from agentserver.agents.config import (
     store_settings_from_element,
 )
 from agentserver.agents.errors import AgentConfigError
-from agentserver.namespaces import BOOT_NS
+from agentserver.core.namespaces import BOOT_NS
 
 WRAPPER = """<xs:schema xmlns:xs="http://www.w3.org/2001/XMLSchema"
   xmlns:boot="https://xml-pipeline.org/ns/boot/v1"
@@ -82,11 +82,11 @@ def test_defaults_and_model_from_environment():
 async def test_the_bundled_assistants_profile_marks_failures_and_may_quote_results():
     from serverproc import REPO
 
-    from agentserver import boot
     from agentserver.agents.service import build_profiles
-    from agentserver.builtins import RunContext, build_listeners
+    from agentserver.app.builtins import RunContext, build_listeners
+    from agentserver.config import loader as boot
     from agentserver.primitives.core import HUH_TAG
-    from agentserver.pump import open_pump
+    from agentserver.pump.pump import open_pump
 
     topo = boot.load_or_raise(REPO / "boot.xml")
     ctx = RunContext(topo)
@@ -99,10 +99,10 @@ async def test_the_bundled_assistants_profile_marks_failures_and_may_quote_resul
 
 
 async def test_an_agent_whose_reply_type_has_no_status_does_not_mark_failures(tmp_path, caplog):
-    from agentserver import boot
     from agentserver.agents.service import build_profiles
-    from agentserver.builtins import RunContext, build_listeners
-    from agentserver.pump import open_pump
+    from agentserver.app.builtins import RunContext, build_listeners
+    from agentserver.config import loader as boot
+    from agentserver.pump.pump import open_pump
 
     path = tmp_path / "boot.xml"
     path.write_text(

@@ -14,13 +14,13 @@ import trio.testing
 from lxml import etree
 from serverproc import REPO
 
-from agentserver import boot
 from agentserver.agents.service import start_agents
-from agentserver.builtins import RunContext, build_listeners
-from agentserver.envelope import build_envelope
+from agentserver.app.builtins import RunContext, build_listeners
+from agentserver.config import loader as boot
+from agentserver.core.envelope import build_envelope
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import Task
-from agentserver.pump import open_pump
-from agentserver.threads import new_thread_id
+from agentserver.pump.pump import open_pump
 
 ROUNDS = 30
 

@@ -11,7 +11,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lxml import etree
 
-from agentserver import boot
 from agentserver.agents.policy import (
     CallInfo,
     Decision,
@@ -19,6 +18,7 @@ from agentserver.agents.policy import (
     parse_policy,
     policy_problems,
 )
+from agentserver.config import loader as boot
 
 NS = "https://xml-pipeline.org/ns/boot/v1"
 CALC = "urn:agentserver:calculator"

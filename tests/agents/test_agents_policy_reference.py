@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from lxml import etree
 
 from agentserver.agents.policy import CallInfo, Decision, evaluate, parse_policy
-from agentserver.namespaces import BOOT_NS
+from agentserver.core.namespaces import BOOT_NS
 
 NAMESPACES = [None, "urn:agentserver:calculator", "urn:other"]
 LOCALS = ["add", "divide", "op"]

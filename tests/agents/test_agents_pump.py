@@ -13,9 +13,9 @@ from agentserver.agents.ports import LLMCompletion, LLMRequest, LLMUsage
 from agentserver.agents.profile import AgentProfile
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.settings import StoreSettings
-from agentserver.envelope import build_envelope
-from agentserver.listener import HandlerResponse, Listener
-from agentserver.pump import open_pump
+from agentserver.core.envelope import build_envelope
+from agentserver.core.listener import HandlerResponse, Listener
+from agentserver.pump.pump import open_pump
 
 A_NS = "urn:test:assistant"
 C_NS = "urn:test:calc"

@@ -17,9 +17,9 @@ from llm.llm_fakes import FakeServer
 from serverproc import ServerProcess, subprocess_env
 from test_pg_two_processes import AGENT_LISTENERS, AGENTS, DoneModel
 
-from agentserver.client import open_client
-from agentserver.namespaces import BOOT_NS
-from agentserver.threads import new_thread_id
+from agentserver.core.namespaces import BOOT_NS
+from agentserver.core.threads import new_thread_id
+from agentserver.net.client import open_client
 
 pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
 

@@ -9,11 +9,11 @@ import pytest
 from lxml import etree
 from serverproc import cli, subprocess_env
 
-from agentserver import boot
 from agentserver.agents.config import store_settings_from_element
 from agentserver.agents.errors import AgentConfigError
 from agentserver.agents.pg.url import StoreUrlError, check_url, redact
-from agentserver.namespaces import BOOT_NS
+from agentserver.config import loader as boot
+from agentserver.core.namespaces import BOOT_NS
 
 URL = "postgresql://agents@db.example:5432/organism"
 

@@ -20,10 +20,10 @@ from agents_crash_support import MixTask, PlanTask
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
 from serverproc import ServerProcess, subprocess_env
 
-from agentserver.client import Client, ConnectionClosed, DeliveredIds, open_client
+from agentserver.core.namespaces import BOOT_NS
+from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import Task
-from agentserver.namespaces import BOOT_NS
-from agentserver.threads import new_thread_id
+from agentserver.net.client import Client, ConnectionClosed, DeliveredIds, open_client
 
 pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
 

@@ -115,7 +115,7 @@ def ack_client_replies(tx: Tx, env: StoreEnv, client: str, reply_ids: Sequence[i
     return tx.rowcount
 
 
-# -- stop and cancel from outside (agentserver.operator) ------------------------------------
+# -- stop and cancel from outside (agentserver.console.operator) ------------------------------------
 
 
 def _caller_thread(ref_json: str | None) -> object:

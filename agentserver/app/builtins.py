@@ -1,0 +1,266 @@
+"""Built-in handlers and payload names usable in boot.xml, and topology → listeners.
+
+A listener's ``handler`` is either ``module:function`` (an async handler) or one of the
+names in :data:`BUILTIN_HANDLERS`. A built-in brings its payload types and defaults, so
+``<listener name="echo" handler="echo"/>`` is a complete declaration. Payload ``type``
+references are ``module:Class`` or a name in :data:`BUILTIN_PAYLOADS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from pydantic_xml import BaseXmlModel
+
+from agentserver.agents.approvals import ApprovalRequest
+from agentserver.config.topology import ListenerSpec, Topology
+from agentserver.core.listener import Handler, Listener
+from agentserver.core.xsdgen import model_root_tag
+from agentserver.listeners import assistant, calculator, echo
+from agentserver.listeners.console import Console, Input, Pending, Prompt, Terminal
+from agentserver.listeners.console_router import DEFAULT_AGENT, ConsoleRouter
+from agentserver.listeners.system_boot import SystemBoot
+from agentserver.primitives.core import Boot
+
+
+@dataclass(slots=True)
+class RunContext:
+    """What built-in handlers may need from the process that runs the topology."""
+
+    topology: Topology
+    #: The terminal of an attached console (``run --console``); None: no console.
+    terminal: Terminal | None = None
+    #: Called when the attached console ends (``/quit`` or end of input).
+    on_console_exit: Callable[[], None] | None = None
+    #: Free slots for later subsystems (agent store, LLM router) to share objects.
+    services: dict[str, Any] = field(default_factory=dict)
+    #: Closed by the server after the pump has drained (stores, routers register here).
+    resources: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+
+
+Factory = Callable[[ListenerSpec, RunContext], Handler]
+
+
+@dataclass(frozen=True, slots=True)
+class Builtin:
+    """A built-in handler factory, its payload types and its default settings."""
+
+    factory: Factory
+    accepts: tuple[type[BaseXmlModel], ...]
+    responds: tuple[type[BaseXmlModel], ...] = ()
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    summary: str = ""
+    #: A synchronous raw handler doing the same (``Listener(sync=True)``), used whenever
+    #: the listener runs raw.
+    sync_handler: Callable[..., Any] | None = None
+
+
+def _static(handler: Handler) -> Factory:
+    return lambda spec, ctx: handler
+
+
+def _accepted_tags(topology: Topology, names: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    out: dict[str, tuple[str, ...]] = {}
+    for name in names:
+        try:
+            spec = topology.listener(name)
+        except KeyError:
+            continue
+        out[name] = tuple(model_root_tag(m) for m in spec.accepts)
+    return out
+
+
+def _console(spec: ListenerSpec, ctx: RunContext) -> Handler:
+    boots = tuple(s.name for s in ctx.topology.listeners if s.is_boot)
+    return Console(
+        ctx.terminal,
+        trusted=(*spec.peers, *boots),
+        on_exit=ctx.on_console_exit,
+        # Listener approvers get requests from the agents that name them (docs/agents.md).
+        requesters=tuple(s.name for s in ctx.topology.listeners if s.agent),
+    )
+
+
+def _describer(topology: Topology) -> Callable[[str], tuple[str, ...]]:
+    """``/describe NAME``: each payload type NAME accepts, as docs/protocol.md's usage
+    instructions show it to agents (rendered on first use: xmlschema is slow to import)."""
+    cache: dict[str, tuple[str, ...]] = {}
+
+    def describe(name: str) -> tuple[str, ...]:
+        if name not in cache:
+            from agentserver.core.payloads import PayloadType
+            from agentserver.core.usage import describe_payload
+
+            spec = topology.listener(name)
+            lines = [f"@{name}" + (f": {spec.description}" if spec.description else "")]
+            for model in spec.accepts:
+                lines.extend(
+                    "  " + line
+                    for line in describe_payload(PayloadType.from_model(model)).splitlines()
+                )
+            cache[name] = tuple(lines)
+        return cache[name]
+
+    return describe
+
+
+def _console_router(spec: ListenerSpec, ctx: RunContext) -> Handler:
+    return ConsoleRouter(
+        peers=_accepted_tags(ctx.topology, spec.peers),
+        # Answer the console a little before the router's own handler timeout would.
+        reply_wait=spec.timeout * 0.9,
+        default_agent=DEFAULT_AGENT,
+        max_bytes=ctx.topology.limits.max_message_bytes,
+        describe=_describer(ctx.topology),
+    )
+
+
+def _system_boot(spec: ListenerSpec, ctx: RunContext) -> Handler:
+    topology = ctx.topology
+    console_names = console_listener_names(topology)
+    consoles = [p for p in spec.peers if p in console_names]
+    banner = [
+        f"agentserver console: organism {topology.organism!r}, "
+        f"{len(topology.listeners)} listeners. Type /help for commands, /quit to leave."
+    ]
+    return SystemBoot(start_console=ctx.terminal is not None and bool(consoles), banner=banner)
+
+
+BUILTIN_HANDLERS: Mapping[str, Builtin] = MappingProxyType(
+    {
+        "echo": Builtin(
+            _static(echo.handle),
+            (echo.Ping,),
+            (echo.Pong,),
+            # Raw: the handler builds the reply with lxml, skipping two model conversions.
+            {"raw": True},
+            summary="ping → pong",
+            sync_handler=echo.respond,
+        ),
+        "calculator": Builtin(
+            _static(calculator.handle),
+            calculator.REQUESTS,
+            calculator.RESULTS,
+            summary="add/subtract/multiply/divide → sum/difference/product/quotient",
+        ),
+        "assistant": Builtin(
+            _static(assistant.handle),
+            (assistant.Task,),
+            (assistant.Answer,),
+            summary="task → answer (placeholder until the agent runtime is configured)",
+        ),
+        "console": Builtin(
+            _console,
+            (Prompt, ApprovalRequest),
+            (Input,),
+            # A human may take long to type a line. Prompts are read one at a time by the
+            # handler itself, so an approval request is shown while a prompt waits.
+            {"concurrency": 4, "timeout": 86400.0},
+            summary="prompt → reads a line → input; approval-request → shown",
+        ),
+        "console-router": Builtin(
+            _console_router,
+            (Input, Pending),
+            (Prompt,),
+            # Raw: it relays whatever payload its peers answer with. Each waiting console
+            # holds one slot (the pending reminder), hence the generous concurrency.
+            {"raw": True, "concurrency": 64, "timeout": 60.0, "queue_size": 256},
+            summary="input → the addressed listener → prompt",
+        ),
+        "system-boot": Builtin(
+            _system_boot,
+            (Boot,),
+            (),
+            {"concurrency": 1},
+            summary="boot primitive → starts an attached console",
+        ),
+    }
+)
+
+BUILTIN_PAYLOADS: Mapping[str, type[BaseXmlModel]] = MappingProxyType(
+    {
+        "echo.ping": echo.Ping,
+        "echo.pong": echo.Pong,
+        "calculator.add": calculator.Add,
+        "calculator.subtract": calculator.Subtract,
+        "calculator.multiply": calculator.Multiply,
+        "calculator.divide": calculator.Divide,
+        "calculator.sum": calculator.Sum,
+        "calculator.difference": calculator.Difference,
+        "calculator.product": calculator.Product,
+        "calculator.quotient": calculator.Quotient,
+        "calculator.error": calculator.CalculatorError,
+        "assistant.task": assistant.Task,
+        "assistant.answer": assistant.Answer,
+        "console.prompt": Prompt,
+        "console.input": Input,
+        "console.pending": Pending,
+        "core.boot": Boot,
+    }
+)
+
+
+def console_listener_names(topology: Topology) -> tuple[str, ...]:
+    """Listeners that run the built-in console handler."""
+    return tuple(s.name for s in topology.listeners if s.builtin == "console")
+
+
+def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
+    """The pump listeners of ``topology``, with built-in handlers made for ``ctx``."""
+    listeners = []
+    late = ctx.services.setdefault("agent_handlers", {})
+    for spec in topology.listeners:
+        timeout = spec.timeout
+        sync = False
+        if spec.remote:
+            # Served by runners over the wire: the hub's handler sends each delivery as a
+            # job and returns the runner's reply (agentserver.remote.hub).
+            from agentserver.remote.hub import hub_for, pump_timeout
+
+            hub = ctx.services.get("runner_hub") or ctx.services.setdefault(
+                "runner_hub", hub_for(topology)
+            )
+            handler = hub.handler_for(spec.name)
+            timeout = pump_timeout(hub.policies[spec.name])
+        elif spec.agent:
+            # Agents are run by the agent runtime, bound once the pump runs
+            # (agentserver.agents.service.start_agents); they take raw elements.
+            from agentserver.agents.service import LateHandler
+
+            handler = late[spec.name] = LateHandler(spec.name)
+        elif spec.builtin is not None:
+            builtin = BUILTIN_HANDLERS[spec.builtin]
+            if builtin.sync_handler is not None and spec.raw:
+                handler, sync = builtin.sync_handler, True
+            else:
+                handler = builtin.factory(spec, ctx)
+        else:
+            assert spec.handler is not None  # the loader resolved it
+            handler = spec.handler
+        listeners.append(
+            Listener(
+                spec.name,
+                spec.accepts,
+                handler,
+                peers=spec.peers,
+                responses=spec.responds,
+                agent=spec.agent,
+                broadcast=spec.broadcast,
+                # An agent's handler is intake only (one short store commit). More than
+                # one pump slot would let trio run two slots woken together in either
+                # order, so a connection's back-to-back tasks could reach the inbox out of
+                # send order; one slot takes the queue strictly first in, first out. Its
+                # Turns run in the agent worker (<store worker-concurrency>), not here.
+                concurrency=1 if spec.agent else spec.concurrency,
+                timeout=timeout,
+                queue_size=spec.queue_size,
+                raw=spec.raw or spec.agent or spec.remote,
+                description=spec.description,
+                sync=sync,
+            )
+        )
+    return listeners

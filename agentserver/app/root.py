@@ -1,0 +1,348 @@
+"""The composition root: builds a topology's parts (pump, listeners, TCP server, agents)
+from boot.xml's :class:`~agentserver.config.topology.Topology` and runs them together.
+
+This is the one place that knows every subsystem; each of them only knows the objects it
+is given (no module-level singletons).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from prometheus_client import CollectorRegistry
+
+from agentserver.app.builtins import RunContext, build_listeners
+from agentserver.config.topology import HttpSpec, Topology
+from agentserver.console.operator import Operator
+from agentserver.core.errors import ConfigurationError
+from agentserver.core.handshake import Credential, HelloGate
+from agentserver.net.server import Server, format_address
+from agentserver.net.tls import CertificateRule, normalize_fingerprint, parse_subject
+from agentserver.observability import Metrics, Tracing
+from agentserver.pump.pump import Pump
+
+log = logging.getLogger("agentserver.app")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """How ``agentserver run`` runs a topology (None: the topology's own value)."""
+
+    host: str | None = None
+    port: int | None = None
+    insecure: bool = False
+    #: ``run --http-port``: serve the HTTP API on this port (on ``<http host>``, else on
+    #: the socket's host), even without ``<http>``.
+    http_port: int | None = None
+    #: Development only (loopback): each <huh> carries its logged reason (docs/protocol.md).
+    explain_refusals: bool = False
+
+
+def http_spec(topology: Topology, options: ServeOptions, socket_host: str) -> HttpSpec | None:
+    """Where and how the HTTP API is served; None: it is not."""
+    spec = topology.http
+    if options.http_port is None:
+        return spec
+    if spec is None:
+        return HttpSpec(host=socket_host, port=options.http_port)
+    return dataclasses.replace(spec, port=options.http_port)
+
+
+def check_exposure(topology: Topology, host: str, insecure: bool, what: str) -> None:
+    """The address rules of the socket (and of the HTTP API): anonymous access only on
+    loopback unless ``insecure``; tokens never in clear off loopback. Raises
+    ConfigurationError."""
+    from agentserver.config.loader import is_loopback  # boot imports builtins; keep imports acyclic
+
+    if not topology.clients and not insecure and not is_loopback(host):
+        raise ConfigurationError(
+            f"no clients are declared, so {what} are anonymous: refusing to listen on "
+            f"non-loopback address {host} (declare clients in boot.xml, or pass --insecure)"
+        )
+    if topology.clients and topology.tls is None and not is_loopback(host):
+        if not topology.insecure_plaintext:
+            raise ConfigurationError(
+                f"clients are declared but {host} is not loopback and there is no <tls>: "
+                "tokens would cross the network in clear (add <tls>, or "
+                'insecure-plaintext="true" on <listen> to accept that)'
+            )
+        log.warning(
+            "insecure-plaintext: tokens and messages to %s cross the network in clear", host
+        )
+
+
+def credentials(topology: Topology, environ) -> dict[str, Credential]:
+    """Declared clients and their tokens, read from the environment now. (An unset
+    token was reported by the boot loader, as a warning with its line.)"""
+    out = {}
+    for client in topology.clients:
+        token = (environ.get(client.token_env) if client.token_env else None) or None
+        allowed = frozenset(client.may_address) if client.may_address is not None else None
+        out[client.name] = Credential(token, allowed)
+    return out
+
+
+def certificate_rules(topology: Topology) -> tuple[CertificateRule, ...]:
+    """Who a client certificate proves, from the clients' cert-subject/cert-fingerprint
+    (only consulted with mutual TLS: ``<tls client-ca>``)."""
+    tls = topology.tls
+    if tls is None or tls.client_ca is None:
+        return ()
+    return tuple(
+        CertificateRule(
+            c.name,
+            parse_subject(c.cert_subject) if c.cert_subject else None,
+            normalize_fingerprint(c.cert_fingerprint) if c.cert_fingerprint else None,
+        )
+        for c in topology.clients
+        if c.cert_subject or c.cert_fingerprint
+    )
+
+
+async def run_server(
+    topology: Topology,
+    options: ServeOptions,
+    ctx: RunContext,
+    shutdown: trio.Event,
+    *,
+    environ,
+    on_listening: Callable[[list[str]], None] | None = None,
+    on_http: Callable[[list[str]], None] | None = None,
+    registry: CollectorRegistry | None = None,
+    tracing: Tracing | None = None,
+) -> None:
+    """Run ``topology`` until ``shutdown`` is set, then shut down cleanly: stop accepting,
+    let in-flight work drain (``drain_timeout``), flush and close connections, close the
+    resources subsystems registered on ``ctx.resources``. Raises ConfigurationError if the
+    server must not start (e.g. anonymous access on a public address without insecure).
+
+    With ``<http>`` (or ``options.http_port``) the HTTP API is served too, before the
+    socket, and ``on_http`` gets its URLs. ``registry`` is the Prometheus registry
+    ``/metrics`` serves and the server's metrics are registered in (a new one by
+    default); ``tracing`` defaults to what the ``OTEL_*`` variables of ``environ`` ask
+    for."""
+    if registry is None:
+        registry = CollectorRegistry()
+    host = options.host or topology.host
+    port = topology.port if options.port is None else options.port
+    check_exposure(topology, host, options.insecure, "connections")
+    http = http_spec(topology, options, host)
+    if http is not None:
+        check_exposure(topology, http.host, options.insecure, "HTTP callers")
+    if options.explain_refusals:
+        from agentserver.config.loader import is_loopback
+
+        if not is_loopback(host):
+            raise ConfigurationError(
+                f"--explain-refusals is for development on a loopback address, not {host}: "
+                "it tells every sender why it was refused"
+            )
+        log.warning(
+            "--explain-refusals: every <huh> carries the reason it was refused "
+            "(development only; never on a server others use)"
+        )
+    ssl_context = None
+    if topology.tls is not None:
+        from agentserver.net.tls import server_context
+
+        ssl_context = server_context(topology.tls, environ)  # TlsError is a ConfigurationError
+    # -- observability (traces, metrics) --
+    if tracing is None:
+        tracing = Tracing.from_environ(environ)
+        ctx.resources.callback(tracing.shutdown)
+    metrics = Metrics(registry)
+    listeners = build_listeners(topology, ctx)
+    config = topology.pump_config()
+    if options.explain_refusals:
+        config = dataclasses.replace(config, explain_refusals=True)
+    pump = Pump(listeners, config=config, tracing=tracing)
+    server = Server(
+        pump,
+        topology.limits,
+        HelloGate(credentials(topology, environ)),
+        ssl_context=ssl_context,
+        cert_rules=certificate_rules(topology) if topology.tls is not None else (),
+        allowed={
+            c.name: frozenset(c.may_address) if c.may_address is not None else None
+            for c in topology.clients
+        },
+    )
+    server.runners = ctx.services.get("runner_hub")
+    server.operators = frozenset(c.name for c in topology.clients if c.operator)
+    server.anonymous_operators = not topology.clients
+    # The server keeps no public count (yet): read its set of connections at scrape time.
+    metrics.bind_pump(pump, lambda: len(server._connections))
+    step_log = step_writer = None
+    async with ctx.resources:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pump.run)
+            from agentserver.agents.service import start_agents
+
+            agents = await start_agents(
+                topology,
+                pump,
+                ctx.services.get("agent_handlers", {}),
+                nursery,
+                ctx.resources,
+                environ=environ,
+                tracing=tracing,
+                metrics=metrics,
+            )
+            if agents is not None:
+                server.named_clients = agents.ports.clients
+                if server.runners is not None:
+                    # Step events are durable rows in the agents' store from now on.
+                    step_log, step_writer = await _durable_step_log(
+                        nursery, agents.runtime.store, metrics
+                    )
+                    server.runners.step_log = step_log
+                # An attached console shows the agents' streamed text (run --console).
+                on_events = ctx.services.get("on_agent_events")
+                if on_events is not None:
+                    on_events(agents.runtime.events)
+            server.operator = Operator(
+                agents.runtime if agents is not None else None,
+                server.runners,
+                max_message_bytes=topology.limits.max_message_bytes,
+            )
+            await pump.inject_system(
+                topology.boot_primitive(),
+                to=topology.boot_listener.name,
+            )
+            http_stop = trio.Event()
+            http_ctx = None
+            if http is not None:
+                http_ctx, urls = await _start_http(
+                    nursery,
+                    topology,
+                    http,
+                    pump,
+                    server,
+                    agents,
+                    registry,
+                    ctx,
+                    http_stop,
+                    environ,
+                )
+                log.debug("HTTP API on %s", ", ".join(urls))
+                if on_http is not None:
+                    on_http(urls)
+            try:
+                addresses = await nursery.start(server.serve, host, port)
+            except OSError:
+                pump.close()
+                raise
+            shown = [format_address(a) for a in addresses]
+            log.debug("listening on %s", ", ".join(shown))
+            if on_listening is not None:
+                on_listening(shown)
+            await shutdown.wait()
+            log.info("shutting down: draining for up to %ss", topology.limits.drain_timeout)
+            if http_ctx is not None:
+                http_ctx.close()
+            http_stop.set()
+            server.stop_accepting()
+            if agents is not None:
+                # Turns are durable: stopping the worker first means no new tool calls
+                # race the draining pump; an interrupted Turn resumes at the next start.
+                agents.stop()
+            pump.close()
+            if step_writer is not None:
+                step_writer.cancel()  # the rows the draining pump still logs wait for drain()
+        if step_log is not None:
+            # The hub has stopped and the writer with it: what it still held goes to
+            # the store before the store closes (ctx.resources).
+            await step_log.drain()
+    log.info("agentserver stopped")
+
+
+async def _durable_step_log(
+    nursery: trio.Nursery, store: Any, metrics: Metrics
+) -> tuple[Any, trio.CancelScope]:
+    """The runner hub's step log in the agents' store, and the scope of its writer (run
+    in ``nursery``; cancelled at shutdown, then ``drain()`` writes the rest)."""
+    from agentserver.agents.step_log import StoreStepLog
+
+    step_log = StoreStepLog(store)
+    metrics.bind_step_log(step_log)
+    scope = trio.CancelScope()
+
+    async def write(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await step_log.run(task_status=task_status)
+
+    await nursery.start(write)
+    return step_log, scope
+
+
+async def _start_http(
+    nursery: trio.Nursery,
+    topology: Topology,
+    spec: HttpSpec,
+    pump: Pump,
+    server: Server,
+    agents: Any,
+    registry: CollectorRegistry,
+    ctx: RunContext,
+    stop: trio.Event,
+    environ,
+) -> tuple[Any, list[str]]:
+    """Start the HTTP API in ``nursery`` (it ends once ``stop`` is set and its requests
+    are done, or after the drain timeout); returns its context (to close its event
+    streams at shutdown) and its URLs."""
+    from agentserver import package_version
+    from agentserver.http.agents_view import AgentsView
+    from agentserver.http.api import HttpContext, build_app
+    from agentserver.http.auth import HttpAuth
+    from agentserver.http.gateway import HttpGateway
+    from agentserver.http.metrics import HttpCollector
+    from agentserver.http.serve import http_config, serve_http
+
+    gateway = HttpGateway(pump, topology.limits, spec)
+    registry.register(HttpCollector(gateway))
+    view = None
+    if agents is not None:
+        view = AgentsView(agents.runtime.store, tuple(agents.profiles))
+    router = agents.router if agents is not None else None
+    app_ctx = HttpContext(
+        pump=pump,
+        gateway=gateway,
+        auth=HttpAuth(credentials(topology, environ)),
+        registry=registry,
+        agents=view,
+        events=agents.runtime.events if agents is not None else None,
+        backends=(lambda: router.stats().as_dict()["backends"]) if router is not None else None,
+        transports=lambda: {"socket": len(server._connections), **server.counters},
+        steps=server.runners.step_log if server.runners is not None else None,
+        organism=topology.organism,
+        version=package_version(),
+    )
+    ssl_context = None
+    if topology.tls is not None:
+        from agentserver.net.tls import server_context
+
+        # Its own context: ALPN for HTTP must not touch the socket's.
+        ssl_context = server_context(topology.tls, environ)
+    config = http_config(
+        spec.host, spec.port, ssl_context=ssl_context, read_timeout=topology.limits.read_timeout
+    )
+    config.graceful_timeout = topology.limits.drain_timeout
+    gateway_scope = trio.CancelScope()
+
+    async def run_gateway(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with gateway_scope:
+            await gateway.run(task_status=task_status)
+
+    async def run_http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await serve_http(build_app(app_ctx), config, stop, task_status=task_status)
+        finally:
+            gateway_scope.cancel()
+
+    await nursery.start(run_gateway)
+    return app_ctx, await nursery.start(run_http)

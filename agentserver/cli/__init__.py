@@ -1,0 +1,1 @@
+"""The ``agentserver`` command, one module per command group."""

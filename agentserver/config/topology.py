@@ -1,0 +1,187 @@
+"""What a boot.xml declares, as plain data: :class:`Topology` and its parts.
+
+Built by :mod:`agentserver.config.loader` (which validates and resolves every reference); turned
+into running listeners by :func:`agentserver.app.builtins.build_listeners`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lxml import etree
+from pydantic_xml import BaseXmlModel
+
+from agentserver.core.listener import DEFAULT_CONCURRENCY, DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT
+from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
+from agentserver.net.tls import TlsSpec
+from agentserver.primitives.core import Boot, boot_primitive
+from agentserver.pump.endpoint import DEFAULT_BUFFER_BYTES
+from agentserver.pump.pump import PumpConfig
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 7340
+DEFAULT_HTTP_PORT = 7341
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Connection and message limits (boot.xml ``<limits>``; seconds unless stated)."""
+
+    max_connections: int = 256
+    max_inflight: int = 64
+    max_inflight_bytes: int = DEFAULT_BUFFER_BYTES
+    inflight_ttl: float = 120.0
+    outgoing_buffer: int = 256
+    outgoing_buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    read_timeout: float = 10.0
+    write_timeout: float = 10.0
+    hello_timeout: float = 5.0
+    #: 0 means connections may stay idle forever.
+    idle_timeout: float = 0.0
+    drain_timeout: float = 5.0
+    delivery_timeout: float = 10.0
+    max_threads: int = 100_000
+    #: Threads the conversations of one connection may hold: one client alone cannot
+    #: fill the registry.
+    max_threads_per_connection: int = 1024
+    thread_ttl: float = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSpec:
+    """boot.xml ``<http>``: the HTTP API (docs/operations.md). Same clients, tokens and
+    ``<tls>`` as the socket; the bounds of ``?wait=false`` threads are its own."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_HTTP_PORT
+    #: Messages over HTTP waiting for their replies at once (each holds an endpoint).
+    max_pending: int = 1024
+    #: Seconds a ``?wait=false`` thread keeps its replies after its last one (or its start).
+    reply_ttl: float = 300.0
+    #: Replies one ``?wait=false`` thread keeps (later ones are dropped and counted).
+    max_replies: int = 64
+    #: Seconds a waiting ``POST /v1/messages`` waits for its first reply.
+    wait_timeout: float = 60.0
+    line: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSpec:
+    """A named client. Its token is read from the environment variable ``token_env``
+    (None: it has none); with mutual TLS, a client certificate with ``cert_subject``'s
+    attributes or ``cert_fingerprint`` (``sha256:HEX``) authenticates it instead."""
+
+    name: str
+    token_env: str | None
+    #: Listener names it may address; None means all.
+    may_address: tuple[str, ...] | None = None
+    line: int = 0
+    cert_subject: str | None = None
+    cert_fingerprint: str | None = None
+    #: Remote listeners it may serve as a runner (docs/wire.md, "Runners").
+    serves: tuple[str, ...] = ()
+    #: May stop and cancel agents' tasks from outside (``agentserver stop`` / ``cancel``).
+    operator: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerSpec:
+    """One declared listener with every reference resolved.
+
+    Exactly one of ``builtin`` (a name in :data:`agentserver.app.builtins.BUILTIN_HANDLERS`)
+    and ``handler`` (an imported async callable) is set, unless ``remote`` (then neither:
+    runners serve it over the wire).
+    """
+
+    name: str
+    handler_ref: str
+    accepts: tuple[type[BaseXmlModel], ...]
+    responds: tuple[type[BaseXmlModel], ...] = ()
+    peers: tuple[str, ...] = ()
+    builtin: str | None = None
+    handler: Callable[..., Any] | None = None
+    agent: bool = False
+    broadcast: bool = False
+    concurrency: int = DEFAULT_CONCURRENCY
+    timeout: float = DEFAULT_TIMEOUT
+    queue_size: int = DEFAULT_QUEUE_SIZE
+    raw: bool = False
+    description: str = ""
+    #: The ``<agent>`` settings element (``AgentProfileType``), for the agent runtime.
+    agent_profile: etree._Element | None = field(default=None, compare=False)
+    line: int = 0
+    #: Served by runners over the wire (:mod:`agentserver.remote.hub`).
+    remote: bool = False
+    #: Remote: seconds one attempt may take (None: ``timeout``).
+    step_timeout: float | None = None
+    #: Remote: failed or timed-out attempts may be retried automatically.
+    idempotent: bool = False
+    #: Remote and idempotent: automatic retries after the first attempt.
+    retries: int = 3
+    #: The agent's tool-call policy (``agentserver.agents.policy.Policy``; None: peers only)
+    #: and guardrails (``agentserver.agents.guardrails.GuardrailSpec``).
+    agent_policy: Any = field(default=None, compare=False)
+    agent_guardrails: tuple[Any, ...] = field(default=(), compare=False)
+
+    @property
+    def is_boot(self) -> bool:
+        """True for the system boot listener (it takes the core ``<boot>`` primitive)."""
+        return Boot in self.accepts
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """A validated boot.xml."""
+
+    path: pathlib.Path
+    organism: str
+    listeners: tuple[ListenerSpec, ...]
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    limits: Limits = Limits()
+    clients: tuple[ClientSpec, ...] = ()
+    description: str = ""
+    #: The ``<llm>`` section (``LlmSectionType``), for the LLM router; None if absent.
+    llm: etree._Element | None = field(default=None, compare=False)
+    #: The ``<store>`` section (``StoreSectionType``), for the agent store; None if absent.
+    store: etree._Element | None = field(default=None, compare=False)
+    #: ``<tls>``: every connection on the listener is TLS; None: plaintext.
+    tls: TlsSpec | None = None
+    #: ``<listen insecure-plaintext="true">``: declared clients on a non-loopback address
+    #: without TLS (tokens cross the network in clear).
+    insecure_plaintext: bool = False
+    #: ``<http>``: the HTTP API; None: not served (unless ``run --http-port``).
+    http: HttpSpec | None = None
+
+    def listener(self, name: str) -> ListenerSpec:
+        for spec in self.listeners:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    def boot_primitive(self) -> Boot:
+        """The boot primitive this topology starts with, stamped now."""
+        return boot_primitive(self.organism, len(self.listeners))
+
+    @property
+    def boot_listener(self) -> ListenerSpec:
+        """The listener that receives the boot primitive (the loader guarantees one)."""
+        return next(spec for spec in self.listeners if spec.is_boot)
+
+    def pump_config(self) -> PumpConfig:
+        lim = self.limits
+        return PumpConfig(
+            organism=self.organism,
+            max_message_bytes=lim.max_message_bytes,
+            max_threads=lim.max_threads,
+            max_threads_per_endpoint=lim.max_threads_per_connection,
+            thread_idle_ttl=lim.thread_ttl,
+            delivery_timeout=lim.delivery_timeout,
+            endpoint_buffer=lim.outgoing_buffer,
+            endpoint_buffer_bytes=lim.outgoing_buffer_bytes,
+            drain_timeout=lim.drain_timeout,
+        )

@@ -1,0 +1,172 @@
+"""``agentserver console``: the console listener in this process, talking to a server.
+
+The same message-driven console as in the server runs here in a small local pump: a
+local boot listener prompts the console, the console's ``<input>`` goes to a local bridge
+named ``console-router``, which relays it over the socket to the server's console router
+and returns the server's answer (a ``<prompt>``) to the console, and so on. Errors from
+the server (``<huh>``, ``<SystemError>``) are shown readably.
+
+With ``--client NAME``, messages the server sends unasked (an ``<approval-request>`` for
+an approver ``NAME``, kept for her until received) are shown as they arrive.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import trio
+from lxml import etree
+
+from agentserver.app.builtins import BUILTIN_HANDLERS
+from agentserver.console.commands import HELP, carry_out, parse_line
+from agentserver.core.listener import HandlerMetadata, HandlerResponse, Listener
+from agentserver.listeners.console import NS as CONSOLE_NS
+from agentserver.listeners.console import Console, Input, Prompt, Terminal
+from agentserver.listeners.console_approvals import render_request
+from agentserver.listeners.console_router import DEFAULT_AGENT, listener_names, render_reply
+from agentserver.listeners.system_boot import SystemBoot
+from agentserver.net.client import Client, ClientError, RequestTimeout, open_client
+from agentserver.primitives.core import Boot, boot_primitive
+from agentserver.pump.pump import PumpConfig, open_pump
+
+log = logging.getLogger("agentserver.console")
+PROMPT_TAG = etree.QName(CONSOLE_NS, "prompt").text
+
+
+class Bridge:
+    """The local ``console-router``: relays ``<input>`` to the server, answers with the
+    server's ``<prompt>`` (or a readable error)."""
+
+    def __init__(self, client: Client, *, timeout: float) -> None:
+        self._client = client
+        self._timeout = timeout
+
+    async def __call__(self, payload: etree._Element, meta: HandlerMetadata) -> HandlerResponse:
+        line = payload.findtext(f"{{{CONSOLE_NS}}}line") or ""
+        command = parse_line(line, default_agent=DEFAULT_AGENT)
+        if isinstance(command, str):
+            return HandlerResponse.respond(Prompt(lines=[command]))
+        if command is not None:
+            lines = await carry_out(self._client, command, reply_timeout=self._timeout)
+            return HandlerResponse.respond(Prompt(lines=lines))
+        if line.strip() == "/help":
+            reply = await self._relay(payload)
+            reply.payload.lines.extend(HELP)
+            return reply
+        return await self._relay(payload)
+
+    async def _relay(self, payload: etree._Element) -> HandlerResponse:
+        try:
+            # Relayed by root tag: whichever server listener takes console <input>.
+            reply = await self._client.request(copy.deepcopy(payload), timeout=self._timeout)
+        except RequestTimeout:
+            return HandlerResponse.respond(
+                Prompt(lines=[f"error: the server did not answer within {self._timeout:g} s"])
+            )
+        except ClientError as exc:
+            return HandlerResponse.respond(Prompt(lines=[f"error: {exc}"]))
+        if reply.payload.tag == PROMPT_TAG:
+            return HandlerResponse.respond(Prompt.from_xml_tree(reply.payload))
+        return HandlerResponse.respond(
+            Prompt(lines=list(render_reply(reply.payload, reply.from_id)))
+        )
+
+
+async def show_unasked(conn: Client, terminal: Terminal) -> None:
+    """Print what the server sends without being asked, until the connection ends: an
+    approval request as its line, anything else (a late answer) as :func:`render_reply`
+    renders it."""
+    while True:
+        try:
+            reply = await conn.receive()
+        except ClientError:
+            return
+        lines = render_request(reply.payload)
+        if lines is None:
+            lines = render_reply(reply.payload, reply.from_id)
+        for line in lines:
+            terminal.write(line)
+
+
+async def _listener_names(conn: Client, wait: float) -> list[str]:
+    """The listeners the server's console router can address (its ``/listeners``), for
+    completion; none if it does not say."""
+    try:
+        reply = await conn.request(Input(line="/listeners"), timeout=wait)
+    except (RequestTimeout, ClientError):
+        return []
+    if reply.payload.tag != PROMPT_TAG:
+        return []
+    return listener_names(Prompt.from_xml_tree(reply.payload).lines)
+
+
+async def run_remote_console(
+    host: str,
+    port: int,
+    terminal: Terminal,
+    *,
+    client: str | None = None,
+    token: str | None = None,
+    reply_timeout: float = 120.0,
+    **tls: Any,
+) -> int:
+    """Run until the user quits (0) or the server goes away (1). ``tls``: the TLS
+    arguments of :func:`agentserver.net.client.open_client` (``tls``, ``ca``, ``cert``, ``key``)."""
+    async with open_client(host, port, client=client, token=token, **tls) as conn:
+        if hasattr(terminal, "set_listeners"):
+            terminal.set_listeners(await _listener_names(conn, reply_timeout))
+        done = trio.Event()
+        lost = False
+        listeners = [
+            Listener(
+                "boot",
+                (Boot,),
+                SystemBoot(
+                    start_console=True,
+                    banner=[
+                        f"agentserver console: connected to {host}:{port}. /help for commands, /quit to leave."
+                    ],
+                ),
+                peers=("console",),
+                **BUILTIN_HANDLERS["system-boot"].defaults,
+            ),
+            Listener(
+                "console",
+                (Prompt,),
+                Console(terminal, trusted=("boot", "console-router"), on_exit=done.set),
+                peers=("console-router",),
+                responses=(Input,),
+                **BUILTIN_HANDLERS["console"].defaults,
+            ),
+            Listener(
+                "console-router",
+                (Input,),
+                Bridge(conn, timeout=reply_timeout),
+                responses=(Prompt,),
+                raw=True,
+                concurrency=1,
+                timeout=reply_timeout + 10,
+            ),
+        ]
+        async with (
+            open_pump(listeners, config=PumpConfig(organism="console", drain_timeout=0.2)) as pump,
+            trio.open_nursery() as nursery,
+        ):
+
+            async def watch() -> None:
+                nonlocal lost
+                await conn.wait_closed()
+                lost = True
+                done.set()
+
+            nursery.start_soon(watch)
+            nursery.start_soon(show_unasked, conn, terminal)
+            await pump.inject_system(boot_primitive("console", 3), to="boot")
+            await done.wait()
+            nursery.cancel_scope.cancel()
+        if lost:
+            terminal.write("error: the server closed the connection")
+            return 1
+        return 0

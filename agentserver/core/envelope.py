@@ -1,0 +1,143 @@
+"""The envelope wire format: parse and validate inbound bytes, build outbound trees. Pure."""
+
+from __future__ import annotations
+
+import re
+from typing import TypeAlias
+
+from lxml import etree
+
+from agentserver.core.errors import HuhReason, InputRefused
+from agentserver.core.namespaces import CORE_NS, ENVELOPE_NS
+from agentserver.core.payloads import PayloadRegistry, PayloadType
+from agentserver.core.schemas_export import schema_path
+from agentserver.core.xmlsafe import SafeParser, canonicalize
+
+_E = f"{{{ENVELOPE_NS}}}"
+MESSAGE = _E + "message"
+META = _E + "meta"
+FROM = _E + "from"
+TO = _E + "to"
+THREAD = _E + "thread"
+_CORE_PREFIX = f"{{{CORE_NS}}}"
+
+
+def load_envelope_schema() -> etree.XMLSchema:
+    return etree.XMLSchema(etree.parse(str(schema_path("envelope.xsd")), parser=None))
+
+
+#: A validated inbound message: ``(to, thread, payload, ptype)``. ``payload`` is still
+#: attached to its envelope tree. There is no ``from``: the pump replaces it with the
+#: sender's identity. (A plain tuple: one is built per inbound message.)
+Inbound: TypeAlias = tuple[str | None, str, etree._Element, PayloadType]
+
+
+def guess_thread(root: etree._Element | None) -> str | None:
+    """Best-effort thread of a message that failed validation, to address the ``<huh>``."""
+    if root is None or root.tag != MESSAGE:
+        return None
+    el = root.find(f"{META}/{THREAD}")
+    text = (el.text or "").strip() if el is not None else ""
+    return text if 0 < len(text) <= 128 else None
+
+
+class EnvelopeCodec:
+    """Parse → validate envelope → validate payload, in that order; nothing reads the tree
+    before it has been validated. Not thread-safe (owns a parser)."""
+
+    __slots__ = ("_env_schema", "_parser", "_ptype_of", "parse_root")
+
+    def __init__(self, registry: PayloadRegistry, *, max_bytes: int) -> None:
+        self._parser = SafeParser(max_bytes)
+        self._env_schema = load_envelope_schema()
+        self._ptype_of = registry.lookup
+        #: ``parse_root(data) -> element``: the hardened parse (raises InputRefused).
+        self.parse_root = self._parser.parse
+
+    @property
+    def max_bytes(self) -> int:
+        return self._parser.max_bytes
+
+    def decode(self, root: etree._Element) -> Inbound:
+        """Validate a parsed document. Raises :class:`InputRefused`.
+
+        Core-namespace payloads are refused here: they may only come from the pump.
+        """
+        # The schema has one global element, so a valid root is <message>.
+        if not self._env_schema.validate(root):
+            raise InputRefused(HuhReason.INVALID_ENVELOPE)
+        # The schema fixed the shape: meta is (from, [to], thread), then one payload.
+        meta = root[0]
+        payload = root[1]
+        ptype = self.validate_payload(payload)
+        # xs:token values are whitespace-collapsed by the validator's view, not in the tree.
+        return (
+            meta[1].text.strip() if len(meta) == 3 else None,
+            meta[-1].text.strip(),
+            payload,
+            ptype,
+        )
+
+    def validate_payload(self, payload: etree._Element) -> PayloadType:
+        """Validate a payload (inbound, or one a handler produced): no core namespace, a
+        registered root tag, valid against its XSD. Raises :class:`InputRefused`."""
+        tag = payload.tag
+        if not isinstance(tag, str):
+            raise InputRefused(HuhReason.INVALID_PAYLOAD, "not an element")
+        if tag.startswith(_CORE_PREFIX):
+            raise InputRefused(HuhReason.RESERVED_NAMESPACE, tag)
+        ptype = self._ptype_of(tag)
+        if ptype is None:
+            raise InputRefused(HuhReason.INVALID_PAYLOAD, f"unknown root tag {tag}")
+        if not ptype.schema.validate(payload):
+            raise InputRefused(HuhReason.INVALID_PAYLOAD, schema_reason(ptype.schema, tag))
+        return ptype
+
+
+_CLARK = re.compile(r"'?\{[^}\s']+\}([^\s',)]+)'?")
+
+
+def schema_reason(schema: etree.XMLSchema, tag: str) -> str:
+    """Why ``schema`` refused ``tag`` (its last error, element names without their
+    namespace), for the log and ``--explain-refusals``: e.g. ``<add>: Missing child
+    element(s). Expected is ( <b> ).``"""
+    entry = schema.error_log.last_error
+    if entry is None:
+        return f"{tag} fails its XSD"
+    message = _CLARK.sub(r"<\1>", entry.message).replace("Element <", "<", 1)
+    return f"{tag} fails its XSD: {message}"
+
+
+def _template(with_to: bool) -> etree._Element:
+    root = etree.Element(MESSAGE, nsmap={None: ENVELOPE_NS})
+    meta = etree.SubElement(root, META)
+    etree.SubElement(meta, FROM)
+    if with_to:
+        etree.SubElement(meta, TO)
+    etree.SubElement(meta, THREAD)
+    return root
+
+
+# Copying a prepared tree is ~3x faster than creating its namespaced elements one by one.
+_TEMPLATE_TO = _template(True)
+_TEMPLATE_NO_TO = _template(False)
+
+
+def build_envelope(
+    from_id: str, to: str | None, thread: str, payload: etree._Element
+) -> etree._Element:
+    """A new envelope tree around ``payload`` (which is moved into it)."""
+    # __deepcopy__ directly: copy.deepcopy's generic machinery costs as much as the copy.
+    root = (_TEMPLATE_TO if to is not None else _TEMPLATE_NO_TO).__deepcopy__(None)
+    meta = root[0]
+    meta[0].text = from_id
+    if to is not None:
+        meta[1].text = to
+    meta[-1].text = thread
+    root.append(payload)
+    return root
+
+
+def encode(from_id: str, to: str | None, thread: str, payload: etree._Element) -> bytes:
+    """Serialise a message for the wire: exclusive C14N of the (validated) envelope."""
+    return canonicalize(build_envelope(from_id, to, thread, payload))

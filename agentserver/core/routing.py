@@ -1,0 +1,101 @@
+"""Routing decisions: who receives a payload. Pure functions over the topology.
+
+These encode the routing rules of docs/protocol.md; the pump applies the decisions
+(threads, queues) and never decides itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from agentserver.core.errors import (
+    ConfigurationError,
+    DeliveryRefused,
+    HuhReason,
+    InputRefused,
+    SystemErrorCode,
+)
+from agentserver.core.listener import Listener
+from agentserver.core.payloads import PayloadType
+
+
+@dataclass(frozen=True, slots=True)
+class SelfCall:
+    """The sender emitted its own root tag: deliver back to it on the same thread."""
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Deliver to each target on a new child thread of the sender's."""
+
+    targets: tuple[str, ...]
+
+
+SELF_CALL = SelfCall()
+
+
+class RoutingTable:
+    """Immutable topology view: root tag → listeners, name → listener."""
+
+    def __init__(self, listeners: Iterable[Listener], tag_of: dict[type, PayloadType]) -> None:
+        self.by_name: dict[str, Listener] = {}
+        self.by_tag: dict[str, tuple[str, ...]] = {}
+        self.accepts: dict[str, frozenset[str]] = {}
+        for listener in listeners:
+            if listener.name in self.by_name:
+                raise ConfigurationError(f"listener name {listener.name!r} is used twice")
+            self.by_name[listener.name] = listener
+            tags = frozenset(tag_of[m].tag for m in listener.payload_types)
+            self.accepts[listener.name] = tags
+            for tag in tags:
+                self.by_tag[tag] = (*self.by_tag.get(tag, ()), listener.name)
+        for tag, names in self.by_tag.items():
+            if len(names) > 1 and not all(self.by_name[n].broadcast for n in names):
+                raise ConfigurationError(
+                    f"root tag {tag} is accepted by {', '.join(names)}: several listeners may "
+                    "share a root tag only if all of them are broadcast listeners"
+                )
+
+    def inbound(self, tag: str, to: str | None) -> tuple[str, ...]:
+        """Targets of a message from outside (a client). Raises InputRefused (one canned
+        text for unknown tag and unknown or unfit ``to``, so nothing can be probed)."""
+        if to is not None:
+            if tag in self.accepts.get(to, ()):
+                return (to,)
+            raise InputRefused(HuhReason.INVALID_PAYLOAD, f"to={to!r} does not take {tag}")
+        targets = self.by_tag.get(tag)
+        if not targets:
+            raise InputRefused(HuhReason.INVALID_PAYLOAD, f"nobody takes {tag}")
+        return targets
+
+    def outbound(self, sender: str, tag: str, to: str | None) -> SelfCall | Forward:
+        """Where a handler's forward goes.
+
+        Own root tag (no ``to``, or ``to`` = own name) is self-iteration, never a peer
+        violation. Any other target must be in the sender's peers, else
+        ``DeliveryRefused(routing)``; a peer that does not take the tag is InputRefused.
+        """
+        own = self.accepts[sender]
+        if (to is None or to == sender) and tag in own:
+            return SELF_CALL
+        peers = self.by_name[sender].peers
+        if to is not None:
+            if to not in peers:
+                raise DeliveryRefused(
+                    SystemErrorCode.ROUTING, retry_allowed=True, detail=f"{sender}→{to} not a peer"
+                )
+            if tag not in self.accepts.get(to, ()):
+                raise InputRefused(HuhReason.INVALID_PAYLOAD, f"peer {to!r} does not take {tag}")
+            return Forward((to,))
+        candidates = self.by_tag.get(tag, ())
+        if not candidates:
+            raise InputRefused(HuhReason.INVALID_PAYLOAD, f"nobody takes {tag}")
+        allowed = tuple(n for n in candidates if n in peers)
+        if not allowed:
+            raise DeliveryRefused(
+                SystemErrorCode.ROUTING,
+                retry_allowed=True,
+                detail=f"{sender}: {tag} not for a peer",
+            )
+        return Forward(allowed)

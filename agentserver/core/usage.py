@@ -1,0 +1,131 @@
+"""``usage_instructions``: what a listener may send to its peers, generated from their XSDs.
+
+Runs once at pump start (xmlschema is slow but thorough; this is off the hot path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from lxml import etree
+
+from agentserver.core.payloads import PayloadType
+
+RESPOND_WARNING = (
+    "When you respond (return to your caller), your call chain is pruned: any peers you "
+    "called are terminated, their state and context (calculator memory, scratch space, "
+    "etc.) is lost, and you cannot call them again in the same context after responding. "
+    "Therefore: complete ALL sub-tasks before responding. If you need results from a peer, "
+    "wait for their response first."
+)
+
+
+def describe_payload(ptype: PayloadType) -> str:
+    """One payload type as readable lines: root tag, namespace, fields, an example."""
+    # Imported here: xmlschema takes ~175 ms to import, and only a starting pump needs it
+    # (not `send`, `check` or `console`).
+    import xmlschema
+
+    schema = xmlschema.XMLSchema(etree.tostring(ptype.schema_doc, encoding="unicode"))
+    element = schema.elements[ptype.local]
+    lines = [f'<{ptype.local} xmlns="{ptype.namespace}">']
+    for attr_name, attr in element.attributes.items():
+        need = "required" if attr.use == "required" else "optional"
+        lines.append(f"  attribute {attr_name}: {_type_name(attr.type)} ({need})")
+    if element.type.has_simple_content():
+        lines.append(f"  text: {_type_name(element.type.content)}")
+    else:
+        for child in element.type.content.iter_elements():
+            lines.extend(_describe_child(child, "  "))
+    lines.append(f"  example: {_example(element, ptype.namespace)}")
+    return "\n".join(lines)
+
+
+def _describe_child(child, indent: str) -> list[str]:
+    occurs = _occurs(child)
+    if child.type.is_simple():
+        return [f"{indent}<{child.local_name}>: {_type_name(child.type)}{occurs}"]
+    out = [f"{indent}<{child.local_name}>{occurs}:"]
+    if child.type.content is not None and hasattr(child.type.content, "iter_elements"):
+        for grandchild in child.type.content.iter_elements():
+            out.extend(_describe_child(grandchild, indent + "  "))
+    return out
+
+
+def _occurs(el) -> str:
+    if el.max_occurs is None:
+        return " (zero or more)"
+    if el.min_occurs == 0:
+        return " (optional)"
+    return ""
+
+
+def _type_name(t) -> str:
+    enum = getattr(t, "enumeration", None)
+    if enum:
+        return "one of " + ", ".join(repr(v) for v in enum)
+    base = t
+    while base is not None and base.local_name is None:
+        base = getattr(base, "base_type", None)
+    return base.local_name if base is not None else "text"
+
+
+_SAMPLES = {
+    "integer": "1",
+    "double": "1.5",
+    "decimal": "1.5",
+    "boolean": "true",
+    "dateTime": "2026-01-01T00:00:00Z",
+    "date": "2026-01-01",
+    "base64Binary": "aGk=",
+}
+
+
+def _example(element, ns: str) -> str:
+    def build(el, parent: etree._Element | None) -> etree._Element:
+        tag = f"{{{ns}}}{el.local_name}"
+        if parent is None:
+            node = etree.Element(tag, nsmap={None: ns})
+        else:
+            node = etree.SubElement(parent, tag)
+        if el.type.is_simple() or el.type.has_simple_content():
+            t = el.type if el.type.is_simple() else el.type.content
+            enum = getattr(t, "enumeration", None)
+            node.text = str(enum[0]) if enum else _SAMPLES.get(_type_name(t), "...")
+        elif el.type.content is not None and hasattr(el.type.content, "iter_elements"):
+            for child in el.type.content.iter_elements():
+                if child.min_occurs > 0 or child.max_occurs is None:
+                    build(child, node)
+        return node
+
+    root = build(element, None)
+    return etree.tostring(root, encoding="unicode")
+
+
+def usage_instructions(
+    own_name: str,
+    own_types: Iterable[PayloadType],
+    peers: dict[str, list[PayloadType]],
+    *,
+    describe: Callable[[PayloadType], str] = describe_payload,
+) -> str:
+    """The text a listener (typically an agent) gets about how to talk to its peers.
+
+    ``describe`` renders one payload type; pass a memoised :func:`describe_payload` when
+    writing the instructions of several listeners that share peers."""
+    parts = [f"You are the listener '{own_name}'."]
+    own = list(own_types)
+    if own:
+        tags = ", ".join(f'<{p.local} xmlns="{p.namespace}">' for p in own)
+        parts.append(
+            f"Emitting your own root tag ({tags}) sends the message back to you (self-iteration)."
+        )
+    if peers:
+        parts.append("Your peers, and the payloads each accepts:")
+        for name, ptypes in sorted(peers.items()):
+            for ptype in ptypes:
+                parts.append(f"- peer '{name}' accepts:\n{describe(ptype)}")
+    else:
+        parts.append("You have no peers: you can only respond to your caller or end.")
+    parts.append(RESPOND_WARNING)
+    return "\n".join(parts)

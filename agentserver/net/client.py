@@ -1,0 +1,563 @@
+"""A trio client for the agentserver wire protocol (docs/wire.md).
+
+::
+
+    async with open_client("127.0.0.1", 7340) as client:
+        reply = await client.request(Ping(text="hi"), to="echo", timeout=5)
+        print(reply.payload_xml)
+
+Several requests may be in flight on one connection; each reply is matched by its thread.
+Replies nobody waits for (another ``send``, a broadcast's extra answers) go to a bounded
+inbox read with :meth:`Client.receive`; when the inbox is full the oldest is dropped and
+counted in :attr:`Client.dropped`.
+
+A named client always asks for reply acknowledgement (docs/wire.md): a durable reply
+carries an id (:attr:`Reply.id`), is acknowledged once :meth:`Client.request` or
+:meth:`Client.receive` has handed it to the application, and a second copy of an id
+already handed over is dropped (counted in :attr:`Client.duplicates`). Pass one
+:class:`DeliveredIds` to every connection of a client to drop copies that come again
+after a reconnect.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import ssl
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import trio
+from lxml import etree
+from pydantic_xml import BaseXmlModel
+
+from agentserver.core.envelope import MESSAGE, build_envelope
+from agentserver.core.errors import AgentServerError, InputRefused, sole_exception
+from agentserver.core.framing import FrameDecoder, FramingError, encode_frame
+from agentserver.core.handshake import MAX_ACK_IDS, ack_frame_body, hello_frame_body
+from agentserver.core.listener import to_element
+from agentserver.core.namespaces import CORE_NS, ENVELOPE_NS
+from agentserver.core.threads import is_uuid4, new_thread_id
+from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser
+from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
+
+_E = f"{{{ENVELOPE_NS}}}"
+#: How long closing a connection waits to send the acknowledgements still owed.
+ACK_FLUSH_TIMEOUT = 1.0
+
+
+class ClientError(AgentServerError):
+    """Base of the client's errors."""
+
+
+class ConnectionClosed(ClientError):
+    """The server closed the connection (or it broke)."""
+
+
+class RequestTimeout(ClientError):
+    """No reply on the request's thread within the timeout."""
+
+
+class ProtocolError(ClientError):
+    """The server sent something that is not a valid framed envelope."""
+
+
+class TlsHandshakeError(ConnectionClosed):
+    """The TLS handshake failed: the server's certificate is not trusted or not for this
+    host name, the server refused ours, or the server does not speak TLS."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One envelope from the server."""
+
+    from_id: str
+    to: str | None
+    thread: str
+    payload: etree._Element
+    raw: bytes
+    #: The ``reply-id`` of a durable reply (on a connection that asked for acks), else None.
+    id: int | None = None
+
+    @property
+    def is_huh(self) -> bool:
+        return self.payload.tag == HUH_TAG
+
+    @property
+    def is_system_error(self) -> bool:
+        return self.payload.tag == SYSTEM_ERROR_TAG
+
+    @property
+    def is_error(self) -> bool:
+        """True for ``<huh>`` and ``<SystemError>``."""
+        return self.is_huh or self.is_system_error
+
+    @property
+    def error_text(self) -> str | None:
+        """The canned text of a ``<huh>`` / the message of a ``<SystemError>``; else None."""
+        if self.is_huh:
+            return self.payload.findtext(f"{{{CORE_NS}}}error")
+        if self.is_system_error:
+            return self.payload.findtext(f"{{{CORE_NS}}}message")
+        return None
+
+    @property
+    def payload_xml(self) -> str:
+        return etree.tostring(self.payload, encoding="unicode")
+
+
+def parse_reply(data: bytes, parser: SafeParser) -> Reply:
+    """An envelope from the server. Raises :class:`ProtocolError`."""
+    try:
+        root = parser.parse(data)
+    except InputRefused as exc:
+        raise ProtocolError(f"unparsable reply: {exc}") from None
+    if root.tag != MESSAGE or len(root) != 2:
+        raise ProtocolError("reply is not an envelope")
+    meta, payload = root[0], root[1]
+    reply_id = root.get("reply-id")
+    if reply_id is not None and not reply_id.isdigit():
+        raise ProtocolError(f"reply-id {reply_id[:32]!r} is not a number")
+    return Reply(
+        (meta.findtext(_E + "from") or "").strip(),
+        (meta.findtext(_E + "to") or "").strip() or None,
+        (meta.findtext(_E + "thread") or "").strip(),
+        payload,
+        data,
+        int(reply_id) if reply_id is not None else None,
+    )
+
+
+class DeliveredIds:
+    """The ids of the durable replies handed to the application (the most recent
+    ``capacity``). Share one between the connections of a client so that a reply sent
+    again after a reconnect (its acknowledgement was lost) is dropped."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self._order: collections.deque[int] = collections.deque()
+        self._ids: set[int] = set()
+        self._capacity = capacity
+
+    def __contains__(self, reply_id: int) -> bool:
+        return reply_id in self._ids
+
+    def add(self, reply_id: int) -> None:
+        if reply_id in self._ids:
+            return
+        self._ids.add(reply_id)
+        self._order.append(reply_id)
+        while len(self._order) > self._capacity:
+            self._ids.discard(self._order.popleft())
+
+
+def payload_element(payload: BaseXmlModel | etree._Element | bytes | str) -> etree._Element:
+    """A payload as an element. Bytes and str are parsed with the hardened parser."""
+    if isinstance(payload, str):
+        payload = payload.encode("utf-8")
+    if isinstance(payload, bytes):
+        return SafeParser().parse(payload.strip())
+    return to_element(payload)
+
+
+class Client:
+    """A connection to an agentserver. Create with :func:`open_client`."""
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        *,
+        name: str = "client",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        inbox_size: int = 1024,
+        delivered: DeliveredIds | None = None,
+    ) -> None:
+        self._stream = stream
+        self._name = name
+        self._max = max_message_bytes
+        self._parser = SafeParser(max_message_bytes)
+        self._send_lock = trio.Lock()
+        self._waiters: dict[str, trio.MemorySendChannel[Reply]] = {}
+        self._inbox: collections.deque[Reply] = collections.deque()
+        self._inbox_size = inbox_size
+        self._inbox_ready = trio.Event()
+        self._closed = trio.Event()
+        self._failure: ClientError | None = None
+        #: Replies dropped because the inbox was full.
+        self.dropped = 0
+        #: Durable replies received again and dropped (already handed over, or queued).
+        self.duplicates = 0
+        self.delivered = delivered if delivered is not None else DeliveredIds()
+        #: Ids of durable replies received and not yet handed to the application.
+        self._queued_ids: set[int] = set()
+        #: Ids handed over (or dropped as copies) and not yet acknowledged.
+        self._to_ack: list[int] = []
+        self._ack_wanted = trio.Event()
+
+    # -- sending -------------------------------------------------------------------------
+
+    async def send(
+        self,
+        payload: BaseXmlModel | etree._Element | bytes | str,
+        *,
+        to: str | None = None,
+        thread: str | None = None,
+    ) -> str:
+        """Send one payload to listener ``to`` (None: routed by its root tag). Returns the
+        thread its replies will carry: ``thread`` if given (a uuid4 of this client's), else
+        a fresh one."""
+        if thread is None:
+            thread = new_thread_id()
+        element = payload_element(payload)
+        body = etree.tostring(build_envelope(self._name, to, thread, element))
+        await self.send_raw(body)
+        return thread
+
+    async def decide_approval(
+        self, agent: str, request_id: str, grant: bool, reason: str = ""
+    ) -> str:
+        """Answer an approval request (see :func:`approval_request`) addressed to ``agent``:
+        grant or deny the tool call it holds. The agent acknowledges it with an
+        ``<approval-ack status="applied|duplicate|unknown|not-yours">`` on the returned
+        thread (:func:`approval_ack_status` reads it)."""
+        from agentserver.agents.approvals import ApprovalDecision
+
+        return await self.send(
+            ApprovalDecision(request=request_id, grant=grant, reason=reason), to=agent
+        )
+
+    async def send_raw(self, body: bytes) -> None:
+        """Send one frame with ``body`` as is (tests, tools)."""
+        if self._failure is not None:
+            raise self._failure
+        async with self._send_lock:
+            try:
+                await self._stream.send_all(encode_frame(body))
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise ConnectionClosed(str(exc) or "connection closed") from None
+
+    async def request(
+        self,
+        payload: BaseXmlModel | etree._Element | bytes | str,
+        *,
+        to: str | None = None,
+        # A per-request deadline is the point of request(); callers may still wrap it.
+        timeout: float = 30.0,  # noqa: ASYNC109
+        thread: str | None = None,
+    ) -> Reply:
+        """Send and wait for the first reply on the request's thread (which may be a
+        ``<huh>`` or ``<SystemError>``: check :attr:`Reply.is_error`).
+        Raises :class:`RequestTimeout` or :class:`ConnectionClosed`."""
+        if thread is None:
+            thread = new_thread_id()
+        elif not is_uuid4(thread):
+            raise ValueError("thread must be a uuid4 (the server replaces anything else)")
+        send, receive = trio.open_memory_channel[Reply](1)
+        if thread in self._waiters:
+            raise ValueError(f"a request on thread {thread} is already waiting")
+        self._waiters[thread] = send
+        try:
+            await self.send(payload, to=to, thread=thread)
+            with trio.move_on_after(timeout):
+                try:
+                    reply = await receive.receive()
+                except trio.EndOfChannel:
+                    raise self._failure or ConnectionClosed("connection closed") from None
+                self._handed(reply)
+                return reply
+            raise RequestTimeout(f"no reply on thread {thread} within {timeout:g} s")
+        finally:
+            self._waiters.pop(thread, None)
+            try:
+                late = receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                pass
+            else:
+                # Arrived as the request gave up: a durable reply is not dropped unseen
+                # (unacknowledged, it would come again only on the next connection).
+                if late.id is not None:
+                    self._to_inbox(late)
+
+    # -- receiving -----------------------------------------------------------------------
+
+    async def receive(self) -> Reply:
+        """The next reply no :meth:`request` was waiting for.
+        Raises :class:`ConnectionClosed` once the connection is gone and the inbox empty."""
+        while True:
+            while not self._inbox:
+                if self._closed.is_set():
+                    raise self._failure or ConnectionClosed("connection closed")
+                if self._inbox_ready.is_set():
+                    # A fresh event only once the last one fired: several tasks may wait at
+                    # once, and each must be woken by the next reply or by the close.
+                    self._inbox_ready = trio.Event()
+                await self._inbox_ready.wait()
+            reply = self._inbox.popleft()
+            if reply.id is not None and reply.id in self.delivered:
+                # Handed over meanwhile by another connection sharing ``delivered``.
+                self._queued_ids.discard(reply.id)
+                self.duplicates += 1
+                continue
+            self._handed(reply)
+            return reply
+
+    # -- acknowledgement -----------------------------------------------------------------
+
+    def _handed(self, reply: Reply) -> None:
+        """``reply`` reached the application: remember and acknowledge its id."""
+        if reply.id is None:
+            return
+        self._queued_ids.discard(reply.id)
+        self.delivered.add(reply.id)
+        self._acknowledge(reply.id)
+
+    def _acknowledge(self, reply_id: int) -> None:
+        self._to_ack.append(reply_id)
+        self._ack_wanted.set()
+
+    async def _ack_loop(self) -> None:
+        """Send the acknowledgements, all that are owed in one frame."""
+        while True:
+            await self._ack_wanted.wait()
+            self._ack_wanted = trio.Event()
+            await self.flush_acks()
+
+    async def flush_acks(self) -> None:
+        """Send the acknowledgements owed now (the connection's close does it too)."""
+        while self._to_ack and self._failure is None:
+            ids, self._to_ack = self._to_ack[:MAX_ACK_IDS], self._to_ack[MAX_ACK_IDS:]
+            try:
+                await self.send_raw(ack_frame_body(self._name, ids))
+            except ConnectionClosed:
+                return
+
+    async def receive_on(self, thread: str) -> Reply:
+        """The next reply on ``thread`` no :meth:`request` was waiting for; replies on
+        other threads stay in the inbox (not handed over, so not acknowledged: a durable
+        one is sent again on the next connection if nobody reads it here).
+        Raises :class:`ConnectionClosed` once the connection is gone and none is left."""
+        while True:
+            for reply in self._inbox:
+                if reply.thread == thread:
+                    self._inbox.remove(reply)
+                    if reply.id is not None and reply.id in self.delivered:
+                        self._queued_ids.discard(reply.id)
+                        self.duplicates += 1
+                        break  # look again: the deque changed
+                    self._handed(reply)
+                    return reply
+            else:
+                if self._closed.is_set():
+                    raise self._failure or ConnectionClosed("connection closed")
+                if self._inbox_ready.is_set():
+                    self._inbox_ready = trio.Event()
+                await self._inbox_ready.wait()
+
+    def __aiter__(self) -> AsyncIterator[Reply]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Reply]:
+        while True:
+            try:
+                yield await self.receive()
+            except ConnectionClosed:
+                return
+
+    async def _read_loop(self) -> None:
+        decoder = FrameDecoder(self._max)
+        try:
+            while True:
+                try:
+                    data = await self._stream.receive_some(64 * 1024)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = b""
+                if not data:
+                    self._fail(ConnectionClosed("the server closed the connection"))
+                    return
+                decoder.feed(data)
+                while (frame := decoder.next_frame()) is not None:
+                    self._dispatch(parse_reply(frame, self._parser))
+        except (FramingError, ProtocolError) as exc:
+            self._fail(ProtocolError(str(exc)))
+
+    def _dispatch(self, reply: Reply) -> None:
+        if reply.id is not None:
+            if reply.id in self.delivered:
+                # Sent again: our acknowledgement was lost (e.g. the server restarted).
+                self.duplicates += 1
+                self._acknowledge(reply.id)
+                return
+            if reply.id in self._queued_ids:
+                self.duplicates += 1
+                return
+            self._queued_ids.add(reply.id)
+        waiter = self._waiters.pop(reply.thread, None)
+        if waiter is not None:
+            waiter.send_nowait(reply)  # capacity 1, used once
+            return
+        self._to_inbox(reply)
+
+    def _to_inbox(self, reply: Reply) -> None:
+        if len(self._inbox) >= self._inbox_size:
+            lost = self._inbox.popleft()
+            self.dropped += 1
+            if lost.id is not None:
+                # Not acknowledged: the server sends it again on the next connection.
+                self._queued_ids.discard(lost.id)
+        self._inbox.append(reply)
+        self._inbox_ready.set()
+
+    def _fail(self, error: ClientError) -> None:
+        if self._failure is None:
+            self._failure = error
+        self._closed.set()
+        self._inbox_ready.set()
+        for waiter in self._waiters.values():
+            waiter.close()
+        self._waiters.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    async def wait_closed(self) -> None:
+        """Return once the connection is gone."""
+        await self._closed.wait()
+
+
+PathLike = str | os.PathLike[str]
+
+
+def tls_context(
+    tls: bool | ssl.SSLContext,
+    *,
+    ca: PathLike | None = None,
+    cert: PathLike | None = None,
+    key: PathLike | None = None,
+) -> ssl.SSLContext | None:
+    """The client's TLS context, or None for plaintext. ``ca``, ``cert`` or ``key`` turn
+    TLS on by themselves; a ready context is used as is (and excludes them)."""
+    if isinstance(tls, ssl.SSLContext):
+        if ca is not None or cert is not None or key is not None:
+            raise ValueError("pass ca/cert/key or an SSLContext, not both")
+        return tls
+    if not tls and ca is None and cert is None and key is None:
+        return None
+    from agentserver.net.tls import client_context
+
+    return client_context(ca=ca, cert=cert, key=key)
+
+
+def _handshake_failure(host: str, port: int, exc: BaseException) -> TlsHandshakeError:
+    cause = exc.__cause__
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        detail = cause.verify_message or str(cause)
+        return TlsHandshakeError(
+            f"TLS to {host}:{port}: the server's certificate is not accepted ({detail}); "
+            "is the CA that signed it given (ca=, --ca, $AGENTSERVER_CA)?"
+        )
+    if isinstance(cause, ssl.SSLError):
+        return TlsHandshakeError(f"TLS to {host}:{port} failed: {cause.reason or cause}")
+    return TlsHandshakeError(
+        f"TLS to {host}:{port} failed: the server closed the connection during the handshake "
+        "(it may not speak TLS, or refused our certificate)"
+    )
+
+
+async def _connect(
+    host: str, port: int, context: ssl.SSLContext | None, server_hostname: str | None
+) -> trio.abc.Stream:
+    tcp = await trio.open_tcp_stream(host, port)
+    if context is None:
+        return tcp
+    stream = trio.SSLStream(tcp, context, server_hostname=server_hostname or host)
+    try:
+        await stream.do_handshake()
+    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        await tcp.aclose()
+        raise _handshake_failure(host, port, exc) from None
+    except BaseException:
+        await trio.aclose_forcefully(tcp)
+        raise
+    return stream
+
+
+@contextlib.asynccontextmanager
+async def open_client(
+    host: str,
+    port: int,
+    *,
+    client: str | None = None,
+    token: str | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    connect_timeout: float = 10.0,
+    tls: bool | ssl.SSLContext = False,
+    ca: PathLike | None = None,
+    cert: PathLike | None = None,
+    key: PathLike | None = None,
+    server_hostname: str | None = None,
+    delivered: DeliveredIds | None = None,
+) -> AsyncIterator[Client]:
+    """Connect; with ``client`` and ``token``, send the hello first, asking for reply
+    acknowledgement. Leaving the block sends the acknowledgements still owed (for up to
+    ``ACK_FLUSH_TIMEOUT`` s) and closes the connection. ``delivered``: see
+    :class:`DeliveredIds`.
+
+    TLS: ``tls=True`` (or any of ``ca``/``cert``/``key``) verifies the server's
+    certificate against ``ca`` (default: the system's CAs) and its name against
+    ``server_hostname`` (default: ``host``); ``cert``/``key`` present a client
+    certificate (mutual TLS; then ``client`` needs no token: the hello carries an empty
+    one and only asks for acknowledgement). A ready ``ssl.SSLContext`` may be passed as
+    ``tls`` instead. A failed handshake raises :class:`TlsHandshakeError`."""
+    context = tls_context(tls, ca=ca, cert=cert, key=key)
+    by_certificate = context is not None and (cert is not None or isinstance(tls, ssl.SSLContext))
+    if client is not None and token is None and not by_certificate:
+        raise ValueError("a client name needs a token (or a client certificate)")
+    with trio.fail_after(connect_timeout):
+        stream = await _connect(host, port, context, server_hostname)
+    try:
+        async with stream, trio.open_nursery() as nursery:
+            conn = Client(
+                stream,
+                name=client or "client",
+                max_message_bytes=max_message_bytes,
+                delivered=delivered,
+            )
+            if client is not None:
+                await conn.send_raw(hello_frame_body(client, token or "", ack=True))
+                nursery.start_soon(conn._ack_loop)
+            nursery.start_soon(conn._read_loop)
+            try:
+                yield conn
+            finally:
+                # What the application got must not come again: acknowledge it first.
+                with trio.move_on_after(ACK_FLUSH_TIMEOUT) as flush:
+                    flush.shield = True
+                    async with conn._send_lock:
+                        pass  # an acknowledgement being sent is finished first
+                    await conn.flush_acks()
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The reader task never raises, so a group holds the caller's own exception:
+        # hand it back as raised (callers catch RequestTimeout, not a group of one).
+        raise sole_exception(group) from None
+
+
+def approval_request(reply: Reply) -> dict[str, str] | None:
+    """The fields of an ``<approval-request>`` (request, agent, thread, target, rule,
+    timeout, payload), or None if ``reply`` is something else (docs/agents.md)."""
+    from agentserver.agents.approvals import REQUEST_TAG, ApprovalRequest
+
+    if reply.payload.tag != REQUEST_TAG:
+        return None
+    model = ApprovalRequest.from_xml_tree(reply.payload)
+    return {k: str(v) for k, v in model.model_dump().items()}
+
+
+def approval_ack_status(reply: Reply) -> str | None:
+    """The status of an ``<approval-ack>`` (applied, duplicate, unknown, not-yours)."""
+    from agentserver.agents.approvals import NS
+
+    if reply.payload.tag != f"{{{NS}}}approval-ack":
+        return None
+    return reply.payload.get("status")
