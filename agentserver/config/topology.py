@@ -15,40 +15,14 @@ from lxml import etree
 from pydantic_xml import BaseXmlModel
 
 from agentserver.core.listener import DEFAULT_CONCURRENCY, DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT
-from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
+from agentserver.net.limits import Limits  # defined below config (net applies it)
 from agentserver.net.tls import TlsSpec
 from agentserver.primitives.core import Boot, boot_primitive
-from agentserver.pump.endpoint import DEFAULT_BUFFER_BYTES
 from agentserver.pump.pump import PumpConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7340
 DEFAULT_HTTP_PORT = 7341
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Connection and message limits (boot.xml ``<limits>``; seconds unless stated)."""
-
-    max_connections: int = 256
-    max_inflight: int = 64
-    max_inflight_bytes: int = DEFAULT_BUFFER_BYTES
-    inflight_ttl: float = 120.0
-    outgoing_buffer: int = 256
-    outgoing_buffer_bytes: int = DEFAULT_BUFFER_BYTES
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    read_timeout: float = 10.0
-    write_timeout: float = 10.0
-    hello_timeout: float = 5.0
-    #: 0 means connections may stay idle forever.
-    idle_timeout: float = 0.0
-    drain_timeout: float = 5.0
-    delivery_timeout: float = 10.0
-    max_threads: int = 100_000
-    #: Threads the conversations of one connection may hold: one client alone cannot
-    #: fill the registry.
-    max_threads_per_connection: int = 1024
-    thread_ttl: float = 3600.0
 
 
 @dataclass(frozen=True, slots=True)

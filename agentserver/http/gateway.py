@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import trio
 from lxml import etree
 
-from agentserver.config.topology import HttpSpec, Limits
+from agentserver.config.topology import HttpSpec
 from agentserver.core.envelope import build_envelope
 from agentserver.core.errors import (
     ConfigurationError,
@@ -27,6 +27,7 @@ from agentserver.core.handshake import Identity
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.replies import Exchange, PendingThreads, ThreadView
+from agentserver.net.limits import Limits
 from agentserver.pump.endpoint import Endpoint
 from agentserver.pump.pump import Pump
 
