@@ -10,8 +10,9 @@ from typing import Any
 import trio
 
 from agentserver.app.builtins import RunContext
-from agentserver.app.root import ServeOptions, run_server
+from agentserver.app.root import Running, ServeOptions, run_server
 from agentserver.config.topology import Topology
+from agentserver.remote.hub import RunnerHub
 
 
 @dataclass
@@ -22,6 +23,14 @@ class InProcess:
     #: the HTTP API's base URLs (none when boot.xml declares no ``<http>``)
     urls: list[str]
     shutdown: trio.Event
+    #: what run_server made (its runner hub, its agents)
+    running: Running
+
+    @property
+    def runner_hub(self) -> RunnerHub:
+        """The runner hub (the test's topology has remote listeners)."""
+        assert self.running.runner_hub is not None
+        return self.running.runner_hub
 
 
 async def start_in_process(
@@ -37,12 +46,12 @@ async def start_in_process(
     it listens (``trio.TooSlowError`` after ``timeout_s``). ``options`` go to
     ``run_server`` (e.g. ``tracing``, ``registry``)."""
     shutdown = trio.Event()
-    ports: list[int] = []
+    running: list[Running] = []
     urls: list[str] = []
     ready = trio.Event()
 
-    def listening(addresses: list[str]) -> None:
-        ports.append(int(addresses[0].rsplit(":", 1)[1]))
+    def started(parts: Running) -> None:
+        running.append(parts)
         ready.set()
 
     nursery.start_soon(
@@ -53,11 +62,12 @@ async def start_in_process(
             ctx,
             shutdown,
             environ=environ,
-            on_listening=listening,
+            on_running=started,
             on_http=urls.extend,
             **options,
         )
     )
     with trio.fail_after(timeout_s):
         await ready.wait()
-    return InProcess(ports[0], urls, shutdown)
+    port = int(running[0].addresses[0].rsplit(":", 1)[1])
+    return InProcess(port, urls, shutdown, running[0])

@@ -12,7 +12,7 @@ from lxml import etree
 from serverproc import DATA, REPO
 
 from agentserver.agents.service import start_agents
-from agentserver.app.builtins import RunContext, build_listeners
+from agentserver.app.builtins import RunContext, build_listener_set, build_listeners
 from agentserver.config import loader as boot
 from agentserver.core.envelope import build_envelope
 from agentserver.core.errors import HuhReason, SystemErrorCode
@@ -114,14 +114,15 @@ async def run_console(topology_path, lines, *, extra=None):
     terminal = ScriptedTerminal(lines)
     done = trio.Event()
     ctx = RunContext(topo, terminal=terminal, on_console_exit=done.set)
+    built = build_listener_set(topo, ctx)
     async with (
         ctx.resources,
-        open_pump(build_listeners(topo, ctx), config=topo.pump_config()) as pump,
+        open_pump(built.listeners, config=topo.pump_config()) as pump,
     ):
         async with trio.open_nursery() as nursery:
             # No API key in this environment: the assistant's model calls fail, clearly.
             agents = await start_agents(
-                topo, pump, ctx.services["agent_handlers"], nursery, ctx.resources, environ={}
+                topo, pump, built.agent_handlers, nursery, ctx.resources, environ={}
             )
             if extra is not None:
                 await extra(pump)

@@ -167,7 +167,7 @@ async def test_a_raw_socket_runner_serves_a_listener_declared_only_by_xsd(tmp_pa
     async with trio.open_nursery() as nursery:
         server = await start_in_process(nursery, topology, ctx, environ=ENV)
         port = server.port
-        hub = ctx.services["runner_hub"]
+        hub = server.runner_hub
         env = {**os.environ, "RAW_RUNNER_TOKEN": ENV["RT_RUNNER"]}
         cmd = [sys.executable, "-I", str(script), "127.0.0.1", str(port), "search-runner"]
         proc = await nursery.start(

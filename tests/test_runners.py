@@ -54,7 +54,7 @@ async def serving(xml: bytes):
     async with trio.open_nursery() as nursery:
         server = await start_in_process(nursery, topology, ctx, environ=ENV)
         try:
-            yield server.port, ctx.services["runner_hub"]
+            yield server.port, server.runner_hub
         finally:
             server.shutdown.set()
 

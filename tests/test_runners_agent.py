@@ -86,7 +86,7 @@ async def serving(xml: bytes, *, tracing=None):
     async with trio.open_nursery() as nursery:
         server = await start_in_process(nursery, topology, ctx, environ=ENV, tracing=tracing)
         try:
-            yield server.port, server.urls[0], ctx.services["runner_hub"]
+            yield server.port, server.urls[0], server.runner_hub
         finally:
             server.shutdown.set()
 

@@ -123,7 +123,7 @@ async def test_a_client_resetting_its_connection_ends_it_quietly(caplog):
         rude.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         rude.close()
         with trio.fail_after(10):
-            while server._connections:  # noqa: ASYNC110 (the server has no event for it)
+            while server.connection_count:  # noqa: ASYNC110 (the server has no event for it)
                 await trio.sleep(0.01)
         polite = await trio.open_tcp_stream("127.0.0.1", port)
         thread = new_thread_id()
@@ -147,7 +147,7 @@ async def test_stopping_the_server_ends_a_connection_waiting_for_its_next_reques
             assert etree.fromstring(reply)[0][-1].text == thread
             await trio.sleep(0.05)  # the reader is waiting for the socket now
         # serving() returned: the server stopped and every connection ended.
-        assert not server._connections
+        assert server.connection_count == 0
         assert await stream.receive_some(65536) == b""  # closed by the server
         await stream.aclose()
 

@@ -58,7 +58,7 @@ async def test_steps_over_http_without_an_agent_store_are_the_memory_log():
     ctx = RunContext(topology)
     async with trio.open_nursery() as nursery:
         server = await start_in_process(nursery, topology, ctx, environ=env, timeout_s=10)
-        port, url, hub = server.port, server.urls[0], ctx.services["runner_hub"]
+        port, url, hub = server.port, server.urls[0], server.runner_hub
         nursery.start_soon(
             partial(
                 run_runner,

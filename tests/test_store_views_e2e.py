@@ -81,7 +81,7 @@ async def serving(xml: bytes):
     ctx = RunContext(topology)
     async with trio.open_nursery() as nursery:
         server = await start_in_process(nursery, topology, ctx, environ=ENV)
-        hub = ctx.services["runner_hub"]
+        hub = server.runner_hub
         runner = trio.CancelScope()
 
         async def run_search_runner() -> None:

@@ -148,7 +148,7 @@ async def test_a_stalled_tls_handshake_is_closed_at_the_read_timeout(pki):
             elapsed = trio.current_time() - start
             assert elapsed >= 0.4  # closed by the timeout, not at once
         assert server.counters["tls_failed"] == 2
-        assert not server._connections and server._handshaking == 0
+        assert server.connection_count == 0 and server._handshaking == 0
         await silent.aclose()
         await partial.aclose()
 
@@ -240,7 +240,7 @@ async def test_a_throttled_address_gets_one_waiting_hello_at_a_time():
                 nursery.start_soon(slowed)
                 # Until the first hello was read and waits (every task blocked a while).
                 await trio.testing.wait_all_tasks_blocked(cushion=0.1)
-                assert server._throttled == {"127.0.0.1"}
+                assert server.hello.throttled == {"127.0.0.1"}
                 # A second one meanwhile is refused unchecked (same refusal), before the
                 # first is answered.
                 await wrong_hello(port, "127.0.0.1")

@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic_xml import BaseXmlModel
 
@@ -26,6 +26,11 @@ from agentserver.listeners.console_router import DEFAULT_AGENT, ConsoleRouter
 from agentserver.listeners.system_boot import SystemBoot
 from agentserver.primitives.core import Boot
 
+if TYPE_CHECKING:
+    # Imported where used: most commands (check, schemas) need neither, and both are slow.
+    from agentserver.agents.service import LateHandler
+    from agentserver.remote.hub import RunnerHub
+
 
 @dataclass(slots=True)
 class RunContext:
@@ -36,8 +41,6 @@ class RunContext:
     terminal: Terminal | None = None
     #: Called when the attached console ends (``/quit`` or end of input).
     on_console_exit: Callable[[], None] | None = None
-    #: Free slots for later subsystems (agent store, LLM router) to share objects.
-    services: dict[str, Any] = field(default_factory=dict)
     #: Closed by the server after the pump has drained (stores, routers register here).
     resources: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
 
@@ -209,10 +212,32 @@ def console_listener_names(topology: Topology) -> tuple[str, ...]:
     return tuple(s.name for s in topology.listeners if s.builtin == "console")
 
 
+@dataclass(frozen=True, slots=True)
+class ListenerSet:
+    """What :func:`build_listener_set` made of a topology: the pump's listeners and the
+    objects behind some of them, which the composition root wires further."""
+
+    listeners: list[Listener]
+    #: The hub the remote listeners' handlers send jobs to (None: no remote listener);
+    #: the TCP server gives it the runner connections.
+    runner_hub: RunnerHub | None = None
+    #: Each agent listener's handler, by name: it refuses until the agent runtime binds
+    #: it once the pump runs (:func:`agentserver.agents.service.start_agents`).
+    agent_handlers: Mapping[str, LateHandler] = field(default_factory=dict)
+
+
 def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
-    """The pump listeners of ``topology``, with built-in handlers made for ``ctx``."""
+    """The pump listeners of ``topology``, with built-in handlers made for ``ctx`` (see
+    :func:`build_listener_set` for the objects behind remote and agent listeners)."""
+    return build_listener_set(topology, ctx).listeners
+
+
+def build_listener_set(topology: Topology, ctx: RunContext) -> ListenerSet:
+    """The pump listeners of ``topology``, with built-in handlers made for ``ctx``, and
+    the runner hub and agent handlers they use."""
     listeners = []
-    late = ctx.services.setdefault("agent_handlers", {})
+    late: dict[str, LateHandler] = {}
+    hub: RunnerHub | None = None
     for spec in topology.listeners:
         timeout = spec.timeout
         sync = False
@@ -221,9 +246,9 @@ def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
             # job and returns the runner's reply (agentserver.remote.hub).
             from agentserver.remote.hub import hub_for, pump_timeout
 
-            hub = ctx.services.get("runner_hub") or ctx.services.setdefault(
-                "runner_hub", hub_for(topology)
-            )
+            if hub is None:
+                hub = hub_for(topology)
+                assert hub is not None  # the topology has a remote listener
             handler = hub.handler_for(spec.name)
             timeout = pump_timeout(hub.policies[spec.name])
         elif spec.agent:
@@ -263,4 +288,4 @@ def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
                 sync=sync,
             )
         )
-    return listeners
+    return ListenerSet(listeners, hub, MappingProxyType(late))

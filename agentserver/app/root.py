@@ -11,12 +11,12 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from prometheus_client import CollectorRegistry
 
-from agentserver.app.builtins import RunContext, build_listeners
+from agentserver.app.builtins import RunContext, build_listener_set
 from agentserver.config.topology import HttpSpec, Topology
 from agentserver.console.operator import Operator
 from agentserver.core.errors import ConfigurationError
@@ -25,6 +25,11 @@ from agentserver.net.server import Server, format_address
 from agentserver.net.tls import CertificateRule, normalize_fingerprint, parse_subject
 from agentserver.observability import Metrics, Tracing
 from agentserver.pump.pump import Pump
+
+if TYPE_CHECKING:
+    from agentserver.agents.events import EventBus
+    from agentserver.agents.service import AgentService
+    from agentserver.remote.hub import RunnerHub
 
 log = logging.getLogger("agentserver.app")
 
@@ -41,6 +46,19 @@ class ServeOptions:
     http_port: int | None = None
     #: Development only (loopback): each <huh> carries its logged reason (docs/protocol.md).
     explain_refusals: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A running server's parts, for whoever embeds :func:`run_server` (tests, tools):
+    handed to its ``on_running`` once the server listens."""
+
+    #: The socket's addresses, as ``on_listening`` gets them.
+    addresses: tuple[str, ...]
+    #: The remote listeners' hub (None: the topology has no remote listener).
+    runner_hub: RunnerHub | None
+    #: The agents (None: the topology has no agent listener).
+    agents: AgentService | None
 
 
 def http_spec(topology: Topology, options: ServeOptions, socket_host: str) -> HttpSpec | None:
@@ -113,6 +131,8 @@ async def run_server(
     environ,
     on_listening: Callable[[list[str]], None] | None = None,
     on_http: Callable[[list[str]], None] | None = None,
+    on_running: Callable[[Running], None] | None = None,
+    on_agent_events: Callable[[EventBus], None] | None = None,
     registry: CollectorRegistry | None = None,
     tracing: Tracing | None = None,
 ) -> None:
@@ -122,7 +142,10 @@ async def run_server(
     server must not start (e.g. anonymous access on a public address without insecure).
 
     With ``<http>`` (or ``options.http_port``) the HTTP API is served too, before the
-    socket, and ``on_http`` gets its URLs. ``registry`` is the Prometheus registry
+    socket, and ``on_http`` gets its URLs. Once the socket listens, ``on_listening``
+    gets its addresses and ``on_running`` the running parts (:class:`Running`).
+    ``on_agent_events`` gets the agents' event bus once they run (an attached console
+    shows their streamed text; not called without agents). ``registry`` is the Prometheus registry
     ``/metrics`` serves and the server's metrics are registered in (a new one by
     default); ``tracing`` defaults to what the ``OTEL_*`` variables of ``environ`` ask
     for."""
@@ -156,27 +179,12 @@ async def run_server(
         tracing = Tracing.from_environ(environ)
         ctx.resources.callback(tracing.shutdown)
     metrics = Metrics(registry)
-    listeners = build_listeners(topology, ctx)
+    built = build_listener_set(topology, ctx)
+    hub = built.runner_hub
     config = topology.pump_config()
     if options.explain_refusals:
         config = dataclasses.replace(config, explain_refusals=True)
-    pump = Pump(listeners, config=config, tracing=tracing)
-    server = Server(
-        pump,
-        topology.limits,
-        HelloGate(credentials(topology, environ)),
-        ssl_context=ssl_context,
-        cert_rules=certificate_rules(topology) if topology.tls is not None else (),
-        allowed={
-            c.name: frozenset(c.may_address) if c.may_address is not None else None
-            for c in topology.clients
-        },
-    )
-    server.runners = ctx.services.get("runner_hub")
-    server.operators = frozenset(c.name for c in topology.clients if c.operator)
-    server.anonymous_operators = not topology.clients
-    # The server keeps no public count (yet): read its set of connections at scrape time.
-    metrics.bind_pump(pump, lambda: len(server._connections))
+    pump = Pump(built.listeners, config=config, tracing=tracing)
     step_log = step_writer = None
     async with ctx.resources:
         async with trio.open_nursery() as nursery:
@@ -186,7 +194,7 @@ async def run_server(
             agents = await start_agents(
                 topology,
                 pump,
-                ctx.services.get("agent_handlers", {}),
+                built.agent_handlers,
                 nursery,
                 ctx.resources,
                 environ=environ,
@@ -194,22 +202,37 @@ async def run_server(
                 metrics=metrics,
             )
             if agents is not None:
-                server.named_clients = agents.ports.clients
-                if server.runners is not None:
+                if hub is not None:
                     # Step events are durable rows in the agents' store from now on.
                     step_log, step_writer = await _durable_step_log(
                         nursery, agents.runtime.store, metrics
                     )
-                    server.runners.step_log = step_log
-                # An attached console shows the agents' streamed text (run --console).
-                on_events = ctx.services.get("on_agent_events")
-                if on_events is not None:
-                    on_events(agents.runtime.events)
-            server.operator = Operator(
-                agents.runtime if agents is not None else None,
-                server.runners,
-                max_message_bytes=topology.limits.max_message_bytes,
+                    hub.log_steps_to(step_log)
+                if on_agent_events is not None:
+                    on_agent_events(agents.runtime.events)
+            # Made once the agents run: the named clients' replies and the operator's
+            # commands need them.
+            server = Server(
+                pump,
+                topology.limits,
+                HelloGate(credentials(topology, environ)),
+                ssl_context=ssl_context,
+                cert_rules=certificate_rules(topology) if topology.tls is not None else (),
+                allowed={
+                    c.name: frozenset(c.may_address) if c.may_address is not None else None
+                    for c in topology.clients
+                },
+                runners=hub,
+                operator=Operator(
+                    agents.runtime if agents is not None else None,
+                    hub,
+                    max_message_bytes=topology.limits.max_message_bytes,
+                ),
+                operators=frozenset(c.name for c in topology.clients if c.operator),
+                anonymous_operators=not topology.clients,
+                named_clients=agents.ports.clients if agents is not None else None,
             )
+            metrics.bind_pump(pump, lambda: server.connection_count)
             await pump.inject_system(
                 topology.boot_primitive(),
                 to=topology.boot_listener.name,
@@ -223,6 +246,7 @@ async def run_server(
                     http,
                     pump,
                     server,
+                    hub,
                     agents,
                     registry,
                     ctx,
@@ -241,6 +265,8 @@ async def run_server(
             log.debug("listening on %s", ", ".join(shown))
             if on_listening is not None:
                 on_listening(shown)
+            if on_running is not None:
+                on_running(Running(tuple(shown), hub, agents))
             await shutdown.wait()
             log.info("shutting down: draining for up to %ss", topology.limits.drain_timeout)
             if http_ctx is not None:
@@ -286,7 +312,8 @@ async def _start_http(
     spec: HttpSpec,
     pump: Pump,
     server: Server,
-    agents: Any,
+    hub: RunnerHub | None,
+    agents: AgentService | None,
     registry: CollectorRegistry,
     ctx: RunContext,
     stop: trio.Event,
@@ -317,8 +344,8 @@ async def _start_http(
         agents=view,
         events=agents.runtime.events if agents is not None else None,
         backends=(lambda: router.stats().as_dict()["backends"]) if router is not None else None,
-        transports=lambda: {"socket": len(server._connections), **server.counters},
-        steps=server.runners.step_log if server.runners is not None else None,
+        transports=lambda: {"socket": server.connection_count, **server.counters},
+        steps=hub.step_log if hub is not None else None,
         organism=topology.organism,
         version=package_version(),
     )

@@ -571,12 +571,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_signals, shutdown, nursery.cancel_scope, terminal)
+            on_agent_events = None
             if hasattr(terminal, "chunk"):
                 from agentserver.console.terminal import show_chunks
 
-                ctx.services["on_agent_events"] = functools.partial(
-                    nursery.start_soon, show_chunks, terminal
-                )
+                on_agent_events = functools.partial(nursery.start_soon, show_chunks, terminal)
             await run_server(
                 topology,
                 options,
@@ -585,6 +584,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 environ=os.environ,
                 on_listening=listening,
                 on_http=http_listening,
+                on_agent_events=on_agent_events,
             )
             nursery.cancel_scope.cancel()
 

@@ -140,10 +140,17 @@ class RunnerHub:
         self._jobs: dict[str, Job] = {}
         #: Steps in progress, for stop from outside.
         self._steps: dict[str, _StepEntry] = {}
-        #: Where step events are recorded: in memory until the server gives the hub its
-        #: agent store (app.py), durable from then on (agents/step_log.py).
+        #: Where step events are recorded: in memory until :meth:`log_steps_to` gives the
+        #: hub the agent store's log (app/root.py), durable from then on
+        #: (agents/step_log.py). Read it; do not assign it.
         self.step_log: StepLog = MemoryStepLog()
         self.counters = collections.Counter[str]()
+
+    def log_steps_to(self, step_log: StepLog) -> None:
+        """Record step events in ``step_log`` from now on (the agents' store exists only
+        once the agents run, after the hub was made). Rows already in the memory log
+        stay there."""
+        self.step_log = step_log
 
     # -- connections -------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from lxml import etree
 from serverproc import REPO
 
 from agentserver.agents.service import start_agents
-from agentserver.app.builtins import RunContext, build_listeners
+from agentserver.app.builtins import RunContext, build_listener_set
 from agentserver.config import loader as boot
 from agentserver.core.envelope import build_envelope
 from agentserver.core.threads import new_thread_id
@@ -31,14 +31,15 @@ async def test_back_to_back_tasks_are_enqueued_and_answered_in_send_order(tmp_pa
     ctx = RunContext(topo)
     sent: list[str] = []
     answered: list[str] = []
+    built = build_listener_set(topo, ctx)
     async with (
         ctx.resources,
-        open_pump(build_listeners(topo, ctx), config=topo.pump_config()) as pump,
+        open_pump(built.listeners, config=topo.pump_config()) as pump,
     ):
         async with trio.open_nursery() as nursery:
             # No API key: every Turn fails at once, which is all this test needs.
             agents = await start_agents(
-                topo, pump, ctx.services["agent_handlers"], nursery, ctx.resources, environ={}
+                topo, pump, built.agent_handlers, nursery, ctx.resources, environ={}
             )
             assert agents is not None
             ep = pump.open_endpoint("client", buffer=4 * ROUNDS)
