@@ -220,7 +220,7 @@ class Client:
         grant or deny the tool call it holds. The agent acknowledges it with an
         ``<approval-ack status="applied|duplicate|unknown|not-yours">`` on the returned
         thread (:func:`approval_ack_status` reads it)."""
-        from agentserver.agents.approvals import ApprovalDecision
+        from agentserver.primitives.approval import ApprovalDecision
 
         return await self.send(
             ApprovalDecision(request=request_id, grant=grant, reason=reason), to=agent
@@ -546,7 +546,7 @@ async def open_client(
 def approval_request(reply: Reply) -> dict[str, str] | None:
     """The fields of an ``<approval-request>`` (request, agent, thread, target, rule,
     timeout, payload), or None if ``reply`` is something else (docs/agents.md)."""
-    from agentserver.agents.approvals import REQUEST_TAG, ApprovalRequest
+    from agentserver.primitives.approval import REQUEST_TAG, ApprovalRequest
 
     if reply.payload.tag != REQUEST_TAG:
         return None
@@ -556,7 +556,7 @@ def approval_request(reply: Reply) -> dict[str, str] | None:
 
 def approval_ack_status(reply: Reply) -> str | None:
     """The status of an ``<approval-ack>`` (applied, duplicate, unknown, not-yours)."""
-    from agentserver.agents.approvals import NS
+    from agentserver.primitives.approval import NS
 
     if reply.payload.tag != f"{{{NS}}}approval-ack":
         return None
