@@ -322,6 +322,21 @@ class Client:
             self._ack_wanted = trio.Event()
             await self.flush_acks()
 
+    def start(self, nursery: trio.Nursery, *, acks: bool) -> None:
+        """Start the connection's background tasks in ``nursery``: the reader, and with
+        ``acks`` (the hello asked for acknowledgement) the acknowledgement sender. Both
+        run until cancelled; neither raises."""
+        if acks:
+            nursery.start_soon(self._ack_loop)
+        nursery.start_soon(self._read_loop)
+
+    async def finish_acks(self) -> None:
+        """Let an acknowledgement being sent finish, then send those still owed (leaving
+        :func:`open_client` does it, so what the application got does not come again)."""
+        async with self._send_lock:
+            pass
+        await self.flush_acks()
+
     async def flush_acks(self) -> None:
         """Send the acknowledgements owed now (the connection's close does it too)."""
         while self._to_ack and self._failure is None:
@@ -525,17 +540,14 @@ async def open_client(
             )
             if client is not None:
                 await conn.send_raw(hello_frame_body(client, token or "", ack=True))
-                nursery.start_soon(conn._ack_loop)
-            nursery.start_soon(conn._read_loop)
+            conn.start(nursery, acks=client is not None)
             try:
                 yield conn
             finally:
                 # What the application got must not come again: acknowledge it first.
                 with trio.move_on_after(ACK_FLUSH_TIMEOUT) as flush:
                     flush.shield = True
-                    async with conn._send_lock:
-                        pass  # an acknowledgement being sent is finished first
-                    await conn.flush_acks()
+                    await conn.finish_acks()
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # The reader task never raises, so a group holds the caller's own exception:
