@@ -192,7 +192,7 @@ async def run(
 
             rt.store._db.set_trace_callback(count)  # type: ignore[attr-defined]
         for n in names:
-            late[n].target = agent_handler(rt, pump, n)
+            late[n].bind(agent_handler(rt, pump, n))
         client = pump.open_endpoint("bench")
         requests = [
             etree.tostring(

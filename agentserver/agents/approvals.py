@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -51,6 +52,7 @@ __all__ = [
     "ApprovalRequest",
     "Approvals",
     "PendingApproval",
+    "SendApproval",
     "forward_granted",
     "request_element",
 ]
@@ -75,6 +77,10 @@ class PendingApproval:
     thread: str
 
 
+#: Delivers an approval request (the element) to ``pending.approver``.
+SendApproval = Callable[[PendingApproval, etree._Element], Awaitable[None]]
+
+
 def request_element(p: PendingApproval, timeout: float) -> etree._Element:
     model = ApprovalRequest(
         request=p.request_id,
@@ -95,7 +101,14 @@ class Approvals:
     it): ``await send(pending, element)`` delivers the request to ``pending.approver``.
     """
 
-    def __init__(self, store, clock: Clock, doorbell, send=None, interval_s: float = 0.5):
+    def __init__(
+        self,
+        store,
+        clock: Clock,
+        doorbell,
+        send: SendApproval | None = None,
+        interval_s: float = 0.5,
+    ) -> None:
         self.store = store
         self.clock = clock
         self.doorbell = doorbell

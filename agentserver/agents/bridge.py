@@ -58,7 +58,13 @@ class PumpPorts:
     the store only (its deliverable card).
     """
 
-    def __init__(self, pump: Pump, *, named_clients: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        pump: Pump,
+        *,
+        named_clients: Iterable[str] = (),
+        operators: Iterable[str] = (),
+    ) -> None:
         self.pump = pump
         self.named_clients = frozenset(named_clients)
         self.store: AgentStore | None = None
@@ -66,7 +72,7 @@ class PumpPorts:
         self.clients: NamedClientReplies | None = None
         self._delivered: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: Listeners whose approval decisions are the operator's (console routers).
-        self.operators: frozenset[str] = frozenset()
+        self.operators = frozenset(operators)
 
     def attach(self, store: AgentStore) -> None:
         self.store = store

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import trio
 from lxml import etree
 
-from agentserver.agents.approvals import Approvals
+from agentserver.agents.approvals import Approvals, SendApproval
 from agentserver.agents.clock import Clock, SystemClock
 from agentserver.agents.compaction import SUMMARY, plan, summary_chunks, summary_max_tokens
 from agentserver.agents.compactor import summarise
@@ -56,6 +56,8 @@ class AgentRuntime:
         clock: Clock | None = None,
         events: EventBus | None = None,
         tracing: Tracing | None = None,
+        send_approval: SendApproval | None = None,
+        listener_approvers: tuple[str, ...] = (),
     ) -> None:
         self.store = store
         self.profiles = dict(profiles)
@@ -76,11 +78,15 @@ class AgentRuntime:
         )
         self.watchdog = Watchdog(ender=self.ender, settings=settings)
         self.approvals = Approvals(
-            store, self.clock, self.doorbell, interval_s=settings.watchdog_interval_s
+            store,
+            self.clock,
+            self.doorbell,
+            send=send_approval,
+            interval_s=settings.watchdog_interval_s,
         )
         self.worker.approvals = self.approvals
         #: Approvers that are listeners (their requests are sent again after a restart).
-        self.listener_approvers: tuple[str, ...] = ()
+        self.listener_approvers = listener_approvers
 
     @classmethod
     def open(
@@ -93,9 +99,14 @@ class AgentRuntime:
         replies: ReplyPort,
         clock: Clock | None = None,
         tracing: Tracing | None = None,
+        send_approval: SendApproval | None = None,
+        listener_approvers: tuple[str, ...] = (),
     ) -> AgentRuntime:
         """Open the store (created/migrated) and wire everything: the PostgreSQL database
-        of ``settings.url`` if set, else the SQLite file at ``settings.path``."""
+        of ``settings.url`` if set, else the SQLite file at ``settings.path``.
+        ``send_approval`` delivers approval requests (None: they wait in the store);
+        ``listener_approvers`` are the approvers that are listeners (their requests are
+        sent again after a restart)."""
         clock = clock or SystemClock()
         store: SqliteAgentStore | PostgresAgentStore
         if settings.url:
@@ -114,6 +125,8 @@ class AgentRuntime:
             settings=settings,
             clock=clock,
             tracing=tracing,
+            send_approval=send_approval,
+            listener_approvers=listener_approvers,
         )
 
     # -- intake (from the pump handlers) ---------------------------------------------

@@ -47,7 +47,12 @@ class LateHandler:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        #: The handler it calls once bound (read only: :meth:`bind` sets it).
         self.target: Handler | None = None
+
+    def bind(self, target: Handler) -> None:
+        """Call ``target`` from now on (once the agent runtime runs)."""
+        self.target = target
 
     async def __call__(self, payload: etree._Element, meta: HandlerMetadata) -> None:
         if self.target is None:
@@ -184,9 +189,31 @@ async def start_agents(
             else dataclasses.replace(p, context_window=w)
             for name, p in profiles.items()
         }
-    ports = PumpPorts(pump, named_clients=[c.name for c in topology.clients])
+    clients = {c.name for c in topology.clients}
+    ports = PumpPorts(
+        pump,
+        named_clients=clients,
+        operators=frozenset(s.name for s in topology.listeners if s.builtin == "console-router"),
+    )
     runtime = AgentRuntime.open(
-        settings, profiles, llm=llm, tools=ports, replies=ports, tracing=tracing
+        settings,
+        profiles,
+        llm=llm,
+        tools=ports,
+        replies=ports,
+        tracing=tracing,
+        send_approval=ports.send_approval,
+        listener_approvers=tuple(
+            sorted(
+                {
+                    r.approver
+                    for p in profiles.values()
+                    if p.policy is not None
+                    for r in p.policy.rules
+                    if r.approver and r.approver not in clients
+                }
+            )
+        ),
     )
     resources.push_async_callback(runtime.aclose)
     figures = None
@@ -198,22 +225,8 @@ async def start_agents(
         figures = StoreFigures(runtime.store, runtime.clock)
         runtime.events.observe(metrics.bind_agents(figures, tuple(profiles)))
     ports.attach(runtime.store)
-    runtime.approvals.send = ports.send_approval
-    ports.operators = frozenset(s.name for s in topology.listeners if s.builtin == "console-router")
-    clients = {c.name for c in topology.clients}
-    runtime.listener_approvers = tuple(
-        sorted(
-            {
-                r.approver
-                for p in profiles.values()
-                if p.policy is not None
-                for r in p.policy.rules
-                if r.approver and r.approver not in clients
-            }
-        )
-    )
     for name in profiles:
-        handlers[name].target = agent_handler(runtime, pump, name, ports)
+        handlers[name].bind(agent_handler(runtime, pump, name, ports))
     service = AgentService(runtime, ports, profiles, router=getattr(llm, "router", None))
 
     async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
