@@ -479,9 +479,12 @@ def _handshake_failure(host: str, port: int, exc: BaseException) -> TlsHandshake
     )
 
 
-async def _connect(
+async def connect_stream(
     host: str, port: int, context: ssl.SSLContext | None, server_hostname: str | None
 ) -> trio.abc.Stream:
+    """A TCP stream to ``host``:``port``, TLS-wrapped with ``context`` if given (its
+    handshake done: a failed one raises :class:`TlsHandshakeError`). Unbounded: callers
+    put it under their connect timeout."""
     tcp = await trio.open_tcp_stream(host, port)
     if context is None:
         return tcp
@@ -529,7 +532,7 @@ async def open_client(
     if client is not None and token is None and not by_certificate:
         raise ValueError("a client name needs a token (or a client certificate)")
     with trio.fail_after(connect_timeout):
-        stream = await _connect(host, port, context, server_hostname)
+        stream = await connect_stream(host, port, context, server_hostname)
     try:
         async with stream, trio.open_nursery() as nursery:
             conn = Client(
