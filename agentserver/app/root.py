@@ -356,9 +356,12 @@ async def _start_http(
         # Its own context: ALPN for HTTP must not touch the socket's.
         ssl_context = server_context(topology.tls, environ)
     config = http_config(
-        spec.host, spec.port, ssl_context=ssl_context, read_timeout=topology.limits.read_timeout
+        spec.host,
+        spec.port,
+        ssl_context=ssl_context,
+        read_timeout=topology.limits.read_timeout,
+        graceful_timeout=topology.limits.drain_timeout,
     )
-    config.graceful_timeout = topology.limits.drain_timeout
     gateway_scope = trio.CancelScope()
 
     async def run_gateway(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

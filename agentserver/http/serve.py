@@ -33,8 +33,15 @@ class _Config(Config):
 
 
 def http_config(
-    host: str, port: int, *, ssl_context: ssl.SSLContext | None, read_timeout: float
+    host: str,
+    port: int,
+    *,
+    ssl_context: ssl.SSLContext | None,
+    read_timeout: float,
+    graceful_timeout: float | None = None,
 ) -> Config:
+    """Hypercorn's configuration for the API on ``host``:``port``. ``graceful_timeout``:
+    how long requests in progress may finish at shutdown (None: hypercorn's default)."""
     config = _Config(ssl_context)
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
@@ -43,6 +50,8 @@ def http_config(
     config.ssl_handshake_timeout = read_timeout
     # A small fixed header budget: headers are not where payloads go.
     config.h11_max_incomplete_size = 16 * 1024
+    if graceful_timeout is not None:
+        config.graceful_timeout = graceful_timeout
     return config
 
 
