@@ -36,11 +36,11 @@ log = logging.getLogger("agentserver.server")
 
 async def _receive_direct(direct: socket.socket, readable: trio.socket.SocketType) -> bytes:
     """What ``direct`` (a :func:`~agentserver.net.writer.direct_handle`) has to read: b""
-    at end of input; OSError if the connection broke. Yields first, then reads without waiting when it
-    can: by then the client has usually sent its next request (a client waiting for its
-    reply sends the next one at once), so the read neither fails nor waits on the I/O
-    manager (trio's ``receive_some`` reads at once, fails, registers the socket with
-    epoll, waits a round, reads, and yields again). A checkpoint: cancellable."""
+    at end of input; OSError if the connection broke. Yields first, then reads without
+    waiting when it can: by then the client has usually sent its next request (a client
+    waiting for its reply sends the next one at once), so the read neither fails nor waits
+    on the I/O manager (trio's ``receive_some`` reads at once, fails, registers the socket
+    with epoll, waits a round, reads, and yields again). A checkpoint: cancellable."""
     await trio.lowlevel.checkpoint()
     while True:
         try:
@@ -112,6 +112,7 @@ class Connection:
         self.is_operator = False
 
     def stop_reading(self) -> None:
+        """Read no more from the client (shutdown); replies still owed are written."""
         self._reading.cancel()
 
     # -- as a ClientLink (named clients) ---------------------------------------------------
