@@ -13,7 +13,7 @@ only once received:
 
 When a connection ends, the replies it was offered and did not receive are offered to
 another live connection of the identity, else handed over at the next hello. The server
-implements :class:`ClientLink`; it calls :meth:`NamedClientReplies.attach` after a named
+implements :class:`~agentserver.net.roles.ClientLink`; it calls :meth:`NamedClientReplies.attach` after a named
 client's hello and :meth:`~NamedClientReplies.detach` when the connection ends.
 """
 
@@ -21,38 +21,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Protocol
 
 from lxml import etree
 
 from agentserver.agents.store import AgentStore
 from agentserver.core.xmlsafe import canonicalize, make_parser
+from agentserver.net.roles import ClientLink  # declared in net, which implements it
 
 log = logging.getLogger(__name__)
 
 #: The attribute of ``<message>`` that carries a durable reply's id (docs/wire.md).
 REPLY_ID_ATTR = "reply-id"
-
-
-class ClientLink(Protocol):
-    """One connection of a named client, as the server exposes it."""
-
-    #: The client name of the hello (a second connection's endpoint has another name).
-    identity: str
-    endpoint_name: str
-    #: The hello asked for acknowledgement.
-    acks: bool
-    #: False once the client's end of input was read: it can acknowledge nothing more.
-    input_open: bool
-
-    def offer(self, reply_id: int, body: bytes) -> bool:
-        """Queue a durable reply for the client; False if the connection cannot take it."""
-        ...
-
-    def take_written(self) -> list[int]:
-        """Ids of durable replies written while the input was open (no-ack links), since
-        the last call."""
-        ...
 
 
 def with_reply_id(body: bytes, reply_id: int) -> bytes:

@@ -25,8 +25,14 @@ class ClientLink(Protocol):
     #: False once the client's end of input was read: it can acknowledge nothing more.
     input_open: bool
 
-    def offer(self, reply_id: int, body: bytes) -> bool: ...
-    def take_written(self) -> list[int]: ...
+    def offer(self, reply_id: int, body: bytes) -> bool:
+        """Queue a durable reply for the client; False if the connection cannot take it."""
+        ...
+
+    def take_written(self) -> list[int]:
+        """Ids of durable replies written while the input was open (no-ack links), since
+        the last call."""
+        ...
 
 
 class NamedClients(Protocol):
