@@ -220,7 +220,7 @@ class Client:
         grant or deny the tool call it holds. The agent acknowledges it with an
         ``<approval-ack status="applied|duplicate|unknown|not-yours">`` on the returned
         thread (:func:`approval_ack_status` reads it)."""
-        from agentserver.primitives.approval import ApprovalDecision
+        from agentserver.agents.approvals import ApprovalDecision
 
         return await self.send(
             ApprovalDecision(request=request_id, grant=grant, reason=reason), to=agent
@@ -321,21 +321,6 @@ class Client:
             await self._ack_wanted.wait()
             self._ack_wanted = trio.Event()
             await self.flush_acks()
-
-    def start(self, nursery: trio.Nursery, *, acks: bool) -> None:
-        """Start the connection's background tasks in ``nursery``: the reader, and with
-        ``acks`` (the hello asked for acknowledgement) the acknowledgement sender. Both
-        run until cancelled; neither raises."""
-        if acks:
-            nursery.start_soon(self._ack_loop)
-        nursery.start_soon(self._read_loop)
-
-    async def finish_acks(self) -> None:
-        """Let an acknowledgement being sent finish, then send those still owed (leaving
-        :func:`open_client` does it, so what the application got does not come again)."""
-        async with self._send_lock:
-            pass
-        await self.flush_acks()
 
     async def flush_acks(self) -> None:
         """Send the acknowledgements owed now (the connection's close does it too)."""
@@ -479,12 +464,9 @@ def _handshake_failure(host: str, port: int, exc: BaseException) -> TlsHandshake
     )
 
 
-async def connect_stream(
+async def _connect(
     host: str, port: int, context: ssl.SSLContext | None, server_hostname: str | None
 ) -> trio.abc.Stream:
-    """A TCP stream to ``host``:``port``, TLS-wrapped with ``context`` if given (its
-    handshake done: a failed one raises :class:`TlsHandshakeError`). Unbounded: callers
-    put it under their connect timeout."""
     tcp = await trio.open_tcp_stream(host, port)
     if context is None:
         return tcp
@@ -532,7 +514,7 @@ async def open_client(
     if client is not None and token is None and not by_certificate:
         raise ValueError("a client name needs a token (or a client certificate)")
     with trio.fail_after(connect_timeout):
-        stream = await connect_stream(host, port, context, server_hostname)
+        stream = await _connect(host, port, context, server_hostname)
     try:
         async with stream, trio.open_nursery() as nursery:
             conn = Client(
@@ -543,14 +525,17 @@ async def open_client(
             )
             if client is not None:
                 await conn.send_raw(hello_frame_body(client, token or "", ack=True))
-            conn.start(nursery, acks=client is not None)
+                nursery.start_soon(conn._ack_loop)
+            nursery.start_soon(conn._read_loop)
             try:
                 yield conn
             finally:
                 # What the application got must not come again: acknowledge it first.
                 with trio.move_on_after(ACK_FLUSH_TIMEOUT) as flush:
                     flush.shield = True
-                    await conn.finish_acks()
+                    async with conn._send_lock:
+                        pass  # an acknowledgement being sent is finished first
+                    await conn.flush_acks()
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # The reader task never raises, so a group holds the caller's own exception:
@@ -561,7 +546,7 @@ async def open_client(
 def approval_request(reply: Reply) -> dict[str, str] | None:
     """The fields of an ``<approval-request>`` (request, agent, thread, target, rule,
     timeout, payload), or None if ``reply`` is something else (docs/agents.md)."""
-    from agentserver.primitives.approval import REQUEST_TAG, ApprovalRequest
+    from agentserver.agents.approvals import REQUEST_TAG, ApprovalRequest
 
     if reply.payload.tag != REQUEST_TAG:
         return None
@@ -571,7 +556,7 @@ def approval_request(reply: Reply) -> dict[str, str] | None:
 
 def approval_ack_status(reply: Reply) -> str | None:
     """The status of an ``<approval-ack>`` (applied, duplicate, unknown, not-yours)."""
-    from agentserver.primitives.approval import NS
+    from agentserver.agents.approvals import NS
 
     if reply.payload.tag != f"{{{NS}}}approval-ack":
         return None

@@ -164,4 +164,4 @@ class Endpoint:
         self.closed = True
         if self._out is not None:
             self._out[0].close()
-        self._pump.detach_endpoint(self)
+        self._pump._detach(self)

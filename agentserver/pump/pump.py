@@ -483,9 +483,7 @@ class Pump:
         self._endpoints[name] = endpoint
         return endpoint
 
-    def detach_endpoint(self, endpoint: Endpoint) -> None:
-        """Forget a closed endpoint: its name is free again and its threads are dropped.
-        Called by :meth:`Endpoint.close`; idempotent."""
+    def _detach(self, endpoint: Endpoint) -> None:
         if self._endpoints.get(endpoint.name) is endpoint:
             del self._endpoints[endpoint.name]
             self.threads.remove_owned_by(endpoint.name)
