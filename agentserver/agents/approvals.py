@@ -25,48 +25,41 @@ from dataclasses import dataclass
 
 import trio
 from lxml import etree
-from pydantic_xml import BaseXmlModel, attr, element
 
 from agentserver.agents.clock import Clock
 from agentserver.agents.errors import PumpRefused, StaleTurn
 from agentserver.core.xmlsafe import SafeParser
+from agentserver.primitives.approval import (
+    DECISION_TAG,
+    NS,
+    REQUEST_TAG,
+    ApprovalAck,
+    ApprovalDecision,
+    ApprovalRequest,
+)
 
 log = logging.getLogger(__name__)
 
-NS = "urn:agentserver:approval"
-REQUEST_TAG = f"{{{NS}}}approval-request"
-DECISION_TAG = f"{{{NS}}}approval-decision"
+# The approval vocabulary is wire-level (a client reads and writes it too): defined in
+# agentserver.primitives.approval, importable from here as before.
+__all__ = [
+    "APPROVAL_PREFIX",
+    "DECISION_TAG",
+    "NS",
+    "REQUEST_TAG",
+    "WAITING_KIND",
+    "ApprovalAck",
+    "ApprovalDecision",
+    "ApprovalRequest",
+    "Approvals",
+    "PendingApproval",
+    "forward_granted",
+    "request_element",
+]
+
 APPROVAL_PREFIX = "approval:"
 #: turn_waiting_tools.after_execution of a call waiting for its approval.
 WAITING_KIND = "approval"
-
-
-class ApprovalRequest(BaseXmlModel, tag="approval-request", nsmap={"": NS}):
-    """Sent to the approver: one tool call waiting for a decision."""
-
-    request: str = attr()
-    agent: str = attr()
-    thread: str = attr()
-    target: str = attr()
-    rule: str = attr()
-    timeout: float = attr()
-    payload: str = element()
-
-
-class ApprovalDecision(BaseXmlModel, tag="approval-decision", nsmap={"": NS}):
-    """The approver's answer, addressed to the agent."""
-
-    request: str = attr()
-    grant: bool = attr()
-    reason: str = element(default="")
-
-
-class ApprovalAck(BaseXmlModel, tag="approval-ack", nsmap={"": NS}):
-    """The agent's acknowledgement of a decision: ``applied``, ``duplicate`` (an earlier
-    decision or the timeout already settled it), ``unknown`` or ``not-yours``."""
-
-    request: str = attr()
-    status: str = attr()
 
 
 @dataclass(frozen=True, slots=True)
