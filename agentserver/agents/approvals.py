@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -38,10 +39,8 @@ from agentserver.primitives.approval import (
     ApprovalRequest,
 )
 
-log = logging.getLogger(__name__)
-
-# The approval vocabulary is wire-level (a client reads and writes it too): defined in
-# agentserver.primitives.approval, importable from here as before.
+# The wire payloads live in primitives (the client library reads them too); they are
+# re-exported here, where the agents' code and users have always imported them.
 __all__ = [
     "APPROVAL_PREFIX",
     "DECISION_TAG",
@@ -53,9 +52,12 @@ __all__ = [
     "ApprovalRequest",
     "Approvals",
     "PendingApproval",
+    "SendApproval",
     "forward_granted",
     "request_element",
 ]
+
+log = logging.getLogger(__name__)
 
 APPROVAL_PREFIX = "approval:"
 #: turn_waiting_tools.after_execution of a call waiting for its approval.
@@ -73,6 +75,10 @@ class PendingApproval:
     approver: str
     deadline: float
     thread: str
+
+
+#: Delivers an approval request (the element) to ``pending.approver``.
+SendApproval = Callable[[PendingApproval, etree._Element], Awaitable[None]]
 
 
 def request_element(p: PendingApproval, timeout: float) -> etree._Element:
@@ -95,7 +101,14 @@ class Approvals:
     it): ``await send(pending, element)`` delivers the request to ``pending.approver``.
     """
 
-    def __init__(self, store, clock: Clock, doorbell, send=None, interval_s: float = 0.5):
+    def __init__(
+        self,
+        store,
+        clock: Clock,
+        doorbell,
+        send: SendApproval | None = None,
+        interval_s: float = 0.5,
+    ) -> None:
         self.store = store
         self.clock = clock
         self.doorbell = doorbell

@@ -65,6 +65,7 @@ __all__ = [
     "TlsHandshakeError",
     "approval_ack_status",
     "approval_request",
+    "connect_stream",
     "open_client",
     "parse_reply",
     "payload_element",
@@ -228,13 +229,27 @@ class Client:
         self._to_ack.append(reply_id)
         self._ack_wanted.set()
 
-    async def ack_loop(self) -> None:
-        """Send the acknowledgements, all that are owed in one frame, until cancelled
-        (:func:`open_client` runs it for a named client)."""
+    async def _ack_loop(self) -> None:
+        """Send the acknowledgements, all that are owed in one frame."""
         while True:
             await self._ack_wanted.wait()
             self._ack_wanted = trio.Event()
             await self.flush_acks()
+
+    def start(self, nursery: trio.Nursery, *, acks: bool) -> None:
+        """Start the connection's background tasks in ``nursery``: the reader, and with
+        ``acks`` (the hello asked for acknowledgement) the acknowledgement sender. Both
+        run until cancelled; neither raises."""
+        if acks:
+            nursery.start_soon(self._ack_loop)
+        nursery.start_soon(self._read_loop)
+
+    async def finish_acks(self) -> None:
+        """Let an acknowledgement being sent finish, then send those still owed (leaving
+        :func:`open_client` does it, so what the application got does not come again)."""
+        async with self._send_lock:
+            pass
+        await self.flush_acks()
 
     async def flush_acks(self) -> None:
         """Send the acknowledgements owed now (the connection's close does it too)."""
@@ -244,13 +259,6 @@ class Client:
                 await self.send_raw(ack_frame_body(self._name, ids))
             except ConnectionClosed:
                 return
-
-    async def settle_acks(self) -> None:
-        """Let an acknowledgement being sent finish, then send those still owed (leaving
-        :func:`open_client` does it, shielded and bounded by ``ACK_FLUSH_TIMEOUT``)."""
-        async with self._send_lock:
-            pass
-        await self.flush_acks()
 
     async def receive_on(self, thread: str) -> Reply:
         """The next reply on ``thread`` no :meth:`request` was waiting for; replies on
@@ -284,9 +292,7 @@ class Client:
             except ConnectionClosed:
                 return
 
-    async def read_loop(self) -> None:
-        """Read and dispatch replies until the connection ends, then fail what waits;
-        never raises (:func:`open_client` runs it for the connection's life)."""
+    async def _read_loop(self) -> None:
         decoder = FrameDecoder(self._max)
         try:
             while True:
@@ -391,15 +397,14 @@ async def open_client(
             )
             if client is not None:
                 await conn.send_raw(hello_frame_body(client, token or "", ack=True))
-                nursery.start_soon(conn.ack_loop)
-            nursery.start_soon(conn.read_loop)
+            conn.start(nursery, acks=client is not None)
             try:
                 yield conn
             finally:
                 # What the application got must not come again: acknowledge it first.
                 with trio.move_on_after(ACK_FLUSH_TIMEOUT) as flush:
                     flush.shield = True
-                    await conn.settle_acks()
+                    await conn.finish_acks()
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # The reader task never raises, so a group holds the caller's own exception:

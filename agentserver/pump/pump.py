@@ -314,8 +314,8 @@ class Pump:
         return endpoint
 
     def detach_endpoint(self, endpoint: Endpoint) -> None:
-        """Forget a closed endpoint and the threads it owned (called by
-        :meth:`Endpoint.close`). Idempotent."""
+        """Forget a closed endpoint: its name is free again and its threads are dropped.
+        Called by :meth:`Endpoint.close`; idempotent."""
         if self._endpoints.get(endpoint.name) is endpoint:
             del self._endpoints[endpoint.name]
             self.threads.remove_owned_by(endpoint.name)

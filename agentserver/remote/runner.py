@@ -32,7 +32,7 @@ from agentserver.core.listener import Handler, HandlerMetadata, HandlerResponse,
 from agentserver.core.namespaces import CORE_NS
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser
-from agentserver.net.connect import connect_stream, tls_context
+from agentserver.net.client import connect_stream, tls_context
 from agentserver.observability.tracing import context_of, record_error
 
 log = logging.getLogger("agentserver.runner")
