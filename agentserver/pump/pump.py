@@ -90,8 +90,6 @@ _SLOW_HANDLER = 0.001
 _TIME_EVERY = 16
 
 _new_meta = tuple.__new__
-#: lxml's element class (it has no public name): the hot paths compare ``type(x)`` with it.
-_ELEMENT = type(etree.Element("x"))
 
 
 class Pump:
@@ -478,7 +476,7 @@ class Pump:
         if (
             type(result) is HandlerResponse
             and result.is_response
-            and type(result.payload) is _ELEMENT
+            and type(result.payload) is etree._Element
         ):
             answer = result.payload
             try:
@@ -528,7 +526,7 @@ class Pump:
         elif (
             type(result) is HandlerResponse
             and result.is_response
-            and type(result.payload) is _ELEMENT
+            and type(result.payload) is etree._Element
         ):
             try:
                 self._codec.validate_payload(result.payload)
@@ -593,7 +591,7 @@ class Pump:
                 log.error("%s: handler raised on %s", listener.name, child.dotted, exc_info=result)
                 reason = f"{listener.name}: handler raised {type(result).__name__}: {result}"
                 await self._fail(child, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
-            elif type(result) is HandlerResponse and type(result.payload) is _ELEMENT:
+            elif type(result) is HandlerResponse and type(result.payload) is etree._Element:
                 await self._emit(listener, child, result, result.payload)
             else:
                 await self._apply(listener, child, result, d)
@@ -998,7 +996,7 @@ class Pump:
                     reason = f"{listener.name}: handler raised {type(exc).__name__}: {exc}"
                     await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
                     continue
-                if type(result) is HandlerResponse and type(result.payload) is _ELEMENT:
+                if type(result) is HandlerResponse and type(result.payload) is etree._Element:
                     if result.is_response and self._answer_client(listener, thread, result):
                         continue
                     await self._emit(listener, thread, result, result.payload)
