@@ -19,6 +19,8 @@ from agentserver.pump.delivery import Delivery, Waiters
 
 
 class PumpState(enum.Enum):
+    """A pump's life: registering listeners, running, draining after close(), closed."""
+
     NEW = "new"
     RUNNING = "running"
     DRAINING = "draining"
@@ -42,6 +44,10 @@ class Slot:
 
 
 class ListenerRuntime:
+    """One registered listener inside a running pump: its bounded queue (``send`` /
+    ``receive``, ``queue_size`` deliveries) and the senders waiting for room in it, its
+    workers' slots, the handler as workers and the fast path call it, and its counters."""
+
     __slots__ = (
         "call",
         "chain",
