@@ -71,10 +71,6 @@ class Gate:
         return identity
 
     @staticmethod
-    def _may_see(identity: Identity, listener: str) -> bool:
-        return identity.allowed is None or listener in identity.allowed
-
-    @staticmethod
     def may_see(identity: Identity, listener: str) -> bool:
         """Whether ``identity`` may see (and address) ``listener``."""
         return identity.allowed is None or listener in identity.allowed
