@@ -41,18 +41,17 @@ class ModelStep:
         self,
         *,
         store: AgentStore,
-        llm: LLMPort,
         events: EventBus,
         fence: Callable[[TurnToken], Awaitable[Head]],
     ) -> None:
         self.store = store
-        self.llm = llm
         self.events = events
         #: The Turn's running head, or StaleTurn (the worker's fence).
         self._fence = fence
 
     async def complete(
         self,
+        llm: LLMPort,
         token: TurnToken,
         head: Head,
         profile: AgentProfile,
@@ -60,7 +59,7 @@ class ModelStep:
         retries_done: int,
         step: StepStart,
     ) -> tuple[LLMCompletion, BoxSwap | None] | StepFailed | None:
-        """One model call on the cards ``step`` read, and the compaction to commit with
+        """One call of ``llm`` on the cards ``step`` read, and the compaction to commit with
         the step (or None). None when it failed with a retryable kind (see
         :mod:`agentserver.agents.retry`): the step waits to be retried, recorded durably.
         :class:`StepFailed` when it failed for good: the caller ends the Turn failed.
@@ -86,7 +85,7 @@ class ModelStep:
                     if overflowed or budget.over(system_tokens, shown):
                         pending = (
                             await compact_turn(
-                                self.store, self.llm, token, profile, keep_nothing=overflowed
+                                self.store, llm, token, profile, keep_nothing=overflowed
                             )
                             or pending
                         )
@@ -94,7 +93,7 @@ class ModelStep:
                         shown = pending.tokens if pending else head.context_tokens
                     try:
                         completion = await self._call(
-                            token, profile, step_id, system, pending or step, step.step_no
+                            llm, token, profile, step_id, system, pending or step, step.step_no
                         )
                     except LLMUnavailable as exc:
                         if exc.kind.upper() == "CONTEXT_OVERFLOW" and not overflowed:
@@ -132,6 +131,7 @@ class ModelStep:
 
     async def _call(
         self,
+        llm: LLMPort,
         token: TurnToken,
         profile: AgentProfile,
         step_id: str,
@@ -153,9 +153,9 @@ class ModelStep:
         def chunk(text: str) -> None:
             self.events.publish(ChunkEvent(token.agent_id, token.agent_turn_id, step_id, text))
 
-        stream = getattr(self.llm, "stream", None)
+        stream = getattr(llm, "stream", None)
         if stream is None:
-            completion = await self.llm.complete(request)
+            completion = await llm.complete(request)
             chunk(completion.content)
             return completion
         final: LLMCompletion | None = None

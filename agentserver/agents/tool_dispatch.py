@@ -174,8 +174,10 @@ def governed(profile: AgentProfile) -> bool:
 
 
 def element_text(element: etree._Element) -> str:
+    """An element as the text a card keeps."""
     return etree.tostring(element, encoding="unicode")
 
 
 def huh_card(element: etree._Element, hint: str) -> NewCard:
+    """A refusal card: the ``<huh>`` the model is shown, with an optional hint."""
     return NewCard(CardType.HUH, element_text(element), {"hint": hint} if hint else {})

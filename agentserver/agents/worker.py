@@ -104,7 +104,8 @@ class Worker:
         self.clock = clock
         self.settings = settings
         self.governor = Governor(self.store, clock)  # type: ignore[arg-type]
-        self.model = ModelStep(store=self.store, llm=llm, events=self.events, fence=self._fence)
+        self.llm = llm
+        self.model = ModelStep(store=self.store, events=self.events, fence=self._fence)
         self.tool_calls = ToolDispatch(
             store=self.store,
             tools=tools,
@@ -118,15 +119,6 @@ class Worker:
         )
         #: Sends approval requests (set by the runtime; None: approvals wait for its tick).
         self.approvals: Approvals | None = None
-
-    @property
-    def llm(self) -> LLMPort:
-        """The model port (the model step's): replacing it replaces the port the steps use."""
-        return self.model.llm
-
-    @llm.setter
-    def llm(self, llm: LLMPort) -> None:
-        self.model.llm = llm
 
     # -- scheduling ---------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -325,7 +317,9 @@ class Worker:
                 )
                 return True
             self._step_event(token, step_id, "started", "thinking")
-            done = await self.model.complete(token, head, profile, step_id, retries_done, step)
+            done = await self.model.complete(
+                self.llm, token, head, profile, step_id, retries_done, step
+            )
             if isinstance(done, StepFailed):
                 await self._finish(token, profile, TaskStatus.FAILED, done.problem)
                 return True
