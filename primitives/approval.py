@@ -1,9 +1,6 @@
-"""The approval payloads on the wire (docs/agents.md, "Approvals"): what an agent sends its
-approver, the approver's decision and the agent's acknowledgement.
-
-Plain payload models, below every layer that sends or reads them: the agents
-(:mod:`agentserver.agents.approvals`, which re-exports them) and the client library
-(:mod:`agentserver.net.client`).
+"""The approval vocabulary (docs/agents.md, "Human approval"): the request an approver
+receives, the decision it sends, and the agent's acknowledgement. Wire-level, so that a
+client (:mod:`agentserver.net.client`) reads and writes it without the agents' code.
 """
 
 from __future__ import annotations

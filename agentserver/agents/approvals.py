@@ -39,8 +39,10 @@ from agentserver.primitives.approval import (
     ApprovalRequest,
 )
 
-# The wire payloads live in primitives (the client library reads them too); they are
-# re-exported here, where the agents' code and users have always imported them.
+log = logging.getLogger(__name__)
+
+# The approval vocabulary is wire-level (a client reads and writes it too): defined in
+# agentserver.primitives.approval, importable from here as before.
 __all__ = [
     "APPROVAL_PREFIX",
     "DECISION_TAG",
@@ -52,12 +54,9 @@ __all__ = [
     "ApprovalRequest",
     "Approvals",
     "PendingApproval",
-    "SendApproval",
     "forward_granted",
     "request_element",
 ]
-
-log = logging.getLogger(__name__)
 
 APPROVAL_PREFIX = "approval:"
 #: turn_waiting_tools.after_execution of a call waiting for its approval.
