@@ -55,6 +55,8 @@ class Endpoint:
         buffer: int,
         allowed: frozenset[str] | None,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        *,
+        quota: ThreadQuota | None = None,
     ) -> None:
         self.name = name
         #: The call chain of this endpoint's own conversation threads.
@@ -78,9 +80,9 @@ class Endpoint:
         self.sink: Callable[[bytes], bool] | None = None
         self.overflowed = False
         self.dropped = 0
-        #: The share of the thread registry this endpoint's conversations may hold (set by
-        #: the pump).
-        self.quota: ThreadQuota | None = None
+        #: The share of the thread registry this endpoint's conversations may hold (the
+        #: pump's ``max_threads_per_endpoint``); None: unbounded.
+        self.quota = quota
         #: Called, without blocking, each time a request of this endpoint ends without an
         #: answer (see :meth:`chain_ended`).
         self.on_chain_end: Callable[[], None] | None = None

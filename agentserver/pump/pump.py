@@ -306,8 +306,8 @@ class Pump:
             buffer or self.config.endpoint_buffer,
             frozenset(allowed) if allowed is not None else None,
             buffer_bytes or self.config.endpoint_buffer_bytes,
+            quota=ThreadQuota(self.config.max_threads_per_endpoint),
         )
-        endpoint.quota = ThreadQuota(self.config.max_threads_per_endpoint)
         self._endpoints[name] = endpoint
         return endpoint
 
