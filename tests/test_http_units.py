@@ -18,11 +18,13 @@ from agentserver.config.topology import HttpSpec, Limits
 from agentserver.core.errors import DeliveryRefused, HuhReason, InputRefused, SystemErrorCode
 from agentserver.core.handshake import Credential, Identity, Unauthenticated
 from agentserver.core.listener import HandlerMetadata, HandlerResponse, Listener
-from agentserver.http.api import SSE_BUFFER, HttpContext, _Api
+from agentserver.http.api import SSE_BUFFER, HttpContext
 from agentserver.http.auth import AnonymousRefused, HttpAuth, is_loopback_peer
+from agentserver.http.gate import Gate
 from agentserver.http.gateway import HttpGateway
 from agentserver.http.problems import refusal_problem, reply_problem
 from agentserver.http.replies import Exchange, PendingThreads
+from agentserver.http.routes.events import EventRoutes
 from agentserver.pump.pump import PumpConfig, open_pump
 
 NS = "urn:test:pump"
@@ -191,9 +193,9 @@ async def test_a_slow_event_subscriber_is_dropped_not_waited_on():
             registry=CollectorRegistry(),
             events=bus,
         )
-        api = _Api(ctx)
+        api = EventRoutes(ctx, Gate(ctx))
         sub = bus.subscribe(SSE_BUFFER)
-        stream = api._stream(sub, Identity(None), None, None)
+        stream = api.stream(sub, Identity(None), None, None)
         assert (await stream.__anext__()).startswith(":")
         for i in range(SSE_BUFFER + 10):  # never blocks the publisher
             bus.publish(ChunkEvent("a", "t", "s", str(i)))

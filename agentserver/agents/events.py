@@ -70,7 +70,8 @@ class Subscription:
         self._send, self._recv = trio.open_memory_channel[Event](capacity)
         self.dropped = 0
 
-    def _offer(self, event: Event) -> None:
+    def offer(self, event: Event) -> None:
+        """Buffer ``event`` if there is room, else count it dropped. Never blocks."""
         try:
             self._send.send_nowait(event)
         except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
@@ -90,7 +91,7 @@ class Subscription:
                 return out
 
     def close(self) -> None:
-        self._bus._subscribers.discard(self)
+        self._bus.unsubscribe(self)
         self._send.close()
 
     def __aiter__(self) -> AsyncIterator[Event]:
@@ -126,9 +127,13 @@ class EventBus:
         self._subscribers.add(sub)
         return sub
 
+    def unsubscribe(self, sub: Subscription) -> None:
+        """Stop offering events to ``sub`` (its ``close``). Idempotent."""
+        self._subscribers.discard(sub)
+
     def publish(self, event: Event) -> None:
         """Offer ``event`` to every subscriber; never blocks."""
         for callback in self._observers:
             callback(event)
         for sub in tuple(self._subscribers):
-            sub._offer(event)
+            sub.offer(event)

@@ -32,6 +32,7 @@ from agentserver.agents.sql import (
     inbox,
     replies,
     tools,
+    turn_end,
     turns,
     views,
     watchdog,
@@ -132,7 +133,7 @@ class SqlAgentStore(abc.ABC):
     async def fail_turn_row(
         self, row: InboxRow, reason: str, reply_payload: bytes | None
     ) -> Finished | None:
-        return await self._run(turns.fail_turn_row, row, reason, reply_payload)
+        return await self._run(turn_end.fail_turn_row, row, reason, reply_payload)
 
     async def begin_step(self, token: TurnToken) -> tuple[str, int]:
         return await self._run(turns.begin_step, token)
@@ -224,7 +225,7 @@ class SqlAgentStore(abc.ABC):
         if step_id is None and cards:
             raise ValueError("cards are written with the step they close")
         return await self._run(
-            turns.finish,
+            turn_end.finish,
             token,
             status,
             text,
@@ -247,7 +248,7 @@ class SqlAgentStore(abc.ABC):
         expect_status: Sequence[str] | None = None,
     ) -> Finished | None:
         return await self._run(
-            turns.force_end,
+            turn_end.force_end,
             agent_id,
             status,
             text,

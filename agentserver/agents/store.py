@@ -13,12 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from agentserver.agents.ports import LLMCompletion, ReplyRef
-
-if TYPE_CHECKING:
-    from agentserver.agents.governance_store import StepRecord
 
 
 class CardType:
@@ -218,6 +215,23 @@ class ClientReply:
     created_at: float
 
 
+class ScreenedStep(Protocol):
+    """Governance's record of one step's calls, as ``complete_step`` takes it
+    (``governance_store.StepRecord`` is the one implementation). Declared here so that the
+    store does not import governance_store, which imports the store's row types."""
+
+    @property
+    def decisions(self) -> Sequence[Any]: ...
+
+    @property
+    def cards(self) -> Sequence[NewCard]: ...
+
+    @property
+    def approvals(self) -> Sequence[Any]: ...
+
+    def __bool__(self) -> bool: ...
+
+
 class AgentStore(Protocol):
     """Durable state of every agent; see the module docstring for the guarantees."""
 
@@ -263,7 +277,7 @@ class AgentStore(Protocol):
         cards: Sequence[NewCard],
         *,
         swap: BoxSwap | None = None,
-        screened: StepRecord | None = None,
+        screened: ScreenedStep | None = None,
     ) -> None:
         """Close the step with its cards; with ``swap``, the boxes are compacted first in
         the same transaction (a stale token writes neither); with ``screened`` (not with

@@ -30,7 +30,6 @@ import math
 import os
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
@@ -38,114 +37,18 @@ import httpx
 import trio
 
 from .accounting import AgentStats, BackendStats, Counters, RouterStats
-from .backends import Backend, BackendStream, make_backend
-from .breaker import Breaker, BreakerState, Cooling, Permit
-from .bucket import ExceedsCapacity, Limiter, QueueFull, TokenBucket
+from .backend_state import BackendRuntime, DeadlineReached, Lease, Route, in_trio, verdict
+from .backends import BackendStream, make_backend
+from .breaker import BreakerState, Permit
+from .bucket import ExceedsCapacity, QueueFull
 from .classify import DECISIONS, Action, ErrorKind, backoff_delay
-from .config import BackendConfig, RouterConfig, Strategy, missing_key_reason
+from .config import BackendConfig, RouterConfig, missing_key_reason
+from .selection import BackendSelector
+from .stream import CompletionStream
 from .tokens import estimate_prompt_tokens
 from .types import Attempt, Completion, LLMError, Reply, Request
 
 __all__ = ["CompletionStream", "Router"]
-
-
-class _Runtime:
-    """Mutable state of one backend inside one router."""
-
-    __slots__ = (
-        "active",
-        "backend",
-        "breaker",
-        "config",
-        "cooling",
-        "counters",
-        "down",
-        "limiter",
-        "name",
-        "rank",
-        "req_index",
-        "slots",
-        "tok_index",
-    )
-
-    def __init__(
-        self, config: BackendConfig, backend: Backend, rank: int, router_cfg: RouterConfig
-    ):
-        self.config = config
-        self.name = config.name
-        self.backend = backend
-        self.rank = rank
-        self.breaker = Breaker(router_cfg.breaker.failures, router_cfg.breaker.cooldown)
-        self.cooling = Cooling()
-        self.counters = Counters()
-        self.active = 0
-        #: Its last attempt could not connect (UNREACHABLE): while its breaker is open,
-        #: a request fails at once instead of waiting for the probe (see Router._choose).
-        self.down = False
-        now = trio.current_time() if _in_trio() else 0.0
-        buckets: list[TokenBucket] = []
-        self.req_index: int | None = None
-        self.tok_index: int | None = None
-        if config.requests_per_minute:
-            self.req_index = len(buckets)
-            buckets.append(TokenBucket.per_minute(config.requests_per_minute, now))
-        if config.tokens_per_minute:
-            self.tok_index = len(buckets)
-            buckets.append(TokenBucket.per_minute(config.tokens_per_minute, now))
-        self.limiter = Limiter(buckets, max_waiters=router_cfg.queue_limit) if buckets else None
-        self.slots = trio.Semaphore(config.max_concurrent) if config.max_concurrent else None
-
-    def amounts(self, tokens: int) -> list[float]:
-        out = [0.0] * len(self.limiter.buckets) if self.limiter else []
-        if self.req_index is not None:
-            out[self.req_index] = 1.0
-        if self.tok_index is not None:
-            out[self.tok_index] = float(tokens)
-        return out
-
-    def try_permit(self, now: float) -> Permit | None:
-        """A breaker permit, unless a Retry-After still cools this backend down. The
-        first call after the cooling ends is its probe (``cooling_probe``)."""
-        if not self.cooling.ready(now):
-            return None
-        permit = self.breaker.try_acquire(now)
-        if permit is None:
-            return None
-        if self.cooling.try_acquire(now):
-            return Permit(permit.probe, permit.generation, cooling_probe=True)
-        return permit
-
-    def token_capacity(self) -> float:
-        if self.limiter is None or self.tok_index is None:
-            return math.inf
-        return self.limiter.buckets[self.tok_index].capacity
-
-
-def _in_trio() -> bool:
-    try:
-        trio.lowlevel.current_task()
-    except RuntimeError:
-        return False
-    return True
-
-
-@dataclass(slots=True)
-class _Route:
-    runtime: _Runtime
-    model: str  # the provider's name for the requested model or alias
-
-
-class _Lease:
-    """What one attempt holds; settled exactly once by :meth:`Router._settle`."""
-
-    __slots__ = ("permit", "reserved", "runtime", "settled", "slot")
-
-    def __init__(self, runtime: _Runtime, permit: Permit) -> None:
-        self.runtime = runtime
-        self.permit = permit
-        self.reserved = 0
-        self.slot = False
-        self.settled = False
 
 
 class Router:
@@ -180,7 +83,7 @@ class Router:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=100)
         )
         self._rng = rng or random.Random()
-        self._runtimes: dict[str, _Runtime] = {}
+        self._runtimes: dict[str, BackendRuntime] = {}
         self.skipped: dict[str, str] = {}
         self._skipped_cfg: dict[str, BackendConfig] = {}
         ordered = sorted(enumerate(config.backends), key=lambda ib: (ib[1].priority, ib[0]))
@@ -192,18 +95,16 @@ class Router:
                 continue
             api_key = env.get(bc.api_key_env) if bc.api_key_env else None
             backend = make_backend(bc, self._client, api_key)
-            self._runtimes[bc.name] = _Runtime(bc, backend, rank, config)
+            self._runtimes[bc.name] = BackendRuntime(bc, backend, rank, config)
         # Exact names and aliases only, resolved once: the hot path is a dict lookup.
-        self._routes: dict[str, tuple[_Route, ...]] = {}
+        self._routes: dict[str, tuple[Route, ...]] = {}
         for rt in self._runtimes.values():
             for name in (*rt.config.models, *rt.config.aliases):
                 provider_model = rt.config.resolve(name)
                 assert provider_model is not None
-                self._routes[name] = (*self._routes.get(name, ()), _Route(rt, provider_model))
+                self._routes[name] = (*self._routes.get(name, ()), Route(rt, provider_model))
         self._agents: dict[str, Counters] = {}
-        self._rr = 0
-        self._changed = trio.Event()
-        self._cooling_waiters = 0  # tasks in _choose waiting on _changed
+        self._selector = BackendSelector(config.strategy)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -229,7 +130,7 @@ class Router:
         started = trio.current_time()
         call = self.telemetry.start(request) if self.telemetry is not None else None
         try:
-            result = await self._route(request, started, streaming=False)
+            result = await self.route(request, started, streaming=False)
         except BaseException as exc:
             if call is not None:
                 call.failed(exc)
@@ -255,29 +156,10 @@ class Router:
 
     def stats(self) -> RouterStats:
         """A snapshot of the accounting, per backend and per agent."""
-        now = trio.current_time() if _in_trio() else None
+        now = trio.current_time() if in_trio() else None
         backends: dict[str, BackendStats] = {}
         for rt in sorted(self._runtimes.values(), key=lambda r: r.rank):
-            fill: tuple[float, ...] = ()
-            if rt.limiter is not None and now is not None:
-                fill = rt.limiter.fill(now)
-            backends[rt.name] = BackendStats(
-                name=rt.name,
-                provider=rt.config.provider.value,
-                skipped=None,
-                counters=rt.counters.copy(),
-                breaker=rt.breaker.state(now if now is not None else math.inf).value,
-                consecutive_failures=rt.breaker.consecutive_failures,
-                breaker_opens=rt.breaker.opens,
-                active=rt.active,
-                cooling_for=rt.cooling.remaining(now) if now is not None else 0.0,
-                requests_bucket_fill=fill[rt.req_index]
-                if fill and rt.req_index is not None
-                else None,
-                tokens_bucket_fill=fill[rt.tok_index]
-                if fill and rt.tok_index is not None
-                else None,
-            )
+            backends[rt.name] = rt.stats(now)
         for name, reason in self.skipped.items():
             backends[name] = BackendStats(
                 name=name,
@@ -315,9 +197,12 @@ class Router:
             )
         return LLMError(ErrorKind.MODEL_NOT_FOUND, f"no backend serves model {model!r}")
 
-    async def _route(
+    async def route(
         self, request: Request, started: float, *, streaming: bool
-    ) -> Completion | tuple[_Lease, BackendStream, str | Reply, float, int]:
+    ) -> Completion | tuple[Lease, BackendStream, str | Reply, float, int]:
+        """Run the loop above for ``request``: its :class:`Completion`, or, ``streaming``,
+        the open stream's lease, stream, first item, deadline and attempts (for
+        :class:`~agentserver.llm.stream.CompletionStream`). Raises :class:`LLMError`."""
         agent = self._agent(request.agent)
         agent.requests += 1
         try:
@@ -328,14 +213,14 @@ class Router:
 
     async def _route_inner(
         self, request: Request, started: float, streaming: bool
-    ) -> Completion | tuple[_Lease, BackendStream, str | Reply, float, int]:
+    ) -> Completion | tuple[Lease, BackendStream, str | Reply, float, int]:
         routes = self._routes.get(request.model)
         if not routes:
             raise self._no_route(request.model)
         deadline = started + self.config.timeout if request.deadline is None else request.deadline
         need = estimate_prompt_tokens(request.messages) + request.max_tokens
 
-        excluded: set[_Runtime] = set()
+        excluded: set[BackendRuntime] = set()
         too_big = [r for r in routes if need > r.runtime.token_capacity()]
         if too_big:
             excluded.update(r.runtime for r in too_big)
@@ -354,7 +239,7 @@ class Router:
         attempts = 0
         backoffs = 0
         window_floor = -1  # after CONTEXT_OVERFLOW: only strictly larger windows
-        pinned: _Route | None = None
+        pinned: Route | None = None
         not_before = 0.0
 
         while True:
@@ -363,7 +248,7 @@ class Router:
             if trio.current_time() >= deadline:
                 raise self._deadline_error(last, failures)
 
-            route: _Route | None = None
+            route: Route | None = None
             permit: Permit | None = None
             if pinned is not None:
                 if not_before > trio.current_time():
@@ -373,7 +258,7 @@ class Router:
                     route = pinned
                 pinned = None
             if route is None:
-                route, permit = await self._choose(
+                route, permit = await self._selector.choose(
                     routes, excluded, window_floor, deadline, last, failures
                 )
             assert permit is not None
@@ -387,8 +272,8 @@ class Router:
             except LLMError as err:
                 now = trio.current_time()
                 decision = DECISIONS[err.kind]
-                cut = isinstance(err, _DeadlineReached)
-                self._settle(lease, healthy=_verdict(err), reply=None)
+                cut = isinstance(err, DeadlineReached)
+                self.settle(lease, healthy=verdict(err), reply=None)
                 rt.counters.error(err.kind)
                 rt.down = err.kind is ErrorKind.UNREACHABLE
                 failures.append(Attempt(rt.name, err.kind, err.status))
@@ -422,108 +307,20 @@ class Router:
                 # else the breaker just opened: choose again (other backend, or wait it out)
                 continue
             except BaseException:
-                self._settle(lease, healthy=None, reply=None)
+                self.settle(lease, healthy=None, reply=None)
                 raise
 
             if streaming:
                 bstream, first = result  # type: ignore[misc]
                 return lease, bstream, first, deadline, attempts
             assert isinstance(result, Reply)
-            return self._succeed(request, route.runtime, lease, result, started, attempts)
+            return self.succeed(request, route.runtime, lease, result, started, attempts)
 
-    async def _choose(
-        self,
-        routes: tuple[_Route, ...],
-        excluded: set[_Runtime],
-        window_floor: float,
-        deadline: float,
-        last: LLMError | None,
-        failures: list[Attempt],
-    ) -> tuple[_Route, Permit]:
-        """The next backend by strategy, waiting if all are cooling down."""
-        while True:
-            candidates = [
-                r
-                for r in routes
-                if r.runtime not in excluded
-                and (window_floor < 0 or (r.runtime.config.context_window or -1) > window_floor)
-            ]
-            if not candidates:
-                if last is not None:
-                    raise last.with_attempts(tuple(failures))
-                raise LLMError(ErrorKind.UNKNOWN, "no usable backend")  # pragma: no cover
-            now = trio.current_time()
-            for r in self._order(candidates):
-                permit = r.runtime.try_permit(now)
-                if permit is not None:
-                    return r, permit
-            # Every candidate is cooling down: find the first to come back, and
-            # whether a Retry-After (RATE_LIMIT) or a breaker (OVERLOADED) holds it.
-            earliest = math.inf
-            kind: ErrorKind | None = None
-            probing = False  # a probe is out: its outcome, not the clock, decides
-            for r in candidates:
-                rt = r.runtime
-                back = rt.breaker.available_at(now)
-                cool = rt.cooling.available_at(now)
-                probing = probing or back is None or cool is None
-                breaker_at = math.inf if back is None else back
-                cooling_at = math.inf if cool is None else cool
-                at = max(cooling_at, breaker_at)
-                if kind is None or at < earliest:
-                    earliest = at
-                    limited = cooling_at >= breaker_at
-                    kind = ErrorKind.RATE_LIMIT if limited else ErrorKind.OVERLOADED
-            assert kind is not None  # candidates is not empty
-            if all(r.runtime.down for r in candidates):
-                # Every backend refused the connection last time: waiting for a breaker's
-                # probe would only delay the failure (a backend that is down is not busy).
-                names = ", ".join(r.runtime.name for r in candidates)
-                raise LLMError(
-                    ErrorKind.UNREACHABLE,
-                    f"every backend for this model is unreachable ({names}); "
-                    "it is tried again when its breaker lets a probe through",
-                    retry_after=earliest - now if math.isfinite(earliest) else None,
-                    attempts=tuple(failures),
-                )
-            if earliest > deadline and (not probing or now >= deadline):
-                wait = earliest - now if math.isfinite(earliest) else None
-                names = ", ".join(r.runtime.name for r in candidates)
-                needed = (
-                    f"the first returns in {wait:.3g}s"
-                    if wait is not None
-                    else "a probe is still out"
-                )
-                raise LLMError(
-                    kind,
-                    f"every backend for this model is cooling down ({names}); {needed}, "
-                    "after the request's deadline",
-                    retry_after=wait,
-                    attempts=tuple(failures),
-                )
-            changed = self._changed
-            self._cooling_waiters += 1
-            try:
-                with trio.move_on_at(min(earliest, deadline)):
-                    await changed.wait()
-            finally:
-                self._cooling_waiters -= 1
-
-    def _order(self, candidates: list[_Route]) -> list[_Route]:
-        strategy = self.config.strategy
-        if strategy is Strategy.FAILOVER or len(candidates) < 2:
-            return candidates
-        if strategy is Strategy.ROUND_ROBIN:
-            start = self._rr % len(candidates)
-            self._rr += 1
-            return candidates[start:] + candidates[:start]
-        return sorted(candidates, key=lambda r: (r.runtime.active, r.runtime.rank))
-
-    async def _admit(self, rt: _Runtime, permit: Permit, need: int, deadline: float) -> _Lease:
+    async def _admit(self, rt: BackendRuntime, permit: Permit, need: int, deadline: float) -> Lease:
         """Concurrency slot first, then both buckets at once: the instant the
         buckets grant is the instant the call goes out, so the provider sees
         what the buckets allowed."""
-        lease = _Lease(rt, permit)
+        lease = Lease(rt, permit)
         rt.active += 1
         amounts = rt.amounts(need) if rt.limiter is not None else None
         try:
@@ -562,18 +359,18 @@ class Router:
                     backend=rt.name,
                 )
         except QueueFull as exc:
-            self._settle(lease, healthy=None, reply=None)
+            self.settle(lease, healthy=None, reply=None)
             raise LLMError(ErrorKind.RATE_LIMIT, f"queue full: {exc}", backend=rt.name) from None
         except ExceedsCapacity as exc:  # pragma: no cover - filtered out before choosing
-            self._settle(lease, healthy=None, reply=None)
+            self.settle(lease, healthy=None, reply=None)
             raise LLMError(ErrorKind.CONTEXT_OVERFLOW, str(exc), backend=rt.name) from None
         except BaseException:
-            self._settle(lease, healthy=None, reply=None)
+            self.settle(lease, healthy=None, reply=None)
             raise
         return lease
 
     async def _attempt(
-        self, request: Request, route: _Route, lease: _Lease, deadline: float, streaming: bool
+        self, request: Request, route: Route, lease: Lease, deadline: float, streaming: bool
     ) -> Reply | tuple[BackendStream, str | Reply]:
         rt = route.runtime
         timeout = rt.config.timeout
@@ -592,14 +389,14 @@ class Router:
             return bstream, first
         assert scope.cancelled_caught
         if cut_by_deadline:
-            raise _DeadlineReached(
+            raise DeadlineReached(
                 ErrorKind.TIMEOUT,
                 "the request's deadline passed during the attempt",
                 backend=rt.name,
             )
         raise LLMError(ErrorKind.TIMEOUT, f"no answer within {timeout:g}s", backend=rt.name)
 
-    def _settle(self, lease: _Lease, *, healthy: bool | None, reply: Reply | None) -> None:
+    def settle(self, lease: Lease, *, healthy: bool | None, reply: Reply | None) -> None:
         """Release what ``lease`` holds. ``healthy`` None = no verdict (cancelled
         or never sent). With a reply, reconcile reserved tokens with the usage
         reported; after an answered failure, return them all."""
@@ -633,21 +430,18 @@ class Router:
                 rt.limiter.give_back(amounts)
         if lease.slot and rt.slots is not None:
             rt.slots.release()
-        if self._cooling_waiters:
-            # Wake requests waiting for a cooling backend: a probe may have resolved.
-            changed, self._changed = self._changed, trio.Event()
-            changed.set()
+        self._selector.wake()
 
-    def _succeed(
+    def succeed(
         self,
         request: Request,
-        rt: _Runtime,
-        lease: _Lease,
+        rt: BackendRuntime,
+        lease: Lease,
         reply: Reply,
         started: float,
         attempts: int,
     ) -> Completion:
-        self._settle(lease, healthy=True, reply=reply)
+        self.settle(lease, healthy=True, reply=reply)
         rt.down = False
         price = rt.config.price
         cost = price.cost(reply.usage) if price is not None else None
@@ -664,139 +458,16 @@ class Router:
             attempts=attempts,
         )
 
+    def stream_failed(self, request: Request, lease: Lease, err: LLMError) -> None:
+        """A streamed completion failed after its first chunk: settle its lease and count
+        the error (the backend answered before failing, so it is not down)."""
+        rt = lease.runtime
+        self.settle(lease, healthy=verdict(err), reply=None)
+        rt.counters.error(err.kind)
+        rt.down = False
+        self._agent(request.agent).error(err.kind)
+
     def _deadline_error(self, last: LLMError | None, failures: list[Attempt]) -> LLMError:
         if last is not None:
             return last.with_attempts(tuple(failures))
         return LLMError(ErrorKind.TIMEOUT, "the request's deadline passed before any attempt")
-
-
-class _DeadlineReached(LLMError):
-    """An attempt cut short by the request's own deadline: it ends the request
-    (no time left to fail over) and is no verdict on the backend."""
-
-
-def _verdict(err: LLMError) -> bool | None:
-    """What a failed attempt tells the breaker: healthy, unhealthy, or nothing (the
-    request's own deadline cut it short, before or after the first chunk alike)."""
-    if isinstance(err, _DeadlineReached):
-        return None
-    return not DECISIONS[err.kind].breaker
-
-
-class CompletionStream:
-    """Text chunks of one streamed completion, then the :class:`Completion`.
-
-    Not restartable. Each ``__anext__`` is cancellable; cancelling one, or
-    :meth:`aclose`, abandons the stream (no verdict on the backend, the token
-    reservation is kept). An error after the first chunk is raised as
-    :class:`LLMError`; nothing is retried from there, so no chunk repeats.
-    """
-
-    def __init__(self, router: Router, request: Request) -> None:
-        self._router = router
-        self._request = request
-        self._state = "new"
-        self._lease: _Lease | None = None
-        self._stream: BackendStream | None = None
-        self._started = 0.0
-        self._deadline = math.inf
-        self._attempts = 0
-        self._call: Any = None
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def __anext__(self) -> str | Completion:
-        if self._state == "done":
-            raise StopAsyncIteration
-        router = self._router
-        if self._state == "new":
-            self._state = "opening"
-            self._started = trio.current_time()
-            if router.telemetry is not None:
-                self._call = router.telemetry.start(self._request)
-            try:
-                result = await router._route(self._request, self._started, streaming=True)
-            except BaseException as exc:
-                self._state = "done"
-                self._report(exc)
-                raise
-            assert isinstance(result, tuple)
-            self._lease, self._stream, item, self._deadline, self._attempts = result
-            self._state = "streaming"
-        else:
-            assert self._stream is not None and self._lease is not None
-            try:
-                with trio.move_on_at(self._deadline) as scope:
-                    item = await self._stream.next()
-                if scope.cancelled_caught:
-                    raise _DeadlineReached(
-                        ErrorKind.TIMEOUT,
-                        "the request's deadline passed mid-stream",
-                        backend=self._lease.runtime.name,
-                    )
-            except LLMError as err:
-                rt = self._lease.runtime
-                router._settle(self._lease, healthy=_verdict(err), reply=None)
-                rt.counters.error(err.kind)
-                rt.down = False  # it answered before failing
-                router._agent(self._request.agent).error(err.kind)
-                self._report(err)
-                await self._close_stream()
-                raise
-            except BaseException:
-                await self.aclose()
-                raise
-        if isinstance(item, Reply):
-            assert self._lease is not None
-            completion = router._succeed(
-                self._request, self._lease.runtime, self._lease, item, self._started, self._attempts
-            )
-            self._report(None, completion)
-            await self._close_stream()
-            return completion
-        return item
-
-    def _report(self, exc: BaseException | None, completion: Completion | None = None) -> None:
-        call, self._call = self._call, None
-        if call is None:
-            return
-        if completion is not None:
-            call.succeeded(completion)
-        else:
-            call.failed(exc)  # None: abandoned before its end
-
-    async def _close_stream(self) -> None:
-        self._state = "done"
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
-
-    async def aclose(self) -> None:
-        """Abandon the stream if unfinished; idempotent."""
-        if self._lease is not None and not self._lease.settled:
-            self._router._settle(self._lease, healthy=None, reply=None)
-        self._report(None)
-        await self._close_stream()
-
-    def __del__(self) -> None:
-        # Dropped without aclose(): at least give back the concurrency slot and
-        # breaker permit, which are plain bookkeeping and need no await.
-        lease = self._lease
-        if lease is not None and not lease.settled:
-            try:
-                self._router._settle(lease, healthy=None, reply=None)
-            except RuntimeError:  # outside trio (interpreter shutdown)
-                pass

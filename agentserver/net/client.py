@@ -23,141 +23,57 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import ssl
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import trio
 from lxml import etree
 from pydantic_xml import BaseXmlModel
 
-from agentserver.core.envelope import MESSAGE, build_envelope
-from agentserver.core.errors import AgentServerError, InputRefused, sole_exception
+from agentserver.core.envelope import build_envelope
+from agentserver.core.errors import sole_exception
 from agentserver.core.framing import FrameDecoder, FramingError, encode_frame
 from agentserver.core.handshake import MAX_ACK_IDS, ack_frame_body, hello_frame_body
-from agentserver.core.listener import to_element
-from agentserver.core.namespaces import CORE_NS, ENVELOPE_NS
 from agentserver.core.threads import is_uuid4, new_thread_id
 from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser
-from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
+from agentserver.net.connect import PathLike, connect_stream, tls_context
+from agentserver.net.reply import (
+    ClientError,
+    ConnectionClosed,
+    DeliveredIds,
+    ProtocolError,
+    Reply,
+    RequestTimeout,
+    TlsHandshakeError,
+    approval_ack_status,
+    approval_request,
+    parse_reply,
+    payload_element,
+)
+from agentserver.primitives.approval import ApprovalDecision
 
-_E = f"{{{ENVELOPE_NS}}}"
+__all__ = [
+    "ACK_FLUSH_TIMEOUT",
+    "Client",
+    "ClientError",
+    "ConnectionClosed",
+    "DeliveredIds",
+    "PathLike",
+    "ProtocolError",
+    "Reply",
+    "RequestTimeout",
+    "TlsHandshakeError",
+    "approval_ack_status",
+    "approval_request",
+    "connect_stream",
+    "open_client",
+    "parse_reply",
+    "payload_element",
+    "tls_context",
+]
+
 #: How long closing a connection waits to send the acknowledgements still owed.
 ACK_FLUSH_TIMEOUT = 1.0
-
-
-class ClientError(AgentServerError):
-    """Base of the client's errors."""
-
-
-class ConnectionClosed(ClientError):
-    """The server closed the connection (or it broke)."""
-
-
-class RequestTimeout(ClientError):
-    """No reply on the request's thread within the timeout."""
-
-
-class ProtocolError(ClientError):
-    """The server sent something that is not a valid framed envelope."""
-
-
-class TlsHandshakeError(ConnectionClosed):
-    """The TLS handshake failed: the server's certificate is not trusted or not for this
-    host name, the server refused ours, or the server does not speak TLS."""
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """One envelope from the server."""
-
-    from_id: str
-    to: str | None
-    thread: str
-    payload: etree._Element
-    raw: bytes
-    #: The ``reply-id`` of a durable reply (on a connection that asked for acks), else None.
-    id: int | None = None
-
-    @property
-    def is_huh(self) -> bool:
-        return self.payload.tag == HUH_TAG
-
-    @property
-    def is_system_error(self) -> bool:
-        return self.payload.tag == SYSTEM_ERROR_TAG
-
-    @property
-    def is_error(self) -> bool:
-        """True for ``<huh>`` and ``<SystemError>``."""
-        return self.is_huh or self.is_system_error
-
-    @property
-    def error_text(self) -> str | None:
-        """The canned text of a ``<huh>`` / the message of a ``<SystemError>``; else None."""
-        if self.is_huh:
-            return self.payload.findtext(f"{{{CORE_NS}}}error")
-        if self.is_system_error:
-            return self.payload.findtext(f"{{{CORE_NS}}}message")
-        return None
-
-    @property
-    def payload_xml(self) -> str:
-        return etree.tostring(self.payload, encoding="unicode")
-
-
-def parse_reply(data: bytes, parser: SafeParser) -> Reply:
-    """An envelope from the server. Raises :class:`ProtocolError`."""
-    try:
-        root = parser.parse(data)
-    except InputRefused as exc:
-        raise ProtocolError(f"unparsable reply: {exc}") from None
-    if root.tag != MESSAGE or len(root) != 2:
-        raise ProtocolError("reply is not an envelope")
-    meta, payload = root[0], root[1]
-    reply_id = root.get("reply-id")
-    if reply_id is not None and not reply_id.isdigit():
-        raise ProtocolError(f"reply-id {reply_id[:32]!r} is not a number")
-    return Reply(
-        (meta.findtext(_E + "from") or "").strip(),
-        (meta.findtext(_E + "to") or "").strip() or None,
-        (meta.findtext(_E + "thread") or "").strip(),
-        payload,
-        data,
-        int(reply_id) if reply_id is not None else None,
-    )
-
-
-class DeliveredIds:
-    """The ids of the durable replies handed to the application (the most recent
-    ``capacity``). Share one between the connections of a client so that a reply sent
-    again after a reconnect (its acknowledgement was lost) is dropped."""
-
-    def __init__(self, capacity: int = 65536) -> None:
-        self._order: collections.deque[int] = collections.deque()
-        self._ids: set[int] = set()
-        self._capacity = capacity
-
-    def __contains__(self, reply_id: int) -> bool:
-        return reply_id in self._ids
-
-    def add(self, reply_id: int) -> None:
-        if reply_id in self._ids:
-            return
-        self._ids.add(reply_id)
-        self._order.append(reply_id)
-        while len(self._order) > self._capacity:
-            self._ids.discard(self._order.popleft())
-
-
-def payload_element(payload: BaseXmlModel | etree._Element | bytes | str) -> etree._Element:
-    """A payload as an element. Bytes and str are parsed with the hardened parser."""
-    if isinstance(payload, str):
-        payload = payload.encode("utf-8")
-    if isinstance(payload, bytes):
-        return SafeParser().parse(payload.strip())
-    return to_element(payload)
 
 
 class Client:
@@ -220,8 +136,6 @@ class Client:
         grant or deny the tool call it holds. The agent acknowledges it with an
         ``<approval-ack status="applied|duplicate|unknown|not-yours">`` on the returned
         thread (:func:`approval_ack_status` reads it)."""
-        from agentserver.agents.approvals import ApprovalDecision
-
         return await self.send(
             ApprovalDecision(request=request_id, grant=grant, reason=reason), to=agent
         )
@@ -321,6 +235,21 @@ class Client:
             await self._ack_wanted.wait()
             self._ack_wanted = trio.Event()
             await self.flush_acks()
+
+    def start(self, nursery: trio.Nursery, *, acks: bool) -> None:
+        """Start the connection's background tasks in ``nursery``: the reader, and with
+        ``acks`` (the hello asked for acknowledgement) the acknowledgement sender. Both
+        run until cancelled; neither raises."""
+        if acks:
+            nursery.start_soon(self._ack_loop)
+        nursery.start_soon(self._read_loop)
+
+    async def finish_acks(self) -> None:
+        """Let an acknowledgement being sent finish, then send those still owed (leaving
+        :func:`open_client` does it, so what the application got does not come again)."""
+        async with self._send_lock:
+            pass
+        await self.flush_acks()
 
     async def flush_acks(self) -> None:
         """Send the acknowledgements owed now (the connection's close does it too)."""
@@ -425,63 +354,6 @@ class Client:
         await self._closed.wait()
 
 
-PathLike = str | os.PathLike[str]
-
-
-def tls_context(
-    tls: bool | ssl.SSLContext,
-    *,
-    ca: PathLike | None = None,
-    cert: PathLike | None = None,
-    key: PathLike | None = None,
-) -> ssl.SSLContext | None:
-    """The client's TLS context, or None for plaintext. ``ca``, ``cert`` or ``key`` turn
-    TLS on by themselves; a ready context is used as is (and excludes them)."""
-    if isinstance(tls, ssl.SSLContext):
-        if ca is not None or cert is not None or key is not None:
-            raise ValueError("pass ca/cert/key or an SSLContext, not both")
-        return tls
-    if not tls and ca is None and cert is None and key is None:
-        return None
-    from agentserver.net.tls import client_context
-
-    return client_context(ca=ca, cert=cert, key=key)
-
-
-def _handshake_failure(host: str, port: int, exc: BaseException) -> TlsHandshakeError:
-    cause = exc.__cause__
-    if isinstance(cause, ssl.SSLCertVerificationError):
-        detail = cause.verify_message or str(cause)
-        return TlsHandshakeError(
-            f"TLS to {host}:{port}: the server's certificate is not accepted ({detail}); "
-            "is the CA that signed it given (ca=, --ca, $AGENTSERVER_CA)?"
-        )
-    if isinstance(cause, ssl.SSLError):
-        return TlsHandshakeError(f"TLS to {host}:{port} failed: {cause.reason or cause}")
-    return TlsHandshakeError(
-        f"TLS to {host}:{port} failed: the server closed the connection during the handshake "
-        "(it may not speak TLS, or refused our certificate)"
-    )
-
-
-async def _connect(
-    host: str, port: int, context: ssl.SSLContext | None, server_hostname: str | None
-) -> trio.abc.Stream:
-    tcp = await trio.open_tcp_stream(host, port)
-    if context is None:
-        return tcp
-    stream = trio.SSLStream(tcp, context, server_hostname=server_hostname or host)
-    try:
-        await stream.do_handshake()
-    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-        await tcp.aclose()
-        raise _handshake_failure(host, port, exc) from None
-    except BaseException:
-        await trio.aclose_forcefully(tcp)
-        raise
-    return stream
-
-
 @contextlib.asynccontextmanager
 async def open_client(
     host: str,
@@ -514,7 +386,7 @@ async def open_client(
     if client is not None and token is None and not by_certificate:
         raise ValueError("a client name needs a token (or a client certificate)")
     with trio.fail_after(connect_timeout):
-        stream = await _connect(host, port, context, server_hostname)
+        stream = await connect_stream(host, port, context, server_hostname)
     try:
         async with stream, trio.open_nursery() as nursery:
             conn = Client(
@@ -525,39 +397,16 @@ async def open_client(
             )
             if client is not None:
                 await conn.send_raw(hello_frame_body(client, token or "", ack=True))
-                nursery.start_soon(conn._ack_loop)
-            nursery.start_soon(conn._read_loop)
+            conn.start(nursery, acks=client is not None)
             try:
                 yield conn
             finally:
                 # What the application got must not come again: acknowledge it first.
                 with trio.move_on_after(ACK_FLUSH_TIMEOUT) as flush:
                     flush.shield = True
-                    async with conn._send_lock:
-                        pass  # an acknowledgement being sent is finished first
-                    await conn.flush_acks()
+                    await conn.finish_acks()
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # The reader task never raises, so a group holds the caller's own exception:
         # hand it back as raised (callers catch RequestTimeout, not a group of one).
         raise sole_exception(group) from None
-
-
-def approval_request(reply: Reply) -> dict[str, str] | None:
-    """The fields of an ``<approval-request>`` (request, agent, thread, target, rule,
-    timeout, payload), or None if ``reply`` is something else (docs/agents.md)."""
-    from agentserver.agents.approvals import REQUEST_TAG, ApprovalRequest
-
-    if reply.payload.tag != REQUEST_TAG:
-        return None
-    model = ApprovalRequest.from_xml_tree(reply.payload)
-    return {k: str(v) for k, v in model.model_dump().items()}
-
-
-def approval_ack_status(reply: Reply) -> str | None:
-    """The status of an ``<approval-ack>`` (applied, duplicate, unknown, not-yours)."""
-    from agentserver.agents.approvals import NS
-
-    if reply.payload.tag != f"{{{NS}}}approval-ack":
-        return None
-    return reply.payload.get("status")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -12,7 +12,6 @@ from agentserver.core.errors import EndpointClosed
 
 if TYPE_CHECKING:
     from agentserver.core.threads import ThreadQuota
-    from agentserver.pump.pump import Pump
 
 log = logging.getLogger("agentserver.endpoint")
 
@@ -20,6 +19,23 @@ log = logging.getLogger("agentserver.endpoint")
 DEFAULT_BUFFER_BYTES = 16 * 1024 * 1024
 
 _Channel = tuple[trio.MemorySendChannel[bytes], trio.MemoryReceiveChannel[bytes]]
+
+
+class EndpointOwner(Protocol):
+    """What an endpoint needs of the pump it is attached to. The Pump satisfies it; it is
+    declared here so that the endpoint does not import the pump (which imports it)."""
+
+    def inject(self, data: bytes, endpoint: Endpoint) -> Coroutine[Any, Any, None]:
+        """Validate and route one envelope (see ``Pump.inject``)."""
+        ...
+
+    def inject_now(self, data: bytes, endpoint: Endpoint) -> Coroutine[Any, Any, None] | None:
+        """``inject``'s synchronous part (see ``Pump.inject_now``)."""
+        ...
+
+    def detach_endpoint(self, endpoint: Endpoint) -> None:
+        """Forget ``endpoint``, which has just closed. Must not block."""
+        ...
 
 
 class Endpoint:
@@ -34,11 +50,13 @@ class Endpoint:
 
     def __init__(
         self,
-        pump: Pump,
+        pump: EndpointOwner,
         name: str,
         buffer: int,
         allowed: frozenset[str] | None,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        *,
+        quota: ThreadQuota | None = None,
     ) -> None:
         self.name = name
         #: The call chain of this endpoint's own conversation threads.
@@ -62,9 +80,9 @@ class Endpoint:
         self.sink: Callable[[bytes], bool] | None = None
         self.overflowed = False
         self.dropped = 0
-        #: The share of the thread registry this endpoint's conversations may hold (set by
-        #: the pump).
-        self.quota: ThreadQuota | None = None
+        #: The share of the thread registry this endpoint's conversations may hold (the
+        #: pump's ``max_threads_per_endpoint``); None: unbounded.
+        self.quota = quota
         #: Called, without blocking, each time a request of this endpoint ends without an
         #: answer (see :meth:`chain_ended`).
         self.on_chain_end: Callable[[], None] | None = None
@@ -164,4 +182,4 @@ class Endpoint:
         self.closed = True
         if self._out is not None:
             self._out[0].close()
-        self._pump._detach(self)
+        self._pump.detach_endpoint(self)

@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import collections
 import copy
-import enum
 import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
-import outcome
 import trio
 from lxml import etree
 from pydantic_xml import BaseXmlModel
@@ -48,7 +45,6 @@ from agentserver.core.errors import (
     Refusal,
     SystemErrorCode,
 )
-from agentserver.core.handler_types import unreadable
 from agentserver.core.listener import (
     NAME_RE,
     RESERVED_NAMES,
@@ -69,12 +65,16 @@ from agentserver.core.threads import (
     new_thread_id,
 )
 from agentserver.core.usage import describe_payload, usage_instructions
-from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, canonical_or_empty, canonicalize
+from agentserver.core.xmlsafe import canonical_or_empty, canonicalize
 from agentserver.observability.logs import current_slot
 from agentserver.observability.metrics import LatencyHistogram
 from agentserver.observability.tracing import Tracing, attach, detach, record_error
 from agentserver.primitives.core import CORE_MODELS, SystemErrorPayload, primitive_for
-from agentserver.pump.endpoint import DEFAULT_BUFFER_BYTES, Endpoint
+from agentserver.pump.config import PumpConfig
+from agentserver.pump.delivery import Delivery
+from agentserver.pump.endpoint import Endpoint
+from agentserver.pump.runtime import ListenerRuntime, PumpState, Slot
+from agentserver.pump.threadref import ThreadRef
 
 log = logging.getLogger("agentserver.pump")
 
@@ -89,196 +89,24 @@ _YIELD_EVERY = 16
 _SLOW_HANDLER = 0.001
 _TIME_EVERY = 16
 
-
-@dataclass(frozen=True, slots=True)
-class PumpConfig:
-    organism: str = "organism"
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    max_threads: int = 100_000
-    #: Threads the conversations of one endpoint may hold (its share of ``max_threads``).
-    max_threads_per_endpoint: int = 1024
-    thread_idle_ttl: float = 3600.0
-    expire_interval: float = 30.0
-    delivery_timeout: float = 10.0
-    endpoint_buffer: int = 256
-    endpoint_buffer_bytes: int = DEFAULT_BUFFER_BYTES
-    drain_timeout: float = 5.0
-    #: ``run --explain-refusals``: every ``<huh>`` carries the logged reason in
-    #: ``<detail>`` (development only: it tells a sender about the topology).
-    explain_refusals: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ThreadRef:
-    """A durable reference to a hop thread and its caller's thread (JSON-able)."""
-
-    hop: str
-    caller_thread: str
-    chain: tuple[str, ...]
-
-    def to_json(self) -> dict[str, object]:
-        return {"hop": self.hop, "caller_thread": self.caller_thread, "chain": list(self.chain)}
-
-    @classmethod
-    def from_json(cls, data: dict[str, object]) -> ThreadRef:
-        chain = tuple(str(n) for n in data["chain"])  # type: ignore[union-attr]
-        if len(chain) < 2:
-            raise ValueError("a hop chain has a caller and an owner")
-        return cls(str(data["hop"]), str(data["caller_thread"]), chain)
-
-    @property
-    def caller(self) -> str:
-        return self.chain[-2]
-
-
-class _State(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    DRAINING = "draining"
-    CLOSED = "closed"
-
-
-@dataclass(slots=True)
-class _Delivery:
-    payload: etree._Element
-    ptype: PayloadType
-    thread: ThreadRecord
-    from_id: str
-    is_self_call: bool
-    response_thread: str | None
-    #: The bytes as received from an endpoint (for ``original-attempt``), else None.
-    original: bytes | None
-    #: The span that sent it (tracing on only): the parent of its ``handle`` span.
-    trace: object = None
-
-
-class _Slot:
-    """A worker's bookkeeping, read by the deadline monitor."""
-
-    __slots__ = ("current", "deadline", "delivery", "expired", "listener", "scope")
-
-    def __init__(self, listener: str) -> None:
-        #: The listener and the delivery being (or last) handled: log records of this
-        #: worker's task name them (``observability.logs.add_chain``).
-        self.listener = listener
-        self.delivery: _Delivery | None = None
-        self.current: _Delivery | None = None
-        self.deadline = math.inf
-        self.expired: _Delivery | None = None
-        self.scope = trio.CancelScope()
-
-
-class _Waiter:
-    __slots__ = ("deadline", "delivery", "task")
-
-    def __init__(self, task: trio.lowlevel.Task, delivery: _Delivery, deadline: float) -> None:
-        self.task = task
-        self.delivery = delivery
-        self.deadline = deadline
-
-
-class _Waiters:
-    """Senders waiting for room in one listener's queue, oldest first.
-
-    trio's blocking ``send`` would need a cancel scope per wait for the delivery timeout,
-    and under load a wait costs more than the delivery itself (measured). A waiter here
-    parks without one:
-
-    - a worker that takes a delivery off the full queue hands the freed slot to the oldest
-      waiter at once (its delivery is queued, then it wakes): first come, first served,
-      and a newcomer never overtakes a waiter (:meth:`Pump._put_nowait` checks);
-    - the deadline monitor wakes waiters whose deadline has passed (deadlines grow with
-      arrival order, so only the front needs looking at);
-    - cancelling a waiter removes it, with nothing queued.
-
-    Invariant: while anyone waits, the queue is full.
-    """
-
-    __slots__ = ("_entries",)
-
-    def __init__(self) -> None:
-        self._entries: collections.deque[_Waiter] = collections.deque()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    async def wait(self, delivery: _Delivery, deadline: float) -> bool:
-        """Park until handed a slot (True: ``delivery`` is queued) or until woken at or
-        after ``deadline`` (False: nothing was queued)."""
-        entry = _Waiter(trio.lowlevel.current_task(), delivery, deadline)
-        self._entries.append(entry)
-
-        def abort(_: object) -> trio.lowlevel.Abort:
-            self._entries.remove(entry)
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        return await trio.lowlevel.wait_task_rescheduled(abort)
-
-    def hand_over(self, send: trio.MemorySendChannel[_Delivery]) -> None:
-        """One slot has just been freed: queue the oldest waiter's delivery, wake it."""
-        entry = self._entries.popleft()
-        send.send_nowait(entry.delivery)
-        trio.lowlevel.reschedule(entry.task, outcome.Value(True))
-
-    def expire(self, now: float) -> None:
-        """Wake, unserved, every waiter whose deadline is ``now`` or earlier."""
-        entries = self._entries
-        while entries and entries[0].deadline <= now:
-            trio.lowlevel.reschedule(entries.popleft().task, outcome.Value(False))
-
-
-class _Runtime:
-    __slots__ = (
-        "call",
-        "chain",
-        "handled",
-        "latency",
-        "listener",
-        "receive",
-        "send",
-        "skip",
-        "slots",
-        "sync",
-        "unreadable",
-        "usage",
-        "waiters",
-        "weight",
-    )
-
-    def __init__(self, listener: Listener, usage: str) -> None:
-        self.listener = listener
-        self.usage = usage
-        #: The handler as workers call it (``await call(payload, meta)``).
-        self.call = _awaitable(listener.handler) if listener.sync else listener.handler
-        #: The synchronous handler of the fast path (see Pump._inject_sync), else None.
-        self.sync = listener.handler if listener.sync else None
-        #: Fast-path calls not to time, and the weight of the next timing (as in _serve).
-        self.skip, self.weight = 0, 1
-        #: The tail of the chain of a hop to this listener.
-        self.chain = (listener.name,)
-        #: Primitives the handler's annotation does not admit (see handler_types).
-        self.unreadable = unreadable(listener.handler, CORE_MODELS, raw=listener.raw)
-        self.send, self.receive = trio.open_memory_channel[_Delivery](listener.queue_size)
-        self.waiters = _Waiters()
-        self.handled = 0
-        self.latency = LatencyHistogram()
-        self.slots: list[_Slot] = []
-
-
 _new_meta = tuple.__new__
 
 
-def _awaitable(handler: Callable[..., Any]) -> Callable[..., Coroutine[Any, Any, Any]]:
-    """A sync handler as workers call every handler."""
-
-    async def call(payload: object, meta: HandlerMetadata) -> object:
-        return handler(payload, meta)
-
-    return call
-
-
 class Pump:
-    """Register listeners, then ``await nursery.start(pump.run)`` (or use :func:`open_pump`)."""
+    """Register listeners, then ``await nursery.start(pump.run)`` (or use :func:`open_pump`).
+
+    One class of about 1,170 lines, past the ~500 a module aims at, on purpose: the hot
+    paths (the synchronous fast path :meth:`inject_now` → :meth:`_inject_sync`, and a
+    worker's loop :meth:`_serve`) are attribute lookups on ``self`` and calls of its own
+    methods, with no cross-object call and no extra frame per message; splitting the class
+    by concern would add one per message on exactly those paths (measured figures:
+    docs/performance.md). What could leave without a per-message cost has left: the
+    configuration (``pump.config``), what is queued and who waits for room
+    (``pump.delivery``), the per-listener state and worker slots (``pump.runtime``), the
+    durable hop reference (``pump.threadref``) and the endpoints (``pump.endpoint``). The
+    agents' answering-later methods (:meth:`hold` … :meth:`answer`) stay: they work on the
+    same queues and thread registry, which another object would have to reach into.
+    """
 
     def __init__(
         self,
@@ -301,12 +129,12 @@ class Pump:
         )
         self._codec = EnvelopeCodec(self.payloads, max_bytes=self.config.max_message_bytes)
         self._listeners: list[Listener] = []
-        self._runtimes: dict[str, _Runtime] = {}
+        self._runtimes: dict[str, ListenerRuntime] = {}
         self._endpoints: dict[str, Endpoint] = {}
         self._table: RoutingTable | None = None
         #: Root tag → the runtime of the one synchronous listener taking it.
-        self._sync_by_tag: dict[str, _Runtime] = {}
-        self._state = _State.NEW
+        self._sync_by_tag: dict[str, ListenerRuntime] = {}
+        self._state = PumpState.NEW
         self._inflight = 0
         #: trio's clock as of the deadline monitor's last tick (see _deadline_monitor).
         self._now = 0.0
@@ -333,7 +161,7 @@ class Pump:
     def register(self, listener: Listener) -> None:
         """Add a listener (before :meth:`run`). Derives and compiles its payload XSDs now,
         so a model without an XSD equivalent fails here, not at the first message."""
-        if self._state is not _State.NEW:
+        if self._state is not PumpState.NEW:
             raise ConfigurationError("listeners must be registered before the pump runs")
         if any(existing.name == listener.name for existing in self._listeners):
             raise ConfigurationError(f"listener name {listener.name!r} is used twice")
@@ -362,7 +190,7 @@ class Pump:
         for listener in self._listeners:
             own = [tag_of[m] for m in listener.payload_types]
             peers = {p: [tag_of[m] for m in by_name[p].payload_types] for p in listener.peers}
-            self._runtimes[listener.name] = _Runtime(
+            self._runtimes[listener.name] = ListenerRuntime(
                 listener, usage_instructions(listener.name, own, peers, describe=describe)
             )
         for tag, names in self._table.by_tag.items():
@@ -380,7 +208,7 @@ class Pump:
 
         ``task_status.started`` fires once every worker is up and the root thread exists.
         """
-        if self._state is not _State.NEW:
+        if self._state is not PumpState.NEW:
             raise RuntimeError("a pump runs once")
         self._freeze()
         now = self._now = trio.current_time()
@@ -393,17 +221,17 @@ class Pump:
                         nursery.start_soon(self._worker, rt)
                 nursery.start_soon(self._expirer)
                 nursery.start_soon(self._deadline_monitor)
-                self._state = _State.RUNNING
+                self._state = PumpState.RUNNING
                 task_status.started(self)
                 await self._close_requested.wait()
-                self._state = _State.DRAINING
+                self._state = PumpState.DRAINING
                 with trio.move_on_after(self.config.drain_timeout):
                     if self._inflight:
                         self._idle = trio.Event()
                         await self._idle.wait()
                 nursery.cancel_scope.cancel()
         finally:
-            self._state = _State.CLOSED
+            self._state = PumpState.CLOSED
             # Senders still waiting for room (from outside the pump) are refused now: the
             # monitor that would time them out has stopped.
             for rt in self._runtimes.values():
@@ -418,7 +246,7 @@ class Pump:
 
     @property
     def running(self) -> bool:
-        return self._state is _State.RUNNING
+        return self._state is PumpState.RUNNING
 
     def stats(self) -> dict[str, object]:
         return {
@@ -478,12 +306,14 @@ class Pump:
             buffer or self.config.endpoint_buffer,
             frozenset(allowed) if allowed is not None else None,
             buffer_bytes or self.config.endpoint_buffer_bytes,
+            quota=ThreadQuota(self.config.max_threads_per_endpoint),
         )
-        endpoint.quota = ThreadQuota(self.config.max_threads_per_endpoint)
         self._endpoints[name] = endpoint
         return endpoint
 
-    def _detach(self, endpoint: Endpoint) -> None:
+    def detach_endpoint(self, endpoint: Endpoint) -> None:
+        """Forget a closed endpoint: its name is free again and its threads are dropped.
+        Called by :meth:`Endpoint.close`; idempotent."""
         if self._endpoints.get(endpoint.name) is endpoint:
             del self._endpoints[endpoint.name]
             self.threads.remove_owned_by(endpoint.name)
@@ -504,7 +334,7 @@ class Pump:
         does the rest, which the caller must await. Raises :class:`PumpClosed` like
         :meth:`inject`. Saves a coroutine per message on the fast path, and tells a
         caller (the server's reader) whether the message was dealt with without waiting."""
-        if self._state is not _State.RUNNING:
+        if self._state is not PumpState.RUNNING:
             raise PumpClosed(self._state.value)
         self.counters["injected"] += 1
         root = None
@@ -565,7 +395,7 @@ class Pump:
                 )
                 self._answer_endpoint(endpoint, thread.id, busy, data)
                 continue
-            delivery = _Delivery(payload, ptype, child, endpoint.name, False, None, data)
+            delivery = Delivery(payload, ptype, child, endpoint.name, False, None, data)
             payload = None
             if self._put_nowait(target, delivery):
                 continue
@@ -579,7 +409,7 @@ class Pump:
 
     def _inject_sync(
         self,
-        rt: _Runtime,
+        rt: ListenerRuntime,
         endpoint: Endpoint,
         thread_id: str,
         payload: etree._Element,
@@ -668,7 +498,7 @@ class Pump:
 
     def _inject_sync_traced(
         self,
-        rt: _Runtime,
+        rt: ListenerRuntime,
         endpoint: Endpoint,
         thread_id: str,
         payload: etree._Element,
@@ -717,7 +547,7 @@ class Pump:
 
     async def _sync_fallback(
         self,
-        rt: _Runtime,
+        rt: ListenerRuntime,
         endpoint: Endpoint,
         thread_id: str,
         hop: str,
@@ -748,7 +578,7 @@ class Pump:
                 record_error(span, "registry_full")
                 span.end()
             return
-        d = _Delivery(payload, ptype, child, endpoint.name, False, None, data)
+        d = Delivery(payload, ptype, child, endpoint.name, False, None, data)
         self._inflight += 1
         child.pending += 1
         token = attach(span) if span is not None else None
@@ -807,7 +637,7 @@ class Pump:
     async def inject_system(self, payload: BaseXmlModel | etree._Element, to: str) -> None:
         """Deliver a pump-originated payload (e.g. the boot primitive) to listener ``to`` on
         the root thread. Core-namespace payloads are allowed here and only here."""
-        if self._state is not _State.RUNNING:
+        if self._state is not PumpState.RUNNING:
             raise PumpClosed(self._state.value)
         element = to_element(payload)
         ptype = self.payloads.get(element.tag)
@@ -816,7 +646,7 @@ class Pump:
         if to not in self._runtimes or ptype.tag not in self._table.accepts[to]:
             raise ConfigurationError(f"listener {to!r} does not take {ptype.tag}")
         await self._enqueue(
-            to, _Delivery(element, ptype, self.root_thread, SYSTEM, False, None, None)
+            to, Delivery(element, ptype, self.root_thread, SYSTEM, False, None, None)
         )
 
     # -- answering later (agents) ------------------------------------------------------
@@ -871,7 +701,7 @@ class Pump:
         (or a failure primitive) will reach ``sender`` with ``response_thread`` set to it.
         Raises :class:`Refusal` at once if the pump refuses; nothing is sent then.
         """
-        if self._state is not _State.RUNNING:
+        if self._state is not PumpState.RUNNING:
             raise PumpClosed(self._state.value)
         element = to_element(payload)
         ptype = self._codec.validate_payload(element)
@@ -887,7 +717,7 @@ class Pump:
         except RegistryFull:
             raise DeliveryRefused(SystemErrorCode.ROUTING, retry_allowed=True) from None
         try:
-            await self._enqueue(target, _Delivery(element, ptype, child, sender, False, None, None))
+            await self._enqueue(target, Delivery(element, ptype, child, sender, False, None, None))
         except DeliveryRefused:
             self.threads.prune(child)
             raise
@@ -931,12 +761,12 @@ class Pump:
 
     # -- delivery ------------------------------------------------------------------------
 
-    async def _enqueue(self, target: str, delivery: _Delivery) -> None:
+    async def _enqueue(self, target: str, delivery: Delivery) -> None:
         """Queue for a listener. Raises DeliveryRefused(timeout) if the queue stays full."""
         if not self._put_nowait(target, delivery):
             await self._put(target, delivery)
 
-    def _put_nowait(self, target: str, delivery: _Delivery) -> bool:
+    def _put_nowait(self, target: str, delivery: Delivery) -> bool:
         """Queue for a listener if there is room now and nobody is waiting for room.
         False: nothing was queued."""
         rt = self._runtimes[target]
@@ -952,12 +782,12 @@ class Pump:
         delivery.thread.pending += 1
         return True
 
-    async def _put(self, target: str, delivery: _Delivery) -> None:
+    async def _put(self, target: str, delivery: Delivery) -> None:
         """Wait, behind anyone already waiting, for room in a listener's queue; after
         ``delivery_timeout`` seconds (up to one monitor tick more) raise
         DeliveryRefused(timeout). On cancellation nothing stays queued."""
         rt = self._runtimes[target]
-        if self._state is _State.CLOSED:  # no monitor left to end a wait
+        if self._state is PumpState.CLOSED:  # no monitor left to end a wait
             raise DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True, detail="closed")
         self._inflight += 1
         delivery.thread.pending += 1
@@ -976,7 +806,7 @@ class Pump:
             SystemErrorCode.TIMEOUT, retry_allowed=True, detail=f"{target} queue full"
         )
 
-    def _undo(self, delivery: _Delivery) -> None:
+    def _undo(self, delivery: Delivery) -> None:
         delivery.thread.pending -= 1
         self._done()
 
@@ -997,7 +827,7 @@ class Pump:
         owner = record.owner
         if owner in self._runtimes:
             await self._enqueue(
-                owner, _Delivery(payload, ptype, record, from_id, False, response_thread, None)
+                owner, Delivery(payload, ptype, record, from_id, False, response_thread, None)
             )
             return
         endpoint = self._endpoints.get(owner)
@@ -1019,12 +849,12 @@ class Pump:
 
     # -- handlers ------------------------------------------------------------------------
 
-    async def _worker(self, rt: _Runtime) -> None:
+    async def _worker(self, rt: ListenerRuntime) -> None:
         """One concurrency slot of a listener. A handler that overruns its timeout is
         cancelled by :meth:`_deadline_monitor` through this slot's cancel scope; the slot
         then answers the caller with a timeout and starts over in a fresh scope. (A cancel
         scope per call would cost more than the rest of a delivery.)"""
-        slot = _Slot(rt.listener.name)
+        slot = Slot(rt.listener.name)
         current_slot.set(slot)  # this task's log records name the delivery it handles
         while True:
             with trio.CancelScope() as scope:
@@ -1050,7 +880,7 @@ class Pump:
                     expired,
                 )
 
-    async def _serve(self, rt: _Runtime, slot: _Slot) -> None:
+    async def _serve(self, rt: ListenerRuntime, slot: Slot) -> None:
         """Take deliveries off the listener's queue and run the handler on each.
 
         The whole of a delivery runs inline here (no coroutine per step): this loop is the
@@ -1240,7 +1070,7 @@ class Pump:
         return True
 
     async def _apply(
-        self, listener: Listener, thread: ThreadRecord, result: object, d: _Delivery
+        self, listener: Listener, thread: ThreadRecord, result: object, d: Delivery
     ) -> None:
         if result is None:
             return  # the chain ends (the worker settles the thread)
@@ -1301,7 +1131,7 @@ class Pump:
             if isinstance(decision, SelfCall):
                 await self._enqueue(
                     listener.name,
-                    _Delivery(element, ptype, thread, listener.name, True, None, None),
+                    Delivery(element, ptype, thread, listener.name, True, None, None),
                 )
             else:
                 for i, target in enumerate(decision.targets):
@@ -1310,7 +1140,7 @@ class Pump:
                     try:
                         await self._enqueue(
                             target,
-                            _Delivery(payload, ptype, child, listener.name, False, None, None),
+                            Delivery(payload, ptype, child, listener.name, False, None, None),
                         )
                     except DeliveryRefused:
                         self.threads.prune(child)
@@ -1344,12 +1174,12 @@ class Pump:
         ptype = self.payloads.get(primitive.tag)
         try:
             await self._enqueue(
-                listener.name, _Delivery(primitive, ptype, thread, SYSTEM, False, None, None)
+                listener.name, Delivery(primitive, ptype, thread, SYSTEM, False, None, None)
             )
         except DeliveryRefused:
             log.warning("%s: could not return a refusal (queue full)", listener.name)
 
-    async def _fail(self, thread: ThreadRecord, refusal: Refusal, d: _Delivery | None) -> None:
+    async def _fail(self, thread: ThreadRecord, refusal: Refusal, d: Delivery | None) -> None:
         """The owner of ``thread`` failed (on delivery ``d``, if known): its caller gets
         one primitive; the thread ends.
 
@@ -1370,7 +1200,7 @@ class Pump:
         except DeliveryRefused:
             log.warning("could not deliver a failure notice to %s", parent.owner)
 
-    async def _pass_up(self, listener: Listener, thread: ThreadRecord, d: _Delivery) -> None:
+    async def _pass_up(self, listener: Listener, thread: ThreadRecord, d: Delivery) -> None:
         """``d`` is a primitive the handler cannot read (its annotation does not admit
         it): instead of crashing the handler, its caller gets the failure. A
         ``<SystemError>`` goes up as it is; a ``<huh>`` becomes the caller's own

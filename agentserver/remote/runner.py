@@ -32,7 +32,7 @@ from agentserver.core.listener import Handler, HandlerMetadata, HandlerResponse,
 from agentserver.core.namespaces import CORE_NS
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser
-from agentserver.net.client import _connect, tls_context
+from agentserver.net.client import connect_stream, tls_context
 from agentserver.observability.tracing import context_of, record_error
 
 log = logging.getLogger("agentserver.runner")
@@ -115,7 +115,7 @@ async def run_runner(
     tracer = trace.get_tracer("agentserver.runner", tracer_provider=tracer_provider)
     context = tls_context(tls, ca=ca, cert=cert, key=key)
     with trio.fail_after(connect_timeout):
-        stream = await _connect(host, port, context, None)
+        stream = await connect_stream(host, port, context, None)
     async with stream:
         serve = _core("serve", listener=listener, concurrency=str(concurrency))
         await stream.send_all(

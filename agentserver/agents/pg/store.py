@@ -34,7 +34,7 @@ from agentserver.agents.pg.notify import (
 )
 from agentserver.agents.pg.schema import OWNER_SETTING, migrate_pg
 from agentserver.agents.settings import StoreSettings
-from agentserver.agents.sql import inbox, replies, tools, turns, watchdog
+from agentserver.agents.sql import inbox, replies, tools, turn_end, turns, watchdog
 from agentserver.agents.sql_store import SqlAgentStore
 from agentserver.agents.store import PendingReply, TurnToken
 
@@ -51,9 +51,9 @@ _NOTIFIES = {
         inbox.requeue_stuck,
         tools.suspend,
         tools.inject_timeouts,
-        turns.finish,
-        turns.fail_turn_row,
-        turns.force_end,
+        turn_end.finish,
+        turn_end.fail_turn_row,
+        turn_end.force_end,
         turns.retry_step,
         watchdog.recover_running,
         replies.cancel_queued,

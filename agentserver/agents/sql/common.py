@@ -22,7 +22,7 @@ INBOX_COLS = (
 )
 CARD_COLS = "card_id, box_id, card_type, content, metadata, created_at"
 
-#: Card types the worker never shows the model (``worker._card_message`` returns None):
+#: Card types the worker never shows the model (``model_context.card_message`` returns None):
 #: they cost no context tokens.
 UNSHOWN = frozenset({CardType.DELIVERABLE, CardType.TOOL_CALL, CardType.GUARD})
 

@@ -1,0 +1,57 @@
+"""HttpContext: everything the HTTP API reads, built by the composition root."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+from prometheus_client import CollectorRegistry
+
+from agentserver.agents.events import EventBus, Subscription
+from agentserver.core.throttle import HelloThrottle
+from agentserver.http.agents_view import AgentsView
+from agentserver.http.auth import HttpAuth
+from agentserver.http.gateway import HttpGateway
+from agentserver.pump.pump import Pump
+
+
+@dataclass
+class HttpContext:
+    """Everything the app reads; built by the composition root (agentserver/app.py)."""
+
+    pump: Pump
+    gateway: HttpGateway
+    auth: HttpAuth
+    registry: CollectorRegistry
+    throttle: HelloThrottle = field(default_factory=HelloThrottle)
+    agents: AgentsView | None = None
+    events: EventBus | None = None
+    #: ``() -> {backend: stats}`` of the LLM router (None: no router).
+    backends: Callable[[], dict[str, dict[str, Any]]] | None = None
+    #: ``() -> dict`` of the transports' figures (connections, counters) for /v1/status.
+    transports: Callable[[], dict[str, Any]] = dict
+    #: The remote listeners' step log (agents/step_log.py; None: no remote listeners).
+    steps: Any = None
+    organism: str = ""
+    version: str = ""
+    counters: dict[str, int] = field(
+        default_factory=lambda: {
+            "requests": 0,
+            "unauthenticated": 0,
+            "throttled": 0,
+            "sse_dropped": 0,
+        }
+    )
+    #: Set by :meth:`close`.
+    closing: trio.Event = field(default_factory=trio.Event)
+    #: The open event streams' subscriptions.
+    subscriptions: set[Subscription] = field(default_factory=set)
+
+    def close(self) -> None:
+        """The server is shutting down: end the event streams now (endless, they would
+        hold the server for the whole graceful timeout)."""
+        self.closing.set()
+        for sub in list(self.subscriptions):
+            sub.close()
