@@ -24,7 +24,7 @@ import trio
 
 from agentserver.config import loader as boot
 from agentserver.config.bundled import BOOT_XML
-from agentserver.config.topology import DEFAULT_HTTP_PORT, DEFAULT_PORT
+from agentserver.config.topology import DEFAULT_HTTP_PORT, DEFAULT_PORT, Topology
 from agentserver.core.errors import ConfigurationError, HuhReason, InputRefused, sole_exception
 from agentserver.core.threads import is_uuid4
 from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
@@ -445,12 +445,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_store_reachable(name: str, topology) -> int:
+def _check_store_reachable(name: str, topology: Topology) -> int:
     """``check --connect``: one line saying whether the PostgreSQL store answers."""
-    from agentserver.agents.config import store_settings_from_element
     from agentserver.agents.pg.url import probe
 
-    settings = store_settings_from_element(topology.store, base_dir=topology.path.parent)
+    settings = topology.store
     if settings.url is None:
         print(f"{name}: store: SQLite file {settings.path} (nothing to connect to)")
         return EXIT_OK
