@@ -326,3 +326,14 @@ async def test_topology_builds_a_pump_that_serves_and_boots():
         # worker may not have run yet.
         await trio.testing.wait_all_tasks_blocked()
         assert pump.stats()["handled"]["boot"] == 1
+
+
+def test_every_built_in_name_is_declared_once_and_made_by_the_app():
+    from agentserver.app.builtins import BUILTIN_HANDLERS as MADE
+    from agentserver.config.builtins import BUILTIN_HANDLERS, BUILTIN_PAYLOADS
+    from agentserver.config.imports import resolve_import
+
+    assert set(MADE) == set(BUILTIN_HANDLERS)
+    refs = {ref for b in BUILTIN_HANDLERS.values() for ref in (*b.accepts, *b.responds)}
+    for ref in refs | set(BUILTIN_PAYLOADS.values()):
+        assert isinstance(resolve_import(ref), type), ref
