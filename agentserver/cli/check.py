@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+from typing import TYPE_CHECKING
 
 from agentserver.cli.common import (
     BOOT_ENV,
@@ -14,8 +15,10 @@ from agentserver.cli.common import (
     Subcommands,
     print_problems,
 )
-from agentserver.config import loader as boot
 from agentserver.config.topology import Topology
+
+if TYPE_CHECKING:
+    from agentserver.config.problems import LoadResult
 
 
 def add_parsers(
@@ -59,6 +62,8 @@ def add_parsers(
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from agentserver.config import loader as boot  # not at import: other commands skip it
+
     result = boot.load(args.boot)
     print_problems(result)
     if result.topology is None:
@@ -92,6 +97,7 @@ def cmd_schemas(args: argparse.Namespace) -> int:
 
     from lxml import etree
 
+    from agentserver.config import loader as boot  # not at import: other commands skip it
     from agentserver.core.payloads import PayloadRegistry
     from agentserver.core.schemas_export import schema_path
     from agentserver.primitives.core import CORE_MODELS
@@ -122,7 +128,7 @@ def cmd_schemas(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def summary(name: str, result: boot.LoadResult) -> str:
+def summary(name: str, result: LoadResult) -> str:
     topo = result.topology
     assert topo is not None
     warnings = len(result.warnings)

@@ -9,14 +9,16 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import trio
 
-from agentserver.config import loader as boot
 from agentserver.config.topology import DEFAULT_HTTP_PORT, DEFAULT_PORT
 from agentserver.core.errors import sole_exception
 from agentserver.observability.logs import LOG_FORMATS
+
+if TYPE_CHECKING:
+    from agentserver.config.problems import LoadResult
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -128,7 +130,7 @@ def trio_run(fn: Callable[[], Awaitable[T]]) -> T:
         raise sole_exception(group) from None
 
 
-def print_problems(result: boot.LoadResult) -> None:
+def print_problems(result: LoadResult) -> None:
     for problem in result.problems:
         print(problem, file=sys.stderr if problem.warning else sys.stdout)
 

@@ -11,6 +11,7 @@ import os
 import pathlib
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -26,9 +27,11 @@ from agentserver.cli.common import (
     print_problems,
     trio_run,
 )
-from agentserver.config import loader as boot
 from agentserver.config.bundled import BOOT_XML
 from agentserver.config.topology import Topology
+
+if TYPE_CHECKING:
+    from agentserver.config.problems import LoadResult
 from agentserver.core.errors import ConfigurationError
 
 log = logging.getLogger("agentserver.cli")
@@ -86,8 +89,10 @@ def add_parsers(
     )
 
 
-def load_boot_for_run(explicit: str | None) -> tuple[str, boot.LoadResult]:
+def load_boot_for_run(explicit: str | None) -> tuple[str, LoadResult]:
     """The topology ``run`` uses: BOOT if given, else ./boot.xml, else the bundled copy."""
+    from agentserver.config import loader as boot  # not at import: other commands skip it
+
     if explicit is not None:
         return explicit, boot.load(explicit)
     local = pathlib.Path("boot.xml")

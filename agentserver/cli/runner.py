@@ -19,7 +19,7 @@ from agentserver.cli.common import (
     tls_options,
     trio_run,
 )
-from agentserver.config import loader as boot
+from agentserver.config.imports import resolve_import
 from agentserver.core.errors import ConfigurationError
 
 
@@ -64,7 +64,7 @@ def cmd_runner(args: argparse.Namespace) -> int:
         print("--concurrency must be 1..1024", file=sys.stderr)
         return EXIT_USAGE
     try:
-        handler = boot.resolve_import(args.handler)
+        handler = resolve_import(args.handler)
     except Exception as exc:
         print(f"--handler {args.handler}: {exc}", file=sys.stderr)
         return EXIT_USAGE

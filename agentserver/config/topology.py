@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import pathlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pydantic_xml import BaseXmlModel
 
-from agentserver.agents.guardrails import GuardrailSpec
-from agentserver.agents.policy import Policy
-from agentserver.agents.settings import AgentSettings, StoreSettings
 from agentserver.core.listener import (
     DEFAULT_CONCURRENCY,
     DEFAULT_QUEUE_SIZE,
@@ -25,11 +23,18 @@ from agentserver.core.listener import (
     Handler,
 )
 from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
-from agentserver.llm.config import RouterConfig
 from agentserver.net.tls import TlsSpec
 from agentserver.primitives.core import Boot, boot_primitive
 from agentserver.pump.endpoint import DEFAULT_BUFFER_BYTES
 from agentserver.pump.pump import PumpConfig
+
+if TYPE_CHECKING:
+    # Types only: importing the agents and the LLM router would make every command that
+    # reads DEFAULT_PORT pay for them (httpx, the router); the loader imports them.
+    from agentserver.agents.guardrails import GuardrailSpec
+    from agentserver.agents.policy import Policy
+    from agentserver.agents.settings import AgentSettings, StoreSettings
+    from agentserver.llm.config import RouterConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7340
@@ -158,7 +163,7 @@ class Topology:
     llm: RouterConfig | None = None
     #: ``<store>`` (its defaults if absent): the agents' store, a relative SQLite path
     #: already resolved against boot.xml's folder.
-    store: StoreSettings = field(default_factory=StoreSettings)
+    store: StoreSettings = field(default_factory=lambda: _default_store())
     #: ``<tls>``: every connection on the listener is TLS; None: plaintext.
     tls: TlsSpec | None = None
     #: ``<listen insecure-plaintext="true">``: declared clients on a non-loopback address
@@ -195,3 +200,10 @@ class Topology:
             endpoint_buffer_bytes=lim.outgoing_buffer_bytes,
             drain_timeout=lim.drain_timeout,
         )
+
+
+def _default_store() -> StoreSettings:
+    """The store of a topology built without one (the loader always sets it)."""
+    from agentserver.agents.settings import StoreSettings
+
+    return StoreSettings()
