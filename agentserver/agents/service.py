@@ -16,7 +16,7 @@ import logging
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import trio
 from lxml import etree
@@ -32,6 +32,9 @@ from agentserver.core.listener import Handler, HandlerMetadata
 from agentserver.llm.config import RouterConfig
 from agentserver.observability import LLMTelemetry, Metrics, Tracing
 from agentserver.pump.pump import Pump
+
+if TYPE_CHECKING:
+    from agentserver.llm.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ class AgentService:
     profiles: Mapping[str, AgentProfile]
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     #: The LLM router (None without ``<llm>``), for status and readiness.
-    router: Any = None
+    router: Router | None = None
 
     def stop(self) -> None:
         """Stop the worker and watchdog (their work is durable and resumes on restart)."""

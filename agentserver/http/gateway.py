@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 from lxml import etree
 
-from agentserver.config.topology import HttpSpec, Limits
 from agentserver.core.envelope import build_envelope
 from agentserver.core.errors import (
     ConfigurationError,
@@ -36,6 +36,32 @@ log = logging.getLogger("agentserver.http")
 BUSY = DeliveryRefused(SystemErrorCode.ROUTING, retry_allowed=True, detail="http busy")
 
 
+class GatewayLimits(Protocol):
+    """The connection limits the gateway applies, as the socket does (boot.xml
+    ``<limits>``: :class:`agentserver.config.topology.Limits` is one)."""
+
+    @property
+    def max_message_bytes(self) -> int: ...
+    @property
+    def outgoing_buffer(self) -> int: ...
+    @property
+    def outgoing_buffer_bytes(self) -> int: ...
+
+
+class GatewaySettings(Protocol):
+    """The HTTP API's own bounds (boot.xml ``<http>``:
+    :class:`agentserver.config.topology.HttpSpec` is one)."""
+
+    @property
+    def max_pending(self) -> int: ...
+    @property
+    def reply_ttl(self) -> float: ...
+    @property
+    def max_replies(self) -> int: ...
+    @property
+    def wait_timeout(self) -> float: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What became of one message: ``kind`` is reply (``reply`` holds the envelope),
@@ -52,7 +78,7 @@ class Outcome:
 class HttpGateway:
     """Sends messages for HTTP callers and keeps the replies of ``?wait=false`` ones."""
 
-    def __init__(self, pump: Pump, limits: Limits, spec: HttpSpec) -> None:
+    def __init__(self, pump: Pump, limits: GatewayLimits, spec: GatewaySettings) -> None:
         self.pump = pump
         self.limits = limits
         self.spec = spec
