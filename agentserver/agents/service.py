@@ -126,11 +126,11 @@ async def start_agent_service(
     """Open the store of ``store`` and the router of ``llm``, bind the agent listeners
     (``handlers``, one per name in ``profiles``) and start the runtime in ``nursery``. Call
     once the pump runs. ``clients`` are the declared clients' names, ``operators`` the
-    listeners that may approve as operators (the console routers). The store and router
+    listeners whose approval decisions are the operator's, for any request (the server's
+    own console routers). The store and router
     are closed by ``resources``; cancelling ``nursery`` stops the runtime, whose work is
     durable and resumes at the next start."""
     env = os.environ if environ is None else environ
-    settings = store
     llm_port = await open_llm(llm, resources, env, tracing=tracing, metrics=metrics)
     window_of = getattr(llm_port, "context_window", None)
     if window_of is not None:
@@ -143,7 +143,7 @@ async def start_agent_service(
         }
     ports = PumpPorts(pump, named_clients=list(clients))
     runtime = AgentRuntime.open(
-        settings, profiles, llm=llm_port, tools=ports, replies=ports, tracing=tracing
+        store, profiles, llm=llm_port, tools=ports, replies=ports, tracing=tracing
     )
     resources.push_async_callback(runtime.aclose)
     figures = None
@@ -188,5 +188,5 @@ async def start_agent_service(
                 inner.cancel_scope.cancel()  # the runtime ended: so do its helpers
 
     await nursery.start(run)
-    log.info("agents running: %s (store %s)", ", ".join(profiles), settings.where)
+    log.info("agents running: %s (store %s)", ", ".join(profiles), store.where)
     return service

@@ -147,6 +147,13 @@ class ListenerSpec:
         return Boot in self.accepts
 
 
+def _default_store() -> StoreSettings:
+    """The store of a topology built without one (the loader always sets it)."""
+    from agentserver.agents.settings import StoreSettings
+
+    return StoreSettings()
+
+
 @dataclass(frozen=True, slots=True)
 class Topology:
     """A validated boot.xml."""
@@ -163,7 +170,7 @@ class Topology:
     llm: RouterConfig | None = None
     #: ``<store>`` (its defaults if absent): the agents' store, a relative SQLite path
     #: already resolved against boot.xml's folder.
-    store: StoreSettings = field(default_factory=lambda: _default_store())
+    store: StoreSettings = field(default_factory=_default_store)
     #: ``<tls>``: every connection on the listener is TLS; None: plaintext.
     tls: TlsSpec | None = None
     #: ``<listen insecure-plaintext="true">``: declared clients on a non-loopback address
@@ -200,10 +207,3 @@ class Topology:
             endpoint_buffer_bytes=lim.outgoing_buffer_bytes,
             drain_timeout=lim.drain_timeout,
         )
-
-
-def _default_store() -> StoreSettings:
-    """The store of a topology built without one (the loader always sets it)."""
-    from agentserver.agents.settings import StoreSettings
-
-    return StoreSettings()
