@@ -66,6 +66,8 @@ class ListenerReader:
             self.error(line, f"listener {listener!r}: {exc}")
 
     def read(self, el: etree._Element) -> list[ListenerSpec]:
+        """The listeners of ``<listeners>`` that have no error (plus the implicit boot
+        listener when none takes the boot primitive), checked as a whole."""
         specs: list[ListenerSpec] = []
         first_line: dict[str, int] = {}
         for lel in el.iterfind(B + "listener"):
