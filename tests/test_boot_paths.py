@@ -14,6 +14,7 @@ from tlsutil import make_pki
 
 from agentserver.agents.settings import AgentSettings, StoreSettings
 from agentserver.config import loader as boot
+from agentserver.core.xsdgen import model_root_tag
 from agentserver.llm.config import RouterConfig
 
 NS = "https://xml-pipeline.org/ns/boot/v1"
@@ -103,6 +104,29 @@ def test_tls_files_are_resolved_against_boot_xmls_folder(tmp_path, monkeypatch):
         pki.key_file,
         pki.ca_file,
     )
+
+
+def test_schema_files_and_handler_modules_are_found_next_to_boot_xml(tmp_path, monkeypatch):
+    conf = tmp_path / "conf"
+    (conf / "schemas").mkdir(parents=True)
+    (conf / "schemas" / "note.xsd").write_text(
+        '<xs:schema xmlns:xs="http://www.w3.org/2001/XMLSchema" targetNamespace="urn:t:note"'
+        ' elementFormDefault="qualified"><xs:element name="note" type="xs:string"/></xs:schema>'
+    )
+    (conf / "paths_next_to_boot.py").write_text(
+        "async def handle(payload, meta):\n    return None\n"
+    )
+    write(
+        conf,
+        '<listeners><listener name="notes" handler="paths_next_to_boot:handle"'
+        ' ends-chains="true"><accepts schema="schemas/note.xsd" root="{urn:t:note}note"/>'
+        "</listener></listeners>\n",
+    )
+    monkeypatch.chdir(tmp_path)  # neither the schema nor the module is here
+    topology = boot.load_or_raise("conf/boot.xml", environ={})
+    notes = topology.listener("notes")
+    assert notes.handler is not None and notes.handler.__module__ == "paths_next_to_boot"
+    assert [model_root_tag(m) for m in notes.accepts] == ["{urn:t:note}note"]
 
 
 def test_check_and_run_from_another_folder_name_and_open_the_store_next_to_boot_xml(tmp_path):
