@@ -21,9 +21,13 @@ COPY primitives ./primitives
 COPY schemas ./schemas
 RUN pip install . \
     && useradd --system --uid 10001 --home-dir /var/lib/agentserver --create-home agentserver \
-    && cp boot.xml /etc/agentserver-boot.xml
+    && sed 's|<store path="state/agents.sqlite3"/>|<store path="/var/lib/agentserver/state/agents.sqlite3"/>|' \
+        boot.xml > /etc/agentserver-boot.xml \
+    && grep -q 'path="/var/lib/agentserver/state/' /etc/agentserver-boot.xml
 
-# Relative paths in boot.xml (the agent store's state/agents.sqlite3) resolve here.
+# Relative paths in boot.xml resolve against boot.xml's own folder (here /etc), so the
+# image's copy names its agent store absolutely, in the volume; a boot.xml you mount
+# should too (<store path="/var/lib/agentserver/state/agents.sqlite3"/>).
 VOLUME /var/lib/agentserver
 WORKDIR /var/lib/agentserver
 USER agentserver

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pathlib
+
 import pytest
 import trio
 import trio.testing
@@ -129,3 +132,10 @@ def server():
     proc = ServerProcess.start(DATA / "e2e-boot.xml")
     yield proc
     assert proc.stop() == 0
+
+
+def store_in(topology, directory: pathlib.Path):
+    """``topology`` with its agents' store in ``directory`` instead of next to its boot.xml
+    (for a boot.xml of the checkout, run in process: nothing may land in the checkout)."""
+    store = dataclasses.replace(topology.store, path=directory / "state" / "agents.sqlite3")
+    return dataclasses.replace(topology, store=store)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +50,20 @@ def scratch_dir() -> pathlib.Path:
     if ScratchRoot.path is None:
         raise RuntimeError("scratch_dir() needs the pytest session (tests/conftest.py)")
     return pathlib.Path(tempfile.mkdtemp(prefix="agentserver-test-", dir=ScratchRoot.path))
+
+
+def outside_checkout(boot: pathlib.Path | str, directory: pathlib.Path) -> pathlib.Path:
+    """``boot`` itself, or, when it lies in the checkout, a copy of it in ``directory``:
+    relative paths in boot.xml (the agents' ``<store path>``) are relative to its folder,
+    and nothing may land in the checkout. (Its handler modules import from tests/, on
+    PYTHONPATH, or from the package.)"""
+    path = pathlib.Path(boot).resolve()
+    if not path.is_relative_to(REPO):
+        return pathlib.Path(boot)
+    copy = directory / path.name
+    if not copy.exists():
+        shutil.copyfile(path, copy)
+    return copy
 
 
 def cli(
@@ -92,6 +107,9 @@ class ServerProcess:
         stdout=subprocess.DEVNULL,
         timeout: float = 20.0,
     ) -> ServerProcess:
+        cwd = cwd or scratch_dir()
+        if boot is not None:
+            boot = outside_checkout(boot, cwd)
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -109,8 +127,9 @@ class ServerProcess:
             stdout=stdout,
             stderr=subprocess.PIPE,
             env=env or subprocess_env(),
-            # A scratch directory: the agent store (./state/) must not land in the checkout.
-            cwd=cwd or scratch_dir(),
+            # A scratch directory, where a checkout's boot.xml is copied to (its agent
+            # store, state/ next to it, must not land in the checkout).
+            cwd=cwd,
         )
         lines: list[str] = []
         found = threading.Event()

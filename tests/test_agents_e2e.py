@@ -153,7 +153,16 @@ async def test_second_server_on_the_same_store_refuses_to_start(tmp_path):
     try:
         second = await trio.to_thread.run_sync(
             lambda: subprocess.run(
-                [sys.executable, "-m", "agentserver", "run", str(REPO / "boot.xml"), "--port", "0"],
+                # The same boot.xml as the first: the same store, next to it.
+                [
+                    sys.executable,
+                    "-m",
+                    "agentserver",
+                    "run",
+                    str(tmp_path / "boot.xml"),
+                    "--port",
+                    "0",
+                ],
                 cwd=tmp_path,
                 env=env,
                 capture_output=True,

@@ -10,12 +10,15 @@ from conftest import parse_reply
 from lxml import etree
 from serverproc import DATA, REPO
 
+from agentserver.agents.settings import AgentSettings
 from agentserver.app.builtins import RunContext, build_listeners
 from agentserver.config import loader as boot
 from agentserver.config.bundled import BOOT_XML
+from agentserver.config.topology import Limits
 from agentserver.core.envelope import build_envelope
 from agentserver.core.threads import new_thread_id
 from agentserver.listeners.echo import Ping
+from agentserver.llm.config import RouterConfig
 from agentserver.pump.pump import open_pump
 
 NS = "https://xml-pipeline.org/ns/boot/v1"
@@ -70,7 +73,7 @@ def test_minimal_file_gets_an_implicit_boot_listener_and_defaults(tmp_path):
     assert result.ok, messages(result)
     topo = result.topology
     assert topo.boot_listener.name == boot.IMPLICIT_BOOT_NAME
-    assert topo.limits == boot.Limits()
+    assert topo.limits == Limits()
     assert (topo.host, topo.port) == ("127.0.0.1", 7340)
 
 
@@ -212,7 +215,7 @@ def test_agent_settings_need_the_agent_flag_and_are_handed_over(tmp_path):
     )
     assert ok.ok
     profile = ok.topology.listener("a").agent_profile
-    assert profile.tag == f"{{{NS}}}agent" and profile.get("max-steps") == "3"
+    assert isinstance(profile, AgentSettings) and profile.max_steps == 3
 
 
 def test_llm_and_store_sections_are_validated_and_handed_over(tmp_path):
@@ -230,8 +233,11 @@ def test_llm_and_store_sections_are_validated_and_handed_over(tmp_path):
     )
     result = boot.load(path, environ={})
     assert result.ok, messages(result)
-    assert result.topology.llm.tag == f"{{{NS}}}llm"
-    assert result.topology.store.get("worker-concurrency") == "2"
+    # Parsed once, by the loader: the router's and the store's typed settings.
+    assert isinstance(result.topology.llm, RouterConfig)
+    assert [b.name for b in result.topology.llm.backends] == ["local"]
+    assert result.topology.store.worker_concurrency == 2
+    assert result.topology.store.path == tmp_path / "state" / "agents.sqlite3"
 
 
 def test_llm_section_problems_are_reported_with_lines(tmp_path):
@@ -320,3 +326,14 @@ async def test_topology_builds_a_pump_that_serves_and_boots():
         # worker may not have run yet.
         await trio.testing.wait_all_tasks_blocked()
         assert pump.stats()["handled"]["boot"] == 1
+
+
+def test_every_built_in_name_is_declared_once_and_made_by_the_app():
+    from agentserver.app.builtins import BUILTIN_HANDLERS as MADE
+    from agentserver.config.builtins import BUILTIN_HANDLERS, BUILTIN_PAYLOADS
+    from agentserver.config.imports import resolve_import
+
+    assert set(MADE) == set(BUILTIN_HANDLERS)
+    refs = {ref for b in BUILTIN_HANDLERS.values() for ref in (*b.accepts, *b.responds)}
+    for ref in refs | set(BUILTIN_PAYLOADS.values()):
+        assert isinstance(resolve_import(ref), type), ref

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from serverproc import DATA, REPO, ServerProcess, cli, scratch_dir
+from serverproc import DATA, REPO, ServerProcess, cli, outside_checkout, scratch_dir
 
 SCRIPT = (
     b'@echo <ping xmlns="urn:agentserver:echo"><text>hi</text></ping>\n'
@@ -29,7 +29,7 @@ def test_run_with_console_in_the_server_process():
         "--log-level",
         "warning",
         "run",
-        str(REPO / "boot.xml"),
+        str(outside_checkout(REPO / "boot.xml", scratch_dir())),
         "--port",
         "0",
         "--console",

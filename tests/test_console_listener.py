@@ -4,14 +4,16 @@ with a scripted terminal."""
 from __future__ import annotations
 
 import base64
+import pathlib
 
 import trio
 import trio.lowlevel
 import trio.testing
+from conftest import store_in
 from lxml import etree
 from serverproc import DATA, REPO
 
-from agentserver.agents.service import start_agents
+from agentserver.app.agents import start_agents
 from agentserver.app.builtins import RunContext, build_listener_set, build_listeners
 from agentserver.config import loader as boot
 from agentserver.core.envelope import build_envelope
@@ -110,7 +112,8 @@ def test_control_characters_are_dropped_from_input():
 
 
 async def run_console(topology_path, lines, *, extra=None):
-    topo = boot.load_or_raise(topology_path)
+    # The agent store in this test's working directory, not next to the checkout's boot.xml.
+    topo = store_in(boot.load_or_raise(topology_path), pathlib.Path.cwd())
     terminal = ScriptedTerminal(lines)
     done = trio.Event()
     ctx = RunContext(topo, terminal=terminal, on_console_exit=done.set)
@@ -137,7 +140,7 @@ async def run_console(topology_path, lines, *, extra=None):
 
 
 async def test_console_round_trips_through_the_topology(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the agent store goes to ./state/
+    monkeypatch.chdir(tmp_path)  # run_console's agent store goes to ./state/
     terminal, threads_left = await run_console(
         REPO / "boot.xml",
         [

@@ -11,7 +11,7 @@ import time
 
 import pexpect
 import pytest
-from serverproc import REPO, ServerProcess
+from serverproc import REPO, ServerProcess, outside_checkout
 
 from agentserver.console.terminal import COMMANDS, completions, history_path
 
@@ -67,7 +67,8 @@ def type_and_complete(child: pexpect.spawn, text: str) -> None:
 
 @pytest.mark.slow
 def test_run_console_history_completion_describe_and_ctrl_c(tmp_path):
-    child = spawn(["run", str(REPO / "boot.xml"), "--port", "0", "--console"], tmp_path)
+    boot = outside_checkout(REPO / "boot.xml", tmp_path)  # its agent store goes next to it
+    child = spawn(["run", str(boot), "--port", "0", "--console"], tmp_path)
     try:
         child.expect_exact(READY)
         child.send(PING + "\r")

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 import trio
+from conftest import store_in
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -184,8 +185,7 @@ class OneToolModel(FakeServer):
         return say(seen, f"2+3 = {found.group(1)}.")
 
 
-async def test_assistant_task_with_a_tool_call_is_one_trace(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the agent store lands in ./state/
+async def test_assistant_task_with_a_tool_call_is_one_trace(tmp_path):
     tracing, exporter = recording()
     registry = CollectorRegistry()
     async with trio.open_nursery() as nursery:
@@ -195,7 +195,7 @@ async def test_assistant_task_with_a_tool_call_is_one_trace(tmp_path, monkeypatc
             "OPENAI_API_KEY": "test-key",
             "AGENTSERVER_MODEL": "m",
         }
-        topology = boot.load(REPO / "boot.xml").topology
+        topology = store_in(boot.load(REPO / "boot.xml", environ=environ).topology, tmp_path)
         async with app(topology, environ=environ, registry=registry, tracing=tracing) as port:
             async with open_client("127.0.0.1", port) as client:
                 thread = new_thread_id()

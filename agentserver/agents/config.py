@@ -1,4 +1,5 @@
-"""boot.xml elements (``StoreSectionType``, ``AgentProfileType``) → dataclasses.
+"""boot.xml elements (``StoreSectionType``, ``AgentProfileType``) → settings dataclasses,
+and an agent's settings → its :class:`AgentProfile`.
 
 The elements are expected to have been validated against ``boot.xsd`` (which includes
 ``boot-agents.xsd``); defaults here equal the schema's, so an absent attribute and a
@@ -18,7 +19,7 @@ from lxml import etree
 
 from agentserver.agents.errors import AgentConfigError
 from agentserver.agents.profile import AgentProfile, ResultField
-from agentserver.agents.settings import StoreSettings
+from agentserver.agents.settings import AgentSettings, StoreSettings
 from agentserver.core.namespaces import BOOT_NS
 
 SCHEMA_FILE = "boot-agents.xsd"
@@ -105,6 +106,106 @@ def store_settings_from_element(
         raise AgentConfigError(str(exc)) from None
 
 
+def agent_settings_from_element(el: etree._Element | None, *, name: str) -> AgentSettings:
+    """:class:`AgentSettings` from an ``AgentProfileType`` element (None: all defaults).
+    Raises ``AgentConfigError`` naming agent ``name`` for a value it cannot use."""
+    if el is None:
+        return AgentSettings()
+    prompt_el = el.find(_q("system-prompt"))
+    fields = tuple(
+        ResultField(
+            f.get("name", ""),
+            f.get("required", "true") in ("true", "1"),
+            (f.text or "").strip(),
+        )
+        for f in el.iterfind(_q("result-field"))
+    )
+    d = AgentSettings()
+    max_tokens = el.get("max-tokens")
+    try:
+        return AgentSettings(
+            model=el.get("model") or None,
+            model_env=el.get("model-env") or None,
+            system_prompt=(prompt_el.text or "").strip() if prompt_el is not None else None,
+            max_steps=int(_num(el, "max-steps", d.max_steps, int)),
+            resume_deadline_s=_num(el, "resume-deadline", d.resume_deadline_s),
+            llm_timeout_s=_num(el, "llm-timeout", d.llm_timeout_s),
+            max_tokens=int(max_tokens) if max_tokens else None,
+            step_retries=int(_num(el, "step-retries", d.step_retries, int)),
+            step_retry_base_s=_num(el, "step-retry-base", d.step_retry_base_s),
+            max_retry_after_s=_num(el, "max-retry-after", d.max_retry_after_s),
+            context_window=int(window) if (window := el.get("context-window")) else None,
+            context_reserve=int(_num(el, "context-reserve", d.context_reserve, int)),
+            keep_recent=int(_num(el, "keep-recent", d.keep_recent, int)),
+            tool_result_share=_num(el, "tool-result-share", d.tool_result_share),
+            memory=el.get("memory", d.memory),
+            must_end_with=tuple((m.text or "").strip() for m in el.iterfind(_q("must-end-with"))),
+            result_fields=fields,
+            terminate_tools=tuple(
+                (t.text or "").strip() for t in el.iterfind(_q("terminate-tool"))
+            ),
+            loop_warn=int(_num(el, "loop-warn", d.loop_warn, int)),
+            loop_block=int(_num(el, "loop-block", d.loop_block, int)),
+        )
+    except ValueError as exc:
+        raise AgentConfigError(f"agent {name!r}: {exc}") from None
+
+
+def profile_from_settings(
+    settings: AgentSettings,
+    *,
+    name: str,
+    own_roots: tuple[str, ...],
+    peers: Mapping[str, str],
+    usage_instructions: str = "",
+    answer_tag: str = "",
+    environ: Mapping[str, str] | None = None,
+) -> AgentProfile:
+    """An :class:`AgentProfile` from an agent's ``<agent>`` settings plus what the pump
+    knows: the agent's own root tags, its peers' root tags (Clark → listener name), the
+    generated ``usage_instructions`` and the reply's root tag (default ``{ns}answer`` in
+    the namespace of the first own root tag). The model is ``settings.model_env``'s value
+    if set, else ``settings.model``, else ``AGENTSERVER_MODEL`` (read from ``environ``,
+    default the process environment). Raises ``AgentConfigError``."""
+    env = os.environ if environ is None else environ
+    override = settings.model_env
+    model = (env.get(override) if override else None) or settings.model or env.get(MODEL_ENV, "")
+    if not model:
+        raise AgentConfigError(f"agent {name!r}: no model (set model= or {MODEL_ENV})")
+    s = settings
+    try:
+        return AgentProfile(
+            name=name,
+            model=model,
+            system_prompt=s.system_prompt
+            if s.system_prompt is not None
+            else _profile_default("system_prompt"),
+            max_steps=s.max_steps,
+            resume_deadline_s=s.resume_deadline_s,
+            llm_timeout_s=s.llm_timeout_s,
+            max_tokens=s.max_tokens,
+            step_retries=s.step_retries,
+            step_retry_base_s=s.step_retry_base_s,
+            max_retry_after_s=s.max_retry_after_s,
+            context_window=s.context_window,
+            context_reserve=s.context_reserve,
+            keep_recent=s.keep_recent,
+            tool_result_share=s.tool_result_share,
+            memory=s.memory,
+            must_end_with=s.must_end_with,
+            result_fields=s.result_fields,
+            terminate_tools=s.terminate_tools,
+            usage_instructions=usage_instructions,
+            own_roots=own_roots,
+            peers=dict(peers),
+            answer_tag=answer_tag,
+            loop_warn=s.loop_warn,
+            loop_block=s.loop_block,
+        )
+    except ValueError as exc:
+        raise AgentConfigError(f"agent {name!r}: {exc}") from None
+
+
 def profile_from_element(
     el: etree._Element | None,
     *,
@@ -115,60 +216,13 @@ def profile_from_element(
     answer_tag: str = "",
     environ: Mapping[str, str] | None = None,
 ) -> AgentProfile:
-    """An :class:`AgentProfile` from an ``AgentProfileType`` element plus what the pump
-    knows: the agent's own root tags, its peers' root tags (Clark → listener name), the
-    generated ``usage_instructions`` and the reply's root tag (default ``{ns}answer`` in
-    the namespace of the first own root tag). ``model`` falls back to ``AGENTSERVER_MODEL``.
-    """
-    env = os.environ if environ is None else environ
-    if el is None:
-        el = etree.Element(_q("agent"))
-    override = el.get("model-env")
-    model = (env.get(override) if override else None) or el.get("model") or env.get(MODEL_ENV, "")
-    if not model:
-        raise AgentConfigError(f"agent {name!r}: no model (set model= or {MODEL_ENV})")
-    prompt_el = el.find(_q("system-prompt"))
-    fields = tuple(
-        ResultField(
-            f.get("name", ""),
-            f.get("required", "true") in ("true", "1"),
-            (f.text or "").strip(),
-        )
-        for f in el.iterfind(_q("result-field"))
+    """:func:`profile_from_settings` of the ``AgentProfileType`` element ``el``."""
+    return profile_from_settings(
+        agent_settings_from_element(el, name=name),
+        name=name,
+        own_roots=own_roots,
+        peers=peers,
+        usage_instructions=usage_instructions,
+        answer_tag=answer_tag,
+        environ=environ,
     )
-    max_tokens = el.get("max-tokens")
-    try:
-        return AgentProfile(
-            name=name,
-            model=model,
-            system_prompt=(prompt_el.text or "").strip()
-            if prompt_el is not None
-            else _profile_default("system_prompt"),
-            max_steps=int(_num(el, "max-steps", _profile_default("max_steps"), int)),
-            resume_deadline_s=_num(el, "resume-deadline", _profile_default("resume_deadline_s")),
-            llm_timeout_s=_num(el, "llm-timeout", _profile_default("llm_timeout_s")),
-            max_tokens=int(max_tokens) if max_tokens else None,
-            step_retries=int(_num(el, "step-retries", _profile_default("step_retries"), int)),
-            step_retry_base_s=_num(el, "step-retry-base", _profile_default("step_retry_base_s")),
-            max_retry_after_s=_num(el, "max-retry-after", _profile_default("max_retry_after_s")),
-            context_window=int(window) if (window := el.get("context-window")) else None,
-            context_reserve=int(
-                _num(el, "context-reserve", _profile_default("context_reserve"), int)
-            ),
-            keep_recent=int(_num(el, "keep-recent", _profile_default("keep_recent"), int)),
-            tool_result_share=_num(el, "tool-result-share", _profile_default("tool_result_share")),
-            memory=el.get("memory", _profile_default("memory")),
-            must_end_with=tuple((m.text or "").strip() for m in el.iterfind(_q("must-end-with"))),
-            result_fields=fields,
-            terminate_tools=tuple(
-                (t.text or "").strip() for t in el.iterfind(_q("terminate-tool"))
-            ),
-            usage_instructions=usage_instructions,
-            own_roots=own_roots,
-            peers=dict(peers),
-            answer_tag=answer_tag,
-            loop_warn=int(_num(el, "loop-warn", _profile_default("loop_warn"), int)),
-            loop_block=int(_num(el, "loop-block", _profile_default("loop_block"), int)),
-        )
-    except ValueError as exc:
-        raise AgentConfigError(f"agent {name!r}: {exc}") from None

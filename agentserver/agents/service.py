@@ -1,9 +1,11 @@
-"""Agents in a running server: boot.xml's agent listeners → one AgentRuntime on the pump.
+"""Agents in a running server: the agent listeners → one AgentRuntime on the pump.
 
 Every listener declared with ``agent="true"`` is run by the runtime: its pump handler only
 does intake (:func:`agentserver.agents.bridge.agent_handler`), its Turns run in the
 worker, its model calls go through the LLM router built from boot.xml's ``<llm>``, and its
-state lives in the store of ``<store>`` (default ``./state/agents.sqlite3``).
+state lives in the store of ``<store>`` (default ``state/agents.sqlite3`` next to
+boot.xml). This module takes typed settings; :mod:`agentserver.app.agents` derives them
+from a topology.
 """
 
 from __future__ import annotations
@@ -12,28 +14,27 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import trio
 from lxml import etree
 
-from agentserver.agents.answer import takes_failure_status
-from agentserver.agents.approvals import DECISION_TAG, REQUEST_TAG
 from agentserver.agents.bridge import PumpPorts, agent_handler
-from agentserver.agents.config import profile_from_element, store_settings_from_element
 from agentserver.agents.errors import LLMUnavailable
 from agentserver.agents.llm_adapter import RouterLLM
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile import AgentProfile
 from agentserver.agents.runtime import AgentRuntime
-from agentserver.config.topology import Topology
+from agentserver.agents.settings import StoreSettings
 from agentserver.core.listener import Handler, HandlerMetadata
+from agentserver.llm.config import RouterConfig
 from agentserver.observability import LLMTelemetry, Metrics, Tracing
-from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
 from agentserver.pump.pump import Pump
+
+if TYPE_CHECKING:
+    from agentserver.llm.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -79,76 +80,27 @@ class AgentService:
     profiles: Mapping[str, AgentProfile]
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     #: The LLM router (None without ``<llm>``), for status and readiness.
-    router: Any = None
+    router: Router | None = None
 
     def stop(self) -> None:
         """Stop the worker and watchdog (their work is durable and resumes on restart)."""
         self.scope.cancel()
 
 
-def agent_names(topology: Topology) -> tuple[str, ...]:
-    return tuple(spec.name for spec in topology.listeners if spec.agent)
-
-
-def build_profiles(
-    topology: Topology, pump: Pump, environ: Mapping[str, str]
-) -> dict[str, AgentProfile]:
-    """One profile per agent listener, from its ``<agent>`` settings and the topology."""
-    tag_of = {p.model: p.tag for p in pump.payloads}
-    ptype_of = {p.tag: p for p in pump.payloads}
-    profiles = {}
-    for spec in topology.listeners:
-        if not spec.agent:
-            continue
-        peers: dict[str, str] = {}
-        quotable = [HUH_TAG, SYSTEM_ERROR_TAG]  # what the model reads: results, refusals
-        for peer in spec.peers:
-            for model in topology.listener(peer).accepts:
-                if tag_of[model] not in (REQUEST_TAG, DECISION_TAG):  # approvals, not tools
-                    peers[tag_of[model]] = peer
-            quotable += (tag_of[m] for m in topology.listener(peer).responds if m in tag_of)
-        profile = profile_from_element(
-            spec.agent_profile,
-            name=spec.name,
-            own_roots=tuple(tag_of[m] for m in spec.accepts if tag_of[m] != DECISION_TAG),
-            peers=peers,
-            usage_instructions=pump.usage_instructions(spec.name),
-            answer_tag=tag_of[spec.responds[0]] if spec.responds else "",
-            environ=environ,
-        )
-        profile = dataclasses.replace(
-            profile,
-            quotable=tuple(dict.fromkeys(quotable)),
-            policy=spec.agent_policy,
-            guardrails=tuple(spec.agent_guardrails),
-        )
-        reply_type = ptype_of.get(profile.answer_tag)
-        if reply_type is not None and takes_failure_status(profile, reply_type.is_valid):
-            profile = dataclasses.replace(profile, failure_status=True)
-        else:
-            log.warning(
-                "agent %s: its reply type %s declares no status attribute, so its failed "
-                'answers cannot say status="failed"',
-                spec.name,
-                profile.answer_tag,
-            )
-        profiles[spec.name] = profile
-    return profiles
-
-
 async def open_llm(
-    topology: Topology,
+    config: RouterConfig | None,
     resources: contextlib.AsyncExitStack,
     environ: Mapping[str, str],
     *,
     tracing: Tracing | None = None,
     metrics: Metrics | None = None,
 ) -> LLMPort:
-    if topology.llm is None:
+    """The agents' LLM port: the router of ``config`` (boot.xml's ``<llm>``; API keys read
+    from ``environ`` now), closed with ``resources``; without ``config``, :class:`NoLLM`."""
+    if config is None:
         return NoLLM()
-    from agentserver.llm import Router, parse_llm_section
+    from agentserver.llm import Router
 
-    config = parse_llm_section(topology.llm, environ=environ)
     telemetry = LLMTelemetry(
         tracing or Tracing(), metrics, {b.name: b.provider.value for b in config.backends}
     )
@@ -161,26 +113,31 @@ async def open_llm(
     return RouterLLM(router)
 
 
-async def start_agents(
-    topology: Topology,
+async def start_agent_service(
     pump: Pump,
     handlers: Mapping[str, LateHandler],
     nursery: trio.Nursery,
     resources: contextlib.AsyncExitStack,
     *,
+    store: StoreSettings,
+    profiles: Mapping[str, AgentProfile],
+    llm: RouterConfig | None,
+    clients: Collection[str] = (),
+    operators: Collection[str] = (),
     environ: Mapping[str, str] | None = None,
     tracing: Tracing | None = None,
     metrics: Metrics | None = None,
-) -> AgentService | None:
-    """Open the store and router, bind the agent listeners and start the runtime in
-    ``nursery``. Call once the pump runs. Returns None if the topology has no agents."""
-    if not agent_names(topology):
-        return None
+) -> AgentService:
+    """Open the store of ``store`` and the router of ``llm``, bind the agent listeners
+    (``handlers``, one per name in ``profiles``) and start the runtime in ``nursery``. Call
+    once the pump runs. ``clients`` are the declared clients' names, ``operators`` the
+    listeners whose approval decisions are the operator's, for any request (the server's
+    own console routers). The store and router
+    are closed by ``resources``; cancelling ``nursery`` stops the runtime, whose work is
+    durable and resumes at the next start."""
     env = os.environ if environ is None else environ
-    settings = store_settings_from_element(topology.store, base_dir=Path.cwd(), environ=env)
-    profiles = build_profiles(topology, pump, env)
-    llm = await open_llm(topology, resources, env, tracing=tracing, metrics=metrics)
-    window_of = getattr(llm, "context_window", None)
+    llm_port = await open_llm(llm, resources, env, tracing=tracing, metrics=metrics)
+    window_of = getattr(llm_port, "context_window", None)
     if window_of is not None:
         # <agent context-window> wins; else the model's <model context-window>; else 128k.
         profiles = {
@@ -189,16 +146,12 @@ async def start_agents(
             else dataclasses.replace(p, context_window=w)
             for name, p in profiles.items()
         }
-    clients = {c.name for c in topology.clients}
-    ports = PumpPorts(
-        pump,
-        named_clients=clients,
-        operators=frozenset(s.name for s in topology.listeners if s.builtin == "console-router"),
-    )
+    named = set(clients)
+    ports = PumpPorts(pump, named_clients=named, operators=frozenset(operators))
     runtime = AgentRuntime.open(
-        settings,
+        store,
         profiles,
-        llm=llm,
+        llm=llm_port,
         tools=ports,
         replies=ports,
         tracing=tracing,
@@ -210,7 +163,7 @@ async def start_agents(
                     for p in profiles.values()
                     if p.policy is not None
                     for r in p.policy.rules
-                    if r.approver and r.approver not in clients
+                    if r.approver and r.approver not in named
                 }
             )
         ),
@@ -227,7 +180,7 @@ async def start_agents(
     ports.attach(runtime.store)
     for name in profiles:
         handlers[name].bind(agent_handler(runtime, pump, name, ports))
-    service = AgentService(runtime, ports, profiles, router=getattr(llm, "router", None))
+    service = AgentService(runtime, ports, profiles, router=getattr(llm_port, "router", None))
 
     async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with service.scope:
@@ -244,5 +197,5 @@ async def start_agents(
                 inner.cancel_scope.cancel()  # the runtime ended: so do its helpers
 
     await nursery.start(run)
-    log.info("agents running: %s (store %s)", ", ".join(profiles), settings.where)
+    log.info("agents running: %s (store %s)", ", ".join(profiles), store.where)
     return service

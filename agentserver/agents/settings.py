@@ -1,9 +1,12 @@
-"""Tunables of the agent store, worker and watchdog (boot.xml ``<store>``)."""
+"""Tunables of the agent store, worker and watchdog (boot.xml ``<store>``) and of one
+agent (boot.xml ``<agent>``), as boot.xml's loader hands them over."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from agentserver.agents.profile import ResultField
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +67,36 @@ class StoreSettings:
         from agentserver.agents.pg.url import redact
 
         return redact(self.url)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    """What boot.xml's ``<agent>`` element says about one agent (``AgentProfileType``).
+
+    Defaults equal :class:`~agentserver.agents.profile.AgentProfile`'s. The model is
+    named here as written (``model``, and ``model_env``, the variable that overrides it):
+    it is resolved against the environment when the agent starts, with
+    :func:`agentserver.agents.config.profile_from_settings`.
+    """
+
+    model: str | None = None
+    model_env: str | None = None
+    #: None: the profile's default prompt.
+    system_prompt: str | None = None
+    max_steps: int = 12
+    resume_deadline_s: float = 60.0
+    llm_timeout_s: float = 300.0
+    max_tokens: int | None = None
+    step_retries: int = 3
+    step_retry_base_s: float = 2.0
+    max_retry_after_s: float = 60.0
+    context_window: int | None = None
+    context_reserve: int = 8192
+    keep_recent: int = 16384
+    tool_result_share: float = 0.25
+    memory: str = "none"
+    must_end_with: tuple[str, ...] = ()
+    result_fields: tuple[ResultField, ...] = ()
+    terminate_tools: tuple[str, ...] = ()
+    loop_warn: int = 2
+    loop_block: int = 5

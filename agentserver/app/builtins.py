@@ -1,9 +1,10 @@
-"""Built-in handlers and payload names usable in boot.xml, and topology → listeners.
+"""The built-in handlers usable in boot.xml, and topology → listeners.
 
 A listener's ``handler`` is either ``module:function`` (an async handler) or one of the
-names in :data:`BUILTIN_HANDLERS`. A built-in brings its payload types and defaults, so
-``<listener name="echo" handler="echo"/>`` is a complete declaration. Payload ``type``
-references are ``module:Class`` or a name in :data:`BUILTIN_PAYLOADS`.
+names in :data:`BUILTIN_HANDLERS`. The names, each built-in's payload types and defaults
+(so ``<listener name="echo" handler="echo"/>`` is a complete declaration) and the built-in
+payload names are declared in :mod:`agentserver.config.builtins`, which the loader reads;
+this module makes the handlers.
 """
 
 from __future__ import annotations
@@ -14,17 +15,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from pydantic_xml import BaseXmlModel
-
-from agentserver.agents.approvals import ApprovalRequest
 from agentserver.config.topology import ListenerSpec, Topology
 from agentserver.core.listener import Handler, Listener
 from agentserver.core.xsdgen import model_root_tag
 from agentserver.listeners import assistant, calculator, echo
-from agentserver.listeners.console import Console, Input, Pending, Prompt, Terminal
+from agentserver.listeners.console import Console, Terminal
 from agentserver.listeners.console_router import DEFAULT_AGENT, ConsoleRouter
 from agentserver.listeners.system_boot import SystemBoot
-from agentserver.primitives.core import Boot
 
 if TYPE_CHECKING:
     # Imported where used: most commands (check, schemas) need neither, and both are slow.
@@ -50,13 +47,10 @@ Factory = Callable[[ListenerSpec, RunContext], Handler]
 
 @dataclass(frozen=True, slots=True)
 class Builtin:
-    """A built-in handler factory, its payload types and its default settings."""
+    """How a built-in handler is made (its payload types and default settings are
+    declared under the same name in :data:`agentserver.config.builtins.BUILTIN_HANDLERS`)."""
 
     factory: Factory
-    accepts: tuple[type[BaseXmlModel], ...]
-    responds: tuple[type[BaseXmlModel], ...] = ()
-    defaults: Mapping[str, Any] = field(default_factory=dict)
-    summary: str = ""
     #: A synchronous raw handler doing the same (``Listener(sync=True)``), used whenever
     #: the listener runs raw.
     sync_handler: Callable[..., Any] | None = None
@@ -135,74 +129,12 @@ def _system_boot(spec: ListenerSpec, ctx: RunContext) -> Handler:
 
 BUILTIN_HANDLERS: Mapping[str, Builtin] = MappingProxyType(
     {
-        "echo": Builtin(
-            _static(echo.handle),
-            (echo.Ping,),
-            (echo.Pong,),
-            # Raw: the handler builds the reply with lxml, skipping two model conversions.
-            {"raw": True},
-            summary="ping → pong",
-            sync_handler=echo.respond,
-        ),
-        "calculator": Builtin(
-            _static(calculator.handle),
-            calculator.REQUESTS,
-            calculator.RESULTS,
-            summary="add/subtract/multiply/divide → sum/difference/product/quotient",
-        ),
-        "assistant": Builtin(
-            _static(assistant.handle),
-            (assistant.Task,),
-            (assistant.Answer,),
-            summary="task → answer (placeholder until the agent runtime is configured)",
-        ),
-        "console": Builtin(
-            _console,
-            (Prompt, ApprovalRequest),
-            (Input,),
-            # A human may take long to type a line. Prompts are read one at a time by the
-            # handler itself, so an approval request is shown while a prompt waits.
-            {"concurrency": 4, "timeout": 86400.0},
-            summary="prompt → reads a line → input; approval-request → shown",
-        ),
-        "console-router": Builtin(
-            _console_router,
-            (Input, Pending),
-            (Prompt,),
-            # Raw: it relays whatever payload its peers answer with. Each waiting console
-            # holds one slot (the pending reminder), hence the generous concurrency.
-            {"raw": True, "concurrency": 64, "timeout": 60.0, "queue_size": 256},
-            summary="input → the addressed listener → prompt",
-        ),
-        "system-boot": Builtin(
-            _system_boot,
-            (Boot,),
-            (),
-            {"concurrency": 1},
-            summary="boot primitive → starts an attached console",
-        ),
-    }
-)
-
-BUILTIN_PAYLOADS: Mapping[str, type[BaseXmlModel]] = MappingProxyType(
-    {
-        "echo.ping": echo.Ping,
-        "echo.pong": echo.Pong,
-        "calculator.add": calculator.Add,
-        "calculator.subtract": calculator.Subtract,
-        "calculator.multiply": calculator.Multiply,
-        "calculator.divide": calculator.Divide,
-        "calculator.sum": calculator.Sum,
-        "calculator.difference": calculator.Difference,
-        "calculator.product": calculator.Product,
-        "calculator.quotient": calculator.Quotient,
-        "calculator.error": calculator.CalculatorError,
-        "assistant.task": assistant.Task,
-        "assistant.answer": assistant.Answer,
-        "console.prompt": Prompt,
-        "console.input": Input,
-        "console.pending": Pending,
-        "core.boot": Boot,
+        "echo": Builtin(_static(echo.handle), sync_handler=echo.respond),
+        "calculator": Builtin(_static(calculator.handle)),
+        "assistant": Builtin(_static(assistant.handle)),
+        "console": Builtin(_console),
+        "console-router": Builtin(_console_router),
+        "system-boot": Builtin(_system_boot),
     }
 )
 
@@ -253,7 +185,7 @@ def build_listener_set(topology: Topology, ctx: RunContext) -> ListenerSet:
             timeout = pump_timeout(hub.policies[spec.name])
         elif spec.agent:
             # Agents are run by the agent runtime, bound once the pump runs
-            # (agentserver.agents.service.start_agents); they take raw elements.
+            # (agentserver.app.agents.start_agents); they take raw elements.
             from agentserver.agents.service import LateHandler
 
             handler = late[spec.name] = LateHandler(spec.name)

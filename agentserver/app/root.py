@@ -189,7 +189,7 @@ async def run_server(
     async with ctx.resources:
         async with trio.open_nursery() as nursery:
             await nursery.start(pump.run)
-            from agentserver.agents.service import start_agents
+            from agentserver.app.agents import start_agents
 
             agents = await start_agents(
                 topology,

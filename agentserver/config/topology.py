@@ -1,24 +1,39 @@
-"""What a boot.xml declares, as plain data: :class:`Topology` and its parts.
+"""What a boot.xml declares, as typed and frozen data: :class:`Topology` and its parts.
 
-Built by :mod:`agentserver.config.loader` (which validates and resolves every reference); turned
-into running listeners by :func:`agentserver.app.builtins.build_listeners`.
+Built by :mod:`agentserver.config.loader`, which validates the file, resolves every
+reference and parses every section once: no subsystem sees boot.xml's elements. Every
+relative path in the file (the store, TLS files, payload schema files, the folder handler
+modules are imported from) is resolved against boot.xml's folder, so the working directory
+never changes what a topology means. Turned into running listeners by
+:func:`agentserver.app.builtins.build_listeners`.
 """
 
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-from lxml import etree
 from pydantic_xml import BaseXmlModel
 
-from agentserver.core.listener import DEFAULT_CONCURRENCY, DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT
+from agentserver.core.listener import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_QUEUE_SIZE,
+    DEFAULT_TIMEOUT,
+    Handler,
+)
 from agentserver.net.limits import Limits  # defined below config (net applies it)
 from agentserver.net.tls import TlsSpec
 from agentserver.primitives.core import Boot, boot_primitive
 from agentserver.pump.pump import PumpConfig
+
+if TYPE_CHECKING:
+    # Types only: importing the agents and the LLM router would make every command that
+    # reads DEFAULT_PORT pay for them (httpx, the router); the loader imports them.
+    from agentserver.agents.guardrails import GuardrailSpec
+    from agentserver.agents.policy import Policy
+    from agentserver.agents.settings import AgentSettings, StoreSettings
+    from agentserver.llm.config import RouterConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7340
@@ -66,7 +81,7 @@ class ClientSpec:
 class ListenerSpec:
     """One declared listener with every reference resolved.
 
-    Exactly one of ``builtin`` (a name in :data:`agentserver.app.builtins.BUILTIN_HANDLERS`)
+    Exactly one of ``builtin`` (a name in :data:`agentserver.config.builtins.BUILTIN_HANDLERS`)
     and ``handler`` (an imported async callable) is set, unless ``remote`` (then neither:
     runners serve it over the wire).
     """
@@ -77,7 +92,7 @@ class ListenerSpec:
     responds: tuple[type[BaseXmlModel], ...] = ()
     peers: tuple[str, ...] = ()
     builtin: str | None = None
-    handler: Callable[..., Any] | None = None
+    handler: Handler | None = None
     agent: bool = False
     broadcast: bool = False
     concurrency: int = DEFAULT_CONCURRENCY
@@ -85,8 +100,8 @@ class ListenerSpec:
     queue_size: int = DEFAULT_QUEUE_SIZE
     raw: bool = False
     description: str = ""
-    #: The ``<agent>`` settings element (``AgentProfileType``), for the agent runtime.
-    agent_profile: etree._Element | None = field(default=None, compare=False)
+    #: An agent's ``<agent>`` settings (all defaults when it has none); None: not an agent.
+    agent_profile: AgentSettings | None = None
     line: int = 0
     #: Served by runners over the wire (:mod:`agentserver.remote.hub`).
     remote: bool = False
@@ -96,15 +111,21 @@ class ListenerSpec:
     idempotent: bool = False
     #: Remote and idempotent: automatic retries after the first attempt.
     retries: int = 3
-    #: The agent's tool-call policy (``agentserver.agents.policy.Policy``; None: peers only)
-    #: and guardrails (``agentserver.agents.guardrails.GuardrailSpec``).
-    agent_policy: Any = field(default=None, compare=False)
-    agent_guardrails: tuple[Any, ...] = field(default=(), compare=False)
+    #: The agent's tool-call policy (None: peers only) and guardrails.
+    agent_policy: Policy | None = field(default=None, compare=False)
+    agent_guardrails: tuple[GuardrailSpec, ...] = field(default=(), compare=False)
 
     @property
     def is_boot(self) -> bool:
         """True for the system boot listener (it takes the core ``<boot>`` primitive)."""
         return Boot in self.accepts
+
+
+def _default_store() -> StoreSettings:
+    """The store of a topology built without one (the loader always sets it)."""
+    from agentserver.agents.settings import StoreSettings
+
+    return StoreSettings()
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +140,11 @@ class Topology:
     limits: Limits = Limits()
     clients: tuple[ClientSpec, ...] = ()
     description: str = ""
-    #: The ``<llm>`` section (``LlmSectionType``), for the LLM router; None if absent.
-    llm: etree._Element | None = field(default=None, compare=False)
-    #: The ``<store>`` section (``StoreSectionType``), for the agent store; None if absent.
-    store: etree._Element | None = field(default=None, compare=False)
+    #: ``<llm>``: the LLM router's settings; None if absent.
+    llm: RouterConfig | None = None
+    #: ``<store>`` (its defaults if absent): the agents' store, a relative SQLite path
+    #: already resolved against boot.xml's folder.
+    store: StoreSettings = field(default_factory=_default_store)
     #: ``<tls>``: every connection on the listener is TLS; None: plaintext.
     tls: TlsSpec | None = None
     #: ``<listen insecure-plaintext="true">``: declared clients on a non-loopback address

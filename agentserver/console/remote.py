@@ -19,7 +19,7 @@ from typing import Any
 import trio
 from lxml import etree
 
-from agentserver.app.builtins import BUILTIN_HANDLERS
+from agentserver.config.builtins import BUILTIN_HANDLERS
 from agentserver.console.commands import HELP, carry_out, parse_line
 from agentserver.core.listener import HandlerMetadata, HandlerResponse, Listener
 from agentserver.listeners.console import NS as CONSOLE_NS

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 from lxml import etree
 
-from agentserver.config.topology import HttpSpec
 from agentserver.core.envelope import build_envelope
 from agentserver.core.errors import (
     ConfigurationError,
@@ -27,7 +27,6 @@ from agentserver.core.handshake import Identity
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.replies import Exchange, PendingThreads, ThreadView
-from agentserver.net.limits import Limits
 from agentserver.pump.endpoint import Endpoint
 from agentserver.pump.pump import Pump
 
@@ -35,6 +34,32 @@ log = logging.getLogger("agentserver.http")
 
 #: Refused when max-pending messages already wait (the socket's "server busy").
 BUSY = DeliveryRefused(SystemErrorCode.ROUTING, retry_allowed=True, detail="http busy")
+
+
+class GatewayLimits(Protocol):
+    """The connection limits the gateway applies, as the socket does (boot.xml
+    ``<limits>``: :class:`agentserver.net.limits.Limits` is one)."""
+
+    @property
+    def max_message_bytes(self) -> int: ...
+    @property
+    def outgoing_buffer(self) -> int: ...
+    @property
+    def outgoing_buffer_bytes(self) -> int: ...
+
+
+class GatewaySettings(Protocol):
+    """The HTTP API's own bounds (boot.xml ``<http>``:
+    :class:`agentserver.config.topology.HttpSpec` is one)."""
+
+    @property
+    def max_pending(self) -> int: ...
+    @property
+    def reply_ttl(self) -> float: ...
+    @property
+    def max_replies(self) -> int: ...
+    @property
+    def wait_timeout(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +78,7 @@ class Outcome:
 class HttpGateway:
     """Sends messages for HTTP callers and keeps the replies of ``?wait=false`` ones."""
 
-    def __init__(self, pump: Pump, limits: Limits, spec: HttpSpec) -> None:
+    def __init__(self, pump: Pump, limits: GatewayLimits, spec: GatewaySettings) -> None:
         self.pump = pump
         self.limits = limits
         self.spec = spec

@@ -169,6 +169,8 @@ class LlmConfigError(ValueError):
 class LlmCheck:
     errors: list[tuple[int, str]]
     warnings: list[tuple[int, str]]
+    #: The section's configuration (None when it has errors): checked and parsed once.
+    config: RouterConfig | None = None
 
     @property
     def ok(self) -> bool:
@@ -392,7 +394,9 @@ def check_llm_section(
     that is unset (that backend is skipped when the router starts), an alias
     that shadows another backend's model name, a context overflow that can
     never fail over because a window is unknown. ``validate=False`` skips the
-    schema when the caller has already validated the whole document.
+    schema when the caller has already validated the whole document. Without errors the
+    result carries the parsed :class:`RouterConfig` (``environ`` resolved its ``*-env``
+    overrides; API keys stay variable names, read by the router when it starts).
     """
     env = os.environ if environ is None else environ
     errors: list[tuple[int, str]] = []
@@ -450,4 +454,4 @@ def check_llm_section(
                     "overflow there cannot fail over",
                 )
             )
-    return LlmCheck(errors, warnings)
+    return LlmCheck(errors, warnings, config)

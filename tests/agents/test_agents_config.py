@@ -82,7 +82,7 @@ def test_defaults_and_model_from_environment():
 async def test_the_bundled_assistants_profile_marks_failures_and_may_quote_results():
     from serverproc import REPO
 
-    from agentserver.agents.service import build_profiles
+    from agentserver.app.agents import build_profiles
     from agentserver.app.builtins import RunContext, build_listeners
     from agentserver.config import loader as boot
     from agentserver.primitives.core import HUH_TAG
@@ -99,7 +99,7 @@ async def test_the_bundled_assistants_profile_marks_failures_and_may_quote_resul
 
 
 async def test_an_agent_whose_reply_type_has_no_status_does_not_mark_failures(tmp_path, caplog):
-    from agentserver.agents.service import build_profiles
+    from agentserver.app.agents import build_profiles
     from agentserver.app.builtins import RunContext, build_listeners
     from agentserver.config import loader as boot
     from agentserver.pump.pump import open_pump

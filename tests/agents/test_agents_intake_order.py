@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import trio
 import trio.testing
+from conftest import store_in
 from lxml import etree
 from serverproc import REPO
 
-from agentserver.agents.service import start_agents
+from agentserver.app.agents import start_agents
 from agentserver.app.builtins import RunContext, build_listener_set
 from agentserver.config import loader as boot
 from agentserver.core.envelope import build_envelope
@@ -25,9 +26,8 @@ from agentserver.pump.pump import open_pump
 ROUNDS = 30
 
 
-async def test_back_to_back_tasks_are_enqueued_and_answered_in_send_order(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the agent store goes to ./state/
-    topo = boot.load_or_raise(REPO / "boot.xml")
+async def test_back_to_back_tasks_are_enqueued_and_answered_in_send_order(tmp_path):
+    topo = store_in(boot.load_or_raise(REPO / "boot.xml"), tmp_path)
     ctx = RunContext(topo)
     sent: list[str] = []
     answered: list[str] = []

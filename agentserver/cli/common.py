@@ -1,0 +1,171 @@
+"""What the ``agentserver`` commands share: exit statuses, environment variable names,
+option types, the options of every command and of those that talk to a running server,
+and the helpers that turn those options into connection arguments."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+import trio
+
+from agentserver.config.topology import DEFAULT_HTTP_PORT, DEFAULT_PORT
+from agentserver.core.errors import sole_exception
+from agentserver.observability.logs import LOG_FORMATS
+
+if TYPE_CHECKING:
+    from agentserver.config.problems import LoadResult
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 3
+EXIT_CONNECTION = 4
+DEFAULT_CONNECT = f"127.0.0.1:{DEFAULT_PORT}"
+DEFAULT_HTTP_URL = f"http://127.0.0.1:{DEFAULT_HTTP_PORT}"
+HTTP_URL_ENV = "AGENTSERVER_HTTP_URL"
+TOKEN_ENV = "AGENTSERVER_TOKEN"
+#: Environment alternatives to --ca, --cert and --key.
+TLS_ENV = {"ca": "AGENTSERVER_CA", "cert": "AGENTSERVER_CERT", "key": "AGENTSERVER_KEY"}
+BUNDLED_NAME = "<bundled boot.xml>"
+#: Defaults from the environment (a container sets these); a command-line option wins.
+HOST_ENV = "AGENTSERVER_HOST"
+PORT_ENV = "AGENTSERVER_PORT"
+BOOT_ENV = "AGENTSERVER_BOOT"
+LOG_LEVEL_ENV = "AGENTSERVER_LOG_LEVEL"
+LEVELS = ("debug", "info", "warning", "error")
+
+T = TypeVar("T")
+
+
+class Subcommands(Protocol):
+    """Where a command module adds its subcommands (argparse's subparsers action)."""
+
+    def add_parser(self, name: str, **kwargs: object) -> argparse.ArgumentParser: ...
+
+
+def parse_address(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def parse_port(value: str) -> int:
+    if not value.isdigit() or int(value) > 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number (0-65535)")
+    return int(value)
+
+
+def parse_positive(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return number
+
+
+def shared_options(
+    levels: list[str], level_help: str, format_help: str
+) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The parent parsers: ``common`` (every command: the log options again, after the
+    command) and ``remote`` (the commands that talk to a running server)."""
+    # Also accepted after the command; SUPPRESS keeps a value given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", choices=levels, default=argparse.SUPPRESS, help=level_help)
+    common.add_argument(
+        "--log-format", choices=LOG_FORMATS, default=argparse.SUPPRESS, help=format_help
+    )
+    # What the commands that talk to a running server share.
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument(
+        "--connect",
+        type=parse_address,
+        metavar="HOST:PORT",
+        help=f"server address (default: ${HOST_ENV}:${PORT_ENV}, each else {DEFAULT_CONNECT})",
+    )
+    remote.add_argument(
+        "--client",
+        metavar="NAME",
+        help=f"client name for the hello; the token is read from ${TOKEN_ENV} (not needed "
+        "with a client certificate)",
+    )
+    remote.add_argument(
+        "--tls",
+        action="store_true",
+        help="connect with TLS, verifying the server's certificate and name (implied by "
+        "--ca, --cert, --key and their variables)",
+    )
+    remote.add_argument(
+        "--ca",
+        metavar="FILE",
+        help=f"CA certificate(s) (PEM) to verify the server with, instead of the system's "
+        f"(default: ${TLS_ENV['ca']})",
+    )
+    remote.add_argument(
+        "--cert",
+        metavar="FILE",
+        help=f"client certificate (PEM) for mutual TLS (default: ${TLS_ENV['cert']})",
+    )
+    remote.add_argument(
+        "--key",
+        metavar="FILE",
+        help=f"its private key (PEM; default: ${TLS_ENV['key']}, else in the --cert file)",
+    )
+    return common, remote
+
+
+def trio_run(fn: Callable[[], Awaitable[T]]) -> T:
+    """``trio.run(fn)``, re-raising a nursery's sole exception as itself (callers catch
+    ClientError and OSError, not groups of one)."""
+    try:
+        return trio.run(fn)
+    except BaseExceptionGroup as group:
+        raise sole_exception(group) from None
+
+
+def print_problems(result: LoadResult) -> None:
+    for problem in result.problems:
+        print(problem, file=sys.stderr if problem.warning else sys.stdout)
+
+
+def tls_options(args: argparse.Namespace) -> dict | None:
+    """open_client's TLS arguments from --tls/--ca/--cert/--key (each file option falls
+    back to its variable in TLS_ENV); None on a usage error (printed)."""
+    files = {
+        name: getattr(args, name) or os.environ.get(env) or None for name, env in TLS_ENV.items()
+    }
+    if files["key"] is not None and files["cert"] is None:
+        print(f"--key needs --cert (or ${TLS_ENV['cert']})", file=sys.stderr)
+        return None
+    if not args.tls and not any(files.values()):
+        return {}
+    return {"tls": True, **files}
+
+
+def credentials(
+    args: argparse.Namespace, tls: dict | None = None
+) -> tuple[str | None, str | None] | None:
+    if args.client is None:
+        return None, None
+    token = os.environ.get(TOKEN_ENV)
+    if not token and tls and tls.get("cert"):
+        return args.client, None  # the client certificate says who this is
+    if not token:
+        print(f"--client needs the token in ${TOKEN_ENV}", file=sys.stderr)
+        return None
+    return args.client, token
+
+
+async def cancel_on_signal(scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` at the first SIGINT or SIGTERM (a client command's Ctrl-C)."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+        async for _ in received:
+            scope.cancel()
+            return

@@ -1,0 +1,150 @@
+"""``agentserver status``: what a running server is doing, from its HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from agentserver.cli.common import (
+    DEFAULT_HTTP_URL,
+    EXIT_CONNECTION,
+    EXIT_FAILED,
+    EXIT_OK,
+    HTTP_URL_ENV,
+    TLS_ENV,
+    TOKEN_ENV,
+    Subcommands,
+    parse_positive,
+)
+
+
+def add_parsers(
+    sub: Subcommands, common: argparse.ArgumentParser, remote: argparse.ArgumentParser
+) -> None:
+    """The ``status`` subcommand."""
+    status = sub.add_parser(
+        "status",
+        parents=[common],
+        help="show what a running server is doing",
+        description="Ask a running server's HTTP API (GET /v1/status) for its listeners and "
+        "queues, agents with their state and queue, LLM backends with breaker and bucket "
+        "state, and connections. Needs the HTTP API (<http> in boot.xml or run --http-port). "
+        f"With declared clients the token is read from ${TOKEN_ENV}. Exit 4 if unreachable.",
+    )
+    status.add_argument(
+        "--url",
+        default=os.environ.get(HTTP_URL_ENV) or DEFAULT_HTTP_URL,
+        metavar="URL",
+        help=f"the HTTP API (default: ${HTTP_URL_ENV}, else {DEFAULT_HTTP_URL})",
+    )
+    status.add_argument(
+        "--ca",
+        metavar="FILE",
+        help=f"CA certificate(s) (PEM) to verify an https URL with (default: ${TLS_ENV['ca']}, "
+        "else the system's)",
+    )
+    status.add_argument("--json", action="store_true", help="print the status document as JSON")
+    status.add_argument(
+        "--timeout",
+        type=parse_positive,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long to wait for the answer (default: 10)",
+    )
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import httpx
+
+    headers = {}
+    token = os.environ.get(TOKEN_ENV)
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    ca = args.ca or os.environ.get(TLS_ENV["ca"])
+    url = args.url.rstrip("/") + "/v1/status"
+    try:
+        with httpx.Client(verify=ca or True, timeout=args.timeout) as client:
+            response = client.get(url, headers=headers)
+    except httpx.HTTPError as exc:
+        print(
+            f"cannot reach the HTTP API at {args.url}: {exc} (is the server running with "
+            "<http> in boot.xml or run --http-port?)",
+            file=sys.stderr,
+        )
+        return EXIT_CONNECTION
+    if response.status_code != 200:
+        try:
+            title = response.json().get("title", "")
+        except ValueError:
+            title = response.text[:200]
+        print(f"{url}: {response.status_code} {title}", file=sys.stderr)
+        return EXIT_FAILED
+    doc = response.json()
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        print(format_status(doc))
+    return EXIT_OK
+
+
+def format_status(doc: dict) -> str:
+    """The status document (GET /v1/status) for a terminal."""
+    ready = doc.get("ready", {})
+    checks = ", ".join(f"{k} {_yes(v)}" for k, v in ready.get("checks", {}).items())
+    pump = doc.get("pump", {})
+    lines = [
+        f"organism {doc.get('organism')!r} (agentserver {doc.get('version')}): "
+        f"{'ready' if ready.get('ready') else 'NOT ready'} ({checks})",
+        f"pump {pump.get('state')}: {pump.get('inflight', 0)} in flight, "
+        f"{pump.get('threads', 0)} threads, {pump.get('endpoints', 0)} endpoints",
+        "listeners:",
+    ]
+    for lst in doc.get("listeners", []):
+        lines.append(
+            f"  {lst['name']:<20} queue {lst['queue']:<5} waiting {lst['waiting']:<5} "
+            f"handled {lst['handled']}{'  (agent)' if lst.get('agent') else ''}"
+        )
+    agents = doc.get("agents", [])
+    if agents:
+        lines.append("agents:")
+        for agent in agents:
+            turn = agent.get("active_turn")
+            active = f", turn {turn['id'][:8]} step {turn['steps']}" if turn else ""
+            error = agent.get("last_error")
+            last = f", last error ({error['status']}): {error['text'][:60]!r}" if error else ""
+            lines.append(
+                f"  {agent['name']:<20} {agent['state']:<10} queue {agent['queue']}{active}{last}"
+            )
+    backends = doc.get("backends", {})
+    if backends:
+        lines.append("LLM backends:")
+        for name, b in backends.items():
+            if b.get("skipped"):
+                lines.append(f"  {name:<20} skipped: {b['skipped']}")
+                continue
+            buckets = ", ".join(
+                f"{label} bucket {b[key]:.0%}"
+                for key, label in (
+                    ("requests_bucket_fill", "requests"),
+                    ("tokens_bucket_fill", "tokens"),
+                )
+                if b.get(key) is not None
+            )
+            cooling = f", cooling {b['cooling_for']:.1f}s" if b.get("cooling_for") else ""
+            lines.append(
+                f"  {name:<20} breaker {b['breaker']}, {b['active']} active{cooling}"
+                f"{', ' + buckets if buckets else ''}"
+            )
+    conns = doc.get("connections", {})
+    lines.append(
+        f"connections: socket {conns.get('socket', 0)}, HTTP pending {conns.get('http_pending', 0)}, "
+        f"HTTP kept threads {conns.get('http_kept_threads', 0)}, "
+        f"event streams {conns.get('sse_streams', 0)}"
+    )
+    return "\n".join(lines)
+
+
+def _yes(value: object) -> str:
+    return "n/a" if value is None else ("ok" if value else "FAILING")

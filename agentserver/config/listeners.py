@@ -1,0 +1,409 @@
+"""boot.xml's ``<listeners>``: each ``<listener>`` read into a :class:`ListenerSpec` with
+every reference resolved (handler, payload types, schema files relative to boot.xml's
+folder, built-in names), and the listeners checked as a whole (unique names, shared root
+tags, peers, the boot listener, console wiring)."""
+
+from __future__ import annotations
+
+import inspect
+import pathlib
+from collections.abc import Mapping
+
+from lxml import etree
+from pydantic_xml import BaseXmlModel
+
+from agentserver.agents.config import agent_settings_from_element
+from agentserver.agents.errors import AgentConfigError
+from agentserver.config.builtins import BUILTIN_HANDLERS, BUILTIN_PAYLOADS
+from agentserver.config.governance import read_governance
+from agentserver.config.imports import B, Resolver, Unresolved, flag, resolve_import
+from agentserver.config.problems import Report, pretty
+from agentserver.config.topology import ListenerSpec
+from agentserver.core.errors import ConfigurationError
+from agentserver.core.listener import RESERVED_NAMES, Listener
+from agentserver.core.namespaces import CORE_NS
+from agentserver.core.payloads import PayloadType
+from agentserver.core.xsdgen import model_root_tag, split_tag
+from agentserver.core.xsdpayload import read_schema, schema_model
+from agentserver.primitives.core import Boot
+
+IMPLICIT_BOOT_NAME = "system-boot"
+
+
+def builtin_models(refs: tuple[str, ...]) -> tuple[type[BaseXmlModel], ...]:
+    """A built-in's payload types (references this package ships: they resolve)."""
+    return tuple(resolve_import(ref) for ref in refs)
+
+
+async def _placeholder(payload: object, meta: object) -> None:
+    """Stands in for a handler while the pump's listener checks run."""
+    return None
+
+
+class ListenerReader:
+    """Reads the listeners of one boot.xml, reporting to ``report``. ``base_dir`` is
+    boot.xml's folder (absolute): schema files are relative to it."""
+
+    def __init__(self, report: Report, resolver: Resolver, base_dir: pathlib.Path) -> None:
+        self.report = report
+        self.resolver = resolver
+        self.base_dir = base_dir
+        #: Listeners declared but broken (already reported): naming one as a peer, in
+        #: may-address or serves is not a second error.
+        self.broken: set[str] = set()
+        #: Payload schema files read so far, and the type of each (file, root) pair.
+        self.schema_docs: dict[str, etree._Element | ConfigurationError] = {}
+        self.schema_models: dict[tuple[str, str], type[BaseXmlModel]] = {}
+
+    def error(self, line: int | None, message: str) -> None:
+        self.report.error(line, message)
+
+    def warn(self, line: int | None, message: str) -> None:
+        self.report.warn(line, message)
+
+    def unresolved(self, line: int | None, listener: str, exc: Unresolved) -> None:
+        if str(exc):  # empty: the same module's import failure is already reported
+            self.error(line, f"listener {listener!r}: {exc}")
+
+    def read(self, el: etree._Element) -> list[ListenerSpec]:
+        """The listeners of ``<listeners>`` that have no error (plus the implicit boot
+        listener when none takes the boot primitive), checked as a whole."""
+        specs: list[ListenerSpec] = []
+        first_line: dict[str, int] = {}
+        for lel in el.iterfind(B + "listener"):
+            spec = self.listener(lel)
+            if spec is None:
+                continue
+            if spec.name in first_line:
+                self.error(
+                    spec.line,
+                    f"listener name {spec.name!r} is already used on line {first_line[spec.name]}",
+                )
+                continue
+            first_line[spec.name] = spec.line
+            specs.append(spec)
+        if not any(s.is_boot for s in specs):
+            if IMPLICIT_BOOT_NAME in first_line:
+                self.error(
+                    first_line[IMPLICIT_BOOT_NAME],
+                    f"no listener takes the boot primitive and {IMPLICIT_BOOT_NAME!r} is taken: "
+                    'declare one with handler="system-boot"',
+                )
+            else:
+                consoles = tuple(s.name for s in specs if s.builtin == "console")
+                specs.append(self.implicit_boot(consoles))
+        self.check_topology(specs)
+        return specs
+
+    def implicit_boot(self, consoles: tuple[str, ...]) -> ListenerSpec:
+        builtin = BUILTIN_HANDLERS["system-boot"]
+        return ListenerSpec(
+            name=IMPLICIT_BOOT_NAME,
+            handler_ref="system-boot",
+            accepts=builtin_models(builtin.accepts),
+            peers=consoles,
+            builtin="system-boot",
+            concurrency=1,
+            description="system boot listener (implicit)",
+        )
+
+    def listener(self, el: etree._Element) -> ListenerSpec | None:
+        line = el.sourceline or 0
+        name = el.get("name", "")
+        ok = True
+        if name in RESERVED_NAMES:
+            self.error(line, f"listener name {name!r} is reserved")
+            ok = False
+        ref = el.get("handler", "")
+        builtin_name: str | None = None
+        handler = None
+        defaults: Mapping[str, bool | int | float] = {}
+        accepts: list[type[BaseXmlModel]] = []
+        responds: list[type[BaseXmlModel]] = []
+        remote = flag(el, "remote")
+        if remote:
+            if ref:
+                self.error(line, f"listener {name!r}: a remote listener has no handler")
+                ok = False
+        elif not ref:
+            self.error(line, f'listener {name!r} needs a handler (or remote="true")')
+            return None
+        if remote:
+            pass
+        elif ":" in ref:
+            try:
+                handler = self.resolver.resolve(ref)
+                if not callable(handler):
+                    raise Unresolved(f"handler {ref!r} is not callable")
+                if not (
+                    inspect.iscoroutinefunction(handler)
+                    or inspect.iscoroutinefunction(getattr(handler, "__call__", None))  # noqa: B004
+                ):
+                    raise Unresolved(f"handler {ref!r} is not an async function")
+            except Unresolved as exc:
+                self.unresolved(line, name, exc)
+                ok = False
+        elif ref in BUILTIN_HANDLERS:
+            builtin = BUILTIN_HANDLERS[ref]
+            builtin_name = ref
+            defaults = builtin.defaults
+        else:
+            self.error(
+                line,
+                f"listener {name!r}: unknown built-in handler {ref!r} (built-ins: "
+                f"{', '.join(sorted(BUILTIN_HANDLERS))}; or use module:function)",
+            )
+            ok = False
+        for tag, target in (("accepts", accepts), ("responds", responds)):
+            for tel in el.iterfind(B + tag):
+                model = self.payload_model(tel, name)
+                if model is None:
+                    ok = False
+                elif model not in target:
+                    target.append(model)
+        governance = read_governance(self.report, el, name, flag(el, "agent"))
+        if governance is None:
+            ok = False
+        if builtin_name is not None:
+            if not accepts:
+                accepts.extend(builtin_models(builtin.accepts))
+            responds.extend(m for m in builtin_models(builtin.responds) if m not in responds)
+        elif ok and not accepts:
+            self.error(line, f"listener {name!r} accepts no payload type (add <accepts type=.../>)")
+            ok = False
+        policy = governance[0] if governance else None
+        if policy is not None and any(r.approver for r in policy.rules):
+            from agentserver.agents.approvals import ApprovalAck, ApprovalDecision
+
+            # The approvers' decisions are addressed to the agent, which acknowledges them.
+            if ApprovalDecision not in accepts:
+                accepts.append(ApprovalDecision)
+            if ApprovalAck not in responds:
+                responds.append(ApprovalAck)
+        for model in accepts:
+            if model is not Boot and split_tag(model_root_tag(model))[0] == CORE_NS:
+                self.error(line, f"listener {name!r}: core primitives cannot be accepted")
+                ok = False
+        profile_el = el.find(B + "agent")
+        agent = flag(el, "agent")
+        profile = None
+        if profile_el is not None and not agent:
+            self.error(
+                profile_el.sourceline, f'listener {name!r}: <agent> settings need agent="true"'
+            )
+            ok = False
+        elif agent:
+            try:
+                profile = agent_settings_from_element(profile_el, name=name)
+            except AgentConfigError as exc:
+                self.error(profile_el.sourceline if profile_el is not None else line, str(exc))
+                ok = False
+        if not ok:
+            self.broken.add(name)
+            return None
+        if handler is not None and not agent and not responds and not flag(el, "ends-chains"):
+            self.warn(
+                line,
+                f"listener {name!r} declares no <responds>: an answer from its handler will "
+                'be refused (add <responds type="module:Class"/>, or ends-chains="true" if it '
+                "never answers its caller)",
+            )
+        # The built-in's tuning, then what the file sets; ListenerSpec has the defaults.
+        tuning: dict[str, bool | int | float] = dict(defaults)
+        if (value := el.get("concurrency")) is not None:
+            tuning["concurrency"] = int(value)
+        if (value := el.get("timeout")) is not None:
+            tuning["timeout"] = float(value)
+        if (value := el.get("queue-size")) is not None:
+            tuning["queue_size"] = int(value)
+        if el.get("raw") is not None:
+            tuning["raw"] = flag(el, "raw")
+        for attr in ("step-timeout", "idempotent", "retries"):
+            if el.get(attr) is not None and not remote:
+                self.error(line, f"listener {name!r}: {attr} applies to remote listeners only")
+                return None
+        if remote:
+            tuning["remote"] = True
+            tuning["idempotent"] = flag(el, "idempotent")
+            if (value := el.get("step-timeout")) is not None:
+                tuning["step_timeout"] = float(value)
+            if (value := el.get("retries")) is not None:
+                tuning["retries"] = int(value)
+        spec = ListenerSpec(
+            name=name,
+            handler_ref=ref,
+            accepts=tuple(accepts),
+            responds=tuple(responds),
+            peers=tuple(dict.fromkeys((el.get("peers") or "").split())),
+            builtin=builtin_name,
+            handler=handler,
+            agent=agent,
+            broadcast=flag(el, "broadcast"),
+            description=(el.findtext(B + "description") or "").strip(),
+            agent_profile=profile,
+            line=line,
+            agent_policy=governance[0] if governance else None,
+            agent_guardrails=governance[1] if governance else (),
+            **tuning,
+        )
+        try:
+            # The pump's own checks, so 'check' and 'run' can never disagree.
+            Listener(spec.name, spec.accepts, _placeholder, peers=spec.peers)
+        except ConfigurationError as exc:
+            self.error(line, str(exc))
+            self.broken.add(name)
+            return None
+        return spec
+
+    def payload_model(self, el: etree._Element, listener: str) -> type[BaseXmlModel] | None:
+        ref = el.get("type", "")
+        line = el.sourceline
+        if el.get("schema") is not None or el.get("root") is not None:
+            return self.schema_payload(el, listener)
+        if not ref:
+            self.error(
+                line,
+                f'listener {listener!r}: <{etree.QName(el).localname}> needs type="..." or schema="..." root="{{ns}}name"',
+            )
+            return None
+        if ":" in ref:
+            try:
+                model = self.resolver.resolve(ref)
+            except Unresolved as exc:
+                self.unresolved(line, listener, exc)
+                return None
+        elif ref in BUILTIN_PAYLOADS:
+            model = resolve_import(BUILTIN_PAYLOADS[ref])
+        else:
+            self.error(
+                line,
+                f"listener {listener!r}: unknown payload type {ref!r} (use module:Class or a "
+                f"built-in: {', '.join(sorted(BUILTIN_PAYLOADS))})",
+            )
+            return None
+        if not (isinstance(model, type) and issubclass(model, BaseXmlModel)):
+            self.error(line, f"listener {listener!r}: {ref!r} is not a pydantic-xml model")
+            return None
+        try:
+            PayloadType.from_model(model)
+        except ConfigurationError as exc:
+            self.error(line, f"listener {listener!r}: payload type {ref!r}: {exc}")
+            return None
+        return model
+
+    def schema_payload(self, el: etree._Element, listener: str) -> type[BaseXmlModel] | None:
+        """``<accepts schema="file.xsd" root="{ns}name"/>``: a payload type from an XSD
+        file (relative to boot.xml's directory), one type per (file, root)."""
+        line = el.sourceline
+        what = etree.QName(el).localname
+        file, root = el.get("schema"), el.get("root")
+        if el.get("type") is not None or not file or not root:
+            self.error(
+                line,
+                f'listener {listener!r}: <{what}> takes type="..." or both schema="..." and '
+                'root="{ns}name", not a mix',
+            )
+            return None
+        path = (self.base_dir / file).resolve()
+        key = (str(path), root)
+        if key in self.schema_models:
+            return self.schema_models[key]
+        try:
+            doc = self.schema_docs.get(str(path))
+            if doc is None:
+                try:
+                    doc = self.schema_docs[str(path)] = read_schema(path)
+                except ConfigurationError as exc:
+                    # Reported once per file, not once per root named in it.
+                    self.schema_docs[str(path)] = exc
+                    raise
+            elif isinstance(doc, ConfigurationError):
+                return None
+            model = schema_model(doc, root, file)
+            if split_tag(root)[0] == CORE_NS:
+                raise ConfigurationError("core primitives cannot be declared by a schema file")
+            PayloadType.from_model(model)
+        except ConfigurationError as exc:
+            self.error(line, f"listener {listener!r}: <{what} schema={file!r}>: {exc}")
+            return None
+        self.schema_models[key] = model
+        return model
+
+    def check_topology(self, specs: list[ListenerSpec]) -> None:
+        names = {s.name for s in specs}
+        by_tag: dict[str, list[ListenerSpec]] = {}
+        model_of: dict[str, type[BaseXmlModel]] = {}
+        for spec in specs:
+            for peer in spec.peers:
+                if peer not in names and peer not in self.broken:
+                    self.error(spec.line, f"listener {spec.name!r}: unknown peer {peer!r}")
+            for model in (*spec.accepts, *spec.responds):
+                tag = model_root_tag(model)
+                other = model_of.setdefault(tag, model)
+                if other is not model:
+                    self.error(
+                        spec.line,
+                        f"listener {spec.name!r}: root tag {pretty(tag)} is declared by "
+                        f"both {other.__module__}:{other.__qualname__} and "
+                        f"{model.__module__}:{model.__qualname__}",
+                    )
+            for model in spec.accepts:
+                by_tag.setdefault(model_root_tag(model), []).append(spec)
+        for tag, sharing in by_tag.items():
+            if len(sharing) > 1 and not all(s.broadcast for s in sharing):
+                listed = ", ".join(f"{s.name} (line {s.line})" for s in sharing)
+                self.error(
+                    sharing[-1].line,
+                    f"root tag {pretty(tag)} is accepted by {listed}: several listeners may "
+                    'share a root tag only if all of them are broadcast="true"',
+                )
+        self.check_agent_peers(specs)
+        boots = [s for s in specs if s.is_boot]
+        if len(boots) > 1:
+            self.error(boots[1].line, "more than one listener takes the core boot primitive")
+        consoles = {s.name for s in specs if s.builtin == "console"}
+        input_tag = model_root_tag(resolve_import(BUILTIN_PAYLOADS["console.input"]))
+        accepts_input = {s.name for s in by_tag.get(input_tag, [])}
+        for spec in specs:
+            if spec.builtin == "console" and not accepts_input & set(spec.peers):
+                self.error(
+                    spec.line,
+                    f"console {spec.name!r} needs a peer that takes console input "
+                    "(add the console-router to its peers)",
+                )
+        for boot in boots:
+            if consoles and not consoles & set(boot.peers):
+                self.warn(
+                    boot.line,
+                    f"boot listener {boot.name!r} has no console among its peers: "
+                    "'run --console' cannot start one",
+                )
+
+    def check_agent_peers(self, specs: list[ListenerSpec]) -> None:
+        """Warn about an agent's peer it can never reach: the agent addresses a peer by
+        a payload's root tag, and the same mapping as the agent runtime's
+        (agentserver.app.agents.build_profiles: its own tags first, the last peer wins a shared
+        tag, core primitives never) leaves that peer no tag."""
+        by_name = {s.name: s for s in specs}
+        for spec in specs:
+            if not spec.agent:
+                continue
+            own = {model_root_tag(m) for m in spec.accepts}
+            owner: dict[str, str] = {}
+            for peer in spec.peers:
+                if peer in by_name:
+                    for model in by_name[peer].accepts:
+                        owner[model_root_tag(model)] = peer
+            reachable = {
+                peer
+                for tag, peer in owner.items()
+                if tag not in own and split_tag(tag)[0] != CORE_NS
+            }
+            for peer in spec.peers:
+                if peer in by_name and peer not in reachable:
+                    self.warn(
+                        spec.line,
+                        f"agent {spec.name!r}: peer {peer!r} accepts nothing the agent could "
+                        "send (its root tags are the agent's own, a core primitive, or taken "
+                        "by a later peer)",
+                    )

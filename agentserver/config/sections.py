@@ -1,0 +1,119 @@
+"""boot.xml's sections with no references in them: ``<limits>``, ``<http>``, ``<llm>``
+(the LLM router's settings) and ``<store>`` (the agents' store, its relative SQLite path
+resolved against boot.xml's folder). Each is read once, here, into its typed settings."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Mapping
+
+from lxml import etree
+
+from agentserver.agents.config import store_settings_from_element
+from agentserver.agents.errors import AgentConfigError
+from agentserver.agents.settings import StoreSettings
+from agentserver.config.clients import is_loopback
+from agentserver.config.problems import Report
+from agentserver.config.topology import DEFAULT_HOST, DEFAULT_HTTP_PORT, HttpSpec, Limits
+from agentserver.llm.config import RouterConfig, check_llm_section
+
+
+class SectionReader:
+    """Reads the plain sections of one boot.xml, reporting to ``report``. ``base_dir`` is
+    boot.xml's folder (absolute); ``environ`` resolves the ``*-env`` overrides."""
+
+    def __init__(self, report: Report, base_dir: pathlib.Path, environ: Mapping[str, str]) -> None:
+        self.report = report
+        self.base_dir = base_dir
+        self.environ = environ
+
+    def error(self, line: int | None, message: str) -> None:
+        self.report.error(line, message)
+
+    def warn(self, line: int | None, message: str) -> None:
+        self.report.warn(line, message)
+
+    def http(self, el: etree._Element | None, clients: bool) -> HttpSpec | None:
+        """``<http>``; the same address rules as ``<listen>`` (checked again by ``run``)."""
+        if el is None:
+            return None
+        default = HttpSpec()
+        spec = HttpSpec(
+            host=el.get("host", DEFAULT_HOST),
+            port=int(el.get("port", DEFAULT_HTTP_PORT)),
+            max_pending=int(el.get("max-pending", default.max_pending)),
+            reply_ttl=float(el.get("reply-ttl", default.reply_ttl)),
+            max_replies=int(el.get("max-replies", default.max_replies)),
+            wait_timeout=float(el.get("wait-timeout", default.wait_timeout)),
+            line=el.sourceline or 0,
+        )
+        if not is_loopback(spec.host):
+            if not clients:
+                self.warn(
+                    el.sourceline,
+                    f"<http> on non-loopback {spec.host} without declared clients: 'run' "
+                    "refuses it unless started with --insecure, and anonymous HTTP callers "
+                    "are served only from loopback addresses",
+                )
+        return spec
+
+    def limits(self, el: etree._Element | None) -> Limits:
+        if el is None:
+            return Limits()
+        values: dict[str, int | float] = {}
+        defaults = Limits()
+        for name in Limits.__slots__:
+            raw = el.get(name.replace("_", "-"))
+            if raw is not None:
+                kind = type(getattr(defaults, name))
+                # The schema made it an integer or a decimal: int() keeps every digit.
+                values[name] = int(raw) if kind is int else float(raw)
+        limits = Limits(**values)
+        if limits.outgoing_buffer < limits.max_inflight:
+            self.warn(
+                el.sourceline,
+                f"outgoing-buffer ({limits.outgoing_buffer}) is smaller than max-inflight "
+                f"({limits.max_inflight}): a client with many requests in flight may be "
+                "disconnected for reading too slowly",
+            )
+        if limits.max_threads_per_connection >= limits.max_threads:
+            self.warn(
+                el.sourceline,
+                f"max-threads-per-connection ({limits.max_threads_per_connection}) is not below "
+                f"max-threads ({limits.max_threads}): one client can fill the thread registry "
+                "and have every other refused",
+            )
+        return limits
+
+    def llm(self, el: etree._Element | None) -> RouterConfig | None:
+        """``<llm>`` checked and parsed (None: absent, or errors were reported)."""
+        if el is None:
+            return None
+        try:
+            report = check_llm_section(el, environ=self.environ, validate=False)
+        except Exception as exc:
+            self.error(el.sourceline, f"<llm>: {exc}")
+            return None
+        for line, message in report.errors:
+            self.error(line or el.sourceline, message)
+        for line, message in report.warnings:
+            self.warn(line or el.sourceline, message)
+        return report.config
+
+    def store(self, el: etree._Element | None) -> StoreSettings:
+        """``<store>`` (its defaults when absent), the SQLite path resolved against
+        boot.xml's folder and ``url-env`` read from the environment now."""
+        try:
+            settings = store_settings_from_element(el, base_dir=self.base_dir, environ=self.environ)
+        except AgentConfigError as exc:
+            assert el is not None  # the defaults are valid
+            self.error(el.sourceline, f"<store>: {exc}")
+            return StoreSettings(path=self.base_dir / StoreSettings().path)
+        var = el.get("url-env") if el is not None else None
+        if var and not self.environ.get(var) and settings.url is None:
+            self.warn(
+                el.sourceline if el is not None else 0,
+                f"<store url-env>: ${var} is not set and there is no url: the agents' store "
+                f"is the SQLite file {settings.path}",
+            )
+        return settings
