@@ -30,6 +30,7 @@ import pty
 import socket
 import sqlite3
 import subprocess
+import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -81,10 +82,10 @@ RESOURCES: dict[str, tuple[str, ...]] = {
         "trio:serve_ssl_over_tcp",
         "trio:open_unix_socket",
         "agentserver.net.client:open_client",
-        "agentserver.net.server",
+        "agentserver.net.server:Server",
         "agentserver.app.root:run_server",
-        "agentserver.remote.runner",
-        "agentserver.http.serve",
+        "agentserver.remote.runner:run_runner",
+        "agentserver.http.serve:serve_http",
     ),
     "database": (
         "sqlite3",
@@ -130,13 +131,19 @@ def _marker_of(obj: object) -> str | None:
 
 def _is_test_helper(obj: object) -> bool:
     """A function or class written in tests/ (followed), not in a library (listed)."""
-    try:
-        source = inspect.getsourcefile(obj)  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    if source is None:
-        return False
-    path = pathlib.Path(source).resolve()
+    code = getattr(obj, "__code__", None)
+    if isinstance(code, types.CodeType):
+        return _in_tests(code.co_filename)
+    if isinstance(obj, type):
+        module = sys.modules.get(obj.__module__)
+        filename = getattr(module, "__file__", None)
+        return isinstance(filename, str) and _in_tests(filename)
+    return False
+
+
+@functools.cache
+def _in_tests(filename: str) -> bool:
+    path = pathlib.Path(filename).resolve()
     # (this module's guard names every resource: it is the one helper not followed)
     return path.is_relative_to(TESTS) and path != pathlib.Path(__file__).resolve()
 
@@ -165,11 +172,19 @@ def _functions_of(obj: object) -> Iterator[Callable[..., Any]]:
                     yield value.fget  # type: ignore[misc]
 
 
-def _imported_modules(code: types.CodeType) -> Iterator[str]:
+_IMPORT_NAME = dis.opmap["IMPORT_NAME"]
+
+
+@functools.cache
+def _imported_modules(code: types.CodeType) -> tuple[str, ...]:
     """The modules a code object imports while it runs (``import`` inside a function)."""
-    for instruction in dis.get_instructions(code):
-        if instruction.opname == "IMPORT_NAME" and isinstance(instruction.argval, str):
-            yield instruction.argval
+    if _IMPORT_NAME not in code.co_code[::2]:  # (opcodes sit at even offsets: a quick no)
+        return ()
+    return tuple(
+        i.argval
+        for i in dis.get_instructions(code)
+        if i.opname == "IMPORT_NAME" and isinstance(i.argval, str)
+    )
 
 
 @functools.cache
@@ -185,36 +200,47 @@ def _import(name: str) -> types.ModuleType | None:
 
 
 @functools.cache
+def _direct(func: Callable[..., Any]) -> tuple[frozenset[str], tuple[Callable[..., Any], ...]]:
+    """What one function's own code uses: the markers it earns, and the test helpers it
+    calls (followed by :func:`markers_of_function`)."""
+    found: set[str] = set()
+    helpers: list[Callable[..., Any]] = []
+    namespace = getattr(func, "__globals__", {})
+    for code in _codes(func.__code__):
+        names = set(code.co_names)
+        # ``import a.b`` and ``from a.b import c`` inside a function put "a.b" among
+        # the names: the module, imported here, stands for it.
+        imported = {m: _import(m) for m in _imported_modules(code)}
+        for name in names:
+            obj = imported[name] if name in imported else namespace.get(name)
+            if obj is None:
+                continue
+            candidates = [obj]
+            if isinstance(obj, types.ModuleType):
+                candidates += [getattr(obj, n) for n in names if hasattr(obj, n)]
+            for candidate in candidates:
+                marker = _marker_of(candidate)
+                if marker is not None:
+                    found.add(marker)
+                elif _is_test_helper(candidate):
+                    helpers.extend(_functions_of(candidate))
+    return frozenset(found), tuple(helpers)
+
+
+@functools.cache
 def markers_of_function(func: Callable[..., Any]) -> frozenset[str]:
     """The resources a test-side function uses, followed through the test helpers."""
     found: set[str] = set()
-    seen: set[int] = set()
+    seen: set[Callable[..., Any]] = set()
     todo: list[Callable[..., Any]] = [func]
     while todo:
         current = todo.pop()
-        if id(current) in seen:
+        if current in seen:
             continue
-        seen.add(id(current))
-        namespace = getattr(current, "__globals__", {})
-        for code in _codes(current.__code__):
-            names = set(code.co_names)
-            for module_name in _imported_modules(code):
-                namespace = {**namespace, module_name: _import(module_name)}
-            for name in names:
-                # A global, or a module imported inside the function (``import a.b``
-                # and ``from a.b import c`` put "a.b" among the names).
-                obj = namespace.get(name)
-                if obj is None:
-                    continue
-                candidates = [obj]
-                if isinstance(obj, types.ModuleType):
-                    candidates += [getattr(obj, n) for n in names if hasattr(obj, n)]
-                for candidate in candidates:
-                    marker = _marker_of(candidate)
-                    if marker is not None:
-                        found.add(marker)
-                    elif _is_test_helper(candidate):
-                        todo.extend(_functions_of(candidate))
+        seen.add(current)
+        markers, helpers = _direct(current)
+        found |= markers
+        todo.extend(helpers)
     return frozenset(found)
 
 
