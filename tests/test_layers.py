@@ -491,3 +491,34 @@ def test_every_name_docs_api_lists_imports():
     assert not missing, f"docs/api.md lists names that do not exist: {missing}"
     listed_old = {m.removeprefix("agentserver.") for m, _ in rows} & set(_moved.MOVED)
     assert listed_old == set(_moved.MOVED), "docs/api.md must list every old path"
+
+
+def test_the_scan_finds_imports_wherever_they_are_written(tmp_path):
+    source = tmp_path / "sample.py"
+    source.write_text(
+        "from __future__ import annotations\n"
+        "from typing import TYPE_CHECKING\n"
+        "from . import routing\n"
+        "from .threads import ThreadRegistry\n"
+        "from agentserver import listener\n"  # an old path, as a submodule
+        "if TYPE_CHECKING:\n"
+        "    from agentserver.pump.pump import Pump\n"
+        "def later():\n"
+        "    import agentserver.net.client\n"
+        "    from agentserver.app import builtins\n"
+    )
+    found = {(i.imported, i.line) for i in imports_in("agentserver.core.sample", source)}
+    assert found == {
+        ("agentserver.core.routing", 3),
+        ("agentserver.core.threads", 4),
+        ("agentserver.core.listener", 5),
+        ("agentserver.pump.pump", 7),
+        ("agentserver.net.client", 9),
+        ("agentserver.app.builtins", 10),
+    }
+
+
+def test_the_cycle_search_finds_every_cycle_and_shows_one_path():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d", "a"}, "e": {"f"}, "f": set()}
+    assert cycles(graph) == [frozenset({"a", "b", "c"})]  # (a module importing itself is no cycle)
+    assert a_cycle_through(frozenset({"a", "b", "c"}), graph) == ["a", "b", "c", "a"]
