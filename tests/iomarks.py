@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import importlib
 import inspect
 import os
 import pathlib
@@ -39,14 +40,13 @@ import pytest
 
 TESTS = pathlib.Path(__file__).resolve().parent
 
-#: The markers for outside resources, with what each means (registered in pyproject.toml).
+#: The markers for outside resources (registered, with what each means, in pyproject.toml);
+#: a test with none of them is ``fast``.
 IO_MARKERS = ("subprocess", "socket", "database", "postgresql")
 
 
 def _resolve(dotted: str) -> Any | None:
     """The object at a dotted path, or None if it does not import (optional packages)."""
-    import importlib
-
     module_name, _, attr = dotted.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
@@ -118,10 +118,10 @@ def _marker_of(obj: object) -> str | None:
     found = _known().get(id(obj))
     if found is not None and found[1] is obj:
         return found[0]
-    # A class or function of a listed module (``SqliteAgentStore``, ``ServerStats``).
+    # A class or function of a listed module (``SqliteAgentStore``, ``subprocess.run``).
     owner = getattr(obj, "__module__", None)
     if isinstance(obj, type | types.FunctionType) and isinstance(owner, str):
-        module = _resolve(owner)
+        module = sys.modules.get(owner)
         if module is not None and not isinstance(module, type):
             found = _known().get(id(module))
             if found is not None and found[1] is module:
@@ -191,8 +191,6 @@ def _imported_modules(code: types.CodeType) -> tuple[str, ...]:
 def _import(name: str) -> types.ModuleType | None:
     """A module a test imports inside a function, imported now to read it (None if it
     does not import here: then it cannot be followed, and the guard has the last word)."""
-    import importlib
-
     try:
         return importlib.import_module(name)
     except Exception:
