@@ -94,9 +94,11 @@ RESOURCES: dict[str, tuple[str, ...]] = {
         "agentserver.agents.sqlite_store",
         "agentserver.agents.pg.executor",
         "agentserver.agents.pg.store",
-        # (an agent runtime always has its store)
+        # (an agent runtime always has its store; so has the service that starts one:
+        # start_agents, called start_agent_service once boot.xml is read into settings)
         "agentserver.agents.runtime:AgentRuntime",
-        "agentserver.agents.service",
+        "agentserver.agents.service:start_agents",
+        "agentserver.agents.service:start_agent_service",
     ),
 }
 
