@@ -82,6 +82,9 @@ RESOURCES: dict[str, tuple[str, ...]] = {
         "trio:serve_ssl_over_tcp",
         "trio:open_unix_socket",
         "agentserver.net.client:open_client",
+        # (a client's connection on its own; in net/connect.py once net/client.py is split)
+        "agentserver.net.client:connect_stream",
+        "agentserver.net.connect:connect_stream",
         "agentserver.net.server:Server",
         "agentserver.app.root:run_server",
         "agentserver.remote.runner:run_runner",
