@@ -8,6 +8,7 @@ import pathlib
 import pytest
 import trio
 import trio.testing
+from iomarks import IO_MARKERS, guard, markers_of
 from lxml import etree
 from pgutil import pg_server, pg_url  # noqa: F401 - fixtures for the PostgreSQL tests
 from pydantic_xml import BaseXmlModel, element
@@ -101,13 +102,28 @@ async def receive(endpoint, seconds: float = 5) -> tuple[dict[str, str | None], 
 
 def pytest_collection_modifyitems(items):
     """Every test that needs the PostgreSQL server is marked ``postgresql`` (so
-    ``pytest -m postgresql`` selects them), whether it says so itself or not."""
+    ``pytest -m postgresql`` selects them), whether it says so itself or not; every test
+    is marked ``subprocess``, ``socket`` or ``database`` by what its code and fixtures use
+    (tests/iomarks.py), and ``fast`` when it uses none of them: ``pytest -m fast`` is the
+    fast loop (README.md)."""
     for item in items:
         callspec = getattr(item, "callspec", None)
         # (a fixture parametrised over backends asks for pg_url only when it runs)
         on_pg = callspec is not None and "postgresql" in callspec.params.values()
         if on_pg or "pg_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.postgresql)
+        for name in sorted(markers_of(item)):
+            item.add_marker(getattr(pytest.mark, name))
+        if not any(item.get_closest_marker(name) for name in IO_MARKERS):
+            item.add_marker(pytest.mark.fast)
+
+
+@pytest.fixture(autouse=True)
+def _fast_means_memory_only(request, monkeypatch):
+    """A ``fast`` test that starts a process, opens a socket or a database fails: its
+    markers were derived wrongly (tests/iomarks.py), and the fast loop must not need them."""
+    if request.node.get_closest_marker("fast") is not None:
+        guard(monkeypatch)
 
 
 @pytest.fixture(scope="session", autouse=True)

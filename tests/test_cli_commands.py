@@ -1,4 +1,8 @@
-"""The agentserver command: check, run, send, --help, and SIGTERM with work in flight."""
+"""The agentserver command: check, run, send, --help, and SIGTERM with work in flight.
+
+``check``, ``schemas``, ``--help`` and usage errors run in this process
+(tests/cliutil.py); :func:`test_check_schemas_and_help_in_a_real_process` is their one
+smoke test through ``python -m agentserver``."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import textwrap
 
 import pytest
 import trio
+from cliutil import cli_in_process
 from e2e_handlers import Job, LongJob
 from serverproc import DATA, REPO, ServerProcess, cli, subprocess_env
 
@@ -26,7 +31,7 @@ def connect(server) -> str:
 
 
 def test_check_bundled_boot_is_ok_with_a_summary():
-    result = cli("check", str(REPO / "boot.xml"), env=subprocess_env(OPENAI_API_KEY="k"))
+    result = cli_in_process("check", str(REPO / "boot.xml"), env=subprocess_env(OPENAI_API_KEY="k"))
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout.decode().strip().splitlines()
     assert out == [f"{REPO / 'boot.xml'}: OK: organism 'hello', 6 listeners, 0 clients"]
@@ -35,7 +40,7 @@ def test_check_bundled_boot_is_ok_with_a_summary():
 def test_check_warns_about_an_unset_api_key_but_passes():
     env = subprocess_env()
     env.pop("OPENAI_API_KEY", None)
-    result = cli("check", str(REPO / "boot.xml"), env=env)
+    result = cli_in_process("check", str(REPO / "boot.xml"), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     text = (result.stdout + result.stderr).decode()
     assert "OPENAI_API_KEY" in text and "skipped" in text
@@ -72,7 +77,7 @@ BAD = textwrap.dedent(
 def test_check_reports_every_problem_with_its_line(tmp_path):
     path = tmp_path / "bad.xml"
     path.write_text(BAD)
-    result = cli("check", str(path))
+    result = cli_in_process("check", str(path))
     assert result.returncode == 1
     lines = result.stdout.decode().splitlines()
     expect = [
@@ -108,7 +113,7 @@ def test_check_reports_schema_errors_and_unknown_sections(tmp_path):
         "  <bogus/>\n"
         "</organism>\n"
     )
-    result = cli("check", str(path))
+    result = cli_in_process("check", str(path))
     assert result.returncode == 1
     out = result.stdout.decode()
     assert re.search(rf"^{re.escape(str(path))}:2: .*concurrency", out, re.M), out
@@ -122,17 +127,17 @@ def test_check_not_well_formed_and_missing_file(tmp_path):
     path.write_text(
         '<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="x">\n<listeners>\n</organism>\n'
     )
-    result = cli("check", str(path))
+    result = cli_in_process("check", str(path))
     assert result.returncode == 1
     assert result.stdout.decode().startswith(f"{path}:3: not well-formed XML")
-    missing = cli("check", str(tmp_path / "none.xml"))
+    missing = cli_in_process("check", str(tmp_path / "none.xml"))
     assert missing.returncode == 1 and "cannot read" in missing.stdout.decode()
 
 
 def test_run_refuses_a_boot_file_with_errors(tmp_path):
     path = tmp_path / "bad.xml"
     path.write_text(BAD)
-    result = cli("run", str(path), "--port", "0", timeout=30)
+    result = cli_in_process("run", str(path), "--port", "0")  # refused before it listens
     assert result.returncode == 1
     assert b"listening" not in result.stderr
     assert f"{path}:7: listener 'b': unknown peer 'ghost'".encode() in result.stdout
@@ -176,7 +181,7 @@ async def test_run_without_boot_uses_the_bundled_topology(tmp_path):
     ],
 )
 def test_help_is_accurate(command, expected):
-    result = cli(*command, "--help")
+    result = cli_in_process(*command, "--help")
     assert result.returncode == 0
     text = result.stdout.decode()
     for word in expected:
@@ -184,7 +189,8 @@ def test_help_is_accurate(command, expected):
 
 
 def test_no_command_is_a_usage_error():
-    assert cli().returncode == 2
+    result = cli_in_process()
+    assert result.returncode == 2 and b"usage:" in result.stderr
 
 
 # -- send -------------------------------------------------------------------------------
@@ -391,7 +397,7 @@ async def test_sigterm_drains_in_flight_work_and_exits_0():
 def test_schemas_exports_one_valid_xsd_per_payload_namespace(tmp_path):
     from lxml import etree
 
-    result = cli("schemas", str(REPO / "boot.xml"), "--out", str(tmp_path))
+    result = cli_in_process("schemas", str(REPO / "boot.xml"), "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [
@@ -411,3 +417,16 @@ def test_schemas_exports_one_valid_xsd_per_payload_namespace(tmp_path):
     assert not calc.validate(
         etree.fromstring(b'<add xmlns="urn:agentserver:calculator"><a>x</a></add>')
     )
+
+
+def test_check_schemas_and_help_in_a_real_process(tmp_path):
+    # The smoke test of the commands the tests above run in process: the same results
+    # through ``python -m agentserver`` (its start-up, imports, exit status, streams).
+    check = cli("check", str(REPO / "boot.xml"), env=subprocess_env(OPENAI_API_KEY="k"))
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.decode().strip().endswith("OK: organism 'hello', 6 listeners, 0 clients")
+    schemas = cli("schemas", str(REPO / "boot.xml"), "--out", str(tmp_path))
+    assert schemas.returncode == 0 and (tmp_path / "core.xsd").is_file(), schemas.stderr
+    help_ = cli("--help")
+    assert help_.returncode == 0 and b"check" in help_.stdout
+    assert cli().returncode == 2

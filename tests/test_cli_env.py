@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+from cliutil import cli_in_process
 from serverproc import LISTENING, cli, scratch_dir, subprocess_env
 
 NS = "https://xml-pipeline.org/ns/boot/v1"
@@ -71,15 +72,18 @@ def test_check_takes_its_boot_file_from_the_environment(tmp_path):
         f'<organism xmlns="{NS}" name="x"><listeners>'
         '<listener name="echo" handler="echo"/></listeners></organism>'
     )
-    result = cli("check", env=subprocess_env(AGENTSERVER_BOOT=str(path)))
+    result = cli_in_process("check", env=subprocess_env(AGENTSERVER_BOOT=str(path)))
     assert result.returncode == 0 and b"OK: organism 'x'" in result.stdout
-    assert cli("check", env=subprocess_env()).returncode == 2
+    assert cli_in_process("check", env=subprocess_env()).returncode == 2
 
 
 def test_bad_values_are_usage_errors():
-    bad_level = cli("check", "x.xml", env=subprocess_env(AGENTSERVER_LOG_LEVEL="loud"))
+    level = subprocess_env(AGENTSERVER_LOG_LEVEL="loud")
+    bad_level = cli_in_process("check", "x.xml", env=level)
     assert bad_level.returncode == 2 and b"AGENTSERVER_LOG_LEVEL" in bad_level.stderr
-    bad_port = cli("send", "--to", "echo", input=PING, env=subprocess_env(AGENTSERVER_PORT="http"))
+    # (refused before it connects: the usage error comes first)
+    port = subprocess_env(AGENTSERVER_PORT="http")
+    bad_port = cli_in_process("send", "--to", "echo", input=PING, env=port)
     assert bad_port.returncode == 2 and b"AGENTSERVER_PORT" in bad_port.stderr
 
 

@@ -188,11 +188,11 @@ async def test_a_raw_socket_runner_serves_a_listener_declared_only_by_xsd(tmp_pa
 
 
 def test_agentserver_check_names_the_line_of_a_bad_schema_reference(tmp_path):
-    from serverproc import cli
+    from cliutil import cli_in_process
 
     xml = boot_xml(responds=f'<responds schema="schemas/gone.xsd" root="{{{NS}}}result"/>')
     path = write_boot(tmp_path, xml)
-    result = cli("check", str(path), env={**os.environ, **ENV})
+    result = cli_in_process("check", str(path), env={**os.environ, **ENV})
     assert result.returncode == 1
     [line] = result.stdout.decode().splitlines()
     # boot_xml writes <responds> on the <listener> line, the 9th.

@@ -7,6 +7,7 @@ import ssl
 
 import pytest
 import trio
+from cliutil import cli_in_process
 from e2e_handlers import Record
 from serverproc import DATA, REPO, ServerProcess, cli, subprocess_env
 from tlsutil import make_pki
@@ -181,7 +182,7 @@ def clients_boot(tmp_path, listen: str) -> str:
 
 def test_declared_clients_on_a_public_address_without_tls_are_refused(tmp_path):
     public = clients_boot(tmp_path, '<listen host="0.0.0.0" port="0"/>')
-    check = cli("check", public)
+    check = cli_in_process("check", public)
     assert check.returncode == 1
     assert f"{public}:4:".encode() in check.stdout and b"<tls>" in check.stdout
     run = cli("run", public, timeout=30)
@@ -194,7 +195,7 @@ def test_declared_clients_on_a_public_address_without_tls_are_refused(tmp_path):
 
 def test_insecure_plaintext_starts_with_a_warning(tmp_path):
     path = clients_boot(tmp_path, '<listen host="0.0.0.0" port="0" insecure-plaintext="true"/>')
-    check = cli("check", path)
+    check = cli_in_process("check", path)
     assert check.returncode == 0 and b"insecure-plaintext" in check.stderr
     proc = ServerProcess.start(path)
     try:
@@ -215,12 +216,15 @@ def test_tls_on_a_public_address_needs_no_insecure_flag(tmp_path):
             1,
         )
     )
-    check = cli("check", str(path))
+    check = cli_in_process("check", str(path))
     assert check.returncode == 0, check.stdout
     assert b"in clear" not in check.stderr
 
 
 def test_bundled_boot_is_unaffected():
     assert (
-        cli("check", str(REPO / "boot.xml"), env=subprocess_env(OPENAI_API_KEY="k")).returncode == 0
+        cli_in_process(
+            "check", str(REPO / "boot.xml"), env=subprocess_env(OPENAI_API_KEY="k")
+        ).returncode
+        == 0
     )

@@ -6,8 +6,9 @@ from __future__ import annotations
 import socket
 
 import pytest
+from cliutil import cli_in_process
 from lxml import etree
-from serverproc import cli, subprocess_env
+from serverproc import subprocess_env
 
 from agentserver.agents.config import store_settings_from_element
 from agentserver.agents.errors import AgentConfigError
@@ -103,20 +104,20 @@ def _closed_port() -> int:
 def test_check_connect_says_unreachable(tmp_path) -> None:
     url = f"postgresql://u:hunter2@127.0.0.1:{_closed_port()}/db"
     path = _boot(tmp_path, '<store url-env="T_STORE_URL"/>')
-    result = cli("check", "--connect", str(path), env=subprocess_env(T_STORE_URL=url))
+    result = cli_in_process("check", "--connect", str(path), env=subprocess_env(T_STORE_URL=url))
     assert result.returncode == 1
     err = result.stderr.decode()
     assert "NOT reachable" in err and "hunter2" not in err and "u:***@" in err
 
 
 def test_check_connect_on_sqlite_says_so(tmp_path) -> None:
-    result = cli("check", "--connect", str(_boot(tmp_path, "")))
+    result = cli_in_process("check", "--connect", str(_boot(tmp_path, "")))
     assert result.returncode == 0
     assert "SQLite file" in result.stdout.decode()
 
 
 def test_check_connect_says_reachable(tmp_path, pg_url: str) -> None:
     path = _boot(tmp_path, '<store url-env="T_STORE_URL"/>')
-    result = cli("check", "--connect", str(path), env=subprocess_env(T_STORE_URL=pg_url))
+    result = cli_in_process("check", "--connect", str(path), env=subprocess_env(T_STORE_URL=pg_url))
     assert result.returncode == 0, result.stderr.decode()
     assert "reachable (PostgreSQL 1" in result.stdout.decode()
