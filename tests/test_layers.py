@@ -55,43 +55,15 @@ ROOT = ("agentserver", "agentserver._moved")
 #: ``python -m agentserver``: above every layer; it imports ``cli`` only.
 MAIN = "agentserver.__main__"
 
-#: Today's imports of a higher layer, as (importer, imported) module pairs. They are being
-#: removed by the refactoring of the layout (the "root", "config" and "split" branches);
-#: the list may only shrink: a pair listed here that no longer exists fails the test too,
-#: so delete it when its import goes. Never add to it: fix the import instead (a
-#: ``typing.Protocol`` in the lower layer that the higher object satisfies).
-KNOWN_VIOLATIONS: frozenset[tuple[str, str]] = frozenset(
-    {
-        # The server takes the topology's limits (config), the operator's stop/cancel
-        # (console) and the runner hub (remote): to become Protocols in net/ that
-        # app/root.py satisfies (the "root" part).
-        ("agentserver.net.server", "agentserver.config.topology"),
-        ("agentserver.net.server", "agentserver.console.operator"),
-        ("agentserver.net.server", "agentserver.remote.hub"),
-        # The client's approval helpers build and read the agents' approval payloads
-        # (imports inside the functions).
-        ("agentserver.net.client", "agentserver.agents.approvals"),
-        # The Prometheus bridge tells the agents' events apart (import inside observe()).
-        ("agentserver.observability.metrics", "agentserver.agents.events"),
-        # The agents' glue reads the topology: to read typed settings (the "config" part).
-        ("agentserver.agents.service", "agentserver.config.topology"),
-        # The HTTP gateway takes HttpSpec and Limits from the topology.
-        ("agentserver.http.gateway", "agentserver.config.topology"),
-        # The loader and the remote console resolve built-in handler names (app.builtins).
-        ("agentserver.config.loader", "agentserver.app.builtins"),
-        ("agentserver.console.remote", "agentserver.app.builtins"),
-    }
-)
+#: Accepted imports of a higher layer, as (importer, imported) module pairs: none. The
+#: list may only shrink (a pair listed here that no longer exists fails the test too).
+#: Never add to it: fix the import instead (a ``typing.Protocol`` in the lower layer
+#: that the higher object satisfies).
+KNOWN_VIOLATIONS: frozenset[tuple[str, str]] = frozenset()
 
-#: Today's import cycles, each as the set of modules on it (a strongly connected
-#: component of the import graph; type-only imports count). The same rule: the list may
-#: only shrink (the "split" part breaks both with Protocols).
-KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
-    {
-        frozenset({"agentserver.pump.endpoint", "agentserver.pump.pump"}),
-        frozenset({"agentserver.agents.store", "agentserver.agents.governance_store"}),
-    }
-)
+#: Accepted import cycles, each as the set of modules on it (a strongly connected
+#: component of the import graph; type-only imports count): none, and the same rule.
+KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
 
 
 # -- reading the imports ---------------------------------------------------------------

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serverproc import DATA, REPO, ServerProcess, subprocess_env
 from serverutil import start_in_process
 
+from agentserver.agents.events import counting
 from agentserver.app.builtins import RunContext
 from agentserver.config import loader as boot
 from agentserver.core.listener import HandlerResponse, Listener
@@ -546,7 +547,9 @@ class AgentMetrics:
 
         self.registry = CollectorRegistry()
         self.figures = StoreFigures(h.rt.store, h.clock)
-        h.rt.events.observe(Metrics(self.registry).bind_agents(self.figures, ("assistant", "idle")))
+        h.rt.events.observe(
+            counting(Metrics(self.registry).bind_agents(self.figures, ("assistant", "idle")))
+        )
 
     async def scrape(self) -> dict:
         await self.figures.refresh()

@@ -16,6 +16,8 @@ from typing import TypeAlias
 
 import trio
 
+from agentserver.observability.metrics import AgentCounters
+
 
 @dataclass(frozen=True, slots=True)
 class StepEvent:
@@ -137,3 +139,21 @@ class EventBus:
             callback(event)
         for sub in tuple(self._subscribers):
             sub.offer(event)
+
+
+def counting(counters: AgentCounters) -> Callable[[Event], None]:
+    """An observer for :meth:`EventBus.observe` that counts the events in ``counters``
+    (quick, never raises: what the bus asks of an observer)."""
+
+    def observe(event: Event) -> None:
+        if isinstance(event, StepEvent):
+            if event.phase == "started":
+                counters.step_started(event.agent_id)
+            elif event.phase == "retrying":
+                counters.step_retrying(event.agent_id, event.kind)
+        elif isinstance(event, TaskEvent):
+            counters.turn_ended(event.agent_id, event.status)
+        elif isinstance(event, StateEvent) and event.status == "running":
+            counters.turn_started(event.agent_id)
+
+    return observe

@@ -23,6 +23,7 @@ from lxml import etree
 
 from agentserver.agents.bridge import PumpPorts, agent_handler
 from agentserver.agents.errors import LLMUnavailable
+from agentserver.agents.events import counting
 from agentserver.agents.llm_adapter import RouterLLM
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile import AgentProfile
@@ -176,7 +177,7 @@ async def start_agent_service(
         from agentserver.agents.store_figures import StoreFigures
 
         figures = StoreFigures(runtime.store, runtime.clock)
-        runtime.events.observe(metrics.bind_agents(figures, tuple(profiles)))
+        runtime.events.observe(counting(metrics.bind_agents(figures, tuple(profiles))))
     ports.attach(runtime.store)
     for name in profiles:
         handlers[name].bind(agent_handler(runtime, pump, name, ports))

@@ -283,7 +283,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self._llm: _LLMMetrics | None = None
-        self._agents: _AgentMetrics | None = None
+        self._agents: AgentCounters | None = None
 
     def bind_pump(self, pump: Any, connections: Callable[[], int] | None = None) -> None:
         """Expose the pump's counters, queues and handler latencies (read at scrape time);
@@ -297,17 +297,15 @@ class Metrics:
         if self._llm is None:
             self._llm = _LLMMetrics(self.registry)
 
-    def bind_agents(
-        self, figures: Any = None, agents: tuple[str, ...] = ()
-    ) -> Callable[[object], None]:
-        """Register the agent metrics; returns the observer for the runtime's event bus.
-        ``figures`` (a :class:`~agentserver.agents.store_figures.StoreFigures`) adds the
+    def bind_agents(self, figures: Any = None, agents: tuple[str, ...] = ()) -> AgentCounters:
+        """Register the agent metrics; returns their counters (the agents' event bus feeds
+        them: :func:`agentserver.agents.events.counting`). ``figures`` (a :class:`~agentserver.agents.store_figures.StoreFigures`) adds the
         inbox lag and pending approvals of ``agents``, from its snapshot."""
         if self._agents is None:
-            self._agents = _AgentMetrics(self.registry)
+            self._agents = AgentCounters(self.registry)
         if figures is not None:
             self.registry.register(_AgentStoreCollector(figures, agents))
-        return self._agents.observe
+        return self._agents
 
     def bind_step_log(self, step_log: Any) -> None:
         """Expose the durable step log's buffer (waiting rows, dropped rows)."""
@@ -383,7 +381,9 @@ class _LLMMetrics:
         )
 
 
-class _AgentMetrics:
+class AgentCounters:
+    """The agents' Prometheus counters (steps, retries, Turns started and ended)."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.turns = Counter(
             "agentserver_agent_turns",
@@ -410,15 +410,17 @@ class _AgentMetrics:
             registry=registry,
         )
 
-    def observe(self, event: object) -> None:
-        from agentserver.agents.events import StateEvent, StepEvent, TaskEvent
+    # One method per thing counted, called by the agents' side: observability sits below
+    # the agents and never imports their event types.
 
-        if isinstance(event, StepEvent):
-            if event.phase == "started":
-                self.steps.labels(event.agent_id).inc()
-            elif event.phase == "retrying":
-                self.retries.labels(event.agent_id, event.kind).inc()
-        elif isinstance(event, TaskEvent):
-            self.turns.labels(event.agent_id, event.status).inc()
-        elif isinstance(event, StateEvent) and event.status == "running":
-            self.started.labels(event.agent_id).inc()
+    def step_started(self, agent: str) -> None:
+        self.steps.labels(agent).inc()
+
+    def step_retrying(self, agent: str, kind: str) -> None:
+        self.retries.labels(agent, kind).inc()
+
+    def turn_ended(self, agent: str, status: str) -> None:
+        self.turns.labels(agent, status).inc()
+
+    def turn_started(self, agent: str) -> None:
+        self.started.labels(agent).inc()
