@@ -46,14 +46,18 @@ IO_MARKERS = ("subprocess", "socket", "database", "postgresql")
 
 
 def _resolve(dotted: str) -> Any | None:
-    """The object at a dotted path, or None if it does not import (optional packages)."""
+    """The object at a dotted path, or None if its module does not import (optional
+    packages); LookupError if the module has no such name."""
     module_name, _, attr = dotted.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError:
         return None
     for part in filter(None, attr.split(".")):
-        obj = getattr(obj, part, None)
+        # A name that moved must not leave a stale entry that silently marks nothing.
+        if not hasattr(obj, part):
+            raise LookupError(f"tests/iomarks.py RESOURCES names {dotted}, which does not exist")
+        obj = getattr(obj, part)
     return obj
 
 
@@ -97,11 +101,11 @@ RESOURCES: dict[str, tuple[str, ...]] = {
         "agentserver.agents.sqlite_store",
         "agentserver.agents.pg.executor",
         "agentserver.agents.pg.store",
-        # (an agent runtime always has its store; so has the service that starts one:
-        # start_agents, called start_agent_service once boot.xml is read into settings)
+        # (an agent runtime always has its store; so has the service that starts one, and
+        # the app's glue that starts it from a topology)
         "agentserver.agents.runtime:AgentRuntime",
-        "agentserver.agents.service:start_agents",
         "agentserver.agents.service:start_agent_service",
+        "agentserver.app.agents:start_agents",
     ),
 }
 
