@@ -154,7 +154,7 @@ class ListenerSet:
     #: the TCP server gives it the runner connections.
     runner_hub: RunnerHub | None = None
     #: Each agent listener's handler, by name: it refuses until the agent runtime binds
-    #: it once the pump runs (:func:`agentserver.agents.service.start_agents`).
+    #: it once the pump runs (:func:`agentserver.app.agents.start_agents`).
     agent_handlers: Mapping[str, LateHandler] = field(default_factory=dict)
 
 

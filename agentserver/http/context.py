@@ -19,7 +19,7 @@ from agentserver.pump.pump import Pump
 
 @dataclass
 class HttpContext:
-    """Everything the app reads; built by the composition root (agentserver/app.py)."""
+    """Everything the app reads; built by the composition root (agentserver/app/root.py)."""
 
     pump: Pump
     gateway: HttpGateway
