@@ -124,13 +124,16 @@ def test_kept_threads_are_bounded_per_thread_and_in_time():
     class FakeEndpoint:
         pass
 
+    def open_endpoint(sink: object, on_chain_end: object) -> FakeEndpoint:
+        return FakeEndpoint()
+
     kept = PendingThreads(max_threads=2, ttl=5.0)
-    a = Exchange("a", None, FakeEndpoint(), max_replies=2)
+    a = Exchange("a", None, open_endpoint, max_replies=2)
     for data in (b"1", b"2", b"3"):
         assert a.take(data)  # never refused: the third is dropped and counted
     assert a.replies == [b"1", b"2"] and a.dropped == 1
     assert kept.keep(a, now=0.0) is None
-    assert kept.keep(Exchange("b", "bob", FakeEndpoint(), 2), now=1.0) is None
+    assert kept.keep(Exchange("b", "bob", open_endpoint, 2), now=1.0) is None
     assert kept.full
     assert kept.view("b", None, now=2.0) is None and kept.view("b", "bob", now=2.0) is not None
     a.fresh = False
@@ -138,7 +141,7 @@ def test_kept_threads_are_bounded_per_thread_and_in_time():
     assert [e.thread for e in kept.expire(now=5.0)] == ["a"]
     b = kept.view("b", "bob", now=5.5)
     assert b is not None and b.expires_in == pytest.approx(0.5)
-    again = Exchange("b", "bob", FakeEndpoint(), 2)
+    again = Exchange("b", "bob", open_endpoint, 2)
     assert kept.keep(again, now=6.0).thread == "b"  # the replaced one, to release
 
 

@@ -166,9 +166,8 @@ async def test_the_endpoint_is_told_once_per_request_that_ends_without_an_answer
     ]
     async with open_pump(listeners) as pump:
         pump_ref.append(pump)
-        ep = pump.open_endpoint()
         ended = []
-        ep.on_chain_end = lambda: ended.append(ep.unanswered)
+        ep = pump.open_endpoint(on_chain_end=lambda: ended.append(ep.unanswered))
         await ep.send(envelope_bytes(Note(text="x"), to="sink"))  # None
         await ep.send(envelope_bytes(Ping(text="x"), to="relay"))  # the last hop's None
         await ep.send(envelope_bytes(Add(a=1, b=2), to="keep"))  # held: not ended

@@ -164,9 +164,8 @@ async def test_a_forward_makes_the_hop_the_handler_saw_and_the_answer_comes_back
 
 async def test_no_answer_ends_the_request_for_the_endpoint():
     async with open_pump([sync_listener(lambda p, meta: None)]) as pump:
-        ep = pump.open_endpoint("alice")
         ended: list[int] = []
-        ep.on_chain_end = lambda: ended.append(1)
+        ep = pump.open_endpoint("alice", on_chain_end=lambda: ended.append(1))
         await ep.send(envelope_bytes(Ping(text="x")))
         assert ended == [1] and ep.unanswered == 1
         with pytest.raises(trio.WouldBlock):

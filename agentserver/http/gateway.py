@@ -6,6 +6,7 @@ socket frames (same ``max-message-bytes``, same canned ``<huh>`` texts, same
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +28,7 @@ from agentserver.core.handshake import Identity
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.replies import Exchange, PendingThreads, ThreadView
-from agentserver.pump.endpoint import Endpoint
+from agentserver.pump.endpoint import Endpoint, Sink
 from agentserver.pump.pump import Pump
 
 log = logging.getLogger("agentserver.http")
@@ -131,14 +132,17 @@ class HttpGateway:
         except InputRefused as refusal:
             self.counters["refused"] += 1
             return Outcome("refused", refusal=refusal)
+        thread = thread or new_thread_id()
         try:
-            endpoint = self._open_endpoint(identity)
+            exchange = Exchange(
+                thread,
+                identity.name,
+                lambda sink, on_chain_end: self._open_endpoint(identity, sink, on_chain_end),
+                self.spec.max_replies,
+            )
         except PumpClosed:
             return Outcome("refused", refusal=BUSY)
-        thread = thread or new_thread_id()
-        exchange = Exchange(thread, identity.name, endpoint, self.spec.max_replies)
-        endpoint.sink = exchange.take
-        endpoint.on_chain_end = exchange.chain_ended
+        endpoint = exchange.endpoint
         self.active += 1
         kept = False
         try:
@@ -178,28 +182,29 @@ class HttpGateway:
 
     def _release(self, exchange: Exchange) -> None:
         self.active -= 1
-        endpoint = exchange.endpoint
-        endpoint.sink = None
-        endpoint.on_chain_end = None
-        endpoint.close()
+        exchange.endpoint.release()
 
-    def _open_endpoint(self, identity: Identity) -> Endpoint:
+    def _open_endpoint(
+        self, identity: Identity, sink: Sink, on_chain_end: Callable[[], None]
+    ) -> Endpoint:
         pump = self.pump
         if not pump.running:
             raise PumpClosed("not running")
-        size = {
+        options = {
             "buffer": self.limits.outgoing_buffer,
             "buffer_bytes": self.limits.outgoing_buffer_bytes,
+            "sink": sink,
+            "on_chain_end": on_chain_end,
         }
         if identity.name is None:
-            return pump.open_endpoint(None, **size)
+            return pump.open_endpoint(None, **options)
         # Always suffixed: an HTTP message of a named client is answered on its own
         # endpoint (like a second socket connection of that client), never handed to the
         # client's socket connections.
         for _ in range(8):
             name = f"{identity.name[:55]}-{new_thread_id()[:8]}"
             try:
-                return pump.open_endpoint(name, allowed=identity.allowed, **size)
+                return pump.open_endpoint(name, allowed=identity.allowed, **options)
             except ConfigurationError:
                 continue
         raise PumpClosed("no endpoint name")

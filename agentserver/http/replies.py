@@ -8,16 +8,21 @@ thread and in time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
 
-from agentserver.pump.endpoint import Endpoint
+from agentserver.pump.endpoint import Endpoint, Sink
 
 
 class Exchange:
     """One message's thread: its replies (at most ``max_replies``, later ones dropped and
-    counted) and the requests of it that ended without an answer."""
+    counted) and the requests of it that ended without an answer.
+
+    It opens its endpoint itself, last in its constructor, with
+    ``open_endpoint(sink, on_chain_end)`` (its :meth:`take` and :meth:`chain_ended`): the
+    endpoint is made with its hooks. What ``open_endpoint`` raises propagates."""
 
     __slots__ = (
         "changed",
@@ -33,12 +38,15 @@ class Exchange:
     )
 
     def __init__(
-        self, thread: str, owner: str | None, endpoint: Endpoint, max_replies: int
+        self,
+        thread: str,
+        owner: str | None,
+        open_endpoint: Callable[[Sink, Callable[[], None]], Endpoint],
+        max_replies: int,
     ) -> None:
         self.thread = thread
         #: The client who sent it (None: anonymous); only it may read the thread.
         self.owner = owner
-        self.endpoint = endpoint
         self.max_replies = max_replies
         self.replies: list[bytes] = []
         self.dropped = 0
@@ -48,6 +56,8 @@ class Exchange:
         #: Something came since the last :meth:`PendingThreads.touch`.
         self.fresh = False
         self.changed = trio.Event()
+        # Last: the endpoint may deliver to take as soon as it exists.
+        self.endpoint = open_endpoint(self.take, self.chain_ended)
 
     def take(self, data: bytes) -> bool:
         """The endpoint's sink: never blocks, never refuses (the endpoint never closes on a

@@ -27,7 +27,7 @@ from agentserver.net.limits import Limits
 from agentserver.net.roles import NamedClients, OperatorCommands, Runners
 from agentserver.net.writer import ReplyWriter, direct_handle
 from agentserver.primitives.core import huh
-from agentserver.pump.endpoint import Endpoint
+from agentserver.pump.endpoint import Endpoint, Sink
 from agentserver.pump.pump import SYSTEM, Pump
 
 # The server's logger: a connection is the server's work.
@@ -154,25 +154,31 @@ class Connection:
         if identity is None:
             return
         pump = shared.pump
+        hub = shared.runners
+        is_runner = hub is not None and hub.is_runner(identity.name)
+        direct = direct_handle(self.stream)
         try:
-            endpoint = self._open_endpoint(identity)
-        except PumpClosed:
-            return
-        self.endpoint = endpoint
-        self._direct = direct_handle(self.stream)
-        out = self._out = ReplyWriter(
-            endpoint,
-            self.stream,
-            self._direct,
-            self.inflight,
-            shared.counters,
-            self.limits.write_timeout,
-            input_open=lambda: self.input_open,
-            on_written=self._received,
-        )
-        if self._direct is not None:
-            endpoint.sink = out.write_now
-        endpoint.on_chain_end = self._chain_ended
+            out = ReplyWriter(
+                lambda sink: self._open_endpoint(identity, sink),
+                self.stream,
+                direct,
+                self.inflight,
+                shared.counters,
+                self.limits.write_timeout,
+                input_open=lambda: self.input_open,
+                on_written=self._received,
+                # Jobs come in bursts (one per request read): the writer batches them into
+                # one write; the direct write would cost a send per job.
+                direct_writes=not is_runner,
+            )
+        except BaseException as exc:
+            if direct is not None:
+                direct.close()
+            if isinstance(exc, PumpClosed):
+                return
+            raise
+        self._direct, self._out = direct, out
+        endpoint = self.endpoint = out.endpoint
         named = shared.named_clients if identity.name is not None else None
         self.acks = identity.ack
         self.is_operator = shared.operator is not None and (
@@ -180,13 +186,9 @@ class Connection:
             if identity.name is not None
             else shared.anonymous_operators
         )
-        hub = shared.runners
-        if hub is not None and hub.is_runner(identity.name):
-            assert identity.name is not None
+        if is_runner:
+            assert hub is not None and identity.name is not None
             self.runner = hub.attach(identity.name, endpoint.name, endpoint.push)
-            # Jobs come in bursts (one per request read): the writer batches them into one
-            # write; the direct write would cost a send per job.
-            endpoint.sink = None
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(out.run, nursery.cancel_scope)
@@ -203,12 +205,10 @@ class Connection:
             if self.runner is not None:
                 assert hub is not None
                 hub.detach(self.runner)  # its jobs go to other runners (or fail)
-            endpoint.sink = None
-            endpoint.on_chain_end = None
-            if self._direct is not None:
+            endpoint.release()
+            if direct is not None:
                 # Before the stream closes: an open duplicate would keep the socket open.
-                self._direct.close()
-            endpoint.close()
+                direct.close()
             if named is not None:
                 self.input_open = False
                 # Short and synchronous underneath (one SQLite read): hand what this
@@ -217,22 +217,24 @@ class Connection:
                     await named.detach(self)
             log.debug("connection %s closed (pump %s)", endpoint.name, pump.running)
 
-    def _open_endpoint(self, identity: Identity) -> Endpoint:
+    def _open_endpoint(self, identity: Identity, sink: Sink | None) -> Endpoint:
         pump = self.shared.pump
         if not pump.running:
             raise PumpClosed("not running")
-        size = {
+        options = {
             "buffer": self.limits.outgoing_buffer,
             "buffer_bytes": self.limits.outgoing_buffer_bytes,
+            "sink": sink,
+            "on_chain_end": self._chain_ended,
         }
         if identity.name is None:
-            return pump.open_endpoint(None, **size)
+            return pump.open_endpoint(None, **options)
         try:
-            return pump.open_endpoint(identity.name, allowed=identity.allowed, **size)
+            return pump.open_endpoint(identity.name, allowed=identity.allowed, **options)
         except ConfigurationError:
             # The client is connected twice: the second connection gets a suffixed name.
             name = f"{identity.name[:55]}-{new_thread_id()[:8]}"
-            return pump.open_endpoint(name, allowed=identity.allowed, **size)
+            return pump.open_endpoint(name, allowed=identity.allowed, **options)
 
     # -- reading -------------------------------------------------------------------------
 

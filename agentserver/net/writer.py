@@ -23,7 +23,7 @@ import trio
 from agentserver.core.errors import EndpointClosed
 from agentserver.core.framing import encode_frame, encode_frames
 from agentserver.net.inflight import Inflight
-from agentserver.pump.endpoint import Endpoint
+from agentserver.pump.endpoint import Endpoint, Sink
 
 # The server's logger: writing replies is the server's work.
 log = logging.getLogger("agentserver.server")
@@ -60,11 +60,16 @@ class ReplyWriter:
     """Writes one connection's replies (see the module docstring). ``direct``: the
     connection's :func:`direct_handle` (None: every reply goes through :meth:`run`).
     ``input_open`` tells whether the client can still acknowledge; ``on_written`` gets the
-    ids of durable replies written on a no-ack link (counted received)."""
+    ids of durable replies written on a no-ack link (counted received).
+
+    The writer opens the connection's endpoint (:attr:`endpoint`) with
+    ``open_endpoint(sink)``, last in its constructor: the endpoint's sink is the writer's
+    :meth:`write_now` when there is a direct handle and ``direct_writes``, else None. What
+    ``open_endpoint`` raises (PumpClosed) propagates; the caller then closes ``direct``."""
 
     def __init__(
         self,
-        endpoint: Endpoint,
+        open_endpoint: Callable[[Sink | None], Endpoint],
         stream: trio.abc.Stream,
         direct: socket.socket | None,
         inflight: Inflight,
@@ -73,8 +78,8 @@ class ReplyWriter:
         *,
         input_open: Callable[[], bool],
         on_written: Callable[[list[int]], Awaitable[None]],
+        direct_writes: bool = True,
     ) -> None:
-        self._endpoint = endpoint
         self._stream = stream
         #: A second handle on the socket, for the writes that cannot block (write_now).
         self._direct = direct
@@ -99,6 +104,10 @@ class ReplyWriter:
         self._durable: dict[int, tuple[bytes, int]] = {}
         #: Ids of those written while the client's input was open (counted received).
         self._written: list[int] = []
+        # Last: the endpoint may call write_now as soon as it exists.
+        sink = self.write_now if direct is not None and direct_writes else None
+        #: The connection's endpoint (made by ``open_endpoint``).
+        self.endpoint = open_endpoint(sink)
 
     def pipelining(self, on: bool) -> None:
         """The client sends several requests per read (``on``), or one at a time again:
@@ -172,7 +181,7 @@ class ReplyWriter:
             counters["carried"] += 1
             self._carry = data[sent:]
             self._writer_idle = False
-            self._endpoint.push(_WAKE)  # queued (the writer is no longer idle): wakes it
+            self.endpoint.push(_WAKE)  # queued (the writer is no longer idle): wakes it
 
     def write_now(self, body: bytes) -> bool:
         """The endpoint's sink: write one reply straight to the socket, from whichever
@@ -213,7 +222,7 @@ class ReplyWriter:
         """Write replies as they are produced, batching whatever is ready into one write,
         until the endpoint is closed and drained; then (or when a write fails, or blocks
         for ``write_timeout``) cancel ``connection_scope``: nothing more can be written."""
-        endpoint = self._endpoint
+        endpoint = self.endpoint
         stream = self._stream
         write_timeout = self._write_timeout
         # One scope for the connection's life; its deadline is armed only around a write

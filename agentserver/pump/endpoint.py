@@ -20,6 +20,9 @@ DEFAULT_BUFFER_BYTES = 16 * 1024 * 1024
 
 _Channel = tuple[trio.MemorySendChannel[bytes], trio.MemoryReceiveChannel[bytes]]
 
+#: ``sink(data) -> bool``: see :class:`Endpoint`.
+Sink = Callable[[bytes], bool]
+
 
 class EndpointOwner(Protocol):
     """What an endpoint needs of the pump it is attached to. The Pump satisfies it; it is
@@ -46,6 +49,13 @@ class Endpoint:
     large). The pump never blocks on an endpoint: if the buffer is full the endpoint is
     closed (a client that stops reading is disconnected rather than allowed to grow
     memory), and further messages for it are dropped and logged.
+
+    Its owner's hooks are given here and kept until :meth:`release`: ``sink(data) -> bool``
+    is offered each outbound message before it is buffered; True means it took the message
+    (a server writes a reply straight to an idle socket). A sink must not block, and must
+    decline whenever buffered messages could then be overtaken. ``on_chain_end()`` is
+    called, without blocking, each time a request of this endpoint ends without an answer
+    (see :meth:`chain_ended`).
     """
 
     def __init__(
@@ -57,6 +67,8 @@ class Endpoint:
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         *,
         quota: ThreadQuota | None = None,
+        sink: Sink | None = None,
+        on_chain_end: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
         #: The call chain of this endpoint's own conversation threads.
@@ -73,19 +85,15 @@ class Endpoint:
         #: Bytes of the messages waiting in the buffer.
         self.buffered_bytes = 0
         self.closed = False
-        #: ``sink(data) -> bool``: offered each outbound message before it is buffered; True
-        #: means it took the message (a server writes a reply straight to an idle socket).
-        #: A sink must not block, and must decline whenever buffered messages could then be
-        #: overtaken.
-        self.sink: Callable[[bytes], bool] | None = None
+        # Plain attributes, read once per message (no holder, no wrapper call): push and
+        # chain_ended are on the pump's hot path.
+        self.sink = sink
         self.overflowed = False
         self.dropped = 0
         #: The share of the thread registry this endpoint's conversations may hold (the
         #: pump's ``max_threads_per_endpoint``); None: unbounded.
         self.quota = quota
-        #: Called, without blocking, each time a request of this endpoint ends without an
-        #: answer (see :meth:`chain_ended`).
-        self.on_chain_end: Callable[[], None] | None = None
+        self.on_chain_end = on_chain_end
         #: Requests that ended without an answer.
         self.unanswered = 0
         #: The last conversation thread id of this endpoint found to be a uuid4 (the
@@ -173,6 +181,14 @@ class Endpoint:
         self.dropped += 1
         self.close()
         return False
+
+    def release(self) -> None:
+        """Its owner is done with it: forget the hooks given at creation (no call reaches
+        the owner any more, even from a delivery still in flight), then :meth:`close`.
+        Synchronous; idempotent."""
+        self.sink = None
+        self.on_chain_end = None
+        self.close()
 
     def close(self) -> None:
         """Stop accepting and delivering; already-buffered messages can still be received.

@@ -27,7 +27,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -72,7 +72,7 @@ from agentserver.observability.tracing import Tracing, attach, detach, record_er
 from agentserver.primitives.core import CORE_MODELS, SystemErrorPayload, primitive_for
 from agentserver.pump.config import PumpConfig
 from agentserver.pump.delivery import Delivery
-from agentserver.pump.endpoint import Endpoint
+from agentserver.pump.endpoint import Endpoint, Sink
 from agentserver.pump.runtime import ListenerRuntime, PumpState, Slot
 from agentserver.pump.threadref import ThreadRef
 
@@ -288,10 +288,15 @@ class Pump:
         buffer: int | None = None,
         buffer_bytes: int | None = None,
         allowed: Iterable[str] | None = None,
+        sink: Sink | None = None,
+        on_chain_end: Callable[[], None] | None = None,
     ) -> Endpoint:
         """Attach an external party. ``name`` must not be a listener's or another
         endpoint's; by default a unique ``client-…`` name is generated. Its outgoing buffer
-        holds ``buffer`` messages and ``buffer_bytes`` bytes (the config's by default)."""
+        holds ``buffer`` messages and ``buffer_bytes`` bytes (the config's by default).
+        ``sink`` and ``on_chain_end`` are its owner's hooks (see :class:`Endpoint`), kept
+        until :meth:`Endpoint.release`. Synchronous; raises ConfigurationError for a bad
+        or taken name."""
         if name is None:
             name = "client-" + new_thread_id()[:8]
             while name in self._endpoints:
@@ -307,6 +312,8 @@ class Pump:
             frozenset(allowed) if allowed is not None else None,
             buffer_bytes or self.config.endpoint_buffer_bytes,
             quota=ThreadQuota(self.config.max_threads_per_endpoint),
+            sink=sink,
+            on_chain_end=on_chain_end,
         )
         self._endpoints[name] = endpoint
         return endpoint
