@@ -68,15 +68,6 @@ class AgentRuntime:
         self.ender = TurnEnder(
             store, self.profiles, replies, self.events, self.doorbell, settings.reply_max_attempts
         )
-        self.worker = Worker(
-            ender=self.ender,
-            llm=llm,
-            tools=tools,
-            clock=self.clock,
-            settings=settings,
-            tracing=tracing,
-        )
-        self.watchdog = Watchdog(ender=self.ender, settings=settings)
         self.approvals = Approvals(
             store,
             self.clock,
@@ -84,7 +75,16 @@ class AgentRuntime:
             send=send_approval,
             interval_s=settings.watchdog_interval_s,
         )
-        self.worker.approvals = self.approvals
+        self.worker = Worker(
+            ender=self.ender,
+            llm=llm,
+            tools=tools,
+            clock=self.clock,
+            settings=settings,
+            tracing=tracing,
+            approvals=self.approvals,
+        )
+        self.watchdog = Watchdog(ender=self.ender, settings=settings)
         #: Approvers that are listeners (their requests are sent again after a restart).
         self.listener_approvers = listener_approvers
 
@@ -108,14 +108,18 @@ class AgentRuntime:
         ``listener_approvers`` are the approvers that are listeners (their requests are
         sent again after a restart)."""
         clock = clock or SystemClock()
+        caps = {n: p.budget.tool_result_cap for n, p in profiles.items()}
         store: SqliteAgentStore | PostgresAgentStore
         if settings.url:
             from agentserver.agents.pg.store import PostgresAgentStore
 
-            store = PostgresAgentStore.open(settings.url, clock=clock, settings=settings)
+            store = PostgresAgentStore.open(
+                settings.url, clock=clock, settings=settings, tool_result_caps=caps
+            )
         else:
-            store = SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
-        store.tool_result_caps = {n: p.budget.tool_result_cap for n, p in profiles.items()}
+            store = SqliteAgentStore.open(
+                settings.path, clock=clock, settings=settings, tool_result_caps=caps
+            )
         return cls(
             store=store,
             profiles=profiles,

@@ -65,8 +65,13 @@ class SqlAgentStore(abc.ABC):
     #: The row-lock clause appended to a claim's inner SELECT (a fixed SQL fragment).
     claim_lock: str = ""
 
-    def __init__(self, clock: Clock, settings: StoreSettings) -> None:
-        self.env = StoreEnv(clock, settings)
+    def __init__(
+        self,
+        clock: Clock,
+        settings: StoreSettings,
+        tool_result_caps: Mapping[str, int] | None = None,
+    ) -> None:
+        self.env = StoreEnv(clock, settings, dict(tool_result_caps or {}))
         self.settings = settings
 
     @property
@@ -75,12 +80,8 @@ class SqlAgentStore(abc.ABC):
 
     @property
     def tool_result_caps(self) -> dict[str, int]:
-        """agent id → the most tokens one tool result is shown with."""
+        """agent id → the most tokens one tool result is shown with (given at creation)."""
         return self.env.tool_result_caps
-
-    @tool_result_caps.setter
-    def tool_result_caps(self, caps: dict[str, int]) -> None:
-        self.env.tool_result_caps = dict(caps)
 
     # -- the backend's part ---------------------------------------------------------------
     @abc.abstractmethod

@@ -27,7 +27,7 @@ import fcntl
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -103,12 +103,22 @@ def _lock(path: Path) -> int:
 class SqliteAgentStore(SqlAgentStore):
     """SQLite-backed agent store. Create with :meth:`open`; close with :meth:`aclose`."""
 
-    def __init__(self, conn: sqlite3.Connection, clock: Clock, settings: StoreSettings) -> None:
-        super().__init__(clock, settings)
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        clock: Clock,
+        settings: StoreSettings,
+        *,
+        tool_result_caps: Mapping[str, int] | None = None,
+        lock_fd: int | None = None,
+        path: Path | None = None,
+    ) -> None:
+        super().__init__(clock, settings, tool_result_caps)
         self._db = conn
         self._tx = SqliteTx(conn)
-        self._lock_fd: int | None = None
-        self._path: Path | None = None
+        #: The process lock of the file (see :func:`_lock`), released by :meth:`close`.
+        self._lock_fd = lock_fd
+        self._path = path
         self._checkpoint_db: sqlite3.Connection | None = None
         self._checkpoint_lock = threading.Lock()
 
@@ -119,8 +129,10 @@ class SqliteAgentStore(SqlAgentStore):
         *,
         clock: Clock | None = None,
         settings: StoreSettings | None = None,
+        tool_result_caps: Mapping[str, int] | None = None,
     ) -> SqliteAgentStore:
         """Open (creating and migrating) the store file. Synchronous: call once at start.
+        ``tool_result_caps``: agent id → the most tokens one tool result is shown with.
 
         The process holds an exclusive lock on ``PATH.lock`` until :meth:`close`; the OS
         drops it if the process dies. Raises :class:`StoreInUse` if another process holds it.
@@ -141,9 +153,14 @@ class SqliteAgentStore(SqlAgentStore):
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute(f"PRAGMA wal_autocheckpoint = {AUTOCHECKPOINT_PAGES:d}")
             conn.execute("PRAGMA foreign_keys = ON")
-            store = cls(conn, clock or SystemClock(), settings or StoreSettings(path=path))
-            store._lock_fd = lock
-            store._path = path
+            store = cls(
+                conn,
+                clock or SystemClock(),
+                settings or StoreSettings(path=path),
+                tool_result_caps=tool_result_caps,
+                lock_fd=lock,
+                path=path,
+            )
             store._transact(migrate)
         except BaseException:
             conn.close()

@@ -93,6 +93,7 @@ class Worker:
         clock: Clock,
         settings: StoreSettings,
         tracing: Tracing | None = None,
+        approvals: Approvals | None = None,
     ) -> None:
         self.tracing = tracing or Tracing()
         self.store = ender.store
@@ -117,8 +118,8 @@ class Worker:
             fence=self._fence,
             finish=self._finish,
         )
-        #: Sends approval requests (set by the runtime; None: approvals wait for its tick).
-        self.approvals: Approvals | None = None
+        #: Sends approval requests (None: approvals wait for the runtime's tick).
+        self.approvals = approvals
 
     # -- scheduling ---------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

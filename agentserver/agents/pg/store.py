@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import trio
@@ -86,9 +86,15 @@ class PostgresAgentStore(SqlAgentStore):
     shared = True
 
     def __init__(
-        self, executor: PgExecutor, clock: Clock, settings: StoreSettings, owner: str
+        self,
+        executor: PgExecutor,
+        clock: Clock,
+        settings: StoreSettings,
+        owner: str,
+        *,
+        tool_result_caps: Mapping[str, int] | None = None,
     ) -> None:
-        super().__init__(clock, settings)
+        super().__init__(clock, settings, tool_result_caps)
         self.executor = executor
         self.owner = owner
         #: Rings when some process kept a reply for a named client (named_clients.py's
@@ -114,10 +120,12 @@ class PostgresAgentStore(SqlAgentStore):
         clock: Clock | None = None,
         settings: StoreSettings | None = None,
         owner: str | None = None,
+        tool_result_caps: Mapping[str, int] | None = None,
     ) -> PostgresAgentStore:
         """Connect, then create or migrate the schema (StoreError if the server cannot be
         reached or the schema is newer than this code). Blocking, like opening the SQLite
-        file: call once at start (or in a thread)."""
+        file: call once at start (or in a thread). ``tool_result_caps``: agent id → the
+        most tokens one tool result is shown with."""
         settings = settings or StoreSettings(url=url)
         owner = owner or uuid.uuid4().hex
         executor = PgExecutor.open_sync(
@@ -126,7 +134,9 @@ class PostgresAgentStore(SqlAgentStore):
             application_name=f"agentserver {owner[:8]}",
             options={OWNER_SETTING: owner},
         )
-        store = cls(executor, clock or SystemClock(), settings, owner)
+        store = cls(
+            executor, clock or SystemClock(), settings, owner, tool_result_caps=tool_result_caps
+        )
         try:
             executor.run_sync(migrate_pg, store.env)
             # Registered before its first write: every row it owns has a live lease.
