@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from lxml import etree
 
 from agentserver.agents.budget import DEFAULT_CONTEXT_WINDOW, Budget
+from agentserver.agents.guardrails import GuardrailSpec
+from agentserver.agents.policy import Policy
 from agentserver.agents.retry import RetryPolicy
 
 #: The output allowance of a request when the agent sets no max-tokens (the LLM
@@ -69,11 +70,10 @@ class AgentProfile:
     keep_recent: int = 16384
     tool_result_share: float = 0.25
     memory: str = "none"  # or "client": one durable conversation per client
-    #: Tool-call policy (:class:`agentserver.agents.policy.Policy`; None: peers only),
-    #: guardrails (:class:`agentserver.agents.guardrails.GuardrailSpec`) and the built-in
-    #: loop detector's thresholds (0: off).
-    policy: Any = None
-    guardrails: tuple[Any, ...] = ()
+    #: Tool-call policy (None: peers only), guardrails and the built-in loop detector's
+    #: thresholds (0: off).
+    policy: Policy | None = None
+    guardrails: tuple[GuardrailSpec, ...] = ()
     loop_warn: int = 2
     loop_block: int = 5
 
