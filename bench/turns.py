@@ -53,9 +53,10 @@ from lxml import etree
 from pydantic_xml import BaseXmlModel, element
 
 from agentserver.agents.bridge import PumpPorts, agent_handler
+from agentserver.agents.clock import SystemClock
 from agentserver.agents.ports import LLMCompletion, LLMRequest
 from agentserver.agents.profile import AgentProfile
-from agentserver.agents.runtime import AgentRuntime
+from agentserver.agents.runtime import AgentRuntime, open_agent_store
 from agentserver.agents.service import LateHandler
 from agentserver.agents.settings import StoreSettings
 from agentserver.core.envelope import build_envelope
@@ -168,7 +169,6 @@ async def run(
     # share of the registry (max_threads_per_endpoint) must hold all their threads.
     config = PumpConfig(endpoint_buffer=turns + 16, max_threads_per_endpoint=4 * turns + 64)
     async with open_pump(listeners, config=config) as pump:
-        ports = PumpPorts(pump)
         profiles = {
             n: AgentProfile(
                 name=n,
@@ -180,8 +180,18 @@ async def run(
             for i, n in enumerate(names)
         }
         settings = StoreSettings(path=path, url=url, worker_concurrency=concurrency)
-        rt = AgentRuntime.open(settings, profiles, llm=llm, tools=ports, replies=ports)
-        ports.attach(rt.store)
+        clock = SystemClock()
+        store = open_agent_store(settings, profiles, clock=clock)
+        ports = PumpPorts(pump, store=store)
+        rt = AgentRuntime(
+            store=store,
+            profiles=profiles,
+            settings=settings,
+            clock=clock,
+            llm=llm,
+            tools=ports,
+            replies=ports,
+        )
         calls: collections.Counter = collections.Counter()
         count_store_calls(rt.store, calls)
         statements = [0]

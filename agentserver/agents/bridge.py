@@ -55,28 +55,26 @@ class PumpPorts:
     kept in the store until received and offered to a live connection of that identity
     (:attr:`clients`, see :mod:`agentserver.agents.named_clients`), whichever of its
     connections sent the task. A reply for an anonymous client that has gone is recorded in
-    the store only (its deliverable card).
+    the store only (its deliverable card). Without a ``store`` (a test's ports) replies
+    are only sent and approval requests wait.
     """
 
     def __init__(
         self,
         pump: Pump,
         *,
+        store: AgentStore | None = None,
         named_clients: Iterable[str] = (),
         operators: Iterable[str] = (),
     ) -> None:
         self.pump = pump
         self.named_clients = frozenset(named_clients)
-        self.store: AgentStore | None = None
-        #: The named clients' connections (set by :meth:`attach`).
-        self.clients: NamedClientReplies | None = None
+        self.store = store
+        #: The named clients' connections (None without a store).
+        self.clients = NamedClientReplies(store, self.named_clients) if store is not None else None
         self._delivered: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: Listeners whose approval decisions are the operator's (console routers).
         self.operators = frozenset(operators)
-
-    def attach(self, store: AgentStore) -> None:
-        self.store = store
-        self.clients = NamedClientReplies(store, self.named_clients)
 
     def reply_ref(self, ref: ThreadRef) -> dict[str, object]:
         """The durable reference of a task's hop; it names the client identity when the

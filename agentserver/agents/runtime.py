@@ -41,6 +41,25 @@ def _bytes(payload: etree._Element | bytes) -> bytes:
     return payload if isinstance(payload, bytes) else etree.tostring(payload)
 
 
+def open_agent_store(
+    settings: StoreSettings, profiles: Mapping[str, AgentProfile], *, clock: Clock
+) -> SqliteAgentStore | PostgresAgentStore:
+    """Open (creating or migrating) the store of ``settings``: the PostgreSQL database of
+    ``settings.url`` if set, else the SQLite file at ``settings.path``, with each
+    profile's tool-result cap. Blocking: call once at start. Closed by its ``aclose``
+    (:meth:`AgentRuntime.aclose` for the runtime's)."""
+    caps = {n: p.budget.tool_result_cap for n, p in profiles.items()}
+    if settings.url:
+        from agentserver.agents.pg.store import PostgresAgentStore
+
+        return PostgresAgentStore.open(
+            settings.url, clock=clock, settings=settings, tool_result_caps=caps
+        )
+    return SqliteAgentStore.open(
+        settings.path, clock=clock, settings=settings, tool_result_caps=caps
+    )
+
+
 class AgentRuntime:
     """Store + worker + watchdog + event bus for a set of agent profiles."""
 
@@ -108,18 +127,7 @@ class AgentRuntime:
         ``listener_approvers`` are the approvers that are listeners (their requests are
         sent again after a restart)."""
         clock = clock or SystemClock()
-        caps = {n: p.budget.tool_result_cap for n, p in profiles.items()}
-        store: SqliteAgentStore | PostgresAgentStore
-        if settings.url:
-            from agentserver.agents.pg.store import PostgresAgentStore
-
-            store = PostgresAgentStore.open(
-                settings.url, clock=clock, settings=settings, tool_result_caps=caps
-            )
-        else:
-            store = SqliteAgentStore.open(
-                settings.path, clock=clock, settings=settings, tool_result_caps=caps
-            )
+        store = open_agent_store(settings, profiles, clock=clock)
         return cls(
             store=store,
             profiles=profiles,

@@ -22,12 +22,13 @@ import trio
 from lxml import etree
 
 from agentserver.agents.bridge import PumpPorts, agent_handler
+from agentserver.agents.clock import SystemClock
 from agentserver.agents.errors import LLMUnavailable
 from agentserver.agents.events import counting
 from agentserver.agents.llm_adapter import RouterLLM
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile import AgentProfile
-from agentserver.agents.runtime import AgentRuntime
+from agentserver.agents.runtime import AgentRuntime, open_agent_store
 from agentserver.agents.settings import StoreSettings
 from agentserver.core.listener import Handler, HandlerMetadata
 from agentserver.llm.config import RouterConfig
@@ -148,10 +149,17 @@ async def start_agent_service(
             for name, p in profiles.items()
         }
     named = set(clients)
-    ports = PumpPorts(pump, named_clients=named, operators=frozenset(operators))
-    runtime = AgentRuntime.open(
-        store,
-        profiles,
+    clock = SystemClock()
+    # The store first: the ports (the runtime's tools and replies) are made with it.
+    agent_store = open_agent_store(store, profiles, clock=clock)
+    # At once (it is all runtime.aclose does): closed even if what follows fails.
+    resources.push_async_callback(agent_store.aclose)
+    ports = PumpPorts(pump, store=agent_store, named_clients=named, operators=frozenset(operators))
+    runtime = AgentRuntime(
+        store=agent_store,
+        profiles=profiles,
+        settings=store,
+        clock=clock,
         llm=llm_port,
         tools=ports,
         replies=ports,
@@ -169,7 +177,6 @@ async def start_agent_service(
             )
         ),
     )
-    resources.push_async_callback(runtime.aclose)
     figures = None
     if metrics is not None:
         # A snapshot refreshed by its own task (run below): a scrape never waits on the
@@ -178,7 +185,6 @@ async def start_agent_service(
 
         figures = StoreFigures(runtime.store, runtime.clock)
         runtime.events.observe(counting(metrics.bind_agents(figures, tuple(profiles))))
-    ports.attach(runtime.store)
     for name in profiles:
         handlers[name].bind(agent_handler(runtime, pump, name, ports))
     service = AgentService(runtime, ports, profiles, router=getattr(llm_port, "router", None))

@@ -8,10 +8,11 @@ from lxml import etree
 from pydantic_xml import BaseXmlModel, element
 
 from agentserver.agents.bridge import PumpPorts, agent_handler
+from agentserver.agents.clock import SystemClock
 from agentserver.agents.events import TaskEvent
 from agentserver.agents.ports import LLMCompletion, LLMRequest, LLMUsage
 from agentserver.agents.profile import AgentProfile
-from agentserver.agents.runtime import AgentRuntime
+from agentserver.agents.runtime import AgentRuntime, open_agent_store
 from agentserver.agents.settings import StoreSettings
 from agentserver.core.envelope import build_envelope
 from agentserver.core.listener import HandlerResponse, Listener
@@ -70,7 +71,6 @@ async def test_task_through_pump_calls_tools_iterates_and_answers_once(tmp_path)
     listeners_holder: dict = {}
 
     def make(pump):
-        ports = PumpPorts(pump)
         profile = AgentProfile(
             name="assistant",
             model="m",
@@ -78,15 +78,20 @@ async def test_task_through_pump_calls_tools_iterates_and_answers_once(tmp_path)
             peers={f"{{{C_NS}}}add": "calculator"},
             usage_instructions=pump.usage_instructions("assistant"),
         )
-        rt = AgentRuntime.open(
-            StoreSettings(path=tmp_path / "agents.sqlite3"),
-            {"assistant": profile},
+        settings = StoreSettings(path=tmp_path / "agents.sqlite3")
+        profiles = {"assistant": profile}
+        clock = SystemClock()
+        store = open_agent_store(settings, profiles, clock=clock)
+        ports = PumpPorts(pump, store=store)
+        return AgentRuntime(
+            store=store,
+            profiles=profiles,
+            settings=settings,
+            clock=clock,
             llm=llm,
             tools=ports,
             replies=ports,
         )
-        ports.attach(rt.store)
-        return rt
 
     async def assistant(payload, meta):
         return await listeners_holder["handler"](payload, meta)
@@ -165,11 +170,10 @@ async def test_named_client_replies_stay_kept_until_received(tmp_path):
             return []
 
     async with open_pump([Listener("calculator", (Add,), calculator, responses=(Sum,))]) as pump:
-        ports = PumpPorts(pump, named_clients=["alice"])
         store = SqliteAgentStore.open(
             tmp_path / "s.sqlite3", settings=StoreSettings(path=tmp_path / "s.sqlite3")
         )
-        ports.attach(store)
+        ports = PumpPorts(pump, store=store, named_clients=["alice"])
         clients = ports.clients
         # More than one batch (100) is stored: the ones kept must not overtake the rest.
         ids = []
