@@ -125,9 +125,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return EXIT_FAILED
     log.info("topology %r from %s", topology.organism, name)
     shutdown = trio.Event()
-    terminal = make_terminal() if args.console else None
-    if terminal is not None and hasattr(terminal, "set_listeners"):
-        terminal.set_listeners(_console_targets(topology))
+    terminal = make_terminal(_console_targets(topology)) if args.console else None
     ctx = RunContext(topology, terminal=terminal, on_console_exit=shutdown.set)
     options = ServeOptions(
         host=args.host,

@@ -64,12 +64,20 @@ def completions(text: str, names: Iterable[str]) -> list[tuple[str, int]]:
 class PromptTerminal:
     """A :class:`~agentserver.listeners.console.Terminal` on prompt_toolkit."""
 
-    def __init__(self, *, history: pathlib.Path | None = None, input=None, output=None) -> None:
+    def __init__(
+        self,
+        *,
+        history: pathlib.Path | None = None,
+        input=None,
+        output=None,
+        listeners: Iterable[str] = (),
+    ) -> None:
         from prompt_toolkit import PromptSession
         from prompt_toolkit.completion import Completer, Completion
         from prompt_toolkit.history import FileHistory, InMemoryHistory
 
-        self.names: tuple[str, ...] = ()
+        #: The listener names ``@`` and ``/describe`` complete (see :meth:`set_listeners`).
+        self.names = tuple(sorted(listeners))
         terminal = self
 
         class _Completer(Completer):
@@ -94,7 +102,8 @@ class PromptTerminal:
         self._streamed = False
 
     def set_listeners(self, names: Iterable[str]) -> None:
-        """The listener names ``@`` and ``/describe`` complete."""
+        """The listener names ``@`` and ``/describe`` complete, when they are learnt after
+        the terminal is made (a remote console asks the server once connected)."""
         self.names = tuple(sorted(names))
 
     async def read_line(self, prompt: str) -> str | None:
@@ -173,10 +182,11 @@ def is_interactive() -> bool:
     return sys.stdin.isatty() and sys.stdout.isatty()
 
 
-def make_terminal() -> StdioTerminal | PromptTerminal:
-    """prompt_toolkit for a person at a terminal; plain lines for piped input."""
+def make_terminal(listeners: Iterable[str] = ()) -> StdioTerminal | PromptTerminal:
+    """prompt_toolkit for a person at a terminal, completing ``listeners``' names; plain
+    lines for piped input."""
     if is_interactive():
-        return PromptTerminal(history=history_path())
+        return PromptTerminal(history=history_path(), listeners=listeners)
     return StdioTerminal()
 
 
