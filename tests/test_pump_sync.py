@@ -162,6 +162,26 @@ async def test_a_forward_makes_the_hop_the_handler_saw_and_the_answer_comes_back
         assert len(pump.threads) == 1
 
 
+async def test_hooks_given_at_creation_until_release():
+    async with open_pump([sync_listener()]) as pump:
+        taken: list[bytes] = []
+        ended: list[int] = []
+
+        def sink(data: bytes) -> bool:
+            taken.append(data)
+            return True
+
+        ep = pump.open_endpoint("alice", sink=sink, on_chain_end=lambda: ended.append(1))
+        await ep.send(envelope_bytes(Ping(text="x")))
+        assert len(taken) == 1 and b"pong" in taken[0]
+        with pytest.raises(trio.WouldBlock):
+            ep.receive_nowait()  # the sink took it: nothing buffered
+        ep.release()
+        assert ep.closed and ep.sink is None and ep.on_chain_end is None
+        ep.chain_ended()  # a delivery still in flight no longer reaches the owner
+        assert ended == [] and ep.unanswered == 1
+
+
 async def test_no_answer_ends_the_request_for_the_endpoint():
     async with open_pump([sync_listener(lambda p, meta: None)]) as pump:
         ended: list[int] = []
