@@ -83,11 +83,19 @@ def cli(
 class ServerProcess:
     """A running ``agentserver run``. Standard error is collected by a thread."""
 
-    def __init__(self, proc: subprocess.Popen, host: str, port: int, lines: list[str]) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        host: str,
+        port: int,
+        lines: list[str],
+        stderr_closed: threading.Event | None = None,
+    ) -> None:
         self.proc = proc
         self.host = host
         self.port = port
         self._lines = lines
+        self._stderr_closed = stderr_closed or threading.Event()
         #: For a TLS server: the client context that trusts its CA (None: plaintext).
         self.ssl_context = None
 
@@ -133,6 +141,7 @@ class ServerProcess:
         )
         lines: list[str] = []
         found = threading.Event()
+        closed = threading.Event()
         address: list[tuple[str, int]] = []
 
         def pump_stderr() -> None:
@@ -143,6 +152,7 @@ class ServerProcess:
                 if match and not address:
                     address.append((match.group(1), int(match.group(2))))
                     found.set()
+            closed.set()
             found.set()
 
         threading.Thread(target=pump_stderr, daemon=True).start()
@@ -150,11 +160,17 @@ class ServerProcess:
             proc.kill()
             proc.wait()
             raise RuntimeError("server did not start:\n" + "".join(lines))
-        return cls(proc, *address[0], lines)
+        return cls(proc, *address[0], lines, closed)
 
     @property
     def stderr(self) -> str:
         return "".join(self._lines)
+
+    def all_stderr(self, timeout: float = 15.0) -> str:
+        """Standard error to its end, once the process has closed it (after it exited)."""
+        if not self._stderr_closed.wait(timeout):
+            raise RuntimeError("standard error still open:\n" + self.stderr)
+        return self.stderr
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
         if self.proc.poll() is None:
