@@ -89,7 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check" and args.boot is None:
         print(f"check needs BOOT (or ${BOOT_ENV})", file=sys.stderr)
         return EXIT_USAGE
-    configure_logging(level, args.log_format, sys.stderr)
+    # The format in use from here on (the default resolved): ``run`` writes its start-up
+    # lines in it.
+    args.log_format = configure_logging(level, args.log_format, sys.stderr)
     handler = {
         "run": run.cmd_run,
         "send": send.cmd_send,

@@ -4,6 +4,7 @@ attached console) stops it."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import logging
@@ -11,6 +12,7 @@ import os
 import pathlib
 import signal
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import trio
@@ -33,6 +35,7 @@ from agentserver.config.topology import Topology
 if TYPE_CHECKING:
     from agentserver.config.problems import LoadResult
 from agentserver.core.errors import ConfigurationError
+from agentserver.observability.logs import announce
 
 log = logging.getLogger("agentserver.cli")
 
@@ -46,9 +49,9 @@ def add_parsers(
         parents=[common],
         help="run a topology",
         description="Run the topology of BOOT until SIGINT/SIGTERM (or until an attached "
-        "console quits), then stop accepting, drain in-flight work and exit 0. Logs one "
+        "console quits), then stop accepting, drain in-flight work and exit 0. Writes one "
         "line 'agentserver listening on HOST:PORT' to standard error once it accepts "
-        "connections.",
+        "connections (in JSON logs, the event of one JSON object, with 'addresses').",
     )
     run.add_argument(
         "boot",
@@ -74,7 +77,8 @@ def add_parsers(
         type=parse_port,
         metavar="PORT",
         help="serve the HTTP API on PORT; 0 picks a free one (default: boot.xml <http port>; "
-        "not served without either). Logs 'agentserver http listening on URL'",
+        "not served without either). Writes 'agentserver http listening on URL' (in JSON "
+        "logs, the event of one JSON object, with 'urls')",
     )
     run.add_argument(
         "--console",
@@ -102,6 +106,14 @@ def load_boot_for_run(explicit: str | None) -> tuple[str, LoadResult]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """Run the topology. ``args.log_format`` is the format in use (main resolved the
+    default): in ``json`` every line this writes on standard error is one JSON object."""
+    json_logs = args.log_format == "json"
+    with _warnings_logged(json_logs):
+        return _run(args, json_logs)
+
+
+def _run(args: argparse.Namespace, json_logs: bool) -> int:
     from agentserver.app.builtins import RunContext, console_listener_names
     from agentserver.app.root import ServeOptions, run_server
     from agentserver.console.terminal import logs_above_prompt, make_terminal
@@ -109,8 +121,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     name, result = load_boot_for_run(args.boot)
     topology = result.topology
     if topology is None:
-        print_problems(result)
-        print(f"{name}: not started: fix the errors above", file=sys.stderr)
+        _print_problems(result, json_logs)
+        _say_error(json_logs, f"{name}: not started: fix the errors above")
         return EXIT_FAILED
     for problem in result.problems:
         # Logged, not printed: with --log-format json every line on stderr stays one object.
@@ -118,9 +130,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.console:
         reachable = set(console_listener_names(topology)) & set(topology.boot_listener.peers)
         if not reachable:
-            print(
+            _say_error(
+                json_logs,
                 f"{name}: --console needs a console listener among the boot listener's peers",
-                file=sys.stderr,
             )
             return EXIT_FAILED
     log.info("topology %r from %s", topology.organism, name)
@@ -140,11 +152,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         # process: out of the cyclic collector's reach, a full collection no longer walks
         # it (under load one took ~45 ms, the tail of every request in flight meanwhile).
         gc.freeze()
-        # Printed, not only logged: tools and tests read the bound address from this line.
-        print(f"agentserver listening on {', '.join(addresses)}", file=sys.stderr, flush=True)
+        # Tools and tests read the bound address from this line.
+        _banner(json_logs, f"agentserver listening on {', '.join(addresses)}", addresses=addresses)
 
     def http_listening(urls: list[str]) -> None:
-        print(f"agentserver http listening on {', '.join(urls)}", file=sys.stderr, flush=True)
+        _banner(json_logs, f"agentserver http listening on {', '.join(urls)}", urls=urls)
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
@@ -170,12 +182,62 @@ def cmd_run(args: argparse.Namespace) -> int:
         with logs_above_prompt(terminal):
             trio_run(serve)
     except ConfigurationError as exc:
-        print(f"{name}: not started: {exc}", file=sys.stderr)
+        _say_error(json_logs, f"{name}: not started: {exc}")
         return EXIT_FAILED
     except OSError as exc:
-        print(f"{name}: cannot listen: {exc}", file=sys.stderr)
+        _say_error(json_logs, f"{name}: cannot listen: {exc}")
+        return EXIT_FAILED
+    except Exception:
+        if not json_logs:
+            raise  # Python's traceback, as ever
+        # One object with the traceback in "exception", not a traceback's many lines.
+        log.critical("%s: stopped by an unexpected error", name, exc_info=True)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _banner(json_logs: bool, text: str, **fields: object) -> None:
+    """A start-up line tools wait for: in JSON logs one record whose event is ``text``,
+    with ``fields``, whatever the log level; otherwise ``text`` printed as it is."""
+    if json_logs:
+        announce(log, text, **fields)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _say_error(json_logs: bool, text: str) -> None:
+    """Why the server did not start: an error record in JSON logs, else a plain line."""
+    if json_logs:
+        log.error("%s", text)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _print_problems(result: LoadResult, json_logs: bool) -> None:
+    """boot.xml's problems: errors on standard output as ``check`` prints them; warnings
+    on standard error, as records in JSON logs."""
+    if not json_logs:
+        print_problems(result)
+        return
+    for problem in result.problems:
+        if problem.warning:
+            log.warning("%s", problem)
+        else:
+            print(problem)
+
+
+@contextlib.contextmanager
+def _warnings_logged(json_logs: bool) -> Iterator[None]:
+    """In JSON logs, Python's warnings go through logging (logger ``py.warnings``) while
+    ``run`` runs, instead of as plain text on standard error; put back on the way out."""
+    if not json_logs:
+        yield
+        return
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
 
 
 #: With a console attached, how long Ctrl-C lets in-flight work drain before stopping.

@@ -24,6 +24,9 @@ current_slot: ContextVar[Any] = ContextVar("agentserver_pump_slot", default=None
 
 LOG_FORMATS = ("text", "json")
 
+#: The LogRecord attribute :func:`announce` carries its fields in (read by add_fields).
+FIELDS_ATTRIBUTE = "agentserver_fields"
+
 
 def add_chain(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
     """Add the thread and listener of the pump delivery being handled, if any."""
@@ -37,6 +40,36 @@ def add_chain(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, An
             if thread.parent is not None:
                 event.setdefault("caller_thread", thread.parent)
     return event
+
+
+def add_fields(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """Add the fields an :func:`announce` record carries (a stdlib record has no keys of
+    its own); any other record is left as it is."""
+    fields = getattr(event.get("_record"), FIELDS_ATTRIBUTE, None)
+    if isinstance(fields, dict):
+        for key, value in fields.items():
+            event.setdefault(key, value)
+    return event
+
+
+def announce(logger: logging.Logger, event: str, **fields: Any) -> None:
+    """Log ``event`` at INFO with ``fields`` (keys of its JSON object), whatever the level
+    is set to: a line that tools wait for, such as ``agentserver listening on HOST:PORT``,
+    must not be hidden by ``--log-level warning``. One record through the logger's
+    filters and handlers, written before this returns (a StreamHandler flushes each
+    record); nothing is kept. ``fields`` must be JSON-serialisable."""
+    record = logger.makeRecord(
+        logger.name,
+        logging.INFO,
+        "(announce)",
+        0,
+        event,
+        (),
+        None,
+        extra={FIELDS_ATTRIBUTE: fields},
+    )
+    # handle(), not info(): it skips the logger's level check, not its filters.
+    logger.handle(record)
 
 
 def default_format(stream: TextIO) -> str:
@@ -72,7 +105,9 @@ def configure_logging(level: str, fmt: str | None = None, stream: TextIO | None 
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.dev.ConsoleRenderer(colors=_colors(stream)),
         ]
-    formatter = structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared, processors=final)
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, add_fields], processors=final
+    )
     handler = logging.StreamHandler(stream)
     handler.setFormatter(formatter)
     root = logging.getLogger()
