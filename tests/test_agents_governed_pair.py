@@ -3,10 +3,10 @@
 Both ``assistant`` and ``planner`` have a ``require-approval`` rule on ``ledger`` with
 ``alice`` as approver. The boot.xml passes the loader's checks (before the fix: "root tag
 ... approval-decision is accepted by assistant, planner"), and each agent's decision
-settles its own call however it is addressed: to the agent the request names, by root
-tag alone (that goes to the first governed agent, also for the planner's request: the
-request id names the agent that asked), or with the console's ``/approve``. Run in
-process (``run_server``) on each store; on PostgreSQL also with the approver connected
+(the planner's denied, the assistant's granted) settles its own call however it is
+addressed: to the agent the request names, by root tag alone (that goes to the first
+governed agent, also for the planner's request: the request id names the agent that
+asked), or with the console's ``/deny`` and ``/approve``. Run in process (``run_server``) on each store; on PostgreSQL also with the approver connected
 to a second server on the same store.
 """
 
@@ -82,7 +82,8 @@ def boot_xml(store: str, base_url: str) -> bytes:
 
 
 class PayingModel(FakeServer):
-    """Pays the payee its task names; once it has seen the ledger's receipt, says so."""
+    """Pays the payee its task names; once it has seen the ledger's receipt (or the
+    denial), says so."""
 
     def __init__(self) -> None:
         super().__init__("openai")
@@ -96,6 +97,8 @@ class PayingModel(FakeServer):
         payee, amount = found.groups()
         if f"paid {amount} to {payee}" in said:
             return openai_ok(f"Paid {payee}.", model="m")
+        if "was denied by" in said:
+            return openai_ok(f"Not paid {payee}.", model="m")
         pay = f'<pay xmlns="{GOV_NS}"><to>{payee}</to><amount>{amount}</amount></pay>'
         return openai_ok(f"Paying. {pay}", model="m")
 
@@ -149,15 +152,16 @@ def connect(server: InProcess, name: str):
     return open_client("127.0.0.1", server.port, client=name, token=f"{name}-token")
 
 
-async def decide(how: str, alice: Client, request: dict[str, str]) -> str:
-    """Grant ``request`` as ``how`` says; the status its acknowledgement gives."""
+async def decide(how: str, alice: Client, request: dict[str, str], grant: bool) -> str:
+    """Grant or deny ``request`` as ``how`` says; the status its acknowledgement gives."""
     if how == "console":
+        word = "/approve" if grant else "/deny"
         reply = await alice.request(
-            Input(line=f"/approve {request['request']}"), to="console-router", timeout=PATIENCE
+            Input(line=f"{word} {request['request']}"), to="console-router", timeout=PATIENCE
         )
         (line,) = [e.text or "" for e in reply.payload.iter(f"{{{CONSOLE_NS}}}line")]
         return line.removeprefix(f"approval {request['request']}: ")
-    decision = ApprovalDecision(request=request["request"], grant=True, reason="ok")
+    decision = ApprovalDecision(request=request["request"], grant=grant, reason="ok")
     to = request["agent"] if how == "to-agent" else None
     reply = await alice.request(decision, to=to, timeout=PATIENCE)
     assert reply.payload.tag != DECISION_TAG
@@ -192,8 +196,12 @@ async def test_each_governed_agent_gets_its_own_decision(
                             requests[request["agent"]] = request
                 assert "<to>bob</to>" in requests["assistant"]["payload"]
                 assert "<to>carol</to>" in requests["planner"]["payload"]
-                # The planner's first: by root tag it reaches the assistant listener.
-                statuses = [await decide(how, alice, requests[a]) for a in ("planner", "assistant")]
+                # The planner's is denied, first: by root tag it reaches the assistant
+                # listener, and still settles the planner's call; the assistant's is granted.
+                statuses = [
+                    await decide(how, alice, requests["planner"], grant=False),
+                    await decide(how, alice, requests["assistant"], grant=True),
+                ]
                 applied = "decision applied" if how == "console" else "applied"
                 assert statuses == [applied, applied]
                 answers = {}
@@ -205,9 +213,9 @@ async def test_each_governed_agent_gets_its_own_decision(
         nursery.cancel_scope.cancel()
     assert answers == {
         sent["assistant"]: (f"{{{ASSISTANT_NS}}}answer", "Paid bob."),
-        sent["planner"]: (f"{{{PLANNER_NS}}}answer", "Paid carol."),
+        sent["planner"]: (f"{{{PLANNER_NS}}}answer", "Not paid carol."),
     }
-    assert sorted(ledger.read_text().splitlines()) == ["bob 5", "carol 7"]  # once each
+    assert ledger.read_text().splitlines() == ["bob 5"]  # once, and only the granted call
 
 
 def test_a_tag_taken_by_name_only_is_not_claimed():
