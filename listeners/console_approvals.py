@@ -1,7 +1,8 @@
 """The console's approval commands: ``/approve ID`` and ``/deny ID [reason]``.
 
-They become an ``<approval-decision>`` sent to an agent that takes decisions (any one:
-requests are kept in the one agent store, so any agent applies a decision by its id).
+They become an ``<approval-decision>`` sent to an agent that takes decisions (any one,
+however many governed agents there are: requests are kept in the one agent store, so any
+agent applies a decision by its id, to the agent that asked).
 The agent acknowledges it with an ``<approval-ack>``, which the router shows. Decisions
 made at the console are the operator's: the server's own console may decide any request
 (see docs/agents.md, "Human approval"). Pure: no I/O.

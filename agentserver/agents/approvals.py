@@ -9,7 +9,8 @@ approver who is away gets it at her next hello); a listener approver gets it thr
 pump (and again after a restart, since the pump's threads do not survive one).
 
 The approver answers ``<approval-decision request="ID" grant="true|false">`` addressed to
-the agent. The first decision wins (one transaction): a grant queues an ``approval`` row
+the agent (every governed agent takes decisions by name, the first also by root tag; the
+request id says which agent asked, whichever receives it). The first decision wins (one transaction): a grant queues an ``approval`` row
 that the worker turns into exactly one forward through the pump (``forwarding`` is
 committed first, so a crash in between can never send the call twice; such a call is
 reported lost instead); a denial, or no decision before the rule's ``timeout``, becomes a

@@ -171,7 +171,9 @@ async def approval_decision(
     runtime: AgentRuntime, payload: etree._Element, meta: HandlerMetadata, ports: PumpPorts | None
 ) -> HandlerResult:
     """An approver's ``<approval-decision>``: the first one per request wins; every one is
-    acknowledged (a listener approver's, arriving as its response, needs no ack)."""
+    acknowledged (a listener approver's, arriving as its response, needs no ack). Any
+    governed agent may receive it (by name, or the first by root tag): the store applies
+    it by its request id, to the agent that asked."""
     decision = ApprovalDecision.from_xml_tree(payload)
     by: str | None = meta.from_id
     if ports is not None and meta.from_id in ports.operators:

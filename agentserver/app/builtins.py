@@ -218,6 +218,7 @@ def build_listener_set(topology: Topology, ctx: RunContext) -> ListenerSet:
                 raw=spec.raw or spec.agent or spec.remote,
                 description=spec.description,
                 sync=sync,
+                addressed_only=spec.addressed_only,
             )
         )
     return ListenerSet(listeners, hub, MappingProxyType(late))

@@ -5,6 +5,7 @@ tags, peers, the boot listener, console wiring)."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import pathlib
 from collections.abc import Mapping
@@ -25,6 +26,7 @@ from agentserver.core.namespaces import CORE_NS
 from agentserver.core.payloads import PayloadType
 from agentserver.core.xsdgen import model_root_tag, split_tag
 from agentserver.core.xsdpayload import read_schema, schema_model
+from agentserver.primitives.approval import ApprovalAck, ApprovalDecision
 from agentserver.primitives.core import Boot
 
 IMPLICIT_BOOT_NAME = "system-boot"
@@ -92,6 +94,7 @@ class ListenerReader:
             else:
                 consoles = tuple(s.name for s in specs if s.builtin == "console")
                 specs.append(self.implicit_boot(consoles))
+        specs = claim_decisions(specs)
         self.check_topology(specs)
         return specs
 
@@ -172,12 +175,14 @@ class ListenerReader:
             self.error(line, f"listener {name!r} accepts no payload type (add <accepts type=.../>)")
             ok = False
         policy = governance[0] if governance else None
+        addressed_only: tuple[type[BaseXmlModel], ...] = ()
         if policy is not None and any(r.approver for r in policy.rules):
-            from agentserver.agents.approvals import ApprovalAck, ApprovalDecision
-
             # The approvers' decisions are addressed to the agent, which acknowledges them.
+            # Every governed agent takes them by name, so any number of them share an
+            # organism; claim_decisions gives the root tag to one of them.
             if ApprovalDecision not in accepts:
                 accepts.append(ApprovalDecision)
+                addressed_only = (ApprovalDecision,)
             if ApprovalAck not in responds:
                 responds.append(ApprovalAck)
         for model in accepts:
@@ -244,11 +249,18 @@ class ListenerReader:
             line=line,
             agent_policy=governance[0] if governance else None,
             agent_guardrails=governance[1] if governance else (),
+            addressed_only=addressed_only,
             **tuning,
         )
         try:
             # The pump's own checks, so 'check' and 'run' can never disagree.
-            Listener(spec.name, spec.accepts, _placeholder, peers=spec.peers)
+            Listener(
+                spec.name,
+                spec.accepts,
+                _placeholder,
+                peers=spec.peers,
+                addressed_only=spec.addressed_only,
+            )
         except ConfigurationError as exc:
             self.error(line, str(exc))
             self.broken.add(name)
@@ -348,7 +360,8 @@ class ListenerReader:
                         f"{model.__module__}:{model.__qualname__}",
                     )
             for model in spec.accepts:
-                by_tag.setdefault(model_root_tag(model), []).append(spec)
+                if model not in spec.addressed_only:  # taken by name only: not claimed
+                    by_tag.setdefault(model_root_tag(model), []).append(spec)
         for tag, sharing in by_tag.items():
             if len(sharing) > 1 and not all(s.broadcast for s in sharing):
                 listed = ", ".join(f"{s.name} (line {s.line})" for s in sharing)
@@ -407,3 +420,22 @@ class ListenerReader:
                         "send (its root tags are the agent's own, a core primitive, or taken "
                         "by a later peer)",
                     )
+
+
+def claim_decisions(specs: list[ListenerSpec]) -> list[ListenerSpec]:
+    """``specs`` with the root tag of ``<approval-decision>`` claimed by the first governed
+    agent, unless a listener claims it already.
+
+    Every governed agent takes decisions by name (``ListenerSpec.addressed_only``): an
+    approver addresses the agent the request names. A decision that names no listener
+    goes to the claimant, which settles it as the agent it names would: a decision is
+    applied by its request id in the one agent store, to the agent that asked."""
+    if any(
+        ApprovalDecision in s.accepts and ApprovalDecision not in s.addressed_only for s in specs
+    ):
+        return specs
+    for i, spec in enumerate(specs):
+        if ApprovalDecision in spec.addressed_only:
+            kept = tuple(m for m in spec.addressed_only if m is not ApprovalDecision)
+            return [*specs[:i], dataclasses.replace(spec, addressed_only=kept), *specs[i + 1 :]]
+    return specs

@@ -114,6 +114,9 @@ class ListenerSpec:
     #: The agent's tool-call policy (None: peers only) and guardrails.
     agent_policy: Policy | None = field(default=None, compare=False)
     agent_guardrails: tuple[GuardrailSpec, ...] = field(default=(), compare=False)
+    #: Of ``accepts``, the types taken by name only (``to``): their root tags are not
+    #: claimed (the approval decision of a governed agent but the first; docs/agents.md).
+    addressed_only: tuple[type[BaseXmlModel], ...] = ()
 
     @property
     def is_boot(self) -> bool:

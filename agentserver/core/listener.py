@@ -96,6 +96,13 @@ class Listener:
     docs/architecture.md, "The synchronous fast path"); ``timeout``, ``concurrency`` and
     ``queue_size`` apply only to its other deliveries (from listeners), which go through
     its queue as usual.
+
+    ``addressed_only`` (a subset of ``payload_types``) are the types the listener takes
+    only when a message names it (``to``) or answers its own call: it does not claim
+    their root tags, so several listeners may take the same one, and a message that
+    names no listener goes to the one that does claim it (docs/protocol.md, "Routing").
+    The agents use it for the approval decision every governed agent takes
+    (docs/agents.md, "Human approval").
     """
 
     name: str
@@ -112,6 +119,7 @@ class Listener:
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     sync: bool = False
+    addressed_only: tuple[type[BaseXmlModel], ...] = ()
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name) or self.name in RESERVED_NAMES:
@@ -123,6 +131,10 @@ class Listener:
             raise ConfigurationError(f"listener {self.name!r} accepts no payload type")
         if isinstance(self.payload_types, type):
             raise ConfigurationError(f"listener {self.name!r}: payload_types must be a tuple")
+        if any(m not in self.payload_types for m in self.addressed_only):
+            raise ConfigurationError(
+                f"listener {self.name!r}: addressed_only must be among its payload_types"
+            )
         for peer in self.peers:
             if not NAME_RE.match(peer):
                 raise ConfigurationError(f"listener {self.name!r}: bad peer name {peer!r}")

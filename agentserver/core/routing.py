@@ -36,19 +36,26 @@ SELF_CALL = SelfCall()
 
 
 class RoutingTable:
-    """Immutable topology view: root tag → listeners, name → listener."""
+    """Immutable topology view: root tag → listeners, name → listener.
+
+    ``accepts`` are the tags a listener takes when a message names it; ``claims`` the
+    subset a message that names no listener is routed by (its ``addressed_only`` types
+    are taken by name only, so several listeners may take one without broadcast)."""
 
     def __init__(self, listeners: Iterable[Listener], tag_of: dict[type, PayloadType]) -> None:
         self.by_name: dict[str, Listener] = {}
         self.by_tag: dict[str, tuple[str, ...]] = {}
         self.accepts: dict[str, frozenset[str]] = {}
+        self.claims: dict[str, frozenset[str]] = {}
         for listener in listeners:
             if listener.name in self.by_name:
                 raise ConfigurationError(f"listener name {listener.name!r} is used twice")
             self.by_name[listener.name] = listener
             tags = frozenset(tag_of[m].tag for m in listener.payload_types)
+            claimed = tags - frozenset(tag_of[m].tag for m in listener.addressed_only)
             self.accepts[listener.name] = tags
-            for tag in tags:
+            self.claims[listener.name] = claimed
+            for tag in claimed:
                 self.by_tag[tag] = (*self.by_tag.get(tag, ()), listener.name)
         for tag, names in self.by_tag.items():
             if len(names) > 1 and not all(self.by_name[n].broadcast for n in names):
@@ -73,11 +80,13 @@ class RoutingTable:
         """Where a handler's forward goes.
 
         Own root tag (no ``to``, or ``to`` = own name) is self-iteration, never a peer
-        violation. Any other target must be in the sender's peers, else
-        ``DeliveryRefused(routing)``; a peer that does not take the tag is InputRefused.
+        violation (a tag it takes by name only is its own with ``to`` = own name). Any
+        other target must be in the sender's peers, else ``DeliveryRefused(routing)``; a
+        peer that does not take the tag is InputRefused.
         """
-        own = self.accepts[sender]
-        if (to is None or to == sender) and tag in own:
+        if (to is None and tag in self.claims[sender]) or (
+            to == sender and tag in self.accepts[sender]
+        ):
             return SELF_CALL
         peers = self.by_name[sender].peers
         if to is not None:
