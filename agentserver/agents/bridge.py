@@ -113,11 +113,12 @@ class PumpPorts:
         approver = pending.approver
         if approver in self.named_clients and self.store is not None and self.clients:
             body = encode(pending.agent_id, approver, new_thread_id(), request)
-            reply_id = await self.store.record_client_reply(
-                approver, {"approval": pending.request_id}, body, failed=False
-            )
-            if reply_id:
-                await self.clients.deliver(approver, reply_id, body)
+            with self.clients.keeping():
+                reply_id = await self.store.record_client_reply(
+                    approver, {"approval": pending.request_id}, body, failed=False
+                )
+                if reply_id:
+                    await self.clients.deliver(approver, reply_id, body)
             return
         if self.store is None:
             raise RuntimeError("approval requests need the store")
@@ -146,14 +147,17 @@ class PumpPorts:
         if identity is not None and self.store is not None and self.clients is not None:
             # Kept before it is offered: it leaves the store only once received.
             body = encode(agent, identity, ref.caller_thread, payload)
-            reply_id = await self.store.record_client_reply(
-                identity, ref.to_json(), body, failed=failed, agent_turn_id=turn_id
-            )
-            hop = self.pump.threads.get(ref.hop)
-            if hop is not None:
-                self.pump.threads.prune(hop)  # as an answer would: the hop and its calls end
-            if reply_id:
-                await self.clients.deliver(identity, reply_id, body)
+            # A flush may offer the reply as soon as it is kept (on PostgreSQL the keep
+            # rings this process's own flusher): deliver() must know if it did.
+            with self.clients.keeping():
+                reply_id = await self.store.record_client_reply(
+                    identity, ref.to_json(), body, failed=failed, agent_turn_id=turn_id
+                )
+                hop = self.pump.threads.get(ref.hop)
+                if hop is not None:
+                    self.pump.threads.prune(hop)  # as an answer would: the hop ends
+                if reply_id:
+                    await self.clients.deliver(identity, reply_id, body)
         elif self.pump.is_connected(caller):
             if not await self.pump.answer(agent, ref, payload):
                 log.info("turn %s: caller %s went away; answer kept in the store", turn_id, caller)

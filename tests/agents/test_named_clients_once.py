@@ -1,0 +1,245 @@
+"""A named client's reply reaches her connection once, while the paths that offer it
+race (issue 25, item 1: byte-identical answers twice on PostgreSQL).
+
+In one process two paths offer a kept reply: ``deliver`` right after keeping it, and the
+flush of what the store holds (on PostgreSQL woken by every keep, this process's own
+included, and every second). The store here is the real one (SQLite and PostgreSQL),
+with gates where the races happen: an acknowledgement that commits only when the test
+says, a read of kept replies that returns its rows only when the test says, and a hook
+after a keep commits (what this process's own NOTIFY sets off). A connection without acks
+receives a reply as it is written; one with acks when she acknowledges it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from lxml import etree
+
+from agentserver.agents import named_clients
+from agentserver.agents.bridge import PumpPorts
+from agentserver.agents.named_clients import NamedClientReplies
+from agentserver.agents.settings import StoreSettings
+from agentserver.agents.sql_store import SqlAgentStore
+from agentserver.core.threads import new_thread_id
+from agentserver.pump.pump import open_pump
+
+BODY = b'<answer xmlns="urn:test:once"><text>done</text></answer>'
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def store(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[SqlAgentStore]:
+    settings = StoreSettings(path=tmp_path / "agents.sqlite3")
+    if request.param == "sqlite":
+        from agentserver.agents.sqlite_store import SqliteAgentStore
+
+        s: SqlAgentStore = SqliteAgentStore.open(settings.path, settings=settings)
+    else:
+        from agentserver.agents.pg.store import PostgresAgentStore
+
+        url = request.getfixturevalue("pg_url")  # skips when no server is reachable
+        opened = PostgresAgentStore.open(url, settings=settings)
+        s = await opened if inspect.isawaitable(opened) else opened
+    try:
+        yield s
+    finally:
+        await s.aclose()
+
+
+class Gated:
+    """The store, with gates where the races happen (each off until set)."""
+
+    def __init__(self, store: SqlAgentStore) -> None:
+        self.store = store
+        #: An acknowledgement commits only once this is set.
+        self.ack_gate: trio.Event | None = None
+        self.acked = trio.Event()
+        #: A read of kept replies has its rows (set), then returns them once this is set.
+        self.read_gate: trio.Event | None = None
+        self.read_has_rows = trio.Event()
+        #: Awaited after a keep committed, before the keeper goes on.
+        self.after_keep: Callable[[], Awaitable[Any]] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def ack_client_replies(self, client: str, reply_ids: list[int]) -> int:
+        if self.ack_gate is not None:
+            await self.ack_gate.wait()
+        count = await self.store.ack_client_replies(client, reply_ids)
+        self.acked.set()
+        return count
+
+    async def pending_client_replies(self, client: str, after_id: int = 0, limit: int = 100):
+        rows = await self.store.pending_client_replies(client, after_id, limit)
+        if self.read_gate is not None and rows:
+            self.read_has_rows.set()
+            await self.read_gate.wait()
+        return rows
+
+    async def record_client_reply(self, *args: Any, **kwargs: Any) -> int:
+        reply_id = await self.store.record_client_reply(*args, **kwargs)
+        if self.after_keep is not None:
+            await self.after_keep()
+        return reply_id
+
+
+class Link:
+    """A connection of ``alice`` (the server's ClientLink): without acks each reply is
+    written at once, while her input is open (received); with acks she acknowledges
+    when the test says."""
+
+    identity = "alice"
+    endpoint_name = "alice"
+    input_open = True
+
+    def __init__(self, acks: bool) -> None:
+        self.acks = acks
+        #: The reply ids of the frames queued for her, in order: a repeat is a duplicate.
+        self.frames: list[int] = []
+        #: Set at the second frame.
+        self.repeated = trio.Event()
+        self._written: list[int] = []
+
+    def offer(self, reply_id: int, body: bytes) -> bool:
+        self.frames.append(reply_id)
+        if len(self.frames) > 1:
+            self.repeated.set()
+        if not self.acks:
+            self._written.append(reply_id)
+        return True
+
+    def take_written(self) -> list[int]:
+        written, self._written = self._written, []
+        return written
+
+
+async def first_of(*events: trio.Event) -> None:
+    """Until one of ``events`` is set."""
+    async with trio.open_nursery() as nursery:
+        for event in events:
+
+            async def wait(event: trio.Event = event) -> None:
+                await event.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(wait)
+
+
+@pytest.mark.parametrize("acks", [False, True], ids=["no-acks", "acks"])
+@pytest.mark.parametrize("commit", ["after-the-flush", "during-the-read"])
+async def test_a_flush_does_not_offer_again_a_reply_whose_receipt_is_committing(
+    store, acks, commit
+):
+    """Race (a): the reply was received (written, or acknowledged) and its store
+    acknowledgement is still committing while this process's flusher reads what is kept:
+    the read still shows the reply; it must not be offered again."""
+    gated = Gated(store)
+    clients = NamedClientReplies(gated, ["alice"])
+    link = Link(acks)
+    await clients.attach(link)
+    reply_id = await gated.record_client_reply("alice", {"t": 1}, BODY, failed=False)
+    gated.ack_gate = trio.Event()
+    if commit == "during-the-read":
+        gated.read_gate = trio.Event()
+    async with trio.open_nursery() as nursery:
+        if acks:
+            assert await clients.deliver("alice", reply_id, BODY)
+            nursery.start_soon(clients.received, link, [reply_id])  # her <ack>
+        else:
+            nursery.start_soon(clients.deliver, "alice", reply_id, BODY)  # written at once
+        await trio.testing.wait_all_tasks_blocked()  # at the gate: committing
+        assert link.frames == [reply_id]
+        if commit == "after-the-flush":
+            flushed = trio.Event()
+
+            async def flush() -> None:
+                await clients.flush_all()
+                flushed.set()
+
+            nursery.start_soon(flush)
+            # Done, or offered it again (then it may wait for its own ack at the gate).
+            await first_of(flushed, link.repeated)
+            gated.ack_gate.set()
+        else:
+            nursery.start_soon(clients.flush_all)
+            await gated.read_has_rows.wait()  # the read saw the reply kept ...
+            gated.ack_gate.set()
+            await gated.acked.wait()  # ... the receipt committed, then the flush goes on
+            assert gated.read_gate is not None
+            gated.read_gate.set()
+    assert link.frames == [reply_id]
+    assert await store.pending_client_replies("alice") == []
+    # The next flush (the poll) finds nothing either.
+    gated.read_gate = None
+    assert await clients.flush_all() == 0
+    assert link.frames == [reply_id]
+
+
+@pytest.mark.parametrize("received", ["written", "offered", "acknowledged"])
+async def test_deliver_does_not_offer_again_a_reply_the_flusher_offered(store, received):
+    """Race (b): keeping the reply woke this process's flusher, which offered it (and,
+    written or acknowledged, saw it received) before ``deliver`` ran: one frame."""
+    gated = Gated(store)
+    link = Link(acks=received != "written")
+    async with open_pump() as pump:
+        ports = PumpPorts(pump, store=gated, named_clients=["alice"])  # type: ignore[arg-type]
+        clients = ports.clients
+        assert clients is not None
+        await clients.attach(link)
+
+        async def flusher() -> None:
+            assert clients is not None
+            assert await clients.flush_all() == 1
+            if received == "acknowledged":
+                await clients.received(link, list(link.frames))
+
+        gated.after_keep = flusher
+        ref = {
+            "hop": new_thread_id(),
+            "caller_thread": new_thread_id(),
+            "chain": ["alice", "assistant"],
+            "client": "alice",
+        }
+        await ports.deliver(ref, etree.fromstring(BODY), failed=False, turn_id="turn-1")
+    assert len(link.frames) == 1, link.frames
+    kept = await store.pending_client_replies("alice")
+    assert [r.reply_id for r in kept] == ([] if received != "offered" else link.frames)
+
+
+def test_receipts_are_forgotten_once_no_read_that_began_before_them_is_in_flight(
+    monkeypatch,
+):
+    """The memory that stops both races is bounded: a committed receipt is kept only
+    while a read or keep that began before it is in flight, and never more than
+    MAX_REMEMBERED of them."""
+    from agentserver.agents.named_clients import _Receipts
+
+    receipts = _Receipts()
+    with receipts.busy():  # a read in flight ...
+        receipts.committing("alice", [1, 2])
+        assert ("alice", 1) in receipts and ("bob", 1) not in receipts
+        receipts.committed("alice", [1, 2])
+        with receipts.busy():  # ... and a later one
+            receipts.committing("alice", [3])
+            receipts.committed("alice", [3])
+        assert ("alice", 1) in receipts and ("alice", 3) in receipts
+    assert ("alice", 1) not in receipts and ("alice", 3) not in receipts
+    receipts.committing("alice", [4])  # still committing: remembered, read or not
+    with receipts.busy():
+        pass
+    assert ("alice", 4) in receipts
+    receipts.committed("alice", [4])
+    assert ("alice", 4) not in receipts
+    monkeypatch.setattr(named_clients, "MAX_REMEMBERED", 10)
+    with receipts.busy():  # a read that never ends does not pin more than the bound
+        for rid in range(100, 130):
+            receipts.committing("alice", [rid])
+            receipts.committed("alice", [rid])
+        assert len(receipts._held) == 10
+        assert ("alice", 129) in receipts and ("alice", 119) not in receipts
