@@ -109,7 +109,12 @@ class Worker:
         self.settings = settings
         self.governor = Governor(self.store, clock)  # type: ignore[arg-type]
         self.llm = llm
-        self.model = ModelStep(store=self.store, events=self.events, fence=self._fence)
+        self.model = ModelStep(
+            store=self.store,
+            events=self.events,
+            fence=self._fence,
+            poll_s=settings.watchdog_interval_s,
+        )
         self.tool_calls = ToolDispatch(
             store=self.store,
             tools=tools,

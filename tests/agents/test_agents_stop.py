@@ -215,3 +215,56 @@ async def test_a_stop_leaves_the_run_of_the_next_turn_alone(
         nursery.cancel_scope.cancel()
     assert threads(replies) == [("t1", True), ("t2", True)]
     assert len(llm.cancelled) == 2
+
+
+async def test_a_stop_taken_by_another_process_cancels_the_model_call_here(
+    request: pytest.FixtureRequest, tmp_path, idle_clock: trio.testing.MockClock
+) -> None:
+    """Two processes on one PostgreSQL store: the stop reaches the one not running the
+    Turn; the one running it sees its Turn end (it reads the head during the call while
+    another process is there), abandons the call and runs the next task."""
+    from agentserver.agents.pg.store import PostgresAgentStore
+
+    url = request.getfixturevalue("pg_url")  # skips when no server is reachable
+    settings = StoreSettings(url=url)
+    profiles = {"assistant": profile(llm_timeout_s=LLM_TIMEOUT)}
+    runtimes: list[AgentRuntime] = []
+    sides: list[Parts] = []
+    try:
+        # "there" (taking the stop) opens first, so "here" sees it alive at its start.
+        for _ in range(2):
+            clock = ManualClock()
+            store = PostgresAgentStore.open(url, clock=clock, settings=settings)
+            llm, tools, replies = HangingLLM(), FakeTools(), Replies()
+            rt = AgentRuntime(
+                store=store,
+                profiles=profiles,
+                llm=llm,
+                tools=tools,
+                replies=replies,
+                settings=settings,
+                clock=clock,
+            )
+            runtimes.append(rt)
+            sides.append(Parts(rt, llm, tools, replies))
+        there, here = sides
+        await here.rt.recover()
+        await here.rt.enqueue("assistant", task("hang"), {"caller_thread": "t1"})
+        await here.rt.enqueue("assistant", task("next"), {"caller_thread": "t2"})
+        async with trio.open_nursery() as nursery:
+            await nursery.start(here.rt.worker.run)
+            await here.llm.hanging.wait()
+            stopped_at = trio.current_time()
+            assert await there.rt.stop("assistant")
+            with trio.move_on_after(LLM_TIMEOUT / 2):
+                await here.replies.wait_for(1)
+            nursery.cancel_scope.cancel()
+    finally:
+        for rt in runtimes:
+            await rt.aclose()
+    [(_, next_at)] = [(text, at) for text, at in here.llm.started if "next" in text]
+    assert next_at - stopped_at < PROMPTLY, "the next task waited for the stopped model call"
+    assert threads(there.replies) == [("t1", True)]
+    assert threads(here.replies) == [("t2", False)]
+    [hung] = here.llm.cancelled
+    assert "hang" in hung
