@@ -12,14 +12,18 @@ from agentserver.net.client import open_client
 
 
 class SlowOnRequest(FakeServer):
-    """Answers at once, except a task saying "slow": that answer takes 8 s."""
+    """Answers at once, except a task saying "slow": that answer would take 600 s, longer
+    than the agent's ``llm-timeout`` (300 s): only a stop that cancels the model call lets
+    the next task run within the test's bounds."""
 
     def __init__(self) -> None:
         super().__init__("openai")
 
     def default(self, seen: Seen) -> Script:
-        text = "\n".join(str(m.get("content", "")) for m in seen.body["messages"])
-        delay = 8.0 if "slow" in text else 0.0
+        # The task itself (the last message): with the client's memory, the earlier tasks
+        # are in the context too.
+        text = str(seen.body["messages"][-1].get("content", ""))
+        delay = 600.0 if "slow" in text else 0.0
         return openai_ok("all done", model="m", delay=delay)
 
 
@@ -62,6 +66,8 @@ async def test_cancel_a_queued_task_and_stop_a_running_one_then_the_next_runs(tm
                     stopped = await client.receive_on(running)
                 assert stopped.payload.get("status") == "failed"
 
+                # The stop cancelled the model call in flight: the next task does not
+                # wait for it (up to llm-timeout) to start.
                 with trio.fail_after(20):
                     nxt = await client.receive_on(after)
                 assert nxt.payload.get("status") != "failed"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from lxml import etree
@@ -93,9 +93,12 @@ class TurnEnder:
         agent_turn_id: str | None = None,
         turn_epoch: int | None = None,
         expect_status: Sequence[str] | None = None,
-    ) -> bool:
+        ended: Callable[[Finished], object] | None = None,
+    ) -> Finished | None:
         """End the agent's active Turn from outside the worker, answering its caller with
-        ``text``; then :meth:`after`. False when the fence matched no Turn (nothing ended)."""
+        ``text``; then :meth:`after`. ``ended`` is called (it must not block) as soon as
+        the end commits, before the answer is sent. The Turn that ended, None when the
+        fence matched no Turn (nothing ended)."""
         profile = self.profiles.get(agent_id)
         finished = await self.store.force_end(
             agent_id,
@@ -106,7 +109,8 @@ class TurnEnder:
             turn_epoch=turn_epoch,
             expect_status=expect_status,
         )
-        if finished is None:
-            return False
-        await self.after(finished)
-        return True
+        if finished is not None:
+            if ended is not None:
+                ended(finished)
+            await self.after(finished)
+        return finished

@@ -3,7 +3,9 @@
 overflow compacted once more, and a retryable failure recorded as a durable retry wait.
 
 Bounded by ``profile.llm_timeout_s`` as a whole (compaction included). Cancellation
-propagates; a :class:`StaleTurn` (fenced out) propagates with nothing more written.
+propagates; a :class:`StaleTurn` (fenced out) propagates with nothing more written. While
+another process shares the store (which may end the Turn: its stop, its watchdog), the
+model call also watches the Turn's head and is abandoned (StaleTurn) once it has ended.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, replace
 import trio
 
 from agentserver.agents.compactor import PendingSwap, compact_turn
-from agentserver.agents.errors import LLMUnavailable, StaleTurn
+from agentserver.agents.errors import LLMUnavailable, StaleTurn, StoreError
 from agentserver.agents.events import ChunkEvent, EventBus, StepEvent
 from agentserver.agents.model_context import model_messages, system_text
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
@@ -43,11 +45,14 @@ class ModelStep:
         store: AgentStore,
         events: EventBus,
         fence: Callable[[TurnToken], Awaitable[Head]],
+        poll_s: float = 1.0,
     ) -> None:
         self.store = store
         self.events = events
         #: The Turn's running head, or StaleTurn (the worker's fence).
         self._fence = fence
+        #: How often a model call reads the head while other processes share the store.
+        self.poll_s = poll_s
 
     async def complete(
         self,
@@ -92,7 +97,7 @@ class ModelStep:
                         head = await self._fence(token)
                         shown = pending.tokens if pending else head.context_tokens
                     try:
-                        completion = await self._call(
+                        completion = await self._watched_call(
                             llm, token, profile, step_id, system, pending or step, step.step_no
                         )
                     except LLMUnavailable as exc:
@@ -128,6 +133,55 @@ class ModelStep:
             log.exception("LLM port failed")
             problem = f"the model call failed: {type(exc).__name__}"
         return StepFailed(problem)
+
+    async def _watched_call(
+        self,
+        llm: LLMPort,
+        token: TurnToken,
+        profile: AgentProfile,
+        step_id: str,
+        system: str,
+        shown: PendingSwap | StepStart,
+        step_no: int,
+    ) -> LLMCompletion:
+        """:meth:`_call`; while another process may share the store, the Turn's head is
+        read every ``poll_s`` meanwhile and the call cancelled, raising StaleTurn, once
+        the Turn has ended there (a stop taken by that process cancels only its own
+        runs). One head read per poll per call in flight: bounded by the runners. A
+        failed read is skipped (the call goes on, the next poll tries again). Nothing of
+        the worker writes during the call, so any change of the head is someone else's."""
+        if not getattr(self.store, "others_alive", False):
+            return await self._call(llm, token, profile, step_id, system, shown, step_no)
+        fenced = False
+        outcome: LLMCompletion | Exception | None = None
+
+        async def watch(scope: trio.CancelScope) -> None:
+            nonlocal fenced
+            while True:
+                await trio.sleep(self.poll_s)
+                try:
+                    await self._fence(token)
+                except StaleTurn:
+                    fenced = True
+                    scope.cancel()
+                    return
+                except StoreError as exc:
+                    log.info("turn %s: head not read during the call: %s", token, exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, nursery.cancel_scope)
+            try:
+                outcome = await self._call(llm, token, profile, step_id, system, shown, step_no)
+            except Exception as exc:
+                # Raised outside the nursery, so that it is not wrapped in a group.
+                outcome = exc
+            nursery.cancel_scope.cancel()
+        if fenced:
+            raise StaleTurn(f"{token} ended during its model call")
+        if isinstance(outcome, Exception):
+            raise outcome
+        assert outcome is not None
+        return outcome
 
     async def _call(
         self,

@@ -210,12 +210,21 @@ class AgentRuntime:
     async def stop(self, agent_id: str, agent_turn_id: str | None = None) -> bool:
         """End the agent's active Turn (or only ``agent_turn_id``) with a stopped deliverable.
 
-        A worker still busy with that Turn is fenced out by the epoch change. Returns
-        False when there was nothing to stop.
-        """
-        return await self.ender.force_end(
-            agent_id, TaskStatus.STOPPED, "the task was stopped", agent_turn_id=agent_turn_id
+        The end (and the lease of the next queued Turn) commits first; then this process's
+        run of the Turn, if a runner is in it, is cancelled with its model call in flight
+        (:meth:`Worker.interrupt`), so the next Turn starts at once rather than when that
+        call returns (up to ``llm-timeout``). A run elsewhere (another process on a shared
+        store) is fenced out by the epoch change. Returns False when there was nothing to
+        stop."""
+        finished = await self.ender.force_end(
+            agent_id,
+            TaskStatus.STOPPED,
+            "the task was stopped",
+            agent_turn_id=agent_turn_id,
+            # Before the stopped answer is sent: the runner need not wait for its caller.
+            ended=lambda f: self.worker.interrupt(f.agent_id, f.agent_turn_id),
         )
+        return finished is not None
 
     # -- running ------------------------------------------------------------------------
     async def recover(self) -> None:

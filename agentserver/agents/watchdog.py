@@ -84,6 +84,6 @@ class Watchdog:
             turn_epoch=epoch,
             expect_status=[expect],
         )
-        if ended:
+        if ended is not None:
             log.warning("agent %s: turn %s ended by the watchdog: %s", agent_id, turn_id, text)
-        return int(ended)
+        return int(ended is not None)

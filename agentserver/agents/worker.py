@@ -12,6 +12,9 @@ the inbox row. Every write is a CAS on the Turn's token; a :class:`StaleTurn` an
 means another party (stop, watchdog) ended or moved the Turn, and the worker drops it
 without further side effects. Model calls are bounded by ``profile.llm_timeout_s`` and
 every failure ends the Turn with one failed deliverable, so a Turn never hangs on the model.
+A stop does not wait for that bound: :meth:`Worker.interrupt` cancels the run of a Turn
+that has ended in the store (its model call included), so the runner takes the agent's
+next Turn at once.
 """
 
 from __future__ import annotations
@@ -106,7 +109,12 @@ class Worker:
         self.settings = settings
         self.governor = Governor(self.store, clock)  # type: ignore[arg-type]
         self.llm = llm
-        self.model = ModelStep(store=self.store, events=self.events, fence=self._fence)
+        self.model = ModelStep(
+            store=self.store,
+            events=self.events,
+            fence=self._fence,
+            poll_s=settings.watchdog_interval_s,
+        )
         self.tool_calls = ToolDispatch(
             store=self.store,
             tools=tools,
@@ -120,6 +128,25 @@ class Worker:
         )
         #: Sends approval requests (None: approvals wait for the runtime's tick).
         self.approvals = approvals
+        #: The run each runner is in: agent id -> (Turn id, its cancel scope). One entry
+        #: per runner at most (an agent is handled by one runner at a time), so bounded
+        #: by ``worker_concurrency``; removed when the run returns.
+        self._runs: dict[str, tuple[str, trio.CancelScope]] = {}
+
+    def interrupt(self, agent_id: str, agent_turn_id: str) -> bool:
+        """Cancel this process's run of Turn ``agent_turn_id`` of ``agent_id``, if a
+        runner is in it; True when one was. Never blocks (the run unwinds on its own).
+
+        Call only once the Turn has ended in the store (a stop's ``force_end`` committed):
+        the run is fenced out already, so cancelling it loses nothing it could still
+        write, and its model call (which would otherwise hold the runner, and so the
+        agent's next Turn, up to ``llm-timeout``) is abandoned at once. A run of another
+        Turn of the agent (the runner moved on) is left alone."""
+        run = self._runs.get(agent_id)
+        if run is None or run[0] != agent_turn_id:
+            return False
+        run[1].cancel()
+        return True
 
     # -- scheduling ---------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -255,7 +282,33 @@ class Worker:
     ) -> bool:
         """Run the Turn until it suspends, waits or ends. ``ref_json``: its reply
         reference if the caller read it already; ``step``: its first step if begun.
-        False when it suspended with no report due yet."""
+        False when it suspended with no report due yet.
+
+        Cancelled by :meth:`interrupt` (a stop that ended the Turn): the run, its model
+        call included, unwinds at its next checkpoint and returns True; a store write
+        already under way completes (it is atomic), and the store's fence refuses it."""
+        # A stop cancels this scope (interrupt): the Turn has ended in the store already.
+        with trio.CancelScope() as scope:
+            self._runs[token.agent_id] = (token.agent_turn_id, scope)
+            try:
+                return await self._run_turn_logged(token, profile, retries_done, ref_json, step)
+            finally:
+                if self._runs.get(token.agent_id, (None, None))[1] is scope:
+                    del self._runs[token.agent_id]
+        log.info(
+            "turn %s of %s was stopped; its run was cancelled", token.agent_turn_id, token.agent_id
+        )
+        return True
+
+    async def _run_turn_logged(
+        self,
+        token: TurnToken,
+        profile: AgentProfile,
+        retries_done: int,
+        ref_json: str | _Unread | None,
+        step: StepStart | None,
+    ) -> bool:
+        """:meth:`_run_turn` in the Turn's log context."""
         # Every log record of this run names the agent and Turn (and, once read from the
         # task's reference, its threads).
         with structlog.contextvars.bound_contextvars(
