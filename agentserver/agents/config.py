@@ -13,13 +13,12 @@ from collections.abc import Mapping
 from importlib import resources
 from importlib.abc import Traversable
 from pathlib import Path
-from typing import Any
 
 from lxml import etree
 
 from agentserver.agents.errors import AgentConfigError
 from agentserver.agents.profile import AgentProfile, ResultField
-from agentserver.agents.settings import AgentSettings, StoreSettings
+from agentserver.agents.settings import AgentSettings, StoreSettings, profile_default
 from agentserver.core.namespaces import BOOT_NS
 
 SCHEMA_FILE = "boot-agents.xsd"
@@ -45,11 +44,6 @@ def _num(el: etree._Element, attr: str, default: float, kind: type = float) -> f
         raise AgentConfigError(
             f"<{etree.QName(el).localname}> {attr}={raw!r} is not a number"
         ) from None
-
-
-def _profile_default(name: str) -> Any:
-    """AgentProfile's own default for ``name`` (boot.xml leaves it out)."""
-    return AgentProfile.__dataclass_fields__[name].default
 
 
 def store_url(el: etree._Element, environ: Mapping[str, str] | None = None) -> str | None:
@@ -179,7 +173,7 @@ def profile_from_settings(
             model=model,
             system_prompt=s.system_prompt
             if s.system_prompt is not None
-            else _profile_default("system_prompt"),
+            else profile_default("system_prompt"),
             max_steps=s.max_steps,
             resume_deadline_s=s.resume_deadline_s,
             llm_timeout_s=s.llm_timeout_s,

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from agentserver.agents.profile import ResultField
+from agentserver.agents.profile import AgentProfile, ResultField
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +70,19 @@ class StoreSettings:
         return redact(self.url)
 
 
+def profile_default(name: str) -> Any:
+    """:class:`~agentserver.agents.profile.AgentProfile`'s default for ``name``: each
+    default is written once, there, and boot.xml's settings take it when left out."""
+    return AgentProfile.__dataclass_fields__[name].default
+
+
 @dataclass(frozen=True, slots=True)
 class AgentSettings:
     """What boot.xml's ``<agent>`` element says about one agent (``AgentProfileType``).
 
-    Defaults equal :class:`~agentserver.agents.profile.AgentProfile`'s. The model is
-    named here as written (``model``, and ``model_env``, the variable that overrides it):
+    Defaults are :class:`~agentserver.agents.profile.AgentProfile`'s
+    (:func:`profile_default`), but for the model and the prompt. The model is named here as
+    written (``model``, and ``model_env``, the variable that overrides it):
     it is resolved against the environment when the agent starts, with
     :func:`agentserver.agents.config.profile_from_settings`.
     """
@@ -83,20 +91,20 @@ class AgentSettings:
     model_env: str | None = None
     #: None: the profile's default prompt.
     system_prompt: str | None = None
-    max_steps: int = 12
-    resume_deadline_s: float = 60.0
-    llm_timeout_s: float = 300.0
-    max_tokens: int | None = None
-    step_retries: int = 3
-    step_retry_base_s: float = 2.0
-    max_retry_after_s: float = 60.0
-    context_window: int | None = None
-    context_reserve: int = 8192
-    keep_recent: int = 16384
-    tool_result_share: float = 0.25
-    memory: str = "none"
-    must_end_with: tuple[str, ...] = ()
-    result_fields: tuple[ResultField, ...] = ()
-    terminate_tools: tuple[str, ...] = ()
-    loop_warn: int = 2
-    loop_block: int = 5
+    max_steps: int = profile_default("max_steps")
+    resume_deadline_s: float = profile_default("resume_deadline_s")
+    llm_timeout_s: float = profile_default("llm_timeout_s")
+    max_tokens: int | None = profile_default("max_tokens")
+    step_retries: int = profile_default("step_retries")
+    step_retry_base_s: float = profile_default("step_retry_base_s")
+    max_retry_after_s: float = profile_default("max_retry_after_s")
+    context_window: int | None = profile_default("context_window")
+    context_reserve: int = profile_default("context_reserve")
+    keep_recent: int = profile_default("keep_recent")
+    tool_result_share: float = profile_default("tool_result_share")
+    memory: str = profile_default("memory")
+    must_end_with: tuple[str, ...] = profile_default("must_end_with")
+    result_fields: tuple[ResultField, ...] = profile_default("result_fields")
+    terminate_tools: tuple[str, ...] = profile_default("terminate_tools")
+    loop_warn: int = profile_default("loop_warn")
+    loop_block: int = profile_default("loop_block")
