@@ -89,10 +89,18 @@ class PumpPorts:
     # -- ToolPort -------------------------------------------------------------------------
 
     async def call(
-        self, agent: str, turn_thread: ReplyRef, payload: etree._Element, to: str | None
+        self,
+        agent: str,
+        turn_thread: ReplyRef,
+        payload: etree._Element,
+        to: str | None,
+        *,
+        key: str | None = None,
     ) -> str:
         try:
-            return await self.pump.call_from(agent, ThreadRef.from_json(turn_thread), payload, to)
+            return await self.pump.call_from(
+                agent, ThreadRef.from_json(turn_thread), payload, to, key=key
+            )
         except Refusal as refusal:
             raise _refused(refusal, payload) from None
 

@@ -7,7 +7,7 @@ agent listeners' pump handlers, and run :meth:`AgentRuntime.run` in the server's
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 import trio
@@ -24,6 +24,7 @@ from agentserver.agents.events import EventBus
 from agentserver.agents.memory import CLIENT, conversation_key
 from agentserver.agents.ports import LLMPort, ReplyPort, ReplyRef, ToolPort
 from agentserver.agents.profile import AgentProfile
+from agentserver.agents.resend import resend_waiting
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.sqlite_store import SqliteAgentStore
 from agentserver.agents.store import AgentStore, NewCard, TaskStatus
@@ -77,8 +78,13 @@ class AgentRuntime:
         tracing: Tracing | None = None,
         send_approval: SendApproval | None = None,
         listener_approvers: tuple[str, ...] = (),
+        retryable_tools: Collection[str] = (),
     ) -> None:
         self.store = store
+        self.tools = tools
+        #: Listeners whose steps may be retried (``idempotent``): a call to one that a
+        #: restart interrupted is sent again with its idempotency key, not reported lost.
+        self.retryable_tools = frozenset(retryable_tools)
         self.profiles = dict(profiles)
         self.settings = settings
         self.clock = clock or SystemClock()
@@ -120,12 +126,14 @@ class AgentRuntime:
         tracing: Tracing | None = None,
         send_approval: SendApproval | None = None,
         listener_approvers: tuple[str, ...] = (),
+        retryable_tools: Collection[str] = (),
     ) -> AgentRuntime:
         """Open the store (created/migrated) and wire everything: the PostgreSQL database
         of ``settings.url`` if set, else the SQLite file at ``settings.path``.
         ``send_approval`` delivers approval requests (None: they wait in the store);
         ``listener_approvers`` are the approvers that are listeners (their requests are
-        sent again after a restart)."""
+        sent again after a restart); ``retryable_tools`` the listeners whose calls a restart
+        interrupted are sent again (``idempotent``)."""
         clock = clock or SystemClock()
         store = open_agent_store(settings, profiles, clock=clock)
         return cls(
@@ -139,6 +147,7 @@ class AgentRuntime:
             tracing=tracing,
             send_approval=send_approval,
             listener_approvers=listener_approvers,
+            retryable_tools=retryable_tools,
         )
 
     # -- intake (from the pump handlers) ---------------------------------------------
@@ -243,13 +252,31 @@ class AgentRuntime:
             # store's leases hand over a dead process's (recover_running, then its loop).
             return
         # The pump's threads did not survive: a tool call in flight before the restart will
-        # never be answered, so do not make its Turn wait out the whole resume deadline.
+        # never be answered, so do not make its Turn wait out the whole resume deadline;
+        # a call to a listener whose steps may be retried is sent again, with its key.
         for token in await self.store.suspended_turns():
+            profile = self.profiles.get(token.agent_id)
+            deadline = self.clock.now() + (profile.resume_deadline_s if profile else 60.0)
+            reason = "was interrupted by a restart"
             try:
-                lost = await self.store.inject_timeouts(token, "was interrupted by a restart")
+                sent, rest = 0, None
+                if self.retryable_tools:
+                    sent, rest = await resend_waiting(
+                        self.store, self.tools, token, self.retryable_tools, deadline
+                    )
+                if sent:
+                    log.warning(
+                        "turn %s: %d tool call(s) sent again after a restart",
+                        token.agent_turn_id,
+                        sent,
+                    )
+                if not sent:
+                    rest = None  # every waiting call: the deadline goes too
+                lost = await self.store.inject_timeouts(token, reason, rest) if rest != [] else 0
             except StaleTurn:
                 continue
-            log.warning("turn %s: %d tool call(s) lost in a restart", token.agent_turn_id, lost)
+            if lost:
+                log.warning("turn %s: %d tool call(s) lost in a restart", token.agent_turn_id, lost)
         for reply in await self.store.pending_replies(10_000):
             await self.ender.resend(reply)
 

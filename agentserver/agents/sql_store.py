@@ -278,8 +278,18 @@ class SqlAgentStore(abc.ABC):
     async def suspended_turns(self) -> list[TurnToken]:
         return await self._read(watchdog.suspended_turns)
 
-    async def inject_timeouts(self, token: TurnToken, reason: str = "timed out") -> int:
-        return await self._run(tools.inject_timeouts, token, reason)
+    async def inject_timeouts(
+        self, token: TurnToken, reason: str = "timed out", only: Sequence[str] | None = None
+    ) -> int:
+        return await self._run(tools.inject_timeouts, token, reason, only)
+
+    async def waiting_calls(self, token: TurnToken) -> list[ToolCallRecord]:
+        return await self._read(tools.waiting_calls, token)
+
+    async def rebind_call(
+        self, token: TurnToken, old: str, new: str, resume_deadline: float
+    ) -> None:
+        await self._run(tools.rebind_call, token, old, new, resume_deadline)
 
     async def stale_dispatched(self, older_than_s: float) -> list[Head]:
         return await self._read(watchdog.stale_dispatched, older_than_s)

@@ -21,6 +21,7 @@ from agentserver.agents.governance import Governor, Screened
 from agentserver.agents.ports import ReplyRef, ToolPort
 from agentserver.agents.profile import AgentProfile
 from agentserver.agents.states import HeadStatus
+from agentserver.agents.steps import KEY_FIELD, idempotency_key
 from agentserver.agents.store import (
     AgentStore,
     Card,
@@ -88,6 +89,9 @@ class ToolDispatch:
         fence of the first call: each later call is fenced again first."""
         records: list[ToolCallRecord] = []
         cards: list[NewCard] = []
+        # Each call's key from its place in the model's message (screening keeps the
+        # call objects, so identity finds it).
+        place = {id(c): i for i, c in enumerate(calls)}
         if governed(profile):
             if screened is None:
                 if history is None:
@@ -100,7 +104,7 @@ class ToolDispatch:
             if screened.halt is not None:
                 await self._finish(token, profile, TaskStatus.FAILED, f"halted: {screened.halt}")
                 return True
-            send = [(a.call, a.metadata) for a in screened.send]
+            send = [(a.call, _keyed(a.metadata, step_id, place, a.call)) for a in screened.send]
             for ask in screened.approvals:
                 # Waits durably as a call of its own kind until a decision or the timeout.
                 records.append(
@@ -109,11 +113,11 @@ class ToolDispatch:
                         ask.call.to or "",
                         element_text(ask.call.element),
                         WAITING_KIND,
-                        {"approval": ask.request_id},
+                        {"approval": ask.request_id, KEY_FIELD: ask.request_id},
                     )
                 )
         else:
-            send = [(call, {}) for call in calls]
+            send = [(call, _keyed({}, step_id, place, call)) for call in calls]
         # No new side effect once fenced out. The last store call was a compare-and-set on
         # the running head: complete_step's, or record_decisions', which ends screen()
         # whenever it lets a call through. Each call awaits the pump: fence the next one
@@ -131,7 +135,11 @@ class ToolDispatch:
                 with self.tracing.execute_tool(call.to, content) as span:
                     try:
                         sub_thread = await self.tools.call(
-                            token.agent_id, reply_ref, call.element, call.to
+                            token.agent_id,
+                            reply_ref,
+                            call.element,
+                            call.to,
+                            key=metadata[KEY_FIELD],
                         )
                     except PumpRefused:
                         record_error(span, "refused")
@@ -164,6 +172,11 @@ class ToolDispatch:
         if approvals is not None and any(r.after_execution == WAITING_KIND for r in records):
             await approvals.deliver_requests()
         return early > 0
+
+
+def _keyed(metadata: dict, step_id: str, place: dict[int, int], call: object) -> dict:
+    """``metadata`` of a call card with the call's idempotency key added."""
+    return {**metadata, KEY_FIELD: idempotency_key(step_id, place.get(id(call), len(place)))}
 
 
 def governed(profile: AgentProfile) -> bool:

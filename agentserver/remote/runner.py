@@ -7,7 +7,8 @@
 
 ``handle(payload, meta)`` is an in-process handler's signature: ``payload`` is the
 validated lxml element of the job (the runner needs none of the server's Python types),
-``meta`` a :class:`~agentserver.core.listener.HandlerMetadata`. What it returns is sent back as
+``meta`` a :class:`~agentserver.core.listener.HandlerMetadata` (its ``idempotency_key``
+is the job's ``idempotency-key``: the same on every attempt of one step). What it returns is sent back as
 an in-process handler's result would be used: ``HandlerResponse.respond(p)`` answers the
 caller, ``HandlerResponse(p, to="peer")`` forwards to a peer, ``None`` ends the job; an
 exception reports ``<failed/>``. The wire contract (docs/wire.md, "Runners") is all this
@@ -164,6 +165,7 @@ async def run_runner(
             payload: etree._Element,
             scope: trio.CancelScope,
             traceparent: str | None,
+            key: str | None,
         ) -> None:
             try:
                 with scope:
@@ -173,7 +175,7 @@ async def run_runner(
                         send.send_nowait((job, None, False))
                     except trio.WouldBlock:
                         await send.send((job, None, False))
-                    meta = HandlerMetadata(job, sender, listener, False, "", None, ())
+                    meta = HandlerMetadata(job, sender, listener, False, "", None, (), key or job)
                     if traceparent is None and not traced:
                         bodies = await call(job, payload, meta, None)
                     else:
@@ -259,4 +261,12 @@ async def _read_jobs(
             root.remove(payload)
             # Registered now, so a <cancel> read before the job starts finds it.
             scope = jobs[thread] = trio.CancelScope()
-            nursery.start_soon(run_job, thread, sender, payload, scope, root.get("traceparent"))
+            nursery.start_soon(
+                run_job,
+                thread,
+                sender,
+                payload,
+                scope,
+                root.get("traceparent"),
+                root.get("idempotency-key"),
+            )
