@@ -27,7 +27,7 @@ from agentserver.agents.profile import AgentProfile
 from agentserver.agents.resend import resend_waiting
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.sqlite_store import SqliteAgentStore
-from agentserver.agents.store import AgentStore, NewCard, TaskStatus
+from agentserver.agents.store import AgentStore, NewCard, TaskStatus, TurnToken
 from agentserver.agents.watchdog import Watchdog
 from agentserver.agents.worker import Worker
 from agentserver.observability.tracing import Tracing
@@ -85,6 +85,9 @@ class AgentRuntime:
         #: Listeners whose steps may be retried (``idempotent``): a call to one that a
         #: restart interrupted is sent again with its idempotency key, not reported lost.
         self.retryable_tools = frozenset(retryable_tools)
+        if self.retryable_tools and hasattr(store, "on_lost_calls"):
+            # A shared store takes over a dead process's suspended Turns itself.
+            store.on_lost_calls = self.lost_calls
         self.profiles = dict(profiles)
         self.settings = settings
         self.clock = clock or SystemClock()
@@ -255,30 +258,34 @@ class AgentRuntime:
         # never be answered, so do not make its Turn wait out the whole resume deadline;
         # a call to a listener whose steps may be retried is sent again, with its key.
         for token in await self.store.suspended_turns():
-            profile = self.profiles.get(token.agent_id)
-            deadline = self.clock.now() + (profile.resume_deadline_s if profile else 60.0)
-            reason = "was interrupted by a restart"
             try:
-                sent, rest = 0, None
-                if self.retryable_tools:
-                    sent, rest = await resend_waiting(
-                        self.store, self.tools, token, self.retryable_tools, deadline
-                    )
-                if sent:
-                    log.warning(
-                        "turn %s: %d tool call(s) sent again after a restart",
-                        token.agent_turn_id,
-                        sent,
-                    )
-                if not sent:
-                    rest = None  # every waiting call: the deadline goes too
-                lost = await self.store.inject_timeouts(token, reason, rest) if rest != [] else 0
+                await self.lost_calls(token, "was interrupted by a restart")
             except StaleTurn:
                 continue
-            if lost:
-                log.warning("turn %s: %d tool call(s) lost in a restart", token.agent_turn_id, lost)
         for reply in await self.store.pending_replies(10_000):
             await self.ender.resend(reply)
+
+    async def lost_calls(self, token: TurnToken, reason: str) -> int:
+        """The tool calls suspended Turn ``token`` waits for were lost (a restart, or the
+        process that sent them died): those to listeners whose steps may be retried are
+        sent again with their idempotency keys (agents/resend.py), the others reported
+        lost (a timeout result each, with ``reason``). Returns how many were lost. Raises
+        StaleTurn when the Turn moved on."""
+        profile = self.profiles.get(token.agent_id)
+        deadline = self.clock.now() + (profile.resume_deadline_s if profile else 60.0)
+        sent, rest = 0, None
+        if self.retryable_tools:
+            sent, rest = await resend_waiting(
+                self.store, self.tools, token, self.retryable_tools, deadline
+            )
+        if sent:
+            log.warning("turn %s: %d tool call(s) sent again", token.agent_turn_id, sent)
+        else:
+            rest = None  # every waiting call: the deadline goes too
+        lost = await self.store.inject_timeouts(token, reason, rest) if rest != [] else 0
+        if lost:
+            log.warning("turn %s: %d tool call(s) %s", token.agent_turn_id, lost, reason)
+        return lost
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Recover, then run the worker and the watchdog until cancelled."""
