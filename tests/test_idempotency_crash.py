@@ -19,7 +19,6 @@ from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import DATA, ServerProcess, subprocess_env
 from test_agents_crash import Store
 
-from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import Task
 from agentserver.net.client import open_client
 
@@ -76,6 +75,12 @@ async def test_sigkill_mid_step_resends_the_call_with_its_key_and_the_effect_is_
             **store_env,
         )
         try:
+
+            def in_progress() -> bool:
+                return len(rows(effects, "SELECT key FROM effects")) == 2 and bool(
+                    store.rows("SELECT 1 FROM turn_waiting_tools WHERE status = 'waiting'")
+                )
+
             first = await start_server(env, tmp_path)
             servers.append(first)
             async with open_client(first.host, first.port, client="alice", token=TOKEN) as c:
@@ -83,10 +88,7 @@ async def test_sigkill_mid_step_resends_the_call_with_its_key_and_the_effect_is_
                 with trio.fail_after(PATIENCE):
                     # Both calls are in their handler (effect written, holding); the Turn
                     # waits for them. Another process writes these files: poll.
-                    while not (
-                        len(rows(effects, "SELECT key FROM effects")) == 2
-                        and store.rows("SELECT 1 FROM turn_waiting_tools WHERE status = 'waiting'")
-                    ):
+                    while not in_progress():  # noqa: ASYNC110 (another process's files)
                         await trio.sleep(0.05)
                 await trio.to_thread.run_sync(first.proc.kill)
                 assert await trio.to_thread.run_sync(first.wait_exit, 10) < 0
