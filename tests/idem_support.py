@@ -80,3 +80,12 @@ async def flaky(payload: Flaky, meta: HandlerMetadata) -> HandlerResponse:
             await trio.sleep(3600)
         raise RuntimeError("the first attempt fails")
     return HandlerResponse.respond(Done(attempts=attempts))
+
+
+class PayV2(BaseXmlModel, tag="pay", nsmap={"": "urn:test:gov"}):
+    """The governance tests' ``<pay>`` with one more required field: a schema change
+    that the recorded calls no longer pass (tests/test_replay.py)."""
+
+    to: str = element()
+    amount: str = element()
+    currency: str = element()

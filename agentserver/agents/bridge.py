@@ -104,6 +104,14 @@ class PumpPorts:
         except Refusal as refusal:
             raise _refused(refusal, payload) from None
 
+    def check_call(self, agent: str, payload: etree._Element, to: str | None) -> None:
+        """Check a call as :meth:`call` would send it, sending nothing (a replay).
+        Raises PumpRefused."""
+        try:
+            self.pump.check_call(agent, payload, to)
+        except Refusal as refusal:
+            raise _refused(refusal, payload) from None
+
     async def self_iterate(
         self, agent: str, turn_thread: ReplyRef, payload: etree._Element
     ) -> None:

@@ -30,6 +30,7 @@ from agentserver.agents.sql import (
     governance,
     head,
     inbox,
+    record,
     replies,
     tools,
     turn_end,
@@ -431,6 +432,10 @@ class SqlAgentStore(abc.ABC):
 
     async def task_view(self, agent_id: str, thread: str) -> dict[str, Any] | None:
         return await self._read(views.task, agent_id, thread)
+
+    async def turn_record(self, agent_id: str, thread: str) -> dict[str, Any] | None:
+        """The latest Turn of ``agent_id`` on ``thread``, whole (agents/sql/record.py)."""
+        return await self._read(record.turn_record, agent_id, thread)
 
     async def turn_thread(self, agent_turn_id: str) -> tuple[str | None, str | None]:
         return await self._read(views.turn_thread, agent_turn_id)

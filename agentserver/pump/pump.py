@@ -733,6 +733,20 @@ class Pump:
             raise
         return child.id
 
+    def check_call(
+        self, sender: str, payload: BaseXmlModel | etree._Element, to: str | None
+    ) -> None:
+        """Check a call of ``sender`` as :meth:`call_from` would (valid payload, exactly
+        one peer that takes it), sending nothing: a replay's recorded tools. Raises
+        :class:`Refusal`."""
+        element = to_element(payload)
+        ptype = self._codec.validate_payload(element)
+        decision = self._table.outbound(sender, ptype.tag, to)
+        if isinstance(decision, SelfCall) or len(decision.targets) != 1:
+            raise DeliveryRefused(
+                SystemErrorCode.ROUTING, retry_allowed=True, detail="a call needs exactly one peer"
+            )
+
     def check_self_call(self, sender: str, payload: BaseXmlModel | etree._Element) -> None:
         """Validate a self-iteration payload of ``sender`` without delivering it (an agent
         continues its Turn itself). Raises :class:`Refusal` as a delivery would."""

@@ -1,0 +1,152 @@
+"""Replay and export of a recorded Turn (issue 26).
+
+A real Turn is recorded first: the server runs in process on a SQLite file, its model a
+scripted OpenAI-compatible server on loopback that answers 503 once (a step retry), then
+asks for a sum and two payments (policy refuses the one to mallory), then answers. Then,
+with the server stopped, the Turn is replayed: identical, with no request to the model;
+with a policy that now refuses every payment, or a ``<pay>`` schema that now needs a
+currency, the replay reports the divergence at step 2; an export read back replays the
+same without the store.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import trio
+from governance_support import NS as GOV_NS
+from llm.llm_fakes import FakeServer, Script, Seen, openai_error, openai_ok
+from serverutil import start_in_process
+
+from agentserver.agents.record import RecordError, TurnRecord
+from agentserver.app.builtins import RunContext
+from agentserver.config import loader as boot
+from agentserver.listeners.assistant import Task
+from agentserver.net.client import open_client
+from agentserver.testing import ReplayError, replay
+
+CALC_NS = "urn:agentserver:calculator"
+ENV = {"RP_ALICE": "alice-token", "RP_LLM_KEY": "k"}
+PATIENCE = 30.0
+POLICY = """
+      <policy default="allow">
+        <rule priority="1" id="no-mallory" decision="deny" target="ledger">
+          <arg path="to" equals="mallory"/>
+        </rule>
+      </policy>"""
+NO_PAYMENTS = """
+      <policy default="allow">
+        <rule priority="1" id="no-mallory" decision="deny" target="ledger">
+          <arg path="to" equals="mallory"/>
+        </rule>
+        <rule priority="2" id="no-payments" decision="deny" target="ledger"/>
+      </policy>"""
+
+
+def boot_xml(base_url: str, policy: str = POLICY, pay: str = "governance_support:Pay") -> str:
+    return f"""<?xml version="1.0"?>
+<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="replayed">
+  <limits hello-timeout="2" read-timeout="2" drain-timeout="1" write-timeout="2"/>
+  <clients><client name="alice" token-env="RP_ALICE"/></clients>
+  <llm max-attempts="1" timeout="60">
+    <backend name="fake" provider="openai" base-url="{base_url}" api-key-env="RP_LLM_KEY"
+             timeout="60"><model name="m"/></backend>
+  </llm>
+  <store path="state/agents.sqlite3" watchdog-interval="0.2"/>
+  <listeners>
+    <listener name="calculator" handler="calculator"/>
+    <listener name="ledger" handler="governance_support:ledger">
+      <accepts type="{pay}"/>
+      <responds type="governance_support:Paid"/>
+    </listener>
+    <listener name="assistant" handler="assistant" agent="true" peers="calculator ledger">
+      <agent model="m" max-steps="6" step-retries="2" step-retry-base="0.01"/>{policy}
+    </listener>
+  </listeners>
+</organism>"""
+
+
+def pay(to: str) -> str:
+    return f'<pay xmlns="{GOV_NS}"><to>{to}</to><amount>5</amount></pay>'
+
+
+class Model(FakeServer):
+    """503 once, then: a sum and a payment to mallory; a payment to bob; the answer."""
+
+    def __init__(self) -> None:
+        super().__init__("openai")
+        self.push(lambda seen: openai_error(503, "busy", type="server_error"))
+
+    def default(self, seen: Seen) -> Script:
+        text = "\n".join(str(m["content"]) for m in seen.body["messages"][1:])
+        if "<sum" not in text:
+            add = f'<add xmlns="{CALC_NS}"><a>2</a><b>3</b></add>'
+            return openai_ok(f"First things first. {add} {pay('mallory')}", model="m")
+        if "<paid" not in text:
+            return openai_ok(f"Now bob. {pay('bob')}", model="m")
+        total = re.findall(r"<value>(\d+)</value>", text)[-1]
+        return openai_ok(f"Done: the sum is {total}, bob is paid.", model="m")
+
+
+async def record_a_turn(tmp_path: Path, model: Model) -> tuple[Path, str]:
+    """Run the Turn on a real server (in process) and stop it; (boot file, thread)."""
+    path = tmp_path / "boot.xml"
+    path.write_text(boot_xml(model.base_url))
+    topology = boot.load_or_raise(path, environ=ENV)
+    async with trio.open_nursery() as nursery:
+        server = await start_in_process(nursery, topology, RunContext(topology), environ=ENV)
+        async with open_client("127.0.0.1", server.port, client="alice", token="alice-token") as c:
+            thread = await c.send(Task(text="add 2 and 3, pay mallory and bob"), to="assistant")
+            with trio.fail_after(PATIENCE):
+                reply = await c.receive_on(thread)
+        assert "".join(reply.payload.itertext()) == "Done: the sum is 5, bob is paid."
+        server.shutdown.set()
+    return path, thread
+
+
+async def test_replay_is_identical_and_calls_no_model_and_reports_divergences(tmp_path):
+    async with trio.open_nursery() as nursery:
+        model = await Model().start(nursery)
+        path, thread = await record_a_turn(tmp_path, model)
+        asked = len(model.requests)
+        assert asked == 4  # the 503, then three steps
+
+        report = await replay(path, "assistant", thread, environ=ENV)
+        assert str(report) == "identical", report
+        assert report.model_calls == 3 and report.tool_calls == 2
+        assert report.answer == "Done: the sum is 5, bob is paid."
+
+        # Policy changed: the payment to bob is refused now, at step 2.
+        (tmp_path / "no-payments.xml").write_text(boot_xml(model.base_url, NO_PAYMENTS))
+        changed = await replay(tmp_path / "no-payments.xml", "assistant", thread, environ=ENV)
+        assert not changed.identical
+        assert changed.divergence.step == 2
+        assert "the recorded call was ledger" in str(changed) and "refused" in str(changed)
+
+        # The tool's schema changed: the recorded call is refused by validation at step 2.
+        (tmp_path / "v2.xml").write_text(boot_xml(model.base_url, pay="idem_support:PayV2"))
+        schema = await replay(tmp_path / "v2.xml", "assistant", thread, environ=ENV)
+        assert schema.divergence is not None and schema.divergence.step == 2, schema
+        assert "sys.huh" in str(schema)
+
+        # Exported, then replayed from the file alone (no store).
+        from agentserver.app.replay import read_record
+
+        exported = (await read_record(path, "assistant", thread, environ=ENV)).to_jsonl()
+        (tmp_path / "state" / "agents.sqlite3").unlink()
+        again = await replay(path, record=TurnRecord.from_jsonl(exported.splitlines()), environ=ENV)
+        assert again.identical, again
+        with pytest.raises(ReplayError):
+            await replay(path, "assistant", thread, environ=ENV)
+
+        assert len(model.requests) == asked  # no replay asked the model anything
+        nursery.cancel_scope.cancel()
+
+
+def test_an_export_that_is_not_a_record_is_refused():
+    with pytest.raises(RecordError):
+        TurnRecord.from_jsonl(["{}"])
+    with pytest.raises(RecordError):
+        TurnRecord.from_jsonl(['{"record": "card", "type": "x"}'])
