@@ -18,6 +18,7 @@ import pytest
 import trio
 from governance_support import NS as GOV_NS
 from llm.llm_fakes import FakeServer, Script, Seen, openai_error, openai_ok
+from serverproc import cli, subprocess_env
 from serverutil import start_in_process
 
 from agentserver.agents.record import RecordError, TurnRecord
@@ -130,6 +131,29 @@ async def test_replay_is_identical_and_calls_no_model_and_reports_divergences(tm
         schema = await replay(tmp_path / "v2.xml", "assistant", thread, environ=ENV)
         assert schema.divergence is not None and schema.divergence.step == 2, schema
         assert "sys.huh" in str(schema)
+
+        # The commands, as a user runs them (real processes).
+        env = subprocess_env(**ENV)
+
+        def command(*args: str):
+            return trio.to_thread.run_sync(lambda: cli(*args, env=env, timeout=60))
+
+        done = await command("replay", "assistant", thread, "--boot", str(path))
+        assert (done.returncode, done.stdout.decode()) == (0, "identical\n"), done.stderr
+        done = await command("export", "assistant", thread, "--boot", str(path))
+        assert done.returncode == 0, done.stderr
+        (tmp_path / "turn.jsonl").write_bytes(done.stdout)
+        done = await command(
+            "replay",
+            "--from",
+            str(tmp_path / "turn.jsonl"),
+            "--boot",
+            str(tmp_path / "no-payments.xml"),
+        )
+        assert done.returncode == 1, done.stderr
+        assert done.stdout.decode().startswith("diverged: step 2: the recorded call was ledger")
+        done = await command("replay", "assistant", "no-such-thread", "--boot", str(path))
+        assert done.returncode == 2 and b"no Turn of 'assistant'" in done.stderr
 
         # Exported, then replayed from the file alone (no store).
         from agentserver.app.replay import read_record

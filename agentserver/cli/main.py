@@ -19,7 +19,17 @@ import os
 import sys
 from collections.abc import Sequence
 
-from agentserver.cli import check, console, operator, run, runner, send, status
+from agentserver.cli import (
+    check,
+    console,
+    export,
+    operator,
+    replay,
+    run,
+    runner,
+    send,
+    status,
+)
 from agentserver.cli.common import (
     BOOT_ENV,
     DEFAULT_CONNECT,
@@ -67,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     runner.add_parsers(sub, common, remote)
     operator.add_parsers(sub, common, remote)
     console.add_parsers(sub, common, remote)
+    replay.add_parsers(sub, common, remote)
+    export.add_parsers(sub, common, remote)
     return parser
 
 
@@ -102,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runner": runner.cmd_runner,
         "stop": operator.cmd_operator,
         "cancel": operator.cmd_operator,
+        "replay": replay.cmd_replay,
+        "export": export.cmd_export,
     }
     return handler[args.command](args)
 
