@@ -2,7 +2,8 @@
 
 A real Turn is recorded first: the server runs in process on a SQLite file, its model a
 scripted OpenAI-compatible server on loopback that answers 503 once (a step retry), then
-asks for a sum and two payments (policy refuses the one to mallory), then answers. Then,
+asks for a sum and two payments (policy refuses the one to mallory), then, its context
+window small, has the Turn compacted (a summary request) before it answers. Then,
 with the server stopped, the Turn is replayed: identical, with no request to the model;
 with a policy that now refuses every payment, or a ``<pay>`` schema that now needs a
 currency, the replay reports the divergence at step 2; an export read back replays the
@@ -11,6 +12,7 @@ same without the store.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from llm.llm_fakes import FakeServer, Script, Seen, openai_error, openai_ok
 from serverproc import cli, subprocess_env
 from serverutil import start_in_process
 
+from agentserver.agents.compaction import SUMMARY_SYSTEM
 from agentserver.agents.record import RecordError, TurnRecord
 from agentserver.app.builtins import RunContext
 from agentserver.config import loader as boot
@@ -29,8 +32,10 @@ from agentserver.net.client import open_client
 from agentserver.testing import ReplayError, replay
 
 CALC_NS = "urn:agentserver:calculator"
+PADDING = "Let me think this through carefully. " * 100
 ENV = {"RP_ALICE": "alice-token", "RP_LLM_KEY": "k"}
 PATIENCE = 30.0
+WINDOW = 3000
 POLICY = """
       <policy default="allow">
         <rule priority="1" id="no-mallory" decision="deny" target="ledger">
@@ -63,7 +68,8 @@ def boot_xml(base_url: str, policy: str = POLICY, pay: str = "governance_support
       <responds type="governance_support:Paid"/>
     </listener>
     <listener name="assistant" handler="assistant" agent="true" peers="calculator ledger">
-      <agent model="m" max-steps="6" step-retries="2" step-retry-base="0.01"/>{policy}
+      <agent model="m" max-steps="6" step-retries="2" step-retry-base="0.01"
+             context-window="{WINDOW}" context-reserve="0" keep-recent="50"/>{policy}
     </listener>
   </listeners>
 </organism>"""
@@ -81,14 +87,24 @@ class Model(FakeServer):
         self.push(lambda seen: openai_error(503, "busy", type="server_error"))
 
     def default(self, seen: Seen) -> Script:
+        if seen.body["messages"][0]["content"] == SUMMARY_SYSTEM:
+            self.summaries += 1
+            # The facts the folded cards held, as the next steps look for them.
+            folded = seen.body["messages"][1]["content"]
+            facts = re.findall(r"<sum [^>]*>.*?</sum>|<paid [^>]*>.*?</paid>", folded, re.S)
+            return openai_ok(" ".join(["Summary:", *facts]), model="m")
         text = "\n".join(str(m["content"]) for m in seen.body["messages"][1:])
         if "<sum" not in text:
             add = f'<add xmlns="{CALC_NS}"><a>2</a><b>3</b></add>'
             return openai_ok(f"First things first. {add} {pay('mallory')}", model="m")
         if "<paid" not in text:
-            return openai_ok(f"Now bob. {pay('bob')}", model="m")
+            # Long enough that the next step's request needs a compaction.
+            return openai_ok(f"Now bob. {PADDING} {pay('bob')}", model="m")
         total = re.findall(r"<value>(\d+)</value>", text)[-1]
         return openai_ok(f"Done: the sum is {total}, bob is paid.", model="m")
+
+    #: Summary requests (compactions) answered.
+    summaries = 0
 
 
 async def record_a_turn(tmp_path: Path, model: Model) -> tuple[Path, str]:
@@ -104,6 +120,7 @@ async def record_a_turn(tmp_path: Path, model: Model) -> tuple[Path, str]:
                 reply = await c.receive_on(thread)
         assert "".join(reply.payload.itertext()) == "Done: the sum is 5, bob is paid."
         server.shutdown.set()
+    assert model.summaries >= 1, "the recorded Turn has a compaction"
     return path, thread
 
 
@@ -112,7 +129,7 @@ async def test_replay_is_identical_and_calls_no_model_and_reports_divergences(tm
         model = await Model().start(nursery)
         path, thread = await record_a_turn(tmp_path, model)
         asked = len(model.requests)
-        assert asked == 4  # the 503, then three steps
+        assert asked == 4 + model.summaries  # the 503, three steps, the compaction
 
         report = await replay(path, "assistant", thread, environ=ENV)
         assert str(report) == "identical", report
@@ -143,6 +160,8 @@ async def test_replay_is_identical_and_calls_no_model_and_reports_divergences(tm
         done = await command("export", "assistant", thread, "--boot", str(path))
         assert done.returncode == 0, done.stderr
         (tmp_path / "turn.jsonl").write_bytes(done.stdout)
+        kinds = [json.loads(line).get("type") for line in done.stdout.decode().splitlines()]
+        assert {"sys.summary", "tool.refused", "tool.call", "tool.result"} <= set(kinds)
         done = await command(
             "replay",
             "--from",
