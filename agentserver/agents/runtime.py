@@ -61,6 +61,10 @@ def open_agent_store(
     )
 
 
+#: Forks whose task has not been enqueued yet, at most (the oldest are forgotten).
+MAX_EXPECTED_FORKS = 1024
+
+
 class AgentRuntime:
     """Store + worker + watchdog + event bus for a set of agent profiles."""
 
@@ -85,6 +89,8 @@ class AgentRuntime:
         #: Listeners whose steps may be retried (``idempotent``): a call to one that a
         #: restart interrupted is sent again with its idempotency key, not reported lost.
         self.retryable_tools = frozenset(retryable_tools)
+        #: (agent, caller thread) → forked conversation, until that task is enqueued.
+        self._forks: dict[tuple[str, str | None], str] = {}
         if self.retryable_tools and hasattr(store, "on_lost_calls"):
             # A shared store takes over a dead process's suspended Turns itself.
             store.on_lost_calls = self.lost_calls
@@ -167,11 +173,31 @@ class AgentRuntime:
             raise KeyError(f"unknown agent {agent_id!r}")
         profile = self.profiles[agent_id]
         conversation = conversation_key(reply_ref) if profile.memory == CLIENT else None
+        if self._forks and isinstance(reply_ref, dict):
+            # The first task on a fork's thread continues the fork's conversation.
+            conversation = self._forks.pop((agent_id, reply_ref.get("caller_thread")), conversation)
         result = await self.store.enqueue_turn(
             agent_id, _bytes(payload), reply_ref, conversation=conversation
         )
         self.doorbell.ring()
         return result.inbox_id
+
+    async def fork(self, agent_id: str, thread: str, at_step: int) -> dict[str, object]:
+        """A new conversation of ``agent_id`` made of the cards of its latest Turn on
+        ``thread`` up to step ``at_step`` (docs/agents.md, "Fork"); the original is only
+        read. Returns its ``conversation`` key, its ``origin`` (thread, turn, step) and the
+        original ``task``. Raises ForkRefused. One store transaction."""
+        if agent_id not in self.profiles:
+            raise KeyError(f"unknown agent {agent_id!r}")
+        return await self.store.fork(agent_id, thread, at_step)  # type: ignore[attr-defined]
+
+    def expect_fork(self, agent_id: str, thread: str, conversation: str) -> None:
+        """The next task of ``agent_id`` whose caller's thread is ``thread`` continues the
+        forked ``conversation`` (the fork's task is sent through the pump next). Bounded:
+        the oldest expectations go first past :data:`MAX_EXPECTED_FORKS`."""
+        self._forks[agent_id, thread] = conversation
+        while len(self._forks) > MAX_EXPECTED_FORKS:
+            self._forks.pop(next(iter(self._forks)))
 
     async def report_tool_result(
         self,

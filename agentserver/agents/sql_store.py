@@ -27,6 +27,7 @@ from agentserver.agents.settings import StoreSettings
 from agentserver.agents.sql import (
     common,
     conversations,
+    forks,
     governance,
     head,
     inbox,
@@ -432,6 +433,10 @@ class SqlAgentStore(abc.ABC):
 
     async def task_view(self, agent_id: str, thread: str) -> dict[str, Any] | None:
         return await self._read(views.task, agent_id, thread)
+
+    async def fork(self, agent_id: str, thread: str, at_step: int) -> dict[str, Any]:
+        """A forked conversation (agents/sql/forks.py). Raises ForkRefused."""
+        return await self._run(forks.fork, agent_id, thread, at_step)
 
     async def turn_record(self, agent_id: str, thread: str) -> dict[str, Any] | None:
         """The latest Turn of ``agent_id`` on ``thread``, whole (agents/sql/record.py)."""

@@ -23,6 +23,7 @@ from agentserver.cli import (
     check,
     console,
     export,
+    fork,
     operator,
     replay,
     run,
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     console.add_parsers(sub, common, remote)
     replay.add_parsers(sub, common, remote)
     export.add_parsers(sub, common, remote)
+    fork.add_parsers(sub, common, remote)
     return parser
 
 
@@ -116,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cancel": operator.cmd_operator,
         "replay": replay.cmd_replay,
         "export": export.cmd_export,
+        "fork": fork.cmd_fork,
     }
     return handler[args.command](args)
 

@@ -10,10 +10,9 @@ from agentserver.agents.sql.views import json_text
 from agentserver.agents.states import MessageType
 
 
-def turn_record(tx: Tx, env: StoreEnv, agent: str, thread: str) -> dict[str, Any] | None:
-    """The latest Turn of ``agent`` whose task came on ``thread`` (the caller's thread or
-    the agent's hop), as plain data: its task, steps, cards (in order, every box the Turn
-    wrote, folded ones included) and policy decisions. None when there is no such Turn."""
+def find_turn(tx: Tx, agent: str, thread: str) -> tuple[str, str] | None:
+    """(Turn id, task payload) of the latest Turn of ``agent`` whose task came on
+    ``thread`` (the caller's thread or the agent's hop); None: none."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
     row = tx.one(
         "SELECT agent_turn_id, payload FROM agent_inbox "
@@ -21,9 +20,17 @@ def turn_record(tx: Tx, env: StoreEnv, agent: str, thread: str) -> dict[str, Any
         "AND agent_turn_id IS NOT NULL ORDER BY seq DESC LIMIT 1",
         (agent, MessageType.TURN.value, thread, thread),
     )
-    if row is None:
+    return (row[0], bytes(row[1]).decode("utf-8", "replace")) if row else None
+
+
+def turn_record(tx: Tx, env: StoreEnv, agent: str, thread: str) -> dict[str, Any] | None:
+    """The latest Turn of ``agent`` whose task came on ``thread`` (the caller's thread or
+    the agent's hop), as plain data: its task, steps, cards (in order, every box the Turn
+    wrote, folded ones included) and policy decisions. None when there is no such Turn."""
+    found = find_turn(tx, agent, thread)
+    if found is None:
         return None
-    turn, payload = row[0], bytes(row[1]).decode("utf-8", "replace")
+    turn, payload = found
     steps = [
         {
             "step": r[0],
