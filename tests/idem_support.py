@@ -70,10 +70,13 @@ class Done(BaseXmlModel, tag="done", nsmap={"": NS}):
 
 #: (idempotency key, hop thread) of every call of ``flaky``, for the in-process tests.
 FLAKY_CALLS: list[tuple[str, str]] = []
+#: ``flaky``'s side effect: one entry per key, written before the attempt hangs or fails.
+FLAKY_EFFECTS: dict[str, int] = {}
 
 
 async def flaky(payload: Flaky, meta: HandlerMetadata) -> HandlerResponse:
     FLAKY_CALLS.append((meta.idempotency_key, meta.thread_id))
+    FLAKY_EFFECTS.setdefault(meta.idempotency_key, len(FLAKY_EFFECTS))
     attempts = sum(1 for key, _ in FLAKY_CALLS if key == meta.idempotency_key)
     if attempts == 1:
         if payload.mode == "hang":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
-from idem_support import FLAKY_CALLS, Flaky
+from idem_support import FLAKY_CALLS, FLAKY_EFFECTS, Flaky
 
 from agentserver.app.testing import in_process
 
@@ -30,8 +30,10 @@ def autojump_clock():
 @pytest.fixture(autouse=True)
 def _fresh_calls():
     FLAKY_CALLS.clear()
+    FLAKY_EFFECTS.clear()
     yield
     FLAKY_CALLS.clear()
+    FLAKY_EFFECTS.clear()
 
 
 def boot_file(tmp_path, attrs: str):
@@ -51,6 +53,7 @@ async def test_an_idempotent_step_is_retried_with_the_same_key(tmp_path, autojum
     assert reply.payload.findtext("{urn:test:idem}attempts") == "2"
     [(key1, hop1), (key2, hop2)] = FLAKY_CALLS
     assert key1 == key2 == hop1 == hop2  # one delivery: its hop is its key
+    assert list(FLAKY_EFFECTS) == [key1]  # the effect, deduped by key, was written once
     # A timed-out attempt costs its step-timeout; then backoff(1) = 1 s before the retry.
     assert took == pytest.approx(3 if mode == "hang" else 1, abs=0.05)
 

@@ -124,7 +124,9 @@ async def record_a_turn(tmp_path: Path, model: Model) -> tuple[Path, str]:
     return path, thread
 
 
-async def test_replay_is_identical_and_calls_no_model_and_reports_divergences(tmp_path):
+async def test_replay_is_identical_and_calls_no_model_and_reports_divergences(
+    tmp_path, monkeypatch
+):
     async with trio.open_nursery() as nursery:
         model = await Model().start(nursery)
         path, thread = await record_a_turn(tmp_path, model)
@@ -135,6 +137,13 @@ async def test_replay_is_identical_and_calls_no_model_and_reports_divergences(tm
         assert str(report) == "identical", report
         assert report.model_calls == 3 and report.tool_calls == 2
         assert report.answer == "Done: the sum is 5, bob is paid."
+        # The real tools (in-process: calculator, ledger) give the same results.
+        ledger = tmp_path / "ledger.txt"
+        monkeypatch.setenv("GOV_LEDGER", str(ledger))  # the ledger tool writes there
+        live = await replay(path, "assistant", thread, live_tools=True, environ=ENV)
+        monkeypatch.delenv("GOV_LEDGER")
+        assert live.identical, live
+        assert ledger.read_text() == "bob 5\n"  # really called, once
 
         # Policy changed: the payment to bob is refused now, at step 2.
         (tmp_path / "no-payments.xml").write_text(boot_xml(model.base_url, NO_PAYMENTS))
