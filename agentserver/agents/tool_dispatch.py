@@ -8,16 +8,19 @@ propagates with nothing more sent.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from lxml import etree
 
 from agentserver.agents.approvals import APPROVAL_PREFIX, WAITING_KIND, Approvals
 from agentserver.agents.clock import Clock
+from agentserver.agents.decide import CallTools, decide
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import PumpRefused
 from agentserver.agents.events import EventBus, StateEvent
 from agentserver.agents.governance import Governor, Screened
+from agentserver.agents.parsing import extract_payloads
 from agentserver.agents.ports import ReplyRef, ToolPort
 from agentserver.agents.profile import AgentProfile
 from agentserver.agents.states import HeadStatus
@@ -33,6 +36,8 @@ from agentserver.agents.store import (
     TurnToken,
 )
 from agentserver.observability.tracing import Tracing, record_error
+
+log = logging.getLogger("agentserver.agents.worker")
 
 #: How the worker ends a Turn: ``finish(token, profile, status, text)``.
 Finish = Callable[[TurnToken, AgentProfile, str, str], Awaitable[None]]
@@ -172,6 +177,45 @@ class ToolDispatch:
         if approvals is not None and any(r.after_execution == WAITING_KIND for r in records):
             await approvals.deliver_requests()
         return early > 0
+
+    async def call_recorded(
+        self,
+        token: TurnToken,
+        profile: AgentProfile,
+        reply_ref: ReplyRef,
+        *,
+        approvals: Approvals | None = None,
+    ) -> bool | None:
+        """A recovered Turn whose last step's output was recorded but whose tool calls were
+        never suspended on (the process died while forwarding them): send them now, as
+        that step's, so with the same idempotency keys, instead of asking the model again.
+        None when there was nothing to send (the Turn goes on with a new step); else as
+        :meth:`call`."""
+        head = await self._fence(token)
+        box = head.output_box_id
+        cards = await self.store.cards(box) if box else []
+        if not cards or cards[-1].card_type != CardType.LLM_MESSAGE:
+            return None
+        said = cards[-1]
+        step_id = said.metadata.get("step_id")
+        decision = decide(said.content, extract_payloads(said.content, profile), profile)
+        if not isinstance(step_id, str) or not isinstance(decision, CallTools):
+            return None
+        log.warning(
+            "turn %s: the calls of step %d were cut off by a restart; sending them again",
+            token.agent_turn_id,
+            head.step_count,
+        )
+        return await self.call(
+            token,
+            step_id,
+            head.step_count,
+            profile,
+            reply_ref,
+            decision.calls,
+            cards,
+            approvals=approvals,
+        )
 
 
 def _keyed(metadata: dict, step_id: str, place: dict[int, int], call: object) -> dict:
