@@ -202,3 +202,41 @@ def test_an_export_that_is_not_a_record_is_refused():
         TurnRecord.from_jsonl(["{}"])
     with pytest.raises(RecordError):
         TurnRecord.from_jsonl(['{"record": "card", "type": "x"}'])
+
+
+def card(kind: str, content: str, **meta: object) -> dict:
+    return {"type": kind, "content": content, "metadata": meta}
+
+
+def test_compare_finds_the_first_divergence_by_step():
+    from agentserver.agents.replay import compare
+
+    recorded = [
+        card("task.input", "<task/>"),
+        card("llm.message", "one", step_id="s1"),
+        card("tool.call", "<a/>", tool_call_id="c1", to="calc"),
+        card("tool.call", "<b/>", tool_call_id="c2", to="calc"),
+        card("tool.result", "A", tool_call_id="c1", to="calc"),
+        card("tool.result", "B", tool_call_id="c2", to="calc"),
+        card("llm.message", "two", step_id="s2"),
+        card("task.deliverable", "done", status="succeeded"),
+    ]
+    # Other ids, and the results of one step in another order: identical.
+    replayed = [dict(c, metadata=dict(c["metadata"])) for c in recorded]
+    for c in replayed:
+        if "tool_call_id" in c["metadata"]:
+            c["metadata"]["tool_call_id"] = "r" + c["metadata"]["tool_call_id"]
+    replayed[4], replayed[5] = replayed[5], replayed[4]
+    assert compare(recorded, replayed) is None
+    # Another call at step 1.
+    other = [*replayed[:3], card("tool.call", "<c/>", tool_call_id="x", to="calc"), *replayed[4:]]
+    found = compare(recorded, other)
+    assert found.step == 1 and str(found) == (
+        "step 1: the recorded call was calc <b/>; the replay made call calc <c/>"
+    )
+    # A result that differs (live tools), at step 1; a Turn that stops early, at step 2.
+    changed = [dict(c) for c in replayed]
+    changed[5] = card("tool.result", "A2", tool_call_id="rc1", to="calc")
+    assert "a result differed" in str(compare(recorded, changed))
+    short = compare(recorded, replayed[:7])
+    assert short.step == 2 and str(short).endswith("the replay made nothing more")

@@ -200,23 +200,37 @@ def _items(cards: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
     return out
 
 
-def _describe(item: tuple[str, str, str] | None, verb: str) -> str:
+_WHAT = {
+    CardType.LLM_MESSAGE: "model output",
+    CardType.TOOL_CALL: "call",
+    CardType.TOOL_RESULT: "result",
+    CardType.TOOL_REFUSED: "refused call",
+    CardType.DELIVERABLE: "answer",
+}
+
+
+def _recorded(item: tuple[str, str, str] | None) -> str:
+    """``the recorded …``: what the record has at this place."""
     if item is None:
-        return f"{verb} nothing more"
+        return "Turn had nothing more"
     kind, to, content = item
-    short = content if len(content) <= 200 else content[:200] + "…"
-    what = {
-        CardType.LLM_MESSAGE: "model output",
-        CardType.TOOL_CALL: "call",
-        CardType.TOOL_RESULT: "result",
-        CardType.TOOL_REFUSED: "refused call",
-        CardType.DELIVERABLE: "answer",
-    }.get(kind, kind)
-    return (
-        f"{what} was {to + ' ' if to else ''}{short}"
-        if verb == "was"
-        else (f"{verb} {what} {to + ' ' if to else ''}{short}")
-    )
+    return f"{_WHAT.get(kind, kind)} was {_target(to)}{_short(content)}"
+
+
+def _replayed(item: tuple[str, str, str] | None) -> str:
+    """``the replay …``: what the replay did at this place."""
+    if item is None:
+        return "made nothing more"
+    kind, to, content = item
+    return f"made {_WHAT.get(kind, kind)} {_target(to)}{_short(content)}"
+
+
+def _target(to: str) -> str:
+    return f"{to} " if to else ""
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 200 else text[:200] + "…"
 
 
 def compare(
@@ -234,8 +248,8 @@ def compare(
             if x is not None and y is not None and x[0] == y[0] == CardType.TOOL_RESULT:
                 return Divergence(
                     step,
-                    f"result of {x[1]} was {x[2][:200]}",
-                    f"got {y[2][:200]} (a result differed)",
+                    f"result of {x[1]} was {_short(x[2])}",
+                    f"got {_short(y[2])} (a result differed)",
                 )
-            return Divergence(max(step, 1), _describe(x, "was"), _describe(y, "made"))
+            return Divergence(max(step, 1), _recorded(x), _replayed(y))
     return None
