@@ -711,15 +711,8 @@ class Pump:
         """
         if self._state is not PumpState.RUNNING:
             raise PumpClosed(self._state.value)
-        element = to_element(payload)
-        ptype = self._codec.validate_payload(element)
-        decision = self._table.outbound(sender, ptype.tag, to)
-        if isinstance(decision, SelfCall) or len(decision.targets) != 1:
-            raise DeliveryRefused(
-                SystemErrorCode.ROUTING, retry_allowed=True, detail="a call needs exactly one peer"
-            )
+        element, ptype, target = self._checked_call(sender, payload, to)
         hop = self.revive(ref)
-        target = decision.targets[0]
         try:
             child = self.threads.extend(hop, target, trio.current_time())
         except RegistryFull:
@@ -739,6 +732,12 @@ class Pump:
         """Check a call of ``sender`` as :meth:`call_from` would (valid payload, exactly
         one peer that takes it), sending nothing: a replay's recorded tools. Raises
         :class:`Refusal`."""
+        self._checked_call(sender, payload, to)
+
+    def _checked_call(
+        self, sender: str, payload: BaseXmlModel | etree._Element, to: str | None
+    ) -> tuple[etree._Element, PayloadType, str]:
+        """(element, payload type, the one target) of a call, or a :class:`Refusal`."""
         element = to_element(payload)
         ptype = self._codec.validate_payload(element)
         decision = self._table.outbound(sender, ptype.tag, to)
@@ -746,6 +745,7 @@ class Pump:
             raise DeliveryRefused(
                 SystemErrorCode.ROUTING, retry_allowed=True, detail="a call needs exactly one peer"
             )
+        return element, ptype, decision.targets[0]
 
     def check_self_call(self, sender: str, payload: BaseXmlModel | etree._Element) -> None:
         """Validate a self-iteration payload of ``sender`` without delivering it (an agent
