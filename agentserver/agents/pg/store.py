@@ -33,6 +33,7 @@ from agentserver.agents.pg.notify import (
     notify,
 )
 from agentserver.agents.pg.schema import OWNER_SETTING, migrate_pg
+from agentserver.agents.pg.trio_executor import PgTrioExecutor
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.sql import inbox, replies, tools, turn_end, turns, watchdog
 from agentserver.agents.sql_store import SqlAgentStore
@@ -40,6 +41,13 @@ from agentserver.agents.store import PendingReply, TurnToken
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+def executor_class(settings: StoreSettings) -> type[PgTrioExecutor] | type[PgExecutor]:
+    """The one place the store's executor is chosen (``StoreSettings.pg_executor``): the
+    trio thread's non-blocking pipelined one, or the worker threads' fallback."""
+    return PgExecutor if settings.pg_executor == "thread" else PgTrioExecutor
+
 
 #: Store functions after whose commit another process may have work to do, and the
 #: channel that says so.
@@ -87,7 +95,7 @@ class PostgresAgentStore(SqlAgentStore):
 
     def __init__(
         self,
-        executor: PgExecutor,
+        executor: PgTrioExecutor | PgExecutor,
         clock: Clock,
         settings: StoreSettings,
         owner: str,
@@ -128,7 +136,7 @@ class PostgresAgentStore(SqlAgentStore):
         most tokens one tool result is shown with."""
         settings = settings or StoreSettings(url=url)
         owner = owner or uuid.uuid4().hex
-        executor = PgExecutor.open_sync(
+        executor = executor_class(settings).open_sync(
             url,
             pool_size=settings.pool_size,
             application_name=f"agentserver {owner[:8]}",
