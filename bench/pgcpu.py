@@ -31,7 +31,7 @@ def postmaster_pid(url: str) -> int | None:
 
     with psycopg.connect(url, autocommit=True) as conn:
         (backend,) = conn.execute("SELECT pg_backend_pid()").fetchone()
-    fields = _stat(backend)
+        fields = _stat(backend)  # while the backend lives
     if fields is None:
         return None
     return int(fields[1])  # ppid (field 4; fields[0] is field 3)

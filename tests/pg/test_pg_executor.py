@@ -30,6 +30,11 @@ def test_placeholders() -> None:
     assert to_pg("SELECT 1") == b"SELECT 1"
 
 
+def changed(tx, sql: str, params: tuple) -> int:
+    tx.execute(sql, params)
+    return tx.rowcount
+
+
 async def test_values_round_trip_as_psycopg_types(pg_url: str, Executor: type) -> None:
     """The statement layer under PgTx (libpq and psycopg's adapters, no cursors): each
     Python type the store uses goes in and comes back as itself, whatever the order in
@@ -50,12 +55,12 @@ async def test_values_round_trip_as_psycopg_types(pg_url: str, Executor: type) -
         ]
         insert = "INSERT INTO vals (k, i, f, b, flag) VALUES (?, ?, ?, ?, ?)"
         for row in rows:  # one statement, prepared once per set of parameter types
-            assert await ex.run(lambda tx, r=row: tx.execute(insert, r)) == 1
+            assert await ex.run(changed, insert, row) == 1
         got = await ex.run(lambda tx: tx.all("SELECT k, i, f, b, flag FROM vals"))
         assert sorted(got, key=repr) == sorted(rows, key=repr)
         assert await ex.run(lambda tx: tx.one("SELECT k FROM vals WHERE k = ?", ("nope",))) is None
         # rowcount of an UPDATE, of executemany, and of a statement with no rows
-        n = await ex.run(lambda tx: tx.execute("UPDATE vals SET flag = ? WHERE flag = ?", (7, 1)))
+        n = await ex.run(changed, "UPDATE vals SET flag = ? WHERE flag = ?", (7, 1))
         assert n == 2
 
         def many(tx) -> int:
@@ -143,7 +148,7 @@ async def test_no_more_transactions_in_flight_than_connections(pg_url: str, Exec
             now += 1
             peak = max(peak, now)
         try:
-            tx.execute("SELECT pg_sleep(0.02)")
+            tx.one("SELECT pg_sleep(0.02)")
         finally:
             with lock:
                 now -= 1
@@ -321,26 +326,46 @@ async def test_a_cancelled_call_discards_its_connection_and_commits_nothing(
         await ex.aclose()
 
 
-async def test_a_transaction_goes_out_in_one_round_trip_per_statement(pg_url: str) -> None:
+async def test_writes_wait_for_the_next_read_or_the_commit(pg_url: str) -> None:
     """BEGIN rides with the first statement, a new statement is prepared with its first
-    run, executemany sends every row at once: n statements, n + 1 round trips."""
+    run, writes go out with the next statement whose result is needed (a read, a
+    rowcount) or with COMMIT: round trips are the reads plus one."""
     ex = await _executor(PgTrioExecutor, pg_url)
     try:
 
-        def three(tx) -> int:
+        def writes(tx) -> int:
             tx.execute("INSERT INTO t (k, v) VALUES (?, ?)", ("a", 1))
             tx.executemany("INSERT INTO t (k, v) VALUES (?, ?)", [("b", 2), ("c", 3), ("d", 4)])
-            assert tx.rowcount == 3
-            return tx.one("SELECT count(*) FROM t")[0]
+            assert tx.rowcount == 3  # a round trip: BEGIN and four INSERTs
+            assert tx.rowcount == 3  # (known: no round trip)
+            n = tx.one("SELECT count(*) FROM t")[0]  # a round trip
+            tx.execute("UPDATE t SET v = v + 1 WHERE k = ?", ("a",))
+            tx.execute("DELETE FROM t WHERE k = ?", ("d",))
+            return n  # COMMIT with the UPDATE and the DELETE: a round trip
 
         trips, statements = ex.round_trips, ex.statements
-        assert await ex.run(three) == 4
-        # BEGIN + 5 statements + COMMIT; round trips: 3 calls + COMMIT
-        assert (ex.statements - statements, ex.round_trips - trips) == (7, 4)
+        assert await ex.run(writes) == 4
+        # BEGIN + 7 statements + COMMIT
+        assert (ex.statements - statements, ex.round_trips - trips) == (9, 3)
+        assert await ex.run_single(lambda tx: tx.all("SELECT k, v FROM t ORDER BY k")) == [
+            ("a", 2),
+            ("b", 2),
+            ("c", 3),
+        ]
+        # A deferred write's error fails the call at the next round trip, and nothing of
+        # the transaction is committed.
         trips = ex.round_trips
-        assert await ex.run_single(lambda tx: tx.one("SELECT count(*) FROM t")) == (4,)
-        assert ex.round_trips - trips == 1
-        # A read-only transaction that raises before any statement sends nothing.
+
+        def failing(tx) -> None:
+            tx.execute("INSERT INTO t (k, v) VALUES (?, ?)", ("e", 5))
+            tx.execute("INSERT INTO t (k, v) VALUES (?, ?)", ("a", 5))  # duplicate key
+            tx.execute("INSERT INTO t (k, v) VALUES (?, ?)", ("f", 6))
+
+        with pytest.raises(StoreError, match="duplicate key"):
+            await ex.run(failing)
+        assert await ex.run_single(lambda tx: tx.one("SELECT count(*) FROM t")) == (3,)
+        assert ex.idle_connections >= 1  # rolled back, clean, pooled
+        # A call that raises before any statement sends nothing.
         trips = ex.round_trips
 
         def nothing(tx) -> None:
@@ -349,6 +374,10 @@ async def test_a_transaction_goes_out_in_one_round_trip_per_statement(pg_url: st
         with pytest.raises(ValueError):
             await ex.run(nothing)
         assert ex.round_trips == trips
+        # Autocommit: deferred writes are waited for at the end of the call.
+        await ex.run_single(lambda tx: tx.execute("DELETE FROM t WHERE k = ?", ("c",)))
+        assert ex.round_trips == trips + 1
+        assert await ex.run_single(lambda tx: tx.one("SELECT count(*) FROM t")) == (2,)
     finally:
         await ex.aclose()
 

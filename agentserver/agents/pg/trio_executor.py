@@ -107,14 +107,33 @@ class PgConn:
         self.conn.close()
 
 
+class CommitLost(Exception):
+    """The connection broke once ``COMMIT`` was sent, before its result came: the
+    outcome is unknown."""
+
+
 class PgPipeTx:
     """One transaction (or autocommit statements) on a :class:`PgConn`, from inside the
     greenlet of :meth:`PgTrioExecutor.run`: the store's Tx (``?`` placeholders).
 
-    Each statement is one pipeline batch ended by a sync: results are read up to the
-    sync, so an error leaves the connection ready for ``ROLLBACK``."""
+    Writes are deferred: :meth:`execute` and :meth:`executemany` put their statements in
+    the connection's pipeline and return at once; they go out with the next statement
+    whose result is needed (:meth:`one`, :meth:`all`, reading :attr:`rowcount`) or with
+    ``COMMIT``, all in one round trip ended by a sync. So a transaction costs a round trip
+    per read (or rowcount checked) plus one, and an error of a deferred write is raised
+    by the next round trip (the whole call fails and rolls back all the same: the store
+    functions never catch a database error to carry on)."""
 
-    __slots__ = ("_begin", "_c", "_parent", "_stats", "dead", "rowcount")
+    __slots__ = (
+        "_begin",
+        "_c",
+        "_group",
+        "_parent",
+        "_pending",
+        "_rowcount",
+        "_stats",
+        "dead",
+    )
     dialect = "postgresql"
 
     def __init__(self, c: PgConn, parent: greenlet.greenlet, stats: list[int]) -> None:
@@ -123,7 +142,12 @@ class PgPipeTx:
         #: [statements, round trips] (the executor's figures)
         self._stats = stats
         self._begin = False
-        self.rowcount = 0
+        #: per result due before the next sync: the key of a prepare (forgotten if it
+        #: fails), () for BEGIN, or the group number of a statement
+        self._pending: list[tuple | int] = []
+        #: the group of the last execute/executemany (its rows make ``rowcount``)
+        self._group = 0
+        self._rowcount: int | None = 0
         #: Set once the connection is discarded: no statement may be sent any more.
         self.dead = False
 
@@ -135,12 +159,31 @@ class PgPipeTx:
         """Open the transaction with the next statement (no round trip of its own)."""
         self._begin = True
 
+    @property
+    def rowcount(self) -> int:
+        """The rows changed by the last :meth:`execute` (all rows of the last
+        :meth:`executemany`): waits for them."""
+        if self._rowcount is None:
+            self._sync()
+        return self._rowcount if self._rowcount is not None else -1
+
     # -- sending -----------------------------------------------------------------
 
-    def _send(self, sql: str, params: Sequence[Any]) -> tuple | None:
-        """Send one statement (prepared first if new: the key it was prepared under)."""
+    def _send(self, sql: str, params: Sequence[Any], group: int) -> None:
+        """Queue one statement in the pipeline (prepared first if new on the
+        connection; ``BEGIN`` first if due)."""
+        if self.dead:
+            raise _Discarded()
         c = self._c
         pg = c.pg
+        if pg.pipeline_status == pq.PipelineStatus.OFF:
+            pg.enter_pipeline_mode()
+        if self._begin:
+            pg.send_query_params(b"BEGIN", None)
+            self._pending.append(())
+            self._begin = False
+            self._stats[0] += 1
+        self._stats[0] += 1
         tx = c.tx
         if params:
             args = tx.dump_sequence(params, [PyFormat.AUTO] * len(params))
@@ -152,62 +195,71 @@ class PgPipeTx:
         if name is None:
             if len(c.prepared) >= thread_executor.MAX_PREPARED:
                 pg.send_query_params(to_pg(sql), args, types, formats, pq.Format.TEXT)
-                return None
+                self._pending.append(group)
+                return
             name = b"at%d" % c.names
             c.names += 1
             pg.send_prepare(name, to_pg(sql), types)
             c.prepared[key] = name
-            pg.send_query_prepared(name, args, formats, pq.Format.TEXT)
-            return key
+            self._pending.append(key)
         pg.send_query_prepared(name, args, formats, pq.Format.TEXT)
-        return None
+        self._pending.append(group)
 
-    def _batch(self, statements: Iterable[tuple[str, Sequence[Any]]]) -> list[pq.abc.PGresult]:
-        """Send ``statements`` (``BEGIN`` first if due) as one pipeline batch, wait, and
-        return the last result of each statement (a prepare's result is dropped)."""
-        if self.dead:
-            raise _Discarded()
+    def _sync(self, commit: bool = False) -> pq.abc.PGresult | None:
+        """Send a sync and wait for every result due: the last one's (None if none was
+        due). Raises the first error among them (psycopg's, typed), once the pipeline
+        is past the sync; with ``commit`` (the last result is ``COMMIT``'s),
+        :class:`CommitLost` if the connection broke with ``COMMIT`` maybe done."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return None
         c = self._c
         pg = c.pg
-        pg.enter_pipeline_mode()
-        # per result expected before the sync: None for a statement's, or the key of
-        # a prepare (forgotten if the prepare did not succeed)
-        kinds: list[tuple | None] = []
-        if self._begin:
-            pg.send_query_params(b"BEGIN", None)
-            kinds.append(())
-            self._begin = False
-            self._stats[0] += 1
-        for sql, params in statements:
-            key = self._send(sql, params)
-            if key is not None:
-                kinds.append(key)
-            kinds.append(None)
-            self._stats[0] += 1
         pg.pipeline_sync()
         self._stats[1] += 1
-        self._flush()
-        results: list[pq.abc.PGresult] = []
+        group = self._group
+        rows = 0
         error: pq.abc.PGresult | None = None
-        for kind in kinds:
-            res = self._next()
-            if self._next() is not None:  # each query's results end with None
-                raise psycopg.OperationalError("unexpected results in the pipeline")
-            if res.status in _FAILED and error is None:
-                error = res
-            if kind is None:
-                results.append(res)
-            elif kind and res.status != pq.ExecStatus.COMMAND_OK:
-                c.prepared.pop(kind, None)
-        sync = self._next()
-        if sync is None or sync.status != pq.ExecStatus.PIPELINE_SYNC:
-            raise psycopg.OperationalError("the pipeline lost its sync")
+        last: pq.abc.PGresult | None = None
+        try:
+            self._flush()
+            for kind in pending:
+                res = self._next()
+                if self._next() is not None:  # each query's results end with None
+                    raise psycopg.OperationalError("unexpected results in the pipeline")
+                if res is None:
+                    raise psycopg.OperationalError("a result is missing in the pipeline")
+                status = res.status
+                if status in _FAILED and error is None:
+                    error = res
+                if type(kind) is tuple:
+                    if kind and status != pq.ExecStatus.COMMAND_OK:
+                        c.prepared.pop(kind, None)
+                elif kind == group and status != pq.ExecStatus.PIPELINE_ABORTED:
+                    rows += max(res.command_tuples or 0, 0)
+                last = res
+            sync = self._next()
+            if sync is None or sync.status != pq.ExecStatus.PIPELINE_SYNC:
+                raise psycopg.OperationalError("the pipeline lost its sync")
+        except psycopg.OperationalError:
+            if commit and error is None:
+                # No earlier statement failed: the server may have run COMMIT.
+                raise CommitLost(pg.get_error_message() or "the connection was lost") from None
+            if error is not None:
+                self._raise(error)
+            raise
         pg.exit_pipeline_mode()
-        if error is not None:
-            if pg.status != _OK:
-                raise psycopg.OperationalError(pg.get_error_message() or "the connection was lost")
-            raise pg_errors.error_from_result(error, encoding=self.conn.info.encoding)
-        return results
+        self._rowcount = rows
+        if error is not None:  # (after the sync: the connection is ready for ROLLBACK)
+            self._raise(error)
+        return last
+
+    def _raise(self, error: pq.abc.PGresult) -> None:
+        if self._c.pg.status != _OK:
+            raise psycopg.OperationalError(
+                error.error_message.decode(errors="replace") or "the connection was lost"
+            )
+        raise pg_errors.error_from_result(error, encoding=self.conn.info.encoding)
 
     # -- waiting (switches to the task) ---------------------------------------
 
@@ -230,20 +282,18 @@ class PgPipeTx:
 
     # -- the Tx interface ------------------------------------------------------
 
-    def _one_result(self, sql: str, params: Sequence[Any]) -> pq.abc.PGresult:
-        (res,) = self._batch(((sql, params),))
-        self.rowcount = res.command_tuples if res.command_tuples is not None else -1
-        return res
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        """Run one statement; returns (and keeps in ``rowcount``) the rows it changed."""
-        self._one_result(sql, params)
-        return self.rowcount
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> None:
+        """Queue one statement (see the class); :attr:`rowcount` waits for its count."""
+        self._group += 1
+        self._rowcount = None
+        self._send(sql, params, self._group)
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        """Every row's statement in one round trip; ``rowcount``: all rows changed."""
-        results = self._batch((sql, row) for row in rows)
-        self.rowcount = sum(max(r.command_tuples or 0, 0) for r in results)
+        """Queue the statement once per row; :attr:`rowcount`: all rows changed."""
+        self._group += 1
+        self._rowcount = None
+        for row in rows:
+            self._send(sql, row, self._group)
 
     def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
         """The first row; all are fetched, so a ``RETURNING`` statement completes."""
@@ -251,23 +301,44 @@ class PgPipeTx:
         return rows[0] if rows else None
 
     def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        res = self._one_result(sql, params)
-        if res.status != pq.ExecStatus.TUPLES_OK:
+        """The statement's rows (every deferred write before it goes out with it)."""
+        self._group += 1
+        self._send(sql, params, self._group)
+        res = self._sync()
+        if res is None or res.status != pq.ExecStatus.TUPLES_OK:
             return []
         tx = self._c.tx
         tx.set_pgresult(res)
         return tx.load_rows(0, res.ntuples, tuple)
 
-    def command(self, sql: bytes) -> None:
-        """A statement without parameters or rows (``COMMIT``, ``ROLLBACK``)."""
-        if self._begin and sql in (b"COMMIT", b"ROLLBACK"):
-            self._begin = False  # nothing was sent: nothing to end
+    def finish(self) -> None:
+        """Wait for every deferred statement (the end of an autocommit call)."""
+        self._sync()
+
+    def commit(self) -> None:
+        """``COMMIT``, with every deferred statement before it, in one round trip."""
+        if self._begin:  # nothing was sent: nothing to end
+            self._begin = False
             return
-        self._batch(((sql.decode(), ()),))
+        self._group += 1
+        self._send("COMMIT", (), self._group)
+        self._sync(commit=True)
 
-
-class _CommitLost(Exception):
-    """The connection broke while COMMIT was in flight: the outcome is unknown."""
+    def rollback(self) -> None:
+        """``ROLLBACK`` (deferred statements not yet sent are dropped with it)."""
+        if self._begin:
+            self._begin = False
+            return
+        self._group += 1
+        self._send("ROLLBACK", (), self._group)
+        try:
+            self._sync()
+        except psycopg.DatabaseError:  # an earlier deferred statement's error
+            pass
+        if self._c.pg.transaction_status == pq.TransactionStatus.INERROR:
+            # The error aborted the pipeline's ROLLBACK too: again, on its own.
+            self._send("ROLLBACK", (), self._group)
+            self._sync()
 
 
 class PgTrioExecutor:
@@ -344,8 +415,8 @@ class PgTrioExecutor:
         self.close()
 
     def close(self) -> None:
-        """Close every idle connection; those in use are closed when their call ends.
-        Idempotent."""
+        """Close every idle connection; those in use are closed when their call ends,
+        and later calls raise :class:`StoreError`. Idempotent."""
         self._closed = True
         while self._idle:
             self._idle.pop().close()
@@ -353,6 +424,8 @@ class PgTrioExecutor:
     # -- the pool --------------------------------------------------------------
 
     async def _acquire(self) -> PgConn:
+        if self._closed:
+            raise StoreError("the agent store is closed")
         with trio.move_on_after(self.connect_timeout_s):
             await self._slots.acquire()
             try:
@@ -395,7 +468,7 @@ class PgTrioExecutor:
             except psycopg.OperationalError as exc:
                 if attempt >= self.retries or not connection_lost(exc):
                     raise StoreError(redact_text(exc, self.url)) from exc
-            except _CommitLost as exc:
+            except CommitLost as exc:
                 raise StoreError(
                     f"the connection to the agent store broke during COMMIT ({exc}); "
                     "the transaction may or may not have been committed"
@@ -449,7 +522,12 @@ class PgTrioExecutor:
     def run_sync(self, fn: Callable[..., T], *args: Any, atomic: bool = True) -> T:
         """:meth:`run` blocking the calling thread (start-up and close, when no trio
         task uses the executor): psycopg's blocking calls on an idle connection."""
-        c = self._idle.pop() if self._idle else self._connect()
+        if self._closed:
+            raise StoreError("the agent store is closed")
+        try:
+            c = self._idle.pop() if self._idle else self._connect()
+        except psycopg.Error as exc:
+            raise StoreError(redact_text(exc, self.url)) from exc
         ok = False
         try:
             tx = PgTx(c.conn, c.blocking_prepared)
@@ -476,25 +554,35 @@ class PgTrioExecutor:
 
 
 def _body(tx: PgPipeTx, fn: Callable[..., T], args: tuple, atomic: bool) -> T:
-    """A transaction's greenlet: ``fn(tx, *args)`` between ``BEGIN`` and ``COMMIT``."""
+    """A transaction's greenlet: ``fn(tx, *args)`` between ``BEGIN`` and ``COMMIT`` (or,
+    not ``atomic``, then every deferred statement waited for)."""
     if not atomic:
-        return fn(tx, *args)
+        result = fn(tx, *args)
+        tx.finish()
+        return result
     tx.begin()
     try:
         result = fn(tx, *args)
     except _Discarded:
         raise
     except BaseException:
-        if not tx.dead and tx.conn.pgconn.status == _OK:
-            try:
-                tx.command(b"ROLLBACK")
-            except psycopg.Error:
-                tx.dead = True
+        _roll_back(tx)
         raise
     try:
-        tx.command(b"COMMIT")
-    except psycopg.OperationalError as exc:
-        if tx.conn.pgconn.status != _OK:
-            raise _CommitLost(str(exc)) from None
+        tx.commit()
+    except (_Discarded, CommitLost):
+        raise
+    except BaseException:
+        # A deferred statement failed: the transaction is aborted, not ended.
+        _roll_back(tx)
         raise
     return result
+
+
+def _roll_back(tx: PgPipeTx) -> None:
+    if tx.dead or tx.conn.pgconn.status != _OK:
+        return
+    try:
+        tx.rollback()
+    except psycopg.Error:
+        tx.dead = True  # the connection is not clean: _release closes it
