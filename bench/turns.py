@@ -62,7 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 import trio
@@ -217,6 +217,18 @@ async def run(
         )
         calls: collections.Counter = collections.Counter()
         count_store_calls(rt.store, calls)
+        per_call: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+        if hasattr(getattr(rt.store, "executor", None), "on_call"):
+
+            def on_call(fn: Callable, args: tuple, statements: int, trips: int) -> None:
+                # The store's NOTIFY wrapper names the function it runs in its arguments.
+                name = args[2].__name__ if fn.__name__ == "_notifying" else fn.__name__
+                figures = per_call[name]
+                figures[0] += 1
+                figures[1] += statements
+                figures[2] += trips
+
+            rt.store.executor.on_call = on_call
         statements = [0]
         if count_statements:
             # Every SQL statement the store runs (BEGIN and COMMIT included).
@@ -244,6 +256,7 @@ async def run(
                 await gate()
             executor = getattr(rt.store, "executor", None)
             sent0 = _sent(executor)
+            per_call.clear()
             started_at = time.time()
             cpu0 = time.process_time()
             t0 = time.perf_counter()
@@ -272,6 +285,8 @@ async def run(
                 cpu_ms_per_turn=round(cpu * 1000 / done, 2),
                 pg_statements=None if sent0 is None else sent1[0] - sent0[0],
                 pg_round_trips=None if sent0 is None else sent1[1] - sent0[1],
+                # store function -> [calls, statements, round trips] (trio executor)
+                pg_per_call={k: list(v) for k, v in per_call.items()},
             )
             if hold is not None:
                 await hold(out)
@@ -554,7 +569,18 @@ def processes(args: argparse.Namespace, n: int) -> dict:
                 (collections.Counter(o["store_calls"]) for o in outs), start=collections.Counter()
             ).most_common()
         ),
+        "pg_per_call": _merge_per_call(o["pg_per_call"] for o in outs),
     }
+
+
+def _merge_per_call(parts: Iterable[dict[str, list[int]]]) -> dict[str, list[int]]:
+    merged: dict[str, list[int]] = {}
+    for part in parts:
+        for name, figures in part.items():
+            got = merged.setdefault(name, [0, 0, 0])
+            for i, v in enumerate(figures):
+                got[i] += v
+    return merged
 
 
 def summary(out: dict, count_statements: bool) -> dict:
@@ -571,7 +597,14 @@ def summary(out: dict, count_statements: bool) -> dict:
     for key in ("db_cpu_ms_per_turn", "statements_per_turn", "round_trips_per_turn"):
         if key in out and key not in keys:
             keys.append(key)
-    return {k: out[k] for k in keys}
+    got = {k: out[k] for k in keys}
+    if out.get("pg_per_call"):
+        got["round_trips_per_call"] = {
+            name: round(trips / n, 2)
+            for name, (n, _, trips) in sorted(out["pg_per_call"].items())
+            if n and n >= out["turns"] / 4  # the Turn's own calls, not the watchdog's
+        }
+    return got
 
 
 def report(out: dict, count_statements: bool, backend: str) -> None:
@@ -600,6 +633,18 @@ def report(out: dict, count_statements: bool, backend: str) -> None:
             f"{out['round_trips_per_turn']} round trips to it per Turn"
         )
     print(line)
+    per_call = out.get("pg_per_call")
+    if per_call:
+        print("per store call (calls per Turn: statements, round trips per call):")
+        ranked = sorted(per_call.items(), key=lambda kv: -kv[1][2])
+        print(
+            "  "
+            + "; ".join(
+                f"{name} {n / done:.2f}: {st / n:.1f}, {rt / n:.1f}"
+                for name, (n, st, rt) in ranked
+                if n
+            )
+        )
 
 
 if __name__ == "__main__":

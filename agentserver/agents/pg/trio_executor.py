@@ -134,13 +134,19 @@ class PgPipeTx:
         "_stats",
         "dead",
     )
+
+    @property
+    def sent(self) -> tuple[int, int]:
+        """The statements (``BEGIN``/``COMMIT`` included) and round trips so far."""
+        return self._stats[0], self._stats[1]
+
     dialect = "postgresql"
 
-    def __init__(self, c: PgConn, parent: greenlet.greenlet, stats: list[int]) -> None:
+    def __init__(self, c: PgConn, parent: greenlet.greenlet) -> None:
         self._c = c
         self._parent = parent
-        #: [statements, round trips] (the executor's figures)
-        self._stats = stats
+        #: [statements, round trips] this call sent (the executor adds them up)
+        self._stats = [0, 0]
         self._begin = False
         #: per result due before the next sync: the key of a prepare (forgotten if it
         #: fails), () for BEGIN, or the group number of a statement
@@ -371,6 +377,9 @@ class PgTrioExecutor:
         #: [statements, round trips] sent, BEGIN/COMMIT included (figures; read by
         #: :attr:`statements` and :attr:`round_trips`).
         self._stats = [0, 0]
+        #: Called after each call (each attempt) with the function and its arguments,
+        #: and the statements and round trips it sent (a bench's per-call figures).
+        self.on_call: Callable[[Callable, tuple, int, int], None] | None = None
         self._slots = trio.Semaphore(pool_size)
         self._idle: list[PgConn] = []
         self._closed = False
@@ -481,9 +490,10 @@ class PgTrioExecutor:
 
     async def _once(self, fn: Callable[..., T], args: tuple, atomic: bool) -> T:
         c = await self._acquire()
+        tx: PgPipeTx | None = None
         try:
             g = greenlet.greenlet(_body)
-            tx = PgPipeTx(c, greenlet.getcurrent(), self._stats)
+            tx = PgPipeTx(c, greenlet.getcurrent())
             what = g.switch(tx, fn, args, atomic)
             while not g.dead:
                 try:
@@ -507,6 +517,12 @@ class PgTrioExecutor:
             return what
         finally:
             self._release(c)
+            if tx is not None:
+                statements, trips = tx.sent
+                self._stats[0] += statements
+                self._stats[1] += trips
+                if self.on_call is not None:
+                    self.on_call(fn, args, statements, trips)
 
     async def _discard(self, c: PgConn) -> None:
         """Close a connection whose call was cancelled mid-statement: first ask the
