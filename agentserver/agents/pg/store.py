@@ -1,6 +1,7 @@
 """The PostgreSQL backend of :class:`~agentserver.agents.sql_store.SqlAgentStore`.
 
-Every store method is one transaction in a worker thread (:mod:`.executor`); claims lock
+Every store method is one transaction on the store's executor (:mod:`.trio_executor` on
+the trio thread, or :mod:`.executor`'s worker threads: :func:`executor_class`); claims lock
 with ``FOR UPDATE SKIP LOCKED`` so processes sharing the database take disjoint rows;
 every Turn write is fenced by the head's epoch (the compare-and-set of ``agents/sql``),
 so a process whose Turn was taken over writes nothing. Transactions that make work due
