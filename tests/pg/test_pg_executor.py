@@ -393,3 +393,21 @@ async def test_a_failed_prepare_is_not_remembered(pg_url: str) -> None:
         assert await ex.run(lambda tx: tx.all("SELECT v FROM later")) == []
     finally:
         await ex.aclose()
+
+
+async def test_a_large_batch_of_deferred_writes_goes_out_and_counts(pg_url: str) -> None:
+    """Thousands of deferred statements in one transaction (more than the socket buffers
+    hold): sent while results are read, every row counted."""
+    ex = await _executor(PgTrioExecutor, pg_url)
+    try:
+
+        def many(tx) -> int:
+            tx.executemany(
+                "INSERT INTO t (k, v) VALUES (?, ?)", [(f"k{i}", i) for i in range(5000)]
+            )
+            return tx.rowcount
+
+        assert await ex.run(many) == 5000
+        assert await ex.run_single(lambda tx: tx.one("SELECT count(*) FROM t")) == (5000,)
+    finally:
+        await ex.aclose()

@@ -272,6 +272,9 @@ class PgPipeTx:
     def _flush(self) -> None:
         pg = self._c.pg
         while pg.flush():
+            # The server may be stuck writing results we have not read while we wait to
+            # write (a long batch): read what came before each wait (libpq's advice).
+            pg.consume_input()
             self._wait(_WRITE)
 
     def _next(self) -> pq.abc.PGresult | None:
