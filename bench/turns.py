@@ -595,7 +595,7 @@ def summary(out: dict, count_statements: bool) -> dict:
     if count_statements:
         keys.append("statements_per_turn")
     for key in ("db_cpu_ms_per_turn", "statements_per_turn", "round_trips_per_turn"):
-        if key in out and key not in keys:
+        if out.get(key) and key not in keys:  # measured (PostgreSQL, trio executor)
             keys.append(key)
     got = {k: out[k] for k in keys}
     if out.get("pg_per_call"):
