@@ -62,7 +62,8 @@ async def test_a_runner_authenticated_by_its_certificate_serves_its_listener(mut
     cmd += [f"{mutual.host}:{mutual.port}", "--tls", "--ca", str(mutual.pki.ca_file)]
     cmd += ["--cert", str(cert), "--key", str(key), "--listener", "search"]
     cmd += ["--handler", "runner_handlers:handle"]
-    runner = subprocess.Popen(
+    # Started and stopped around the awaits below (a process, not a trio task).
+    runner = subprocess.Popen(  # noqa: ASYNC220
         cmd, env=env, cwd=scratch_dir(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     try:
@@ -101,10 +102,11 @@ async def test_a_runner_authenticated_by_its_certificate_serves_its_listener(mut
 def test_a_runner_with_neither_token_nor_certificate_is_a_usage_error(mutual):
     env = subprocess_env()
     env.pop("AGENTSERVER_TOKEN", None)
+    cmd = [sys.executable, "-m", "agentserver", "runner", "--connect"]
+    cmd += [f"{mutual.host}:{mutual.port}", "--tls", "--ca", str(mutual.pki.ca_file)]
+    cmd += ["--listener", "search", "--handler", "runner_handlers:handle"]
     done = subprocess.run(
-        [sys.executable, "-m", "agentserver", "runner", "--connect"]
-        + [f"{mutual.host}:{mutual.port}", "--tls", "--ca", str(mutual.pki.ca_file)]
-        + ["--listener", "search", "--handler", "runner_handlers:handle"],
+        cmd,
         env=env,
         cwd=scratch_dir(),
         capture_output=True,
