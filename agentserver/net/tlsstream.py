@@ -166,9 +166,12 @@ class TlsStream(trio.abc.Stream):
     def _decrypt(self) -> bytes:
         """Every byte of plaintext the records already received hold."""
         chunks = []
-        while True:
+        ssl_object, incoming = self._ssl, self._incoming
+        # Read only while something is buffered: a read that finds nothing raises, and
+        # that exception costs more than the decryption of a small record.
+        while incoming.pending or ssl_object.pending():
             try:
-                chunk = self._ssl.read(RECEIVE_SIZE)
+                chunk = ssl_object.read(RECEIVE_SIZE)
             except ssl.SSLWantReadError:
                 break
             except ssl.SSLZeroReturnError:
