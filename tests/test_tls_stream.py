@@ -27,7 +27,7 @@ from agentserver.core.threads import new_thread_id
 from agentserver.listeners.echo import Ping, Pong, handle
 from agentserver.net.client import TlsSessions, open_client
 from agentserver.net.server import Server
-from agentserver.net.tls import CertificateRule, TlsSpec, server_context
+from agentserver.net.tls import CertificateRule, TlsSpec, client_context, server_context
 from agentserver.net.tlsstream import TlsStream, TlsTruncated
 from agentserver.pump.pump import open_pump
 
@@ -204,6 +204,17 @@ async def test_a_failed_handshake_says_why_and_sends_no_plaintext():
         stream.discard()
     await server_side.aclose()
     await client_side.aclose()
+
+
+def test_renegotiation_is_refused_by_both_sides_contexts():
+    pki = shared_pki()
+    server = server_context(TlsSpec(cert=pki.cert_file, key=pki.key_file), {})
+    client = client_context(ca=pki.ca_file)
+    for ctx in (server, client):
+        assert ctx.options & ssl.OP_NO_RENEGOTIATION
+    # TLS 1.3 has no renegotiation at all: a min-version="1.3" listener cannot be asked.
+    strict = server_context(TlsSpec(cert=pki.cert_file, key=pki.key_file, min_version="1.3"), {})
+    assert strict.minimum_version is ssl.TLSVersion.TLSv1_3
 
 
 # -- against the real server -------------------------------------------------------------

@@ -161,6 +161,8 @@ def client_context(
     if cert is not None:
         # A key in the certificate's own file is fine (key=None).
         _load_chain(ctx, cert, key if key is not None else cert)
+    # A server asking to renegotiate (TLS 1.2) is refused too.
+    ctx.options |= getattr(ssl, "OP_NO_RENEGOTIATION", 0)
     return ctx
 
 
