@@ -5,6 +5,7 @@ with TlsSessions, mutual TLS included) and ciphertext the socket did not take.""
 from __future__ import annotations
 
 import functools
+import logging
 import pathlib
 import ssl
 import tempfile
@@ -343,3 +344,28 @@ async def test_the_server_ends_a_connection_with_close_notify(tmp_path):
         assert b"huh" in received
         assert server.counters["oversize"] == 1
         await stream.aclose()
+
+
+@pytest.mark.socket
+async def test_a_forged_record_ends_the_connection_quietly(tmp_path, caplog):
+    """Bytes that are no record of this session (injected on the path): the server's
+    decryption fails, the connection is closed, nothing is logged as a failure and the
+    server goes on serving."""
+    pki = make_pki(tmp_path / "pki")
+    async with serving(pki.server_context()) as (server, port):
+        tcp = await trio.open_tcp_stream("127.0.0.1", port)
+        stream = TlsStream(tcp, pki.client_context(), server_hostname="127.0.0.1")
+        await stream.do_handshake()
+        # An application-data record of 32 bytes that were never encrypted by us.
+        await tcp.send_all(b"\x17\x03\x03\x00\x20" + bytes(range(32)))
+        with trio.fail_after(5), pytest.raises(trio.BrokenResourceError):
+            while await stream.receive_some():
+                pass
+            raise trio.BrokenResourceError("ended")  # a clean end counts too
+        stream.discard()
+        await tcp.aclose()
+        async with open_client("127.0.0.1", port, ca=pki.ca_file) as client:
+            reply = await client.request(Ping(text="still here"), to="echo", timeout=5)
+        assert reply.payload[0].text == "still here"
+        assert server.counters["accepted"] == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -157,7 +157,8 @@ class TlsStream(trio.abc.Stream):
         """Encrypt ``data`` and make one non-blocking ``send`` of everything unsent. Always
         takes all of ``data`` (returns its length): what the socket did not take is kept
         (:attr:`owes`) for the next :meth:`send_all`. Never raises for the socket (a
-        broken one is found by the next send_all or recv)."""
+        broken one is found by the next send_all or recv); raises ``ssl.SSLError`` (an
+        OSError), having taken nothing, if the TLS session has failed."""
         self._ssl.write(data)
         self._take_output()
         self._send_unsent_nowait()
@@ -224,7 +225,10 @@ class TlsStream(trio.abc.Stream):
             raise trio.ClosedResourceError("the TLS stream is closed")
         await trio.lowlevel.checkpoint_if_cancelled()
         if data:
-            self._ssl.write(data)
+            try:
+                self._ssl.write(data)
+            except ssl.SSLError as exc:  # the TLS session failed (a bad record read)
+                raise trio.BrokenResourceError(str(exc)) from exc
             self._take_output()
         await self._send_unsent()
         await trio.lowlevel.cancel_shielded_checkpoint()
