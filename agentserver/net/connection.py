@@ -2,9 +2,10 @@
 
 The reader decodes frames (:mod:`agentserver.core.framing`) and injects them into the pump
 through the connection's endpoint; the writer (:mod:`agentserver.net.writer`) writes the
-replies. On a plaintext or TLS connection the reader reads the socket itself (yielding first, so
-the next request is usually there: no failed read, no epoll registration). The rules it
-applies are listed in :mod:`agentserver.net.server`.
+replies. On a plaintext or TLS connection the reader reads the socket itself (yielding
+first, so the next request is usually there: no failed read, no epoll registration); a
+TLS connection's :class:`~agentserver.net.tlsstream.TlsStream` decrypts what it reads. The
+rules it applies are listed in :mod:`agentserver.net.server`.
 """
 
 from __future__ import annotations

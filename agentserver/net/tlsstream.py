@@ -205,7 +205,8 @@ class TlsStream(trio.abc.Stream):
     # -- trio.abc.Stream -------------------------------------------------------------------
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        """What :meth:`recv` returns, waiting for the socket when it has nothing. Raises
+        """What :meth:`recv` returns, waiting for the socket when it has nothing (whole
+        records: possibly more than ``max_bytes``, which is not used). Raises
         trio.BrokenResourceError if the connection broke. A checkpoint."""
         if self._closed:
             raise trio.ClosedResourceError("the TLS stream is closed")
