@@ -73,9 +73,11 @@ async def relay(source: trio.SocketStream, target: trio.SocketStream, sizes: lis
         return  # the far end closed first (the last close_notify has no reader)
 
 
-async def receive_exactly(stream: TlsStream, size: int, *, direct: bool) -> bytes:
+async def receive_exactly(
+    stream: TlsStream, size: int, *, direct: bool, max_bytes: int = 65536
+) -> bytes:
     """``size`` bytes of plaintext, read by the direct handle (recv, waiting on the socket
-    when it has nothing) or by receive_some."""
+    when it has nothing) or by receive_some (at most ``max_bytes`` at once)."""
     got = b""
     while len(got) < size:
         if direct:
@@ -85,7 +87,8 @@ async def receive_exactly(stream: TlsStream, size: int, *, direct: bool) -> byte
                 await trio.lowlevel.wait_readable(stream.socket)
                 continue
         else:
-            data = await stream.receive_some()
+            data = await stream.receive_some(max_bytes)
+            assert len(data) <= max_bytes
         assert data, "end of input before every byte came"
         got += data
     assert len(got) == size
@@ -93,7 +96,7 @@ async def receive_exactly(stream: TlsStream, size: int, *, direct: bool) -> byte
 
 
 async def chunked_exchange(
-    messages: list[bytes], sizes: list[int], direct_read: bool, direct_write: bool
+    messages: list[bytes], sizes: list[int], direct_read: bool, direct_write: bool, max_bytes: int
 ) -> None:
     server_ctx, client_ctx = contexts()
     server_side, server_wire = await socket_stream_pair()
@@ -121,14 +124,15 @@ async def chunked_exchange(
                     await client.send_all(b"")  # whatever the socket did not take
 
                 exchange.start_soon(write)
-                got = await receive_exactly(server, total, direct=direct_read)
+                got = await receive_exactly(server, total, direct=direct_read, max_bytes=max_bytes)
             assert got == b"".join(messages)
             # And back, the direct write from the server.
             for message in messages:
                 server.send(message)
             await server.send_all(b"")
             assert not server.owes
-            assert await receive_exactly(client, total, direct=not direct_read) == got
+            back = await receive_exactly(client, total, direct=not direct_read, max_bytes=max_bytes)
+            assert back == got
             # close_notify: the end of input, not a broken connection, on both sides.
             await client.aclose()
             assert await server.receive_some() == b""
@@ -149,11 +153,12 @@ async def chunked_exchange(
     sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=8),
     direct_read=st.booleans(),
     direct_write=st.booleans(),
+    max_bytes=st.integers(1, 70_000),
 )
 def test_any_chunking_of_the_ciphertext_delivers_the_same_bytes(
-    messages, sizes, direct_read, direct_write
+    messages, sizes, direct_read, direct_write, max_bytes
 ):
-    trio.run(chunked_exchange, messages, sizes, direct_read, direct_write)
+    trio.run(chunked_exchange, messages, sizes, direct_read, direct_write, max_bytes)
 
 
 @pytest.mark.socket

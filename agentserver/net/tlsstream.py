@@ -79,6 +79,8 @@ class TlsStream(trio.abc.Stream):
         self._raw.setblocking(False)
         #: Ciphertext written and not yet taken by the socket.
         self._unsent = b""
+        #: Plaintext decrypted beyond what receive_some's caller asked for.
+        self._left = b""
         self._handshaken = False
         self._eof = False
         self._closed = False
@@ -144,6 +146,9 @@ class TlsStream(trio.abc.Stream):
         whole records); b"" once the peer's ``close_notify`` came. Raises BlockingIOError
         if nothing can be returned without waiting, an OSError (``ssl.SSLError``,
         :class:`TlsTruncated`) if the connection broke."""
+        if self._left:  # what receive_some could not return
+            data, self._left = self._left, b""
+            return data
         data = self._decrypt()
         while not data and not self._eof:
             raw = self._raw.recv(RECEIVE_SIZE)  # BlockingIOError: nothing there
@@ -205,19 +210,23 @@ class TlsStream(trio.abc.Stream):
     # -- trio.abc.Stream -------------------------------------------------------------------
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        """What :meth:`recv` returns, waiting for the socket when it has nothing (whole
-        records: possibly more than ``max_bytes``, which is not used). Raises
-        trio.BrokenResourceError if the connection broke. A checkpoint."""
+        """What :meth:`recv` returns, waiting for the socket when it has nothing; at most
+        ``max_bytes`` (the rest is returned next). Raises trio.BrokenResourceError if the
+        connection broke. A checkpoint."""
         if self._closed:
             raise trio.ClosedResourceError("the TLS stream is closed")
         await trio.lowlevel.checkpoint()
         while True:
             try:
-                return self.recv()
+                data = self.recv()
+                break
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self.socket)
             except OSError as exc:
                 raise trio.BrokenResourceError(str(exc)) from exc
+        if max_bytes is not None and len(data) > max_bytes:
+            data, self._left = data[:max_bytes], data[max_bytes:]
+        return data
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """Send what is unsent, then ``data``, encrypted. Raises trio.BrokenResourceError
