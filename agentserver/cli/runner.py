@@ -56,9 +56,15 @@ def cmd_runner(args: argparse.Namespace) -> int:
     # The command line the docs show names no client: a runner of LISTENER is, by
     # default, the client LISTENER-runner (declare it with serves="LISTENER").
     client = args.client or f"{args.listener}-runner"
+    tls = tls_options(args)
+    if tls is None:
+        return EXIT_USAGE
     token = os.environ.get(args.token_env)
-    if not token:
-        print(f"runner needs the token in ${args.token_env}", file=sys.stderr)
+    if not token and not tls.get("cert"):
+        print(
+            f"runner needs the token in ${args.token_env} (or a client certificate: --cert)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if not 1 <= args.concurrency <= 1024:
         print("--concurrency must be 1..1024", file=sys.stderr)
@@ -67,9 +73,6 @@ def cmd_runner(args: argparse.Namespace) -> int:
         handler = resolve_import(args.handler)
     except Exception as exc:
         print(f"--handler {args.handler}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    tls = tls_options(args)
-    if tls is None:
         return EXIT_USAGE
     host, port = args.connect
     from agentserver.observability.tracing import Tracing
@@ -84,7 +87,8 @@ def cmd_runner(args: argparse.Namespace) -> int:
                 host,
                 port,
                 client=client,
-                token=token,
+                # With a client certificate the hello's token is not checked.
+                token=token or "",
                 listener=args.listener,
                 handler=handler,
                 concurrency=args.concurrency,
