@@ -1,0 +1,149 @@
+"""The web console (issue 27) in a real browser: Debian's chromium, headless, driven by
+selenium, against the real server (a subprocess) and the scripted model on loopback.
+
+One server and one browser go through what an operator does: sign in, see the agents,
+send a task and watch the streamed answer arrive without a reload, approve a payment
+(the tool runs once and the Turn answers), deny one (the model is told why), and see a
+model's hostile answer rendered as text. A screenshot of each page is written to the
+test's output folder (or ``$AGENTSERVER_SCREENSHOTS``). Skipped, saying why, where
+chromium, chromedriver or selenium is missing.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import trio
+from browser import open_browser, screenshot_dir, skip_without_browser
+from llm.llm_fakes import openai_ok, openai_stream
+from ui_support import TOKENS, ConsoleServer, pay
+
+#: Bound on every wait for the page (the server, the model and the browser share 2 cores).
+PATIENCE = 30
+
+PIECES = ["Hello", " from", " the", " console", "."]
+# Prose to the agent (tags it only mentions: never closed), markup to a careless page.
+EVIL = 'Run <script>window.__xss = 1; and look: <img src="x" onerror="window.__xss = 2">'
+
+
+def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver = open_browser(profiles)
+    wait = WebDriverWait(driver, PATIENCE, poll_frequency=0.1)
+
+    def text(selector: str) -> str:
+        return driver.find_element(By.CSS_SELECTOR, selector).text
+
+    def shot(name: str) -> None:
+        driver.save_screenshot(str(shots / f"{name}.png"))
+
+    def send_task(words: str) -> None:
+        driver.get(console.url + "/ui/agents/assistant")
+        box = driver.find_element(By.CSS_SELECTOR, "#task-text")
+        box.send_keys(words)
+        driver.find_element(By.CSS_SELECTOR, "form.send button[type=submit]").click()
+        wait.until(lambda d: "/ui/agents/assistant/tasks/" in d.current_url)
+
+    def answered() -> str:
+        wait.until(lambda d: d.find_element(By.ID, "task-status").text == "succeeded")
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#replies pre.reply"))
+        return text("#replies")
+
+    def pending_approval() -> None:
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#approvals li.approval"))
+
+    try:
+        # Signing in: the API's token, once.
+        driver.get(console.url + "/ui")
+        wait.until(lambda d: "/ui/login" in d.current_url)
+        shot("login")
+        driver.find_element(By.ID, "token").send_keys(TOKENS["alice"])
+        driver.find_element(By.CSS_SELECTOR, "form.login button").click()
+        wait.until(lambda d: d.current_url.rstrip("/").endswith("/ui"))
+        agents = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#agents tbody th a")]
+        assert agents == ["assistant"]
+        assert text("#agents tr[data-agent=assistant] .state") == "idle"
+        assert "fake" in text("#backends") and "closed" in text("#backends")
+        assert "signed in as alice" in text("header")
+        shot("overview")
+
+        # A task: the answer streams in live, with no reload.
+        stream = openai_stream(PIECES, model="m", chunk_delay=0.05)
+        stream.delay = 3.0  # the page is open and listening before the first chunk
+        console.model.push(stream)
+        send_task("Say hello.")
+        driver.execute_script("window.__still_here = true;")
+        wait.until(lambda d: d.find_element(By.ID, "streaming").text == "".join(PIECES))
+        assert "Hello from the console." in answered()
+        assert driver.execute_script("return window.__still_here === true;")
+        assert "Say hello." in text("#conversation")
+        shot("task")
+
+        # An approval: it appears on the task page; Approve runs the tool once.
+        console.model.push(
+            openai_ok(f"Paying. {pay('bob', '5')}", model="m"), openai_ok("Paid bob.", model="m")
+        )
+        send_task("pay bob 5")
+        pending_approval()
+        assert "<to>bob</to>" in text("#approvals pre.payload")
+        assert console.paid() == []
+        shot("approval")
+        driver.find_element(By.CSS_SELECTOR, "#approvals button.approve").click()
+        wait.until(lambda d: "Approved" in d.find_element(By.ID, "notice").text)
+        assert "Paid bob." in answered()
+        assert console.paid() == ["bob 5"]
+        assert "require-approval ledger (payments)" in text("#decisions")
+
+        # Deny with a reason: the model sees the refusal, the tool never runs.
+        console.model.push(
+            openai_ok(f"Paying. {pay('carol', '7')}", model="m"),
+            openai_ok("Carol was not paid.", model="m"),
+        )
+        calls = len(console.model.requests)
+        send_task("pay carol 7")
+        pending_approval()
+        driver.find_element(By.CSS_SELECTOR, "#approvals input[name=reason]").send_keys("not today")
+        driver.find_element(By.CSS_SELECTOR, "#approvals button.deny").click()
+        wait.until(lambda d: "Denied" in d.find_element(By.ID, "notice").text)
+        assert "Carol was not paid." in answered()
+        assert console.paid() == ["bob 5"]
+        assert "denied by alice: not today" in console.seen(calls + 1)
+        shot("denied")
+
+        # A hostile answer is shown as text: no script runs, no element is made.
+        console.model.push(openai_ok(EVIL, model="m"))
+        send_task("say something nasty")
+        assert "window.__xss = 1" in answered()
+        assert EVIL in text("#conversation")
+        assert driver.execute_script("return window.__xss === undefined;")
+        assert not driver.find_elements(By.CSS_SELECTOR, "main img, main script")
+        shot("xss")
+
+        # The overview again: the agent's tasks are on its page.
+        driver.get(console.url + "/ui/agents/assistant")
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#tasks tbody tr")) == 4
+        shot("agent")
+    except BaseException:
+        # What the browser showed when it failed, for the person reading the failure.
+        shot("failure")
+        (shots / "failure.html").write_text(f"<!-- {driver.current_url} -->\n{driver.page_source}")
+        raise
+    finally:
+        driver.quit()
+
+
+async def test_the_console_in_a_browser_streams_approves_denies_and_escapes(tmp_path):
+    skip_without_browser()
+    console = ConsoleServer(tmp_path)
+    async with trio.open_nursery() as nursery:
+        try:
+            await console.start(nursery)
+            await trio.to_thread.run_sync(
+                scenario, console, screenshot_dir(tmp_path), tmp_path / "profiles"
+            )
+        finally:
+            code = await trio.to_thread.run_sync(console.stop)
+            nursery.cancel_scope.cancel()
+    assert code == 0, console.server.stderr if console.server else ""
