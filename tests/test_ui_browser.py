@@ -48,8 +48,8 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
 
     def answered() -> str:
         wait.until(lambda d: d.find_element(By.ID, "task-status").text == "succeeded")
-        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#replies pre.reply"))
-        return text("#replies")
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#replies pre.reply-text"))
+        return text("#replies pre.reply-text")
 
     def pending_approval() -> None:
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#approvals li.approval"))
@@ -76,7 +76,7 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
         send_task("Say hello.")
         driver.execute_script("window.__still_here = true;")
         wait.until(lambda d: d.find_element(By.ID, "streaming").text == "".join(PIECES))
-        assert "Hello from the console." in answered()
+        assert answered() == "Hello from the console."
         assert driver.execute_script("return window.__still_here === true;")
         assert "Say hello." in text("#conversation")
         shot("task")
@@ -92,7 +92,7 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
         shot("approval")
         driver.find_element(By.CSS_SELECTOR, "#approvals button.approve").click()
         wait.until(lambda d: "Approved" in d.find_element(By.ID, "notice").text)
-        assert "Paid bob." in answered()
+        assert answered() == "Paid bob."
         assert console.paid() == ["bob 5"]
         assert "require-approval ledger (payments)" in text("#decisions")
 
@@ -107,7 +107,7 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
         driver.find_element(By.CSS_SELECTOR, "#approvals input[name=reason]").send_keys("not today")
         driver.find_element(By.CSS_SELECTOR, "#approvals button.deny").click()
         wait.until(lambda d: "Denied" in d.find_element(By.ID, "notice").text)
-        assert "Carol was not paid." in answered()
+        assert answered() == "Carol was not paid."
         assert console.paid() == ["bob 5"]
         assert "denied by alice: not today" in console.seen(calls + 1)
         shot("denied")
@@ -115,7 +115,7 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
         # A hostile answer is shown as text: no script runs, no element is made.
         console.model.push(openai_ok(EVIL, model="m"))
         send_task("say something nasty")
-        assert "window.__xss = 1" in answered()
+        assert answered() == EVIL
         assert EVIL in text("#conversation")
         assert driver.execute_script("return window.__xss === undefined;")
         assert not driver.find_elements(By.CSS_SELECTOR, "main img, main script")

@@ -9,7 +9,9 @@ import dataclasses
 import time
 from typing import Any
 
+from agentserver.core.errors import InputRefused
 from agentserver.core.handshake import Identity
+from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
 from agentserver.http.routes.status import StatusRoutes
@@ -24,6 +26,7 @@ class ConsoleData:
     def __init__(self, ctx: HttpContext, status: StatusRoutes) -> None:
         self.ctx = ctx
         self.status = status
+        self._parser = SafeParser(ctx.gateway.max_bytes)
 
     def is_operator(self, identity: Identity) -> bool:
         """Whether ``identity`` may stop and cancel (the socket's rule)."""
@@ -100,10 +103,24 @@ class ConsoleData:
             "operator": self.is_operator(identity),
         }
 
-    def replies(self, identity: Identity, thread: str) -> list[str] | None:
-        """The replies kept for the caller's message on ``thread`` (as text), None if the
-        gateway keeps none for it."""
+    def replies(self, identity: Identity, thread: str) -> list[dict[str, str]] | None:
+        """The replies kept for the caller's message on ``thread``: who sent each, its
+        payload's text and the whole envelope; None if the gateway keeps none for it."""
         kept = self.ctx.gateway.thread(thread, identity.name)
         if kept is None:
             return None
-        return [r.decode("utf-8", "replace") for r in kept.replies]
+        return [reply_document(r, self._parser) for r in kept.replies]
+
+
+def reply_document(envelope: bytes, parser: SafeParser) -> dict[str, str]:
+    """One kept reply for the page: its sender, its payload's text (what a person reads:
+    an answer's words) and the envelope as sent."""
+    xml = envelope.decode("utf-8", "replace")
+    try:
+        root = parser.parse(envelope)
+    except InputRefused:
+        return {"from": "", "text": "", "xml": xml}
+    sender = root[0][0].text or "" if len(root) and len(root[0]) else ""
+    payload = root[1] if len(root) > 1 else None
+    text = " ".join("".join(payload.itertext()).split()) if payload is not None else ""
+    return {"from": sender, "text": text, "xml": xml}

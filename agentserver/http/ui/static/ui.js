@@ -1,5 +1,5 @@
 // The web console's one script: live updates through EventSource and fetch. Every text
-// from the server is put in the page with textContent (never innerHTML), so what a
+// from the server is put in the page with textContent (never parsed as HTML), so what a
 // model, a tool or a client wrote is shown as text.
 "use strict";
 
@@ -64,6 +64,13 @@ function renderApprovals(items) {
   replaceChildren(list, items.length ? items.map(approvalItem) : [el("li", { class: "none", text: "No approval is waiting." })]);
 }
 
+function replyItem(r) {
+  return el("div", { class: "reply" },
+    el("p", { class: "reply-from", text: "from " + r.from }),
+    el("pre", { class: "reply-text", text: r.text }),
+    el("details", {}, el("summary", { text: "Envelope" }), el("pre", { class: "reply-xml", text: r.xml })));
+}
+
 // -- overview ------------------------------------------------------------------------------
 
 function renderAgents(agents) {
@@ -124,7 +131,7 @@ function renderTask(doc) {
     el("li", { text: d.decision + " " + d.target + " (" + d.rule + ")" + (d.reason ? ": " + d.reason : "") })));
   renderApprovals(doc.approvals);
   if (doc.replies) {
-    replaceChildren(document.getElementById("replies"), doc.replies.map((r) => el("pre", { class: "reply", text: r })));
+    replaceChildren(document.getElementById("replies"), doc.replies.map(replyItem));
   }
   return task && TERMINAL.has(task.status) && doc.replies !== null ? "done" : "running";
 }
@@ -174,7 +181,7 @@ function threadPage(thread) {
     try {
       const doc = await getJSON(url);
       if (doc.replies.length) {
-        replaceChildren(document.getElementById("replies"), doc.replies.map((r) => el("pre", { class: "reply", text: r })));
+        replaceChildren(document.getElementById("replies"), doc.replies.map(replyItem));
       }
     } catch (e) { clearInterval(timer); }
   }, 1000);
