@@ -27,11 +27,19 @@ EVIL = 'Run <script>window.__xss = 1; and look: <img src="x" onerror="window.__x
 
 
 def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path) -> None:
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     driver = open_browser(profiles)
-    wait = WebDriverWait(driver, PATIENCE, poll_frequency=0.1)
+    # The pages re-render parts of themselves live, and a click navigates: an element may
+    # be replaced between finding and reading it. Waits look again.
+    wait = WebDriverWait(
+        driver,
+        PATIENCE,
+        poll_frequency=0.1,
+        ignored_exceptions=(NoSuchElementException, StaleElementReferenceException),
+    )
 
     def text(selector: str) -> str:
         return driver.find_element(By.CSS_SELECTOR, selector).text
@@ -54,6 +62,23 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
     def pending_approval() -> None:
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#approvals li.approval"))
 
+    def decide(button: str, reason: str = "") -> None:
+        """Type the reason into the approval's form and press ``button``, as one step
+        (done again if the list was re-rendered in between)."""
+
+        def attempt(d) -> bool:
+            form = d.find_element(By.CSS_SELECTOR, "#approvals li.approval form")
+            if reason:
+                box = form.find_element(By.CSS_SELECTOR, "input[name=reason]")
+                box.clear()
+                box.send_keys(reason)
+                if box.get_attribute("value") != reason:
+                    return False
+            form.find_element(By.CSS_SELECTOR, f"button.{button}").click()
+            return True
+
+        wait.until(attempt)
+
     try:
         # Signing in: the API's token, once.
         driver.get(console.url + "/ui")
@@ -62,9 +87,9 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
         driver.find_element(By.ID, "token").send_keys(TOKENS["alice"])
         driver.find_element(By.CSS_SELECTOR, "form.login button").click()
         wait.until(lambda d: d.current_url.rstrip("/").endswith("/ui"))
+        wait.until(lambda d: text("#agents tr[data-agent=assistant] .state") == "idle")
         agents = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#agents tbody th a")]
         assert agents == ["assistant"]
-        assert text("#agents tr[data-agent=assistant] .state") == "idle"
         assert "fake" in text("#backends") and "closed" in text("#backends")
         assert "signed in as alice" in text("header")
         shot("overview")
@@ -75,7 +100,11 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
         console.model.push(stream)
         send_task("Say hello.")
         driver.execute_script("window.__still_here = true;")
-        wait.until(lambda d: d.find_element(By.ID, "streaming").text == "".join(PIECES))
+        # The streamed text (hidden once the whole answer is shown) came through SSE only.
+        streamed = "".join(PIECES)
+        wait.until(
+            lambda d: d.find_element(By.ID, "streaming").get_attribute("textContent") == streamed
+        )
         assert answered() == "Hello from the console."
         assert driver.execute_script("return window.__still_here === true;")
         assert "Say hello." in text("#conversation")
@@ -90,7 +119,7 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
         assert "<to>bob</to>" in text("#approvals pre.payload")
         assert console.paid() == []
         shot("approval")
-        driver.find_element(By.CSS_SELECTOR, "#approvals button.approve").click()
+        decide("approve")
         wait.until(lambda d: "Approved" in d.find_element(By.ID, "notice").text)
         assert answered() == "Paid bob."
         assert console.paid() == ["bob 5"]
@@ -104,12 +133,12 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
         calls = len(console.model.requests)
         send_task("pay carol 7")
         pending_approval()
-        driver.find_element(By.CSS_SELECTOR, "#approvals input[name=reason]").send_keys("not today")
-        driver.find_element(By.CSS_SELECTOR, "#approvals button.deny").click()
+        decide("deny", "not today")
         wait.until(lambda d: "Denied" in d.find_element(By.ID, "notice").text)
         assert answered() == "Carol was not paid."
         assert console.paid() == ["bob 5"]
-        assert "denied by alice: not today" in console.seen(calls + 1)
+        told = [console.seen(i) for i in range(calls, len(console.model.requests))]
+        assert any("denied by alice: not today" in t for t in told), told
         shot("denied")
 
         # A hostile answer is shown as text: no script runs, no element is made.

@@ -132,6 +132,8 @@ function renderTask(doc) {
   renderApprovals(doc.approvals);
   if (doc.replies) {
     replaceChildren(document.getElementById("replies"), doc.replies.map(replyItem));
+    // The answer is there whole: the streamed copy of it is hidden.
+    if (doc.replies.length) document.getElementById("streaming").classList.add("done");
   }
   return task && TERMINAL.has(task.status) && doc.replies !== null ? "done" : "running";
 }
