@@ -150,7 +150,22 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
         assert not driver.find_elements(By.CSS_SELECTOR, "main img, main script")
         shot("xss")
 
-        # The overview again: the agent's tasks are on its page.
+        # A payload to a listener (not an agent): its reply appears on the thread's page.
+        driver.get(console.url + "/ui")
+        from selenium.webdriver.support.ui import Select
+
+        Select(driver.find_element(By.ID, "send-to")).select_by_value("echo")
+        driver.find_element(By.ID, "send-xml").send_keys(
+            '<ping xmlns="urn:agentserver:echo"><text>marco &lt;b&gt;</text></ping>'
+        )
+        driver.find_element(By.CSS_SELECTOR, "form.send button[type=submit]").click()
+        wait.until(lambda d: "/ui/threads/" in d.current_url)
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#replies pre.reply-text"))
+        assert text("#replies pre.reply-text") == "marco <b>"
+        assert text("#replies .reply-from") == "from echo"
+        shot("thread")
+
+        # The agent's page lists its tasks.
         driver.get(console.url + "/ui/agents/assistant")
         assert len(driver.find_elements(By.CSS_SELECTOR, "#tasks tbody tr")) == 4
         shot("agent")
