@@ -29,6 +29,7 @@ EVIL = 'Run <script>window.__xss = 1; and look: <img src="x" onerror="window.__x
 def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path) -> None:
     from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
 
     driver = open_browser(profiles)
@@ -63,19 +64,23 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#approvals li.approval"))
 
     def decide(button: str, reason: str = "") -> None:
-        """Type the reason into the approval's form and press ``button``, as one step
-        (done again if the list was re-rendered in between)."""
+        """Type the reason into the approval's form and press ``button`` with the
+        keyboard (Tab to it, Enter), as one step (again if the list was re-rendered)."""
 
         def attempt(d) -> bool:
             form = d.find_element(By.CSS_SELECTOR, "#approvals li.approval form")
-            if reason:
-                box = form.find_element(By.CSS_SELECTOR, "input[name=reason]")
-                box.clear()
-                box.send_keys(reason)
-                if box.get_attribute("value") != reason:
-                    return False
-            form.find_element(By.CSS_SELECTOR, f"button.{button}").click()
-            return True
+            box = form.find_element(By.CSS_SELECTOR, "input[name=reason]")
+            box.clear()
+            box.send_keys(reason)
+            if box.get_attribute("value") != reason:
+                return False
+            target = form.find_element(By.CSS_SELECTOR, f"button.{button}")
+            for _ in range(3):
+                if d.switch_to.active_element == target:
+                    target.send_keys(Keys.ENTER)
+                    return True
+                d.switch_to.active_element.send_keys(Keys.TAB)
+            return False
 
         wait.until(attempt)
 

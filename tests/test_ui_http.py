@@ -11,7 +11,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import trio
+from httputil import http_url
 from llm.llm_fakes import openai_ok
+from serverproc import REPO, ServerProcess, subprocess_env
 from ui_support import TOKENS, ConsoleServer, pay
 
 from agentserver.primitives.approval import ApprovalDecision
@@ -216,12 +218,27 @@ async def test_approvals_settle_once_only_by_the_approver_and_stop_is_for_operat
                 assert b'status="applied"' in acked.content
                 await until(lambda: _paid(console, "dave 9"), "dave paid")
 
-                # Stop: alice is an operator, bob is not.
+                # Stop and cancel: alice is an operator, bob is not.
                 stop = "/ui/agents/assistant/stop"
                 refused = await bob.post(stop, data={"csrf": bob_csrf, "next": "/ui"})
                 assert notice(refused) == "Only an operator may stop."
                 done = await alice.post(stop, data={"csrf": alice_csrf, "next": "/ui"})
                 assert notice(done) == "stop: nothing to stop for assistant."
+                console.model.push(openai_ok(f"Paying. {pay('erin', '3')}", model="m"))
+                sent = await bob.post(
+                    "/ui/send", data={"csrf": bob_csrf, "to": "assistant", "text": "pay erin"}
+                )
+                thread = sent.headers["location"].rsplit("/", 1)[1]
+                await until(lambda: pending(alice), "erin's request")
+                cancel = "/ui/agents/assistant/cancel"
+                form = {"thread": thread, "next": "/ui"}
+                refused = await bob.post(cancel, data={**form, "csrf": bob_csrf})
+                assert notice(refused) == "Only an operator may cancel."
+                done = await alice.post(cancel, data={**form, "csrf": alice_csrf})
+                assert notice(done) == "cancel: 1 task(s) of assistant ended."
+                api = f"/ui/api/agents/assistant/tasks/{thread}"
+                await until(lambda: _task_status(bob, api, "stopped"), "the task stopped")
+                assert "erin 3" not in console.paid()
         finally:
             code = await trio.to_thread.run_sync(console.stop)
             nursery.cancel_scope.cancel()
@@ -230,3 +247,42 @@ async def test_approvals_settle_once_only_by_the_approver_and_stop_is_for_operat
 
 async def _paid(console: ConsoleServer, line: str) -> bool:
     return line in console.paid()
+
+
+async def _task_status(client: httpx.AsyncClient, api: str, status: str) -> dict | None:
+    doc = (await client.get(api)).json()
+    return doc if doc["task"] and doc["task"]["status"] == status else None
+
+
+async def test_without_clients_loopback_callers_need_no_sign_in_and_may_stop(tmp_path):
+    async with trio.open_nursery() as nursery:
+        server = await trio.to_thread.run_sync(
+            lambda: ServerProcess.start(
+                REPO / "boot.xml", "--http-port", "0", env=subprocess_env(), cwd=tmp_path
+            )
+        )
+        try:
+            async with httpx.AsyncClient(base_url=http_url(server), timeout=PATIENCE) as anon:
+                page = await anon.get("/ui")
+                assert page.status_code == 200 and "Sign out" not in page.text
+                assert 'href="/ui/agents/assistant"' in page.text
+                csrf = csrf_of(page.text)
+                stop = await anon.post(
+                    "/ui/agents/assistant/stop", data={"csrf": csrf, "next": "/ui"}
+                )
+                assert notice(stop) == "stop: nothing to stop for assistant."
+                ping = '<ping xmlns="urn:agentserver:echo"><text>hi</text></ping>'
+                echo = await anon.post("/ui/send", data={"csrf": csrf, "to": "echo", "xml": ping})
+                location = echo.headers["location"]
+                assert location.startswith("/ui/threads/") and location.endswith("?to=echo")
+                api = location.split("?")[0].replace("/ui/threads/", "/ui/api/threads/")
+                replies = await until(lambda: _replies(anon, api), "the echo's reply")
+                assert replies[0]["from"] == "echo" and replies[0]["text"] == "hi"
+        finally:
+            code = await trio.to_thread.run_sync(server.stop)
+            nursery.cancel_scope.cancel()
+    assert code == 0, server.stderr
+
+
+async def _replies(client: httpx.AsyncClient, api: str) -> list | None:
+    return (await client.get(api)).json()["replies"] or None

@@ -56,23 +56,26 @@ class UiSession:
     async def page_identity(self, request: Request) -> Identity | Response:
         """As :meth:`identify`, but a page sends a browser without a valid login to the
         login page rather than showing a problem."""
+        if self.needs_login and not request.cookies.get(TOKEN_COOKIE):
+            # Not signed in yet: no credentials tried, so not a failed authentication
+            # (which would slow down this address's API calls too).
+            return self.to_login(request)
         identity = await self.identify(request)
         if (
             isinstance(identity, Response)
             and self.needs_login
-            and identity.status_code
-            in (
-                401,
-                403,
-            )
+            and identity.status_code in (401, 403)
         ):
-            target = request.url.path
-            if request.url.query:
-                target += "?" + request.url.query
-            return RedirectResponse(
-                f"/ui/login?next={quote(target, safe='/')}", 303, page_headers()
-            )
+            return self.to_login(request)
         return identity
+
+    @staticmethod
+    def to_login(request: Request) -> Response:
+        """The login page, coming back here once signed in."""
+        target = request.url.path
+        if request.url.query:
+            target += "?" + request.url.query
+        return RedirectResponse(f"/ui/login?next={quote(target, safe='/')}", 303, page_headers())
 
     def session_of(self, request: Request) -> tuple[str, bool]:
         """The browser's session id and whether it is new (then :meth:`finish` sets it)."""
