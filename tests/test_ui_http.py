@@ -13,7 +13,8 @@ import httpx
 import trio
 from httputil import http_url
 from llm.llm_fakes import openai_ok
-from serverproc import REPO, ServerProcess, subprocess_env
+from serverproc import DATA, REPO, ServerProcess, subprocess_env
+from tlsutil import make_pki, with_tls
 from ui_support import TOKENS, ConsoleServer, pay
 
 from agentserver.primitives.approval import ApprovalDecision
@@ -286,3 +287,36 @@ async def test_without_clients_loopback_callers_need_no_sign_in_and_may_stop(tmp
 
 async def _replies(client: httpx.AsyncClient, api: str) -> list | None:
     return (await client.get(api)).json()["replies"] or None
+
+
+def test_under_tls_the_console_is_https_and_its_cookies_are_secure(tmp_path):
+    pki = make_pki(tmp_path / "pki")
+    boot = with_tls(
+        DATA / "clients-boot.xml",
+        tmp_path / "boot.xml",
+        cert=str(pki.cert_file),
+        key=str(pki.key_file),
+    )
+    proc = ServerProcess.start(
+        boot, "--http-port", "0", env=subprocess_env(E2E_ALICE_TOKEN="alice-token")
+    )
+    try:
+        url = http_url(proc)
+        assert url.startswith("https://")
+        with httpx.Client(base_url=url, verify=pki.client_context(), timeout=10) as client:
+            login = client.get("/ui/login")
+            assert "Secure" in login.headers["set-cookie"]
+            signed = client.post(
+                "/ui/login",
+                data={"csrf": csrf_of(login.text), "token": "alice-token", "next": "/ui"},
+                headers={"Origin": url},
+            )
+            assert signed.status_code == 303
+            cookie = signed.headers["set-cookie"]
+            assert cookie.startswith("agentserver_ui_token=")
+            for flag in ("HttpOnly", "Secure", "SameSite=strict", "Path=/ui"):
+                assert flag in cookie
+            page = client.get("/ui")
+            assert page.status_code == 200 and "signed in as <strong>alice</strong>" in page.text
+    finally:
+        assert proc.stop() == 0, proc.stderr
