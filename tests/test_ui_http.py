@@ -180,6 +180,8 @@ async def test_approvals_settle_once_only_by_the_approver_and_stop_is_for_operat
                 form = {"agent": "assistant", "next": task_page}
 
                 # bob sees it but is not its approver: told so, nothing changes.
+                assert "Only alice may decide this one." in (await bob.get(task_page)).text
+                assert "may decide this one" not in (await alice.get(task_page)).text
                 told = await bob.post(decide, data={**form, "csrf": bob_csrf, "grant": "true"})
                 assert notice(told).startswith("Only the request's approver")
                 assert len(await pending(alice)) == 1

@@ -15,8 +15,7 @@ from agentserver.core.handshake import Identity
 from agentserver.core.threads import is_uuid4
 from agentserver.http.context import HttpContext
 from agentserver.http.problems import problem
-from agentserver.http.routes.events import SSE_BUFFER, EventRoutes
-from agentserver.http.sse import EventStreamResponse
+from agentserver.http.routes.events import EventRoutes
 from agentserver.http.ui.data import ConsoleData
 from agentserver.http.ui.security import CSRF_FIELD, page_headers, safe_next
 from agentserver.http.ui.session import UiSession
@@ -160,14 +159,7 @@ class Pages:
         identity = await self.session.identify(request)
         if isinstance(identity, Response):
             return identity
-        bus = self.ctx.events
-        try:
-            sub = bus.subscribe(SSE_BUFFER) if bus is not None else None
-        except RuntimeError:
-            return problem(503, "busy", "Too many event subscribers.", {"Retry-After": "5"})
-        q = request.query_params
-        stream = self.events.stream(sub, identity, q.get("agent"), q.get("thread"))
-        response = EventStreamResponse(stream)
+        response = self.events.respond(identity, request.query_params)
         response.headers.update(page_headers())
         return response
 

@@ -52,7 +52,8 @@ function approvalItem(a) {
   const line = el("p");
   line.append(el("strong", { text: a.agent_id }), " wants to call ", el("strong", { text: a.target }),
     " (rule " + a.rule + ", approver " + a.approver + ", " + a.seconds_left + " s left)");
-  return el("li", { class: "approval", "data-request": a.request_id }, line, el("pre", { class: "payload", text: a.payload }), form);
+  const hint = a.mine ? null : el("p", { class: "hint", text: "Only " + a.approver + " may decide this one." });
+  return el("li", { class: "approval", "data-request": a.request_id }, line, hint, el("pre", { class: "payload", text: a.payload }), form);
 }
 
 function renderApprovals(items) {
