@@ -8,6 +8,11 @@ as for ``/approve`` and ``/deny`` and the client's ``decide_approval``); stop an
 are the socket's operator commands, carried out by the same operator object with the
 same rule for who may. Each action answers with a redirect (303) back to a console page,
 its outcome in ``notice``.
+
+Bounded: a form is read up to the gateway's ``max-message-bytes``; a decision waits for
+its acknowledgement at most ``<http wait-timeout>`` (the gateway's bound); a task or a
+payload is not waited for. A browser that leaves mid-action cancels the request's task:
+what the gateway or the operator already did stands (as for an API caller who hangs up).
 """
 
 from __future__ import annotations
@@ -102,7 +107,10 @@ class Actions:
         if xml:
             body = xml.encode("utf-8")
         elif text.strip():
-            body = etree.tostring(task_element(text[:MAX_TEXT]))
+            try:
+                body = etree.tostring(task_element(text[:MAX_TEXT]))
+            except ValueError:  # control characters XML cannot carry
+                return back(target, "The text has characters XML cannot carry.")
         else:
             return back(target, "Write a task or a payload first.")
         thread = new_thread_id()

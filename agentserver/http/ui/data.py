@@ -1,7 +1,11 @@
 """What the web console's pages show, as plain JSON-able documents read from the HTTP
 API's objects (the agent store's views, the pump, the router's stats, the gateway's kept
 replies) and filtered by what the caller may see. Each function is one or a few reads;
-nothing here writes. Used both to render a page and by the page's script to refresh it."""
+nothing here writes. Used both to render a page and by the page's script to refresh it.
+
+Bounded: an agent's page lists its newest :data:`RECENT_TASKS` tasks, a task's page its
+Turn's newest cards (:data:`agentserver.agents.sql.views.TURN_LOG_CARDS`, each cut); the
+pending approvals are all read (they are few: each holds a suspended call)."""
 
 from __future__ import annotations
 
