@@ -142,7 +142,12 @@ async def read_form(request: Request, limit: int) -> dict[str, str] | None:
         if len(body) > limit:
             return None
     try:
-        pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True, max_num_fields=MAX_FIELDS)
+        pairs = parse_qsl(
+            body.decode("utf-8"),
+            keep_blank_values=True,
+            max_num_fields=MAX_FIELDS,
+            errors="strict",
+        )
     except (UnicodeDecodeError, ValueError):
         return None
     fields: dict[str, str] = {}
