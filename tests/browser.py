@@ -60,6 +60,8 @@ def open_browser(profile_root: pathlib.Path):
     options.binary_location = CHROMIUM
     for flag in FLAGS:
         options.add_argument(flag)
+    # The page's console (script errors, CSP violations) is read back by the tests.
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     profile_root.mkdir(parents=True, exist_ok=True)
     profile = tempfile.mkdtemp(prefix="chromium-", dir=profile_root)
     options.add_argument(f"--user-data-dir={profile}")
@@ -79,3 +81,13 @@ def screenshot_dir(tmp_path: pathlib.Path) -> pathlib.Path:
 
 def remove_profile(profile_root: pathlib.Path) -> None:
     shutil.rmtree(profile_root, ignore_errors=True)
+
+
+def page_errors(driver) -> list[str]:
+    """The errors the page's console logged since the last call (script errors, CSP
+    violations, failed loads), the browser's own favicon request left out."""
+    return [
+        entry["message"]
+        for entry in driver.get_log("browser")
+        if entry["level"] == "SEVERE" and "favicon.ico" not in entry["message"]
+    ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pathlib
 
 import trio
-from browser import open_browser, screenshot_dir, skip_without_browser
+from browser import open_browser, page_errors, screenshot_dir, skip_without_browser
 from llm.llm_fakes import openai_ok, openai_stream
 from ui_support import TOKENS, ConsoleServer, pay
 
@@ -47,6 +47,8 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
 
     def shot(name: str) -> None:
         driver.save_screenshot(str(shots / f"{name}.png"))
+        # Each page ran its script without an error and broke no rule of its CSP.
+        assert page_errors(driver) == [], name
 
     def send_task(words: str) -> None:
         driver.get(console.url + "/ui/agents/assistant")
@@ -176,7 +178,7 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
         shot("agent")
     except BaseException:
         # What the browser showed when it failed, for the person reading the failure.
-        shot("failure")
+        driver.save_screenshot(str(shots / "failure.png"))
         (shots / "failure.html").write_text(f"<!-- {driver.current_url} -->\n{driver.page_source}")
         raise
     finally:

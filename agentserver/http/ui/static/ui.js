@@ -87,10 +87,31 @@ function renderAgents(agents) {
   }));
 }
 
+function renderReady(ready) {
+  const node = document.getElementById("ready");
+  if (!node) return;
+  const checks = Object.entries(ready.checks).map(([k, v]) => k + " " + (v === null ? "–" : v ? "ok" : "failing"));
+  node.className = ready.ready ? "ok" : "bad";
+  node.textContent = (ready.ready ? "Ready" : "Not ready") + ": " + checks.join(", ");
+}
+
+function renderBackends(backends) {
+  const body = document.querySelector("#backends tbody");
+  if (!body || !Object.keys(backends).length) return;
+  replaceChildren(body, Object.entries(backends).map(([name, b]) => {
+    const counters = Object.entries(b.counters || {}).map(([k, v]) => k + " " + v).join(", ");
+    return el("tr", {}, el("th", { scope: "row", text: name }), el("td", { text: b.provider || "" }),
+      el("td", { text: b.breaker || "" }), el("td", { text: b.cooling_for ? b.cooling_for.toFixed(1) + " s" : "–" }),
+      el("td", { text: b.skipped || "yes" }), el("td", { text: counters }));
+  }));
+}
+
 function overviewPage() {
   const refresh = debounce(async () => {
     try {
       const doc = await getJSON("/ui/api/overview");
+      renderReady(doc.ready);
+      renderBackends(doc.backends);
       renderAgents(doc.agents);
       renderApprovals(doc.approvals);
     } catch (e) { /* the next event or tick retries */ }
