@@ -25,12 +25,28 @@ agents, so the Turns run on either process and their answers come back through t
 (docs/deploy.md). The processes start sending together; their figure is all the answers
 over the time from that start to the last answer, in any process.
 
+Every case also prints the application's CPU per Turn (``cpu_ms_per_turn``: the
+process's CPU time, all its threads, over the timed part; with N processes all of
+theirs), and on PostgreSQL the database server's CPU per Turn (``db_cpu_ms_per_turn``:
+every process of the server, from /proc, bench/pgcpu.py; null if the server is not on
+this machine) and the statements and round trips to it per Turn (``statements_per_turn``,
+``round_trips_per_turn``, ``BEGIN``/``COMMIT`` included; counted by the trio executor,
+null with ``--pg-executor thread``).
+
+With ``--peers`` the same invocation runs the peer, LangGraph (bench/peers/
+langgraph_turns.py, the ``peers`` extra), on SQLite and with ``--store`` on the same
+PostgreSQL database, and the JSON gets ``ratio_sqlite_vs_langgraph`` and
+``ratio_postgresql_vs_langgraph`` (our Turns/s over the peer's, one process) and
+``cpu_ratio_postgresql_vs_sqlite`` (our application CPU per Turn, PostgreSQL one process
+over SQLite).
+
 Every case also prints its store calls per Turn, by store function (each call one
 transaction or one autocommit statement; on PostgreSQL one thread hop), counted from the
 runtime's start to the last answer (``store_calls_per_turn`` in the JSON).
 
 Usage: python bench/turns.py [--turns N] [--agents K] [--concurrency C] [--count-statements]
-                             [--store URL [--processes N]]
+                             [--store URL [--processes N] [--pg-executor trio|thread]]
+                             [--peers]
 The last line printed is one JSON object (with a store: every case, and the ratio of N
 processes to one).
 """
@@ -41,11 +57,12 @@ import argparse
 import collections
 import contextvars
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 import trio
@@ -63,6 +80,9 @@ from agentserver.core.envelope import build_envelope
 from agentserver.core.listener import HandlerResponse, Listener
 from agentserver.listeners.calculator import Add, Sum
 from agentserver.pump.pump import PumpConfig, open_pump
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/pgcpu.py
+import pgcpu
 
 CALC = "urn:agentserver:calculator"
 ADD = f'<add xmlns="{CALC}"><a>1</a><b>2</b></add>'
@@ -149,6 +169,7 @@ async def run(
     url: str | None = None,
     gate: Callable[[], Awaitable[None]] | None = None,
     hold: Callable[[dict], Awaitable[None]] | None = None,
+    pg_executor: str = "trio",
 ) -> dict[str, float]:
     """Run ``turns`` Turns; with ``gate``, wait for it once everything is running, just
     before the first task is sent (the start of the clock); with ``hold``, pass it the
@@ -179,7 +200,9 @@ async def run(
             )
             for i, n in enumerate(names)
         }
-        settings = StoreSettings(path=path, url=url, worker_concurrency=concurrency)
+        settings = StoreSettings(
+            path=path, url=url, worker_concurrency=concurrency, pg_executor=pg_executor
+        )
         clock = SystemClock()
         store = open_agent_store(settings, profiles, clock=clock)
         ports = PumpPorts(pump, store=store)
@@ -194,6 +217,18 @@ async def run(
         )
         calls: collections.Counter = collections.Counter()
         count_store_calls(rt.store, calls)
+        per_call: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+        if hasattr(getattr(rt.store, "executor", None), "on_call"):
+
+            def on_call(fn: Callable, args: tuple, statements: int, trips: int) -> None:
+                # The store's NOTIFY wrapper names the function it runs in its arguments.
+                name = args[2].__name__ if fn.__name__ == "_notifying" else fn.__name__
+                figures = per_call[name]
+                figures[0] += 1
+                figures[1] += statements
+                figures[2] += trips
+
+            rt.store.executor.on_call = on_call
         statements = [0]
         if count_statements:
             # Every SQL statement the store runs (BEGIN and COMMIT included).
@@ -219,7 +254,11 @@ async def run(
             await nursery.start(rt.run)
             if gate is not None:
                 await gate()
+            executor = getattr(rt.store, "executor", None)
+            sent0 = _sent(executor)
+            per_call.clear()
             started_at = time.time()
+            cpu0 = time.process_time()
             t0 = time.perf_counter()
             for data in requests:
                 await client.send(data)
@@ -232,16 +271,36 @@ async def run(
                     failed += 1
                     first_failure = first_failure or etree.tostring(reply).decode()[:600]
             elapsed = time.perf_counter() - t0
+            cpu = time.process_time() - cpu0
             ended_at = time.time()
+            sent1 = _sent(executor)
             out = figures(
                 turns, agents, ok, failed, first_failure, elapsed, llm, statements[0], calls
             )
-            out.update(started_at=started_at, ended_at=ended_at)
+            done = max(ok + failed, 1)
+            out.update(
+                started_at=started_at,
+                ended_at=ended_at,
+                cpu_s=cpu,
+                cpu_ms_per_turn=round(cpu * 1000 / done, 2),
+                pg_statements=None if sent0 is None else sent1[0] - sent0[0],
+                pg_round_trips=None if sent0 is None else sent1[1] - sent0[1],
+                # store function -> [calls, statements, round trips] (trio executor)
+                pg_per_call={k: list(v) for k, v in per_call.items()},
+            )
             if hold is not None:
                 await hold(out)
             nursery.cancel_scope.cancel()
         await rt.aclose()
     return out
+
+
+def _sent(executor: object) -> tuple[int, int] | None:
+    """The statements and round trips the store's executor sent so far (the trio one
+    counts them; None for SQLite or the thread executor)."""
+    if executor is None or not hasattr(executor, "round_trips"):
+        return None
+    return executor.statements, executor.round_trips
 
 
 def figures(
@@ -295,6 +354,18 @@ def main() -> None:
         metavar="N",
         help="with --store: the processes of the last case (default 2; 1 skips it)",
     )
+    ap.add_argument(
+        "--pg-executor",
+        choices=("trio", "thread"),
+        default="trio",
+        help="with --store: the store's executor (StoreSettings.pg_executor; default trio)",
+    )
+    ap.add_argument(
+        "--peers",
+        action="store_true",
+        help="also run LangGraph on the same Turn (bench/peers/langgraph_turns.py) and "
+        "print the ratios",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.turns is None:
@@ -317,9 +388,14 @@ def main() -> None:
             args.count_statements,
         )
     report(out, args.count_statements, "SQLite")
+    peers = run_peers(args) if args.peers else {}
     if not args.store:
-        print(json.dumps({"store": "SQLite", **summary(out, args.count_statements)}))
-        raise SystemExit(1 if out["failed"] else 0)
+        figures = {"store": "SQLite", **summary(out, args.count_statements)}
+        if peers:
+            figures["langgraph_sqlite"] = peers["sqlite"]
+            figures["ratio_sqlite_vs_langgraph"] = _ratio(out, peers["sqlite"])
+        print(json.dumps(figures))
+        raise SystemExit(1 if out["failed"] or peers.get("failed") else 0)
     cases = {"sqlite": out}
     counts = [1] if args.processes == 1 else [1, args.processes]
     for n in counts:
@@ -328,14 +404,61 @@ def main() -> None:
         report(got, False, f"PostgreSQL, {n} process{'es' if n > 1 else ''}")
         cases[f"postgresql_{n}p"] = got
     figures: dict[str, object] = {k: summary(v, False) for k, v in cases.items()}
+    one = cases["postgresql_1p"]
+    if one["cpu_ms_per_turn"] and out["cpu_ms_per_turn"]:
+        figures["cpu_ratio_postgresql_vs_sqlite"] = round(
+            one["cpu_ms_per_turn"] / out["cpu_ms_per_turn"], 2
+        )
+    if peers:
+        figures["langgraph_sqlite"] = peers["sqlite"]
+        figures["langgraph_postgresql"] = peers["postgresql"]
+        figures["ratio_sqlite_vs_langgraph"] = _ratio(out, peers["sqlite"])
+        figures["ratio_postgresql_vs_langgraph"] = _ratio(one, peers["postgresql"])
+        for key in ("ratio_sqlite_vs_langgraph", "ratio_postgresql_vs_langgraph"):
+            print(f"{key}: {figures[key]}x")
     if len(counts) > 1:
         one = cases["postgresql_1p"]["turns_per_s"]
         many = cases[f"postgresql_{args.processes}p"]["turns_per_s"]
         figures[f"ratio_{args.processes}p_1p"] = round(many / one, 2) if one else None
         print(f"{args.processes} processes / 1 process: {figures[f'ratio_{args.processes}p_1p']}x")
     print(json.dumps(figures))
-    if any(c["failed"] or c["succeeded"] < c["turns"] for c in cases.values()):
+    if peers.get("failed") or any(
+        c["failed"] or c["succeeded"] < c["turns"] for c in cases.values()
+    ):
         raise SystemExit(1)
+
+
+def _ratio(ours: dict, theirs: dict) -> float | None:
+    return round(ours["turns_per_s"] / theirs["turns_per_s"], 2) if theirs["turns_per_s"] else None
+
+
+def run_peers(args: argparse.Namespace) -> dict:
+    """LangGraph on the same Turn (its own process: asyncio), with our agents' count as
+    its concurrency; its figures by case, ``failed`` if any answer was wrong."""
+    cmd = [
+        sys.executable,
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "langgraph_turns.py"),
+        "--turns",
+        str(args.turns),
+        "--concurrency",
+        str(args.agents),
+    ]
+    if args.store:
+        empty_pg_store(args.store)
+        cmd += ["--store", args.store]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    for line in lines[:-1]:
+        print(line)
+    try:
+        peers = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        raise SystemExit(
+            f"the peer bench failed ({done.returncode}): {done.stdout[-600:]}"
+        ) from None
+    if done.returncode:
+        peers["failed"] = True
+    return peers
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -361,6 +484,7 @@ def worker(args: argparse.Namespace) -> None:
             args.store,
             gate,
             hold,
+            args.pg_executor,
         )
 
 
@@ -382,6 +506,8 @@ def processes(args: argparse.Namespace, n: int) -> dict:
                 str(args.agents),
                 "--concurrency",
                 str(args.concurrency),
+                "--pg-executor",
+                args.pg_executor,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -389,15 +515,18 @@ def processes(args: argparse.Namespace, n: int) -> dict:
         )
         for share in shares
     ]
+    postmaster = pgcpu.postmaster_pid(args.store)
     try:
         for p in procs:
             line = p.stdout.readline()
             if line.strip() != "ready":
                 raise SystemExit(f"a bench process did not start: {line!r}")
+        db0 = pgcpu.server_cpu_s(postmaster)
         for p in procs:  # every process is running: start them together
             p.stdin.write("go\n")
             p.stdin.flush()
         outs = [json.loads(p.stdout.readline()) for p in procs]
+        db1 = pgcpu.server_cpu_s(postmaster)
     finally:
         for p in procs:  # stop (or, after an error, end) them all
             if p.stdin and not p.stdin.closed:
@@ -407,6 +536,8 @@ def processes(args: argparse.Namespace, n: int) -> dict:
                 raise SystemExit(f"a bench process failed ({p.returncode})")
     elapsed = max(o["ended_at"] for o in outs) - min(o["started_at"] for o in outs)
     ok = sum(o["succeeded"] for o in outs)
+    done = max(ok + sum(o["failed"] for o in outs), 1)
+    counted = all(o["pg_round_trips"] is not None for o in outs)
     steps = sum(o["steps"] for o in outs)
     return {
         "turns": args.turns,
@@ -418,7 +549,18 @@ def processes(args: argparse.Namespace, n: int) -> dict:
         "turns_per_s": round(ok / elapsed, 1),
         "steps": steps,
         "amortized_step_ms": round(elapsed * 1000 / max(steps, 1), 3),
-        "statements_per_turn": 0.0,
+        "statements_per_turn": round(sum(o["pg_statements"] for o in outs) / done, 1)
+        if counted
+        else None,
+        "round_trips_per_turn": round(sum(o["pg_round_trips"] for o in outs) / done, 1)
+        if counted
+        else None,
+        "cpu_ms_per_turn": round(sum(o["cpu_s"] for o in outs) * 1000 / done, 2),
+        # The processes' windows differ a little; the database's is from the start
+        # signal to the last answer read here.
+        "db_cpu_ms_per_turn": round((db1 - db0) * 1000 / done, 2)
+        if db0 is not None and db1 is not None
+        else None,
         "store_calls_per_turn": round(sum(sum(o["store_calls"].values()) for o in outs) / ok, 2)
         if ok
         else 0.0,
@@ -427,14 +569,42 @@ def processes(args: argparse.Namespace, n: int) -> dict:
                 (collections.Counter(o["store_calls"]) for o in outs), start=collections.Counter()
             ).most_common()
         ),
+        "pg_per_call": _merge_per_call(o["pg_per_call"] for o in outs),
     }
 
 
+def _merge_per_call(parts: Iterable[dict[str, list[int]]]) -> dict[str, list[int]]:
+    merged: dict[str, list[int]] = {}
+    for part in parts:
+        for name, figures in part.items():
+            got = merged.setdefault(name, [0, 0, 0])
+            for i, v in enumerate(figures):
+                got[i] += v
+    return merged
+
+
 def summary(out: dict, count_statements: bool) -> dict:
-    keys = ["turns_per_s", "amortized_step_ms", "store_calls_per_turn", "succeeded", "failed"]
+    keys = [
+        "turns_per_s",
+        "amortized_step_ms",
+        "cpu_ms_per_turn",
+        "store_calls_per_turn",
+        "succeeded",
+        "failed",
+    ]
     if count_statements:
         keys.append("statements_per_turn")
-    return {k: out[k] for k in keys}
+    for key in ("db_cpu_ms_per_turn", "statements_per_turn", "round_trips_per_turn"):
+        if out.get(key) and key not in keys:  # measured (PostgreSQL, trio executor)
+            keys.append(key)
+    got = {k: out[k] for k in keys}
+    if out.get("pg_per_call"):
+        got["round_trips_per_call"] = {
+            name: round(trips / n, 2)
+            for name, (n, _, trips) in sorted(out["pg_per_call"].items())
+            if n and n >= out["turns"] / 4  # the Turn's own calls, not the watchdog's
+        }
+    return got
 
 
 def report(out: dict, count_statements: bool, backend: str) -> None:
@@ -454,6 +624,27 @@ def report(out: dict, count_statements: bool, backend: str) -> None:
     print(f"{out['store_calls_per_turn']} store calls per Turn: {per}")
     if count_statements:
         print(f"{out['statements_per_turn']} SQL statements per Turn")
+    line = f"CPU per Turn: {out['cpu_ms_per_turn']} ms in the application"
+    if out.get("db_cpu_ms_per_turn") is not None:
+        line += f", {out['db_cpu_ms_per_turn']} ms in the database server"
+    if out.get("round_trips_per_turn") is not None:
+        line += (
+            f"; {out['statements_per_turn']} statements and "
+            f"{out['round_trips_per_turn']} round trips to it per Turn"
+        )
+    print(line)
+    per_call = out.get("pg_per_call")
+    if per_call:
+        print("per store call (calls per Turn: statements, round trips per call):")
+        ranked = sorted(per_call.items(), key=lambda kv: -kv[1][2])
+        print(
+            "  "
+            + "; ".join(
+                f"{name} {n / done:.2f}: {st / n:.1f}, {rt / n:.1f}"
+                for name, (n, st, rt) in ranked
+                if n
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -39,6 +39,10 @@ class StoreSettings:
     heartbeat_s: float = 3.0
     #: PostgreSQL only: connections (and so store transactions in flight) per process.
     pool_size: int = 8
+    #: PostgreSQL only: how store transactions reach the server: ``"trio"`` (libpq's
+    #: non-blocking API on the trio thread, pipelined; agents/pg/trio_executor.py) or
+    #: ``"thread"`` (the blocking driver in worker threads; agents/pg/executor.py).
+    pg_executor: str = "trio"
 
     def __post_init__(self) -> None:
         if self.worker_concurrency < 1:
@@ -48,6 +52,8 @@ class StoreSettings:
                 raise ValueError(f"{name} must be > 0")
         if self.max_running_s <= 0 or self.retry_base_s < 0 or self.max_retries < 0:
             raise ValueError("invalid retry or running limits")
+        if self.pg_executor not in ("trio", "thread"):
+            raise ValueError(f"pg_executor must be 'trio' or 'thread', not {self.pg_executor!r}")
         if self.heartbeat_s <= 0 or self.lease_s <= self.heartbeat_s:
             raise ValueError(
                 f"lease ({self.lease_s}s) must be longer than heartbeat ({self.heartbeat_s}s) > 0"

@@ -204,6 +204,27 @@ class PgExecutor:
         #: Transactions run again after a serialization failure, deadlock or lost
         #: connection (figures; tests read it).
         self.reruns = 0
+        self._pool = ConnectionPool(
+            url,
+            min_size=1,
+            max_size=pool_size,
+            open=False,
+            timeout=connect_timeout_s,
+            kwargs=self.connection_kwargs(
+                statement_timeout_s, lock_timeout_s, connect_timeout_s, application_name, options
+            ),
+            name="agentserver-store",
+        )
+
+    @staticmethod
+    def connection_kwargs(
+        statement_timeout_s: float,
+        lock_timeout_s: float,
+        connect_timeout_s: float,
+        application_name: str,
+        options: Mapping[str, str] | None,
+    ) -> dict[str, Any]:
+        """``psycopg.connect``'s keywords for a store connection (both executors)."""
         settings = (
             f"-c statement_timeout={round(statement_timeout_s * 1000)} "
             f"-c lock_timeout={round(lock_timeout_s * 1000)} "
@@ -212,20 +233,12 @@ class PgExecutor:
         )
         for name, value in (options or {}).items():
             settings += f" -c {name}={value}"  # names and values are ours (no spaces)
-        self._pool = ConnectionPool(
-            url,
-            min_size=1,
-            max_size=pool_size,
-            open=False,
-            timeout=connect_timeout_s,
-            kwargs={
-                "autocommit": True,
-                "options": settings,
-                "application_name": application_name,
-                "connect_timeout": max(1, round(connect_timeout_s)),
-            },
-            name="agentserver-store",
-        )
+        return {
+            "autocommit": True,
+            "options": settings,
+            "application_name": application_name,
+            "connect_timeout": max(1, round(connect_timeout_s)),
+        }
 
     @classmethod
     async def open(cls, url: str, **kwargs: Any) -> PgExecutor:
@@ -283,7 +296,7 @@ class PgExecutor:
                     raise StoreError(f"transaction failed {attempt + 1} times: {exc}") from exc
             except psycopg.OperationalError as exc:
                 # Lost before COMMIT: the server rolled it back. Anything else is real.
-                if attempt >= self.retries or not _connection_lost(exc):
+                if attempt >= self.retries or not connection_lost(exc):
                     raise StoreError(redact_text(exc, self.url)) from exc
             except _CommitLost as exc:
                 raise StoreError(
@@ -325,7 +338,7 @@ class PgExecutor:
             return result
 
 
-def _connection_lost(exc: psycopg.OperationalError) -> bool:
+def connection_lost(exc: psycopg.OperationalError) -> bool:
     """Whether ``exc`` says the connection is gone (not a timeout or a refusal by the
     server, which are OperationalErrors too)."""
     if isinstance(exc, pg_errors.QueryCanceled | pg_errors.LockNotAvailable):

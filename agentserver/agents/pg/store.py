@@ -1,6 +1,7 @@
 """The PostgreSQL backend of :class:`~agentserver.agents.sql_store.SqlAgentStore`.
 
-Every store method is one transaction in a worker thread (:mod:`.executor`); claims lock
+Every store method is one transaction on the store's executor (:mod:`.trio_executor` on
+the trio thread, or :mod:`.executor`'s worker threads: :func:`executor_class`); claims lock
 with ``FOR UPDATE SKIP LOCKED`` so processes sharing the database take disjoint rows;
 every Turn write is fenced by the head's epoch (the compare-and-set of ``agents/sql``),
 so a process whose Turn was taken over writes nothing. Transactions that make work due
@@ -33,6 +34,7 @@ from agentserver.agents.pg.notify import (
     notify,
 )
 from agentserver.agents.pg.schema import OWNER_SETTING, migrate_pg
+from agentserver.agents.pg.trio_executor import PgTrioExecutor
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.sql import inbox, replies, tools, turn_end, turns, watchdog
 from agentserver.agents.sql_store import SqlAgentStore
@@ -40,6 +42,13 @@ from agentserver.agents.store import PendingReply, TurnToken
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+def executor_class(settings: StoreSettings) -> type[PgTrioExecutor] | type[PgExecutor]:
+    """The one place the store's executor is chosen (``StoreSettings.pg_executor``): the
+    trio thread's non-blocking pipelined one, or the worker threads' fallback."""
+    return PgExecutor if settings.pg_executor == "thread" else PgTrioExecutor
+
 
 #: Store functions after whose commit another process may have work to do, and the
 #: channel that says so.
@@ -87,7 +96,7 @@ class PostgresAgentStore(SqlAgentStore):
 
     def __init__(
         self,
-        executor: PgExecutor,
+        executor: PgTrioExecutor | PgExecutor,
         clock: Clock,
         settings: StoreSettings,
         owner: str,
@@ -128,7 +137,7 @@ class PostgresAgentStore(SqlAgentStore):
         most tokens one tool result is shown with."""
         settings = settings or StoreSettings(url=url)
         owner = owner or uuid.uuid4().hex
-        executor = PgExecutor.open_sync(
+        executor = executor_class(settings).open_sync(
             url,
             pool_size=settings.pool_size,
             application_name=f"agentserver {owner[:8]}",

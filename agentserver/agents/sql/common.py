@@ -38,8 +38,23 @@ def card_row(r: Sequence[Any]) -> Card:
     return Card(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5])
 
 
-def inbox_move(tx: Tx, env: StoreEnv, inbox_id: str, event: InboxEvent, **sets: Any) -> bool:
-    """Move one inbox row by ``event`` if it is in one of the event's source statuses."""
+class Moved:
+    """Whether an :func:`inbox_move` moved its row, read only when asked (``bool()``): a
+    caller that does not ask lets the statement wait in PostgreSQL's pipeline for the
+    next round trip instead of making one (agents/pg/trio_executor.py)."""
+
+    __slots__ = ("_tx",)
+
+    def __init__(self, tx: Tx) -> None:
+        self._tx = tx
+
+    def __bool__(self) -> bool:
+        return self._tx.rowcount == 1
+
+
+def inbox_move(tx: Tx, env: StoreEnv, inbox_id: str, event: InboxEvent, **sets: Any) -> Moved:
+    """Move one inbox row by ``event`` if it is in one of the event's source statuses;
+    whether it moved (truthy: ask before the next statement of ``tx``)."""
     sources = inbox_sources(event)
     target = inbox_transition(sources[0], event).target
     cols = {"status": str(target), "updated_at": env.clock.now(), **sets}
@@ -49,7 +64,7 @@ def inbox_move(tx: Tx, env: StoreEnv, inbox_id: str, event: InboxEvent, **sets: 
         f"AND status IN ({marks(len(sources))})",
         (*cols.values(), inbox_id, *sources),
     )
-    return tx.rowcount == 1
+    return Moved(tx)
 
 
 def edge(

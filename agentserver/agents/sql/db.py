@@ -28,7 +28,11 @@ class Tx(Protocol):
     dialect: str
     rowcount: int
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any: ...
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """Run one statement. Its return value is not for use (on PostgreSQL the
+        statement may only be queued): read ``rowcount``, which waits for it."""
+        ...
+
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
     def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
         """The first row (all rows are fetched, so a ``RETURNING`` statement completes)."""
