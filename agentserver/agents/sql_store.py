@@ -422,6 +422,12 @@ class SqlAgentStore(abc.ABC):
     async def task_view(self, agent_id: str, thread: str) -> dict[str, Any] | None:
         return await self._read(views.task, agent_id, thread)
 
+    async def recent_tasks(self, agent_id: str, limit: int = 20) -> list[dict[str, Any]]:
+        return await self._read(views.recent_tasks, agent_id, limit)
+
+    async def turn_log(self, agent_turn_id: str) -> dict[str, Any]:
+        return await self._read(views.turn_log, agent_turn_id)
+
     async def turn_thread(self, agent_turn_id: str) -> tuple[str | None, str | None]:
         return await self._read(views.turn_thread, agent_turn_id)
 

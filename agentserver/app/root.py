@@ -211,7 +211,13 @@ async def run_server(
                 if on_agent_events is not None:
                     on_agent_events(agents.runtime.events)
             # Made once the agents run: the named clients' replies and the operator's
-            # commands need them.
+            # commands need them. The web console carries out stop/cancel with the same
+            # operator object, for the same operators.
+            operator = Operator(
+                agents.runtime if agents is not None else None,
+                hub,
+                max_message_bytes=topology.limits.max_message_bytes,
+            )
             server = Server(
                 pump,
                 topology.limits,
@@ -223,11 +229,7 @@ async def run_server(
                     for c in topology.clients
                 },
                 runners=hub,
-                operator=Operator(
-                    agents.runtime if agents is not None else None,
-                    hub,
-                    max_message_bytes=topology.limits.max_message_bytes,
-                ),
+                operator=operator,
                 operators=frozenset(c.name for c in topology.clients if c.operator),
                 anonymous_operators=not topology.clients,
                 named_clients=agents.ports.clients if agents is not None else None,
@@ -252,6 +254,7 @@ async def run_server(
                     ctx,
                     http_stop,
                     environ,
+                    operator,
                 )
                 log.debug("HTTP API on %s", ", ".join(urls))
                 if on_http is not None:
@@ -318,6 +321,7 @@ async def _start_http(
     ctx: RunContext,
     stop: trio.Event,
     environ,
+    operator: Operator | None = None,
 ) -> tuple[Any, list[str]]:
     """Start the HTTP API in ``nursery`` (it ends once ``stop`` is set and its requests
     are done, or after the drain timeout); returns its context (to close its event
@@ -330,7 +334,9 @@ async def _start_http(
     from agentserver.http.metrics import HttpCollector
     from agentserver.http.serve import http_config, serve_http
 
-    gateway = HttpGateway(pump, topology.limits, spec)
+    gateway = HttpGateway(
+        pump, topology.limits, spec, deciders=agents.ports if agents is not None else None
+    )
     registry.register(HttpCollector(gateway))
     view = None
     if agents is not None:
@@ -346,6 +352,10 @@ async def _start_http(
         backends=(lambda: router.stats().as_dict()["backends"]) if router is not None else None,
         transports=lambda: {"socket": server.connection_count, **server.counters},
         steps=hub.step_log if hub is not None else None,
+        operator=operator,
+        operators=frozenset(c.name for c in topology.clients if c.operator),
+        anonymous_operators=not topology.clients,
+        tls=topology.tls is not None,
         organism=topology.organism,
         version=package_version(),
     )

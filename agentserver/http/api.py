@@ -24,6 +24,7 @@ from agentserver.http.routes.agents import AgentRoutes
 from agentserver.http.routes.events import SSE_BUFFER, SSE_KEEPALIVE, EventRoutes
 from agentserver.http.routes.messages import THREAD_HEADER, XML, MessageRoutes
 from agentserver.http.routes.status import StatusRoutes
+from agentserver.http.ui.app import ui_routes
 
 __all__ = [
     "SSE_BUFFER",
@@ -56,6 +57,7 @@ def build_app(ctx: HttpContext) -> Starlette:
             Route("/v1/events", events.events),
             Route("/v1/status", status.status),
             Route("/v1/steps", status.steps),
+            *ui_routes(ctx, gate, events, status),
         ],
         exception_handlers={
             404: _not_found,
