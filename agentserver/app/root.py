@@ -187,6 +187,9 @@ async def run_server(
     pump = Pump(built.listeners, config=config, tracing=tracing)
     step_log = step_writer = None
     async with ctx.resources:
+        if built.mcp_hub is not None:
+            # Connected before the pump runs; closed (servers stopped) after it drained.
+            await ctx.resources.enter_async_context(built.mcp_hub.running())
         async with trio.open_nursery() as nursery:
             await nursery.start(pump.run)
             from agentserver.app.agents import start_agents

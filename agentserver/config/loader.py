@@ -32,6 +32,7 @@ from agentserver.config.clients import ClientReader, is_loopback
 from agentserver.config.governance import check_approvers
 from agentserver.config.imports import B, Resolver, add_import_dir, flag, resolve_import
 from agentserver.config.listeners import IMPLICIT_BOOT_NAME, ListenerReader
+from agentserver.config.mcp import McpReader, check_exposed
 from agentserver.config.problems import BootError, LoadResult, Problem, Report, pretty
 from agentserver.config.sections import SectionReader
 from agentserver.config.topology import DEFAULT_HOST, DEFAULT_PORT, Topology
@@ -139,7 +140,8 @@ class _Loader:
     def topology(self, root: etree._Element) -> Topology:
         report = self.report
         sections = SectionReader(report, self.base_dir, self.environ)
-        readers = ListenerReader(report, Resolver(), self.base_dir)
+        mcp = McpReader(report, self.base_dir, self.environ)
+        readers = ListenerReader(report, Resolver(), self.base_dir, mcp)
         access = ClientReader(report, self.base_dir, self.environ)
         listen = root.find(B + "listen")
         host = listen.get("host", DEFAULT_HOST) if listen is not None else DEFAULT_HOST
@@ -203,4 +205,8 @@ class _Loader:
             tls=tls,
             insecure_plaintext=insecure_plaintext,
             http=http,
+            mcp=tuple(mcp.servers),
+            expose_mcp=check_exposed(
+                report, root.find(B + "expose-mcp"), {s.name for s in listeners}
+            ),
         )
