@@ -7,6 +7,7 @@ is given (no module-level singletons).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -365,6 +366,21 @@ async def _start_http(
         read_timeout=topology.limits.read_timeout,
         graceful_timeout=topology.limits.drain_timeout,
     )
+    mcp_http = None
+    if topology.expose_mcp:
+        from agentserver.config.mcp import exposed_tools
+        from agentserver.http.gate import Gate
+        from agentserver.http.mcp_expose import GatewaySender, McpHttp, build_server
+
+        mcp_http = app_ctx.mcp = McpHttp(
+            build_server(
+                exposed_tools(topology),
+                GatewaySender(gateway),
+                name=topology.organism,
+                version=package_version(),
+                may_see=Gate.may_see,
+            )
+        )
     gateway_scope = trio.CancelScope()
 
     async def run_gateway(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -373,7 +389,8 @@ async def _start_http(
 
     async def run_http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         try:
-            await serve_http(build_app(app_ctx), config, stop, task_status=task_status)
+            async with mcp_http.running() if mcp_http is not None else contextlib.nullcontext():
+                await serve_http(build_app(app_ctx), config, stop, task_status=task_status)
         finally:
             gateway_scope.cancel()
 

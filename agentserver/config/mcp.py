@@ -20,12 +20,15 @@ from lxml import etree
 
 from agentserver.config.imports import B
 from agentserver.config.problems import Report
-from agentserver.config.topology import ListenerSpec
+from agentserver.config.topology import ListenerSpec, Topology
 from agentserver.core.errors import ConfigurationError
 from agentserver.core.jsonschema_xsd import convert, xml_name
 from agentserver.core.listener import NAME_RE
 from agentserver.core.payloads import PayloadType
+from agentserver.core.xsd_jsonschema import tool_input
 from agentserver.core.xsdpayload import schema_model
+from agentserver.http.mcp_expose import ExposedTool
+from agentserver.primitives.core import Boot
 from agentserver.primitives.mcp import McpResult, tool_namespace
 from agentserver.remote.mcp_client import McpConnectError, discover_blocking
 from agentserver.remote.mcp_spec import McpServerSpec, McpToolRef, ToolInfo, tool_listener_name
@@ -201,3 +204,29 @@ def mapping_lines(listeners: tuple[ListenerSpec, ...]) -> list[str]:
             line += f" (as JSON text: {', '.join(ref.fallbacks)})"
         lines.append(line)
     return lines
+
+
+def exposed_tools(topology: Topology) -> list[ExposedTool]:
+    """The MCP tools ``<expose-mcp>`` offers: one per payload type each listener takes
+    (named as the listener, or ``listener-payload`` when it takes several; approval
+    decisions and the boot primitive are not tools)."""
+    tools: list[ExposedTool] = []
+    for name in topology.expose_mcp:
+        spec = topology.listener(name)
+        models = [m for m in spec.accepts if m not in spec.addressed_only and m is not Boot]
+        for model in models:
+            ptype = PayloadType.from_model(model)
+            tool = name if len(models) == 1 else f"{name}-{ptype.local}"
+            what = spec.description or (
+                f"Ask the agent {name}." if spec.agent else f"Send <{ptype.local}> to {name}."
+            )
+            tools.append(
+                ExposedTool(
+                    name=tool,
+                    listener=name,
+                    description=what,
+                    input=tool_input(ptype),
+                    agent=spec.agent,
+                )
+            )
+    return tools

@@ -34,6 +34,8 @@ class HttpContext:
     transports: Callable[[], dict[str, Any]] = dict
     #: The remote listeners' step log (agents/step_log.py; None: no remote listeners).
     steps: Any = None
+    #: ``/mcp`` (:class:`agentserver.http.mcp_expose.McpHttp`; None: ``<expose-mcp>`` absent).
+    mcp: Any = None
     organism: str = ""
     version: str = ""
     counters: dict[str, int] = field(
