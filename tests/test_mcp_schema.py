@@ -176,6 +176,17 @@ def test_mapped_types_and_the_documented_fallback():
         shape.to_json(broken)
 
 
+def test_a_tool_without_arguments_is_an_empty_element():
+    shape = convert({"type": "object", "properties": {}}, NS, "pid")
+    assert shape.fallbacks == ()
+    el = etree.fromstring(f'<pid xmlns="{NS}"/>')
+    assert etree.XMLSchema(shape.schema_doc).validate(el)
+    assert shape.to_json(el) == {}
+    assert not etree.XMLSchema(shape.schema_doc).validate(
+        etree.fromstring(f'<pid xmlns="{NS}"><x>1</x></pid>')
+    )
+
+
 def test_a_schema_that_is_not_an_object_is_one_json_element():
     shape = convert({"type": "string"}, NS, "t")
     assert shape.fallbacks == ("arguments",)

@@ -13,7 +13,8 @@ The mapping (docs/mcp.md, "Payloads from JSON Schema"):
   required;
 - ``string`` → ``xs:string``; ``integer`` → ``xs:integer``; ``number`` → a finite
   ``xs:double``; ``boolean`` → ``xs:boolean``; an ``enum`` of strings → an enumeration;
-- a nested ``object`` with ``properties`` → a child element with its own ``xs:all``;
+- a nested ``object`` with ``properties`` → a child element with its own ``xs:all``
+  (``"properties": {}``, a tool without arguments, is an empty element);
 - an ``array`` → a wrapper element holding one ``<item>`` per value (so an empty array is
   ``<paths/>`` and stays distinct from an absent one), items mapped by these same rules;
 - anything else (``oneOf``/``anyOf``, type lists, ``$ref``, free-form objects, property
@@ -170,6 +171,8 @@ def _node(schema: Any, depth: int, path: str, fallbacks: list[str]) -> Node:
         )
     if kind == "object":
         props = schema.get("properties")
+        if isinstance(props, Mapping) and not props and not schema.get("additionalProperties"):
+            return Node("object", (), description=description)  # a tool without arguments
         if not isinstance(props, Mapping) or not props or ITEM in props:
             return fallback()
         if not all(isinstance(n, str) and _NCNAME.match(n) for n in props):
