@@ -30,7 +30,7 @@ marks: pathlib.Path | None = None
 @server.tool(description="Read one file of the notes folder and return its text.")
 def read_file(path: str) -> str:
     if path not in FILES:
-        raise ValueError(f"no such file: {path}")
+        raise ToolError(f"no such file: {path}")
     return FILES[path]
 
 
@@ -38,6 +38,11 @@ def read_file(path: str) -> str:
 def list_dir(folder: str, limit: int = 10) -> dict:
     names = sorted(p for p in FILES if p.startswith(folder.rstrip("/") + "/"))
     return {"files": names[:limit]}
+
+
+@server.tool(description="Finds files; its schema is not all mappable to XML.")
+def find(pattern: str | None = None, where: dict[str, str] | None = None) -> list[str]:
+    return sorted(p for p in FILES if pattern is None or pattern in p)
 
 
 @server.tool(description="Always fails.")

@@ -98,7 +98,7 @@ def http_mcp():
 def test_check_prints_the_mapping_and_refuses_collisions(tmp_path):
     good = boot(
         tmp_path / "good.xml",
-        stdio_mcp("fs", body='<tool name="read_file"/><tool name="list_dir"/>')
+        stdio_mcp("fs", body='<tool name="read_file"/><tool name="list_dir"/><tool name="find"/>')
         + '<listener name="echo" handler="echo"/>',
     )
     done = cli("check", str(good))
@@ -106,6 +106,8 @@ def test_check_prints_the_mapping_and_refuses_collisions(tmp_path):
     out = done.stdout.decode()
     assert "mcp fs: tool 'read_file' -> listener fs-read_file" in out
     assert "mcp fs: tool 'list_dir' -> listener fs-list_dir" in out
+    # what the JSON Schema mapping could not do is said, tool by tool
+    assert "mcp fs: tool 'find' -> listener fs-find (as JSON text: pattern, where)" in out
     assert "fs-pid" not in out  # not in the allow-list
     clash = boot(
         tmp_path / "clash.xml",
@@ -136,12 +138,13 @@ class ScriptedModel(FakeServer):
     def default(self, seen: Seen) -> Script:
         messages = seen.body["messages"]
         self.system = str(messages[0]["content"])
-        text = "\n".join(str(m.get("content", "")) for m in messages)
+        text = self.last = "\n".join(str(m.get("content", "")) for m in messages)
         todo = re.search(r'tool="fs-read_file">\s*<text>([^<]*)</text>', text)
         files = re.search(r'tool="web-list_dir">\s*<text>([^<]*)</text>', text)
         if todo is None or files is None:
             return openai_ok(
                 f'<read_file xmlns="{FS}"><path>/notes/todo.txt</path></read_file>'
+                f'<read_file xmlns="{FS}"><path>/notes/secret.txt</path></read_file>'
                 f'<list_dir xmlns="{WEB}"><folder>/notes</folder><limit>5</limit></list_dir>',
                 model="m",
             )
@@ -155,7 +158,11 @@ async def test_an_agent_calls_two_mcp_tools_and_answers_with_their_results(tmp_p
         stdio_mcp("fs", body='<tool name="read_file"/>')
         + f'<mcp name="web" url="{http_mcp.url}"><tool name="list_dir"/></mcp>'
         + '<listener name="assistant" handler="assistant" agent="true" '
-        'peers="fs-read_file web-list_dir" timeout="60"><agent model="m" max-steps="4"/></listener>',
+        'peers="fs-read_file web-list_dir" timeout="60"><agent model="m" max-steps="4"/>'
+        # Governance applies to MCP tools as to any peer.
+        '<policy default="allow"><rule priority="10" id="no-secrets" decision="deny" '
+        'target="fs-*"><arg path="path" equals="/notes/secret.txt"/></rule></policy>'
+        "</listener>",
         llm=True,
     )
     async with trio.open_nursery() as nursery:
@@ -182,6 +189,10 @@ async def test_an_agent_calls_two_mcp_tools_and_answers_with_their_results(tmp_p
     assert "Read one file of the notes folder and return its text." in model.system
     assert f'<list_dir xmlns="{WEB}">' in model.system
     assert "<limit>: integer (optional)" in model.system
+    # The call the policy denied never reached the MCP server; the model was told.
+    assert "no-secrets" in model.last
+    assert "no such file" not in model.last
+    assert "Error executing tool" not in model.last
 
 
 async def _call(client, payload: str, to: str):
