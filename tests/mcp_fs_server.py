@@ -71,6 +71,15 @@ def die() -> str:
     os._exit(3)
 
 
+@server.tool(description="Ends the server process the first time it is called.")
+def flaky() -> str:
+    assert marks is not None
+    if not (marks / "flaky").exists():
+        (marks / "flaky").write_text(str(os.getpid()))
+        os._exit(3)
+    return f"survived in {os.getpid()}"
+
+
 @server.tool(description="Adds a tool named extra and tells the client its tools changed.")
 async def grow(ctx: Context) -> str:
     server.add_tool(lambda: "extra!", name="extra", description="Added later.")

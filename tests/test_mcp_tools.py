@@ -261,6 +261,34 @@ async def test_errors_timeouts_a_killed_server_and_a_changed_tool_list(tmp_path)
     assert "MCP server fs failed" in server.stderr or "reconnecting" in server.stderr
 
 
+async def test_an_idempotent_servers_failed_call_is_retried_after_the_restart(tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    path = boot(
+        tmp_path / "boot.xml",
+        stdio_mcp(
+            "fs",
+            marks,
+            extra='idempotent="true" retries="4" timeout="10"',
+            body='<tool name="flaky"/>',
+        ),
+    )
+    server = await trio.to_thread.run_sync(
+        lambda: ServerProcess.start(path, cwd=tmp_path, timeout=40)
+    )
+    try:
+        async with open_client(server.host, server.port) as client:
+            reply = await _call(client, f'<flaky xmlns="{FS}"/>', "fs-flaky")
+    finally:
+        assert await trio.to_thread.run_sync(server.stop) == 0, server.stderr
+    # The first attempt killed the server; the retry reached the restarted one.
+    assert reply.payload.get("status") == "ok", reply.payload
+    died = (marks / "flaky").read_text()
+    assert reply.payload.findtext(f"{{{MCP}}}text").startswith("survived in ")
+    assert not reply.payload.findtext(f"{{{MCP}}}text").endswith(f" {died}")
+    assert "fs-flaky: attempt 1 failed" in server.stderr
+
+
 def test_the_stdio_servers_stop_with_the_server(tmp_path):
     marks = tmp_path / "marks"
     marks.mkdir()

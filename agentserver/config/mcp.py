@@ -18,7 +18,8 @@ from collections.abc import Mapping
 
 from lxml import etree
 
-from agentserver.config.imports import B
+from agentserver.agents.steps import DEFAULT_RETRIES, StepPolicy
+from agentserver.config.imports import B, flag
 from agentserver.config.problems import Report
 from agentserver.config.topology import ListenerSpec, Topology
 from agentserver.core.errors import ConfigurationError
@@ -88,7 +89,10 @@ class McpReader:
             headers=headers,
             allow=allow,
             timeout=float(el.get("timeout", DEFAULT_TIMEOUT)),
+            connect_timeout=float(el.get("connect-timeout", DEFAULT_TIMEOUT)),
             concurrency=int(el.get("concurrency", DEFAULT_CONCURRENCY)),
+            idempotent=flag(el, "idempotent"),
+            retries=int(el.get("retries", DEFAULT_RETRIES)),
             line=line,
         )
 
@@ -166,7 +170,7 @@ class McpReader:
                     accepts=(model,),
                     responds=(McpResult,),
                     concurrency=spec.concurrency,
-                    timeout=spec.timeout,
+                    timeout=call_budget(spec),
                     raw=True,
                     description=tool.description,
                     line=spec.line,
@@ -174,6 +178,14 @@ class McpReader:
                 )
             )
         return listeners
+
+
+def call_budget(spec: McpServerSpec) -> float:
+    """The pump's bound on one call of ``spec``'s tools: the timeout, or with
+    ``idempotent`` every attempt and backoff plus a second (as a remote listener's)."""
+    if not spec.idempotent:
+        return spec.timeout
+    return StepPolicy(spec.timeout, True, spec.retries).budget() + 1.0
 
 
 def _with_tools(spec: McpServerSpec, tools: tuple[ToolInfo, ...]) -> McpServerSpec:

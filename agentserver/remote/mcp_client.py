@@ -13,7 +13,7 @@ one is served after a restart).
 
 A call is bounded by its listener's ``timeout`` (the pump cancels the handler); the SDK
 sends ``notifications/cancelled`` for a request its caller abandons, so the MCP server
-stops the work too. Connecting and listing are bounded by ``<mcp timeout>``.
+stops the work too. Connecting and listing are bounded by ``<mcp connect-timeout>``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 import trio
 from lxml import etree
 
+from agentserver.agents.steps import backoff
 from agentserver.core.errors import DeliveryRefused, SystemErrorCode
 from agentserver.core.jsonschema_xsd import ArgumentError, ToolShape
 from agentserver.core.listener import HandlerMetadata, HandlerResponse, HandlerResult
@@ -106,14 +107,14 @@ async def list_tools(session: Any) -> tuple[ToolInfo, ...]:
 
 
 async def discover(spec: McpServerSpec) -> tuple[ToolInfo, ...]:
-    """Connect to ``spec``'s server, list its tools and disconnect, within ``spec.timeout``.
-    Raises :class:`McpConnectError`."""
+    """Connect to ``spec``'s server, list its tools and disconnect, within
+    ``spec.connect_timeout``. Raises :class:`McpConnectError`."""
     try:
-        with trio.fail_after(spec.timeout):
+        with trio.fail_after(spec.connect_timeout):
             async with open_session(spec) as session:
                 return await list_tools(session)
     except trio.TooSlowError:
-        raise McpConnectError(f"no tool list within {spec.timeout:g} s") from None
+        raise McpConnectError(f"no tool list within {spec.connect_timeout:g} s") from None
     except Exception as exc:
         raise McpConnectError(_describe(exc)) from None
 
@@ -131,9 +132,9 @@ def discover_blocking(spec: McpServerSpec) -> tuple[ToolInfo, ...]:
 
     worker = threading.Thread(target=run, name=f"mcp-discover-{spec.name}", daemon=True)
     worker.start()
-    worker.join(spec.timeout + 10)
+    worker.join(spec.connect_timeout + 10)
     if not outcome:
-        raise McpConnectError(f"no tool list within {spec.timeout:g} s")
+        raise McpConnectError(f"no tool list within {spec.connect_timeout:g} s")
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
     return outcome[0]
@@ -192,14 +193,16 @@ class McpConnection:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Connect and stay connected until cancelled. ``started`` once the first attempt
-        (bounded by the timeout) succeeded or failed. On cancel the session closes and a
+        (bounded by ``connect_timeout``) succeeded or failed. On cancel the session closes and a
         stdio server's process is stopped."""
         delay = BACKOFF_FIRST
         started = False
         while True:
             try:
                 # Connecting and listing are bounded; a connected session is not.
-                with trio.CancelScope(deadline=trio.current_time() + self.spec.timeout) as bound:
+                with trio.CancelScope(
+                    deadline=trio.current_time() + self.spec.connect_timeout
+                ) as bound:
                     async with open_session(self.spec, message_handler=self._on_message) as session:
                         self._update(await list_tools(session))
                         bound.deadline = math.inf
@@ -218,7 +221,9 @@ class McpConnection:
                             self.session = None
                 if bound.cancelled_caught:
                     log.warning(
-                        "MCP server %s: no answer within %gs", self.spec.name, self.spec.timeout
+                        "MCP server %s: no tool list within %gs",
+                        self.spec.name,
+                        self.spec.connect_timeout,
                     )
             except Exception as exc:
                 log.warning("MCP server %s failed: %s", self.spec.name, _describe(exc))
@@ -247,7 +252,7 @@ class McpConnection:
             if self._broken.is_set():
                 return
             try:
-                with trio.fail_after(self.spec.timeout):
+                with trio.fail_after(self.spec.connect_timeout):
                     if self._relist.is_set():
                         self._relist = trio.Event()
                         self._update(await list_tools(session))
@@ -286,6 +291,16 @@ class McpConnection:
             )
         self.tools = new
 
+    async def call_with_retries(
+        self, tool: str, arguments: Mapping[str, Any], listener: str
+    ) -> McpResult:
+        """:meth:`call`; for an ``idempotent`` server, a failed or timed-out attempt
+        (each bounded by ``timeout``; cancelled on the MCP side) is retried up to
+        ``retries`` times, ``backoff(n)`` apart (a result, even a failed one, is final)."""
+        if not self.spec.idempotent:
+            return await self.call(tool, arguments, listener)
+        return await _retrying(self, tool, arguments, listener)
+
     async def call(self, tool: str, arguments: Mapping[str, Any], listener: str) -> McpResult:
         """Call ``tool``. Raises DeliveryRefused (a ``<SystemError>`` for the caller) while
         the server is down or when the transport fails under the call; cancelling the
@@ -321,6 +336,31 @@ class McpConnection:
         return result_of(listener, result)
 
 
+async def _retrying(
+    connection: McpConnection, tool: str, arguments: Mapping[str, Any], listener: str
+) -> McpResult:
+    spec = connection.spec
+    attempts = 1 + spec.retries
+    for attempt in range(1, attempts + 1):
+        try:
+            with trio.fail_after(spec.timeout):
+                return await connection.call(tool, arguments, listener)
+        except trio.TooSlowError:
+            failure = DeliveryRefused(
+                SystemErrorCode.TIMEOUT, retry_allowed=True, detail=f"{listener}: timed out"
+            )
+        except DeliveryRefused as exc:
+            failure = exc
+        if attempt == attempts:
+            raise failure
+        delay = backoff(attempt)
+        log.warning(
+            "%s: attempt %d failed (%s); retrying in %gs", listener, attempt, failure, delay
+        )
+        await trio.sleep(delay)
+    raise AssertionError("unreachable")
+
+
 def _is_protocol_error(exc: Any) -> bool:
     """A JSON-RPC error the server sent (codes -32700..-32000 but the SDK's own
     connection-closed and timeout codes), as opposed to the transport failing."""
@@ -350,7 +390,7 @@ class McpHub:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run every connection until cancelled; ``started`` once each made its first
-        attempt (at most the largest ``<mcp timeout>``)."""
+        attempt (each at most its ``connect-timeout``)."""
         async with trio.open_nursery() as nursery:
             for connection in self.connections.values():
                 await nursery.start(connection.run)
@@ -367,7 +407,7 @@ class McpHub:
             except (ArgumentError, ValueError) as exc:
                 result = McpResult(status="failed", tool=listener, text=[str(exc)])
             else:
-                result = await connection.call(tool, arguments, listener)
+                result = await connection.call_with_retries(tool, arguments, listener)
             return HandlerResponse.respond(result)
 
         mcp_tool.__qualname__ = f"mcp:{listener}"

@@ -27,11 +27,16 @@ class McpServerSpec:
     headers: Mapping[str, str] = field(default_factory=dict)
     #: The tools offered (by the server's names); None: every tool it lists.
     allow: tuple[str, ...] | None = None
-    #: Seconds one call may take (then it is cancelled on the MCP side too); also the
-    #: bound on connecting and listing the tools.
+    #: Seconds one call may take (then it is cancelled on the MCP side too).
     timeout: float = 30.0
+    #: Seconds connecting (a stdio server's start included) and listing the tools may take.
+    connect_timeout: float = 30.0
     #: Calls in flight at once, per tool listener.
     concurrency: int = 8
+    #: A failed (server down, transport lost) or timed-out attempt may be retried, up to
+    #: ``retries`` more times (agentserver.agents.steps.backoff apart).
+    idempotent: bool = False
+    retries: int = 3
     line: int = 0
     #: The tools it listed when boot.xml was loaded (after the allow-list).
     tools: tuple[ToolInfo, ...] = ()
