@@ -99,10 +99,13 @@ def _check(found: dict) -> None:
 @pytest.fixture
 async def running(tmp_path, nursery):
     model = await SlowModel().start(nursery)
-    env = subprocess_env(OPENAI_BASE_URL=model.base_url, OPENAI_API_KEY="k", MCP_TOKEN="s3cret")
+    env = subprocess_env(
+        OPENAI_BASE_URL=model.base_url, OPENAI_API_KEY="k", MCP_TOKEN="s3cret", NARROW_TOKEN="n"
+    )
     path = boot(
         tmp_path / "boot.xml",
-        clients='<clients><client name="claude" token-env="MCP_TOKEN"/></clients>',
+        clients='<clients><client name="claude" token-env="MCP_TOKEN"/>'
+        '<client name="narrow" token-env="NARROW_TOKEN" may-address="calculator"/></clients>',
     )
     server = await trio.to_thread.run_sync(
         lambda: ServerProcess.start(path, "--http-port", "0", env=env, cwd=tmp_path, timeout=40)
@@ -133,6 +136,27 @@ async def test_the_sdk_client_calls_agents_and_listeners_at_slash_mcp(running):
         await session.initialize()
         with trio.fail_after(60):
             _check(await _session_calls(session))
+    # A client's may-address bounds what it sees and calls.
+    async with (
+        create_mcp_http_client(headers={"Authorization": "Bearer n"}) as http,
+        streamable_http_client(url, http_client=http) as (read, write),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        names = {t.name for t in (await session.list_tools()).tools}
+        assert names and all(n.startswith("calculator-") for n in names), names
+        refused = await session.call_tool("assistant", {"text": "hi"})
+        assert refused.is_error
+        assert refused.content[0].text == "unknown tool 'assistant'"
+    # A page that made its own name resolve to 127.0.0.1 (DNS rebinding) is refused.
+    async with create_mcp_http_client(headers=headers) as http:
+        response = await http.post(
+            url,
+            json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
+            headers={"Host": "evil.example:80", "Accept": "application/json, text/event-stream"},
+        )
+        assert response.status_code == 421, response.status_code
+        assert response.text == "Invalid Host header"
 
 
 async def test_the_sdk_client_calls_agentserver_mcp_over_stdio(running):

@@ -368,6 +368,7 @@ async def _start_http(
     )
     mcp_http = None
     if topology.expose_mcp:
+        from agentserver.config.loader import is_loopback
         from agentserver.config.mcp import exposed_tools
         from agentserver.http.gate import Gate
         from agentserver.http.mcp_expose import GatewaySender, McpHttp, build_server
@@ -379,7 +380,8 @@ async def _start_http(
                 name=topology.organism,
                 version=package_version(),
                 may_see=Gate.may_see,
-            )
+            ),
+            loopback=is_loopback(spec.host),
         )
     gateway_scope = trio.CancelScope()
 

@@ -163,12 +163,27 @@ async def _report_progress(ctx: Any, token: Any, listener: str) -> None:
 class McpHttp:
     """``/mcp``: the SDK's streamable-HTTP session manager (stateless: each request is
     complete in itself) behind the HTTP API's authentication. :meth:`running` must be
-    entered while the HTTP API serves."""
+    entered while the HTTP API serves.
 
-    def __init__(self, server: Any) -> None:
+    ``loopback``: the API listens on a loopback address, where anonymous callers may be
+    served; the SDK's DNS-rebinding protection then refuses a request whose ``Host`` (or
+    ``Origin``) is not a loopback name, so a web page cannot reach the tools through a
+    name it made resolve to 127.0.0.1."""
+
+    def __init__(self, server: Any, *, loopback: bool) -> None:
         from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+        from mcp.server.transport_security import TransportSecuritySettings
 
-        self.manager = StreamableHTTPSessionManager(app=server, stateless=True)
+        security = None
+        if loopback:
+            security = TransportSecuritySettings(
+                enable_dns_rebinding_protection=True,
+                allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*"],
+                allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"],
+            )
+        self.manager = StreamableHTTPSessionManager(
+            app=server, stateless=True, security_settings=security
+        )
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentserver.core.jsonschema_xsd import ToolShape
+
 #: A listener name is at most this long (agentserver.core.listener.NAME_RE).
 MAX_NAME = 64
 
@@ -79,8 +81,7 @@ class McpToolRef:
 
     server: str
     tool: str
-    #: An :class:`agentserver.core.jsonschema_xsd.ToolShape`.
-    shape: Any = field(compare=False)
+    shape: ToolShape = field(compare=False)
 
     @property
     def fallbacks(self) -> tuple[str, ...]:
