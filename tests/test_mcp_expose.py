@@ -44,6 +44,9 @@ class SlowModel(FakeServer):
 
     def default(self, seen: Seen) -> Script:
         question = str(seen.body["messages"][-1]["content"])
+        everything = " ".join(str(m.get("content", "")) for m in seen.body["messages"][1:])
+        if "loop" in everything:  # never answers: the Turn fails at max-steps
+            return openai_ok(f'<task xmlns="{ASSISTANT}"><text>loop again</text></task>', model="m")
         answer = "Paris" if "capital" in question else "?"
         return openai_ok(f"You asked: {answer}", model="m", delay=2.5)
 
@@ -59,6 +62,7 @@ async def _session_calls(session) -> dict:
     answer = await session.call_tool(
         "assistant", {"text": "What is the capital of France?"}, progress_callback=on_progress
     )
+    failed = await session.call_tool("assistant", {"text": "loop"})
     add = await session.call_tool("calculator-add", {"a": 2, "b": 40})
     zero = await session.call_tool("calculator-divide", {"a": 1, "b": 0})
     bad = await session.call_tool("calculator-add", {"a": "x", "b": 1})
@@ -66,6 +70,7 @@ async def _session_calls(session) -> dict:
         "tools": tools,
         "answer": answer,
         "progress": progress,
+        "failed": failed,
         "add": add,
         "zero": zero,
         "bad": bad,
@@ -88,6 +93,8 @@ def _check(found: dict) -> None:
     # The Turn took a while: the client was told it was working, in order.
     assert found["progress"], "no progress notification"
     assert found["progress"] == sorted(found["progress"])
+    # A failed Turn (here: out of steps) is a failed answer: isError.
+    assert found["failed"].is_error, found["failed"]
     add = found["add"]
     assert not add.is_error
     assert "<value>42</value>" in add.content[0].text
