@@ -16,6 +16,7 @@ import time
 import pytest
 import trio
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from lxml import etree
 from serverproc import TESTS, ServerProcess, cli, subprocess_env, wait_until
 
 from agentserver.core.threads import new_thread_id
@@ -109,6 +110,13 @@ def test_check_prints_the_mapping_and_refuses_collisions(tmp_path):
     # what the JSON Schema mapping could not do is said, tool by tool
     assert "mcp fs: tool 'find' -> listener fs-find (as JSON text: pattern, where)" in out
     assert "fs-pid" not in out  # not in the allow-list
+    # The tools' payload schemas export like any (one file per namespace, compiling).
+    done = cli("schemas", str(good), "--out", str(tmp_path / "xsd"))
+    assert done.returncode == 0, done.stderr
+    exported = etree.XMLSchema(etree.parse(str(tmp_path / "xsd" / "urn-agentserver-mcp-fs.xsd")))
+    assert exported.validate(
+        etree.fromstring(f'<read_file xmlns="{FS}"><path>/notes/todo.txt</path></read_file>')
+    )
     clash = boot(
         tmp_path / "clash.xml",
         '<listener name="fs-pid" handler="echo"/>'
@@ -196,8 +204,6 @@ async def test_an_agent_calls_two_mcp_tools_and_answers_with_their_results(tmp_p
 
 
 async def _call(client, payload: str, to: str):
-    from lxml import etree
-
     thread = new_thread_id()
     await client.send(etree.fromstring(payload), to=to, thread=thread)
     with trio.fail_after(20):

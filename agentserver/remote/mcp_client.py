@@ -362,8 +362,9 @@ async def _retrying(
 
 
 def _is_protocol_error(exc: Any) -> bool:
-    """A JSON-RPC error the server sent (codes -32700..-32000 but the SDK's own
-    connection-closed and timeout codes), as opposed to the transport failing."""
+    """A JSON-RPC error the server answered (parse error, invalid request, unknown method,
+    invalid params, internal error), as opposed to the transport failing (the SDK's own
+    connection-closed and timeout codes)."""
     code = getattr(getattr(exc, "error", None), "code", None)
     if code is None:
         code = getattr(exc, "code", None)
