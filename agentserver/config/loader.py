@@ -16,8 +16,10 @@ One module per part of the file: :mod:`~agentserver.config.listeners` (with
 :mod:`~agentserver.config.governance`), :mod:`~agentserver.config.clients` (clients and
 TLS), :mod:`~agentserver.config.sections` (limits, http, llm, store). Pure apart from
 importing the modules the file names (which is what running it would do), reading the
-environment (token variables are set or not; ``*-env`` overrides) and reading the TLS
-and schema files it names.
+environment (token variables are set or not; ``*-env`` overrides), reading the TLS
+and schema files it names, and reaching each ``<mcp>`` server once to list its tools
+(:mod:`~agentserver.config.mcp`: a stdio server's command is started, bounded by its
+``connect-timeout``).
 """
 
 from __future__ import annotations
