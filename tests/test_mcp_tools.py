@@ -327,3 +327,18 @@ def _alive(pid: int) -> bool:
         return False
     stat = pathlib.Path(f"/proc/{pid}/stat")
     return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+@pytest.mark.subprocess
+async def test_in_process_testing_runs_the_mcp_servers_too(tmp_path):
+    from agentserver.app.testing import in_process
+
+    path = boot(tmp_path / "boot.xml", stdio_mcp("fs", body='<tool name="read_file"/>'))
+    async with in_process(path) as organism:
+        reply = await organism.request(
+            f'<read_file xmlns="{FS}"><path>/notes/ideas.txt</path></read_file>',
+            to="fs-read_file",
+            timeout=20,
+        )
+    assert reply.payload.get("status") == "ok", reply.payload
+    assert reply.payload.findtext(f"{{{MCP}}}text") == "an XML pump"
