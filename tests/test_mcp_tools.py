@@ -300,9 +300,11 @@ def test_the_stdio_servers_stop_with_the_server(tmp_path):
     marks.mkdir()
     path = boot(tmp_path / "boot.xml", stdio_mcp("fs", marks))
     server = ServerProcess.start(path, cwd=tmp_path, timeout=40)
-    children = _children(server.proc.pid)
+    try:
+        children = _children(server.proc.pid)
+    finally:
+        assert server.stop() == 0, server.stderr
     assert children, "no MCP server process"
-    assert server.stop() == 0
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(p) for p in children):
         time.sleep(0.1)
