@@ -7,6 +7,7 @@ is given (no module-level singletons).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -187,6 +188,9 @@ async def run_server(
     pump = Pump(built.listeners, config=config, tracing=tracing)
     step_log = step_writer = None
     async with ctx.resources:
+        if built.mcp_hub is not None:
+            # Connected before the pump runs; closed (servers stopped) after it drained.
+            await ctx.resources.enter_async_context(built.mcp_hub.running())
         async with trio.open_nursery() as nursery:
             await nursery.start(pump.run)
             from agentserver.app.agents import start_agents
@@ -372,6 +376,23 @@ async def _start_http(
         read_timeout=topology.limits.read_timeout,
         graceful_timeout=topology.limits.drain_timeout,
     )
+    mcp_http = None
+    if topology.expose_mcp:
+        from agentserver.config.loader import is_loopback
+        from agentserver.config.mcp import exposed_tools
+        from agentserver.http.gate import Gate
+        from agentserver.http.mcp_expose import GatewaySender, McpHttp, build_server
+
+        mcp_http = app_ctx.mcp = McpHttp(
+            build_server(
+                exposed_tools(topology),
+                GatewaySender(gateway),
+                name=topology.organism,
+                version=package_version(),
+                may_see=Gate.may_see,
+            ),
+            loopback=is_loopback(spec.host),
+        )
     gateway_scope = trio.CancelScope()
 
     async def run_gateway(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -380,7 +401,8 @@ async def _start_http(
 
     async def run_http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         try:
-            await serve_http(build_app(app_ctx), config, stop, task_status=task_status)
+            async with mcp_http.running() if mcp_http is not None else contextlib.nullcontext():
+                await serve_http(build_app(app_ctx), config, stop, task_status=task_status)
         finally:
             gateway_scope.cancel()
 

@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from agentserver.cli import check, console, operator, run, runner, send, status
+from agentserver.cli import check, console, mcp, operator, run, runner, send, status
 from agentserver.cli.common import (
     BOOT_ENV,
     DEFAULT_CONNECT,
@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     runner.add_parsers(sub, common, remote)
     operator.add_parsers(sub, common, remote)
     console.add_parsers(sub, common, remote)
+    mcp.add_parsers(sub, common, remote)
     return parser
 
 
@@ -102,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runner": runner.cmd_runner,
         "stop": operator.cmd_operator,
         "cancel": operator.cmd_operator,
+        "mcp": mcp.cmd_mcp,
     }
     return handler[args.command](args)
 

@@ -43,6 +43,8 @@ class HttpContext:
     anonymous_operators: bool = False
     #: The web console's TLS: its cookies are marked ``Secure``.
     tls: bool = False
+    #: ``/mcp`` (:class:`agentserver.http.mcp_expose.McpHttp`; None: ``<expose-mcp>`` absent).
+    mcp: Any = None
     organism: str = ""
     version: str = ""
     counters: dict[str, int] = field(
