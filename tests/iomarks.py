@@ -72,6 +72,11 @@ RESOURCES: dict[str, tuple[str, ...]] = {
         "multiprocessing",
         "trio:run_process",
         "trio.lowlevel:open_process",
+        # (MCP servers over stdio: started by the SDK through anyio, in a worker thread)
+        "agentserver.remote.mcp_client:open_session",
+        "agentserver.remote.mcp_client:discover",
+        "agentserver.remote.mcp_client:discover_blocking",
+        "agentserver.remote.mcp_client:McpHub",
     ),
     "socket": (
         "socket",

@@ -146,6 +146,38 @@ async def test_agents_view_is_the_same_on_every_backend(opener):
     assert await view.turn_thread("no-such-turn") == (None, None)
 
 
+async def test_the_web_consoles_views_are_the_same_on_every_backend(opener):
+    """The recent tasks of an agent and a Turn's log (cards, cut; decisions; approvals)."""
+    from agentserver.agents.sql.views import CARD_TEXT_CHARS
+
+    store = await opener()
+    await store.ensure_agents([A, B])
+    view = AgentsView(store, (A, B))
+    assert await view.recent_tasks(A) == []
+    turn = await failed_turn(store, "first", "t1")
+    await store.enqueue_turn(A, b"second", {"caller_thread": "t2"})
+    await store.enqueue_turn(A, b"third", {"hop": "h3"})
+    tasks = await view.recent_tasks(A, 2)
+    # Newest first, by the caller's thread (else the hop's); the second is not started.
+    assert [(t["thread"], t["hop"]) for t in tasks] == [("h3", "h3"), ("t2", None)]
+    assert tasks[0]["status"] == "queued" and tasks[0]["turn"] is None
+    first = (await view.recent_tasks(A))[-1]
+    assert (first["thread"], first["turn"], first["created_at"]) == ("t1", turn, 1000.0)
+    assert await view.recent_tasks(B) == []
+
+    log = await view.turn_log(turn)
+    kinds = [c["type"] for c in log["cards"]]
+    assert kinds[0] == CardType.TASK_INPUT and kinds[-1] == CardType.DELIVERABLE
+    assert CardType.LLM_MESSAGE in kinds
+    assert [c["seq"] for c in log["cards"]] == sorted(c["seq"] for c in log["cards"])
+    deliverable = log["cards"][-1]
+    assert deliverable["text"] == ("no luck " * 100)[:CARD_TEXT_CHARS]
+    assert deliverable["cut"] is False and isinstance(deliverable["metadata"], dict)
+    assert log["decisions"] == [] and log["approvals"] == []
+    assert await view.turn_log("no-such-turn") == {"cards": [], "decisions": [], "approvals": []}
+    assert await view.pending_approvals() == []
+
+
 async def test_an_unreachable_store_is_not_ready(opener):
     store = await opener()
     view = AgentsView(store, (A,))

@@ -75,6 +75,26 @@ class PumpPorts:
         self._delivered: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: Listeners whose approval decisions are the operator's (console routers).
         self.operators = frozenset(operators)
+        #: Endpoint name -> the named client it speaks for when it decides an approval:
+        #: the HTTP API's per-message endpoints of an authenticated client (its replies
+        #: still go to that endpoint, so this is not :attr:`clients`' identity map).
+        self._deciders: dict[str, str] = {}
+
+    def speak_for(self, endpoint: str, identity: str) -> None:
+        """Endpoint ``endpoint`` was opened for authenticated client ``identity``: an
+        approval decision it sends is ``identity``'s. Until :meth:`forget_endpoint`."""
+        self._deciders[endpoint] = identity
+
+    def forget_endpoint(self, endpoint: str) -> None:
+        self._deciders.pop(endpoint, None)
+
+    def decider(self, endpoint: str) -> str:
+        """Who decides an approval sent from ``endpoint``: the named client behind it
+        (a connection's, or an HTTP message's), else the endpoint's own name."""
+        found = self._deciders.get(endpoint)
+        if found is None and self.clients is not None:
+            found = self.clients.identity_of(endpoint)
+        return found or endpoint
 
     def reply_ref(self, ref: ThreadRef) -> dict[str, object]:
         """The durable reference of a task's hop; it names the client identity when the
@@ -198,8 +218,8 @@ async def approval_decision(
     by: str | None = meta.from_id
     if ports is not None and meta.from_id in ports.operators:
         by = None  # the server's own console: the operator may decide any request
-    elif ports is not None and ports.clients is not None:
-        by = ports.clients.identity_of(meta.from_id) or meta.from_id
+    elif ports is not None:
+        by = ports.decider(meta.from_id)
     status = await runtime.approvals.decide(
         decision.request, decision.grant, decision.reason.strip(), by
     )

@@ -434,6 +434,12 @@ class SqlAgentStore(abc.ABC):
     async def task_view(self, agent_id: str, thread: str) -> dict[str, Any] | None:
         return await self._read(views.task, agent_id, thread)
 
+    async def recent_tasks(self, agent_id: str, limit: int = 20) -> list[dict[str, Any]]:
+        return await self._read(views.recent_tasks, agent_id, limit)
+
+    async def turn_log(self, agent_turn_id: str) -> dict[str, Any]:
+        return await self._read(views.turn_log, agent_turn_id)
+
     async def fork(self, agent_id: str, thread: str, at_step: int) -> dict[str, Any]:
         """A forked conversation (agents/sql/forks.py). Raises ForkRefused."""
         return await self._run(forks.fork, agent_id, thread, at_step)

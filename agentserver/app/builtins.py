@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     # Imported where used: most commands (check, schemas) need neither, and both are slow.
     from agentserver.agents.service import LateHandler
     from agentserver.remote.hub import RunnerHub
+    from agentserver.remote.mcp_client import McpHub
 
 
 @dataclass(slots=True)
@@ -156,6 +157,9 @@ class ListenerSet:
     #: Each agent listener's handler, by name: it refuses until the agent runtime binds
     #: it once the pump runs (:func:`agentserver.app.agents.start_agents`).
     agent_handlers: Mapping[str, LateHandler] = field(default_factory=dict)
+    #: The connections to the ``<mcp>`` servers behind the tool listeners (None: none);
+    #: the composition root runs it while the pump runs.
+    mcp_hub: McpHub | None = None
 
 
 def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
@@ -170,10 +174,19 @@ def build_listener_set(topology: Topology, ctx: RunContext) -> ListenerSet:
     listeners = []
     late: dict[str, LateHandler] = {}
     hub: RunnerHub | None = None
+    mcp_hub: McpHub | None = None
     for spec in topology.listeners:
         timeout = spec.timeout
         sync = False
-        if spec.remote:
+        if spec.mcp_tool is not None:
+            # An MCP server's tool: the hub's connection to the server calls it.
+            from agentserver.remote.mcp_client import McpHub
+
+            if mcp_hub is None:
+                mcp_hub = McpHub(topology.mcp)
+            ref = spec.mcp_tool
+            handler = mcp_hub.handler_for(ref.server, ref.tool, spec.name, ref.shape)
+        elif spec.remote:
             # Served by runners over the wire: the hub's handler sends each delivery as a
             # job and returns the runner's reply (agentserver.remote.hub).
             from agentserver.remote.hub import hub_for, pump_timeout
@@ -234,4 +247,4 @@ def build_listener_set(topology: Topology, ctx: RunContext) -> ListenerSet:
                 addressed_only=spec.addressed_only,
             )
         )
-    return ListenerSet(listeners, hub, MappingProxyType(late))
+    return ListenerSet(listeners, hub, MappingProxyType(late), mcp_hub)

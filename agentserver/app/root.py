@@ -7,6 +7,7 @@ is given (no module-level singletons).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -187,6 +188,9 @@ async def run_server(
     pump = Pump(built.listeners, config=config, tracing=tracing)
     step_log = step_writer = None
     async with ctx.resources:
+        if built.mcp_hub is not None:
+            # Connected before the pump runs; closed (servers stopped) after it drained.
+            await ctx.resources.enter_async_context(built.mcp_hub.running())
         async with trio.open_nursery() as nursery:
             await nursery.start(pump.run)
             from agentserver.app.agents import start_agents
@@ -211,7 +215,13 @@ async def run_server(
                 if on_agent_events is not None:
                     on_agent_events(agents.runtime.events)
             # Made once the agents run: the named clients' replies and the operator's
-            # commands need them.
+            # commands need them. The web console carries out stop/cancel with the same
+            # operator object, for the same operators.
+            operator = Operator(
+                agents.runtime if agents is not None else None,
+                hub,
+                max_message_bytes=topology.limits.max_message_bytes,
+            )
             server = Server(
                 pump,
                 topology.limits,
@@ -223,11 +233,7 @@ async def run_server(
                     for c in topology.clients
                 },
                 runners=hub,
-                operator=Operator(
-                    agents.runtime if agents is not None else None,
-                    hub,
-                    max_message_bytes=topology.limits.max_message_bytes,
-                ),
+                operator=operator,
                 operators=frozenset(c.name for c in topology.clients if c.operator),
                 anonymous_operators=not topology.clients,
                 named_clients=agents.ports.clients if agents is not None else None,
@@ -252,6 +258,7 @@ async def run_server(
                     ctx,
                     http_stop,
                     environ,
+                    operator,
                 )
                 log.debug("HTTP API on %s", ", ".join(urls))
                 if on_http is not None:
@@ -318,6 +325,7 @@ async def _start_http(
     ctx: RunContext,
     stop: trio.Event,
     environ,
+    operator: Operator | None = None,
 ) -> tuple[Any, list[str]]:
     """Start the HTTP API in ``nursery`` (it ends once ``stop`` is set and its requests
     are done, or after the drain timeout); returns its context (to close its event
@@ -330,7 +338,9 @@ async def _start_http(
     from agentserver.http.metrics import HttpCollector
     from agentserver.http.serve import http_config, serve_http
 
-    gateway = HttpGateway(pump, topology.limits, spec)
+    gateway = HttpGateway(
+        pump, topology.limits, spec, deciders=agents.ports if agents is not None else None
+    )
     registry.register(HttpCollector(gateway))
     view = None
     if agents is not None:
@@ -347,6 +357,10 @@ async def _start_http(
         backends=(lambda: router.stats().as_dict()["backends"]) if router is not None else None,
         transports=lambda: {"socket": server.connection_count, **server.counters},
         steps=hub.step_log if hub is not None else None,
+        operator=operator,
+        operators=frozenset(c.name for c in topology.clients if c.operator),
+        anonymous_operators=not topology.clients,
+        tls=topology.tls is not None,
         organism=topology.organism,
         version=package_version(),
     )
@@ -363,6 +377,23 @@ async def _start_http(
         read_timeout=topology.limits.read_timeout,
         graceful_timeout=topology.limits.drain_timeout,
     )
+    mcp_http = None
+    if topology.expose_mcp:
+        from agentserver.config.loader import is_loopback
+        from agentserver.config.mcp import exposed_tools
+        from agentserver.http.gate import Gate
+        from agentserver.http.mcp_expose import GatewaySender, McpHttp, build_server
+
+        mcp_http = app_ctx.mcp = McpHttp(
+            build_server(
+                exposed_tools(topology),
+                GatewaySender(gateway),
+                name=topology.organism,
+                version=package_version(),
+                may_see=Gate.may_see,
+            ),
+            loopback=is_loopback(spec.host),
+        )
     gateway_scope = trio.CancelScope()
 
     async def run_gateway(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -371,7 +402,8 @@ async def _start_http(
 
     async def run_http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         try:
-            await serve_http(build_app(app_ctx), config, stop, task_status=task_status)
+            async with mcp_http.running() if mcp_http is not None else contextlib.nullcontext():
+                await serve_http(build_app(app_ctx), config, stop, task_status=task_status)
         finally:
             gateway_scope.cancel()
 

@@ -12,6 +12,7 @@ an LLM: test those against a running server (see examples/).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -20,7 +21,7 @@ import trio
 from lxml import etree
 from pydantic_xml import BaseXmlModel
 
-from agentserver.app.builtins import RunContext, build_listeners
+from agentserver.app.builtins import RunContext, build_listener_set
 from agentserver.app.replay import ReplayError, ReplayReport, replay
 from agentserver.config import loader as boot
 from agentserver.core.envelope import build_envelope
@@ -70,7 +71,13 @@ async def in_process(
     """Load ``path`` (raising :class:`agentserver.config.loader.BootError` on errors, as ``run``
     refuses to start), run its pump for the block and hand back a client on it."""
     topology = boot.load_or_raise(path, environ=environ)
-    listeners = build_listeners(topology, RunContext(topology))
-    async with open_pump(listeners, config=topology.pump_config()) as pump:
+    built = build_listener_set(topology, RunContext(topology))
+    async with contextlib.AsyncExitStack() as stack:
+        if built.mcp_hub is not None:
+            # <mcp> servers' tools: connected for the block, as run_server does.
+            await stack.enter_async_context(built.mcp_hub.running())
+        pump = await stack.enter_async_context(
+            open_pump(built.listeners, config=topology.pump_config())
+        )
         await pump.inject_system(topology.boot_primitive(), to=topology.boot_listener.name)
         yield InProcess(pump, name)

@@ -24,6 +24,7 @@ from agentserver.cli import (
     console,
     export,
     fork,
+    mcp,
     operator,
     replay,
     run,
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     runner.add_parsers(sub, common, remote)
     operator.add_parsers(sub, common, remote)
     console.add_parsers(sub, common, remote)
+    mcp.add_parsers(sub, common, remote)
     replay.add_parsers(sub, common, remote)
     export.add_parsers(sub, common, remote)
     fork.add_parsers(sub, common, remote)
@@ -116,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runner": runner.cmd_runner,
         "stop": operator.cmd_operator,
         "cancel": operator.cmd_operator,
+        "mcp": mcp.cmd_mcp,
         "replay": replay.cmd_replay,
         "export": export.cmd_export,
         "fork": fork.cmd_fork,

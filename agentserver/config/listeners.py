@@ -18,6 +18,7 @@ from agentserver.agents.errors import AgentConfigError
 from agentserver.config.builtins import BUILTIN_HANDLERS, BUILTIN_PAYLOADS
 from agentserver.config.governance import read_governance
 from agentserver.config.imports import B, Resolver, Unresolved, flag, resolve_import
+from agentserver.config.mcp import McpReader
 from agentserver.config.problems import Report, pretty
 from agentserver.config.topology import ListenerSpec
 from agentserver.core.errors import ConfigurationError
@@ -46,8 +47,16 @@ class ListenerReader:
     """Reads the listeners of one boot.xml, reporting to ``report``. ``base_dir`` is
     boot.xml's folder (absolute): schema files are relative to it."""
 
-    def __init__(self, report: Report, resolver: Resolver, base_dir: pathlib.Path) -> None:
+    def __init__(
+        self,
+        report: Report,
+        resolver: Resolver,
+        base_dir: pathlib.Path,
+        mcp: McpReader | None = None,
+    ) -> None:
         self.report = report
+        #: Reads the ``<mcp>`` elements into tool listeners (None: they are refused).
+        self.mcp = mcp
         self.resolver = resolver
         self.base_dir = base_dir
         #: Listeners declared but broken (already reported): naming one as a peer, in
@@ -72,15 +81,26 @@ class ListenerReader:
         listener when none takes the boot primitive), checked as a whole."""
         specs: list[ListenerSpec] = []
         first_line: dict[str, int] = {}
-        for lel in el.iterfind(B + "listener"):
-            spec = self.listener(lel)
+        read: list[ListenerSpec | None] = []
+        for lel in el.iterchildren(B + "listener", B + "mcp"):
+            if lel.tag == B + "listener":
+                read.append(self.listener(lel))
+            elif self.mcp is not None:
+                read.extend(self.mcp.read(lel))
+            else:
+                self.error(lel.sourceline, "<mcp> is not read here")
+        for spec in read:
             if spec is None:
                 continue
             if spec.name in first_line:
-                self.error(
-                    spec.line,
-                    f"listener name {spec.name!r} is already used on line {first_line[spec.name]}",
-                )
+                what = f"listener name {spec.name!r}"
+                if spec.mcp_tool is not None:
+                    what = (
+                        f"MCP server {spec.mcp_tool.server!r}: tool {spec.mcp_tool.tool!r} maps "
+                        f"to the listener name {spec.name!r}, which"
+                    )
+                self.error(spec.line, f"{what} is already used on line {first_line[spec.name]}")
+                self.broken.add(spec.name)
                 continue
             first_line[spec.name] = spec.line
             specs.append(spec)

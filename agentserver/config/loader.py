@@ -16,8 +16,10 @@ One module per part of the file: :mod:`~agentserver.config.listeners` (with
 :mod:`~agentserver.config.governance`), :mod:`~agentserver.config.clients` (clients and
 TLS), :mod:`~agentserver.config.sections` (limits, http, llm, store). Pure apart from
 importing the modules the file names (which is what running it would do), reading the
-environment (token variables are set or not; ``*-env`` overrides) and reading the TLS
-and schema files it names.
+environment (token variables are set or not; ``*-env`` overrides), reading the TLS
+and schema files it names, and reaching each ``<mcp>`` server once to list its tools
+(:mod:`~agentserver.config.mcp`: a stdio server's command is started, bounded by its
+``connect-timeout``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from agentserver.config.clients import ClientReader, is_loopback
 from agentserver.config.governance import check_approvers
 from agentserver.config.imports import B, Resolver, add_import_dir, flag, resolve_import
 from agentserver.config.listeners import IMPLICIT_BOOT_NAME, ListenerReader
+from agentserver.config.mcp import McpReader, check_exposed
 from agentserver.config.problems import BootError, LoadResult, Problem, Report, pretty
 from agentserver.config.sections import SectionReader
 from agentserver.config.topology import DEFAULT_HOST, DEFAULT_PORT, Topology
@@ -139,7 +142,8 @@ class _Loader:
     def topology(self, root: etree._Element) -> Topology:
         report = self.report
         sections = SectionReader(report, self.base_dir, self.environ)
-        readers = ListenerReader(report, Resolver(), self.base_dir)
+        mcp = McpReader(report, self.base_dir, self.environ)
+        readers = ListenerReader(report, Resolver(), self.base_dir, mcp)
         access = ClientReader(report, self.base_dir, self.environ)
         listen = root.find(B + "listen")
         host = listen.get("host", DEFAULT_HOST) if listen is not None else DEFAULT_HOST
@@ -203,4 +207,8 @@ class _Loader:
             tls=tls,
             insecure_plaintext=insecure_plaintext,
             http=http,
+            mcp=tuple(mcp.servers),
+            expose_mcp=check_exposed(
+                report, root.find(B + "expose-mcp"), {s.name for s in listeners}
+            ),
         )

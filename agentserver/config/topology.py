@@ -26,6 +26,7 @@ from agentserver.net.limits import Limits  # defined below config (net applies i
 from agentserver.net.tls import TlsSpec
 from agentserver.primitives.core import Boot, boot_primitive
 from agentserver.pump.pump import PumpConfig
+from agentserver.remote.mcp_spec import McpServerSpec, McpToolRef
 
 if TYPE_CHECKING:
     # Types only: importing the agents and the LLM router would make every command that
@@ -119,6 +120,8 @@ class ListenerSpec:
     #: Of ``accepts``, the types taken by name only (``to``): their root tags are not
     #: claimed (the approval decision of a governed agent but the first; docs/agents.md).
     addressed_only: tuple[type[BaseXmlModel], ...] = ()
+    #: An MCP server's tool (``<mcp>``, docs/mcp.md); None: not one.
+    mcp_tool: McpToolRef | None = None
 
     @property
     def is_boot(self) -> bool:
@@ -157,6 +160,10 @@ class Topology:
     insecure_plaintext: bool = False
     #: ``<http>``: the HTTP API; None: not served (unless ``run --http-port``).
     http: HttpSpec | None = None
+    #: ``<mcp>``: the MCP servers whose tools are listeners, with the tools listed at load.
+    mcp: tuple[McpServerSpec, ...] = ()
+    #: ``<expose-mcp listeners>``: what ``agentserver mcp`` and ``/mcp`` offer.
+    expose_mcp: tuple[str, ...] = ()
 
     def listener(self, name: str) -> ListenerSpec:
         for spec in self.listeners:

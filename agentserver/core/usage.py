@@ -29,6 +29,8 @@ def describe_payload(ptype: PayloadType) -> str:
     schema = xmlschema.XMLSchema(etree.tostring(ptype.schema_doc, encoding="unicode"))
     element = schema.elements[ptype.local]
     lines = [f'<{ptype.local} xmlns="{ptype.namespace}">']
+    # A documented element (an MCP tool's description, docs/mcp.md) says what it does.
+    lines.extend("  " + line for line in _documentation(element).splitlines())
     for attr_name, attr in element.attributes.items():
         need = "required" if attr.use == "required" else "optional"
         lines.append(f"  attribute {attr_name}: {_type_name(attr.type)} ({need})")
@@ -41,11 +43,20 @@ def describe_payload(ptype: PayloadType) -> str:
     return "\n".join(lines)
 
 
+def _documentation(el) -> str:
+    """The text of an element declaration's ``xs:documentation`` ("" without one)."""
+    annotation = getattr(el, "annotation", None)
+    docs = getattr(annotation, "documentation", None) or ()
+    return " ".join((d.text or "").strip() for d in docs).strip()
+
+
 def _describe_child(child, indent: str) -> list[str]:
     occurs = _occurs(child)
+    doc = _documentation(child)
+    note = f" ({doc})" if doc else ""
     if child.type.is_simple():
-        return [f"{indent}<{child.local_name}>: {_type_name(child.type)}{occurs}"]
-    out = [f"{indent}<{child.local_name}>{occurs}:"]
+        return [f"{indent}<{child.local_name}>: {_type_name(child.type)}{occurs}{note}"]
+    out = [f"{indent}<{child.local_name}>{occurs}:{note}"]
     if child.type.content is not None and hasattr(child.type.content, "iter_elements"):
         for grandchild in child.type.content.iter_elements():
             out.extend(_describe_child(grandchild, indent + "  "))

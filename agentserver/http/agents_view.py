@@ -43,3 +43,16 @@ class AgentsView:
     async def turn_thread(self, turn: str) -> tuple[str | None, str | None]:
         """(caller thread, hop thread) of the task a Turn runs, for event filtering."""
         return await self.store.turn_thread(turn)
+
+    async def recent_tasks(self, name: str, limit: int = 20) -> list[dict[str, Any]]:
+        """The newest ``limit`` tasks of agent ``name``, newest first (the web console)."""
+        return await self.store.recent_tasks(name, limit)
+
+    async def turn_log(self, turn: str) -> dict[str, Any]:
+        """A Turn's cards, governance decisions and approvals (the web console)."""
+        return await self.store.turn_log(turn)
+
+    async def pending_approvals(self) -> list[Any]:
+        """Every approval request waiting for a decision, oldest first
+        (:class:`~agentserver.agents.approvals.PendingApproval`)."""
+        return await self.store.pending_approvals()

@@ -22,8 +22,10 @@ from agentserver.http.gate import Gate
 from agentserver.http.problems import problem
 from agentserver.http.routes.agents import AgentRoutes
 from agentserver.http.routes.events import SSE_BUFFER, SSE_KEEPALIVE, EventRoutes
+from agentserver.http.routes.mcp import McpRoute
 from agentserver.http.routes.messages import THREAD_HEADER, XML, MessageRoutes
 from agentserver.http.routes.status import StatusRoutes
+from agentserver.http.ui.app import ui_routes
 
 __all__ = [
     "SSE_BUFFER",
@@ -57,6 +59,8 @@ def build_app(ctx: HttpContext) -> Starlette:
             Route("/v1/events", events.events),
             Route("/v1/status", status.status),
             Route("/v1/steps", status.steps),
+            *ui_routes(ctx, gate, events, status),
+            Route("/mcp", McpRoute(ctx, gate), methods=["GET", "POST", "DELETE"]),
         ],
         exception_handlers={
             404: _not_found,

@@ -14,6 +14,7 @@ from agentserver.core.throttle import HelloThrottle
 from agentserver.http.agents_view import AgentsView
 from agentserver.http.auth import HttpAuth
 from agentserver.http.gateway import HttpGateway
+from agentserver.net.roles import OperatorCommands
 from agentserver.pump.pump import Pump
 
 
@@ -45,6 +46,16 @@ class HttpContext:
     transports: Callable[[], dict[str, Any]] = dict
     #: The remote listeners' step log (agents/step_log.py; None: no remote listeners).
     steps: Any = None
+    #: Carries out stop/cancel for the web console (the socket's operator object);
+    #: None: no one may. Operators: the clients in ``operators``, and anonymous callers
+    #: if ``anonymous_operators`` (as on the socket).
+    operator: OperatorCommands | None = None
+    operators: frozenset[str] = frozenset()
+    anonymous_operators: bool = False
+    #: The web console's TLS: its cookies are marked ``Secure``.
+    tls: bool = False
+    #: ``/mcp`` (:class:`agentserver.http.mcp_expose.McpHttp`; None: ``<expose-mcp>`` absent).
+    mcp: Any = None
     organism: str = ""
     version: str = ""
     counters: dict[str, int] = field(

@@ -34,9 +34,12 @@ class Gate:
         #: Addresses with a slowed (throttled) request waiting.
         self._throttled: set[str] = set()
 
-    async def identify(self, request: Request) -> Identity | Response:
+    async def identify(
+        self, request: Request, authorization: str | None = None
+    ) -> Identity | Response:
         """The caller, or the problem that refuses it. Failures are throttled per address
-        as failed hellos are on the socket."""
+        as failed hellos are on the socket. ``authorization``: the credentials to check
+        instead of the request's ``Authorization`` header (the web console's cookie)."""
         ctx = self.ctx
         ctx.counters["requests"] += 1
         peer = peer_address(request) or "?"
@@ -54,7 +57,7 @@ class Gate:
                 self._throttled.discard(peer)
         try:
             identity = ctx.auth.identify(
-                request.headers.get("authorization"), peer_address(request)
+                authorization or request.headers.get("authorization"), peer_address(request)
             )
         except AnonymousRefused as exc:
             ctx.counters["unauthenticated"] += 1

@@ -49,6 +49,15 @@ class GatewayLimits(Protocol):
     def outgoing_buffer_bytes(self) -> int: ...
 
 
+class Deciders(Protocol):
+    """Who the gateway's endpoints speak for when they decide an approval
+    (:class:`agentserver.agents.bridge.PumpPorts` is one): an authenticated client's
+    decision sent over HTTP is that client's, as on its socket connection."""
+
+    def speak_for(self, endpoint: str, identity: str) -> None: ...
+    def forget_endpoint(self, endpoint: str) -> None: ...
+
+
 class GatewaySettings(Protocol):
     """The HTTP API's own bounds (boot.xml ``<http>``:
     :class:`agentserver.config.topology.HttpSpec` is one)."""
@@ -79,8 +88,15 @@ class Outcome:
 class HttpGateway:
     """Sends messages for HTTP callers and keeps the replies of ``?wait=false`` ones."""
 
-    def __init__(self, pump: Pump, limits: GatewayLimits, spec: GatewaySettings) -> None:
+    def __init__(
+        self,
+        pump: Pump,
+        limits: GatewayLimits,
+        spec: GatewaySettings,
+        deciders: Deciders | None = None,
+    ) -> None:
         self.pump = pump
+        self.deciders = deciders
         self.limits = limits
         self.spec = spec
         self._parser = SafeParser(limits.max_message_bytes)
@@ -182,6 +198,8 @@ class HttpGateway:
 
     def _release(self, exchange: Exchange) -> None:
         self.active -= 1
+        if self.deciders is not None and exchange.owner is not None:
+            self.deciders.forget_endpoint(exchange.endpoint.name)
         exchange.endpoint.release()
 
     def _open_endpoint(
@@ -204,7 +222,10 @@ class HttpGateway:
         for _ in range(8):
             name = f"{identity.name[:55]}-{new_thread_id()[:8]}"
             try:
-                return pump.open_endpoint(name, allowed=identity.allowed, **options)
+                endpoint = pump.open_endpoint(name, allowed=identity.allowed, **options)
             except ConfigurationError:
                 continue
+            if self.deciders is not None:
+                self.deciders.speak_for(endpoint.name, identity.name)
+            return endpoint
         raise PumpClosed("no endpoint name")

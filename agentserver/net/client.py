@@ -36,7 +36,7 @@ from agentserver.core.framing import FrameDecoder, FramingError, encode_frame
 from agentserver.core.handshake import MAX_ACK_IDS, ack_frame_body, hello_frame_body
 from agentserver.core.threads import is_uuid4, new_thread_id
 from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser
-from agentserver.net.connect import PathLike, connect_stream, tls_context
+from agentserver.net.connect import PathLike, TlsSessions, connect_stream, tls_context
 from agentserver.net.reply import (
     ClientError,
     ConnectionClosed,
@@ -50,6 +50,7 @@ from agentserver.net.reply import (
     parse_reply,
     payload_element,
 )
+from agentserver.net.tlsstream import TlsStream
 from agentserver.primitives.approval import ApprovalDecision
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "Reply",
     "RequestTimeout",
     "TlsHandshakeError",
+    "TlsSessions",
     "approval_ack_status",
     "approval_request",
     "connect_stream",
@@ -369,6 +371,7 @@ async def open_client(
     key: PathLike | None = None,
     server_hostname: str | None = None,
     delivered: DeliveredIds | None = None,
+    sessions: TlsSessions | None = None,
 ) -> AsyncIterator[Client]:
     """Connect; with ``client`` and ``token``, send the hello first, asking for reply
     acknowledgement. Leaving the block sends the acknowledgements still owed (for up to
@@ -380,13 +383,16 @@ async def open_client(
     ``server_hostname`` (default: ``host``); ``cert``/``key`` present a client
     certificate (mutual TLS; then ``client`` needs no token: the hello carries an empty
     one and only asks for acknowledgement). A ready ``ssl.SSLContext`` may be passed as
-    ``tls`` instead. A failed handshake raises :class:`TlsHandshakeError`."""
-    context = tls_context(tls, ca=ca, cert=cert, key=key)
+    ``tls`` instead. A failed handshake raises :class:`TlsHandshakeError`.
+
+    ``sessions``: a :class:`TlsSessions` given to every connection of this client, so a
+    reconnection resumes the TLS session of the last one (no certificates exchanged)."""
+    context = tls_context(tls, ca=ca, cert=cert, key=key, sessions=sessions)
     by_certificate = context is not None and (cert is not None or isinstance(tls, ssl.SSLContext))
     if client is not None and token is None and not by_certificate:
         raise ValueError("a client name needs a token (or a client certificate)")
     with trio.fail_after(connect_timeout):
-        stream = await connect_stream(host, port, context, server_hostname)
+        stream = await connect_stream(host, port, context, server_hostname, sessions=sessions)
     try:
         async with stream, trio.open_nursery() as nursery:
             conn = Client(
@@ -406,6 +412,9 @@ async def open_client(
                     flush.shield = True
                     await conn.finish_acks()
                 nursery.cancel_scope.cancel()
+                if sessions is not None and isinstance(stream, TlsStream):
+                    assert context is not None
+                    sessions.remember(host, port, context, stream)
     except BaseExceptionGroup as group:
         # The reader task never raises, so a group holds the caller's own exception:
         # hand it back as raised (callers catch RequestTimeout, not a group of one).

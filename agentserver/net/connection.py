@@ -2,9 +2,10 @@
 
 The reader decodes frames (:mod:`agentserver.core.framing`) and injects them into the pump
 through the connection's endpoint; the writer (:mod:`agentserver.net.writer`) writes the
-replies. On a plaintext connection the reader reads the socket itself (yielding first, so
-the next request is usually there: no failed read, no epoll registration). The rules it
-applies are listed in :mod:`agentserver.net.server`.
+replies. On a plaintext or TLS connection the reader reads the socket itself (yielding
+first, so the next request is usually there: no failed read, no epoll registration); a
+TLS connection's :class:`~agentserver.net.tlsstream.TlsStream` decrypts what it reads. The
+rules it applies are listed in :mod:`agentserver.net.server`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from agentserver.net.hello import RECEIVE_SIZE, HelloDesk
 from agentserver.net.inflight import Inflight
 from agentserver.net.limits import Limits
 from agentserver.net.roles import NamedClients, OperatorCommands, Runners
-from agentserver.net.writer import ReplyWriter, direct_handle
+from agentserver.net.writer import DirectHandle, ReplyWriter, direct_handle
 from agentserver.primitives.core import huh
 from agentserver.pump.endpoint import Endpoint, Sink
 from agentserver.pump.pump import SYSTEM, Pump
@@ -34,7 +35,7 @@ from agentserver.pump.pump import SYSTEM, Pump
 log = logging.getLogger("agentserver.server")
 
 
-async def _receive_direct(direct: socket.socket, readable: trio.socket.SocketType) -> bytes:
+async def _receive_direct(direct: DirectHandle, readable: trio.socket.SocketType) -> bytes:
     """What ``direct`` (a :func:`~agentserver.net.writer.direct_handle`) has to read: b""
     at end of input; OSError if the connection broke. Yields first, then reads without
     waiting when it can: by then the client has usually sent its next request (a client
@@ -98,7 +99,7 @@ class Connection:
         self._early = b""
         #: A second handle on the socket: read without trio's I/O manager, and written by
         #: the writer's non-blocking sends.
-        self._direct: socket.socket | None = None
+        self._direct: DirectHandle | None = None
         #: Made with the endpoint, once the hello is done.
         self._out: ReplyWriter | None = None
         # As a ClientLink (named clients only; see agentserver.agents.named_clients):
@@ -172,7 +173,7 @@ class Connection:
                 direct_writes=not is_runner,
             )
         except BaseException as exc:
-            if direct is not None:
+            if isinstance(direct, socket.socket):
                 direct.close()
             if isinstance(exc, PumpClosed):
                 return
@@ -206,8 +207,9 @@ class Connection:
                 assert hub is not None
                 hub.detach(self.runner)  # its jobs go to other runners (or fail)
             endpoint.release()
-            if direct is not None:
-                # Before the stream closes: an open duplicate would keep the socket open.
+            if isinstance(direct, socket.socket):
+                # Before the stream closes: an open duplicate would keep the socket open
+                # (a TLS stream, its own direct handle, is closed by its owner).
                 direct.close()
             if named is not None:
                 self.input_open = False

@@ -27,11 +27,13 @@ Outcomes (also in docs/wire.md):
   blocks for ``write_timeout`` seconds.
 - On end of input from the client, replies still owed are written for up to
   ``read_timeout`` seconds, then the connection is closed.
-- With TLS (boot.xml ``<tls>``, docs/security.md) every connection is wrapped in a
-  ``trio.SSLStream`` whose handshake must end within ``read_timeout`` (a plaintext client
-  fails it and is closed); replies then always go through the writer (a direct write
-  would bypass the encryption). With mutual TLS the client certificate names the client
-  and no hello is read.
+- With TLS (boot.xml ``<tls>``, docs/security.md) every connection is a
+  :class:`~agentserver.net.tlsstream.TlsStream` whose handshake must end within
+  ``read_timeout`` (a plaintext client fails it and is closed); it is read and written
+  the way a plaintext socket is (direct reads, the replies to one read encrypted together
+  and sent with one non-blocking send). Closing sends ``close_notify``; a client's
+  ``close_notify`` is its end of input. With mutual TLS the client certificate names the
+  client and no hello is read.
 - Failed hellos are throttled per source address (:mod:`agentserver.core.throttle`).
 - A named client's connection is a :class:`~agentserver.net.roles.ClientLink`
   for its durable replies (agents' answers): with ``<hello ack="true">`` they carry a
@@ -55,6 +57,7 @@ from agentserver.net.hello import REFUSAL_WRITE_TIMEOUT, HelloDesk, send_refusal
 from agentserver.net.limits import Limits
 from agentserver.net.roles import NamedClients, OperatorCommands, Runners
 from agentserver.net.tls import CertificateRule, match_certificate
+from agentserver.net.tlsstream import TlsStream
 from agentserver.primitives.core import huh, primitive_for
 from agentserver.pump.pump import Pump
 
@@ -201,11 +204,16 @@ class Server:
 
     async def _tls_handshake(
         self, stream: trio.SocketStream, address: str, seconds: float
-    ) -> trio.SSLStream | None:
+    ) -> TlsStream | None:
         """The TLS stream once its handshake is done, within ``seconds`` (a stalled one must
-        not hold a connection slot); None if it failed (logged, counted)."""
+        not hold a connection slot); None if it failed (logged, counted; the caller closes
+        ``stream``)."""
         assert self.ssl_context is not None
-        wrapped = trio.SSLStream(stream, self.ssl_context, server_side=True)
+        try:
+            wrapped = TlsStream(stream, self.ssl_context, server_side=True)
+        except OSError as exc:  # no descriptor left for its handle
+            log.info("TLS from %s not started: %s", address, exc)
+            return None
         reason = "stalled"
         with trio.move_on_after(seconds):
             try:
@@ -214,6 +222,7 @@ class Server:
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 cause = exc.__cause__
                 reason = getattr(cause, "reason", None) or str(cause or exc) or "closed"
+        wrapped.discard()
         self.counters["tls_failed"] += 1
         log.info("TLS handshake from %s failed: %s", address, reason)
         return None
@@ -221,7 +230,7 @@ class Server:
     async def _serve(self, stream: trio.abc.Stream, address: str, busy: bool) -> None:
         identity: Identity | None = None
         mutual = self.ssl_context is not None and self.ssl_context.verify_mode == ssl.CERT_REQUIRED
-        if isinstance(stream, trio.SSLStream) and mutual:
+        if isinstance(stream, TlsStream) and mutual:
             # The certificate was verified against the client CA: now, whom does it name?
             name = match_certificate(
                 self.cert_rules, stream.getpeercert(), stream.getpeercert(binary_form=True)

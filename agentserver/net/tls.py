@@ -138,6 +138,10 @@ def server_context(spec: TlsSpec, environ: Mapping[str, str]) -> ssl.SSLContext:
     if spec.client_ca is not None:
         _load_ca(ctx, "client CA", spec.client_ca)
         ctx.verify_mode = ssl.CERT_REQUIRED
+    # One TLS 1.3 ticket per connection (OpenSSL sends two): a client resumes with the
+    # last one it got (agentserver.net.connect.TlsSessions), the second costs a ticket's
+    # encryption on every handshake for nothing.
+    ctx.num_tickets = 1
     return ctx
 
 
@@ -161,6 +165,8 @@ def client_context(
     if cert is not None:
         # A key in the certificate's own file is fine (key=None).
         _load_chain(ctx, cert, key if key is not None else cert)
+    # A server asking to renegotiate (TLS 1.2) is refused too.
+    ctx.options |= getattr(ssl, "OP_NO_RENEGOTIATION", 0)
     return ctx
 
 

@@ -7,7 +7,10 @@ one non-blocking ``send`` (:meth:`ReplyWriter.start_batch`, :meth:`ReplyWriter.f
 reply produced by another task, for a client with one request at a time, is sent at once
 by that task (:meth:`ReplyWriter.write_now`). Either saves the writer's wake-up and write.
 Whatever a non-blocking send does not take is carried over to the writer, which sends it
-before anything else, so replies never overtake one another.
+before anything else, so replies never overtake one another. A TLS connection's
+:class:`~agentserver.net.tlsstream.TlsStream` is its own direct handle: it encrypts what
+it is given at once and keeps the ciphertext the socket did not take (``owes``), which the
+writer's next ``send_all`` sends first.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import math
 import os
 import socket
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import trio
 
 from agentserver.core.errors import EndpointClosed
 from agentserver.core.framing import encode_frame, encode_frames
 from agentserver.net.inflight import Inflight
+from agentserver.net.tlsstream import TlsStream
 from agentserver.pump.endpoint import Endpoint, Sink
 
 # The server's logger: writing replies is the server's work.
@@ -41,11 +46,22 @@ _WAKE = b""
 _NO_SIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 
 
-def direct_handle(stream: trio.abc.Stream) -> socket.socket | None:
+class DirectHandle(Protocol):
+    """What the reader and the writer use for synchronous, non-blocking reads and writes:
+    a plain socket (a duplicate of a plaintext connection's) or a :class:`TlsStream`."""
+
+    def recv(self, bufsize: int, /) -> bytes: ...
+
+    def send(self, data: bytes, flags: int = 0, /) -> int: ...
+
+
+def direct_handle(stream: trio.abc.Stream) -> DirectHandle | None:
     """A plain non-blocking socket object on a duplicate of the stream's descriptor, for
-    synchronous writes; None where that is not possible, and always for TLS (bytes
-    written on the socket itself would bypass the encryption). The caller closes it
-    before the stream (an open duplicate would keep the socket open)."""
+    synchronous reads and writes; the stream itself for a :class:`TlsStream` (which
+    encrypts what it sends); None where neither is possible. The caller closes a socket
+    it got before the stream (an open duplicate would keep the socket open)."""
+    if isinstance(stream, TlsStream):
+        return stream
     if not isinstance(stream, trio.SocketStream):
         return None
     try:
@@ -71,7 +87,7 @@ class ReplyWriter:
         self,
         open_endpoint: Callable[[Sink | None], Endpoint],
         stream: trio.abc.Stream,
-        direct: socket.socket | None,
+        direct: DirectHandle | None,
         inflight: Inflight,
         counters: dict[str, int],
         write_timeout: float,
@@ -83,6 +99,8 @@ class ReplyWriter:
         self._stream = stream
         #: A second handle on the socket, for the writes that cannot block (write_now).
         self._direct = direct
+        #: The TLS stream when ``direct`` is one: its unsent ciphertext is a carry too.
+        self._tls = direct if isinstance(direct, TlsStream) else None
         self.inflight = inflight
         self._counters = counters
         self._write_timeout = write_timeout
@@ -142,7 +160,7 @@ class ReplyWriter:
     def start_batch(self) -> None:
         """Collect the replies produced from now on, for one write by :meth:`flush`, if
         nothing is queued for the writer or half-written (they would be overtaken)."""
-        if self._writer_idle and not self._carry:
+        if self._writer_idle and not self._carry and not (self._tls and self._tls.owes):
             self._batch = []
             self._batch_bytes = 0
 
@@ -177,9 +195,9 @@ class ReplyWriter:
         counters = self._counters
         counters["replies"] += count
         counters["writes"] += 1
-        if sent < len(data):
+        if sent < len(data) or (self._tls is not None and self._tls.owes):
             counters["carried"] += 1
-            self._carry = data[sent:]
+            self._carry = data[sent:]  # b"" for TLS: the stream keeps its ciphertext
             self._writer_idle = False
             self.endpoint.push(_WAKE)  # queued (the writer is no longer idle): wakes it
 
@@ -285,7 +303,8 @@ class ReplyWriter:
                     finally:
                         self._writer_idle = False
             except EndpointClosed:
-                if self._carry:  # the rest of a direct write: the frame must end whole
+                # The rest of a direct write: the frame must end whole.
+                if self._carry or (self._tls is not None and self._tls.owes):
                     data, self._carry = self._carry, b""
                     await write(data)
                 break

@@ -33,7 +33,8 @@ from agentserver.core.listener import Handler, HandlerMetadata, HandlerResponse,
 from agentserver.core.namespaces import CORE_NS
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser
-from agentserver.net.client import connect_stream, tls_context
+from agentserver.net.client import TlsSessions, connect_stream, tls_context
+from agentserver.net.tlsstream import TlsStream
 from agentserver.observability.tracing import context_of, record_error
 
 log = logging.getLogger("agentserver.runner")
@@ -103,6 +104,7 @@ async def run_runner(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     connect_timeout: float = 10.0,
     tracer_provider: Any | None = None,
+    sessions: TlsSessions | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Connect, say hello, announce ``<serve>``, then run jobs until the server closes
@@ -112,11 +114,16 @@ async def run_runner(
     A job that carries a ``traceparent`` (docs/wire.md) runs in a ``handle {listener}``
     span continuing that trace, recorded by ``tracer_provider`` (default: OpenTelemetry's
     global provider; without an SDK configured, nothing is recorded). With
-    ``tracer_provider`` given, jobs without one get a span too (a new trace)."""
+    ``tracer_provider`` given, jobs without one get a span too (a new trace).
+
+    TLS: ``tls``/``ca``/``cert``/``key`` as for :func:`~agentserver.net.client.open_client`
+    (with ``cert``, a client declared with ``cert-subject``/``cert-fingerprint`` needs no
+    token: pass ``""``); ``sessions``, given to every call of a runner that reconnects,
+    resumes the last connection's TLS session."""
     tracer = trace.get_tracer("agentserver.runner", tracer_provider=tracer_provider)
-    context = tls_context(tls, ca=ca, cert=cert, key=key)
+    context = tls_context(tls, ca=ca, cert=cert, key=key, sessions=sessions)
     with trio.fail_after(connect_timeout):
-        stream = await connect_stream(host, port, context, None)
+        stream = await connect_stream(host, port, context, None, sessions=sessions)
     async with stream:
         serve = _core("serve", listener=listener, concurrency=str(concurrency))
         await stream.send_all(
@@ -203,13 +210,19 @@ async def run_runner(
                 jobs.pop(job, None)
 
         refused: list[str] = []
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(writer)
-            task_status.started()
-            await _read_jobs(
-                stream, parser, max_message_bytes, jobs, refused, nursery, run_job, listener
-            )
-            nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(writer)
+                task_status.started()
+                await _read_jobs(
+                    stream, parser, max_message_bytes, jobs, refused, nursery, run_job, listener
+                )
+                nursery.cancel_scope.cancel()
+        finally:
+            if sessions is not None and isinstance(stream, TlsStream):
+                assert context is not None
+                # However the connection ended: the next one resumes its session.
+                sessions.remember(host, port, context, stream)
         if refused:
             raise RunnerRefused(refused[0])
 

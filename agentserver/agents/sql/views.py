@@ -162,6 +162,77 @@ def task(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None
     return out
 
 
+#: Characters of one card's content the web console's Turn log carries.
+CARD_TEXT_CHARS = 4000
+#: Cards of one Turn the web console's log carries (the newest ones).
+TURN_LOG_CARDS = 200
+
+
+def recent_tasks(tx: Tx, env: StoreEnv, name: str, limit: int) -> list[dict[str, Any]]:
+    """The newest ``limit`` tasks of agent ``name``, newest first: the caller's thread, the
+    hop thread, the inbox status, the Turn and when it came (the web console's agent
+    page). One indexed read (``agent_inbox`` by agent)."""
+    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    rows = tx.all(
+        f"SELECT {caller}, {hop}, status, agent_turn_id, created_at FROM agent_inbox "
+        "WHERE agent_id = ? AND message_type = ? ORDER BY seq DESC LIMIT ?",
+        (name, MessageType.TURN.value, limit),
+    )
+    return [
+        {"thread": r[0] or r[1], "hop": r[1], "status": r[2], "turn": r[3], "created_at": r[4]}
+        for r in rows
+    ]
+
+
+def turn_log(tx: Tx, env: StoreEnv, turn: str) -> dict[str, Any]:
+    """A Turn's conversation (its newest :data:`TURN_LOG_CARDS` cards, oldest first, each
+    content cut at :data:`CARD_TEXT_CHARS`) and its governance decisions: what the web
+    console's task page shows. The text is as the model, tools and clients wrote it: the
+    reader escapes it."""
+    cards = tx.all(
+        "SELECT seq, card_type, content, metadata, created_at FROM cards "
+        "WHERE agent_turn_id = ? ORDER BY seq DESC LIMIT ?",
+        (turn, TURN_LOG_CARDS),
+    )
+    decisions = tx.all(
+        "SELECT target, payload_tag, decision, rule, reason, at FROM policy_decisions "
+        "WHERE agent_turn_id = ? ORDER BY seq",
+        (turn,),
+    )
+    approvals = tx.all(
+        "SELECT request_id, target, rule, approver, status, decided_by, reason FROM approvals "
+        "WHERE agent_turn_id = ? ORDER BY created_at",
+        (turn,),
+    )
+    return {
+        "cards": [
+            {
+                "seq": r[0],
+                "type": r[1],
+                "text": r[2][:CARD_TEXT_CHARS],
+                "cut": len(r[2]) > CARD_TEXT_CHARS,
+                "metadata": json.loads(r[3] or "{}"),
+                "at": r[4],
+            }
+            for r in reversed(cards)
+        ],
+        "decisions": [
+            dict(zip(("target", "payload", "decision", "rule", "reason", "at"), r, strict=True))
+            for r in decisions
+        ],
+        "approvals": [
+            dict(
+                zip(
+                    ("request", "target", "rule", "approver", "status", "decided_by", "reason"),
+                    r,
+                    strict=True,
+                )
+            )
+            for r in approvals
+        ],
+    }
+
+
 def turn_thread(tx: Tx, env: StoreEnv, turn: str) -> tuple[str | None, str | None]:
     """(caller thread, hop thread) of the task a Turn runs, for event filtering."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")

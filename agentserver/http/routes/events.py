@@ -7,7 +7,7 @@ import collections
 import json
 import logging
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import trio
 from starlette.requests import Request
@@ -74,9 +74,14 @@ class EventRoutes:
         identity = await self.gate.identify(request)
         if isinstance(identity, Response):
             return identity
+        return self.respond(identity, request.query_params)
+
+    def respond(self, identity: Identity, query: Mapping[str, str]) -> Response:
+        """The event stream ``identity`` may see, filtered by ``query``'s ``agent`` and
+        ``thread`` (also the web console's, whose caller comes from its cookie)."""
         bus = self.ctx.events
-        agent = request.query_params.get("agent")
-        thread = request.query_params.get("thread")
+        agent = query.get("agent")
+        thread = query.get("thread")
         try:
             sub = bus.subscribe(SSE_BUFFER) if bus is not None else None
         except RuntimeError:

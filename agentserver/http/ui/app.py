@@ -1,0 +1,46 @@
+"""The web console's routes under ``/ui``, assembled for the API's app
+(:func:`agentserver.http.api.build_app`): pages, their JSON, the event stream, the
+actions and the package's static files."""
+
+from __future__ import annotations
+
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from agentserver.http.context import HttpContext
+from agentserver.http.gate import Gate
+from agentserver.http.routes.events import EventRoutes
+from agentserver.http.routes.status import StatusRoutes
+from agentserver.http.ui.actions import Actions
+from agentserver.http.ui.data import ConsoleData
+from agentserver.http.ui.pages import Pages, environment
+from agentserver.http.ui.security import CsrfGuard
+from agentserver.http.ui.session import UiSession
+
+
+def ui_routes(
+    ctx: HttpContext, gate: Gate, events: EventRoutes, status: StatusRoutes
+) -> list[BaseRoute]:
+    """The console's routes, on the API's gate (same tokens, same throttling)."""
+    session = UiSession(gate, CsrfGuard(), secure=ctx.tls)
+    data = ConsoleData(ctx, status)
+    pages = Pages(ctx, session, data, events, environment())
+    actions = Actions(ctx, session, data)
+    post = ["POST"]
+    return [
+        Route("/ui", pages.overview),
+        Route("/ui/login", pages.login),
+        Route("/ui/login", actions.login, methods=post),
+        Route("/ui/logout", actions.logout, methods=post),
+        Route("/ui/agents/{name}", pages.agent),
+        Route("/ui/agents/{name}/tasks/{thread}", pages.task),
+        Route("/ui/threads/{thread}", pages.thread),
+        Route("/ui/events", pages.events_stream),
+        Route("/ui/api/overview", pages.overview_json),
+        Route("/ui/api/agents/{name}/tasks/{thread}", pages.task_json),
+        Route("/ui/api/threads/{thread}", pages.thread_json),
+        Route("/ui/send", actions.send, methods=post),
+        Route("/ui/approvals/{request}/decide", actions.decide, methods=post),
+        Route("/ui/agents/{name}/{verb:str}", actions.operate, methods=post),
+        Mount("/ui/static", StaticFiles(packages=[("agentserver.http.ui", "static")])),
+    ]

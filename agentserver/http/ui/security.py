@@ -1,0 +1,100 @@
+"""The web console's defences, sans I/O: who the browser is (a bearer token kept in a
+cookie), cross-site request forgery (a per-session token and the ``Origin`` check) and
+the headers every page carries (CSP without inline scripts, no framing, no sniffing).
+
+A browser cannot send ``Authorization: Bearer`` on a navigation, so the console keeps the
+token the operator typed once in an ``HttpOnly``, ``SameSite=Strict`` cookie (``Secure``
+under TLS) and checks it exactly as the API checks the header. The session cookie is a
+random name for the browser; the CSRF token is an HMAC of it under a key drawn when the
+app is built, so it needs no server-side table and a restart only asks for a reload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+__all__ = [
+    "CSP",
+    "CSRF_FIELD",
+    "CSRF_HEADER",
+    "SESSION_COOKIE",
+    "TOKEN_COOKIE",
+    "CsrfGuard",
+    "page_headers",
+    "safe_next",
+]
+
+TOKEN_COOKIE = "agentserver_ui_token"
+SESSION_COOKIE = "agentserver_ui_session"
+CSRF_FIELD = "csrf"
+CSRF_HEADER = "x-csrf-token"
+
+#: Everything from the package itself: no inline script or style, no third party, no
+#: framing; ``connect-src 'self'`` for EventSource and fetch.
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+
+
+def page_headers() -> dict[str, str]:
+    """The headers of every console response."""
+    return {
+        "Content-Security-Policy": CSP,
+        "X-Content-Type-Options": "nosniff",
+        "X-Frame-Options": "DENY",
+        "Referrer-Policy": "same-origin",
+        "Cache-Control": "no-store",
+    }
+
+
+def safe_next(target: str | None, default: str = "/ui") -> str:
+    """``target`` if it is a path of the console (where a form returns to), else
+    ``default``: never another site (``//evil``, ``https://…``), never a header break."""
+    if not target or not target.startswith("/ui") or target.startswith("//"):
+        return default
+    if any(c in target for c in "\r\n\\") or urlsplit(target).netloc:
+        return default
+    return target
+
+
+class CsrfGuard:
+    """Issues and checks the per-session tokens of one app. The key lives as long as the
+    app (no module-level state)."""
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self._key = key or secrets.token_bytes(32)
+
+    @staticmethod
+    def new_session() -> str:
+        return secrets.token_urlsafe(32)
+
+    def token(self, session: str) -> str:
+        return hmac.new(self._key, session.encode("utf-8"), hashlib.sha256).hexdigest()
+
+    def check(
+        self,
+        session: str | None,
+        given: str | None,
+        headers: Mapping[str, str],
+        own_origin: str,
+    ) -> bool:
+        """Whether a POST may be carried out: a session cookie, the token bound to it
+        (form field or header), and an ``Origin`` (or, lacking one, ``Referer``) of this
+        very server when the browser sends one."""
+        if not session or not given:
+            return False
+        if not hmac.compare_digest(self.token(session).encode(), given.encode("utf-8")):
+            return False
+        origin = headers.get("origin")
+        if origin is None:
+            referer = headers.get("referer")
+            if referer is None:
+                return True
+            parts = urlsplit(referer)
+            origin = f"{parts.scheme}://{parts.netloc}"
+        return origin == own_origin

@@ -1,0 +1,229 @@
+// The web console's one script: live updates through EventSource and fetch. Every text
+// from the server is put in the page with textContent (never parsed as HTML), so what a
+// model, a tool or a client wrote is shown as text.
+"use strict";
+
+const TERMINAL = new Set(["succeeded", "failed", "stopped", "timed_out", "cancelled", "skipped"]);
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "text") node.textContent = v;
+    else node.setAttribute(k, v);
+  }
+  for (const child of children) if (child) node.appendChild(child);
+  return node;
+}
+
+function csrf() {
+  return document.querySelector('meta[name="csrf-token"]').content;
+}
+
+function debounce(fn, ms) {
+  let timer = null;
+  return () => {
+    if (timer) return;
+    timer = setTimeout(() => { timer = null; fn(); }, ms);
+  };
+}
+
+async function getJSON(url) {
+  const response = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
+  if (!response.ok) throw new Error(url + ": " + response.status);
+  return response.json();
+}
+
+function replaceChildren(node, children) {
+  while (node.firstChild) node.removeChild(node.firstChild);
+  for (const child of children) node.appendChild(child);
+}
+
+// -- approvals (overview, agent and task pages) -------------------------------------------
+
+function approvalItem(a) {
+  const here = window.location.pathname;
+  const form = el("form", { method: "post", action: "/ui/approvals/" + encodeURIComponent(a.request_id) + "/decide", class: "decide" },
+    el("input", { type: "hidden", name: "csrf", value: csrf() }),
+    el("input", { type: "hidden", name: "agent", value: a.agent_id }),
+    el("input", { type: "hidden", name: "next", value: here }),
+    el("label", { text: "Reason " }, el("input", { type: "text", name: "reason", maxlength: "2000", autocomplete: "off" })),
+    el("button", { type: "submit", name: "grant", value: "true", class: "approve", text: "Approve" }),
+    el("button", { type: "submit", name: "grant", value: "false", class: "deny", text: "Deny" }));
+  const line = el("p");
+  line.append(el("strong", { text: a.agent_id }), " wants to call ", el("strong", { text: a.target }),
+    " (rule " + a.rule + ", approver " + a.approver + ", " + a.seconds_left + " s left)");
+  const hint = a.mine ? null : el("p", { class: "hint", text: "Only " + a.approver + " may decide this one." });
+  return el("li", { class: "approval", "data-request": a.request_id }, line, hint, el("pre", { class: "payload", text: a.payload }), form);
+}
+
+function renderApprovals(items) {
+  const list = document.getElementById("approvals");
+  if (!list) return;
+  const shown = [...list.querySelectorAll("li.approval")].map((li) => li.dataset.request).join(" ");
+  const wanted = items.map((a) => a.request_id).join(" ");
+  if (shown === wanted && (items.length > 0 || list.querySelector("li.none"))) return; // keep a half-typed reason
+  replaceChildren(list, items.length ? items.map(approvalItem) : [el("li", { class: "none", text: "No approval is waiting." })]);
+}
+
+function replyItem(r) {
+  return el("div", { class: "reply" },
+    el("p", { class: "reply-from", text: "from " + r.from }),
+    el("pre", { class: "reply-text", text: r.text }),
+    el("details", {}, el("summary", { text: "Envelope" }), el("pre", { class: "reply-xml", text: r.xml })));
+}
+
+// -- overview ------------------------------------------------------------------------------
+
+function renderAgents(agents) {
+  const body = document.querySelector("#agents tbody");
+  if (!body) return;
+  replaceChildren(body, agents.map((a) => {
+    const link = el("a", { href: "/ui/agents/" + encodeURIComponent(a.name), text: a.name });
+    const active = a.active_turn ? "step " + a.active_turn.steps + ", " + a.active_turn.waiting_tools + " tool(s) waiting" : "–";
+    const error = a.last_error ? a.last_error.status + ": " + a.last_error.text : "–";
+    return el("tr", { "data-agent": a.name }, el("th", { scope: "row" }, link),
+      el("td", { class: "state", text: a.state }), el("td", { class: "queue", text: String(a.queue) }),
+      el("td", { class: "active", text: active }), el("td", { class: "error", text: error }));
+  }));
+}
+
+function renderReady(ready) {
+  const node = document.getElementById("ready");
+  if (!node) return;
+  const checks = Object.entries(ready.checks).map(([k, v]) => k + " " + (v === null ? "–" : v ? "ok" : "failing"));
+  node.className = ready.ready ? "ok" : "bad";
+  node.textContent = (ready.ready ? "Ready" : "Not ready") + ": " + checks.join(", ");
+}
+
+function renderBackends(backends) {
+  const body = document.querySelector("#backends tbody");
+  if (!body || !Object.keys(backends).length) return;
+  replaceChildren(body, Object.entries(backends).map(([name, b]) => {
+    const counters = Object.entries(b.counters || {}).map(([k, v]) => k + " " + v).join(", ");
+    return el("tr", {}, el("th", { scope: "row", text: name }), el("td", { text: b.provider || "" }),
+      el("td", { text: b.breaker || "" }), el("td", { text: b.cooling_for ? b.cooling_for.toFixed(1) + " s" : "–" }),
+      el("td", { text: b.skipped || "yes" }), el("td", { text: counters }));
+  }));
+}
+
+function overviewPage() {
+  const refresh = debounce(async () => {
+    try {
+      const doc = await getJSON("/ui/api/overview");
+      renderReady(doc.ready);
+      renderBackends(doc.backends);
+      renderAgents(doc.agents);
+      renderApprovals(doc.approvals);
+    } catch (e) { /* the next event or tick retries */ }
+  }, 250);
+  const source = new EventSource("/ui/events");
+  for (const kind of ["step", "state", "task"]) source.addEventListener(kind, refresh);
+  setInterval(refresh, 5000);
+}
+
+function agentPage(agent) {
+  const refresh = debounce(async () => {
+    try {
+      const doc = await getJSON("/ui/api/overview");
+      renderApprovals(doc.approvals.filter((a) => a.agent_id === agent));
+    } catch (e) { /* retried */ }
+  }, 250);
+  const source = new EventSource("/ui/events?agent=" + encodeURIComponent(agent));
+  for (const kind of ["step", "state", "task"]) source.addEventListener(kind, refresh);
+  setInterval(refresh, 5000);
+}
+
+// -- a task --------------------------------------------------------------------------------
+
+function renderTask(doc) {
+  const task = doc.task;
+  document.getElementById("task-status").textContent = task ? task.status : "sent";
+  const cards = doc.log.cards.map((c) => {
+    const li = el("li", { class: "card " + c.type.replace(/\./g, "-") }, el("span", { class: "kind", text: c.type }));
+    if (c.metadata && c.metadata.to) li.appendChild(document.createTextNode(" → " + c.metadata.to));
+    li.appendChild(el("pre", { text: c.text }));
+    return li;
+  });
+  replaceChildren(document.getElementById("conversation"), cards);
+  const steps = (task ? task.steps : []).map((s) => el("tr", {},
+    el("th", { scope: "row", text: String(s.step) }), el("td", { text: s.status }), el("td", { text: s.model || "" }),
+    el("td", { text: s.backend || "" }), el("td", { text: String(s.total_tokens ?? "") }), el("td", { text: String(s.tool_calls) })));
+  replaceChildren(document.querySelector("#steps tbody"), steps);
+  replaceChildren(document.getElementById("decisions"), doc.log.decisions.map((d) =>
+    el("li", { text: d.decision + " " + d.target + " (" + d.rule + ")" + (d.reason ? ": " + d.reason : "") })));
+  renderApprovals(doc.approvals);
+  if (doc.replies) {
+    replaceChildren(document.getElementById("replies"), doc.replies.map(replyItem));
+    // The answer is there whole: the streamed copy of it is hidden.
+    if (doc.replies.length) document.getElementById("streaming").classList.add("done");
+  }
+  return task && TERMINAL.has(task.status) && doc.replies !== null ? "done" : "running";
+}
+
+function logEvent(kind, data) {
+  const list = document.getElementById("events");
+  let text = kind;
+  if (kind === "step") text += " " + data.phase + (data.kind ? " (" + data.kind + ", attempt " + data.attempt + ")" : "");
+  if (kind === "state") text += " " + data.status + (data.activity ? " " + data.activity : "") + (data.current_tool ? " " + data.current_tool : "");
+  if (kind === "task") text += " " + data.status;
+  list.appendChild(el("li", { text: text }));
+  while (list.children.length > 200) list.removeChild(list.firstChild);
+}
+
+function taskPage(agent, thread) {
+  const url = "/ui/api/agents/" + encodeURIComponent(agent) + "/tasks/" + encodeURIComponent(thread);
+  const live = document.getElementById("live");
+  let finished = false;
+  const refresh = debounce(async () => {
+    try {
+      finished = renderTask(await getJSON(url)) === "done";
+    } catch (e) { /* retried */ }
+  }, 150);
+  const source = new EventSource("/ui/events?agent=" + encodeURIComponent(agent) + "&thread=" + encodeURIComponent(thread));
+  source.addEventListener("open", () => { live.textContent = "live"; refresh(); });
+  source.addEventListener("error", () => { live.textContent = "reconnecting"; });
+  source.addEventListener("chunk", (e) => {
+    const data = JSON.parse(e.data);
+    document.getElementById("streaming").textContent += data.text;
+  });
+  for (const kind of ["step", "state", "task"]) {
+    source.addEventListener(kind, (e) => {
+      const data = JSON.parse(e.data);
+      logEvent(kind, data);
+      if (kind === "step" && data.phase === "retrying") document.getElementById("streaming").textContent = "";
+      refresh();
+    });
+  }
+  // The answer's reply lands in the gateway a moment after the task event: poll until it
+  // is there (and as a fallback for a dropped stream).
+  setInterval(() => { if (!finished) refresh(); }, 1000);
+}
+
+function threadPage(thread) {
+  const url = "/ui/api/threads/" + encodeURIComponent(thread);
+  const timer = setInterval(async () => {
+    try {
+      const doc = await getJSON(url);
+      if (doc.replies.length) {
+        replaceChildren(document.getElementById("replies"), doc.replies.map(replyItem));
+      }
+    } catch (e) { clearInterval(timer); }
+  }, 1000);
+}
+
+function localTimes() {
+  for (const t of document.querySelectorAll("time[data-epoch]")) {
+    const when = new Date(Number(t.dataset.epoch) * 1000);
+    t.textContent = when.toLocaleString();
+    t.setAttribute("datetime", when.toISOString());
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  const body = document.body;
+  localTimes();
+  if (body.dataset.page === "overview") overviewPage();
+  else if (body.dataset.page === "agent") agentPage(body.dataset.agent);
+  else if (body.dataset.page === "task") taskPage(body.dataset.agent, body.dataset.thread);
+  else if (body.dataset.page === "thread") threadPage(body.dataset.thread);
+});

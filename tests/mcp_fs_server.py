@@ -1,0 +1,105 @@
+"""A real MCP server for the tests, written with the SDK's MCPServer (the 1.x FastMCP):
+a tiny in-memory "filesystem" and a few tools that misbehave on purpose.
+
+    python mcp_fs_server.py [--http PORT] [--marks DIR]
+
+stdio by default; ``--http PORT`` serves streamable HTTP on 127.0.0.1:PORT at ``/mcp``.
+``--marks DIR``: the tools that must be observed from outside (a cancelled call, the
+process's id) write files there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+
+import anyio
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+FILES = {
+    "/notes/todo.txt": "buy milk",
+    "/notes/ideas.txt": "an XML pump",
+}
+
+server = MCPServer("fs")
+marks: pathlib.Path | None = None
+
+
+@server.tool(description="Read one file of the notes folder and return its text.")
+def read_file(path: str) -> str:
+    if path not in FILES:
+        raise ToolError(f"no such file: {path}")
+    return FILES[path]
+
+
+@server.tool(description="List the files under a folder.")
+def list_dir(folder: str, limit: int = 10) -> dict:
+    names = sorted(p for p in FILES if p.startswith(folder.rstrip("/") + "/"))
+    return {"files": names[:limit]}
+
+
+@server.tool(description="Finds files; its schema is not all mappable to XML.")
+def find(pattern: str | None = None, where: dict[str, str] | None = None) -> list[str]:
+    return sorted(p for p in FILES if pattern is None or pattern in p)
+
+
+@server.tool(description="Always fails.")
+def boom(reason: str) -> str:
+    raise ToolError(reason)
+
+
+@server.tool(description="Takes its time; notes when it is cancelled.")
+async def slow(seconds: float) -> str:
+    try:
+        await anyio.sleep(seconds)
+    except anyio.get_cancelled_exc_class():
+        if marks is not None:
+            (marks / "cancelled").write_text("cancelled")
+        raise
+    return "done"
+
+
+@server.tool(description="The server process's id.")
+def pid() -> str:
+    return str(os.getpid())
+
+
+@server.tool(description="Ends the server process in the middle of the call.")
+def die() -> str:
+    os._exit(3)
+
+
+@server.tool(description="Ends the server process the first time it is called.")
+def flaky() -> str:
+    assert marks is not None
+    if not (marks / "flaky").exists():
+        (marks / "flaky").write_text(str(os.getpid()))
+        os._exit(3)
+    return f"survived in {os.getpid()}"
+
+
+@server.tool(description="Adds a tool named extra and tells the client its tools changed.")
+async def grow(ctx: Context) -> str:
+    server.add_tool(lambda: "extra!", name="extra", description="Added later.")
+    # (the session's notification: what a client on a 2025 protocol revision reads)
+    await ctx.session.send_tool_list_changed()
+    return "grown"
+
+
+def main() -> None:
+    global marks
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--http", type=int)
+    parser.add_argument("--marks")
+    args = parser.parse_args()
+    marks = pathlib.Path(args.marks) if args.marks else None
+    if args.http:
+        server.run("streamable-http", host="127.0.0.1", port=args.http)
+    else:
+        server.run()
+
+
+if __name__ == "__main__":
+    main()
