@@ -224,6 +224,10 @@ async def chaos(args: argparse.Namespace) -> int:
             switches.faults = False
             switches.sending = False
             model.faults_on = False
+            with trio.move_on_after(30):  # a killed server's restart under way
+                for slot in slots:
+                    while not slot.alive:
+                        await slot.changed.wait()
             for slot in slots:
                 if not slot.alive:
                     await slot.start()
@@ -244,6 +248,7 @@ async def chaos(args: argparse.Namespace) -> int:
             refs = await oracle.refs()
             taken = {t for t in ledger.attempts if t in refs}
             verdict = check(ledger, taken, expected_proofs(seed))
+            await trio.Path(out / "ledger.json").write_text(ledger_json(ledger, taken))
             for slot in slots:
                 await slot.terminate()
             nursery.cancel_scope.cancel()
@@ -284,6 +289,30 @@ async def chaos(args: argparse.Namespace) -> int:
         )
     print(json.dumps(counts))
     return 0 if verdict.ok else 1
+
+
+def ledger_json(ledger: Ledger, taken: set[str]) -> str:
+    """Every attempt with what its client was handed, for reading after a run."""
+    answers: dict[str, list] = {}
+    for answer in ledger.answers:
+        answers.setdefault(answer.thread, []).append([answer.client, answer.failed, answer.text])
+    refusals = {r.thread: r.text for r in ledger.refusals}
+    return json.dumps(
+        [
+            {
+                "thread": a.thread,
+                "client": a.client,
+                "agent": a.agent,
+                "nonce": a.nonce,
+                "taken": a.thread in taken,
+                "resent": a.thread in ledger.resent,
+                "answers": answers.get(a.thread, []),
+                "refusal": refusals.get(a.thread),
+            }
+            for a in ledger.attempts.values()
+        ],
+        indent=1,
+    )
 
 
 def progress(ledger: Ledger, switches: Switches, model: ChaosModel) -> str:

@@ -29,7 +29,7 @@ FAILURE_REASONS = (
     ("cancel", "cancelled"),
     ("stopped", "stopped"),
     ("step retries", "model_gave_up"),
-    ("llm-timeout", "model_timeout"),
+    ("did not answer within", "model_timeout"),
     ("timed out", "timed_out"),
     ("timeout", "timed_out"),
     ("max-steps", "max_steps"),

@@ -258,21 +258,22 @@ class Approver:
                 async with open_client(
                     slot.host, slot.port, client="approver", token=TOKEN, delivered=self.delivered
                 ) as client:
-                    stay = self.rng.uniform(5, 20) if self.switches.faults else 1e9
-                    with trio.move_on_after(stay):
-                        while slot.generation == gen:
-                            with trio.move_on_after(1):
-                                reply = await client.receive()
-                                request = approval_request(reply)
-                                if request is not None:
-                                    await trio.sleep(self.rng.uniform(0, 2))
-                                    grant = self.rng.random() < 0.7
-                                    await client.decide_approval(
-                                        request["agent"], request["request"], grant
-                                    )
-                                    self.switches.count("approvals" if grant else "denials")
-                            if self.switches.faults and stay > 1e8:
-                                break
+                    stay = self.rng.uniform(5, 20)
+                    left = trio.current_time() + stay
+                    while slot.generation == gen and (
+                        not self.switches.faults or trio.current_time() < left
+                    ):
+                        reply = None
+                        with trio.move_on_after(1):
+                            reply = await client.receive()
+                        request = approval_request(reply) if reply is not None else None
+                        if request is None:
+                            continue
+                        if self.switches.faults:
+                            await trio.sleep(self.rng.uniform(0, 2))
+                        grant = self.rng.random() < 0.7
+                        await client.decide_approval(request["agent"], request["request"], grant)
+                        self.switches.count("approvals" if grant else "denials")
             except (ClientError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
             if self.switches.faults:
