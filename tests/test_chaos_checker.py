@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 # imported under those names).
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
-from chaos_check import Ledger, check, failure_reason  # noqa: E402
+from chaos_check import Ledger, check, failure_reason
 
 
 def expected(nonce: str, text: str) -> list[list[str]]:
