@@ -181,6 +181,7 @@ async def chaos(args: argparse.Namespace) -> int:
             owner.leave_now.set()
 
     verdict = None
+    drained = 0.0
     try:
         async with trio.open_nursery() as nursery:
             model = await ChaosModel(seed, LLM_TIMEOUT, on_final=on_final).start(nursery)
@@ -235,14 +236,13 @@ async def chaos(args: argparse.Namespace) -> int:
             drain_end = time.monotonic() + args.drain
             while time.monotonic() < drain_end:
                 refs = await oracle.refs()
-                pending = [
-                    a for c in clients for a in ledger.open_attempts(c) if a.thread in refs or True
-                ]
+                pending = [a for c in clients for a in ledger.open_attempts(c)]
                 taken_open = [a for a in pending if a.thread in refs]
                 if not pending:
                     break
                 say(start, f"drain: {len(pending)} open ({len(taken_open)} taken)")
                 await trio.sleep(2.0)
+            drained = time.monotonic() - (drain_end - args.drain)
             switches.stop = True
             await trio.sleep(1.0)
             refs = await oracle.refs()
@@ -277,6 +277,7 @@ async def chaos(args: argparse.Namespace) -> int:
             "cancels": switches.counts.get("cancels", 0),
             "stops_effective": switches.counts.get("stops_effective", 0),
             "ack_duplicates_dropped": switches.counts.get("ack_duplicates_dropped", 0),
+            "drain_seconds": round(drained, 1),
             "seconds": round(time.monotonic() - start, 1),
         }
     )

@@ -98,10 +98,8 @@ class TaskClient:
         self.leave_now = trio.Event()
         #: thread -> (slot, generation, monotonic time its connection closed or None)
         self.sent_on: dict[str, list] = {}
-        self.connected_gen: tuple[ServerSlot, int] | None = None
-
-    def nonce_threads(self) -> set[str]:
-        return {a.nonce for a in self.ledger.open_attempts(self.name)}
+        #: Attempts the store showed taken (that never changes).
+        self.known_taken: set[str] = set()
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -173,7 +171,10 @@ class TaskClient:
             dead = slot0.generation != gen0 or not slot0.alive
             if not dead and now - closed < 5.0:
                 continue
+            if attempt.thread in self.known_taken:
+                continue
             if await self.taken(attempt.thread):
+                self.known_taken.add(attempt.thread)  # for good: no need to ask again
                 continue
             self.ledger.resend(attempt.thread)
             self.switches.count("resends")
