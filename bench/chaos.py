@@ -101,6 +101,8 @@ def boot_xml(model_url: str, postgres: bool) -> str:
       <accepts type="chaos_tools:Relay"/>
       <responds type="chaos_tools:Stamped"/>
     </listener>
+    <!-- agentserver console's router: the approver's /approve and /deny go through it -->
+    <listener name="console-router" handler="console-router" peers="alpha beta gamma"/>
     <listener name="pay" handler="chaos_tools:pay">
       <accepts type="chaos_tools:Pay"/>
       <responds type="chaos_tools:Stamped"/>
@@ -204,7 +206,7 @@ async def chaos(args: argparse.Namespace) -> int:
                 client = TaskClient(name, acks, seed, servers, ledger, switches, oracle.taken)
                 clients[name] = client
                 nursery.start_soon(client.run)
-            approver = Approver(seed, servers, switches)
+            approver = Approver(seed, servers, switches, env)
             nursery.start_soon(approver.run)
             nursery.start_soon(Operator(seed, servers, switches, ledger, env).run)
             nursery.start_soon(kill_servers, slots, switches, rng, start)
@@ -272,6 +274,8 @@ async def chaos(args: argparse.Namespace) -> int:
             "model_faults_by_kind": dict(sorted(model.stats.faults.items())),
             "runner_kills": sum(r.kills for r in runners),
             "approvals": switches.counts.get("approvals", 0),
+            "console_decisions": switches.counts.get("console_decisions", 0),
+            "console_decisions_applied": switches.counts.get("console_decisions_applied", 0),
             "denials": switches.counts.get("denials", 0),
             "stops": switches.counts.get("stops", 0),
             "cancels": switches.counts.get("cancels", 0),

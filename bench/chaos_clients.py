@@ -15,6 +15,8 @@ until the bench's nursery is cancelled or its ``stop`` is set.
 from __future__ import annotations
 
 import random
+import re
+import sys
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -33,6 +35,8 @@ from agentserver.net.client import ClientError, approval_request, open_client
 from agentserver.net.reply import DeliveredIds, Reply, parse_reply
 
 TOKEN = "chaos-token"
+#: A request as ``agentserver console`` shows it (docs/agents.md, "Human approval").
+_SHOWN = re.compile(r"approval request (\w+): (\w+) wants to call")
 
 
 @dataclass
@@ -245,11 +249,29 @@ class TaskClient:
 class Approver:
     """The named client ``approver``: comes and goes, grants (70 %) and denies."""
 
-    def __init__(self, seed: int, servers: Servers, switches: Switches) -> None:
+    def __init__(
+        self, seed: int, servers: Servers, switches: Switches, env: dict[str, str]
+    ) -> None:
         self.rng = random.Random(f"{seed}:approver")
         self.servers = servers
         self.switches = switches
         self.delivered = DeliveredIds()
+        self.env = {**env, "AGENTSERVER_TOKEN": TOKEN}
+
+    async def _at_console(self, slot: ServerSlot, request_id: str, grant: bool) -> list:
+        """``agentserver console --client approver``: ``/approve ID`` or ``/deny ID``.
+        Returns the other requests the console showed (it received them: they will not
+        come to the approver's own connection), as (agent, request id)."""
+        line = f"/approve {request_id}" if grant else f"/deny {request_id} not today"
+        _, out = await run_cli(
+            ["console", "--connect", f"{slot.host}:{slot.port}", "--client", "approver"],
+            self.env,
+            stdin=f"{line}\n/quit\n".encode(),
+        )
+        self.switches.count("console_decisions")
+        if "decision applied" in out:
+            self.switches.count("console_decisions_applied")
+        return [(a, r) for r, a in _SHOWN.findall(out) if r != request_id]
 
     async def run(self) -> None:
         while not self.switches.stop:
@@ -273,7 +295,18 @@ class Approver:
                         if self.switches.faults:
                             await trio.sleep(self.rng.uniform(0, 2))
                         grant = self.rng.random() < 0.7
-                        await client.decide_approval(request["agent"], request["request"], grant)
+                        if self.rng.random() < 0.3:
+                            # At the console instead: /approve or /deny, then /quit; and
+                            # then the requests the console showed meanwhile.
+                            for agent, other in await self._at_console(
+                                slot, request["request"], grant
+                            ):
+                                await client.decide_approval(agent, other, True)
+                                self.switches.count("approvals")
+                        else:
+                            await client.decide_approval(
+                                request["agent"], request["request"], grant
+                            )
                         self.switches.count("approvals" if grant else "denials")
             except (ClientError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
@@ -281,17 +314,19 @@ class Approver:
                 await trio.sleep(self.rng.uniform(2, 15))
 
 
-async def run_cli(args: list[str], env: dict[str, str]) -> tuple[int, str]:
-    import sys
-
-    done = await trio.run_process(
-        [sys.executable, "-m", "agentserver", *args],
-        env=env,
-        capture_stdout=True,
-        capture_stderr=True,
-        check=False,
-    )
-    return done.returncode, (done.stdout + done.stderr).decode("utf-8", "replace")
+async def run_cli(args: list[str], env: dict[str, str], stdin: bytes = b"") -> tuple[int, str]:
+    """``agentserver ARGS``: its status and output. Bounded: 60 s."""
+    with trio.move_on_after(60):
+        done = await trio.run_process(
+            [sys.executable, "-m", "agentserver", *args],
+            env=env,
+            stdin=stdin,
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        return done.returncode, (done.stdout + done.stderr).decode("utf-8", "replace")
+    return -1, "timed out"
 
 
 class Operator:
