@@ -263,3 +263,23 @@ class RegistryMachine(RuleBasedStateMachine):
 
 TestRegistryMachine = RegistryMachine.TestCase
 TestRegistryMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_closed_clients_held_hop_keeps_its_calls_out():
+    """Found by bench/chaos.py: a client left while her agent's Turn had a tool call out;
+    removing her threads removed the held hop's call too, so the tool's answer found no
+    thread and the Turn waited for its resume deadline."""
+    reg = ThreadRegistry()
+    root = reg.open_root(("c1",), 0.0)
+    hop = reg.extend(root, "beta", 0.0)
+    reg.pin(hop)  # the agent holds it: answered later
+    call = reg.extend(hop, "stamp", 0.0)  # a tool call out
+    plain = reg.open_root(("c1",), 0.0)
+    echo = reg.extend(plain, "echo", 0.0)
+    other = reg.extend(root, "echo", 0.0)  # a plain hop of the same conversation
+    reg.remove_owned_by("c1")
+    assert reg.get(plain.id) is None and reg.get(echo.id) is None and reg.get(other.id) is None
+    assert reg.get(call.id) is call
+    assert reg.prune(call) is hop  # the tool's answer reaches the agent's hop
+    assert reg.prune(hop) is root  # the agent answers; the conversation goes with it
+    assert reg.get(root.id) is None

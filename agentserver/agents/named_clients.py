@@ -8,8 +8,8 @@ only once received:
 
 - on a connection whose hello asked for acknowledgement (``ack="true"``), when the client
   acknowledges its ``reply-id`` with a core ``<ack>``;
-- on any other connection (today's semantics), when it is written to the socket while the
-  client's input is still open; one written after the client's end of input stays kept.
+- on any other connection (today's semantics), when it is written to the socket; none is
+  written after the server read the client's end of input (it stays kept).
 
 When a connection ends, the replies it was offered and did not receive are offered to
 another live connection of the identity, else handed over at the next hello. The server

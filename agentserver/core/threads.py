@@ -277,12 +277,34 @@ class ThreadRegistry:
         return removed
 
     def remove_owned_by(self, name: str) -> int:
-        """Remove every root thread whose chain starts with ``name`` (e.g. a closed client)."""
-        roots = [r for r in self._threads.values() if r.parent is None and r.chain[0] == name]
+        """Remove every root thread whose chain starts with ``name`` (e.g. a closed client),
+        except the hops below it that someone holds (``pins``: an agent's task, answered
+        later) with the calls they have out: their answers must still find them. Such a
+        root stays, transient, until its last held hop ends. Bounded by the trees removed."""
+        threads = self._threads
+        roots = [r for r in threads.values() if r.parent is None and r.chain[0] == name]
         count = 0
         for r in roots:
-            count += self._remove_subtree(r)
+            held = [c for c in r.children if c in threads and self._holds_pin(threads[c])]
+            if not held:
+                count += self._remove_subtree(r)
+                continue
+            for child in list(r.children):
+                if child in threads and child not in held:
+                    count += self._remove_subtree(threads[child])
+            r.transient = True
         return count
+
+    def _holds_pin(self, record: ThreadRecord) -> bool:
+        """``record`` or a thread below it is pinned."""
+        threads = self._threads
+        stack = [record]
+        while stack:
+            node = stack.pop()
+            if node.pins:
+                return True
+            stack.extend(threads[c] for c in node.children if c in threads)
+        return False
 
     def _expire_tree(self, root: ThreadRecord, cutoff: float) -> list[str]:
         # Post-order, children first, then whether the node has become idle; with a stack,

@@ -124,6 +124,10 @@ class Connection:
         endpoint, out = self.endpoint, self._out
         if endpoint is None or out is None or endpoint.closed:
             return False
+        if not self.acks and not self.input_open:
+            # Nothing durable is written after a no-ack client's end of input: she could
+            # not tell it from what was written before (received), so it stays kept.
+            return False
         if not self.acks:
             out.expect_durable(body, reply_id)
         if endpoint.push(body):

@@ -149,11 +149,27 @@ class ReplyWriter:
         return written
 
     def _wrote(self, body: bytes) -> None:
-        """A reply was written: a durable one on a no-ack link counts as received if the
-        client's input is still open (one written after its end of input stays kept)."""
+        """A reply is being written: a durable one on a no-ack link counts as received (the
+        caller has dropped those it must not write: :meth:`_unwritable`)."""
         entry = self._durable.pop(id(body), None)
-        if entry is not None and entry[0] is body and self._input_open():
+        if entry is not None and entry[0] is body:
             self._written.append(entry[1])
+
+    def _unwritable(self, body: bytes) -> bool:
+        """``body`` is a durable reply on a no-ack link whose client's input has ended: it
+        is not written (it stays kept for her next connection). She reads until the server
+        closes, and could not tell a reply written after the server read her end of input
+        from one written before (received): so none is written after (docs/wire.md)."""
+        entry = self._durable.get(id(body))
+        if entry is None or entry[0] is not body or self._input_open():
+            return False
+        del self._durable[id(body)]
+        return True
+
+    def _writable(self, bodies: list[bytes]) -> list[bytes]:
+        if not self._durable or self._input_open():
+            return bodies
+        return [body for body in bodies if not self._unwritable(body)]
 
     # -- writing -------------------------------------------------------------------------
 
@@ -172,6 +188,10 @@ class ReplyWriter:
         if batch is None:
             return
         self._batch = None
+        owed = len(batch)
+        batch = self._writable(batch)
+        if len(batch) < owed:
+            self.inflight.replied(owed - len(batch))
         if not batch:
             return
         assert self._direct is not None
@@ -222,6 +242,9 @@ class ReplyWriter:
                 self.flush()
                 self.start_batch()
             return True
+        if self._durable and self._unwritable(body):
+            self.inflight.replied(1)  # answered, as far as the in-flight bound goes
+            return True  # not written: it stays kept
         if not self._writer_idle or self._pipelining or len(self.inflight.requests) > 1:
             # Queued for the writer, which that wakes: later replies must queue behind it.
             self._writer_idle = False
@@ -320,16 +343,22 @@ class ReplyWriter:
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 if not self._collect(endpoint, batch):
                     break
-            replies = [body for body in batch if body]  # an empty one is a _WAKE
+            owed = [body for body in batch if body]  # an empty one is a _WAKE
+            replies = self._writable(owed)
             data = encode_frames(replies)
             if self._carry:
                 data, self._carry = self._carry + data, b""
-            self.inflight.replied(len(replies))
+            self.inflight.replied(len(owed))
             counters["replies"] += len(replies)
             counters["queued"] += len(replies)
-            await write(data)
+            # Received if the client's input was open when they were taken for writing:
+            # she reads until the server closes, so what goes out now reaches her.
+            written: list[int] = []
             if self._durable:
                 for body in replies:
                     self._wrote(body)
-                if self._written:
-                    await self._on_written(self.take_written())
+                written = self.take_written()
+            if data:
+                await write(data)
+            if written:
+                await self._on_written(written)

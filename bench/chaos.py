@@ -1,0 +1,419 @@
+"""Chaos bench: the real server under faults, and a checker of what every client got.
+
+    python bench/chaos.py --minutes M --seed S --store sqlite|postgresql --processes 1|2
+                          [--store-url URL] [--out DIR] [--drain S]
+
+Starts ``agentserver run`` (one process, or two on one PostgreSQL store) on a generated
+boot.xml: three agents (``alpha``, ``beta``, ``gamma``) whose tools are ``stamp`` (local,
+random delays and exceptions), ``relay`` (remote: ``agentserver runner``, killed at random
+and restarted) and ``pay`` (``require-approval``, decided by the named client
+``approver``, who comes and goes); the model is bench/chaos_model.py on loopback (429 with
+Retry-After, 5xx, hangs past ``llm-timeout``, malformed tool calls). Four named clients
+(two with acknowledgements, two without) send tasks, disconnect at random (also just as
+their answer is about to be ready) and reconnect to any live server; a server process is
+SIGKILLed every 20-60 s and restarted; the operator stops and cancels tasks with the CLI.
+Every random choice comes from ``--seed``.
+
+After ``--minutes`` the faults stop (and no new task is sent); every task the server took
+must then be answered within ``--drain`` s (120). bench/chaos_check.py checks the ledger
+against the store (which tasks were taken). Progress lines go to standard error; the last
+line on standard output is one JSON object with the counts. Exit status 1 on any
+violation, printing the command line that reproduces the run. docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import shlex
+import shutil
+import sqlite3
+import sys
+import tempfile
+import time
+import uuid
+
+import trio
+
+# bench/ holds socket.py and http.py, which step aside when imported as the standard
+# library's; appended, bench/ comes after the standard library (as bench/runner.py does).
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+
+from chaos_check import Ledger, check
+from chaos_clients import TOKEN, Approver, Operator, Servers, Switches, TaskClient
+from chaos_model import ChaosModel, plan_for
+from chaos_procs import RunnerSlot, ServerSlot, child_env
+from chaos_tools import AGENTS, proof_text
+
+LLM_TIMEOUT = 4.0
+CLIENTS = (("c0", True), ("c1", False), ("c2", True), ("c3", False))
+
+
+def boot_xml(model_url: str, postgres: bool) -> str:
+    store = (
+        '<store url-env="CHAOS_STORE_URL" worker-concurrency="4" watchdog-interval="0.5" '
+        'lease="2" heartbeat="0.5"/>'
+        if postgres
+        else '<store path="state/agents.sqlite3" worker-concurrency="4" watchdog-interval="0.5"/>'
+    )
+    clients = "\n".join(
+        f'    <client name="{name}" token-env="CHAOS_TOKEN"/>' for name, _ in CLIENTS
+    )
+    agents = "\n".join(
+        f"""    <listener name="{agent}" handler="chaos_tools:agent_placeholder" agent="true"
+              peers="stamp relay pay">
+      <accepts type="chaos_tools:{agent.title()}Task"/>
+      <responds type="chaos_tools:{agent.title()}Answer"/>
+      <agent model="m" max-steps="12" resume-deadline="60" llm-timeout="{LLM_TIMEOUT}"
+             step-retries="3" step-retry-base="1" max-retry-after="5"/>
+      <policy default="allow">
+        <rule priority="1" id="payments" decision="require-approval" target="pay"
+              approver="approver" timeout="45s"/>
+      </policy>
+    </listener>"""
+        for agent in AGENTS
+    )
+    return f"""<?xml version="1.0" encoding="UTF-8"?>
+<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="chaos">
+  <limits hello-timeout="2" read-timeout="5" drain-timeout="1" write-timeout="5"/>
+  <clients>
+{clients}
+    <client name="approver" token-env="CHAOS_TOKEN"/>
+    <client name="ops" token-env="CHAOS_TOKEN" operator="true"/>
+    <client name="relay-runner" token-env="CHAOS_TOKEN" serves="relay"/>
+  </clients>
+  <llm max-attempts="3" timeout="30">
+    <backend name="chaos" provider="openai" base-url="{model_url}" api-key-env="CHAOS_LLM_KEY"
+             timeout="30">
+      <model name="m"/>
+    </backend>
+  </llm>
+  {store}
+  <listeners>
+    <listener name="stamp" handler="chaos_tools:stamp">
+      <accepts type="chaos_tools:Stamp"/>
+      <responds type="chaos_tools:Stamped"/>
+    </listener>
+    <listener name="relay" remote="true" step-timeout="6" idempotent="true" retries="3">
+      <accepts type="chaos_tools:Relay"/>
+      <responds type="chaos_tools:Stamped"/>
+    </listener>
+    <!-- agentserver console's router: the approver's /approve and /deny go through it -->
+    <listener name="console-router" handler="console-router" peers="alpha beta gamma"/>
+    <listener name="pay" handler="chaos_tools:pay">
+      <accepts type="chaos_tools:Pay"/>
+      <responds type="chaos_tools:Stamped"/>
+    </listener>
+{agents}
+  </listeners>
+</organism>
+"""
+
+
+class Oracle:
+    """Which tasks the server took: an inbox row whose reply reference names the thread
+    (read from the store itself, in a thread)."""
+
+    def __init__(self, sqlite_path: pathlib.Path | None, pg_url: str | None) -> None:
+        self.sqlite_path = sqlite_path
+        self.pg_url = pg_url
+
+    def _threads_blocking(self) -> str:
+        query = "SELECT reply_ref FROM agent_inbox WHERE message_type = 'turn'"
+        if self.pg_url is not None:
+            import psycopg
+
+            with psycopg.connect(self.pg_url, connect_timeout=10) as conn:
+                rows = conn.execute(query).fetchall()
+        else:
+            if self.sqlite_path is None or not self.sqlite_path.exists():
+                return ""
+            conn = sqlite3.connect(f"file:{self.sqlite_path}?mode=ro", uri=True, timeout=30)
+            try:
+                rows = conn.execute(query).fetchall()
+            finally:
+                conn.close()
+        return "\n".join(str(r[0]) for r in rows)
+
+    async def refs(self) -> str:
+        return await trio.to_thread.run_sync(self._threads_blocking)
+
+    async def taken(self, thread: str) -> bool:
+        return thread in await self.refs()
+
+
+def expected_proofs(seed: int):
+    def expected(nonce: str, text: str) -> list[list[str]]:
+        plan = plan_for(seed, nonce)
+        base = [proof_text("stamp", nonce)]
+        if plan.relay:
+            base.append(proof_text("relay", nonce))
+        if not plan.pay:
+            return [base]
+        return [[*base, proof_text("pay", nonce)], [*base, "pay=refused"]]
+
+    return expected
+
+
+def say(start: float, text: str) -> None:
+    print(f"[chaos {time.monotonic() - start:7.1f}s] {text}", file=sys.stderr, flush=True)
+
+
+async def chaos(args: argparse.Namespace) -> int:
+    start = time.monotonic()
+    seed = args.seed
+    out = pathlib.Path(args.out)
+    postgres = args.store == "postgresql"
+    pg_url = args.store_url if postgres else None
+    dropdb = None
+    if postgres and pg_url is None:
+        pg_url, dropdb = make_database()
+    ledger = Ledger()
+    switches = Switches()
+    clients: dict[str, TaskClient] = {}
+    nonce_owner: dict[str, TaskClient] = {}
+    rng = random.Random(f"{seed}:bench")
+
+    def on_final(nonce: str) -> None:
+        owner = nonce_owner.get(nonce)
+        if owner is not None and switches.faults and rng.random() < 0.25:
+            owner.leave_now.set()
+
+    verdict = None
+    drained = 0.0
+    try:
+        async with trio.open_nursery() as nursery:
+            model = await ChaosModel(seed, LLM_TIMEOUT, on_final=on_final).start(nursery)
+            boot_dir = out / "organism"
+            env = child_env(boot_dir, CHAOS_TOKEN=TOKEN, CHAOS_LLM_KEY="chaos-key")
+            if pg_url:
+                env["CHAOS_STORE_URL"] = pg_url
+            boot = boot_dir / "boot.xml"
+            await trio.Path(boot).write_text(boot_xml(model.base_url, postgres))
+            oracle = Oracle(None if postgres else boot_dir / "state" / "agents.sqlite3", pg_url)
+            slots = [ServerSlot(i, boot, env, out) for i in range(args.processes)]
+            for slot in slots:
+                await slot.start()
+            say(start, f"{len(slots)} server(s) up; logs in {out}")
+            servers = Servers(slots)
+            runners = [RunnerSlot(slot, {**env, "AGENTSERVER_TOKEN": TOKEN}, out) for slot in slots]
+            for runner in runners:
+                nursery.start_soon(keep_runner, runner, switches)
+            for name, acks in CLIENTS:
+                client = TaskClient(name, acks, seed, servers, ledger, switches, oracle.taken)
+                clients[name] = client
+                nursery.start_soon(client.run)
+            approver = Approver(seed, servers, switches, env)
+            nursery.start_soon(approver.run)
+            nursery.start_soon(Operator(seed, servers, switches, ledger, env).run)
+            nursery.start_soon(kill_servers, slots, switches, rng, start)
+            nursery.start_soon(kill_runners, runners, switches, rng)
+
+            async def track_owners() -> None:
+                while True:
+                    for attempt in ledger.attempts.values():
+                        nonce_owner.setdefault(attempt.nonce, clients[attempt.client])
+                    await trio.sleep(0.2)
+
+            nursery.start_soon(track_owners)
+            deadline = start + args.minutes * 60
+            while time.monotonic() < deadline:
+                await trio.sleep(min(10.0, max(0.0, deadline - time.monotonic())))
+                say(start, progress(ledger, switches, model))
+            # The faults stop: no kills, no leaving, no model faults, no new tasks.
+            switches.faults = False
+            switches.sending = False
+            model.faults_on = False
+            with trio.move_on_after(30):  # a killed server's restart under way
+                for slot in slots:
+                    while not slot.alive:
+                        await slot.changed.wait()
+            for slot in slots:
+                if not slot.alive:
+                    await slot.start()
+            say(start, "faults stopped; draining")
+            drain_end = time.monotonic() + args.drain
+            while time.monotonic() < drain_end:
+                refs = await oracle.refs()
+                pending = [a for c in clients for a in ledger.open_attempts(c)]
+                taken_open = [a for a in pending if a.thread in refs]
+                if not pending:
+                    break
+                say(start, f"drain: {len(pending)} open ({len(taken_open)} taken)")
+                await trio.sleep(2.0)
+            drained = time.monotonic() - (drain_end - args.drain)
+            switches.stop = True
+            await trio.sleep(1.0)
+            refs = await oracle.refs()
+            taken = {t for t in ledger.attempts if t in refs}
+            verdict = check(ledger, taken, expected_proofs(seed))
+            await trio.Path(out / "ledger.json").write_text(ledger_json(ledger, taken))
+            for slot in slots:
+                await slot.terminate()
+            nursery.cancel_scope.cancel()
+    finally:
+        if dropdb is not None:
+            dropdb()
+    assert verdict is not None
+    counts = dict(verdict.counts)
+    counts.update(
+        {
+            "seed": seed,
+            "minutes": args.minutes,
+            "store": args.store,
+            "processes": args.processes,
+            "kills": switches.counts.get("kills", 0),
+            "disconnects": switches.counts.get("disconnects", 0),
+            "disconnects_before_answer": switches.counts.get("disconnects_before_answer", 0),
+            "resends": switches.counts.get("resends", 0),
+            "model_requests": model.stats.requests,
+            "model_faults": sum(model.stats.faults.values()),
+            "model_faults_by_kind": dict(sorted(model.stats.faults.items())),
+            "runner_kills": sum(r.kills for r in runners),
+            "approvals": switches.counts.get("approvals", 0),
+            "console_decisions": switches.counts.get("console_decisions", 0),
+            "console_decisions_applied": switches.counts.get("console_decisions_applied", 0),
+            "denials": switches.counts.get("denials", 0),
+            "stops": switches.counts.get("stops", 0),
+            "cancels": switches.counts.get("cancels", 0),
+            "stops_effective": switches.counts.get("stops_effective", 0),
+            "ack_duplicates_dropped": switches.counts.get("ack_duplicates_dropped", 0),
+            "drain_seconds": round(drained, 1),
+            "seconds": round(time.monotonic() - start, 1),
+        }
+    )
+    for line in verdict.violations:
+        print(f"VIOLATION: {line}", file=sys.stderr)
+    if not verdict.ok:
+        print(
+            "reproduce with: " + shlex.join([sys.executable, *sys.argv]) + f"  (seed {seed})",
+            file=sys.stderr,
+        )
+    print(json.dumps(counts))
+    return 0 if verdict.ok else 1
+
+
+def ledger_json(ledger: Ledger, taken: set[str]) -> str:
+    """Every attempt with what its client was handed, for reading after a run."""
+    answers: dict[str, list] = {}
+    for answer in ledger.answers:
+        answers.setdefault(answer.thread, []).append([answer.client, answer.failed, answer.text])
+    refusals = {r.thread: r.text for r in ledger.refusals}
+    return json.dumps(
+        [
+            {
+                "thread": a.thread,
+                "client": a.client,
+                "agent": a.agent,
+                "nonce": a.nonce,
+                "taken": a.thread in taken,
+                "resent": a.thread in ledger.resent,
+                "answers": answers.get(a.thread, []),
+                "refusal": refusals.get(a.thread),
+            }
+            for a in ledger.attempts.values()
+        ],
+        indent=1,
+    )
+
+
+def progress(ledger: Ledger, switches: Switches, model: ChaosModel) -> str:
+    return (
+        f"attempts={len(ledger.attempts)} answers={len(ledger.answers)} "
+        f"refusals={len(ledger.refusals)} model={model.stats.requests} "
+        f"faults={sum(model.stats.faults.values())} "
+        + " ".join(f"{k}={v}" for k, v in sorted(switches.counts.items()))
+    )
+
+
+async def keep_runner(runner: RunnerSlot, switches: Switches) -> None:
+    """Run the slot's runner, restarting it whenever it exits (killed, or its server was)."""
+    while not switches.stop:
+        if not runner.server.alive:
+            await trio.sleep(0.2)
+            continue
+        await runner.run_once()
+        await trio.sleep(0.5)
+
+
+async def kill_servers(
+    slots: list[ServerSlot], switches: Switches, rng: random.Random, start: float
+) -> None:
+    """SIGKILL a server every 20-60 s; restart it (one process: soon; two: the survivor
+    carries on meanwhile)."""
+    while True:
+        await trio.sleep(rng.uniform(20, 60))
+        if not switches.faults:
+            return
+        slot = rng.choice([s for s in slots if s.alive] or slots)
+        await slot.kill()
+        switches.count("kills")
+        say(start, f"SIGKILL server {slot.index}")
+        await trio.sleep(rng.uniform(0.5, 3.0) if len(slots) == 1 else rng.uniform(2.0, 10.0))
+        await slot.start()
+
+
+async def kill_runners(runners: list[RunnerSlot], switches: Switches, rng: random.Random) -> None:
+    while True:
+        await trio.sleep(rng.uniform(10, 40))
+        if not switches.faults:
+            return
+        rng.choice(runners).kill()
+
+
+def make_database() -> tuple[str, object]:
+    """A new database on the server the PG* variables name, and a function dropping it."""
+    from urllib.parse import quote, urlencode
+
+    import psycopg
+    from psycopg import sql
+
+    name = f"agentserver_chaos_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect("", autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        info = conn.info
+        host, port, user, password = info.host, info.port, info.user, info.password
+    auth = quote(user, safe="") + (":" + quote(password, safe="") if password else "")
+    if host.startswith("/"):
+        url = f"postgresql://{auth}@/{name}?" + urlencode({"host": host, "port": port})
+    else:
+        url = f"postgresql://{auth}@{host}:{port}/{name}"
+
+    def drop() -> None:
+        with psycopg.connect("", autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+    return url, drop
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=0.5)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite")
+    parser.add_argument("--processes", type=int, choices=(1, 2), default=1)
+    parser.add_argument("--store-url", help="postgresql://... (default: a new database on PG*)")
+    parser.add_argument("--out", help="directory for boot.xml, the store and the logs")
+    parser.add_argument("--drain", type=float, default=120.0, help="seconds to answer all")
+    args = parser.parse_args(argv)
+    if args.processes == 2 and args.store != "postgresql":
+        parser.error("--processes 2 needs --store postgresql")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="chaos-"))
+    args.out = str(out)
+    # The servers and runners import chaos_tools from boot.xml's folder (not bench/, whose
+    # socket.py and http.py would come before the standard library's there).
+    (out / "organism").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(
+        pathlib.Path(__file__).with_name("chaos_tools.py"), out / "organism" / "chaos_tools.py"
+    )
+    return trio.run(chaos, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

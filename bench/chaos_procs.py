@@ -1,0 +1,178 @@
+"""The chaos bench's processes: servers (``agentserver run``) and runners
+(``agentserver runner``), started, killed with SIGKILL and restarted (bench/chaos.py).
+
+Each process's standard error goes to a log file in the run's directory, read by a thread
+that also finds the server's address in its start line. Blocking waits run in
+``trio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import trio
+
+LISTENING = re.compile(r"agentserver listening on (\S+?):(\d+)")
+BENCH = pathlib.Path(__file__).resolve().parent
+
+
+def child_env(tools: pathlib.Path, **extra: str) -> dict[str, str]:
+    """The environment of a server or runner: ``tools`` (chaos_tools.py's folder) importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tools), env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+class ServerSlot:
+    """One server process of the run (restarted in place: the same boot.xml and folder)."""
+
+    def __init__(self, index: int, boot: pathlib.Path, env: dict[str, str], logs: pathlib.Path):
+        self.index = index
+        self.boot = boot
+        self.env = env
+        self.logs = logs
+        self.proc: subprocess.Popen | None = None
+        self.host = "127.0.0.1"
+        self.port = 0
+        #: Bumped at every start: a connection made to an older generation is dead.
+        self.generation = 0
+        self.changed = trio.Event()
+        self.starts = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and self.port != 0
+
+    def _start_blocking(self, timeout: float = 60.0) -> None:
+        self.starts += 1
+        log = open(self.logs / f"server{self.index}-{self.starts}.log", "wb")
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "agentserver",
+                "--log-level",
+                "warning",
+                "run",
+                str(self.boot),
+                "--port",
+                "0",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=self.env,
+            cwd=self.boot.parent,
+        )
+        found = threading.Event()
+        address: list[tuple[str, int]] = []
+
+        def pump() -> None:
+            with log:
+                for raw in proc.stderr:
+                    log.write(raw)
+                    if not address:
+                        match = LISTENING.search(raw.decode("utf-8", "replace"))
+                        if match:
+                            address.append((match.group(1), int(match.group(2))))
+                            log.flush()
+                            found.set()
+            found.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not found.wait(timeout) or not address:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"server {self.index} did not start (see {self.logs})")
+        self.proc = proc
+        self.host, self.port = address[0]
+
+    async def start(self) -> None:
+        await trio.to_thread.run_sync(self._start_blocking)
+        self.generation += 1
+        self._signal()
+
+    def _signal(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def kill(self) -> None:
+        """SIGKILL, and wait for the process to be gone."""
+        proc = self.proc
+        self.port = 0
+        self._signal()
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            await trio.to_thread.run_sync(proc.wait)
+
+    async def terminate(self) -> None:
+        proc = self.proc
+        self.port = 0
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await trio.to_thread.run_sync(lambda: proc.wait(20))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                await trio.to_thread.run_sync(proc.wait)
+
+
+class RunnerSlot:
+    """``agentserver runner`` serving ``relay`` for one server slot."""
+
+    def __init__(self, server: ServerSlot, env: dict[str, str], logs: pathlib.Path):
+        self.server = server
+        self.env = env
+        self.logs = logs
+        self.proc: trio.Process | None = None
+        self.starts = 0
+        self.kills = 0
+
+    async def run_once(self) -> None:
+        """Run one runner until it exits (or is killed)."""
+        self.starts += 1
+        path = self.logs / f"runner{self.server.index}-{self.starts}.log"
+        with open(path, "wb") as log:  # noqa: ASYNC230 - a local file, opened once
+            self.proc = await trio.lowlevel.open_process(
+                [
+                    sys.executable,
+                    "-m",
+                    "agentserver",
+                    "--log-level",
+                    "warning",
+                    "runner",
+                    "--listener",
+                    "relay",
+                    "--handler",
+                    "chaos_tools:relay",
+                    "--concurrency",
+                    "8",
+                    "--connect",
+                    f"{self.server.host}:{self.server.port}",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=self.env,
+            )
+            try:
+                await self.proc.wait()
+            finally:
+                if self.proc.returncode is None:
+                    self.proc.kill()
+                    with trio.CancelScope(shield=True):
+                        await self.proc.wait()
+
+    def kill(self) -> bool:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.kills += 1
+            return True
+        return False

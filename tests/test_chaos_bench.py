@@ -1,0 +1,43 @@
+"""The chaos bench (bench/chaos.py) runs in the suite: a short seeded run on SQLite, with
+its faults, must end with no violation and its JSON line (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from serverproc import REPO, scratch_dir
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_short_seeded_chaos_run_has_no_violation():
+    out = scratch_dir()
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "chaos.py"),
+            "--minutes",
+            "0.3",
+            "--seed",
+            "25",
+            "--store",
+            "sqlite",
+            "--drain",
+            "90",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        timeout=240,
+        cwd=out,
+    )
+    stderr = done.stderr.decode(errors="replace")
+    lines = done.stdout.decode().strip().splitlines()
+    assert lines, stderr[-3000:]
+    counts = json.loads(lines[-1])
+    assert done.returncode == 0 and counts["violations"] == 0, stderr[-3000:]
+    assert counts["tasks"] > 0 and counts["answered_once"] == counts["taken"], counts
+    assert "[chaos" in stderr  # progress lines
