@@ -33,6 +33,7 @@ from agentserver.agents.pg.notify import (
     PgListener,
     notify,
 )
+from agentserver.agents.pg.one_trip import ONE_TRIP, Missed
 from agentserver.agents.pg.schema import OWNER_SETTING, migrate_pg
 from agentserver.agents.pg.trio_executor import PgTrioExecutor
 from agentserver.agents.settings import StoreSettings
@@ -170,6 +171,21 @@ class PostgresAgentStore(SqlAgentStore):
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         channel = _NOTIFIES.get(fn)
+        fast = ONE_TRIP.get(fn)
+        if fast is not None:
+            notifying = channel is not None and (
+                self._rings.get(channel) is None or self.others_alive
+            )
+            try:
+                result = await self.executor.run(
+                    fast, self.env, channel if notifying else None, *args
+                )
+            except Missed:
+                pass  # rolled back: the shared function meets the miss (below)
+            else:
+                if channel is not None and not notifying:
+                    self._rings[channel]()
+                return result
         if channel is None:
             return await self.executor.run(fn, self.env, *args)
         ring = self._rings.get(channel)

@@ -58,6 +58,38 @@ def cas(
     whose ``?`` take ``where_params``).
     Raises StaleTurn on a miss, and then nothing was written.
     """
+    sql, params = cas_statement(
+        env,
+        agent_id,
+        turn_id,
+        epoch,
+        how,
+        sets=sets,
+        exprs=exprs,
+        expr_params=expr_params,
+        where=where,
+        where_params=where_params,
+    )
+    row = tx.one(sql, params)
+    if row is None:
+        raise StaleTurn(f"{agent_id}/{turn_id}@{epoch}: {stale or f'head not {how}'}")
+    return Head(*row)
+
+
+def cas_statement(
+    env: StoreEnv,
+    agent_id: str,
+    turn_id: str | None,
+    epoch: int | None,
+    how: HeadEvent | HeadStatus,
+    *,
+    sets: Mapping[str, Any] | None = None,
+    exprs: Mapping[str, str] | None = None,
+    expr_params: Sequence[Any] = (),
+    where: str = "",
+    where_params: Sequence[Any] = (),
+) -> tuple[str, tuple[Any, ...]]:
+    """The ``UPDATE … RETURNING <head>`` of :func:`cas` and its parameters (not run)."""
     cols: dict[str, Any] = {}
     bump = False
     if isinstance(how, HeadEvent):
@@ -83,10 +115,7 @@ def cas(
         len(sources),
         where,
     )
-    row = tx.one(sql, (*params, *sources, *where_params))
-    if row is None:
-        raise StaleTurn(f"{agent_id}/{turn_id}@{epoch}: {stale or f'head not {how}'}")
-    return Head(*row)
+    return sql, (*params, *sources, *where_params)
 
 
 @functools.cache
@@ -150,13 +179,19 @@ def lease_next(tx: Tx, env: StoreEnv, agent_id: str) -> bool:
     """L0 dispatch_next: lease the oldest queued Turn if the agent is idle.
 
     Everything is read before the compare-and-set, so a busy head writes nothing."""
-    row = tx.one(
-        "SELECT inbox_id, payload, conversation FROM agent_inbox WHERE agent_id = ? "
-        "AND status = ? ORDER BY created_at, seq LIMIT 1",
-        (agent_id, InboxStatus.QUEUED),
-    )
-    if row is None:
-        return False
+    row = tx.one(QUEUED_NEXT, (agent_id, InboxStatus.QUEUED))
+    return lease_row(tx, env, agent_id, row) if row is not None else False
+
+
+#: The oldest queued Turn of an agent (parameters: the agent, ``InboxStatus.QUEUED``).
+QUEUED_NEXT = (
+    "SELECT inbox_id, payload, conversation FROM agent_inbox WHERE agent_id = ? "
+    "AND status = ? ORDER BY created_at, seq LIMIT 1"
+)
+
+
+def lease_row(tx: Tx, env: StoreEnv, agent_id: str, row: Sequence[Any]) -> bool:
+    """:func:`lease_next` for the queued ``row`` it read (a row of :data:`QUEUED_NEXT`)."""
     inbox_id, payload, conversation = row
     earlier = conversations.earlier_cards(tx, agent_id, conversation) if conversation else []
     task = NewCard(CardType.TASK_INPUT, bytes(payload).decode("utf-8", "replace"))

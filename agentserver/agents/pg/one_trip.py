@@ -1,0 +1,513 @@
+"""The hot store calls on PostgreSQL in one round trip: their statements rewritten so no
+statement needs an earlier one's answer in Python (the one place the PostgreSQL store's
+SQL differs from the shared ``agents/sql``, which SQLite runs unchanged).
+
+Each function here does what its namesake in ``agents/sql`` does, with the same
+statements where it can, and these changes:
+
+- A compare-and-set on the head (:func:`~agentserver.agents.sql.head.cas`) or a checked
+  inbox move is wrapped in ``agentserver_expect`` (a function the store's migration
+  creates, ``agents/pg/schema.py``): a miss raises an error in the server, which aborts
+  the transaction there, so the statements queued after it never run and ``COMMIT``
+  does not happen. The store then runs the shared function in a new transaction
+  (:class:`Missed`), which meets the miss as before (raises ``StaleTurn``, takes the
+  step-limit path, …): what a miss does is the shared code's, by construction.
+- A value the shared function passes from the compare-and-set's ``RETURNING`` to a later
+  statement (the output box, the step number) is read by that statement from the head it
+  just updated (a scalar subquery: the row is locked by this transaction, and a later
+  statement sees its writes).
+- What the function returns from those reads comes back with the last round trip
+  (:meth:`~.trio_executor.PgPipeTx.later`), and its last statement carries ``COMMIT``
+  (:meth:`~.trio_executor.PgPipeTx.last`).
+
+Atomic: each call is one transaction, as its namesake's; a miss rolls all of it back
+before the shared function runs. Cancel: as any store call (the executor's). Bounded:
+the statements of one call, in one round trip (``finish`` two: the next queued Turn's
+task must be read before its lease is written, and a lease three).
+
+Each function takes the store's ``NOTIFY`` channel (None: none) after ``env``, since the
+notification must go out before the last statement, and is named as its namesake (the
+benches count per function name).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
+
+import psycopg
+
+from agentserver.agents.errors import StaleTurn
+from agentserver.agents.pg.executor import Later
+from agentserver.agents.pg.notify import notify
+from agentserver.agents.pg.schema import EXPECT_FAILED
+from agentserver.agents.sql import head, tools, turn_end, turns
+from agentserver.agents.sql.common import (
+    CARD_COLS,
+    HEAD_COLS,
+    edge,
+    inbox_move_statement,
+    insert_cards,
+    split_turn_cards,
+    tokens_of,
+)
+from agentserver.agents.sql.db import INSERT_CHUNK, StoreEnv, new_id
+from agentserver.agents.sql.turns import close_step, with_tokens
+from agentserver.agents.states import (
+    AfterExecution,
+    AgentStepStatus,
+    HeadEvent,
+    HeadStatus,
+    InboxEvent,
+    InboxStatus,
+    MessageType,
+    ReplyStatus,
+    WaitingStatus,
+    head_event,
+)
+from agentserver.agents.store import (
+    CardType,
+    Finished,
+    Head,
+    InboxRow,
+    NewCard,
+    PendingReply,
+    ReportOutcome,
+    StepStart,
+    TaskStatus,
+    ToolCallRecord,
+    TurnToken,
+)
+
+T = TypeVar("T")
+
+
+class PipeTx(Protocol):
+    """What these functions need of a transaction: the store's Tx, plus reads that wait
+    in the pipeline (:class:`~.trio_executor.PgPipeTx`; the thread executor's
+    :class:`~.executor.PgTx` runs them at once)."""
+
+    dialect: str
+    rowcount: int
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any: ...
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
+    def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None: ...
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
+    def later(self, sql: str, params: Sequence[Any] = ()) -> Later: ...
+    def last(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
+
+
+class Missed(Exception):
+    """An ``agentserver_expect`` failed: the call's transaction was rolled back, and the
+    store runs the shared function instead."""
+
+
+def _one_trip(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn``, with an expectation's error raised as :class:`Missed`."""
+
+    @functools.wraps(fn)
+    def run(tx: PipeTx, *args: Any) -> T:
+        try:
+            return fn(tx, *args)
+        except psycopg.Error as exc:
+            if exc.sqlstate == EXPECT_FAILED:
+                raise Missed(str(exc)) from None
+            raise
+
+    return run
+
+
+# -- the checks -----------------------------------------------------------------------
+
+
+def _fence(
+    tx: PipeTx, env: StoreEnv, token: TurnToken, how: HeadEvent | HeadStatus, **kw: Any
+) -> Later:
+    """The compare-and-set of :func:`head.fence`, expected to hit; the head as updated
+    (one row) once the round trip is back."""
+    sql, params = head.cas_statement(
+        env, token.agent_id, token.agent_turn_id, token.turn_epoch, how, **kw
+    )
+    return tx.later(
+        f"WITH h AS ({sql}) SELECT h.* FROM (SELECT agentserver_expect("
+        "(SELECT count(*) FROM h) = 1, ?) AS ok) e LEFT JOIN h ON e.ok",
+        (*params, f"{token}: head not {how}"),
+    )
+
+
+def _move(tx: PipeTx, env: StoreEnv, inbox_id: str, event: InboxEvent, **sets: Any) -> None:
+    """:func:`~agentserver.agents.sql.common.inbox_move`, expected to move its row."""
+    sql, params = inbox_move_statement(env, inbox_id, event, **sets)
+    tx.execute(
+        f"WITH u AS ({sql} RETURNING 1) SELECT agentserver_expect((SELECT count(*) FROM u) = 1, ?)",
+        (*params, f"inbox {inbox_id} did not move by {event}"),
+    )
+
+
+def _head_of(column: str) -> str:
+    """A scalar subquery: ``column`` of the head whose agent is the next parameter."""
+    return f"(SELECT {column} FROM agent_state_head WHERE agent_id = ?)"
+
+
+def _cards_into_output(
+    tx: PipeTx,
+    env: StoreEnv,
+    token: TurnToken,
+    cards: Sequence[tuple[NewCard, int]],
+) -> list[str]:
+    """:func:`~agentserver.agents.sql.common.insert_cards` into the head's output box
+    (read by the statement); their ids."""
+    if not cards:
+        return []
+    now = env.clock.now()
+    ids = [new_id() for _ in cards]
+    rows = [
+        (
+            card_id,
+            token.agent_id,
+            token.agent_turn_id,
+            card.card_type,
+            card.content,
+            json.dumps(dict(card.metadata)),
+            now,
+            tokens,
+        )
+        for card_id, (card, tokens) in zip(ids, cards, strict=True)
+    ]
+    one = f"(?,{_head_of('output_box_id')},?,?,?,?,?,?)"
+    for i in range(0, len(rows), INSERT_CHUNK):
+        part = rows[i : i + INSERT_CHUNK]
+        tx.execute(
+            "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, "
+            f"metadata, created_at, tokens) VALUES {','.join([one] * len(part))}",
+            [v for r in part for v in r],
+        )
+    return ids
+
+
+def _tokens_exprs(delta: int) -> dict[str, Any]:
+    """The compare-and-set's keywords that add ``delta`` context tokens (none if 0)."""
+    if not delta:
+        return {}
+    return {"exprs": {"context_tokens": "context_tokens + ?"}, "expr_params": (delta,)}
+
+
+# -- the calls ------------------------------------------------------------------------
+
+
+@_one_trip
+def start_turn_step(
+    tx: PipeTx, env: StoreEnv, channel: str | None, row: InboxRow, max_steps: int
+) -> StepStart:
+    """:func:`~agentserver.agents.sql.turns.start_turn_step` in one round trip."""
+    token = row.token
+    if token is None:
+        raise Missed("no Turn")  # (nothing sent yet) the shared function says why
+    h = _fence(
+        tx,
+        env,
+        token,
+        HeadEvent.START,
+        sets={"running_since": env.clock.now()},
+        exprs={"step_count": "step_count + 1"},
+        where=turns.UNDER_LIMIT,
+        where_params=(max_steps,),
+    )
+    _move(tx, env, row.inbox_id, InboxEvent.CONSUME)
+    edge(tx, env, token.agent_id, token.agent_turn_id, "start", "request", inbox_id=row.inbox_id)
+    step_id = new_id()
+    tx.execute(
+        "INSERT INTO agent_steps (step_id, agent_id, agent_turn_id, turn_epoch, step_no, "
+        f"status, started_at) VALUES (?,?,?,?,{_head_of('step_count')},?,?)",
+        (
+            step_id,
+            token.agent_id,
+            token.agent_turn_id,
+            token.turn_epoch,
+            token.agent_id,
+            AgentStepStatus.STARTED,
+            env.clock.now(),
+        ),
+    )
+    if channel is not None:
+        notify(tx, channel)
+    rows = tx.last(
+        f"SELECT {CARD_COLS}, seq FROM cards WHERE box_id IN ("
+        "SELECT context_box_id FROM agent_state_head WHERE agent_id = ? UNION ALL "
+        "SELECT output_box_id FROM agent_state_head WHERE agent_id = ?)",
+        (token.agent_id, token.agent_id),
+    )
+    new = Head(*h.rows[0])
+    return StepStart(
+        new, step_id, new.step_count, *split_turn_cards(rows, new.context_box_id, new.output_box_id)
+    )
+
+
+@_one_trip
+def suspend(
+    tx: PipeTx,
+    env: StoreEnv,
+    channel: str | None,
+    token: TurnToken,
+    step_id: str,
+    calls: Sequence[ToolCallRecord],
+    cards: Sequence[NewCard],
+    resume_deadline: float,
+) -> int:
+    """:func:`~agentserver.agents.sql.tools.suspend` in one round trip."""
+    if not calls:
+        raise ValueError("suspend needs at least one tool call")
+    now = env.clock.now()
+    call_cards = [
+        NewCard(
+            CardType.TOOL_CALL,
+            call.payload,
+            {**call.metadata, "tool_call_id": call.tool_call_id, "to": call.to},
+        )
+        for call in calls
+    ]
+    priced = with_tokens(env, token.agent_id, [*cards, *call_cards])
+    _fence(
+        tx,
+        env,
+        token,
+        HeadEvent.SUSPEND,
+        sets={
+            "waiting_tool_count": len(calls),
+            "resume_deadline": resume_deadline,
+            "expecting_correlation_id": None,
+        },
+        # (the shared function raises StaleTurn after a hit without an output box)
+        where=" AND output_box_id IS NOT NULL",
+        **_tokens_exprs(sum(t for _, t in priced)),
+    )
+    ids = _cards_into_output(tx, env, token, priced)
+    call_ids = [c.tool_call_id for c in calls]
+    tools.record_waiting(tx, token, step_id, calls, ids[len(cards) :], now)
+    close_step(tx, env, step_id, None, AgentStepStatus.COMPLETED, call_ids)
+    if channel is not None:
+        notify(tx, channel)
+    sql, params = tools.early_reports_statement(token, call_ids, now)
+    ((early,),) = tx.last(f"WITH u AS ({sql} RETURNING 1) SELECT count(*) FROM u", params)
+    return int(early)
+
+
+@_one_trip
+def finish(
+    tx: PipeTx,
+    env: StoreEnv,
+    channel: str | None,
+    token: TurnToken,
+    status: str,
+    text: str,
+    metadata: Mapping[str, Any],
+    reply_payload: bytes,
+    step_id: str | None = None,
+    completion: Any = None,
+    cards: Sequence[NewCard] = (),
+) -> Finished:
+    """:func:`~agentserver.agents.sql.turn_end.finish` in two round trips: all its
+    writes with the read of the agent's next queued Turn, then ``COMMIT`` (with that
+    Turn's lease when there is one: the shared code, as in ``finish``)."""
+    now = env.clock.now()
+    agent, turn = token.agent_id, token.agent_turn_id
+    # What the compare-and-set clears (the Turn's inbox row: its reply reference and
+    # conversation) is read by the statements before it.
+    ending = tx.later(turn_end.ENDING, (agent, turn))
+    by_turn_row = (
+        "FROM agent_state_head h JOIN agent_inbox i ON i.inbox_id = h.turn_inbox_id "
+        "WHERE h.agent_id = ? AND h.active_agent_turn_id = ?"
+    )
+    failed = status != TaskStatus.SUCCEEDED
+    tx.execute(
+        "INSERT INTO agent_replies (agent_turn_id, agent_id, reply_ref, payload, failed, "
+        f"status, created_at) SELECT ?, ?, i.reply_ref, ?, ?, ?, ? {by_turn_row} "
+        "AND i.reply_ref IS NOT NULL",
+        (turn, agent, reply_payload, int(failed), ReplyStatus.PENDING, now, agent, turn),
+    )
+    tx.execute(
+        "INSERT INTO conversations (agent_id, conversation, context_box_id, output_box_id, "
+        f"updated_at) SELECT h.agent_id, i.conversation, h.context_box_id, h.output_box_id, "
+        f"? {by_turn_row} AND i.conversation IS NOT NULL AND i.conversation != '' "
+        "AND h.context_box_id IS NOT NULL AND h.output_box_id IS NOT NULL "
+        "ON CONFLICT (agent_id, conversation) DO UPDATE "
+        "SET context_box_id = excluded.context_box_id, "
+        "output_box_id = excluded.output_box_id, updated_at = excluded.updated_at",
+        (now, agent, turn),
+    )
+    priced = with_tokens(env, agent, cards)
+    _fence(
+        tx,
+        env,
+        token,
+        HeadEvent.FINISH,
+        sets={
+            "active_agent_turn_id": None,
+            "turn_inbox_id": None,
+            "waiting_tool_count": 0,
+            "resume_deadline": None,
+            "dispatched_at": None,
+            "running_since": None,
+        },
+        **_tokens_exprs(sum(t for _, t in priced)),
+    )
+    deliverable = NewCard(CardType.DELIVERABLE, text, {"status": status, **metadata})
+    *_, card_id = _cards_into_output(tx, env, token, [*priced, (deliverable, 0)])
+    edge(
+        tx,
+        env,
+        agent,
+        turn,
+        "deliver",
+        "response",
+        metadata={"status": status, "deliverable_card_id": card_id},
+    )
+    if step_id is not None:
+        close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, ())
+    queued = tx.one(head.QUEUED_NEXT, (agent, InboxStatus.QUEUED))
+    if not ending.rows:  # (the compare-and-set would have missed: not reached)
+        raise StaleTurn(f"{token}: not the active Turn")
+    _, _, output_box, _, _, ref, _ = ending.rows[0]
+    leased = head.lease_row(tx, env, agent, queued) if queued is not None else False
+    if channel is not None:
+        notify(tx, channel)
+    reply = None
+    if ref is not None:
+        reply = PendingReply(turn, agent, ref, reply_payload, failed, 0)
+    return Finished(agent, turn, status, output_box, card_id, reply, leased)
+
+
+_LOCK_HEAD = f"SELECT {HEAD_COLS} FROM agent_state_head WHERE agent_id = ? FOR UPDATE"
+#: The report's waiting row, the first terminating result of its Turn so far (and
+#: when it came), the Turn's reply reference: read after the head is locked (a statement
+#: of its own, so its snapshot is taken after the lock is held).
+_WAITING = (
+    "SELECT w.agent_turn_id, w.turn_epoch, w.status, w.to_listener, w.after_execution, "
+    "w.created_at, t.result_card_id, t.created_at, (SELECT i.reply_ref FROM "
+    "agent_state_head h JOIN agent_inbox i ON i.inbox_id = h.turn_inbox_id "
+    "WHERE h.agent_id = w.agent_id) FROM turn_waiting_tools w LEFT JOIN LATERAL "
+    "(SELECT result_card_id, created_at FROM turn_waiting_tools WHERE agent_turn_id = "
+    "w.agent_turn_id AND turn_epoch = w.turn_epoch AND status = ? AND after_execution = ? "
+    "ORDER BY created_at LIMIT 1) t ON true WHERE w.tool_call_id = ? AND w.agent_id = ?"
+)
+
+
+@_one_trip
+def apply_report(
+    tx: PipeTx, env: StoreEnv, channel: str | None, row: InboxRow, then_step: int | None = None
+) -> ReportOutcome:
+    """:func:`~agentserver.agents.sql.tools.apply_report` in two round trips: the head
+    locked (``FOR UPDATE``) and the report's waiting row read, then every write with
+    ``COMMIT``. With the head locked, what the shared function learns from its
+    compare-and-sets (a stale Turn, the count of calls still waiting, the step limit)
+    is known from the head read, so the writes that follow need no answer."""
+    now = env.clock.now()
+    agent = row.agent_id
+    locked = tx.later(_LOCK_HEAD, (agent,))
+    waiting = tx.one(
+        _WAITING,
+        (WaitingStatus.RECEIVED, AfterExecution.TERMINATE, row.correlation_id, agent),
+    )
+    outcome = tools.unapplied(tx, env, row, waiting)
+    if outcome is not None:
+        return _ending(tx, channel, outcome)
+    assert waiting is not None  # (unapplied answers for a missing one)
+    turn_id, epoch, _, to, after, created, term_before, term_at, ref = waiting
+    h = Head(*locked.rows[0]) if locked.rows else None
+    if (
+        h is None
+        or h.agent_turn_id != turn_id
+        or h.turn_epoch != epoch
+        or h.status != HeadStatus.SUSPENDED
+    ):
+        tools.skip_stale(tx, env, row)
+        return _ending(tx, channel, ReportOutcome("stale"))
+    token = TurnToken(agent, turn_id, epoch)
+    result = tools.result_card(row, to, after)
+    tokens = tokens_of(env, agent, result)
+    _fence(
+        tx,
+        env,
+        token,
+        HeadStatus.SUSPENDED,
+        exprs={
+            "waiting_tool_count": "waiting_tool_count - 1",
+            "context_tokens": "context_tokens + ?",
+        },
+        expr_params=(tokens,),
+    )
+    (card_id,) = insert_cards(tx, env, str(h.output_box_id), turn_id, [(result, tokens)])
+    tx.execute(*tools.received_statement(row, card_id, now))
+    tx.execute(*inbox_move_statement(env, row.inbox_id, InboxEvent.CONSUME))
+    if h.waiting_tool_count - 1 > 0:
+        return _ending(tx, channel, ReportOutcome("applied"))
+    resumed = _fence(tx, env, token, HeadEvent.RESUME, sets=tools.resume_sets(now))
+    term = term_before
+    if (
+        row.message_type != MessageType.TIMEOUT
+        and after == AfterExecution.TERMINATE
+        and (term_before is None or created < term_at)
+    ):
+        term = card_id  # this report's own result comes first
+    edge(tx, env, agent, turn_id, "resume", "request")
+    new_epoch = epoch + (1 if head_event(HeadEvent.RESUME).bumps_epoch else 0)
+    now_running = TurnToken(agent, turn_id, new_epoch)
+    if then_step is None or term is not None:
+        _ending(tx, channel, None)
+        return ReportOutcome("applied", now_running, term, ref, None)
+    stepped: Later | None = None
+    step_id = None
+    if h.step_count < then_step:  # (the step's compare-and-set would hit: under the limit)
+        stepped = _fence(tx, env, now_running, HeadStatus.RUNNING, **_STEP)
+        step_id = new_id()
+        tx.execute(
+            "INSERT INTO agent_steps (step_id, agent_id, agent_turn_id, turn_epoch, step_no, "
+            "status, started_at) VALUES (?,?,?,?,?,?,?)",
+            (
+                step_id,
+                agent,
+                turn_id,
+                new_epoch,
+                h.step_count + 1,
+                AgentStepStatus.STARTED,
+                env.clock.now(),
+            ),
+        )
+    if channel is not None:
+        notify(tx, channel)
+    rows = tx.last(
+        f"SELECT {CARD_COLS}, seq FROM cards WHERE box_id IN (?, ?)",
+        (h.context_box_id, h.output_box_id),
+    )
+    now_head = Head(*(stepped if stepped is not None else resumed).rows[0])
+    step = StepStart(
+        now_head,
+        step_id,
+        now_head.step_count,
+        *split_turn_cards(rows, now_head.context_box_id, now_head.output_box_id),
+    )
+    return ReportOutcome("applied", now_running, term, ref, step)
+
+
+#: The compare-and-set keywords of a step begun (as ``open_step``'s, under the limit).
+_STEP: dict[str, Any] = {"exprs": {"step_count": "step_count + 1"}}
+
+
+def _ending(tx: PipeTx, channel: str | None, outcome: T) -> T:
+    """The ``NOTIFY`` (if any) queued before the ``COMMIT`` that carries the deferred
+    writes; ``outcome``."""
+    if channel is not None:
+        notify(tx, channel)
+    return outcome
+
+
+#: The shared function → its one-round-trip variant (the store's one place to look).
+ONE_TRIP: dict[Callable[..., Any], Callable[..., Any]] = {
+    turns.start_turn_step: start_turn_step,
+    tools.suspend: suspend,
+    tools.apply_report: apply_report,
+    turn_end.finish: finish,
+}
