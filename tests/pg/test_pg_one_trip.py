@@ -5,11 +5,13 @@ shared function does on the same rows, misses included (they rerun the shared on
 from __future__ import annotations
 
 import collections
+import json
 
 import psycopg
 import pytest
 
 from agentserver.agents.errors import StaleTurn
+from agentserver.agents.governance_store import DecisionRecord, StepRecord
 from agentserver.agents.pg.store import PostgresAgentStore
 from agentserver.agents.ports import LLMCompletion, LLMUsage
 from agentserver.agents.settings import StoreSettings
@@ -56,9 +58,10 @@ async def _start(store: PostgresAgentStore, agent: str = "a", max_steps: int = 8
 
 
 async def test_the_hot_calls_cost_the_round_trips_pinned(pg_url: str) -> None:
-    """A Turn with two tool calls: start_turn_step 1, suspend 1, apply_report 2 (the
-    waiting row, then every write with COMMIT), finish 2 (its writes with the next queued
-    Turn's read, then COMMIT), 3 when it leases that Turn."""
+    """A Turn with two tool calls: start_turn_step 1, complete_screened_step 1, suspend
+    1, report_tool_result 1, apply_report 2 (the waiting row, then every write with
+    COMMIT), finish 2 (its writes with the next queued Turn's read, then COMMIT with
+    that Turn's lease, if any)."""
     store = _open(pg_url)
     try:
         trips = Trips(store)
@@ -67,6 +70,17 @@ async def test_the_hot_calls_cost_the_round_trips_pinned(pg_url: str) -> None:
         assert [c.card_type for c in start.context] == ["task.input"]
         assert trips.take("start_turn_step") == [1]
         token = start.head.token
+        decision = DecisionRecord("calc", "add", "allow", "r1", "fine")
+        await store.complete_step(
+            token,
+            start.step_id,
+            _completion(),
+            [NewCard("sys.note", "model said")],
+            screened=StepRecord((decision,)),
+        )
+        assert trips.take("complete_screened_step") == [1]
+        [(meta,)] = _sql(pg_url, "SELECT metadata FROM agent_steps")
+        assert json.loads(meta)["policy"] == [{"target": "calc", "decision": "allow", "rule": "r1"}]
         calls = [ToolCallRecord("t1", "calc", "<add/>"), ToolCallRecord("t2", "calc", "<add/>")]
         early = await store.suspend(
             token, start.step_id, calls, [NewCard("sys.note", "thinking")], 1e12
@@ -75,6 +89,14 @@ async def test_the_hot_calls_cost_the_round_trips_pinned(pg_url: str) -> None:
         assert trips.take("suspend") == [1]
         await store.report_tool_result("a", "t1", b"<sum>1</sum>", failed=False)
         await store.report_tool_result("a", "t2", b"<sum>2</sum>", failed=False)
+        assert trips.take("report_tool_result") == [1, 1]
+        assert (
+            _sql(
+                pg_url,
+                "SELECT status, agent_turn_id FROM agent_inbox WHERE message_type = 'tool_result'",
+            )
+            == [("pending", token.agent_turn_id)] * 2
+        )
         rows = await store.claim_due("a", 5)
         first = await store.apply_report(rows[0], then_step=8)
         assert (first.kind, first.resumed) == ("applied", None)
@@ -86,6 +108,7 @@ async def test_the_hot_calls_cost_the_round_trips_pinned(pg_url: str) -> None:
         assert step is not None and step.step_no == 2 and step.step_id is not None
         assert step.head.status == HeadStatus.RUNNING and step.head.waiting_tool_count == 0
         assert [c.card_type for c in step.output] == [
+            "sys.note",
             "sys.note",
             "tool.call",
             "tool.call",
@@ -107,7 +130,7 @@ async def test_the_hot_calls_cost_the_round_trips_pinned(pg_url: str) -> None:
         )
         assert fin.next_leased and fin.reply is not None
         assert fin.reply.reply_ref_json == '{"ref": 1}'
-        assert trips.take("finish") == [3]
+        assert trips.take("finish") == [2]
         [(payload, failed)] = _sql(pg_url, "SELECT payload, failed FROM agent_replies")
         assert (bytes(payload), failed) == (b"<answer/>", 0)
         [(tokens,)] = _sql(pg_url, "SELECT total_tokens FROM agent_steps WHERE step_no = 2")
@@ -163,9 +186,15 @@ async def test_a_terminating_tool_ends_without_a_step(pg_url: str) -> None:
     try:
         start = await _start(store)
         token = start.head.token
-        call = ToolCallRecord("t1", "calc", "<add/>", after_execution=AfterExecution.TERMINATE)
-        await store.suspend(token, start.step_id, [call], [], 1e12)
+        # A report before its suspend: parked as deferred, without a Turn.
         await store.report_tool_result("a", "t1", b"<r/>", failed=False)
+        assert _sql(
+            pg_url,
+            "SELECT status, agent_turn_id, defer_reason FROM agent_inbox "
+            "WHERE correlation_id = 't1'",
+        ) == [("deferred", None, "awaiting suspend")]
+        call = ToolCallRecord("t1", "calc", "<add/>", after_execution=AfterExecution.TERMINATE)
+        assert await store.suspend(token, start.step_id, [call], [], 1e12) == 1
         [row] = await store.claim_due("a", 5)
         out = await store.apply_report(row, then_step=8)
         [(card_id,)] = _sql(pg_url, "SELECT result_card_id FROM turn_waiting_tools")

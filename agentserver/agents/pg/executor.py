@@ -173,6 +173,10 @@ class PgTx:
         ``COMMIT`` with it; here the executor commits after the function returns)."""
         return self.all(sql, params)
 
+    def end(self) -> None:
+        """The call's statements are all sent (the trio executor commits here; this one
+        commits after the function returns)."""
+
     def command(self, sql: bytes) -> None:
         """A statement without parameters or rows (``BEGIN``, ``COMMIT``, ``ROLLBACK``)."""
         self._check(self._pg.exec_(sql))

@@ -40,10 +40,11 @@ from typing import Any, Protocol, TypeVar
 import psycopg
 
 from agentserver.agents.errors import StaleTurn
+from agentserver.agents.governance_store import StepRecord
 from agentserver.agents.pg.executor import Later
 from agentserver.agents.pg.notify import notify
 from agentserver.agents.pg.schema import EXPECT_FAILED
-from agentserver.agents.sql import head, tools, turn_end, turns
+from agentserver.agents.sql import governance, head, inbox, tools, turn_end, turns
 from agentserver.agents.sql.common import (
     CARD_COLS,
     HEAD_COLS,
@@ -98,6 +99,7 @@ class PipeTx(Protocol):
     def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
     def later(self, sql: str, params: Sequence[Any] = ()) -> Later: ...
     def last(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
+    def end(self) -> None: ...
 
 
 class Missed(Exception):
@@ -106,12 +108,16 @@ class Missed(Exception):
 
 
 def _one_trip(fn: Callable[..., T]) -> Callable[..., T]:
-    """``fn``, with an expectation's error raised as :class:`Missed`."""
+    """``fn``, committed before it returns (so an expectation's error, raised by the
+    round trip that carries ``COMMIT``, is raised inside it), with that error raised as
+    :class:`Missed`."""
 
     @functools.wraps(fn)
     def run(tx: PipeTx, *args: Any) -> T:
         try:
-            return fn(tx, *args)
+            result = fn(tx, *args)
+            tx.end()  # (the COMMIT, if no last statement carried it: its errors here)
+            return result
         except psycopg.Error as exc:
             if exc.sqlstate == EXPECT_FAILED:
                 raise Missed(str(exc)) from None
@@ -136,6 +142,22 @@ def _fence(
         "(SELECT count(*) FROM h) = 1, ?) AS ok) e LEFT JOIN h ON e.ok",
         (*params, f"{token}: head not {how}"),
     )
+
+
+def _cas_expected(
+    tx: PipeTx, env: StoreEnv, agent_id: str, how: HeadEvent, sets: Mapping[str, Any]
+) -> None:
+    """:func:`head.cas` of a head whatever its Turn (a lease), expected to hit."""
+    sql, params = head.cas_statement(env, agent_id, None, None, how, sets=sets)
+    tx.execute(
+        f"WITH h AS ({sql}) SELECT agentserver_expect((SELECT count(*) FROM h) = 1, ?)",
+        (*params, f"{agent_id}: head not {how}"),
+    )
+
+
+def _bump(event: HeadEvent) -> int:
+    """What ``event`` adds to the head's epoch."""
+    return 1 if head_event(event).bumps_epoch else 0
 
 
 def _move(tx: PipeTx, env: StoreEnv, inbox_id: str, event: InboxEvent, **sets: Any) -> None:
@@ -195,7 +217,130 @@ def _tokens_exprs(delta: int) -> dict[str, Any]:
     return {"exprs": {"context_tokens": "context_tokens + ?"}, "expr_params": (delta,)}
 
 
+def _append_cards(
+    tx: PipeTx,
+    env: StoreEnv,
+    token: TurnToken,
+    cards: Sequence[NewCard],
+    how: HeadEvent | HeadStatus = HeadStatus.RUNNING,
+    sets: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """:func:`~agentserver.agents.sql.turns.append_cards` without a round trip: the
+    compare-and-set (expected to hit, with an output box: the shared function raises
+    StaleTurn after a hit without one) and the cards; their ids."""
+    priced = with_tokens(env, token.agent_id, cards)
+    _fence(
+        tx,
+        env,
+        token,
+        how,
+        sets=sets,
+        where=" AND output_box_id IS NOT NULL",
+        **_tokens_exprs(sum(t for _, t in priced)),
+    )
+    return _cards_into_output(tx, env, token, priced)
+
+
 # -- the calls ------------------------------------------------------------------------
+
+
+@_one_trip
+def complete_step(
+    tx: PipeTx,
+    env: StoreEnv,
+    channel: str | None,
+    token: TurnToken,
+    step_id: str,
+    completion: Any,
+    cards: Sequence[NewCard],
+    swap: Any = None,
+) -> None:
+    """:func:`~agentserver.agents.sql.turns.complete_step` in one round trip (its
+    ``COMMIT``'s); with a box swap, the shared function."""
+    if swap is not None:
+        raise Missed("a box swap")  # (nothing sent yet)
+    _append_cards(tx, env, token, cards)
+    close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, ())
+    _ending(tx, channel, None)
+
+
+@_one_trip
+def complete_screened_step(
+    tx: PipeTx,
+    env: StoreEnv,
+    channel: str | None,
+    token: TurnToken,
+    step_id: str,
+    completion: Any,
+    cards: Sequence[NewCard],
+    screened: StepRecord,
+) -> None:
+    """:func:`~agentserver.agents.sql.governance.complete_screened_step` in one round
+    trip (its ``COMMIT``'s; one more for a step without a completion whose decisions
+    go into its metadata)."""
+    _append_cards(tx, env, token, [*cards, *screened.cards])
+    governance.close_screened_step(tx, env, token, step_id, completion, screened)
+    _ending(tx, channel, None)
+
+
+@_one_trip
+def report_tool_result(
+    tx: PipeTx,
+    env: StoreEnv,
+    channel: str | None,
+    agent_id: str,
+    tool_call_id: str,
+    payload: bytes,
+    failed: bool,
+) -> str:
+    """:func:`~agentserver.agents.sql.inbox.report_tool_result` in one round trip: the
+    waiting row's Turn (or its absence: the report is parked as deferred) is read by
+    the ``INSERT``, and the edge takes the Turn from the row inserted."""
+    now = env.clock.now()
+    inbox_id = new_id()
+    mtype = MessageType.TOOL_RESULT
+    tx.execute(
+        "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, agent_turn_id, "
+        "turn_epoch, correlation_id, payload, failed, next_retry_at, defer_reason, "
+        "created_at, updated_at) SELECT ?, ?, ?, "
+        "CASE WHEN w.tool_call_id IS NULL THEN ? ELSE ? END, w.agent_turn_id, "
+        "w.turn_epoch, ?, ?, ?, "
+        "CASE WHEN w.tool_call_id IS NULL THEN ? ELSE ? END, "
+        "CASE WHEN w.tool_call_id IS NULL THEN ? END, ?, ? "
+        "FROM (SELECT 1) AS one LEFT JOIN turn_waiting_tools w ON w.tool_call_id = ?",
+        (
+            inbox_id,
+            agent_id,
+            mtype,
+            InboxStatus.DEFERRED,
+            InboxStatus.PENDING,
+            tool_call_id,
+            payload,
+            int(failed),
+            now + env.settings.retry_base_s,
+            now,
+            "awaiting suspend",
+            now,
+            now,
+            tool_call_id,
+        ),
+    )
+    tx.execute(
+        "INSERT INTO execution_edges (agent_id, agent_turn_id, primitive, edge_phase, "
+        "correlation_id, inbox_id, created_at, metadata) VALUES "
+        "(?,(SELECT agent_turn_id FROM agent_inbox WHERE inbox_id = ?),?,?,?,?,?,?)",
+        (
+            agent_id,
+            inbox_id,
+            "report",
+            "response",
+            tool_call_id,
+            inbox_id,
+            now,
+            json.dumps({"message_type": str(mtype)}),
+        ),
+    )
+    return _ending(tx, channel, inbox_id)
 
 
 @_one_trip
@@ -269,22 +414,18 @@ def suspend(
         )
         for call in calls
     ]
-    priced = with_tokens(env, token.agent_id, [*cards, *call_cards])
-    _fence(
+    ids = _append_cards(
         tx,
         env,
         token,
+        [*cards, *call_cards],
         HeadEvent.SUSPEND,
         sets={
             "waiting_tool_count": len(calls),
             "resume_deadline": resume_deadline,
             "expecting_correlation_id": None,
         },
-        # (the shared function raises StaleTurn after a hit without an output box)
-        where=" AND output_box_id IS NOT NULL",
-        **_tokens_exprs(sum(t for _, t in priced)),
     )
-    ids = _cards_into_output(tx, env, token, priced)
     call_ids = [c.tool_call_id for c in calls]
     tools.record_waiting(tx, token, step_id, calls, ids[len(cards) :], now)
     close_step(tx, env, step_id, None, AgentStepStatus.COMPLETED, call_ids)
@@ -371,7 +512,17 @@ def finish(
     if not ending.rows:  # (the compare-and-set would have missed: not reached)
         raise StaleTurn(f"{token}: not the active Turn")
     _, _, output_box, _, _, ref, _ = ending.rows[0]
-    leased = head.lease_row(tx, env, agent, queued) if queued is not None else False
+    leased = False
+    if queued is not None:
+        # The head is idle and locked by this transaction (its compare-and-set above):
+        # the lease's compare-and-set hits, and its epoch is known.
+        epoch = token.turn_epoch + _bump(HeadEvent.FINISH)
+
+        def take(sets: Mapping[str, Any]) -> int:
+            _cas_expected(tx, env, agent, HeadEvent.LEASE, sets)
+            return epoch + _bump(HeadEvent.LEASE)
+
+        leased = head.lease_with(tx, env, agent, queued, take)
     if channel is not None:
         notify(tx, channel)
     reply = None
@@ -453,7 +604,7 @@ def apply_report(
     ):
         term = card_id  # this report's own result comes first
     edge(tx, env, agent, turn_id, "resume", "request")
-    new_epoch = epoch + (1 if head_event(HeadEvent.RESUME).bumps_epoch else 0)
+    new_epoch = epoch + _bump(HeadEvent.RESUME)
     now_running = TurnToken(agent, turn_id, new_epoch)
     if then_step is None or term is not None:
         _ending(tx, channel, None)
@@ -509,5 +660,8 @@ ONE_TRIP: dict[Callable[..., Any], Callable[..., Any]] = {
     turns.start_turn_step: start_turn_step,
     tools.suspend: suspend,
     tools.apply_report: apply_report,
+    turns.complete_step: complete_step,
+    governance.complete_screened_step: complete_screened_step,
+    inbox.report_tool_result: report_tool_result,
     turn_end.finish: finish,
 }

@@ -363,6 +363,23 @@ class PgPipeTx:
         self._ended = True
         return later.rows
 
+    def end(self) -> None:
+        """Commit now, with every deferred statement, in one round trip (autocommit: wait
+        for them), so their errors are raised here, inside the store function; nothing
+        may be sent after."""
+        if not self._in_tx:
+            self._sync()
+            return
+        if self._begin:  # nothing was sent
+            self._begin = False
+            return
+        if self._ended:
+            return
+        self._group += 1
+        self._send("COMMIT", (), self._group)
+        self._sync(commit=True)
+        self._ended = True
+
     def finish(self) -> None:
         """Wait for every deferred statement (the end of an autocommit call)."""
         self._sync()

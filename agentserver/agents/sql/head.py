@@ -8,7 +8,7 @@ read precedes it, and the head it returns is passed down instead of read again.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from agentserver.agents.errors import StaleTurn
@@ -192,36 +192,49 @@ QUEUED_NEXT = (
 
 def lease_row(tx: Tx, env: StoreEnv, agent_id: str, row: Sequence[Any]) -> bool:
     """:func:`lease_next` for the queued ``row`` it read (a row of :data:`QUEUED_NEXT`)."""
+
+    def take(sets: Mapping[str, Any]) -> int | None:
+        try:
+            return cas(tx, env, agent_id, None, None, HeadEvent.LEASE, sets=sets).turn_epoch
+        except StaleTurn:
+            return None  # busy: the row stays queued for the Turn's end
+
+    return lease_with(tx, env, agent_id, row, take)
+
+
+def lease_with(
+    tx: Tx,
+    env: StoreEnv,
+    agent_id: str,
+    row: Sequence[Any],
+    take: Callable[[Mapping[str, Any]], int | None],
+) -> bool:
+    """:func:`lease_row` with ``take`` for its compare-and-set: given the columns the
+    lease sets, it moves the head (:data:`HeadEvent.LEASE`) and returns the new epoch,
+    or None if the head is busy (then nothing is written)."""
     inbox_id, payload, conversation = row
     earlier = conversations.earlier_cards(tx, agent_id, conversation) if conversation else []
     task = NewCard(CardType.TASK_INPUT, bytes(payload).decode("utf-8", "replace"))
     task_tokens = tokens_of(env, agent_id, task)
     now = env.clock.now()
     turn_id, context_box, output_box = new_id(), new_id(), new_id()
-    try:
-        head = cas(
-            tx,
-            env,
-            agent_id,
-            None,
-            None,
-            HeadEvent.LEASE,
-            sets={
-                "active_agent_turn_id": turn_id,
-                "turn_inbox_id": inbox_id,
-                "context_box_id": context_box,
-                "output_box_id": output_box,
-                "step_count": 0,
-                "waiting_tool_count": 0,
-                "resume_deadline": None,
-                "expecting_correlation_id": None,
-                "dispatched_at": now,
-                "running_since": None,
-                "context_tokens": sum(int(r[6]) for r in earlier) + task_tokens,
-            },
-        )
-    except StaleTurn:
-        return False  # busy: the row stays queued for the Turn's end
+    epoch = take(
+        {
+            "active_agent_turn_id": turn_id,
+            "turn_inbox_id": inbox_id,
+            "context_box_id": context_box,
+            "output_box_id": output_box,
+            "step_count": 0,
+            "waiting_tool_count": 0,
+            "resume_deadline": None,
+            "expecting_correlation_id": None,
+            "dispatched_at": now,
+            "running_since": None,
+            "context_tokens": sum(int(r[6]) for r in earlier) + task_tokens,
+        }
+    )
+    if epoch is None:
+        return False
     insert_rows(
         tx,
         "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at)",
@@ -238,7 +251,7 @@ def lease_row(tx: Tx, env: StoreEnv, agent_id: str, row: Sequence[Any]) -> bool:
         inbox_id,
         InboxEvent.DISPATCH,
         agent_turn_id=turn_id,
-        turn_epoch=head.turn_epoch,
+        turn_epoch=epoch,
         next_retry_at=now,
     )
     edge(tx, env, agent_id, turn_id, "lease", "request", inbox_id=inbox_id)
