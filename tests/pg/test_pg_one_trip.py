@@ -21,8 +21,8 @@ from agentserver.agents.store import NewCard, ToolCallRecord
 pytestmark = pytest.mark.postgresql
 
 
-def _open(url: str) -> PostgresAgentStore:
-    return PostgresAgentStore.open(url, settings=StoreSettings(url=url))
+def _open(url: str, executor: str = "trio") -> PostgresAgentStore:
+    return PostgresAgentStore.open(url, settings=StoreSettings(url=url, pg_executor=executor))
 
 
 def _sql(url: str, query: str, *args):
@@ -148,17 +148,20 @@ async def test_the_hot_calls_cost_the_round_trips_pinned(pg_url: str) -> None:
         await store.aclose()
 
 
-async def test_misses_rerun_the_shared_function(pg_url: str) -> None:
+@pytest.mark.parametrize("executor", ["trio", "thread"])
+async def test_misses_rerun_the_shared_function(pg_url: str, executor: str) -> None:
     """A compare-and-set that misses aborts the one-trip transaction in the server
-    (nothing of it stays) and the shared function meets the miss as before."""
-    store = _open(pg_url)
+    (nothing of it stays) and the shared function meets the miss as before (on either
+    executor: the thread one runs the same variants a statement at a time)."""
+    store = _open(pg_url, executor)
     try:
         trips = Trips(store)
         # At the step limit: no step, the Turn started all the same (the shared path).
         start = await _start(store, max_steps=0)
         assert start.step_id is None and start.head.status == HeadStatus.RUNNING
-        # The miss: its round trip and its ROLLBACK; then the shared call, as before.
-        assert trips.take("start_turn_step") == [2, 7]
+        if executor == "trio":
+            # The miss: its round trip and its ROLLBACK; then the shared call, as before.
+            assert trips.take("start_turn_step") == [2, 7]
         token = start.head.token
         step_id, _ = await store.begin_step(token)
         await store.suspend(token, step_id, [ToolCallRecord("t1", "calc", "<add/>")], [], 1e12)
@@ -181,8 +184,9 @@ async def test_misses_rerun_the_shared_function(pg_url: str) -> None:
         await store.aclose()
 
 
-async def test_a_terminating_tool_ends_without_a_step(pg_url: str) -> None:
-    store = _open(pg_url)
+@pytest.mark.parametrize("executor", ["trio", "thread"])
+async def test_a_terminating_tool_ends_without_a_step(pg_url: str, executor: str) -> None:
+    store = _open(pg_url, executor)
     try:
         start = await _start(store)
         token = start.head.token
