@@ -52,13 +52,13 @@ def _completion() -> LLMCompletion:
 
 async def _start(store: PostgresAgentStore, agent: str = "a", max_steps: int = 8):
     await store.ensure_agents([agent])
-    await store.enqueue_turn(agent, b"<task>x</task>", {"ref": 1})
+    assert (await store.enqueue_turn(agent, b"<task>x</task>", {"ref": 1})).leased
     [row] = await store.claim_due(agent, 5)
     return await store.start_turn_step(row, max_steps)
 
 
 async def test_the_hot_calls_cost_the_round_trips_pinned(pg_url: str) -> None:
-    """A Turn with two tool calls: start_turn_step 1, complete_screened_step 1, suspend
+    """A Turn with two tool calls: enqueue_turn 1 (leased or queued), start_turn_step 1, complete_screened_step 1, suspend
     1, report_tool_result 1, apply_report 2 (the waiting row, then every write with
     COMMIT), finish 2 (its writes with the next queued Turn's read, then COMMIT with
     that Turn's lease, if any)."""
@@ -66,6 +66,7 @@ async def test_the_hot_calls_cost_the_round_trips_pinned(pg_url: str) -> None:
     try:
         trips = Trips(store)
         start = await _start(store)
+        assert trips.take("enqueue_turn") == [1]  # leased at once: the head was idle
         assert start.step_id is not None and start.step_no == 1
         assert [c.card_type for c in start.context] == ["task.input"]
         assert trips.take("start_turn_step") == [1]
@@ -117,7 +118,8 @@ async def test_the_hot_calls_cost_the_round_trips_pinned(pg_url: str) -> None:
         ]
         assert trips.take("apply_report") == [2, 2]
         # A queued Turn for the same agent: the finish leases it (one round trip more).
-        await store.enqueue_turn("a", b"<task>y</task>", {"ref": 2})
+        queued = await store.enqueue_turn("a", b"<task>y</task>", {"ref": 2})
+        assert not queued.leased and trips.take("enqueue_turn") == [1]  # busy: queued
         fin = await store.finish(
             second.resumed,
             "succeeded",
@@ -204,5 +206,72 @@ async def test_a_terminating_tool_ends_without_a_step(pg_url: str, executor: str
         [(card_id,)] = _sql(pg_url, "SELECT result_card_id FROM turn_waiting_tools")
         assert out.resumed is not None and out.terminate_card_id == card_id
         assert out.step is None
+    finally:
+        await store.aclose()
+
+
+async def test_an_enqueue_leases_the_oldest_queued_turn_as_before(pg_url: str) -> None:
+    """An idle head with a Turn queued before (the shared function leases the oldest)
+    is a miss of the one-trip enqueue: the shared one runs and leases that Turn; so
+    does an enqueue continuing a conversation."""
+    store = _open(pg_url)
+    try:
+        trips = Trips(store)
+        await store.ensure_agents(["a"])
+        first = await store.enqueue_turn("a", b"<task>1</task>", {"ref": 1})
+        assert first.leased
+        second = await store.enqueue_turn("a", b"<task>2</task>", {"ref": 2})
+        assert not second.leased
+        # The head goes idle without leasing the queued Turn (as after a takeover).
+        _sql(
+            pg_url,
+            "UPDATE agent_state_head SET status = 'idle', active_agent_turn_id = "
+            "NULL, turn_inbox_id = NULL",
+        )
+        trips.take("enqueue_turn")
+        third = await store.enqueue_turn("a", b"<task>3</task>", {"ref": 3})
+        assert third.leased  # a lease was made: of the older Turn, as the shared one does
+        assert trips.take("enqueue_turn")[0] == 2  # the miss and its ROLLBACK
+        [(turn_inbox,)] = _sql(pg_url, "SELECT turn_inbox_id FROM agent_state_head")
+        assert turn_inbox == second.inbox_id
+        statuses = dict(_sql(pg_url, "SELECT inbox_id, status FROM agent_inbox"))
+        assert statuses[second.inbox_id] == "pending"  # (dispatched: due to start)
+        assert statuses[third.inbox_id] == "queued"
+        # The dispatched row carries the head's epoch and Turn, as the shared lease's.
+        [(epoch, turn)] = _sql(
+            pg_url, "SELECT turn_epoch, active_agent_turn_id FROM agent_state_head"
+        )
+        assert _sql(
+            pg_url,
+            "SELECT turn_epoch, agent_turn_id FROM agent_inbox WHERE inbox_id = %s",
+            second.inbox_id,
+        ) == [(epoch, turn)]
+    finally:
+        await store.aclose()
+
+
+async def test_a_one_trip_lease_writes_what_the_shared_one_does(pg_url: str) -> None:
+    store = _open(pg_url)
+    try:
+        await store.ensure_agents(["a"])
+        got = await store.enqueue_turn("a", b"<task>x</task>", {"ref": 1})
+        assert got.leased
+        [(status, epoch, turn, inbox_id, ctx, out, tokens)] = _sql(
+            pg_url,
+            "SELECT status, turn_epoch, active_agent_turn_id, turn_inbox_id, "
+            "context_box_id, output_box_id, context_tokens FROM agent_state_head",
+        )
+        assert (status, inbox_id) == ("dispatched", got.inbox_id) and tokens > 0
+        assert _sql(pg_url, "SELECT status, turn_epoch, agent_turn_id FROM agent_inbox") == [
+            ("pending", epoch, turn)
+        ]
+        assert sorted(_sql(pg_url, "SELECT box_id, kind FROM boxes")) == sorted(
+            [(ctx, "context"), (out, "output")]
+        )
+        assert _sql(pg_url, "SELECT box_id, card_type, content, tokens FROM cards") == [
+            (ctx, "task.input", "<task>x</task>", tokens)
+        ]
+        edges = _sql(pg_url, "SELECT primitive, agent_turn_id FROM execution_edges ORDER BY 1")
+        assert edges == [("enqueue", None), ("lease", turn)]
     finally:
         await store.aclose()

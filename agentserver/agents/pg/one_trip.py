@@ -54,7 +54,7 @@ from agentserver.agents.sql.common import (
     split_turn_cards,
     tokens_of,
 )
-from agentserver.agents.sql.db import INSERT_CHUNK, StoreEnv, new_id
+from agentserver.agents.sql.db import INSERT_CHUNK, StoreEnv, marks, new_id
 from agentserver.agents.sql.turns import close_step, with_tokens
 from agentserver.agents.states import (
     AfterExecution,
@@ -67,9 +67,13 @@ from agentserver.agents.states import (
     ReplyStatus,
     WaitingStatus,
     head_event,
+    head_sources,
+    inbox_sources,
+    inbox_transition,
 )
 from agentserver.agents.store import (
     CardType,
+    EnqueueResult,
     Finished,
     Head,
     InboxRow,
@@ -562,10 +566,8 @@ def apply_report(
         _WAITING,
         (WaitingStatus.RECEIVED, AfterExecution.TERMINATE, row.correlation_id, agent),
     )
-    outcome = tools.unapplied(tx, env, row, waiting)
-    if outcome is not None:
-        return _ending(tx, channel, outcome)
-    assert waiting is not None  # (unapplied answers for a missing one)
+    if waiting is None or waiting[2] != WaitingStatus.WAITING:
+        return _ending(tx, channel, tools.unapplied(tx, env, row, waiting))
     turn_id, epoch, _, to, after, created, term_before, term_at, ref = waiting
     h = Head(*locked.rows[0]) if locked.rows else None
     if (
@@ -655,6 +657,112 @@ def _ending(tx: PipeTx, channel: str | None, outcome: T) -> T:
     return outcome
 
 
+@_one_trip
+def enqueue_turn(
+    tx: PipeTx,
+    env: StoreEnv,
+    channel: str | None,
+    agent_id: str,
+    payload: bytes,
+    reply_ref: Any,
+    conversation: str | None,
+) -> EnqueueResult:
+    """:func:`~agentserver.agents.sql.inbox.enqueue_turn` in one round trip: the head
+    ensured, the row queued, and its lease written on condition in the server: the
+    compare-and-set takes the head if it is idle and this row is its only queued one,
+    and the lease's other writes are made only if the head then holds the new Turn (its
+    id is this call's). Python knows everything the lease writes but the epoch, which
+    the inbox row reads from the head. An idle head with older queued rows (the shared
+    function leases the oldest) is a miss; so is a Turn continuing a conversation (its
+    cards are read first), before anything is sent."""
+    if conversation:
+        raise Missed("a conversation's cards are read first")
+    ref_json = json.dumps(reply_ref)
+    inbox_id = new_id()
+    head.ensure(tx, env, agent_id)
+    inbox.queue(tx, env, inbox_id, agent_id, payload, ref_json, None)
+    task = NewCard(CardType.TASK_INPUT, payload.decode("utf-8", "replace"))
+    task_tokens = tokens_of(env, agent_id, task)
+    now = env.clock.now()
+    turn_id, context_box, output_box = new_id(), new_id(), new_id()
+    others = "SELECT 1 FROM agent_inbox WHERE agent_id = ? AND status = ? AND inbox_id != ?"
+    other_params = (agent_id, InboxStatus.QUEUED, inbox_id)
+    sql, params = head.cas_statement(
+        env,
+        agent_id,
+        None,
+        None,
+        HeadEvent.LEASE,
+        sets=head.lease_sets(turn_id, inbox_id, context_box, output_box, now, task_tokens),
+        where=f" AND NOT EXISTS ({others})",
+        where_params=other_params,
+    )
+    tx.execute(sql, params)
+    sources = head_sources(HeadEvent.LEASE)
+    tx.execute(
+        "SELECT agentserver_expect(NOT EXISTS (SELECT 1 FROM agent_state_head WHERE "
+        f"agent_id = ? AND status IN ({marks(len(sources))}) AND EXISTS ({others})), ?)",
+        (agent_id, *sources, *other_params, f"{agent_id}: older queued Turns to lease"),
+    )
+    leased = (
+        "EXISTS (SELECT 1 FROM agent_state_head WHERE agent_id = ? AND active_agent_turn_id = ?)"
+    )
+    if_leased = (agent_id, turn_id)
+    tx.execute(
+        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) "
+        f"SELECT ?, ?, ?, ?, ? WHERE {leased} UNION ALL SELECT ?, ?, ?, ?, ? WHERE {leased}",
+        (
+            context_box, agent_id, turn_id, "context", now, *if_leased,
+            output_box, agent_id, turn_id, "output", now, *if_leased,
+        ),
+    )  # fmt: skip
+    tx.execute(
+        "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, metadata, "
+        f"created_at, tokens) SELECT ?, ?, ?, ?, ?, ?, ?, ? WHERE {leased}",
+        (
+            new_id(),
+            context_box,
+            turn_id,
+            task.card_type,
+            task.content,
+            json.dumps(dict(task.metadata)),
+            now,
+            task_tokens,
+            *if_leased,
+        ),
+    )
+    dispatch = inbox_sources(InboxEvent.DISPATCH)
+    tx.execute(
+        "UPDATE agent_inbox SET status = ?, updated_at = ?, agent_turn_id = ?, turn_epoch = "
+        f"{_head_of('turn_epoch')}, next_retry_at = ? WHERE inbox_id = ? "
+        f"AND status IN ({marks(len(dispatch))}) AND {leased}",
+        (
+            str(inbox_transition(dispatch[0], InboxEvent.DISPATCH).target),
+            env.clock.now(),
+            turn_id,
+            agent_id,
+            now,
+            inbox_id,
+            *dispatch,
+            *if_leased,
+        ),
+    )
+    tx.execute(
+        "INSERT INTO execution_edges (agent_id, agent_turn_id, primitive, edge_phase, "
+        "correlation_id, inbox_id, created_at, metadata) "
+        f"SELECT ?, ?, ?, ?, ?, ?, ?, ? WHERE {leased}",
+        (agent_id, turn_id, "lease", "request", None, inbox_id, env.clock.now(), "{}", *if_leased),
+    )
+    if channel is not None:
+        notify(tx, channel)
+    ((took,),) = tx.last(
+        "SELECT active_agent_turn_id IS NOT DISTINCT FROM ? FROM agent_state_head "
+        "WHERE agent_id = ?",
+        (turn_id, agent_id),
+    )
+    return EnqueueResult(inbox_id, bool(took))
+
+
 #: The shared function → its one-round-trip variant (the store's one place to look).
 ONE_TRIP: dict[Callable[..., Any], Callable[..., Any]] = {
     turns.start_turn_step: start_turn_step,
@@ -663,5 +771,6 @@ ONE_TRIP: dict[Callable[..., Any], Callable[..., Any]] = {
     turns.complete_step: complete_step,
     governance.complete_screened_step: complete_screened_step,
     inbox.report_tool_result: report_tool_result,
+    inbox.enqueue_turn: enqueue_turn,
     turn_end.finish: finish,
 }

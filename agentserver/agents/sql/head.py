@@ -218,21 +218,8 @@ def lease_with(
     task_tokens = tokens_of(env, agent_id, task)
     now = env.clock.now()
     turn_id, context_box, output_box = new_id(), new_id(), new_id()
-    epoch = take(
-        {
-            "active_agent_turn_id": turn_id,
-            "turn_inbox_id": inbox_id,
-            "context_box_id": context_box,
-            "output_box_id": output_box,
-            "step_count": 0,
-            "waiting_tool_count": 0,
-            "resume_deadline": None,
-            "expecting_correlation_id": None,
-            "dispatched_at": now,
-            "running_since": None,
-            "context_tokens": sum(int(r[6]) for r in earlier) + task_tokens,
-        }
-    )
+    tokens = sum(int(r[6]) for r in earlier) + task_tokens
+    epoch = take(lease_sets(turn_id, inbox_id, context_box, output_box, now, tokens))
     if epoch is None:
         return False
     insert_rows(
@@ -256,3 +243,23 @@ def lease_with(
     )
     edge(tx, env, agent_id, turn_id, "lease", "request", inbox_id=inbox_id)
     return True
+
+
+def lease_sets(
+    turn_id: str, inbox_id: str, context_box: str, output_box: str, now: float, tokens: int
+) -> dict[str, Any]:
+    """The columns a lease sets on the head: the new Turn ``turn_id`` of the queued row
+    ``inbox_id``, its boxes, ``tokens`` in its context."""
+    return {
+        "active_agent_turn_id": turn_id,
+        "turn_inbox_id": inbox_id,
+        "context_box_id": context_box,
+        "output_box_id": output_box,
+        "step_count": 0,
+        "waiting_tool_count": 0,
+        "resume_deadline": None,
+        "expecting_correlation_id": None,
+        "dispatched_at": now,
+        "running_since": None,
+        "context_tokens": tokens,
+    }

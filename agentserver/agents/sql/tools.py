@@ -155,10 +155,8 @@ def apply_report(
         "FROM turn_waiting_tools WHERE tool_call_id = ? AND agent_id = ?",
         (row.correlation_id, row.agent_id),
     )
-    outcome = unapplied(tx, env, row, waiting)
-    if outcome is not None:
-        return outcome
-    assert waiting is not None  # (unapplied answers for a missing one)
+    if waiting is None or waiting[2] != WaitingStatus.WAITING:
+        return unapplied(tx, env, row, waiting)
     turn_id, epoch, _, to, after = waiting
     token = TurnToken(row.agent_id, turn_id, epoch)
     result = result_card(row, to, after)
@@ -207,12 +205,10 @@ def apply_report(
     return ReportOutcome("applied", now_running, term, ref, step)
 
 
-def unapplied(
-    tx: Tx, env: StoreEnv, row: InboxRow, waiting: Sequence[Any] | None
-) -> ReportOutcome | None:
+def unapplied(tx: Tx, env: StoreEnv, row: InboxRow, waiting: Sequence[Any] | None) -> ReportOutcome:
     """A report whose waiting row (``agent_turn_id, turn_epoch, status, …``) is missing
-    (deferred, or exhausted) or no longer waiting (a duplicate): its row moved and the
-    outcome; None for a report to apply."""
+    (deferred, or exhausted) or no longer waiting (a duplicate): its row moved, and the
+    outcome."""
     if waiting is None:
         s = env.settings
         if row.retry_count >= s.max_retries:
@@ -234,13 +230,10 @@ def unapplied(
             defer_reason="awaiting suspend",
         )
         return ReportOutcome("deferred")
-    wstatus = waiting[2]
-    if wstatus != WaitingStatus.WAITING:
-        inbox_move(
-            tx, env, row.inbox_id, InboxEvent.SKIP, defer_reason=f"duplicate or late ({wstatus})"
-        )
-        return ReportOutcome("duplicate")
-    return None
+    inbox_move(
+        tx, env, row.inbox_id, InboxEvent.SKIP, defer_reason=f"duplicate or late ({waiting[2]})"
+    )
+    return ReportOutcome("duplicate")
 
 
 def skip_stale(tx: Tx, env: StoreEnv, row: InboxRow) -> None:
