@@ -670,9 +670,10 @@ def enqueue_turn(
     """:func:`~agentserver.agents.sql.inbox.enqueue_turn` in one round trip: the head
     ensured, the row queued, and its lease written on condition in the server: the
     compare-and-set takes the head if it is idle and this row is its only queued one,
-    and the lease's other writes are made only if the head then holds the new Turn (its
-    id is this call's). Python knows everything the lease writes but the epoch, which
-    the inbox row reads from the head. An idle head with older queued rows (the shared
+    and the lease's other writes are made only if it did (their rows come from its
+    ``RETURNING``): one data-modifying CTE. Python knows everything the lease
+    writes but the epoch, which the inbox row takes from the compare-and-set's
+    ``RETURNING``. An idle head with older queued rows (the shared
     function leases the oldest) is a miss; so is a Turn continuing a conversation (its
     cards are read first), before anything is sent."""
     if conversation:
@@ -697,69 +698,39 @@ def enqueue_turn(
         where=f" AND NOT EXISTS ({others})",
         where_params=other_params,
     )
-    tx.execute(sql, params)
     sources = head_sources(HeadEvent.LEASE)
-    tx.execute(
-        "SELECT agentserver_expect(NOT EXISTS (SELECT 1 FROM agent_state_head WHERE "
-        f"agent_id = ? AND status IN ({marks(len(sources))}) AND EXISTS ({others})), ?)",
-        (agent_id, *sources, *other_params, f"{agent_id}: older queued Turns to lease"),
-    )
-    leased = (
-        "EXISTS (SELECT 1 FROM agent_state_head WHERE agent_id = ? AND active_agent_turn_id = ?)"
-    )
-    if_leased = (agent_id, turn_id)
-    tx.execute(
-        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) "
-        f"SELECT ?, ?, ?, ?, ? WHERE {leased} UNION ALL SELECT ?, ?, ?, ?, ? WHERE {leased}",
-        (
-            context_box, agent_id, turn_id, "context", now, *if_leased,
-            output_box, agent_id, turn_id, "output", now, *if_leased,
-        ),
-    )  # fmt: skip
-    tx.execute(
-        "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, metadata, "
-        f"created_at, tokens) SELECT ?, ?, ?, ?, ?, ?, ?, ? WHERE {leased}",
-        (
-            new_id(),
-            context_box,
-            turn_id,
-            task.card_type,
-            task.content,
-            json.dumps(dict(task.metadata)),
-            now,
-            task_tokens,
-            *if_leased,
-        ),
-    )
     dispatch = inbox_sources(InboxEvent.DISPATCH)
-    tx.execute(
-        "UPDATE agent_inbox SET status = ?, updated_at = ?, agent_turn_id = ?, turn_epoch = "
-        f"{_head_of('turn_epoch')}, next_retry_at = ? WHERE inbox_id = ? "
-        f"AND status IN ({marks(len(dispatch))}) AND {leased}",
-        (
-            str(inbox_transition(dispatch[0], InboxEvent.DISPATCH).target),
-            env.clock.now(),
-            turn_id,
-            agent_id,
-            now,
-            inbox_id,
-            *dispatch,
-            *if_leased,
-        ),
-    )
-    tx.execute(
-        "INSERT INTO execution_edges (agent_id, agent_turn_id, primitive, edge_phase, "
-        "correlation_id, inbox_id, created_at, metadata) "
-        f"SELECT ?, ?, ?, ?, ?, ?, ?, ? WHERE {leased}",
-        (agent_id, turn_id, "lease", "request", None, inbox_id, env.clock.now(), "{}", *if_leased),
-    )
     if channel is not None:
         notify(tx, channel)
-    ((took,),) = tx.last(
-        "SELECT active_agent_turn_id IS NOT DISTINCT FROM ? FROM agent_state_head "
-        "WHERE agent_id = ?",
-        (turn_id, agent_id),
-    )
+    # One statement: the compare-and-set (h), and what the lease writes besides, from h
+    # (nothing if it missed); then whether it hit, and the check that a miss was not an
+    # idle head with older queued rows (the statement's snapshot: the head before it).
+    ((took, _),) = tx.last(
+        f"WITH h AS ({sql}), "
+        "b AS (INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) "
+        "SELECT ?, ?, ?, ?, ? FROM h UNION ALL SELECT ?, ?, ?, ?, ? FROM h), "
+        "c AS (INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, "
+        "metadata, created_at, tokens) SELECT ?, ?, ?, ?, ?, ?, ?, ? FROM h), "
+        "i AS (UPDATE agent_inbox SET status = ?, updated_at = ?, agent_turn_id = ?, "
+        "turn_epoch = h.turn_epoch, next_retry_at = ? FROM h WHERE agent_inbox.inbox_id = ? "
+        f"AND agent_inbox.status IN ({marks(len(dispatch))})), "
+        "e AS (INSERT INTO execution_edges (agent_id, agent_turn_id, primitive, edge_phase, "
+        "correlation_id, inbox_id, created_at, metadata) SELECT ?, ?, ?, ?, ?, ?, ?, ? FROM h) "
+        "SELECT (SELECT count(*) FROM h), agentserver_expect(NOT EXISTS (SELECT 1 FROM "
+        f"agent_state_head WHERE agent_id = ? AND status IN ({marks(len(sources))}) "
+        f"AND EXISTS ({others})), ?)",
+        (
+            *params,
+            context_box, agent_id, turn_id, "context", now,
+            output_box, agent_id, turn_id, "output", now,
+            new_id(), context_box, turn_id, task.card_type, task.content,
+            json.dumps(dict(task.metadata)), now, task_tokens,
+            str(inbox_transition(dispatch[0], InboxEvent.DISPATCH).target),
+            env.clock.now(), turn_id, now, inbox_id, *dispatch,
+            agent_id, turn_id, "lease", "request", None, inbox_id, env.clock.now(), "{}",
+            agent_id, *sources, *other_params, f"{agent_id}: older queued Turns to lease",
+        ),
+    )  # fmt: skip
     return EnqueueResult(inbox_id, bool(took))
 
 
