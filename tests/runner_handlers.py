@@ -31,9 +31,16 @@ class Result(BaseXmlModel, tag="result", nsmap=_NSMAP):
 async def handle(payload: etree._Element, meta: HandlerMetadata) -> HandlerResponse:
     """Answer ``<result>`` with the query's text after ``seconds``. With
     ``$RUNNER_MARKS`` set, first leave a file named after this process in that
-    directory, so a test can tell which runner holds a job."""
+    directory, so a test can tell which runner holds a job. With ``$RUNNER_EFFECTS`` set,
+    record the job's effect there once per idempotency key (tests/idem_support.py)."""
     text = payload.findtext(f"{{{NS}}}text") or ""
     seconds = float(payload.findtext(f"{{{NS}}}seconds") or 0)
+    effects = os.environ.get("RUNNER_EFFECTS")
+    if effects:
+        # Deduped by the step's key (issue 26): a retried step writes no second effect.
+        from idem_support import record
+
+        record(pathlib.Path(effects), meta.idempotency_key, text)
     marks = os.environ.get("RUNNER_MARKS")
     if marks:
         (pathlib.Path(marks) / str(os.getpid())).write_text(text)

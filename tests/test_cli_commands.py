@@ -178,6 +178,9 @@ async def test_run_without_boot_uses_the_bundled_topology(tmp_path):
         (("send",), ["--to", "--thread", "--connect", "FILE", "--timeout"]),
         (("check",), ["BOOT", "FILE:LINE: message"]),
         (("console",), ["--connect", "@NAME"]),
+        (("replay",), ["AGENT", "THREAD", "--boot", "--store", "--from", "--live-tools"]),
+        (("export",), ["AGENT", "THREAD", "--boot", "--store"]),
+        (("fork",), ["AGENT", "THREAD", "--at-step", "--task", "--url", "--wait"]),
     ],
 )
 def test_help_is_accurate(command, expected):

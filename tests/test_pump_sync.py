@@ -80,6 +80,8 @@ async def test_answered_in_the_injecting_task_with_no_thread_or_queue():
     assert is_uuid4(meta.thread_id) and meta.thread_id != thread
     assert meta.from_id == "alice" and meta.own_name == "echo" and not meta.is_self_call
     assert meta.chain == ("alice", "echo") and meta.response_thread is None
+    # A plain-function listener has its step's idempotency key too: its hop (issue 26).
+    assert meta.idempotency_key == meta.thread_id
 
 
 async def test_a_thread_that_is_not_the_clients_own_uuid4_is_replaced():

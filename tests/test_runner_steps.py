@@ -219,11 +219,17 @@ def test_boot_checks_remote_listeners_and_runner_clients():
     assert any(
         "no client serves it" in p for p in problems(remote, '<client name="a" token-env="T"/>')
     )
-    bad = problems(
-        '<listener name="echo" handler="echo" idempotent="true"/>',
-        '<client name="r" token-env="T" serves="echo"/>',
+    # Steps apply to in-process tool listeners too (issue 26), not to agents.
+    some_client = '<client name="a" token-env="T"/>'
+    ok = problems(
+        '<listener name="echo" handler="echo" idempotent="true" step-timeout="2"/>', some_client
     )
-    assert any("remote listeners only" in p for p in bad)
+    assert ok == []
+    bad = problems(
+        '<listener name="assistant" handler="assistant" agent="true" idempotent="true"/>',
+        some_client,
+    )
+    assert any("tool listeners only" in p for p in bad)
     runner_client = '<client name="r" token-env="T" serves="search"/>'
     bad = problems(remote.replace('remote="true"', 'remote="true" handler="echo"'), runner_client)
     assert any("has no handler" in p for p in bad)

@@ -10,6 +10,7 @@ from functools import partial
 
 import pytest
 import trio
+from idem_support import rows
 from lxml import etree
 from runner_handlers import NS, Query, Result, handle
 from serverproc import subprocess_env
@@ -188,7 +189,8 @@ async def test_a_runner_written_from_the_wire_doc_alone_serves_a_listener():
 async def test_killing_a_runner_mid_job_moves_the_step_to_the_other(tmp_path):
     marks = tmp_path / "marks"
     marks.mkdir()
-    env = {**subprocess_env(RUNNER_MARKS=str(marks)), **ENV}
+    effects = tmp_path / "effects.sqlite3"
+    env = {**subprocess_env(RUNNER_MARKS=str(marks), RUNNER_EFFECTS=str(effects)), **ENV}
     async with serving(boot_xml()) as (port, hub), trio.open_nursery() as nursery:
         procs = []
         for _ in range(2):
@@ -214,18 +216,25 @@ async def test_killing_a_runner_mid_job_moves_the_step_to_the_other(tmp_path):
                 pytest.fail(f"answered twice: {extra.raw!r}")
         retried = [row for row in hub.step_log if row.event == "step.retried"]
         assert len(retried) == 1 and retried[0].attempt == 2
+        # Both runners saw the step's one idempotency key; its effect was written once.
+        seen = rows(effects, "SELECT key, pid FROM seen")
+        assert len(seen) == 2 and len({k for k, _ in seen}) == 1
+        assert {pid for _, pid in seen} == {p.pid for p in procs}
+        assert rows(effects, "SELECT count(*) FROM effects") == [(1,)]
         for proc in procs:
             proc.kill()
         nursery.cancel_scope.cancel()
 
 
-def slow_first(seconds: float, cancelled: list[str]):
+def slow_first(seconds: float, cancelled: list[str], keys: list[str] | None = None):
     """A handler whose first job takes ``seconds``, the others none; it records the jobs
-    that were cancelled (by the server's <cancel>)."""
+    that were cancelled (by the server's <cancel>), and each job's idempotency key."""
     calls: list[str] = []
+    keys = [] if keys is None else keys
 
     async def handler(payload, meta):
         calls.append(meta.thread_id)
+        keys.append(meta.idempotency_key)
         try:
             if len(calls) == 1:
                 await trio.sleep(seconds)
@@ -239,9 +248,10 @@ def slow_first(seconds: float, cancelled: list[str]):
 
 async def test_a_slow_runner_times_out_and_an_idempotent_step_is_retried():
     cancelled: list[str] = []
+    keys: list[str] = []
     xml = boot_xml('timeout="10" step-timeout="0.5" idempotent="true"')
     async with serving(xml) as (port, hub), trio.open_nursery() as nursery:
-        nursery.start_soon(runner(port, handler=slow_first(5, cancelled)))
+        nursery.start_soon(runner(port, handler=slow_first(5, cancelled, keys)))
         await wait_for_runners(hub, 1)
         async with open_client("127.0.0.1", port, client="alice", token="alice-token") as c:
             reply = await c.request(Query(text="q"), to="search", timeout=10)
@@ -250,6 +260,8 @@ async def test_a_slow_runner_times_out_and_an_idempotent_step_is_retried():
         assert events.count("step.retried") == 1
         assert events[-1] == "step.succeeded"
         assert len(cancelled) == 1  # the runner was told to abandon the first attempt
+        # Two jobs (two wire threads), one step: the same idempotency key on both.
+        assert len(keys) == 2 and keys[0] == keys[1] and keys[0] not in cancelled
         nursery.cancel_scope.cancel()
 
 

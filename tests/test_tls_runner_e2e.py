@@ -4,6 +4,7 @@ same ``<tls>`` (client certificate required, bearer token still naming the calle
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -140,3 +141,56 @@ def test_the_http_api_over_the_same_mutual_tls(mutual):
     # Plaintext HTTP to the TLS port gets no answer.
     with httpx.Client(timeout=5) as client, pytest.raises(httpx.HTTPError):
         client.get(url.replace("https://", "http://") + "/healthz")
+
+
+async def test_a_reconnecting_runner_outlives_a_server_restart(tmp_path):
+    """``agentserver runner --reconnect`` keeps serving across a SIGKILL and restart of the
+    server on the same port (a full handshake then: a new server has new ticket keys)."""
+    pki = make_pki(tmp_path)
+    boot = pki.dir / "boot.xml"
+    boot.write_text(BOOT)
+    env = subprocess_env(TLS_RUNNER_CAROL=CAROL)
+    server = ServerProcess.start(boot, env=env)
+    cert, key = pki.client_files("search-runner")
+    alice_cert, alice_key = pki.client_files("alice")
+    options = {"ca": pki.ca_file, "cert": alice_cert, "key": alice_key}
+    runner_env = subprocess_env()
+    runner_env.pop("AGENTSERVER_TOKEN", None)
+    cmd = [sys.executable, "-m", "agentserver", "runner", "--connect"]
+    cmd += [f"{server.host}:{server.port}", "--tls", "--ca", str(pki.ca_file)]
+    cmd += ["--cert", str(cert), "--key", str(key), "--listener", "search"]
+    cmd += ["--handler", "runner_handlers:handle", "--reconnect"]
+    runner = subprocess.Popen(  # noqa: ASYNC220
+        cmd, env=runner_env, cwd=scratch_dir(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+
+    async def served(text: str) -> None:
+        with trio.fail_after(30):
+            while True:
+                try:
+                    async with open_client(
+                        server.host, server.port, client="alice", **options
+                    ) as client:
+                        reply = await client.request(Query(text=text), to="search", timeout=10)
+                except OSError:
+                    reply = None
+                if reply is not None and not reply.is_error:
+                    assert reply.payload.findtext(f"{{{NS}}}text") == text
+                    assert reply.payload.findtext(f"{{{NS}}}runner") == str(runner.pid)
+                    return
+                assert runner.poll() is None, runner.stderr.read().decode()
+                await trio.sleep(0.2)
+
+    try:
+        await served("before")
+        port = server.port
+        server.stop(signal.SIGKILL)
+        server = ServerProcess.start(boot, "--port", str(port), env=env)
+        await served("after")
+    finally:
+        runner.terminate()
+        runner.wait(10)
+        server.stop()
+    err = runner.stderr.read().decode()
+    assert runner.returncode == 0, err
+    assert "reconnecting in" in err and "TLS sessions: 1 full" in err, err

@@ -174,7 +174,10 @@ async def forward_granted(worker, row) -> None:
     ref_json = await store.turn_reply_ref(token)
     try:
         element = SafeParser().parse(payload.encode("utf-8"))
-        sub = await worker.tools.call(token.agent_id, json.loads(ref_json), element, target)
+        # A granted call's idempotency key is its approval request's id (its card's).
+        sub = await worker.tools.call(
+            token.agent_id, json.loads(ref_json), element, target, key=request_id
+        )
     except PumpRefused as refused:
         text = etree.tostring(refused.element, encoding="unicode")
         await store.fail_forward(request_id, row, f"the granted call was refused: {text}")

@@ -109,10 +109,26 @@ class PumpPorts:
     # -- ToolPort -------------------------------------------------------------------------
 
     async def call(
-        self, agent: str, turn_thread: ReplyRef, payload: etree._Element, to: str | None
+        self,
+        agent: str,
+        turn_thread: ReplyRef,
+        payload: etree._Element,
+        to: str | None,
+        *,
+        key: str | None = None,
     ) -> str:
         try:
-            return await self.pump.call_from(agent, ThreadRef.from_json(turn_thread), payload, to)
+            return await self.pump.call_from(
+                agent, ThreadRef.from_json(turn_thread), payload, to, key=key
+            )
+        except Refusal as refusal:
+            raise _refused(refusal, payload) from None
+
+    def check_call(self, agent: str, payload: etree._Element, to: str | None) -> None:
+        """Check a call as :meth:`call` would send it, sending nothing (a replay).
+        Raises PumpRefused."""
+        try:
+            self.pump.check_call(agent, payload, to)
         except Refusal as refusal:
             raise _refused(refusal, payload) from None
 

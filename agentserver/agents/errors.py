@@ -78,3 +78,7 @@ class CallerElsewhere(AgentError):
     def __init__(self, process: str) -> None:
         super().__init__(f"the caller is connected to process {process}")
         self.process = process
+
+
+class ForkRefused(AgentError):
+    """A fork that cannot be made: no such Turn, or no such step in it."""

@@ -22,9 +22,16 @@ class ToolPort(Protocol):
     """Forwards the agent's payloads through the pump."""
 
     async def call(
-        self, agent: str, turn_thread: ReplyRef, payload: etree._Element, to: str | None
+        self,
+        agent: str,
+        turn_thread: ReplyRef,
+        payload: etree._Element,
+        to: str | None,
+        *,
+        key: str | None = None,
     ) -> str:
-        """Forward ``payload`` from ``agent`` to peer ``to`` (``None``: by root tag).
+        """Forward ``payload`` from ``agent`` to peer ``to`` (``None``: by root tag), with
+        the call's idempotency ``key`` (the peer's ``HandlerMetadata.idempotency_key``).
 
         The pump opens a sub-thread of the Turn's thread (``turn_thread`` is the reply ref
         of the Enqueue) and returns its id. The peer's response, or a ``<huh>`` /

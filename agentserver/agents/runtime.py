@@ -7,7 +7,7 @@ agent listeners' pump handlers, and run :meth:`AgentRuntime.run` in the server's
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 import trio
@@ -24,9 +24,10 @@ from agentserver.agents.events import EventBus
 from agentserver.agents.memory import CLIENT, conversation_key
 from agentserver.agents.ports import LLMPort, ReplyPort, ReplyRef, ToolPort
 from agentserver.agents.profile import AgentProfile
+from agentserver.agents.resend import resend_waiting
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.sqlite_store import SqliteAgentStore
-from agentserver.agents.store import AgentStore, NewCard, TaskStatus
+from agentserver.agents.store import AgentStore, NewCard, TaskStatus, TurnToken
 from agentserver.agents.watchdog import Watchdog
 from agentserver.agents.worker import Worker
 from agentserver.observability.tracing import Tracing
@@ -60,6 +61,10 @@ def open_agent_store(
     )
 
 
+#: Forks whose task has not been enqueued yet, at most (the oldest are forgotten).
+MAX_EXPECTED_FORKS = 1024
+
+
 class AgentRuntime:
     """Store + worker + watchdog + event bus for a set of agent profiles."""
 
@@ -77,8 +82,18 @@ class AgentRuntime:
         tracing: Tracing | None = None,
         send_approval: SendApproval | None = None,
         listener_approvers: tuple[str, ...] = (),
+        retryable_tools: Collection[str] = (),
     ) -> None:
         self.store = store
+        self.tools = tools
+        #: Listeners whose steps may be retried (``idempotent``): a call to one that a
+        #: restart interrupted is sent again with its idempotency key, not reported lost.
+        self.retryable_tools = frozenset(retryable_tools)
+        #: (agent, caller thread) → forked conversation, until that task is enqueued.
+        self._forks: dict[tuple[str, str | None], str] = {}
+        if self.retryable_tools and hasattr(store, "on_lost_calls"):
+            # A shared store takes over a dead process's suspended Turns itself.
+            store.on_lost_calls = self.lost_calls
         self.profiles = dict(profiles)
         self.settings = settings
         self.clock = clock or SystemClock()
@@ -120,12 +135,14 @@ class AgentRuntime:
         tracing: Tracing | None = None,
         send_approval: SendApproval | None = None,
         listener_approvers: tuple[str, ...] = (),
+        retryable_tools: Collection[str] = (),
     ) -> AgentRuntime:
         """Open the store (created/migrated) and wire everything: the PostgreSQL database
         of ``settings.url`` if set, else the SQLite file at ``settings.path``.
         ``send_approval`` delivers approval requests (None: they wait in the store);
         ``listener_approvers`` are the approvers that are listeners (their requests are
-        sent again after a restart)."""
+        sent again after a restart); ``retryable_tools`` the listeners whose calls a restart
+        interrupted are sent again (``idempotent``)."""
         clock = clock or SystemClock()
         store = open_agent_store(settings, profiles, clock=clock)
         return cls(
@@ -139,6 +156,7 @@ class AgentRuntime:
             tracing=tracing,
             send_approval=send_approval,
             listener_approvers=listener_approvers,
+            retryable_tools=retryable_tools,
         )
 
     # -- intake (from the pump handlers) ---------------------------------------------
@@ -155,11 +173,31 @@ class AgentRuntime:
             raise KeyError(f"unknown agent {agent_id!r}")
         profile = self.profiles[agent_id]
         conversation = conversation_key(reply_ref) if profile.memory == CLIENT else None
+        if self._forks and isinstance(reply_ref, dict):
+            # The first task on a fork's thread continues the fork's conversation.
+            conversation = self._forks.pop((agent_id, reply_ref.get("caller_thread")), conversation)
         result = await self.store.enqueue_turn(
             agent_id, _bytes(payload), reply_ref, conversation=conversation
         )
         self.doorbell.ring()
         return result.inbox_id
+
+    async def fork(self, agent_id: str, thread: str, at_step: int) -> dict[str, object]:
+        """A new conversation of ``agent_id`` made of the cards of its latest Turn on
+        ``thread`` up to step ``at_step`` (docs/agents.md, "Fork"); the original is only
+        read. Returns its ``conversation`` key, its ``origin`` (thread, turn, step) and the
+        original ``task``. Raises ForkRefused. One store transaction."""
+        if agent_id not in self.profiles:
+            raise KeyError(f"unknown agent {agent_id!r}")
+        return await self.store.fork(agent_id, thread, at_step)  # type: ignore[attr-defined]
+
+    def expect_fork(self, agent_id: str, thread: str, conversation: str) -> None:
+        """The next task of ``agent_id`` whose caller's thread is ``thread`` continues the
+        forked ``conversation`` (the fork's task is sent through the pump next). Bounded:
+        the oldest expectations go first past :data:`MAX_EXPECTED_FORKS`."""
+        self._forks[agent_id, thread] = conversation
+        while len(self._forks) > MAX_EXPECTED_FORKS:
+            self._forks.pop(next(iter(self._forks)))
 
     async def report_tool_result(
         self,
@@ -243,15 +281,37 @@ class AgentRuntime:
             # store's leases hand over a dead process's (recover_running, then its loop).
             return
         # The pump's threads did not survive: a tool call in flight before the restart will
-        # never be answered, so do not make its Turn wait out the whole resume deadline.
+        # never be answered, so do not make its Turn wait out the whole resume deadline;
+        # a call to a listener whose steps may be retried is sent again, with its key.
         for token in await self.store.suspended_turns():
             try:
-                lost = await self.store.inject_timeouts(token, "was interrupted by a restart")
+                await self.lost_calls(token, "was interrupted by a restart")
             except StaleTurn:
                 continue
-            log.warning("turn %s: %d tool call(s) lost in a restart", token.agent_turn_id, lost)
         for reply in await self.store.pending_replies(10_000):
             await self.ender.resend(reply)
+
+    async def lost_calls(self, token: TurnToken, reason: str) -> int:
+        """The tool calls suspended Turn ``token`` waits for were lost (a restart, or the
+        process that sent them died): those to listeners whose steps may be retried are
+        sent again with their idempotency keys (agents/resend.py), the others reported
+        lost (a timeout result each, with ``reason``). Returns how many were lost. Raises
+        StaleTurn when the Turn moved on."""
+        profile = self.profiles.get(token.agent_id)
+        deadline = self.clock.now() + (profile.resume_deadline_s if profile else 60.0)
+        sent, rest = 0, None
+        if self.retryable_tools:
+            sent, rest = await resend_waiting(
+                self.store, self.tools, token, self.retryable_tools, deadline
+            )
+        if sent:
+            log.warning("turn %s: %d tool call(s) sent again", token.agent_turn_id, sent)
+        else:
+            rest = None  # every waiting call: the deadline goes too
+        lost = await self.store.inject_timeouts(token, reason, rest) if rest != [] else 0
+        if lost:
+            log.warning("turn %s: %d tool call(s) %s", token.agent_turn_id, lost, reason)
+        return lost
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Recover, then run the worker and the watchdog until cancelled."""

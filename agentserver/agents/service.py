@@ -129,12 +129,14 @@ async def start_agent_service(
     environ: Mapping[str, str] | None = None,
     tracing: Tracing | None = None,
     metrics: Metrics | None = None,
+    retryable_tools: Collection[str] = (),
 ) -> AgentService:
     """Open the store of ``store`` and the router of ``llm``, bind the agent listeners
     (``handlers``, one per name in ``profiles``) and start the runtime in ``nursery``. Call
     once the pump runs. ``clients`` are the declared clients' names, ``operators`` the
     listeners whose approval decisions are the operator's, for any request (the server's
-    own console routers). The store and router
+    own console routers); ``retryable_tools`` the listeners whose steps may be retried
+    (``idempotent``: their calls a restart interrupted are sent again). The store and router
     are closed by ``resources``; cancelling ``nursery`` stops the runtime, whose work is
     durable and resumes at the next start."""
     env = os.environ if environ is None else environ
@@ -176,6 +178,7 @@ async def start_agent_service(
                 }
             )
         ),
+        retryable_tools=retryable_tools,
     )
     figures = None
     if metrics is not None:

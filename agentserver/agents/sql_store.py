@@ -27,9 +27,11 @@ from agentserver.agents.settings import StoreSettings
 from agentserver.agents.sql import (
     common,
     conversations,
+    forks,
     governance,
     head,
     inbox,
+    record,
     replies,
     tools,
     turn_end,
@@ -278,8 +280,18 @@ class SqlAgentStore(abc.ABC):
     async def suspended_turns(self) -> list[TurnToken]:
         return await self._read(watchdog.suspended_turns)
 
-    async def inject_timeouts(self, token: TurnToken, reason: str = "timed out") -> int:
-        return await self._run(tools.inject_timeouts, token, reason)
+    async def inject_timeouts(
+        self, token: TurnToken, reason: str = "timed out", only: Sequence[str] | None = None
+    ) -> int:
+        return await self._run(tools.inject_timeouts, token, reason, only)
+
+    async def waiting_calls(self, token: TurnToken) -> list[ToolCallRecord]:
+        return await self._read(tools.waiting_calls, token)
+
+    async def rebind_call(
+        self, token: TurnToken, old: str, new: str, resume_deadline: float
+    ) -> None:
+        await self._run(tools.rebind_call, token, old, new, resume_deadline)
 
     async def stale_dispatched(self, older_than_s: float) -> list[Head]:
         return await self._read(watchdog.stale_dispatched, older_than_s)
@@ -427,6 +439,14 @@ class SqlAgentStore(abc.ABC):
 
     async def turn_log(self, agent_turn_id: str) -> dict[str, Any]:
         return await self._read(views.turn_log, agent_turn_id)
+
+    async def fork(self, agent_id: str, thread: str, at_step: int) -> dict[str, Any]:
+        """A forked conversation (agents/sql/forks.py). Raises ForkRefused."""
+        return await self._run(forks.fork, agent_id, thread, at_step)
+
+    async def turn_record(self, agent_id: str, thread: str) -> dict[str, Any] | None:
+        """The latest Turn of ``agent_id`` on ``thread``, whole (agents/sql/record.py)."""
+        return await self._read(record.turn_record, agent_id, thread)
 
     async def turn_thread(self, agent_turn_id: str) -> tuple[str | None, str | None]:
         return await self._read(views.turn_thread, agent_turn_id)

@@ -15,6 +15,16 @@ BACKOFF_BASE = 1.0
 #: ... up to this.
 BACKOFF_CAP = 30.0
 DEFAULT_RETRIES = 3
+#: Where a tool call's card keeps its idempotency key (its metadata).
+KEY_FIELD = "idempotency_key"
+
+
+def idempotency_key(step_id: str, index: int) -> str:
+    """The idempotency key of the ``index``-th call (0-based) of a model's message in step
+    ``step_id``: fixed once the step's output is recorded, so every attempt of the call
+    (retries, a runner's death, a restart) carries it, and two calls of one message (even
+    identical ones) differ."""
+    return f"{step_id}.{index}"
 
 
 def backoff(retry: int) -> float:

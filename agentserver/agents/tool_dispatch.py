@@ -8,19 +8,23 @@ propagates with nothing more sent.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from lxml import etree
 
 from agentserver.agents.approvals import APPROVAL_PREFIX, WAITING_KIND, Approvals
 from agentserver.agents.clock import Clock
+from agentserver.agents.decide import CallTools, decide
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import PumpRefused
 from agentserver.agents.events import EventBus, StateEvent
 from agentserver.agents.governance import Governor, Screened
+from agentserver.agents.parsing import extract_payloads
 from agentserver.agents.ports import ReplyRef, ToolPort
 from agentserver.agents.profile import AgentProfile
 from agentserver.agents.states import HeadStatus
+from agentserver.agents.steps import KEY_FIELD, idempotency_key
 from agentserver.agents.store import (
     AgentStore,
     Card,
@@ -32,6 +36,8 @@ from agentserver.agents.store import (
     TurnToken,
 )
 from agentserver.observability.tracing import Tracing, record_error
+
+log = logging.getLogger("agentserver.agents.worker")
 
 #: How the worker ends a Turn: ``finish(token, profile, status, text)``.
 Finish = Callable[[TurnToken, AgentProfile, str, str], Awaitable[None]]
@@ -88,6 +94,9 @@ class ToolDispatch:
         fence of the first call: each later call is fenced again first."""
         records: list[ToolCallRecord] = []
         cards: list[NewCard] = []
+        # Each call's key from its place in the model's message (screening keeps the
+        # call objects, so identity finds it).
+        place = {id(c): i for i, c in enumerate(calls)}
         if governed(profile):
             if screened is None:
                 if history is None:
@@ -100,7 +109,7 @@ class ToolDispatch:
             if screened.halt is not None:
                 await self._finish(token, profile, TaskStatus.FAILED, f"halted: {screened.halt}")
                 return True
-            send = [(a.call, a.metadata) for a in screened.send]
+            send = [(a.call, _keyed(a.metadata, step_id, place, a.call)) for a in screened.send]
             for ask in screened.approvals:
                 # Waits durably as a call of its own kind until a decision or the timeout.
                 records.append(
@@ -109,11 +118,11 @@ class ToolDispatch:
                         ask.call.to or "",
                         element_text(ask.call.element),
                         WAITING_KIND,
-                        {"approval": ask.request_id},
+                        {"approval": ask.request_id, KEY_FIELD: ask.request_id},
                     )
                 )
         else:
-            send = [(call, {}) for call in calls]
+            send = [(call, _keyed({}, step_id, place, call)) for call in calls]
         # No new side effect once fenced out. The last store call was a compare-and-set on
         # the running head: complete_step's, or record_decisions', which ends screen()
         # whenever it lets a call through. Each call awaits the pump: fence the next one
@@ -131,7 +140,11 @@ class ToolDispatch:
                 with self.tracing.execute_tool(call.to, content) as span:
                     try:
                         sub_thread = await self.tools.call(
-                            token.agent_id, reply_ref, call.element, call.to
+                            token.agent_id,
+                            reply_ref,
+                            call.element,
+                            call.to,
+                            key=metadata[KEY_FIELD],
                         )
                     except PumpRefused:
                         record_error(span, "refused")
@@ -164,6 +177,50 @@ class ToolDispatch:
         if approvals is not None and any(r.after_execution == WAITING_KIND for r in records):
             await approvals.deliver_requests()
         return early > 0
+
+    async def call_recorded(
+        self,
+        token: TurnToken,
+        profile: AgentProfile,
+        reply_ref: ReplyRef,
+        *,
+        approvals: Approvals | None = None,
+    ) -> bool | None:
+        """A recovered Turn whose last step's output was recorded but whose tool calls were
+        never suspended on (the process died while forwarding them): send them now, as
+        that step's, so with the same idempotency keys, instead of asking the model again.
+        None when there was nothing to send (the Turn goes on with a new step); else as
+        :meth:`call`."""
+        head = await self._fence(token)
+        box = head.output_box_id
+        cards = await self.store.cards(box) if box else []
+        if not cards or cards[-1].card_type != CardType.LLM_MESSAGE:
+            return None
+        said = cards[-1]
+        step_id = said.metadata.get("step_id")
+        decision = decide(said.content, extract_payloads(said.content, profile), profile)
+        if not isinstance(step_id, str) or not isinstance(decision, CallTools):
+            return None
+        log.warning(
+            "turn %s: the calls of step %d were cut off by a restart; sending them again",
+            token.agent_turn_id,
+            head.step_count,
+        )
+        return await self.call(
+            token,
+            step_id,
+            head.step_count,
+            profile,
+            reply_ref,
+            decision.calls,
+            cards,
+            approvals=approvals,
+        )
+
+
+def _keyed(metadata: dict, step_id: str, place: dict[int, int], call: object) -> dict:
+    """``metadata`` of a call card with the call's idempotency key added."""
+    return {**metadata, KEY_FIELD: idempotency_key(step_id, place.get(id(call), len(place)))}
 
 
 def governed(profile: AgentProfile) -> bool:

@@ -227,7 +227,8 @@ class Worker:
             token = await self.store.take_resume(row)
             profile = self.profiles.get(row.agent_id)
             if token is not None and profile is not None:
-                return await self._run_turn(token, profile, step_retries_done(row.payload))
+                retries = step_retries_done(row.payload)
+                return await self._run_turn(token, profile, retries, recovered=not retries)
         else:
             await self.store.skip_row(row, f"unknown message type {row.message_type!r}")
         return True
@@ -279,9 +280,11 @@ class Worker:
         *,
         ref_json: str | _Unread | None = UNREAD,
         step: StepStart | None = None,
+        recovered: bool = False,
     ) -> bool:
         """Run the Turn until it suspends, waits or ends. ``ref_json``: its reply
-        reference if the caller read it already; ``step``: its first step if begun.
+        reference if the caller read it already; ``step``: its first step if begun;
+        ``recovered``: a restart's resume (a last step's calls cut off are sent first).
         False when it suspended with no report due yet.
 
         Cancelled by :meth:`interrupt` (a stop that ended the Turn): the run, its model
@@ -291,7 +294,9 @@ class Worker:
         with trio.CancelScope() as scope:
             self._runs[token.agent_id] = (token.agent_turn_id, scope)
             try:
-                return await self._run_turn_logged(token, profile, retries_done, ref_json, step)
+                return await self._run_turn_logged(
+                    token, profile, retries_done, ref_json, step, recovered
+                )
             finally:
                 if self._runs.get(token.agent_id, (None, None))[1] is scope:
                     del self._runs[token.agent_id]
@@ -307,6 +312,7 @@ class Worker:
         retries_done: int,
         ref_json: str | _Unread | None,
         step: StepStart | None,
+        recovered: bool = False,
     ) -> bool:
         """:meth:`_run_turn` in the Turn's log context."""
         # Every log record of this run names the agent and Turn (and, once read from the
@@ -330,6 +336,12 @@ class Worker:
                         thread=ref.get("hop"), caller_thread=thread
                     ),
                 ):
+                    if recovered:
+                        more = await self.tool_calls.call_recorded(
+                            token, profile, reply_ref, approvals=self.approvals
+                        )
+                        if more is not None:
+                            return more
                     return await self._steps(token, profile, reply_ref, retries_done, step)
             except StaleTurn:
                 log.info("turn %s of %s moved on; dropping it", token.agent_turn_id, token.agent_id)

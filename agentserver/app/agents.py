@@ -113,4 +113,5 @@ async def start_agents(
         environ=env,
         tracing=tracing,
         metrics=metrics,
+        retryable_tools=[s.name for s in topology.listeners if s.idempotent],
     )

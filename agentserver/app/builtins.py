@@ -211,6 +211,19 @@ def build_listener_set(topology: Topology, ctx: RunContext) -> ListenerSet:
         else:
             assert spec.handler is not None  # the loader resolved it
             handler = spec.handler
+        if not (spec.remote or spec.agent) and (spec.step_timeout is not None or spec.idempotent):
+            # Steps as a remote listener's: attempts, retries, the same idempotency key.
+            from agentserver.agents.local_steps import retrying_handler
+            from agentserver.agents.steps import StepPolicy
+            from agentserver.remote.hub import pump_timeout
+
+            policy = StepPolicy(
+                spec.step_timeout if spec.step_timeout is not None else spec.timeout,
+                spec.idempotent,
+                spec.retries,
+            )
+            handler, sync = retrying_handler(spec.name, handler, policy), False
+            timeout = pump_timeout(policy)
         listeners.append(
             Listener(
                 spec.name,

@@ -22,12 +22,15 @@ from lxml import etree
 from pydantic_xml import BaseXmlModel
 
 from agentserver.app.builtins import RunContext, build_listener_set
+from agentserver.app.replay import ReplayError, ReplayReport, replay
 from agentserver.config import loader as boot
 from agentserver.core.envelope import build_envelope
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.net.client import Reply, parse_reply, payload_element
 from agentserver.pump.pump import Pump, open_pump
+
+__all__ = ["InProcess", "ReplayError", "ReplayReport", "in_process", "replay"]
 
 
 class InProcess:

@@ -19,7 +19,19 @@ import os
 import sys
 from collections.abc import Sequence
 
-from agentserver.cli import check, console, mcp, operator, run, runner, send, status
+from agentserver.cli import (
+    check,
+    console,
+    export,
+    fork,
+    mcp,
+    operator,
+    replay,
+    run,
+    runner,
+    send,
+    status,
+)
 from agentserver.cli.common import (
     BOOT_ENV,
     DEFAULT_CONNECT,
@@ -68,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     operator.add_parsers(sub, common, remote)
     console.add_parsers(sub, common, remote)
     mcp.add_parsers(sub, common, remote)
+    replay.add_parsers(sub, common, remote)
+    export.add_parsers(sub, common, remote)
+    fork.add_parsers(sub, common, remote)
     return parser
 
 
@@ -104,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "stop": operator.cmd_operator,
         "cancel": operator.cmd_operator,
         "mcp": mcp.cmd_mcp,
+        "replay": replay.cmd_replay,
+        "export": export.cmd_export,
+        "fork": fork.cmd_fork,
     }
     return handler[args.command](args)
 

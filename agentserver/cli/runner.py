@@ -22,6 +22,10 @@ from agentserver.cli.common import (
 from agentserver.config.imports import resolve_import
 from agentserver.core.errors import ConfigurationError
 
+#: --reconnect's backoff: the first wait after a lost connection, and its cap.
+RECONNECT_FIRST_S = 0.5
+RECONNECT_MAX_S = 30.0
+
 
 def add_parsers(
     sub: Subcommands, common: argparse.ArgumentParser, remote: argparse.ArgumentParser
@@ -47,10 +51,17 @@ def add_parsers(
     runner.add_argument(
         "--concurrency", type=int, default=4, metavar="N", help="jobs at once (default: 4)"
     )
+    runner.add_argument(
+        "--reconnect",
+        action="store_true",
+        help="keep serving across lost connections and server restarts: reconnect with "
+        f"backoff ({RECONNECT_FIRST_S:g} s doubling to {RECONNECT_MAX_S:g} s), resuming the "
+        "TLS session; a refusal still exits",
+    )
 
 
 def cmd_runner(args: argparse.Namespace) -> int:
-    from agentserver.net.client import ClientError
+    from agentserver.net.client import ClientError, TlsSessions
     from agentserver.remote.runner import RunnerRefused, run_runner
 
     # The command line the docs show names no client: a runner of LISTENER is, by
@@ -80,21 +91,49 @@ def cmd_runner(args: argparse.Namespace) -> int:
     # The same OTEL_* switches as the server's: each job's span joins the caller's trace.
     tracing = Tracing.from_environ(os.environ)
 
+    # One TLS session store for every connection of this process: a reconnect resumes.
+    sessions = TlsSessions() if tls else None
+
+    async def serve_once() -> None:
+        await run_runner(
+            host,
+            port,
+            client=client,
+            # With a client certificate the hello's token is not checked.
+            token=token or "",
+            listener=args.listener,
+            handler=handler,
+            concurrency=args.concurrency,
+            tracer_provider=tracing.provider,
+            sessions=sessions,
+            **tls,
+        )
+
+    async def serve_forever() -> None:
+        """Reconnects until cancelled (a signal) or refused. Bounded: one connection at a
+        time; the wait doubles per failed attempt up to RECONNECT_MAX_S and starts over
+        once a connection has served."""
+        wait = RECONNECT_FIRST_S
+        while True:
+            try:
+                await serve_once()
+                why = "the server closed the connection"
+                wait = RECONNECT_FIRST_S
+            except (ClientError, OSError, trio.TooSlowError) as exc:
+                why = f"cannot talk to {host}:{port}: {exc}"
+            resumed = (
+                ""
+                if sessions is None
+                else f" (TLS sessions: {sessions.full} full, {sessions.resumed} resumed)"
+            )
+            print(f"{why}; reconnecting in {wait:g} s{resumed}", file=sys.stderr, flush=True)
+            await trio.sleep(wait)
+            wait = min(wait * 2, RECONNECT_MAX_S)
+
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(cancel_on_signal, nursery.cancel_scope)
-            await run_runner(
-                host,
-                port,
-                client=client,
-                # With a client certificate the hello's token is not checked.
-                token=token or "",
-                listener=args.listener,
-                handler=handler,
-                concurrency=args.concurrency,
-                tracer_provider=tracing.provider,
-                **tls,
-            )
+            await (serve_forever() if args.reconnect else serve_once())
             nursery.cancel_scope.cancel()
 
     try:

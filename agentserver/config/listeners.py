@@ -244,11 +244,12 @@ class ListenerReader:
         if el.get("raw") is not None:
             tuning["raw"] = flag(el, "raw")
         for attr in ("step-timeout", "idempotent", "retries"):
-            if el.get(attr) is not None and not remote:
-                self.error(line, f"listener {name!r}: {attr} applies to remote listeners only")
+            if el.get(attr) is not None and agent:
+                self.error(line, f"listener {name!r}: {attr} applies to tool listeners only")
                 return None
         if remote:
             tuning["remote"] = True
+        if not agent:
             tuning["idempotent"] = flag(el, "idempotent")
             if (value := el.get("step-timeout")) is not None:
                 tuning["step_timeout"] = float(value)

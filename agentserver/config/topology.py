@@ -106,11 +106,13 @@ class ListenerSpec:
     line: int = 0
     #: Served by runners over the wire (:mod:`agentserver.remote.hub`).
     remote: bool = False
-    #: Remote: seconds one attempt may take (None: ``timeout``).
+    #: A tool listener (remote or in-process): seconds one attempt may take (None:
+    #: ``timeout``; in-process, None and not idempotent: no steps, the pump's timeout).
     step_timeout: float | None = None
-    #: Remote: failed or timed-out attempts may be retried automatically.
+    #: Failed or timed-out attempts may be retried automatically (same idempotency key),
+    #: and a call a restart interrupted is sent again.
     idempotent: bool = False
-    #: Remote and idempotent: automatic retries after the first attempt.
+    #: Idempotent: automatic retries after the first attempt.
     retries: int = 3
     #: The agent's tool-call policy (None: peers only) and guardrails.
     agent_policy: Policy | None = field(default=None, compare=False)

@@ -71,6 +71,12 @@ class HandlerMetadata(NamedTuple):
     response_thread: str | None = None
     #: The call chain of ``thread_id``, for logs; never route on it.
     chain: tuple[str, ...] = ()
+    #: This step's idempotency key: the same on every attempt of one call (a retry after
+    #: a step-timeout, a lost runner, a server restart), different for every distinct
+    #: call. An agent's tool call carries the key its Turn recorded for it; any other
+    #: delivery's key is its hop (``thread_id``). Dedupe side effects on it
+    #: (docs/guide.md, "Side effects once: dedupe by key").
+    idempotency_key: str = ""
 
 
 Handler: TypeAlias = Callable[[Any, HandlerMetadata], Awaitable[HandlerResult]]

@@ -55,6 +55,7 @@ def build_app(ctx: HttpContext) -> Starlette:
             Route("/v1/listeners", agents.listeners),
             Route("/v1/agents", agents.agents),
             Route("/v1/agents/{name}/tasks/{thread}", agents.task),
+            Route("/v1/agents/{name}/tasks/{thread}/fork", agents.fork, methods=["POST"]),
             Route("/v1/events", events.events),
             Route("/v1/status", status.status),
             Route("/v1/steps", status.steps),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -18,6 +18,15 @@ from agentserver.net.roles import OperatorCommands
 from agentserver.pump.pump import Pump
 
 
+class Forks(Protocol):
+    """What ``POST /v1/agents/{name}/tasks/{thread}/fork`` asks of the agents (the agent
+    runtime: ``AgentRuntime.fork`` and ``expect_fork``)."""
+
+    async def fork(self, agent_id: str, thread: str, at_step: int) -> dict[str, Any]: ...
+
+    def expect_fork(self, agent_id: str, thread: str, conversation: str) -> None: ...
+
+
 @dataclass
 class HttpContext:
     """Everything the app reads; built by the composition root (agentserver/app/root.py)."""
@@ -28,6 +37,8 @@ class HttpContext:
     registry: CollectorRegistry
     throttle: HelloThrottle = field(default_factory=HelloThrottle)
     agents: AgentsView | None = None
+    #: Forks of agents' conversations (None: no agents).
+    forks: Forks | None = None
     events: EventBus | None = None
     #: ``() -> {backend: stats}`` of the LLM router (None: no router).
     backends: Callable[[], dict[str, dict[str, Any]]] | None = None

@@ -29,6 +29,8 @@ class Delivery:
     original: bytes | None
     #: The span that sent it (tracing on only): the parent of its ``handle`` span.
     trace: object = None
+    #: The idempotency key its sender gave (an agent's tool call); None: the hop's id.
+    key: str | None = None
 
 
 class Waiter:

@@ -449,17 +449,10 @@ class Pump:
         listener = rt.listener
         name = listener.name
         # tuple.__new__: a NamedTuple's own __new__ is a Python function (twice the cost).
+        hop = new_thread_id()
         meta = _new_meta(
             HandlerMetadata,
-            (
-                new_thread_id(),
-                endpoint.name,
-                name,
-                False,
-                rt.usage,
-                None,
-                endpoint.chain + rt.chain,
-            ),
+            (hop, endpoint.name, name, False, rt.usage, None, endpoint.chain + rt.chain, hop),
         )
         self.counters["delivered"] += 1
         rt.handled += 1
@@ -699,17 +692,52 @@ class Pump:
         return record
 
     async def call_from(
-        self, sender: str, ref: ThreadRef, payload: BaseXmlModel | etree._Element, to: str | None
+        self,
+        sender: str,
+        ref: ThreadRef,
+        payload: BaseXmlModel | etree._Element,
+        to: str | None,
+        *,
+        key: str | None = None,
     ) -> str:
         """Forward ``payload`` from ``sender`` outside a handler (an agent's tool call).
 
         Same rules as a handler's forward (validated; the target must be a peer and take the
         tag; exactly one target). Returns the new sub-thread id, on which the peer's answer
         (or a failure primitive) will reach ``sender`` with ``response_thread`` set to it.
+        ``key``: the call's idempotency key, handed to the peer's handler
+        (``HandlerMetadata.idempotency_key``; None: the new sub-thread's id).
         Raises :class:`Refusal` at once if the pump refuses; nothing is sent then.
         """
         if self._state is not PumpState.RUNNING:
             raise PumpClosed(self._state.value)
+        element, ptype, target = self._checked_call(sender, payload, to)
+        hop = self.revive(ref)
+        try:
+            child = self.threads.extend(hop, target, trio.current_time())
+        except RegistryFull:
+            raise DeliveryRefused(SystemErrorCode.ROUTING, retry_allowed=True) from None
+        try:
+            await self._enqueue(
+                target, Delivery(element, ptype, child, sender, False, None, None, None, key)
+            )
+        except DeliveryRefused:
+            self.threads.prune(child)
+            raise
+        return child.id
+
+    def check_call(
+        self, sender: str, payload: BaseXmlModel | etree._Element, to: str | None
+    ) -> None:
+        """Check a call of ``sender`` as :meth:`call_from` would (valid payload, exactly
+        one peer that takes it), sending nothing: a replay's recorded tools. Raises
+        :class:`Refusal`."""
+        self._checked_call(sender, payload, to)
+
+    def _checked_call(
+        self, sender: str, payload: BaseXmlModel | etree._Element, to: str | None
+    ) -> tuple[etree._Element, PayloadType, str]:
+        """(element, payload type, the one target) of a call, or a :class:`Refusal`."""
         element = to_element(payload)
         ptype = self._codec.validate_payload(element)
         decision = self._table.outbound(sender, ptype.tag, to)
@@ -717,18 +745,7 @@ class Pump:
             raise DeliveryRefused(
                 SystemErrorCode.ROUTING, retry_allowed=True, detail="a call needs exactly one peer"
             )
-        hop = self.revive(ref)
-        target = decision.targets[0]
-        try:
-            child = self.threads.extend(hop, target, trio.current_time())
-        except RegistryFull:
-            raise DeliveryRefused(SystemErrorCode.ROUTING, retry_allowed=True) from None
-        try:
-            await self._enqueue(target, Delivery(element, ptype, child, sender, False, None, None))
-        except DeliveryRefused:
-            self.threads.prune(child)
-            raise
-        return child.id
+        return element, ptype, decision.targets[0]
 
     def check_self_call(self, sender: str, payload: BaseXmlModel | etree._Element) -> None:
         """Validate a self-iteration payload of ``sender`` without delivering it (an agent
@@ -959,6 +976,7 @@ class Pump:
                     rt.usage,
                     d.response_thread,
                     thread.chain,
+                    d.key or thread.id,
                 )
                 try:
                     payload = d.payload if raw else d.ptype.model.from_xml_tree(d.payload)

@@ -403,6 +403,8 @@ class RunnerHub:
                 envelope = build_envelope(meta.from_id, name, job.id, copied)
                 if traceparent is not None:
                     envelope.set("traceparent", traceparent)
+                # The same on every attempt: the runner's handler dedupes on it.
+                envelope.set("idempotency-key", meta.idempotency_key or meta.thread_id)
                 body = canonicalize(envelope)
                 self._log(StepRow(step, name, meta.from_id, 0, "step.dispatched", link.name))
                 if not link.push(body):

@@ -7,8 +7,9 @@
 
 ``handle(payload, meta)`` is an in-process handler's signature: ``payload`` is the
 validated lxml element of the job (the runner needs none of the server's Python types),
-``meta`` a :class:`~agentserver.core.listener.HandlerMetadata`. What it returns is sent back as
-an in-process handler's result would be used: ``HandlerResponse.respond(p)`` answers the
+``meta`` a :class:`~agentserver.core.listener.HandlerMetadata` (its ``idempotency_key``
+is the job's ``idempotency-key``: the same on every attempt of one step). What it
+returns is sent back as an in-process handler's result would be used: ``HandlerResponse.respond(p)`` answers the
 caller, ``HandlerResponse(p, to="peer")`` forwards to a peer, ``None`` ends the job; an
 exception reports ``<failed/>``. The wire contract (docs/wire.md, "Runners") is all this
 module relies on: a runner in another language does the same.
@@ -171,6 +172,7 @@ async def run_runner(
             payload: etree._Element,
             scope: trio.CancelScope,
             traceparent: str | None,
+            step_key: str | None,
         ) -> None:
             try:
                 with scope:
@@ -180,7 +182,10 @@ async def run_runner(
                         send.send_nowait((job, None, False))
                     except trio.WouldBlock:
                         await send.send((job, None, False))
-                    meta = HandlerMetadata(job, sender, listener, False, "", None, ())
+                    # The step's idempotency key (the same on every attempt), else the job's.
+                    meta = HandlerMetadata(
+                        job, sender, listener, False, "", None, (), step_key or job
+                    )
                     if traceparent is None and not traced:
                         bodies = await call(job, payload, meta, None)
                     else:
@@ -272,4 +277,12 @@ async def _read_jobs(
             root.remove(payload)
             # Registered now, so a <cancel> read before the job starts finds it.
             scope = jobs[thread] = trio.CancelScope()
-            nursery.start_soon(run_job, thread, sender, payload, scope, root.get("traceparent"))
+            nursery.start_soon(
+                run_job,
+                thread,
+                sender,
+                payload,
+                scope,
+                root.get("traceparent"),
+                root.get("idempotency-key"),
+            )

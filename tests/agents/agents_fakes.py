@@ -84,17 +84,26 @@ def last_user(request: LLMRequest) -> str:
 @dataclass
 class FakeTools:
     calls: list[tuple[str, str | None, str]] = field(default_factory=list)
+    #: The idempotency key of each call, in order.
+    keys: list[str | None] = field(default_factory=list)
     self_calls: list[str] = field(default_factory=list)
     refuse: set[str] = field(default_factory=set)
     on_call: Callable[[str, str], Any] | None = None  # (sub_thread, to) -> awaitable|None
 
     async def call(
-        self, agent: str, turn_thread: Any, payload: etree._Element, to: str | None
+        self,
+        agent: str,
+        turn_thread: Any,
+        payload: etree._Element,
+        to: str | None,
+        *,
+        key: str | None = None,
     ) -> str:
         if payload.tag in self.refuse:
             raise PumpRefused(make_huh(HuhReason.INVALID_PAYLOAD, "x"))
         sub = uuid.uuid4().hex
         self.calls.append((sub, to, etree.tostring(payload, encoding="unicode")))
+        self.keys.append(key)
         if self.on_call is not None:
             maybe = self.on_call(sub, to or "")
             if maybe is not None:

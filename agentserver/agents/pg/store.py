@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import trio
@@ -132,6 +132,10 @@ class PostgresAgentStore(SqlAgentStore):
         #: doorbells after it commits instead of sending ``NOTIFY`` (a statement per
         #: write, and the notification's round trip back to this process's listener).
         self.others_alive = True
+        #: What to do with the calls of a dead process's suspended Turns (the agent
+        #: runtime's ``lost_calls``: re-send those to idempotent listeners); None:
+        #: report them all lost.
+        self.on_lost_calls: Callable[[TurnToken, str], Awaitable[int]] | None = None
         #: channel → this process's own doorbell for it (set by :meth:`serve`)
         self._rings: dict[str, Callable[[], None]] = {}
 
@@ -250,8 +254,12 @@ class PostgresAgentStore(SqlAgentStore):
                 got.requeued,
             )
         for token in got.suspended:
+            reason = "was lost with the process that sent it"
             try:
-                await self.inject_timeouts(token, "was lost with the process that sent it")
+                if self.on_lost_calls is not None:
+                    await self.on_lost_calls(token, reason)
+                else:
+                    await self.inject_timeouts(token, reason)
             except StaleTurn:
                 continue
         return got.recovered

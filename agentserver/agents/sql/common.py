@@ -221,3 +221,18 @@ def split_turn_cards(
 def card(tx: Tx, card_id: str) -> Card | None:
     r = tx.one(f"SELECT {CARD_COLS} FROM cards WHERE card_id = ?", (card_id,))
     return card_row(r) if r else None
+
+
+def rename_call_card(tx: Tx, turn_id: str, old: str, new: str) -> None:
+    """The tool.call card of Turn ``turn_id`` that names call ``old`` names ``new`` now."""
+    rows = tx.all(
+        "SELECT card_id, metadata FROM cards WHERE agent_turn_id = ? AND card_type = ?",
+        (turn_id, CardType.TOOL_CALL),
+    )
+    for card_id, metadata in rows:
+        meta: dict[str, Any] = json.loads(metadata)
+        if meta.get("tool_call_id") == old:
+            meta["tool_call_id"] = new
+            tx.execute(
+                "UPDATE cards SET metadata = ? WHERE card_id = ?", (json.dumps(meta), card_id)
+            )

@@ -6,14 +6,13 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Sequence
-from typing import Any
 
 from agentserver.agents.approvals import APPROVAL_PREFIX, PendingApproval
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.governance_store import DecisionRecord, StepRecord
 from agentserver.agents.ports import LLMCompletion
 from agentserver.agents.sql import head
-from agentserver.agents.sql.common import inbox_move
+from agentserver.agents.sql.common import inbox_move, rename_call_card
 from agentserver.agents.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.sql.inbox import insert_report
 from agentserver.agents.sql.turns import append_cards, close_step
@@ -26,7 +25,7 @@ from agentserver.agents.states import (
     MessageType,
     WaitingStatus,
 )
-from agentserver.agents.store import CardType, InboxRow, NewCard, TurnToken
+from agentserver.agents.store import InboxRow, NewCard, TurnToken
 
 _APPROVAL_COLS = (
     "a.request_id, a.agent_id, a.agent_turn_id, a.target, a.payload, a.rule, a.approver, "
@@ -380,27 +379,13 @@ def finish_forward(
         )
     # The call's card now names its sub-thread, so what governance noted for the call
     # (warnings) reaches its result.
-    _rename_call_card(tx, waiting[0], row.correlation_id or "", sub_thread)
+    rename_call_card(tx, waiting[0], row.correlation_id or "", sub_thread)
     # A result that beat this transaction waits deferred: due now.
     tx.execute(
         "UPDATE agent_inbox SET next_retry_at = ?, agent_turn_id = ?, turn_epoch = ? "
         "WHERE correlation_id = ? AND status = ?",
         (now, waiting[0], waiting[1], sub_thread, InboxStatus.DEFERRED),
     )
-
-
-def _rename_call_card(tx: Tx, turn_id: str, old: str, new: str) -> None:
-    rows = tx.all(
-        "SELECT card_id, metadata FROM cards WHERE agent_turn_id = ? AND card_type = ?",
-        (turn_id, CardType.TOOL_CALL),
-    )
-    for card_id, metadata in rows:
-        meta: dict[str, Any] = json.loads(metadata)
-        if meta.get("tool_call_id") == old:
-            meta["tool_call_id"] = new
-            tx.execute(
-                "UPDATE cards SET metadata = ? WHERE card_id = ?", (json.dumps(meta), card_id)
-            )
 
 
 def fail_forward(tx: Tx, env: StoreEnv, request_id: str, row: InboxRow, text: str) -> None:

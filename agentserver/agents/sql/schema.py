@@ -50,7 +50,7 @@ CREATE TABLE approvals (
 CREATE INDEX approvals_status ON approvals (status, deadline);
 """
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -203,6 +203,18 @@ CREATE TABLE conversations (
     4: _GOVERNANCE,
     # Issue 15: the step log of remote listeners (agents/step_log.py).
     5: step_log.MIGRATION,
+    # Issue 26: forks. A forked conversation names the Turn and step it was copied from.
+    6: """
+CREATE TABLE forks (
+    agent_id TEXT NOT NULL,
+    conversation TEXT NOT NULL,
+    origin_thread TEXT NOT NULL,
+    origin_turn TEXT NOT NULL,
+    at_step INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (agent_id, conversation)
+);
+""",
 }
 
 

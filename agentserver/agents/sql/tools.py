@@ -8,7 +8,13 @@ from typing import Any
 
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.sql import head
-from agentserver.agents.sql.common import edge, inbox_move, insert_cards, tokens_of
+from agentserver.agents.sql.common import (
+    edge,
+    inbox_move,
+    insert_cards,
+    rename_call_card,
+    tokens_of,
+)
 from agentserver.agents.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.sql.inbox import insert_report
 from agentserver.agents.sql.turns import append_cards, close_step, open_step
@@ -278,22 +284,33 @@ def resume_sets(now: float) -> dict[str, Any]:
     return {"waiting_tool_count": 0, "resume_deadline": None, "running_since": now}
 
 
-def inject_timeouts(tx: Tx, env: StoreEnv, token: TurnToken, reason: str) -> int:
-    """One timeout report per still-waiting tool; clears ``resume_deadline`` (once)."""
-    head.fence(
-        tx,
-        env,
-        token,
-        HeadStatus.SUSPENDED,
-        sets={"resume_deadline": None},
-        where=" AND resume_deadline IS NOT NULL",
-        stale="not suspended with a deadline",
-    )
+def inject_timeouts(
+    tx: Tx, env: StoreEnv, token: TurnToken, reason: str, only: Sequence[str] | None = None
+) -> int:
+    """One timeout report per still-waiting tool; clears ``resume_deadline`` (once).
+
+    ``only``: just these calls, and the deadline stays (the Turn's other calls still wait:
+    a restart re-sent them)."""
+    if only is None:
+        head.fence(
+            tx,
+            env,
+            token,
+            HeadStatus.SUSPENDED,
+            sets={"resume_deadline": None},
+            where=" AND resume_deadline IS NOT NULL",
+            stale="not suspended with a deadline",
+        )
+    else:
+        head.fence(tx, env, token, HeadStatus.SUSPENDED, stale="not suspended")
     waiting = tx.all(
         "SELECT tool_call_id, to_listener FROM turn_waiting_tools WHERE agent_turn_id = ? "
         "AND turn_epoch = ? AND status = ? AND after_execution != ?",
         (token.agent_turn_id, token.turn_epoch, WaitingStatus.WAITING, AfterExecution.APPROVAL),
     )
+    if only is not None:
+        chosen = set(only)
+        waiting = [w for w in waiting if w[0] in chosen]
     for tool_call_id, to in waiting:
         text = f"No result from {to}: the tool call {reason}."
         insert_report(
@@ -307,3 +324,67 @@ def inject_timeouts(tx: Tx, env: StoreEnv, token: TurnToken, reason: str) -> int
             True,
         )
     return len(waiting)
+
+
+def waiting_calls(tx: Tx, env: StoreEnv, token: TurnToken) -> list[ToolCallRecord]:
+    """The Turn's tool calls still waiting for a result (approvals excluded), as their
+    tool.call cards recorded them (payload, idempotency key)."""
+    waiting = {
+        r[0]: r
+        for r in tx.all(
+            "SELECT tool_call_id, to_listener, after_execution FROM turn_waiting_tools "
+            "WHERE agent_turn_id = ? AND turn_epoch = ? AND status = ? AND after_execution != ?",
+            (
+                token.agent_turn_id,
+                token.turn_epoch,
+                WaitingStatus.WAITING,
+                AfterExecution.APPROVAL,
+            ),
+        )
+    }
+    if not waiting:
+        return []
+    out = []
+    for content, metadata in tx.all(
+        "SELECT content, metadata FROM cards WHERE agent_turn_id = ? AND card_type = ? "
+        "ORDER BY seq",
+        (token.agent_turn_id, CardType.TOOL_CALL),
+    ):
+        meta = json.loads(metadata)
+        row = waiting.get(meta.get("tool_call_id"))
+        if row is not None:
+            out.append(ToolCallRecord(row[0], row[1], content, row[2], meta))
+    return out
+
+
+def rebind_call(
+    tx: Tx, env: StoreEnv, token: TurnToken, old: str, new: str, resume_deadline: float
+) -> None:
+    """Waiting call ``old`` of a suspended Turn was sent again (a restart) as sub-thread
+    ``new``: its waiting row and tool.call card name ``new`` now, the Turn waits for it
+    until ``resume_deadline`` (at least), and a result that beat this transaction (deferred)
+    is due now. Raises StaleTurn when the Turn moved on."""
+    now = env.clock.now()
+    head.fence(
+        tx,
+        env,
+        token,
+        HeadStatus.SUSPENDED,
+        exprs={
+            "resume_deadline": "CASE WHEN resume_deadline IS NULL OR resume_deadline < ? "
+            "THEN ? ELSE resume_deadline END"
+        },
+        expr_params=(resume_deadline, resume_deadline),
+        stale="not suspended",
+    )
+    tx.execute(
+        "UPDATE turn_waiting_tools SET tool_call_id = ?, updated_at = ? "
+        "WHERE tool_call_id = ? AND status = ?",
+        (new, now, old, WaitingStatus.WAITING),
+    )
+    rename_call_card(tx, token.agent_turn_id, old, new)
+    tx.execute(
+        "UPDATE agent_inbox SET next_retry_at = ?, agent_turn_id = ?, turn_epoch = ? "
+        "WHERE correlation_id = ? AND status = ?",
+        (now, token.agent_turn_id, token.turn_epoch, new, InboxStatus.DEFERRED),
+    )

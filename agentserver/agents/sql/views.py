@@ -101,14 +101,14 @@ def task(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None
     hop thread the agent was called on): status, steps, usage. None if none."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
     row = tx.one(
-        "SELECT inbox_id, status, agent_turn_id, created_at FROM agent_inbox "
+        "SELECT inbox_id, status, agent_turn_id, created_at, conversation FROM agent_inbox "
         f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?) "
         "ORDER BY seq DESC LIMIT 1",
         (name, MessageType.TURN.value, thread, thread),
     )
     if row is None:
         return None
-    _inbox_id, inbox_status, turn, created = row
+    _inbox_id, inbox_status, turn, created, conversation = row
     out: dict[str, Any] = {
         "agent": name,
         "thread": thread,
@@ -118,6 +118,9 @@ def task(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None
         "steps": [],
         "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cost": 0.0},
     }
+    origin = fork_origin(tx, name, conversation)
+    if origin is not None:
+        out["forked_from"] = origin
     if turn is None:
         if inbox_status not in _WAITING:
             out["status"] = inbox_status
@@ -266,3 +269,15 @@ def figures(tx: Tx, env: StoreEnv) -> FigureRows:
         {a: float(t) for a, t in lag},
         {a: int(n) for a, n in pending},
     )
+
+
+def fork_origin(tx: Tx, agent: str, conversation: str | None) -> dict[str, Any] | None:
+    """The origin of a forked conversation (None: not a fork)."""
+    if not conversation or not conversation.startswith("fork:"):
+        return None
+    row = tx.one(
+        "SELECT origin_thread, origin_turn, at_step FROM forks WHERE agent_id = ? "
+        "AND conversation = ?",
+        (agent, conversation),
+    )
+    return {"thread": row[0], "turn": row[1], "step": int(row[2])} if row else None
