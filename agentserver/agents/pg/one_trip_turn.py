@@ -43,7 +43,6 @@ from agentserver.agents.states import (
     WaitingStatus,
 )
 from agentserver.agents.store import (
-    CardType,
     Head,
     InboxRow,
     NewCard,
@@ -156,14 +155,7 @@ def suspend(
     if not calls:
         raise ValueError("suspend needs at least one tool call")
     now = env.clock.now()
-    call_cards = [
-        NewCard(
-            CardType.TOOL_CALL,
-            call.payload,
-            {**call.metadata, "tool_call_id": call.tool_call_id, "to": call.to},
-        )
-        for call in calls
-    ]
+    call_cards = tools.tool_call_cards(calls)
     ids = append_cards(
         tx,
         env,

@@ -54,14 +54,7 @@ def suspend(
     if not calls:
         raise ValueError("suspend needs at least one tool call")
     now = env.clock.now()
-    call_cards = [
-        NewCard(
-            CardType.TOOL_CALL,
-            call.payload,
-            {**call.metadata, "tool_call_id": call.tool_call_id, "to": call.to},
-        )
-        for call in calls
-    ]
+    call_cards = tool_call_cards(calls)
     ids, _ = append_cards(
         tx,
         env,
@@ -80,6 +73,18 @@ def suspend(
     early = tx.rowcount
     close_step(tx, env, step_id, None, AgentStepStatus.COMPLETED, call_ids)
     return early
+
+
+def tool_call_cards(calls: Sequence[ToolCallRecord]) -> list[NewCard]:
+    """The tool.call card of each call a suspend waits for."""
+    return [
+        NewCard(
+            CardType.TOOL_CALL,
+            call.payload,
+            {**call.metadata, "tool_call_id": call.tool_call_id, "to": call.to},
+        )
+        for call in calls
+    ]
 
 
 def record_waiting(
