@@ -411,3 +411,51 @@ async def test_a_large_batch_of_deferred_writes_goes_out_and_counts(pg_url: str)
         assert await ex.run_single(lambda tx: tx.one("SELECT count(*) FROM t")) == (5000,)
     finally:
         await ex.aclose()
+
+
+async def test_later_reads_and_the_last_statement_ride_with_the_commit(pg_url: str) -> None:
+    """``later``: a read whose rows come back with the next round trip; ``last``: the
+    call's last statement, sent with COMMIT; ``end``: COMMIT now. One round trip for a
+    call written with them; an error in it commits nothing."""
+    ex = await _executor(PgTrioExecutor, pg_url)
+    try:
+
+        def one_trip(tx) -> tuple:
+            tx.execute("INSERT INTO t (k, v) VALUES (?, ?)", ("a", 1))
+            before = tx.later("SELECT count(*) FROM t")
+            with pytest.raises(RuntimeError):
+                before.rows  # noqa: B018 (not sent yet)
+            tx.execute("INSERT INTO t (k, v) VALUES (?, ?)", ("b", 2))
+            rows = tx.last("SELECT k FROM t ORDER BY k")
+            with pytest.raises(RuntimeError):
+                tx.execute("DELETE FROM t")  # nothing after the last statement
+            return before.rows, rows
+
+        trips = ex.round_trips
+        assert await ex.run(one_trip) == ([(1,)], [("a",), ("b",)])
+        assert ex.round_trips == trips + 1
+        assert await ex.run_single(lambda tx: tx.one("SELECT count(*) FROM t")) == (2,)
+
+        def ended(tx) -> None:
+            tx.execute("UPDATE t SET v = v + 10")
+            tx.end()
+
+        trips = ex.round_trips
+        await ex.run(ended)
+        assert ex.round_trips == trips + 1
+        assert await ex.run_single(lambda tx: tx.all("SELECT v FROM t ORDER BY k")) == [
+            (11,),
+            (12,),
+        ]
+
+        def failing(tx) -> None:
+            tx.execute("INSERT INTO t (k, v) VALUES (?, ?)", ("c", 3))
+            tx.execute("INSERT INTO t (k, v) VALUES (?, ?)", ("a", 5))  # duplicate key
+            tx.last("SELECT count(*) FROM t")
+
+        with pytest.raises(StoreError, match="duplicate key"):
+            await ex.run(failing)
+        assert await ex.run_single(lambda tx: tx.one("SELECT count(*) FROM t")) == (2,)
+        assert ex.idle_connections >= 1  # rolled back, clean, pooled
+    finally:
+        await ex.aclose()

@@ -69,6 +69,27 @@ MAX_PREPARED = 256
 _FAILED = (pq.ExecStatus.FATAL_ERROR, pq.ExecStatus.BAD_RESPONSE, pq.ExecStatus.NONFATAL_ERROR)
 
 
+class Later:
+    """A read queued with the statements around it: its rows once the round trip it
+    went out in is back (:meth:`PgTx.later`; on the trio executor, the next read,
+    :meth:`~.trio_executor.PgPipeTx.last` or ``COMMIT``)."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, rows: list[tuple[Any, ...]] | None = None) -> None:
+        self._rows = rows
+
+    def set(self, rows: list[tuple[Any, ...]]) -> None:
+        self._rows = rows
+
+    @property
+    def rows(self) -> list[tuple[Any, ...]]:
+        """Its rows; RuntimeError if its round trip has not been made yet."""
+        if self._rows is None:
+            raise RuntimeError("the read has not been sent yet")
+        return self._rows
+
+
 class PgTx:
     """One open transaction: the store's tiny SQL interface (``?`` placeholders).
 
@@ -141,6 +162,20 @@ class PgTx:
         tx = self._tx
         tx.set_pgresult(res)
         return tx.load_rows(0, res.ntuples, tuple)
+
+    def later(self, sql: str, params: Sequence[Any] = ()) -> Later:
+        """The statement's rows when the store function needs them (here: at once; on
+        the trio executor it waits in the pipeline, :class:`Later`)."""
+        return Later(self.all(sql, params))
+
+    def last(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """The transaction's last statement and its rows (the trio executor sends
+        ``COMMIT`` with it; here the executor commits after the function returns)."""
+        return self.all(sql, params)
+
+    def end(self) -> None:
+        """The call's statements are all sent (the trio executor commits here; this one
+        commits after the function returns)."""
 
     def command(self, sql: bytes) -> None:
         """A statement without parameters or rows (``BEGIN``, ``COMMIT``, ``ROLLBACK``)."""

@@ -20,6 +20,9 @@ MIGRATION_LOCK = 0x6167656E74737276
 
 OWNER_SETTING = "agentserver.owner"
 
+#: The SQLSTATE of ``agentserver_expect``'s error (a class of our own: "AS").
+EXPECT_FAILED = "ASX01"
+
 EXTRAS = (
     """CREATE TABLE IF NOT EXISTS agentserver_processes (
     owner TEXT PRIMARY KEY,
@@ -41,6 +44,17 @@ END $$""",
     "DROP TRIGGER IF EXISTS agentserver_head_owner ON agent_state_head",
     "CREATE TRIGGER agentserver_head_owner BEFORE INSERT OR UPDATE ON agent_state_head "
     "FOR EACH ROW EXECUTE FUNCTION agentserver_stamp_owner()",
+    # A store call sent in one round trip (agents/pg/one_trip.py) checks what its
+    # function would have checked between statements with this: false aborts the
+    # transaction (SQLSTATE EXPECT_FAILED), so nothing after it runs or commits.
+    f"""CREATE OR REPLACE FUNCTION agentserver_expect(ok boolean, what text) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF ok IS NOT TRUE THEN
+        RAISE EXCEPTION USING ERRCODE = '{EXPECT_FAILED}', MESSAGE = what;
+    END IF;
+    RETURN true;
+END $$""",
     "DROP TRIGGER IF EXISTS agentserver_inbox_owner ON agent_inbox",
     "CREATE TRIGGER agentserver_inbox_owner BEFORE INSERT OR UPDATE ON agent_inbox "
     "FOR EACH ROW EXECUTE FUNCTION agentserver_stamp_owner()",

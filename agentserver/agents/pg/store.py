@@ -24,7 +24,7 @@ import trio
 from agentserver.agents.clock import Clock, SystemClock
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StaleTurn, StoreError
-from agentserver.agents.pg import callers, leases
+from agentserver.agents.pg import callers, leases, one_trip_ends, one_trip_turn
 from agentserver.agents.pg.executor import PgExecutor
 from agentserver.agents.pg.notify import (
     CLIENT_REPLIES_CHANNEL,
@@ -33,10 +33,11 @@ from agentserver.agents.pg.notify import (
     PgListener,
     notify,
 )
+from agentserver.agents.pg.one_trip import Missed
 from agentserver.agents.pg.schema import OWNER_SETTING, migrate_pg
 from agentserver.agents.pg.trio_executor import PgTrioExecutor
 from agentserver.agents.settings import StoreSettings
-from agentserver.agents.sql import inbox, replies, tools, turn_end, turns, watchdog
+from agentserver.agents.sql import governance, inbox, replies, tools, turn_end, turns, watchdog
 from agentserver.agents.sql_store import SqlAgentStore
 from agentserver.agents.store import PendingReply, TurnToken
 
@@ -70,6 +71,19 @@ _NOTIFIES = {
     )
 }
 _NOTIFIES[replies.record_client_reply] = CLIENT_REPLIES_CHANNEL
+
+#: The hot store calls' PostgreSQL variants (agents/pg/one_trip.py): the one place the
+#: store runs SQL of its own instead of the shared function (which a miss falls back to).
+ONE_TRIP: dict[Callable[..., Any], Callable[..., Any]] = {
+    inbox.enqueue_turn: one_trip_ends.enqueue_turn,
+    inbox.report_tool_result: one_trip_ends.report_tool_result,
+    turn_end.finish: one_trip_ends.finish,
+    turns.start_turn_step: one_trip_turn.start_turn_step,
+    turns.complete_step: one_trip_turn.complete_step,
+    governance.complete_screened_step: one_trip_turn.complete_screened_step,
+    tools.suspend: one_trip_turn.suspend,
+    tools.apply_report: one_trip_turn.apply_report,
+}
 
 
 def _notifying(tx, env, channel, fn, *args):
@@ -174,6 +188,21 @@ class PostgresAgentStore(SqlAgentStore):
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         channel = _NOTIFIES.get(fn)
+        fast = ONE_TRIP.get(fn)
+        if fast is not None:
+            notifying = channel is not None and (
+                self._rings.get(channel) is None or self.others_alive
+            )
+            try:
+                result = await self.executor.run(
+                    fast, self.env, channel if notifying else None, *args
+                )
+            except Missed:
+                pass  # rolled back: the shared function meets the miss (below)
+            else:
+                if channel is not None and not notifying:
+                    self._rings[channel]()
+                return result
         if channel is None:
             return await self.executor.run(fn, self.env, *args)
         ring = self._rings.get(channel)

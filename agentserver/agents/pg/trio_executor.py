@@ -48,6 +48,7 @@ from agentserver.agents.errors import StoreError
 from agentserver.agents.pg import executor as thread_executor
 from agentserver.agents.pg.executor import (
     RETRYABLE,
+    Later,
     PgExecutor,
     PgTx,
     connection_lost,
@@ -122,12 +123,19 @@ class PgPipeTx:
     ``COMMIT``, all in one round trip ended by a sync. So a transaction costs a round trip
     per read (or rowcount checked) plus one, and an error of a deferred write is raised
     by the next round trip (the whole call fails and rolls back all the same: the store
-    functions never catch a database error to carry on)."""
+    functions never catch a database error to carry on).
+
+    Reads can wait too: :meth:`later` queues one whose rows the function reads once a
+    later round trip is back, and :meth:`last` sends the transaction's last statement
+    with its ``COMMIT``; a store call written with them alone (agents/pg/one_trip.py)
+    costs one round trip."""
 
     __slots__ = (
         "_begin",
         "_c",
+        "_ended",
         "_group",
+        "_in_tx",
         "_parent",
         "_pending",
         "_rowcount",
@@ -148,9 +156,14 @@ class PgPipeTx:
         #: [statements, round trips] this call sent (the executor adds them up)
         self._stats = [0, 0]
         self._begin = False
+        #: BEGIN was asked for (sent or not): :meth:`last` ends the transaction
+        self._in_tx = False
+        #: :meth:`last` committed: no statement may follow, ``commit`` has nothing to do
+        self._ended = False
         #: per result due before the next sync: the key of a prepare (forgotten if it
-        #: fails), () for BEGIN, or the group number of a statement
-        self._pending: list[tuple | int] = []
+        #: fails), () for BEGIN, the group number of a statement, or the :class:`Later`
+        #: that wants its rows
+        self._pending: list[tuple | int | Later] = []
         #: the group of the last execute/executemany (its rows make ``rowcount``)
         self._group = 0
         self._rowcount: int | None = 0
@@ -164,6 +177,7 @@ class PgPipeTx:
     def begin(self) -> None:
         """Open the transaction with the next statement (no round trip of its own)."""
         self._begin = True
+        self._in_tx = True
 
     @property
     def rowcount(self) -> int:
@@ -175,11 +189,13 @@ class PgPipeTx:
 
     # -- sending -----------------------------------------------------------------
 
-    def _send(self, sql: str, params: Sequence[Any], group: int) -> None:
+    def _send(self, sql: str, params: Sequence[Any], group: int | Later) -> None:
         """Queue one statement in the pipeline (prepared first if new on the
         connection; ``BEGIN`` first if due)."""
         if self.dead:
             raise _Discarded()
+        if self._ended:
+            raise RuntimeError("a statement after the transaction's last one")
         c = self._c
         pg = c.pg
         if pg.pipeline_status == pq.PipelineStatus.OFF:
@@ -241,6 +257,10 @@ class PgPipeTx:
                 if type(kind) is tuple:
                     if kind and status != pq.ExecStatus.COMMAND_OK:
                         c.prepared.pop(kind, None)
+                elif type(kind) is Later:
+                    if status == pq.ExecStatus.TUPLES_OK:
+                        c.tx.set_pgresult(res)
+                        kind.set(c.tx.load_rows(0, res.ntuples, tuple))
                 elif kind == group and status != pq.ExecStatus.PIPELINE_ABORTED:
                     rows += max(res.command_tuples or 0, 0)
                 last = res
@@ -320,6 +340,46 @@ class PgPipeTx:
         tx.set_pgresult(res)
         return tx.load_rows(0, res.ntuples, tuple)
 
+    def later(self, sql: str, params: Sequence[Any] = ()) -> Later:
+        """Queue a read like a deferred write: its rows (:attr:`Later.rows`) are there
+        once the next round trip is back (a read, :attr:`rowcount`, :meth:`last`,
+        ``COMMIT``). Its error, if any, is raised by that round trip."""
+        later = Later()
+        self._send(sql, params, later)
+        return later
+
+    def last(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """The call's last statement: in a transaction, sent with ``COMMIT`` (and every
+        deferred statement) in one round trip; its rows. Nothing may be sent after it;
+        if any statement fails, nothing is committed (the pipeline skips ``COMMIT``)."""
+        later = Later()
+        self._send(sql, params, later)
+        if not self._in_tx:
+            self._sync()
+            return later.rows
+        self._group += 1
+        self._send("COMMIT", (), self._group)
+        self._sync(commit=True)
+        self._ended = True
+        return later.rows
+
+    def end(self) -> None:
+        """Commit now, with every deferred statement, in one round trip (autocommit: wait
+        for them), so their errors are raised here, inside the store function; nothing
+        may be sent after."""
+        if not self._in_tx:
+            self._sync()
+            return
+        if self._begin:  # nothing was sent
+            self._begin = False
+            return
+        if self._ended:
+            return
+        self._group += 1
+        self._send("COMMIT", (), self._group)
+        self._sync(commit=True)
+        self._ended = True
+
     def finish(self) -> None:
         """Wait for every deferred statement (the end of an autocommit call)."""
         self._sync()
@@ -329,12 +389,17 @@ class PgPipeTx:
         if self._begin:  # nothing was sent: nothing to end
             self._begin = False
             return
+        if self._ended:  # committed with its last statement
+            return
         self._group += 1
         self._send("COMMIT", (), self._group)
         self._sync(commit=True)
 
     def rollback(self) -> None:
-        """``ROLLBACK`` (deferred statements not yet sent are dropped with it)."""
+        """``ROLLBACK`` (deferred statements not yet sent are dropped with it); nothing
+        once :meth:`last` committed."""
+        if self._ended:
+            return
         if self._begin:
             self._begin = False
             return

@@ -55,16 +55,23 @@ class Moved:
 def inbox_move(tx: Tx, env: StoreEnv, inbox_id: str, event: InboxEvent, **sets: Any) -> Moved:
     """Move one inbox row by ``event`` if it is in one of the event's source statuses;
     whether it moved (truthy: ask before the next statement of ``tx``)."""
+    tx.execute(*inbox_move_statement(env, inbox_id, event, **sets))
+    return Moved(tx)
+
+
+def inbox_move_statement(
+    env: StoreEnv, inbox_id: str, event: InboxEvent, **sets: Any
+) -> tuple[str, tuple[Any, ...]]:
+    """The ``UPDATE`` of :func:`inbox_move` and its parameters (not run)."""
     sources = inbox_sources(event)
     target = inbox_transition(sources[0], event).target
     cols = {"status": str(target), "updated_at": env.clock.now(), **sets}
     assignments = ", ".join(f"{c} = ?" for c in cols)
-    tx.execute(
+    return (
         f"UPDATE agent_inbox SET {assignments} WHERE inbox_id = ? "
         f"AND status IN ({marks(len(sources))})",
         (*cols.values(), inbox_id, *sources),
     )
-    return Moved(tx)
 
 
 def edge(
@@ -197,6 +204,13 @@ def turn_cards(
     rows = tx.all(
         f"SELECT {CARD_COLS}, seq FROM cards WHERE box_id IN ({marks(len(boxes))})", boxes
     )
+    return split_turn_cards(rows, context_box, output_box)
+
+
+def split_turn_cards(
+    rows: list[tuple[Any, ...]], context_box: str | None, output_box: str | None
+) -> tuple[tuple[Card, ...], tuple[Card, ...]]:
+    """Rows of ``SELECT {CARD_COLS}, seq`` as (context cards, output cards), in order."""
     rows.sort(key=lambda r: r[6])
     return (
         tuple(card_row(r) for r in rows if r[1] == context_box),

@@ -68,6 +68,19 @@ def complete_screened_step(
     """``complete_step`` and ``record_decisions`` of the same step in one compare-and-set:
     the step's cards, then the refusals; the decisions in the step's metadata."""
     append_cards(tx, env, token, [*cards, *screened.cards])
+    close_screened_step(tx, env, token, step_id, completion, screened)
+
+
+def close_screened_step(
+    tx: Tx,
+    env: StoreEnv,
+    token: TurnToken,
+    step_id: str,
+    completion: LLMCompletion | None,
+    screened: StepRecord,
+) -> None:
+    """What :func:`complete_screened_step` writes after its compare-and-set and cards:
+    the step closed, governance's decisions recorded."""
     policy = _policy(screened.decisions)
     close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, (), policy)
     if completion is None:

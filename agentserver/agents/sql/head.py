@@ -8,7 +8,7 @@ read precedes it, and the head it returns is passed down instead of read again.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from agentserver.agents.errors import StaleTurn
@@ -58,6 +58,38 @@ def cas(
     whose ``?`` take ``where_params``).
     Raises StaleTurn on a miss, and then nothing was written.
     """
+    sql, params = cas_statement(
+        env,
+        agent_id,
+        turn_id,
+        epoch,
+        how,
+        sets=sets,
+        exprs=exprs,
+        expr_params=expr_params,
+        where=where,
+        where_params=where_params,
+    )
+    row = tx.one(sql, params)
+    if row is None:
+        raise StaleTurn(f"{agent_id}/{turn_id}@{epoch}: {stale or f'head not {how}'}")
+    return Head(*row)
+
+
+def cas_statement(
+    env: StoreEnv,
+    agent_id: str,
+    turn_id: str | None,
+    epoch: int | None,
+    how: HeadEvent | HeadStatus,
+    *,
+    sets: Mapping[str, Any] | None = None,
+    exprs: Mapping[str, str] | None = None,
+    expr_params: Sequence[Any] = (),
+    where: str = "",
+    where_params: Sequence[Any] = (),
+) -> tuple[str, tuple[Any, ...]]:
+    """The ``UPDATE … RETURNING <head>`` of :func:`cas` and its parameters (not run)."""
     cols: dict[str, Any] = {}
     bump = False
     if isinstance(how, HeadEvent):
@@ -83,10 +115,7 @@ def cas(
         len(sources),
         where,
     )
-    row = tx.one(sql, (*params, *sources, *where_params))
-    if row is None:
-        raise StaleTurn(f"{agent_id}/{turn_id}@{epoch}: {stale or f'head not {how}'}")
-    return Head(*row)
+    return sql, (*params, *sources, *where_params)
 
 
 @functools.cache
@@ -150,43 +179,49 @@ def lease_next(tx: Tx, env: StoreEnv, agent_id: str) -> bool:
     """L0 dispatch_next: lease the oldest queued Turn if the agent is idle.
 
     Everything is read before the compare-and-set, so a busy head writes nothing."""
-    row = tx.one(
-        "SELECT inbox_id, payload, conversation FROM agent_inbox WHERE agent_id = ? "
-        "AND status = ? ORDER BY created_at, seq LIMIT 1",
-        (agent_id, InboxStatus.QUEUED),
-    )
-    if row is None:
-        return False
+    row = tx.one(QUEUED_NEXT, (agent_id, InboxStatus.QUEUED))
+    return lease_row(tx, env, agent_id, row) if row is not None else False
+
+
+#: The oldest queued Turn of an agent (parameters: the agent, ``InboxStatus.QUEUED``).
+QUEUED_NEXT = (
+    "SELECT inbox_id, payload, conversation FROM agent_inbox WHERE agent_id = ? "
+    "AND status = ? ORDER BY created_at, seq LIMIT 1"
+)
+
+
+def lease_row(tx: Tx, env: StoreEnv, agent_id: str, row: Sequence[Any]) -> bool:
+    """:func:`lease_next` for the queued ``row`` it read (a row of :data:`QUEUED_NEXT`)."""
+
+    def take(sets: Mapping[str, Any]) -> int | None:
+        try:
+            return cas(tx, env, agent_id, None, None, HeadEvent.LEASE, sets=sets).turn_epoch
+        except StaleTurn:
+            return None  # busy: the row stays queued for the Turn's end
+
+    return lease_with(tx, env, agent_id, row, take)
+
+
+def lease_with(
+    tx: Tx,
+    env: StoreEnv,
+    agent_id: str,
+    row: Sequence[Any],
+    take: Callable[[Mapping[str, Any]], int | None],
+) -> bool:
+    """:func:`lease_row` with ``take`` for its compare-and-set: given the columns the
+    lease sets, it moves the head (:data:`HeadEvent.LEASE`) and returns the new epoch,
+    or None if the head is busy (then nothing is written)."""
     inbox_id, payload, conversation = row
     earlier = conversations.earlier_cards(tx, agent_id, conversation) if conversation else []
     task = NewCard(CardType.TASK_INPUT, bytes(payload).decode("utf-8", "replace"))
     task_tokens = tokens_of(env, agent_id, task)
     now = env.clock.now()
     turn_id, context_box, output_box = new_id(), new_id(), new_id()
-    try:
-        head = cas(
-            tx,
-            env,
-            agent_id,
-            None,
-            None,
-            HeadEvent.LEASE,
-            sets={
-                "active_agent_turn_id": turn_id,
-                "turn_inbox_id": inbox_id,
-                "context_box_id": context_box,
-                "output_box_id": output_box,
-                "step_count": 0,
-                "waiting_tool_count": 0,
-                "resume_deadline": None,
-                "expecting_correlation_id": None,
-                "dispatched_at": now,
-                "running_since": None,
-                "context_tokens": sum(int(r[6]) for r in earlier) + task_tokens,
-            },
-        )
-    except StaleTurn:
-        return False  # busy: the row stays queued for the Turn's end
+    tokens = sum(int(r[6]) for r in earlier) + task_tokens
+    epoch = take(lease_sets(turn_id, inbox_id, context_box, output_box, now, tokens))
+    if epoch is None:
+        return False
     insert_rows(
         tx,
         "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at)",
@@ -203,8 +238,28 @@ def lease_next(tx: Tx, env: StoreEnv, agent_id: str) -> bool:
         inbox_id,
         InboxEvent.DISPATCH,
         agent_turn_id=turn_id,
-        turn_epoch=head.turn_epoch,
+        turn_epoch=epoch,
         next_retry_at=now,
     )
     edge(tx, env, agent_id, turn_id, "lease", "request", inbox_id=inbox_id)
     return True
+
+
+def lease_sets(
+    turn_id: str, inbox_id: str, context_box: str, output_box: str, now: float, tokens: int
+) -> dict[str, Any]:
+    """The columns a lease sets on the head: the new Turn ``turn_id`` of the queued row
+    ``inbox_id``, its boxes, ``tokens`` in its context."""
+    return {
+        "active_agent_turn_id": turn_id,
+        "turn_inbox_id": inbox_id,
+        "context_box_id": context_box,
+        "output_box_id": output_box,
+        "step_count": 0,
+        "waiting_tool_count": 0,
+        "resume_deadline": None,
+        "expecting_correlation_id": None,
+        "dispatched_at": now,
+        "running_since": None,
+        "context_tokens": tokens,
+    }

@@ -38,10 +38,25 @@ def enqueue_turn(
     Raises ``TypeError``/``ValueError`` (nothing written) if ``reply_ref`` is not JSON."""
     ref_json = json.dumps(reply_ref)
     inbox_id = new_id()
-    now = env.clock.now()
     found = tx.one("SELECT status FROM agent_state_head WHERE agent_id = ?", (agent_id,))
     if found is None:
         head.ensure(tx, env, agent_id)
+    queue(tx, env, inbox_id, agent_id, payload, ref_json, conversation)
+    idle = found is None or found[0] == HeadStatus.IDLE
+    return EnqueueResult(inbox_id, idle and head.lease_next(tx, env, agent_id))
+
+
+def queue(
+    tx: Tx,
+    env: StoreEnv,
+    inbox_id: str,
+    agent_id: str,
+    payload: bytes,
+    ref_json: str,
+    conversation: str | None,
+) -> None:
+    """The Enqueue's queued row and its edge."""
+    now = env.clock.now()
     tx.execute(
         "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, payload, "
         "reply_ref, next_retry_at, created_at, updated_at, conversation) "
@@ -60,8 +75,6 @@ def enqueue_turn(
         ),
     )
     edge(tx, env, agent_id, None, "enqueue", "request", inbox_id=inbox_id)
-    idle = found is None or found[0] == HeadStatus.IDLE
-    return EnqueueResult(inbox_id, idle and head.lease_next(tx, env, agent_id))
 
 
 def report_tool_result(

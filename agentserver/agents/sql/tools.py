@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.sql import head
@@ -53,14 +54,7 @@ def suspend(
     if not calls:
         raise ValueError("suspend needs at least one tool call")
     now = env.clock.now()
-    call_cards = [
-        NewCard(
-            CardType.TOOL_CALL,
-            call.payload,
-            {**call.metadata, "tool_call_id": call.tool_call_id, "to": call.to},
-        )
-        for call in calls
-    ]
+    call_cards = tool_call_cards(calls)
     ids, _ = append_cards(
         tx,
         env,
@@ -74,6 +68,35 @@ def suspend(
         },
     )
     call_ids = [c.tool_call_id for c in calls]
+    record_waiting(tx, token, step_id, calls, ids[len(cards) :], now)
+    tx.execute(*early_reports_statement(token, call_ids, now))
+    early = tx.rowcount
+    close_step(tx, env, step_id, None, AgentStepStatus.COMPLETED, call_ids)
+    return early
+
+
+def tool_call_cards(calls: Sequence[ToolCallRecord]) -> list[NewCard]:
+    """The tool.call card of each call a suspend waits for."""
+    return [
+        NewCard(
+            CardType.TOOL_CALL,
+            call.payload,
+            {**call.metadata, "tool_call_id": call.tool_call_id, "to": call.to},
+        )
+        for call in calls
+    ]
+
+
+def record_waiting(
+    tx: Tx,
+    token: TurnToken,
+    step_id: str,
+    calls: Sequence[ToolCallRecord],
+    card_ids: Sequence[str],
+    now: float,
+) -> None:
+    """The waiting set of a suspend (``card_ids``: the calls' tool.call cards) and an
+    edge per call."""
     insert_rows(
         tx,
         "INSERT INTO turn_waiting_tools (tool_call_id, agent_id, agent_turn_id, "
@@ -110,17 +133,21 @@ def suspend(
                 now,
                 json.dumps({"to": call.to, "card_id": card_id}),
             )
-            for call, card_id in zip(calls, ids[len(cards) :], strict=True)
+            for call, card_id in zip(calls, card_ids, strict=True)
         ],
     )
-    tx.execute(
+
+
+def early_reports_statement(
+    token: TurnToken, call_ids: Sequence[str], now: float
+) -> tuple[str, tuple[Any, ...]]:
+    """The ``UPDATE`` that makes the reports of ``call_ids`` that came before their
+    suspend (deferred) due now, for the Turn of ``token``; its row count is theirs."""
+    return (
         "UPDATE agent_inbox SET next_retry_at = ?, agent_turn_id = ?, turn_epoch = ? "
         f"WHERE correlation_id IN ({marks(len(call_ids))}) AND status = ?",
         (now, token.agent_turn_id, token.turn_epoch, *call_ids, InboxStatus.DEFERRED),
     )
-    early = tx.rowcount
-    close_step(tx, env, step_id, None, AgentStepStatus.COMPLETED, call_ids)
-    return early
 
 
 def apply_report(
@@ -134,52 +161,16 @@ def apply_report(
     Turn's reply reference and, with ``then_step`` (the step limit) unless a tool ends
     the Turn, opens its next step (:func:`~agentserver.agents.sql.turns.open_step`)."""
     now = env.clock.now()
-    s = env.settings
     waiting = tx.one(
         "SELECT agent_turn_id, turn_epoch, status, to_listener, after_execution "
         "FROM turn_waiting_tools WHERE tool_call_id = ? AND agent_id = ?",
         (row.correlation_id, row.agent_id),
     )
-    if waiting is None:
-        if row.retry_count >= s.max_retries:
-            inbox_move(
-                tx,
-                env,
-                row.inbox_id,
-                InboxEvent.FAIL,
-                defer_reason="retries exhausted: no such tool call",
-            )
-            return ReportOutcome("exhausted")
-        inbox_move(
-            tx,
-            env,
-            row.inbox_id,
-            InboxEvent.DEFER,
-            retry_count=row.retry_count + 1,
-            next_retry_at=now + s.retry_base_s * (2**row.retry_count),
-            defer_reason="awaiting suspend",
-        )
-        return ReportOutcome("deferred")
-    turn_id, epoch, wstatus, to, after = waiting
-    if wstatus != WaitingStatus.WAITING:
-        inbox_move(
-            tx, env, row.inbox_id, InboxEvent.SKIP, defer_reason=f"duplicate or late ({wstatus})"
-        )
-        return ReportOutcome("duplicate")
+    if waiting is None or waiting[2] != WaitingStatus.WAITING:
+        return unapplied(tx, env, row, waiting)
+    turn_id, epoch, _, to, after = waiting
     token = TurnToken(row.agent_id, turn_id, epoch)
-    is_timeout = row.message_type == MessageType.TIMEOUT
-    failed = row.failed or is_timeout
-    result = NewCard(
-        CardType.TOOL_RESULT,
-        bytes(row.payload).decode("utf-8", "replace"),
-        {
-            "tool_call_id": row.correlation_id,
-            "to": to,
-            "failed": failed,
-            "timeout": is_timeout,
-            "after_execution": after,
-        },
-    )
+    result = result_card(row, to, after)
     tokens = tokens_of(env, row.agent_id, result)
     try:
         h = head.fence(
@@ -195,30 +186,14 @@ def apply_report(
             stale="suspended head moved",
         )
     except StaleTurn:
-        inbox_move(tx, env, row.inbox_id, InboxEvent.SKIP, defer_reason="stale turn")
+        skip_stale(tx, env, row)
         return ReportOutcome("stale")
     (card_id,) = insert_cards(tx, env, str(h.output_box_id), turn_id, [(result, tokens)])
-    tx.execute(
-        "UPDATE turn_waiting_tools SET status = ?, result_card_id = ?, updated_at = ? "
-        "WHERE tool_call_id = ? AND status = ?",
-        (
-            WaitingStatus.TIMEOUT if is_timeout else WaitingStatus.RECEIVED,
-            card_id,
-            now,
-            row.correlation_id,
-            WaitingStatus.WAITING,
-        ),
-    )
+    tx.execute(*received_statement(row, card_id, now))
     inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME)
     if h.waiting_tool_count > 0:
         return ReportOutcome("applied")
-    resumed = head.fence(
-        tx,
-        env,
-        token,
-        HeadEvent.RESUME,
-        sets={"waiting_tool_count": 0, "resume_deadline": None, "running_since": now},
-    )
+    resumed = head.fence(tx, env, token, HeadEvent.RESUME, sets=resume_sets(now))
     # The terminating result (if any) and the Turn's reply reference, in one statement.
     term, ref = tx.one(
         "SELECT (SELECT result_card_id FROM turn_waiting_tools WHERE agent_turn_id = ? "
@@ -239,6 +214,79 @@ def apply_report(
     if then_step is not None and term is None:
         step = open_step(tx, env, now_running, then_step)
     return ReportOutcome("applied", now_running, term, ref, step)
+
+
+def unapplied(tx: Tx, env: StoreEnv, row: InboxRow, waiting: Sequence[Any] | None) -> ReportOutcome:
+    """A report whose waiting row (``agent_turn_id, turn_epoch, status, …``) is missing
+    (deferred, or exhausted) or no longer waiting (a duplicate): its row moved, and the
+    outcome."""
+    if waiting is None:
+        s = env.settings
+        if row.retry_count >= s.max_retries:
+            inbox_move(
+                tx,
+                env,
+                row.inbox_id,
+                InboxEvent.FAIL,
+                defer_reason="retries exhausted: no such tool call",
+            )
+            return ReportOutcome("exhausted")
+        inbox_move(
+            tx,
+            env,
+            row.inbox_id,
+            InboxEvent.DEFER,
+            retry_count=row.retry_count + 1,
+            next_retry_at=env.clock.now() + s.retry_base_s * (2**row.retry_count),
+            defer_reason="awaiting suspend",
+        )
+        return ReportOutcome("deferred")
+    inbox_move(
+        tx, env, row.inbox_id, InboxEvent.SKIP, defer_reason=f"duplicate or late ({waiting[2]})"
+    )
+    return ReportOutcome("duplicate")
+
+
+def skip_stale(tx: Tx, env: StoreEnv, row: InboxRow) -> None:
+    """A report for a Turn that moved on (its suspended head is gone): acknowledged."""
+    inbox_move(tx, env, row.inbox_id, InboxEvent.SKIP, defer_reason="stale turn")
+
+
+def result_card(row: InboxRow, to: str, after: str) -> NewCard:
+    """The tool.result card of a report ``row`` for a call to ``to``."""
+    is_timeout = row.message_type == MessageType.TIMEOUT
+    return NewCard(
+        CardType.TOOL_RESULT,
+        bytes(row.payload).decode("utf-8", "replace"),
+        {
+            "tool_call_id": row.correlation_id,
+            "to": to,
+            "failed": row.failed or is_timeout,
+            "timeout": is_timeout,
+            "after_execution": after,
+        },
+    )
+
+
+def received_statement(row: InboxRow, card_id: str, now: float) -> tuple[str, tuple[Any, ...]]:
+    """The ``UPDATE`` marking the waiting row of report ``row`` answered by ``card_id``."""
+    is_timeout = row.message_type == MessageType.TIMEOUT
+    return (
+        "UPDATE turn_waiting_tools SET status = ?, result_card_id = ?, updated_at = ? "
+        "WHERE tool_call_id = ? AND status = ?",
+        (
+            WaitingStatus.TIMEOUT if is_timeout else WaitingStatus.RECEIVED,
+            card_id,
+            now,
+            row.correlation_id,
+            WaitingStatus.WAITING,
+        ),
+    )
+
+
+def resume_sets(now: float) -> dict[str, Any]:
+    """The columns a resume sets on the head."""
+    return {"waiting_tool_count": 0, "resume_deadline": None, "running_since": now}
 
 
 def inject_timeouts(

@@ -38,7 +38,7 @@ from agentserver.agents.store import (
     TurnToken,
 )
 
-_ENDING = (
+ENDING = (
     "SELECT h.status, h.turn_epoch, h.output_box_id, h.context_box_id, h.turn_inbox_id, "
     "i.reply_ref, i.conversation FROM agent_state_head h LEFT JOIN agent_inbox i "
     "ON i.inbox_id = h.turn_inbox_id WHERE h.agent_id = ? AND h.active_agent_turn_id = ?"
@@ -59,10 +59,10 @@ def end_turn(
 ) -> Finished:
     """Deliverable card + head to idle + reply outbox + next lease, in one transaction.
 
-    ``ending``: the row of ``_ENDING`` if the caller read it already; ``before``: cards
+    ``ending``: the row of ``ENDING`` if the caller read it already; ``before``: cards
     to add ahead of the deliverable (counted on the head like any others)."""
     if ending is None:
-        ending = tx.one(_ENDING, (token.agent_id, token.agent_turn_id))
+        ending = tx.one(ENDING, (token.agent_id, token.agent_turn_id))
         if ending is None:
             raise StaleTurn(f"{token}: not the active Turn")
     _, _, output_box, context_box, turn_inbox_id, ref, conversation = ending

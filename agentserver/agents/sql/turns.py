@@ -77,7 +77,7 @@ def _insert_step(tx: Tx, env: StoreEnv, token: TurnToken, step_no: int) -> str:
     return step_id
 
 
-_UNDER_LIMIT = " AND step_count < ?"
+UNDER_LIMIT = " AND step_count < ?"
 
 
 def open_step(tx: Tx, env: StoreEnv, token: TurnToken, max_steps: int) -> StepStart:
@@ -89,7 +89,7 @@ def open_step(tx: Tx, env: StoreEnv, token: TurnToken, max_steps: int) -> StepSt
             env,
             token,
             exprs={"step_count": "step_count + 1"},
-            where=_UNDER_LIMIT,
+            where=UNDER_LIMIT,
             where_params=(max_steps,),
         )
     except StaleTurn:
@@ -116,7 +116,7 @@ def start_turn_step(tx: Tx, env: StoreEnv, row: InboxRow, max_steps: int) -> Ste
             HeadEvent.START,
             sets={"running_since": env.clock.now()},
             exprs={"step_count": "step_count + 1"},
-            where=_UNDER_LIMIT,
+            where=UNDER_LIMIT,
             where_params=(max_steps,),
         )
     except StaleTurn:
