@@ -190,18 +190,24 @@ class Connection:
         if is_runner:
             assert hub is not None and identity.name is not None
             self.runner = hub.attach(identity.name, endpoint.name, endpoint.push)
+        # What the writer cancels when nothing more can be written: the reading side only.
+        # Once that is over (the usual end: the client closed, the endpoint was closed
+        # here), cancelling it costs nothing, where cancelling the nursery would throw a
+        # Cancelled into this task waiting for the writer, on every connection.
+        serving = trio.CancelScope()
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(out.run, nursery.cancel_scope)
-                if named is not None:
-                    assert identity.name is not None
-                    self.identity, self.endpoint_name = identity.name, endpoint.name
-                    await named.attach(self)
-                reason = await self._read_loop()
-                if reason == "eof":
-                    await self._linger()
-                if reason != "stopped":
-                    endpoint.close()
+                nursery.start_soon(out.run, serving)
+                with serving:
+                    if named is not None:
+                        assert identity.name is not None
+                        self.identity, self.endpoint_name = identity.name, endpoint.name
+                        await named.attach(self)
+                    reason = await self._read_loop()
+                    if reason == "eof":
+                        await self._linger()
+                    if reason != "stopped":
+                        endpoint.close()
         finally:
             if self.runner is not None:
                 assert hub is not None
