@@ -386,8 +386,15 @@ class Connection:
 
     async def _linger(self) -> None:
         """The client closed its sending side: give owed replies a bounded time to go out."""
+
+        def owed() -> bool:
+            endpoint = self.endpoint
+            return bool(self.inflight.requests) and endpoint is not None and not endpoint.closed
+
+        if not owed():  # the usual case: no cancel scope (with its deadline) to set up
+            return
         with trio.move_on_after(self.limits.read_timeout):
-            while self.inflight.requests and self.endpoint is not None and not self.endpoint.closed:
+            while owed():
                 await self.inflight.wait_reply()
 
     async def _received(self, reply_ids: list[int]) -> None:
