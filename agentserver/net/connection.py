@@ -194,18 +194,24 @@ class Connection:
         if is_runner:
             assert hub is not None and identity.name is not None
             self.runner = hub.attach(identity.name, endpoint.name, endpoint.push)
+        # What the writer cancels when nothing more can be written: the reading side only.
+        # Once that is over (the usual end: the client closed, the endpoint was closed
+        # here), cancelling it costs nothing, where cancelling the nursery would throw a
+        # Cancelled into this task waiting for the writer, on every connection.
+        serving = trio.CancelScope()
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(out.run, nursery.cancel_scope)
-                if named is not None:
-                    assert identity.name is not None
-                    self.identity, self.endpoint_name = identity.name, endpoint.name
-                    await named.attach(self)
-                reason = await self._read_loop()
-                if reason == "eof":
-                    await self._linger()
-                if reason != "stopped":
-                    endpoint.close()
+                nursery.start_soon(out.run, serving)
+                with serving:
+                    if named is not None:
+                        assert identity.name is not None
+                        self.identity, self.endpoint_name = identity.name, endpoint.name
+                        await named.attach(self)
+                    reason = await self._read_loop()
+                    if reason == "eof":
+                        await self._linger()
+                    if reason != "stopped":
+                        endpoint.close()
         finally:
             if self.runner is not None:
                 assert hub is not None
@@ -384,8 +390,15 @@ class Connection:
 
     async def _linger(self) -> None:
         """The client closed its sending side: give owed replies a bounded time to go out."""
+
+        def owed() -> bool:
+            endpoint = self.endpoint
+            return bool(self.inflight.requests) and endpoint is not None and not endpoint.closed
+
+        if not owed():  # the usual case: no cancel scope (with its deadline) to set up
+            return
         with trio.move_on_after(self.limits.read_timeout):
-            while self.inflight.requests and self.endpoint is not None and not self.endpoint.closed:
+            while owed():
                 await self.inflight.wait_reply()
 
     async def _received(self, reply_ids: list[int]) -> None:

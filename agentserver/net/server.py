@@ -44,7 +44,9 @@ Outcomes (also in docs/wire.md):
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import ssl
 
 import trio
@@ -62,6 +64,11 @@ from agentserver.primitives.core import huh, primitive_for
 from agentserver.pump.pump import Pump
 
 log = logging.getLogger("agentserver.server")
+
+#: accept() failures that mean "out of descriptors or memory for now": retried after
+#: ACCEPT_RETRY seconds (as trio.serve_listeners does) instead of ending the server.
+ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+ACCEPT_RETRY = 0.1
 
 
 def _peer_host(stream: trio.SocketStream) -> str:
@@ -166,7 +173,9 @@ class Server:
         async with trio.open_nursery() as connections:
             with self._accept_scope:
                 task_status.started(addresses)
-                await trio.serve_listeners(self._on_stream, listeners, handler_nursery=connections)
+                async with trio.open_nursery() as accepting:
+                    for lst in listeners:
+                        accepting.start_soon(self._accept, lst, connections)
             for lst in listeners:
                 await lst.aclose()
         log.info("server stopped: %s", self.counters)
@@ -178,7 +187,31 @@ class Server:
         for conn in list(self._connections):
             conn.stop_reading()
 
+    async def _accept(self, listener: trio.SocketListener, connections: trio.Nursery) -> None:
+        """Accept connections on ``listener`` until cancelled, each served by a task of
+        ``connections`` running :meth:`_on_stream` (which closes it). Not
+        ``trio.serve_listeners``: its wrapper task closes every stream again with
+        ``aclose_forcefully``, whose cancelled checkpoint raises and catches a Cancelled
+        per connection; that, and the extra task, was a tenth of the server's CPU for a
+        client that connects briefly (docs/performance.md, "Connection setup")."""
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                log.error(
+                    "accept returned %s (%s); retrying in %s seconds",
+                    errno.errorcode[exc.errno],
+                    os.strerror(exc.errno),
+                    ACCEPT_RETRY,
+                )
+                await trio.sleep(ACCEPT_RETRY)
+            else:
+                connections.start_soon(self._on_stream, stream)
+
     async def _on_stream(self, stream: trio.SocketStream) -> None:
+        """Serve one accepted connection and close it, whatever happens."""
         async with stream:
             address = _peer_host(stream)
             busy = len(self._connections) + self._handshaking >= self.limits.max_connections

@@ -63,6 +63,7 @@ class TlsStream(trio.abc.Stream):
         session: ssl.SSLSession | None = None,
     ) -> None:
         self.transport = transport
+        self._server_side = server_side
         #: trio's socket: waited on for readiness (it tells trio's I/O manager when it
         #: closes), never read or written here.
         self.socket = transport.socket
@@ -116,7 +117,19 @@ class TlsStream(trio.abc.Stream):
         """Run the handshake. Raises trio.BrokenResourceError (its ``__cause__`` the
         ``ssl.SSLError``, or None if the peer closed) when it fails. Unbounded: the caller
         sets the deadline. Cancellable (the stream is then unusable: discard it)."""
+        # A server has nothing to say before the client's hello: wait for it first (OpenSSL
+        # called on an empty buffer only raises SSLWantReadError, an exception per
+        # connection for nothing).
+        need_input = self._server_side
         while True:
+            if need_input:
+                try:
+                    data = await self._receive_raw()
+                except OSError as exc:
+                    raise trio.BrokenResourceError(str(exc)) from exc
+                if not data:
+                    raise trio.BrokenResourceError("the peer closed the connection")
+                self._incoming.write(data)
             try:
                 self._ssl.do_handshake()
                 done = True
@@ -130,13 +143,7 @@ class TlsStream(trio.abc.Stream):
             await self._send_unsent()
             if done:
                 break
-            try:
-                data = await self._receive_raw()
-            except OSError as exc:
-                raise trio.BrokenResourceError(str(exc)) from exc
-            if not data:
-                raise trio.BrokenResourceError("the peer closed the connection")
-            self._incoming.write(data)
+            need_input = True
         self._handshaken = True
 
     # -- synchronous, non-blocking: the connection's direct handle -----------------------
