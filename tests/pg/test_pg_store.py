@@ -12,7 +12,9 @@ import trio
 
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.pg.leases import processes
+from agentserver.agents.pg.schema import EXTRAS_DIGEST, migrate_pg
 from agentserver.agents.pg.store import PostgresAgentStore
+from agentserver.agents.pg.trio_executor import PgTrioExecutor
 from agentserver.agents.settings import StoreSettings
 from agentserver.agents.sql.schema import SCHEMA_VERSION
 from agentserver.agents.states import HeadStatus, InboxStatus
@@ -54,6 +56,29 @@ def test_processes_starting_together_migrate_once(pg_url: str) -> None:
     finally:
         for s in stores:
             s.close()
+
+
+def test_a_process_starting_beside_a_busy_one_takes_no_table_lock(pg_url: str) -> None:
+    """A second process starting while the first holds rows of the hot tables in an open
+    transaction migrates without waiting for them (its extras already ran: no ALTER,
+    CREATE TRIGGER or CREATE INDEX takes a table lock), so it neither times out nor
+    queues the running process's statements behind it."""
+    first = _open(pg_url)
+    try:
+        with psycopg.connect(pg_url) as holder:
+            holder.execute("SELECT * FROM agent_inbox FOR UPDATE")
+            holder.execute("SELECT * FROM agent_state_head FOR UPDATE")
+            second = PgTrioExecutor.open_sync(pg_url, lock_timeout_s=0.5)
+            try:
+                assert second.run_sync(migrate_pg) == SCHEMA_VERSION
+            finally:
+                second.close()
+        # Extras changed (a new version): the next start runs them again and records it.
+        _sql(pg_url, "UPDATE agentserver_extras SET digest = 'older'")
+        _open(pg_url).close()
+        assert _sql(pg_url, "SELECT digest FROM agentserver_extras") == [(EXTRAS_DIGEST,)]
+    finally:
+        first.close()
 
 
 async def _running(store: PostgresAgentStore, agent: str = "a"):

@@ -12,6 +12,8 @@ tools); a ``processing`` inbox row's owner is the process that claimed it.
 
 from __future__ import annotations
 
+import hashlib
+
 from agentserver.agents.sql.db import StoreEnv, Tx
 from agentserver.agents.sql.schema import migrate
 
@@ -61,11 +63,28 @@ END $$""",
 )
 
 
+#: Fingerprint of :data:`EXTRAS`, kept in ``agentserver_extras``: a start whose
+#: extras are already in place runs none of them (see :func:`migrate_pg`).
+EXTRAS_DIGEST = hashlib.sha256("\n;\n".join(EXTRAS).encode()).hexdigest()
+
+
 def migrate_pg(tx: Tx, env: StoreEnv | None = None) -> int:
     """Create or migrate the schema (one transaction, under the advisory lock); returns
-    the version found."""
+    the version found.
+
+    The extras run only when their fingerprint changed (a new database, or a version
+    with new extras): their ``ALTER TABLE``/``CREATE TRIGGER``/``CREATE INDEX`` take
+    table locks even when there is nothing to do, so running them at every start made a
+    starting process queue behind the running processes' open transactions and every
+    later statement queue behind it, up to ``lock_timeout`` (a process starting beside
+    a busy one failed)."""
     tx.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK,))
     found = migrate(tx, env)
-    for statement in EXTRAS:
-        tx.execute(statement)
+    tx.execute("CREATE TABLE IF NOT EXISTS agentserver_extras (digest TEXT NOT NULL)")
+    row = tx.one("SELECT max(digest) FROM agentserver_extras")
+    if row is None or row[0] != EXTRAS_DIGEST:
+        for statement in EXTRAS:
+            tx.execute(statement)
+        tx.execute("DELETE FROM agentserver_extras")
+        tx.execute("INSERT INTO agentserver_extras (digest) VALUES (?)", (EXTRAS_DIGEST,))
     return found
