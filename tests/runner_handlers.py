@@ -32,7 +32,8 @@ async def handle(payload: etree._Element, meta: HandlerMetadata) -> HandlerRespo
     """Answer ``<result>`` with the query's text after ``seconds``. With
     ``$RUNNER_MARKS`` set, first leave a file named after this process in that
     directory, so a test can tell which runner holds a job. With ``$RUNNER_EFFECTS`` set,
-    record the job's effect there once per idempotency key (tests/idem_support.py)."""
+    record the job's effect there once per idempotency key (tests/idem_support.py). With
+    ``$RUNNER_CANCELLED`` set, a job cancelled while it waits leaves a file there."""
     text = payload.findtext(f"{{{NS}}}text") or ""
     seconds = float(payload.findtext(f"{{{NS}}}seconds") or 0)
     effects = os.environ.get("RUNNER_EFFECTS")
@@ -45,5 +46,12 @@ async def handle(payload: etree._Element, meta: HandlerMetadata) -> HandlerRespo
     if marks:
         (pathlib.Path(marks) / str(os.getpid())).write_text(text)
     if seconds:
-        await trio.sleep(seconds)
+        try:
+            await trio.sleep(seconds)
+        except trio.Cancelled:
+            # The server's <cancel> (a stopped caller, a step-timeout): say so for a test.
+            cancelled = os.environ.get("RUNNER_CANCELLED")
+            if cancelled:
+                (pathlib.Path(cancelled) / str(os.getpid())).write_text(text)
+            raise
     return HandlerResponse.respond(Result(text=text, runner=str(os.getpid())))

@@ -35,7 +35,7 @@ def boot_xml(store: str, base_url: str) -> bytes:
 <organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="runners-agent">
   <limits drain-timeout="1" hello-timeout="2"/>
   <clients>
-    <client name="alice" token-env="RT_ALICE"/>
+    <client name="alice" token-env="RT_ALICE" operator="true"/>
     <client name="search-runner" token-env="RT_RUNNER" serves="search"/>
   </clients>
   <llm>
@@ -222,3 +222,53 @@ async def test_a_remote_tool_call_and_its_runner_are_one_trace(tmp_path):
     assert answer.context.trace_id == trace_id
     runs = [s for s in spans if s.name == "invoke_agent assistant"]
     assert len(runs) == 2 and all(s.context.trace_id == trace_id for s in runs)
+
+
+async def test_a_stop_sends_the_runner_holding_the_turns_tool_call_a_cancel(tmp_path):
+    """``stop`` of an agent whose Turn waits on a remote tool: the runner gets
+    ``<cancel>`` (its handler is cancelled), the task is answered failed at once, and the
+    agent's next task runs on the same runner."""
+    from lxml import etree
+
+    from agentserver.core.namespaces import CORE_NS
+
+    marks, cancelled = tmp_path / "marks", tmp_path / "cancelled"
+    marks.mkdir()
+    cancelled.mkdir()
+    store = tmp_path / "agents.sqlite3"
+    env = {**subprocess_env(RUNNER_MARKS=str(marks), RUNNER_CANCELLED=str(cancelled)), **ENV}
+    async with trio.open_nursery() as nursery:
+        model = await SearchingModel(seconds=600).start(nursery)
+        async with serving(boot_xml(str(store), model.base_url)) as (port, _url, hub):
+            cmd = [sys.executable, "-m", "agentserver", "runner"]
+            cmd += ["--connect", f"127.0.0.1:{port}", "--token-env", "RT_RUNNER"]
+            cmd += ["--listener", "search", "--handler", "runner_handlers:handle"]
+            runner = await nursery.start(partial(trio.run_process, cmd, env=env, check=False))
+            with trio.fail_after(10):
+                await hub.wait_runners("search", 1)
+            async with open_client("127.0.0.1", port, client="alice", token="alice-token") as c:
+                first, second = new_thread_id(), new_thread_id()
+                await c.send(Task(text="find the needle"), to="assistant", thread=first)
+                await c.send(Task(text="and again"), to="assistant", thread=second)
+                with trio.fail_after(15):
+                    while not list(marks.iterdir()):  # noqa: ASYNC110 (a file, not an event)
+                        await trio.sleep(0.02)
+                stop = etree.Element(f"{{{CORE_NS}}}stop", nsmap={None: CORE_NS})
+                stop.set("agent", "assistant")
+                stop.set("thread", first)
+                with trio.fail_after(10):
+                    outcome = await c.receive_on(await c.send(stop))
+                    answer = await c.receive_on(first)
+                assert outcome.payload.get("count") == "1", outcome.raw
+                assert answer.payload.get("status") == "failed", answer.raw
+                with trio.fail_after(10):
+                    while not list(cancelled.iterdir()):  # noqa: ASYNC110 (a file)
+                        await trio.sleep(0.02)
+                assert [p.name for p in cancelled.iterdir()] == [str(runner.pid)]
+                # The next task runs at once (its model call), not when the tool would
+                # have answered (600 s).
+                with trio.fail_after(15):
+                    while len(model.requests) < 2:  # noqa: ASYNC110 (a list, not an event)
+                        await trio.sleep(0.02)
+            runner.kill()
+        nursery.cancel_scope.cancel()
