@@ -358,7 +358,8 @@ class ReplyWriter:
                 for body in replies:
                     self._wrote(body)
                 written = self.take_written()
-            if data:
-                await write(data)
+            # Even with nothing new: an empty write sends what a TLS stream still owes
+            # (ciphertext a direct send left behind, the reason the writer was woken).
+            await write(data)
             if written:
                 await self._on_written(written)
