@@ -7,7 +7,7 @@ Starts ``agentserver run`` (one process, or two on one PostgreSQL store) on a ge
 boot.xml: three agents (``alpha``, ``beta``, ``gamma``) whose tools are ``stamp`` (local,
 random delays and exceptions), ``relay`` (remote: ``agentserver runner``, killed at random
 and restarted) and ``pay`` (``require-approval``, decided by the named client
-``approver``, who comes and goes); the model is bench/chaos_model.py on loopback (429 with
+``approver``, who comes and goes); the model is bench/support/chaos_model.py on loopback (429 with
 Retry-After, 5xx, hangs past ``llm-timeout``, malformed tool calls). Four named clients
 (two with acknowledgements, two without) send tasks, disconnect at random (also just as
 their answer is about to be ready) and reconnect to any live server; a server process is
@@ -15,7 +15,7 @@ SIGKILLed every 20-60 s and restarted; the operator stops and cancels tasks with
 Every random choice comes from ``--seed``.
 
 After ``--minutes`` the faults stop (and no new task is sent); every task the server took
-must then be answered within ``--drain`` s (120). bench/chaos_check.py checks the ledger
+must then be answered within ``--drain`` s (120). bench/support/chaos_check.py checks the ledger
 against the store (which tasks were taken). Progress lines go to standard error; the last
 line on standard output is one JSON object with the counts. Exit status 1 on any
 violation, printing the command line that reproduces the run. docs/reliability.md.
@@ -38,9 +38,8 @@ import uuid
 
 import trio
 
-# bench/ holds socket.py and http.py, which step aside when imported as the standard
-# library's; appended, bench/ comes after the standard library (as bench/runner.py does).
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+# The chaos bench's modules (bench/support/: library modules, not benches).
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 from chaos_check import Ledger, check
 from chaos_clients import TOKEN, Approver, Operator, Servers, Switches, TaskClient
@@ -410,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     # socket.py and http.py would come before the standard library's there).
     (out / "organism").mkdir(parents=True, exist_ok=True)
     shutil.copyfile(
-        pathlib.Path(__file__).with_name("chaos_tools.py"), out / "organism" / "chaos_tools.py"
+        pathlib.Path(__file__).parent / "support" / "chaos_tools.py",
+        out / "organism" / "chaos_tools.py",
     )
     return trio.run(chaos, args)
 

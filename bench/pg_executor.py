@@ -11,7 +11,7 @@ invocation against one database.
 
 Figures per executor (the median over its rounds): calls/s; the application's CPU per call
 (this process, all its threads); the database server's CPU per call (every process of
-the server, from /proc: bench/pgcpu.py; null if the server is not on this machine); round
+the server, from /proc: bench/support/pgcpu.py; null if the server is not on this machine); round
 trips per call (the trio executor counts them; the thread one sends one per statement,
 ``BEGIN`` and ``COMMIT`` included: 7 per pair, counted here by construction).
 
@@ -33,7 +33,7 @@ import trio
 from agentserver.agents.pg.executor import PgExecutor
 from agentserver.agents.pg.trio_executor import PgTrioExecutor
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/pgcpu.py
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))  # pgcpu.py
 import pgcpu
 
 EXECUTORS = {"thread": PgExecutor, "trio": PgTrioExecutor}

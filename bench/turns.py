@@ -28,7 +28,7 @@ over the time from that start to the last answer, in any process.
 Every case also prints the application's CPU per Turn (``cpu_ms_per_turn``: the
 process's CPU time, all its threads, over the timed part; with N processes all of
 theirs), and on PostgreSQL the database server's CPU per Turn (``db_cpu_ms_per_turn``:
-every process of the server, from /proc, bench/pgcpu.py; null if the server is not on
+every process of the server, from /proc, bench/support/pgcpu.py; null if the server is not on
 this machine) and the statements and round trips to it per Turn (``statements_per_turn``,
 ``round_trips_per_turn``, ``BEGIN``/``COMMIT`` included; counted by the trio executor,
 null with ``--pg-executor thread``).
@@ -81,7 +81,7 @@ from agentserver.core.listener import HandlerResponse, Listener
 from agentserver.listeners.calculator import Add, Sum
 from agentserver.pump.pump import PumpConfig, open_pump
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/pgcpu.py
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))  # pgcpu.py
 import pgcpu
 
 CALC = "urn:agentserver:calculator"

@@ -1,4 +1,4 @@
-"""The chaos bench's checker (bench/chaos_check.py), sans-IO: every violation it must
+"""The chaos bench's checker (bench/support/chaos_check.py), sans-IO: every violation it must
 find, and its counts against a ledger built with known truth (hypothesis)."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import sys
 from hypothesis import given
 from hypothesis import strategies as st
 
-# bench/ after the standard library (its socket.py and http.py step aside only when
-# imported under those names).
-sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+# The chaos bench's modules (bench/support/).
+sys.path.append(
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "support")
+)
 
 from chaos_check import Ledger, check, failure_reason
 

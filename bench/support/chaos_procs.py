@@ -19,7 +19,6 @@ import threading
 import trio
 
 LISTENING = re.compile(r"agentserver listening on (\S+?):(\d+)")
-BENCH = pathlib.Path(__file__).resolve().parent
 
 
 def child_env(tools: pathlib.Path, **extra: str) -> dict[str, str]:
