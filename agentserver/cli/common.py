@@ -18,6 +18,8 @@ from agentserver.core.errors import sole_exception
 from agentserver.observability.logs import LOG_FORMATS
 
 if TYPE_CHECKING:
+    import httpx
+
     from agentserver.config.problems import LoadResult
 
 EXIT_OK = 0
@@ -169,3 +171,31 @@ async def cancel_on_signal(scope: trio.CancelScope) -> None:
         async for _ in received:
             scope.cancel()
             return
+
+
+def add_http_api_options(parser: argparse.ArgumentParser) -> None:
+    """``--url`` and ``--ca``: the commands that talk to a running server's HTTP API."""
+    parser.add_argument(
+        "--url",
+        default=os.environ.get(HTTP_URL_ENV) or DEFAULT_HTTP_URL,
+        metavar="URL",
+        help=f"the HTTP API (default: ${HTTP_URL_ENV}, else {DEFAULT_HTTP_URL})",
+    )
+    parser.add_argument(
+        "--ca",
+        metavar="FILE",
+        help=f"CA certificate(s) (PEM) to verify an https URL with (default: ${TLS_ENV['ca']}, "
+        "else the system's)",
+    )
+
+
+def http_api_client(args: argparse.Namespace, timeout: float) -> httpx.Client:
+    """An HTTP client for ``args.url``: the bearer token from ``$AGENTSERVER_TOKEN`` (if
+    set) on every request, an https URL verified with ``--ca`` (else ``$AGENTSERVER_CA``,
+    else the system's CAs)."""
+    import httpx
+
+    token = os.environ.get(TOKEN_ENV)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    ca = args.ca or os.environ.get(TLS_ENV["ca"])
+    return httpx.Client(verify=ca or True, timeout=timeout, headers=headers)

@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 from agentserver.cli.common import (
-    DEFAULT_HTTP_URL,
     EXIT_CONNECTION,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_TIMEOUT,
-    HTTP_URL_ENV,
-    TLS_ENV,
     TOKEN_ENV,
     Subcommands,
+    add_http_api_options,
+    http_api_client,
     parse_positive,
 )
 
@@ -44,13 +42,7 @@ def add_parsers(
         "--at-step", type=int, required=True, metavar="N", help="the last step copied"
     )
     fork.add_argument("--task", metavar="FILE", help="the new task's XML ('-': standard input)")
-    fork.add_argument(
-        "--url",
-        default=os.environ.get(HTTP_URL_ENV) or DEFAULT_HTTP_URL,
-        metavar="URL",
-        help=f"the HTTP API (default: ${HTTP_URL_ENV}, else {DEFAULT_HTTP_URL})",
-    )
-    fork.add_argument("--ca", metavar="FILE", help="CA certificate(s) (PEM) for an https URL")
+    add_http_api_options(fork)
     fork.add_argument("--wait", action="store_true", help="wait for the fork's answer")
     fork.add_argument(
         "--timeout",
@@ -71,14 +63,9 @@ def cmd_fork(args: argparse.Namespace) -> int:
         else:
             with open(args.task, encoding="utf-8") as f:
                 body["task"] = f.read()
-    headers = {}
-    token = os.environ.get(TOKEN_ENV)
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
     base = args.url.rstrip("/")
-    ca = args.ca or os.environ.get(TLS_ENV["ca"])
     try:
-        with httpx.Client(verify=ca or True, timeout=args.timeout, headers=headers) as client:
+        with http_api_client(args, args.timeout) as client:
             response = client.post(
                 f"{base}/v1/agents/{args.agent}/tasks/{args.thread}/fork", json=body
             )

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from agentserver.cli.common import (
-    DEFAULT_HTTP_URL,
     EXIT_CONNECTION,
     EXIT_FAILED,
     EXIT_OK,
-    HTTP_URL_ENV,
-    TLS_ENV,
     TOKEN_ENV,
     Subcommands,
+    add_http_api_options,
+    http_api_client,
     parse_positive,
 )
 
@@ -33,18 +31,7 @@ def add_parsers(
         "state, and connections. Needs the HTTP API (<http> in boot.xml or run --http-port). "
         f"With declared clients the token is read from ${TOKEN_ENV}. Exit 4 if unreachable.",
     )
-    status.add_argument(
-        "--url",
-        default=os.environ.get(HTTP_URL_ENV) or DEFAULT_HTTP_URL,
-        metavar="URL",
-        help=f"the HTTP API (default: ${HTTP_URL_ENV}, else {DEFAULT_HTTP_URL})",
-    )
-    status.add_argument(
-        "--ca",
-        metavar="FILE",
-        help=f"CA certificate(s) (PEM) to verify an https URL with (default: ${TLS_ENV['ca']}, "
-        "else the system's)",
-    )
+    add_http_api_options(status)
     status.add_argument("--json", action="store_true", help="print the status document as JSON")
     status.add_argument(
         "--timeout",
@@ -58,15 +45,10 @@ def add_parsers(
 def cmd_status(args: argparse.Namespace) -> int:
     import httpx
 
-    headers = {}
-    token = os.environ.get(TOKEN_ENV)
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    ca = args.ca or os.environ.get(TLS_ENV["ca"])
     url = args.url.rstrip("/") + "/v1/status"
     try:
-        with httpx.Client(verify=ca or True, timeout=args.timeout) as client:
-            response = client.get(url, headers=headers)
+        with http_api_client(args, args.timeout) as client:
+            response = client.get(url)
     except httpx.HTTPError as exc:
         print(
             f"cannot reach the HTTP API at {args.url}: {exc} (is the server running with "
