@@ -4,8 +4,8 @@ Each call pair is the shape of a Turn's hot store calls: a transaction (a
 compare-and-set ``UPDATE … RETURNING`` whose answer is needed, two ``INSERT``s and an
 ``UPDATE`` nobody asks the row count of) and an autocommit read. ``--concurrency`` trio
 tasks (default 4, the runners of one process) share one executor of 8 connections. The
-thread executor (``agents/pg/executor.py``: a worker thread per call, one round trip per
-statement) and the trio one (``agents/pg/trio_executor.py``: the trio thread, writes
+thread executor (``agents/store/pg/executor.py``: a worker thread per call, one round trip per
+statement) and the trio one (``agents/store/pg/trio_executor.py``: the trio thread, writes
 deferred to the next read or ``COMMIT``) run alternately, ``--rounds`` times each, in one
 invocation against one database.
 
@@ -30,8 +30,8 @@ import time
 
 import trio
 
-from agentserver.agents.pg.executor import PgExecutor
-from agentserver.agents.pg.trio_executor import PgTrioExecutor
+from agentserver.agents.store.pg.executor import PgExecutor
+from agentserver.agents.store.pg.trio_executor import PgTrioExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))  # pgcpu.py
 import pgcpu

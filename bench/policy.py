@@ -20,7 +20,7 @@ import timeit
 
 from lxml import etree
 
-from agentserver.agents.policy import CallInfo, Decision, evaluate, parse_policy
+from agentserver.agents.policy.evaluate import CallInfo, Decision, evaluate, parse_policy
 from agentserver.core.namespaces import BOOT_NS
 
 CALC = "urn:agentserver:calculator"

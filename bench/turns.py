@@ -69,13 +69,13 @@ import trio
 from lxml import etree
 from pydantic_xml import BaseXmlModel, element
 
-from agentserver.agents.bridge import PumpPorts, agent_handler
 from agentserver.agents.clock import SystemClock
+from agentserver.agents.edge.bridge import PumpPorts, agent_handler
 from agentserver.agents.ports import LLMCompletion, LLMRequest
-from agentserver.agents.profile import AgentProfile
+from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
 from agentserver.agents.service import LateHandler
-from agentserver.agents.settings import StoreSettings
 from agentserver.core.envelope import build_envelope
 from agentserver.core.listener import HandlerResponse, Listener
 from agentserver.listeners.calculator import Add, Sum

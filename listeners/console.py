@@ -31,7 +31,7 @@ import trio
 from lxml import etree
 from pydantic_xml import BaseXmlModel, element
 
-from agentserver.agents.approvals import ApprovalRequest
+from agentserver.agents.governance.approvals import ApprovalRequest
 from agentserver.core.listener import HandlerMetadata, HandlerResponse
 from agentserver.listeners.console_approvals import render_request
 
@@ -105,7 +105,7 @@ class StdioTerminal:
 
 class Console:
     """The console listener's handler (accepts :class:`Prompt` and
-    :class:`~agentserver.agents.approvals.ApprovalRequest`).
+    :class:`~agentserver.agents.governance.approvals.ApprovalRequest`).
 
     ``requesters``: the listeners whose approval requests are shown (a client cannot write
     to the operator's terminal this way either). Prompts are taken one at a time (a lock,

@@ -12,7 +12,7 @@ import os
 import trio
 from pydantic_xml import BaseXmlModel, element
 
-from agentserver.agents.guardrails import Block, GuardCall, Halt, Warn
+from agentserver.agents.policy.guardrails import Block, GuardCall, Halt, Warn
 from agentserver.core.listener import HandlerMetadata, HandlerResponse
 
 NS = "urn:test:gov"

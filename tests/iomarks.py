@@ -103,9 +103,9 @@ RESOURCES: dict[str, tuple[str, ...]] = {
         "sqlite3",
         "psycopg",
         "psycopg_pool",
-        "agentserver.agents.sqlite_store",
-        "agentserver.agents.pg.executor",
-        "agentserver.agents.pg.store",
+        "agentserver.agents.store.sqlite_store",
+        "agentserver.agents.store.pg.executor",
+        "agentserver.agents.store.pg.store",
         # (an agent runtime always has its store; so has the service that starts one, and
         # the app's glue that starts it from a topology)
         "agentserver.agents.runtime:AgentRuntime",

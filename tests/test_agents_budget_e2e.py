@@ -14,7 +14,7 @@ from agents_budget_support import TOOL_NS
 from llm.llm_fakes import FakeServer, Seen, openai_ok, openai_stream
 from serverproc import DATA, ServerProcess, subprocess_env
 
-from agentserver.agents.compaction import SUMMARY_SYSTEM
+from agentserver.agents.turn.compaction import SUMMARY_SYSTEM
 from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import Task
 from agentserver.net.client import open_client

@@ -10,7 +10,7 @@ from conftest import parse_reply
 from lxml import etree
 from serverproc import DATA, REPO
 
-from agentserver.agents.settings import AgentSettings
+from agentserver.agents.profile.settings import AgentSettings
 from agentserver.app.builtins import RunContext, build_listeners
 from agentserver.config import loader as boot
 from agentserver.config.bundled import BOOT_XML

@@ -12,7 +12,7 @@ import textwrap
 from serverproc import ServerProcess, subprocess_env
 from tlsutil import make_pki
 
-from agentserver.agents.settings import AgentSettings, StoreSettings
+from agentserver.agents.profile.settings import AgentSettings, StoreSettings
 from agentserver.config import loader as boot
 from agentserver.core.xsdgen import model_root_tag
 from agentserver.llm.config import RouterConfig

@@ -215,7 +215,7 @@ async def test_without_a_terminal_the_console_never_reads():
 
 
 def approval_request(request: str = "r1"):
-    from agentserver.agents.approvals import ApprovalRequest
+    from agentserver.agents.governance.approvals import ApprovalRequest
 
     return ApprovalRequest(
         request=request,

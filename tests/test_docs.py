@@ -9,7 +9,7 @@ import tomllib
 
 from serverproc import REPO
 
-from agentserver.agents.profile import AgentProfile
+from agentserver.agents.profile.agent import AgentProfile
 
 DOCS = sorted((REPO / "docs").glob("*.md"))
 READMES = [REPO / "README.md", *sorted((REPO / "examples").glob("**/README.md"))]

@@ -13,7 +13,7 @@ import iomarks
 import pytest
 from serverproc import REPO, ServerProcess
 
-from agentserver.agents.sqlite_store import SqliteAgentStore
+from agentserver.agents.store.sqlite_store import SqliteAgentStore
 
 
 def uses_a_server():

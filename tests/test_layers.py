@@ -40,6 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("pump", ("agentserver.pump",)),
     ("net", ("agentserver.net",)),
     ("llm", ("agentserver.llm",)),
+    ("steps", ("agentserver.steps",)),
     ("agents", ("agentserver.agents",)),
     ("remote", ("agentserver.remote",)),
     ("http", ("agentserver.http",)),
@@ -369,6 +370,61 @@ def expected_heading(module: str) -> str:
     if rank == -1:
         return "The package root"
     return f"`{LAYERS[min(rank, len(LAYERS) - 1)][0]}`"  # __main__ sits with cli
+
+
+def agents_floors() -> list[tuple[str, tuple[str, ...]]]:
+    """docs/architecture.md's map of the agents' floors, low to high: each floor's name and
+    its members (``store/`` a subpackage, ``runtime`` a module directly in ``agents/``)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("<!-- agents-floors -->", 1)[1].split("```")[1]
+    floors = []
+    for line in block.strip().splitlines():
+        rank, name, *members = line.split()
+        assert int(rank) == len(floors) + 1, line
+        floors.append((name, tuple(members)))
+    return floors
+
+
+def floor_of(module: str, floors: list[tuple[str, tuple[str, ...]]]) -> int:
+    """The rank of a module of ``agentserver.agents`` in the floors' map."""
+    rel = module.removeprefix("agentserver.agents").removeprefix(".")
+    for rank, (_, members) in enumerate(floors):
+        for member in members:
+            if member.endswith("/"):
+                sub = member[:-1]
+                if rel == sub or rel.startswith(sub + "."):
+                    return rank
+            elif rel == member or (member == "__init__" and rel == ""):
+                return rank
+    raise AssertionError(f"{module} is on no floor of docs/architecture.md's agents map")
+
+
+def test_no_module_of_agents_imports_a_higher_floor():
+    floors = agents_floors()
+    assert len(floors) > 5, "docs/architecture.md's agents floors were not found"
+    agents = [m for m in MODULES if m == "agentserver.agents" or m.startswith("agentserver.agents.")]
+    for module in agents:
+        floor_of(module, floors)  # every module sits on a floor
+    upward = sorted(
+        f"{imp.importer} ({floors[floor_of(imp.importer, floors)][0]}) imports "
+        f"{imp.imported} ({floors[floor_of(imp.imported, floors)][0]}) at {imp.where()}"
+        for imp in ALL_IMPORTS
+        if imp.importer in agents
+        and imp.imported in agents
+        and floor_of(imp.imported, floors) > floor_of(imp.importer, floors)
+    )
+    assert not upward, "a module of agents imports a higher floor:\n  " + "\n  ".join(upward)
+
+
+def test_remote_never_imports_agents():
+    # The step machinery remote runners need lives in agentserver.steps, below the agents.
+    found = sorted(
+        f"{imp.importer} imports {imp.imported} at {imp.where()}"
+        for imp in ALL_IMPORTS
+        if imp.importer.startswith("agentserver.remote")
+        and imp.imported.startswith("agentserver.agents")
+    )
+    assert not found, found
 
 
 def test_the_layer_map_lists_every_module_and_no_other():

@@ -539,7 +539,7 @@ class AgentMetrics:
     does every few seconds)."""
 
     def __init__(self, h) -> None:
-        from agentserver.agents.store_figures import StoreFigures
+        from agentserver.agents.store.figures import StoreFigures
         from agentserver.observability import Metrics
 
         self.registry = CollectorRegistry()
@@ -630,7 +630,7 @@ async def test_pending_approvals_are_counted_until_decided(tmp_path):
     from agents.agents_fakes import make_harness, profile, task
     from lxml import etree
 
-    from agentserver.agents.policy import parse_policy
+    from agentserver.agents.policy.evaluate import parse_policy
     from agentserver.core.namespaces import BOOT_NS
 
     rule = etree.fromstring(

@@ -23,8 +23,8 @@ from llm.llm_fakes import FakeServer, Script, Seen, openai_error, openai_ok
 from serverproc import cli, subprocess_env
 from serverutil import start_in_process
 
-from agentserver.agents.compaction import SUMMARY_SYSTEM
-from agentserver.agents.record import RecordError, TurnRecord
+from agentserver.agents.replay.record import RecordError, TurnRecord
+from agentserver.agents.turn.compaction import SUMMARY_SYSTEM
 from agentserver.app.builtins import RunContext
 from agentserver.config import loader as boot
 from agentserver.listeners.assistant import Task
@@ -209,7 +209,7 @@ def card(kind: str, content: str, **meta: object) -> dict:
 
 
 def test_compare_finds_the_first_divergence_by_step():
-    from agentserver.agents.replay import compare
+    from agentserver.agents.replay.recorded import compare
 
     recorded = [
         card("task.input", "<task/>"),

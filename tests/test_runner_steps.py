@@ -10,20 +10,20 @@ from hypothesis import strategies as st
 from lxml import etree
 
 from agentserver.agents.errors import IllegalTransition
-from agentserver.agents.states import (
+from agentserver.agents.store.states import (
     FINAL_STEP,
     STEP_TRANSITIONS,
     StepEvent,
     StepStatus,
     step_transition,
 )
-from agentserver.agents.steps import StepPolicy, backoff, should_retry
 from agentserver.core.envelope import encode
 from agentserver.core.errors import DeliveryRefused, InputRefused
 from agentserver.core.listener import HandlerMetadata
 from agentserver.core.namespaces import CORE_NS
 from agentserver.core.threads import new_thread_id
 from agentserver.remote.hub import RunnerHub
+from agentserver.steps.retry import StepPolicy, backoff, should_retry
 
 S = StepStatus
 

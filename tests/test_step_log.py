@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from serverutil import start_in_process
 
-from agentserver.agents.step_log import MemoryStepLog, StepRow
+from agentserver.steps.log import MemoryStepLog, StepRow
 
 
 def rows(n: int, listener: str = "search") -> list[StepRow]:

@@ -15,13 +15,14 @@ from prometheus_client import CollectorRegistry
 
 from agentserver.agents.clock import ManualClock
 from agentserver.agents.ports import LLMCompletion, LLMUsage
-from agentserver.agents.settings import StoreSettings
-from agentserver.agents.sql.views import ERROR_TEXT_CHARS
-from agentserver.agents.sql_store import SqlAgentStore
-from agentserver.agents.step_log import StepRow, StoreStepLog
-from agentserver.agents.store import CardType, NewCard, TaskStatus
-from agentserver.agents.store_figures import StoreFigures
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.base import CardType, NewCard, TaskStatus
+from agentserver.agents.store.figures import StoreFigures
+from agentserver.agents.store.sql.views import ERROR_TEXT_CHARS
+from agentserver.agents.store.sql_store import SqlAgentStore
+from agentserver.agents.store.step_log import StoreStepLog
 from agentserver.http.agents_view import AgentsView
+from agentserver.steps.log import StepRow
 
 A, B = "assistant", "helper"
 Opener = Callable[[], Awaitable[SqlAgentStore]]
@@ -38,11 +39,11 @@ async def opener(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[Open
 
     async def open_store() -> SqlAgentStore:
         if url is None:
-            from agentserver.agents.sqlite_store import SqliteAgentStore
+            from agentserver.agents.store.sqlite_store import SqliteAgentStore
 
             store: Any = SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
         else:
-            from agentserver.agents.pg.store import PostgresAgentStore
+            from agentserver.agents.store.pg.store import PostgresAgentStore
 
             store = PostgresAgentStore.open(url, clock=clock, settings=settings)
         store = await store if inspect.isawaitable(store) else store
@@ -148,7 +149,7 @@ async def test_agents_view_is_the_same_on_every_backend(opener):
 
 async def test_the_web_consoles_views_are_the_same_on_every_backend(opener):
     """The recent tasks of an agent and a Turn's log (cards, cut; decisions; approvals)."""
-    from agentserver.agents.sql.views import CARD_TEXT_CHARS
+    from agentserver.agents.store.sql.views import CARD_TEXT_CHARS
 
     store = await opener()
     await store.ensure_agents([A, B])
@@ -274,7 +275,7 @@ async def test_a_failing_store_keeps_the_rows_and_a_full_buffer_drops_counted(op
     registry = CollectorRegistry()
     Metrics(registry).bind_step_log(log)
     log.retry_s = 0.01
-    caplog.set_level(logging.WARNING, logger="agentserver.agents.step_log")
+    caplog.set_level(logging.WARNING, logger="agentserver.agents.store.step_log")
     async with trio.open_nursery() as nursery:
         await nursery.start(log.run)
         for row in rows(3):
@@ -304,7 +305,7 @@ async def test_a_failing_store_keeps_the_rows_and_a_full_buffer_drops_counted(op
 async def test_processes_sharing_a_postgresql_store_see_each_others_agents_and_steps(pg_url):
     """Two processes on one database: each one's view shows the agents and the step
     events of both (the figures too)."""
-    from agentserver.agents.pg.store import PostgresAgentStore
+    from agentserver.agents.store.pg.store import PostgresAgentStore
 
     clock = ManualClock(1000.0)
     settings = StoreSettings(url=pg_url)

@@ -6,6 +6,9 @@ from lxml import etree
 
 from agentserver.core.errors import AgentServerError, ConfigurationError
 
+# Raised by every state machine (the step machine sits below the agents): defined in core.
+from agentserver.core.errors import IllegalTransition as IllegalTransition
+
 
 class AgentError(AgentServerError):
     """Base class of every error raised on purpose by ``agentserver.agents``."""
@@ -18,16 +21,6 @@ class StaleTurn(AgentError):
     a newer epoch). The transaction that raised it was rolled back: nothing was written, and
     the caller must stop without side effects.
     """
-
-
-class IllegalTransition(AgentError):
-    """A state machine was asked for a transition its table does not contain."""
-
-    def __init__(self, machine: str, state: str, event: str) -> None:
-        super().__init__(f"{machine}: no transition from {state!r} on {event!r}")
-        self.machine = machine
-        self.state = state
-        self.event = event
 
 
 class PumpRefused(AgentError):

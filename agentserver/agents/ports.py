@@ -111,7 +111,7 @@ class LLMPort(Protocol):
 
     A port may also offer ``stream(request)``: an async context manager yielding an async
     iterator of text chunks followed by one :class:`LLMCompletion`; the worker then
-    publishes each chunk as it arrives (``agentserver.agents.llm_adapter.RouterLLM`` does).
+    publishes each chunk as it arrives (``agentserver.agents.edge.llm_adapter.RouterLLM`` does).
     """
 
     async def complete(self, request: LLMRequest) -> LLMCompletion: ...

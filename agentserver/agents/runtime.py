@@ -13,27 +13,27 @@ from typing import TYPE_CHECKING
 import trio
 from lxml import etree
 
-from agentserver.agents.approvals import Approvals, SendApproval
 from agentserver.agents.clock import Clock, SystemClock
-from agentserver.agents.compaction import SUMMARY, plan, summary_chunks, summary_max_tokens
-from agentserver.agents.compactor import summarise
-from agentserver.agents.delivery import TurnEnder
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StaleTurn, StoreError
 from agentserver.agents.events import EventBus
-from agentserver.agents.memory import CLIENT, conversation_key
+from agentserver.agents.governance.approvals import Approvals, SendApproval
 from agentserver.agents.ports import LLMPort, ReplyPort, ReplyRef, ToolPort
-from agentserver.agents.profile import AgentProfile
-from agentserver.agents.resend import resend_waiting
-from agentserver.agents.settings import StoreSettings
-from agentserver.agents.sqlite_store import SqliteAgentStore
-from agentserver.agents.store import AgentStore, NewCard, TaskStatus, TurnToken
-from agentserver.agents.watchdog import Watchdog
-from agentserver.agents.worker import Worker
+from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.base import AgentStore, NewCard, TaskStatus, TurnToken
+from agentserver.agents.store.sqlite_store import SqliteAgentStore
+from agentserver.agents.turn.compaction import SUMMARY, plan, summary_chunks, summary_max_tokens
+from agentserver.agents.turn.compactor import summarise
+from agentserver.agents.turn.delivery import TurnEnder
+from agentserver.agents.turn.memory import CLIENT, conversation_key
+from agentserver.agents.turn.resend import resend_waiting
+from agentserver.agents.turn.watchdog import Watchdog
+from agentserver.agents.turn.worker import Worker
 from agentserver.observability.tracing import Tracing
 
 if TYPE_CHECKING:
-    from agentserver.agents.pg.store import PostgresAgentStore
+    from agentserver.agents.store.pg.store import PostgresAgentStore
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def open_agent_store(
     (:meth:`AgentRuntime.aclose` for the runtime's)."""
     caps = {n: p.budget.tool_result_cap for n, p in profiles.items()}
     if settings.url:
-        from agentserver.agents.pg.store import PostgresAgentStore
+        from agentserver.agents.store.pg.store import PostgresAgentStore
 
         return PostgresAgentStore.open(
             settings.url, clock=clock, settings=settings, tool_result_caps=caps
@@ -217,7 +217,7 @@ class AgentRuntime:
 
     async def compact_conversation(self, agent_id: str, conversation: str) -> bool:
         """Fold an idle conversation's older cards into its rolling summary now (the same
-        rule as before a model call, ``agents/compaction.py``). False when there is nothing
+        rule as before a model call, ``agents/turn/compaction.py``). False when there is nothing
         to fold, or a Turn of that conversation ended meanwhile (nothing written then).
         Raises ``LLMUnavailable`` when the summary call fails."""
         profile = self.profiles[agent_id]
@@ -294,7 +294,7 @@ class AgentRuntime:
     async def lost_calls(self, token: TurnToken, reason: str) -> int:
         """The tool calls suspended Turn ``token`` waits for were lost (a restart, or the
         process that sent them died): those to listeners whose steps may be retried are
-        sent again with their idempotency keys (agents/resend.py), the others reported
+        sent again with their idempotency keys (agents/turn/resend.py), the others reported
         lost (a timeout result each, with ``reason``). Returns how many were lost. Raises
         StaleTurn when the Turn moved on."""
         profile = self.profiles.get(token.agent_id)

@@ -1,7 +1,7 @@
 """Agents in a running server: the agent listeners → one AgentRuntime on the pump.
 
 Every listener declared with ``agent="true"`` is run by the runtime: its pump handler only
-does intake (:func:`agentserver.agents.bridge.agent_handler`), its Turns run in the
+does intake (:func:`agentserver.agents.edge.bridge.agent_handler`), its Turns run in the
 worker, its model calls go through the LLM router built from boot.xml's ``<llm>``, and its
 state lives in the store of ``<store>`` (default ``state/agents.sqlite3`` next to
 boot.xml). This module takes typed settings; :mod:`agentserver.app.agents` derives them
@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING
 import trio
 from lxml import etree
 
-from agentserver.agents.bridge import PumpPorts, agent_handler
 from agentserver.agents.clock import SystemClock
+from agentserver.agents.edge.bridge import PumpPorts, agent_handler
+from agentserver.agents.edge.llm_adapter import RouterLLM
 from agentserver.agents.errors import LLMUnavailable
 from agentserver.agents.events import counting
-from agentserver.agents.llm_adapter import RouterLLM
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
-from agentserver.agents.profile import AgentProfile
+from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
-from agentserver.agents.settings import StoreSettings
 from agentserver.core.listener import Handler, HandlerMetadata
 from agentserver.llm.config import RouterConfig
 from agentserver.observability import LLMTelemetry, Metrics, Tracing
@@ -184,7 +184,7 @@ async def start_agent_service(
     if metrics is not None:
         # A snapshot refreshed by its own task (run below): a scrape never waits on the
         # store, whichever backend it is.
-        from agentserver.agents.store_figures import StoreFigures
+        from agentserver.agents.store.figures import StoreFigures
 
         figures = StoreFigures(runtime.store, runtime.clock)
         runtime.events.observe(counting(metrics.bind_agents(figures, tuple(profiles))))
@@ -200,7 +200,7 @@ async def start_agent_service(
                     inner.start_soon(figures.run)
                 if kept is not None and ports.clients is not None:
                     # A shared store: replies other processes keep for clients here.
-                    from agentserver.agents.named_clients import forward_kept
+                    from agentserver.agents.edge.named_clients import forward_kept
 
                     inner.start_soon(forward_kept, kept, ports.clients)
                 await runtime.run(task_status=task_status)

@@ -17,12 +17,12 @@ from collections.abc import Mapping
 
 import trio
 
-from agentserver.agents.answer import takes_failure_status
-from agentserver.agents.approvals import DECISION_TAG, REQUEST_TAG
-from agentserver.agents.config import profile_from_settings
-from agentserver.agents.profile import AgentProfile
+from agentserver.agents.governance.approvals import DECISION_TAG, REQUEST_TAG
+from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.profile.config import profile_from_settings
+from agentserver.agents.profile.settings import AgentSettings
 from agentserver.agents.service import AgentService, LateHandler, start_agent_service
-from agentserver.agents.settings import AgentSettings
+from agentserver.agents.turn.answer import takes_failure_status
 from agentserver.config.topology import Topology
 from agentserver.observability import Metrics, Tracing
 from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG

@@ -213,9 +213,9 @@ def build_listener_set(topology: Topology, ctx: RunContext) -> ListenerSet:
             handler = spec.handler
         if not (spec.remote or spec.agent) and (spec.step_timeout is not None or spec.idempotent):
             # Steps as a remote listener's: attempts, retries, the same idempotency key.
-            from agentserver.agents.local_steps import retrying_handler
-            from agentserver.agents.steps import StepPolicy
             from agentserver.remote.hub import pump_timeout
+            from agentserver.steps.local import retrying_handler
+            from agentserver.steps.retry import StepPolicy
 
             policy = StepPolicy(
                 spec.step_timeout if spec.step_timeout is not None else spec.timeout,

@@ -3,7 +3,7 @@ export"): the composition of a replay run.
 
 ``replay`` re-runs a recorded Turn offline: the boot file's pump and listeners (as they
 are configured now), the agent runtime on a scratch SQLite store in a temporary folder,
-the model's recorded outputs instead of any LLM (agents/replay.py ``RecordedLLM``), the
+the model's recorded outputs instead of any LLM (agents/replay/recorded.py ``RecordedLLM``), the
 recorded tool results, or the real tools with ``live_tools``. Policy, guardrails, loop
 detection, compaction and step limits run as configured now. The replayed Turn's cards
 are then compared with the recorded ones.
@@ -25,13 +25,13 @@ from pathlib import Path
 import trio
 from lxml import etree
 
-from agentserver.agents.bridge import PumpPorts, agent_handler
 from agentserver.agents.clock import SystemClock
+from agentserver.agents.edge.bridge import PumpPorts, agent_handler
 from agentserver.agents.errors import AgentError
-from agentserver.agents.record import TurnRecord
-from agentserver.agents.replay import Divergence, RecordedLLM, RecordedTools, compare
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.replay.record import TurnRecord
+from agentserver.agents.replay.recorded import Divergence, RecordedLLM, RecordedTools, compare
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
-from agentserver.agents.settings import StoreSettings
 from agentserver.app.agents import build_profiles
 from agentserver.app.builtins import RunContext, build_listener_set
 from agentserver.config import loader as boot

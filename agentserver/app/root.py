@@ -299,7 +299,7 @@ async def _durable_step_log(
 ) -> tuple[Any, trio.CancelScope]:
     """The runner hub's step log in the agents' store, and the scope of its writer (run
     in ``nursery``; cancelled at shutdown, then ``drain()`` writes the rest)."""
-    from agentserver.agents.step_log import StoreStepLog
+    from agentserver.agents.store.step_log import StoreStepLog
 
     step_log = StoreStepLog(store)
     metrics.bind_step_log(step_log)

@@ -82,7 +82,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _check_store_reachable(name: str, topology: Topology) -> int:
     """``check --connect``: one line saying whether the PostgreSQL store answers."""
-    from agentserver.agents.pg.url import probe
+    from agentserver.agents.profile.store_url import probe
 
     settings = topology.store
     if settings.url is None:

@@ -68,7 +68,7 @@ def boot_of(args: argparse.Namespace) -> str:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from agentserver.agents.errors import AgentError
-    from agentserver.agents.record import RecordError, TurnRecord
+    from agentserver.agents.replay.record import RecordError, TurnRecord
     from agentserver.app.replay import replay
     from agentserver.config.problems import BootError
 

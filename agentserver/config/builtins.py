@@ -80,7 +80,10 @@ BUILTIN_HANDLERS: Mapping[str, BuiltinHandler] = MappingProxyType(
             summary="task → answer (placeholder until the agent runtime is configured)",
         ),
         "console": BuiltinHandler(
-            (BUILTIN_PAYLOADS["console.prompt"], "agentserver.agents.approvals:ApprovalRequest"),
+            (
+                BUILTIN_PAYLOADS["console.prompt"],
+                "agentserver.agents.governance.approvals:ApprovalRequest",
+            ),
             (BUILTIN_PAYLOADS["console.input"],),
             # A human may take long to type a line. Prompts are read one at a time by the
             # handler itself, so an approval request is shown while a prompt waits.

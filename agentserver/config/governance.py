@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from lxml import etree
 
-from agentserver.agents.guardrails import GuardrailSpec
-from agentserver.agents.policy import Policy, parse_policy, policy_problems
+from agentserver.agents.policy.evaluate import Policy, parse_policy, policy_problems
+from agentserver.agents.policy.guardrails import GuardrailSpec
 from agentserver.config.imports import B, Unresolved, resolve_import
 from agentserver.config.problems import Report
 from agentserver.config.topology import ClientSpec, ListenerSpec

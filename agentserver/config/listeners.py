@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from lxml import etree
 from pydantic_xml import BaseXmlModel
 
-from agentserver.agents.config import agent_settings_from_element
 from agentserver.agents.errors import AgentConfigError
+from agentserver.agents.profile.config import agent_settings_from_element
 from agentserver.config.builtins import BUILTIN_HANDLERS, BUILTIN_PAYLOADS
 from agentserver.config.governance import read_governance
 from agentserver.config.imports import B, Resolver, Unresolved, flag, resolve_import

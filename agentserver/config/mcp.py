@@ -18,7 +18,6 @@ from collections.abc import Mapping
 
 from lxml import etree
 
-from agentserver.agents.steps import DEFAULT_RETRIES, StepPolicy
 from agentserver.config.imports import B, flag
 from agentserver.config.problems import Report
 from agentserver.config.topology import ListenerSpec, Topology
@@ -33,6 +32,7 @@ from agentserver.primitives.core import Boot
 from agentserver.primitives.mcp import McpResult, tool_namespace
 from agentserver.remote.mcp_client import McpConnectError, discover_blocking
 from agentserver.remote.mcp_spec import McpServerSpec, McpToolRef, ToolInfo, tool_listener_name
+from agentserver.steps.retry import DEFAULT_RETRIES, StepPolicy
 
 #: ``<mcp timeout>`` when absent (seconds).
 DEFAULT_TIMEOUT = 30.0

@@ -9,9 +9,9 @@ from collections.abc import Mapping
 
 from lxml import etree
 
-from agentserver.agents.config import store_settings_from_element
 from agentserver.agents.errors import AgentConfigError
-from agentserver.agents.settings import StoreSettings
+from agentserver.agents.profile.config import store_settings_from_element
+from agentserver.agents.profile.settings import StoreSettings
 from agentserver.config.clients import is_loopback
 from agentserver.config.problems import Report
 from agentserver.config.topology import DEFAULT_HOST, DEFAULT_HTTP_PORT, HttpSpec, Limits

@@ -31,9 +31,9 @@ from agentserver.remote.mcp_spec import McpServerSpec, McpToolRef
 if TYPE_CHECKING:
     # Types only: importing the agents and the LLM router would make every command that
     # reads DEFAULT_PORT pay for them (httpx, the router); the loader imports them.
-    from agentserver.agents.guardrails import GuardrailSpec
-    from agentserver.agents.policy import Policy
-    from agentserver.agents.settings import AgentSettings, StoreSettings
+    from agentserver.agents.policy.evaluate import Policy
+    from agentserver.agents.policy.guardrails import GuardrailSpec
+    from agentserver.agents.profile.settings import AgentSettings, StoreSettings
     from agentserver.llm.config import RouterConfig
 
 DEFAULT_HOST = "127.0.0.1"
@@ -131,7 +131,7 @@ class ListenerSpec:
 
 def _default_store() -> StoreSettings:
     """The store of a topology built without one (the loader always sets it)."""
-    from agentserver.agents.settings import StoreSettings
+    from agentserver.agents.profile.settings import StoreSettings
 
     return StoreSettings()
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from lxml import etree
 
-from agentserver.agents.answer import answer_bytes
 from agentserver.agents.runtime import AgentRuntime
+from agentserver.agents.turn.answer import answer_bytes
 from agentserver.core.envelope import MESSAGE, encode
 from agentserver.core.errors import HuhReason, InputRefused
 from agentserver.core.namespaces import CORE_NS

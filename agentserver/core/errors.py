@@ -99,3 +99,13 @@ def sole_exception(group: BaseExceptionGroup) -> BaseException:
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
     return error
+
+
+class IllegalTransition(AgentServerError):
+    """A state machine was asked for a transition its table does not contain."""
+
+    def __init__(self, machine: str, state: str, event: str) -> None:
+        super().__init__(f"{machine}: no transition from {state!r} on {event!r}")
+        self.machine = machine
+        self.state = state
+        self.event = event

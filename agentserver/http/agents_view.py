@@ -1,6 +1,6 @@
 """Read-only views of the agent store for the HTTP API and ``agentserver status``.
 
-Each call is one read through the store (:mod:`agentserver.agents.sql.views`, the same SQL
+Each call is one read through the store (:mod:`agentserver.agents.store.sql.views`, the same SQL
 on SQLite and PostgreSQL): on SQLite inline on the store's connection, as its own
 transactions run; on PostgreSQL one thread hop of the store's executor, so the trio
 thread never waits on the database.
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentserver.agents.sql.views import ERROR_TEXT_CHARS
+from agentserver.agents.store.sql.views import ERROR_TEXT_CHARS
 
 __all__ = ["ERROR_TEXT_CHARS", "AgentsView"]
 
 
 class AgentsView:
     """The agents ``agents`` (boot.xml's order) of ``store`` (a
-    :class:`~agentserver.agents.sql_store.SqlAgentStore`)."""
+    :class:`~agentserver.agents.store.sql_store.SqlAgentStore`)."""
 
     def __init__(self, store: Any, agents: tuple[str, ...]) -> None:
         self.store = store
@@ -54,5 +54,5 @@ class AgentsView:
 
     async def pending_approvals(self) -> list[Any]:
         """Every approval request waiting for a decision, oldest first
-        (:class:`~agentserver.agents.approvals.PendingApproval`)."""
+        (:class:`~agentserver.agents.governance.approvals.PendingApproval`)."""
         return await self.store.pending_approvals()

@@ -44,7 +44,7 @@ class HttpContext:
     backends: Callable[[], dict[str, dict[str, Any]]] | None = None
     #: ``() -> dict`` of the transports' figures (connections, counters) for /v1/status.
     transports: Callable[[], dict[str, Any]] = dict
-    #: The remote listeners' step log (agents/step_log.py; None: no remote listeners).
+    #: The remote listeners' step log (agents/store/step_log.py; None: no remote listeners).
     steps: Any = None
     #: Carries out stop/cancel for the web console (the socket's operator object);
     #: None: no one may. Operators: the clients in ``operators``, and anonymous callers

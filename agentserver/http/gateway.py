@@ -51,7 +51,7 @@ class GatewayLimits(Protocol):
 
 class Deciders(Protocol):
     """Who the gateway's endpoints speak for when they decide an approval
-    (:class:`agentserver.agents.bridge.PumpPorts` is one): an authenticated client's
+    (:class:`agentserver.agents.edge.bridge.PumpPorts` is one): an authenticated client's
     decision sent over HTTP is that client's, as on its socket connection."""
 
     def speak_for(self, endpoint: str, identity: str) -> None: ...

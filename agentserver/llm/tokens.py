@@ -1,7 +1,7 @@
 """Token estimates: the one place the server guesses how many tokens a text costs.
 
 Used to reserve rate-limit budget before a call, and by the agents to keep a Turn's
-context under the model's window (``agentserver.agents.budget``).
+context under the model's window (``agentserver.agents.profile.budget``).
 
 Deliberately pessimistic: one token per three UTF-8 bytes (English averages
 about four characters per token; CJK about one character, i.e. three bytes),

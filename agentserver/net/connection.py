@@ -102,7 +102,7 @@ class Connection:
         self._direct: DirectHandle | None = None
         #: Made with the endpoint, once the hello is done.
         self._out: ReplyWriter | None = None
-        # As a ClientLink (named clients only; see agentserver.agents.named_clients):
+        # As a ClientLink (named clients only; see agentserver.agents.edge.named_clients):
         self.identity = ""
         self.endpoint_name = ""
         self.acks = False

@@ -2,7 +2,7 @@
 
 They live in higher layers (the runner hub in :mod:`agentserver.remote.hub`, the operator
 in :mod:`agentserver.console.operator`, the named clients' replies in
-:mod:`agentserver.agents.named_clients`); the composition root hands them to
+:mod:`agentserver.agents.edge.named_clients`); the composition root hands them to
 :class:`~agentserver.net.server.Server`, which knows them only by these protocols.
 """
 
@@ -37,7 +37,7 @@ class ClientLink(Protocol):
 
 class NamedClients(Protocol):
     """Where a named client's connections meet its durable replies
-    (:class:`agentserver.agents.named_clients.NamedClientReplies`)."""
+    (:class:`agentserver.agents.edge.named_clients.NamedClientReplies`)."""
 
     async def attach(self, link: ClientLink) -> None: ...
     async def detach(self, link: ClientLink) -> None: ...

@@ -219,7 +219,7 @@ class _RouterCollector(Collector):
 
 class _AgentStoreCollector(Collector):
     """Inbox lag and pending approvals of the agent store, from the snapshot of
-    ``figures`` (an :class:`agentserver.agents.store_figures.StoreFigures`, refreshed by
+    ``figures`` (an :class:`agentserver.agents.store.figures.StoreFigures`, refreshed by
     its own task: a scrape never waits on the database); every agent of ``agents`` gets a
     sample (0 when it has nothing waiting)."""
 
@@ -251,7 +251,7 @@ class _AgentStoreCollector(Collector):
 
 
 class _StepLogCollector(Collector):
-    """The durable step log's buffer (agents/step_log.py ``StoreStepLog``): rows waiting
+    """The durable step log's buffer (agents/store/step_log.py ``StoreStepLog``): rows waiting
     to be written, and rows dropped because the buffer was full."""
 
     def __init__(self, step_log: Any) -> None:
@@ -299,7 +299,7 @@ class Metrics:
 
     def bind_agents(self, figures: Any = None, agents: tuple[str, ...] = ()) -> AgentCounters:
         """Register the agent metrics; returns their counters (the agents' event bus feeds
-        them: :func:`agentserver.agents.events.counting`). ``figures`` (a :class:`~agentserver.agents.store_figures.StoreFigures`) adds the
+        them: :func:`agentserver.agents.events.counting`). ``figures`` (a :class:`~agentserver.agents.store.figures.StoreFigures`) adds the
         inbox lag and pending approvals of ``agents``, from its snapshot."""
         if self._agents is None:
             self._agents = AgentCounters(self.registry)

@@ -9,8 +9,8 @@ handler's output (docs/wire.md, "Runners").
 
 Each delivery is a *step*; each try at it an *attempt* with its own wire thread (a fresh
 uuid4: a late reply of a superseded attempt names a thread that is no longer known, and
-is ignored). Attempts follow :data:`agentserver.agents.states.STEP_TRANSITIONS`; retries
-follow :func:`agentserver.agents.steps.should_retry` with :func:`~agentserver.agents.steps.backoff`.
+is ignored). Attempts follow :data:`agentserver.agents.store.states.STEP_TRANSITIONS`; retries
+follow :func:`agentserver.steps.retry.should_retry` with :func:`~agentserver.steps.retry.backoff`.
 
 Reply frames are handled synchronously by :meth:`RunnerHub.frame` (called from the
 connection's read loop); nothing here reads a socket.
@@ -28,9 +28,6 @@ from dataclasses import dataclass, field
 import trio
 from lxml import etree
 
-from agentserver.agents.states import STEP_TRANSITIONS, StepEvent, StepStatus, step_transition
-from agentserver.agents.step_log import MemoryStepLog, StepLog, StepRow
-from agentserver.agents.steps import StepPolicy, backoff, should_retry
 from agentserver.core.envelope import MESSAGE, build_envelope, encode, load_envelope_schema
 from agentserver.core.errors import DeliveryRefused, HuhReason, InputRefused, SystemErrorCode
 from agentserver.core.listener import HandlerMetadata, HandlerResponse, HandlerResult
@@ -39,6 +36,9 @@ from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser, canonicalize
 from agentserver.observability.tracing import current_traceparent
 from agentserver.primitives.core import huh
+from agentserver.steps.log import MemoryStepLog, StepLog, StepRow
+from agentserver.steps.retry import StepPolicy, backoff, should_retry
+from agentserver.steps.states import STEP_TRANSITIONS, StepEvent, StepStatus, step_transition
 
 log = logging.getLogger("agentserver.runners")
 
@@ -142,7 +142,7 @@ class RunnerHub:
         self._steps: dict[str, _StepEntry] = {}
         #: Where step events are recorded: in memory until :meth:`log_steps_to` gives the
         #: hub the agent store's log (app/root.py), durable from then on
-        #: (agents/step_log.py). Read it; do not assign it.
+        #: (agents/store/step_log.py). Read it; do not assign it.
         self.step_log: StepLog = MemoryStepLog()
         self.counters = collections.Counter[str]()
 

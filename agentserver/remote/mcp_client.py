@@ -30,12 +30,12 @@ from typing import Any
 import trio
 from lxml import etree
 
-from agentserver.agents.steps import backoff
 from agentserver.core.errors import DeliveryRefused, SystemErrorCode
 from agentserver.core.jsonschema_xsd import ArgumentError, ToolShape
 from agentserver.core.listener import HandlerMetadata, HandlerResponse, HandlerResult
 from agentserver.primitives.mcp import McpResult
 from agentserver.remote.mcp_spec import McpServerSpec, ToolInfo
+from agentserver.steps.retry import backoff
 
 log = logging.getLogger("agentserver.mcp")
 

@@ -36,7 +36,7 @@ class McpServerSpec:
     #: Calls in flight at once, per tool listener.
     concurrency: int = 8
     #: A failed (server down, transport lost) or timed-out attempt may be retried, up to
-    #: ``retries`` more times (agentserver.agents.steps.backoff apart).
+    #: ``retries`` more times (agentserver.steps.retry.backoff apart).
     idempotent: bool = False
     retries: int = 3
     line: int = 0

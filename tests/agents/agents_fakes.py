@@ -14,11 +14,11 @@ from lxml import etree
 from agentserver.agents.clock import ManualClock
 from agentserver.agents.errors import LLMUnavailable, PumpRefused
 from agentserver.agents.events import Subscription, TaskEvent
-from agentserver.agents.parsing import make_huh
 from agentserver.agents.ports import LLMCompletion, LLMRequest, LLMUsage
-from agentserver.agents.profile import AgentProfile
+from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.reading.parsing import make_huh
 from agentserver.agents.runtime import AgentRuntime
-from agentserver.agents.settings import StoreSettings
 from agentserver.core.errors import HuhReason
 
 ASSISTANT_NS = "urn:agentserver:assistant"

@@ -9,8 +9,8 @@ import dataclasses
 from agents_fakes import make_harness, profile, task
 from lxml import etree
 
-from agentserver.agents.policy import parse_policy
-from agentserver.agents.states import MessageType
+from agentserver.agents.policy.evaluate import parse_policy
+from agentserver.agents.store.states import MessageType
 from agentserver.core.namespaces import BOOT_NS
 
 ADD = '<add xmlns="urn:calc"><a>1</a><b>2</b></add>'

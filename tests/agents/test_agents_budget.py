@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lxml import etree
 
-from agentserver.agents.budget import CARD_OVERHEAD, Budget, card_tokens, shown_text
-from agentserver.agents.sqlite_store import _MIGRATIONS, SCHEMA_VERSION, SqliteAgentStore
+from agentserver.agents.profile.budget import CARD_OVERHEAD, Budget, card_tokens, shown_text
+from agentserver.agents.store.sqlite_store import _MIGRATIONS, SCHEMA_VERSION, SqliteAgentStore
 from agentserver.llm import parse_llm_section
 from agentserver.llm.config import BOOT_NS, model_context_window
 from agentserver.llm.tokens import estimate_text_tokens

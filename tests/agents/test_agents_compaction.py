@@ -12,10 +12,10 @@ import json
 
 from agents_fakes import ASSISTANT_NS, make_harness, profile, task
 
-from agentserver.agents.compaction import SUMMARY_SYSTEM, plan
 from agentserver.agents.errors import LLMUnavailable
 from agentserver.agents.ports import LLMCompletion, LLMUsage
-from agentserver.agents.store import Card, CardType
+from agentserver.agents.store.base import Card, CardType
+from agentserver.agents.turn.compaction import SUMMARY_SYSTEM, plan
 
 ADD = '<add xmlns="urn:calc"><a>1</a><b>2</b></add>'
 
@@ -132,7 +132,7 @@ def card(i: int, ctype: str, text: str = "x" * 300) -> Card:
 
 
 def test_a_tool_call_and_its_result_are_never_split():
-    from agentserver.agents.budget import Budget
+    from agentserver.agents.profile.budget import Budget
 
     cards = [card(0, CardType.TASK_INPUT)]
     for i in range(1, 60, 3):

@@ -3,12 +3,12 @@ from pathlib import Path
 import pytest
 from lxml import etree
 
-from agentserver.agents.config import (
+from agentserver.agents.errors import AgentConfigError
+from agentserver.agents.profile.config import (
     profile_from_element,
     schema_file,
     store_settings_from_element,
 )
-from agentserver.agents.errors import AgentConfigError
 from agentserver.core.namespaces import BOOT_NS
 
 WRAPPER = """<xs:schema xmlns:xs="http://www.w3.org/2001/XMLSchema"

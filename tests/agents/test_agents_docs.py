@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from agentserver.agents.states import render_markdown
+from agentserver.agents.store.states import render_markdown
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "agents.md"
 

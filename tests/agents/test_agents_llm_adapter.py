@@ -1,5 +1,5 @@
+from agentserver.agents.edge.llm_adapter import RouterLLM
 from agentserver.agents.errors import LLMUnavailable
-from agentserver.agents.llm_adapter import RouterLLM
 from agentserver.agents.ports import LLMMessage, LLMRequest
 from agentserver.llm.types import Completion, ErrorKind, LLMError, Usage
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from agents_fakes import make_harness, profile, task
 
-from agentserver.agents.compaction import SUMMARY_SYSTEM
-from agentserver.agents.memory import conversation_key
+from agentserver.agents.turn.compaction import SUMMARY_SYSTEM
+from agentserver.agents.turn.memory import conversation_key
 
 ALICE = {"hop": "h1", "caller_thread": "t1", "chain": ["conn-1", "assistant"], "client": "alice"}
 ALICE_2 = {"hop": "h2", "caller_thread": "t2", "chain": ["conn-7", "assistant"], "client": "alice"}

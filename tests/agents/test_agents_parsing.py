@@ -6,10 +6,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lxml import etree
 
-from agentserver.agents.decide import CallTools, Deliver, Feedback, SelfIterate, Submit, decide
 from agentserver.agents.events import EventBus, TaskEvent
-from agentserver.agents.parsing import PayloadKind, extract_payloads
-from agentserver.agents.quoting import quoted_spans
+from agentserver.agents.reading.decide import (
+    CallTools,
+    Deliver,
+    Feedback,
+    SelfIterate,
+    Submit,
+    decide,
+)
+from agentserver.agents.reading.parsing import PayloadKind, extract_payloads
+from agentserver.agents.reading.quoting import quoted_spans
 
 ADD = '<add xmlns="urn:calc"><a>1</a><b>2</b></add>'
 
@@ -236,7 +243,7 @@ def test_an_inline_code_span_quotes_exactly_its_text(code):
 
 
 def test_the_model_is_told_how_to_mention_markup():
-    from agentserver.agents.submit import usage_text
+    from agentserver.agents.reading.submit import usage_text
 
     assert "put it in backticks" in usage_text(())
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lxml import etree
 
-from agentserver.agents.policy import (
+from agentserver.agents.policy.evaluate import (
     CallInfo,
     Decision,
     evaluate,
@@ -211,7 +211,9 @@ def test_check_reports_an_unknown_approver(tmp_path):
 
 def test_a_valid_policy_and_guardrails_are_handed_to_the_topology(tmp_path):
     rules = '<rule priority="1" id="no-div" decision="deny" payload="divide"/>'
-    guards = '<guardrail when="before" handler="agentserver.agents.guardrails:loop_verdict"/>'
+    guards = (
+        '<guardrail when="before" handler="agentserver.agents.policy.guardrails:loop_verdict"/>'
+    )
     _, result = load(tmp_path, rules, guards)
     assert result.ok, [str(p) for p in result.problems]
     spec = result.topology.listener("assistant")

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lxml import etree
 
-from agentserver.agents.policy import CallInfo, Decision, evaluate, parse_policy
+from agentserver.agents.policy.evaluate import CallInfo, Decision, evaluate, parse_policy
 from agentserver.core.namespaces import BOOT_NS
 
 NAMESPACES = [None, "urn:agentserver:calculator", "urn:other"]

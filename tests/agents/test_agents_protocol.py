@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 from agents_fakes import CALC, SEARCH, last_user, make_harness, profile, result, task
 
-from agentserver.agents.store import TaskStatus
+from agentserver.agents.store.base import TaskStatus
 
 ADD = '<add xmlns="urn:calc"><a>1</a><b>2</b></add>'
 QUERY = '<query xmlns="urn:search"><q>x</q></query>'
@@ -342,7 +342,7 @@ async def test_an_unknown_element_gets_one_huh_and_is_never_the_answer(tmp_path)
 
 
 async def test_submit_result_degraded_not_rejected(tmp_path):
-    from agentserver.agents.profile import ResultField
+    from agentserver.agents.profile.agent import ResultField
 
     p = profile(result_fields=(ResultField("total"), ResultField("unit")))
     h = make_harness(

@@ -7,13 +7,13 @@ import trio.testing
 from lxml import etree
 from pydantic_xml import BaseXmlModel, element
 
-from agentserver.agents.bridge import PumpPorts, agent_handler
 from agentserver.agents.clock import SystemClock
+from agentserver.agents.edge.bridge import PumpPorts, agent_handler
 from agentserver.agents.events import TaskEvent
 from agentserver.agents.ports import LLMCompletion, LLMRequest, LLMUsage
-from agentserver.agents.profile import AgentProfile
+from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
-from agentserver.agents.settings import StoreSettings
 from agentserver.core.envelope import build_envelope
 from agentserver.core.listener import HandlerResponse, Listener
 from agentserver.pump.pump import open_pump
@@ -144,8 +144,8 @@ async def test_named_client_replies_stay_kept_until_received(tmp_path):
     """A kept reply is offered to a live connection of the identity and leaves the store
     only once received; what a connection could not take, or took and never
     acknowledged, goes to the next one, in order."""
-    from agentserver.agents.named_clients import REPLY_ID_ATTR
-    from agentserver.agents.sqlite_store import SqliteAgentStore
+    from agentserver.agents.edge.named_clients import REPLY_ID_ATTR
+    from agentserver.agents.store.sqlite_store import SqliteAgentStore
 
     class Link:
         identity = "alice"

@@ -16,7 +16,13 @@ from hypothesis import strategies as st
 from agentserver.agents.errors import LLMUnavailable
 from agentserver.agents.events import StepEvent
 from agentserver.agents.ports import LLMCompletion, LLMUsage
-from agentserver.agents.retry import RETRY_TABLE, GiveUp, RetryPolicy, RetryStep, decide_retry
+from agentserver.agents.profile.retry import (
+    RETRY_TABLE,
+    GiveUp,
+    RetryPolicy,
+    RetryStep,
+    decide_retry,
+)
 
 
 class FlakyLLM:

@@ -21,9 +21,9 @@ from lxml import etree
 
 from agentserver.agents.clock import ManualClock
 from agentserver.agents.ports import LLMCompletion, LLMRequest, LLMUsage
+from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime
-from agentserver.agents.settings import StoreSettings
-from agentserver.agents.store import AgentStore
+from agentserver.agents.store.base import AgentStore
 from agentserver.console.operator import Operator
 
 LLM_TIMEOUT = 300.0
@@ -97,11 +97,11 @@ async def parts(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[Parts
     settings = StoreSettings(path=tmp_path / "agents.sqlite3")
     store: AgentStore
     if request.param == "sqlite":
-        from agentserver.agents.sqlite_store import SqliteAgentStore
+        from agentserver.agents.store.sqlite_store import SqliteAgentStore
 
         store = SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
     else:
-        from agentserver.agents.pg.store import PostgresAgentStore
+        from agentserver.agents.store.pg.store import PostgresAgentStore
 
         url = request.getfixturevalue("pg_url")  # skips when no server is reachable
         opened = PostgresAgentStore.open(url, clock=clock, settings=settings)
@@ -223,7 +223,7 @@ async def test_a_stop_taken_by_another_process_cancels_the_model_call_here(
     """Two processes on one PostgreSQL store: the stop reaches the one not running the
     Turn; the one running it sees its Turn end (it reads the head during the call while
     another process is there), abandons the call and runs the next task."""
-    from agentserver.agents.pg.store import PostgresAgentStore
+    from agentserver.agents.store.pg.store import PostgresAgentStore
 
     url = request.getfixturevalue("pg_url")  # skips when no server is reachable
     settings = StoreSettings(url=url)

@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 
 from agentserver.agents.clock import ManualClock
 from agentserver.agents.errors import IllegalTransition
-from agentserver.agents.sqlite_store import SCHEMA_VERSION, SqliteAgentStore
-from agentserver.agents.states import (
+from agentserver.agents.store.base import ToolCallRecord
+from agentserver.agents.store.sqlite_store import SCHEMA_VERSION, SqliteAgentStore
+from agentserver.agents.store.states import (
     HEAD_TRANSITIONS,
     INBOX_TRANSITIONS,
     HeadEvent,
@@ -19,7 +20,6 @@ from agentserver.agents.states import (
     head_transition,
     inbox_transition,
 )
-from agentserver.agents.store import ToolCallRecord
 
 
 def test_store_is_created_in_wal_and_reopened_without_migrating_twice(tmp_path):
@@ -134,7 +134,7 @@ def test_store_file_is_owned_by_one_process_at_a_time(tmp_path):
     import pytest
 
     from agentserver.agents.errors import StoreInUse
-    from agentserver.agents.sqlite_store import SqliteAgentStore
+    from agentserver.agents.store.sqlite_store import SqliteAgentStore
 
     path = tmp_path / "agents.sqlite3"
     first = SqliteAgentStore.open(path)
@@ -151,8 +151,8 @@ def test_the_store_sql_names_statuses_only_through_their_declarations():
     (a quoted literal in a query would drift from the tables and the docs)."""
     from pathlib import Path
 
-    from agentserver.agents import sql
-    from agentserver.agents.states import STORE_STATUSES, MessageType
+    from agentserver.agents.store import sql
+    from agentserver.agents.store.states import STORE_STATUSES, MessageType
 
     declared = [HeadStatus, InboxStatus, MessageType, *STORE_STATUSES.values()]
     values = {str(v) for enum in declared for v in enum}
@@ -167,7 +167,7 @@ async def test_a_v4_file_with_a_turn_in_flight_opens_and_the_turn_goes_on(tmp_pa
     it resumes and ends."""
     import sqlite3
 
-    from agentserver.agents.sql.schema import ddl
+    from agentserver.agents.store.sql.schema import ddl
 
     path = tmp_path / "old.sqlite3"
     conn = sqlite3.connect(path)

@@ -30,10 +30,10 @@ from hypothesis.stateful import (
 
 from agentserver.agents.clock import ManualClock
 from agentserver.agents.errors import StaleTurn
-from agentserver.agents.settings import StoreSettings
-from agentserver.agents.sqlite_store import SqliteAgentStore
-from agentserver.agents.states import HeadStatus, MessageType
-from agentserver.agents.store import NewCard, ToolCallRecord, TurnToken
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.base import NewCard, ToolCallRecord, TurnToken
+from agentserver.agents.store.sqlite_store import SqliteAgentStore
+from agentserver.agents.store.states import HeadStatus, MessageType
 
 AGENT = "assistant"
 WORKERS = st.sampled_from([0, 1])

@@ -21,11 +21,11 @@ import trio
 import trio.testing
 from lxml import etree
 
-from agentserver.agents import named_clients
-from agentserver.agents.bridge import PumpPorts
-from agentserver.agents.named_clients import NamedClientReplies
-from agentserver.agents.settings import StoreSettings
-from agentserver.agents.sql_store import SqlAgentStore
+from agentserver.agents.edge import named_clients
+from agentserver.agents.edge.bridge import PumpPorts
+from agentserver.agents.edge.named_clients import NamedClientReplies
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.sql_store import SqlAgentStore
 from agentserver.core.threads import new_thread_id
 from agentserver.pump.pump import open_pump
 
@@ -36,11 +36,11 @@ BODY = b'<answer xmlns="urn:test:once"><text>done</text></answer>'
 async def store(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[SqlAgentStore]:
     settings = StoreSettings(path=tmp_path / "agents.sqlite3")
     if request.param == "sqlite":
-        from agentserver.agents.sqlite_store import SqliteAgentStore
+        from agentserver.agents.store.sqlite_store import SqliteAgentStore
 
         s: SqlAgentStore = SqliteAgentStore.open(settings.path, settings=settings)
     else:
-        from agentserver.agents.pg.store import PostgresAgentStore
+        from agentserver.agents.store.pg.store import PostgresAgentStore
 
         url = request.getfixturevalue("pg_url")  # skips when no server is reachable
         opened = PostgresAgentStore.open(url, settings=settings)
@@ -218,7 +218,7 @@ def test_receipts_are_forgotten_once_no_read_that_began_before_them_is_in_flight
     """The memory that stops both races is bounded: a committed receipt is kept only
     while a read or keep that began before it is in flight, and never more than
     MAX_REMEMBERED of them."""
-    from agentserver.agents.named_clients import _Receipts
+    from agentserver.agents.edge.named_clients import _Receipts
 
     receipts = _Receipts()
     with receipts.busy():  # a read in flight ...

@@ -1,5 +1,5 @@
 """The SQLite store checkpoints its WAL on a worker thread while it is served, not inline
-in a commit on the trio thread (agents/sqlite_store.py, "Checkpoints")."""
+in a commit on the trio thread (agents/store/sqlite_store.py, "Checkpoints")."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import trio
 import trio.testing
 
-from agentserver.agents import sqlite_store
 from agentserver.agents.doorbell import Doorbell
-from agentserver.agents.sqlite_store import SqliteAgentStore
+from agentserver.agents.store import sqlite_store
+from agentserver.agents.store.sqlite_store import SqliteAgentStore
 
 
 @pytest.fixture

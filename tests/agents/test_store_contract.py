@@ -1,7 +1,7 @@
 """The agent store's contract, run against every backend (``store`` is parametrised).
 
 Each test drives one store through its public methods and checks what they promise
-(agents/store.py): a refused compare-and-set writes nothing, claims and leases keep their
+(agents/store/base.py): a refused compare-and-set writes nothing, claims and leases keep their
 order, suspend/report/resume, step retry, the end of a Turn, replies, conversations,
 compaction, governance rows. Raw rows are read through the store's own ``_read`` (a
 backend-neutral transaction), never through a backend's driver.
@@ -20,29 +20,29 @@ from typing import Any
 
 import pytest
 
-from agentserver.agents.approvals import PendingApproval
 from agentserver.agents.clock import ManualClock
 from agentserver.agents.errors import StaleTurn
-from agentserver.agents.governance_store import DecisionRecord
+from agentserver.agents.governance.approvals import PendingApproval
 from agentserver.agents.ports import LLMCompletion
-from agentserver.agents.retry import step_retries_done
-from agentserver.agents.settings import StoreSettings
-from agentserver.agents.sql_store import SqlAgentStore
-from agentserver.agents.states import (
-    AgentStepStatus,
-    HeadStatus,
-    InboxStatus,
-    MessageType,
-    ReplyStatus,
-    WaitingStatus,
-)
-from agentserver.agents.store import (
+from agentserver.agents.profile.retry import step_retries_done
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.base import (
     BoxSwap,
     CardType,
     NewCard,
     TaskStatus,
     ToolCallRecord,
     TurnToken,
+)
+from agentserver.agents.store.governance import DecisionRecord
+from agentserver.agents.store.sql_store import SqlAgentStore
+from agentserver.agents.store.states import (
+    AgentStepStatus,
+    HeadStatus,
+    InboxStatus,
+    MessageType,
+    ReplyStatus,
+    WaitingStatus,
 )
 
 TABLES = (
@@ -67,11 +67,11 @@ async def store(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[SqlAg
     clock = ManualClock()
     settings = StoreSettings(path=tmp_path / "agents.sqlite3", client_replies_max=3)
     if request.param == "sqlite":
-        from agentserver.agents.sqlite_store import SqliteAgentStore
+        from agentserver.agents.store.sqlite_store import SqliteAgentStore
 
         s: SqlAgentStore = SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
     else:
-        from agentserver.agents.pg.store import PostgresAgentStore
+        from agentserver.agents.store.pg.store import PostgresAgentStore
 
         url = request.getfixturevalue("pg_url")  # skips when no server is reachable
         opened = PostgresAgentStore.open(url, clock=clock, settings=settings)
@@ -541,7 +541,7 @@ async def test_policy_decisions_and_rate_windows(store):
 
 
 async def test_an_approval_is_decided_once(store):
-    from agentserver.agents.approvals import APPROVAL_PREFIX
+    from agentserver.agents.governance.approvals import APPROVAL_PREFIX
 
     token = await running(store)
     step_id, _ = await store.begin_step(token)

@@ -12,11 +12,11 @@ import pytest
 from test_store_contract import A, clock_of, rows, running, snapshot, store, suspended
 
 from agentserver.agents.errors import StaleTurn
-from agentserver.agents.governance_store import DecisionRecord, StepRecord
 from agentserver.agents.ports import LLMCompletion, LLMUsage
-from agentserver.agents.sql.db import INSERT_CHUNK
-from agentserver.agents.states import AgentStepStatus, HeadStatus, InboxStatus
-from agentserver.agents.store import BoxSwap, CardType, NewCard, ToolCallRecord, TurnToken
+from agentserver.agents.store.base import BoxSwap, CardType, NewCard, ToolCallRecord, TurnToken
+from agentserver.agents.store.governance import DecisionRecord, StepRecord
+from agentserver.agents.store.sql.db import INSERT_CHUNK
+from agentserver.agents.store.states import AgentStepStatus, HeadStatus, InboxStatus
 
 __all__ = ["store"]  # the parametrised fixture, used by every test here
 

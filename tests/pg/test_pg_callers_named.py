@@ -1,4 +1,4 @@
-"""A named client's reply is never pinned to a process (agents/pg/callers.py).
+"""A named client's reply is never pinned to a process (agents/store/pg/callers.py).
 
 Found by the two-process SIGKILL test (one task in about six runs went unanswered): a
 named client's reply reference also named the process she was connected to, so when a
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from agentserver.agents.pg.callers import PROCESS_KEY, process_of
+from agentserver.agents.store.pg.callers import PROCESS_KEY, process_of
 
 
 def test_an_anonymous_callers_reply_names_its_process():

@@ -7,9 +7,9 @@ from __future__ import annotations
 import trio
 
 from agentserver.agents.doorbell import Doorbell
-from agentserver.agents.named_clients import NamedClientReplies, forward_kept
-from agentserver.agents.pg.store import PostgresAgentStore
-from agentserver.agents.settings import StoreSettings
+from agentserver.agents.edge.named_clients import NamedClientReplies, forward_kept
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.pg.store import PostgresAgentStore
 
 
 class Link:

@@ -10,9 +10,9 @@ from cliutil import cli_in_process
 from lxml import etree
 from serverproc import subprocess_env
 
-from agentserver.agents.config import store_settings_from_element
 from agentserver.agents.errors import AgentConfigError
-from agentserver.agents.pg.url import StoreUrlError, check_url, redact
+from agentserver.agents.profile.config import store_settings_from_element
+from agentserver.agents.profile.store_url import StoreUrlError, check_url, redact
 from agentserver.config import loader as boot
 from agentserver.core.namespaces import BOOT_NS
 

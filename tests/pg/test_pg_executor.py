@@ -12,8 +12,8 @@ import pytest
 import trio
 
 from agentserver.agents.errors import StoreError
-from agentserver.agents.pg.executor import PgExecutor, to_pg
-from agentserver.agents.pg.trio_executor import PgTrioExecutor
+from agentserver.agents.store.pg.executor import PgExecutor, to_pg
+from agentserver.agents.store.pg.trio_executor import PgTrioExecutor
 
 EXECUTORS = {"thread": PgExecutor, "trio": PgTrioExecutor}
 
@@ -96,7 +96,7 @@ async def test_past_the_prepared_statements_cap_statements_run_unprepared(
     monkeypatch: pytest.MonkeyPatch,
     Executor: type,
 ) -> None:
-    from agentserver.agents.pg import executor
+    from agentserver.agents.store.pg import executor
 
     monkeypatch.setattr(executor, "MAX_PREPARED", 1)
     ex = await Executor.open(pg_url, pool_size=1)
@@ -251,7 +251,7 @@ async def test_opening_an_executor_shortens_the_switch_interval_never_lengthens_
 ) -> None:
     import sys
 
-    from agentserver.agents.pg.executor import SWITCH_INTERVAL_S
+    from agentserver.agents.store.pg.executor import SWITCH_INTERVAL_S
 
     before = sys.getswitchinterval()
     try:

@@ -8,8 +8,8 @@ import pytest
 import trio
 
 from agentserver.agents.doorbell import Doorbell
-from agentserver.agents.pg.executor import PgExecutor
-from agentserver.agents.pg.notify import PgListener, notify
+from agentserver.agents.store.pg.executor import PgExecutor
+from agentserver.agents.store.pg.notify import PgListener, notify
 
 
 class Rings:

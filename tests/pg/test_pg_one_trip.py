@@ -1,4 +1,4 @@
-"""The hot store calls on PostgreSQL in one round trip (agents/pg/one_trip.py): the round
+"""The hot store calls on PostgreSQL in one round trip (agents/store/pg/one_trip.py): the round
 trips each costs are pinned (a regression fails here), and what each does is what the
 shared function does on the same rows, misses included (they rerun the shared one)."""
 
@@ -11,12 +11,12 @@ import psycopg
 import pytest
 
 from agentserver.agents.errors import StaleTurn
-from agentserver.agents.governance_store import DecisionRecord, StepRecord
-from agentserver.agents.pg.store import PostgresAgentStore
 from agentserver.agents.ports import LLMCompletion, LLMUsage
-from agentserver.agents.settings import StoreSettings
-from agentserver.agents.states import AfterExecution, HeadStatus
-from agentserver.agents.store import NewCard, ToolCallRecord
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.base import NewCard, ToolCallRecord
+from agentserver.agents.store.governance import DecisionRecord, StepRecord
+from agentserver.agents.store.pg.store import PostgresAgentStore
+from agentserver.agents.store.states import AfterExecution, HeadStatus
 
 pytestmark = pytest.mark.postgresql
 

@@ -11,14 +11,14 @@ import pytest
 import trio
 
 from agentserver.agents.errors import StaleTurn
-from agentserver.agents.pg.leases import processes
-from agentserver.agents.pg.schema import EXTRAS_DIGEST, migrate_pg
-from agentserver.agents.pg.store import PostgresAgentStore
-from agentserver.agents.pg.trio_executor import PgTrioExecutor
-from agentserver.agents.settings import StoreSettings
-from agentserver.agents.sql.schema import SCHEMA_VERSION
-from agentserver.agents.states import HeadStatus, InboxStatus
-from agentserver.agents.store import NewCard, ToolCallRecord
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.base import NewCard, ToolCallRecord
+from agentserver.agents.store.pg.leases import processes
+from agentserver.agents.store.pg.schema import EXTRAS_DIGEST, migrate_pg
+from agentserver.agents.store.pg.store import PostgresAgentStore
+from agentserver.agents.store.pg.trio_executor import PgTrioExecutor
+from agentserver.agents.store.sql.schema import SCHEMA_VERSION
+from agentserver.agents.store.states import HeadStatus, InboxStatus
 
 
 def _open(url: str, **kw) -> PostgresAgentStore:
@@ -185,13 +185,13 @@ async def test_a_takeover_warns_only_when_it_takes_work_over(pg_url: str, caplog
     await _open(pg_url).aclose()
     b = _open(pg_url)
     try:
-        with caplog.at_level("WARNING", logger="agentserver.agents.pg.store"):
+        with caplog.at_level("WARNING", logger="agentserver.agents.store.pg.store"):
             assert await b.recover_running() == []
         assert "took over" not in caplog.text
         c = _open(pg_url)
         await _running(c)
         await c.aclose()
-        with caplog.at_level("WARNING", logger="agentserver.agents.pg.store"):
+        with caplog.at_level("WARNING", logger="agentserver.agents.store.pg.store"):
             assert len(await b.reclaim()) == 1
         assert "took over from 1 stopped process(es): 1 running turn(s)" in caplog.text
     finally:
@@ -242,7 +242,7 @@ async def test_alone_on_the_store_a_process_rings_itself_instead_of_notifying(
     doorbell and sends no NOTIFY; once another process is there (its lease seen at a
     heartbeat, or any notification heard) it notifies again."""
     from agentserver.agents.doorbell import Doorbell
-    from agentserver.agents.pg.notify import WAKE_CHANNEL
+    from agentserver.agents.store.pg.notify import WAKE_CHANNEL
 
     spy = psycopg.connect(pg_url, autocommit=True)
     spy.execute(f"LISTEN {WAKE_CHANNEL}")

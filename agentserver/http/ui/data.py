@@ -4,7 +4,7 @@ replies) and filtered by what the caller may see. Each function is one or a few 
 nothing here writes. Used both to render a page and by the page's script to refresh it.
 
 Bounded: an agent's page lists its newest :data:`RECENT_TASKS` tasks, a task's page its
-Turn's newest cards (:data:`agentserver.agents.sql.views.TURN_LOG_CARDS`, each cut); the
+Turn's newest cards (:data:`agentserver.agents.store.sql.views.TURN_LOG_CARDS`, each cut); the
 pending approvals are all read (they are few: each holds a suspended call)."""
 
 from __future__ import annotations

@@ -1,0 +1,173 @@
+"""Human approval of tool calls (``decision="require-approval"``), durable end to end.
+
+A call that needs approval is suspended as a waiting row of its own kind
+(``turn_waiting_tools.after_execution = 'approval'``, ``tool_call_id = 'approval:ID'``)
+with an ``approvals`` row, in the transactions that suspend the Turn; then the
+``<approval-request>`` goes to the rule's approver. A named client approver gets it
+through the durable named-client replies (kept in the store until received, so an
+approver who is away gets it at her next hello); a listener approver gets it through the
+pump (and again after a restart, since the pump's threads do not survive one).
+
+The approver answers ``<approval-decision request="ID" grant="true|false">`` addressed to
+the agent (every governed agent takes decisions by name, the first also by root tag; the
+request id says which agent asked, whichever receives it). The first decision wins (one transaction): a grant queues an ``approval`` row
+that the worker turns into exactly one forward through the pump (``forwarding`` is
+committed first, so a crash in between can never send the call twice; such a call is
+reported lost instead); a denial, or no decision before the rule's ``timeout``, becomes a
+failed result of the call (a refusal card). Later decisions are acknowledged
+(``<approval-ack status="duplicate">``) and change nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+from lxml import etree
+
+from agentserver.agents.clock import Clock
+from agentserver.agents.errors import PumpRefused, StaleTurn
+from agentserver.agents.store.governance import APPROVAL_PREFIX, WAITING_KIND, PendingApproval
+from agentserver.core.xmlsafe import SafeParser
+from agentserver.primitives.approval import (
+    DECISION_TAG,
+    NS,
+    REQUEST_TAG,
+    ApprovalAck,
+    ApprovalDecision,
+    ApprovalRequest,
+)
+
+log = logging.getLogger(__name__)
+
+# The approval vocabulary is wire-level (a client reads and writes it too): defined in
+# agentserver.primitives.approval, importable from here as before.
+__all__ = [
+    "APPROVAL_PREFIX",
+    "DECISION_TAG",
+    "NS",
+    "REQUEST_TAG",
+    "WAITING_KIND",
+    "ApprovalAck",
+    "ApprovalDecision",
+    "ApprovalRequest",
+    "Approvals",
+    "PendingApproval",
+    "forward_granted",
+    "request_element",
+]
+
+#: Delivers an approval request (the element) to ``pending.approver``.
+SendApproval = Callable[[PendingApproval, etree._Element], Awaitable[None]]
+
+
+def request_element(p: PendingApproval, timeout: float) -> etree._Element:
+    model = ApprovalRequest(
+        request=p.request_id,
+        agent=p.agent_id,
+        thread=p.thread,
+        target=p.target,
+        rule=p.rule,
+        timeout=timeout,
+        payload=p.payload,
+    )
+    return etree.fromstring(model.to_xml())
+
+
+class Approvals:
+    """Sends approval requests, applies decisions, and times out the ones left waiting.
+
+    ``send`` is the transport (:class:`agentserver.agents.edge.bridge.PumpPorts` implements
+    it): ``await send(pending, element)`` delivers the request to ``pending.approver``.
+    """
+
+    def __init__(
+        self,
+        store,
+        clock: Clock,
+        doorbell,
+        send: SendApproval | None = None,
+        interval_s: float = 0.5,
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.doorbell = doorbell
+        self.send = send
+        self.interval_s = interval_s
+
+    async def deliver_requests(self) -> int:
+        """Send every request not sent yet (after a suspend, and all again after a restart
+        for listener approvers); returns how many."""
+        if self.send is None:
+            return 0
+        n = 0
+        for p in await self.store.unsent_approvals():
+            try:
+                await self.send(p, request_element(p, max(0.0, p.deadline - self.clock.now())))
+            except Exception:
+                log.exception(
+                    "approval request %s to %s could not be sent", p.request_id, p.approver
+                )
+                continue
+            await self.store.mark_approval_sent(p.request_id)
+            n += 1
+        return n
+
+    async def decide(self, request_id: str, grant: bool, reason: str, by: str | None) -> str:
+        status = await self.store.decide_approval(request_id, grant, reason, by)
+        if status == "applied":
+            self.doorbell.ring()
+        return status
+
+    async def expire(self) -> int:
+        n = await self.store.expire_approvals(self.clock.now())
+        if n:
+            self.doorbell.ring()
+        return n
+
+    async def run(
+        self,
+        listener_approvers: tuple[str, ...] = (),
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        await self.store.unsend_approvals(listener_approvers)
+        task_status.started()
+        while True:
+            try:
+                await self.deliver_requests()
+                await self.expire()
+            except Exception:
+                log.exception("approvals tick failed")
+            await trio.sleep(self.interval_s)
+
+
+async def forward_granted(worker, row) -> None:
+    """The worker's handling of an ``approval`` row: forward the granted call once."""
+    store = worker.store
+    begun = await store.begin_forward(row)
+    if begun is None:
+        return
+    request_id, token, target, payload = begun
+    profile = worker.profiles.get(token.agent_id)
+    after = "terminate" if profile is not None and target in profile.terminate_tools else "suspend"
+    ref_json = await store.turn_reply_ref(token)
+    try:
+        element = SafeParser().parse(payload.encode("utf-8"))
+        # A granted call's idempotency key is its approval request's id (its card's).
+        sub = await worker.tools.call(
+            token.agent_id, json.loads(ref_json), element, target, key=request_id
+        )
+    except PumpRefused as refused:
+        text = etree.tostring(refused.element, encoding="unicode")
+        await store.fail_forward(request_id, row, f"the granted call was refused: {text}")
+        worker.doorbell.ring()
+        return
+    deadline = worker.clock.now() + (profile.resume_deadline_s if profile else 60.0)
+    try:
+        await store.finish_forward(request_id, row, sub, after, deadline)
+    except StaleTurn:
+        log.info("approval %s: its Turn moved on while the call was forwarded", request_id)
+    worker.doorbell.ring()

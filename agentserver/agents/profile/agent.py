@@ -1,0 +1,110 @@
+"""The agent profile: everything the worker needs to know about one agent (immutable)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from lxml import etree
+
+from agentserver.agents.policy.evaluate import Policy
+from agentserver.agents.policy.guardrails import GuardrailSpec
+from agentserver.agents.profile.budget import DEFAULT_CONTEXT_WINDOW, Budget
+from agentserver.agents.profile.retry import RetryPolicy
+
+#: The output allowance of a request when the agent sets no max-tokens (the LLM
+#: adapter's default).
+DEFAULT_MAX_OUTPUT = 1024
+
+SUBMIT_RESULT = "submit_result"
+
+
+@dataclass(frozen=True, slots=True)
+class ResultField:
+    """A field the caller expects in the deliverable (``submit_result``)."""
+
+    name: str
+    required: bool = True
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentProfile:
+    """Per-agent settings (boot.xml ``<agent>`` settings plus what the pump derives).
+
+    ``own_roots`` are the agent's own payload root tags in Clark notation
+    (``{ns}local``): a payload with one of them is self-iteration. ``peers`` maps each
+    peer payload root tag (Clark) to the peer listener's name: such a payload is a tool
+    call. ``answer_tag`` is the root tag of the reply sent to the caller; its ``<text>``
+    child carries the deliverable text. ``terminate_tools`` name peers whose result ends
+    the Turn (the seed's ``after_execution=terminate``); other tools suspend and resume.
+    ``quotable`` are root tags (Clark) of what the agent reads but does not send: its
+    peers' answers (the server adds the core primitives): such an element written in a
+    reply quotes a tool's result, and is prose. ``failure_status`` puts ``status="failed"`` on the answer of a Turn that did not
+    succeed; set it only when the reply type's schema declares that attribute (the server
+    checks, see :func:`agentserver.agents.turn.answer.takes_failure_status`).
+    """
+
+    name: str
+    model: str
+    system_prompt: str = "You are a helpful agent."
+    max_steps: int = 12
+    resume_deadline_s: float = 60.0
+    must_end_with: tuple[str, ...] = ()
+    result_fields: tuple[ResultField, ...] = ()
+    usage_instructions: str = ""
+    own_roots: tuple[str, ...] = ()
+    peers: Mapping[str, str] = field(default_factory=dict)
+    answer_tag: str = ""
+    max_tokens: int | None = None
+    llm_timeout_s: float = 300.0
+    terminate_tools: tuple[str, ...] = ()
+    failure_status: bool = False
+    quotable: tuple[str, ...] = ()
+    step_retries: int = 3
+    step_retry_base_s: float = 2.0
+    max_retry_after_s: float = 60.0
+    #: None: the model's declared window (``<model context-window>``), else 128k.
+    context_window: int | None = None
+    context_reserve: int = 8192
+    keep_recent: int = 16384
+    tool_result_share: float = 0.25
+    memory: str = "none"  # or "client": one durable conversation per client
+    #: Tool-call policy (None: peers only), guardrails and the built-in loop detector's
+    #: thresholds (0: off).
+    policy: Policy | None = None
+    guardrails: tuple[GuardrailSpec, ...] = ()
+    loop_warn: int = 2
+    loop_block: int = 5
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1:
+            raise ValueError("max_steps must be >= 1")
+        if self.resume_deadline_s <= 0:
+            raise ValueError("resume_deadline_s must be > 0")
+        RetryPolicy(self.step_retries, self.step_retry_base_s, self.max_retry_after_s)
+        self.budget  # noqa: B018 - validates the context settings
+        if self.memory not in ("none", "client"):
+            raise ValueError(f"memory must be none or client, not {self.memory!r}")
+        if not self.answer_tag:
+            ns = etree.QName(self.own_roots[0]).namespace if self.own_roots else None
+            object.__setattr__(self, "answer_tag", etree.QName(ns, "answer").text)
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(self.step_retries, self.step_retry_base_s, self.max_retry_after_s)
+
+    @property
+    def budget(self) -> Budget:
+        return Budget(
+            self.context_window or DEFAULT_CONTEXT_WINDOW,
+            self.context_reserve,
+            self.keep_recent,
+            self.tool_result_share,
+            self.max_tokens or DEFAULT_MAX_OUTPUT,
+        )
+
+    @property
+    def known_roots(self) -> tuple[str, ...]:
+        """Every root tag the worker recognises in model text (Clark notation)."""
+        return (*self.own_roots, *self.peers, self.answer_tag)

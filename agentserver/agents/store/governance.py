@@ -1,0 +1,83 @@
+"""The store's part of governance, as the governor sees it: the policy decisions of each
+step (the rate windows are counted from them) and the refusal cards written with them.
+
+Implemented for every backend by :class:`agentserver.agents.store.sql_store.SqlAgentStore` over
+:mod:`agentserver.agents.store.sql.governance` (tables of schema migration 4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from agentserver.agents.store.base import NewCard, TurnToken
+
+#: The approvals' rows (agents/governance/approvals.py applies them).
+APPROVAL_PREFIX = "approval:"
+#: turn_waiting_tools.after_execution of a call waiting for its approval.
+WAITING_KIND = "approval"
+
+
+@dataclass(frozen=True, slots=True)
+class PendingApproval:
+    request_id: str
+    agent_id: str
+    agent_turn_id: str
+    target: str
+    payload: str
+    rule: str
+    approver: str
+    deadline: float
+    thread: str
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRecord:
+    """One tool call's governance decision, as the step log keeps it.
+
+    ``decision``: allow, deny, require-approval, or blocked/halted by a guardrail (the
+    loop detector is ``loop-block``). ``rate_key`` is set on an allowed call that counts
+    against a rate window.
+    """
+
+    target: str
+    payload_tag: str
+    decision: str
+    rule: str
+    reason: str
+    rate_key: str | None = None
+    step_id: str = ""
+    at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What governance decided for one step's calls, written with the step itself
+    (``complete_step(..., screened=...)``): the decisions, the refusal cards (after the
+    step's own) and the approval requests."""
+
+    decisions: tuple[DecisionRecord, ...] = ()
+    cards: tuple[NewCard, ...] = ()
+    approvals: tuple[PendingApproval, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.decisions or self.cards)
+
+
+class GovernanceStore(Protocol):
+    async def rate_window(self, rate_key: str, since: float) -> list[float]:
+        """Times (ascending) of the allowed calls counted under ``rate_key`` after ``since``."""
+        ...
+
+    async def record_decisions(
+        self,
+        token: TurnToken,
+        step_id: str,
+        decisions: Sequence[DecisionRecord],
+        cards: Sequence[NewCard],
+    ) -> None:
+        """Log the step's decisions and add ``cards`` (refusals), CAS-fenced on running."""
+        ...
+
+    async def turn_decisions(self, agent_turn_id: str) -> list[DecisionRecord]: ...

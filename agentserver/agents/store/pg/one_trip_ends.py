@@ -1,0 +1,283 @@
+"""A Turn's ends on PostgreSQL in one round trip each (two for ``finish``): its
+enqueue (with its lease), the tool reports that arrive for it, its finish (with the
+next Turn's lease): the variants of ``agents/store/sql/inbox.py`` and ``turn_end.py`` (see
+:mod:`.one_trip` for how, and what a miss does)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from agentserver.agents.errors import StaleTurn
+from agentserver.agents.store.base import (
+    CardType,
+    EnqueueResult,
+    Finished,
+    NewCard,
+    PendingReply,
+    TaskStatus,
+    TurnToken,
+)
+from agentserver.agents.store.pg.notify import notify
+from agentserver.agents.store.pg.one_trip import (
+    Missed,
+    PipeTx,
+    bump,
+    cards_into_output,
+    cas_expected,
+    closing,
+    fence,
+    one_trip,
+    tokens_exprs,
+)
+from agentserver.agents.store.sql import head, inbox, turn_end
+from agentserver.agents.store.sql.common import (
+    edge,
+    tokens_of,
+)
+from agentserver.agents.store.sql.db import StoreEnv, marks, new_id
+from agentserver.agents.store.sql.turns import close_step, with_tokens
+from agentserver.agents.store.states import (
+    AgentStepStatus,
+    HeadEvent,
+    InboxEvent,
+    InboxStatus,
+    MessageType,
+    ReplyStatus,
+    head_sources,
+    inbox_sources,
+    inbox_transition,
+)
+
+
+@one_trip
+def enqueue_turn(
+    tx: PipeTx,
+    env: StoreEnv,
+    channel: str | None,
+    agent_id: str,
+    payload: bytes,
+    reply_ref: Any,
+    conversation: str | None,
+) -> EnqueueResult:
+    """:func:`~agentserver.agents.store.sql.inbox.enqueue_turn` in one round trip: the head
+    ensured, the row queued, and its lease written on condition in the server: the
+    compare-and-set takes the head if it is idle and this row is its only queued one,
+    and the lease's other writes are made only if it did (their rows come from its
+    ``RETURNING``): one data-modifying CTE. Python knows everything the lease
+    writes but the epoch, which the inbox row takes from the compare-and-set's
+    ``RETURNING``. An idle head with older queued rows (the shared
+    function leases the oldest) is a miss; so is a Turn continuing a conversation (its
+    cards are read first), before anything is sent."""
+    if conversation:
+        raise Missed("a conversation's cards are read first")
+    ref_json = json.dumps(reply_ref)
+    inbox_id = new_id()
+    head.ensure(tx, env, agent_id)
+    inbox.queue(tx, env, inbox_id, agent_id, payload, ref_json, None)
+    task = NewCard(CardType.TASK_INPUT, payload.decode("utf-8", "replace"))
+    task_tokens = tokens_of(env, agent_id, task)
+    now = env.clock.now()
+    turn_id, context_box, output_box = new_id(), new_id(), new_id()
+    others = "SELECT 1 FROM agent_inbox WHERE agent_id = ? AND status = ? AND inbox_id != ?"
+    other_params = (agent_id, InboxStatus.QUEUED, inbox_id)
+    sql, params = head.cas_statement(
+        env,
+        agent_id,
+        None,
+        None,
+        HeadEvent.LEASE,
+        sets=head.lease_sets(turn_id, inbox_id, context_box, output_box, now, task_tokens),
+        where=f" AND NOT EXISTS ({others})",
+        where_params=other_params,
+    )
+    sources = head_sources(HeadEvent.LEASE)
+    dispatch = inbox_sources(InboxEvent.DISPATCH)
+    if channel is not None:
+        notify(tx, channel)
+    # One statement: the compare-and-set (h), and what the lease writes besides, from h
+    # (nothing if it missed); then whether it hit, and the check that a miss was not an
+    # idle head with older queued rows (the statement's snapshot: the head before it).
+    ((took, _),) = tx.last(
+        f"WITH h AS ({sql}), "
+        "b AS (INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) "
+        "SELECT ?, ?, ?, ?, ? FROM h UNION ALL SELECT ?, ?, ?, ?, ? FROM h), "
+        "c AS (INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, "
+        "metadata, created_at, tokens) SELECT ?, ?, ?, ?, ?, ?, ?, ? FROM h), "
+        "i AS (UPDATE agent_inbox SET status = ?, updated_at = ?, agent_turn_id = ?, "
+        "turn_epoch = h.turn_epoch, next_retry_at = ? FROM h WHERE agent_inbox.inbox_id = ? "
+        f"AND agent_inbox.status IN ({marks(len(dispatch))})), "
+        "e AS (INSERT INTO execution_edges (agent_id, agent_turn_id, primitive, edge_phase, "
+        "correlation_id, inbox_id, created_at, metadata) SELECT ?, ?, ?, ?, ?, ?, ?, ? FROM h) "
+        "SELECT (SELECT count(*) FROM h), agentserver_expect(NOT EXISTS (SELECT 1 FROM "
+        f"agent_state_head WHERE agent_id = ? AND status IN ({marks(len(sources))}) "
+        f"AND EXISTS ({others})), ?)",
+        (
+            *params,
+            context_box, agent_id, turn_id, "context", now,
+            output_box, agent_id, turn_id, "output", now,
+            new_id(), context_box, turn_id, task.card_type, task.content,
+            json.dumps(dict(task.metadata)), now, task_tokens,
+            str(inbox_transition(dispatch[0], InboxEvent.DISPATCH).target),
+            env.clock.now(), turn_id, now, inbox_id, *dispatch,
+            agent_id, turn_id, "lease", "request", None, inbox_id, env.clock.now(), "{}",
+            agent_id, *sources, *other_params, f"{agent_id}: older queued Turns to lease",
+        ),
+    )  # fmt: skip
+    return EnqueueResult(inbox_id, bool(took))
+
+
+@one_trip
+def report_tool_result(
+    tx: PipeTx,
+    env: StoreEnv,
+    channel: str | None,
+    agent_id: str,
+    tool_call_id: str,
+    payload: bytes,
+    failed: bool,
+) -> str:
+    """:func:`~agentserver.agents.store.sql.inbox.report_tool_result` in one round trip: the
+    waiting row's Turn (or its absence: the report is parked as deferred) is read by
+    the ``INSERT``, and the edge takes the Turn from the row inserted."""
+    now = env.clock.now()
+    inbox_id = new_id()
+    mtype = MessageType.TOOL_RESULT
+    tx.execute(
+        "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, agent_turn_id, "
+        "turn_epoch, correlation_id, payload, failed, next_retry_at, defer_reason, "
+        "created_at, updated_at) SELECT ?, ?, ?, "
+        "CASE WHEN w.tool_call_id IS NULL THEN ? ELSE ? END, w.agent_turn_id, "
+        "w.turn_epoch, ?, ?, ?, "
+        "CASE WHEN w.tool_call_id IS NULL THEN ? ELSE ? END, "
+        "CASE WHEN w.tool_call_id IS NULL THEN ? END, ?, ? "
+        "FROM (SELECT 1) AS one LEFT JOIN turn_waiting_tools w ON w.tool_call_id = ?",
+        (
+            inbox_id,
+            agent_id,
+            mtype,
+            InboxStatus.DEFERRED,
+            InboxStatus.PENDING,
+            tool_call_id,
+            payload,
+            int(failed),
+            now + env.settings.retry_base_s,
+            now,
+            "awaiting suspend",
+            now,
+            now,
+            tool_call_id,
+        ),
+    )
+    tx.execute(
+        "INSERT INTO execution_edges (agent_id, agent_turn_id, primitive, edge_phase, "
+        "correlation_id, inbox_id, created_at, metadata) VALUES "
+        "(?,(SELECT agent_turn_id FROM agent_inbox WHERE inbox_id = ?),?,?,?,?,?,?)",
+        (
+            agent_id,
+            inbox_id,
+            "report",
+            "response",
+            tool_call_id,
+            inbox_id,
+            now,
+            json.dumps({"message_type": str(mtype)}),
+        ),
+    )
+    return closing(tx, channel, inbox_id)
+
+
+@one_trip
+def finish(
+    tx: PipeTx,
+    env: StoreEnv,
+    channel: str | None,
+    token: TurnToken,
+    status: str,
+    text: str,
+    metadata: Mapping[str, Any],
+    reply_payload: bytes,
+    step_id: str | None = None,
+    completion: Any = None,
+    cards: Sequence[NewCard] = (),
+) -> Finished:
+    """:func:`~agentserver.agents.store.sql.turn_end.finish` in two round trips: all its
+    writes with the read of the agent's next queued Turn, then ``COMMIT`` (with that
+    Turn's lease when there is one: the shared code, as in ``finish``)."""
+    now = env.clock.now()
+    agent, turn = token.agent_id, token.agent_turn_id
+    # What the compare-and-set clears (the Turn's inbox row: its reply reference and
+    # conversation) is read by the statements before it.
+    ending = tx.later(turn_end.ENDING, (agent, turn))
+    by_turn_row = (
+        "FROM agent_state_head h JOIN agent_inbox i ON i.inbox_id = h.turn_inbox_id "
+        "WHERE h.agent_id = ? AND h.active_agent_turn_id = ?"
+    )
+    failed = status != TaskStatus.SUCCEEDED
+    tx.execute(
+        "INSERT INTO agent_replies (agent_turn_id, agent_id, reply_ref, payload, failed, "
+        f"status, created_at) SELECT ?, ?, i.reply_ref, ?, ?, ?, ? {by_turn_row} "
+        "AND i.reply_ref IS NOT NULL",
+        (turn, agent, reply_payload, int(failed), ReplyStatus.PENDING, now, agent, turn),
+    )
+    tx.execute(
+        "INSERT INTO conversations (agent_id, conversation, context_box_id, output_box_id, "
+        f"updated_at) SELECT h.agent_id, i.conversation, h.context_box_id, h.output_box_id, "
+        f"? {by_turn_row} AND i.conversation IS NOT NULL AND i.conversation != '' "
+        "AND h.context_box_id IS NOT NULL AND h.output_box_id IS NOT NULL "
+        "ON CONFLICT (agent_id, conversation) DO UPDATE "
+        "SET context_box_id = excluded.context_box_id, "
+        "output_box_id = excluded.output_box_id, updated_at = excluded.updated_at",
+        (now, agent, turn),
+    )
+    priced = with_tokens(env, agent, cards)
+    fence(
+        tx,
+        env,
+        token,
+        HeadEvent.FINISH,
+        sets={
+            "active_agent_turn_id": None,
+            "turn_inbox_id": None,
+            "waiting_tool_count": 0,
+            "resume_deadline": None,
+            "dispatched_at": None,
+            "running_since": None,
+        },
+        **tokens_exprs(sum(t for _, t in priced)),
+    )
+    deliverable = NewCard(CardType.DELIVERABLE, text, {"status": status, **metadata})
+    *_, card_id = cards_into_output(tx, env, token, [*priced, (deliverable, 0)])
+    edge(
+        tx,
+        env,
+        agent,
+        turn,
+        "deliver",
+        "response",
+        metadata={"status": status, "deliverable_card_id": card_id},
+    )
+    if step_id is not None:
+        close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, ())
+    queued = tx.one(head.QUEUED_NEXT, (agent, InboxStatus.QUEUED))
+    if not ending.rows:  # (the compare-and-set would have missed: not reached)
+        raise StaleTurn(f"{token}: not the active Turn")
+    _, _, output_box, _, _, ref, _ = ending.rows[0]
+    leased = False
+    if queued is not None:
+        # The head is idle and locked by this transaction (its compare-and-set above):
+        # the lease's compare-and-set hits, and its epoch is known.
+        epoch = token.turn_epoch + bump(HeadEvent.FINISH)
+
+        def take(sets: Mapping[str, Any]) -> int:
+            cas_expected(tx, env, agent, HeadEvent.LEASE, sets)
+            return epoch + bump(HeadEvent.LEASE)
+
+        leased = head.lease_with(tx, env, agent, queued, take)
+    if channel is not None:
+        notify(tx, channel)
+    reply = None
+    if ref is not None:
+        reply = PendingReply(turn, agent, ref, reply_payload, failed, 0)
+    return Finished(agent, turn, status, output_box, card_id, reply, leased)

@@ -1,0 +1,316 @@
+"""The PostgreSQL backend of :class:`~agentserver.agents.store.sql_store.SqlAgentStore`.
+
+Every store method is one transaction on the store's executor (:mod:`.trio_executor` on
+the trio thread, or :mod:`.executor`'s worker threads: :func:`executor_class`); claims lock
+with ``FOR UPDATE SKIP LOCKED`` so processes sharing the database take disjoint rows;
+every Turn write is fenced by the head's epoch (the compare-and-set of ``agents/sql``),
+so a process whose Turn was taken over writes nothing. Transactions that make work due
+somewhere ``NOTIFY`` the other processes (:mod:`.notify`); the leases of
+:mod:`.leases` give the Turns of a dead process to the living.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import trio
+
+from agentserver.agents.clock import Clock, SystemClock
+from agentserver.agents.doorbell import Doorbell
+from agentserver.agents.errors import StaleTurn, StoreError
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.base import PendingReply, TurnToken
+from agentserver.agents.store.pg import callers, leases, one_trip_ends, one_trip_turn
+from agentserver.agents.store.pg.executor import PgExecutor
+from agentserver.agents.store.pg.notify import (
+    CLIENT_REPLIES_CHANNEL,
+    REPLIES_CHANNEL,
+    WAKE_CHANNEL,
+    PgListener,
+    notify,
+)
+from agentserver.agents.store.pg.one_trip import Missed
+from agentserver.agents.store.pg.schema import OWNER_SETTING, migrate_pg
+from agentserver.agents.store.pg.trio_executor import PgTrioExecutor
+from agentserver.agents.store.sql import (
+    governance,
+    inbox,
+    replies,
+    tools,
+    turn_end,
+    turns,
+    watchdog,
+)
+from agentserver.agents.store.sql_store import SqlAgentStore
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+def executor_class(settings: StoreSettings) -> type[PgTrioExecutor] | type[PgExecutor]:
+    """The one place the store's executor is chosen (``StoreSettings.pg_executor``): the
+    trio thread's non-blocking pipelined one, or the worker threads' fallback."""
+    return PgExecutor if settings.pg_executor == "thread" else PgTrioExecutor
+
+
+#: Store functions after whose commit another process may have work to do, and the
+#: channel that says so.
+_NOTIFIES = {
+    fn: WAKE_CHANNEL
+    for fn in (
+        inbox.enqueue_turn,
+        inbox.report_tool_result,
+        inbox.requeue_stuck,
+        tools.suspend,
+        tools.inject_timeouts,
+        turn_end.finish,
+        turn_end.fail_turn_row,
+        turn_end.force_end,
+        turns.retry_step,
+        watchdog.recover_running,
+        replies.cancel_queued,
+        leases.reclaim,
+    )
+}
+_NOTIFIES[replies.record_client_reply] = CLIENT_REPLIES_CHANNEL
+
+#: The hot store calls' PostgreSQL variants (agents/store/pg/one_trip.py): the one place the
+#: store runs SQL of its own instead of the shared function (which a miss falls back to).
+ONE_TRIP: dict[Callable[..., Any], Callable[..., Any]] = {
+    inbox.enqueue_turn: one_trip_ends.enqueue_turn,
+    inbox.report_tool_result: one_trip_ends.report_tool_result,
+    turn_end.finish: one_trip_ends.finish,
+    turns.start_turn_step: one_trip_turn.start_turn_step,
+    turns.complete_step: one_trip_turn.complete_step,
+    governance.complete_screened_step: one_trip_turn.complete_screened_step,
+    tools.suspend: one_trip_turn.suspend,
+    tools.apply_report: one_trip_turn.apply_report,
+}
+
+
+def _notifying(tx, env, channel, fn, *args):
+    result = fn(tx, env, *args)
+    notify(tx, channel)
+    return result
+
+
+def _hand_over(tx, env, agent_turn_id: str, process: str) -> bool:
+    if callers.hand_over(tx, env, agent_turn_id, process):
+        notify(tx, REPLIES_CHANNEL)
+        return True
+    return False
+
+
+class PostgresAgentStore(SqlAgentStore):
+    """The agent store on PostgreSQL. Create with :meth:`open`; close with :meth:`aclose`.
+    ``owner`` identifies this process in the database (rows it owns, its lease)."""
+
+    claim_lock = " FOR UPDATE SKIP LOCKED"
+    #: Other processes use this store too: recovery at start must take over only the
+    #: work of processes that are gone (their lease expired), never all of it.
+    shared = True
+
+    def __init__(
+        self,
+        executor: PgTrioExecutor | PgExecutor,
+        clock: Clock,
+        settings: StoreSettings,
+        owner: str,
+        *,
+        tool_result_caps: Mapping[str, int] | None = None,
+    ) -> None:
+        super().__init__(clock, settings, tool_result_caps)
+        self.executor = executor
+        self.owner = owner
+        #: Rings when some process kept a reply for a named client (named_clients.py's
+        #: forward_kept offers it to the connection this process holds, if any).
+        self.client_replies = Doorbell()
+        #: Rings when a reply may be waiting for an anonymous caller connected here
+        #: (:mod:`.callers`; the runtime's ``answer_callers_here`` sends it).
+        self.replies_here = Doorbell()
+        #: Whether another process may be using the store: its lease was live at the
+        #: last heartbeat, or a notification came (some process is there). While there
+        #: is none, a transaction that makes work due rings this process's own
+        #: doorbells after it commits instead of sending ``NOTIFY`` (a statement per
+        #: write, and the notification's round trip back to this process's listener).
+        self.others_alive = True
+        #: What to do with the calls of a dead process's suspended Turns (the agent
+        #: runtime's ``lost_calls``: re-send those to idempotent listeners); None:
+        #: report them all lost.
+        self.on_lost_calls: Callable[[TurnToken, str], Awaitable[int]] | None = None
+        #: channel → this process's own doorbell for it (set by :meth:`serve`)
+        self._rings: dict[str, Callable[[], None]] = {}
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        *,
+        clock: Clock | None = None,
+        settings: StoreSettings | None = None,
+        owner: str | None = None,
+        tool_result_caps: Mapping[str, int] | None = None,
+    ) -> PostgresAgentStore:
+        """Connect, then create or migrate the schema (StoreError if the server cannot be
+        reached or the schema is newer than this code). Blocking, like opening the SQLite
+        file: call once at start (or in a thread). ``tool_result_caps``: agent id → the
+        most tokens one tool result is shown with."""
+        settings = settings or StoreSettings(url=url)
+        owner = owner or uuid.uuid4().hex
+        executor = executor_class(settings).open_sync(
+            url,
+            pool_size=settings.pool_size,
+            application_name=f"agentserver {owner[:8]}",
+            options={OWNER_SETTING: owner},
+        )
+        store = cls(
+            executor, clock or SystemClock(), settings, owner, tool_result_caps=tool_result_caps
+        )
+        try:
+            executor.run_sync(migrate_pg, store.env)
+            # Registered before its first write: every row it owns has a live lease.
+            others = executor.run_sync(leases.heartbeat, store.env, *store._lease_args())
+            store.others_alive = others > 0
+        except BaseException:
+            executor.close()
+            raise
+        return store
+
+    def _lease_args(self) -> tuple[str, float, str, int]:
+        return (self.owner, self.settings.lease_s, socket.gethostname(), os.getpid())
+
+    def close(self) -> None:
+        """Release the lease (the others take over this process's Turns at once), close
+        the connections. Blocking."""
+        try:
+            self.executor.run_sync(leases.release, self.env, self.owner)
+        except StoreError as exc:
+            log.warning("agent store: could not release the lease: %s", exc)
+        self.executor.close()
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        channel = _NOTIFIES.get(fn)
+        fast = ONE_TRIP.get(fn)
+        if fast is not None:
+            notifying = channel is not None and (
+                self._rings.get(channel) is None or self.others_alive
+            )
+            try:
+                result = await self.executor.run(
+                    fast, self.env, channel if notifying else None, *args
+                )
+            except Missed:
+                pass  # rolled back: the shared function meets the miss (below)
+            else:
+                if channel is not None and not notifying:
+                    self._rings[channel]()
+                return result
+        if channel is None:
+            return await self.executor.run(fn, self.env, *args)
+        ring = self._rings.get(channel)
+        if ring is None or self.others_alive:
+            return await self.executor.run(_notifying, self.env, channel, fn, *args)
+        # Alone on the store: what the NOTIFY would do, without it (see others_alive).
+        result = await self.executor.run(fn, self.env, *args)
+        ring()
+        return result
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.executor.run_single(fn, self.env, *args)
+
+    async def _run1(self, fn: Callable[..., T], *args: Any) -> T:
+        if fn in _NOTIFIES:  # the NOTIFY must commit with the write
+            return await self._run(fn, *args)
+        return await self.executor.run_single(fn, self.env, *args)
+
+    async def pending_replies_here(self, limit: int = 256) -> list[PendingReply]:
+        """The pending replies whose anonymous caller is connected to this process."""
+        return await self._read(callers.pending_here, self.owner, limit)
+
+    async def hand_over_reply(self, agent_turn_id: str, process: str) -> bool:
+        """Leave a reply for its caller's process ``process`` and ring it (True), or give
+        it up if that process is gone (False)."""
+        return await self.executor.run(_hand_over, self.env, agent_turn_id, process)
+
+    async def aclose(self) -> None:
+        await trio.to_thread.run_sync(self.close)
+
+    async def recover_running(self) -> list[TurnToken]:
+        """Before this process's worker runs: recover its own running Turns and take over
+        those of processes whose lease expired (e.g. this server's previous run); never
+        those of a live process."""
+        return await self.reclaim(mine=True)
+
+    async def reclaim(self, *, mine: bool = False) -> list[TurnToken]:
+        """One round of :func:`leases.reclaim` (``mine``: this process's work too);
+        timeouts for the dead processes' tool calls. Returns the recovered running
+        Turns."""
+        got = await self._run(leases.reclaim, 8, self.owner if mine else None)
+        if got.recovered or got.suspended or got.requeued:
+            log.warning(
+                "agent store: took over from %d stopped process(es): %d running turn(s) "
+                "recovered, %d suspended, %d inbox row(s) requeued",
+                len(got.owners),
+                len(got.recovered),
+                len(got.suspended),
+                got.requeued,
+            )
+        for token in got.suspended:
+            reason = "was lost with the process that sent it"
+            try:
+                if self.on_lost_calls is not None:
+                    await self.on_lost_calls(token, reason)
+                else:
+                    await self.inject_timeouts(token, reason)
+            except StaleTurn:
+                continue
+        return got.recovered
+
+    async def serve(
+        self,
+        doorbell: Doorbell,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Until cancelled: ring ``doorbell`` when another process (or this one) makes work
+        due, and at least every second; renew this process's lease every heartbeat and
+        take over the work of processes whose lease expired."""
+        rings = {
+            WAKE_CHANNEL: doorbell.ring,
+            CLIENT_REPLIES_CHANNEL: self.client_replies.ring,
+            REPLIES_CHANNEL: self.replies_here.ring,
+        }
+        listener = PgListener(
+            self.executor.url,
+            {channel: functools.partial(self._heard, ring) for channel, ring in rings.items()},
+            on_poll=rings.values(),
+        )
+        self._rings = rings
+        async with trio.open_nursery() as nursery:
+            await nursery.start(listener.run)
+            nursery.start_soon(self._keep_lease, doorbell)
+            task_status.started()
+
+    def _heard(self, ring: Callable[[], None]) -> None:
+        # A notification: another process is there (this one sends none while alone).
+        self.others_alive = True
+        ring()
+
+    async def _keep_lease(self, doorbell: Doorbell) -> None:
+        while True:
+            await trio.sleep(self.settings.heartbeat_s)
+            try:
+                others = await self.executor.run(leases.heartbeat, self.env, *self._lease_args())
+                self.others_alive = others > 0
+                if await self.reclaim():
+                    doorbell.ring()
+            except StoreError as exc:
+                # The database is unreachable: keep trying; if the lease runs out
+                # meanwhile, another process takes these Turns over (and fences them).
+                log.warning("agent store: heartbeat failed: %s", exc)

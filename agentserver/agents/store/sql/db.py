@@ -1,0 +1,79 @@
+"""The tiny database adapter every store function runs on, and what it needs besides.
+
+A backend supplies a :class:`Tx` for the span of one transaction (SQLite: the connection
+between ``BEGIN IMMEDIATE`` and ``COMMIT``; PostgreSQL: one pooled connection's
+transaction). SQL is written with ``?`` placeholders in the subset both engines accept;
+the PostgreSQL adapter rewrites them. Where a statement must differ, the function branches
+on :attr:`Tx.dialect` in one place (so far only the schema's DDL does).
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agentserver.agents.clock import Clock
+from agentserver.agents.profile.settings import StoreSettings
+
+SQLITE = "sqlite"
+POSTGRESQL = "postgresql"
+
+
+class Tx(Protocol):
+    """One open transaction. ``rowcount``: rows changed by the last ``execute``."""
+
+    dialect: str
+    rowcount: int
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """Run one statement. Its return value is not for use (on PostgreSQL the
+        statement may only be queued): read ``rowcount``, which waits for it."""
+        ...
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
+    def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+        """The first row (all rows are fetched, so a ``RETURNING`` statement completes)."""
+        ...
+
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
+
+
+@dataclass(slots=True)
+class StoreEnv:
+    """What the store functions need besides the transaction (no module singletons)."""
+
+    clock: Clock
+    settings: StoreSettings
+    #: agent id → the most tokens one tool result is shown with (budget.tool_result_cap)
+    tool_result_caps: dict[str, int] = field(default_factory=dict)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def marks(n: int) -> str:
+    """``?,?,…`` for an ``IN (…)`` of ``n`` values."""
+    return ",".join("?" * n)
+
+
+#: Rows per statement of :func:`insert_rows` (SQLite allows 32766 parameters, psycopg 65535).
+INSERT_CHUNK = 256
+
+
+def insert_rows(tx: Tx, into: str, rows: Sequence[Sequence[Any]]) -> None:
+    """``into`` (``INSERT INTO t (columns)``) with ``rows``, all of one width, as one
+    multi-row ``VALUES`` statement per :data:`INSERT_CHUNK` rows: one round trip, where a
+    PostgreSQL ``executemany`` pipelines a statement per row."""
+    for i in range(0, len(rows), INSERT_CHUNK):
+        part = rows[i : i + INSERT_CHUNK]
+        tx.execute(_values_sql(into, len(part[0]), len(part)), [v for r in part for v in r])
+
+
+@functools.lru_cache(maxsize=256)
+def _values_sql(into: str, width: int, n: int) -> str:
+    one = "(" + ",".join("?" * width) + ")"
+    return f"{into} VALUES {','.join([one] * n)}"

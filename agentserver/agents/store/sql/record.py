@@ -1,0 +1,73 @@
+"""A recorded Turn read whole, for export and replay (agents/replay/record.py). Read only."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from agentserver.agents.store.sql.db import StoreEnv, Tx
+from agentserver.agents.store.sql.views import json_text
+from agentserver.agents.store.states import MessageType
+
+
+def find_turn(tx: Tx, agent: str, thread: str) -> tuple[str, str] | None:
+    """(Turn id, task payload) of the latest Turn of ``agent`` whose task came on
+    ``thread`` (the caller's thread or the agent's hop); None: none."""
+    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    row = tx.one(
+        "SELECT agent_turn_id, payload FROM agent_inbox "
+        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?) "
+        "AND agent_turn_id IS NOT NULL ORDER BY seq DESC LIMIT 1",
+        (agent, MessageType.TURN.value, thread, thread),
+    )
+    return (row[0], bytes(row[1]).decode("utf-8", "replace")) if row else None
+
+
+def turn_record(tx: Tx, env: StoreEnv, agent: str, thread: str) -> dict[str, Any] | None:
+    """The latest Turn of ``agent`` whose task came on ``thread`` (the caller's thread or
+    the agent's hop), as plain data: its task, steps, cards (in order, every box the Turn
+    wrote, folded ones included) and policy decisions. None when there is no such Turn."""
+    found = find_turn(tx, agent, thread)
+    if found is None:
+        return None
+    turn, payload = found
+    steps = [
+        {
+            "step": r[0],
+            "status": r[1],
+            "model": r[2] or "",
+            "prompt_tokens": r[3] or 0,
+            "completion_tokens": r[4] or 0,
+            "tool_call_ids": json.loads(r[5] or "[]"),
+            "step_id": r[6],
+        }
+        for r in tx.all(
+            "SELECT step_no, status, model, prompt_tokens, completion_tokens, tool_call_ids, "
+            "step_id FROM agent_steps WHERE agent_turn_id = ? ORDER BY step_no, started_at",
+            (turn,),
+        )
+    ]
+    cards = [
+        {"type": r[0], "content": r[1], "metadata": json.loads(r[2] or "{}")}
+        for r in tx.all(
+            "SELECT card_type, content, metadata FROM cards WHERE agent_turn_id = ? ORDER BY seq",
+            (turn,),
+        )
+    ]
+    decisions = [
+        {"step_id": r[0], "target": r[1], "tag": r[2], "decision": r[3], "rule": r[4]}
+        for r in tx.all(
+            "SELECT step_id, target, payload_tag, decision, rule FROM policy_decisions "
+            "WHERE agent_turn_id = ? ORDER BY seq",
+            (turn,),
+        )
+    ]
+    return {
+        "agent": agent,
+        "thread": thread,
+        "turn": turn,
+        "task": payload,
+        "steps": steps,
+        "cards": cards,
+        "decisions": decisions,
+    }

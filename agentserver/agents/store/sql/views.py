@@ -1,0 +1,283 @@
+"""Read-only views of the store: the agents and tasks the HTTP API shows (``/v1/agents``,
+``/v1/agents/{name}/tasks/{thread}``, ``agentserver status``), the figures ``/metrics``
+exports, and a reachability probe. Nothing here writes.
+
+Each function is one backend-neutral read (:meth:`SqlAgentStore._read`): on SQLite inline
+on the store's connection, on PostgreSQL one thread hop of the executor. JSON columns are
+read with :func:`json_text`, the one place the two dialects differ.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
+from agentserver.agents.store.states import ApprovalStatus, InboxStatus, MessageType
+
+#: Characters of a failed Turn's deliverable shown as an agent's last error.
+ERROR_TEXT_CHARS = 500
+_DELIVERABLE = "task.deliverable"
+#: A Turn row still waiting for the worker: queued behind a running Turn, or leased and
+#: not yet taken (a busy worker, or a retry after a failed claim).
+_WAITING = (InboxStatus.QUEUED.value, InboxStatus.PENDING.value)
+_USAGE = ("prompt_tokens", "completion_tokens", "total_tokens", "cost")
+
+
+def json_text(tx: Tx, column: str, key: str) -> str:
+    """The SQL expression for the text of ``column``'s JSON member ``key`` (both fixed
+    identifiers of ours, never input)."""
+    if tx.dialect == POSTGRESQL:
+        return f"({column}::jsonb ->> '{key}')"
+    return f"json_extract({column}, '$.{key}')"
+
+
+def ping(tx: Tx, env: StoreEnv) -> int:
+    """One query on the head table (raises if the store cannot answer)."""
+    row = tx.one("SELECT count(*) FROM agent_state_head")
+    return int(row[0]) if row else 0
+
+
+def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
+    """Head state, active Turn, queue length and last error of each agent of ``names``,
+    in that order (an agent the store has no head for is ``idle``)."""
+    if not names:
+        return []
+    heads = {
+        r[0]: r[1:]
+        for r in tx.all(
+            "SELECT agent_id, status, active_agent_turn_id, step_count, waiting_tool_count, "
+            f"running_since FROM agent_state_head WHERE agent_id IN ({marks(len(names))})",
+            tuple(names),
+        )
+    }
+    queued = dict(
+        tx.all(
+            "SELECT agent_id, count(*) FROM agent_inbox WHERE agent_id IN "
+            f"({marks(len(names))}) AND message_type = ? AND status = ? GROUP BY agent_id",
+            (*names, MessageType.TURN.value, InboxStatus.QUEUED.value),
+        )
+    )
+    status = json_text(tx, "c.metadata", "status")
+    out = []
+    for name in names:
+        head = heads.get(name)
+        # Per agent: the newest failed deliverable is an indexed walk back from its end.
+        error = tx.one(
+            f"SELECT c.agent_turn_id, c.content, {status}, c.created_at FROM cards c "
+            "JOIN boxes b ON b.box_id = c.box_id WHERE b.agent_id = ? AND c.card_type = ? "
+            f"AND {status} != 'succeeded' ORDER BY c.seq DESC LIMIT 1",
+            (name, _DELIVERABLE),
+        )
+        item: dict[str, Any] = {
+            "name": name,
+            "state": head[0] if head else "idle",
+            "active_turn": None,
+            "queue": int(queued.get(name, 0)),
+            "last_error": None,
+        }
+        if head and head[1]:
+            item["active_turn"] = {
+                "id": head[1],
+                "steps": head[2],
+                "waiting_tools": head[3],
+                "running_since": head[4],
+            }
+        if error:
+            item["last_error"] = {
+                "turn": error[0],
+                "status": error[2],
+                "text": error[1][:ERROR_TEXT_CHARS],
+                "at": error[3],
+            }
+        out.append(item)
+    return out
+
+
+def task(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None:
+    """The latest task of agent ``name`` sent on ``thread`` (the caller's thread, or the
+    hop thread the agent was called on): status, steps, usage. None if none."""
+    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    row = tx.one(
+        "SELECT inbox_id, status, agent_turn_id, created_at, conversation FROM agent_inbox "
+        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?) "
+        "ORDER BY seq DESC LIMIT 1",
+        (name, MessageType.TURN.value, thread, thread),
+    )
+    if row is None:
+        return None
+    _inbox_id, inbox_status, turn, created, conversation = row
+    out: dict[str, Any] = {
+        "agent": name,
+        "thread": thread,
+        "turn": turn,
+        "status": "queued" if turn is None else "running",
+        "created_at": created,
+        "steps": [],
+        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cost": 0.0},
+    }
+    origin = fork_origin(tx, name, conversation)
+    if origin is not None:
+        out["forked_from"] = origin
+    if turn is None:
+        if inbox_status not in _WAITING:
+            out["status"] = inbox_status
+        return out
+    done = tx.one(
+        f"SELECT {json_text(tx, 'metadata', 'status')}, content, created_at FROM cards "
+        "WHERE agent_turn_id = ? AND card_type = ? ORDER BY seq DESC LIMIT 1",
+        (turn, _DELIVERABLE),
+    )
+    if done is not None:
+        out["status"] = done[0] or "finished"
+        out["finished_at"] = done[2]
+        if done[0] != "succeeded":
+            out["error"] = done[1][:ERROR_TEXT_CHARS]
+    usage = out["usage"]
+    for step in tx.all(
+        "SELECT step_no, status, model, backend, prompt_tokens, completion_tokens, "
+        "total_tokens, cost, started_at, ended_at, tool_call_ids FROM agent_steps "
+        "WHERE agent_turn_id = ? ORDER BY step_no",
+        (turn,),
+    ):
+        out["steps"].append(
+            {
+                "step": step[0],
+                "status": step[1],
+                "model": step[2],
+                "backend": step[3],
+                "prompt_tokens": step[4],
+                "completion_tokens": step[5],
+                "total_tokens": step[6],
+                "cost": step[7],
+                "started_at": step[8],
+                "ended_at": step[9],
+                "tool_calls": len(json.loads(step[10] or "[]")),
+            }
+        )
+        for key, value in zip(_USAGE, step[4:8], strict=True):
+            usage[key] += value or 0
+    return out
+
+
+#: Characters of one card's content the web console's Turn log carries.
+CARD_TEXT_CHARS = 4000
+#: Cards of one Turn the web console's log carries (the newest ones).
+TURN_LOG_CARDS = 200
+
+
+def recent_tasks(tx: Tx, env: StoreEnv, name: str, limit: int) -> list[dict[str, Any]]:
+    """The newest ``limit`` tasks of agent ``name``, newest first: the caller's thread, the
+    hop thread, the inbox status, the Turn and when it came (the web console's agent
+    page). One indexed read (``agent_inbox`` by agent)."""
+    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    rows = tx.all(
+        f"SELECT {caller}, {hop}, status, agent_turn_id, created_at FROM agent_inbox "
+        "WHERE agent_id = ? AND message_type = ? ORDER BY seq DESC LIMIT ?",
+        (name, MessageType.TURN.value, limit),
+    )
+    return [
+        {"thread": r[0] or r[1], "hop": r[1], "status": r[2], "turn": r[3], "created_at": r[4]}
+        for r in rows
+    ]
+
+
+def turn_log(tx: Tx, env: StoreEnv, turn: str) -> dict[str, Any]:
+    """A Turn's conversation (its newest :data:`TURN_LOG_CARDS` cards, oldest first, each
+    content cut at :data:`CARD_TEXT_CHARS`) and its governance decisions: what the web
+    console's task page shows. The text is as the model, tools and clients wrote it: the
+    reader escapes it."""
+    cards = tx.all(
+        "SELECT seq, card_type, content, metadata, created_at FROM cards "
+        "WHERE agent_turn_id = ? ORDER BY seq DESC LIMIT ?",
+        (turn, TURN_LOG_CARDS),
+    )
+    decisions = tx.all(
+        "SELECT target, payload_tag, decision, rule, reason, at FROM policy_decisions "
+        "WHERE agent_turn_id = ? ORDER BY seq",
+        (turn,),
+    )
+    approvals = tx.all(
+        "SELECT request_id, target, rule, approver, status, decided_by, reason FROM approvals "
+        "WHERE agent_turn_id = ? ORDER BY created_at",
+        (turn,),
+    )
+    return {
+        "cards": [
+            {
+                "seq": r[0],
+                "type": r[1],
+                "text": r[2][:CARD_TEXT_CHARS],
+                "cut": len(r[2]) > CARD_TEXT_CHARS,
+                "metadata": json.loads(r[3] or "{}"),
+                "at": r[4],
+            }
+            for r in reversed(cards)
+        ],
+        "decisions": [
+            dict(zip(("target", "payload", "decision", "rule", "reason", "at"), r, strict=True))
+            for r in decisions
+        ],
+        "approvals": [
+            dict(
+                zip(
+                    ("request", "target", "rule", "approver", "status", "decided_by", "reason"),
+                    r,
+                    strict=True,
+                )
+            )
+            for r in approvals
+        ],
+    }
+
+
+def turn_thread(tx: Tx, env: StoreEnv, turn: str) -> tuple[str | None, str | None]:
+    """(caller thread, hop thread) of the task a Turn runs, for event filtering."""
+    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    row = tx.one(
+        f"SELECT {caller}, {hop} FROM agent_inbox WHERE agent_turn_id = ? "
+        "AND message_type = ? LIMIT 1",
+        (turn, MessageType.TURN.value),
+    )
+    return (row[0], row[1]) if row else (None, None)
+
+
+@dataclass(frozen=True, slots=True)
+class FigureRows:
+    """What ``/metrics`` exports of the store, as read at one moment."""
+
+    #: agent → ``created_at`` of its oldest task not yet started (agents with none absent)
+    oldest_waiting: dict[str, float]
+    #: agent → approval requests waiting for a decision (agents with none absent)
+    approvals_pending: dict[str, int]
+
+
+def figures(tx: Tx, env: StoreEnv) -> FigureRows:
+    """Two grouped, indexed reads (the inbox's status index; approvals by status)."""
+    lag = tx.all(
+        f"SELECT agent_id, min(created_at) FROM agent_inbox WHERE status IN ({marks(2)}) "
+        "AND message_type = ? GROUP BY agent_id",
+        (*_WAITING, MessageType.TURN.value),
+    )
+    pending = tx.all(
+        "SELECT agent_id, count(*) FROM approvals WHERE status = ? GROUP BY agent_id",
+        (ApprovalStatus.PENDING.value,),
+    )
+    return FigureRows(
+        {a: float(t) for a, t in lag},
+        {a: int(n) for a, n in pending},
+    )
+
+
+def fork_origin(tx: Tx, agent: str, conversation: str | None) -> dict[str, Any] | None:
+    """The origin of a forked conversation (None: not a fork)."""
+    if not conversation or not conversation.startswith("fork:"):
+        return None
+    row = tx.one(
+        "SELECT origin_thread, origin_turn, at_step FROM forks WHERE agent_id = ? "
+        "AND conversation = ?",
+        (agent, conversation),
+    )
+    return {"thread": row[0], "turn": row[1], "step": int(row[2])} if row else None

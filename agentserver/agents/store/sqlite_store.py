@@ -1,0 +1,230 @@
+"""The embedded SQLite backend of :class:`~agentserver.agents.store.sql_store.SqlAgentStore`.
+
+One file, WAL mode, ``synchronous=NORMAL`` (a commit survives a crash of the process; the
+last commits may be lost on power failure). The schema is created and migrated on open
+(:mod:`agentserver.agents.store.sql.schema`).
+
+Concurrency: SQLite has one writer. Each method is a single ``BEGIN IMMEDIATE`` transaction
+executed inline on the trio thread without any ``await`` inside, so transactions never
+interleave within the process, and ``BEGIN IMMEDIATE`` plus ``busy_timeout`` serialise them
+against another process opening the same file (e.g. ``sqlite3`` inspecting it). This is the
+SQLite stand-in for the seeds' ``FOR UPDATE SKIP LOCKED``. Transactions are short (tens of
+microseconds); nothing long runs inside one. One process owns the file (a lock beside it).
+
+Checkpoints: copying the WAL back into the database file fsyncs both, which costs
+milliseconds; SQLite's automatic checkpoint does it inside whichever commit crosses the
+threshold, i.e. on the trio thread, stalling every task (it cost about 40% of
+``bench/turns.py``'s Turns/s). While the runtime runs the store (:meth:`serve`), a
+``PASSIVE`` checkpoint runs every :data:`CHECKPOINT_PERIOD` seconds on a worker thread
+with its own connection (writers go on meanwhile); the automatic one stays on as a
+backstop at :data:`AUTOCHECKPOINT_PAGES` so a store used without :meth:`serve` still
+bounds its WAL. Durability is unchanged: a commit is in the WAL either way.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+
+from agentserver.agents.clock import Clock, SystemClock
+from agentserver.agents.doorbell import Doorbell
+from agentserver.agents.errors import StoreError, StoreInUse
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.sql.db import SQLITE
+from agentserver.agents.store.sql.schema import MIGRATIONS, SCHEMA_VERSION, migrate
+from agentserver.agents.store.sql_store import SqlAgentStore
+
+__all__ = ["SCHEMA_VERSION", "_MIGRATIONS", "SqliteAgentStore", "SqliteTx"]
+
+#: The migrations (kept under their old name for the tests that build old files).
+_MIGRATIONS = MIGRATIONS
+
+T = TypeVar("T")
+
+#: Seconds between the background WAL checkpoints while :meth:`SqliteAgentStore.serve` runs.
+CHECKPOINT_PERIOD = 1.0
+#: WAL pages (4 KiB) past which a commit checkpoints inline: only a backstop for a store
+#: used without :meth:`SqliteAgentStore.serve` (SQLite's default is 1000).
+AUTOCHECKPOINT_PAGES = 16384
+
+
+class SqliteTx:
+    """The :class:`~agentserver.agents.store.sql.db.Tx` of a sqlite3 connection in autocommit
+    mode (the store issues ``BEGIN IMMEDIATE``/``COMMIT`` itself)."""
+
+    dialect = SQLITE
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+        self.rowcount = 0
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
+        cur = self._conn.execute(sql, params)
+        self.rowcount = cur.rowcount
+        return cur
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        self.rowcount = self._conn.executemany(sql, rows).rowcount
+
+    def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+        rows = self._conn.execute(sql, params).fetchall()
+        return rows[0] if rows else None
+
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        return self._conn.execute(sql, params).fetchall()
+
+
+def _lock(path: Path) -> int:
+    """Take the exclusive, non-blocking process lock of the store at ``path``."""
+    lock_path = path.with_name(path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            owner = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        finally:
+            os.close(fd)
+        raise StoreInUse(
+            f"agent store {path} is in use by another agentserver process (pid {owner})"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+class SqliteAgentStore(SqlAgentStore):
+    """SQLite-backed agent store. Create with :meth:`open`; close with :meth:`aclose`."""
+
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        clock: Clock,
+        settings: StoreSettings,
+        *,
+        tool_result_caps: Mapping[str, int] | None = None,
+        lock_fd: int | None = None,
+        path: Path | None = None,
+    ) -> None:
+        super().__init__(clock, settings, tool_result_caps)
+        self._db = conn
+        self._tx = SqliteTx(conn)
+        #: The process lock of the file (see :func:`_lock`), released by :meth:`close`.
+        self._lock_fd = lock_fd
+        self._path = path
+        self._checkpoint_db: sqlite3.Connection | None = None
+        self._checkpoint_lock = threading.Lock()
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        *,
+        clock: Clock | None = None,
+        settings: StoreSettings | None = None,
+        tool_result_caps: Mapping[str, int] | None = None,
+    ) -> SqliteAgentStore:
+        """Open (creating and migrating) the store file. Synchronous: call once at start.
+        ``tool_result_caps``: agent id → the most tokens one tool result is shown with.
+
+        The process holds an exclusive lock on ``PATH.lock`` until :meth:`close`; the OS
+        drops it if the process dies. Raises :class:`StoreInUse` if another process holds it.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = _lock(path)
+        try:
+            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        except BaseException:
+            os.close(lock)
+            raise
+        try:
+            conn.execute("PRAGMA busy_timeout = 5000")
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise StoreError(f"cannot enable WAL on {path} (got {mode})")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute(f"PRAGMA wal_autocheckpoint = {AUTOCHECKPOINT_PAGES:d}")
+            conn.execute("PRAGMA foreign_keys = ON")
+            store = cls(
+                conn,
+                clock or SystemClock(),
+                settings or StoreSettings(path=path),
+                tool_result_caps=tool_result_caps,
+                lock_fd=lock,
+                path=path,
+            )
+            store._transact(migrate)
+        except BaseException:
+            conn.close()
+            os.close(lock)
+            raise
+        return store
+
+    def _transact(self, fn: Callable[..., T], *args: Any) -> T:
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(self._tx, self.env, *args)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        return result
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        # Inline on the trio thread: no await inside, so transactions never interleave.
+        return self._transact(fn, *args)
+
+    async def _run1(self, fn: Callable[..., T], *args: Any) -> T:
+        # One statement in autocommit is its own transaction (same lock, same busy wait).
+        return fn(self._tx, self.env, *args)
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        # A single reader statement needs no BEGIN (autocommit reads one snapshot each).
+        return fn(self._tx, self.env, *args)
+
+    async def serve(
+        self, doorbell: Doorbell, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Checkpoint the WAL every :data:`CHECKPOINT_PERIOD` seconds on a worker thread
+        until cancelled (run by :meth:`AgentRuntime.run`; ``doorbell`` is unused: one
+        process owns the file, so nobody else rings). A cancel waits for a checkpoint in
+        progress to finish (it is bounded by the WAL's size)."""
+        task_status.started()
+        while True:
+            await trio.sleep(CHECKPOINT_PERIOD)
+            await trio.to_thread.run_sync(self.checkpoint)
+
+    def checkpoint(self) -> None:
+        """One ``PASSIVE`` checkpoint on the checkpointing connection (opened on first use;
+        any thread, one at a time). Never blocks the store's writers."""
+        with self._checkpoint_lock:
+            if self._checkpoint_db is None:
+                if self._path is None:
+                    return
+                db = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+                db.execute("PRAGMA busy_timeout = 5000")
+                self._checkpoint_db = db
+            self._checkpoint_db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the database and release the process lock. Idempotent."""
+        with self._checkpoint_lock:
+            if self._checkpoint_db is not None:
+                self._checkpoint_db.close()
+                self._checkpoint_db = None
+        self._db.close()
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the flock

@@ -1,0 +1,58 @@
+"""After a restart: a suspended Turn's tool calls to listeners whose steps may be retried
+(``idempotent``) are sent again with their recorded idempotency keys, instead of being
+reported lost.
+
+Each re-send is one forward through the pump then one store transaction (the waiting row
+and the call's card renamed to the new sub-thread). A crash between the two leaves the old
+row waiting: the next start sends it again, with the same key (the handler dedupes on it).
+Cancellation propagates between calls; what was rebound stays rebound.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Collection
+
+from agentserver.agents.errors import PumpRefused
+from agentserver.agents.ports import ToolPort
+from agentserver.agents.store.base import AgentStore, TurnToken
+from agentserver.core.xmlsafe import SafeParser
+from agentserver.steps.retry import KEY_FIELD
+
+log = logging.getLogger(__name__)
+
+
+async def resend_waiting(
+    store: AgentStore,
+    tools: ToolPort,
+    token: TurnToken,
+    retryable: Collection[str],
+    deadline: float,
+) -> tuple[int, list[str]]:
+    """Send again each waiting call of ``token`` whose listener is in ``retryable``; the
+    Turn then waits for them until ``deadline`` at least. Returns how many were sent and
+    the ids of the waiting calls left alone (to be reported lost). Raises StaleTurn when the
+    Turn moved on."""
+    calls = await store.waiting_calls(token)
+    lost = [c.tool_call_id for c in calls if c.to not in retryable]
+    again = [c for c in calls if c.to in retryable]
+    if not again:
+        return 0, lost
+    ref_json = await store.turn_reply_ref(token)
+    ref = json.loads(ref_json) if ref_json else None
+    parser = SafeParser()
+    sent = 0
+    for call in again:
+        key = str(call.metadata.get(KEY_FIELD) or call.tool_call_id)
+        try:
+            sub = await tools.call(
+                token.agent_id, ref, parser.parse(call.payload.encode()), call.to, key=key
+            )
+        except PumpRefused:
+            log.warning("turn %s: re-sending %s was refused", token.agent_turn_id, call.to)
+            lost.append(call.tool_call_id)
+            continue
+        await store.rebind_call(token, call.tool_call_id, sub, deadline)
+        sent += 1
+    return sent, lost
