@@ -14,7 +14,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /opt/agentserver
-COPY pyproject.toml README.md LICENSE boot.xml ./
+COPY pyproject.toml setup.py README.md LICENSE boot.xml ./
 COPY agentserver ./agentserver
 COPY listeners ./listeners
 COPY primitives ./primitives
