@@ -50,9 +50,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
         )
     out = tmp_path_factory.mktemp("dist")
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-        + ["--wheel-dir", str(out), str(src)],
+        [*pip_wheel, "-q", "--wheel-dir", str(out), str(src)],
         capture_output=True,
         text=True,
         timeout=300,
