@@ -17,8 +17,8 @@ statements where it can, and these changes:
   just updated (a scalar subquery: the row is locked by this transaction, and a later
   statement sees its writes).
 - What the function returns from those reads comes back with the last round trip
-  (:meth:`~.trio_executor.PgPipeTx.later`), and its last statement carries ``COMMIT``
-  (:meth:`~.trio_executor.PgPipeTx.last`).
+  (:meth:`~.pipe.PgPipeTx.later`), and its last statement carries ``COMMIT``
+  (:meth:`~.pipe.PgPipeTx.last`).
 
 Atomic: each call is one transaction, as its namesake's; a miss rolls all of it back
 before the shared function runs. Cancel: as any store call (the executor's). Bounded:
@@ -67,7 +67,7 @@ T = TypeVar("T")
 
 class PipeTx(Protocol):
     """What these functions need of a transaction: the store's Tx, plus reads that wait
-    in the pipeline (:class:`~.trio_executor.PgPipeTx`; the thread executor's
+    in the pipeline (:class:`~.pipe.PgPipeTx`; the thread executor's
     :class:`~.executor.PgTx` runs them at once)."""
 
     dialect: str
