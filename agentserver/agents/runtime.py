@@ -91,7 +91,7 @@ class AgentRuntime:
         self.retryable_tools = frozenset(retryable_tools)
         #: (agent, caller thread) → forked conversation, until that task is enqueued.
         self._forks: dict[tuple[str, str | None], str] = {}
-        if self.retryable_tools and hasattr(store, "on_lost_calls"):
+        if self.retryable_tools:
             # A shared store takes over a dead process's suspended Turns itself.
             store.on_lost_calls = self.lost_calls
         self.profiles = dict(profiles)
@@ -189,7 +189,7 @@ class AgentRuntime:
         original ``task``. Raises ForkRefused. One store transaction."""
         if agent_id not in self.profiles:
             raise KeyError(f"unknown agent {agent_id!r}")
-        return await self.store.fork(agent_id, thread, at_step)  # type: ignore[attr-defined]
+        return await self.store.fork(agent_id, thread, at_step)
 
     def expect_fork(self, agent_id: str, thread: str, conversation: str) -> None:
         """The next task of ``agent_id`` whose caller's thread is ``thread`` continues the
@@ -276,7 +276,7 @@ class AgentRuntime:
         recovered = await self.store.recover_running()
         if recovered:
             log.warning("recovered %d running turn(s) after a restart", len(recovered))
-        if getattr(self.store, "shared", False):
+        if self.store.shared:
             # Other live processes own the other suspended Turns and unsent replies; the
             # store's leases hand over a dead process's (recover_running, then its loop).
             return
@@ -317,15 +317,13 @@ class AgentRuntime:
         """Recover, then run the worker and the watchdog until cancelled."""
         await self.recover()
         async with trio.open_nursery() as nursery:
-            serve = getattr(self.store, "serve", None)
             # The store's own background work: PostgreSQL, rings from other processes and
             # leases; SQLite, WAL checkpoints off the trio thread.
-            if serve is not None:
-                await nursery.start(serve, self.doorbell)
+            await nursery.start(self.store.serve, self.doorbell)
             await nursery.start(self.worker.run)
             await nursery.start(self.watchdog.run)
             await nursery.start(self.approvals.run, self.listener_approvers)
-            here = getattr(self.store, "replies_here", None)
+            here = self.store.replies_here
             if here is not None:
                 nursery.start_soon(self._answer_callers_here, here)
             task_status.started()
@@ -336,7 +334,7 @@ class AgentRuntime:
         while True:
             await bell.wait()
             try:
-                pending = await self.store.pending_replies_here()  # type: ignore[attr-defined]
+                pending = await self.store.pending_replies_here()
             except StoreError as exc:
                 log.warning("replies for callers here: %s", exc)
                 continue

@@ -194,7 +194,7 @@ async def start_agent_service(
 
     async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with service.scope:
-            kept = getattr(runtime.store, "client_replies", None)
+            kept = runtime.store.client_replies
             async with trio.open_nursery() as inner:
                 if figures is not None:
                     inner.start_soon(figures.run)

@@ -30,6 +30,7 @@ from agentserver.pump.pump import Pump
 if TYPE_CHECKING:
     from agentserver.agents.events import EventBus
     from agentserver.agents.service import AgentService
+    from agentserver.agents.store.base import ViewStore
     from agentserver.remote.hub import RunnerHub
 
 log = logging.getLogger("agentserver.app")
@@ -295,7 +296,7 @@ async def run_server(
 
 
 async def _durable_step_log(
-    nursery: trio.Nursery, store: Any, metrics: Metrics
+    nursery: trio.Nursery, store: ViewStore, metrics: Metrics
 ) -> tuple[Any, trio.CancelScope]:
     """The runner hub's step log in the agents' store, and the scope of its writer (run
     in ``nursery``; cancelled at shutdown, then ``drain()`` writes the rest)."""

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from agentserver.agents.store.base import ViewStore
 from agentserver.agents.store.sql.views import ERROR_TEXT_CHARS
 
 __all__ = ["ERROR_TEXT_CHARS", "AgentsView"]
 
 
 class AgentsView:
-    """The agents ``agents`` (boot.xml's order) of ``store`` (a
-    :class:`~agentserver.agents.store.sql_store.SqlAgentStore`)."""
+    """The agents ``agents`` (boot.xml's order) of ``store`` (its
+    :class:`~agentserver.agents.store.base.ViewStore` role)."""
 
-    def __init__(self, store: Any, agents: tuple[str, ...]) -> None:
+    def __init__(self, store: ViewStore, agents: tuple[str, ...]) -> None:
         self.store = store
         self.agents = agents
 

@@ -177,7 +177,12 @@ class PumpPorts:
         if identity not in self.named_clients:
             identity = caller if caller in self.named_clients else None
         home = reply_ref.get(PROCESS_KEY) if isinstance(reply_ref, dict) else None
-        if identity is None and home is not None and home != getattr(self.store, "owner", home):
+        if (
+            identity is None
+            and home is not None
+            and self.store is not None
+            and home != self.store.owner
+        ):
             # An anonymous caller connected to another process: that one answers it.
             raise CallerElsewhere(str(home))
         if identity is not None and self.store is not None and self.clients is not None:
@@ -253,17 +258,12 @@ def agent_handler(
             return None
         ref = pump.hold(meta.thread_id)
         reply_ref = ports.reply_ref(ref) if ports is not None else ref.to_json()
-        owner = getattr(runtime.store, "owner", None)
-        if (
-            getattr(runtime.store, "shared", False)
-            and owner is not None
-            and ("client" not in reply_ref)
-        ):
+        if runtime.store.shared and "client" not in reply_ref:
             # The caller's connection is in this process: an anonymous caller is answered
             # from here, whichever process runs the Turn (pg/callers.py). A named client's
             # answer is kept for her wherever she reconnects, so it names no process (a
             # dead process's callers' replies are given up).
-            reply_ref[PROCESS_KEY] = owner
+            reply_ref[PROCESS_KEY] = runtime.store.owner
         traceparent = pump.tracing.traceparent()
         if traceparent is not None:
             # Stored with the task: its Turn joins this trace, even after a restart.

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Iterator
 
 from lxml import etree
 
-from agentserver.agents.store.base import AgentStore
+from agentserver.agents.store.base import ClientReplyStore
 from agentserver.core.xmlsafe import canonicalize, make_parser
 from agentserver.net.roles import ClientLink  # declared in net, which implements it
 
@@ -127,7 +127,7 @@ class _Receipts:
 class NamedClientReplies:
     """The live connections of each named client and the replies offered to them."""
 
-    def __init__(self, store: AgentStore, named_clients: Iterable[str]) -> None:
+    def __init__(self, store: ClientReplyStore, named_clients: Iterable[str]) -> None:
         self.store = store
         self.named = frozenset(named_clients)
         self._links: dict[str, list[ClientLink]] = {}

@@ -1,241 +1,64 @@
-"""The agent store interface and its row types.
+"""The agent store's protocols, one per role, and :class:`AgentStore`, all of them.
 
-The worker and the watchdog talk to the store only through :class:`AgentStore`. Every
-method is one atomic transaction: it either commits fully or raises with nothing written.
-Methods that act on a Turn take a :class:`TurnToken` and perform a compare-and-set on the
-head (``agent_id`` + ``active_agent_turn_id`` + ``turn_epoch`` + expected status); when it
-matches no row they raise :class:`~agentserver.agents.errors.StaleTurn` and write nothing,
-including cards. Methods are ``async`` so a networked store (PostgreSQL) can implement the
-same interface; the SQLite store runs its short transactions inline on the trio thread.
+Each part of the agents talks to the store through the role it uses: intake
+(:class:`IntakeStore`), the worker's Turn (:class:`TurnStore`), a Turn's end from outside
+and the reply outbox (:class:`ReplyStore`), the watchdog and restart recovery
+(:class:`WatchdogStore`), named clients (:class:`ClientReplyStore`), memory across tasks
+(:class:`ConversationStore`), governance (:class:`~.governance.GovernanceStore`,
+:class:`ApprovalStore`), the operator (:class:`OperatorStore`), read-only views
+(:class:`ViewStore`) and the store's life in the process (:class:`StoreLifecycle`, with
+the capabilities that differ between one process and several on a shared store). The
+composition root (the runtime) holds :class:`AgentStore`; both backends
+(``sqlite_store.SqliteAgentStore``, ``pg.store.PostgresAgentStore``) satisfy it whole.
+
+Every method is one atomic transaction: it either commits fully or raises with nothing
+written. Methods that act on a Turn take a :class:`TurnToken` and perform a
+compare-and-set on the head (``agent_id`` + ``active_agent_turn_id`` + ``turn_epoch`` +
+expected status); when it matches no row they raise
+:class:`~agentserver.agents.errors.StaleTurn` and write nothing, including cards. Methods
+are ``async`` so a networked store (PostgreSQL) can implement the same interface; the
+SQLite store runs its short transactions inline on the trio thread. A cancelled call
+commits nothing, or all of it (a cancel that lands while ``COMMIT`` is in flight).
+
+The row types are in :mod:`.rows`, re-exported here under the names the package has
+always imported them by.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+import trio
+
+from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.ports import LLMCompletion, ReplyRef
+from agentserver.agents.store.governance import GovernanceStore, PendingApproval
+from agentserver.agents.store.rows import BoxSwap as BoxSwap
+from agentserver.agents.store.rows import Card as Card
+from agentserver.agents.store.rows import CardType as CardType
+from agentserver.agents.store.rows import ClientReply as ClientReply
+from agentserver.agents.store.rows import EnqueueResult as EnqueueResult
+from agentserver.agents.store.rows import Finished as Finished
+from agentserver.agents.store.rows import Head as Head
+from agentserver.agents.store.rows import InboxRow as InboxRow
+from agentserver.agents.store.rows import NewCard as NewCard
+from agentserver.agents.store.rows import PendingReply as PendingReply
+from agentserver.agents.store.rows import ReportOutcome as ReportOutcome
+from agentserver.agents.store.rows import ScreenedStep as ScreenedStep
+from agentserver.agents.store.rows import StepStart as StepStart
+from agentserver.agents.store.rows import TaskStatus as TaskStatus
+from agentserver.agents.store.rows import ToolCallRecord as ToolCallRecord
+from agentserver.agents.store.rows import TurnToken as TurnToken
+
+#: What a shared store does with the calls of a dead process's suspended Turn
+#: (``await lost(token, reason)``: the runtime's ``lost_calls``).
+LostCalls = Callable[[TurnToken, str], Awaitable[int]]
 
 
-class CardType:
-    TASK_INPUT = "task.input"
-    LLM_MESSAGE = "llm.message"
-    TOOL_CALL = "tool.call"
-    TOOL_RESULT = "tool.result"
-    SELF_CALL = "sys.self_call"
-    HUH = "sys.huh"
-    NOTE = "sys.note"
-    DELIVERABLE = "task.deliverable"
-    SUMMARY = "sys.summary"  # the rolling summary of compacted cards (compaction.py)
-    #: A tool call governance did not send (policy, loop detector, guardrail): the model
-    #: sees it as a failed call (metadata: to, payload, rule, decision).
-    TOOL_REFUSED = "tool.refused"
-    #: A guardrail's verdict on one tool result (metadata: tool_call_id, warn, block).
-    GUARD = "sys.guard"
+class IntakeStore(Protocol):
+    """Intake, called by the pump's handlers through the runtime."""
 
-
-class TaskStatus:
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STOPPED = "stopped"
-    TIMED_OUT = "timed_out"
-
-
-@dataclass(frozen=True, slots=True)
-class TurnToken:
-    """What a worker holds for a Turn: the CAS key of every write it makes."""
-
-    agent_id: str
-    agent_turn_id: str
-    turn_epoch: int
-
-
-@dataclass(frozen=True, slots=True)
-class Head:
-    agent_id: str
-    status: str
-    agent_turn_id: str | None
-    turn_epoch: int
-    turn_inbox_id: str | None
-    context_box_id: str | None
-    output_box_id: str | None
-    step_count: int
-    waiting_tool_count: int
-    resume_deadline: float | None
-    dispatched_at: float | None
-    running_since: float | None
-    updated_at: float
-    #: estimated tokens of the cards in the two boxes, as shown (agents/profile/budget.py)
-    context_tokens: int = 0
-
-    @property
-    def token(self) -> TurnToken | None:
-        if self.agent_turn_id is None:
-            return None
-        return TurnToken(self.agent_id, self.agent_turn_id, self.turn_epoch)
-
-
-@dataclass(frozen=True, slots=True)
-class InboxRow:
-    inbox_id: str
-    agent_id: str
-    message_type: str
-    status: str
-    agent_turn_id: str | None
-    turn_epoch: int | None
-    correlation_id: str | None
-    payload: bytes
-    reply_ref_json: str | None
-    failed: bool
-    retry_count: int
-    next_retry_at: float
-    defer_reason: str | None
-    created_at: float
-
-    @property
-    def token(self) -> TurnToken | None:
-        """The Turn this row belongs to; None for a row that carries none."""
-        if self.agent_turn_id is None or self.turn_epoch is None:
-            return None
-        return TurnToken(self.agent_id, self.agent_turn_id, self.turn_epoch)
-
-
-@dataclass(frozen=True, slots=True)
-class Card:
-    card_id: str
-    box_id: str
-    card_type: str
-    content: str
-    metadata: Mapping[str, Any]
-    created_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class NewCard:
-    card_type: str
-    content: str
-    metadata: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class BoxSwap:
-    """A compaction that waits for its step (issue 12): :meth:`AgentStore.complete_step`
-    swaps the Turn's boxes to [``summary``] + [copies of the ``keep`` cards, in order] and
-    adds the step's cards to the new output box, all in the step's compare-and-set
-    transaction. ``correction``: tokens the provider counted above the estimate."""
-
-    summary: NewCard
-    keep: tuple[str, ...]
-    edge: Mapping[str, Any] = field(default_factory=dict)
-    correction: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallRecord:
-    """One forwarded tool call: ``tool_call_id`` is the pump's sub-thread id."""
-
-    tool_call_id: str
-    to: str
-    payload: str
-    after_execution: str = "suspend"  # or "terminate"
-    #: Extra metadata for the tool.call card (e.g. a guardrail's warnings for its result).
-    metadata: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class PendingReply:
-    agent_turn_id: str
-    agent_id: str
-    reply_ref_json: str
-    payload: bytes
-    failed: bool
-    attempts: int
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """A Turn that just ended (committed). The caller publishes the one TaskEvent."""
-
-    agent_id: str
-    agent_turn_id: str
-    status: str
-    output_box_id: str
-    deliverable_card_id: str
-    reply: PendingReply | None
-    next_leased: bool
-
-
-@dataclass(frozen=True, slots=True)
-class StepStart:
-    """A step begun, with what its model call needs, read in the step's own transaction
-    (:meth:`AgentStore.open_step`): the head as updated (``step_count`` counts this step)
-    and the cards of the Turn's two boxes. ``step_id`` is None when the step limit was
-    reached: then no step was begun and the head is as it was."""
-
-    head: Head
-    step_id: str | None
-    step_no: int
-    context: tuple[Card, ...]
-    output: tuple[Card, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ReportOutcome:
-    """What applying one tool_result/timeout row did.
-
-    ``kind``: applied | duplicate | stale | deferred | exhausted. ``resumed`` is set when
-    this report completed the waiting set (the head is now ``running`` at a new epoch);
-    ``terminate_card_id`` when a tool of that set ends the Turn (after_execution). On a
-    resume, ``reply_ref_json`` is the Turn's reply reference and, when asked for
-    (``then_step``) and no tool ends the Turn, ``step`` the step begun in the same
-    transaction.
-    """
-
-    kind: str
-    resumed: TurnToken | None = None
-    terminate_card_id: str | None = None
-    reply_ref_json: str | None = None
-    step: StepStart | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class EnqueueResult:
-    inbox_id: str
-    leased: bool
-
-
-@dataclass(frozen=True, slots=True)
-class ClientReply:
-    reply_id: int
-    client: str
-    thread_ref_json: str
-    payload: bytes
-    failed: bool
-    created_at: float
-
-
-class ScreenedStep(Protocol):
-    """Governance's record of one step's calls, as ``complete_step`` takes it
-    (``governance_store.StepRecord`` is the one implementation). Declared here so that the
-    store does not import governance_store, which imports the store's row types."""
-
-    @property
-    def decisions(self) -> Sequence[Any]: ...
-
-    @property
-    def cards(self) -> Sequence[NewCard]: ...
-
-    @property
-    def approvals(self) -> Sequence[Any]: ...
-
-    def __bool__(self) -> bool: ...
-
-
-class AgentStore(Protocol):
-    """Durable state of every agent; see the module docstring for the guarantees."""
-
-    # -- intake (called by the pump through the runtime) ---------------------------
     async def ensure_agents(self, agent_ids: Sequence[str]) -> None: ...
     async def enqueue_turn(
         self, agent_id: str, payload: bytes, reply_ref: ReplyRef, *, conversation: str | None = None
@@ -250,7 +73,17 @@ class AgentStore(Protocol):
         """Write a tool_result row (``deferred`` when its waiting row does not exist yet)."""
         ...
 
-    # -- worker ---------------------------------------------------------------------
+
+class TurnStore(Protocol):
+    """The worker's Turn: claims, steps, tool waits, its own end (the worker, its model
+    step and tool dispatch, the compactor)."""
+
+    @property
+    def others_alive(self) -> bool:
+        """Whether another process may be using the store now (a Turn's end taken there
+        must be watched for during a model call); always False on SQLite."""
+        ...
+
     async def due_agents(self, limit: int) -> list[str]: ...
     async def claim_due(self, agent_id: str, limit: int) -> list[InboxRow]: ...
     async def head(self, agent_id: str) -> Head: ...
@@ -348,6 +181,22 @@ class AgentStore(Protocol):
         completion, cards)``: the Turn's last step and its end, one compare-and-set)."""
         ...
 
+    async def cards(self, box_id: str) -> list[Card]: ...
+    async def card(self, card_id: str) -> Card | None: ...
+    async def turn_reply_ref(self, token: TurnToken) -> str | None: ...
+
+
+class ReplyStore(Protocol):
+    """A Turn's end from outside (stop, watchdog) and the reply outbox (the Turn's
+    ender): replies sent, retried, handed to the process that holds the caller."""
+
+    @property
+    def replies_here(self) -> Doorbell | None:
+        """Rings when a reply may be waiting for an anonymous caller connected here
+        (:meth:`pending_replies_here`); None on SQLite, where every reply is this
+        process's."""
+        ...
+
     async def force_end(
         self,
         agent_id: str,
@@ -359,11 +208,34 @@ class AgentStore(Protocol):
         turn_epoch: int | None = None,
         expect_status: Sequence[str] | None = None,
     ) -> Finished | None: ...
-    async def cards(self, box_id: str) -> list[Card]: ...
-    async def card(self, card_id: str) -> Card | None: ...
+    async def pending_replies(self, limit: int, older_than_s: float = 0.0) -> list[PendingReply]:
+        """Replies not yet sent, created at least ``older_than_s`` ago."""
+        ...
+
+    async def mark_reply_sent(self, agent_turn_id: str) -> None: ...
+    async def mark_reply_attempt(self, agent_turn_id: str, give_up: bool) -> None: ...
+    async def hand_over_reply(self, agent_turn_id: str, process: str) -> bool:
+        """Leave a reply for its caller's process ``process`` and ring it (True), or give
+        it up if that process is gone (False; always, on SQLite: one process)."""
+        ...
+
+    async def pending_replies_here(self, limit: int = 256) -> list[PendingReply]:
+        """The pending replies other processes left for the anonymous callers connected
+        to this one (none on SQLite)."""
+        ...
+
+
+class WatchdogStore(Protocol):
+    """The watchdog and restart recovery: stuck rows, deadlines, lost tool calls, the
+    calls to idempotent listeners sent again, replies left unsent."""
+
+    async def due_agents(self, limit: int) -> list[str]: ...
+    async def pending_replies(self, limit: int, older_than_s: float = 0.0) -> list[PendingReply]:
+        """Replies not yet sent, created at least ``older_than_s`` ago."""
+        ...
+
     async def turn_reply_ref(self, token: TurnToken) -> str | None: ...
 
-    # -- watchdog -------------------------------------------------------------------
     async def requeue_stuck(self, older_than_s: float) -> int: ...
     async def expired_suspensions(self) -> list[TurnToken]: ...
     async def suspended_turns(self) -> list[TurnToken]: ...
@@ -378,13 +250,16 @@ class AgentStore(Protocol):
     async def overdue_running(self, older_than_s: float) -> list[Head]: ...
     async def recover_running(self) -> list[TurnToken]: ...
 
-    # -- replies --------------------------------------------------------------------
-    async def pending_replies(self, limit: int, older_than_s: float = 0.0) -> list[PendingReply]:
-        """Replies not yet sent, created at least ``older_than_s`` ago."""
+
+class ClientReplyStore(Protocol):
+    """Named clients' durable replies: kept until the client acknowledges them."""
+
+    @property
+    def client_replies(self) -> Doorbell | None:
+        """Rings when some process kept a reply for a named client (None on SQLite: only
+        this process keeps them, and it offers them itself)."""
         ...
 
-    async def mark_reply_sent(self, agent_turn_id: str) -> None: ...
-    async def mark_reply_attempt(self, agent_turn_id: str, give_up: bool) -> None: ...
     async def record_client_reply(
         self,
         client: str,
@@ -404,7 +279,10 @@ class AgentStore(Protocol):
         """Forget kept replies the client has received."""
         ...
 
-    # -- memory across tasks --------------------------------------------------------
+
+class ConversationStore(Protocol):
+    """Memory across tasks: a conversation's cards, compacted while idle, and forks."""
+
     async def conversation_cards(self, agent_id: str, conversation: str) -> list[Card]: ...
     async def conversation_boxes(
         self, agent_id: str, conversation: str
@@ -417,5 +295,104 @@ class AgentStore(Protocol):
         summary: NewCard,
         keep: Sequence[str],
     ) -> bool: ...
+    async def fork(self, agent_id: str, thread: str, at_step: int) -> dict[str, Any]:
+        """A forked conversation (agents/store/sql/forks.py). Raises ForkRefused."""
+        ...
+
+
+class ApprovalStore(Protocol):
+    """Human approval of tool calls (agents/governance/approvals.py): requests sent,
+    decided, timed out; a granted call forwarded."""
+
+    async def unsent_approvals(self) -> list[PendingApproval]: ...
+    async def pending_approvals(self, approver: str | None = None) -> list[PendingApproval]: ...
+    async def approval_status(self, request_id: str) -> str | None: ...
+    async def mark_approval_sent(self, request_id: str) -> None: ...
+    async def unsend_approvals(self, approvers: Sequence[str]) -> None: ...
+    async def decide_approval(
+        self, request_id: str, grant: bool, reason: str, by: str | None
+    ) -> str: ...
+    async def expire_approvals(self, now: float) -> int: ...
+    async def begin_forward(self, row: InboxRow) -> tuple[str, TurnToken, str, str] | None: ...
+    async def finish_forward(
+        self, request_id: str, row: InboxRow, sub_thread: str, after: str, deadline: float
+    ) -> None: ...
+    async def fail_forward(self, request_id: str, row: InboxRow, text: str) -> None: ...
+    async def turn_reply_ref(self, token: TurnToken) -> str | None: ...
+
+
+class OperatorStore(Protocol):
+    """The operator's cancel of queued tasks (console/operator.py)."""
+
+    async def turn_of_thread(self, agent_id: str, caller_thread: str) -> str | None: ...
+    async def cancel_queued(
+        self, agent_id: str, caller_thread: str | None, failed_answer: bytes
+    ) -> list[PendingReply]: ...
+
+
+class ViewStore(Protocol):
+    """Read-only views (HTTP API, metrics, replay's record) and the runner step log."""
+
+    async def reachable(self) -> bool: ...
+    async def agent_views(self, names: Sequence[str]) -> list[dict[str, Any]]: ...
+    async def task_view(self, agent_id: str, thread: str) -> dict[str, Any] | None: ...
+    async def recent_tasks(self, agent_id: str, limit: int = 20) -> list[dict[str, Any]]: ...
+    async def turn_log(self, agent_turn_id: str) -> dict[str, Any]: ...
+    async def turn_record(self, agent_id: str, thread: str) -> dict[str, Any] | None: ...
+    async def turn_thread(self, agent_turn_id: str) -> tuple[str | None, str | None]: ...
+    async def pending_approvals(self, approver: str | None = None) -> list[PendingApproval]: ...
+    async def figures(self) -> Any: ...
+    async def record_steps(self, rows: Sequence[Any]) -> None: ...
+    async def step_rows(
+        self, step: str | None, listener: str | None, after: int, limit: int
+    ) -> list[Any]: ...
+
+
+class StoreLifecycle(Protocol):
+    """The store's life in this process, and what differs when several processes share
+    it (PostgreSQL) from one process owning it (SQLite, which answers the one-process
+    values: not shared, nobody else alive, nothing handed over)."""
+
+    @property
+    def shared(self) -> bool:
+        """Other processes may use this store: recovery at start takes over only the work
+        of processes that are gone, and a caller's reply names the process that holds
+        the caller's connection."""
+        ...
+
+    @property
+    def owner(self) -> str:
+        """This process's id in the store (the rows it owns, its lease on a shared
+        store)."""
+        ...
+
+    #: What to do with the calls of a dead process's suspended Turns (set by the
+    #: runtime; None: report them all lost). Unused where no other process can die.
+    on_lost_calls: LostCalls | None
+
+    async def serve(
+        self, doorbell: Doorbell, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The store's own background work until cancelled (PostgreSQL: rings from other
+        processes, the lease; SQLite: WAL checkpoints off the trio thread)."""
+        ...
 
     async def aclose(self) -> None: ...
+
+
+class AgentStore(
+    IntakeStore,
+    TurnStore,
+    ReplyStore,
+    WatchdogStore,
+    ClientReplyStore,
+    ConversationStore,
+    GovernanceStore,
+    ApprovalStore,
+    OperatorStore,
+    ViewStore,
+    StoreLifecycle,
+    Protocol,
+):
+    """The whole store, every role: what the composition root (the runtime) holds and
+    hands out by role; see the module docstring for the guarantees."""

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from typing import Any
 
 import trio
 
 from agentserver.agents.clock import Clock
 from agentserver.agents.errors import StoreError
+from agentserver.agents.store.base import ViewStore
 from agentserver.agents.store.sql.views import FigureRows
 
 log = logging.getLogger(__name__)
@@ -30,10 +30,10 @@ REFRESH_S = 5.0
 
 
 class StoreFigures:
-    """The snapshot of ``store`` (a :class:`~agentserver.agents.store.sql_store.SqlAgentStore`)
+    """The snapshot of ``store`` (its :class:`~agentserver.agents.store.base.ViewStore` role)
     that the metrics read; None until the first refresh, and after a failed one."""
 
-    def __init__(self, store: Any, clock: Clock, *, period: float = REFRESH_S) -> None:
+    def __init__(self, store: ViewStore, clock: Clock, *, period: float = REFRESH_S) -> None:
         self.store = store
         self.clock = clock
         self.period = period

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from agentserver.agents.store.base import NewCard, TurnToken
+from agentserver.agents.store.rows import NewCard, TurnToken
 
 #: The approvals' rows (agents/governance/approvals.py applies them).
 APPROVAL_PREFIX = "approval:"

@@ -27,6 +27,7 @@ import fcntl
 import os
 import sqlite3
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,6 +38,7 @@ from agentserver.agents.clock import Clock, SystemClock
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StoreError, StoreInUse
 from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.base import LostCalls, PendingReply
 from agentserver.agents.store.sql.db import SQLITE
 from agentserver.agents.store.sql.schema import MIGRATIONS, SCHEMA_VERSION, migrate
 from agentserver.agents.store.sql_store import SqlAgentStore
@@ -101,7 +103,17 @@ def _lock(path: Path) -> int:
 
 
 class SqliteAgentStore(SqlAgentStore):
-    """SQLite-backed agent store. Create with :meth:`open`; close with :meth:`aclose`."""
+    """SQLite-backed agent store. Create with :meth:`open`; close with :meth:`aclose`.
+
+    One process owns the file (its lock), so the capabilities of a shared store
+    (:class:`~agentserver.agents.store.base.StoreLifecycle` and the roles' doorbells)
+    answer the one-process values: not shared, nobody else alive, no reply kept or
+    left by another process, nothing to hand over."""
+
+    shared = False
+    others_alive = False
+    client_replies: Doorbell | None = None
+    replies_here: Doorbell | None = None
 
     def __init__(
         self,
@@ -121,6 +133,10 @@ class SqliteAgentStore(SqlAgentStore):
         self._path = path
         self._checkpoint_db: sqlite3.Connection | None = None
         self._checkpoint_lock = threading.Lock()
+        #: This process's id (the store names no process in its rows: it is the only one).
+        self.owner = uuid.uuid4().hex
+        #: Never called: no other process's Turns can be left to take over.
+        self.on_lost_calls: LostCalls | None = None
 
     @classmethod
     def open(
@@ -190,6 +206,14 @@ class SqliteAgentStore(SqlAgentStore):
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
         # A single reader statement needs no BEGIN (autocommit reads one snapshot each).
         return fn(self._tx, self.env, *args)
+
+    async def hand_over_reply(self, agent_turn_id: str, process: str) -> bool:
+        """No other process holds a caller of this store's: nothing to hand over."""
+        return False
+
+    async def pending_replies_here(self, limit: int = 256) -> list[PendingReply]:
+        """No other process leaves replies here."""
+        return []
 
     async def serve(
         self, doorbell: Doorbell, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

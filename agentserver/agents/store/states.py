@@ -9,7 +9,10 @@ Two machines:
 Each table maps ``(state, event)`` to a :class:`Transition`. The store computes every
 compare-and-set from these tables (the expected statuses of an event are
 :func:`head_sources`), and ``docs/agents.md`` embeds :func:`render_markdown`, checked by a
-test, so code, store and documentation cannot drift apart.
+test, so code, store and documentation cannot drift apart. What a head event writes
+besides its status and epoch is data too (:data:`HEAD_EFFECTS`, :func:`head_effects`),
+applied by the one compare-and-set both the shared SQL (``agents/store/sql/head.py``)
+and PostgreSQL's one-trip statements (``agents/store/pg/one_trip*.py``) build.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from agentserver.core.errors import IllegalTransition
 
@@ -67,6 +72,65 @@ HEAD_TRANSITIONS: Mapping[tuple[HeadStatus, HeadEvent], Transition] = {
         for s in ACTIVE_HEAD
     },
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Given:
+    """A head column's value that the call applying the event supplies (by ``name``)."""
+
+    name: str
+
+
+#: The moment of the compare-and-set (its clock reading, unless the call gives one).
+NOW = Given("now")
+
+#: What a Turn's end leaves on the head (the next lease, if any, sets the rest).
+_ENDED: Mapping[str, Any] = {
+    "active_agent_turn_id": None,
+    "turn_inbox_id": None,
+    "waiting_tool_count": 0,
+    "resume_deadline": None,
+    "dispatched_at": None,
+    "running_since": None,
+}
+
+#: The columns each head event sets besides ``status``, ``turn_epoch`` (the transition's)
+#: and ``updated_at``: a constant, or a :class:`Given` value. Counters a call moves by an
+#: expression (``step_count + 1``, ``context_tokens + ?``) are the call's, not the event's.
+HEAD_EFFECTS: Mapping[HeadEvent, Mapping[str, Any]] = {
+    HeadEvent.LEASE: {
+        "active_agent_turn_id": Given("turn"),
+        "turn_inbox_id": Given("inbox"),
+        "context_box_id": Given("context_box"),
+        "output_box_id": Given("output_box"),
+        "step_count": 0,
+        "waiting_tool_count": 0,
+        "resume_deadline": None,
+        "expecting_correlation_id": None,
+        "dispatched_at": NOW,
+        "running_since": None,
+        "context_tokens": Given("tokens"),
+    },
+    HeadEvent.START: {"running_since": NOW},
+    HeadEvent.SUSPEND: {
+        "waiting_tool_count": Given("calls"),
+        "resume_deadline": Given("deadline"),
+        "expecting_correlation_id": None,
+    },
+    HeadEvent.RESUME: {"waiting_tool_count": 0, "resume_deadline": None, "running_since": NOW},
+    HeadEvent.FINISH: _ENDED,
+    HeadEvent.FORCE_END: _ENDED,
+    HeadEvent.RECOVER: {"running_since": NOW},
+}
+
+
+def head_effects(event: HeadEvent, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The columns ``event`` sets (:data:`HEAD_EFFECTS`), each :class:`Given` replaced by
+    its value in ``given``; KeyError names one the call did not give."""
+    return {
+        column: given[value.name] if isinstance(value, Given) else value
+        for column, value in HEAD_EFFECTS[event].items()
+    }
 
 
 class InboxStatus(enum.StrEnum):

@@ -28,6 +28,7 @@ from typing import Any
 import trio
 
 from agentserver.agents.errors import StoreError
+from agentserver.agents.store.base import ViewStore
 from agentserver.agents.store.sql.db import StoreEnv, Tx
 from agentserver.steps.log import StepRow, limit_rows
 
@@ -103,12 +104,12 @@ def select_rows(
 
 class StoreStepLog:
     """:class:`StepLog` over an agent store (durable rows, any backend): rows wait in a
-    bounded buffer until :meth:`run` writes them (see the module docstring). ``store`` is
-    a :class:`~agentserver.agents.store.sql_store.SqlAgentStore`."""
+    bounded buffer until :meth:`run` writes them (see the module docstring) through the
+    store's :class:`~agentserver.agents.store.base.ViewStore` role."""
 
     durable = True
 
-    def __init__(self, store: Any, *, buffer: int = BUFFER_ROWS) -> None:
+    def __init__(self, store: ViewStore, *, buffer: int = BUFFER_ROWS) -> None:
         self._store = store
         self._send, self._receive = trio.open_memory_channel[StepRow](buffer)
         #: Rows taken from the buffer and not yet written (a failed write keeps them).

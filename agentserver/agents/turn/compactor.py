@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from agentserver.agents.ports import LLMMessage, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.budget import card_tokens
-from agentserver.agents.store.base import AgentStore, BoxSwap, Card, CardType, NewCard, TurnToken
+from agentserver.agents.store.base import BoxSwap, Card, CardType, NewCard, TurnStore, TurnToken
 from agentserver.agents.turn.compaction import (
     SUMMARY,
     SUMMARY_SYSTEM,
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 async def turn_cards(
-    store: AgentStore, context_box: str | None, output_box: str | None
+    store: TurnStore, context_box: str | None, output_box: str | None
 ) -> list[Card]:
     cards: list[Card] = []
     if context_box:
@@ -68,7 +68,7 @@ class PendingSwap:
 
 
 async def compact_turn(
-    store: AgentStore,
+    store: TurnStore,
     llm: LLMPort,
     token: TurnToken,
     profile: AgentProfile,

@@ -72,8 +72,7 @@ class TurnEnder:
             await self.replies.deliver(ref, payload, failed=reply.failed, turn_id=turn_id)
         except CallerElsewhere as elsewhere:
             # Still pending: the process holding the caller's connection sends it.
-            hand_over = getattr(store, "hand_over_reply", None)
-            if hand_over is None or not await hand_over(turn_id, elsewhere.process):
+            if not await store.hand_over_reply(turn_id, elsewhere.process):
                 log.info("turn %s: the caller's process is gone; answer kept", turn_id)
             return False
         except Exception:

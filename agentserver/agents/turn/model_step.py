@@ -150,7 +150,7 @@ class ModelStep:
         runs). One head read per poll per call in flight: bounded by the runners. A
         failed read is skipped (the call goes on, the next poll tries again). Nothing of
         the worker writes during the call, so any change of the head is someone else's."""
-        if not getattr(self.store, "others_alive", False):
+        if not self.store.others_alive:
             return await self._call(llm, token, profile, step_id, system, shown, step_no)
         fenced = False
         outcome: LLMCompletion | Exception | None = None

@@ -16,7 +16,7 @@ from collections.abc import Collection
 
 from agentserver.agents.errors import PumpRefused
 from agentserver.agents.ports import ToolPort
-from agentserver.agents.store.base import AgentStore, TurnToken
+from agentserver.agents.store.base import TurnToken, WatchdogStore
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.steps.retry import KEY_FIELD
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 async def resend_waiting(
-    store: AgentStore,
+    store: WatchdogStore,
     tools: ToolPort,
     token: TurnToken,
     retryable: Collection[str],

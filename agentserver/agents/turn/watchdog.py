@@ -23,7 +23,7 @@ import trio
 
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.profile.settings import StoreSettings
-from agentserver.agents.store.base import TaskStatus
+from agentserver.agents.store.base import TaskStatus, WatchdogStore
 from agentserver.agents.store.states import HeadStatus
 from agentserver.agents.turn.delivery import TurnEnder
 
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 class Watchdog:
     def __init__(self, *, ender: TurnEnder, settings: StoreSettings) -> None:
-        self.store = ender.store
+        self.store: WatchdogStore = ender.store
         self.ender = ender
         self.doorbell = ender.doorbell
         self.settings = settings

@@ -10,22 +10,20 @@ A thread cannot be abandoned (``to_thread.run_sync`` waits for it even when canc
 so every wait inside one is bounded on the server: ``statement_timeout`` and
 ``lock_timeout`` on each connection, and the pool's own timeout for a free connection.
 
-Retries: a serialization failure or a deadlock rolls the transaction back, so it is run
-again (a bounded number of times, with a short random backoff). A connection lost before
-``COMMIT`` was sent also rolled back, so it is retried on a new connection; one lost
-during ``COMMIT`` may or may not have committed, and is raised as :class:`StoreError`.
+Configuration and retries: the trio executor's (:class:`~.config.PgConfig`, and the one
+retry loop of :mod:`.retry`: a serialization failure, a deadlock or a connection lost
+before ``COMMIT`` runs the transaction again, bounded; a connection lost during
+``COMMIT`` is raised as :class:`StoreError`). Here the loop runs in the worker thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import random
 import sys
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -37,15 +35,14 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from agentserver.agents.errors import StoreError
 from agentserver.agents.profile.store_url import redact, redact_text
+from agentserver.agents.store.pg.config import PgConfig
+from agentserver.agents.store.pg.retry import CommitLost, run_retrying_sync
 
 T = TypeVar("T")
 
 #: The name of the worker threads while they run a transaction (trio would otherwise
 #: format one from the function and the task, on every call).
 THREAD_NAME = "agentserver store transaction"
-
-#: The errors after which running the same transaction again is correct.
-RETRYABLE = (pg_errors.SerializationFailure, pg_errors.DeadlockDetected)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -72,7 +69,7 @@ _FAILED = (pq.ExecStatus.FATAL_ERROR, pq.ExecStatus.BAD_RESPONSE, pq.ExecStatus.
 class Later:
     """A read queued with the statements around it: its rows once the round trip it
     went out in is back (:meth:`PgTx.later`; on the trio executor, the next read,
-    :meth:`~.trio_executor.PgPipeTx.last` or ``COMMIT``)."""
+    :meth:`~.pipe.PgPipeTx.last` or ``COMMIT``)."""
 
     __slots__ = ("_rows",)
 
@@ -199,38 +196,17 @@ def shorten_switch_interval() -> None:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
-class _CommitLost(Exception):
-    """The connection broke while COMMIT was in flight: the outcome is unknown."""
-
-
 class PgExecutor:
-    """A connection pool and the trio side of it. Open with :meth:`open`, close with
-    :meth:`aclose`.
+    """A connection pool and the trio side of it, built from a :class:`~.config.PgConfig`.
+    Open with :meth:`open`, close with :meth:`aclose`. Bounded: at most ``pool_size``
+    threads run transactions; each waits at most ``connect_timeout_s`` for a connection,
+    and every statement is bounded on the server."""
 
-    ``statement_timeout_s`` bounds any one statement, ``lock_timeout_s`` any wait for a
-    row lock (a claim uses ``SKIP LOCKED`` and never waits), ``connect_timeout_s`` the
-    wait for a free connection or a new one; ``retries`` bounds the reruns of one
-    transaction."""
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        pool_size: int = 8,
-        statement_timeout_s: float = 30.0,
-        lock_timeout_s: float = 10.0,
-        connect_timeout_s: float = 10.0,
-        retries: int = 5,
-        application_name: str = "agentserver",
-        options: Mapping[str, str] | None = None,
-    ) -> None:
-        if pool_size < 1 or retries < 0:
-            raise ValueError("pool_size must be >= 1 and retries >= 0")
-        self.url = url
-        self.pool_size = pool_size
-        self.retries = retries
-        self.connect_timeout_s = connect_timeout_s
-        self.limiter = trio.CapacityLimiter(pool_size)
+    def __init__(self, config: PgConfig) -> None:
+        self.config = config
+        self.url = config.url
+        self.pool_size = config.pool_size
+        self.limiter = trio.CapacityLimiter(config.pool_size)
         #: Each pooled connection's prepared statements (gone with the connection).
         self._statements: weakref.WeakKeyDictionary[psycopg.Connection, dict[tuple, bytes]] = (
             weakref.WeakKeyDictionary()
@@ -240,40 +216,14 @@ class PgExecutor:
         #: connection (figures; tests read it).
         self.reruns = 0
         self._pool = ConnectionPool(
-            url,
+            config.url,
             min_size=1,
-            max_size=pool_size,
+            max_size=config.pool_size,
             open=False,
-            timeout=connect_timeout_s,
-            kwargs=self.connection_kwargs(
-                statement_timeout_s, lock_timeout_s, connect_timeout_s, application_name, options
-            ),
+            timeout=config.connect_timeout_s,
+            kwargs=config.connection_kwargs(),
             name="agentserver-store",
         )
-
-    @staticmethod
-    def connection_kwargs(
-        statement_timeout_s: float,
-        lock_timeout_s: float,
-        connect_timeout_s: float,
-        application_name: str,
-        options: Mapping[str, str] | None,
-    ) -> dict[str, Any]:
-        """``psycopg.connect``'s keywords for a store connection (both executors)."""
-        settings = (
-            f"-c statement_timeout={round(statement_timeout_s * 1000)} "
-            f"-c lock_timeout={round(lock_timeout_s * 1000)} "
-            # A process that dies mid-transaction must not hold its locks for long.
-            f"-c idle_in_transaction_session_timeout={round(statement_timeout_s * 2000)}"
-        )
-        for name, value in (options or {}).items():
-            settings += f" -c {name}={value}"  # names and values are ours (no spaces)
-        return {
-            "autocommit": True,
-            "options": settings,
-            "application_name": application_name,
-            "connect_timeout": max(1, round(connect_timeout_s)),
-        }
 
     @classmethod
     async def open(cls, url: str, **kwargs: Any) -> PgExecutor:
@@ -282,11 +232,12 @@ class PgExecutor:
 
     @classmethod
     def open_sync(cls, url: str, **kwargs: Any) -> PgExecutor:
-        """:meth:`open`, blocking the calling thread (start-up paths that are sync)."""
-        ex = cls(url, **kwargs)
+        """:meth:`open`, blocking the calling thread (start-up paths that are sync);
+        ``kwargs`` are :class:`~.config.PgConfig`'s."""
+        ex = cls(PgConfig(url, **kwargs))
         shorten_switch_interval()
         try:
-            ex._pool.open(wait=True, timeout=ex.connect_timeout_s)
+            ex._pool.open(wait=True, timeout=ex.config.connect_timeout_s)
         except (PoolTimeout, psycopg.Error) as exc:
             ex._pool.close()
             raise StoreError(
@@ -321,30 +272,13 @@ class PgExecutor:
 
     def run_sync(self, fn: Callable[..., T], *args: Any, atomic: bool = True) -> T:
         """:meth:`run` (``atomic=False``: :meth:`run_single`) on the calling thread (a
-        worker thread, or a start-up path)."""
-        attempt = 0
-        while True:
-            try:
-                return self._once(fn, args, atomic)
-            except RETRYABLE as exc:
-                if attempt >= self.retries:
-                    raise StoreError(f"transaction failed {attempt + 1} times: {exc}") from exc
-            except psycopg.OperationalError as exc:
-                # Lost before COMMIT: the server rolled it back. Anything else is real.
-                if attempt >= self.retries or not connection_lost(exc):
-                    raise StoreError(redact_text(exc, self.url)) from exc
-            except _CommitLost as exc:
-                raise StoreError(
-                    f"the connection to the agent store broke during COMMIT ({exc}); "
-                    "the transaction may or may not have been committed"
-                ) from None
-            except PoolTimeout as exc:
-                raise StoreError(f"no connection to the agent store: {exc}") from None
-            except psycopg.Error as exc:
-                raise StoreError(redact_text(exc, self.url)) from exc
-            attempt += 1
-            self.reruns += 1
-            time.sleep(random.uniform(0, 0.002 * 2**attempt))
+        worker thread, or a start-up path), run again as :mod:`.retry` decides."""
+        return run_retrying_sync(
+            self.config, functools.partial(self._once, fn, args, atomic), self._rerun
+        )
+
+    def _rerun(self) -> None:
+        self.reruns += 1
 
     def _once(self, fn: Callable[..., T], args: tuple[Any, ...], atomic: bool) -> T:
         with self._pool.connection() as conn:
@@ -368,14 +302,6 @@ class PgExecutor:
                 tx.command(b"COMMIT")
             except psycopg.OperationalError as exc:
                 if conn.broken:
-                    raise _CommitLost(redact_text(exc, self.url)) from None
+                    raise CommitLost(redact_text(exc, self.url)) from None
                 raise
             return result
-
-
-def connection_lost(exc: psycopg.OperationalError) -> bool:
-    """Whether ``exc`` says the connection is gone (not a timeout or a refusal by the
-    server, which are OperationalErrors too)."""
-    if isinstance(exc, pg_errors.QueryCanceled | pg_errors.LockNotAvailable):
-        return False
-    return exc.sqlstate is None or exc.sqlstate.startswith(("08", "57P"))

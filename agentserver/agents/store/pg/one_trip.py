@@ -17,8 +17,8 @@ statements where it can, and these changes:
   just updated (a scalar subquery: the row is locked by this transaction, and a later
   statement sees its writes).
 - What the function returns from those reads comes back with the last round trip
-  (:meth:`~.trio_executor.PgPipeTx.later`), and its last statement carries ``COMMIT``
-  (:meth:`~.trio_executor.PgPipeTx.last`).
+  (:meth:`~.pipe.PgPipeTx.later`), and its last statement carries ``COMMIT``
+  (:meth:`~.pipe.PgPipeTx.last`).
 
 Atomic: each call is one transaction, as its namesake's; a miss rolls all of it back
 before the shared function runs. Cancel: as any store call (the executor's). Bounded:
@@ -67,7 +67,7 @@ T = TypeVar("T")
 
 class PipeTx(Protocol):
     """What these functions need of a transaction: the store's Tx, plus reads that wait
-    in the pipeline (:class:`~.trio_executor.PgPipeTx`; the thread executor's
+    in the pipeline (:class:`~.pipe.PgPipeTx`; the thread executor's
     :class:`~.executor.PgTx` runs them at once)."""
 
     dialect: str
@@ -125,10 +125,11 @@ def fence(
 
 
 def cas_expected(
-    tx: PipeTx, env: StoreEnv, agent_id: str, how: HeadEvent, sets: Mapping[str, Any]
+    tx: PipeTx, env: StoreEnv, agent_id: str, how: HeadEvent, given: Mapping[str, Any]
 ) -> None:
-    """:func:`head.cas` of a head whatever its Turn (a lease), expected to hit."""
-    sql, params = head.cas_statement(env, agent_id, None, None, how, sets=sets)
+    """:func:`head.cas` of a head whatever its Turn (a lease, its effects' values
+    ``given``), expected to hit."""
+    sql, params = head.cas_statement(env, agent_id, None, None, how, given=given)
     tx.execute(
         f"WITH h AS ({sql}) SELECT agentserver_expect((SELECT count(*) FROM h) = 1, ?)",
         (*params, f"{agent_id}: head not {how}"),
@@ -203,7 +204,7 @@ def append_cards(
     token: TurnToken,
     cards: Sequence[NewCard],
     how: HeadEvent | HeadStatus = HeadStatus.RUNNING,
-    sets: Mapping[str, Any] | None = None,
+    given: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """:func:`~agentserver.agents.store.sql.turns.append_cards` without a round trip: the
     compare-and-set (expected to hit, with an output box: the shared function raises
@@ -214,7 +215,7 @@ def append_cards(
         env,
         token,
         how,
-        sets=sets,
+        given=given,
         where=" AND output_box_id IS NOT NULL",
         **tokens_exprs(sum(t for _, t in priced)),
     )

@@ -88,7 +88,7 @@ def enqueue_turn(
         None,
         None,
         HeadEvent.LEASE,
-        sets=head.lease_sets(turn_id, inbox_id, context_box, output_box, now, task_tokens),
+        given=head.lease_given(turn_id, inbox_id, context_box, output_box, now, task_tokens),
         where=f" AND NOT EXISTS ({others})",
         where_params=other_params,
     )
@@ -237,14 +237,6 @@ def finish(
         env,
         token,
         HeadEvent.FINISH,
-        sets={
-            "active_agent_turn_id": None,
-            "turn_inbox_id": None,
-            "waiting_tool_count": 0,
-            "resume_deadline": None,
-            "dispatched_at": None,
-            "running_since": None,
-        },
         **tokens_exprs(sum(t for _, t in priced)),
     )
     deliverable = NewCard(CardType.DELIVERABLE, text, {"status": status, **metadata})
@@ -270,8 +262,8 @@ def finish(
         # the lease's compare-and-set hits, and its epoch is known.
         epoch = token.turn_epoch + bump(HeadEvent.FINISH)
 
-        def take(sets: Mapping[str, Any]) -> int:
-            cas_expected(tx, env, agent, HeadEvent.LEASE, sets)
+        def take(given: Mapping[str, Any]) -> int:
+            cas_expected(tx, env, agent, HeadEvent.LEASE, given)
             return epoch + bump(HeadEvent.LEASE)
 
         leased = head.lease_with(tx, env, agent, queued, take)

@@ -66,7 +66,6 @@ def start_turn_step(
         env,
         token,
         HeadEvent.START,
-        sets={"running_since": env.clock.now()},
         exprs={"step_count": "step_count + 1"},
         where=turns.UNDER_LIMIT,
         where_params=(max_steps,),
@@ -162,11 +161,7 @@ def suspend(
         token,
         [*cards, *call_cards],
         HeadEvent.SUSPEND,
-        sets={
-            "waiting_tool_count": len(calls),
-            "resume_deadline": resume_deadline,
-            "expecting_correlation_id": None,
-        },
+        given=tools.suspend_given(calls, resume_deadline),
     )
     call_ids = [c.tool_call_id for c in calls]
     tools.record_waiting(tx, token, step_id, calls, ids[len(cards) :], now)
@@ -240,7 +235,7 @@ def apply_report(
     tx.execute(*inbox_move_statement(env, row.inbox_id, InboxEvent.CONSUME))
     if h.waiting_tool_count - 1 > 0:
         return closing(tx, channel, ReportOutcome("applied"))
-    resumed = fence(tx, env, token, HeadEvent.RESUME, sets=tools.resume_sets(now))
+    resumed = fence(tx, env, token, HeadEvent.RESUME)
     term = term_before
     if (
         row.message_type != MessageType.TIMEOUT

@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import trio
@@ -25,7 +25,7 @@ from agentserver.agents.clock import Clock, SystemClock
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StaleTurn, StoreError
 from agentserver.agents.profile.settings import StoreSettings
-from agentserver.agents.store.base import PendingReply, TurnToken
+from agentserver.agents.store.base import LostCalls, PendingReply, TurnToken
 from agentserver.agents.store.pg import callers, leases, one_trip_ends, one_trip_turn
 from agentserver.agents.store.pg.executor import PgExecutor
 from agentserver.agents.store.pg.notify import (
@@ -143,7 +143,7 @@ class PostgresAgentStore(SqlAgentStore):
         #: What to do with the calls of a dead process's suspended Turns (the agent
         #: runtime's ``lost_calls``: re-send those to idempotent listeners); None:
         #: report them all lost.
-        self.on_lost_calls: Callable[[TurnToken, str], Awaitable[int]] | None = None
+        self.on_lost_calls: LostCalls | None = None
         #: channel → this process's own doorbell for it (set by :meth:`serve`)
         self._rings: dict[str, Callable[[], None]] = {}
 

@@ -28,6 +28,7 @@ from agentserver.agents.store.states import (
     HeadStatus,
     InboxEvent,
     InboxStatus,
+    head_effects,
     head_event,
     head_sources,
 )
@@ -42,6 +43,7 @@ def cas(
     how: HeadEvent | HeadStatus,
     *,
     sets: Mapping[str, Any] | None = None,
+    given: Mapping[str, Any] | None = None,
     exprs: Mapping[str, str] | None = None,
     expr_params: Sequence[Any] = (),
     where: str = "",
@@ -51,9 +53,11 @@ def cas(
     """Compare-and-set the head of ``agent_id``; returns the head as updated.
 
     ``how``: a :class:`HeadEvent` (the status moves to its target, the epoch bumps if the
-    transition says so) or a :class:`HeadStatus` (a fence: the head must be in it and
-    stays). The head must hold ``turn_id`` at ``epoch`` (None: not checked, as for the
-    lease of an idle head). ``sets`` are ``column = value``; ``exprs`` and ``where`` are
+    transition says so, and the columns of its :data:`~.states.HEAD_EFFECTS` are set,
+    with the values ``given`` by keyword; ``now`` defaults to this compare-and-set's
+    clock reading) or a :class:`HeadStatus` (a fence: the head must be in it and stays).
+    The head must hold ``turn_id`` at ``epoch`` (None: not checked, as for the
+    lease of an idle head). ``sets`` are more ``column = value``; ``exprs`` and ``where`` are
     fixed SQL fragments (``column = expr``, whose ``?`` take ``expr_params``; `` AND …``,
     whose ``?`` take ``where_params``).
     Raises StaleTurn on a miss, and then nothing was written.
@@ -65,6 +69,7 @@ def cas(
         epoch,
         how,
         sets=sets,
+        given=given,
         exprs=exprs,
         expr_params=expr_params,
         where=where,
@@ -84,12 +89,14 @@ def cas_statement(
     how: HeadEvent | HeadStatus,
     *,
     sets: Mapping[str, Any] | None = None,
+    given: Mapping[str, Any] | None = None,
     exprs: Mapping[str, str] | None = None,
     expr_params: Sequence[Any] = (),
     where: str = "",
     where_params: Sequence[Any] = (),
 ) -> tuple[str, tuple[Any, ...]]:
     """The ``UPDATE … RETURNING <head>`` of :func:`cas` and its parameters (not run)."""
+    now = env.clock.now()
     cols: dict[str, Any] = {}
     bump = False
     if isinstance(how, HeadEvent):
@@ -97,10 +104,11 @@ def cas_statement(
         sources: tuple[str, ...] = head_sources(how)
         cols["status"] = str(t.target)
         bump = t.bumps_epoch
+        cols.update(head_effects(how, {"now": now, **(given or {})}))
     else:
         sources = (str(how),)
     cols.update(sets or {})
-    cols["updated_at"] = env.clock.now()
+    cols["updated_at"] = now
     params: list[Any] = [*cols.values(), *expr_params, agent_id]
     if turn_id is not None:
         params.append(turn_id)
@@ -193,9 +201,9 @@ QUEUED_NEXT = (
 def lease_row(tx: Tx, env: StoreEnv, agent_id: str, row: Sequence[Any]) -> bool:
     """:func:`lease_next` for the queued ``row`` it read (a row of :data:`QUEUED_NEXT`)."""
 
-    def take(sets: Mapping[str, Any]) -> int | None:
+    def take(given: Mapping[str, Any]) -> int | None:
         try:
-            return cas(tx, env, agent_id, None, None, HeadEvent.LEASE, sets=sets).turn_epoch
+            return cas(tx, env, agent_id, None, None, HeadEvent.LEASE, given=given).turn_epoch
         except StaleTurn:
             return None  # busy: the row stays queued for the Turn's end
 
@@ -209,9 +217,9 @@ def lease_with(
     row: Sequence[Any],
     take: Callable[[Mapping[str, Any]], int | None],
 ) -> bool:
-    """:func:`lease_row` with ``take`` for its compare-and-set: given the columns the
-    lease sets, it moves the head (:data:`HeadEvent.LEASE`) and returns the new epoch,
-    or None if the head is busy (then nothing is written)."""
+    """:func:`lease_row` with ``take`` for its compare-and-set: given the values of the
+    lease's effects (:func:`lease_given`), it moves the head (:data:`HeadEvent.LEASE`)
+    and returns the new epoch, or None if the head is busy (then nothing is written)."""
     inbox_id, payload, conversation = row
     earlier = conversations.earlier_cards(tx, agent_id, conversation) if conversation else []
     task = NewCard(CardType.TASK_INPUT, bytes(payload).decode("utf-8", "replace"))
@@ -219,7 +227,7 @@ def lease_with(
     now = env.clock.now()
     turn_id, context_box, output_box = new_id(), new_id(), new_id()
     tokens = sum(int(r[6]) for r in earlier) + task_tokens
-    epoch = take(lease_sets(turn_id, inbox_id, context_box, output_box, now, tokens))
+    epoch = take(lease_given(turn_id, inbox_id, context_box, output_box, now, tokens))
     if epoch is None:
         return False
     insert_rows(
@@ -245,21 +253,16 @@ def lease_with(
     return True
 
 
-def lease_sets(
+def lease_given(
     turn_id: str, inbox_id: str, context_box: str, output_box: str, now: float, tokens: int
 ) -> dict[str, Any]:
-    """The columns a lease sets on the head: the new Turn ``turn_id`` of the queued row
-    ``inbox_id``, its boxes, ``tokens`` in its context."""
+    """The values a lease's effects take (:data:`~.states.HEAD_EFFECTS`): the new Turn
+    ``turn_id`` of the queued row ``inbox_id``, its boxes, ``tokens`` in its context."""
     return {
-        "active_agent_turn_id": turn_id,
-        "turn_inbox_id": inbox_id,
-        "context_box_id": context_box,
-        "output_box_id": output_box,
-        "step_count": 0,
-        "waiting_tool_count": 0,
-        "resume_deadline": None,
-        "expecting_correlation_id": None,
-        "dispatched_at": now,
-        "running_since": None,
-        "context_tokens": tokens,
+        "turn": turn_id,
+        "inbox": inbox_id,
+        "context_box": context_box,
+        "output_box": output_box,
+        "now": now,
+        "tokens": tokens,
     }

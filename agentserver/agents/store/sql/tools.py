@@ -61,11 +61,7 @@ def suspend(
         token,
         [*cards, *call_cards],
         HeadEvent.SUSPEND,
-        sets={
-            "waiting_tool_count": len(calls),
-            "resume_deadline": resume_deadline,
-            "expecting_correlation_id": None,
-        },
+        given=suspend_given(calls, resume_deadline),
     )
     call_ids = [c.tool_call_id for c in calls]
     record_waiting(tx, token, step_id, calls, ids[len(cards) :], now)
@@ -73,6 +69,11 @@ def suspend(
     early = tx.rowcount
     close_step(tx, env, step_id, None, AgentStepStatus.COMPLETED, call_ids)
     return early
+
+
+def suspend_given(calls: Sequence[ToolCallRecord], resume_deadline: float) -> dict[str, Any]:
+    """The values a suspend's effects take (:data:`~agentserver.agents.store.states.HEAD_EFFECTS`)."""
+    return {"calls": len(calls), "deadline": resume_deadline}
 
 
 def tool_call_cards(calls: Sequence[ToolCallRecord]) -> list[NewCard]:
@@ -193,7 +194,7 @@ def apply_report(
     inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME)
     if h.waiting_tool_count > 0:
         return ReportOutcome("applied")
-    resumed = head.fence(tx, env, token, HeadEvent.RESUME, sets=resume_sets(now))
+    resumed = head.fence(tx, env, token, HeadEvent.RESUME)
     # The terminating result (if any) and the Turn's reply reference, in one statement.
     term, ref = tx.one(
         "SELECT (SELECT result_card_id FROM turn_waiting_tools WHERE agent_turn_id = ? "
@@ -282,11 +283,6 @@ def received_statement(row: InboxRow, card_id: str, now: float) -> tuple[str, tu
             WaitingStatus.WAITING,
         ),
     )
-
-
-def resume_sets(now: float) -> dict[str, Any]:
-    """The columns a resume sets on the head."""
-    return {"waiting_tool_count": 0, "resume_deadline": None, "running_since": now}
 
 
 def inject_timeouts(

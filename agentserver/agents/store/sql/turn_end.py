@@ -76,14 +76,6 @@ def end_turn(
         event,
         exprs={"context_tokens": "context_tokens + ?"} if delta else None,
         expr_params=(delta,) if delta else (),
-        sets={
-            "active_agent_turn_id": None,
-            "turn_inbox_id": None,
-            "waiting_tool_count": 0,
-            "resume_deadline": None,
-            "dispatched_at": None,
-            "running_since": None,
-        },
     )
     deliverable = NewCard(CardType.DELIVERABLE, text, {"status": status, **metadata})
     *_, card_id = insert_cards(

@@ -42,7 +42,7 @@ def start_turn(tx: Tx, env: StoreEnv, row: InboxRow) -> TurnToken:
     token = row.token
     if token is None:
         raise StaleTurn(f"inbox {row.inbox_id} carries no Turn")
-    head.fence(tx, env, token, HeadEvent.START, sets={"running_since": env.clock.now()})
+    head.fence(tx, env, token, HeadEvent.START)
     if not inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME):
         raise StaleTurn(f"inbox {row.inbox_id} is no longer processing")
     edge(tx, env, token.agent_id, token.agent_turn_id, "start", "request", inbox_id=row.inbox_id)
@@ -114,7 +114,6 @@ def start_turn_step(tx: Tx, env: StoreEnv, row: InboxRow, max_steps: int) -> Ste
             env,
             token,
             HeadEvent.START,
-            sets={"running_since": env.clock.now()},
             exprs={"step_count": "step_count + 1"},
             where=UNDER_LIMIT,
             where_params=(max_steps,),
@@ -143,11 +142,12 @@ def append_cards(
     token: TurnToken,
     cards: Sequence[NewCard],
     how: HeadEvent | HeadStatus = HeadStatus.RUNNING,
-    sets: Mapping[str, Any] | None = None,
+    given: Mapping[str, Any] | None = None,
     **kw: Any,
 ) -> tuple[list[str], Any]:
-    """The compare-and-set ``how`` (a fence on running by default) that also counts the
-    cards' tokens, then the cards into the output box. Returns (card ids, head)."""
+    """The compare-and-set ``how`` (a fence on running by default; an event's effects
+    take the values ``given``) that also counts the cards' tokens, then the cards into
+    the output box. Returns (card ids, head)."""
     priced = with_tokens(env, token.agent_id, cards)
     delta = sum(t for _, t in priced)
     exprs = dict(kw.pop("exprs", None) or {})
@@ -155,7 +155,7 @@ def append_cards(
     if delta:
         exprs["context_tokens"] = "context_tokens + ?"
         params += (delta,)
-    h = head.fence(tx, env, token, how, sets=sets, exprs=exprs, expr_params=params, **kw)
+    h = head.fence(tx, env, token, how, given=given, exprs=exprs, expr_params=params, **kw)
     if not h.output_box_id:
         raise StaleTurn(f"{token}: no output box")
     return insert_cards(tx, env, h.output_box_id, token.agent_turn_id, priced), h

@@ -89,7 +89,7 @@ def recover_turn(tx: Tx, env: StoreEnv, token: TurnToken, now: float) -> TurnTok
     ``resume`` row that re-runs its next step; returns its new token. (Also used by a
     shared store for the Turns of a process whose lease expired.)"""
     due, payload = _pending_step_retry(tx, env, token, now)
-    h = head.fence(tx, env, token, HeadEvent.RECOVER, sets={"running_since": now})
+    h = head.fence(tx, env, token, HeadEvent.RECOVER, given={"now": now})
     tx.execute(
         "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, "
         "agent_turn_id, turn_epoch, payload, next_retry_at, created_at, updated_at) "

@@ -1,0 +1,223 @@
+"""The agent store's rows: what its calls take and return (plain frozen data), the card
+types and task statuses they carry, and governance's record of a step as the store takes
+it (:class:`ScreenedStep`). The store's protocols, by role, are in :mod:`.base`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class CardType:
+    TASK_INPUT = "task.input"
+    LLM_MESSAGE = "llm.message"
+    TOOL_CALL = "tool.call"
+    TOOL_RESULT = "tool.result"
+    SELF_CALL = "sys.self_call"
+    HUH = "sys.huh"
+    NOTE = "sys.note"
+    DELIVERABLE = "task.deliverable"
+    SUMMARY = "sys.summary"  # the rolling summary of compacted cards (compaction.py)
+    #: A tool call governance did not send (policy, loop detector, guardrail): the model
+    #: sees it as a failed call (metadata: to, payload, rule, decision).
+    TOOL_REFUSED = "tool.refused"
+    #: A guardrail's verdict on one tool result (metadata: tool_call_id, warn, block).
+    GUARD = "sys.guard"
+
+
+class TaskStatus:
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    TIMED_OUT = "timed_out"
+
+
+@dataclass(frozen=True, slots=True)
+class TurnToken:
+    """What a worker holds for a Turn: the CAS key of every write it makes."""
+
+    agent_id: str
+    agent_turn_id: str
+    turn_epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    agent_id: str
+    status: str
+    agent_turn_id: str | None
+    turn_epoch: int
+    turn_inbox_id: str | None
+    context_box_id: str | None
+    output_box_id: str | None
+    step_count: int
+    waiting_tool_count: int
+    resume_deadline: float | None
+    dispatched_at: float | None
+    running_since: float | None
+    updated_at: float
+    #: estimated tokens of the cards in the two boxes, as shown (agents/profile/budget.py)
+    context_tokens: int = 0
+
+    @property
+    def token(self) -> TurnToken | None:
+        if self.agent_turn_id is None:
+            return None
+        return TurnToken(self.agent_id, self.agent_turn_id, self.turn_epoch)
+
+
+@dataclass(frozen=True, slots=True)
+class InboxRow:
+    inbox_id: str
+    agent_id: str
+    message_type: str
+    status: str
+    agent_turn_id: str | None
+    turn_epoch: int | None
+    correlation_id: str | None
+    payload: bytes
+    reply_ref_json: str | None
+    failed: bool
+    retry_count: int
+    next_retry_at: float
+    defer_reason: str | None
+    created_at: float
+
+    @property
+    def token(self) -> TurnToken | None:
+        """The Turn this row belongs to; None for a row that carries none."""
+        if self.agent_turn_id is None or self.turn_epoch is None:
+            return None
+        return TurnToken(self.agent_id, self.agent_turn_id, self.turn_epoch)
+
+
+@dataclass(frozen=True, slots=True)
+class Card:
+    card_id: str
+    box_id: str
+    card_type: str
+    content: str
+    metadata: Mapping[str, Any]
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class NewCard:
+    card_type: str
+    content: str
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class BoxSwap:
+    """A compaction that waits for its step (issue 12): :meth:`~.base.TurnStore.complete_step`
+    swaps the Turn's boxes to [``summary``] + [copies of the ``keep`` cards, in order] and
+    adds the step's cards to the new output box, all in the step's compare-and-set
+    transaction. ``correction``: tokens the provider counted above the estimate."""
+
+    summary: NewCard
+    keep: tuple[str, ...]
+    edge: Mapping[str, Any] = field(default_factory=dict)
+    correction: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallRecord:
+    """One forwarded tool call: ``tool_call_id`` is the pump's sub-thread id."""
+
+    tool_call_id: str
+    to: str
+    payload: str
+    after_execution: str = "suspend"  # or "terminate"
+    #: Extra metadata for the tool.call card (e.g. a guardrail's warnings for its result).
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingReply:
+    agent_turn_id: str
+    agent_id: str
+    reply_ref_json: str
+    payload: bytes
+    failed: bool
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A Turn that just ended (committed). The caller publishes the one TaskEvent."""
+
+    agent_id: str
+    agent_turn_id: str
+    status: str
+    output_box_id: str
+    deliverable_card_id: str
+    reply: PendingReply | None
+    next_leased: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepStart:
+    """A step begun, with what its model call needs, read in the step's own transaction
+    (:meth:`~.base.TurnStore.open_step`): the head as updated (``step_count`` counts this step)
+    and the cards of the Turn's two boxes. ``step_id`` is None when the step limit was
+    reached: then no step was begun and the head is as it was."""
+
+    head: Head
+    step_id: str | None
+    step_no: int
+    context: tuple[Card, ...]
+    output: tuple[Card, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReportOutcome:
+    """What applying one tool_result/timeout row did.
+
+    ``kind``: applied | duplicate | stale | deferred | exhausted. ``resumed`` is set when
+    this report completed the waiting set (the head is now ``running`` at a new epoch);
+    ``terminate_card_id`` when a tool of that set ends the Turn (after_execution). On a
+    resume, ``reply_ref_json`` is the Turn's reply reference and, when asked for
+    (``then_step``) and no tool ends the Turn, ``step`` the step begun in the same
+    transaction.
+    """
+
+    kind: str
+    resumed: TurnToken | None = None
+    terminate_card_id: str | None = None
+    reply_ref_json: str | None = None
+    step: StepStart | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueResult:
+    inbox_id: str
+    leased: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ClientReply:
+    reply_id: int
+    client: str
+    thread_ref_json: str
+    payload: bytes
+    failed: bool
+    created_at: float
+
+
+class ScreenedStep(Protocol):
+    """Governance's record of one step's calls, as ``complete_step`` takes it
+    (``governance_store.StepRecord`` is the one implementation). Declared here so that the
+    store does not import governance_store, which imports the store's row types."""
+
+    @property
+    def decisions(self) -> Sequence[Any]: ...
+
+    @property
+    def cards(self) -> Sequence[NewCard]: ...
+
+    @property
+    def approvals(self) -> Sequence[Any]: ...
+
+    def __bool__(self) -> bool: ...
