@@ -2,7 +2,9 @@
 
 The packages are layers (docs/architecture.md): ``core`` (sans-IO), ``observability``,
 ``pump``, ``net``, ``llm``, ``agents``, ``remote``, ``http``, ``config``, ``console``,
-``app`` (the composition root) and ``cli``. The public API is listed in docs/api.md.
+``app`` (the composition root) and ``cli``. Users import the face above them
+(``agentserver.listener``, ``agentserver.client``, ``agentserver.testing``) and the few
+deep names docs/api.md lists; everything else is internal.
 """
 
 from agentserver import _moved

@@ -3,7 +3,7 @@ same call made directly with the SDK's ClientSession.
 
 A tiny MCP server (written with the SDK's MCPServer, over stdio) offers ``echo``; the
 direct path calls it with ``call_tool``; the pump path sends ``<echo>`` payloads to the
-``bench-echo`` listener of an in-process topology (``agentserver.app.testing``): the
+``bench-echo`` listener of an in-process topology (``agentserver.testing``): the
 envelope, validation against the XSD derived from the tool's JSON Schema, routing, the
 payload → JSON conversion, the same kind of SDK call, the ``<result>`` answer. Every
 answer is checked, so a broken path fails the run instead of looking fast. Calls are
@@ -61,7 +61,7 @@ async def direct(server: pathlib.Path, calls: int) -> float:
 
 
 async def through_pump(boot: pathlib.Path, calls: int) -> float:
-    from agentserver.app.testing import in_process
+    from agentserver.testing import in_process
 
     payload = f'<echo xmlns="{NS}"><text>ab</text><count>2</count></echo>'
     async with in_process(boot) as organism:

@@ -9,7 +9,7 @@ import trio
 import trio.testing
 from idem_support import FLAKY_CALLS, FLAKY_EFFECTS, Flaky
 
-from agentserver.app.testing import in_process
+from agentserver.testing import in_process
 
 BOOT = """<?xml version="1.0"?>
 <organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="idem">

@@ -333,7 +333,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.subprocess
 async def test_in_process_testing_runs_the_mcp_servers_too(tmp_path):
-    from agentserver.app.testing import in_process
+    from agentserver.testing import in_process
 
     path = boot(tmp_path / "boot.xml", stdio_mcp("fs", body='<tool name="read_file"/>'))
     async with in_process(path) as organism:

@@ -1,5 +1,6 @@
 """Run a boot.xml's listeners in this process, with no socket: for testing listeners
-with pytest-trio (docs/guide.md, "Testing a listener").
+with pytest-trio (docs/guide.md, "Testing a listener"). Users import it from the face,
+:mod:`agentserver.testing`.
 
     async with in_process("boot.xml") as organism:
         reply = await organism.request(Reverse(text="abc"), to="reverse")
@@ -22,7 +23,6 @@ from lxml import etree
 from pydantic_xml import BaseXmlModel
 
 from agentserver.app.builtins import RunContext, build_listener_set
-from agentserver.app.replay import ReplayError, ReplayReport, replay
 from agentserver.config import loader as boot
 from agentserver.core.envelope import build_envelope
 from agentserver.core.threads import new_thread_id
@@ -30,7 +30,7 @@ from agentserver.core.xmlsafe import SafeParser
 from agentserver.net.client import Reply, parse_reply, payload_element
 from agentserver.pump.pump import Pump, open_pump
 
-__all__ = ["InProcess", "ReplayError", "ReplayReport", "in_process", "replay"]
+__all__ = ["InProcess", "in_process"]
 
 
 class InProcess:

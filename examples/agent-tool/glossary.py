@@ -3,7 +3,7 @@
 
 from pydantic_xml import BaseXmlModel, element
 
-from agentserver.core.listener import HandlerMetadata, HandlerResponse
+from agentserver.listener import HandlerMetadata, HandlerResponse
 
 NSMAP = {"": "urn:example:glossary"}
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic_xml import BaseXmlModel, attr, element
 
-from agentserver.core.listener import HandlerMetadata, HandlerResponse
+from agentserver.listener import HandlerMetadata, HandlerResponse
 
 NSMAP = {"": "urn:example:units"}
 

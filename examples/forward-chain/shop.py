@@ -7,7 +7,7 @@ client <--quote-- orders <------price------ pricing
 
 from pydantic_xml import BaseXmlModel, element
 
-from agentserver.core.listener import HandlerMetadata, HandlerResponse
+from agentserver.listener import HandlerMetadata, HandlerResponse
 
 NSMAP = {"": "urn:example:shop"}
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from agentserver import _moved
 from agentserver.agents.policy.match import Policy, Verdict
 from agentserver.agents.policy.parse import (
     PolicyError,
@@ -89,3 +90,10 @@ def rate_key(agent: str, rule: Rule, target: str, turn_id: str) -> str:
 def approvers(policy: Policy) -> tuple[str, ...]:
     """Every approver the policy names (for the topology check)."""
     return tuple(dict.fromkeys(r.approver for r in policy.rules if r.approver))
+
+
+# Before the agents' floors, ``agentserver.agents.policy`` was a module and ``evaluate``
+# its function (docs/api.md published both); that path is now this package, so ``from
+# agentserver.agents.policy import evaluate`` finds this module. Calling it still
+# evaluates, with a DeprecationWarning, until the old paths go (agentserver/_moved.py).
+_moved.calls_its_function(__name__, evaluate, "agents.policy.evaluate")
