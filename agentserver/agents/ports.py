@@ -17,6 +17,12 @@ from lxml import etree
 #: an Enqueue and stored verbatim with the inbox row. The worker never looks inside it.
 ReplyRef: TypeAlias = Any
 
+#: The reply reference's key naming the process whose pump holds an anonymous caller's
+#: connection, on a store shared by processes. Written at intake and read to answer by the
+#: pump edge (agents/edge/bridge.py); read by the PostgreSQL backend to hand the reply to
+#: that process (agents/store/pg/callers.py). Stored in the inbox rows: never change it.
+PROCESS_KEY = "process"
+
 
 class ToolPort(Protocol):
     """Forwards the agent's payloads through the pump."""

@@ -26,6 +26,7 @@ from agentserver.agents.store.sqlite_store import SqliteAgentStore
 from agentserver.agents.turn.compaction import SUMMARY, plan, summary_chunks, summary_max_tokens
 from agentserver.agents.turn.compactor import summarise
 from agentserver.agents.turn.delivery import TurnEnder
+from agentserver.agents.turn.hold import TurnHold
 from agentserver.agents.turn.memory import CLIENT, conversation_key
 from agentserver.agents.turn.resend import resend_waiting
 from agentserver.agents.turn.watchdog import Watchdog
@@ -109,13 +110,14 @@ class AgentRuntime:
             send=send_approval,
             interval_s=settings.watchdog_interval_s,
         )
+        #: Fences and finishes the Turns the worker runs (its parts share it).
+        self.hold = TurnHold(self.ender, tracing or Tracing())
         self.worker = Worker(
-            ender=self.ender,
+            hold=self.hold,
             llm=llm,
             tools=tools,
             clock=self.clock,
             settings=settings,
-            tracing=tracing,
             approvals=self.approvals,
         )
         self.watchdog = Watchdog(ender=self.ender, settings=settings)

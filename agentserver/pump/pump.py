@@ -672,6 +672,20 @@ class Pump:
             self.threads.unpin(record)
             self._settle(record)
 
+    def end_hop(self, hop_id: str) -> bool:
+        """End the hop ``hop_id`` as :meth:`answer` would, sending nothing: for a caller
+        answered another way (a named client's reply, kept in the store until received).
+
+        The hop and every thread below it are removed (with the caller's conversation,
+        an endpoint's, if that leaves it empty) in one synchronous step: no checkpoint,
+        so atomic for every other task of the pump. A pin from :meth:`hold` goes with
+        the hop. False when no such hop is live; idempotent."""
+        record = self.threads.get(hop_id)
+        if record is None:
+            return False
+        self.threads.prune(record)
+        return True
+
     def revive(self, ref: ThreadRef) -> ThreadRecord:
         """The live hop of ``ref``, rebuilt (with its caller's thread) if a restart lost it.
 

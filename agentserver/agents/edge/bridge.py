@@ -23,10 +23,9 @@ from agentserver.agents.governance.approvals import (
     ApprovalDecision,
     PendingApproval,
 )
-from agentserver.agents.ports import ReplyRef
+from agentserver.agents.ports import PROCESS_KEY, ReplyRef
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore, TurnToken
-from agentserver.agents.store.pg.callers import PROCESS_KEY
 from agentserver.agents.turn.answer import FAILED, STATUS_ATTR
 from agentserver.core.envelope import encode
 from agentserver.core.errors import Refusal
@@ -194,9 +193,7 @@ class PumpPorts:
                 reply_id = await self.store.record_client_reply(
                     identity, ref.to_json(), body, failed=failed, agent_turn_id=turn_id
                 )
-                hop = self.pump.threads.get(ref.hop)
-                if hop is not None:
-                    self.pump.threads.prune(hop)  # as an answer would: the hop ends
+                self.pump.end_hop(ref.hop)  # as an answer would: the hop ends
                 if reply_id:
                     await self.clients.deliver(identity, reply_id, body)
         elif self.pump.is_connected(caller):

@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
 
 import trio
 from lxml import etree
 
 from agentserver.agents.clock import Clock
+from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import PumpRefused, StaleTurn
+from agentserver.agents.ports import ToolPort
+from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.store.base import InboxRow, TurnToken
 from agentserver.agents.store.governance import APPROVAL_PREFIX, WAITING_KIND, PendingApproval
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.primitives.approval import (
@@ -54,6 +59,7 @@ __all__ = [
     "ApprovalDecision",
     "ApprovalRequest",
     "Approvals",
+    "ForwardStore",
     "PendingApproval",
     "forward_granted",
     "request_element",
@@ -144,30 +150,66 @@ class Approvals:
             await trio.sleep(self.interval_s)
 
 
-async def forward_granted(worker, row) -> None:
-    """The worker's handling of an ``approval`` row: forward the granted call once."""
-    store = worker.store
+class ForwardStore(Protocol):
+    """What forwarding a granted call needs of the store
+    (:class:`~agentserver.agents.store.sql_store.SqlAgentStore` implements it)."""
+
+    async def begin_forward(self, row: InboxRow) -> tuple[str, TurnToken, str, str] | None:
+        """Claim the granted request of ``row`` for forwarding, committed before the call
+        is sent: (request id, the Turn, target, payload), or None (the row is settled)."""
+        ...
+
+    async def finish_forward(
+        self, request_id: str, row: InboxRow, sub_thread: str, after: str, deadline: float
+    ) -> None:
+        """Record the forwarded call on its waiting row (fenced: StaleTurn)."""
+        ...
+
+    async def fail_forward(self, request_id: str, row: InboxRow, text: str) -> None:
+        """The pump refused the granted call: a failed result of the call."""
+        ...
+
+    async def turn_reply_ref(self, token: TurnToken) -> str | None: ...
+
+
+async def forward_granted(
+    row: InboxRow,
+    *,
+    store: ForwardStore,
+    profiles: Mapping[str, AgentProfile],
+    tools: ToolPort,
+    clock: Clock,
+    doorbell: Doorbell,
+) -> None:
+    """The worker's handling of an ``approval`` row: forward the granted call once.
+
+    Two transactions around one send: the claim (``begin_forward``) commits before the
+    call goes out through ``tools``, then the forward (or the pump's refusal) is recorded.
+    A crash or a cancel in between leaves the request ``forwarding``, which the row's next
+    handling reports lost rather than risk sending the call twice. The doorbell rings
+    once the forward or the refusal is recorded (the call's result may be due).
+    ``profiles`` give the target's ``terminate`` and the Turn's resume deadline."""
     begun = await store.begin_forward(row)
     if begun is None:
         return
     request_id, token, target, payload = begun
-    profile = worker.profiles.get(token.agent_id)
+    profile = profiles.get(token.agent_id)
     after = "terminate" if profile is not None and target in profile.terminate_tools else "suspend"
     ref_json = await store.turn_reply_ref(token)
     try:
         element = SafeParser().parse(payload.encode("utf-8"))
         # A granted call's idempotency key is its approval request's id (its card's).
-        sub = await worker.tools.call(
+        sub = await tools.call(
             token.agent_id, json.loads(ref_json), element, target, key=request_id
         )
     except PumpRefused as refused:
         text = etree.tostring(refused.element, encoding="unicode")
         await store.fail_forward(request_id, row, f"the granted call was refused: {text}")
-        worker.doorbell.ring()
+        doorbell.ring()
         return
-    deadline = worker.clock.now() + (profile.resume_deadline_s if profile else 60.0)
+    deadline = clock.now() + (profile.resume_deadline_s if profile else 60.0)
     try:
         await store.finish_forward(request_id, row, sub, after, deadline)
     except StaleTurn:
         log.info("approval %s: its Turn moved on while the call was forwarded", request_id)
-    worker.doorbell.ring()
+    doorbell.ring()

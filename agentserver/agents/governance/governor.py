@@ -99,6 +99,13 @@ def thread_of(token: TurnToken) -> str:
     return token.agent_turn_id
 
 
+def governed(profile: AgentProfile) -> bool:
+    """Whether governance screens the agent's tool calls (:meth:`Governor.screen`)."""
+    return bool(
+        profile.policy is not None or profile.guardrails or profile.loop_warn or profile.loop_block
+    )
+
+
 def _tag(call: FoundPayload) -> str:
     return str(call.element.tag)
 
@@ -123,7 +130,10 @@ class Governor:
         record: bool = True,
     ) -> Screened:
         """Decide every call of one step, and record the decisions and refusals (with
-        ``record=False``, the caller writes ``Screened.record`` with the step)."""
+        ``record=False``, the caller writes ``Screened.record`` with the step).
+
+        The Turn's one way in is ``ToolDispatch.screen`` (agents/turn/tool_dispatch.py),
+        which decides whether the agent is governed and reads the cards when needed."""
         out = Screened()
         history = list(past_calls(cards))
         decisions: list[DecisionRecord] = []

@@ -11,7 +11,6 @@ model call also watches the Turn's head and is abandoned (StaleTurn) once it has
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import trio
@@ -23,6 +22,7 @@ from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.retry import RetryStep, decide_retry
 from agentserver.agents.store.base import AgentStore, BoxSwap, Head, StepStart, TurnToken
 from agentserver.agents.turn.compactor import PendingSwap, compact_turn
+from agentserver.agents.turn.hold import TurnHold
 from agentserver.agents.turn.model_context import model_messages, system_text
 from agentserver.llm.tokens import PER_REQUEST, estimate_message_tokens
 
@@ -44,13 +44,14 @@ class ModelStep:
         *,
         store: AgentStore,
         events: EventBus,
-        fence: Callable[[TurnToken], Awaitable[Head]],
+        hold: TurnHold,
         poll_s: float = 1.0,
     ) -> None:
         self.store = store
         self.events = events
-        #: The Turn's running head, or StaleTurn (the worker's fence).
-        self._fence = fence
+        #: Fences the Turn (its running head, or StaleTurn) after a compaction and while
+        #: the model call runs.
+        self.hold = hold
         #: How often a model call reads the head while other processes share the store.
         self.poll_s = poll_s
 
@@ -94,7 +95,7 @@ class ModelStep:
                             )
                             or pending
                         )
-                        head = await self._fence(token)
+                        head = await self.hold.fence(token)
                         shown = pending.tokens if pending else head.context_tokens
                     try:
                         completion = await self._watched_call(
@@ -160,7 +161,7 @@ class ModelStep:
             while True:
                 await trio.sleep(self.poll_s)
                 try:
-                    await self._fence(token)
+                    await self.hold.fence(token)
                 except StaleTurn:
                     fenced = True
                     scope.cancel()

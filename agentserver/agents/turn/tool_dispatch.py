@@ -2,6 +2,9 @@
 through the pump one at a time, each fenced on the Turn first (no new side effect once
 fenced out), then the Turn suspended on the calls that went out, approvals included.
 
+:meth:`ToolDispatch.screen` is the one entry point that screens a step's calls, whether
+the worker writes the screening with the step or :meth:`ToolDispatch.call` writes it.
+
 Each forward awaits the pump; cancellation propagates. A :class:`StaleTurn` from a fence
 propagates with nothing more sent.
 """
@@ -9,7 +12,7 @@ propagates with nothing more sent.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 from lxml import etree
 
@@ -18,29 +21,26 @@ from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import PumpRefused
 from agentserver.agents.events import EventBus, StateEvent
 from agentserver.agents.governance.approvals import APPROVAL_PREFIX, WAITING_KIND, Approvals
-from agentserver.agents.governance.governor import Governor, Screened
+from agentserver.agents.governance.governor import Governor, Screened, governed
 from agentserver.agents.ports import ReplyRef, ToolPort
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.reading.decide import CallTools, decide
-from agentserver.agents.reading.parsing import extract_payloads
+from agentserver.agents.reading.parsing import FoundPayload, extract_payloads
 from agentserver.agents.store.base import (
     AgentStore,
     Card,
     CardType,
-    Head,
     NewCard,
     TaskStatus,
     ToolCallRecord,
     TurnToken,
 )
 from agentserver.agents.store.states import HeadStatus
+from agentserver.agents.turn.hold import TurnHold
 from agentserver.observability.tracing import Tracing, record_error
 from agentserver.steps.retry import KEY_FIELD, idempotency_key
 
 log = logging.getLogger("agentserver.agents.turn.worker")
-
-#: How the worker ends a Turn: ``finish(token, profile, status, text)``.
-Finish = Callable[[TurnToken, AgentProfile, str, str], Awaitable[None]]
 
 
 class ToolDispatch:
@@ -56,8 +56,7 @@ class ToolDispatch:
         clock: Clock,
         events: EventBus,
         doorbell: Doorbell,
-        fence: Callable[[TurnToken], Awaitable[Head]],
-        finish: Finish,
+        hold: TurnHold,
     ) -> None:
         self.store = store
         self.tools = tools
@@ -66,10 +65,39 @@ class ToolDispatch:
         self.clock = clock
         self.events = events
         self.doorbell = doorbell
-        #: The Turn's running head, or StaleTurn (the worker's fence).
-        self._fence = fence
-        #: Ends the Turn (the worker's, which answers its caller).
-        self._finish = finish
+        #: Fences the Turn before each call, and ends it on a halt (answering its caller).
+        self.hold = hold
+
+    async def screen(
+        self,
+        token: TurnToken,
+        step_id: str,
+        step_no: int,
+        profile: AgentProfile,
+        calls: Sequence[FoundPayload],
+        history: Sequence[Card] | None = None,
+        *,
+        record: bool = True,
+    ) -> Screened | None:
+        """Screen one step's tool calls: the one entry point to governance's screening
+        (policy, loops, ``before`` guardrails; :meth:`Governor.screen`). None when the
+        agent is not governed (every call goes out as the model wrote it), with no I/O.
+
+        ``history``: the Turn's output cards, if the caller has them (else read from the
+        fenced head: StaleTurn when fenced out, nothing screened). ``record=False``: the
+        decisions are not written; the caller writes ``Screened.record`` with the step
+        (``complete_step(screened=...)``), one compare-and-set instead of two. Otherwise
+        they are written in one compare-and-set transaction on the running Turn, before
+        this returns. Rate windows are read from the store; cancellation propagates."""
+        if not governed(profile):
+            return None
+        if history is None:
+            head = await self.hold.fence(token)
+            box = head.output_box_id
+            history = await self.store.cards(box) if box else []
+        return await self.governor.screen(
+            token, step_id, step_no, profile, history, calls, record=record
+        )
 
     async def call(
         self,
@@ -97,17 +125,13 @@ class ToolDispatch:
         # Each call's key from its place in the model's message (screening keeps the
         # call objects, so identity finds it).
         place = {id(c): i for i, c in enumerate(calls)}
-        if governed(profile):
-            if screened is None:
-                if history is None:
-                    head = await self._fence(token)
-                    box = head.output_box_id
-                    history = await self.store.cards(box) if box else []
-                screened = await self.governor.screen(
-                    token, step_id, step_no, profile, history, calls
-                )
+        if screened is None:
+            screened = await self.screen(token, step_id, step_no, profile, calls, history)
+        if screened is not None:
             if screened.halt is not None:
-                await self._finish(token, profile, TaskStatus.FAILED, f"halted: {screened.halt}")
+                await self.hold.finish(
+                    token, profile, TaskStatus.FAILED, f"halted: {screened.halt}"
+                )
                 return True
             send = [(a.call, _keyed(a.metadata, step_id, place, a.call)) for a in screened.send]
             for ask in screened.approvals:
@@ -130,7 +154,7 @@ class ToolDispatch:
         fenced = True
         for call, metadata in send:
             if not fenced:
-                await self._fence(token)
+                await self.hold.fence(token)
             fenced = False
             content = None
             if self.tracing.capture_content:
@@ -191,7 +215,7 @@ class ToolDispatch:
         that step's, so with the same idempotency keys, instead of asking the model again.
         None when there was nothing to send (the Turn goes on with a new step); else as
         :meth:`call`."""
-        head = await self._fence(token)
+        head = await self.hold.fence(token)
         box = head.output_box_id
         cards = await self.store.cards(box) if box else []
         if not cards or cards[-1].card_type != CardType.LLM_MESSAGE:
@@ -221,13 +245,6 @@ class ToolDispatch:
 def _keyed(metadata: dict, step_id: str, place: dict[int, int], call: object) -> dict:
     """``metadata`` of a call card with the call's idempotency key added."""
     return {**metadata, KEY_FIELD: idempotency_key(step_id, place.get(id(call), len(place)))}
-
-
-def governed(profile: AgentProfile) -> bool:
-    """Whether governance screens the agent's tool calls (agents/governance/governor.py)."""
-    return bool(
-        profile.policy is not None or profile.guardrails or profile.loop_warn or profile.loop_block
-    )
 
 
 def element_text(element: etree._Element) -> str:

@@ -21,26 +21,16 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
 
 import structlog
 import trio
-from opentelemetry import trace
 
 from agentserver.agents.clock import Clock
 from agentserver.agents.errors import PumpRefused, StaleTurn
 from agentserver.agents.events import StateEvent, StepEvent
-from agentserver.agents.governance.approvals import (
-    Approvals,
-    forward_granted,
-)
+from agentserver.agents.governance.approvals import Approvals, forward_granted
 from agentserver.agents.governance.governor import Governor, Screened
-from agentserver.agents.ports import (
-    LLMCompletion,
-    LLMPort,
-    ReplyRef,
-    ToolPort,
-)
+from agentserver.agents.ports import LLMPort, ReplyRef, ToolPort
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.retry import step_retries_done
 from agentserver.agents.profile.settings import StoreSettings
@@ -57,7 +47,6 @@ from agentserver.agents.reading.parsing import extract_payloads, make_huh
 from agentserver.agents.reading.submit import evaluate_submit
 from agentserver.agents.store.base import (
     CardType,
-    Head,
     InboxRow,
     NewCard,
     StepStart,
@@ -66,12 +55,11 @@ from agentserver.agents.store.base import (
 )
 from agentserver.agents.store.states import HeadStatus, MessageType
 from agentserver.agents.turn.answer import answer_bytes
-from agentserver.agents.turn.delivery import TurnEnder
+from agentserver.agents.turn.hold import TurnHold
 from agentserver.agents.turn.model_context import limit_text
 from agentserver.agents.turn.model_step import ModelStep, StepFailed
-from agentserver.agents.turn.tool_dispatch import ToolDispatch, element_text, governed, huh_card
+from agentserver.agents.turn.tool_dispatch import ToolDispatch, element_text, huh_card
 from agentserver.core.xmlsafe import SafeParser
-from agentserver.observability.tracing import Tracing, record_error
 
 log = logging.getLogger(__name__)
 
@@ -85,25 +73,28 @@ UNREAD = _Unread()
 
 
 class Worker:
-    """Runs Turns. Holds only infrastructure (store, ports, bus, settings)."""
+    """Runs Turns. Holds only infrastructure (store, ports, bus, settings).
+
+    ``hold`` fences and finishes the Turns it runs (shared with its parts, the model
+    step and the tool dispatch, so that none of them calls back into the worker)."""
 
     def __init__(
         self,
         *,
-        ender: TurnEnder,
+        hold: TurnHold,
         llm: LLMPort,
         tools: ToolPort,
         clock: Clock,
         settings: StoreSettings,
-        tracing: Tracing | None = None,
         approvals: Approvals | None = None,
     ) -> None:
-        self.tracing = tracing or Tracing()
-        self.store = ender.store
-        self.profiles = ender.profiles
-        self.events = ender.events
-        self.doorbell = ender.doorbell
-        self.ender = ender
+        self.hold = hold
+        self.tracing = hold.tracing
+        self.ender = hold.ender
+        self.store = hold.ender.store
+        self.profiles = hold.ender.profiles
+        self.events = hold.ender.events
+        self.doorbell = hold.ender.doorbell
         self.tools = tools
         self.clock = clock
         self.settings = settings
@@ -112,7 +103,7 @@ class Worker:
         self.model = ModelStep(
             store=self.store,
             events=self.events,
-            fence=self._fence,
+            hold=hold,
             poll_s=settings.watchdog_interval_s,
         )
         self.tool_calls = ToolDispatch(
@@ -123,8 +114,7 @@ class Worker:
             clock=clock,
             events=self.events,
             doorbell=self.doorbell,
-            fence=self._fence,
-            finish=self._finish,
+            hold=hold,
         )
         #: Sends approval requests (None: approvals wait for the runtime's tick).
         self.approvals = approvals
@@ -214,7 +204,7 @@ class Worker:
                 return True
             if outcome.terminate_card_id is not None:
                 card = await self.store.card(outcome.terminate_card_id)
-                await self._finish(
+                await self.hold.finish(
                     outcome.resumed, profile, TaskStatus.SUCCEEDED, card.content if card else ""
                 )
                 return True
@@ -222,7 +212,14 @@ class Worker:
                 outcome.resumed, profile, ref_json=outcome.reply_ref_json, step=outcome.step
             )
         if row.message_type == MessageType.APPROVAL:
-            await forward_granted(self, row)
+            await forward_granted(
+                row,
+                store=self.store,
+                profiles=self.profiles,
+                tools=self.tools,
+                clock=self.clock,
+                doorbell=self.doorbell,
+            )
         elif row.message_type == MessageType.RESUME:
             token = await self.store.take_resume(row)
             profile = self.profiles.get(row.agent_id)
@@ -350,7 +347,7 @@ class Worker:
             except Exception as exc:
                 log.exception("turn %s of %s failed", token.agent_turn_id, token.agent_id)
                 try:
-                    await self._finish(
+                    await self.hold.finish(
                         token, profile, TaskStatus.FAILED, f"internal error: {type(exc).__name__}"
                     )
                 except StaleTurn:
@@ -378,7 +375,7 @@ class Worker:
                     return True
             head, step_id, step_no = step.head, step.step_id, step.step_no
             if step_id is None:
-                await self._finish(
+                await self.hold.finish(
                     token, profile, TaskStatus.FAILED, limit_text(step.output, profile)
                 )
                 return True
@@ -387,7 +384,7 @@ class Worker:
                 self.llm, token, head, profile, step_id, retries_done, step
             )
             if isinstance(done, StepFailed):
-                await self._finish(token, profile, TaskStatus.FAILED, done.problem)
+                await self.hold.finish(token, profile, TaskStatus.FAILED, done.problem)
                 return True
             if done is None:
                 return True
@@ -408,15 +405,18 @@ class Worker:
                     text = decision.text
                 else:
                     text, meta = _submitted(decision, profile)
-                await self._finish(token, profile, status, text, meta, (step_id, completion, said))
+                await self.hold.finish(
+                    token, profile, status, text, meta, (step_id, completion, said)
+                )
                 return True
             screened: Screened | None = None
-            if isinstance(decision, CallTools) and history is not None and governed(profile):
+            if isinstance(decision, CallTools) and history is not None:
                 # Screened first, so that its record is written with the step (one
-                # compare-and-set instead of two).
+                # compare-and-set instead of two). After a swap the calls are screened on
+                # the compacted cards, once the step is complete (ToolDispatch.call).
                 try:
-                    screened = await self.governor.screen(
-                        token, step_id, step_no, profile, history, decision.calls, record=False
+                    screened = await self.tool_calls.screen(
+                        token, step_id, step_no, profile, decision.calls, history, record=False
                     )
                 except Exception:
                     await self.store.complete_step(token, step_id, completion, said)
@@ -437,7 +437,7 @@ class Worker:
                 case RequireTool(note):
                     await self.store.add_cards(token, [NewCard(CardType.NOTE, note)])
                 case SelfIterate(payload):
-                    await self._fence(token)
+                    await self.hold.fence(token)
                     try:
                         await self.tools.self_iterate(token.agent_id, reply_ref, payload.element)
                     except PumpRefused as refused:
@@ -461,10 +461,10 @@ class Worker:
                         return more
                 case Submit():
                     text, meta = _submitted(decision, profile)
-                    await self._finish(token, profile, TaskStatus.SUCCEEDED, text, meta)
+                    await self.hold.finish(token, profile, TaskStatus.SUCCEEDED, text, meta)
                     return True
                 case Deliver(text):
-                    await self._finish(token, profile, TaskStatus.SUCCEEDED, text)
+                    await self.hold.finish(token, profile, TaskStatus.SUCCEEDED, text)
                     return True
             self._step_event(token, step_id, "completed", "")
 
@@ -472,50 +472,14 @@ class Worker:
         """Begin the next step (:meth:`AgentStore.open_step`), after the ``after``
         guardrails judged the results so far; None when they halted the Turn."""
         if profile.guardrails:
-            head = await self._fence(token)
+            head = await self.hold.fence(token)
             if head.output_box_id:
                 cards = await self.store.cards(head.output_box_id)
                 halt = await self.governor.guard_results(token, head.step_count, profile, cards)
                 if halt is not None:
-                    await self._finish(token, profile, TaskStatus.FAILED, f"halted: {halt}")
+                    await self.hold.finish(token, profile, TaskStatus.FAILED, f"halted: {halt}")
                     return None
         return await self.store.open_step(token, profile.max_steps)
-
-    async def _fence(self, token: TurnToken) -> Head:
-        head = await self.store.head(token.agent_id)
-        if head.token != token or head.status != HeadStatus.RUNNING:
-            raise StaleTurn(f"{token} is no longer running")
-        return head
-
-    async def _finish(
-        self,
-        token: TurnToken,
-        profile: AgentProfile,
-        status: str,
-        text: str,
-        metadata: Mapping[str, object] | None = None,
-        step: tuple[str, LLMCompletion, list[NewCard]] | None = None,
-    ) -> None:
-        """End the Turn with ``text``; ``step``: (step id, completion, cards) of the step
-        to complete in the same transaction."""
-        if self.tracing.enabled:
-            span = trace.get_current_span()
-            span.set_attribute("agentserver.task.status", status)
-            if status != TaskStatus.SUCCEEDED:
-                record_error(span, str(status))
-        reply = answer_bytes(profile, text, failed=status != TaskStatus.SUCCEEDED)
-        step_id, completion, cards = step or (None, None, [])
-        fin = await self.store.finish(
-            token,
-            status,
-            text,
-            dict(metadata or {}),
-            reply,
-            step_id=step_id,
-            completion=completion,
-            cards=cards,
-        )
-        await self.ender.after(fin)
 
     def _step_event(self, token: TurnToken, step_id: str, phase: str, activity: str) -> None:
         self.events.publish(StepEvent(token.agent_id, token.agent_turn_id, step_id, phase))

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 
+from agentserver.agents.ports import PROCESS_KEY
 from agentserver.agents.store.base import PendingReply
 from agentserver.agents.store.sql.db import StoreEnv, Tx
 from agentserver.agents.store.states import ReplyStatus
 
-#: The reply reference's key naming the process that holds the caller's connection.
-PROCESS_KEY = "process"
 #: The database's clock (leases are judged by one clock for all processes).
 _DB_NOW = "extract(epoch from clock_timestamp())::double precision"
 
