@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol
 
 import trio
 from lxml import etree
@@ -33,7 +32,7 @@ from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import PumpRefused, StaleTurn
 from agentserver.agents.ports import ToolPort
 from agentserver.agents.profile.agent import AgentProfile
-from agentserver.agents.store.base import InboxRow, TurnToken
+from agentserver.agents.store.base import ApprovalStore, InboxRow
 from agentserver.agents.store.governance import APPROVAL_PREFIX, WAITING_KIND, PendingApproval
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.primitives.approval import (
@@ -59,7 +58,6 @@ __all__ = [
     "ApprovalDecision",
     "ApprovalRequest",
     "Approvals",
-    "ForwardStore",
     "PendingApproval",
     "forward_granted",
     "request_element",
@@ -150,32 +148,10 @@ class Approvals:
             await trio.sleep(self.interval_s)
 
 
-class ForwardStore(Protocol):
-    """What forwarding a granted call needs of the store
-    (:class:`~agentserver.agents.store.sql_store.SqlAgentStore` implements it)."""
-
-    async def begin_forward(self, row: InboxRow) -> tuple[str, TurnToken, str, str] | None:
-        """Claim the granted request of ``row`` for forwarding, committed before the call
-        is sent: (request id, the Turn, target, payload), or None (the row is settled)."""
-        ...
-
-    async def finish_forward(
-        self, request_id: str, row: InboxRow, sub_thread: str, after: str, deadline: float
-    ) -> None:
-        """Record the forwarded call on its waiting row (fenced: StaleTurn)."""
-        ...
-
-    async def fail_forward(self, request_id: str, row: InboxRow, text: str) -> None:
-        """The pump refused the granted call: a failed result of the call."""
-        ...
-
-    async def turn_reply_ref(self, token: TurnToken) -> str | None: ...
-
-
 async def forward_granted(
     row: InboxRow,
     *,
-    store: ForwardStore,
+    store: ApprovalStore,
     profiles: Mapping[str, AgentProfile],
     tools: ToolPort,
     clock: Clock,
