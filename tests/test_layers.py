@@ -402,7 +402,9 @@ def floor_of(module: str, floors: list[tuple[str, tuple[str, ...]]]) -> int:
 def test_no_module_of_agents_imports_a_higher_floor():
     floors = agents_floors()
     assert len(floors) > 5, "docs/architecture.md's agents floors were not found"
-    agents = [m for m in MODULES if m == "agentserver.agents" or m.startswith("agentserver.agents.")]
+    agents = [
+        m for m in MODULES if m == "agentserver.agents" or m.startswith("agentserver.agents.")
+    ]
     for module in agents:
         floor_of(module, floors)  # every module sits on a floor
     upward = sorted(
