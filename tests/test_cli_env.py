@@ -100,3 +100,90 @@ def test_an_option_wins_over_the_environment():
         env=subprocess_env(AGENTSERVER_HOST="192.0.2.1", AGENTSERVER_PORT="9"),
     )
     assert result.returncode == 4 and f"127.0.0.1:{port}".encode() in result.stderr
+
+
+async def test_a_command_given_boot_connects_where_boot_listens(tmp_path):
+    """``agentserver mcp BOOT`` reaches the server at BOOT's <listen> address (not the
+    default 7340); the environment variables and --connect still win over it."""
+    import trio
+    from mcp import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+    from serverproc import ServerProcess
+
+    port = free_port()
+    assert port != 7340
+    path = tmp_path / "boot.xml"
+    path.write_text(
+        f'<organism xmlns="{NS}" name="elsewhere">'
+        f'<listen host="127.0.0.1" port="{port}"/>'
+        '<listeners><listener name="calculator" handler="calculator"/></listeners>'
+        '<expose-mcp listeners="calculator"/></organism>'
+    )
+    env = subprocess_env()
+    for name in ("AGENTSERVER_HOST", "AGENTSERVER_PORT", "AGENTSERVER_BOOT"):
+        env.pop(name, None)
+    # (ServerProcess passes --port 0; the later --port wins: the server listens as BOOT says)
+    server = await trio.to_thread.run_sync(
+        lambda: ServerProcess.start(path, "--port", str(port), env=env, cwd=tmp_path)
+    )
+    try:
+        assert server.port == port
+        params = StdioServerParameters(
+            command=sys.executable,
+            args=["-m", "agentserver", "mcp", str(path)],
+            env={"PYTHONPATH": env["PYTHONPATH"]},
+        )
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+            with trio.fail_after(60):
+                await session.initialize()
+                added = await session.call_tool("calculator-add", {"a": 2, "b": 40})
+        assert not added.is_error, added
+        assert "<value>42</value>" in added.content[0].text
+
+        # The variables win over BOOT, and --connect over both: each names a closed port.
+        closed = free_port()
+        by_env = await trio.to_thread.run_sync(
+            lambda: cli("mcp", str(path), input=b"", env={**env, "AGENTSERVER_PORT": str(closed)})
+        )
+        assert by_env.returncode == 4, by_env.stderr
+        assert f"127.0.0.1:{closed}".encode() in by_env.stderr
+        by_option = await trio.to_thread.run_sync(
+            lambda: cli(
+                "mcp",
+                str(path),
+                "--connect",
+                f"127.0.0.1:{closed}",
+                input=b"",
+                env={**env, "AGENTSERVER_PORT": str(port)},
+            )
+        )
+        assert by_option.returncode == 4, by_option.stderr
+        assert f"127.0.0.1:{closed}".encode() in by_option.stderr
+    finally:
+        await trio.to_thread.run_sync(server.stop)
+
+
+def test_the_connect_address_by_precedence(monkeypatch):
+    import argparse
+
+    import pytest
+
+    from agentserver.cli.common import connect_address
+
+    for name in ("AGENTSERVER_HOST", "AGENTSERVER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    unset = argparse.Namespace(connect=None)
+    assert connect_address(unset) == ("127.0.0.1", 7340)
+    assert connect_address(unset, ("10.0.0.5", 8000)) == ("10.0.0.5", 8000)
+    # A wildcard listening address is reached on loopback.
+    assert connect_address(unset, ("0.0.0.0", 8000)) == ("127.0.0.1", 8000)
+    assert connect_address(unset, ("::", 8000)) == ("::1", 8000)
+    with pytest.raises(argparse.ArgumentTypeError, match="port 0"):
+        connect_address(unset, ("127.0.0.1", 0))
+    monkeypatch.setenv("AGENTSERVER_PORT", "9001")
+    assert connect_address(unset, ("10.0.0.5", 8000)) == ("10.0.0.5", 9001)
+    assert connect_address(unset, ("127.0.0.1", 0)) == ("127.0.0.1", 9001)
+    monkeypatch.setenv("AGENTSERVER_HOST", "db.example")
+    assert connect_address(unset, ("10.0.0.5", 8000)) == ("db.example", 9001)
+    given = argparse.Namespace(connect=("h", 1))
+    assert connect_address(given, ("10.0.0.5", 8000)) == ("h", 1)

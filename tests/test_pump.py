@@ -278,14 +278,14 @@ def test_shared_root_tag_requires_broadcast():
 
     pump = Pump([Listener("x1", (Ping,), echo), Listener("x2", (Ping,), echo)])
     with pytest.raises(ConfigurationError, match="broadcast"):
-        pump._freeze()
+        pump.roster.freeze()
 
 
 def test_unknown_peer_is_a_configuration_error():
     from agentserver.pump.pump import Pump
 
     with pytest.raises(ConfigurationError, match="unknown peers"):
-        Pump([Listener("x1", (Ping,), echo, peers=("ghost",))])._freeze()
+        Pump([Listener("x1", (Ping,), echo, peers=("ghost",))]).roster.freeze()
 
 
 async def test_forward_to_non_peer_gets_system_error_and_thread_stays_alive():

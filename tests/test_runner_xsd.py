@@ -153,7 +153,7 @@ def test_agent_usage_instructions_describe_an_xsd_peer(tmp_path):
     result = boot.load(write_boot(tmp_path, xml), environ=ENV)
     assert [p.message for p in result.problems if not p.warning] == []
     pump = Pump(build_listeners(result.topology, RunContext(result.topology)))
-    pump._freeze()
+    pump.roster.freeze()
     usage = pump.usage_instructions("helper")
     assert "peer 'search' accepts:" in usage
     assert f'<query xmlns="{NS}">' in usage

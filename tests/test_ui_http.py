@@ -15,7 +15,7 @@ from httputil import http_url
 from llm.llm_fakes import openai_ok
 from serverproc import DATA, REPO, ServerProcess, subprocess_env
 from tlsutil import make_pki, with_tls
-from ui_support import TOKENS, ConsoleServer, pay
+from ui_support import BOOT, TOKENS, ConsoleServer, pay
 
 from agentserver.primitives.approval import ApprovalDecision
 
@@ -322,3 +322,74 @@ def test_under_tls_the_console_is_https_and_its_cookies_are_secure(tmp_path):
             assert page.status_code == 200 and "signed in as <strong>alice</strong>" in page.text
     finally:
         assert proc.stop() == 0, proc.stderr
+
+
+# Two agents with task payloads of their own: <record><text> (one text field) and the
+# calculator's <add> (two integers).
+OWN_TASKS = BOOT.replace(
+    "  </listeners>",
+    """    <listener name="scribe" handler="agents_crash_support:agent_placeholder" agent="true">
+      <accepts type="e2e_handlers:Record"/>
+      <responds type="e2e_handlers:Note"/>
+      <agent model="m" max-steps="2"/>
+    </listener>
+    <listener name="adder" handler="agents_crash_support:agent_placeholder" agent="true">
+      <accepts type="calculator.add"/>
+      <responds type="calculator.sum"/>
+      <agent model="m" max-steps="2"/>
+    </listener>
+  </listeners>""",
+)
+
+
+async def test_an_agents_page_sends_the_agents_own_task_type(tmp_path):
+    console = ConsoleServer(tmp_path, OWN_TASKS)
+    async with trio.open_nursery() as nursery:
+        try:
+            await console.start(nursery)
+            async with httpx.AsyncClient(base_url=console.url, timeout=PATIENCE) as alice:
+                csrf = await signed_in(alice, "alice")
+                origin = {"Origin": console.url}
+
+                async def sent(to: str, **fields: str) -> httpx.Response:
+                    data = {"csrf": csrf, "to": to, "next": f"/ui/agents/{to}", **fields}
+                    return await alice.post("/ui/send", data=data, headers=origin)
+
+                async def task_of(location: str) -> dict:
+                    api = location.replace("/ui/agents/", "/ui/api/agents/")
+
+                    async def stored():
+                        return (await alice.get(api)).json()["task"]
+
+                    return await until(stored, f"the task of {location} is stored")
+
+                # <record> has one text field: the page asks for text, which fills it.
+                page = (await alice.get("/ui/agents/scribe")).text
+                assert 'id="task-text" name="text"' in page and "task-xml" not in page
+                response = await sent("scribe", text="note this")
+                location = response.headers["location"]
+                assert location.startswith("/ui/agents/scribe/tasks/"), notice(response)
+                await task_of(location)  # the agent took it: no <huh> for the wrong type
+
+                # <add> has two fields: the page asks for XML, prefilled with an example.
+                page = (await alice.get("/ui/agents/adder")).text
+                assert 'id="task-xml" name="xml"' in page and "task-text" not in page
+                example = (
+                    "&lt;add xmlns=&#34;urn:agentserver:calculator&#34;&gt;&lt;a&gt;...&lt;/a&gt;"
+                )
+                assert example in page, page
+                refused = await sent("adder", text="two and two")
+                assert notice(refused) == "A task for adder is XML: write it as a payload."
+                add = '<add xmlns="urn:agentserver:calculator"><a>2</a><b>2</b></add>'
+                response = await sent("adder", xml=add)
+                location = response.headers["location"]
+                assert location.startswith("/ui/agents/adder/tasks/"), notice(response)
+                await task_of(location)
+
+                # The bundled assistant's page is as it was: text into <task><text>.
+                page = (await alice.get("/ui/agents/assistant")).text
+                assert 'id="task-text" name="text"' in page
+        finally:
+            code = await trio.to_thread.run_sync(console.stop)
+            nursery.cancel_scope.cancel()
+    assert code == 0, console.server.stderr if console.server else ""

@@ -40,7 +40,7 @@ async def test_instructions_name_every_peer_and_end_with_the_warning():
 
 
 async def test_each_peer_type_is_described_once_however_many_listeners_name_it(monkeypatch):
-    import agentserver.pump.pump as pump_module
+    import agentserver.pump.roster as pump_module
 
     described: list[str] = []
 

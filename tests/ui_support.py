@@ -54,10 +54,10 @@ def pay(to: str, amount: str) -> str:
 class ConsoleServer:
     """The real server (a subprocess) with its HTTP API, and the scripted model."""
 
-    def __init__(self, directory: pathlib.Path) -> None:
+    def __init__(self, directory: pathlib.Path, boot: str = BOOT) -> None:
         self.dir = directory
         self.boot = directory / "boot.xml"
-        self.boot.write_text(BOOT)
+        self.boot.write_text(boot)
         self.ledger = directory / "ledger.txt"
         self.model = FakeServer("openai")
         self.server: ServerProcess | None = None

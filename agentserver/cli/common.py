@@ -90,7 +90,8 @@ def shared_options(
         "--connect",
         type=parse_address,
         metavar="HOST:PORT",
-        help=f"server address (default: ${HOST_ENV}:${PORT_ENV}, each else {DEFAULT_CONNECT})",
+        help=f"server address (default: ${HOST_ENV}:${PORT_ENV}, each else the <listen> of "
+        f"the BOOT the command is given, else {DEFAULT_CONNECT})",
     )
     remote.add_argument(
         "--client",
@@ -121,6 +122,43 @@ def shared_options(
         help=f"its private key (PEM; default: ${TLS_ENV['key']}, else in the --cert file)",
     )
     return common, remote
+
+
+#: A wildcard listening host, and the loopback address a client on this machine uses for it.
+_WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+def connect_address(
+    args: argparse.Namespace, listen: tuple[str, int] | None = None
+) -> tuple[str, int]:
+    """Where a command that talks to the server connects: ``--connect``; else
+    ``$AGENTSERVER_HOST`` and ``$AGENTSERVER_PORT``, each on its own; else, for a command
+    given BOOT, the ``<listen>`` address BOOT declares (``listen``: its host and port; a
+    wildcard host is reached on loopback); else :data:`DEFAULT_CONNECT`. Raises
+    ArgumentTypeError for a ``$AGENTSERVER_PORT`` that is no port, or a port 0 (no
+    address to connect to)."""
+    if args.connect is not None:
+        return args.connect
+    env = os.environ
+    host = env.get(HOST_ENV, "").strip() or None
+    port_text = env.get(PORT_ENV, "").strip() or None
+    try:
+        port = parse_port(port_text) if port_text is not None else None
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"${PORT_ENV}: {exc}") from None
+    if port == 0:
+        raise argparse.ArgumentTypeError(f"${PORT_ENV}=0 is no address to connect to")
+    if listen is not None:
+        listen_host, listen_port = listen
+        default_host = _WILDCARDS.get(listen_host, listen_host)
+        if port is None and listen_port == 0:
+            raise argparse.ArgumentTypeError(
+                "BOOT listens on port 0 (any free one): give --connect HOST:PORT"
+            )
+        default_port = listen_port
+    else:
+        default_host, default_port = parse_address(DEFAULT_CONNECT)
+    return host or default_host, port or default_port
 
 
 def trio_run(fn: Callable[[], Awaitable[T]]) -> T:

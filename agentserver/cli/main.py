@@ -34,13 +34,12 @@ from agentserver.cli import (
 )
 from agentserver.cli.common import (
     BOOT_ENV,
-    DEFAULT_CONNECT,
     EXIT_USAGE,
     HOST_ENV,
     LEVELS,
     LOG_LEVEL_ENV,
     PORT_ENV,
-    parse_address,
+    connect_address,
     parse_port,
     shared_options,
 )
@@ -141,8 +140,7 @@ def _apply_environment(args: argparse.Namespace) -> None:
     if args.command == "run":
         args.host = args.host or host
         args.port = args.port if args.port is not None else port
-    if hasattr(args, "connect") and args.connect is None:
-        default_host, default_port = parse_address(DEFAULT_CONNECT)
-        if port == 0:
-            raise argparse.ArgumentTypeError(f"${PORT_ENV}=0 is no address to connect to")
-        args.connect = (host or default_host, port or default_port)
+    # A command given BOOT connects by default where BOOT listens: it resolves the address
+    # itself once BOOT is loaded (connect_address with BOOT's <listen>).
+    if hasattr(args, "connect") and args.connect is None and not hasattr(args, "boot"):
+        args.connect = connect_address(args)

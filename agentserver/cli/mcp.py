@@ -2,8 +2,9 @@
 as an MCP server on standard input and output, for MCP clients that start their servers
 as commands (Claude Desktop, Claude Code, Cursor, ...; docs/mcp.md).
 
-It reads BOOT for what to offer and the payloads' schemas, connects to the server (like
-``send``: ``--connect``, ``--client``, TLS) and relays each tool call as one message on
+It reads BOOT for what to offer and the payloads' schemas, connects to the server (where
+BOOT's ``<listen>`` says, unless ``--connect`` or ``$AGENTSERVER_HOST``/``PORT`` say
+otherwise; ``--client`` and TLS as for ``send``) and relays each tool call as one message on
 a thread of its own. Standard output carries the protocol only; logs go to standard error.
 """
 
@@ -21,6 +22,7 @@ from agentserver.cli.common import (
     EXIT_OK,
     EXIT_USAGE,
     Subcommands,
+    connect_address,
     credentials,
     parse_positive,
     tls_options,
@@ -37,7 +39,8 @@ def add_parsers(
         help="serve the exposed listeners and agents to an MCP client over stdio",
         description="Serve the listeners and agents BOOT's <expose-mcp> names as MCP tools on "
         "standard input and output (one line in an MCP client's configuration), each call "
-        "sent to the running server at --connect as one message. Exits when the client "
+        "sent to the running server as one message (at BOOT's <listen> address unless "
+        "--connect or $AGENTSERVER_HOST/$AGENTSERVER_PORT say otherwise). Exits when the client "
         "closes standard input.",
     )
     mcp.add_argument("boot", nargs="?", metavar="BOOT", help="the boot.xml of the server")
@@ -95,7 +98,11 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     creds = credentials(args, tls)
     if tls is None or creds is None:
         return EXIT_USAGE
-    host, port = args.connect
+    try:
+        host, port = connect_address(args, (topology.host, topology.port))
+    except argparse.ArgumentTypeError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
 
     async def serve() -> int:
         async with open_client(host, port, client=creds[0], token=creds[1], **tls) as client:

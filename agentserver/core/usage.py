@@ -6,6 +6,7 @@ Runs once at pump start (xmlschema is slow but thorough; this is off the hot pat
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from lxml import etree
 
@@ -41,6 +42,54 @@ def describe_payload(ptype: PayloadType) -> str:
             lines.extend(_describe_child(child, "  "))
     lines.append(f"  example: {_example(element, ptype.namespace)}")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskForm:
+    """How a person types a payload of one type (the web console's task form).
+
+    ``field`` is its one text field, which typed text fills: the local name of the root's
+    only child element when that child holds a string (``<task><text>``), ``""`` when the
+    root itself holds only a string, None when the payload has more than that (other
+    elements, required attributes, a non-string value): it is then typed as XML, starting
+    from ``example``."""
+
+    tag: str
+    namespace: str
+    local: str
+    field: str | None
+    example: str
+
+
+#: XSD types whose values are any text a person types (no enumeration, no pattern).
+_TEXT_TYPES = frozenset({"string", "normalizedString", "token"})
+
+
+def task_form(ptype: PayloadType) -> TaskForm:
+    """``ptype`` as a :class:`TaskForm`. Compiles its XSD with xmlschema (milliseconds):
+    callers keep the result."""
+    import xmlschema  # see describe_payload
+
+    schema = xmlschema.XMLSchema(etree.tostring(ptype.schema_doc, encoding="unicode"))
+    element = schema.elements[ptype.local]
+    example = _example(element, ptype.namespace)
+    field = None
+    if not any(a.use == "required" for a in element.attributes.values()):
+        if element.type.has_simple_content():
+            field = "" if _is_text(element.type.content) else None
+        else:
+            children = list(element.type.content.iter_elements())
+            if len(children) == 1 and children[0].type.is_simple():
+                child = children[0]
+                if child.max_occurs == 1 and _is_text(child.type):
+                    field = child.local_name
+    return TaskForm(ptype.tag, ptype.namespace, ptype.local, field, example)
+
+
+def _is_text(t) -> bool:
+    """Whether any typed text is a valid value of simple type ``t`` (length aside)."""
+    restricted = getattr(t, "enumeration", None) or getattr(t, "patterns", None)
+    return not restricted and _type_name(t) in _TEXT_TYPES
 
 
 def _documentation(el) -> str:

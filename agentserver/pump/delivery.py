@@ -16,6 +16,9 @@ from lxml import etree
 from agentserver.core.payloads import PayloadType
 from agentserver.core.threads import ThreadRecord
 
+#: The sender name of the pump's own messages (refusals, the boot primitive).
+SYSTEM = "system"
+
 
 @dataclass(slots=True)
 class Delivery:

@@ -27,13 +27,12 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
 from lxml import etree
-from pydantic_xml import BaseXmlModel
 
 from agentserver.core.envelope import EnvelopeCodec, build_envelope, encode, guess_thread
 from agentserver.core.errors import (
@@ -47,7 +46,6 @@ from agentserver.core.errors import (
 )
 from agentserver.core.listener import (
     NAME_RE,
-    RESERVED_NAMES,
     HandlerMetadata,
     HandlerResponse,
     Listener,
@@ -58,27 +56,28 @@ from agentserver.core.payloads import PayloadRegistry, PayloadType
 from agentserver.core.routing import RoutingTable, SelfCall
 from agentserver.core.threads import (
     RegistryFull,
-    ThreadQuota,
     ThreadRecord,
     ThreadRegistry,
     is_uuid4,
     new_thread_id,
 )
-from agentserver.core.usage import describe_payload, usage_instructions
 from agentserver.core.xmlsafe import canonical_or_empty, canonicalize
-from agentserver.observability.logs import current_slot
-from agentserver.observability.metrics import LatencyHistogram
 from agentserver.observability.tracing import Tracing, attach, detach, record_error
 from agentserver.primitives.core import CORE_MODELS, SystemErrorPayload, primitive_for
 from agentserver.pump.config import PumpConfig
-from agentserver.pump.delivery import Delivery
-from agentserver.pump.endpoint import Endpoint, Sink
+from agentserver.pump.delivery import SYSTEM, Delivery
+from agentserver.pump.endpoint import Endpoint
+from agentserver.pump.later import Later
+from agentserver.pump.lifecycle import Lifecycle
+from agentserver.pump.roster import Roster
 from agentserver.pump.runtime import ListenerRuntime, PumpState, Slot
 from agentserver.pump.threadref import ThreadRef
 
+# ThreadRef and SYSTEM are imported from here by the pump's users.
+__all__ = ["MAX_STRIKES", "SYSTEM", "Pump", "PumpConfig", "ThreadRef", "open_pump"]
+
 log = logging.getLogger("agentserver.pump")
 
-SYSTEM = "system"
 #: After this many consecutive refused outputs on one thread, the owner's caller gets a
 #: ``<huh>`` instead of the owner getting yet another one (stops refusal ping-pong).
 MAX_STRIKES = 3
@@ -95,17 +94,19 @@ _new_meta = tuple.__new__
 class Pump:
     """Register listeners, then ``await nursery.start(pump.run)`` (or use :func:`open_pump`).
 
-    One class of about 1,170 lines, past the ~500 a module aims at, on purpose: the hot
+    One class of about 800 lines, past the ~500 a module aims at, on purpose: the hot
     paths (the synchronous fast path :meth:`inject_now` → :meth:`_inject_sync`, and a
-    worker's loop :meth:`_serve`) are attribute lookups on ``self`` and calls of its own
+    worker's loop :meth:`serve`) are attribute lookups on ``self`` and calls of its own
     methods, with no cross-object call and no extra frame per message; splitting the class
     by concern would add one per message on exactly those paths (measured figures:
-    docs/performance.md). What could leave without a per-message cost has left: the
-    configuration (``pump.config``), what is queued and who waits for room
-    (``pump.delivery``), the per-listener state and worker slots (``pump.runtime``), the
-    durable hop reference (``pump.threadref``) and the endpoints (``pump.endpoint``). The
-    agents' answering-later methods (:meth:`hold` … :meth:`answer`) stay: they work on the
-    same queues and thread registry, which another object would have to reach into.
+    docs/performance.md). What has no per-message cost is composed in: the listeners and
+    endpoints and the wiring frozen from them (``pump.roster``: the pump holds its dicts),
+    the run, drain, workers' restarts, deadline monitor and shutdown (``pump.lifecycle``),
+    answering later and the pump's own messages (``pump.later``); the methods here keep
+    their names for callers. The parts reach the pump through the protocols they declare
+    (``Engine``, ``LaterOwner``, ``EndpointOwner``): :meth:`enqueue`,
+    :meth:`deliver_to_owner`, :meth:`settle`, :meth:`serve`, :meth:`fail`,
+    :meth:`drained`, :meth:`refuse_queued`, ``state`` and ``now`` are for them, not users.
     """
 
     def __init__(
@@ -128,202 +129,71 @@ class Pump:
             max_threads=self.config.max_threads, idle_ttl=self.config.thread_idle_ttl
         )
         self._codec = EnvelopeCodec(self.payloads, max_bytes=self.config.max_message_bytes)
-        self._listeners: list[Listener] = []
-        self._runtimes: dict[str, ListenerRuntime] = {}
-        self._endpoints: dict[str, Endpoint] = {}
+        roster = self.roster = Roster(self.config, self.payloads, self.threads, self)
+        # The roster's own dicts, filled in place: the hot path reads them on self.
+        self._runtimes = self.roster.runtimes
+        self._endpoints = self.roster.endpoints
+        self._sync_by_tag = self.roster.sync_by_tag
         self._table: RoutingTable | None = None
-        #: Root tag → the runtime of the one synchronous listener taking it.
-        self._sync_by_tag: dict[str, ListenerRuntime] = {}
-        self._state = PumpState.NEW
+        #: Set by the lifecycle only (Lifecycle.run).
+        self.state = PumpState.NEW
         self._inflight = 0
-        #: trio's clock as of the deadline monitor's last tick (see _deadline_monitor).
-        self._now = 0.0
+        #: trio's clock as of the deadline monitor's last tick (set by the lifecycle).
+        self.now = 0.0
         self._idle = trio.Event()
-        self._close_requested = trio.Event()
         self.root_thread: ThreadRecord | None = None
-        self.counters = {
-            "injected": 0,
-            "refused": 0,
-            "delivered": 0,
-            "handler_errors": 0,
-            "timeouts": 0,
-            "dropped": 0,
-            "self_calls": 0,
-            "sent": 0,
-        }
+        names = "injected refused delivered handler_errors timeouts dropped self_calls sent"
+        self.counters = dict.fromkeys(names.split(), 0)
         #: Refusals by (listener or endpoint refused, reason): for the metrics.
         self.refusals: collections.Counter[tuple[str, str]] = collections.Counter()
+        later = self._later = Later(self, roster, self._codec)
+        lifecycle = self._lifecycle = Lifecycle(self, roster)
+        # The parts' methods, bound here under the names callers and docs use (Pump.hold,
+        # Pump.open_endpoint, ...): an attribute each, no forwarding frame.
+        self.register = roster.register
+        self.usage_instructions = roster.usage_instructions
+        self.is_connected = roster.is_connected
+        self.open_endpoint = roster.open_endpoint
+        self.detach_endpoint = roster.detach_endpoint
+        self.handler_latency = roster.handler_latency
+        self.close = lifecycle.close
+        self.hold, self.release, self.revive = later.hold, later.release, later.revive
+        self.call_from, self.answer = later.call_from, later.answer
+        self.inject_system, self.end_hop = later.inject_system, later.end_hop
+        self.check_call, self.check_self_call = later.check_call, later.check_self_call
         for listener in listeners:
-            self.register(listener)
+            roster.register(listener)
 
-    # -- configuration -----------------------------------------------------------------
-
-    def register(self, listener: Listener) -> None:
-        """Add a listener (before :meth:`run`). Derives and compiles its payload XSDs now,
-        so a model without an XSD equivalent fails here, not at the first message."""
-        if self._state is not PumpState.NEW:
-            raise ConfigurationError("listeners must be registered before the pump runs")
-        if any(existing.name == listener.name for existing in self._listeners):
-            raise ConfigurationError(f"listener name {listener.name!r} is used twice")
-        for model in (*listener.payload_types, *listener.responses):
-            self.payloads.add(model)
-        self._listeners.append(listener)
+    # -- kept on the Pump for its callers (the rest of the roster, lifecycle and later) --
 
     @property
     def listeners(self) -> tuple[Listener, ...]:
-        return tuple(self._listeners)
-
-    def _freeze(self) -> None:
-        names = {listener.name for listener in self._listeners}
-        for listener in self._listeners:
-            missing = [p for p in listener.peers if p not in names]
-            if missing:
-                raise ConfigurationError(
-                    f"listener {listener.name!r} names unknown peers: {', '.join(missing)}"
-                )
-        tag_of = {p.model: p for p in self.payloads}
-        self._table = RoutingTable(self._listeners, tag_of)
-        by_name = {listener.name: listener for listener in self._listeners}
-        # Describing a type compiles its XSD with xmlschema (~15 ms): once per type, not
-        # once per listener that has it among its peers' types.
-        describe = functools.cache(describe_payload)
-        for listener in self._listeners:
-            own = [tag_of[m] for m in listener.payload_types]
-            peers = {p: [tag_of[m] for m in by_name[p].payload_types] for p in listener.peers}
-            self._runtimes[listener.name] = ListenerRuntime(
-                listener, usage_instructions(listener.name, own, peers, describe=describe)
-            )
-        for tag, names in self._table.by_tag.items():
-            if len(names) == 1 and self._runtimes[names[0]].sync is not None:
-                self._sync_by_tag[tag] = self._runtimes[names[0]]
-
-    def usage_instructions(self, name: str) -> str:
-        """The generated instructions of a listener (available once the pump runs)."""
-        return self._runtimes[name].usage
-
-    # -- running -------------------------------------------------------------------------
+        return self.roster.listeners
 
     async def run(self, *, task_status: trio.TaskStatus[Pump] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run until :meth:`close` (then drain) or until cancelled (then refuse what is left).
-
-        ``task_status.started`` fires once every worker is up and the root thread exists.
-        """
-        if self._state is not PumpState.NEW:
+        """Run until :meth:`close` (then drain) or until cancelled (then refuse what is left):
+        :meth:`Lifecycle.run`. ``task_status.started`` fires once every worker is up and
+        the root thread exists."""
+        if self.state is not PumpState.NEW:
             raise RuntimeError("a pump runs once")
-        self._freeze()
-        now = self._now = trio.current_time()
-        self.root_thread = self.threads.open_root((SYSTEM, self.config.organism), now)
-        self.threads.pin(self.root_thread)
-        try:
-            async with trio.open_nursery() as nursery:
-                for rt in self._runtimes.values():
-                    for _ in range(rt.listener.concurrency):
-                        nursery.start_soon(self._worker, rt)
-                nursery.start_soon(self._expirer)
-                nursery.start_soon(self._deadline_monitor)
-                self._state = PumpState.RUNNING
-                task_status.started(self)
-                await self._close_requested.wait()
-                self._state = PumpState.DRAINING
-                with trio.move_on_after(self.config.drain_timeout):
-                    if self._inflight:
-                        self._idle = trio.Event()
-                        await self._idle.wait()
-                nursery.cancel_scope.cancel()
-        finally:
-            self._state = PumpState.CLOSED
-            # Senders still waiting for room (from outside the pump) are refused now: the
-            # monitor that would time them out has stopped.
-            for rt in self._runtimes.values():
-                rt.waiters.expire(math.inf)
-            self._refuse_leftovers()
-            for endpoint in list(self._endpoints.values()):
-                endpoint.close()
-
-    def close(self) -> None:
-        """Begin a graceful shutdown. Idempotent; :meth:`run` returns once drained."""
-        self._close_requested.set()
+        self._table = self.roster.freeze()
+        await self._lifecycle.run(functools.partial(task_status.started, self))
 
     @property
     def running(self) -> bool:
-        return self._state is PumpState.RUNNING
+        return self.state is PumpState.RUNNING
 
     def stats(self) -> dict[str, object]:
         return {
-            "state": self._state.value,
+            "state": self.state.value,
             "threads": len(self.threads),
             "inflight": self._inflight,
             "endpoints": len(self._endpoints),
-            "queues": {
-                n: rt.send.statistics().current_buffer_used for n, rt in self._runtimes.items()
-            },
-            # Senders waiting for room in a full queue.
-            "waiting": {n: len(rt.waiters) for n, rt in self._runtimes.items()},
-            "handled": {n: rt.handled for n, rt in self._runtimes.items()},
+            **self.roster.queue_stats(),
             **self.counters,
         }
 
-    def handler_latency(self) -> dict[str, LatencyHistogram]:
-        """Each listener's handler durations (for the metrics)."""
-        return {n: rt.latency for n, rt in self._runtimes.items()}
-
-    def _count_refusal(self, name: str, refusal: Refusal) -> None:
-        self.counters["refused"] += 1
-        reason = getattr(refusal, "reason", None) or getattr(refusal, "code", None)
-        self.refusals[name, getattr(reason, "value", str(reason))] += 1
-
-    async def _expirer(self) -> None:
-        while True:
-            await trio.sleep(self.config.expire_interval)
-            removed = self.threads.expire(trio.current_time())
-            if removed:
-                log.debug("expired %d idle threads", len(removed))
-
-    # -- endpoints ---------------------------------------------------------------------
-
-    def open_endpoint(
-        self,
-        name: str | None = None,
-        *,
-        buffer: int | None = None,
-        buffer_bytes: int | None = None,
-        allowed: Iterable[str] | None = None,
-        sink: Sink | None = None,
-        on_chain_end: Callable[[], None] | None = None,
-    ) -> Endpoint:
-        """Attach an external party. ``name`` must not be a listener's or another
-        endpoint's; by default a unique ``client-…`` name is generated. Its outgoing buffer
-        holds ``buffer`` messages and ``buffer_bytes`` bytes (the config's by default).
-        ``sink`` and ``on_chain_end`` are its owner's hooks (see :class:`Endpoint`), kept
-        until :meth:`Endpoint.release`. Synchronous; raises ConfigurationError for a bad
-        or taken name."""
-        if name is None:
-            name = "client-" + new_thread_id()[:8]
-            while name in self._endpoints:
-                name = "client-" + new_thread_id()[:8]
-        if not NAME_RE.match(name) or name in RESERVED_NAMES:
-            raise ConfigurationError(f"endpoint name {name!r}: use 1-64 of [a-z0-9_-]")
-        if name in self._endpoints or any(lst.name == name for lst in self._listeners):
-            raise ConfigurationError(f"endpoint name {name!r} is taken")
-        endpoint = Endpoint(
-            self,
-            name,
-            buffer or self.config.endpoint_buffer,
-            frozenset(allowed) if allowed is not None else None,
-            buffer_bytes or self.config.endpoint_buffer_bytes,
-            quota=ThreadQuota(self.config.max_threads_per_endpoint),
-            sink=sink,
-            on_chain_end=on_chain_end,
-        )
-        self._endpoints[name] = endpoint
-        return endpoint
-
-    def detach_endpoint(self, endpoint: Endpoint) -> None:
-        """Forget a closed endpoint: its name is free again and its threads are dropped.
-        Called by :meth:`Endpoint.close`; idempotent."""
-        if self._endpoints.get(endpoint.name) is endpoint:
-            del self._endpoints[endpoint.name]
-            self.threads.remove_owned_by(endpoint.name)
+    # -- the hot path: inject -------------------------------------------------------------
 
     async def inject(self, data: bytes, endpoint: Endpoint) -> None:
         """Validate and route one envelope from ``endpoint``.
@@ -341,8 +211,8 @@ class Pump:
         does the rest, which the caller must await. Raises :class:`PumpClosed` like
         :meth:`inject`. Saves a coroutine per message on the fast path, and tells a
         caller (the server's reader) whether the message was dealt with without waiting."""
-        if self._state is not PumpState.RUNNING:
-            raise PumpClosed(self._state.value)
+        if self.state is not PumpState.RUNNING:
+            raise PumpClosed(self.state.value)
         self.counters["injected"] += 1
         root = None
         try:
@@ -371,7 +241,7 @@ class Pump:
         data: bytes,
     ) -> None:
         """:meth:`inject` through the routing table and the listeners' queues."""
-        now = self._now
+        now = self.now
         try:
             thread = self._client_thread(endpoint, thread_id, now)
         except RegistryFull:
@@ -436,7 +306,7 @@ class Pump:
             if record.parent is None and (
                 record.chain is endpoint.chain or record.chain == endpoint.chain
             ):
-                record.last_active = self._now
+                record.last_active = self.now
             else:
                 thread_id = new_thread_id()
         elif thread_id != endpoint.last_thread:
@@ -562,7 +432,7 @@ class Pump:
         """A fast-path call that did not simply answer: open its conversation and hop (with
         the ids its handler saw) and finish it as a worker would have."""
         listener = rt.listener
-        now = self._now
+        now = self.now
         thread = None
         try:
             thread = self._client_thread(endpoint, thread_id, now)
@@ -585,12 +455,12 @@ class Pump:
         try:
             if raised and isinstance(result, Refusal):
                 log.info("%s: refused on %s: %s", listener.name, child.dotted, result)
-                await self._fail(child, result, d)
+                await self.fail(child, result, d)
             elif raised:
                 self.counters["handler_errors"] += 1
                 log.error("%s: handler raised on %s", listener.name, child.dotted, exc_info=result)
                 reason = f"{listener.name}: handler raised {type(result).__name__}: {result}"
-                await self._fail(child, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
+                await self.fail(child, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
             elif type(result) is HandlerResponse and type(result.payload) is etree._Element:
                 await self._emit(listener, child, result, result.payload)
             else:
@@ -602,7 +472,7 @@ class Pump:
                 detach(token)
                 span.end()
         if not (child.children or child.pins or child.pending):
-            self._settle(child)
+            self.settle(child)
 
     def _client_thread(self, endpoint: Endpoint, thread_id: str, now: float) -> ThreadRecord:
         """The endpoint's conversation thread: reused if it is the endpoint's own, accepted
@@ -627,6 +497,11 @@ class Pump:
             endpoint.chain, now, thread_id, quota=endpoint.quota, transient=True
         )
 
+    def _count_refusal(self, name: str, refusal: Refusal) -> None:
+        self.counters["refused"] += 1
+        reason = getattr(refusal, "reason", None) or getattr(refusal, "code", None)
+        self.refusals[name, getattr(reason, "value", str(reason))] += 1
+
     def _answer_endpoint(
         self, endpoint: Endpoint, thread_id: str, refusal: Refusal, original: bytes
     ) -> None:
@@ -634,172 +509,9 @@ class Pump:
         log.info("refused message from %s: %s", endpoint.name, refusal)
         endpoint.push(encode(SYSTEM, endpoint.name, thread_id, self._primitive(refusal, original)))
 
-    async def inject_system(self, payload: BaseXmlModel | etree._Element, to: str) -> None:
-        """Deliver a pump-originated payload (e.g. the boot primitive) to listener ``to`` on
-        the root thread. Core-namespace payloads are allowed here and only here."""
-        if self._state is not PumpState.RUNNING:
-            raise PumpClosed(self._state.value)
-        element = to_element(payload)
-        ptype = self.payloads.get(element.tag)
-        if ptype is None or not ptype.schema.validate(element):
-            raise ConfigurationError(f"system payload {element.tag} is not valid")
-        if to not in self._runtimes or ptype.tag not in self._table.accepts[to]:
-            raise ConfigurationError(f"listener {to!r} does not take {ptype.tag}")
-        await self._enqueue(
-            to, Delivery(element, ptype, self.root_thread, SYSTEM, False, None, None)
-        )
-
-    # -- answering later (agents) ------------------------------------------------------
-
-    def hold(self, thread_id: str) -> ThreadRef:
-        """Keep the hop ``thread_id`` alive past its handler and return a durable reference.
-
-        For listeners that answer long after their handler returned (agents): the thread is
-        pinned (no idle expiry, ``None`` does not end it) until it is answered with
-        :meth:`answer` or released with :meth:`release`. The reference is JSON-able and can
-        be stored; after a restart :meth:`revive` rebuilds the hop from it.
-        """
-        record = self.threads.get(thread_id)
-        if record is None or record.parent is None:
-            raise KeyError(f"no live hop thread {thread_id}")
-        self.threads.pin(record)
-        return ThreadRef(record.id, record.parent, record.chain)
-
-    def release(self, thread_id: str) -> None:
-        """Undo :meth:`hold` without answering: the hop ends once nothing else keeps it."""
-        record = self.threads.get(thread_id)
-        if record is not None:
-            self.threads.unpin(record)
-            self._settle(record)
-
-    def end_hop(self, hop_id: str) -> bool:
-        """End the hop ``hop_id`` as :meth:`answer` would, sending nothing: for a caller
-        answered another way (a named client's reply, kept in the store until received).
-
-        The hop and every thread below it are removed (with the caller's conversation,
-        an endpoint's, if that leaves it empty) in one synchronous step: no checkpoint,
-        so atomic for every other task of the pump. A pin from :meth:`hold` goes with
-        the hop. False when no such hop is live; idempotent."""
-        record = self.threads.get(hop_id)
-        if record is None:
-            return False
-        self.threads.prune(record)
-        return True
-
-    def revive(self, ref: ThreadRef) -> ThreadRecord:
-        """The live hop of ``ref``, rebuilt (with its caller's thread) if a restart lost it.
-
-        The rebuilt hop is pinned, like one returned by :meth:`hold`.
-        """
-        record = self.threads.get(ref.hop)
-        if record is not None:
-            return record
-        now = trio.current_time()
-        parent = self.threads.get(ref.caller_thread)
-        if parent is None:
-            # A one-name chain is an external party's conversation: transient, as it was.
-            parent = self.threads.open_root(
-                ref.chain[:-1], now, thread_id=ref.caller_thread, transient=len(ref.chain) == 2
-            )
-        record = self.threads.extend(parent, ref.chain[-1], now, thread_id=ref.hop)
-        self.threads.pin(record)
-        return record
-
-    async def call_from(
-        self,
-        sender: str,
-        ref: ThreadRef,
-        payload: BaseXmlModel | etree._Element,
-        to: str | None,
-        *,
-        key: str | None = None,
-    ) -> str:
-        """Forward ``payload`` from ``sender`` outside a handler (an agent's tool call).
-
-        Same rules as a handler's forward (validated; the target must be a peer and take the
-        tag; exactly one target). Returns the new sub-thread id, on which the peer's answer
-        (or a failure primitive) will reach ``sender`` with ``response_thread`` set to it.
-        ``key``: the call's idempotency key, handed to the peer's handler
-        (``HandlerMetadata.idempotency_key``; None: the new sub-thread's id).
-        Raises :class:`Refusal` at once if the pump refuses; nothing is sent then.
-        """
-        if self._state is not PumpState.RUNNING:
-            raise PumpClosed(self._state.value)
-        element, ptype, target = self._checked_call(sender, payload, to)
-        hop = self.revive(ref)
-        try:
-            child = self.threads.extend(hop, target, trio.current_time())
-        except RegistryFull:
-            raise DeliveryRefused(SystemErrorCode.ROUTING, retry_allowed=True) from None
-        try:
-            await self._enqueue(
-                target, Delivery(element, ptype, child, sender, False, None, None, None, key)
-            )
-        except DeliveryRefused:
-            self.threads.prune(child)
-            raise
-        return child.id
-
-    def check_call(
-        self, sender: str, payload: BaseXmlModel | etree._Element, to: str | None
-    ) -> None:
-        """Check a call of ``sender`` as :meth:`call_from` would (valid payload, exactly
-        one peer that takes it), sending nothing: a replay's recorded tools. Raises
-        :class:`Refusal`."""
-        self._checked_call(sender, payload, to)
-
-    def _checked_call(
-        self, sender: str, payload: BaseXmlModel | etree._Element, to: str | None
-    ) -> tuple[etree._Element, PayloadType, str]:
-        """(element, payload type, the one target) of a call, or a :class:`Refusal`."""
-        element = to_element(payload)
-        ptype = self._codec.validate_payload(element)
-        decision = self._table.outbound(sender, ptype.tag, to)
-        if isinstance(decision, SelfCall) or len(decision.targets) != 1:
-            raise DeliveryRefused(
-                SystemErrorCode.ROUTING, retry_allowed=True, detail="a call needs exactly one peer"
-            )
-        return element, ptype, decision.targets[0]
-
-    def check_self_call(self, sender: str, payload: BaseXmlModel | etree._Element) -> None:
-        """Validate a self-iteration payload of ``sender`` without delivering it (an agent
-        continues its Turn itself). Raises :class:`Refusal` as a delivery would."""
-        element = to_element(payload)
-        ptype = self._codec.validate_payload(element)
-        if not isinstance(self._table.outbound(sender, ptype.tag, sender), SelfCall):
-            raise InputRefused(HuhReason.INVALID_PAYLOAD, f"{ptype.tag} is not {sender}'s own")
-        self.counters["self_calls"] += 1
-        log.debug("%s: self-call %s", sender, ptype.local)
-
-    async def answer(
-        self, sender: str, ref: ThreadRef, payload: BaseXmlModel | etree._Element
-    ) -> bool:
-        """Respond to the caller of ``ref`` on its thread, as ``HandlerResponse.respond``
-        would from the hop's handler. The hop and every thread below it end.
-
-        Returns False if nobody was there to receive it (e.g. an anonymous client that has
-        gone); raises :class:`Refusal` if the payload is not valid.
-        """
-        element = to_element(payload)
-        ptype = self._codec.validate_payload(element)
-        hop = self.revive(ref)
-        parent = self.threads.prune(hop)
-        if parent is None:
-            return False
-        owner = parent.owner
-        if owner not in self._runtimes and owner not in self._endpoints:
-            self.counters["dropped"] += 1
-            return False
-        await self._deliver_to_owner(parent, element, ptype, sender, hop.id)
-        return True
-
-    def is_connected(self, name: str) -> bool:
-        """True if ``name`` is a listener or an attached endpoint."""
-        return name in self._runtimes or name in self._endpoints
-
     # -- delivery ------------------------------------------------------------------------
 
-    async def _enqueue(self, target: str, delivery: Delivery) -> None:
+    async def enqueue(self, target: str, delivery: Delivery) -> None:
         """Queue for a listener. Raises DeliveryRefused(timeout) if the queue stays full."""
         if not self._put_nowait(target, delivery):
             await self._put(target, delivery)
@@ -825,7 +537,7 @@ class Pump:
         ``delivery_timeout`` seconds (up to one monitor tick more) raise
         DeliveryRefused(timeout). On cancellation nothing stays queued."""
         rt = self._runtimes[target]
-        if self._state is PumpState.CLOSED:  # no monitor left to end a wait
+        if self.state is PumpState.CLOSED:  # no monitor left to end a wait
             raise DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True, detail="closed")
         self._inflight += 1
         delivery.thread.pending += 1
@@ -853,7 +565,22 @@ class Pump:
         if self._inflight == 0:
             self._idle.set()
 
-    async def _deliver_to_owner(
+    async def drained(self) -> None:
+        """Return once nothing is queued or being handled (the lifecycle's drain).
+        Cancelled: nothing changes."""
+        if self._inflight:
+            self._idle = trio.Event()
+            await self._idle.wait()
+
+    def refuse_queued(self, d: Delivery, refusal: Refusal) -> None:
+        """``d`` was taken off its queue unhandled at shutdown: it is no longer in flight,
+        and an external caller (or a listener's caller) is told now, synchronously."""
+        self._inflight -= 1
+        d.thread.pending -= 1
+        if d.from_id in self._endpoints or d.thread.parent is not None:
+            self._refuse_sync(d.thread, refusal)
+
+    async def deliver_to_owner(
         self,
         record: ThreadRecord,
         payload: etree._Element,
@@ -864,7 +591,7 @@ class Pump:
         """Hand ``payload`` to whoever works on ``record``: a listener or an endpoint."""
         owner = record.owner
         if owner in self._runtimes:
-            await self._enqueue(
+            await self.enqueue(
                 owner, Delivery(payload, ptype, record, from_id, False, response_thread, None)
             )
             return
@@ -887,43 +614,12 @@ class Pump:
 
     # -- handlers ------------------------------------------------------------------------
 
-    async def _worker(self, rt: ListenerRuntime) -> None:
-        """One concurrency slot of a listener. A handler that overruns its timeout is
-        cancelled by :meth:`_deadline_monitor` through this slot's cancel scope; the slot
-        then answers the caller with a timeout and starts over in a fresh scope. (A cancel
-        scope per call would cost more than the rest of a delivery.)"""
-        slot = Slot(rt.listener.name)
-        current_slot.set(slot)  # this task's log records name the delivery it handles
-        while True:
-            with trio.CancelScope() as scope:
-                slot.scope = scope
-                rt.slots.append(slot)
-                try:
-                    await self._serve(rt, slot)
-                finally:
-                    rt.slots.remove(slot)
-                return
-            expired, slot.expired = slot.expired, None
-            if expired is not None:
-                self.counters["timeouts"] += 1
-                log.warning(
-                    "%s: handler timed out after %ss on %s",
-                    rt.listener.name,
-                    rt.listener.timeout,
-                    expired.thread.dotted,
-                )
-                await self._fail(
-                    expired.thread,
-                    DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True),
-                    expired,
-                )
-
-    async def _serve(self, rt: ListenerRuntime, slot: Slot) -> None:
+    async def serve(self, rt: ListenerRuntime, slot: Slot) -> None:
         """Take deliveries off the listener's queue and run the handler on each.
 
         The whole of a delivery runs inline here (no coroutine per step): this loop is the
         pump's hot path. Nothing reads the clock per message (see
-        :meth:`_deadline_monitor`): a handler's duration, for the metrics, is measured for
+        ``Lifecycle._deadline_monitor``): a handler's duration, for the metrics, is measured for
         every call after a slow one (``_SLOW_HANDLER``) but only one call in
         ``_TIME_EVERY`` after a fast one, that observation then counting for the calls
         skipped. With tracing on, the delivery runs in its ``handle`` span.
@@ -978,7 +674,7 @@ class Pump:
                     )
                     continue
                 counters["delivered"] += 1
-                thread.last_active = self._now
+                thread.last_active = self.now
                 if unreadable and d.ptype.model in unreadable:
                     await self._pass_up(listener, thread, d)
                     continue
@@ -1025,7 +721,7 @@ class Pump:
                     if span is not None:
                         record_error(span, type(refusal).__name__)
                     log.info("%s: refused on %s: %s", listener.name, thread.dotted, refusal)
-                    await self._fail(thread, refusal, d)
+                    await self.fail(thread, refusal, d)
                     continue
                 except Exception as exc:
                     if span is not None:
@@ -1033,7 +729,7 @@ class Pump:
                     counters["handler_errors"] += 1
                     log.exception("%s: handler raised on %s", listener.name, thread.dotted)
                     reason = f"{listener.name}: handler raised {type(exc).__name__}: {exc}"
-                    await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
+                    await self.fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
                     continue
                 if type(result) is HandlerResponse and type(result.payload) is etree._Element:
                     if result.is_response and self._answer_client(listener, thread, result):
@@ -1051,37 +747,7 @@ class Pump:
                     span = None
             if not (thread.children or thread.pins or thread.pending):
                 # Nothing can reach this thread any more (it answered, or its chain ended).
-                self._settle(thread)
-
-    async def _deadline_monitor(self) -> None:
-        """Keep the pump's coarse clock and cancel handlers that overrun their timeout.
-
-        Every ``tick`` it records the time (hot paths stamp threads with it instead of
-        reading the clock per message) and looks at each busy slot: a call seen for the
-        first time gets its deadline, ``now + timeout``; a call past its deadline is
-        cancelled. So a handler is cancelled after at least ``timeout`` and at most
-        ``timeout + 2 * tick`` seconds, never early.
-        """
-        timeouts = [rt.listener.timeout for rt in self._runtimes.values()]
-        tick = min(max(min(timeouts, default=1.0) / 10, 0.005), 1.0)
-        tick = min(tick, max(self.config.delivery_timeout / 10, 0.005))
-        runtimes = list(self._runtimes.values())
-        while True:
-            await trio.sleep(tick)
-            now = self._now = trio.current_time()
-            for rt in runtimes:
-                if rt.waiters:
-                    rt.waiters.expire(now)
-                timeout = rt.listener.timeout
-                for slot in rt.slots:
-                    if slot.current is None:
-                        continue
-                    if slot.deadline == math.inf:
-                        slot.deadline = now + timeout
-                    elif slot.deadline <= now:
-                        slot.expired = slot.current
-                        slot.current = None
-                        slot.scope.cancel()
+                self.settle(thread)
 
     def _answer_client(
         self, listener: Listener, thread: ThreadRecord, item: HandlerResponse
@@ -1127,7 +793,7 @@ class Pump:
                 type(result).__name__,
             )
             reason = f"{listener.name}: handler returned {type(result).__name__}"
-            await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
+            await self.fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
             return
         if not items:
             return
@@ -1138,7 +804,7 @@ class Pump:
                 self.counters["handler_errors"] += 1
                 log.exception("%s: handler returned an unusable payload", listener.name)
                 reason = f"{listener.name}: handler returned an unusable payload: {exc}"
-                await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
+                await self.fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
                 return
             await self._emit(listener, thread, item, element)
 
@@ -1163,12 +829,12 @@ class Pump:
                         "%s responded on %s with no caller; dropped", listener.name, thread.dotted
                     )
                     return
-                await self._deliver_to_owner(parent, element, ptype, listener.name, thread.id)
+                await self.deliver_to_owner(parent, element, ptype, listener.name, thread.id)
                 return
             decision = self._table.outbound(listener.name, ptype.tag, item.to)
-            now = self._now
+            now = self.now
             if isinstance(decision, SelfCall):
-                await self._enqueue(
+                await self.enqueue(
                     listener.name,
                     Delivery(element, ptype, thread, listener.name, True, None, None),
                 )
@@ -1177,7 +843,7 @@ class Pump:
                     payload = element if i == 0 else copy.deepcopy(element)
                     child = self.threads.extend(thread, target, now)
                     try:
-                        await self._enqueue(
+                        await self.enqueue(
                             target,
                             Delivery(payload, ptype, child, listener.name, False, None, None),
                         )
@@ -1207,18 +873,18 @@ class Pump:
         if thread.strikes > MAX_STRIKES:
             # The caller never sees the refused output: it is the listener's, not its own.
             reason = f"{listener.name}: {MAX_STRIKES} outputs refused in a row, the last: {refusal}"
-            await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), None)
+            await self.fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), None)
             return
         primitive = self._primitive(refusal, canonical_or_empty(element))
         ptype = self.payloads.get(primitive.tag)
         try:
-            await self._enqueue(
+            await self.enqueue(
                 listener.name, Delivery(primitive, ptype, thread, SYSTEM, False, None, None)
             )
         except DeliveryRefused:
             log.warning("%s: could not return a refusal (queue full)", listener.name)
 
-    async def _fail(self, thread: ThreadRecord, refusal: Refusal, d: Delivery | None) -> None:
+    async def fail(self, thread: ThreadRecord, refusal: Refusal, d: Delivery | None) -> None:
         """The owner of ``thread`` failed (on delivery ``d``, if known): its caller gets
         one primitive; the thread ends.
 
@@ -1233,7 +899,7 @@ class Pump:
             original = d.original if d.original is not None else canonical_or_empty(d.payload)
         primitive = self._primitive(refusal, original)
         try:
-            await self._deliver_to_owner(
+            await self.deliver_to_owner(
                 parent, primitive, self.payloads.get(primitive.tag), SYSTEM, thread.id
             )
         except DeliveryRefused:
@@ -1257,7 +923,7 @@ class Pump:
             parent = self.threads.prune(thread)
             if parent is not None:
                 try:
-                    await self._deliver_to_owner(parent, d.payload, d.ptype, SYSTEM, thread.id)
+                    await self.deliver_to_owner(parent, d.payload, d.ptype, SYSTEM, thread.id)
                 except DeliveryRefused:
                     log.warning("could not deliver a failure notice to %s", parent.owner)
             return
@@ -1265,12 +931,12 @@ class Pump:
         detail = d.payload.findtext(f"{{{CORE_NS}}}detail")
         if detail:
             reason += f" (the refusal: {detail})"
-        await self._fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), None)
+        await self.fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), None)
 
     def _primitive(self, refusal: Refusal, original: bytes = b"") -> etree._Element:
         return primitive_for(refusal, original, explain=self.config.explain_refusals)
 
-    def _settle(self, thread: ThreadRecord) -> None:
+    def settle(self, thread: ThreadRecord) -> None:
         """End ``thread`` if nothing can reach it any more (see ``ThreadRegistry.finish``).
         If that ends an endpoint's request without an answer, tell the endpoint, so that
         a server frees the request's in-flight slot now."""
@@ -1289,20 +955,6 @@ class Pump:
         if endpoint is not None:
             self._count_refusal(endpoint.name, refusal)
             endpoint.push(encode(SYSTEM, endpoint.name, parent.id, self._primitive(refusal)))
-
-    def _refuse_leftovers(self) -> None:
-        """After cancellation: refuse every delivery still queued, so none is lost silently."""
-        refusal = DeliveryRefused(SystemErrorCode.TIMEOUT, retry_allowed=True, detail="shutdown")
-        for rt in self._runtimes.values():
-            while True:
-                try:
-                    d = rt.receive.receive_nowait()
-                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                    break
-                self._inflight -= 1
-                d.thread.pending -= 1
-                if d.from_id in self._endpoints or d.thread.parent is not None:
-                    self._refuse_sync(d.thread, refusal)
 
 
 @asynccontextmanager

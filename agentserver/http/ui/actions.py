@@ -28,6 +28,7 @@ from agentserver.core.envelope import build_envelope
 from agentserver.core.errors import InputRefused
 from agentserver.core.namespaces import CORE_NS
 from agentserver.core.threads import is_uuid4, new_thread_id
+from agentserver.core.usage import TaskForm
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.context import HttpContext
 from agentserver.http.ui.data import ConsoleData
@@ -38,8 +39,6 @@ from agentserver.primitives.approval import ApprovalDecision
 
 log = logging.getLogger("agentserver.http.ui")
 
-#: The payload a task typed as text becomes (the built-in assistant's; docs/agents.md).
-TASK_NS = "urn:agentserver:assistant"
 ACK_TAG = f"{{{APPROVAL_NS}}}approval-ack"
 #: Characters of a reason or a task's text the console accepts.
 MAX_TEXT = 20_000
@@ -52,10 +51,15 @@ def back(target: str, notice: str) -> Response:
     return RedirectResponse(url, 303, page_headers())
 
 
-def task_element(text: str) -> etree._Element:
-    task = etree.Element(f"{{{TASK_NS}}}task", nsmap={None: TASK_NS})
-    etree.SubElement(task, f"{{{TASK_NS}}}text").text = text
-    return task
+def task_element(form: TaskForm, text: str) -> etree._Element:
+    """A payload of ``form``'s type whose one text field holds ``text`` (``form.field``
+    is not None). Raises ValueError for characters XML cannot carry."""
+    root = etree.Element(form.tag, nsmap={None: form.namespace})
+    if form.field:
+        etree.SubElement(root, f"{{{form.namespace}}}{form.field}").text = text
+    else:
+        root.text = text
+    return root
 
 
 class Actions:
@@ -91,8 +95,9 @@ class Actions:
         return response
 
     async def send(self, request: Request) -> Response:
-        """A task (``text``, to an agent) or a payload (``xml``) to ``to``, not waited
-        for: the browser goes to the page where the answer appears."""
+        """A task (``text``, filling the one text field of ``to``'s own task type) or a
+        payload (``xml``) to ``to``, not waited for: the browser goes to the page where
+        the answer appears."""
         identity = await self.session.identify(request)
         if isinstance(identity, Response):
             return identity
@@ -107,8 +112,13 @@ class Actions:
         if xml:
             body = xml.encode("utf-8")
         elif text.strip():
+            # The listener's own task type, whatever the form said: typed text fills its
+            # one text field; a type with more than that is sent as XML.
+            form = self.data.task_form(to)
+            if form is None or form.field is None:
+                return back(target, f"A task for {to} is XML: write it as a payload.")
             try:
-                body = etree.tostring(task_element(text[:MAX_TEXT]))
+                body = etree.tostring(task_element(form, text[:MAX_TEXT]))
             except ValueError:  # control characters XML cannot carry
                 return back(target, "The text has characters XML cannot carry.")
         else:

@@ -15,10 +15,12 @@ from typing import Any
 
 from agentserver.core.errors import InputRefused
 from agentserver.core.handshake import Identity
+from agentserver.core.usage import TaskForm, task_form
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
 from agentserver.http.routes.status import StatusRoutes
+from agentserver.primitives.approval import ApprovalDecision
 
 #: Tasks listed on an agent's page.
 RECENT_TASKS = 25
@@ -31,6 +33,27 @@ class ConsoleData:
         self.ctx = ctx
         self.status = status
         self._parser = SafeParser(ctx.gateway.max_bytes)
+        #: Listener name → its task form (None: no such listener, or it takes nothing
+        #: a person sends); one entry per listener at most.
+        self._task_forms: dict[str, TaskForm | None] = {}
+
+    def task_form(self, name: str) -> TaskForm | None:
+        """How a task for listener ``name`` is typed: its first payload type other than
+        an approval decision (which an agent takes too, from its approvers). Computed
+        once per listener (compiling its XSD takes milliseconds), then kept."""
+        if name in self._task_forms:
+            return self._task_forms[name]
+        pump = self.ctx.pump
+        listener = next((lst for lst in pump.listeners if lst.name == name), None)
+        ptypes = {p.model: p for p in pump.payloads}
+        form = None
+        if listener is not None:
+            for model in listener.payload_types:
+                if model is not ApprovalDecision and model in ptypes:
+                    form = task_form(ptypes[model])
+                    break
+        self._task_forms[name] = form
+        return form
 
     def is_operator(self, identity: Identity) -> bool:
         """Whether ``identity`` may stop and cancel (the socket's rule)."""
@@ -80,11 +103,13 @@ class ConsoleData:
         if view is None or name not in self.agent_names(identity):
             return None
         approvals = [a for a in await self.approvals(identity) if a["agent_id"] == name]
+        form = self.task_form(name)
         return {
             "agent": await view.agent(name),
             "tasks": await view.recent_tasks(name, RECENT_TASKS),
             "approvals": approvals,
             "operator": self.is_operator(identity),
+            "task_form": dataclasses.asdict(form) if form is not None else None,
         }
 
     async def task(self, identity: Identity, name: str, thread: str) -> dict[str, Any] | None:
