@@ -51,7 +51,6 @@ from agentserver.core.listener import (
     Listener,
     to_element,
 )
-from agentserver.core.namespaces import CORE_NS
 from agentserver.core.payloads import PayloadRegistry, PayloadType
 from agentserver.core.routing import RoutingTable, SelfCall
 from agentserver.core.threads import (
@@ -61,14 +60,15 @@ from agentserver.core.threads import (
     is_uuid4,
     new_thread_id,
 )
-from agentserver.core.xmlsafe import canonical_or_empty, canonicalize
+from agentserver.core.xmlsafe import canonicalize
 from agentserver.observability.tracing import Tracing, attach, detach, record_error
-from agentserver.primitives.core import CORE_MODELS, SystemErrorPayload, primitive_for
+from agentserver.primitives.core import CORE_MODELS
 from agentserver.pump.config import PumpConfig
 from agentserver.pump.delivery import SYSTEM, Delivery
 from agentserver.pump.endpoint import Endpoint
 from agentserver.pump.later import Later
 from agentserver.pump.lifecycle import Lifecycle
+from agentserver.pump.refusals import MAX_STRIKES, Refusals
 from agentserver.pump.roster import Roster
 from agentserver.pump.runtime import ListenerRuntime, PumpState, Slot
 from agentserver.pump.threadref import ThreadRef
@@ -78,9 +78,6 @@ __all__ = ["MAX_STRIKES", "SYSTEM", "Pump", "PumpConfig", "ThreadRef", "open_pum
 
 log = logging.getLogger("agentserver.pump")
 
-#: After this many consecutive refused outputs on one thread, the owner's caller gets a
-#: ``<huh>`` instead of the owner getting yet another one (stops refusal ping-pong).
-MAX_STRIKES = 3
 #: A worker yields to the scheduler at least every this many back-to-back deliveries.
 _YIELD_EVERY = 16
 #: Handler calls shorter than this are timed (for the metrics) one in ``_TIME_EVERY``:
@@ -102,9 +99,10 @@ class Pump:
     docs/performance.md). What has no per-message cost is composed in: the listeners and
     endpoints and the wiring frozen from them (``pump.roster``: the pump holds its dicts),
     the run, drain, workers' restarts, deadline monitor and shutdown (``pump.lifecycle``),
-    answering later and the pump's own messages (``pump.later``); the methods here keep
-    their names for callers. The parts reach the pump through the protocols they declare
-    (``Engine``, ``LaterOwner``, ``EndpointOwner``): :meth:`enqueue`,
+    answering later and the pump's own messages (``pump.later``), the refusal and failure
+    paths no successful message takes (``pump.refusals``); the methods here keep their
+    names for callers. The parts reach the pump through the protocols they declare
+    (``Engine``, ``LaterOwner``, ``EndpointOwner``, ``RefusalOwner``): :meth:`enqueue`,
     :meth:`deliver_to_owner`, :meth:`settle`, :meth:`serve`, :meth:`fail`,
     :meth:`drained`, :meth:`refuse_queued`, ``state`` and ``now`` are for them, not users.
     """
@@ -161,6 +159,10 @@ class Pump:
         self.call_from, self.answer = later.call_from, later.answer
         self.inject_system, self.end_hop = later.inject_system, later.end_hop
         self.check_call, self.check_self_call = later.check_call, later.check_self_call
+        refusing = Refusals(self, roster.endpoints)
+        self._count_refusal, self._primitive = refusing.count, refusing.primitive
+        self._answer_endpoint, self._refuse_sync = refusing.answer_endpoint, refusing.refuse_sync
+        self._bounce, self.fail, self._pass_up = refusing.bounce, refusing.fail, refusing.pass_up
         for listener in listeners:
             roster.register(listener)
 
@@ -496,18 +498,6 @@ class Pump:
         return threads.open_root(
             endpoint.chain, now, thread_id, quota=endpoint.quota, transient=True
         )
-
-    def _count_refusal(self, name: str, refusal: Refusal) -> None:
-        self.counters["refused"] += 1
-        reason = getattr(refusal, "reason", None) or getattr(refusal, "code", None)
-        self.refusals[name, getattr(reason, "value", str(reason))] += 1
-
-    def _answer_endpoint(
-        self, endpoint: Endpoint, thread_id: str, refusal: Refusal, original: bytes
-    ) -> None:
-        self._count_refusal(endpoint.name, refusal)
-        log.info("refused message from %s: %s", endpoint.name, refusal)
-        endpoint.push(encode(SYSTEM, endpoint.name, thread_id, self._primitive(refusal, original)))
 
     # -- delivery ------------------------------------------------------------------------
 
@@ -861,81 +851,6 @@ class Pump:
         except Refusal as refusal:
             await self._bounce(listener, thread, refusal, element)
 
-    async def _bounce(
-        self, listener: Listener, thread: ThreadRecord, refusal: Refusal, element: etree._Element
-    ) -> None:
-        """Return a refused output to its sender, on the sender's thread."""
-        self._count_refusal(listener.name, refusal)
-        log.info("%s: output refused on %s: %s", listener.name, thread.dotted, refusal)
-        if self.threads.get(thread.id) is not thread:
-            return
-        thread.strikes += 1
-        if thread.strikes > MAX_STRIKES:
-            # The caller never sees the refused output: it is the listener's, not its own.
-            reason = f"{listener.name}: {MAX_STRIKES} outputs refused in a row, the last: {refusal}"
-            await self.fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), None)
-            return
-        primitive = self._primitive(refusal, canonical_or_empty(element))
-        ptype = self.payloads.get(primitive.tag)
-        try:
-            await self.enqueue(
-                listener.name, Delivery(primitive, ptype, thread, SYSTEM, False, None, None)
-            )
-        except DeliveryRefused:
-            log.warning("%s: could not return a refusal (queue full)", listener.name)
-
-    async def fail(self, thread: ThreadRecord, refusal: Refusal, d: Delivery | None) -> None:
-        """The owner of ``thread`` failed (on delivery ``d``, if known): its caller gets
-        one primitive; the thread ends.
-
-        A ``<huh>``'s ``original-attempt`` echoes only the caller's own message: ``d`` if
-        the caller sent it, else nothing (a peer's answer or the owner's own output are
-        none of the caller's business; for a client they may be internal data)."""
-        parent = self.threads.prune(thread)
-        if parent is None:
-            return
-        original = b""
-        if d is not None and d.from_id == parent.owner and not d.is_self_call:
-            original = d.original if d.original is not None else canonical_or_empty(d.payload)
-        primitive = self._primitive(refusal, original)
-        try:
-            await self.deliver_to_owner(
-                parent, primitive, self.payloads.get(primitive.tag), SYSTEM, thread.id
-            )
-        except DeliveryRefused:
-            log.warning("could not deliver a failure notice to %s", parent.owner)
-
-    async def _pass_up(self, listener: Listener, thread: ThreadRecord, d: Delivery) -> None:
-        """``d`` is a primitive the handler cannot read (its annotation does not admit
-        it): instead of crashing the handler, its caller gets the failure. A
-        ``<SystemError>`` goes up as it is; a ``<huh>`` becomes the caller's own
-        "could not be completed" (its original-attempt is the listener's output, none of
-        the caller's business)."""
-        log.warning(
-            "%s: its handler does not take <%s> (annotate its payload parameter with %s to "
-            "receive it), so its caller gets the failure on %s",
-            listener.name,
-            d.ptype.local,
-            d.ptype.model.__name__,
-            thread.dotted,
-        )
-        if d.ptype.model is SystemErrorPayload:
-            parent = self.threads.prune(thread)
-            if parent is not None:
-                try:
-                    await self.deliver_to_owner(parent, d.payload, d.ptype, SYSTEM, thread.id)
-                except DeliveryRefused:
-                    log.warning("could not deliver a failure notice to %s", parent.owner)
-            return
-        reason = f"{listener.name}: its output was refused and its handler does not take <huh>"
-        detail = d.payload.findtext(f"{{{CORE_NS}}}detail")
-        if detail:
-            reason += f" (the refusal: {detail})"
-        await self.fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), None)
-
-    def _primitive(self, refusal: Refusal, original: bytes = b"") -> etree._Element:
-        return primitive_for(refusal, original, explain=self.config.explain_refusals)
-
     def settle(self, thread: ThreadRecord) -> None:
         """End ``thread`` if nothing can reach it any more (see ``ThreadRegistry.finish``).
         If that ends an endpoint's request without an answer, tell the endpoint, so that
@@ -945,16 +860,6 @@ class Pump:
             endpoint = self._endpoints.get(top.chain[0])
             if endpoint is not None:
                 endpoint.chain_ended()
-
-    def _refuse_sync(self, thread: ThreadRecord, refusal: Refusal) -> None:
-        """On cancellation: tell an external caller now (pushing to an endpoint never blocks)."""
-        parent = self.threads.get(thread.parent) if thread.parent else None
-        if parent is None:
-            return
-        endpoint = self._endpoints.get(parent.owner)
-        if endpoint is not None:
-            self._count_refusal(endpoint.name, refusal)
-            endpoint.push(encode(SYSTEM, endpoint.name, parent.id, self._primitive(refusal)))
 
 
 @asynccontextmanager
