@@ -11,7 +11,7 @@ the run after the JSON line).
 
 Figures per case: Turns/s, the process's CPU per Turn (all its threads: aiosqlite runs
 SQLite in one), and with PostgreSQL on this machine the database server's CPU per Turn
-(bench/pgcpu.py).
+(bench/support/pgcpu.py).
 
 Needs the ``peers`` extra (``pip install -e '.[peers]'``).
 Usage: python bench/peers/langgraph_turns.py [--turns N] [--concurrency C] [--store URL]
@@ -30,7 +30,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/pgcpu.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "support"))  # pgcpu.py
 
 import pgcpu
 from langchain_core.language_models.chat_models import BaseChatModel
