@@ -71,6 +71,8 @@ class Receiver:
                 body = self.rfile.read(length)
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 if receiver.hang:
+                    with receiver.lock:  # recorded as an attempt never answered
+                        receiver.got.append(Got(headers, body, time.time(), 0))
                     time.sleep(receiver.hang_s)
                     return
                 with receiver.lock:
@@ -110,7 +112,7 @@ class Receiver:
 
     def ok(self) -> list[Got]:
         with self.lock:
-            return [g for g in self.got if g.status < 300]
+            return [g for g in self.got if 200 <= g.status < 300]
 
     def ids(self) -> set[str]:
         return {g.id for g in self.ok()}

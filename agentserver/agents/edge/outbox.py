@@ -44,9 +44,11 @@ CLAIM_LIMIT = 64
 #: enqueued, retries come due).
 POLL_S = 1.0
 #: Seconds a lease lasts beyond the channel's timeout.
-LEASE_MARGIN_S = 30.0
+LEASE_MARGIN_S = 5.0
 #: Seconds an unknown channel's rows wait before they are looked at again.
 UNKNOWN_DELAY_S = 30.0
+#: Seconds between two reads of the channels' figures (for the metrics).
+FIGURES_S = 5.0
 #: Done rows are kept this long, then pruned (once a minute).
 KEEP_DONE_S = 24 * 3600.0
 
@@ -139,6 +141,9 @@ class Outbox:
         self._inflight: dict[str, int] = {}
         self._wake = trio.Event()
         self.figures = SenderFigures()
+        #: The store's figures per channel, refreshed every :data:`FIGURES_S` while the
+        #: sender runs (what the metrics export; a scrape never waits on the store).
+        self.channel_figures: list[ChannelFigures] = []
         #: Looks up a channel this process does not know yet (e.g. a webhook another
         #: process made at run time); None: unknown channels' rows wait.
         self.resolve: Callable[[str], Awaitable[Channel | None]] | None = None
@@ -180,13 +185,17 @@ class Outbox:
             trio.open_nursery() as nursery,
         ):
             task_status.started()
-            next_prune = 0.0
+            next_prune = next_figures = 0.0
             while True:
                 self._wake = trio.Event()
                 try:
                     took = await self._claim_round(client, nursery)
-                    if self._clock() >= next_prune:
-                        next_prune = self._clock() + 60.0
+                    now = self._clock()
+                    if now >= next_figures:
+                        next_figures = now + FIGURES_S
+                        self.channel_figures = await self._store.outbox_figures()
+                    if now >= next_prune:
+                        next_prune = now + 60.0
                         await self._store.outbox_prune(KEEP_DONE_S)
                 except Exception as exc:  # the store failing: try again, never die
                     log.warning("outbox: store call failed (retrying): %s", exc)

@@ -22,10 +22,12 @@ import datetime
 import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import trio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from agentserver.agents.edge.hooksign import new_secret, secret_bytes, signed_headers
 from agentserver.agents.edge.outbox import Channel, Outbox
@@ -149,16 +151,20 @@ class Webhooks:
         outbox.on_disabled = self.disabled
 
     # -- life -------------------------------------------------------------------------------
-    async def start(self, nursery: trio.Nursery) -> None:
-        """Load the webhooks made at run time; start the writer and the sender if there
-        is any webhook (else later, when one is made)."""
-        self._nursery = nursery
-        for name, spec_json, secret in await self._store.get_webhooks():
-            try:
-                self._install(self._from_row(name, spec_json, secret))
-            except (WebhookConfigError, ValueError, TypeError) as exc:
-                log.error("webhook %s in the store is not valid, ignored: %s", name, exc)
-        await self._activate()
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load the webhooks made at run time; run the writer and the outbox's sender
+        while there is any webhook (from when the first is made), until cancelled (then
+        :meth:`drain` writes what the buffer still holds)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for name, spec_json, secret in await self._store.get_webhooks():
+                try:
+                    self._install(self._from_row(name, spec_json, secret))
+                except (WebhookConfigError, ValueError, TypeError, KeyError) as exc:
+                    log.error("webhook %s in the store is not valid, ignored: %s", name, exc)
+            await self._activate()
+            task_status.started()
+            await trio.sleep_forever()
 
     async def _activate(self) -> None:
         if not self._specs or self._nursery is None:
@@ -418,3 +424,53 @@ def _fields(event: object) -> dict[str, Any]:
     if dataclasses.is_dataclass(event) and not isinstance(event, type):
         return {k: v for k, v in dataclasses.asdict(event).items() if k != "event_type"}
     return {}
+
+
+class WebhookCollector(Collector):
+    """The webhooks' figures in the server's Prometheus registry (read when scraped,
+    from the sender's counters and its last read of the store: never waits)."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+
+    def collect(self) -> Iterator[Metric]:
+        figures = self.outbox.figures
+        attempts = CounterMetricFamily(
+            "agentserver_outbox_attempts",
+            "Delivery attempts from the outbox in this process, by outcome",
+            labels=["outcome"],
+        )
+        attempts.add_metric(["delivered"], figures.delivered)
+        attempts.add_metric(["failed"], figures.failed)
+        attempts.add_metric(["expired"], figures.expired)
+        yield attempts
+        failures = CounterMetricFamily(
+            "agentserver_outbox_channel_failures",
+            "Failed delivery attempts in this process, by channel (webhook:NAME)",
+            labels=["channel"],
+        )
+        for channel, n in sorted(figures.failures.items()):
+            failures.add_metric([channel], n)
+        yield failures
+        pending = GaugeMetricFamily(
+            "agentserver_outbox_pending",
+            "Deliveries waiting in the outbox, by channel (as last read, every 5 s)",
+            labels=["channel"],
+        )
+        failing = GaugeMetricFamily(
+            "agentserver_outbox_failing",
+            "1 while a channel's last attempts failed (no delivery since its first failure)",
+            labels=["channel"],
+        )
+        disabled = GaugeMetricFamily(
+            "agentserver_outbox_disabled",
+            "1 when a channel was disabled for failing too long",
+            labels=["channel"],
+        )
+        for f in self.outbox.channel_figures:
+            pending.add_metric([f.channel], f.pending)
+            failing.add_metric([f.channel], 1 if f.failing_since is not None else 0)
+            disabled.add_metric([f.channel], 1 if f.disabled_at is not None else 0)
+        yield pending
+        yield failing
+        yield disabled
