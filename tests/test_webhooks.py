@@ -140,6 +140,9 @@ async def test_every_task_end_reaches_every_receiver_with_its_id(tmp_path, store
                     assert hooks["hung"]["failing"] and "timed out" in hooks["hung"]["last_error"]
                     assert hooks["good"]["failing"] is False
                     assert hooks["good"]["delivered"] >= 6
+                    page = await client.get("/ui")
+                    assert page.status_code == 200, page.text
+                    assert '<tr data-webhook="hung" class="bad">' in page.text
                     metrics = (await client.get("/metrics")).text
                     assert (
                         'agentserver_outbox_channel_failures_total{channel="webhook:hung"}'
