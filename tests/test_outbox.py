@@ -115,7 +115,7 @@ async def test_store_rows_dedupe_sequence_lease_and_outcomes(manual: Opener) -> 
     assert [r.delivery_id for r in await store.outbox_claim("p2", 60.0, 10)] == [
         r.delivery_id for r in rows
     ]
-    await store.outbox_delivered(rows[0].seq, "c1", 204)
+    await store.outbox_delivered([(rows[0].seq, "c1", 204)])
     disabled = await store.outbox_failed(rows[1].seq, "c1", "HTTP 500", 500, clock.now() + 30, None)
     assert not disabled
     await store.outbox_failed(rows[2].seq, "c1", "refused", None, None, None)
@@ -129,7 +129,7 @@ async def test_store_rows_dedupe_sequence_lease_and_outcomes(manual: Opener) -> 
     [retry] = await store.outbox_claim("p1", 60.0, 10)
     assert (retry.seq, retry.attempts) == (rows[1].seq, 1)
     # Sequence numbers continue past pruned rows (a counter, not a max).
-    await store.outbox_delivered(retry.seq, "c1", 200)
+    await store.outbox_delivered([(retry.seq, "c1", 200)])
     clock.advance(10)
     assert await store.outbox_prune(5.0) == 3
     await store.outbox_enqueue([item(4)])
@@ -192,7 +192,13 @@ async def test_receiver_failing_its_first_five_gets_each_once_with_its_id(real: 
                 item(n, "flaky", flaky.url, first_delay_s=0.02, max_delay_s=0.1) for n in range(3)
             ]
             await outbox.enqueue(items)
-            await wait_for(lambda: len(flaky.ok()) >= 3)
+            await wait_for(lambda: len(flaky.ok()) >= 3 and outbox.figures.delivered >= 3)
+            with trio.fail_after(10):  # the deliveries recorded (in a batch, a moment later)
+                while True:
+                    [f] = await store.outbox_figures()
+                    if f.delivered == 3:
+                        break
+                    await trio.sleep(0.02)
             nursery.cancel_scope.cancel()
         assert len(flaky.got) == 8
         ids = {delivery_id(i.dedupe_key) for i in items}

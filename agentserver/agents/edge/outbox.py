@@ -47,6 +47,8 @@ POLL_S = 1.0
 LEASE_MARGIN_S = 5.0
 #: Seconds an unknown channel's rows wait before they are looked at again.
 UNKNOWN_DELAY_S = 30.0
+#: Seconds the sender lets finishing deliveries gather before it claims or records.
+COALESCE_S = 0.005
 #: Seconds between two reads of the channels' figures (for the metrics).
 FIGURES_S = 5.0
 #: Done rows are kept this long, then pruned (once a minute).
@@ -63,7 +65,7 @@ class OutboxStore(Protocol):
     async def outbox_release(
         self, seqs: Sequence[int], owner: str, delay_s: float = 0.0
     ) -> None: ...
-    async def outbox_delivered(self, seq: int, channel: str, status: int) -> None: ...
+    async def outbox_delivered(self, done: Sequence[tuple[int, str, int]]) -> None: ...
     async def outbox_failed(
         self,
         seq: int,
@@ -140,6 +142,8 @@ class Outbox:
         self._channels: dict[str, Channel] = {}
         self._inflight: dict[str, int] = {}
         self._wake = trio.Event()
+        self._done: list[tuple[int, str, int]] = []
+        self._done_ready = trio.Event()
         self.figures = SenderFigures()
         #: The store's figures per channel, refreshed every :data:`FIGURES_S` while the
         #: sender runs (what the metrics export; a scrape never waits on the store).
@@ -184,12 +188,22 @@ class Outbox:
             httpx.AsyncClient(transport=self._transport, limits=limits, trust_env=False) as client,
             trio.open_nursery() as nursery,
         ):
+            nursery.start_soon(self._record)
             task_status.started()
             next_prune = next_figures = 0.0
+            probe = True
             while True:
                 self._wake = trio.Event()
+                if not probe and self._free() == 0:
+                    # Every known channel's slots are full: nothing to claim but rows of
+                    # channels not known yet, looked for once per quiet POLL_S.
+                    with trio.move_on_after(POLL_S) as quiet:
+                        await self._wake.wait()
+                    probe = quiet.cancelled_caught
+                    continue
                 try:
                     took = await self._claim_round(client, nursery)
+                    probe = False
                     now = self._clock()
                     if now >= next_figures:
                         next_figures = now + FIGURES_S
@@ -201,14 +215,38 @@ class Outbox:
                     log.warning("outbox: store call failed (retrying): %s", exc)
                     took = 0
                     await trio.sleep(POLL_S)
-                if took < CLAIM_LIMIT:
-                    with trio.move_on_after(POLL_S):
+                if took == 0:
+                    with trio.move_on_after(POLL_S) as quiet:
                         await self._wake.wait()
+                    probe = quiet.cancelled_caught
+                # Let deliveries finishing together free their slots before the next
+                # claim: one claim for several rows, not one per row.
+                await trio.sleep(COALESCE_S)
+
+    async def _record(self) -> None:
+        """Write the deliveries done, in batches (one transaction each), until cancelled;
+        a failed write keeps them for the next (their leases may run out first: then
+        they are sent again, at least once)."""
+        while True:
+            await self._done_ready.wait()
+            await trio.sleep(COALESCE_S)  # the deliveries finishing together: one write
+            self._done_ready = trio.Event()
+            done, self._done = self._done, []
+            try:
+                await self._store.outbox_delivered(done)
+            except Exception as exc:
+                log.warning("outbox: recording %d deliveries failed (retrying): %s", len(done), exc)
+                self._done[:0] = done
+                self._done_ready.set()
+                await trio.sleep(POLL_S)
 
     async def _claim_round(self, client: httpx.AsyncClient, nursery: trio.Nursery) -> int:
         full = sorted(name for name, n in self._inflight.items() if n >= self._capacity(name))
         lease = max((c.timeout_s for c in self._channels.values()), default=10.0)
-        rows = await self._store.outbox_claim(self.owner, lease + LEASE_MARGIN_S, CLAIM_LIMIT, full)
+        # Claim no more than the known channels have free slots for (at least one, for
+        # a channel not known yet): rows claimed beyond would only be given back.
+        limit = min(CLAIM_LIMIT, max(1, self._free()))
+        rows = await self._store.outbox_claim(self.owner, lease + LEASE_MARGIN_S, limit, full)
         excess: list[int] = []
         unknown: list[int] = []
         for row in rows:
@@ -230,6 +268,12 @@ class Outbox:
             await self._store.outbox_release(unknown, self.owner, UNKNOWN_DELAY_S)
         return len(rows) - len(excess) - len(unknown)
 
+    def _free(self) -> int:
+        """Free slots of the known channels."""
+        return sum(
+            max(0, c.concurrency - self._inflight.get(c.name, 0)) for c in self._channels.values()
+        )
+
     def _capacity(self, name: str) -> int:
         channel = self._channels.get(name)
         return channel.concurrency if channel is not None else 1
@@ -241,7 +285,10 @@ class Outbox:
             status, error = await self._attempt(client, channel, row)
             if error is None:
                 self.figures.delivered += 1
-                await self._store.outbox_delivered(row.seq, row.channel, status or 0)
+                # Recorded in batches by the recorder: one transaction for many
+                # deliveries. A crash before it leaves the lease: sent again, same id.
+                self._done.append((row.seq, row.channel, status or 0))
+                self._done_ready.set()
                 return
             self.figures.failed += 1
             self.figures.failures[channel.name] = self.figures.failures.get(channel.name, 0) + 1

@@ -284,21 +284,27 @@ def release(tx: Tx, env: StoreEnv, seqs: Sequence[int], owner: str, delay_s: flo
         )
 
 
-def delivered(tx: Tx, env: StoreEnv, seq: int, channel: str, status: int) -> None:
-    """Row ``seq`` was taken by its receiver (HTTP ``status``); its channel is healthy."""
+def delivered(tx: Tx, env: StoreEnv, done: Sequence[tuple[int, str, int]]) -> None:
+    """Rows taken by their receivers: ``(seq, channel, HTTP status)`` each; their
+    channels are healthy. One transaction for the batch (atomic)."""
     now = env.clock.now()
-    tx.execute(
-        "UPDATE outbox SET status = ?, attempts = attempts + 1, done_at = ?, lease_until = 0, "
-        "last_status = ? WHERE seq = ? AND status = ?",
-        (DELIVERED, now, status, seq, PENDING),
-    )
-    tx.execute(
-        "INSERT INTO outbox_channels (channel, last_ok_at, delivered, updated_at) "
-        "VALUES (?, ?, 1, ?) ON CONFLICT (channel) DO UPDATE SET failing_since = NULL, "
-        "last_ok_at = excluded.last_ok_at, delivered = outbox_channels.delivered + 1, "
-        "updated_at = excluded.updated_at",
-        (channel, now, now),
-    )
+    per_channel: dict[str, int] = {}
+    for seq, channel, status in done:
+        tx.execute(
+            "UPDATE outbox SET status = ?, attempts = attempts + 1, done_at = ?, "
+            "lease_until = 0, last_status = ? WHERE seq = ? AND status = ?",
+            (DELIVERED, now, status, seq, PENDING),
+        )
+        per_channel[channel] = per_channel.get(channel, 0) + 1
+    for channel, n in sorted(per_channel.items()):
+        tx.execute(
+            "INSERT INTO outbox_channels (channel, last_ok_at, delivered, updated_at) "
+            "VALUES (?, ?, ?, ?) ON CONFLICT (channel) DO UPDATE SET failing_since = NULL, "
+            "last_ok_at = excluded.last_ok_at, "
+            "delivered = outbox_channels.delivered + excluded.delivered, "
+            "updated_at = excluded.updated_at",
+            (channel, now, n, now),
+        )
 
 
 def failed(

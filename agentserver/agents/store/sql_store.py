@@ -478,8 +478,10 @@ class SqlAgentStore(abc.ABC):
         if seqs:
             await self._run(outbox.release, list(seqs), owner, delay_s)
 
-    async def outbox_delivered(self, seq: int, channel: str, status: int) -> None:
-        await self._run(outbox.delivered, seq, channel, status)
+    async def outbox_delivered(self, done: Sequence[tuple[int, str, int]]) -> None:
+        """Record deliveries ``(seq, channel, HTTP status)`` in one transaction."""
+        if done:
+            await self._run(outbox.delivered, list(done))
 
     async def outbox_failed(
         self,
