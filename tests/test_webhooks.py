@@ -283,3 +283,45 @@ async def test_webhooks_made_at_run_time(tmp_path) -> None:
     finally:
         declared.stop()
         made.stop()
+
+
+@pytest.mark.postgresql
+async def test_two_processes_on_postgresql_deliver_each_event_once(tmp_path, pg_url) -> None:
+    """Two servers on one database, both sending; every task's end is delivered, each by
+    one of them (a claim is one process's), none twice once taken."""
+    recv = Receiver(fail_first=3).start()
+    boot = boot_with(tmp_path, {"both": (recv.url, {"concurrency": "2"})})
+    try:
+        async with trio.open_nursery() as nursery:
+            model = await FakeServer("openai").start(nursery)
+            env = subprocess_env(
+                HOOKS_LLM_BASE_URL=model.base_url,
+                HOOKS_LLM_KEY="k",
+                HOOK_SECRET=SECRET,
+                AGENTS_TEST_STORE_URL=pg_url,
+            )
+            servers = [await start_server(boot, env, tmp_path) for _ in range(2)]
+            try:
+                clients = [
+                    httpx.AsyncClient(base_url=http_url(s), timeout=PATIENCE) for s in servers
+                ]
+                turns = 20
+                for n in range(turns):
+                    sent = await clients[n % 2].post(
+                        "/v1/messages", params={"to": "assistant"}, content=task(f"t{n}")
+                    )
+                    assert sent.status_code == 200, sent.text
+                await wait_for(lambda: len(recv.ids()) >= turns)
+                await trio.sleep(1.0)  # anything delivered twice would arrive by now
+                for client in clients:
+                    await client.aclose()
+            finally:
+                for server in servers:
+                    server.stop()
+            nursery.cancel_scope.cancel()
+        ok = recv.ok()
+        assert len(ok) == turns, [g.id for g in ok]  # each once
+        turns_seen = {verified(g)["data"]["turn"] for g in ok}
+        assert len(turns_seen) == turns
+    finally:
+        recv.stop()
