@@ -292,3 +292,41 @@ async def test_two_senders_on_one_store_never_deliver_a_row_twice(real: Opener) 
         assert a.figures.delivered + b.figures.delivered == 120
     finally:
         recv.stop()
+
+
+async def test_a_task_end_lost_before_its_write_is_offered_again_at_start(real: Opener) -> None:
+    """A process killed between a Turn's end and the write of its event: the next start's
+    sweep finds the Turn's deliverable and enqueues the event (once: its key)."""
+    from agentserver.agents.edge.webhooks import Webhooks
+    from agentserver.agents.events import EventBus
+    from agentserver.agents.ports import LLMCompletion, LLMUsage
+    from agentserver.agents.profile.webhooks import WebhookSpec
+    from agentserver.agents.store.base import CardType, NewCard, TaskStatus
+
+    store = await real()
+    await store.enqueue_turn("assistant", b"<t/>", {"caller_thread": "th-1"})
+    [row] = await store.claim_due("assistant", 5)
+    token = await store.start_turn(row)
+    step_id, _ = await store.begin_step(token)
+    usage = LLMUsage(prompt_tokens=1, completion_tokens=1, total_tokens=2)
+    completion = LLMCompletion("done", usage=usage, cost=0.0, model="m", backend="b")
+    await store.complete_step(token, step_id, completion, [NewCard(CardType.LLM_MESSAGE, "x")])
+    await store.finish(token, TaskStatus.SUCCEEDED, "the answer", {}, b"<a/>")
+    recv = Receiver().start()
+    try:
+        for _ in range(2):  # two starts: the second finds the event there already
+            outbox = Outbox(store, store.env.clock.now)
+            spec = WebhookSpec("w", recv.url, ("task.succeeded",), SECRET, first_delay_s=0.05)
+            hooks = Webhooks(store, outbox, EventBus(), store.env.clock.now, (spec,))
+            async with trio.open_nursery() as nursery:
+                await nursery.start(hooks.run)
+                await wait_for(lambda: len(recv.ok()) >= 1)
+                await trio.sleep(0.3)
+                nursery.cancel_scope.cancel()
+        [got] = recv.ok()
+        payload = verify(got)
+        assert payload["type"] == "task.succeeded"
+        assert payload["data"]["turn"] == token.agent_turn_id
+        assert payload["data"]["thread"] == "th-1" and payload["data"]["answer"] == "the answer"
+    finally:
+        recv.stop()

@@ -17,6 +17,7 @@ for :data:`BUFFER_EVENTS` events) drops new events, counted and logged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -40,11 +41,19 @@ from agentserver.agents.events import (
     StepEvent,
     TaskEvent,
 )
-from agentserver.agents.profile.webhooks import WebhookConfigError, WebhookSpec, check_spec
+from agentserver.agents.profile.webhooks import (
+    WebhookConfigError,
+    WebhookSpec,
+    check_spec,
+    event_matches,
+)
 from agentserver.agents.store.outbox import ChannelFigures, OutboxItem, OutboxRow
 
 log = logging.getLogger(__name__)
 
+#: The Turns ended this long before a start have their ``task.*`` events offered again.
+SWEEP_S = 900.0
+_ENDS = ("succeeded", "failed", "stopped", "timed_out")
 #: Events waiting for the writer at most (beyond: counted drops).
 BUFFER_EVENTS = 16384
 #: Events one write takes at most.
@@ -64,6 +73,9 @@ class WebhookStore(Protocol):
     async def outbox_figures(self) -> list[ChannelFigures]: ...
     async def outbox_deliveries(self, channel: str | None, limit: int) -> list[dict[str, Any]]: ...
     async def turn_conversation(self, agent_turn_id: str) -> tuple[str | None, str | None]: ...
+    async def recent_task_ends(
+        self, since: float
+    ) -> list[tuple[str, str, str, str, str, float]]: ...
     async def card(self, card_id: str) -> Any: ...
 
 
@@ -164,7 +176,31 @@ class Webhooks:
                     log.error("webhook %s in the store is not valid, ignored: %s", name, exc)
             await self._activate()
             task_status.started()
+            if self._specs:
+                await self._sweep()
             await trio.sleep_forever()
+
+    async def _sweep(self) -> None:
+        """Offer again the ``task.*`` events of the Turns ended in the last
+        :data:`SWEEP_S` (those a process killed between a Turn's end and the write of its
+        event lost; the others are already in the outbox: their keys add nothing)."""
+        if not any(self._wants_any("task." + s) for s in _ENDS):
+            return
+        try:
+            ended = await self._store.recent_task_ends(self._clock() - SWEEP_S)
+        except Exception as exc:
+            log.warning("webhooks: start-up sweep failed: %s", exc)
+            return
+        for agent, turn, status, box, card, at in ended:
+            event = TaskEvent(agent, turn, status, box, card)
+            etype = "task." + status
+            if self._wants(etype, agent):
+                with contextlib.suppress(trio.WouldBlock):
+                    self._send.send_nowait((etype, event, at))
+
+    def _wants_any(self, etype: str) -> bool:
+        """Some webhook, of any agent, wants ``etype``."""
+        return any(any(event_matches(p, etype) for p in s.events) for s in self._specs.values())
 
     async def _activate(self) -> None:
         if not self._specs or self._nursery is None:

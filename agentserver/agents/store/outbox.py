@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentserver.agents.store.rows import CardType
 from agentserver.agents.store.sql.db import StoreEnv, Tx, marks
 from agentserver.agents.store.sql.views import json_text
 from agentserver.agents.store.states import MessageType
@@ -484,3 +485,29 @@ def turn_conversation(tx: Tx, env: StoreEnv, turn: str) -> tuple[str | None, str
         (turn, MessageType.TURN.value),
     )
     return (row[0], row[1]) if row else (None, None)
+
+
+#: The most recent cards a start-up sweep looks through (a primary-key range: bounded).
+SWEEP_CARDS = 50000
+
+
+def recent_task_ends(
+    tx: Tx, env: StoreEnv, since: float
+) -> list[tuple[str, str, str, str, str, float]]:
+    """(agent, Turn, status, output box, deliverable card, ended at) of the Turns that
+    ended since ``since``, among the last :data:`SWEEP_CARDS` cards. Read only."""
+    top = tx.one("SELECT MAX(seq) FROM cards")
+    if top is None or top[0] is None:
+        return []
+    rows = tx.all(
+        "SELECT b.agent_id, c.agent_turn_id, c.metadata, c.box_id, c.card_id, c.created_at "
+        "FROM cards c JOIN boxes b ON b.box_id = c.box_id "
+        "WHERE c.seq > ? AND c.card_type = ? AND c.created_at >= ? ORDER BY c.seq",
+        (int(top[0]) - SWEEP_CARDS, str(CardType.DELIVERABLE), since),
+    )
+    out = []
+    for agent, turn, metadata, box, card, at in rows:
+        status = json.loads(metadata or "{}").get("status", "")
+        if status:
+            out.append((agent, turn, str(status), box, card, float(at)))
+    return out

@@ -518,6 +518,10 @@ class SqlAgentStore(abc.ABC):
     async def delete_webhook(self, name: str, channel: str) -> bool:
         return await self._run(outbox.delete_webhook, name, channel)
 
+    async def recent_task_ends(self, since: float) -> list[tuple[str, str, str, str, str, float]]:
+        """The Turns ended since ``since`` (webhooks' start-up sweep)."""
+        return await self._read(outbox.recent_task_ends, since)
+
     async def turn_conversation(self, agent_turn_id: str) -> tuple[str | None, str | None]:
         """(caller thread, conversation) of the task a Turn runs (for webhook payloads)."""
         return await self._read(outbox.turn_conversation, agent_turn_id)
