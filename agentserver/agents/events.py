@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 import trio
@@ -61,7 +61,24 @@ class StateEvent:
     waiting_tool_count: int = 0
 
 
-Event: TypeAlias = StepEvent | TaskEvent | ChunkEvent | StateEvent
+@dataclass(frozen=True, slots=True)
+class NoticeEvent:
+    """A typed event of any other feature, named by its dotted ``event_type``
+    (``approval.requested``, ``webhook.disabled``, ``budget.soft``, ``schedule.failed``,
+    ...): what webhooks deliver by that name (docs/webhooks.md), with ``data`` (JSON
+    values) as the payload's data. Any event object with a string ``event_type``
+    attribute is taken the same way; this class is the ready-made one."""
+
+    event_type: str
+    agent_id: str = ""
+    agent_turn_id: str | None = None
+    data: dict[str, object] = field(default_factory=dict)
+    #: Events with the same key are the same event (one delivery per webhook); empty:
+    #: every event is new.
+    dedupe_key: str = ""
+
+
+Event: TypeAlias = StepEvent | TaskEvent | ChunkEvent | StateEvent | NoticeEvent
 
 
 class Subscription:

@@ -109,6 +109,7 @@ class AgentRuntime:
             self.doorbell,
             send=send_approval,
             interval_s=settings.watchdog_interval_s,
+            events=self.events,
         )
         #: Fences and finishes the Turns the worker runs (its parts share it).
         self.hold = TurnHold(self.ender, tracing or Tracing())

@@ -188,6 +188,7 @@ async def run_server(
         config = dataclasses.replace(config, explain_refusals=True)
     pump = Pump(built.listeners, config=config, tracing=tracing)
     step_log = step_writer = None
+    webhooks = hooks_scope = None
     async with ctx.resources:
         if built.mcp_hub is not None:
             # Connected before the pump runs; closed (servers stopped) after it drained.
@@ -215,6 +216,8 @@ async def run_server(
                     hub.log_steps_to(step_log)
                 if on_agent_events is not None:
                     on_agent_events(agents.runtime.events)
+                # Costs nothing until a webhook exists (declared or made at run time).
+                webhooks, hooks_scope = await _start_webhooks(nursery, topology, agents, registry)
             # Made once the agents run: the named clients' replies and the operator's
             # commands need them. The web console carries out stop/cancel with the same
             # operator object, for the same operators.
@@ -260,6 +263,7 @@ async def run_server(
                     http_stop,
                     environ,
                     operator,
+                    webhooks,
                 )
                 log.debug("HTTP API on %s", ", ".join(urls))
                 if on_http is not None:
@@ -288,10 +292,15 @@ async def run_server(
             pump.close()
             if step_writer is not None:
                 step_writer.cancel()  # the rows the draining pump still logs wait for drain()
+            if hooks_scope is not None:
+                hooks_scope.cancel()  # deliveries in flight: their leases run out
         if step_log is not None:
             # The hub has stopped and the writer with it: what it still held goes to
             # the store before the store closes (ctx.resources).
             await step_log.drain()
+        if webhooks is not None:
+            # The events the Turns ended last still waiting for the writer.
+            await webhooks.drain()
     log.info("agentserver stopped")
 
 
@@ -314,6 +323,29 @@ async def _durable_step_log(
     return step_log, scope
 
 
+async def _start_webhooks(
+    nursery: trio.Nursery, topology: Topology, agents: AgentService, registry: CollectorRegistry
+) -> tuple[Any, trio.CancelScope]:
+    """The webhooks (docs/webhooks.md) on the agents' store and event bus, run in
+    ``nursery`` under the returned scope (cancelled at shutdown, then ``drain()``)."""
+    from agentserver.agents.edge.outbox import Outbox
+    from agentserver.agents.edge.webhooks import WebhookCollector, Webhooks
+
+    store = agents.runtime.store
+    clock = agents.runtime.clock.now
+    outbox = Outbox(store, clock)
+    webhooks = Webhooks(store, outbox, agents.runtime.events, clock, topology.webhooks)
+    registry.register(WebhookCollector(outbox))
+    scope = trio.CancelScope()
+
+    async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await webhooks.run(task_status=task_status)
+
+    await nursery.start(run)
+    return webhooks, scope
+
+
 async def _start_http(
     nursery: trio.Nursery,
     topology: Topology,
@@ -327,6 +359,7 @@ async def _start_http(
     stop: trio.Event,
     environ,
     operator: Operator | None = None,
+    webhooks: Any = None,
 ) -> tuple[Any, list[str]]:
     """Start the HTTP API in ``nursery`` (it ends once ``stop`` is set and its requests
     are done, or after the drain timeout); returns its context (to close its event
@@ -359,6 +392,7 @@ async def _start_http(
         transports=lambda: {"socket": server.connection_count, **server.counters},
         steps=hub.step_log if hub is not None else None,
         operator=operator,
+        webhooks=webhooks,
         operators=frozenset(c.name for c in topology.clients if c.operator),
         anonymous_operators=not topology.clients,
         tls=topology.tls is not None,

@@ -193,6 +193,9 @@ class _Loader:
         llm = sections.llm(root.find(B + "llm"))
         store = sections.store(root.find(B + "store"))
         description = (root.findtext(B + "description") or "").strip()
+        from agentserver.config.webhooks import read_webhooks
+
+        webhooks = read_webhooks(report, root, self.environ)
         return Topology(
             path=self.path,
             organism=root.get("name", ""),
@@ -211,4 +214,5 @@ class _Loader:
             expose_mcp=check_exposed(
                 report, root.find(B + "expose-mcp"), {s.name for s in listeners}
             ),
+            webhooks=webhooks,
         )

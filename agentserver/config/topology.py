@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from agentserver.agents.policy.evaluate import Policy
     from agentserver.agents.policy.guardrails import GuardrailSpec
     from agentserver.agents.profile.settings import AgentSettings, StoreSettings
+    from agentserver.agents.profile.webhooks import WebhookSpec
     from agentserver.llm.config import RouterConfig
 
 DEFAULT_HOST = "127.0.0.1"
@@ -164,6 +165,8 @@ class Topology:
     mcp: tuple[McpServerSpec, ...] = ()
     #: ``<expose-mcp listeners>``: what ``agentserver mcp`` and ``/mcp`` offer.
     expose_mcp: tuple[str, ...] = ()
+    #: ``<webhooks>`` and the agents' ``<webhook>`` (docs/webhooks.md).
+    webhooks: tuple[WebhookSpec, ...] = ()
 
     def listener(self, name: str) -> ListenerSpec:
         for spec in self.listeners:

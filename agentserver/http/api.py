@@ -25,6 +25,7 @@ from agentserver.http.routes.events import SSE_BUFFER, SSE_KEEPALIVE, EventRoute
 from agentserver.http.routes.mcp import McpRoute
 from agentserver.http.routes.messages import THREAD_HEADER, XML, MessageRoutes
 from agentserver.http.routes.status import StatusRoutes
+from agentserver.http.routes.webhooks import WebhookRoutes
 from agentserver.http.ui.app import ui_routes
 
 __all__ = [
@@ -45,6 +46,7 @@ def build_app(ctx: HttpContext) -> Starlette:
     agents = AgentRoutes(ctx, gate)
     events = EventRoutes(ctx, gate)
     status = StatusRoutes(ctx, gate, events)
+    hooks = WebhookRoutes(ctx, gate)
     return Starlette(
         routes=[
             Route("/healthz", status.healthz),
@@ -59,6 +61,11 @@ def build_app(ctx: HttpContext) -> Starlette:
             Route("/v1/events", events.events),
             Route("/v1/status", status.status),
             Route("/v1/steps", status.steps),
+            Route("/v1/webhooks", hooks.list),
+            Route("/v1/webhooks", hooks.create, methods=["POST"]),
+            Route("/v1/webhooks/{name}", hooks.one),
+            Route("/v1/webhooks/{name}", hooks.delete, methods=["DELETE"]),
+            Route("/v1/webhooks/{name}/enable", hooks.enable, methods=["POST"]),
             *ui_routes(ctx, gate, events, status),
             Route("/mcp", McpRoute(ctx, gate), methods=["GET", "POST", "DELETE"]),
         ],

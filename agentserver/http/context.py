@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import trio
 from prometheus_client import CollectorRegistry
 
+from agentserver.agents.edge.webhooks import Webhooks
 from agentserver.agents.events import EventBus, Subscription
 from agentserver.core.throttle import HelloThrottle
 from agentserver.http.agents_view import AgentsView
@@ -52,6 +53,8 @@ class HttpContext:
     operator: OperatorCommands | None = None
     operators: frozenset[str] = frozenset()
     anonymous_operators: bool = False
+    #: The webhooks (agents/edge/webhooks.py; None: no agents, so no store to keep them).
+    webhooks: Webhooks | None = None
     #: The web console's TLS: its cookies are marked ``Secure``.
     tls: bool = False
     #: ``/mcp`` (:class:`agentserver.http.mcp_expose.McpHttp`; None: ``<expose-mcp>`` absent).

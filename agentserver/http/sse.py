@@ -11,7 +11,14 @@ from typing import Any
 import trio
 from starlette.responses import Response
 
-from agentserver.agents.events import ChunkEvent, Event, StateEvent, StepEvent, TaskEvent
+from agentserver.agents.events import (
+    ChunkEvent,
+    Event,
+    NoticeEvent,
+    StateEvent,
+    StepEvent,
+    TaskEvent,
+)
 
 _EVENT_KIND = {StepEvent: "step", ChunkEvent: "chunk", TaskEvent: "task", StateEvent: "state"}
 
@@ -59,4 +66,5 @@ class EventStreamResponse(Response):
 def sse(event: Event) -> str:
     """One event as an SSE message: ``event: KIND`` and its fields as JSON ``data``."""
     data = dataclasses.asdict(event)
-    return f"event: {_EVENT_KIND[type(event)]}\ndata: {json.dumps(data)}\n\n"
+    kind = event.event_type if isinstance(event, NoticeEvent) else _EVENT_KIND[type(event)]
+    return f"event: {kind}\ndata: {json.dumps(data, default=str)}\n\n"

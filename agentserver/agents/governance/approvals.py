@@ -30,6 +30,7 @@ from lxml import etree
 from agentserver.agents.clock import Clock
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import PumpRefused, StaleTurn
+from agentserver.agents.events import EventBus, NoticeEvent
 from agentserver.agents.ports import ToolPort
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.store.base import ApprovalStore, InboxRow
@@ -94,7 +95,9 @@ class Approvals:
         doorbell,
         send: SendApproval | None = None,
         interval_s: float = 0.5,
+        events: EventBus | None = None,
     ) -> None:
+        self.events = events
         self.store = store
         self.clock = clock
         self.doorbell = doorbell
@@ -117,6 +120,27 @@ class Approvals:
                 continue
             await self.store.mark_approval_sent(p.request_id)
             n += 1
+            if self.events is not None:
+                # For webhooks (docs/webhooks.md); the same request sent again after a
+                # restart is the same event (its dedupe key).
+                self.events.publish(
+                    NoticeEvent(
+                        "approval.requested",
+                        p.agent_id,
+                        p.agent_turn_id,
+                        {
+                            "request_id": p.request_id,
+                            "agent": p.agent_id,
+                            "turn": p.agent_turn_id,
+                            "target": p.target,
+                            "rule": p.rule,
+                            "approver": p.approver,
+                            "thread": p.thread,
+                            "deadline": p.deadline,
+                        },
+                        dedupe_key=f"approval.requested:{p.request_id}",
+                    )
+                )
         return n
 
     async def decide(self, request_id: str, grant: bool, reason: str, by: str | None) -> str:

@@ -14,6 +14,22 @@ from agentserver.http.gate import Gate
 from agentserver.http.problems import problem
 from agentserver.http.routes.events import EventRoutes
 
+#: What ``/v1/status`` shows of each webhook (its URL and settings: ``/v1/webhooks``).
+STATUS_FIELDS = (
+    "name",
+    "agent",
+    "pending",
+    "delivered",
+    "expired",
+    "failures",
+    "failing",
+    "failing_since",
+    "last_ok_at",
+    "last_error",
+    "disabled",
+    "disabled_at",
+)
+
 
 class StatusRoutes:
     """The health, metrics and status routes of one app. ``events``: the app's event
@@ -70,6 +86,7 @@ class StatusRoutes:
             for lst in pump.listeners
         ]
         view = ctx.agents
+        hooks = ctx.webhooks
         return {
             "organism": ctx.organism,
             "version": ctx.version,
@@ -85,6 +102,10 @@ class StatusRoutes:
                 "sse_streams": self.events.streams,
             },
             "http": {**ctx.counters, **ctx.gateway.counters},
+            "webhooks": [
+                {k: w[k] for k in STATUS_FIELDS}
+                for w in (await hooks.status() if hooks is not None and hooks.specs() else [])
+            ],
         }
 
     async def steps(self, request: Request) -> Response:

@@ -9,7 +9,7 @@ column types: ``INTEGER PRIMARY KEY AUTOINCREMENT`` becomes an identity column, 
 from __future__ import annotations
 
 from agentserver.agents.errors import StoreError
-from agentserver.agents.store import step_log
+from agentserver.agents.store import outbox, step_log
 from agentserver.agents.store.sql.db import POSTGRESQL, SQLITE, Tx
 
 _GOVERNANCE = """
@@ -50,7 +50,7 @@ CREATE TABLE approvals (
 CREATE INDEX approvals_status ON approvals (status, deadline);
 """
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -215,6 +215,9 @@ CREATE TABLE forks (
     PRIMARY KEY (agent_id, conversation)
 );
 """,
+    # Issue 36: the durable outbox (webhooks and A2A push notifications), the webhooks
+    # made at run time (agents/store/outbox.py).
+    7: outbox.MIGRATION,
 }
 
 

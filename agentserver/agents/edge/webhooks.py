@@ -1,0 +1,512 @@
+"""Webhooks: the agents' events (agents/events.py) as signed HTTP deliveries, through
+the durable outbox (agents/edge/outbox.py; docs/webhooks.md).
+
+:class:`Webhooks` holds the webhooks declared in boot.xml and those made at run time
+(durable in the store's ``webhooks`` table). While there is none it costs nothing: no
+observer on the event bus, no task. Once there is one, an observer maps each event to
+its webhook event type (:func:`event_type`), keeps those some webhook wants, and hands
+them to a writer task through a bounded buffer (the bus's observers must never block);
+the writer turns them into outbox items (one per webhook, keyed so an event is enqueued
+once per webhook) and writes each batch in one store transaction. The outbox's sender
+delivers them, each attempt signed the Standard Webhooks way (agents/edge/hooksign.py).
+
+An event is durable once its batch is written (milliseconds after it was published): a
+crash in between loses it (docs/webhooks.md says so). A full buffer (the store failing
+for :data:`BUFFER_EVENTS` events) drops new events, counted and logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import trio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from agentserver.agents.edge.hooksign import new_secret, secret_bytes, signed_headers
+from agentserver.agents.edge.outbox import Channel, Outbox
+from agentserver.agents.events import (
+    ChunkEvent,
+    Event,
+    EventBus,
+    NoticeEvent,
+    StateEvent,
+    StepEvent,
+    TaskEvent,
+)
+from agentserver.agents.profile.webhooks import (
+    WebhookConfigError,
+    WebhookSpec,
+    check_spec,
+    event_matches,
+)
+from agentserver.agents.store.outbox import ChannelFigures, OutboxItem, OutboxRow
+
+log = logging.getLogger(__name__)
+
+#: The Turns ended this long before a start have their ``task.*`` events offered again.
+SWEEP_S = 900.0
+_ENDS = ("succeeded", "failed", "stopped", "timed_out")
+#: Events waiting for the writer at most (beyond: counted drops).
+BUFFER_EVENTS = 16384
+#: Events one write takes at most.
+BATCH_EVENTS = 256
+#: The longest answer text a ``task.*`` payload carries (longer: cut, ``answer_truncated``).
+ANSWER_CHARS = 65536
+CHANNEL_PREFIX = "webhook:"
+
+
+class WebhookStore(Protocol):
+    """What webhooks need of the store besides the outbox (``SqlAgentStore``)."""
+
+    async def put_webhook(self, name: str, spec: str, secret: str) -> bool: ...
+    async def get_webhooks(self) -> list[tuple[str, str, str]]: ...
+    async def delete_webhook(self, name: str, channel: str) -> bool: ...
+    async def outbox_enable(self, channel: str) -> int: ...
+    async def outbox_figures(self) -> list[ChannelFigures]: ...
+    async def outbox_deliveries(self, channel: str | None, limit: int) -> list[dict[str, Any]]: ...
+    async def turn_conversation(self, agent_turn_id: str) -> tuple[str | None, str | None]: ...
+    async def recent_task_ends(
+        self, since: float
+    ) -> list[tuple[str, str, str, str, str, float]]: ...
+    async def card(self, card_id: str) -> Any: ...
+
+
+class WebhookExists(Exception):
+    """A webhook of that name exists already."""
+
+
+class WebhookNotFound(Exception):
+    """No webhook of that name (or it is declared in boot.xml, not made at run time)."""
+
+
+def event_type(event: Event | object) -> str | None:
+    """The webhook event type of a bus event (None: never a webhook event): ``task.*``
+    from a :class:`TaskEvent`, ``step.*`` from a :class:`StepEvent`, ``state.*`` from a
+    :class:`StateEvent`, any object's string ``event_type`` (:class:`NoticeEvent`)."""
+    if isinstance(event, TaskEvent):
+        return "task." + event.status
+    if isinstance(event, ChunkEvent):
+        return None
+    if isinstance(event, StepEvent):
+        return "step." + event.phase
+    if isinstance(event, StateEvent):
+        return "state." + event.status
+    kind = getattr(event, "event_type", None)
+    return kind if isinstance(kind, str) and kind else None
+
+
+def channel_name(webhook: str) -> str:
+    return CHANNEL_PREFIX + webhook
+
+
+def _iso(at: float) -> str:
+    return (
+        datetime.datetime.fromtimestamp(at, datetime.UTC)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z")
+    )
+
+
+def render_signed(key: bytes) -> Callable[[OutboxRow, float], tuple[dict[str, str], bytes]]:
+    """A channel's render: the stored payload with its ``sequence`` (the same bytes on
+    every attempt), signed for the attempt's time."""
+
+    def render(row: OutboxRow, now: float) -> tuple[dict[str, str], bytes]:
+        payload = json.loads(row.body)
+        payload["sequence"] = row.order_seq
+        body = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+        headers = dict(row.headers)
+        headers.update(signed_headers(key, row.delivery_id, int(now), body))
+        headers["content-type"] = "application/json"
+        return headers, body
+
+    return render
+
+
+class Webhooks:
+    """The webhooks of one server process (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: WebhookStore,
+        outbox: Outbox,
+        bus: EventBus,
+        clock: Callable[[], float],
+        declared: tuple[WebhookSpec, ...] = (),
+    ) -> None:
+        self._store = store
+        self._outbox = outbox
+        self._bus = bus
+        self._clock = clock
+        self._specs: dict[str, WebhookSpec] = {}
+        self._wanted: dict[tuple[str, str], bool] = {}
+        self._send, self._receive = trio.open_memory_channel[tuple[str, Event, float]](
+            BUFFER_EVENTS
+        )
+        self._observing = False
+        self._nursery: trio.Nursery | None = None
+        self._started = False
+        self._batch: list[tuple[str, Event, float]] = []
+        self.dropped = 0
+        self.written = 0
+        for spec in declared:
+            self._install(spec)
+        outbox.resolve = self._resolve
+        outbox.on_disabled = self.disabled
+
+    # -- life -------------------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load the webhooks made at run time; run the writer and the outbox's sender
+        while there is any webhook (from when the first is made), until cancelled (then
+        :meth:`drain` writes what the buffer still holds)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for name, spec_json, secret in await self._store.get_webhooks():
+                try:
+                    self._install(self._from_row(name, spec_json, secret))
+                except (WebhookConfigError, ValueError, TypeError, KeyError) as exc:
+                    log.error("webhook %s in the store is not valid, ignored: %s", name, exc)
+            await self._activate()
+            task_status.started()
+            if self._specs:
+                await self._sweep()
+            await trio.sleep_forever()
+
+    async def _sweep(self) -> None:
+        """Offer again the ``task.*`` events of the Turns ended in the last
+        :data:`SWEEP_S` (those a process killed between a Turn's end and the write of its
+        event lost; the others are already in the outbox: their keys add nothing)."""
+        if not any(self._wants_any("task." + s) for s in _ENDS):
+            return
+        try:
+            ended = await self._store.recent_task_ends(self._clock() - SWEEP_S)
+        except Exception as exc:
+            log.warning("webhooks: start-up sweep failed: %s", exc)
+            return
+        for agent, turn, status, box, card, at in ended:
+            event = TaskEvent(agent, turn, status, box, card)
+            etype = "task." + status
+            if self._wants(etype, agent):
+                with contextlib.suppress(trio.WouldBlock):
+                    self._send.send_nowait((etype, event, at))
+
+    def _wants_any(self, etype: str) -> bool:
+        """Some webhook, of any agent, wants ``etype``."""
+        return any(any(event_matches(p, etype) for p in s.events) for s in self._specs.values())
+
+    async def _activate(self) -> None:
+        if not self._specs or self._nursery is None:
+            return
+        if not self._observing:
+            self._observing = True
+            self._bus.observe(self._observe)
+        if not self._started:
+            self._started = True
+            await self._nursery.start(self._outbox.run)
+            await self._nursery.start(self._write_loop)
+
+    async def drain(self) -> None:
+        """At shutdown (the writer cancelled): write the events still buffered."""
+        try:
+            while self._batch or self._take():
+                await self._write()
+        except Exception as exc:
+            log.error("webhooks: %d event(s) not written at shutdown: %s", len(self._batch), exc)
+
+    # -- the webhooks -----------------------------------------------------------------------
+    def specs(self) -> list[WebhookSpec]:
+        return sorted(self._specs.values(), key=lambda s: s.name)
+
+    def spec(self, name: str) -> WebhookSpec | None:
+        return self._specs.get(name)
+
+    async def create(self, spec: WebhookSpec) -> WebhookSpec:
+        """Make a webhook at run time (durable); a secret is generated unless given.
+        Raises :class:`WebhookExists`, :class:`WebhookConfigError`."""
+        if not spec.secret:
+            spec = dataclasses.replace(spec, secret=new_secret())
+        spec = check_spec(dataclasses.replace(spec, runtime=True, secret_env=None))
+        secret_bytes(spec.secret)
+        if spec.name in self._specs:
+            raise WebhookExists(spec.name)
+        stored = json.dumps({k: v for k, v in spec.public().items() if k != "name"})
+        if not await self._store.put_webhook(spec.name, stored, spec.secret):
+            raise WebhookExists(spec.name)
+        self._install(spec)
+        await self._activate()
+        return spec
+
+    async def delete(self, name: str) -> None:
+        """Delete a webhook made at run time; its undelivered events are withdrawn."""
+        spec = self._specs.get(name)
+        if spec is not None and not spec.runtime:
+            raise WebhookNotFound(f"{name} is declared in boot.xml")
+        if not await self._store.delete_webhook(name, channel_name(name)):
+            raise WebhookNotFound(name)
+        self._specs.pop(name, None)
+        self._outbox.remove(channel_name(name))
+        self._wanted.clear()
+
+    async def enable(self, name: str) -> int:
+        """Enable a disabled webhook again (its parked events pending); how many."""
+        if name not in self._specs:
+            raise WebhookNotFound(name)
+        n = await self._store.outbox_enable(channel_name(name))
+        self._outbox.wake()
+        return n
+
+    async def status(self) -> list[dict[str, Any]]:
+        """Each webhook with its delivery figures (``failing``, ``disabled_at``, ...)."""
+        figures = {f.channel: f for f in await self._store.outbox_figures()}
+        out = []
+        for spec in self.specs():
+            f = figures.get(channel_name(spec.name), ChannelFigures(channel_name(spec.name)))
+            out.append({**spec.public(), **f.as_dict(), "disabled": f.disabled_at is not None})
+        return out
+
+    async def deliveries(self, name: str, limit: int = 50) -> list[dict[str, Any]]:
+        if name not in self._specs:
+            raise WebhookNotFound(name)
+        return await self._store.outbox_deliveries(channel_name(name), limit)
+
+    def _install(self, spec: WebhookSpec) -> None:
+        key = secret_bytes(spec.secret)
+        self._specs[spec.name] = spec
+        self._wanted.clear()
+        self._outbox.add(
+            Channel(
+                channel_name(spec.name),
+                concurrency=spec.concurrency,
+                timeout_s=spec.timeout_s,
+                disable_after_s=spec.disable_after_s,
+                render=render_signed(key),
+            )
+        )
+
+    @staticmethod
+    def _from_row(name: str, spec_json: str, secret: str) -> WebhookSpec:
+        d = json.loads(spec_json)
+        return check_spec(
+            WebhookSpec(
+                name=name,
+                url=d["url"],
+                events=tuple(d["events"]),
+                secret=secret,
+                agent=d.get("agent"),
+                first_delay_s=float(d["first_delay"]),
+                max_delay_s=float(d["max_delay"]),
+                retry_for_s=float(d["retry_for"]),
+                timeout_s=float(d["timeout"]),
+                concurrency=int(d["concurrency"]),
+                disable_after_s=float(d["disable_after"]),
+                runtime=True,
+            )
+        )
+
+    async def _resolve(self, channel: str) -> Channel | None:
+        """A channel another process made at run time: its webhook loaded from the store."""
+        if not channel.startswith(CHANNEL_PREFIX):
+            return None
+        name = channel[len(CHANNEL_PREFIX) :]
+        for row_name, spec_json, secret in await self._store.get_webhooks():
+            if row_name == name:
+                self._install(self._from_row(row_name, spec_json, secret))
+                return self._outbox.channel(channel)
+        return None
+
+    def disabled(self, channel: str) -> None:
+        """The outbox disabled ``channel``: a ``webhook.disabled`` event (to the others)."""
+        if channel.startswith(CHANNEL_PREFIX):
+            name = channel[len(CHANNEL_PREFIX) :]
+            self._bus.publish(
+                NoticeEvent(
+                    "webhook.disabled",
+                    data={"webhook": name, "at": _iso(self._clock())},
+                    dedupe_key=f"webhook.disabled:{name}:{uuid.uuid4().hex}",
+                )
+            )
+
+    # -- events into the outbox ---------------------------------------------------------------
+    def _wants(self, etype: str, agent: str) -> bool:
+        key = (etype, agent)
+        got = self._wanted.get(key)
+        if got is None:
+            got = any(s.wants(etype, agent) for s in self._specs.values())
+            if len(self._wanted) > 4096:
+                self._wanted.clear()
+            self._wanted[key] = got
+        return got
+
+    def _observe(self, event: Event) -> None:
+        """The bus's observer: quick, never blocks, never raises."""
+        etype = event_type(event)
+        if etype is None or not self._wants(etype, getattr(event, "agent_id", "") or ""):
+            return
+        try:
+            self._send.send_nowait((etype, event, self._clock()))
+        except trio.WouldBlock:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.error("webhooks: buffer full, %d event(s) dropped", self.dropped)
+
+    async def _write_loop(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        pause = 0.5
+        while True:
+            if not self._batch:
+                self._batch.append(await self._receive.receive())
+            self._take()
+            try:
+                await self._write()
+                pause = 0.5
+            except Exception as exc:
+                log.warning(
+                    "webhooks: could not write %d event(s), retrying: %s", len(self._batch), exc
+                )
+                await trio.sleep(pause)
+                pause = min(pause * 2, 30.0)
+
+    def _take(self) -> int:
+        took = 0
+        while len(self._batch) < BATCH_EVENTS:
+            try:
+                self._batch.append(self._receive.receive_nowait())
+            except trio.WouldBlock:
+                break
+            took += 1
+        return took
+
+    async def _write(self) -> None:
+        items: list[OutboxItem] = []
+        for etype, event, at in self._batch:
+            items.extend(await self._items(etype, event, at))
+        await self._outbox.enqueue(items)
+        self.written += len(self._batch)
+        self._batch = []
+
+    async def _items(self, etype: str, event: Event, at: float) -> list[OutboxItem]:
+        agent = getattr(event, "agent_id", "") or ""
+        specs = [s for s in self._specs.values() if s.wants(etype, agent)]
+        if not specs:
+            return []
+        data, conversation, key = await self._describe(etype, event)
+        payload = {"type": etype, "timestamp": _iso(at), "data": data}
+        body = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+        return [
+            OutboxItem(
+                channel=channel_name(s.name),
+                url=s.url,
+                body=body,
+                dedupe_key=f"{s.name}:{key}",
+                order_key=f"{s.name}|{conversation}",
+                retry_for_s=s.retry_for_s,
+                first_delay_s=s.first_delay_s,
+                max_delay_s=s.max_delay_s,
+            )
+            for s in specs
+        ]
+
+    async def _describe(self, etype: str, event: Event) -> tuple[dict[str, Any], str, str]:
+        """(payload data, conversation (the order key's), dedupe key) of one event."""
+        if isinstance(event, TaskEvent):
+            thread, conversation = await self._store.turn_conversation(event.agent_turn_id)
+            data: dict[str, Any] = {
+                "agent": event.agent_id,
+                "turn": event.agent_turn_id,
+                "thread": thread,
+                "conversation": conversation,
+                "status": event.status,
+            }
+            card = (
+                await self._store.card(event.deliverable_card_id)
+                if event.deliverable_card_id
+                else None
+            )
+            if card is not None:
+                text = str(card.content)
+                data["answer"] = text[:ANSWER_CHARS]
+                if len(text) > ANSWER_CHARS:
+                    data["answer_truncated"] = True
+            conv = f"{event.agent_id}/{conversation or thread or event.agent_turn_id}"
+            return data, conv, f"{etype}:{event.agent_turn_id}"
+        if isinstance(event, StepEvent):
+            data = dataclasses.asdict(event)
+            key = f"{etype}:{event.step_id}:{event.attempt}"
+            return data, f"{event.agent_id}/{event.agent_turn_id}", key
+        if isinstance(event, StateEvent):
+            data = dataclasses.asdict(event)
+            return data, f"{event.agent_id}", f"{etype}:{uuid.uuid4().hex}"
+        raw = getattr(event, "data", None)
+        data = dict(raw) if isinstance(raw, dict) else _fields(event)
+        agent = getattr(event, "agent_id", "") or ""
+        turn = getattr(event, "agent_turn_id", None)
+        if agent and "agent" not in data:
+            data["agent"] = agent
+        dedupe = getattr(event, "dedupe_key", "") or f"{etype}:{uuid.uuid4().hex}"
+        return data, f"{agent}/{turn}" if turn else agent or etype, dedupe
+
+
+def _fields(event: object) -> dict[str, Any]:
+    if dataclasses.is_dataclass(event) and not isinstance(event, type):
+        return {k: v for k, v in dataclasses.asdict(event).items() if k != "event_type"}
+    return {}
+
+
+class WebhookCollector(Collector):
+    """The webhooks' figures in the server's Prometheus registry (read when scraped,
+    from the sender's counters and its last read of the store: never waits)."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+
+    def collect(self) -> Iterator[Metric]:
+        figures = self.outbox.figures
+        attempts = CounterMetricFamily(
+            "agentserver_outbox_attempts",
+            "Delivery attempts from the outbox in this process, by outcome",
+            labels=["outcome"],
+        )
+        attempts.add_metric(["delivered"], figures.delivered)
+        attempts.add_metric(["failed"], figures.failed)
+        attempts.add_metric(["expired"], figures.expired)
+        yield attempts
+        failures = CounterMetricFamily(
+            "agentserver_outbox_channel_failures",
+            "Failed delivery attempts in this process, by channel (webhook:NAME)",
+            labels=["channel"],
+        )
+        for channel, n in sorted(figures.failures.items()):
+            failures.add_metric([channel], n)
+        yield failures
+        pending = GaugeMetricFamily(
+            "agentserver_outbox_pending",
+            "Deliveries waiting in the outbox, by channel (as last read, every 5 s)",
+            labels=["channel"],
+        )
+        failing = GaugeMetricFamily(
+            "agentserver_outbox_failing",
+            "1 while a channel's last attempts failed (no delivery since its first failure)",
+            labels=["channel"],
+        )
+        disabled = GaugeMetricFamily(
+            "agentserver_outbox_disabled",
+            "1 when a channel was disabled for failing too long",
+            labels=["channel"],
+        )
+        for f in self.outbox.channel_figures:
+            pending.add_metric([f.channel], f.pending)
+            failing.add_metric([f.channel], 1 if f.failing_since is not None else 0)
+            disabled.add_metric([f.channel], 1 if f.disabled_at is not None else 0)
+        yield pending
+        yield failing
+        yield disabled

@@ -1,0 +1,332 @@
+"""The durable outbox (agents/store/outbox.py) and its sender (agents/edge/outbox.py), on
+every store (``sqlite`` always, ``postgresql`` when a server is reachable), against real
+HTTP receivers on loopback (tests/hookrecv.py): at least once, the same id on every
+attempt, backoff, a hanging or dead receiver holding back no other, two senders sharing
+a store never delivering a row twice at once."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+from hookrecv import Receiver
+
+from agentserver.agents.clock import ManualClock, SystemClock
+from agentserver.agents.edge.hooksign import new_secret, secret_bytes
+from agentserver.agents.edge.outbox import Channel, Outbox, backoff
+from agentserver.agents.edge.webhooks import render_signed
+from agentserver.agents.errors import StoreInUse
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.outbox import (
+    DELIVERED,
+    DISABLED,
+    EXPIRED,
+    PENDING,
+    OutboxItem,
+    delivery_id,
+)
+from agentserver.agents.store.sql_store import SqlAgentStore
+
+pytestmark = [pytest.mark.socket, pytest.mark.database]
+
+SECRET = new_secret()
+
+
+def signed(name: str, **kw: Any) -> Channel:
+    """A channel whose attempts are signed the Standard Webhooks way (as webhooks')."""
+    return Channel(name, render=render_signed(secret_bytes(SECRET)), **kw)
+
+
+def verify(got: Any) -> dict[str, Any]:
+    """The payload, verified by the maintained Standard Webhooks implementation."""
+    from standardwebhooks.webhooks import Webhook
+
+    return Webhook(SECRET).verify(got.body, got.headers)
+
+
+Opener = Callable[[], Awaitable[SqlAgentStore]]
+
+
+def _opener_fixture(clock_factory: Callable[[], Any]) -> Any:
+    @pytest.fixture(params=["sqlite", "postgresql"])
+    async def fixture(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[Opener]:
+        clock = clock_factory()
+        settings = StoreSettings(path=tmp_path / "agents.sqlite3")
+        url = request.getfixturevalue("pg_url") if request.param == "postgresql" else None
+        opened: list[SqlAgentStore] = []
+
+        async def open_store() -> SqlAgentStore:
+            if url is None:
+                from agentserver.agents.store.sqlite_store import SqliteAgentStore
+
+                store: Any = SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
+            else:
+                from agentserver.agents.store.pg.store import PostgresAgentStore
+
+                store = PostgresAgentStore.open(url, clock=clock, settings=settings)
+            store = await store if inspect.isawaitable(store) else store
+            opened.append(store)
+            return store
+
+        try:
+            yield open_store
+        finally:
+            for store in opened:
+                await store.aclose()
+
+    return fixture
+
+
+manual = _opener_fixture(lambda: ManualClock(1000.0))
+real = _opener_fixture(SystemClock)
+
+
+def item(n: int, channel: str = "c1", url: str = "http://127.0.0.1:9/x", **kw: Any) -> OutboxItem:
+    return OutboxItem(
+        channel=channel,
+        url=url,
+        body=b'{"n":%d}' % n,
+        dedupe_key=f"{channel}:{n}",
+        order_key=kw.pop("order_key", f"{channel}|conv"),
+        **kw,
+    )
+
+
+async def test_store_rows_dedupe_sequence_lease_and_outcomes(manual: Opener) -> None:
+    store = await manual()
+    clock = store.env.clock
+    assert await store.outbox_enqueue([item(1), item(2), item(3)]) == 3
+    # The same keys again add nothing (a producer not sure it enqueued may enqueue again).
+    assert await store.outbox_enqueue([item(2), item(3)]) == 0
+    rows = await store.outbox_claim("p1", 60.0, 10)
+    assert [r.order_seq for r in rows] == [1, 2, 3]
+    assert [r.delivery_id for r in rows] == [delivery_id(f"c1:{n}") for n in (1, 2, 3)]
+    assert rows[0].delivery_id.startswith("msg_")
+    # Leased: nobody else claims them until the lease runs out.
+    assert await store.outbox_claim("p2", 60.0, 10) == []
+    await store.outbox_release([rows[2].seq], "p1")
+    [again] = await store.outbox_claim("p2", 60.0, 10)
+    assert again.seq == rows[2].seq
+    clock.advance(61)
+    # Every lease ran out: all three are claimable again (the same rows, the same ids).
+    assert [r.delivery_id for r in await store.outbox_claim("p2", 60.0, 10)] == [
+        r.delivery_id for r in rows
+    ]
+    await store.outbox_delivered([(rows[0].seq, "c1", 204)])
+    disabled = await store.outbox_failed(rows[1].seq, "c1", "HTTP 500", 500, clock.now() + 30, None)
+    assert not disabled
+    await store.outbox_failed(rows[2].seq, "c1", "refused", None, None, None)
+    figures = {f.channel: f for f in await store.outbox_figures()}["c1"]
+    assert (figures.pending, figures.delivered, figures.expired) == (1, 1, 1)
+    assert figures.failing_since is not None and figures.last_error == "refused"
+    # The retry is due 30 s later, with its attempt counted.
+    clock.advance(29)
+    assert await store.outbox_claim("p1", 60.0, 10) == []
+    clock.advance(2)
+    [retry] = await store.outbox_claim("p1", 60.0, 10)
+    assert (retry.seq, retry.attempts) == (rows[1].seq, 1)
+    # Sequence numbers continue past pruned rows (a counter, not a max).
+    await store.outbox_delivered([(retry.seq, "c1", 200)])
+    clock.advance(10)
+    assert await store.outbox_prune(5.0) == 3
+    await store.outbox_enqueue([item(4)])
+    [four] = await store.outbox_claim("p1", 60.0, 10)
+    assert four.order_seq == 4
+    statuses = [d["status"] for d in await store.outbox_deliveries("c1", 10)]
+    assert statuses == [PENDING]
+
+
+async def test_channel_disabled_after_failing_too_long_and_enabled_again(manual: Opener) -> None:
+    store = await manual()
+    clock = store.env.clock
+    await store.outbox_enqueue([item(1), item(2)])
+    [r1, _r2] = await store.outbox_claim("p", 60.0, 10)
+    assert not await store.outbox_failed(r1.seq, "c1", "x", None, clock.now() + 1, 100.0)
+    clock.advance(101)
+    [r1] = await store.outbox_claim("p", 60.0, 1)
+    assert await store.outbox_failed(r1.seq, "c1", "x", None, clock.now() + 1, 100.0)
+    # Once: the next failure does not disable it again.
+    assert not await store.outbox_failed(r1.seq, "c1", "x", None, clock.now() + 1, 100.0)
+    [f] = await store.outbox_figures()
+    assert f.disabled_at is not None and f.pending == 0 and f.disabled_rows == 2
+    # New rows of a disabled channel are parked too.
+    await store.outbox_enqueue([item(3)])
+    assert await store.outbox_claim("p", 60.0, 10) == []
+    assert await store.outbox_enable("c1") == 3
+    assert len(await store.outbox_claim("p", 60.0, 10)) == 3
+    [f] = await store.outbox_figures()
+    assert f.disabled_at is None and f.failing_since is None
+    assert {d["status"] for d in await store.outbox_deliveries(None, 10)} == {PENDING}
+    assert DISABLED != DELIVERED != EXPIRED
+
+
+def test_backoff_is_exponential_capped_and_jittered() -> None:
+    assert backoff(1, 2.0, 60.0, lambda: 0.0) == 1.0
+    assert backoff(1, 2.0, 60.0, lambda: 1.0) == 2.0
+    assert backoff(4, 2.0, 60.0, lambda: 1.0) == 16.0
+    assert backoff(30, 2.0, 60.0, lambda: 1.0) == 60.0
+    assert 30.0 <= backoff(500, 2.0, 60.0, lambda: 0.5) <= 60.0
+
+
+async def wait_for(cond: Callable[[], bool], within: float = 20.0) -> None:
+    """Poll ``cond`` (a receiver's thread changes what it reads) until true."""
+    with trio.fail_after(within):
+        while True:
+            if cond():
+                return
+            await trio.sleep(0.02)
+
+
+async def test_receiver_failing_its_first_five_gets_each_once_with_its_id(real: Opener) -> None:
+    store = await real()
+    flaky = Receiver(fail_first=5).start()
+    try:
+        outbox = Outbox(store, store.env.clock.now)
+        outbox.add(signed("flaky", timeout_s=5.0))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(outbox.run)
+            items = [
+                item(n, "flaky", flaky.url, first_delay_s=0.02, max_delay_s=0.1) for n in range(3)
+            ]
+            await outbox.enqueue(items)
+            await wait_for(lambda: len(flaky.ok()) >= 3 and outbox.figures.delivered >= 3)
+            with trio.fail_after(10):  # the deliveries recorded (in a batch, a moment later)
+                while True:
+                    [f] = await store.outbox_figures()
+                    if f.delivered == 3:
+                        break
+                    await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()
+        assert len(flaky.got) == 8
+        ids = {delivery_id(i.dedupe_key) for i in items}
+        assert flaky.ids() == ids
+        for got in flaky.got:
+            assert verify(got)["n"] in (0, 1, 2)
+        # Every attempt carried its row's id: the failed ones were retried with the same.
+        assert {g.id for g in flaky.got} == ids
+        assert outbox.figures.failed == 5 and outbox.figures.delivered == 3
+        [f] = await store.outbox_figures()
+        assert f.delivered == 3 and f.failing_since is None
+    finally:
+        flaky.stop()
+
+
+async def test_hanging_receiver_holds_back_no_other(real: Opener) -> None:
+    store = await real()
+    hung = Receiver(hang=True, hang_s=10.0).start()
+    good = Receiver().start()
+    try:
+        outbox = Outbox(store, store.env.clock.now)
+        outbox.add(signed("hung", concurrency=2, timeout_s=1.0))
+        outbox.add(signed("good", concurrency=2, timeout_s=5.0))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(outbox.run)
+            await outbox.enqueue([item(n, "hung", hung.url, first_delay_s=5.0) for n in range(10)])
+            await trio.sleep(0.2)
+            start = trio.current_time()
+            await outbox.enqueue([item(n, "good", good.url) for n in range(20)])
+            await wait_for(lambda: len(good.ok()) == 20, within=10.0)
+            # The good receiver got everything while the hung one held its two slots.
+            assert trio.current_time() - start < 3.0
+            assert outbox.inflight("hung") <= 2
+            await wait_for(lambda: outbox.figures.failed >= 2, within=5.0)
+            nursery.cancel_scope.cancel()
+        figures = {f.channel: f for f in await store.outbox_figures()}
+        assert figures["hung"].last_error == "timed out after 1s"
+        assert figures["hung"].pending == 10
+    finally:
+        hung.stop()
+        good.stop()
+
+
+async def test_receiver_killed_and_restarted_loses_nothing(real: Opener) -> None:
+    store = await real()
+    recv = Receiver().start()
+    try:
+        outbox = Outbox(store, store.env.clock.now)
+        outbox.add(signed("r", timeout_s=2.0))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(outbox.run)
+            await outbox.enqueue(
+                [item(n, "r", recv.url, first_delay_s=0.05, max_delay_s=0.3) for n in range(5)]
+            )
+            await wait_for(lambda: len(recv.ok()) == 5)
+            recv.stop()  # killed: connections refused
+            await outbox.enqueue(
+                [item(n, "r", recv.url, first_delay_s=0.05, max_delay_s=0.3) for n in range(5, 10)]
+            )
+            await wait_for(lambda: outbox.figures.failed >= 5)
+            recv.start()  # the same port again
+            await wait_for(lambda: len(recv.ok()) == 10)
+            nursery.cancel_scope.cancel()
+        assert recv.ids() == {delivery_id(f"r:{n}") for n in range(10)}
+    finally:
+        recv.stop()
+
+
+async def test_two_senders_on_one_store_never_deliver_a_row_twice(real: Opener) -> None:
+    first = await real()
+    try:
+        second = await real()  # a second process's connections to the same store
+    except StoreInUse:
+        second = first  # SQLite: one process per file; two senders in it
+    recv = Receiver().start()
+    try:
+        a = Outbox(first, first.env.clock.now)
+        b = Outbox(second, second.env.clock.now)
+        for outbox in (a, b):
+            outbox.add(signed("r", concurrency=8, timeout_s=5.0))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.run)
+            await nursery.start(b.run)
+            await a.enqueue([item(n, "r", recv.url, order_key=f"k{n % 7}") for n in range(60)])
+            await b.enqueue([item(n, "r", recv.url) for n in range(60, 120)])
+            await wait_for(lambda: len(recv.ok()) >= 120)
+            await trio.sleep(0.3)
+            nursery.cancel_scope.cancel()
+        assert len(recv.got) == 120  # each once: a row is claimed by one sender
+        assert len(recv.ids()) == 120
+        assert a.figures.delivered + b.figures.delivered == 120
+    finally:
+        recv.stop()
+
+
+async def test_a_task_end_lost_before_its_write_is_offered_again_at_start(real: Opener) -> None:
+    """A process killed between a Turn's end and the write of its event: the next start's
+    sweep finds the Turn's deliverable and enqueues the event (once: its key)."""
+    from agentserver.agents.edge.webhooks import Webhooks
+    from agentserver.agents.events import EventBus
+    from agentserver.agents.ports import LLMCompletion, LLMUsage
+    from agentserver.agents.profile.webhooks import WebhookSpec
+    from agentserver.agents.store.base import CardType, NewCard, TaskStatus
+
+    store = await real()
+    await store.enqueue_turn("assistant", b"<t/>", {"caller_thread": "th-1"})
+    [row] = await store.claim_due("assistant", 5)
+    token = await store.start_turn(row)
+    step_id, _ = await store.begin_step(token)
+    usage = LLMUsage(prompt_tokens=1, completion_tokens=1, total_tokens=2)
+    completion = LLMCompletion("done", usage=usage, cost=0.0, model="m", backend="b")
+    await store.complete_step(token, step_id, completion, [NewCard(CardType.LLM_MESSAGE, "x")])
+    await store.finish(token, TaskStatus.SUCCEEDED, "the answer", {}, b"<a/>")
+    recv = Receiver().start()
+    try:
+        for _ in range(2):  # two starts: the second finds the event there already
+            outbox = Outbox(store, store.env.clock.now)
+            spec = WebhookSpec("w", recv.url, ("task.succeeded",), SECRET, first_delay_s=0.05)
+            hooks = Webhooks(store, outbox, EventBus(), store.env.clock.now, (spec,))
+            async with trio.open_nursery() as nursery:
+                await nursery.start(hooks.run)
+                await wait_for(lambda: len(recv.ok()) >= 1)
+                await trio.sleep(0.3)
+                nursery.cancel_scope.cancel()
+        [got] = recv.ok()
+        payload = verify(got)
+        assert payload["type"] == "task.succeeded"
+        assert payload["data"]["turn"] == token.agent_turn_id
+        assert payload["data"]["thread"] == "th-1" and payload["data"]["answer"] == "the answer"
+    finally:
+        recv.stop()
