@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from agentserver.agents.errors import StoreError
 from agentserver.agents.store import step_log
+from agentserver.agents.store.sql import prune
 from agentserver.agents.store.sql.db import POSTGRESQL, SQLITE, Tx
 
 _GOVERNANCE = """
@@ -50,7 +51,7 @@ CREATE TABLE approvals (
 CREATE INDEX approvals_status ON approvals (status, deadline);
 """
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -215,6 +216,9 @@ CREATE TABLE forks (
     PRIMARY KEY (agent_id, conversation)
 );
 """,
+    # Issue 38: retention. Tombstones of pruned Turns, the pruner's lease, the indexes a
+    # prune batch looks rows up by (agents/store/sql/prune.py).
+    7: prune.MIGRATION,
 }
 
 
