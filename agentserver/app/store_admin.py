@@ -23,7 +23,7 @@ from agentserver.agents.profile.retention import RetentionOverride, RetentionSet
 from agentserver.agents.store.pruner import Pruner, PruneReport
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
 from agentserver.app.replay import store_settings
-from agentserver.config import boot
+from agentserver.config import loader as boot
 from agentserver.config.topology import Topology
 
 

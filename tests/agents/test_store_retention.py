@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import trio
 
 from agentserver.agents.clock import ManualClock
 from agentserver.agents.errors import ForkRefused, TurnPruned
@@ -269,3 +270,35 @@ async def test_an_existing_file_is_converted_when_stopped(tmp_path):
     assert old.make_incremental()
     assert old.vacuum_mode() == 2 and not old.make_incremental()
     await old.aclose()
+
+
+async def test_two_stores_prune_at_once(store, request, tmp_path):
+    """Two processes' stores on one database (SQLite: the second attached beside the
+    first, as ``agentserver store prune`` is) prune together: one holds the lease, each
+    task goes once, nothing fails."""
+    for i in range(40):
+        await finished(store, f"t{i}")
+    clock_of(store).advance(2 * DAY)
+    if store.settings.backend == "sqlite":
+        from agentserver.agents.store.sqlite_store import SqliteAgentStore
+
+        other: SqlAgentStore = SqliteAgentStore.attach(
+            store.settings.path, clock=store.env.clock, settings=store.settings
+        )
+    else:
+        other = await _open("postgresql", request, tmp_path)
+        other.env.clock = store.env.clock
+    reports = []
+    try:
+
+        async def run(s: SqlAgentStore) -> None:
+            reports.append(await Pruner(s, ONE_DAY, (A,), pause_s=0.001).prune_once())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, store)
+            nursery.start_soon(run, other)
+    finally:
+        await other.aclose()
+    assert sum(r.tasks for r in reports) == 40
+    assert await count(store, "SELECT count(*) FROM pruned_turns") == 40
+    assert await count(store, "SELECT count(*) FROM agent_inbox") == 0
