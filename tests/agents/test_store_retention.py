@@ -279,9 +279,9 @@ async def test_two_stores_prune_at_once(store, request, tmp_path):
     for i in range(40):
         await finished(store, f"t{i}")
     clock_of(store).advance(2 * DAY)
-    if store.settings.backend == "sqlite":
-        from agentserver.agents.store.sqlite_store import SqliteAgentStore
+    from agentserver.agents.store.sqlite_store import SqliteAgentStore
 
+    if isinstance(store, SqliteAgentStore):
         other: SqlAgentStore = SqliteAgentStore.attach(
             store.settings.path, clock=store.env.clock, settings=store.settings
         )
