@@ -94,4 +94,4 @@ async def test_a_pruned_task_reads_as_pruned(tmp_path, store_env):
     replay = await trio.to_thread.run_sync(
         lambda: cli("replay", "assistant", thread, "--boot", boot, env=env)
     )
-    assert replay.returncode != 0 and b"pruned" in replay.stderr
+    assert replay.returncode == 2 and b"pruned" in replay.stderr

@@ -302,3 +302,19 @@ async def test_two_stores_prune_at_once(store, request, tmp_path):
     assert sum(r.tasks for r in reports) == 40
     assert await count(store, "SELECT count(*) FROM pruned_turns") == 40
     assert await count(store, "SELECT count(*) FROM agent_inbox") == 0
+
+
+async def test_a_cancelled_queued_task_leaves_a_tombstone(store):
+    """A task cancelled before its Turn ran has no Turn: it is pruned with its failed
+    answer once that is sent, and its thread reads "pruned" (found by the chaos bench:
+    without the tombstone the checker saw an answer for a task not in the store)."""
+    await running(store, "busy")  # the agent is busy: the next task stays queued
+    await store.enqueue_turn(A, b"later", {"caller_thread": "later"})
+    [reply] = await store.cancel_queued(A, "later", b"<cancelled/>")
+    clock_of(store).advance(2 * DAY)
+    assert (await prune(store)).tasks == 0  # its failed answer is still pending
+    await store.mark_reply_sent(reply.agent_turn_id)
+    clock_of(store).advance(2 * DAY)
+    assert (await prune(store)).tasks == 1
+    with pytest.raises(TurnPruned):
+        await store.task_view(A, "later")

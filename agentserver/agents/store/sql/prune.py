@@ -5,7 +5,8 @@ A *finished task* is a ``turn`` inbox row in a final status (``consumed``, ``err
 ``skipped``) whose Turn is no agent's active Turn. It goes with everything its Turn left
 (its other inbox rows, steps, boxes and cards, waiting rows, edges, policy decisions,
 approvals and outbox reply) in one transaction, and leaves a tombstone in
-``pruned_turns`` so reads of it answer "pruned" instead of "not found". Never pruned:
+``pruned_turns`` (keyed by its Turn, or ``task:INBOX_ID`` for a task that never got one)
+so reads of its thread answer "pruned" instead of "not found". Never pruned:
 
 - a Turn that is queued, running or suspended (the head names it, or one of its inbox
   rows is not final), with everything it references;
@@ -223,18 +224,21 @@ def _delete_turn(
         ):
             tx.execute(f"DELETE FROM {table} WHERE agent_turn_id = ?", (turn,))
             rows += tx.rowcount
-        tx.execute(
-            "INSERT INTO pruned_turns (agent_turn_id, agent_id, caller_thread, hop, pruned_at) "
-            "VALUES (?,?,?,?,?) ON CONFLICT (agent_turn_id) DO NOTHING",
-            (turn, agent_id, *_threads(ref), now),
-        )
     tx.execute(
         f"DELETE FROM agent_replies WHERE agent_turn_id IN ({marks(len(reply_keys))})",
         reply_keys,
     )
     rows += tx.rowcount
     tx.execute("DELETE FROM agent_inbox WHERE inbox_id = ?", (inbox_id,))
-    return rows + tx.rowcount
+    rows += tx.rowcount
+    # Every pruned task leaves its tombstone, a task that never got a Turn (cancelled
+    # while queued, failed at its lease) too: "pruned" is then the answer for its thread.
+    tx.execute(
+        "INSERT INTO pruned_turns (agent_turn_id, agent_id, caller_thread, hop, pruned_at) "
+        "VALUES (?,?,?,?,?) ON CONFLICT (agent_turn_id) DO NOTHING",
+        (turn or f"task:{inbox_id}", agent_id, *_threads(ref), now),
+    )
+    return rows
 
 
 def prune_tasks(
