@@ -45,19 +45,22 @@ from chaos_check import Ledger, check
 from chaos_clients import TOKEN, Approver, Operator, Servers, Switches, TaskClient
 from chaos_model import ChaosModel, plan_for
 from chaos_procs import RunnerSlot, ServerSlot, child_env
+from chaos_retention import PRUNED_QUERY, SizeWatch, with_retention
 from chaos_tools import AGENTS, proof_text
 
 LLM_TIMEOUT = 4.0
 CLIENTS = (("c0", True), ("c1", False), ("c2", True), ("c3", False))
 
 
-def boot_xml(model_url: str, postgres: bool) -> str:
+def boot_xml(model_url: str, postgres: bool, retention: bool = False) -> str:
     store = (
         '<store url-env="CHAOS_STORE_URL" worker-concurrency="4" watchdog-interval="0.5" '
         'lease="2" heartbeat="0.5"/>'
         if postgres
         else '<store path="state/agents.sqlite3" worker-concurrency="4" watchdog-interval="0.5"/>'
     )
+    if retention:
+        store = with_retention(store)
     clients = "\n".join(
         f'    <client name="{name}" token-env="CHAOS_TOKEN"/>' for name, _ in CLIENTS
     )
@@ -127,12 +130,14 @@ class Oracle:
 
             with psycopg.connect(self.pg_url, connect_timeout=10) as conn:
                 rows = conn.execute(query).fetchall()
+                rows += conn.execute(PRUNED_QUERY).fetchall()  # pruned tasks were taken
         else:
             if self.sqlite_path is None or not self.sqlite_path.exists():
                 return ""
             conn = sqlite3.connect(f"file:{self.sqlite_path}?mode=ro", uri=True, timeout=30)
             try:
                 rows = conn.execute(query).fetchall()
+                rows += conn.execute(PRUNED_QUERY).fetchall()  # pruned tasks were taken
             finally:
                 conn.close()
         return "\n".join(str(r[0]) for r in rows)
@@ -191,8 +196,11 @@ async def chaos(args: argparse.Namespace) -> int:
             if pg_url:
                 env["CHAOS_STORE_URL"] = pg_url
             boot = boot_dir / "boot.xml"
-            await trio.Path(boot).write_text(boot_xml(model.base_url, postgres))
+            await trio.Path(boot).write_text(boot_xml(model.base_url, postgres, args.retention))
             oracle = Oracle(None if postgres else boot_dir / "state" / "agents.sqlite3", pg_url)
+            sizes = SizeWatch(oracle.sqlite_path, pg_url)
+            if args.retention:
+                nursery.start_soon(sizes.run)
             slots = [ServerSlot(i, boot, env, out) for i in range(args.processes)]
             for slot in slots:
                 await slot.start()
@@ -281,6 +289,8 @@ async def chaos(args: argparse.Namespace) -> int:
             "stops_effective": switches.counts.get("stops_effective", 0),
             "ack_duplicates_dropped": switches.counts.get("ack_duplicates_dropped", 0),
             "drain_seconds": round(drained, 1),
+            "retention": args.retention,
+            **(sizes.figures() if args.retention else {}),
             "seconds": round(time.monotonic() - start, 1),
         }
     )
@@ -399,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-url", help="postgresql://... (default: a new database on PG*)")
     parser.add_argument("--out", help="directory for boot.xml, the store and the logs")
     parser.add_argument("--drain", type=float, default=120.0, help="seconds to answer all")
+    parser.add_argument(
+        "--retention",
+        action="store_true",
+        help="the store prunes with short windows during the run (bench/support/chaos_retention.py)",
+    )
     args = parser.parse_args(argv)
     if args.processes == 2 and args.store != "postgresql":
         parser.error("--processes 2 needs --store postgresql")

@@ -63,6 +63,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -73,6 +74,7 @@ from agentserver.agents.clock import SystemClock
 from agentserver.agents.edge.bridge import PumpPorts, agent_handler
 from agentserver.agents.ports import LLMCompletion, LLMRequest
 from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.profile.retention import AgentRetention, RetentionSettings
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
 from agentserver.agents.service import LateHandler
@@ -87,6 +89,14 @@ import pgcpu
 CALC = "urn:agentserver:calculator"
 ADD = f'<add xmlns="{CALC}"><a>1</a><b>2</b></add>'
 FINAL = "The sum is 3."
+
+#: ``--retention``: finished tasks go after 0.2 s, the pruner runs every 0.25 s.
+RETENTION = RetentionSettings(
+    defaults=AgentRetention(finished_tasks_s=0.2, keep_last=0, events_s=0.2),
+    step_log_s=0.2,
+    acknowledged_replies_s=0.2,
+    interval_s=0.25,
+)
 
 
 def agent_models(i: int) -> tuple[type[BaseXmlModel], type[BaseXmlModel]]:
@@ -170,6 +180,7 @@ async def run(
     gate: Callable[[], Awaitable[None]] | None = None,
     hold: Callable[[dict], Awaitable[None]] | None = None,
     pg_executor: str = "trio",
+    retention: bool = False,
 ) -> dict[str, float]:
     """Run ``turns`` Turns; with ``gate``, wait for it once everything is running, just
     before the first task is sent (the start of the clock); with ``hold``, pass it the
@@ -201,7 +212,11 @@ async def run(
             for i, n in enumerate(names)
         }
         settings = StoreSettings(
-            path=path, url=url, worker_concurrency=concurrency, pg_executor=pg_executor
+            path=path,
+            url=url,
+            worker_concurrency=concurrency,
+            pg_executor=pg_executor,
+            retention=RETENTION if retention else None,  # SQLite: auto_vacuum INCREMENTAL
         )
         clock = SystemClock()
         store = open_agent_store(settings, profiles, clock=clock)
@@ -252,6 +267,14 @@ async def run(
         ]
         async with trio.open_nursery() as nursery:
             await nursery.start(rt.run)
+            pruner = None
+            if retention:
+                # The pruner against the same store, short windows so it deletes during
+                # the run (issue 38): what it costs the Turns.
+                from agentserver.agents.store.pruner import Pruner
+
+                pruner = Pruner(rt.store, RETENTION, names)
+                nursery.start_soon(pruner.run)
             if gate is not None:
                 await gate()
             executor = getattr(rt.store, "executor", None)
@@ -288,6 +311,9 @@ async def run(
                 # store function -> [calls, statements, round trips] (trio executor)
                 pg_per_call={k: list(v) for k, v in per_call.items()},
             )
+            if pruner is not None:
+                out["pruned_tasks"] = pruner.last.tasks if pruner.last else 0
+                out["prune_runs"] = pruner.runs
             if hold is not None:
                 await hold(out)
             nursery.cancel_scope.cancel()
@@ -366,6 +392,12 @@ def main() -> None:
         help="also run LangGraph on the same Turn (bench/peers/langgraph_turns.py) and "
         "print the ratios",
     )
+    ap.add_argument(
+        "--retention",
+        action="store_true",
+        help="also run with the pruner against the same store (short windows) and print "
+        "both Turns/s (SQLite)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.turns is None:
@@ -388,6 +420,34 @@ def main() -> None:
             args.count_statements,
         )
     report(out, args.count_statements, "SQLite")
+    if args.retention:
+        with tempfile.TemporaryDirectory() as tmp:
+            kept = trio.run(
+                partial(
+                    run,
+                    args.turns,
+                    args.agents,
+                    args.concurrency,
+                    Path(tmp) / "bench.sqlite3",
+                    retention=True,
+                )
+            )
+        report(kept, False, "SQLite, the pruner running")
+        ratio = round(kept["turns_per_s"] / max(out["turns_per_s"], 0.1), 3)
+        print(f"retention: {kept['turns_per_s']} vs {out['turns_per_s']} Turns/s ({ratio}x)")
+        print(
+            json.dumps(
+                {
+                    "store": "SQLite",
+                    "turns_per_s": out["turns_per_s"],
+                    "turns_per_s_with_pruner": kept["turns_per_s"],
+                    "ratio_with_pruner": ratio,
+                    "prune_runs": kept.get("prune_runs"),
+                    "failed": out["failed"] + kept["failed"],
+                }
+            )
+        )
+        raise SystemExit(1 if out["failed"] or kept["failed"] else 0)
     peers = run_peers(args) if args.peers else {}
     if not args.store:
         figures = {"store": "SQLite", **summary(out, args.count_statements)}

@@ -75,3 +75,15 @@ class CallerElsewhere(AgentError):
 
 class ForkRefused(AgentError):
     """A fork that cannot be made: no such Turn, or no such step in it."""
+
+
+class TurnPruned(AgentError):
+    """The Turn asked for was removed by retention (agents/store/sql/prune.py): a read
+    answers this, never a partial record (HTTP: 404 problem ``pruned``)."""
+
+    def __init__(self, agent: str, thread: str) -> None:
+        super().__init__(
+            f"the Turn of {agent!r} on thread {thread!r} was pruned by the store's retention"
+        )
+        self.agent = agent
+        self.thread = thread

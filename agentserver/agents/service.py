@@ -16,7 +16,7 @@ import logging
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 from lxml import etree
@@ -115,6 +115,29 @@ async def open_llm(
     return RouterLLM(router)
 
 
+def retention_pruner(
+    store: StoreSettings, profiles: Mapping[str, AgentProfile], agent_store: Any
+) -> Any:
+    """The store's :class:`~agentserver.agents.store.pruner.Pruner` if ``<retention>`` is
+    configured (on the store, or on any agent: then the store's own values are ``none``
+    and only those agents' rows are pruned); None otherwise (no task, nothing spent)."""
+    overrides = {n: p.retention for n, p in profiles.items() if p.retention is not None}
+    settings = store.retention
+    if settings is None:
+        if not overrides:
+            return None
+        from agentserver.agents.profile.retention import AgentRetention, RetentionSettings
+
+        settings = RetentionSettings(
+            defaults=AgentRetention(None, None, None),
+            step_log_s=None,
+            acknowledged_replies_s=None,
+        )
+    from agentserver.agents.store.pruner import Pruner
+
+    return Pruner(agent_store, settings.with_overrides(overrides), tuple(profiles))
+
+
 async def start_agent_service(
     pump: Pump,
     handlers: Mapping[str, LateHandler],
@@ -191,6 +214,7 @@ async def start_agent_service(
     for name in profiles:
         handlers[name].bind(agent_handler(runtime, pump, name, ports))
     service = AgentService(runtime, ports, profiles, router=getattr(llm_port, "router", None))
+    pruner = retention_pruner(store, profiles, agent_store)
 
     async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with service.scope:
@@ -198,6 +222,8 @@ async def start_agent_service(
             async with trio.open_nursery() as inner:
                 if figures is not None:
                     inner.start_soon(figures.run)
+                if pruner is not None:
+                    inner.start_soon(pruner.run)
                 if kept is not None and ports.clients is not None:
                     # A shared store: replies other processes keep for clients here.
                     from agentserver.agents.edge.named_clients import forward_kept

@@ -27,7 +27,7 @@ from lxml import etree
 
 from agentserver.agents.clock import SystemClock
 from agentserver.agents.edge.bridge import PumpPorts, agent_handler
-from agentserver.agents.errors import AgentError
+from agentserver.agents.errors import AgentError, TurnPruned
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.replay.record import TurnRecord
 from agentserver.agents.replay.recorded import Divergence, RecordedLLM, RecordedTools, compare
@@ -99,6 +99,8 @@ async def read_record(
     opened = open_agent_store(settings, {}, clock=SystemClock())
     try:
         data = await opened.turn_record(agent, thread)
+    except TurnPruned as exc:
+        raise ReplayError(str(exc)) from None
     finally:
         await opened.aclose()
     if data is None:

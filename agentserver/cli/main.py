@@ -31,6 +31,7 @@ from agentserver.cli import (
     runner,
     send,
     status,
+    store,
 )
 from agentserver.cli.common import (
     BOOT_ENV,
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_parsers(sub, common, remote)
     export.add_parsers(sub, common, remote)
     fork.add_parsers(sub, common, remote)
+    store.add_parsers(sub, common, remote)
     return parser
 
 
@@ -121,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "replay": replay.cmd_replay,
         "export": export.cmd_export,
         "fork": fork.cmd_fork,
+        "store": store.cmd_store,
     }
     return handler[args.command](args)
 

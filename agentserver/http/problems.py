@@ -52,6 +52,12 @@ def problem(
     return Response(json.dumps(body), status, headers=headers, media_type=MEDIA_TYPE)
 
 
+def pruned_problem(exc: Exception) -> Response:
+    """404 ``pruned``: the Turn asked for was removed by the store's retention
+    (``agentserver.agents.errors.TurnPruned``); never a partial record."""
+    return problem(404, "pruned", "The task was removed by the store's retention.", detail=str(exc))
+
+
 def huh_problem(reason: HuhReason, **extra: Any) -> Response:
     headers = {"WWW-Authenticate": "Bearer"} if reason is HuhReason.UNAUTHENTICATED else None
     kind = "huh/" + reason.name.lower().replace("_", "-")

@@ -10,6 +10,7 @@ from lxml import etree
 from agentserver.agents.policy.evaluate import Policy
 from agentserver.agents.policy.guardrails import GuardrailSpec
 from agentserver.agents.profile.budget import DEFAULT_CONTEXT_WINDOW, Budget
+from agentserver.agents.profile.retention import RetentionOverride
 from agentserver.agents.profile.retry import RetryPolicy
 
 #: The output allowance of a request when the agent sets no max-tokens (the LLM
@@ -76,6 +77,9 @@ class AgentProfile:
     guardrails: tuple[GuardrailSpec, ...] = ()
     loop_warn: int = 2
     loop_block: int = 5
+    #: ``<agent><retention>``: this agent's overrides of the store's retention (None: the
+    #: store's values).
+    retention: RetentionOverride | None = None
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:

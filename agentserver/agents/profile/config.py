@@ -18,6 +18,10 @@ from lxml import etree
 
 from agentserver.agents.errors import AgentConfigError
 from agentserver.agents.profile.agent import AgentProfile, ResultField
+from agentserver.agents.profile.retention import (
+    agent_retention_from_element,
+    retention_from_element,
+)
 from agentserver.agents.profile.settings import AgentSettings, StoreSettings, profile_default
 from agentserver.core.namespaces import BOOT_NS
 
@@ -95,6 +99,7 @@ def store_settings_from_element(
             retry_base_s=_num(el, "retry-base", d.retry_base_s),
             max_retries=int(_num(el, "max-retries", d.max_retries, int)),
             client_replies_max=int(_num(el, "client-replies-max", d.client_replies_max, int)),
+            retention=retention_from_element(el.find(_q("retention"))),
         )
     except ValueError as exc:
         raise AgentConfigError(str(exc)) from None
@@ -140,6 +145,7 @@ def agent_settings_from_element(el: etree._Element | None, *, name: str) -> Agen
             ),
             loop_warn=int(_num(el, "loop-warn", d.loop_warn, int)),
             loop_block=int(_num(el, "loop-block", d.loop_block, int)),
+            retention=agent_retention_from_element(el.find(_q("retention"))),
         )
     except ValueError as exc:
         raise AgentConfigError(f"agent {name!r}: {exc}") from None
@@ -195,6 +201,7 @@ def profile_from_settings(
             answer_tag=answer_tag,
             loop_warn=s.loop_warn,
             loop_block=s.loop_block,
+            retention=s.retention,
         )
     except ValueError as exc:
         raise AgentConfigError(f"agent {name!r}: {exc}") from None

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from agentserver.agents.profile.agent import AgentProfile, ResultField
+from agentserver.agents.profile.retention import RetentionOverride, RetentionSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,9 @@ class StoreSettings:
     #: non-blocking API on the trio thread, pipelined; agents/store/pg/trio_executor.py) or
     #: ``"thread"`` (the blocking driver in worker threads; agents/store/pg/executor.py).
     pg_executor: str = "trio"
+    #: ``<store><retention>`` (agents/profile/retention.py): None keeps everything and
+    #: runs no pruner.
+    retention: RetentionSettings | None = None
 
     def __post_init__(self) -> None:
         if self.worker_concurrency < 1:
@@ -114,3 +118,5 @@ class AgentSettings:
     terminate_tools: tuple[str, ...] = profile_default("terminate_tools")
     loop_warn: int = profile_default("loop_warn")
     loop_block: int = profile_default("loop_block")
+    #: ``<agent><retention>``: this agent's overrides of the store's retention.
+    retention: RetentionOverride | None = None

@@ -45,6 +45,7 @@ from agentserver.agents.store.sql import (
     governance,
     head,
     inbox,
+    prune,
     record,
     replies,
     tools,
@@ -525,6 +526,70 @@ class SqlAgentStore(abc.ABC):
     async def turn_conversation(self, agent_turn_id: str) -> tuple[str | None, str | None]:
         """(caller thread, conversation) of the task a Turn runs (for webhook payloads)."""
         return await self._read(outbox.turn_conversation, agent_turn_id)
+    # -- retention (agents/store/sql/prune.py; the pruner is agents/store/pruner.py) --------
+    async def take_prune_lease(self, owner: str, lease_s: float) -> bool:
+        return await self._run(prune.take_lease, owner, lease_s)
+
+    async def release_prune_lease(self, owner: str) -> None:
+        await self._run(prune.release_lease, owner)
+
+    async def prune_tasks(
+        self,
+        owner: str | None,
+        agent_id: str,
+        max_age_s: float,
+        keep_last: int | None,
+        limit: int,
+        dry_run: bool = False,
+    ) -> prune.Pruned:
+        """One batch of finished tasks (one transaction; see ``prune.prune_tasks``)."""
+        return await self._run(
+            prune.prune_tasks, owner, agent_id, max_age_s, keep_last, limit, dry_run
+        )
+
+    async def prune_orphan_boxes(
+        self,
+        owner: str | None,
+        agent_id: str,
+        max_age_s: float,
+        limit: int,
+        dry_run: bool = False,
+    ) -> prune.Pruned:
+        return await self._run(prune.prune_orphan_boxes, owner, agent_id, max_age_s, limit, dry_run)
+
+    async def prune_events(
+        self,
+        owner: str | None,
+        agent_id: str,
+        max_age_s: float,
+        limit: int,
+        dry_run: bool = False,
+    ) -> prune.Pruned:
+        return await self._run(prune.prune_events, owner, agent_id, max_age_s, limit, dry_run)
+
+    async def prune_replies(
+        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
+    ) -> prune.Pruned:
+        return await self._run(prune.prune_replies, owner, max_age_s, limit, dry_run)
+
+    async def prune_step_log(
+        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
+    ) -> prune.Pruned:
+        return await self._run(prune.prune_step_log, owner, max_age_s, limit, dry_run)
+
+    async def store_agents(self) -> list[str]:
+        """Every agent the store has rows of (configured or not any more)."""
+        return await self._read(prune.agent_ids)
+
+    async def table_stats(self) -> list[tuple[str, int, int | None, float | None]]:
+        """Rows, bytes and oldest row time per table (see ``prune.table_stats``)."""
+        return await self._read(prune.table_stats)
+
+    async def reclaim_pages(self, max_pages: int) -> int:
+        """Give up to ``max_pages`` free pages back to the file system; how many went.
+        Only SQLite with ``auto_vacuum=INCREMENTAL`` has any (PostgreSQL leaves bloat to
+        autovacuum): 0 here."""
+        return 0
 
 
 def _cards(tx: Tx, env: StoreEnv, box_id: str) -> list[Card]:

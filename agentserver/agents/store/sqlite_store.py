@@ -102,6 +102,38 @@ def _lock(path: Path) -> int:
     return fd
 
 
+#: ``PRAGMA auto_vacuum`` values.
+AUTO_VACUUM_INCREMENTAL = 2
+
+
+def vacuum_mode(conn: sqlite3.Connection) -> int:
+    """The file's ``auto_vacuum`` (0 none, 1 full, 2 incremental)."""
+    return int(conn.execute("PRAGMA auto_vacuum").fetchone()[0])
+
+
+def reclaim(conn: sqlite3.Connection, max_pages: int) -> int:
+    """Free pages given back to the file by one bounded ``incremental_vacuum``."""
+    if vacuum_mode(conn) != AUTO_VACUUM_INCREMENTAL:
+        return 0
+    before = int(conn.execute("PRAGMA freelist_count").fetchone()[0])
+    if before == 0:
+        return 0
+    conn.execute(f"PRAGMA incremental_vacuum({int(max_pages):d})").fetchall()
+    return before - int(conn.execute("PRAGMA freelist_count").fetchone()[0])
+
+
+def make_incremental(conn: sqlite3.Connection) -> bool:
+    """Switch a file to ``auto_vacuum=INCREMENTAL`` (a ``VACUUM``: the whole file is
+    rewritten, needs free disk as large as the file, and must run with no other
+    connection writing: ``agentserver store prune`` does it on a stopped server's store).
+    False if it already was."""
+    if vacuum_mode(conn) == AUTO_VACUUM_INCREMENTAL:
+        return False
+    conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
+    conn.execute("VACUUM")
+    return True
+
+
 class SqliteAgentStore(SqlAgentStore):
     """SQLite-backed agent store. Create with :meth:`open`; close with :meth:`aclose`.
 
@@ -163,6 +195,11 @@ class SqliteAgentStore(SqlAgentStore):
             raise
         try:
             conn.execute("PRAGMA busy_timeout = 5000")
+            settings = settings or StoreSettings(path=path)
+            if settings.retention is not None:
+                # Before the first table is made: a new file can give freed pages back
+                # (an existing one keeps its mode until `agentserver store prune`).
+                conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
             mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             if str(mode).lower() != "wal":
                 raise StoreError(f"cannot enable WAL on {path} (got {mode})")
@@ -172,7 +209,7 @@ class SqliteAgentStore(SqlAgentStore):
             store = cls(
                 conn,
                 clock or SystemClock(),
-                settings or StoreSettings(path=path),
+                settings,
                 tool_result_caps=tool_result_caps,
                 lock_fd=lock,
                 path=path,
@@ -183,6 +220,58 @@ class SqliteAgentStore(SqlAgentStore):
             os.close(lock)
             raise
         return store
+
+    @classmethod
+    def attach(
+        cls, path: str | Path, *, clock: Clock | None = None, settings: StoreSettings | None = None
+    ) -> SqliteAgentStore:
+        """Open the store file of a running server, beside it, for maintenance
+        (``agentserver store stats`` and ``prune``): no process lock and no migration
+        (the schema must be this code's). Every transaction is ``BEGIN IMMEDIATE`` under
+        ``busy_timeout``, so the server's and ours take turns; the server's pruner and
+        ours share the prune lease. Raises :class:`StoreError` on another schema."""
+        path = Path(path)
+        if not path.exists():
+            raise StoreError(f"no agent store at {path}")
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute("PRAGMA busy_timeout = 5000")
+            row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
+            if not row or row[0] != SCHEMA_VERSION:
+                raise StoreError(
+                    f"agent store {path} is at schema {row[0] if row else None}, this code's is "
+                    f"{SCHEMA_VERSION}: stop the server (a stopped store is migrated on open)"
+                )
+        except sqlite3.Error as exc:
+            conn.close()
+            raise StoreError(f"agent store {path}: {exc}") from None
+        except BaseException:
+            conn.close()
+            raise
+        return cls(conn, clock or SystemClock(), settings or StoreSettings(path=path), path=path)
+
+    def vacuum_mode(self) -> int:
+        """The file's ``auto_vacuum`` (2: INCREMENTAL, freed pages can go back)."""
+        return vacuum_mode(self._db)
+
+    def make_incremental(self) -> bool:
+        """:func:`make_incremental` on this store's file; refused beside a running server
+        (this store must hold the file's lock)."""
+        if self._lock_fd is None:
+            raise StoreError("the file is in use by a running server: stop it to convert")
+        return make_incremental(self._db)
+
+    def file_bytes(self) -> int:
+        """The file's size plus its WAL's, in bytes."""
+        if self._path is None:
+            return 0
+        total = 0
+        for p in (self._path, self._path.with_name(self._path.name + "-wal")):
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
 
     def _transact(self, fn: Callable[..., T], *args: Any) -> T:
         db = self._db
@@ -238,6 +327,12 @@ class SqliteAgentStore(SqlAgentStore):
                 db.execute("PRAGMA busy_timeout = 5000")
                 self._checkpoint_db = db
             self._checkpoint_db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+
+    async def reclaim_pages(self, max_pages: int) -> int:
+        """``PRAGMA incremental_vacuum(max_pages)`` inline (its own short write
+        transaction; ``max_pages`` bounds it): the file shrinks by what it frees. Nothing
+        on a file whose ``auto_vacuum`` is not INCREMENTAL (see :func:`vacuum_mode`)."""
+        return reclaim(self._db, max_pages)
 
     async def aclose(self) -> None:
         self.close()

@@ -10,11 +10,11 @@ from lxml import etree
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from agentserver.agents.errors import ForkRefused
+from agentserver.agents.errors import ForkRefused, TurnPruned
 from agentserver.core.threads import new_thread_id
 from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
-from agentserver.http.problems import problem, refusal_problem
+from agentserver.http.problems import problem, pruned_problem, refusal_problem
 
 
 class AgentRoutes:
@@ -73,7 +73,10 @@ class AgentRoutes:
         view = self.ctx.agents
         found = None
         if view is not None and name in view.agents and self.gate.may_see(identity, name):
-            found = await view.task(name, request.path_params["thread"])
+            try:
+                found = await view.task(name, request.path_params["thread"])
+            except TurnPruned as exc:
+                return pruned_problem(exc)
         if found is None:
             return problem(404, "not-found", "Not found.")
         return JSONResponse(found)
@@ -104,6 +107,8 @@ class AgentRoutes:
             )
         try:
             made = await forks.fork(name, thread, at_step)
+        except TurnPruned as exc:
+            return pruned_problem(exc)
         except (ForkRefused, KeyError) as exc:
             return problem(404, "not-found", str(exc).strip("'\""))
         new_thread = new_thread_id()

@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agentserver.agents.errors import ForkRefused
+from agentserver.agents.errors import ForkRefused, TurnPruned
 from agentserver.agents.store.base import CardType
 from agentserver.agents.store.sql.common import insert_copies
 from agentserver.agents.store.sql.db import StoreEnv, Tx, insert_rows, new_id
+from agentserver.agents.store.sql.prune import thread_pruned
 from agentserver.agents.store.sql.record import find_turn
 
 _COPY_COLS = "card_id, agent_turn_id, card_type, content, metadata, created_at, tokens"
@@ -23,6 +24,8 @@ def fork(tx: Tx, env: StoreEnv, agent: str, thread: str, at_step: int) -> dict[s
     and the original task's payload. Raises :class:`ForkRefused` (no such Turn or step)."""
     found = find_turn(tx, agent, thread)
     if found is None:
+        if thread_pruned(tx, agent, thread):
+            raise TurnPruned(agent, thread)
         raise ForkRefused(f"no Turn of {agent!r} on thread {thread!r}")
     turn, task = found
     step_no = {

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.sql.db import StoreEnv, Tx
+from agentserver.agents.store.sql.prune import thread_pruned
 from agentserver.agents.store.sql.views import json_text
 from agentserver.agents.store.states import MessageType
 
@@ -26,9 +28,12 @@ def find_turn(tx: Tx, agent: str, thread: str) -> tuple[str, str] | None:
 def turn_record(tx: Tx, env: StoreEnv, agent: str, thread: str) -> dict[str, Any] | None:
     """The latest Turn of ``agent`` whose task came on ``thread`` (the caller's thread or
     the agent's hop), as plain data: its task, steps, cards (in order, every box the Turn
-    wrote, folded ones included) and policy decisions. None when there is no such Turn."""
+    wrote, folded ones included) and policy decisions. None when there is no such Turn;
+    :class:`TurnPruned` when retention removed it."""
     found = find_turn(tx, agent, thread)
     if found is None:
+        if thread_pruned(tx, agent, thread):
+            raise TurnPruned(agent, thread)
         return None
     turn, payload = found
     steps = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from agentserver.agents.errors import StoreError
 from agentserver.agents.store import outbox, step_log
+from agentserver.agents.store.sql import prune
 from agentserver.agents.store.sql.db import POSTGRESQL, SQLITE, Tx
 
 _GOVERNANCE = """
@@ -49,8 +50,6 @@ CREATE TABLE approvals (
 );
 CREATE INDEX approvals_status ON approvals (status, deadline);
 """
-
-SCHEMA_VERSION = 7
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -218,7 +217,14 @@ CREATE TABLE forks (
     # Issue 36: the durable outbox (webhooks and A2A push notifications), the webhooks
     # made at run time (agents/store/outbox.py).
     7: outbox.MIGRATION,
+    # Issue 38: retention. Tombstones of pruned Turns, the pruner's lease, the indexes a
+    # prune batch looks rows up by (agents/store/sql/prune.py).
+    8: prune.MIGRATION,
 }
+#: The newest schema version: migrations are numbered 1..N without gaps.
+SCHEMA_VERSION = max(MIGRATIONS)
+if sorted(MIGRATIONS) != list(range(1, SCHEMA_VERSION + 1)):
+    raise RuntimeError(f"schema migrations must be numbered 1..N: {sorted(MIGRATIONS)}")
 
 
 _PG_TYPES = (

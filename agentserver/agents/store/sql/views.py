@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
+from agentserver.agents.store.sql.prune import thread_pruned
 from agentserver.agents.store.states import ApprovalStatus, InboxStatus, MessageType
 
 #: Characters of a failed Turn's deliverable shown as an agent's last error.
@@ -107,6 +109,8 @@ def task(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None
         (name, MessageType.TURN.value, thread, thread),
     )
     if row is None:
+        if thread_pruned(tx, name, thread):
+            raise TurnPruned(name, thread)
         return None
     _inbox_id, inbox_status, turn, created, conversation = row
     out: dict[str, Any] = {

@@ -1,0 +1,150 @@
+"""``agentserver store stats`` and ``store prune`` (issue 38): the agents' store of a boot
+file looked at and pruned by hand, on a stopped server's store or beside a running one.
+
+SQLite: a stopped server's file is opened as the server would (its lock, migrated); a
+running server's file is attached beside it (:meth:`SqliteAgentStore.attach`: no lock,
+transactions take turns with the server's). ``prune`` on a stopped server's file that was
+made before retention was on first converts it to ``auto_vacuum=INCREMENTAL`` (one
+``VACUUM``, which needs free disk as large as the file), so the pages it frees go back to
+the file system; beside a running server it cannot convert, and says so. PostgreSQL:
+the database of ``<store url>``; bloat is left to autovacuum (docs/deploy.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from agentserver.agents.clock import SystemClock
+from agentserver.agents.errors import StoreInUse
+from agentserver.agents.profile.retention import RetentionOverride, RetentionSettings
+from agentserver.agents.store.pruner import Pruner, PruneReport
+from agentserver.agents.store.sqlite_store import SqliteAgentStore
+from agentserver.app.replay import store_settings
+from agentserver.config import loader as boot
+from agentserver.config.topology import Topology
+
+
+def retention_of(topology: Topology) -> RetentionSettings | None:
+    """The topology's retention with each agent's overrides (None: none configured)."""
+    overrides: dict[str, RetentionOverride] = {
+        spec.name: spec.agent_profile.retention
+        for spec in topology.listeners
+        if spec.agent and spec.agent_profile is not None and spec.agent_profile.retention
+    }
+    settings = topology.store.retention
+    if settings is None:
+        return None
+    return settings.with_overrides(overrides)
+
+
+async def _open(topology: Topology, store: str | os.PathLike[str] | None) -> tuple[Any, bool]:
+    """(the store, whether a running server holds it)."""
+    settings = store_settings(topology, store)
+    if settings.url:
+        from agentserver.agents.store.pg.store import PostgresAgentStore
+
+        return PostgresAgentStore.open(settings.url, clock=SystemClock(), settings=settings), False
+    if not settings.path.exists():
+        from agentserver.agents.errors import StoreError
+
+        raise StoreError(f"no agent store at {settings.path}")
+    try:
+        return SqliteAgentStore.open(settings.path, settings=settings), False
+    except StoreInUse:
+        return SqliteAgentStore.attach(settings.path, settings=settings), True
+
+
+def _agents(topology: Topology) -> tuple[str, ...]:
+    return tuple(spec.name for spec in topology.listeners if spec.agent)
+
+
+async def stats(
+    boot_path: str | os.PathLike[str],
+    *,
+    store: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Rows, bytes and the oldest row per table, the store's size, and what retention
+    would remove now (a dry run: nothing is deleted). Raises ``BootError``, ``AgentError``."""
+    topology = boot.load_or_raise(boot_path, environ=environ)
+    opened, beside = await _open(topology, store)
+    try:
+        tables = [
+            {"table": name, "rows": rows, "bytes": size, "oldest": oldest}
+            for name, rows, size, oldest in await opened.table_stats()
+        ]
+        retention = retention_of(topology)
+        would = None
+        if retention is not None:
+            report = await Pruner(opened, retention, _agents(topology)).prune_once(dry_run=True)
+            would = report.as_dict()
+        out: dict[str, Any] = {
+            "store": opened.settings.where,
+            "backend": opened.settings.backend,
+            "server_running": beside,
+            "tables": tables,
+            "retention": None if retention is None else _retention_dict(retention),
+            "would_remove": would,
+        }
+        if isinstance(opened, SqliteAgentStore):
+            out["file_bytes"] = opened.file_bytes()
+            out["auto_vacuum"] = {0: "none", 1: "full", 2: "incremental"}.get(
+                opened.vacuum_mode(), "?"
+            )
+        return out
+    finally:
+        await opened.aclose()
+
+
+async def prune(
+    boot_path: str | os.PathLike[str],
+    *,
+    dry_run: bool = False,
+    store: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    progress: Callable[[PruneReport], None] | None = None,
+) -> dict[str, Any]:
+    """Apply the boot file's retention once (see the module docstring). Raises
+    ``BootError``, ``AgentError``; ``ValueError`` when the boot file has no retention."""
+    topology = boot.load_or_raise(boot_path, environ=environ)
+    retention = retention_of(topology)
+    if retention is None:
+        raise ValueError(f"{boot_path} has no <store><retention>: nothing to prune")
+    opened, beside = await _open(topology, store)
+    try:
+        notes: list[str] = []
+        before = opened.file_bytes() if isinstance(opened, SqliteAgentStore) else None
+        if isinstance(opened, SqliteAgentStore) and opened.vacuum_mode() != 2 and not dry_run:
+            if beside:
+                notes.append(
+                    "the file is not auto_vacuum=INCREMENTAL and a server holds it: rows are "
+                    "pruned, their pages reused, but the file does not shrink until "
+                    "'agentserver store prune' runs with the server stopped"
+                )
+            else:
+                opened.make_incremental()
+                notes.append("converted the file to auto_vacuum=INCREMENTAL (VACUUM)")
+        pruner = Pruner(opened, retention, _agents(topology), lease_s=60.0)
+        report = await pruner.prune_once(dry_run=dry_run, progress=progress)
+        out: dict[str, Any] = {"dry_run": dry_run, "server_running": beside, **report.as_dict()}
+        if isinstance(opened, SqliteAgentStore):
+            opened.checkpoint()
+            out["file_bytes_before"] = before
+            out["file_bytes_after"] = opened.file_bytes()
+        out["notes"] = notes
+        return out
+    finally:
+        await opened.aclose()
+
+
+def _retention_dict(r: RetentionSettings) -> dict[str, Any]:
+    return {
+        "defaults": dataclasses.asdict(r.defaults),
+        "step_log_s": r.step_log_s,
+        "acknowledged_replies_s": r.acknowledged_replies_s,
+        "interval_s": r.interval_s,
+        "agents": {n: dataclasses.asdict(a) for n, a in r.agents.items()},
+    }

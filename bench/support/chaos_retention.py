@@ -1,0 +1,112 @@
+"""The chaos bench's retention part (``bench/chaos.py --retention``; issue 38).
+
+With ``--retention`` the organism's store prunes with short windows while the faults run
+(:data:`RETENTION`: finished tasks go after 20 s, the pruner runs every 2 s), so pruning
+races every fault: server kills (an interrupted batch), clients away with replies kept,
+approvals waiting for the approver, suspended Turns, resends. The checker's rules are
+unchanged and are what retention must not break: every task the server took gets
+exactly one answer (no reply lost to pruning, none twice), every paid call its approval's
+outcome. What changes is the oracle of "taken": a pruned task's inbox row is gone, so
+the tombstones (``pruned_turns``) count as taken too (:data:`PRUNED_QUERY`).
+
+:class:`SizeWatch` samples the store's size (SQLite: file plus WAL; PostgreSQL:
+``pg_database_size``) every ``period`` seconds, for the flatness figure: after the first
+window the size should stay within 10% (``size_growth_after_window``).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import trio
+
+#: The store's retention under ``--retention``: short windows, so a 30-minute run prunes
+#: every task many times over.
+RETENTION = (
+    '<retention finished-tasks="20s" keep-last="1" step-log="20s" events="10s" '
+    'acknowledged-replies="10s" interval="2s"/>'
+)
+#: The window after which the store's size should be flat (the longest one above).
+WINDOW_S = 20.0
+#: Threads of pruned tasks (caller thread and hop), read with the inbox's reply refs.
+PRUNED_QUERY = "SELECT coalesce(caller_thread, '') || ' ' || coalesce(hop, '') FROM pruned_turns"
+
+
+def with_retention(store_xml: str) -> str:
+    """``<store .../>`` with :data:`RETENTION` inside it."""
+    return re.sub(r"\s*/>\s*$", f">{RETENTION}</store>", store_xml.strip())
+
+
+class SizeWatch:
+    """The store's size over the run (a task samples it; :meth:`figures` sums it up)."""
+
+    def __init__(self, sqlite_path: pathlib.Path | None, pg_url: str | None) -> None:
+        self.sqlite_path = sqlite_path
+        self.pg_url = pg_url
+        #: (seconds since start, bytes)
+        self.samples: list[tuple[float, int]] = []
+        #: Tasks pruned so far (``pruned_turns`` rows), at the last sample.
+        self.pruned = 0
+
+    def _pruned(self) -> int:
+        query = "SELECT count(*) FROM pruned_turns"
+        if self.pg_url is not None:
+            import psycopg
+
+            with psycopg.connect(self.pg_url, connect_timeout=10) as conn:
+                row = conn.execute(query).fetchone()
+        else:
+            import sqlite3
+
+            assert self.sqlite_path is not None
+            conn = sqlite3.connect(f"file:{self.sqlite_path}?mode=ro", uri=True, timeout=30)
+            try:
+                row = conn.execute(query).fetchone()
+            finally:
+                conn.close()
+        return int(row[0]) if row else 0
+
+    def _size(self) -> int | None:
+        if self.pg_url is not None:
+            import psycopg
+
+            with psycopg.connect(self.pg_url, connect_timeout=10) as conn:
+                row = conn.execute("SELECT pg_database_size(current_database())").fetchone()
+                return int(row[0]) if row else None
+        path = self.sqlite_path
+        if path is None or not path.exists():
+            return None
+        wal = path.with_name(path.name + "-wal")
+        return path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+
+    async def run(self, period: float = 5.0) -> None:
+        start = trio.current_time()
+        while True:
+            try:
+                size = await trio.to_thread.run_sync(self._size)
+            except Exception:  # a sample lost is not a fault
+                size = None
+            if size is not None:
+                self.samples.append((trio.current_time() - start, size))
+                try:
+                    self.pruned = await trio.to_thread.run_sync(self._pruned)
+                except Exception:  # the table is made by the server's first start
+                    pass
+            await trio.sleep(period)
+
+    def figures(self) -> dict[str, object]:
+        """The size at the end of the first window and at the end, and the growth after
+        the first window (relative to its maximum so far)."""
+        after = [b for t, b in self.samples if t >= 2 * WINDOW_S]
+        if not after:
+            return {"store_bytes_samples": len(self.samples), "pruned_tasks": self.pruned}
+        first = after[0]
+        return {
+            "pruned_tasks": self.pruned,
+            "store_bytes_samples": len(self.samples),
+            "store_bytes_after_window": first,
+            "store_bytes_max": max(after),
+            "store_bytes_end": after[-1],
+            "size_growth_after_window": round((max(after) - first) / max(first, 1), 3),
+        }

@@ -1,0 +1,320 @@
+"""Retention (issue 38) on both stores: what the pruner removes, and each promise it never
+breaks (agents/store/sql/prune.py): an unacknowledged reply, a pending approval, a queued,
+running or suspended Turn, an idempotency record in its window, a conversation's memory.
+Two pruners at once (the lease), the ``pruned`` answer of the reads, SQLite's pages.
+
+Backends: ``sqlite`` always; ``postgresql`` when a server is reachable (``pg_url`` skips).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import trio
+
+from agentserver.agents.clock import ManualClock
+from agentserver.agents.errors import ForkRefused, TurnPruned
+from agentserver.agents.profile.retention import AgentRetention, RetentionSettings
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.base import CardType, NewCard, TaskStatus, ToolCallRecord, TurnToken
+from agentserver.agents.store.pruner import Pruner
+from agentserver.agents.store.sql_store import SqlAgentStore
+from agentserver.steps.log import StepRow
+
+A = "agent"
+DAY = 86400.0
+#: Retention of one day, nothing kept by count.
+ONE_DAY = RetentionSettings(
+    defaults=AgentRetention(finished_tasks_s=DAY, keep_last=0, events_s=DAY),
+    step_log_s=DAY,
+    acknowledged_replies_s=DAY,
+)
+
+
+def _settings(tmp_path) -> StoreSettings:
+    return StoreSettings(path=tmp_path / "agents.sqlite3", retention=ONE_DAY)
+
+
+async def _open(kind: str, request: pytest.FixtureRequest, tmp_path) -> SqlAgentStore:
+    clock = ManualClock(1_000_000.0)
+    settings = _settings(tmp_path)
+    if kind == "sqlite":
+        from agentserver.agents.store.sqlite_store import SqliteAgentStore
+
+        return SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
+    from agentserver.agents.store.pg.store import PostgresAgentStore
+
+    url = request.getfixturevalue("pg_url")  # skips when no server is reachable
+    opened = PostgresAgentStore.open(url, clock=clock, settings=settings)
+    return await opened if inspect.isawaitable(opened) else opened
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def store(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[SqlAgentStore]:
+    s = await _open(request.param, request, tmp_path)
+    try:
+        yield s
+    finally:
+        await s.aclose()
+
+
+def clock_of(store: SqlAgentStore) -> ManualClock:
+    clock = store.env.clock
+    assert isinstance(clock, ManualClock)
+    return clock
+
+
+async def count(store: SqlAgentStore, sql: str, *params: Any) -> int:
+    def read(tx: Any, env: Any) -> int:
+        row = tx.one(sql, params)
+        return int(row[0]) if row else 0
+
+    return await store._read(read)
+
+
+async def running(store: SqlAgentStore, thread: str, **kw: Any) -> TurnToken:
+    await store.enqueue_turn(A, thread.encode(), {"caller_thread": thread}, **kw)
+    [row] = await store.claim_due(A, 5)
+    return await store.start_turn(row)
+
+
+async def finished(store: SqlAgentStore, thread: str, *, sent: bool = True, **kw: Any) -> str:
+    """A Turn run to its end with one step and a card; its reply sent unless ``sent``."""
+    token = await running(store, thread, **kw)
+    step_id, _ = await store.begin_step(token)
+    await store.complete_step(token, step_id, None, [NewCard(CardType.LLM_MESSAGE, "said")])
+    await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+    if sent:
+        await store.mark_reply_sent(token.agent_turn_id)
+    return token.agent_turn_id
+
+
+async def prune(store: SqlAgentStore, settings: RetentionSettings = ONE_DAY) -> Any:
+    return await Pruner(store, settings, (A,), pause_s=0).prune_once()
+
+
+async def turn_rows(store: SqlAgentStore, turn: str) -> int:
+    total = 0
+    for table in ("agent_inbox", "agent_steps", "boxes", "execution_edges", "agent_replies"):
+        total += await count(store, f"SELECT count(*) FROM {table} WHERE agent_turn_id = ?", turn)
+    return total
+
+
+async def test_an_old_finished_task_goes_whole_and_reads_answer_pruned(store):
+    turn = await finished(store, "t1")
+    assert await turn_rows(store, turn) > 0
+    clock_of(store).advance(DAY / 2)
+    assert (await prune(store)).tasks == 0  # inside its window
+    clock_of(store).advance(DAY)
+    report = await prune(store)
+    assert report.tasks == 1
+    assert await turn_rows(store, turn) == 0
+    assert await count(store, "SELECT count(*) FROM cards WHERE agent_turn_id = ?", turn) == 0
+    with pytest.raises(TurnPruned):
+        await store.turn_record(A, "t1")
+    with pytest.raises(TurnPruned):
+        await store.task_view(A, "t1")
+    with pytest.raises(TurnPruned):
+        await store.fork(A, "t1", 1)
+    # A thread never seen is still "not found", not "pruned".
+    assert await store.turn_record(A, "never") is None
+    with pytest.raises(ForkRefused):
+        await store.fork(A, "never", 1)
+
+
+async def test_an_unacknowledged_reply_is_never_pruned(store):
+    turn = await finished(store, "t1", sent=False)  # the outbox reply is still pending
+    await store.record_client_reply("alice", {"t": 1}, b"<kept/>", failed=False)
+    clock_of(store).advance(30 * DAY)
+    assert (await prune(store)).tasks == 0
+    assert await count(store, "SELECT count(*) FROM agent_replies WHERE agent_turn_id = ?", turn)
+    assert len(await store.pending_client_replies("alice", 0, 10)) == 1
+    await store.mark_reply_sent(turn)  # delivered: now the Turn may go
+    clock_of(store).advance(2 * DAY)
+    assert (await prune(store)).tasks == 1
+    assert len(await store.pending_client_replies("alice", 0, 10)) == 1  # never by age
+
+
+async def test_a_pending_approval_keeps_its_turn(store):
+    turn = await finished(store, "t1")
+
+    def add(tx: Any, env: Any) -> None:
+        tx.execute(
+            "INSERT INTO approvals (request_id, agent_id, agent_turn_id, step_id, target, "
+            "payload, rule, approver, thread, status, deadline, created_at) "
+            "VALUES ('r1', ?, ?, 's', 'tool', '<x/>', 'r', 'ops', 'th', 'pending', 0, 0)",
+            (A, turn),
+        )
+
+    await store._run(add)
+    clock_of(store).advance(30 * DAY)
+    assert (await prune(store)).tasks == 0
+    assert await store.approval_status("r1") == "pending"
+
+
+async def test_a_turn_suspended_longer_than_the_window_is_kept_whole(store):
+    token = await running(store, "t1")
+    step_id, _ = await store.begin_step(token)
+    await store.complete_step(token, step_id, None, [NewCard(CardType.LLM_MESSAGE, "calling")])
+    calls = [ToolCallRecord("c1", "calc", "<add/>", "suspend")]
+    await store.suspend(token, step_id, calls, [], resume_deadline=clock_of(store).now() + 60)
+    before = await turn_rows(store, token.agent_turn_id)
+    queued = await store.enqueue_turn(A, b"next", {"caller_thread": "t2"})
+    clock_of(store).advance(90 * DAY)
+    report = await prune(store)
+    assert report.tasks == 0
+    assert await turn_rows(store, token.agent_turn_id) == before
+    assert await count(
+        store, "SELECT count(*) FROM agent_inbox WHERE inbox_id = ?", queued.inbox_id
+    )
+    assert (await store.head(A)).status == "suspended"
+
+
+async def test_a_conversations_memory_is_kept(store):
+    first = await finished(store, "t1", conversation="alice")
+    clock_of(store).advance(2 * DAY)
+    report = await prune(store)
+    assert report.tasks == 0  # its boxes are the conversation's memory
+    second = await finished(store, "t2", conversation="alice")
+    clock_of(store).advance(2 * DAY)
+    assert (await prune(store)).tasks == 1  # the first Turn goes, the last one stays
+    assert await turn_rows(store, first) == 0 and await turn_rows(store, second) > 0
+    seen = [c.content for c in await store.conversation_cards(A, "alice")]
+    assert seen[-1] == "said" and "t1" in seen and "t2" in seen
+
+
+async def test_keep_last_keeps_the_newest_tasks(store):
+    for i in range(5):
+        await finished(store, f"t{i}")
+    clock_of(store).advance(2 * DAY)
+    keep = RetentionSettings(defaults=AgentRetention(DAY, 2, None), step_log_s=None)
+    assert (await prune(store, keep)).tasks == 3
+    assert await store.turn_record(A, "t4") is not None
+    assert await store.turn_record(A, "t3") is not None
+    with pytest.raises(TurnPruned):
+        await store.turn_record(A, "t2")
+
+
+async def test_an_idempotency_record_in_its_window_is_kept(store):
+    now = clock_of(store).now()
+    await store.record_steps(
+        [
+            StepRow("old", "tool", "a", 1, "step.succeeded", "", now),
+            StepRow("live", "tool", "a", 1, "step.dispatched", "", now),
+        ]
+    )
+    clock_of(store).advance(2 * DAY)
+    await store.record_steps(
+        [StepRow("live", "tool", "a", 2, "step.retried", "", clock_of(store).now())]
+    )
+    report = await prune(store)
+    assert report.rows.get("step_log") == 1
+    assert await count(store, "SELECT count(*) FROM step_log WHERE step_id = 'live'") == 2
+    assert await count(store, "SELECT count(*) FROM step_log WHERE step_id = 'old'") == 0
+
+
+async def test_a_dry_run_counts_and_deletes_nothing(store):
+    turn = await finished(store, "t1")
+    clock_of(store).advance(2 * DAY)
+    report = await Pruner(store, ONE_DAY, (A,)).prune_once(dry_run=True)
+    assert report.tasks == 1
+    assert await turn_rows(store, turn) > 0
+
+
+async def test_two_pruners_take_turns(store):
+    """Two pruners on one store: while one holds the lease the other does nothing (and a
+    batch fenced on a lease it does not hold deletes nothing); a dead one's lease expires."""
+    await finished(store, "t1")
+    clock_of(store).advance(2 * DAY)
+    first, second = Pruner(store, ONE_DAY, (A,)), Pruner(store, ONE_DAY, (A,))
+    assert await store.take_prune_lease(first.owner, 60.0)
+    skipped = await second.prune_once()
+    assert skipped.skipped and skipped.tasks == 0
+    assert (await store.prune_tasks(second.owner, A, DAY, 0, 16)).tasks == 0
+    clock_of(store).advance(61)  # the first died: its lease expires
+    assert (await second.prune_once()).tasks == 1
+
+
+async def test_sqlite_gives_freed_pages_back(tmp_path):
+    from agentserver.agents.store.sqlite_store import SqliteAgentStore
+
+    settings = _settings(tmp_path)
+    store = SqliteAgentStore.open(settings.path, clock=ManualClock(1e6), settings=settings)
+    try:
+        assert store.vacuum_mode() == 2  # a new file with retention on: INCREMENTAL
+        for i in range(40):
+            token = await running(store, f"t{i}")
+            await store.add_cards(token, [NewCard(CardType.LLM_MESSAGE, "x" * 20_000)])
+            await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+            await store.mark_reply_sent(token.agent_turn_id)
+        store.checkpoint()
+        big = settings.path.stat().st_size
+        clock_of(store).advance(2 * DAY)
+        report = await prune(store)
+        assert report.tasks == 40 and report.pages > 100
+        store.checkpoint()
+        assert settings.path.stat().st_size < big / 2
+    finally:
+        await store.aclose()
+
+
+async def test_an_existing_file_is_converted_when_stopped(tmp_path):
+    from agentserver.agents.store.sqlite_store import SqliteAgentStore
+
+    path = tmp_path / "agents.sqlite3"
+    old = SqliteAgentStore.open(path, settings=StoreSettings(path=path))  # retention off
+    assert old.vacuum_mode() == 0  # no cost for a store without retention
+    assert old.make_incremental()
+    assert old.vacuum_mode() == 2 and not old.make_incremental()
+    await old.aclose()
+
+
+async def test_two_stores_prune_at_once(store, request, tmp_path):
+    """Two processes' stores on one database (SQLite: the second attached beside the
+    first, as ``agentserver store prune`` is) prune together: one holds the lease, each
+    task goes once, nothing fails."""
+    for i in range(40):
+        await finished(store, f"t{i}")
+    clock_of(store).advance(2 * DAY)
+    from agentserver.agents.store.sqlite_store import SqliteAgentStore
+
+    if isinstance(store, SqliteAgentStore):
+        other: SqlAgentStore = SqliteAgentStore.attach(
+            store.settings.path, clock=store.env.clock, settings=store.settings
+        )
+    else:
+        other = await _open("postgresql", request, tmp_path)
+        other.env.clock = store.env.clock
+    reports = []
+    try:
+
+        async def run(s: SqlAgentStore) -> None:
+            reports.append(await Pruner(s, ONE_DAY, (A,), pause_s=0.001).prune_once())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, store)
+            nursery.start_soon(run, other)
+    finally:
+        await other.aclose()
+    assert sum(r.tasks for r in reports) == 40
+    assert await count(store, "SELECT count(*) FROM pruned_turns") == 40
+    assert await count(store, "SELECT count(*) FROM agent_inbox") == 0
+
+
+async def test_a_cancelled_queued_task_leaves_a_tombstone(store):
+    """A task cancelled before its Turn ran has no Turn: it is pruned with its failed
+    answer once that is sent, and its thread reads "pruned" (found by the chaos bench:
+    without the tombstone the checker saw an answer for a task not in the store)."""
+    await running(store, "busy")  # the agent is busy: the next task stays queued
+    await store.enqueue_turn(A, b"later", {"caller_thread": "later"})
+    [reply] = await store.cancel_queued(A, "later", b"<cancelled/>")
+    clock_of(store).advance(2 * DAY)
+    assert (await prune(store)).tasks == 0  # its failed answer is still pending
+    await store.mark_reply_sent(reply.agent_turn_id)
+    clock_of(store).advance(2 * DAY)
+    assert (await prune(store)).tasks == 1
+    with pytest.raises(TurnPruned):
+        await store.task_view(A, "later")
