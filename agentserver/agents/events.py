@@ -61,7 +61,25 @@ class StateEvent:
     waiting_tool_count: int = 0
 
 
-Event: TypeAlias = StepEvent | TaskEvent | ChunkEvent | StateEvent
+@dataclass(frozen=True, slots=True)
+class BudgetEvent:
+    """A budget crossed its ``soft`` mark (once per period; docs/budgets.md). ``agent_id``
+    and ``agent_turn_id``: the call that crossed it (for the bus's filters); ``kind`` is
+    ``budget.soft``."""
+
+    agent_id: str
+    agent_turn_id: str | None
+    budget: str
+    period: str
+    period_start: float
+    spent_tokens: int
+    spent_cost: float
+    limit_tokens: int | None
+    limit_cost: float | None
+    kind: str = "budget.soft"
+
+
+Event: TypeAlias = StepEvent | TaskEvent | ChunkEvent | StateEvent | BudgetEvent
 
 
 class Subscription:

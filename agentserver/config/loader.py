@@ -30,6 +30,7 @@ from collections.abc import Mapping
 
 from lxml import etree
 
+from agentserver.config.budgets import read_budgets
 from agentserver.config.clients import ClientReader, is_loopback
 from agentserver.config.governance import check_approvers
 from agentserver.config.imports import B, Resolver, add_import_dir, flag, resolve_import
@@ -193,6 +194,7 @@ class _Loader:
         llm = sections.llm(root.find(B + "llm"))
         store = sections.store(root.find(B + "store"))
         description = (root.findtext(B + "description") or "").strip()
+        budgets = read_budgets(report, root, {s.name for s in listeners if s.agent})
         return Topology(
             path=self.path,
             organism=root.get("name", ""),
@@ -211,4 +213,5 @@ class _Loader:
             expose_mcp=check_exposed(
                 report, root.find(B + "expose-mcp"), {s.name for s in listeners}
             ),
+            budgets=budgets,
         )

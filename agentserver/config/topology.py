@@ -31,6 +31,7 @@ from agentserver.remote.mcp_spec import McpServerSpec, McpToolRef
 if TYPE_CHECKING:
     # Types only: importing the agents and the LLM router would make every command that
     # reads DEFAULT_PORT pay for them (httpx, the router); the loader imports them.
+    from agentserver.agents.policy.budget import BudgetSpec
     from agentserver.agents.policy.evaluate import Policy
     from agentserver.agents.policy.guardrails import GuardrailSpec
     from agentserver.agents.profile.settings import AgentSettings, StoreSettings
@@ -164,6 +165,8 @@ class Topology:
     mcp: tuple[McpServerSpec, ...] = ()
     #: ``<expose-mcp listeners>``: what ``agentserver mcp`` and ``/mcp`` offer.
     expose_mcp: tuple[str, ...] = ()
+    #: ``<budget>`` elements: the spend budgets (docs/budgets.md); empty: none.
+    budgets: tuple[BudgetSpec, ...] = ()
 
     def listener(self, name: str) -> ListenerSpec:
         for spec in self.listeners:

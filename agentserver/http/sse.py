@@ -11,9 +11,22 @@ from typing import Any
 import trio
 from starlette.responses import Response
 
-from agentserver.agents.events import ChunkEvent, Event, StateEvent, StepEvent, TaskEvent
+from agentserver.agents.events import (
+    BudgetEvent,
+    ChunkEvent,
+    Event,
+    StateEvent,
+    StepEvent,
+    TaskEvent,
+)
 
-_EVENT_KIND = {StepEvent: "step", ChunkEvent: "chunk", TaskEvent: "task", StateEvent: "state"}
+_EVENT_KIND = {
+    StepEvent: "step",
+    ChunkEvent: "chunk",
+    TaskEvent: "task",
+    StateEvent: "state",
+    BudgetEvent: "budget",
+}
 
 
 class EventStreamResponse(Response):

@@ -37,6 +37,7 @@ from agentserver.agents.store.base import (
     ToolCallRecord,
     TurnToken,
 )
+from agentserver.agents.store.budget_store import BudgetStore
 from agentserver.agents.store.governance import DecisionRecord, PendingApproval, StepRecord
 from agentserver.agents.store.sql import (
     common,
@@ -59,7 +60,7 @@ from agentserver.steps.log import StepRow
 T = TypeVar("T")
 
 
-class SqlAgentStore(abc.ABC):
+class SqlAgentStore(BudgetStore, abc.ABC):
     """The store's logic over a backend's transactions (see the module docstring). A
     backend supplies :meth:`_run` and :meth:`aclose`; it cannot be instantiated without."""
 
