@@ -93,7 +93,7 @@ class Hold:
 
 
 #: A hold outlives its call's timeout by this much before the watchdog may release it.
-HOLD_MARGIN_S = 30.0
+HOLD_MARGIN_S = 10.0
 
 
 class Budgets:
