@@ -210,6 +210,8 @@ async def start_agent_service(
 
         figures = StoreFigures(runtime.store, runtime.clock)
         runtime.events.observe(counting(metrics.bind_agents(figures, tuple(profiles))))
+    if metrics is not None and spend is not None:
+        metrics.bind_budgets(spend)
     for name in profiles:
         handlers[name].bind(agent_handler(runtime, pump, name, ports))
     service = AgentService(
@@ -222,6 +224,8 @@ async def start_agent_service(
             async with trio.open_nursery() as inner:
                 if figures is not None:
                     inner.start_soon(figures.run)
+                if spend is not None and metrics is not None:
+                    inner.start_soon(spend.run)
                 if kept is not None and ports.clients is not None:
                     # A shared store: replies other processes keep for clients here.
                     from agentserver.agents.edge.named_clients import forward_kept

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from agentserver.cli import (
+    budget,
     check,
     console,
     export,
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_parsers(sub, common, remote)
     export.add_parsers(sub, common, remote)
     fork.add_parsers(sub, common, remote)
+    budget.add_parsers(sub, common, remote)
     return parser
 
 
@@ -121,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "replay": replay.cmd_replay,
         "export": export.cmd_export,
         "fork": fork.cmd_fork,
+        "budget": budget.cmd_budget,
     }
     return handler[args.command](args)
 

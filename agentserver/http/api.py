@@ -21,6 +21,7 @@ from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
 from agentserver.http.problems import problem
 from agentserver.http.routes.agents import AgentRoutes
+from agentserver.http.routes.budgets import BudgetRoutes
 from agentserver.http.routes.events import SSE_BUFFER, SSE_KEEPALIVE, EventRoutes
 from agentserver.http.routes.mcp import McpRoute
 from agentserver.http.routes.messages import THREAD_HEADER, XML, MessageRoutes
@@ -45,6 +46,7 @@ def build_app(ctx: HttpContext) -> Starlette:
     agents = AgentRoutes(ctx, gate)
     events = EventRoutes(ctx, gate)
     status = StatusRoutes(ctx, gate, events)
+    budgets = BudgetRoutes(ctx, gate)
     return Starlette(
         routes=[
             Route("/healthz", status.healthz),
@@ -59,6 +61,10 @@ def build_app(ctx: HttpContext) -> Starlette:
             Route("/v1/events", events.events),
             Route("/v1/status", status.status),
             Route("/v1/steps", status.steps),
+            Route("/v1/budgets", budgets.list),
+            Route("/v1/budgets/{name}", budgets.one),
+            Route("/v1/budgets/{name}", budgets.put, methods=["PUT"]),
+            Route("/v1/budgets/{name}/reset", budgets.reset, methods=["POST"]),
             *ui_routes(ctx, gate, events, status),
             Route("/mcp", McpRoute(ctx, gate), methods=["GET", "POST", "DELETE"]),
         ],

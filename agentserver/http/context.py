@@ -10,6 +10,7 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from agentserver.agents.events import EventBus, Subscription
+from agentserver.agents.governance.budgets import Budgets
 from agentserver.core.throttle import HelloThrottle
 from agentserver.http.agents_view import AgentsView
 from agentserver.http.auth import HttpAuth
@@ -58,6 +59,8 @@ class HttpContext:
     mcp: Any = None
     organism: str = ""
     version: str = ""
+    #: The spend budgets (None: none declared; ``PUT /v1/budgets`` then refuses).
+    budgets: Budgets | None = None
     counters: dict[str, int] = field(
         default_factory=lambda: {
             "requests": 0,

@@ -33,6 +33,7 @@ from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import DEFAULT_MAX_OUTPUT
 from agentserver.agents.store.sql.budgets import PeriodRow, SpendRow, row_key
 from agentserver.llm.tokens import PER_REQUEST, estimate_message_tokens
+from agentserver.observability.tracing import annotate_current
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,21 @@ class Budgets:
         self._ensured: set[str] = set()
         #: Refusals seen by this process, by budget (for the metrics).
         self.refusals: dict[str, int] = {}
+        #: Every budget's current row as last read by :meth:`run` (None: not yet, or the
+        #: store failing), for the metrics: a scrape never waits on the store.
+        self.snapshot: list[SpendRow] | None = None
+
+    async def run(self, period_s: float = 5.0) -> None:
+        """Refresh :attr:`snapshot` every ``period_s`` until cancelled (a failed read
+        drops the snapshot until one succeeds)."""
+        while True:
+            try:
+                self.snapshot = await self.rows()
+            except Exception as exc:
+                if self.snapshot is not None:
+                    log.warning("budget figures unavailable: %s", exc)
+                self.snapshot = None
+            await trio.sleep(period_s)
 
     # -- the call's side --------------------------------------------------------------
     def need(self, request: LLMRequest) -> Need:
@@ -153,11 +169,21 @@ class Budgets:
         hold_id = uuid.uuid4().hex
         expires = now + timeout_s + HOLD_MARGIN_S
         if await self.store.budget_reserve(keys, need.tokens, need.cost, hold_id, expires):
+            # The span of the Turn's run carries its reservations (the last one's).
+            annotate_current(
+                {
+                    "agentserver.budget.hold": hold_id,
+                    "agentserver.budget.names": ",".join(names),
+                    "agentserver.budget.reserved_tokens": need.tokens,
+                    "agentserver.budget.reserved_cost": need.cost,
+                }
+            )
             return Hold(hold_id, keys, need, tuple(names))
         full = await self.store.budget_refused(keys, need.tokens, need.cost)
         by_key = {r.key: r for r in rows}
         row = by_key.get(full or "", rows[0])
         self.refusals[row.budget] = self.refusals.get(row.budget, 0) + 1
+        annotate_current({"agentserver.budget.refused": row.budget})
         raise BudgetSpent(refusal_text(row.budget, row.period, row.end), row.budget)
 
     async def settle(
