@@ -6,6 +6,7 @@ loopback, a scripted model with usage)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -133,6 +134,22 @@ async def test_budgets_over_http_and_the_cli(tmp_path):
                         await trio.sleep(0.5)
                         metrics = (await http.get("/metrics", headers=op)).text
                 assert 'agentserver_budget_remaining{budget="organism",unit="tokens"}' in metrics
+            # the console's overview: the operator sees every budget, alice her own
+            for who, token, expect in (
+                ("op", OP_TOKEN, ["client:alice", "organism"]),
+                ("alice", "alice-budget-token", ["client:alice"]),
+            ):
+                async with httpx.AsyncClient(base_url=url, timeout=10) as ui:
+                    login = await ui.get("/ui/login")
+                    csrf = re.search(r'name="csrf-token" content="([0-9a-f]+)"', login.text)
+                    assert csrf, login.text[:300]
+                    signed = await ui.post(
+                        "/ui/login", data={"csrf": csrf.group(1), "token": token, "next": "/ui"}
+                    )
+                    assert signed.status_code == 303, who
+                    page = (await ui.get("/ui")).text
+                    shown = re.findall(r'<tr data-budget="([^"]+)"', page)
+                    assert shown == expect, who
         finally:
             assert await trio.to_thread.run_sync(server.stop) == 0, server.stderr
             nursery.cancel_scope.cancel()

@@ -9,6 +9,7 @@ at once and to the store's current period row (which every process checks agains
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 from typing import Any
@@ -35,6 +36,9 @@ def row_json(row: SpendRow) -> dict[str, Any]:
         "period": row.period,
         "period_start": row.period_start,
         "resets_at": None if math.isinf(row.period_end) else row.period_end,
+        "resets": "never"
+        if math.isinf(row.period_end)
+        else dt.datetime.fromtimestamp(row.period_end, dt.UTC).isoformat(),
         "limit": {"tokens": row.limit_tokens, "cost": row.limit_cost},
         "soft": row.soft,
         "spent": {"tokens": row.spent_tokens, "cost": row.spent_cost},
@@ -46,31 +50,45 @@ def row_json(row: SpendRow) -> dict[str, Any]:
     }
 
 
+def is_budget_operator(ctx: HttpContext, identity: Identity) -> bool:
+    """Whether ``identity`` may see every budget and change them."""
+    if identity.name is None:
+        return ctx.anonymous_operators
+    return identity.name in ctx.operators
+
+
+def may_see_budget(ctx: HttpContext, identity: Identity, budget: str) -> bool:
+    """Operators see every budget; a client its own."""
+    if is_budget_operator(ctx, identity):
+        return True
+    own = f"client:{identity.name}"
+    return identity.name is not None and (budget == own or budget.startswith(own + "@"))
+
+
+async def visible_budgets(ctx: HttpContext, identity: Identity) -> list[dict[str, Any]]:
+    """The budgets ``identity`` may see, as the API shows them."""
+    if ctx.budgets is None:
+        return []
+    rows = await ctx.budgets.rows()
+    return [row_json(r) for r in rows if may_see_budget(ctx, identity, r.budget)]
+
+
 class BudgetRoutes:
     def __init__(self, ctx: HttpContext, gate: Gate) -> None:
         self.ctx = ctx
         self.gate = gate
 
     def _operator(self, identity: Identity) -> bool:
-        if identity.name is None:
-            return self.ctx.anonymous_operators
-        return identity.name in self.ctx.operators
+        return is_budget_operator(self.ctx, identity)
 
     def _may_see(self, identity: Identity, budget: str) -> bool:
-        if self._operator(identity):
-            return True
-        own = f"client:{identity.name}"
-        return identity.name is not None and (budget == own or budget.startswith(own + "@"))
+        return may_see_budget(self.ctx, identity, budget)
 
     async def list(self, request: Request) -> Response:
         identity = await self.gate.identify(request)
         if isinstance(identity, Response):
             return identity
-        budgets = self.ctx.budgets
-        rows = await budgets.rows() if budgets is not None else []
-        return JSONResponse(
-            {"budgets": [row_json(r) for r in rows if self._may_see(identity, r.budget)]}
-        )
+        return JSONResponse({"budgets": await visible_budgets(self.ctx, identity)})
 
     async def one(self, request: Request) -> Response:
         identity = await self.gate.identify(request)
