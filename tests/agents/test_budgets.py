@@ -268,3 +268,90 @@ async def test_a_stream_without_usage_settles_at_the_worst_case(store):
             [_ async for _ in items]
     [row] = await budgets.rows()
     assert (row.spent_tokens, row.reserved_tokens) == (worst.tokens + 11, 0)
+
+
+# -- the Turn's side: refused before any model call, ended at the next step --------------
+
+
+class CostlyLLM:
+    """Step 1 calls the calculator, step 2 answers; each call reports 600 tokens."""
+
+    def __init__(self) -> None:
+        self.requests: list[LLMRequest] = []
+
+    async def complete(self, request: LLMRequest) -> LLMCompletion:
+        self.requests.append(request)
+        text = request.messages[-1].content
+        if "Result from" in text:
+            return LLMCompletion("The answer is 3.", LLMUsage(500, 100, 600))
+        return LLMCompletion(
+            'Let me compute. <add xmlns="urn:calc"><a>1</a><b>2</b></add>',
+            LLMUsage(500, 100, 600),
+        )
+
+
+def budgeted_runtime(tmp_path, limit: int):
+    from agents_fakes import FakeReplies, FakeTools, profile
+
+    from agentserver.agents.runtime import AgentRuntime, open_agent_store
+
+    clock = ManualClock(NOON)
+    settings = StoreSettings(path=tmp_path / "agents.sqlite3")
+    profiles = {"assistant": profile(max_tokens=200)}
+    store = open_agent_store(settings, profiles, clock=clock)
+    events = EventBus()
+    budgets = Budgets(
+        store, clock, [BudgetSpec("client:alice@agent:assistant", tokens=limit)], events=events
+    )
+    llm, tools, replies = CostlyLLM(), FakeTools(), FakeReplies()
+    rt = AgentRuntime(
+        store=store,
+        profiles=profiles,
+        llm=llm,
+        tools=tools,
+        replies=replies,
+        settings=settings,
+        clock=clock,
+        events=events,
+        budgets=budgets,
+    )
+    return rt, llm, tools, replies
+
+
+async def test_a_turn_whose_budget_runs_out_ends_failed_at_its_next_step(tmp_path):
+    from agents_fakes import result, task
+
+    rt, llm, tools, replies = budgeted_runtime(tmp_path, limit=1000)
+    ref = {"thread": "t1", "client": "alice"}
+    await rt.enqueue("assistant", task("1+2"), ref)
+    await rt.worker.process_agent("assistant")
+    [(sub, _to, _)] = tools.calls  # step 1 fit and called
+    assert rt.budgets is not None
+    first = rt.budgets.need(llm.requests[0]).tokens
+    assert first <= 1000 < 600 + first  # step 2's (larger) does not fit what is left
+    await rt.report_tool_result("assistant", sub, result("3"))
+    await rt.worker.process_agent("assistant")
+    # no call made for step 2: the Turn failed
+    assert len(llm.requests) == 1
+    [(sent_ref, text, failed)] = [(r[0], r[1], r[2]) for r in replies.sent]
+    assert failed and sent_ref == ref
+    assert text.startswith("budget exhausted: client:alice@agent:assistant (month) is spent;")
+    # a new task of alice is refused before any model call; bob's is not limited
+    await rt.enqueue("assistant", task("2+2"), {"thread": "t2", "client": "alice"})
+    await rt.worker.process_agent("assistant")
+    assert len(llm.requests) == 1 and replies.sent[-1][2]
+    await rt.enqueue("assistant", task("2+2"), {"thread": "t3", "client": "bob"})
+    await rt.worker.process_agent("assistant")
+    assert len(llm.requests) == 2
+    await rt.store.aclose()
+
+
+async def test_without_budgets_a_turn_adds_no_statement(tmp_path):
+    """No <budget>: no Budgets object, no port wrapper (the model step's llm is the
+    runtime's own)."""
+    from agents_fakes import make_harness
+
+    h = make_harness(tmp_path, lambda req: "done")
+    assert h.rt.budgets is None and h.rt.worker.model.budgets is None
+    assert h.rt.watchdog.budgets is None
+    await h.rt.store.aclose()
