@@ -12,7 +12,19 @@ from agentserver.agents.policy.budget import BudgetSpec, budget_name, parse_soft
 from agentserver.config.imports import B
 from agentserver.config.problems import Report
 
-__all__ = ["read_budgets"]
+__all__ = ["fair_weights", "read_budgets"]
+
+
+def fair_weights(root: etree._Element) -> tuple[tuple[str, float], ...] | None:
+    """``<store fair-share="true">``: each named client's ``weight`` (1 unless given);
+    None when fair share is off."""
+    store = root.find(B + "store")
+    if store is None or store.get("fair-share") not in ("true", "1"):
+        return None
+    return tuple(
+        (c.get("name", ""), float(c.get("weight", "1")))
+        for c in root.iterfind(f"{B}clients/{B}client")
+    )
 
 
 def read_budgets(

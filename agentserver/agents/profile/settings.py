@@ -43,6 +43,11 @@ class StoreSettings:
     #: non-blocking API on the trio thread, pipelined; agents/store/pg/trio_executor.py) or
     #: ``"thread"`` (the blocking driver in worker threads; agents/store/pg/executor.py).
     pg_executor: str = "trio"
+    #: ``<store fair-share="true">``: the next queued Turn of an agent is chosen fairly
+    #: between the clients that sent them (agents/store/sql/fair.py), each client's share
+    #: its ``<client weight>`` (pairs of client name and weight; unnamed clients weigh 1).
+    #: None: first come, first served (and no statement added).
+    fair_weights: tuple[tuple[str, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.worker_concurrency < 1:

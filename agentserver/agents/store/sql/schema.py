@@ -11,6 +11,7 @@ from __future__ import annotations
 from agentserver.agents.errors import StoreError
 from agentserver.agents.store import step_log
 from agentserver.agents.store.sql import budgets as budget_sql
+from agentserver.agents.store.sql import fair
 from agentserver.agents.store.sql.db import POSTGRESQL, SQLITE, Tx
 
 _GOVERNANCE = """
@@ -217,7 +218,7 @@ CREATE TABLE forks (
 );
 """,
     # Issue 37: spend budgets, reserved before each model call (agents/store/sql/budgets.py).
-    7: budget_sql.MIGRATION,
+    7: budget_sql.MIGRATION + fair.MIGRATION,
 }
 
 
