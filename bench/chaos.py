@@ -41,6 +41,7 @@ import trio
 # The chaos bench's modules (bench/support/: library modules, not benches).
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
+from chaos_budget import DEFAULT_TOKENS, WorstCase, budget_element, check_budgets
 from chaos_check import Ledger, check
 from chaos_clients import TOKEN, Approver, Operator, Servers, Switches, TaskClient
 from chaos_model import ChaosModel, plan_for
@@ -51,7 +52,7 @@ LLM_TIMEOUT = 4.0
 CLIENTS = (("c0", True), ("c1", False), ("c2", True), ("c3", False))
 
 
-def boot_xml(model_url: str, postgres: bool) -> str:
+def boot_xml(model_url: str, postgres: bool, budget_tokens: int = DEFAULT_TOKENS) -> str:
     store = (
         '<store url-env="CHAOS_STORE_URL" worker-concurrency="4" watchdog-interval="0.5" '
         'lease="2" heartbeat="0.5"/>'
@@ -78,6 +79,7 @@ def boot_xml(model_url: str, postgres: bool) -> str:
     return f"""<?xml version="1.0" encoding="UTF-8"?>
 <organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="chaos">
   <limits hello-timeout="2" read-timeout="5" drain-timeout="1" write-timeout="5"/>
+  {budget_element(budget_tokens)}
   <clients>
 {clients}
     <client name="approver" token-env="CHAOS_TOKEN"/>
@@ -186,12 +188,14 @@ async def chaos(args: argparse.Namespace) -> int:
     try:
         async with trio.open_nursery() as nursery:
             model = await ChaosModel(seed, LLM_TIMEOUT, on_final=on_final).start(nursery)
+            worst = WorstCase()
+            model.decide = worst.watch(model.decide)  # type: ignore[method-assign]
             boot_dir = out / "organism"
             env = child_env(boot_dir, CHAOS_TOKEN=TOKEN, CHAOS_LLM_KEY="chaos-key")
             if pg_url:
                 env["CHAOS_STORE_URL"] = pg_url
             boot = boot_dir / "boot.xml"
-            await trio.Path(boot).write_text(boot_xml(model.base_url, postgres))
+            await trio.Path(boot).write_text(boot_xml(model.base_url, postgres, args.budget_tokens))
             oracle = Oracle(None if postgres else boot_dir / "state" / "agents.sqlite3", pg_url)
             slots = [ServerSlot(i, boot, env, out) for i in range(args.processes)]
             for slot in slots:
@@ -249,6 +253,10 @@ async def chaos(args: argparse.Namespace) -> int:
             refs = await oracle.refs()
             taken = {t for t in ledger.attempts if t in refs}
             verdict = check(ledger, taken, expected_proofs(seed))
+            spend, overspent = await check_budgets(oracle.sqlite_path, pg_url, worst)
+            verdict.counts.update(spend)
+            verdict.violations.extend(overspent)
+            verdict.counts["violations"] = int(verdict.counts["violations"]) + len(overspent)
             await trio.Path(out / "ledger.json").write_text(ledger_json(ledger, taken))
             for slot in slots:
                 await slot.terminate()
@@ -399,6 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-url", help="postgresql://... (default: a new database on PG*)")
     parser.add_argument("--out", help="directory for boot.xml, the store and the logs")
     parser.add_argument("--drain", type=float, default=120.0, help="seconds to answer all")
+    parser.add_argument(
+        "--budget-tokens",
+        type=int,
+        default=DEFAULT_TOKENS,
+        help="the organism's <budget tokens> (default: too large to refuse)",
+    )
     args = parser.parse_args(argv)
     if args.processes == 2 and args.store != "postgresql":
         parser.error("--processes 2 needs --store postgresql")
