@@ -41,6 +41,7 @@ import trio
 # The chaos bench's modules (bench/support/: library modules, not benches).
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
+from chaos_budget import DEFAULT_TOKENS, WorstCase, budget_element, check_budgets
 from chaos_check import Ledger, check
 from chaos_clients import TOKEN, Approver, Operator, Servers, Switches, TaskClient
 from chaos_model import ChaosModel, plan_for
@@ -52,7 +53,9 @@ LLM_TIMEOUT = 4.0
 CLIENTS = (("c0", True), ("c1", False), ("c2", True), ("c3", False))
 
 
-def boot_xml(model_url: str, postgres: bool, retention: bool = False) -> str:
+def boot_xml(
+    model_url: str, postgres: bool, retention: bool = False, budget_tokens: int = DEFAULT_TOKENS
+) -> str:
     store = (
         '<store url-env="CHAOS_STORE_URL" worker-concurrency="4" watchdog-interval="0.5" '
         'lease="2" heartbeat="0.5"/>'
@@ -81,6 +84,7 @@ def boot_xml(model_url: str, postgres: bool, retention: bool = False) -> str:
     return f"""<?xml version="1.0" encoding="UTF-8"?>
 <organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="chaos">
   <limits hello-timeout="2" read-timeout="5" drain-timeout="1" write-timeout="5"/>
+  {budget_element(budget_tokens)}
   <clients>
 {clients}
     <client name="approver" token-env="CHAOS_TOKEN"/>
@@ -191,12 +195,16 @@ async def chaos(args: argparse.Namespace) -> int:
     try:
         async with trio.open_nursery() as nursery:
             model = await ChaosModel(seed, LLM_TIMEOUT, on_final=on_final).start(nursery)
+            worst = WorstCase()
+            model.decide = worst.watch(model.decide)  # type: ignore[method-assign]
             boot_dir = out / "organism"
             env = child_env(boot_dir, CHAOS_TOKEN=TOKEN, CHAOS_LLM_KEY="chaos-key")
             if pg_url:
                 env["CHAOS_STORE_URL"] = pg_url
             boot = boot_dir / "boot.xml"
-            await trio.Path(boot).write_text(boot_xml(model.base_url, postgres, args.retention))
+            await trio.Path(boot).write_text(
+                boot_xml(model.base_url, postgres, args.retention, args.budget_tokens)
+            )
             oracle = Oracle(None if postgres else boot_dir / "state" / "agents.sqlite3", pg_url)
             sizes = SizeWatch(oracle.sqlite_path, pg_url)
             if args.retention:
@@ -257,6 +265,10 @@ async def chaos(args: argparse.Namespace) -> int:
             refs = await oracle.refs()
             taken = {t for t in ledger.attempts if t in refs}
             verdict = check(ledger, taken, expected_proofs(seed))
+            spend, overspent = await check_budgets(oracle.sqlite_path, pg_url, worst)
+            verdict.counts.update(spend)
+            verdict.violations.extend(overspent)
+            verdict.counts["violations"] = int(verdict.counts["violations"]) + len(overspent)
             await trio.Path(out / "ledger.json").write_text(ledger_json(ledger, taken))
             for slot in slots:
                 await slot.terminate()
@@ -413,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
         "--retention",
         action="store_true",
         help="the store prunes with short windows during the run (bench/support/chaos_retention.py)",
+    )
+    parser.add_argument(
+        "--budget-tokens",
+        type=int,
+        default=DEFAULT_TOKENS,
+        help="the organism's <budget tokens> (default: too large to refuse)",
     )
     args = parser.parse_args(argv)
     if args.processes == 2 and args.store != "postgresql":

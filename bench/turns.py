@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextvars
+import functools
 import json
 import os
 import subprocess
@@ -72,6 +73,8 @@ from pydantic_xml import BaseXmlModel, element
 
 from agentserver.agents.clock import SystemClock
 from agentserver.agents.edge.bridge import PumpPorts, agent_handler
+from agentserver.agents.governance.budgets import Budgets
+from agentserver.agents.policy.budget import BudgetSpec
 from agentserver.agents.ports import LLMCompletion, LLMRequest
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.retention import AgentRetention, RetentionSettings
@@ -181,8 +184,10 @@ async def run(
     hold: Callable[[dict], Awaitable[None]] | None = None,
     pg_executor: str = "trio",
     retention: bool = False,
+    budget: bool = False,
 ) -> dict[str, float]:
-    """Run ``turns`` Turns; with ``gate``, wait for it once everything is running, just
+    """Run ``turns`` Turns (``budget``: with an organism budget too large to refuse, so
+    every model call reserves and settles); with ``gate``, wait for it once everything is running, just
     before the first task is sent (the start of the clock); with ``hold``, pass it the
     figures once every answer is in, and keep running until it returns (the Turns this
     process runs for other processes' callers go on)."""
@@ -221,6 +226,9 @@ async def run(
         clock = SystemClock()
         store = open_agent_store(settings, profiles, clock=clock)
         ports = PumpPorts(pump, store=store)
+        spend = None
+        if budget:
+            spend = Budgets(store, clock, [BudgetSpec("organism", tokens=10**15)])
         rt = AgentRuntime(
             store=store,
             profiles=profiles,
@@ -229,6 +237,7 @@ async def run(
             llm=llm,
             tools=ports,
             replies=ports,
+            budgets=spend,
         )
         calls: collections.Counter = collections.Counter()
         count_store_calls(rt.store, calls)
@@ -398,6 +407,12 @@ def main() -> None:
         help="also run with the pruner against the same store (short windows) and print "
         "both Turns/s (SQLite)",
     )
+    ap.add_argument(
+        "--budget",
+        action="store_true",
+        help="measure the spend budgets' reservation: the same Turns without and with an "
+        "organism <budget>, on SQLite and (with --store) PostgreSQL, one process each",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.turns is None:
@@ -410,6 +425,8 @@ def main() -> None:
         ap.error("--count-statements counts SQLite statements only")
     if args.processes < 1:
         ap.error("--processes must be at least 1")
+    if args.budget:
+        return budget_cost(args)
     with tempfile.TemporaryDirectory() as tmp:
         out = trio.run(
             run,
@@ -486,6 +503,52 @@ def main() -> None:
         c["failed"] or c["succeeded"] < c["turns"] for c in cases.values()
     ):
         raise SystemExit(1)
+
+
+def budget_cost(args: argparse.Namespace) -> None:
+    """``--budget``: each store without and with a budget; the reservation's cost per Turn
+    (its store calls, and the difference in wall and CPU time per Turn)."""
+    stores: list[tuple[str, str | None]] = [("sqlite", None)]
+    if args.store:
+        stores.append(("postgresql", args.store))
+    figures: dict[str, object] = {}
+    failed = False
+    for name, url in stores:
+        case: dict[str, dict] = {}
+        for budget in (False, True):
+            if url is not None:
+                empty_pg_store(url)
+            with tempfile.TemporaryDirectory() as tmp:
+                case["with" if budget else "without"] = got = trio.run(
+                    functools.partial(
+                        run,
+                        args.turns,
+                        args.agents,
+                        args.concurrency,
+                        Path(tmp) / "bench.sqlite3",
+                        url=url,
+                        budget=budget,
+                    )
+                )
+            failed = failed or bool(got["failed"]) or got["succeeded"] < got["turns"]
+            report(got, False, f"{name}, {'with' if budget else 'without'} a budget")
+        off, on = case["without"], case["with"]
+        per_turn = 1000 / max(on["turns_per_s"], 1e-9) - 1000 / max(off["turns_per_s"], 1e-9)
+        budget_calls = {
+            k: v for k, v in on["store_calls"].items() if k.startswith(("reserve", "settle"))
+        }
+        figures[name] = {
+            "turns_per_s_without": off["turns_per_s"],
+            "turns_per_s_with": on["turns_per_s"],
+            "ms_per_turn_added": round(per_turn, 3),
+            "cpu_ms_per_turn_added": round(on["cpu_ms_per_turn"] - off["cpu_ms_per_turn"], 3),
+            "store_calls_per_turn_without": off["store_calls_per_turn"],
+            "store_calls_per_turn_with": on["store_calls_per_turn"],
+            "budget_calls_per_turn": round(sum(budget_calls.values()) / max(on["succeeded"], 1), 2),
+        }
+        print(f"{name}: {json.dumps(figures[name])}")
+    print(json.dumps({"budget": figures}))
+    raise SystemExit(1 if failed else 0)
 
 
 def _ratio(ours: dict, theirs: dict) -> float | None:

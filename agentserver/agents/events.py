@@ -78,7 +78,30 @@ class NoticeEvent:
     dedupe_key: str = ""
 
 
-Event: TypeAlias = StepEvent | TaskEvent | ChunkEvent | StateEvent | NoticeEvent
+@dataclass(frozen=True, slots=True)
+class BudgetEvent:
+    """A budget crossed its ``soft`` mark (once per period; docs/budgets.md). ``agent_id``
+    and ``agent_turn_id``: the call that crossed it (for the bus's filters); ``kind`` is
+    ``budget.soft``."""
+
+    agent_id: str
+    agent_turn_id: str | None
+    budget: str
+    period: str
+    period_start: float
+    spent_tokens: int
+    spent_cost: float
+    limit_tokens: int | None
+    limit_cost: float | None
+    kind: str = "budget.soft"
+
+    @property
+    def event_type(self) -> str:
+        """The webhook event type (agents/edge/webhooks.py delivers it by this name)."""
+        return self.kind
+
+
+Event: TypeAlias = StepEvent | TaskEvent | ChunkEvent | StateEvent | NoticeEvent | BudgetEvent
 
 
 class Subscription:

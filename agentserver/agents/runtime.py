@@ -18,6 +18,7 @@ from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StaleTurn, StoreError
 from agentserver.agents.events import EventBus
 from agentserver.agents.governance.approvals import Approvals, SendApproval
+from agentserver.agents.governance.budgets import Budgets
 from agentserver.agents.ports import LLMPort, ReplyPort, ReplyRef, ToolPort
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.settings import StoreSettings
@@ -84,8 +85,11 @@ class AgentRuntime:
         send_approval: SendApproval | None = None,
         listener_approvers: tuple[str, ...] = (),
         retryable_tools: Collection[str] = (),
+        budgets: Budgets | None = None,
     ) -> None:
         self.store = store
+        #: Spend budgets (None: none declared).
+        self.budgets = budgets
         self.tools = tools
         #: Listeners whose steps may be retried (``idempotent``): a call to one that a
         #: restart interrupted is sent again with its idempotency key, not reported lost.
@@ -120,8 +124,9 @@ class AgentRuntime:
             clock=self.clock,
             settings=settings,
             approvals=self.approvals,
+            budgets=budgets,
         )
-        self.watchdog = Watchdog(ender=self.ender, settings=settings)
+        self.watchdog = Watchdog(ender=self.ender, settings=settings, budgets=budgets)
         #: Approvers that are listeners (their requests are sent again after a restart).
         self.listener_approvers = listener_approvers
 

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,9 @@ from agentserver.agents.clock import SystemClock
 from agentserver.agents.edge.bridge import PumpPorts, agent_handler
 from agentserver.agents.edge.llm_adapter import RouterLLM
 from agentserver.agents.errors import LLMUnavailable
-from agentserver.agents.events import counting
+from agentserver.agents.events import EventBus, counting
+from agentserver.agents.governance.budgets import Budgets, WorstPrice
+from agentserver.agents.policy.budget import BudgetSpec
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.settings import StoreSettings
@@ -83,10 +85,22 @@ class AgentService:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     #: The LLM router (None without ``<llm>``), for status and readiness.
     router: Router | None = None
+    #: The spend budgets (None: none declared), for the API, the CLI and the console.
+    budgets: Budgets | None = None
 
     def stop(self) -> None:
         """Stop the worker and watchdog (their work is durable and resumes on restart)."""
         self.scope.cancel()
+
+
+def worst_price(config: RouterConfig | None) -> WorstPrice:
+    """The dearest input and output prices of ``config``'s backends (zero without any
+    ``<price>``: cost budgets then never grow)."""
+    prices = [b.price for b in (config.backends if config else ()) if b.price is not None]
+    return WorstPrice(
+        max((p.input_per_million for p in prices), default=0.0),
+        max((p.output_per_million for p in prices), default=0.0),
+    )
 
 
 async def open_llm(
@@ -153,13 +167,15 @@ async def start_agent_service(
     tracing: Tracing | None = None,
     metrics: Metrics | None = None,
     retryable_tools: Collection[str] = (),
+    budgets: Sequence[BudgetSpec] = (),
 ) -> AgentService:
     """Open the store of ``store`` and the router of ``llm``, bind the agent listeners
     (``handlers``, one per name in ``profiles``) and start the runtime in ``nursery``. Call
     once the pump runs. ``clients`` are the declared clients' names, ``operators`` the
     listeners whose approval decisions are the operator's, for any request (the server's
     own console routers); ``retryable_tools`` the listeners whose steps may be retried
-    (``idempotent``: their calls a restart interrupted are sent again). The store and router
+    (``idempotent``: their calls a restart interrupted are sent again); ``budgets`` the
+    declared spend budgets (none: nothing of them is built). The store and router
     are closed by ``resources``; cancelling ``nursery`` stops the runtime, whose work is
     durable and resumes at the next start."""
     env = os.environ if environ is None else environ
@@ -180,6 +196,10 @@ async def start_agent_service(
     # At once (it is all runtime.aclose does): closed even if what follows fails.
     resources.push_async_callback(agent_store.aclose)
     ports = PumpPorts(pump, store=agent_store, named_clients=named, operators=frozenset(operators))
+    events = EventBus()
+    spend = None
+    if budgets:
+        spend = Budgets(agent_store, clock, budgets, price=worst_price(llm), events=events)
     runtime = AgentRuntime(
         store=agent_store,
         profiles=profiles,
@@ -202,6 +222,8 @@ async def start_agent_service(
             )
         ),
         retryable_tools=retryable_tools,
+        events=events,
+        budgets=spend,
     )
     figures = None
     if metrics is not None:
@@ -211,10 +233,15 @@ async def start_agent_service(
 
         figures = StoreFigures(runtime.store, runtime.clock)
         runtime.events.observe(counting(metrics.bind_agents(figures, tuple(profiles))))
+    if metrics is not None and spend is not None:
+        metrics.bind_budgets(spend)
     for name in profiles:
         handlers[name].bind(agent_handler(runtime, pump, name, ports))
     service = AgentService(runtime, ports, profiles, router=getattr(llm_port, "router", None))
     pruner = retention_pruner(store, profiles, agent_store)
+    service = AgentService(
+        runtime, ports, profiles, router=getattr(llm_port, "router", None), budgets=spend
+    )
 
     async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with service.scope:
@@ -224,6 +251,8 @@ async def start_agent_service(
                     inner.start_soon(figures.run)
                 if pruner is not None:
                     inner.start_soon(pruner.run)
+                if spend is not None and metrics is not None:
+                    inner.start_soon(spend.run)
                 if kept is not None and ports.clients is not None:
                     # A shared store: replies other processes keep for clients here.
                     from agentserver.agents.edge.named_clients import forward_kept

@@ -398,6 +398,7 @@ async def _start_http(
         tls=topology.tls is not None,
         organism=topology.organism,
         version=package_version(),
+        budgets=agents.budgets if agents is not None else None,
     )
     ssl_context = None
     if topology.tls is not None:

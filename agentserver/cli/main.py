@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from agentserver.cli import (
+    budget,
     check,
     console,
     export,
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_parsers(sub, common, remote)
     fork.add_parsers(sub, common, remote)
     store.add_parsers(sub, common, remote)
+    budget.add_parsers(sub, common, remote)
     return parser
 
 
@@ -124,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "export": export.cmd_export,
         "fork": fork.cmd_fork,
         "store": store.cmd_store,
+        "budget": budget.cmd_budget,
     }
     return handler[args.command](args)
 

@@ -24,12 +24,14 @@ and schema files it names, and reaching each ``<mcp>`` server once to list its t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from collections.abc import Mapping
 
 from lxml import etree
 
+from agentserver.config.budgets import fair_weights, read_budgets
 from agentserver.config.clients import ClientReader, is_loopback
 from agentserver.config.governance import check_approvers
 from agentserver.config.imports import B, Resolver, add_import_dir, flag, resolve_import
@@ -192,10 +194,14 @@ class _Loader:
         http = sections.http(root.find(B + "http"), bool(clients))
         llm = sections.llm(root.find(B + "llm"))
         store = sections.store(root.find(B + "store"))
+        weights = fair_weights(root)
+        if weights is not None:
+            store = dataclasses.replace(store, fair_weights=weights)
         description = (root.findtext(B + "description") or "").strip()
         from agentserver.config.webhooks import read_webhooks
 
         webhooks = read_webhooks(report, root, self.environ)
+        budgets = read_budgets(report, root, {s.name for s in listeners if s.agent})
         return Topology(
             path=self.path,
             organism=root.get("name", ""),
@@ -215,4 +221,5 @@ class _Loader:
                 report, root.find(B + "expose-mcp"), {s.name for s in listeners}
             ),
             webhooks=webhooks,
+            budgets=budgets,
         )

@@ -31,6 +31,7 @@ from agentserver.remote.mcp_spec import McpServerSpec, McpToolRef
 if TYPE_CHECKING:
     # Types only: importing the agents and the LLM router would make every command that
     # reads DEFAULT_PORT pay for them (httpx, the router); the loader imports them.
+    from agentserver.agents.policy.budget import BudgetSpec
     from agentserver.agents.policy.evaluate import Policy
     from agentserver.agents.policy.guardrails import GuardrailSpec
     from agentserver.agents.profile.settings import AgentSettings, StoreSettings
@@ -167,6 +168,8 @@ class Topology:
     expose_mcp: tuple[str, ...] = ()
     #: ``<webhooks>`` and the agents' ``<webhook>`` (docs/webhooks.md).
     webhooks: tuple[WebhookSpec, ...] = ()
+    #: ``<budget>`` elements: the spend budgets (docs/budgets.md); empty: none.
+    budgets: tuple[BudgetSpec, ...] = ()
 
     def listener(self, name: str) -> ListenerSpec:
         for spec in self.listeners:

@@ -21,6 +21,7 @@ from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
 from agentserver.http.problems import problem
 from agentserver.http.routes.agents import AgentRoutes
+from agentserver.http.routes.budgets import BudgetRoutes
 from agentserver.http.routes.events import SSE_BUFFER, SSE_KEEPALIVE, EventRoutes
 from agentserver.http.routes.mcp import McpRoute
 from agentserver.http.routes.messages import THREAD_HEADER, XML, MessageRoutes
@@ -47,6 +48,7 @@ def build_app(ctx: HttpContext) -> Starlette:
     events = EventRoutes(ctx, gate)
     status = StatusRoutes(ctx, gate, events)
     hooks = WebhookRoutes(ctx, gate)
+    budgets = BudgetRoutes(ctx, gate)
     return Starlette(
         routes=[
             Route("/healthz", status.healthz),
@@ -66,6 +68,10 @@ def build_app(ctx: HttpContext) -> Starlette:
             Route("/v1/webhooks/{name}", hooks.one),
             Route("/v1/webhooks/{name}", hooks.delete, methods=["DELETE"]),
             Route("/v1/webhooks/{name}/enable", hooks.enable, methods=["POST"]),
+            Route("/v1/budgets", budgets.list),
+            Route("/v1/budgets/{name}", budgets.one),
+            Route("/v1/budgets/{name}", budgets.put, methods=["PUT"]),
+            Route("/v1/budgets/{name}/reset", budgets.reset, methods=["POST"]),
             *ui_routes(ctx, gate, events, status),
             Route("/mcp", McpRoute(ctx, gate), methods=["GET", "POST", "DELETE"]),
         ],

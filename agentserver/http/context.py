@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from agentserver.agents.edge.webhooks import Webhooks
 from agentserver.agents.events import EventBus, Subscription
+from agentserver.agents.governance.budgets import Budgets
 from agentserver.core.throttle import HelloThrottle
 from agentserver.http.agents_view import AgentsView
 from agentserver.http.auth import HttpAuth
@@ -61,6 +62,8 @@ class HttpContext:
     mcp: Any = None
     organism: str = ""
     version: str = ""
+    #: The spend budgets (None: none declared; ``PUT /v1/budgets`` then refuses).
+    budgets: Budgets | None = None
     counters: dict[str, int] = field(
         default_factory=lambda: {
             "requests": 0,

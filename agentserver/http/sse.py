@@ -12,6 +12,7 @@ import trio
 from starlette.responses import Response
 
 from agentserver.agents.events import (
+    BudgetEvent,
     ChunkEvent,
     Event,
     NoticeEvent,
@@ -20,7 +21,13 @@ from agentserver.agents.events import (
     TaskEvent,
 )
 
-_EVENT_KIND = {StepEvent: "step", ChunkEvent: "chunk", TaskEvent: "task", StateEvent: "state"}
+_EVENT_KIND = {
+    StepEvent: "step",
+    ChunkEvent: "chunk",
+    TaskEvent: "task",
+    StateEvent: "state",
+    BudgetEvent: "budget",
+}
 
 
 class EventStreamResponse(Response):

@@ -1,4 +1,4 @@
-"""Token buckets: pure arithmetic plus a trio limiter with a FIFO queue.
+"""Token buckets: pure arithmetic plus a trio limiter with a fair queue.
 
 :class:`TokenBucket` is sans-IO: it is told the time and only does sums.
 :class:`Limiter` puts one or more buckets (for example requests-per-minute and
@@ -6,6 +6,11 @@ tokens-per-minute) behind a single FIFO queue on trio and grants all of them in
 one step, so the instant a caller is admitted is the instant every bucket is
 charged. Two separate queues could admit a caller on one bucket, keep it waiting
 on the other and later release a burst; one queue cannot.
+
+Waiters may name who they wait for (``key``: the router passes the agent): the queue is
+then one FIFO lane per key, served round robin, so one hot agent cannot take the whole
+bucket while others wait (each waiting agent gets a grant in turn). Without keys there is
+one lane: strict FIFO.
 
 Guarantee: over any interval of length ``T`` the amount granted by a bucket is
 at most ``capacity + rate * T`` (plus whatever was given back with
@@ -100,20 +105,23 @@ class TokenBucket:
 
 
 class _Waiter:
-    __slots__ = ("amounts", "wake")
+    __slots__ = ("amounts", "key", "wake")
 
-    def __init__(self, amounts: Sequence[float]) -> None:
+    def __init__(self, amounts: Sequence[float], key: object) -> None:
         self.amounts = amounts
+        self.key = key
         self.wake = trio.Event()
 
 
 class Limiter:
-    """Several token buckets behind one FIFO queue, on trio.
+    """Several token buckets behind one queue, on trio.
 
     - :meth:`acquire` is atomic across buckets: a caller is charged on every
       bucket at the same instant or on none.
-    - Waiters are served strictly in arrival order; a later small request never
-      overtakes an earlier large one (that would starve large requests).
+    - Waiters of one key are served strictly in arrival order; a later small request
+      never overtakes an earlier large one (that would starve large requests). Keys
+      take turns (round robin over the keys waiting, in order of arrival): a key that
+      was just granted goes behind the others.
     - A cancelled wait takes nothing and lets the next waiter move up.
     - The queue is bounded by ``max_waiters``; beyond it :meth:`acquire` raises
       :class:`QueueFull` at once rather than growing without bound.
@@ -126,11 +134,32 @@ class Limiter:
             raise ValueError("max_waiters must be >= 0")
         self.buckets: tuple[TokenBucket, ...] = tuple(buckets)
         self.max_waiters = max_waiters
-        self._queue: deque[_Waiter] = deque()
+        #: key -> its FIFO lane; the dict's order is the round robin's (bounded: one
+        #: lane per key waiting, removed when empty).
+        self._lanes: dict[object, deque[_Waiter]] = {}
+        self._waiting = 0
 
     @property
     def waiting(self) -> int:
-        return len(self._queue)
+        return self._waiting
+
+    def _head(self) -> _Waiter | None:
+        for lane in self._lanes.values():
+            return lane[0]
+        return None
+
+    def _remove(self, waiter: _Waiter, *, granted: bool) -> None:
+        lane = self._lanes.get(waiter.key)
+        if lane is None or waiter not in lane:
+            return
+        lane.remove(waiter)
+        self._waiting -= 1
+        if not lane:
+            del self._lanes[waiter.key]
+        elif granted:
+            # Its turn is over: behind every other key waiting.
+            del self._lanes[waiter.key]
+            self._lanes[waiter.key] = lane
 
     def _check(self, amounts: Sequence[float]) -> None:
         if len(amounts) != len(self.buckets):
@@ -152,13 +181,14 @@ class Limiter:
             bucket.take(amount, now)
 
     def _wake_head(self) -> None:
-        if self._queue:
-            self._queue[0].wake.set()
+        head = self._head()
+        if head is not None:
+            head.wake.set()
 
     def try_acquire(self, amounts: Sequence[float]) -> bool:
         """Take ``amounts`` now if nobody is queued and every bucket has enough."""
         self._check(amounts)
-        if self._queue:
+        if self._waiting:
             return False
         now = trio.current_time()
         if self._wait_time(amounts, now) > 0.0:
@@ -166,8 +196,9 @@ class Limiter:
         self._grant(amounts, now)
         return True
 
-    async def acquire(self, amounts: Sequence[float]) -> None:
-        """Wait in line until every bucket can give its amount, then take them all.
+    async def acquire(self, amounts: Sequence[float], key: object = None) -> None:
+        """Wait in line (``key``'s lane) until every bucket can give its amount, then
+        take them all.
 
         Always a checkpoint. Cancellation while waiting takes nothing.
         """
@@ -177,18 +208,19 @@ class Limiter:
             # just made cannot be lost to a cancellation.
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
-        if len(self._queue) >= self.max_waiters:
-            raise QueueFull(f"{len(self._queue)} callers already waiting")
-        waiter = _Waiter(amounts)
-        self._queue.append(waiter)
+        if self._waiting >= self.max_waiters:
+            raise QueueFull(f"{self._waiting} callers already waiting")
+        waiter = _Waiter(amounts, key)
+        self._lanes.setdefault(key, deque()).append(waiter)
+        self._waiting += 1
         try:
             while True:
-                if self._queue[0] is waiter:
+                if self._head() is waiter:
                     now = trio.current_time()
                     wait = self._wait_time(amounts, now)
                     if wait <= 0.0:
                         self._grant(amounts, now)
-                        self._queue.popleft()
+                        self._remove(waiter, granted=True)
                         self._wake_head()
                         return
                     with trio.move_on_at(now + wait):
@@ -197,9 +229,8 @@ class Limiter:
                     await waiter.wake.wait()
                 waiter.wake = trio.Event()
         except BaseException:
-            was_head = bool(self._queue) and self._queue[0] is waiter
-            if waiter in self._queue:
-                self._queue.remove(waiter)
+            was_head = self._head() is waiter
+            self._remove(waiter, granted=False)
             if was_head:
                 self._wake_head()
             raise

@@ -264,7 +264,7 @@ class Router:
             assert permit is not None
             rt = route.runtime
 
-            lease = await self._admit(rt, permit, need, deadline)
+            lease = await self._admit(rt, permit, need, deadline, request.agent)
             attempts += 1
             rt.counters.requests += 1
             try:
@@ -316,10 +316,13 @@ class Router:
             assert isinstance(result, Reply)
             return self.succeed(request, route.runtime, lease, result, started, attempts)
 
-    async def _admit(self, rt: BackendRuntime, permit: Permit, need: int, deadline: float) -> Lease:
+    async def _admit(
+        self, rt: BackendRuntime, permit: Permit, need: int, deadline: float, agent: str | None
+    ) -> Lease:
         """Concurrency slot first, then both buckets at once: the instant the
         buckets grant is the instant the call goes out, so the provider sees
-        what the buckets allowed."""
+        what the buckets allowed. Waiting on the buckets, agents take turns (``agent``
+        is the caller's lane: one hot agent cannot take the whole bucket)."""
         lease = Lease(rt, permit)
         rt.active += 1
         amounts = rt.amounts(need) if rt.limiter is not None else None
@@ -349,7 +352,7 @@ class Router:
                     await rt.slots.acquire()
                     lease.slot = True
                 if amounts is not None:
-                    await rt.limiter.acquire(amounts)  # type: ignore[union-attr]
+                    await rt.limiter.acquire(amounts, agent)  # type: ignore[union-attr]
                     lease.reserved = need if rt.tok_index is not None else 0
             if scope.cancelled_caught:
                 raise LLMError(

@@ -270,6 +270,49 @@ class _StepLogCollector(Collector):
         )
 
 
+class _BudgetCollector(Collector):
+    """The spend budgets (agents/governance/budgets.py ``Budgets``): spent, reserved and
+    remaining of each budget's current period, from the snapshot its refresh task reads
+    (a scrape never waits on the store), and this process's refusals by budget."""
+
+    def __init__(self, budgets: Any) -> None:
+        self.budgets = budgets
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self.budgets.snapshot
+        refused = CounterMetricFamily(
+            "agentserver_budget_refusals",
+            "Model calls this process refused because a budget had no room, by budget.",
+            labels=["budget"],
+        )
+        for name in sorted({*self.budgets.specs, *self.budgets.refusals}):
+            refused.add_metric([name], self.budgets.refusals.get(name, 0))
+        yield refused
+        if rows is None:
+            return
+        families = {
+            what: GaugeMetricFamily(
+                f"agentserver_budget_{what}",
+                f"A budget's {what} in its current period, by budget and unit (tokens, cost).",
+                labels=["budget", "unit"],
+            )
+            for what in ("spent", "reserved", "remaining", "limit")
+        }
+        for r in rows:
+            tokens_left, cost_left = r.remaining()
+            for unit, spent, reserved, left, limit in (
+                ("tokens", r.spent_tokens, r.reserved_tokens, tokens_left, r.limit_tokens),
+                ("cost", r.spent_cost, r.reserved_cost, cost_left, r.limit_cost),
+            ):
+                if limit is None:
+                    continue
+                families["spent"].add_metric([r.budget, unit], spent)
+                families["reserved"].add_metric([r.budget, unit], reserved)
+                families["remaining"].add_metric([r.budget, unit], left)
+                families["limit"].add_metric([r.budget, unit], limit)
+        yield from families.values()
+
+
 def _counter(name: str, doc: str, labels: list[str], items: Any) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc, labels=labels)
     for key, value in items:
@@ -306,6 +349,10 @@ class Metrics:
         if figures is not None:
             self.registry.register(_AgentStoreCollector(figures, agents))
         return self._agents
+
+    def bind_budgets(self, budgets: Any) -> None:
+        """Expose the spend budgets (``agentserver_budget_*``)."""
+        self.registry.register(_BudgetCollector(budgets))
 
     def bind_step_log(self, step_log: Any) -> None:
         """Expose the durable step log's buffer (waiting rows, dropped rows)."""

@@ -238,6 +238,14 @@ def context_of(traceparent: str | None) -> otel_context.Context:
     return _PROPAGATOR.extract({"traceparent": traceparent}) if traceparent else _ROOT
 
 
+def annotate_current(attributes: Mapping[str, str | int | float]) -> None:
+    """Add ``attributes`` to the current span, if one is recording (tracing off: one
+    check)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes(dict(attributes))
+
+
 def record_error(span: Span, kind: str) -> None:
     """Mark ``span`` failed with ``error.type`` ``kind`` (an exception's class name, or a
     typed error's kind)."""

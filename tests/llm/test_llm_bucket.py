@@ -211,3 +211,43 @@ def test_concurrent_callers_never_overshoot_and_keep_order(amounts, cancel_every
     order = [i for _, _, i in grants]
     assert order == sorted(order)
     assert window_excess([(t, a) for t, a, _ in grants], 100, 100 / 60) <= 1e-6
+
+
+async def test_agents_take_turns_on_a_shared_bucket(autojump_clock):
+    """A hot agent with 20 calls waiting delays another agent's call by at most one grant;
+    each agent's own calls keep their order."""
+    limiter = Limiter([TokenBucket.per_minute(60, trio.current_time())])  # 1 per second
+    await limiter.acquire([60], "hot")  # empty it
+    served: list[str] = []
+
+    async def take(agent: str, n: int) -> None:
+        await limiter.acquire([10], agent)
+        served.append(f"{agent}{n}")
+
+    async with trio.open_nursery() as nursery:
+        for n in range(20):
+            nursery.start_soon(take, "hot", n)
+            await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(take, "cool", 0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert limiter.waiting == 21
+    assert served.index("cool0") <= 1
+    assert [s for s in served if s.startswith("hot")] == [f"hot{n}" for n in range(20)]
+    assert limiter.waiting == 0
+
+
+async def test_two_agents_alternate_while_both_wait(autojump_clock):
+    """Two agents share one bucket through two keys: grants alternate while both wait."""
+    limiter = Limiter([TokenBucket.per_minute(60, trio.current_time())])
+    await limiter.acquire([60])
+    served: list[str] = []
+
+    async def take(agent: str) -> None:
+        await limiter.acquire([5], agent)
+        served.append(agent)
+
+    async with trio.open_nursery() as nursery:
+        for agent in ["a"] * 6 + ["b"] * 6:
+            nursery.start_soon(take, agent)
+            await trio.testing.wait_all_tasks_blocked()
+    assert served == ["a", "b"] * 6

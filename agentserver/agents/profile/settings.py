@@ -47,6 +47,11 @@ class StoreSettings:
     #: ``<store><retention>`` (agents/profile/retention.py): None keeps everything and
     #: runs no pruner.
     retention: RetentionSettings | None = None
+    #: ``<store fair-share="true">``: the next queued Turn of an agent is chosen fairly
+    #: between the clients that sent them (agents/store/sql/fair.py), each client's share
+    #: its ``<client weight>`` (pairs of client name and weight; unnamed clients weigh 1).
+    #: None: first come, first served (and no statement added).
+    fair_weights: tuple[tuple[str, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.worker_concurrency < 1:

@@ -37,6 +37,7 @@ from agentserver.agents.store.base import (
     ToolCallRecord,
     TurnToken,
 )
+from agentserver.agents.store.budget_store import BudgetStore
 from agentserver.agents.store.governance import DecisionRecord, PendingApproval, StepRecord
 from agentserver.agents.store.sql import (
     common,
@@ -60,7 +61,7 @@ from agentserver.steps.log import StepRow
 T = TypeVar("T")
 
 
-class SqlAgentStore(abc.ABC):
+class SqlAgentStore(BudgetStore, abc.ABC):
     """The store's logic over a backend's transactions (see the module docstring). A
     backend supplies :meth:`_run` and :meth:`aclose`; it cannot be instantiated without."""
 
@@ -526,6 +527,7 @@ class SqlAgentStore(abc.ABC):
     async def turn_conversation(self, agent_turn_id: str) -> tuple[str | None, str | None]:
         """(caller thread, conversation) of the task a Turn runs (for webhook payloads)."""
         return await self._read(outbox.turn_conversation, agent_turn_id)
+
     # -- retention (agents/store/sql/prune.py; the pruner is agents/store/pruner.py) --------
     async def take_prune_lease(self, owner: str, lease_s: float) -> bool:
         return await self._run(prune.take_lease, owner, lease_s)

@@ -17,6 +17,7 @@ import trio
 
 from agentserver.agents.errors import LLMUnavailable, StaleTurn, StoreError
 from agentserver.agents.events import ChunkEvent, EventBus, StepEvent
+from agentserver.agents.governance.budgets import Budgets, BudgetSpent
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.retry import RetryStep, decide_retry
@@ -46,8 +47,11 @@ class ModelStep:
         events: EventBus,
         hold: TurnHold,
         poll_s: float = 1.0,
+        budgets: Budgets | None = None,
     ) -> None:
         self.store = store
+        #: The spend budgets (None: none declared, and a call pays nothing for them).
+        self.budgets = budgets
         self.events = events
         #: Fences the Turn (its running head, or StaleTurn) after a compaction and while
         #: the model call runs.
@@ -64,6 +68,7 @@ class ModelStep:
         step_id: str,
         retries_done: int,
         step: StepStart,
+        client: str | None = None,
     ) -> tuple[LLMCompletion, BoxSwap | None] | StepFailed | None:
         """One call of ``llm`` on the cards ``step`` read, and the compaction to commit with
         the step (or None). None when it failed with a retryable kind (see
@@ -77,7 +82,16 @@ class ModelStep:
         provider's CONTEXT_OVERFLOW compacts once more, keeping only the task, and retries
         at once; a second overflow ends the Turn. The model is shown the compacted cards
         at once, but the box swap is committed only with the step's results.
+
+        With spend budgets, every call (compaction's too) reserves its worst case in the
+        budgets of the agent and ``client`` first (``agents/governance/budgets.py``); a
+        budget without room ends the step :class:`StepFailed` with its stable reason,
+        before any call is made.
         """
+        if self.budgets is not None:
+            llm = self.budgets.port(
+                llm, token.agent_id, client, token.agent_turn_id, profile.llm_timeout_s
+            )
         budget = profile.budget
         system = system_text(profile)
         system_tokens = estimate_message_tokens(system)
@@ -116,6 +130,8 @@ class ModelStep:
                     return completion, None
         except StaleTurn:
             raise
+        except BudgetSpent as exc:
+            return StepFailed(exc.reason)
         except LLMUnavailable as exc:
             if exc.kind.upper() == "CONTEXT_OVERFLOW":
                 problem = (

@@ -22,6 +22,7 @@ import logging
 import trio
 
 from agentserver.agents.errors import StaleTurn
+from agentserver.agents.governance.budgets import Budgets
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import TaskStatus, WatchdogStore
 from agentserver.agents.store.states import HeadStatus
@@ -31,8 +32,12 @@ log = logging.getLogger(__name__)
 
 
 class Watchdog:
-    def __init__(self, *, ender: TurnEnder, settings: StoreSettings) -> None:
+    def __init__(
+        self, *, ender: TurnEnder, settings: StoreSettings, budgets: Budgets | None = None
+    ) -> None:
         self.store: WatchdogStore = ender.store
+        #: Spend budgets: a dead process's holds are released here (None: none declared).
+        self.budgets = budgets
         self.ender = ender
         self.doorbell = ender.doorbell
         self.settings = settings
@@ -69,6 +74,10 @@ class Watchdog:
             )
         for reply in await self.store.pending_replies(64, older_than_s=s.processing_timeout_s):
             done["replies"] += await self.ender.resend(reply)
+        if self.budgets is not None:
+            done["holds"] = await self.budgets.release_expired()
+            if done["holds"]:
+                log.warning("budget holds of dead calls released: %d", done["holds"])
         if done["requeued"] or done["timeouts"] or await self.store.due_agents(1):
             self.doorbell.ring()
         return done

@@ -29,6 +29,7 @@ from agentserver.agents.clock import Clock
 from agentserver.agents.errors import PumpRefused, StaleTurn
 from agentserver.agents.events import StateEvent, StepEvent
 from agentserver.agents.governance.approvals import Approvals, forward_granted
+from agentserver.agents.governance.budgets import Budgets
 from agentserver.agents.governance.governor import Governor, Screened
 from agentserver.agents.ports import LLMPort, ReplyRef, ToolPort
 from agentserver.agents.profile.agent import AgentProfile
@@ -87,6 +88,7 @@ class Worker:
         clock: Clock,
         settings: StoreSettings,
         approvals: Approvals | None = None,
+        budgets: Budgets | None = None,
     ) -> None:
         self.hold = hold
         self.tracing = hold.tracing
@@ -105,6 +107,7 @@ class Worker:
             events=self.events,
             hold=hold,
             poll_s=settings.watchdog_interval_s,
+            budgets=budgets,
         )
         self.tool_calls = ToolDispatch(
             store=self.store,
@@ -368,6 +371,9 @@ class Worker:
         ``retries_done``: retries the first step already had (a retry wait's resume);
         ``step``: the first step, if the transaction that started or resumed the Turn
         began it. Raises StaleTurn when fenced out."""
+        client = reply_ref.get("client") if isinstance(reply_ref, dict) else None
+        if not isinstance(client, str):
+            client = None
         while True:
             if step is None:
                 step = await self._open_step(token, profile)
@@ -381,7 +387,7 @@ class Worker:
                 return True
             self._step_event(token, step_id, "started", "thinking")
             done = await self.model.complete(
-                self.llm, token, head, profile, step_id, retries_done, step
+                self.llm, token, head, profile, step_id, retries_done, step, client
             )
             if isinstance(done, StepFailed):
                 await self.hold.finish(token, profile, TaskStatus.FAILED, done.problem)

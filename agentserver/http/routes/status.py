@@ -9,9 +9,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from agentserver.agents.governance.budgets import near_limit
 from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
 from agentserver.http.problems import problem
+from agentserver.http.routes.budgets import row_json
 from agentserver.http.routes.events import EventRoutes
 
 #: What ``/v1/status`` shows of each webhook (its URL and settings: ``/v1/webhooks``).
@@ -106,6 +108,12 @@ class StatusRoutes:
                 {k: w[k] for k in STATUS_FIELDS}
                 for w in (await hooks.status() if hooks is not None and hooks.specs() else [])
             ],
+            # the spend budgets at 80 % or more of a limit (docs/budgets.md)
+            "budgets_near_limit": (
+                [row_json(r) for r in near_limit(await ctx.budgets.rows())]
+                if ctx.budgets is not None
+                else []
+            ),
         }
 
     async def steps(self, request: Request) -> Response:

@@ -19,6 +19,7 @@ from agentserver.core.usage import TaskForm, task_form
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
+from agentserver.http.routes.budgets import visible_budgets
 from agentserver.http.routes.status import StatusRoutes
 from agentserver.primitives.approval import ApprovalDecision
 
@@ -96,6 +97,7 @@ class ConsoleData:
         doc["approvals"] = await self.approvals(identity)
         doc["operator"] = self.is_operator(identity)
         doc["caller"] = identity.name
+        doc["budgets"] = await visible_budgets(self.ctx, identity)
         return doc
 
     async def agent(self, identity: Identity, name: str) -> dict[str, Any] | None:

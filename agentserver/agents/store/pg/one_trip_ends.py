@@ -252,7 +252,7 @@ def finish(
     )
     if step_id is not None:
         close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, ())
-    queued = tx.one(head.QUEUED_NEXT, (agent, InboxStatus.QUEUED))
+    queued = head.next_queued(tx, env, agent)
     if not ending.rows:  # (the compare-and-set would have missed: not reached)
         raise StaleTurn(f"{token}: not the active Turn")
     _, _, output_box, _, _, ref, _ = ending.rows[0]

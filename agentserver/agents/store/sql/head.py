@@ -13,7 +13,7 @@ from typing import Any
 
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.store.base import CardType, Head, NewCard, TurnToken
-from agentserver.agents.store.sql import conversations
+from agentserver.agents.store.sql import conversations, fair
 from agentserver.agents.store.sql.common import (
     HEAD_COLS,
     edge,
@@ -186,9 +186,18 @@ def ensure(tx: Tx, env: StoreEnv, agent_id: str) -> None:
 def lease_next(tx: Tx, env: StoreEnv, agent_id: str) -> bool:
     """L0 dispatch_next: lease the oldest queued Turn if the agent is idle.
 
-    Everything is read before the compare-and-set, so a busy head writes nothing."""
-    row = tx.one(QUEUED_NEXT, (agent_id, InboxStatus.QUEUED))
+    Everything is read before the compare-and-set, so a busy head writes nothing (with
+    fair share, the tags it moves are rolled back with the lease that is not taken)."""
+    row = next_queued(tx, env, agent_id)
     return lease_row(tx, env, agent_id, row) if row is not None else False
+
+
+def next_queued(tx: Tx, env: StoreEnv, agent_id: str) -> Sequence[Any] | None:
+    """The queued Turn to lease next: the oldest, or with ``<store fair-share>`` the fair
+    one (agents/store/sql/fair.py)."""
+    if env.settings.fair_weights is not None:
+        return fair.next_queued(tx, env, agent_id)
+    return tx.one(QUEUED_NEXT, (agent_id, InboxStatus.QUEUED))
 
 
 #: The oldest queued Turn of an agent (parameters: the agent, ``InboxStatus.QUEUED``).

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from agentserver.agents.errors import StoreError
 from agentserver.agents.store import outbox, step_log
-from agentserver.agents.store.sql import prune
+from agentserver.agents.store.sql import budgets as budget_sql
+from agentserver.agents.store.sql import fair, prune
 from agentserver.agents.store.sql.db import POSTGRESQL, SQLITE, Tx
 
 _GOVERNANCE = """
@@ -220,6 +221,8 @@ CREATE TABLE forks (
     # Issue 38: retention. Tombstones of pruned Turns, the pruner's lease, the indexes a
     # prune batch looks rows up by (agents/store/sql/prune.py).
     8: prune.MIGRATION,
+    # Issue 37: spend budgets, reserved before each model call (agents/store/sql/budgets.py).
+    9: budget_sql.MIGRATION + fair.MIGRATION,
 }
 #: The newest schema version: migrations are numbered 1..N without gaps.
 SCHEMA_VERSION = max(MIGRATIONS)

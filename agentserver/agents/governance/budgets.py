@@ -1,0 +1,357 @@
+"""Spend budgets as applied: each model call reserves its worst case in every budget it
+pays into before it is made, and settles to the reported usage when it returns
+(docs/budgets.md).
+
+:class:`Budgets` holds the declared budgets (changed at run time by ``PUT /v1/budgets``)
+and talks to the store; :class:`BudgetedLLM` wraps the worker's LLM port for one Turn's
+calls. A refused reservation raises :class:`BudgetSpent`, whose text is the stable reason
+the Turn ends ``failed`` with. Without any declared budget none of this is built: a Turn
+pays nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import trio
+
+from agentserver.agents.clock import Clock
+from agentserver.agents.events import BudgetEvent, EventBus
+from agentserver.agents.policy.budget import (
+    BudgetSpec,
+    Need,
+    applicable,
+    period_bounds,
+    refusal_text,
+)
+from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
+from agentserver.agents.profile.agent import DEFAULT_MAX_OUTPUT
+from agentserver.agents.store.sql.budgets import PeriodRow, SpendRow, row_key
+from agentserver.llm.tokens import PER_REQUEST, estimate_message_tokens
+from agentserver.observability.tracing import annotate_current
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BudgetSpent", "BudgetedLLM", "Budgets", "Hold", "WorstPrice"]
+
+
+class BudgetSpent(Exception):
+    """A reservation was refused: ``str(exc)`` is the stable reason (budget and reset)."""
+
+    def __init__(self, reason: str, budget: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.budget = budget
+
+
+class BudgetRows(Protocol):
+    """What :class:`Budgets` needs of the store (``agents/store/budget_store.py``)."""
+
+    async def budget_ensure(self, rows: Sequence[PeriodRow]) -> None: ...
+    async def budget_reserve(
+        self, keys: Sequence[str], tokens: int, cost: float, hold_id: str, expires_at: float
+    ) -> bool: ...
+    async def budget_refused(self, keys: Sequence[str], tokens: int, cost: float) -> str | None: ...
+    async def budget_settle(
+        self, hold_id: str, keys: Sequence[str], tokens: int, cost: float
+    ) -> list[SpendRow]: ...
+    async def budget_release(self, hold_id: str) -> None: ...
+    async def budget_release_expired(self) -> int: ...
+    async def budget_rows(self, budgets: Sequence[str]) -> list[SpendRow]: ...
+    async def budget_set_limits(
+        self, key: str, tokens: int | None, cost: float | None, soft: float | None
+    ) -> None: ...
+    async def budget_reset(self, key: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WorstPrice:
+    """The highest prices per million tokens of any backend (a call is reserved at the
+    price of the dearest backend it could land on)."""
+
+    input_per_million: float = 0.0
+    output_per_million: float = 0.0
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return (
+            prompt_tokens * self.input_per_million + completion_tokens * self.output_per_million
+        ) / 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """One call's reservation: its id, the rows it holds and its worst case."""
+
+    hold_id: str
+    keys: tuple[str, ...]
+    need: Need
+    budgets: tuple[str, ...]
+
+
+#: A hold outlives its call's timeout by this much before the watchdog may release it.
+HOLD_MARGIN_S = 10.0
+
+
+class Budgets:
+    """The declared budgets and their reservations (one per server process)."""
+
+    def __init__(
+        self,
+        store: BudgetRows,
+        clock: Clock,
+        specs: Sequence[BudgetSpec],
+        *,
+        price: WorstPrice | None = None,
+        events: EventBus | None = None,
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.specs: dict[str, BudgetSpec] = {s.name: s for s in specs}
+        self.price = price or WorstPrice()
+        self.events = events
+        #: Row keys this process has made sure exist (a new period adds one statement).
+        self._ensured: set[str] = set()
+        #: Refusals seen by this process, by budget (for the metrics).
+        self.refusals: dict[str, int] = {}
+        #: Every budget's current row as last read by :meth:`run` (None: not yet, or the
+        #: store failing), for the metrics: a scrape never waits on the store.
+        self.snapshot: list[SpendRow] | None = None
+
+    async def run(self, period_s: float = 5.0) -> None:
+        """Refresh :attr:`snapshot` every ``period_s`` until cancelled (a failed read
+        drops the snapshot until one succeeds)."""
+        while True:
+            try:
+                self.snapshot = await self.rows()
+            except Exception as exc:
+                if self.snapshot is not None:
+                    log.warning("budget figures unavailable: %s", exc)
+                self.snapshot = None
+            await trio.sleep(period_s)
+
+    # -- the call's side --------------------------------------------------------------
+    def need(self, request: LLMRequest) -> Need:
+        """The worst case of ``request``: its counted prompt plus ``max_tokens``, priced
+        at the dearest backend's prices."""
+        prompt = PER_REQUEST + sum(estimate_message_tokens(m.content) for m in request.messages)
+        out = request.max_tokens or DEFAULT_MAX_OUTPUT
+        return Need(prompt + out, self.price.cost(prompt, out))
+
+    def _rows(self, names: Sequence[str], now: float) -> list[PeriodRow]:
+        rows = []
+        for name in names:
+            s = self.specs[name]
+            start, end = period_bounds(s.period, s.timezone, now)
+            rows.append(PeriodRow(name, s.period, start, end, s.tokens, s.cost, s.soft))
+        return rows
+
+    async def reserve(
+        self, agent: str, client: str | None, need: Need, timeout_s: float
+    ) -> Hold | None:
+        """Hold ``need`` in every budget the call pays into (None: none applies). Raises
+        :class:`BudgetSpent` when one has no room; one store statement otherwise (two at
+        the first call of a period). Cancelled before it commits: nothing is held."""
+        names = applicable(frozenset(self.specs), agent, client)
+        if not names:
+            return None
+        now = self.clock.now()
+        rows = self._rows(names, now)
+        missing = [r for r in rows if r.key not in self._ensured]
+        if missing:
+            await self.store.budget_ensure(missing)
+            self._ensured.update(r.key for r in missing)
+        keys = tuple(r.key for r in rows)
+        hold_id = uuid.uuid4().hex
+        expires = now + timeout_s + HOLD_MARGIN_S
+        if await self.store.budget_reserve(keys, need.tokens, need.cost, hold_id, expires):
+            # The span of the Turn's run carries its reservations (the last one's).
+            annotate_current(
+                {
+                    "agentserver.budget.hold": hold_id,
+                    "agentserver.budget.names": ",".join(names),
+                    "agentserver.budget.reserved_tokens": need.tokens,
+                    "agentserver.budget.reserved_cost": need.cost,
+                }
+            )
+            return Hold(hold_id, keys, need, tuple(names))
+        full = await self.store.budget_refused(keys, need.tokens, need.cost)
+        by_key = {r.key: r for r in rows}
+        row = by_key.get(full or "", rows[0])
+        self.refusals[row.budget] = self.refusals.get(row.budget, 0) + 1
+        annotate_current({"agentserver.budget.refused": row.budget})
+        raise BudgetSpent(refusal_text(row.budget, row.period, row.end), row.budget)
+
+    async def settle(
+        self, hold: Hold, completion: LLMCompletion | None, *, agent: str, turn: str | None
+    ) -> None:
+        """Spend what the call reported (its worst case if it reported no usage, never
+        zero) and release the hold; publish ``budget.soft`` for each budget that crossed
+        its mark. Shielded: a cancel arriving now cannot leak the hold."""
+        tokens, cost = hold.need.tokens, hold.need.cost
+        if completion is not None:
+            u = completion.usage
+            used = u.total_tokens or (u.prompt_tokens + u.completion_tokens)
+            if used > 0:
+                tokens, cost = used, completion.cost
+        with trio.CancelScope(shield=True):
+            crossed = await self.store.budget_settle(hold.hold_id, hold.keys, tokens, cost)
+        if self.events is not None:
+            for r in crossed:
+                self.events.publish(
+                    BudgetEvent(
+                        agent,
+                        turn,
+                        r.budget,
+                        r.period,
+                        r.period_start,
+                        r.spent_tokens,
+                        r.spent_cost,
+                        r.limit_tokens,
+                        r.limit_cost,
+                    )
+                )
+
+    async def release(self, hold: Hold) -> None:
+        """The hold given back (failure, timeout, cancel). Shielded; a store failure is
+        logged and left to the watchdog (the hold expires)."""
+        with trio.CancelScope(shield=True):
+            try:
+                await self.store.budget_release(hold.hold_id)
+            except Exception:
+                log.exception("budget hold %s not released; the watchdog will", hold.hold_id)
+
+    def port(
+        self,
+        llm: LLMPort,
+        agent: str,
+        client: str | None,
+        turn: str | None,
+        timeout_s: float,
+    ) -> LLMPort:
+        """``llm`` with every call reserved and settled in the budgets of ``agent`` and
+        ``client`` (``llm`` itself when none applies). ``timeout_s``: the bound of one
+        call, which a hold's expiry exceeds by :data:`HOLD_MARGIN_S`."""
+        if not applicable(frozenset(self.specs), agent, client):
+            return llm
+        return BudgetedLLM(llm, self, agent, client, turn, timeout_s)
+
+    # -- the operator's side ----------------------------------------------------------
+    async def release_expired(self) -> int:
+        """The watchdog's pass: holds of dead processes released."""
+        return await self.store.budget_release_expired()
+
+    async def rows(self) -> list[SpendRow]:
+        """Each declared budget's current period (created if this is its first look)."""
+        now = self.clock.now()
+        rows = self._rows(sorted(self.specs), now)
+        missing = [r for r in rows if r.key not in self._ensured]
+        if missing:
+            await self.store.budget_ensure(missing)
+            self._ensured.update(r.key for r in missing)
+        return await self.store.budget_rows(sorted(self.specs))
+
+    async def set(self, spec: BudgetSpec) -> None:
+        """Declare or change ``spec`` at run time: its current period's limits too."""
+        self.specs[spec.name] = spec
+        row = self._rows([spec.name], self.clock.now())[0]
+        await self.store.budget_ensure([row])
+        self._ensured.add(row.key)
+        await self.store.budget_set_limits(row.key, spec.tokens, spec.cost, spec.soft)
+
+    async def reset(self, name: str) -> None:
+        """The current period's spend of ``name`` back to zero. KeyError: not declared."""
+        spec = self.specs[name]
+        start, _ = period_bounds(spec.period, spec.timezone, self.clock.now())
+        await self.store.budget_reset(row_key(name, start))
+
+    def with_spec(self, name: str, **changes: object) -> BudgetSpec:
+        """``name``'s spec with ``changes`` (ValueError from the spec's checks)."""
+        return replace(self.specs[name], **changes)  # type: ignore[arg-type]
+
+
+class BudgetedLLM:
+    """An :class:`LLMPort` whose calls are reserved before and settled after."""
+
+    def __init__(
+        self,
+        llm: LLMPort,
+        budgets: Budgets,
+        agent: str,
+        client: str | None,
+        turn: str | None,
+        timeout_s: float,
+    ) -> None:
+        self.llm = llm
+        self.budgets = budgets
+        self.agent = agent
+        self.client = client
+        self.turn = turn
+        #: The bound a call of this Turn runs under (the hold's expiry exceeds it).
+        self.timeout_s = timeout_s
+
+    def context_window(self, model: str) -> int | None:
+        window_of = getattr(self.llm, "context_window", None)
+        return window_of(model) if window_of is not None else None
+
+    async def complete(self, request: LLMRequest) -> LLMCompletion:
+        hold = await self.budgets.reserve(
+            self.agent, self.client, self.budgets.need(request), self.timeout_s
+        )
+        if hold is None:
+            return await self.llm.complete(request)
+        try:
+            done = await self.llm.complete(request)
+        except BaseException:
+            await self.budgets.release(hold)
+            raise
+        await self.budgets.settle(hold, done, agent=self.agent, turn=self.turn)
+        return done
+
+    @property
+    def stream(self):  # type: ignore[no-untyped-def]
+        """The port's ``stream`` with reservation, or None when the port has none."""
+        inner = getattr(self.llm, "stream", None)
+        if inner is None:
+            return None
+        return self._stream
+
+    @contextlib.asynccontextmanager
+    async def _stream(
+        self, request: LLMRequest
+    ) -> AsyncIterator[AsyncIterator[str | LLMCompletion]]:
+        """Streamed: the hold settles when the stream ends (at the worst case if no final
+        usage came), and is released if it fails or is cancelled first."""
+        hold = await self.budgets.reserve(
+            self.agent, self.client, self.budgets.need(request), self.timeout_s
+        )
+        final: list[LLMCompletion] = []
+
+        async def watch(
+            items: AsyncIterator[str | LLMCompletion],
+        ) -> AsyncIterator[str | LLMCompletion]:
+            async for item in items:
+                if isinstance(item, LLMCompletion):
+                    final.append(item)
+                yield item
+
+        try:
+            async with self.llm.stream(request) as items:  # type: ignore[attr-defined]
+                yield watch(items)
+        except BaseException:
+            if hold is not None:
+                await self.budgets.release(hold)
+            raise
+        if hold is not None:
+            await self.budgets.settle(
+                hold, final[-1] if final else None, agent=self.agent, turn=self.turn
+            )
+
+
+def near_limit(rows: Sequence[SpendRow], fraction: float = 0.8) -> list[SpendRow]:
+    """The rows whose spend and reservations reach ``fraction`` of a limit."""
+    return [r for r in rows if r.used() >= fraction]

@@ -1,0 +1,56 @@
+"""The store's budget calls (:class:`BudgetStore`), mixed into ``SqlAgentStore``: each one
+function of ``agents/store/sql/budgets.py`` in one transaction of the backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from agentserver.agents.store.sql import budgets as sql
+from agentserver.agents.store.sql.budgets import PeriodRow, SpendRow
+
+T = TypeVar("T")
+
+
+class BudgetStore:
+    """Budget rows and holds. Every method is one transaction (``reserve`` on
+    PostgreSQL one statement); a cancel before it commits leaves nothing written."""
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        raise NotImplementedError
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        raise NotImplementedError
+
+    async def budget_ensure(self, rows: Sequence[PeriodRow]) -> None:
+        await self._run(sql.ensure_rows, list(rows))
+
+    async def budget_reserve(
+        self, keys: Sequence[str], tokens: int, cost: float, hold_id: str, expires_at: float
+    ) -> bool:
+        return await self._run(sql.reserve, list(keys), tokens, cost, hold_id, expires_at)
+
+    async def budget_refused(self, keys: Sequence[str], tokens: int, cost: float) -> str | None:
+        return await self._run(sql.refused, list(keys), tokens, cost)
+
+    async def budget_settle(
+        self, hold_id: str, keys: Sequence[str], tokens: int, cost: float
+    ) -> list[SpendRow]:
+        return await self._run(sql.settle, hold_id, list(keys), tokens, cost)
+
+    async def budget_release(self, hold_id: str) -> None:
+        await self._run(sql.release, hold_id)
+
+    async def budget_release_expired(self) -> int:
+        return await self._run(sql.release_expired)
+
+    async def budget_rows(self, budgets: Sequence[str]) -> list[SpendRow]:
+        return await self._read(sql.current_rows, list(budgets))
+
+    async def budget_set_limits(
+        self, key: str, tokens: int | None, cost: float | None, soft: float | None
+    ) -> None:
+        await self._run(sql.set_limits, key, tokens, cost, soft)
+
+    async def budget_reset(self, key: str) -> None:
+        await self._run(sql.reset, key)

@@ -1,0 +1,347 @@
+"""Spend budgets in the store: one row per budget and period (``budget_spend``: limits,
+spent, reserved, refusals), one row per budget a reservation holds (``budget_holds``).
+
+The promise (docs/budgets.md): a reservation is admitted only if every budget it pays into
+has room for its worst case, and it is taken in all of them or in none. On PostgreSQL that
+is ONE statement (:data:`_PG_RESERVE`: the rows locked in key order, checked, raised and
+the holds written), so concurrent reservations of any number of processes serialize on the
+rows; on SQLite the check and the writes run inside the store's single-writer transaction
+(``BEGIN IMMEDIATE``). Settling, releasing and the watchdog's release of expired holds are
+ordinary transactions: they only ever lower ``reserved``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
+
+MIGRATION = """
+CREATE TABLE budget_spend (
+    bkey TEXT PRIMARY KEY,
+    budget TEXT NOT NULL,
+    period TEXT NOT NULL,
+    period_start REAL NOT NULL,
+    period_end REAL,
+    limit_tokens BIGINT,
+    limit_cost REAL,
+    soft REAL,
+    spent_tokens BIGINT NOT NULL DEFAULT 0,
+    spent_cost REAL NOT NULL DEFAULT 0,
+    reserved_tokens BIGINT NOT NULL DEFAULT 0,
+    reserved_cost REAL NOT NULL DEFAULT 0,
+    refusals BIGINT NOT NULL DEFAULT 0,
+    soft_at REAL,
+    updated_at REAL NOT NULL
+);
+CREATE INDEX budget_spend_budget ON budget_spend (budget, period_start);
+CREATE TABLE budget_holds (
+    hold_id TEXT NOT NULL,
+    bkey TEXT NOT NULL,
+    tokens BIGINT NOT NULL,
+    cost REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    PRIMARY KEY (hold_id, bkey)
+);
+CREATE INDEX budget_holds_expiry ON budget_holds (expires_at);
+"""
+
+
+def row_key(budget: str, period_start: float) -> str:
+    """The row of ``budget`` in the period starting at ``period_start``."""
+    return f"{budget}|{period_start:.0f}"
+
+
+@dataclass(frozen=True, slots=True)
+class PeriodRow:
+    """What a new period's row starts with."""
+
+    budget: str
+    period: str
+    start: float
+    end: float
+    limit_tokens: int | None
+    limit_cost: float | None
+    soft: float | None
+
+    @property
+    def key(self) -> str:
+        return row_key(self.budget, self.start)
+
+
+@dataclass(frozen=True, slots=True)
+class SpendRow:
+    """One budget's row as read (``GET /v1/budgets``, ``agentserver budget show``)."""
+
+    budget: str
+    period: str
+    period_start: float
+    period_end: float
+    limit_tokens: int | None
+    limit_cost: float | None
+    soft: float | None
+    spent_tokens: int
+    spent_cost: float
+    reserved_tokens: int
+    reserved_cost: float
+    refusals: int
+    soft_at: float | None
+
+    def remaining(self) -> tuple[int | None, float | None]:
+        """Tokens and cost left (None: not limited); never below zero."""
+        tokens = cost = None
+        if self.limit_tokens is not None:
+            tokens = max(0, self.limit_tokens - self.spent_tokens - self.reserved_tokens)
+        if self.limit_cost is not None:
+            cost = max(0.0, self.limit_cost - self.spent_cost - self.reserved_cost)
+        return tokens, cost
+
+    def used(self) -> float:
+        """The larger used fraction (spent + reserved over limit) of its dimensions."""
+        parts = []
+        if self.limit_tokens:
+            parts.append((self.spent_tokens + self.reserved_tokens) / self.limit_tokens)
+        if self.limit_cost:
+            parts.append((self.spent_cost + self.reserved_cost) / self.limit_cost)
+        return max(parts, default=0.0)
+
+
+_COLUMNS = (
+    "budget, period, period_start, period_end, limit_tokens, limit_cost, soft, spent_tokens,"
+    " spent_cost, reserved_tokens, reserved_cost, refusals, soft_at"
+)
+
+
+def _spend(r: Sequence[object]) -> SpendRow:
+    end = r[3]
+    return SpendRow(
+        str(r[0]),
+        str(r[1]),
+        float(r[2]),  # type: ignore[arg-type]
+        math.inf if end is None else float(end),  # type: ignore[arg-type]
+        None if r[4] is None else int(r[4]),  # type: ignore[call-overload]
+        None if r[5] is None else float(r[5]),  # type: ignore[arg-type]
+        None if r[6] is None else float(r[6]),  # type: ignore[arg-type]
+        int(r[7]),  # type: ignore[call-overload]
+        float(r[8]),  # type: ignore[arg-type]
+        int(r[9]),  # type: ignore[call-overload]
+        float(r[10]),  # type: ignore[arg-type]
+        int(r[11]),  # type: ignore[call-overload]
+        None if r[12] is None else float(r[12]),  # type: ignore[arg-type]
+    )
+
+
+def ensure_rows(tx: Tx, env: StoreEnv, rows: Sequence[PeriodRow]) -> None:
+    """The periods' rows, created if missing (another process may have made them)."""
+    now = env.clock.now()
+    for p in rows:
+        tx.execute(
+            "INSERT INTO budget_spend (bkey, budget, period, period_start, period_end,"
+            " limit_tokens, limit_cost, soft, updated_at) VALUES (?,?,?,?,?,?,?,?,?)"
+            " ON CONFLICT (bkey) DO NOTHING",
+            (
+                p.key,
+                p.budget,
+                p.period,
+                p.start,
+                None if math.isinf(p.end) else p.end,
+                p.limit_tokens,
+                p.limit_cost,
+                p.soft,
+                now,
+            ),
+        )
+
+
+@functools.lru_cache(maxsize=16)
+def _pg_reserve(n: int) -> str:
+    """The one PostgreSQL statement of a reservation into ``n`` rows. ``SELECT … FOR
+    UPDATE`` under READ COMMITTED waits for a concurrent holder and returns the row as it
+    committed, so the check sees every earlier reservation; the ``UPDATE`` then applies
+    to that latest version (rows locked in key order: no deadlock between two)."""
+    keys = marks(n)
+    return f"""
+WITH locked AS (
+    SELECT bkey, limit_tokens, limit_cost, spent_tokens, spent_cost,
+           reserved_tokens, reserved_cost
+    FROM budget_spend WHERE bkey IN ({keys}) ORDER BY bkey FOR UPDATE
+), verdict AS (
+    SELECT count(*) = CAST(? AS BIGINT) AS ok FROM locked
+    WHERE (limit_tokens IS NULL OR spent_tokens + reserved_tokens + CAST(? AS BIGINT)
+           <= limit_tokens)
+      AND (limit_cost IS NULL OR spent_cost + reserved_cost + CAST(? AS DOUBLE PRECISION)
+           <= limit_cost)
+), raised AS (
+    UPDATE budget_spend b
+    SET reserved_tokens = b.reserved_tokens + CAST(? AS BIGINT),
+        reserved_cost = b.reserved_cost + CAST(? AS DOUBLE PRECISION)
+    FROM verdict WHERE verdict.ok AND b.bkey IN ({keys})
+    RETURNING b.bkey
+), held AS (
+    INSERT INTO budget_holds (hold_id, bkey, tokens, cost, expires_at)
+    SELECT CAST(? AS TEXT), bkey, CAST(? AS BIGINT), CAST(? AS DOUBLE PRECISION),
+           CAST(? AS DOUBLE PRECISION)
+    FROM raised
+    RETURNING 1
+)
+SELECT ok, (SELECT count(*) FROM held) FROM verdict
+"""
+
+
+def _fits(n: int) -> str:
+    return (
+        f"SELECT count(*) FROM budget_spend WHERE bkey IN ({marks(n)})"
+        " AND (limit_tokens IS NULL OR spent_tokens + reserved_tokens + ? <= limit_tokens)"
+        " AND (limit_cost IS NULL OR spent_cost + reserved_cost + ? <= limit_cost)"
+    )
+
+
+def reserve(
+    tx: Tx,
+    env: StoreEnv,
+    keys: Sequence[str],
+    tokens: int,
+    cost: float,
+    hold_id: str,
+    expires_at: float,
+) -> bool:
+    """Hold ``tokens``/``cost`` in every row of ``keys`` if all have room for them; else
+    nothing. Atomic (see the module docstring); False: refused, nothing written."""
+    n = len(keys)
+    if tx.dialect == POSTGRESQL:
+        row = tx.one(
+            _pg_reserve(n),
+            [*keys, n, tokens, cost, tokens, cost, *keys, hold_id, tokens, cost, expires_at],
+        )
+        return bool(row and row[0])
+    # SQLite: inside BEGIN IMMEDIATE, so nothing else writes between check and writes.
+    row = tx.one(_fits(n), [*keys, tokens, cost])
+    if row is None or int(row[0]) != n:
+        return False
+    tx.execute(
+        "UPDATE budget_spend SET reserved_tokens = reserved_tokens + ?,"
+        f" reserved_cost = reserved_cost + ? WHERE bkey IN ({marks(n)})",
+        [tokens, cost, *keys],
+    )
+    tx.executemany(
+        "INSERT INTO budget_holds (hold_id, bkey, tokens, cost, expires_at) VALUES (?,?,?,?,?)",
+        [(hold_id, k, tokens, cost, expires_at) for k in keys],
+    )
+    return True
+
+
+def refused(tx: Tx, env: StoreEnv, keys: Sequence[str], tokens: int, cost: float) -> str | None:
+    """After a refused reservation: count the refusal on the rows without room, and
+    return the first of them (None: room was made meanwhile)."""
+    rows = tx.all(
+        f"SELECT bkey FROM budget_spend WHERE bkey IN ({marks(len(keys))}) AND NOT ("
+        "(limit_tokens IS NULL OR spent_tokens + reserved_tokens + ? <= limit_tokens)"
+        " AND (limit_cost IS NULL OR spent_cost + reserved_cost + ? <= limit_cost))"
+        " ORDER BY bkey",
+        [*keys, tokens, cost],
+    )
+    full = [str(r[0]) for r in rows]
+    if full:
+        tx.execute(
+            f"UPDATE budget_spend SET refusals = refusals + 1 WHERE bkey IN ({marks(len(full))})",
+            full,
+        )
+    return full[0] if full else None
+
+
+def _unhold(tx: Tx, hold_id: str) -> None:
+    for bkey, tokens, cost in tx.all(
+        "SELECT bkey, tokens, cost FROM budget_holds WHERE hold_id = ?", (hold_id,)
+    ):
+        tx.execute(
+            "UPDATE budget_spend SET reserved_tokens = reserved_tokens - ?,"
+            " reserved_cost = reserved_cost - ? WHERE bkey = ?",
+            (tokens, cost, bkey),
+        )
+    tx.execute("DELETE FROM budget_holds WHERE hold_id = ?", (hold_id,))
+
+
+def settle(
+    tx: Tx, env: StoreEnv, hold_id: str, keys: Sequence[str], tokens: int, cost: float
+) -> list[SpendRow]:
+    """The hold released (if the watchdog has not already) and ``tokens``/``cost`` spent
+    in every row of ``keys``. Returns the rows that crossed their soft mark just now
+    (marked, so each fires once per period)."""
+    _unhold(tx, hold_id)
+    now = env.clock.now()
+    tx.execute(
+        "UPDATE budget_spend SET spent_tokens = spent_tokens + ?, spent_cost = spent_cost + ?,"
+        f" updated_at = ? WHERE bkey IN ({marks(len(keys))})",
+        [tokens, cost, now, *keys],
+    )
+    crossed = tx.all(
+        f"UPDATE budget_spend SET soft_at = ? WHERE bkey IN ({marks(len(keys))})"
+        " AND soft IS NOT NULL AND soft_at IS NULL AND ("
+        "(limit_tokens IS NOT NULL AND spent_tokens >= soft * limit_tokens)"
+        " OR (limit_cost IS NOT NULL AND spent_cost >= soft * limit_cost))"
+        f" RETURNING {_COLUMNS}",
+        [now, *keys],
+    )
+    return [_spend(r) for r in crossed]
+
+
+def release(tx: Tx, env: StoreEnv, hold_id: str) -> None:
+    """The hold given back untouched (the call failed, timed out or was cancelled)."""
+    _unhold(tx, hold_id)
+
+
+def release_expired(tx: Tx, env: StoreEnv) -> int:
+    """Holds past their expiry released (a dead process's: a live call is bounded by its
+    timeout, which the expiry exceeds). Returns how many reservations."""
+    ids = [
+        str(r[0])
+        for r in tx.all(
+            "SELECT DISTINCT hold_id FROM budget_holds WHERE expires_at < ? LIMIT 256",
+            (env.clock.now(),),
+        )
+    ]
+    for hold_id in ids:
+        _unhold(tx, hold_id)
+    return len(ids)
+
+
+def current_rows(tx: Tx, env: StoreEnv, budgets: Sequence[str]) -> list[SpendRow]:
+    """Each budget's latest period row."""
+    if not budgets:
+        return []
+    rows = tx.all(
+        f"SELECT {_COLUMNS} FROM budget_spend s WHERE budget IN ({marks(len(budgets))})"
+        " AND period_start = (SELECT max(period_start) FROM budget_spend t"
+        " WHERE t.budget = s.budget) ORDER BY budget",
+        list(budgets),
+    )
+    return [_spend(r) for r in rows]
+
+
+def set_limits(
+    tx: Tx,
+    env: StoreEnv,
+    key: str,
+    tokens: int | None,
+    cost: float | None,
+    soft: float | None,
+) -> None:
+    """The current period's limits changed (``PUT /v1/budgets/...``)."""
+    tx.execute(
+        "UPDATE budget_spend SET limit_tokens = ?, limit_cost = ?, soft = ?, updated_at = ?"
+        " WHERE bkey = ?",
+        (tokens, cost, soft, env.clock.now(), key),
+    )
+
+
+def reset(tx: Tx, env: StoreEnv, key: str) -> None:
+    """The current period's spend, refusals and soft mark set back to zero (holds stay:
+    the calls under way settle into the fresh spend)."""
+    tx.execute(
+        "UPDATE budget_spend SET spent_tokens = 0, spent_cost = 0, refusals = 0,"
+        " soft_at = NULL, updated_at = ? WHERE bkey = ?",
+        (env.clock.now(), key),
+    )

@@ -1,0 +1,357 @@
+"""Spend budgets on a real store (SQLite file; PostgreSQL when configured): reservation
+all-or-nothing, the race of many concurrent callers (two stores on one PostgreSQL
+database stand for two processes), settle and release, the watchdog's release of a dead
+caller's holds, a period rollover, the soft mark once per period, and streaming without
+usage settled at the worst case (docs/budgets.md)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+
+from agentserver.agents.clock import ManualClock
+from agentserver.agents.events import BudgetEvent, EventBus
+from agentserver.agents.governance.budgets import Budgets, BudgetSpent, WorstPrice
+from agentserver.agents.policy.budget import (
+    BudgetSpec,
+    Need,
+    applicable,
+    parse_soft,
+    period_bounds,
+)
+from agentserver.agents.ports import LLMCompletion, LLMMessage, LLMRequest, LLMUsage
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.sql_store import SqlAgentStore
+
+# 2026-11-27 12:00 UTC, a Friday
+NOON = 1_795_780_800.0
+
+
+async def open_store(kind: str, request: pytest.FixtureRequest, tmp_path, clock) -> SqlAgentStore:
+    settings = StoreSettings(path=tmp_path / "agents.sqlite3")
+    if kind == "sqlite":
+        from agentserver.agents.store.sqlite_store import SqliteAgentStore
+
+        return SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
+    from agentserver.agents.store.pg.store import PostgresAgentStore
+
+    url = request.getfixturevalue("pg_url")
+    opened = PostgresAgentStore.open(url, clock=clock, settings=settings)
+    return await opened if inspect.isawaitable(opened) else opened
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgresql)])
+async def store(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[SqlAgentStore]:
+    s = await open_store(request.param, request, tmp_path, ManualClock(NOON))
+    try:
+        yield s
+    finally:
+        await s.aclose()
+
+
+def clock_of(store: SqlAgentStore) -> ManualClock:
+    clock = store.env.clock
+    assert isinstance(clock, ManualClock)
+    return clock
+
+
+def test_periods_start_at_local_midnight_monday_and_the_first():
+    day = period_bounds("day", "UTC", NOON)
+    assert day == (NOON - 12 * 3600, NOON + 12 * 3600)
+    week = period_bounds("week", "UTC", NOON)  # Friday: the week began on Monday the 23rd
+    assert week[0] == NOON - 4 * 86400 - 12 * 3600 and week[1] - week[0] == 7 * 86400
+    month = period_bounds("month", "UTC", NOON)
+    assert month[1] - month[0] == 30 * 86400  # November
+    assert period_bounds("total", "UTC", NOON) == (0.0, math.inf)
+    paris = period_bounds("day", "Europe/Paris", NOON)
+    assert paris[0] == day[0] - 3600  # midnight in Paris is 23:00 UTC in November
+    assert parse_soft("80%") == 0.8
+    with pytest.raises(ValueError):
+        parse_soft("0.8")
+    with pytest.raises(ValueError):
+        BudgetSpec("agent:a", period="year", tokens=1)
+    with pytest.raises(ValueError):
+        BudgetSpec("agent:a", timezone="Mars/Olympus", tokens=1)
+    assert applicable({"organism", "agent:a", "client:c@agent:a"}, "a", "c") == [
+        "agent:a",
+        "client:c@agent:a",
+        "organism",
+    ]
+    assert applicable({"agent:b"}, "a", "c") == []
+
+
+async def test_a_reservation_is_taken_in_every_budget_or_in_none(store):
+    budgets = Budgets(
+        store,
+        clock_of(store),
+        [BudgetSpec("agent:a", tokens=1000, period="day"), BudgetSpec("client:c", tokens=150)],
+    )
+    hold = await budgets.reserve("a", "c", Need(100, 0.0), 60)
+    assert hold is not None and len(hold.keys) == 2
+    # 100 more would pass agent:a but not client:c: refused, nothing held anywhere
+    with pytest.raises(BudgetSpent) as refused:
+        await budgets.reserve("a", "c", Need(100, 0.0), 60)
+    assert str(refused.value).startswith("budget exhausted: client:c (month) is spent;")
+    assert "it resets at 2026-12-01T00:00:00Z" in str(refused.value)
+    rows = {r.budget: r for r in await budgets.rows()}
+    assert rows["agent:a"].reserved_tokens == 100 and rows["client:c"].reserved_tokens == 100
+    assert rows["client:c"].refusals == 1 and rows["agent:a"].refusals == 0
+    # another client pays only into agent:a
+    other = await budgets.reserve("a", "d", Need(100, 0.0), 60)
+    assert other is not None and len(other.keys) == 1
+    await budgets.release(other)
+    # settled to the reported usage, the hold released
+    done = LLMCompletion("ok", LLMUsage(30, 10, 40), cost=0.0)
+    await budgets.settle(hold, done, agent="a", turn=None)
+    rows = {r.budget: r for r in await budgets.rows()}
+    assert (rows["agent:a"].spent_tokens, rows["agent:a"].reserved_tokens) == (40, 0)
+    assert (rows["client:c"].spent_tokens, rows["client:c"].reserved_tokens) == (40, 0)
+    assert rows["client:c"].remaining() == (110, None)
+
+
+async def race(budgets: list[Budgets], callers: int, need: Need) -> tuple[int, int]:
+    """``callers`` concurrent reserve-then-settle-at-worst-case calls spread over the
+    ``budgets`` objects; returns (admitted, refused)."""
+    admitted = refused = 0
+
+    async def one(i: int) -> None:
+        nonlocal admitted, refused
+        b = budgets[i % len(budgets)]
+        try:
+            hold = await b.reserve("a", f"c{i % 4}", need, 60)
+        except BudgetSpent as exc:
+            assert exc.budget == "agent:a"
+            refused += 1
+            return
+        assert hold is not None
+        admitted += 1
+        await trio.sleep(0.001 * (i % 7))
+        await b.settle(hold, None, agent="a", turn=None)  # no usage: the worst case
+
+    async with trio.open_nursery() as n:
+        for i in range(callers):
+            n.start_soon(one, i)
+    return admitted, refused
+
+
+async def test_one_hundred_concurrent_callers_never_overspend(store):
+    worst = Need(500, 0.005)
+    spec = BudgetSpec("agent:a", tokens=10 * 500, cost=1.0, period="day")
+    budgets = Budgets(store, clock_of(store), [spec], price=WorstPrice(1, 1))
+    admitted, refused = await race([budgets], 100, worst)
+    assert (admitted, refused) == (10, 90)
+    [row] = await budgets.rows()
+    assert row.spent_tokens == 5000 <= spec.tokens and row.reserved_tokens == 0
+    assert row.refusals == 90
+
+
+@pytest.mark.postgresql
+async def test_two_stores_on_one_database_share_the_budget(request, tmp_path):
+    """Two stores, each its own connection pool (as two processes have), race for one
+    budget: the reservation is one statement, so together they never overspend."""
+    clock = ManualClock(NOON)
+    a = await open_store("postgresql", request, tmp_path, clock)
+    b = await open_store("postgresql", request, tmp_path, clock)
+    try:
+        spec = BudgetSpec("agent:a", tokens=10 * 300, period="day")
+        both = [Budgets(a, clock, [spec]), Budgets(b, clock, [spec])]
+        admitted, refused = await race(both, 100, Need(300, 0.0))
+        assert (admitted, refused) == (10, 90)
+        [row] = await both[0].rows()
+        assert (row.spent_tokens, row.reserved_tokens) == (3000, 0)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_the_watchdog_releases_a_dead_callers_holds(store):
+    budgets = Budgets(store, clock_of(store), [BudgetSpec("organism", tokens=1000)])
+    hold = await budgets.reserve("a", None, Need(600, 0.0), 10)
+    assert hold is not None
+    with pytest.raises(BudgetSpent):
+        await budgets.reserve("a", None, Need(600, 0.0), 10)
+    # the caller dies: nothing settles. Before the hold's expiry nothing is released
+    assert await budgets.release_expired() == 0
+    clock_of(store).advance(10 + 10 + 1)
+    assert await budgets.release_expired() == 1
+    [row] = await budgets.rows()
+    assert row.reserved_tokens == 0 and row.spent_tokens == 0
+    assert await budgets.reserve("a", None, Need(600, 0.0), 10) is not None
+    # a late settle of the released hold still counts what was spent
+    await budgets.settle(hold, None, agent="a", turn=None)
+    [row] = await budgets.rows()
+    assert (row.spent_tokens, row.reserved_tokens) == (600, 600)
+
+
+async def test_a_new_period_starts_with_nothing_spent(store):
+    clock = clock_of(store)
+    budgets = Budgets(store, clock, [BudgetSpec("agent:a", tokens=100, period="day")])
+    hold = await budgets.reserve("a", None, Need(100, 0.0), 10)
+    assert hold is not None
+    await budgets.settle(hold, None, agent="a", turn=None)
+    with pytest.raises(BudgetSpent) as refused:
+        await budgets.reserve("a", None, Need(1, 0.0), 10)
+    assert "it resets at 2026-11-28T00:00:00Z" in str(refused.value)
+    clock.set(NOON + 12 * 3600 + 1)  # one second past midnight
+    assert await budgets.reserve("a", None, Need(100, 0.0), 10) is not None
+    [row] = await budgets.rows()
+    assert row.period_start == NOON + 12 * 3600 and row.reserved_tokens == 100
+
+
+async def test_soft_fires_once_per_period(store):
+    bus = EventBus()
+    clock = clock_of(store)
+    spec = BudgetSpec("agent:a", tokens=1000, period="day", soft=0.5)
+    budgets = Budgets(store, clock, [spec], events=bus)
+    seen: list[BudgetEvent] = []
+    bus.observe(lambda e: seen.append(e) if isinstance(e, BudgetEvent) else None)
+    for _ in range(4):
+        hold = await budgets.reserve("a", None, Need(200, 0.0), 10)
+        assert hold is not None
+        await budgets.settle(hold, None, agent="a", turn="t")
+    assert [(e.kind, e.budget, e.spent_tokens) for e in seen] == [("budget.soft", "agent:a", 600)]
+    clock.advance(86400)
+    hold = await budgets.reserve("a", None, Need(600, 0.0), 10)
+    assert hold is not None
+    await budgets.settle(hold, None, agent="a", turn="t")
+    assert len(seen) == 2
+
+
+class StreamingModel:
+    """A port whose stream ends without a final completion carrying usage."""
+
+    def __init__(self, usage: LLMUsage, fail: bool = False) -> None:
+        self.usage = usage
+        self.fail = fail
+
+    async def complete(self, request: LLMRequest) -> LLMCompletion:
+        raise AssertionError("streams only")
+
+    @asynccontextmanager
+    async def stream(self, request: LLMRequest) -> AsyncIterator[Any]:
+        async def items() -> AsyncIterator[str | LLMCompletion]:
+            yield "hello"
+            if self.fail:
+                raise RuntimeError("cut")
+            yield LLMCompletion("hello", self.usage)
+
+        yield items()
+
+
+async def test_a_stream_without_usage_settles_at_the_worst_case(store):
+    budgets = Budgets(store, clock_of(store), [BudgetSpec("agent:a", tokens=100_000)])
+    request = LLMRequest("a", "m", [LLMMessage("user", "x" * 300)], max_tokens=200)
+    worst = budgets.need(request)
+    assert worst.tokens == 3 + 4 + 100 + 200
+    port = budgets.port(StreamingModel(LLMUsage()), "a", None, "t", 10)
+    async with port.stream(request) as items:  # type: ignore[attr-defined]
+        got = [i async for i in items]
+    assert got[0] == "hello"
+    [row] = await budgets.rows()
+    assert (row.spent_tokens, row.reserved_tokens) == (worst.tokens, 0)
+    # with usage reported: that usage
+    port = budgets.port(StreamingModel(LLMUsage(5, 6, 11)), "a", None, "t", 10)
+    async with port.stream(request) as items:  # type: ignore[attr-defined]
+        [_ async for _ in items]
+    [row] = await budgets.rows()
+    assert row.spent_tokens == worst.tokens + 11
+    # a stream that fails releases its hold and spends nothing
+    port = budgets.port(StreamingModel(LLMUsage(), fail=True), "a", None, "t", 10)
+    with pytest.raises(RuntimeError):
+        async with port.stream(request) as items:  # type: ignore[attr-defined]
+            [_ async for _ in items]
+    [row] = await budgets.rows()
+    assert (row.spent_tokens, row.reserved_tokens) == (worst.tokens + 11, 0)
+
+
+# -- the Turn's side: refused before any model call, ended at the next step --------------
+
+
+class CostlyLLM:
+    """Step 1 calls the calculator, step 2 answers; each call reports 600 tokens."""
+
+    def __init__(self) -> None:
+        self.requests: list[LLMRequest] = []
+
+    async def complete(self, request: LLMRequest) -> LLMCompletion:
+        self.requests.append(request)
+        text = request.messages[-1].content
+        if "Result from" in text:
+            return LLMCompletion("The answer is 3.", LLMUsage(500, 100, 600))
+        return LLMCompletion(
+            'Let me compute. <add xmlns="urn:calc"><a>1</a><b>2</b></add>',
+            LLMUsage(500, 100, 600),
+        )
+
+
+def budgeted_runtime(tmp_path, limit: int):
+    from agents_fakes import FakeReplies, FakeTools, profile
+
+    from agentserver.agents.runtime import AgentRuntime, open_agent_store
+
+    clock = ManualClock(NOON)
+    settings = StoreSettings(path=tmp_path / "agents.sqlite3")
+    profiles = {"assistant": profile(max_tokens=200)}
+    store = open_agent_store(settings, profiles, clock=clock)
+    events = EventBus()
+    budgets = Budgets(
+        store, clock, [BudgetSpec("client:alice@agent:assistant", tokens=limit)], events=events
+    )
+    llm, tools, replies = CostlyLLM(), FakeTools(), FakeReplies()
+    rt = AgentRuntime(
+        store=store,
+        profiles=profiles,
+        llm=llm,
+        tools=tools,
+        replies=replies,
+        settings=settings,
+        clock=clock,
+        events=events,
+        budgets=budgets,
+    )
+    return rt, llm, tools, replies
+
+
+async def test_a_turn_whose_budget_runs_out_ends_failed_at_its_next_step(tmp_path):
+    from agents_fakes import result, task
+
+    rt, llm, tools, replies = budgeted_runtime(tmp_path, limit=1000)
+    ref = {"thread": "t1", "client": "alice"}
+    await rt.enqueue("assistant", task("1+2"), ref)
+    await rt.worker.process_agent("assistant")
+    [(sub, _to, _)] = tools.calls  # step 1 fit and called
+    assert rt.budgets is not None
+    first = rt.budgets.need(llm.requests[0]).tokens
+    assert first <= 1000 < 600 + first  # step 2's (larger) does not fit what is left
+    await rt.report_tool_result("assistant", sub, result("3"))
+    await rt.worker.process_agent("assistant")
+    # no call made for step 2: the Turn failed
+    assert len(llm.requests) == 1
+    [(sent_ref, text, failed)] = [(r[0], r[1], r[2]) for r in replies.sent]
+    assert failed and sent_ref == ref
+    assert text.startswith("budget exhausted: client:alice@agent:assistant (month) is spent;")
+    # a new task of alice is refused before any model call; bob's is not limited
+    await rt.enqueue("assistant", task("2+2"), {"thread": "t2", "client": "alice"})
+    await rt.worker.process_agent("assistant")
+    assert len(llm.requests) == 1 and replies.sent[-1][2]
+    await rt.enqueue("assistant", task("2+2"), {"thread": "t3", "client": "bob"})
+    await rt.worker.process_agent("assistant")
+    assert len(llm.requests) == 2
+    await rt.store.aclose()
+
+
+async def test_without_budgets_a_turn_adds_no_statement(tmp_path):
+    """No <budget>: no Budgets object, no port wrapper (the model step's llm is the
+    runtime's own)."""
+    from agents_fakes import make_harness
+
+    h = make_harness(tmp_path, lambda req: "done")
+    assert h.rt.budgets is None and h.rt.worker.model.budgets is None
+    assert h.rt.watchdog.budgets is None
+    await h.rt.store.aclose()

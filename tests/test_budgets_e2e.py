@@ -1,0 +1,297 @@
+"""Spend budgets black-box (issue 37): real servers, real sockets, a scripted model with
+usage on loopback HTTP.
+
+The reservation race: 100 concurrent tasks from 4 named clients to three agents, all
+paying into one organism budget worth about 10 calls (a call's worst case is its counted
+prompt plus ``max-tokens``; the model reports exactly that as its usage). The spend never
+exceeds the budget by more than one call's worst case; every task is answered once, and
+exactly the refused tasks are answered ``failed`` with the budget's reason, with no
+model call made for them. On SQLite with one server; on PostgreSQL with two servers
+sharing the store. Then a SIGKILL while reservations are held: the holds are released by
+the watchdog of the next server, never leaked.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from agents_crash_support import MixTask, PlanTask
+from llm.llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
+from serverproc import ServerProcess, subprocess_env
+
+from agentserver.core.namespaces import BOOT_NS
+from agentserver.core.threads import new_thread_id
+from agentserver.listeners.assistant import Task
+from agentserver.llm.tokens import PER_MESSAGE, PER_REQUEST, estimate_text_tokens
+from agentserver.net.client import Client, ConnectionClosed, open_client
+
+TASKS = 100
+CLIENTS = ("alice", "bob", "carol", "dave")
+TOKENS = {name: f"{name}-budget-token" for name in CLIENTS}
+AGENTS = (("assistant", Task), ("planner", PlanTask), ("mixer", MixTask))
+MAX_TOKENS = 1000
+#: About ten calls' worst case (a prompt here is a few hundred tokens).
+LIMIT = 10 * 1500
+PATIENCE = 60.0
+REASON = re.compile(
+    r"^budget exhausted: organism \(day\) is spent; it resets at \d{4}-\d\d-\d\dT00:00:00Z$"
+)
+
+
+def boot(store: str, *, limit: int = LIMIT, llm_timeout: int = 60) -> str:
+    agent = (
+        f'<agent model="m" max-steps="4" max-tokens="{MAX_TOKENS}" llm-timeout="{llm_timeout}"/>'
+    )
+    clients = "\n".join(f'<client name="{c}" token-env="B_{c.upper()}_TOKEN"/>' for c in CLIENTS)
+    return f"""<organism xmlns="{BOOT_NS}" name="budgets">
+  <limits hello-timeout="2" read-timeout="5" drain-timeout="1" write-timeout="2"/>
+  <budget tokens="{limit}" period="day"/>
+  <clients>
+{clients}
+  </clients>
+  <llm max-attempts="1" timeout="60">
+    <backend name="fake" provider="openai" base-url="http://127.0.0.1:9/v1"
+             base-url-env="B_LLM_BASE_URL" api-key-env="B_LLM_KEY" timeout="60">
+      <model name="m"/>
+    </backend>
+  </llm>
+  {store}
+  <listeners>
+    <listener name="assistant" handler="assistant" agent="true">{agent}</listener>
+    <listener name="planner" handler="agents_crash_support:agent_placeholder" agent="true">
+      <accepts type="agents_crash_support:PlanTask"/>
+      <responds type="agents_crash_support:PlanAnswer"/>
+      {agent}
+    </listener>
+    <listener name="mixer" handler="agents_crash_support:agent_placeholder" agent="true">
+      <accepts type="agents_crash_support:MixTask"/>
+      <responds type="agents_crash_support:MixAnswer"/>
+      {agent}
+    </listener>
+  </listeners>
+</organism>
+"""
+
+
+def worst_case(body: dict[str, Any]) -> int:
+    """The worst case the server reserved for this request (same estimate)."""
+    prompt = PER_REQUEST + sum(
+        PER_MESSAGE + estimate_text_tokens(str(m.get("content", ""))) for m in body["messages"]
+    )
+    return prompt + int(body["max_tokens"])
+
+
+class UsageModel(FakeServer):
+    """Answers each task at once, reporting its worst case as its usage (so that each
+    call spends what it reserved); ``hold_s`` keeps calls in flight together."""
+
+    def __init__(self, hold_s: float = 0.05) -> None:
+        super().__init__("openai")
+        self.worst: list[int] = []
+        self.hold_s = hold_s
+
+    def default(self, seen: Seen) -> Script:
+        w = worst_case(seen.body)
+        self.worst.append(w)
+        prompt = w - int(seen.body["max_tokens"])
+        done = int(seen.body["max_tokens"])
+        if seen.body.get("stream"):
+            return openai_stream(
+                ["done"], prompt_tokens=prompt, completion_tokens=done, chunk_delay=self.hold_s
+            )
+        return openai_ok("done", prompt_tokens=prompt, completion_tokens=done, delay=self.hold_s)
+
+
+def store_rows(sqlite_path: Path | None, pg_url: str | None, sql: str) -> list[tuple]:
+    if pg_url is not None:
+        import psycopg
+
+        with psycopg.connect(pg_url) as db:
+            return db.execute(sql).fetchall()
+    assert sqlite_path is not None
+    db = sqlite3.connect(sqlite_path)
+    try:
+        return db.execute(sql).fetchall()
+    finally:
+        db.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgresql)])
+def backend(request) -> tuple[str | None, str]:
+    if request.param == "sqlite":
+        return (
+            None,
+            '<store path="state/agents.sqlite3" worker-concurrency="4" watchdog-interval="0.2"/>',
+        )
+    url = request.getfixturevalue("pg_url")
+    return url, (
+        '<store url-env="B_STORE_URL" worker-concurrency="4" watchdog-interval="0.2"'
+        ' lease="1" heartbeat="0.25"/>'
+    )
+
+
+def env_for(model: FakeServer, pg_url: str | None) -> dict[str, str]:
+    extra = {f"B_{c.upper()}_TOKEN": TOKENS[c] for c in CLIENTS}
+    if pg_url is not None:
+        extra["B_STORE_URL"] = pg_url
+    return subprocess_env(B_LLM_BASE_URL=model.base_url, B_LLM_KEY="k", **extra)
+
+
+async def start_servers(boot_file: Path, env: dict[str, str], root: Path, n: int):
+    servers = []
+    for i in range(n):
+        cwd = root / f"s{i}"
+        cwd.mkdir()
+        servers.append(
+            await trio.to_thread.run_sync(
+                lambda cwd=cwd: ServerProcess.start(boot_file, env=env, cwd=cwd)
+            )
+        )
+    return servers
+
+
+async def test_the_reservation_race_never_overspends(tmp_path, backend):
+    pg_url, store = backend
+    boot_file = tmp_path / "boot.xml"
+    boot_file.write_text(boot(store))
+    answers: dict[str, list[tuple[str | None, str]]] = {}
+    sent: set[str] = set()
+    done = trio.Event()
+
+    async with trio.open_nursery() as nursery:
+        model = await UsageModel().start(nursery)
+        servers = await start_servers(
+            boot_file, env_for(model, pg_url), tmp_path, 1 if pg_url is None else 2
+        )
+        try:
+
+            async def receive_all(client: Client) -> None:
+                try:
+                    while True:
+                        reply = await client.receive()
+                        assert reply.thread in sent, reply.raw
+                        text = "".join(reply.payload.itertext())
+                        answers.setdefault(reply.thread, []).append(
+                            (reply.payload.get("status"), text)
+                        )
+                        if len(answers) == TASKS:
+                            done.set()
+                except ConnectionClosed:
+                    return
+
+            async def run_client(k: int, name: str) -> None:
+                server = servers[k % len(servers)]
+                async with open_client(
+                    server.host, server.port, client=name, token=TOKENS[name]
+                ) as client:
+                    async with trio.open_nursery() as inner:
+                        inner.start_soon(receive_all, client)
+                        for i in range(k, TASKS, len(CLIENTS)):
+                            agent, payload = AGENTS[i % len(AGENTS)]
+                            thread = new_thread_id()
+                            sent.add(thread)
+                            await client.send(payload(text=f"task {i}"), to=agent, thread=thread)
+                        await done.wait()
+                        await trio.sleep(0.5)  # nothing more may arrive
+                        inner.cancel_scope.cancel()
+
+            with trio.fail_after(PATIENCE):
+                async with trio.open_nursery() as clients:
+                    for k, name in enumerate(CLIENTS):
+                        clients.start_soon(run_client, k, name)
+        finally:
+            for s in servers:
+                assert await trio.to_thread.run_sync(s.stop) == 0, s.stderr
+            nursery.cancel_scope.cancel()
+
+    assert len(answers) == TASKS and all(len(a) == 1 for a in answers.values()), answers
+    # (only the assistant's reply type takes status="failed"; the others carry the text)
+    succeeded = [a[0] for a in answers.values() if a[0][1] == "done"]
+    refused = [a[0] for a in answers.values() if a[0][1] != "done"]
+    assert all(REASON.match(text) for _, text in refused), refused[:3]
+    assert all(status is None for status, _ in succeeded)
+    # one model call per admitted task, none for a refused one
+    assert len(succeeded) == len(model.worst)
+    assert 5 <= len(succeeded) <= 20 and len(refused) == TASKS - len(succeeded)
+    sqlite_path = tmp_path / "state" / "agents.sqlite3" if pg_url is None else None
+    [(spent, reserved, refusals, limit)] = store_rows(
+        sqlite_path,
+        pg_url,
+        "SELECT spent_tokens, reserved_tokens, refusals, limit_tokens FROM budget_spend"
+        " WHERE budget = 'organism'",
+    )
+    assert spent == sum(model.worst) and reserved == 0
+    assert spent <= limit + max(model.worst)
+    assert refusals == len(refused)
+    print(f"admitted {len(succeeded)}, refused {len(refused)}, spent {spent} of {limit}")
+
+
+class SlowModel(FakeServer):
+    """Never answers within the test until ``fast``: its calls hold their reservations."""
+
+    def __init__(self) -> None:
+        super().__init__("openai")
+        self.calls = 0
+        self.fast = False
+        self.all_holding = trio.Event()
+
+    def default(self, seen: Seen) -> Script:
+        self.calls += 1
+        if self.calls == len(AGENTS):
+            self.all_holding.set()
+        if self.fast:
+            return openai_ok("done", prompt_tokens=10, completion_tokens=5)
+        return openai_ok("late", delay=600)
+
+
+async def test_a_killed_servers_reservations_are_released_by_the_watchdog(tmp_path):
+    boot_file = tmp_path / "boot.xml"
+    store = '<store path="state/agents.sqlite3" worker-concurrency="4" watchdog-interval="0.2"/>'
+    boot_file.write_text(boot(store, llm_timeout=2))
+    sqlite_path = tmp_path / "state" / "agents.sqlite3"
+    query = "SELECT reserved_tokens, spent_tokens FROM budget_spend WHERE budget = 'organism'"
+    async with trio.open_nursery() as nursery:
+        model = await SlowModel().start(nursery)
+        env = env_for(model, None)
+        [server] = await start_servers(boot_file, env, tmp_path, 1)
+        try:
+            async with open_client(
+                server.host, server.port, client="alice", token=TOKENS["alice"]
+            ) as client:
+                for agent, payload in AGENTS:
+                    await client.send(payload(text="hold"), to=agent, thread=new_thread_id())
+                with trio.fail_after(20):
+                    await model.all_holding.wait()
+            [(reserved, spent)] = store_rows(sqlite_path, None, query)
+            assert reserved > 0 and spent == 0
+            await trio.to_thread.run_sync(server.proc.kill)
+            assert await trio.to_thread.run_sync(server.wait_exit, 10) < 0
+            # the dead server's holds are still there
+            [(reserved, spent)] = store_rows(sqlite_path, None, query)
+            assert reserved > 0
+            # the Turns resumed after the restart call the model again: answered at once
+            model.fast = True
+            again = await trio.to_thread.run_sync(
+                lambda: ServerProcess.start(boot_file, env=env, cwd=tmp_path / "s0")
+            )
+            try:
+                # expiry: the call's bound (llm-timeout 2 s) + 10 s, then one watchdog tick
+                for _ in range(60):  # another process's store: poll
+                    if store_rows(sqlite_path, None, query)[0][0] == 0:
+                        break
+                    await trio.sleep(0.5)
+                [(reserved, spent)] = store_rows(sqlite_path, None, query)
+                assert reserved == 0
+                assert store_rows(sqlite_path, None, "SELECT count(*) FROM budget_holds") == [(0,)]
+                # the resumed Turns' calls were settled (spent), the dead ones' not
+                assert spent == 15 * len(AGENTS)
+            finally:
+                await trio.to_thread.run_sync(again.stop)
+        finally:
+            await trio.to_thread.run_sync(server.stop)
+            nursery.cancel_scope.cancel()
