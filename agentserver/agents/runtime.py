@@ -19,10 +19,18 @@ from agentserver.agents.errors import StaleTurn, StoreError
 from agentserver.agents.events import EventBus
 from agentserver.agents.governance.approvals import Approvals, SendApproval
 from agentserver.agents.ports import LLMPort, ReplyPort, ReplyRef, ToolPort
-from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.profile.agent import MULTITASK_MODES, AgentProfile
 from agentserver.agents.profile.settings import StoreSettings
-from agentserver.agents.store.base import AgentStore, NewCard, TaskStatus, TurnToken
+from agentserver.agents.store.base import (
+    AgentStore,
+    MultitaskAnswers,
+    NewCard,
+    TaskStatus,
+    TurnToken,
+)
+from agentserver.agents.store.sql.multitask import BUSY_TEXT, ENDED_TEXT, SUPERSEDED_TEXT
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
+from agentserver.agents.turn.answer import answer_bytes
 from agentserver.agents.turn.compaction import SUMMARY, plan, summary_chunks, summary_max_tokens
 from agentserver.agents.turn.compactor import summarise
 from agentserver.agents.turn.delivery import TurnEnder
@@ -37,6 +45,9 @@ if TYPE_CHECKING:
     from agentserver.agents.store.pg.store import PostgresAgentStore
 
 log = logging.getLogger(__name__)
+
+#: The default double-texting mode: a task waits its turn (no added cost).
+ENQUEUE = MULTITASK_MODES[0]
 
 
 def _bytes(payload: etree._Element | bytes) -> bytes:
@@ -163,26 +174,72 @@ class AgentRuntime:
 
     # -- intake (from the pump handlers) ---------------------------------------------
     async def enqueue(
-        self, agent_id: str, payload: etree._Element | bytes, reply_ref: ReplyRef
+        self,
+        agent_id: str,
+        payload: etree._Element | bytes,
+        reply_ref: ReplyRef,
+        *,
+        multitask: str | None = None,
+        conversation: str | None = None,
     ) -> str:
         """Durably accept a task for ``agent_id``; returns the inbox id.
 
         When this returns, the task is committed and will end with exactly one deliverable
         (even across a restart); only then is the doorbell rung. ``reply_ref`` must be
         JSON-serialisable (``TypeError``/``ValueError`` otherwise, nothing written).
+
+        ``conversation``: the conversation the task belongs to, when the way in knows it
+        (an A2A ``contextId``); else, under ``memory="client"``, its caller's. ``multitask``:
+        this task's double-texting mode (docs/runs.md), else the agent's; with
+        ``enqueue`` (the default) this is one plain enqueue. Otherwise the mode is applied
+        in the same transaction (:meth:`_double_text`). Raises ValueError for a mode not
+        in ``MULTITASK_MODES`` (nothing written).
         """
         if agent_id not in self.profiles:
             raise KeyError(f"unknown agent {agent_id!r}")
         profile = self.profiles[agent_id]
-        conversation = conversation_key(reply_ref) if profile.memory == CLIENT else None
+        if conversation is None and profile.memory == CLIENT:
+            conversation = conversation_key(reply_ref)
         if self._forks and isinstance(reply_ref, dict):
             # The first task on a fork's thread continues the fork's conversation.
             conversation = self._forks.pop((agent_id, reply_ref.get("caller_thread")), conversation)
+        mode = multitask or profile.multitask
+        if mode != ENQUEUE and conversation is not None:
+            return await self._double_text(agent_id, _bytes(payload), reply_ref, conversation, mode)
         result = await self.store.enqueue_turn(
             agent_id, _bytes(payload), reply_ref, conversation=conversation
         )
         self.doorbell.ring()
         return result.inbox_id
+
+    async def _double_text(
+        self, agent_id: str, payload: bytes, reply_ref: ReplyRef, conversation: str, mode: str
+    ) -> str:
+        """A task sent with double-texting ``mode``: one store transaction decides and
+        applies it (agents/store/sql/multitask.py); then, as :meth:`stop` does, this
+        process's run of the Turn it ended is cancelled with its model call in flight (a
+        run in another process is fenced out by the epoch), and the answers it owes are
+        sent (they are in the reply outbox already: a crash resends them)."""
+        if mode not in MULTITASK_MODES:
+            raise ValueError(f"multitask must be one of {', '.join(MULTITASK_MODES)}")
+        profile = self.profiles[agent_id]
+        answers = MultitaskAnswers(
+            busy=answer_bytes(profile, BUSY_TEXT, failed=True),
+            ended=answer_bytes(profile, ENDED_TEXT.get(mode, ""), failed=True),
+            superseded=answer_bytes(profile, SUPERSEDED_TEXT, failed=True),
+        )
+        done = await self.store.enqueue_multitask(
+            agent_id, payload, reply_ref, conversation=conversation, mode=mode, answers=answers
+        )
+        if done.ended is not None:
+            self.worker.interrupt(agent_id, done.ended.agent_turn_id)
+            await self.ender.after(done.ended)
+        for reply in done.replies:
+            await self.ender.resend(reply)
+        if done.outcome != "queued":
+            log.info("%s: task %s %s (multitask=%s)", agent_id, done.inbox_id, done.outcome, mode)
+        self.doorbell.ring()
+        return done.inbox_id
 
     async def fork(self, agent_id: str, thread: str, at_step: int) -> dict[str, object]:
         """A new conversation of ``agent_id`` made of the cards of its latest Turn on

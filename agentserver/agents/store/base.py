@@ -38,10 +38,12 @@ from agentserver.agents.store.rows import BoxSwap as BoxSwap
 from agentserver.agents.store.rows import Card as Card
 from agentserver.agents.store.rows import CardType as CardType
 from agentserver.agents.store.rows import ClientReply as ClientReply
+from agentserver.agents.store.rows import DoubleText as DoubleText
 from agentserver.agents.store.rows import EnqueueResult as EnqueueResult
 from agentserver.agents.store.rows import Finished as Finished
 from agentserver.agents.store.rows import Head as Head
 from agentserver.agents.store.rows import InboxRow as InboxRow
+from agentserver.agents.store.rows import MultitaskAnswers as MultitaskAnswers
 from agentserver.agents.store.rows import NewCard as NewCard
 from agentserver.agents.store.rows import PendingReply as PendingReply
 from agentserver.agents.store.rows import ReportOutcome as ReportOutcome
@@ -65,6 +67,20 @@ class IntakeStore(Protocol):
     ) -> EnqueueResult:
         """Write a queued Turn (and lease it if the agent is idle) before anything else;
         with ``conversation`` the Turn continues that conversation's cards."""
+        ...
+
+    async def enqueue_multitask(
+        self,
+        agent_id: str,
+        payload: bytes,
+        reply_ref: ReplyRef,
+        *,
+        conversation: str,
+        mode: str,
+        answers: MultitaskAnswers,
+    ) -> DoubleText:
+        """:meth:`enqueue_turn` for a task of ``conversation`` with double-texting
+        ``mode`` (reject, interrupt, rollback: docs/runs.md), in one transaction."""
         ...
 
     async def report_tool_result(

@@ -197,6 +197,32 @@ class EnqueueResult:
 
 
 @dataclass(frozen=True, slots=True)
+class MultitaskAnswers:
+    """The failed answers double texting may owe (the agent's answer elements, as bytes):
+    to a rejected task (``busy``), to the running Turn it ends (``ended``), to an earlier
+    queued task it replaces (``superseded``)."""
+
+    busy: bytes
+    ended: bytes
+    superseded: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class DoubleText:
+    """What a task sent with a double-texting mode did (docs/runs.md), as committed:
+    ``outcome`` ``queued`` (nothing of its conversation was busy, or ``enqueue``),
+    ``rejected`` (answered at once: ``replies``), ``superseded`` (the earlier tasks of its
+    conversation ended: the running Turn in ``ended``, the queued ones answered in
+    ``replies``)."""
+
+    inbox_id: str
+    outcome: str
+    leased: bool
+    ended: Finished | None = None
+    replies: tuple[PendingReply, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ClientReply:
     reply_id: int
     client: str

@@ -26,10 +26,12 @@ from agentserver.agents.store.base import (
     BoxSwap,
     Card,
     ClientReply,
+    DoubleText,
     EnqueueResult,
     Finished,
     Head,
     InboxRow,
+    MultitaskAnswers,
     NewCard,
     PendingReply,
     ReportOutcome,
@@ -45,6 +47,7 @@ from agentserver.agents.store.sql import (
     governance,
     head,
     inbox,
+    multitask,
     record,
     replies,
     tools,
@@ -110,6 +113,26 @@ class SqlAgentStore(abc.ABC):
         self, agent_id: str, payload: bytes, reply_ref: ReplyRef, *, conversation: str | None = None
     ) -> EnqueueResult:
         return await self._run(inbox.enqueue_turn, agent_id, payload, reply_ref, conversation)
+
+    async def enqueue_multitask(
+        self,
+        agent_id: str,
+        payload: bytes,
+        reply_ref: ReplyRef,
+        *,
+        conversation: str,
+        mode: str,
+        answers: MultitaskAnswers,
+    ) -> DoubleText:
+        return await self._run(
+            multitask.enqueue_multitask,
+            agent_id,
+            payload,
+            reply_ref,
+            conversation,
+            mode,
+            answers,
+        )
 
     async def report_tool_result(
         self, agent_id: str, tool_call_id: str, payload: bytes, *, failed: bool

@@ -41,6 +41,7 @@ from agentserver.agents.store.pg.trio_executor import PgTrioExecutor
 from agentserver.agents.store.sql import (
     governance,
     inbox,
+    multitask,
     replies,
     tools,
     turn_end,
@@ -65,6 +66,7 @@ _NOTIFIES = {
     fn: WAKE_CHANNEL
     for fn in (
         inbox.enqueue_turn,
+        multitask.enqueue_multitask,
         inbox.report_tool_result,
         inbox.requeue_stuck,
         tools.suspend,
