@@ -7,7 +7,7 @@ agent listeners' pump handlers, and run :meth:`AgentRuntime.run` in the server's
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import trio
@@ -20,9 +20,11 @@ from agentserver.agents.events import EventBus
 from agentserver.agents.governance.approvals import Approvals, SendApproval
 from agentserver.agents.ports import LLMPort, ReplyPort, ReplyRef, ToolPort
 from agentserver.agents.profile.agent import MULTITASK_MODES, AgentProfile
+from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import (
     AgentStore,
+    Finished,
     MultitaskAnswers,
     NewCard,
     TaskStatus,
@@ -37,6 +39,7 @@ from agentserver.agents.turn.delivery import TurnEnder
 from agentserver.agents.turn.hold import TurnHold
 from agentserver.agents.turn.memory import CLIENT, conversation_key
 from agentserver.agents.turn.resend import resend_waiting
+from agentserver.agents.turn.scheduler import Scheduler
 from agentserver.agents.turn.watchdog import Watchdog
 from agentserver.agents.turn.worker import Worker
 from agentserver.observability.tracing import Tracing
@@ -95,6 +98,7 @@ class AgentRuntime:
         send_approval: SendApproval | None = None,
         listener_approvers: tuple[str, ...] = (),
         retryable_tools: Collection[str] = (),
+        schedules: Sequence[ScheduleSpec] = (),
     ) -> None:
         self.store = store
         self.tools = tools
@@ -134,6 +138,10 @@ class AgentRuntime:
         self.watchdog = Watchdog(ender=self.ender, settings=settings)
         #: Approvers that are listeners (their requests are sent again after a restart).
         self.listener_approvers = listener_approvers
+        #: Fires schedules (boot.xml's ``<schedules>`` and those made at run time).
+        self.scheduler = Scheduler(
+            store, self.profiles, self.clock, self.doorbell, self._ended, declared=schedules
+        )
 
     @classmethod
     def open(
@@ -149,6 +157,7 @@ class AgentRuntime:
         send_approval: SendApproval | None = None,
         listener_approvers: tuple[str, ...] = (),
         retryable_tools: Collection[str] = (),
+        schedules: Sequence[ScheduleSpec] = (),
     ) -> AgentRuntime:
         """Open the store (created/migrated) and wire everything: the PostgreSQL database
         of ``settings.url`` if set, else the SQLite file at ``settings.path``.
@@ -170,6 +179,7 @@ class AgentRuntime:
             send_approval=send_approval,
             listener_approvers=listener_approvers,
             retryable_tools=retryable_tools,
+            schedules=schedules,
         )
 
     # -- intake (from the pump handlers) ---------------------------------------------
@@ -323,6 +333,12 @@ class AgentRuntime:
         )
         return finished is not None
 
+    async def _ended(self, finished: Finished) -> None:
+        """A Turn ended from outside its run (a schedule's cancel-other): this process's
+        run of it is cancelled with its model call, its end published and answered."""
+        self.worker.interrupt(finished.agent_id, finished.agent_turn_id)
+        await self.ender.after(finished)
+
     # -- running ------------------------------------------------------------------------
     async def recover(self) -> None:
         """Start-up recovery; call before :meth:`run` starts the worker (run does it).
@@ -382,6 +398,7 @@ class AgentRuntime:
             await nursery.start(self.worker.run)
             await nursery.start(self.watchdog.run)
             await nursery.start(self.approvals.run, self.listener_approvers)
+            await nursery.start(self.scheduler.run)
             here = self.store.replies_here
             if here is not None:
                 nursery.start_soon(self._answer_callers_here, here)

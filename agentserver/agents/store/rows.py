@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from agentserver.agents.profile.schedule import ScheduleSpec
+
 
 class CardType:
     TASK_INPUT = "task.input"
@@ -247,3 +249,32 @@ class ScreenedStep(Protocol):
     def approvals(self) -> Sequence[Any]: ...
 
     def __bool__(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleRow:
+    """A schedule as stored: its settings and its state."""
+
+    spec: ScheduleSpec
+    paused: bool
+    next_tick: float | None
+    last_tick: float | None
+    last_outcome: str | None
+    last_inbox_id: str | None
+    fired: int
+    skipped: int
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fired:
+    """What a claimed tick did: ``outcome`` (:data:`FIRED`, :data:`MANUAL` or a
+    ``skipped: ...``), the run's inbox row, whether its Turn was leased, the run it
+    cancelled (cancel-other)."""
+
+    name: str
+    tick: float
+    outcome: str
+    inbox_id: str | None
+    leased: bool
+    ended: Finished | None = None

@@ -43,6 +43,7 @@ from agentserver.agents.store.sql import (
     inbox,
     multitask,
     replies,
+    schedules,
     tools,
     turn_end,
     turns,
@@ -67,6 +68,7 @@ _NOTIFIES = {
     for fn in (
         inbox.enqueue_turn,
         multitask.enqueue_multitask,
+        schedules.fire,
         inbox.report_tool_result,
         inbox.requeue_stuck,
         tools.suspend,

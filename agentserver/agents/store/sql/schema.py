@@ -50,7 +50,7 @@ CREATE TABLE approvals (
 CREATE INDEX approvals_status ON approvals (status, deadline);
 """
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -213,6 +213,38 @@ CREATE TABLE forks (
     at_step INTEGER NOT NULL,
     created_at REAL NOT NULL,
     PRIMARY KEY (agent_id, conversation)
+);
+""",
+    # Issue 36: schedules (agents/store/sql/schedules.py). A schedule's next tick is the
+    # compare-and-set key of its claim; a run is keyed (schedule, tick): fired once.
+    7: """
+CREATE TABLE schedules (
+    name TEXT PRIMARY KEY,
+    agent_id TEXT NOT NULL,
+    cron TEXT NOT NULL,
+    timezone TEXT NOT NULL,
+    overlap TEXT NOT NULL,
+    catchup_window REAL NOT NULL,
+    jitter REAL NOT NULL,
+    payload BLOB NOT NULL,
+    source TEXT NOT NULL,
+    paused INTEGER NOT NULL DEFAULT 0,
+    next_tick REAL,
+    last_tick REAL,
+    last_outcome TEXT,
+    last_inbox_id TEXT,
+    fired INTEGER NOT NULL DEFAULT 0,
+    skipped INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE schedule_runs (
+    schedule TEXT NOT NULL,
+    tick REAL NOT NULL,
+    inbox_id TEXT,
+    outcome TEXT NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (schedule, tick)
 );
 """,
 }
