@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +28,7 @@ from agentserver.agents.errors import LLMUnavailable
 from agentserver.agents.events import counting
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
 from agentserver.core.listener import Handler, HandlerMetadata
@@ -130,13 +131,15 @@ async def start_agent_service(
     tracing: Tracing | None = None,
     metrics: Metrics | None = None,
     retryable_tools: Collection[str] = (),
+    schedules: Sequence[ScheduleSpec] = (),
 ) -> AgentService:
     """Open the store of ``store`` and the router of ``llm``, bind the agent listeners
     (``handlers``, one per name in ``profiles``) and start the runtime in ``nursery``. Call
     once the pump runs. ``clients`` are the declared clients' names, ``operators`` the
     listeners whose approval decisions are the operator's, for any request (the server's
     own console routers); ``retryable_tools`` the listeners whose steps may be retried
-    (``idempotent``: their calls a restart interrupted are sent again). The store and router
+    (``idempotent``: their calls a restart interrupted are sent again); ``schedules``
+    boot.xml's (docs/runs.md). The store and router
     are closed by ``resources``; cancelling ``nursery`` stops the runtime, whose work is
     durable and resumes at the next start."""
     env = os.environ if environ is None else environ
@@ -179,6 +182,7 @@ async def start_agent_service(
             )
         ),
         retryable_tools=retryable_tools,
+        schedules=schedules,
     )
     figures = None
     if metrics is not None:

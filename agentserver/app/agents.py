@@ -114,4 +114,5 @@ async def start_agents(
         tracing=tracing,
         metrics=metrics,
         retryable_tools=[s.name for s in topology.listeners if s.idempotent],
+        schedules=topology.schedules,
     )

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     # reads DEFAULT_PORT pay for them (httpx, the router); the loader imports them.
     from agentserver.agents.policy.evaluate import Policy
     from agentserver.agents.policy.guardrails import GuardrailSpec
+    from agentserver.agents.profile.schedule import ScheduleSpec
     from agentserver.agents.profile.settings import AgentSettings, StoreSettings
     from agentserver.llm.config import RouterConfig
 
@@ -164,6 +165,8 @@ class Topology:
     mcp: tuple[McpServerSpec, ...] = ()
     #: ``<expose-mcp listeners>``: what ``agentserver mcp`` and ``/mcp`` offer.
     expose_mcp: tuple[str, ...] = ()
+    #: ``<schedules>``: runs on a schedule (docs/runs.md).
+    schedules: tuple[ScheduleSpec, ...] = ()
 
     def listener(self, name: str) -> ListenerSpec:
         for spec in self.listeners:
