@@ -24,6 +24,7 @@ from agentserver.http.routes.agents import AgentRoutes
 from agentserver.http.routes.events import SSE_BUFFER, SSE_KEEPALIVE, EventRoutes
 from agentserver.http.routes.mcp import McpRoute
 from agentserver.http.routes.messages import THREAD_HEADER, XML, MessageRoutes
+from agentserver.http.routes.schedules import ScheduleRoutes
 from agentserver.http.routes.status import StatusRoutes
 from agentserver.http.ui.app import ui_routes
 
@@ -45,6 +46,7 @@ def build_app(ctx: HttpContext) -> Starlette:
     agents = AgentRoutes(ctx, gate)
     events = EventRoutes(ctx, gate)
     status = StatusRoutes(ctx, gate, events)
+    schedules = ScheduleRoutes(ctx, gate)
     return Starlette(
         routes=[
             Route("/healthz", status.healthz),
@@ -57,6 +59,9 @@ def build_app(ctx: HttpContext) -> Starlette:
             Route("/v1/agents/{name}/tasks/{thread}", agents.task),
             Route("/v1/agents/{name}/tasks/{thread}/fork", agents.fork, methods=["POST"]),
             Route("/v1/events", events.events),
+            Route("/v1/schedules", schedules.collection, methods=["GET", "POST"]),
+            Route("/v1/schedules/{name}", schedules.one, methods=["GET", "DELETE"]),
+            Route("/v1/schedules/{name}/{action}", schedules.action, methods=["POST"]),
             Route("/v1/status", status.status),
             Route("/v1/steps", status.steps),
             *ui_routes(ctx, gate, events, status),

@@ -20,7 +20,7 @@ from agentserver.agents.clock import Clock
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StoreError
 from agentserver.agents.profile.agent import AgentProfile
-from agentserver.agents.profile.schedule import ScheduleSpec, missed
+from agentserver.agents.profile.schedule import ScheduleInvalid, ScheduleSpec, missed
 from agentserver.agents.store.base import AgentStore, Finished, Fired, ScheduleRow
 from agentserver.agents.turn.answer import answer_bytes
 from agentserver.agents.turn.memory import CLIENT
@@ -155,10 +155,10 @@ class Scheduler:
         return await self.fire(row, self.clock.now(), None)
 
     async def add(self, spec: ScheduleSpec) -> ScheduleRow:
-        """Make schedule ``spec`` (ScheduleExists if its name is taken); fires from its
-        next tick after now."""
+        """Make schedule ``spec`` (ScheduleExists if its name is taken, ScheduleInvalid if
+        its agent is not one of these); fires from its next tick after now."""
         if spec.agent not in self.profiles:
-            raise StoreError(f"no agent {spec.agent!r}")
+            raise ScheduleInvalid(f"no agent {spec.agent!r}")
         await self.store.put_schedule(spec, "api", spec.next_tick(self.clock.now()), new=True)
         self.wake()
         return await self.store.get_schedule(spec.name)
@@ -172,3 +172,9 @@ class Scheduler:
 
     async def delete(self, name: str) -> None:
         await self.store.delete_schedule(name)
+
+    async def get(self, name: str) -> ScheduleRow:
+        return await self.store.get_schedule(name)
+
+    async def list(self) -> list[ScheduleRow]:
+        return await self.store.list_schedules()
