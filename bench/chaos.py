@@ -45,6 +45,7 @@ from chaos_check import Ledger, check
 from chaos_clients import TOKEN, Approver, Operator, Servers, Switches, TaskClient
 from chaos_model import ChaosModel, plan_for
 from chaos_procs import RunnerSlot, ServerSlot, child_env
+from chaos_schedules import SCHEDULES_XML, check_schedules
 from chaos_tools import AGENTS, proof_text
 
 LLM_TIMEOUT = 4.0
@@ -108,6 +109,7 @@ def boot_xml(model_url: str, postgres: bool) -> str:
     </listener>
 {agents}
   </listeners>
+  {SCHEDULES_XML}
 </organism>
 """
 
@@ -249,6 +251,11 @@ async def chaos(args: argparse.Namespace) -> int:
             refs = await oracle.refs()
             taken = {t for t in ledger.attempts if t in refs}
             verdict = check(ledger, taken, expected_proofs(seed))
+            sched_counts, sched_violations = await trio.to_thread.run_sync(
+                check_schedules, oracle.sqlite_path, pg_url, time.time()
+            )
+            verdict.counts.update(sched_counts)
+            verdict.violations.extend(sched_violations)
             await trio.Path(out / "ledger.json").write_text(ledger_json(ledger, taken))
             for slot in slots:
                 await slot.terminate()
