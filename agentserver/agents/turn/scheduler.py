@@ -5,7 +5,7 @@ agents/store/sql/schedules.py), so each tick fires exactly once across processes
 claim and the run's task commit together, so across a crash too. The loop sleeps until
 the earliest due tick (its jitter added) or ``poll_s``, whichever comes first, or until
 :meth:`Scheduler.wake` (a schedule made, resumed or triggered here). A server with no
-schedule pays one small read every ``poll_s``, nothing per Turn.
+schedule pays one small read every :data:`IDLE_POLL_S`, nothing per Turn.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 #: The longest the loop sleeps without reading the schedules (others may make some).
 POLL_S = 1.0
+#: The same while the store has no schedule at all (one made here wakes the loop).
+IDLE_POLL_S = 5.0
 #: The reply reference's key naming the schedule a run belongs to (its "client").
 SCHEDULE_KEY = "schedule"
 CANCELLED_TEXT = "cancelled: the schedule's next run started (overlap cancel-other)"
@@ -107,8 +109,9 @@ class Scheduler:
         """Fire (or count skipped) every tick due now; returns when to look again. Each
         tick is one store transaction; a tick another process claimed is left alone."""
         now = self.clock.now()
-        until = now + self.poll_s
-        for row in await self.store.list_schedules():
+        rows = await self.store.list_schedules()
+        until = now + (self.poll_s if rows else max(self.poll_s, IDLE_POLL_S))
+        for row in rows:
             if row.paused or row.next_tick is None or row.spec.agent not in self.profiles:
                 continue
             spec, tick = row.spec, row.next_tick
