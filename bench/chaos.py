@@ -47,6 +47,7 @@ from chaos_clients import TOKEN, Approver, Operator, Servers, Switches, TaskClie
 from chaos_model import ChaosModel, plan_for
 from chaos_procs import RunnerSlot, ServerSlot, child_env
 from chaos_retention import PRUNED_QUERY, SizeWatch, with_retention
+from chaos_schedules import SCHEDULES_XML, check_schedules
 from chaos_tools import AGENTS, proof_text
 
 LLM_TIMEOUT = 4.0
@@ -115,6 +116,7 @@ def boot_xml(
     </listener>
 {agents}
   </listeners>
+  {SCHEDULES_XML}
 </organism>
 """
 
@@ -269,6 +271,11 @@ async def chaos(args: argparse.Namespace) -> int:
             verdict.counts.update(spend)
             verdict.violations.extend(overspent)
             verdict.counts["violations"] = int(verdict.counts["violations"]) + len(overspent)
+            sched_counts, sched_violations = await trio.to_thread.run_sync(
+                check_schedules, oracle.sqlite_path, pg_url, time.time()
+            )
+            verdict.counts.update(sched_counts)
+            verdict.violations.extend(sched_violations)
             await trio.Path(out / "ledger.json").write_text(ledger_json(ledger, taken))
             for slot in slots:
                 await slot.terminate()

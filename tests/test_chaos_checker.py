@@ -100,3 +100,25 @@ def test_counts_match_the_truth(plan):
     assert c["not_taken"] == fates_seen.count("untaken")
     assert c["answered_once"] == len(plan) - c["duplicates"] - c["lost"] - c["not_taken"]
     assert verdict.ok == (c["duplicates"] + c["lost"] + c["wrong_content"] == 0)
+
+
+def test_the_schedules_checker_finds_each_violation():
+    from chaos_schedules import Run, Sched, check_runs
+
+    # every 5 s, made at 1000.5: ticks 1005..1025 due before next_tick 1030 (five); two
+    # skipped: one by overlap (a run record), one missed while down (counted only)
+    s = Sched("s", "*/5 * * * * *", 1000.5, 1030.0, 2)
+    ok = [Run("s", t, "fired", "consumed", False) for t in (1005, 1010, 1015)]
+    ok.append(Run("s", 1020, "skipped: the previous run has not ended", None, False))
+    counts, violations = check_runs([s], ok, now=1040)
+    assert not violations and counts["schedule_runs_fired"] == 3
+    assert counts["schedule_ticks_missed"] == 1
+    _, twice = check_runs([s], [*ok[:3], ok[2]], now=1040)
+    assert any("twice" in v for v in twice)
+    _, lost = check_runs([s], [ok[0], ok[1], ok[3]], now=1040)  # a fired tick gone
+    assert any("accounted" in v for v in lost)
+    _, no_task = check_runs([s], [Run("s", 1005, "fired", "", False), *ok[1:]], now=1040)
+    assert any("no task" in v for v in no_task)
+    stuck = [Run("s", 1005, "fired", "consumed", True), *ok[1:]]
+    assert check_runs([s], stuck, now=1040)[1] == []  # young: may still run
+    assert any("never ended" in v for v in check_runs([s], stuck, now=2000)[1])

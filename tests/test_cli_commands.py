@@ -181,6 +181,9 @@ async def test_run_without_boot_uses_the_bundled_topology(tmp_path):
         (("replay",), ["AGENT", "THREAD", "--boot", "--store", "--from", "--live-tools"]),
         (("export",), ["AGENT", "THREAD", "--boot", "--store"]),
         (("fork",), ["AGENT", "THREAD", "--at-step", "--task", "--url", "--wait"]),
+        (("schedule",), ["add", "list", "pause", "resume", "trigger", "delete"]),
+        (("schedule", "add"), ["NAME", "AGENT", "CRON", "--task", "--overlap", "--timezone"]),
+        (("schedule", "add"), ["--catchup-window", "--jitter", "--url"]),
     ],
 )
 def test_help_is_accurate(command, expected):

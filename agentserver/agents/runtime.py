@@ -7,7 +7,7 @@ agent listeners' pump handlers, and run :meth:`AgentRuntime.run` in the server's
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import trio
@@ -20,16 +20,27 @@ from agentserver.agents.events import EventBus
 from agentserver.agents.governance.approvals import Approvals, SendApproval
 from agentserver.agents.governance.budgets import Budgets
 from agentserver.agents.ports import LLMPort, ReplyPort, ReplyRef, ToolPort
-from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.profile.agent import MULTITASK_MODES, AgentProfile
+from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.profile.settings import StoreSettings
-from agentserver.agents.store.base import AgentStore, NewCard, TaskStatus, TurnToken
+from agentserver.agents.store.base import (
+    AgentStore,
+    Finished,
+    MultitaskAnswers,
+    NewCard,
+    TaskStatus,
+    TurnToken,
+)
+from agentserver.agents.store.sql.multitask import BUSY_TEXT, ENDED_TEXT, SUPERSEDED_TEXT
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
+from agentserver.agents.turn.answer import answer_bytes
 from agentserver.agents.turn.compaction import SUMMARY, plan, summary_chunks, summary_max_tokens
 from agentserver.agents.turn.compactor import summarise
 from agentserver.agents.turn.delivery import TurnEnder
 from agentserver.agents.turn.hold import TurnHold
 from agentserver.agents.turn.memory import CLIENT, conversation_key
 from agentserver.agents.turn.resend import resend_waiting
+from agentserver.agents.turn.scheduler import Scheduler
 from agentserver.agents.turn.watchdog import Watchdog
 from agentserver.agents.turn.worker import Worker
 from agentserver.observability.tracing import Tracing
@@ -38,6 +49,9 @@ if TYPE_CHECKING:
     from agentserver.agents.store.pg.store import PostgresAgentStore
 
 log = logging.getLogger(__name__)
+
+#: The default double-texting mode: a task waits its turn (no added cost).
+ENQUEUE = MULTITASK_MODES[0]
 
 
 def _bytes(payload: etree._Element | bytes) -> bytes:
@@ -86,6 +100,7 @@ class AgentRuntime:
         listener_approvers: tuple[str, ...] = (),
         retryable_tools: Collection[str] = (),
         budgets: Budgets | None = None,
+        schedules: Sequence[ScheduleSpec] = (),
     ) -> None:
         self.store = store
         #: Spend budgets (None: none declared).
@@ -129,6 +144,10 @@ class AgentRuntime:
         self.watchdog = Watchdog(ender=self.ender, settings=settings, budgets=budgets)
         #: Approvers that are listeners (their requests are sent again after a restart).
         self.listener_approvers = listener_approvers
+        #: Fires schedules (boot.xml's ``<schedules>`` and those made at run time).
+        self.scheduler = Scheduler(
+            store, self.profiles, self.clock, self.doorbell, self._ended, declared=schedules
+        )
 
     @classmethod
     def open(
@@ -144,6 +163,7 @@ class AgentRuntime:
         send_approval: SendApproval | None = None,
         listener_approvers: tuple[str, ...] = (),
         retryable_tools: Collection[str] = (),
+        schedules: Sequence[ScheduleSpec] = (),
     ) -> AgentRuntime:
         """Open the store (created/migrated) and wire everything: the PostgreSQL database
         of ``settings.url`` if set, else the SQLite file at ``settings.path``.
@@ -165,30 +185,77 @@ class AgentRuntime:
             send_approval=send_approval,
             listener_approvers=listener_approvers,
             retryable_tools=retryable_tools,
+            schedules=schedules,
         )
 
     # -- intake (from the pump handlers) ---------------------------------------------
     async def enqueue(
-        self, agent_id: str, payload: etree._Element | bytes, reply_ref: ReplyRef
+        self,
+        agent_id: str,
+        payload: etree._Element | bytes,
+        reply_ref: ReplyRef,
+        *,
+        multitask: str | None = None,
+        conversation: str | None = None,
     ) -> str:
         """Durably accept a task for ``agent_id``; returns the inbox id.
 
         When this returns, the task is committed and will end with exactly one deliverable
         (even across a restart); only then is the doorbell rung. ``reply_ref`` must be
         JSON-serialisable (``TypeError``/``ValueError`` otherwise, nothing written).
+
+        ``conversation``: the conversation the task belongs to, when the way in knows it
+        (an A2A ``contextId``); else, under ``memory="client"``, its caller's. ``multitask``:
+        this task's double-texting mode (docs/runs.md), else the agent's; with
+        ``enqueue`` (the default) this is one plain enqueue. Otherwise the mode is applied
+        in the same transaction (:meth:`_double_text`). Raises ValueError for a mode not
+        in ``MULTITASK_MODES`` (nothing written).
         """
         if agent_id not in self.profiles:
             raise KeyError(f"unknown agent {agent_id!r}")
         profile = self.profiles[agent_id]
-        conversation = conversation_key(reply_ref) if profile.memory == CLIENT else None
+        if conversation is None and profile.memory == CLIENT:
+            conversation = conversation_key(reply_ref)
         if self._forks and isinstance(reply_ref, dict):
             # The first task on a fork's thread continues the fork's conversation.
             conversation = self._forks.pop((agent_id, reply_ref.get("caller_thread")), conversation)
+        mode = multitask or profile.multitask
+        if mode != ENQUEUE and conversation is not None:
+            return await self._double_text(agent_id, _bytes(payload), reply_ref, conversation, mode)
         result = await self.store.enqueue_turn(
             agent_id, _bytes(payload), reply_ref, conversation=conversation
         )
         self.doorbell.ring()
         return result.inbox_id
+
+    async def _double_text(
+        self, agent_id: str, payload: bytes, reply_ref: ReplyRef, conversation: str, mode: str
+    ) -> str:
+        """A task sent with double-texting ``mode``: one store transaction decides and
+        applies it (agents/store/sql/multitask.py); then, as :meth:`stop` does, this
+        process's run of the Turn it ended is cancelled with its model call in flight (a
+        run in another process is fenced out by the epoch), and the answers it owes are
+        sent (they are in the reply outbox already: a crash resends them)."""
+        if mode not in MULTITASK_MODES:
+            raise ValueError(f"multitask must be one of {', '.join(MULTITASK_MODES)}")
+        profile = self.profiles[agent_id]
+        answers = MultitaskAnswers(
+            busy=answer_bytes(profile, BUSY_TEXT, failed=True),
+            ended=answer_bytes(profile, ENDED_TEXT.get(mode, ""), failed=True),
+            superseded=answer_bytes(profile, SUPERSEDED_TEXT, failed=True),
+        )
+        done = await self.store.enqueue_multitask(
+            agent_id, payload, reply_ref, conversation=conversation, mode=mode, answers=answers
+        )
+        if done.ended is not None:
+            self.worker.interrupt(agent_id, done.ended.agent_turn_id)
+            await self.ender.after(done.ended)
+        for reply in done.replies:
+            await self.ender.resend(reply)
+        if done.outcome != "queued":
+            log.info("%s: task %s %s (multitask=%s)", agent_id, done.inbox_id, done.outcome, mode)
+        self.doorbell.ring()
+        return done.inbox_id
 
     async def fork(self, agent_id: str, thread: str, at_step: int) -> dict[str, object]:
         """A new conversation of ``agent_id`` made of the cards of its latest Turn on
@@ -272,6 +339,12 @@ class AgentRuntime:
         )
         return finished is not None
 
+    async def _ended(self, finished: Finished) -> None:
+        """A Turn ended from outside its run (a schedule's cancel-other): this process's
+        run of it is cancelled with its model call, its end published and answered."""
+        self.worker.interrupt(finished.agent_id, finished.agent_turn_id)
+        await self.ender.after(finished)
+
     # -- running ------------------------------------------------------------------------
     async def recover(self) -> None:
         """Start-up recovery; call before :meth:`run` starts the worker (run does it).
@@ -331,6 +404,7 @@ class AgentRuntime:
             await nursery.start(self.worker.run)
             await nursery.start(self.watchdog.run)
             await nursery.start(self.approvals.run, self.listener_approvers)
+            await nursery.start(self.scheduler.run)
             here = self.store.replies_here
             if here is not None:
                 nursery.start_soon(self._answer_callers_here, here)

@@ -30,6 +30,7 @@ from agentserver.agents.governance.budgets import Budgets, WorstPrice
 from agentserver.agents.policy.budget import BudgetSpec
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
 from agentserver.core.listener import Handler, HandlerMetadata
@@ -168,6 +169,7 @@ async def start_agent_service(
     metrics: Metrics | None = None,
     retryable_tools: Collection[str] = (),
     budgets: Sequence[BudgetSpec] = (),
+    schedules: Sequence[ScheduleSpec] = (),
 ) -> AgentService:
     """Open the store of ``store`` and the router of ``llm``, bind the agent listeners
     (``handlers``, one per name in ``profiles``) and start the runtime in ``nursery``. Call
@@ -175,7 +177,8 @@ async def start_agent_service(
     listeners whose approval decisions are the operator's, for any request (the server's
     own console routers); ``retryable_tools`` the listeners whose steps may be retried
     (``idempotent``: their calls a restart interrupted are sent again); ``budgets`` the
-    declared spend budgets (none: nothing of them is built). The store and router
+    declared spend budgets (none: nothing of them is built); ``schedules`` boot.xml's
+    (docs/runs.md). The store and router
     are closed by ``resources``; cancelling ``nursery`` stops the runtime, whose work is
     durable and resumes at the next start."""
     env = os.environ if environ is None else environ
@@ -224,6 +227,7 @@ async def start_agent_service(
         retryable_tools=retryable_tools,
         events=events,
         budgets=spend,
+        schedules=schedules,
     )
     figures = None
     if metrics is not None:

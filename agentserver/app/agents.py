@@ -115,4 +115,5 @@ async def start_agents(
         metrics=metrics,
         retryable_tools=[s.name for s in topology.listeners if s.idempotent],
         budgets=topology.budgets,
+        schedules=topology.schedules,
     )

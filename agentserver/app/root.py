@@ -387,6 +387,7 @@ async def _start_http(
         registry=registry,
         agents=view,
         forks=agents.runtime if agents is not None else None,
+        schedules=agents.runtime.scheduler if agents is not None else None,
         events=agents.runtime.events if agents is not None else None,
         backends=(lambda: router.stats().as_dict()["backends"]) if router is not None else None,
         transports=lambda: {"socket": server.connection_count, **server.counters},

@@ -30,6 +30,7 @@ from agentserver.cli import (
     replay,
     run,
     runner,
+    schedule,
     send,
     status,
     store,
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     fork.add_parsers(sub, common, remote)
     store.add_parsers(sub, common, remote)
     budget.add_parsers(sub, common, remote)
+    schedule.add_parsers(sub, common, remote)
     return parser
 
 
@@ -127,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fork": fork.cmd_fork,
         "store": store.cmd_store,
         "budget": budget.cmd_budget,
+        "schedule": schedule.cmd_schedule,
     }
     return handler[args.command](args)
 

@@ -38,6 +38,7 @@ from agentserver.config.imports import B, Resolver, add_import_dir, flag, resolv
 from agentserver.config.listeners import IMPLICIT_BOOT_NAME, ListenerReader
 from agentserver.config.mcp import McpReader, check_exposed
 from agentserver.config.problems import BootError, LoadResult, Problem, Report, pretty
+from agentserver.config.schedules import read_schedules
 from agentserver.config.sections import SectionReader
 from agentserver.config.topology import DEFAULT_HOST, DEFAULT_PORT, Topology
 from agentserver.core.schemas_export import schema_path
@@ -222,4 +223,7 @@ class _Loader:
             ),
             webhooks=webhooks,
             budgets=budgets,
+            schedules=read_schedules(
+                report, root.find(B + "schedules"), {s.name for s in listeners if s.agent}
+            ),
         )

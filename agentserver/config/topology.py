@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from agentserver.agents.policy.budget import BudgetSpec
     from agentserver.agents.policy.evaluate import Policy
     from agentserver.agents.policy.guardrails import GuardrailSpec
+    from agentserver.agents.profile.schedule import ScheduleSpec
     from agentserver.agents.profile.settings import AgentSettings, StoreSettings
     from agentserver.agents.profile.webhooks import WebhookSpec
     from agentserver.llm.config import RouterConfig
@@ -170,6 +171,8 @@ class Topology:
     webhooks: tuple[WebhookSpec, ...] = ()
     #: ``<budget>`` elements: the spend budgets (docs/budgets.md); empty: none.
     budgets: tuple[BudgetSpec, ...] = ()
+    #: ``<schedules>``: runs on a schedule (docs/runs.md).
+    schedules: tuple[ScheduleSpec, ...] = ()
 
     def listener(self, name: str) -> ListenerSpec:
         for spec in self.listeners:

@@ -25,6 +25,7 @@ from agentserver.http.routes.budgets import BudgetRoutes
 from agentserver.http.routes.events import SSE_BUFFER, SSE_KEEPALIVE, EventRoutes
 from agentserver.http.routes.mcp import McpRoute
 from agentserver.http.routes.messages import THREAD_HEADER, XML, MessageRoutes
+from agentserver.http.routes.schedules import ScheduleRoutes
 from agentserver.http.routes.status import StatusRoutes
 from agentserver.http.routes.webhooks import WebhookRoutes
 from agentserver.http.ui.app import ui_routes
@@ -49,6 +50,7 @@ def build_app(ctx: HttpContext) -> Starlette:
     status = StatusRoutes(ctx, gate, events)
     hooks = WebhookRoutes(ctx, gate)
     budgets = BudgetRoutes(ctx, gate)
+    schedules = ScheduleRoutes(ctx, gate)
     return Starlette(
         routes=[
             Route("/healthz", status.healthz),
@@ -61,6 +63,9 @@ def build_app(ctx: HttpContext) -> Starlette:
             Route("/v1/agents/{name}/tasks/{thread}", agents.task),
             Route("/v1/agents/{name}/tasks/{thread}/fork", agents.fork, methods=["POST"]),
             Route("/v1/events", events.events),
+            Route("/v1/schedules", schedules.collection, methods=["GET", "POST"]),
+            Route("/v1/schedules/{name}", schedules.one, methods=["GET", "DELETE"]),
+            Route("/v1/schedules/{name}/{action}", schedules.action, methods=["POST"]),
             Route("/v1/status", status.status),
             Route("/v1/steps", status.steps),
             Route("/v1/webhooks", hooks.list),

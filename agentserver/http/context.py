@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry
 from agentserver.agents.edge.webhooks import Webhooks
 from agentserver.agents.events import EventBus, Subscription
 from agentserver.agents.governance.budgets import Budgets
+from agentserver.agents.profile.schedule import ScheduleSpec
+from agentserver.agents.store.base import Fired, ScheduleRow
 from agentserver.core.throttle import HelloThrottle
 from agentserver.http.agents_view import AgentsView
 from agentserver.http.auth import HttpAuth
@@ -29,6 +31,18 @@ class Forks(Protocol):
     def expect_fork(self, agent_id: str, thread: str, conversation: str) -> None: ...
 
 
+class Schedules(Protocol):
+    """What ``/v1/schedules`` asks of the agents (the runtime's
+    :class:`~agentserver.agents.turn.scheduler.Scheduler`)."""
+
+    async def list(self) -> list[ScheduleRow]: ...
+    async def add(self, spec: ScheduleSpec) -> ScheduleRow: ...
+    async def pause(self, name: str, paused: bool) -> ScheduleRow: ...
+    async def trigger(self, name: str) -> Fired | None: ...
+    async def delete(self, name: str) -> None: ...
+    async def get(self, name: str) -> ScheduleRow: ...
+
+
 @dataclass
 class HttpContext:
     """Everything the app reads; built by the composition root (agentserver/app/root.py)."""
@@ -41,6 +55,8 @@ class HttpContext:
     agents: AgentsView | None = None
     #: Forks of agents' conversations (None: no agents).
     forks: Forks | None = None
+    #: Runs on a schedule (None: no agents).
+    schedules: Schedules | None = None
     events: EventBus | None = None
     #: ``() -> {backend: stats}`` of the LLM router (None: no router).
     backends: Callable[[], dict[str, dict[str, Any]]] | None = None

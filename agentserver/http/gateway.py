@@ -55,6 +55,7 @@ class Deciders(Protocol):
     decision sent over HTTP is that client's, as on its socket connection."""
 
     def speak_for(self, endpoint: str, identity: str) -> None: ...
+    def multitask_for(self, endpoint: str, mode: str) -> None: ...
     def forget_endpoint(self, endpoint: str) -> None: ...
 
 
@@ -136,9 +137,12 @@ class HttpGateway:
         *,
         wait: bool,
         thread: str | None = None,
+        multitask: str | None = None,
     ) -> Outcome:
         """Send ``body`` (one XML payload) to ``to`` as ``identity``, on ``thread`` (a
-        uuid4 the caller chose) or a new thread."""
+        uuid4 the caller chose) or a new thread; ``multitask``: the task's double-texting
+        mode for an agent (docs/runs.md; a named client's only: an anonymous message is
+        a conversation of its own)."""
         self.counters["messages"] += 1
         if self.active >= self.spec.max_pending or (not wait and self.pending.full):
             self.counters["busy"] += 1
@@ -153,7 +157,9 @@ class HttpGateway:
             exchange = Exchange(
                 thread,
                 identity.name,
-                lambda sink, on_chain_end: self._open_endpoint(identity, sink, on_chain_end),
+                lambda sink, on_chain_end: self._open_endpoint(
+                    identity, sink, on_chain_end, multitask
+                ),
                 self.spec.max_replies,
             )
         except PumpClosed:
@@ -203,7 +209,11 @@ class HttpGateway:
         exchange.endpoint.release()
 
     def _open_endpoint(
-        self, identity: Identity, sink: Sink, on_chain_end: Callable[[], None]
+        self,
+        identity: Identity,
+        sink: Sink,
+        on_chain_end: Callable[[], None],
+        multitask: str | None = None,
     ) -> Endpoint:
         pump = self.pump
         if not pump.running:
@@ -227,5 +237,7 @@ class HttpGateway:
                 continue
             if self.deciders is not None:
                 self.deciders.speak_for(endpoint.name, identity.name)
+                if multitask is not None:
+                    self.deciders.multitask_for(endpoint.name, multitask)
             return endpoint
         raise PumpClosed("no endpoint name")

@@ -16,6 +16,8 @@ from agentserver.agents.profile.retry import RetryPolicy
 #: The output allowance of a request when the agent sets no max-tokens (the LLM
 #: adapter's default).
 DEFAULT_MAX_OUTPUT = 1024
+#: The double-texting modes (``<agent multitask>``, docs/runs.md); the first is the default.
+MULTITASK_MODES = ("enqueue", "reject", "interrupt", "rollback")
 
 SUBMIT_RESULT = "submit_result"
 
@@ -71,6 +73,8 @@ class AgentProfile:
     keep_recent: int = 16384
     tool_result_share: float = 0.25
     memory: str = "none"  # or "client": one durable conversation per client
+    #: Double texting (docs/runs.md): enqueue, reject, interrupt or rollback.
+    multitask: str = "enqueue"
     #: Tool-call policy (None: peers only), guardrails and the built-in loop detector's
     #: thresholds (0: off).
     policy: Policy | None = None
@@ -90,6 +94,8 @@ class AgentProfile:
         self.budget  # noqa: B018 - validates the context settings
         if self.memory not in ("none", "client"):
             raise ValueError(f"memory must be none or client, not {self.memory!r}")
+        if self.multitask not in MULTITASK_MODES:
+            raise ValueError(f"multitask must be one of {', '.join(MULTITASK_MODES)}")
         if not self.answer_tag:
             ns = etree.QName(self.own_roots[0]).namespace if self.own_roots else None
             object.__setattr__(self, "answer_tag", etree.QName(ns, "answer").text)

@@ -138,6 +138,7 @@ def agent_settings_from_element(el: etree._Element | None, *, name: str) -> Agen
             keep_recent=int(_num(el, "keep-recent", d.keep_recent, int)),
             tool_result_share=_num(el, "tool-result-share", d.tool_result_share),
             memory=el.get("memory", d.memory),
+            multitask=el.get("multitask", d.multitask),
             must_end_with=tuple((m.text or "").strip() for m in el.iterfind(_q("must-end-with"))),
             result_fields=fields,
             terminate_tools=tuple(
@@ -192,6 +193,7 @@ def profile_from_settings(
             keep_recent=s.keep_recent,
             tool_result_share=s.tool_result_share,
             memory=s.memory,
+            multitask=s.multitask,
             must_end_with=s.must_end_with,
             result_fields=s.result_fields,
             terminate_tools=s.terminate_tools,

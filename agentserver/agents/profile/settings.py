@@ -118,6 +118,7 @@ class AgentSettings:
     keep_recent: int = profile_default("keep_recent")
     tool_result_share: float = profile_default("tool_result_share")
     memory: str = profile_default("memory")
+    multitask: str = profile_default("multitask")
     must_end_with: tuple[str, ...] = profile_default("must_end_with")
     result_fields: tuple[ResultField, ...] = profile_default("result_fields")
     terminate_tools: tuple[str, ...] = profile_default("terminate_tools")

@@ -33,18 +33,23 @@ import trio
 
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.ports import LLMCompletion, ReplyRef
+from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.store.governance import GovernanceStore, PendingApproval
 from agentserver.agents.store.rows import BoxSwap as BoxSwap
 from agentserver.agents.store.rows import Card as Card
 from agentserver.agents.store.rows import CardType as CardType
 from agentserver.agents.store.rows import ClientReply as ClientReply
+from agentserver.agents.store.rows import DoubleText as DoubleText
 from agentserver.agents.store.rows import EnqueueResult as EnqueueResult
 from agentserver.agents.store.rows import Finished as Finished
+from agentserver.agents.store.rows import Fired as Fired
 from agentserver.agents.store.rows import Head as Head
 from agentserver.agents.store.rows import InboxRow as InboxRow
+from agentserver.agents.store.rows import MultitaskAnswers as MultitaskAnswers
 from agentserver.agents.store.rows import NewCard as NewCard
 from agentserver.agents.store.rows import PendingReply as PendingReply
 from agentserver.agents.store.rows import ReportOutcome as ReportOutcome
+from agentserver.agents.store.rows import ScheduleRow as ScheduleRow
 from agentserver.agents.store.rows import ScreenedStep as ScreenedStep
 from agentserver.agents.store.rows import StepStart as StepStart
 from agentserver.agents.store.rows import TaskStatus as TaskStatus
@@ -65,6 +70,20 @@ class IntakeStore(Protocol):
     ) -> EnqueueResult:
         """Write a queued Turn (and lease it if the agent is idle) before anything else;
         with ``conversation`` the Turn continues that conversation's cards."""
+        ...
+
+    async def enqueue_multitask(
+        self,
+        agent_id: str,
+        payload: bytes,
+        reply_ref: ReplyRef,
+        *,
+        conversation: str,
+        mode: str,
+        answers: MultitaskAnswers,
+    ) -> DoubleText:
+        """:meth:`enqueue_turn` for a task of ``conversation`` with double-texting
+        ``mode`` (reject, interrupt, rollback: docs/runs.md), in one transaction."""
         ...
 
     async def report_tool_result(
@@ -380,8 +399,40 @@ class StoreLifecycle(Protocol):
     async def aclose(self) -> None: ...
 
 
+class ScheduleStore(Protocol):
+    """Schedules (docs/runs.md): definitions, and each tick claimed with its run queued in
+    one transaction (agents/store/sql/schedules.py)."""
+
+    async def put_schedule(
+        self, spec: ScheduleSpec, source: str, next_tick: float, *, new: bool
+    ) -> bool: ...
+    async def drop_boot_schedules(self, keep: Sequence[str]) -> int: ...
+    async def delete_schedule(self, name: str) -> None: ...
+    async def set_schedule_paused(
+        self, name: str, paused: bool, next_tick: float | None
+    ) -> ScheduleRow: ...
+    async def get_schedule(self, name: str) -> ScheduleRow: ...
+    async def list_schedules(self) -> list[ScheduleRow]: ...
+    async def skip_missed_ticks(
+        self, name: str, tick: float, next_tick: float, count: int
+    ) -> bool: ...
+    async def fire_schedule(
+        self,
+        name: str,
+        tick: float,
+        next_tick: float | None,
+        reply_ref: ReplyRef,
+        conversation: str | None,
+        cancelled_answer: bytes,
+    ) -> Fired | None: ...
+    async def schedule_runs(
+        self, name: str | None = None
+    ) -> list[tuple[str, float, str | None, str]]: ...
+
+
 class AgentStore(
     IntakeStore,
+    ScheduleStore,
     TurnStore,
     ReplyStore,
     WatchdogStore,

@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from agentserver.agents.profile.schedule import ScheduleSpec
+
 
 class CardType:
     TASK_INPUT = "task.input"
@@ -197,6 +199,32 @@ class EnqueueResult:
 
 
 @dataclass(frozen=True, slots=True)
+class MultitaskAnswers:
+    """The failed answers double texting may owe (the agent's answer elements, as bytes):
+    to a rejected task (``busy``), to the running Turn it ends (``ended``), to an earlier
+    queued task it replaces (``superseded``)."""
+
+    busy: bytes
+    ended: bytes
+    superseded: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class DoubleText:
+    """What a task sent with a double-texting mode did (docs/runs.md), as committed:
+    ``outcome`` ``queued`` (nothing of its conversation was busy, or ``enqueue``),
+    ``rejected`` (answered at once: ``replies``), ``superseded`` (the earlier tasks of its
+    conversation ended: the running Turn in ``ended``, the queued ones answered in
+    ``replies``)."""
+
+    inbox_id: str
+    outcome: str
+    leased: bool
+    ended: Finished | None = None
+    replies: tuple[PendingReply, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ClientReply:
     reply_id: int
     client: str
@@ -221,3 +249,32 @@ class ScreenedStep(Protocol):
     def approvals(self) -> Sequence[Any]: ...
 
     def __bool__(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleRow:
+    """A schedule as stored: its settings and its state."""
+
+    spec: ScheduleSpec
+    paused: bool
+    next_tick: float | None
+    last_tick: float | None
+    last_outcome: str | None
+    last_inbox_id: str | None
+    fired: int
+    skipped: int
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fired:
+    """What a claimed tick did: ``outcome`` (:data:`FIRED`, :data:`MANUAL` or a
+    ``skipped: ...``), the run's inbox row, whether its Turn was leased, the run it
+    cancelled (cancel-other)."""
+
+    name: str
+    tick: float
+    outcome: str
+    inbox_id: str | None
+    leased: bool
+    ended: Finished | None = None

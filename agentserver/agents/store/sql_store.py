@@ -20,16 +20,19 @@ from typing import Any, TypeVar
 from agentserver.agents.clock import Clock
 from agentserver.agents.errors import StoreError
 from agentserver.agents.ports import LLMCompletion, ReplyRef
+from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store import outbox, step_log
 from agentserver.agents.store.base import (
     BoxSwap,
     Card,
     ClientReply,
+    DoubleText,
     EnqueueResult,
     Finished,
     Head,
     InboxRow,
+    MultitaskAnswers,
     NewCard,
     PendingReply,
     ReportOutcome,
@@ -39,6 +42,7 @@ from agentserver.agents.store.base import (
 )
 from agentserver.agents.store.budget_store import BudgetStore
 from agentserver.agents.store.governance import DecisionRecord, PendingApproval, StepRecord
+from agentserver.agents.store.rows import Fired, ScheduleRow
 from agentserver.agents.store.sql import (
     common,
     conversations,
@@ -46,9 +50,11 @@ from agentserver.agents.store.sql import (
     governance,
     head,
     inbox,
+    multitask,
     prune,
     record,
     replies,
+    schedules,
     tools,
     turn_end,
     turns,
@@ -113,10 +119,74 @@ class SqlAgentStore(BudgetStore, abc.ABC):
     ) -> EnqueueResult:
         return await self._run(inbox.enqueue_turn, agent_id, payload, reply_ref, conversation)
 
+    async def enqueue_multitask(
+        self,
+        agent_id: str,
+        payload: bytes,
+        reply_ref: ReplyRef,
+        *,
+        conversation: str,
+        mode: str,
+        answers: MultitaskAnswers,
+    ) -> DoubleText:
+        return await self._run(
+            multitask.enqueue_multitask,
+            agent_id,
+            payload,
+            reply_ref,
+            conversation,
+            mode,
+            answers,
+        )
+
     async def report_tool_result(
         self, agent_id: str, tool_call_id: str, payload: bytes, *, failed: bool
     ) -> str:
         return await self._run(inbox.report_tool_result, agent_id, tool_call_id, payload, failed)
+
+    # -- schedules --------------------------------------------------------------------------
+    async def put_schedule(
+        self, spec: ScheduleSpec, source: str, next_tick: float, *, new: bool
+    ) -> bool:
+        return await self._run(schedules.put_schedule, spec, source, next_tick, new)
+
+    async def drop_boot_schedules(self, keep: Sequence[str]) -> int:
+        return await self._run(schedules.drop_boot_schedules, list(keep))
+
+    async def delete_schedule(self, name: str) -> None:
+        await self._run(schedules.delete_schedule, name)
+
+    async def set_schedule_paused(
+        self, name: str, paused: bool, next_tick: float | None
+    ) -> ScheduleRow:
+        return await self._run(schedules.set_paused, name, paused, next_tick)
+
+    async def get_schedule(self, name: str) -> ScheduleRow:
+        return await self._read(schedules.get_schedule, name)
+
+    async def list_schedules(self) -> list[ScheduleRow]:
+        return await self._read(schedules.list_schedules)
+
+    async def skip_missed_ticks(self, name: str, tick: float, next_tick: float, count: int) -> bool:
+        return await self._run(schedules.skip_missed, name, tick, next_tick, count)
+
+    async def fire_schedule(
+        self,
+        name: str,
+        tick: float,
+        next_tick: float | None,
+        reply_ref: ReplyRef,
+        conversation: str | None,
+        cancelled_answer: bytes,
+    ) -> Fired | None:
+        return await self._run(
+            schedules.fire, name, tick, next_tick, reply_ref, conversation, cancelled_answer
+        )
+
+    async def schedule_runs(
+        self, name: str | None = None
+    ) -> list[tuple[str, float, str | None, str]]:
+        return await self._read(schedules.runs, name)
 
     # -- worker -----------------------------------------------------------------------------
     async def due_agents(self, limit: int) -> list[str]:

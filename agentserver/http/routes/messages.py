@@ -13,6 +13,8 @@ from agentserver.http.gate import Gate
 from agentserver.http.problems import huh_problem, problem, refusal_problem, reply_problem
 
 XML = "application/xml"
+#: ``?multitask=``: a task's double-texting mode (docs/runs.md; the agents' own list).
+MULTITASK_MODES = ("enqueue", "reject", "interrupt", "rollback")
 THREAD_HEADER = "Agentserver-Thread"
 
 
@@ -52,8 +54,18 @@ class MessageRoutes:
         thread = params.get("thread")
         if thread is not None and not is_uuid4(thread):
             return problem(400, "bad-thread", "A thread must be a uuid4.")
+        multitask = params.get("multitask")
+        if multitask is not None and multitask not in MULTITASK_MODES:
+            return problem(
+                400, "bad-multitask", f"multitask must be one of {', '.join(MULTITASK_MODES)}."
+            )
         outcome = await gateway.send(
-            identity, params.get("to"), b"".join(chunks), wait=wait, thread=thread
+            identity,
+            params.get("to"),
+            b"".join(chunks),
+            wait=wait,
+            thread=thread,
+            multitask=multitask,
         )
         extra = {"thread": outcome.thread} if outcome.thread else {}
         headers = {THREAD_HEADER: outcome.thread} if outcome.thread else None

@@ -41,7 +41,9 @@ from agentserver.agents.store.pg.trio_executor import PgTrioExecutor
 from agentserver.agents.store.sql import (
     governance,
     inbox,
+    multitask,
     replies,
+    schedules,
     tools,
     turn_end,
     turns,
@@ -65,6 +67,8 @@ _NOTIFIES = {
     fn: WAKE_CHANNEL
     for fn in (
         inbox.enqueue_turn,
+        multitask.enqueue_multitask,
+        schedules.fire,
         inbox.report_tool_result,
         inbox.requeue_stuck,
         tools.suspend,

@@ -223,6 +223,38 @@ CREATE TABLE forks (
     8: prune.MIGRATION,
     # Issue 37: spend budgets, reserved before each model call (agents/store/sql/budgets.py).
     9: budget_sql.MIGRATION + fair.MIGRATION,
+    # Issue 36: schedules (agents/store/sql/schedules.py). A schedule's next tick is the
+    # compare-and-set key of its claim; a run is keyed (schedule, tick): fired once.
+    10: """
+CREATE TABLE schedules (
+    name TEXT PRIMARY KEY,
+    agent_id TEXT NOT NULL,
+    cron TEXT NOT NULL,
+    timezone TEXT NOT NULL,
+    overlap TEXT NOT NULL,
+    catchup_window REAL NOT NULL,
+    jitter REAL NOT NULL,
+    payload BLOB NOT NULL,
+    source TEXT NOT NULL,
+    paused INTEGER NOT NULL DEFAULT 0,
+    next_tick REAL,
+    last_tick REAL,
+    last_outcome TEXT,
+    last_inbox_id TEXT,
+    fired INTEGER NOT NULL DEFAULT 0,
+    skipped INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE schedule_runs (
+    schedule TEXT NOT NULL,
+    tick REAL NOT NULL,
+    inbox_id TEXT,
+    outcome TEXT NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (schedule, tick)
+);
+""",
 }
 #: The newest schema version: migrations are numbered 1..N without gaps.
 SCHEMA_VERSION = max(MIGRATIONS)

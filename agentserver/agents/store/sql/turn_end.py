@@ -56,11 +56,16 @@ def end_turn(
     reply_payload: bytes | None,
     ending: Sequence[Any] | None = None,
     before: Sequence[NewCard] = (),
+    keep_memory: bool = True,
+    next_row: Sequence[Any] | None = None,
 ) -> Finished:
     """Deliverable card + head to idle + reply outbox + next lease, in one transaction.
 
     ``ending``: the row of ``ENDING`` if the caller read it already; ``before``: cards
-    to add ahead of the deliverable (counted on the head like any others)."""
+    to add ahead of the deliverable (counted on the head like any others);
+    ``keep_memory`` False: the conversation does not continue from this Turn (a
+    rollback, docs/runs.md); ``next_row``: the queued row (of ``head.QUEUED_NEXT``) to
+    lease next instead of the oldest (the newer task of an interrupt or rollback)."""
     if ending is None:
         ending = tx.one(ENDING, (token.agent_id, token.agent_turn_id))
         if ending is None:
@@ -96,7 +101,8 @@ def end_turn(
                 if inbox_move(tx, env, turn_inbox_id, ev, defer_reason=f"turn {status}"):
                     break
         abandon_step_retries(tx, env, token)
-    conversations.save(tx, token.agent_id, conversation, context_box, output_box, now)
+    if keep_memory:
+        conversations.save(tx, token.agent_id, conversation, context_box, output_box, now)
     reply: PendingReply | None = None
     if ref is not None and reply_payload is not None:
         failed = status != TaskStatus.SUCCEEDED
@@ -123,7 +129,10 @@ def end_turn(
         "response",
         metadata={"status": status, "deliverable_card_id": card_id},
     )
-    leased = head.lease_next(tx, env, token.agent_id)
+    if next_row is not None:
+        leased = head.lease_row(tx, env, token.agent_id, next_row)
+    else:
+        leased = head.lease_next(tx, env, token.agent_id)
     return Finished(token.agent_id, token.agent_turn_id, status, output_box, card_id, reply, leased)
 
 
@@ -178,9 +187,13 @@ def force_end(
     agent_turn_id: str | None,
     turn_epoch: int | None,
     expect_status: Sequence[str] | None,
+    metadata: Mapping[str, Any] | None = None,
+    keep_memory: bool = True,
+    next_row: Sequence[Any] | None = None,
 ) -> Finished | None:
-    """End the active Turn (stop, watchdog): epoch + 1, failed deliverable, reply.
-    ``None`` when nothing matched (no active Turn, or it already moved on)."""
+    """End the active Turn (stop, watchdog, double texting): epoch + 1, failed
+    deliverable, reply. ``None`` when nothing matched (no active Turn, or it already moved
+    on). ``metadata``, ``keep_memory``, ``next_row``: as :func:`end_turn`'s."""
     row = tx.one(
         "SELECT h.active_agent_turn_id, h.status, h.turn_epoch, h.output_box_id, "
         "h.context_box_id, h.turn_inbox_id, i.reply_ref, i.conversation "
@@ -204,9 +217,11 @@ def force_end(
         HeadEvent.FORCE_END,
         status,
         text,
-        {"forced": True},
+        {"forced": True, **(metadata or {})},
         reply_payload,
         ending=row[1:],
+        keep_memory=keep_memory,
+        next_row=next_row,
     )
 
 

@@ -1,0 +1,287 @@
+"""Double texting (docs/runs.md): a second task of one conversation while the first is
+running, under each ``multitask`` mode, with a hung model call and with a tool call in
+flight; on SQLite and PostgreSQL, and with two processes sharing one PostgreSQL store.
+
+The real stores and worker, fake ports; time is trio's mock clock ("at once" is measured
+in trio time, far below the ``llm-timeout`` an uncancelled call would cost).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+import trio
+import trio.testing
+from agents_fakes import FakeTools, profile, result, task
+from test_agents_stop import LLM_TIMEOUT, PROMPTLY, HangingLLM, Replies
+
+from agentserver.agents.clock import ManualClock
+from agentserver.agents.ports import LLMCompletion, LLMRequest
+from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.runtime import AgentRuntime
+from agentserver.agents.store.base import AgentStore
+from agentserver.agents.turn.memory import SPEAKS_FOR, conversation_key
+
+ALICE = {"client": "alice"}
+
+
+class SeeingLLM(HangingLLM):
+    """:class:`HangingLLM` that also keeps everything each call was shown."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shown: dict[str, str] = {}
+
+    async def complete(self, request: LLMRequest) -> LLMCompletion:
+        last = request.messages[-1].content
+        self.shown[last] = "\n".join(str(m.content) for m in request.messages)
+        return await super().complete(request)
+
+
+@dataclass
+class Side:
+    rt: AgentRuntime
+    llm: SeeingLLM
+    tools: FakeTools
+    replies: Replies
+
+
+def runtime(store: AgentStore, settings: StoreSettings, clock: ManualClock, **kw) -> Side:
+    llm, tools, replies = SeeingLLM(), FakeTools(), Replies()
+    profiles: dict[str, AgentProfile] = {
+        "assistant": profile(llm_timeout_s=LLM_TIMEOUT, memory="client", **kw)
+    }
+    rt = AgentRuntime(
+        store=store,
+        profiles=profiles,
+        llm=llm,
+        tools=tools,
+        replies=replies,
+        settings=settings,
+        clock=clock,
+    )
+    return Side(rt, llm, tools, replies)
+
+
+async def open_store(kind: str, request: pytest.FixtureRequest, tmp_path, clock) -> AgentStore:
+    settings = StoreSettings(path=tmp_path / "agents.sqlite3")
+    if kind == "sqlite":
+        from agentserver.agents.store.sqlite_store import SqliteAgentStore
+
+        return SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
+    from agentserver.agents.store.pg.store import PostgresAgentStore
+
+    url = request.getfixturevalue("pg_url")  # skips when no server is reachable
+    opened = PostgresAgentStore.open(url, clock=clock, settings=StoreSettings(url=url))
+    return await opened if inspect.isawaitable(opened) else opened
+
+
+@pytest.fixture
+def idle_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0.5)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def side(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[Side]:
+    clock = ManualClock()
+    store = await open_store(request.param, request, tmp_path, clock)
+    s = runtime(store, StoreSettings(path=tmp_path / "agents.sqlite3"), clock)
+    try:
+        await s.rt.recover()
+        yield s
+    finally:
+        await s.rt.aclose()
+
+
+def answers(replies: Replies) -> list[tuple[str, bool, str]]:
+    return [(ref["caller_thread"], failed, text) for ref, text, failed, _ in replies.sent]
+
+
+def ref(thread: str, **more: object) -> dict[str, object]:
+    return {"caller_thread": thread, **ALICE, **more}
+
+
+async def settle(replies: Replies, n: int) -> None:
+    with trio.move_on_after(LLM_TIMEOUT / 2):
+        await replies.wait_for(n)
+
+
+@pytest.mark.parametrize("mode", ["interrupt", "rollback"])
+async def test_a_newer_task_ends_the_hung_turn_and_runs_next(
+    side: Side, idle_clock: trio.testing.MockClock, mode: str
+) -> None:
+    rt, llm, replies = side.rt, side.llm, side.replies
+    await rt.enqueue("assistant", task("hang: remember the colour teal"), ref("t1"))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rt.worker.run)
+        await llm.hanging.wait()
+        sent_at = trio.current_time()
+        await rt.enqueue("assistant", task("second"), ref("t2"), multitask=mode)
+        await settle(replies, 2)
+        await trio.sleep(5)  # nothing more arrives
+        nursery.cancel_scope.cancel()
+    [(_, next_at)] = [(text, at) for text, at in llm.started if "second" in text]
+    assert next_at - sent_at < PROMPTLY, "the newer task waited for the hung model call"
+    [hung] = llm.cancelled
+    assert "hang" in hung
+    got = answers(replies)
+    assert [(t, f) for t, f, _ in got] == [("t1", True), ("t2", False)]
+    assert got[0][2].startswith({"interrupt": "interrupted", "rollback": "rolled back"}[mode])
+    [shown] = [v for k, v in llm.shown.items() if "second" in k]
+    # interrupt: the stopped Turn's steps stay in the conversation; rollback: none of it.
+    assert ("teal" in shown) is (mode == "interrupt")
+
+
+async def test_reject_answers_at_once_and_changes_nothing(
+    side: Side, idle_clock: trio.testing.MockClock
+) -> None:
+    rt, llm, replies = side.rt, side.llm, side.replies
+    await rt.enqueue("assistant", task("hang"), ref("t1"))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rt.worker.run)
+        await llm.hanging.wait()
+        sent_at = trio.current_time()
+        await rt.enqueue("assistant", task("second"), ref("t2"), multitask="reject")
+        await settle(replies, 1)
+        assert trio.current_time() - sent_at < PROMPTLY
+        await trio.sleep(10)
+        assert not llm.cancelled  # the running Turn goes on
+        # Another client's task is no double text: it queues as usual.
+        await rt.enqueue(
+            "assistant", task("bob's"), {"caller_thread": "t3", "client": "bob"}, multitask="reject"
+        )
+        assert await rt.stop("assistant")
+        await settle(replies, 3)
+        nursery.cancel_scope.cancel()
+    got = answers(replies)
+    assert [(t, f) for t, f, _ in got] == [("t2", True), ("t1", True), ("t3", False)]
+    assert "busy" in got[0][2]
+    assert not [text for text, _ in llm.started if "second" in text]
+
+
+async def test_enqueue_waits_its_turn(side: Side, idle_clock: trio.testing.MockClock) -> None:
+    rt, llm, replies = side.rt, side.llm, side.replies
+    await rt.enqueue("assistant", task("hang"), ref("t1"))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rt.worker.run)
+        await llm.hanging.wait()
+        await rt.enqueue("assistant", task("second"), ref("t2"))  # the agent's default
+        await trio.sleep(30)
+        assert replies.sent == [] and not llm.cancelled
+        assert await rt.stop("assistant")
+        await settle(replies, 2)
+        nursery.cancel_scope.cancel()
+    assert [(t, f) for t, f, _ in answers(replies)] == [("t1", True), ("t2", False)]
+
+
+@pytest.mark.parametrize("mode", ["interrupt", "rollback", "reject"])
+async def test_a_tool_call_in_flight_is_never_repeated(
+    side: Side, idle_clock: trio.testing.MockClock, mode: str
+) -> None:
+    """The first Turn is suspended on a tool call that went out; the newer task arrives;
+    the call's result arriving late resumes nothing, and the call is never sent again."""
+    rt, llm, tools, replies = side.rt, side.llm, side.tools, side.replies
+    went_out = trio.Event()
+    tools.on_call = lambda sub, to: went_out.set()
+    await rt.enqueue("assistant", task("tool: add for the colour teal"), ref("t1"))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rt.worker.run)
+        await went_out.wait()
+        await trio.sleep(2)  # the Turn suspends on the call
+        await rt.enqueue("assistant", task("second"), ref("t2"), multitask=mode)
+        await settle(replies, 1 if mode == "reject" else 2)
+        [(sub, _, _)] = tools.calls
+        await rt.report_tool_result("assistant", sub, result("3"))  # late
+        await settle(replies, 2)
+        await trio.sleep(10)
+        nursery.cancel_scope.cancel()
+    assert len(tools.calls) == 1
+    got = [(t, f) for t, f, _ in answers(replies)]
+    if mode == "reject":
+        # The suspended Turn resumes on its result and ends as usual.
+        assert got == [("t2", True), ("t1", False)]
+    else:
+        assert got == [("t1", True), ("t2", False)]
+        [shown] = [v for k, v in llm.shown.items() if "second" in k]
+        assert ("teal" in shown) is (mode == "interrupt")
+
+
+async def test_queued_earlier_tasks_are_answered_once_and_the_newest_runs(
+    side: Side, idle_clock: trio.testing.MockClock
+) -> None:
+    rt, llm, replies = side.rt, side.llm, side.replies
+    await rt.enqueue("assistant", task("hang"), ref("t1"))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rt.worker.run)
+        await llm.hanging.wait()
+        await rt.enqueue("assistant", task("queued one"), ref("t2"))
+        await rt.enqueue("assistant", task("newest"), ref("t3"), multitask="interrupt")
+        await settle(replies, 3)
+        await trio.sleep(5)
+        nursery.cancel_scope.cancel()
+    got = [(t, f) for t, f, _ in answers(replies)]
+    assert sorted(got) == [("t1", True), ("t2", True), ("t3", False)]
+    assert not [text for text, _ in llm.started if "queued one" in text]
+
+
+async def test_two_processes_the_newer_task_ends_the_turn_run_elsewhere(
+    request: pytest.FixtureRequest, tmp_path, idle_clock: trio.testing.MockClock
+) -> None:
+    """Two runtimes on one PostgreSQL store: "here" runs the hung Turn; the newer task
+    (interrupt) reaches "there". The Turn ends at once, here abandons its model call and
+    runs the newer task; each task has one answer."""
+    from agentserver.agents.store.pg.store import PostgresAgentStore
+
+    url = request.getfixturevalue("pg_url")
+    settings = StoreSettings(url=url)
+    sides: list[Side] = []
+    try:
+        for _ in range(2):
+            clock = ManualClock()
+            sides.append(
+                runtime(
+                    PostgresAgentStore.open(url, clock=clock, settings=settings), settings, clock
+                )
+            )
+        there, here = sides
+        await here.rt.recover()
+        await here.rt.enqueue("assistant", task("hang: the colour teal"), ref("t1"))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(here.rt.worker.run)
+            await here.llm.hanging.wait()
+            sent_at = trio.current_time()
+            await there.rt.enqueue("assistant", task("second"), ref("t2"), multitask="rollback")
+            await settle(here.replies, 1)
+            nursery.cancel_scope.cancel()
+    finally:
+        for s in sides:
+            await s.rt.aclose()
+    [(_, next_at)] = [(text, at) for text, at in here.llm.started if "second" in text]
+    assert next_at - sent_at < PROMPTLY
+    assert [(t, f) for t, f, _ in answers(there.replies)] == [("t1", True)]
+    assert [(t, f) for t, f, _ in answers(here.replies)] == [("t2", False)]
+    assert [h for h in here.llm.cancelled if "hang" in h]
+    [shown] = [v for k, v in here.llm.shown.items() if "second" in k]
+    assert "teal" not in shown
+
+
+async def test_an_unknown_mode_writes_nothing(side: Side) -> None:
+    with pytest.raises(ValueError, match="multitask"):
+        await side.rt.enqueue("assistant", task("x"), ref("t1"), multitask="shout")
+    assert (await side.rt.store.head("assistant")).agent_turn_id is None
+
+
+def test_an_http_message_of_a_named_client_is_her_conversation() -> None:
+    assert conversation_key({"chain": ["alice-1234abcd"], SPEAKS_FOR: "alice"}) == "client:alice"
+    assert conversation_key({"chain": ["alice"], "client": "alice"}) == "client:alice"
+    assert conversation_key({"chain": ["anon-1"]}) == "origin:anon-1"
+
+
+def test_the_profile_refuses_an_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="multitask"):
+        profile(multitask="later")
+    assert profile().multitask == "enqueue"
