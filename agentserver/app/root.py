@@ -314,6 +314,41 @@ async def _durable_step_log(
     return step_log, scope
 
 
+def _a2a_handler(
+    topology: Topology,
+    spec: HttpSpec,
+    gateway: Any,
+    agents: AgentService,
+    operator: Operator | None,
+) -> Any:
+    """The A2A methods on the agents ``<expose-a2a>`` names (docs/a2a.md)."""
+    from agentserver import package_version
+    from agentserver.config.a2a import exposed_skills
+    from agentserver.http.a2a.card import CardFacts
+    from agentserver.http.a2a.handler import A2aDeps, A2aHandler
+    from agentserver.http.gate import Gate
+
+    assert topology.expose_a2a is not None
+    return A2aHandler(
+        A2aDeps(
+            store=agents.runtime.store,
+            gateway=gateway,
+            skills=exposed_skills(topology),
+            facts=CardFacts(
+                organism=topology.organism,
+                description=topology.description,
+                version=package_version(),
+                secured=bool(topology.clients),
+            ),
+            may_see=Gate.may_see,
+            wait_timeout=spec.wait_timeout,
+            conversations=agents.runtime,
+            operator=operator,
+            public_url=topology.expose_a2a.public_url,
+        )
+    )
+
+
 async def _start_http(
     nursery: trio.Nursery,
     topology: Topology,
@@ -378,6 +413,8 @@ async def _start_http(
         read_timeout=topology.limits.read_timeout,
         graceful_timeout=topology.limits.drain_timeout,
     )
+    if topology.expose_a2a is not None and agents is not None:
+        app_ctx.a2a = _a2a_handler(topology, spec, gateway, agents, operator)
     mcp_http = None
     if topology.expose_mcp:
         from agentserver.config.loader import is_loopback

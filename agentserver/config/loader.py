@@ -30,6 +30,7 @@ from collections.abc import Mapping
 
 from lxml import etree
 
+from agentserver.config.a2a import check_exposed_a2a
 from agentserver.config.clients import ClientReader, is_loopback
 from agentserver.config.governance import check_approvers
 from agentserver.config.imports import B, Resolver, add_import_dir, flag, resolve_import
@@ -211,4 +212,5 @@ class _Loader:
             expose_mcp=check_exposed(
                 report, root.find(B + "expose-mcp"), {s.name for s in listeners}
             ),
+            expose_a2a=check_exposed_a2a(report, root.find(B + "expose-a2a"), tuple(listeners)),
         )

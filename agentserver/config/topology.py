@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from pydantic_xml import BaseXmlModel
 
+from agentserver.config.a2a_spec import ExposeA2a
 from agentserver.core.listener import (
     DEFAULT_CONCURRENCY,
     DEFAULT_QUEUE_SIZE,
@@ -164,6 +165,8 @@ class Topology:
     mcp: tuple[McpServerSpec, ...] = ()
     #: ``<expose-mcp listeners>``: what ``agentserver mcp`` and ``/mcp`` offer.
     expose_mcp: tuple[str, ...] = ()
+    #: ``<expose-a2a>``: the agents served as A2A agents (docs/a2a.md); None: absent.
+    expose_a2a: ExposeA2a | None = None
 
     def listener(self, name: str) -> ListenerSpec:
         for spec in self.listeners:

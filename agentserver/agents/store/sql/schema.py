@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from agentserver.agents.errors import StoreError
 from agentserver.agents.store import step_log
+from agentserver.agents.store.sql import a2a
 from agentserver.agents.store.sql.db import POSTGRESQL, SQLITE, Tx
 
 _GOVERNANCE = """
@@ -50,7 +51,7 @@ CREATE TABLE approvals (
 CREATE INDEX approvals_status ON approvals (status, deadline);
 """
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -215,6 +216,8 @@ CREATE TABLE forks (
     PRIMARY KEY (agent_id, conversation)
 );
 """,
+    # Issue 35: A2A tasks (agents/store/sql/a2a.py).
+    7: a2a.MIGRATION,
 }
 
 
