@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 
+import httpx
 import pytest
 import trio
 from httputil import http_url
@@ -189,3 +190,138 @@ async def test_card_send_get_list_over_the_sdk_client(tmp_path, store_env):
         finally:
             await trio.to_thread.run_sync(server.stop)
             nursery.cancel_scope.cancel()
+
+
+async def test_stream_cancel_resubscribe_approval_and_contexts(tmp_path, store_env):
+    async with trio.open_nursery() as nursery:
+        model = await A2aModel().start(nursery)
+        server = await start(tmp_path, model, store_env)
+        try:
+            url = http_url(server)
+            await _stream_and_resubscribe(url)
+            await _cancel(url)
+            await _input_required_then_approved(url)
+            await _contexts(url)
+            await _refusals(url)
+        finally:
+            await trio.to_thread.run_sync(server.stop)
+            nursery.cancel_scope.cancel()
+
+
+async def _stream_and_resubscribe(url: str) -> None:
+    # A whole stream: the task, working, the answer as an artifact, the final status.
+    events = await run_sdk(url, BOB, "stream", "What is streaming?")
+    kinds = [next(iter(e)) for e in events]
+    assert kinds[0] == "task" and kinds[-2:] == ["artifactUpdate", "statusUpdate"], events
+    assert events[-2]["artifactUpdate"]["artifact"]["parts"][0]["text"] == (
+        "You asked: What is streaming?"
+    )
+    assert state(events[-1]["statusUpdate"]) == "TASK_STATE_COMPLETED"
+    assert "TASK_STATE_WORKING" in [state(e["statusUpdate"]) for e in events if "statusUpdate" in e]
+
+    # The client killed mid-stream: the task runs on; SubscribeToTask follows it to its end.
+    proc = await trio.to_thread.run_sync(
+        lambda: subprocess.Popen(
+            [sys.executable, str(CLIENT), url, BOB, "stream", "slow stream"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=subprocess_env(),
+        )
+    )
+    first = json.loads(await trio.to_thread.run_sync(proc.stdout.readline))
+    task_id = first["task"]["id"]
+    proc.kill()
+    await trio.to_thread.run_sync(proc.wait)
+    events = await run_sdk(url, BOB, "subscribe", task_id)
+    assert events[0]["task"]["id"] == task_id
+    assert state(events[-1]["statusUpdate"]) == "TASK_STATE_COMPLETED", events
+    assert events[-2]["artifactUpdate"]["artifact"]["parts"][0]["text"] == "slow done"
+    # Ended: no more subscription (GetTask reads it).
+    (ended,) = await run_sdk(url, BOB, "subscribe", task_id)
+    assert ended["error"] == "UnsupportedOperationError"
+
+
+async def _cancel(url: str) -> None:
+    (now,) = await run_sdk(url, ALICE, "send-now", "slow, to be cancelled", "", "assistant")
+    task_id = now["task"]["id"]
+    await until(url, ALICE, task_id, "TASK_STATE_WORKING")
+    cancelled = await one(url, ALICE, "cancel", task_id)
+    assert state(cancelled) == "TASK_STATE_CANCELED", cancelled
+    assert state(await one(url, ALICE, "get", task_id)) == "TASK_STATE_CANCELED"
+    # A failed Turn is failed, with our failure text.
+    (failed,) = await run_sdk(url, ALICE, "send", "fail please", "", "assistant")
+    assert state(failed["task"]) == "TASK_STATE_FAILED", failed
+    assert failed["task"]["status"]["message"]["parts"][0]["text"]
+
+
+async def _input_required_then_approved(url: str) -> None:
+    # The sum needs alice's approval: input-required, saying what is asked.
+    (sent,) = await run_sdk(url, ALICE, "send", "please add 2 and 3", "", "assistant")
+    task = sent["task"]
+    assert state(task) == "TASK_STATE_INPUT_REQUIRED", task
+    asked = task["status"]["message"]["parts"][0]["text"]
+    assert "alice" in asked and "calculator" in asked and "<add" in asked
+    # Bob is not the approver (and may not address the assistant): not his task.
+    assert (await one(url, BOB, "answer", task["id"], "true"))["error"] == "TaskNotFoundError"
+    # Alice, the approver, answers on the task: granted, the Turn completes.
+    (answered,) = await run_sdk(url, ALICE, "answer", task["id"], "true")
+    assert "task" in answered, answered
+    done = await until(url, ALICE, task["id"], "TASK_STATE_COMPLETED")
+    assert done["artifacts"][0]["parts"][0]["text"] == "The sum is 5."
+
+
+async def _contexts(url: str) -> None:
+    # memory="client": each context is its own conversation.
+    for context, word in (("ctx-one", "banana"), ("ctx-two", "apple")):
+        (sent,) = await run_sdk(url, ALICE, "send", f"remember {word}", context, "assistant")
+        assert state(sent["task"]) == "TASK_STATE_COMPLETED"
+        assert sent["task"]["contextId"] == context
+    (asked,) = await run_sdk(url, ALICE, "send", "what did I say", "ctx-one", "assistant")
+    assert asked["task"]["artifacts"][0]["parts"][0]["text"] == "You said: banana"
+    listed = await one(url, ALICE, "list", "ctx-one")
+    assert len(listed["tasks"]) == 2 and {t["contextId"] for t in listed["tasks"]} == {"ctx-one"}
+
+
+async def _refusals(url: str) -> None:
+    body = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "GetTask",
+        "params": {"id": "x"},
+    }
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        # No token: the HTTP API's authentication refuses, before any JSON-RPC.
+        refused = await http.post("/a2a", json=body, headers={"A2A-Version": "1.0"})
+        assert refused.status_code == 401
+        auth = {"Authorization": f"Bearer {ALICE}"}
+        # No A2A-Version: taken as 0.3, refused as the spec says.
+        old = await http.post("/a2a", json=body, headers=auth)
+        assert old.json()["error"]["code"] == -32009, old.text
+        newer = await http.post("/a2a", json=body, headers={**auth, "A2A-Version": "2.0"})
+        assert newer.json()["error"]["code"] == -32009
+        missing = await http.post("/a2a", json=body, headers={**auth, "A2A-Version": "1.0"})
+        assert missing.json()["error"]["code"] == -32001
+        # A file part: content type not supported; push configs: not supported.
+        file_part = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "SendMessage",
+            "params": {
+                "message": {
+                    "messageId": "m-file",
+                    "role": "ROLE_USER",
+                    "parts": [{"url": "https://example.com/x.pdf"}],
+                    "metadata": {"skill": "assistant"},
+                }
+            },
+        }
+        v1 = {**auth, "A2A-Version": "1.0"}
+        assert (await http.post("/a2a", json=file_part, headers=v1)).json()["error"][
+            "code"
+        ] == -32005
+        push = {**body, "method": "GetTaskPushNotificationConfig", "params": {"taskId": "x"}}
+        assert (await http.post("/a2a", json=push, headers=v1)).json()["error"]["code"] == -32003
+    # The SDK's client without a token: the card is public, the call is refused.
+    (sent,) = await run_sdk(url, None, "send", "hi", "", "planner")
+    assert "error" in sent, sent

@@ -42,6 +42,7 @@ from a2a.types import (
     TaskArtifactUpdateEvent,
     TaskPushNotificationConfig,
     TaskState,
+    TaskStatus,
     TaskStatusUpdateEvent,
 )
 from a2a.utils.errors import (
@@ -292,13 +293,23 @@ class A2aHandler(RequestHandler):
     async def _events(
         self, row: dict[str, Any], first: Task, *, stop_interrupted: bool
     ) -> AsyncGenerator[Any, None]:
-        """The task, then a status update per change; the answer as an artifact before
-        the final status."""
+        """The task, then a status update per change (``working`` always among them, once
+        the Turn has started); the answer as an artifact before the final status."""
         yield first
         if state_of(row)[0] in TERMINAL:
             return
+        working = first.status.state == TaskState.TASK_STATE_WORKING
         async for fresh in self._changes(row, stop_interrupted=stop_interrupted):
             task = to_task(fresh, 0)
+            if not working and task.status.state != TaskState.TASK_STATE_SUBMITTED:
+                # The Turn ran, however briefly: a poll may have missed its running state.
+                working = True
+                if task.status.state != TaskState.TASK_STATE_WORKING:
+                    yield TaskStatusUpdateEvent(
+                        task_id=task.id,
+                        context_id=task.context_id,
+                        status=TaskStatus(state=TaskState.TASK_STATE_WORKING),
+                    )
             if task.status.state == TaskState.TASK_STATE_COMPLETED:
                 yield TaskArtifactUpdateEvent(
                     task_id=task.id,
