@@ -325,3 +325,33 @@ async def _refusals(url: str) -> None:
     # The SDK's client without a token: the card is public, the call is refused.
     (sent,) = await run_sdk(url, None, "send", "hi", "", "planner")
     assert "error" in sent, sent
+
+
+@pytest.mark.postgresql
+async def test_two_processes_on_postgresql_answer_for_each_others_tasks(tmp_path, pg_url):
+    """A task sent to one process is read (GetTask, ListTasks), followed
+    (SubscribeToTask) and cancelled through the other."""
+    store = {"AGENTS_TEST_STORE_URL": pg_url}
+    async with trio.open_nursery() as nursery:
+        model = await A2aModel().start(nursery)
+        first = await start(tmp_path, model, store, "one")
+        second = await start(tmp_path, model, store, "two")
+        try:
+            one_url, two_url = http_url(first), http_url(second)
+            (now,) = await run_sdk(one_url, BOB, "send-now", "slow on two processes")
+            task_id = now["task"]["id"]
+            events = await run_sdk(two_url, BOB, "subscribe", task_id)
+            assert events[0]["task"]["id"] == task_id
+            assert state(events[-1]["statusUpdate"]) == "TASK_STATE_COMPLETED", events
+            got = await one(two_url, BOB, "get", task_id)
+            assert got["artifacts"][0]["parts"][0]["text"] == "slow done"
+            assert task_id in {t["id"] for t in (await one(two_url, BOB, "list"))["tasks"]}
+            # Sent to the second, cancelled through the first.
+            (other,) = await run_sdk(two_url, BOB, "send-now", "slow, cancelled elsewhere")
+            await until(one_url, BOB, other["task"]["id"], "TASK_STATE_WORKING")
+            cancelled = await one(one_url, BOB, "cancel", other["task"]["id"])
+            assert state(cancelled) == "TASK_STATE_CANCELED", cancelled
+        finally:
+            await trio.to_thread.run_sync(first.stop)
+            await trio.to_thread.run_sync(second.stop)
+            nursery.cancel_scope.cancel()

@@ -298,7 +298,7 @@ class A2aHandler(RequestHandler):
         yield first
         if state_of(row)[0] in TERMINAL:
             return
-        working = first.status.state == TaskState.TASK_STATE_WORKING
+        working = False  # a status update said working
         async for fresh in self._changes(row, stop_interrupted=stop_interrupted):
             task = to_task(fresh, 0)
             if not working and task.status.state != TaskState.TASK_STATE_SUBMITTED:
