@@ -189,6 +189,9 @@ async def run_server(
     pump = Pump(built.listeners, config=config, tracing=tracing)
     step_log = step_writer = None
     async with ctx.resources:
+        if built.a2a_remotes is not None:
+            # Their HTTP connections close with the run.
+            ctx.resources.push_async_callback(built.a2a_remotes.aclose)
         if built.mcp_hub is not None:
             # Connected before the pump runs; closed (servers stopped) after it drained.
             await ctx.resources.enter_async_context(built.mcp_hub.running())
@@ -222,6 +225,7 @@ async def run_server(
                 agents.runtime if agents is not None else None,
                 hub,
                 max_message_bytes=topology.limits.max_message_bytes,
+                remote_calls=built.a2a_remotes,
             )
             server = Server(
                 pump,
