@@ -131,7 +131,8 @@ def task_texts(task: Any) -> list[str]:
     found = texts(task.status.message.parts) if task.status.HasField("message") else []
     for artifact in task.artifacts:
         found.extend(texts(artifact.parts))
-    return found
+    # Once each: an agent may say its answer both as its message and as an artifact.
+    return list(dict.fromkeys(found))
 
 
 class RemoteAgent:
