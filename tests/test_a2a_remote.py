@@ -98,7 +98,8 @@ def boot(path, remote: Remote, plain: Remote, extra: str = "") -> None:
       <model name="m"/>
     </backend>
   </llm>
-  <store path="state/agents.sqlite3" watchdog-interval="0.2"/>
+  <store path="state/agents.sqlite3" watchdog-interval="0.2"
+         url-env="AGENTS_TEST_STORE_URL" lease="1" heartbeat="0.25"/>
   <listeners>
     <a2a name="remote" url="{remote.url}" timeout="30"/>
     <a2a name="plain" url="{plain.url}" timeout="3" concurrency="2"/>
@@ -123,7 +124,14 @@ async def post(url: str, to: str, body: str) -> str:
         return response.text
 
 
-async def test_remote_sdk_agents_as_tools(tmp_path):
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgresql)])
+def store_env(request) -> dict[str, str]:
+    if request.param == "sqlite":
+        return {}
+    return {"AGENTS_TEST_STORE_URL": request.getfixturevalue("pg_url")}
+
+
+async def test_remote_sdk_agents_as_tools(tmp_path, store_env):
     remote = Remote(tmp_path, "remote")
     plain = Remote(tmp_path, "plain", "--no-streaming")
     try:
@@ -138,7 +146,7 @@ async def test_remote_sdk_agents_as_tools(tmp_path):
         assert "a2a plain: skill 'ask' -> listener plain-ask" in out
         async with trio.open_nursery() as nursery:
             model = await CallingModel().start(nursery)
-            env = subprocess_env(A2A_LLM_BASE_URL=model.base_url, A2A_LLM_KEY="k")
+            env = subprocess_env(A2A_LLM_BASE_URL=model.base_url, A2A_LLM_KEY="k", **store_env)
             server = await trio.to_thread.run_sync(
                 lambda: ServerProcess.start(path, "--http-port", "0", env=env, cwd=tmp_path)
             )
