@@ -160,6 +160,10 @@ class ListenerSet:
     #: The connections to the ``<mcp>`` servers behind the tool listeners (None: none);
     #: the composition root runs it while the pump runs.
     mcp_hub: McpHub | None = None
+    #: The remote A2A agents behind the skill listeners
+    #: (:class:`agentserver.remote.a2a_client.A2aRemotes`; None: none); the operator's
+    #: stop cancels their calls.
+    a2a_remotes: Any = None
 
 
 def build_listeners(topology: Topology, ctx: RunContext) -> list[Listener]:
@@ -175,6 +179,7 @@ def build_listener_set(topology: Topology, ctx: RunContext) -> ListenerSet:
     late: dict[str, LateHandler] = {}
     hub: RunnerHub | None = None
     mcp_hub: McpHub | None = None
+    a2a_remotes: Any = None
     for spec in topology.listeners:
         timeout = spec.timeout
         sync = False
@@ -186,6 +191,14 @@ def build_listener_set(topology: Topology, ctx: RunContext) -> ListenerSet:
                 mcp_hub = McpHub(topology.mcp)
             ref = spec.mcp_tool
             handler = mcp_hub.handler_for(ref.server, ref.tool, spec.name, ref.shape)
+        elif spec.a2a_skill is not None:
+            # A remote A2A agent's skill: the SDK's client calls it.
+            from agentserver.remote.a2a_client import A2aRemotes
+
+            if a2a_remotes is None:
+                a2a_remotes = A2aRemotes(topology.a2a)
+            ref = spec.a2a_skill
+            handler = a2a_remotes.handler_for(ref.remote, ref.skill, spec.name, ref.shape)
         elif spec.remote:
             # Served by runners over the wire: the hub's handler sends each delivery as a
             # job and returns the runner's reply (agentserver.remote.hub).
@@ -247,4 +260,4 @@ def build_listener_set(topology: Topology, ctx: RunContext) -> ListenerSet:
                 addressed_only=spec.addressed_only,
             )
         )
-    return ListenerSet(listeners, hub, MappingProxyType(late), mcp_hub)
+    return ListenerSet(listeners, hub, MappingProxyType(late), mcp_hub, a2a_remotes)

@@ -190,6 +190,9 @@ async def run_server(
     step_log = step_writer = None
     webhooks = hooks_scope = None
     async with ctx.resources:
+        if built.a2a_remotes is not None:
+            # Their HTTP connections close with the run.
+            ctx.resources.push_async_callback(built.a2a_remotes.aclose)
         if built.mcp_hub is not None:
             # Connected before the pump runs; closed (servers stopped) after it drained.
             await ctx.resources.enter_async_context(built.mcp_hub.running())
@@ -225,6 +228,7 @@ async def run_server(
                 agents.runtime if agents is not None else None,
                 hub,
                 max_message_bytes=topology.limits.max_message_bytes,
+                remote_calls=built.a2a_remotes,
             )
             server = Server(
                 pump,
@@ -346,6 +350,41 @@ async def _start_webhooks(
     return webhooks, scope
 
 
+def _a2a_handler(
+    topology: Topology,
+    spec: HttpSpec,
+    gateway: Any,
+    agents: AgentService,
+    operator: Operator | None,
+) -> Any:
+    """The A2A methods on the agents ``<expose-a2a>`` names (docs/a2a.md)."""
+    from agentserver import package_version
+    from agentserver.config.a2a import exposed_skills
+    from agentserver.http.a2a.card import CardFacts
+    from agentserver.http.a2a.handler import A2aDeps, A2aHandler
+    from agentserver.http.gate import Gate
+
+    assert topology.expose_a2a is not None
+    return A2aHandler(
+        A2aDeps(
+            store=agents.runtime.store,
+            gateway=gateway,
+            skills=exposed_skills(topology),
+            facts=CardFacts(
+                organism=topology.organism,
+                description=topology.description,
+                version=package_version(),
+                secured=bool(topology.clients),
+            ),
+            may_see=Gate.may_see,
+            wait_timeout=spec.wait_timeout,
+            conversations=agents.runtime,
+            operator=operator,
+            public_url=topology.expose_a2a.public_url,
+        )
+    )
+
+
 async def _start_http(
     nursery: trio.Nursery,
     topology: Topology,
@@ -414,6 +453,8 @@ async def _start_http(
         read_timeout=topology.limits.read_timeout,
         graceful_timeout=topology.limits.drain_timeout,
     )
+    if topology.expose_a2a is not None and agents is not None:
+        app_ctx.a2a = _a2a_handler(topology, spec, gateway, agents, operator)
     mcp_http = None
     if topology.expose_mcp:
         from agentserver.config.loader import is_loopback

@@ -71,9 +71,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{args.boot}: {count} error{'s' * (count != 1)}", file=sys.stderr)
         return EXIT_FAILED
     print(summary(args.boot, result))
+    from agentserver.config.a2a_remote import a2a_mapping_lines
     from agentserver.config.mcp import mapping_lines
 
-    for line in mapping_lines(result.topology.listeners):
+    listeners = result.topology.listeners
+    for line in [*mapping_lines(listeners), *a2a_mapping_lines(listeners)]:
         print(f"{args.boot}: {line}")
     if getattr(args, "connect", False):
         return _check_store_reachable(args.boot, result.topology)

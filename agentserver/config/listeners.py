@@ -15,6 +15,7 @@ from pydantic_xml import BaseXmlModel
 
 from agentserver.agents.errors import AgentConfigError
 from agentserver.agents.profile.config import agent_settings_from_element
+from agentserver.config.a2a_remote import A2aRemoteReader
 from agentserver.config.builtins import BUILTIN_HANDLERS, BUILTIN_PAYLOADS
 from agentserver.config.governance import read_governance
 from agentserver.config.imports import B, Resolver, Unresolved, flag, resolve_import
@@ -53,10 +54,13 @@ class ListenerReader:
         resolver: Resolver,
         base_dir: pathlib.Path,
         mcp: McpReader | None = None,
+        a2a: A2aRemoteReader | None = None,
     ) -> None:
         self.report = report
         #: Reads the ``<mcp>`` elements into tool listeners (None: they are refused).
         self.mcp = mcp
+        #: Reads the ``<a2a>`` elements into skill listeners (None: they are refused).
+        self.a2a = a2a
         self.resolver = resolver
         self.base_dir = base_dir
         #: Listeners declared but broken (already reported): naming one as a peer, in
@@ -82,9 +86,14 @@ class ListenerReader:
         specs: list[ListenerSpec] = []
         first_line: dict[str, int] = {}
         read: list[ListenerSpec | None] = []
-        for lel in el.iterchildren(B + "listener", B + "mcp"):
+        for lel in el.iterchildren(B + "listener", B + "mcp", B + "a2a"):
             if lel.tag == B + "listener":
                 read.append(self.listener(lel))
+            elif lel.tag == B + "a2a":
+                if self.a2a is not None:
+                    read.extend(self.a2a.read(lel))
+                else:
+                    self.error(lel.sourceline, "<a2a> is not read here")
             elif self.mcp is not None:
                 read.extend(self.mcp.read(lel))
             else:

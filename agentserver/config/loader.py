@@ -31,6 +31,8 @@ from collections.abc import Mapping
 
 from lxml import etree
 
+from agentserver.config.a2a import check_exposed_a2a
+from agentserver.config.a2a_remote import A2aRemoteReader
 from agentserver.config.budgets import fair_weights, read_budgets
 from agentserver.config.clients import ClientReader, is_loopback
 from agentserver.config.governance import check_approvers
@@ -146,7 +148,8 @@ class _Loader:
         report = self.report
         sections = SectionReader(report, self.base_dir, self.environ)
         mcp = McpReader(report, self.base_dir, self.environ)
-        readers = ListenerReader(report, Resolver(), self.base_dir, mcp)
+        remotes = A2aRemoteReader(report, self.base_dir, self.environ)
+        readers = ListenerReader(report, Resolver(), self.base_dir, mcp, remotes)
         access = ClientReader(report, self.base_dir, self.environ)
         listen = root.find(B + "listen")
         host = listen.get("host", DEFAULT_HOST) if listen is not None else DEFAULT_HOST
@@ -218,6 +221,7 @@ class _Loader:
             insecure_plaintext=insecure_plaintext,
             http=http,
             mcp=tuple(mcp.servers),
+            a2a=tuple(remotes.remotes),
             expose_mcp=check_exposed(
                 report, root.find(B + "expose-mcp"), {s.name for s in listeners}
             ),
@@ -226,4 +230,5 @@ class _Loader:
             schedules=read_schedules(
                 report, root.find(B + "schedules"), {s.name for s in listeners if s.agent}
             ),
+            expose_a2a=check_exposed_a2a(report, root.find(B + "expose-a2a"), tuple(listeners)),
         )

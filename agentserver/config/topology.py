@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from pydantic_xml import BaseXmlModel
 
+from agentserver.config.a2a_spec import ExposeA2a
 from agentserver.core.listener import (
     DEFAULT_CONCURRENCY,
     DEFAULT_QUEUE_SIZE,
@@ -26,6 +27,7 @@ from agentserver.net.limits import Limits  # defined below config (net applies i
 from agentserver.net.tls import TlsSpec
 from agentserver.primitives.core import Boot, boot_primitive
 from agentserver.pump.pump import PumpConfig
+from agentserver.remote.a2a_spec import A2aRemoteSpec, A2aSkillRef
 from agentserver.remote.mcp_spec import McpServerSpec, McpToolRef
 
 if TYPE_CHECKING:
@@ -125,6 +127,8 @@ class ListenerSpec:
     addressed_only: tuple[type[BaseXmlModel], ...] = ()
     #: An MCP server's tool (``<mcp>``, docs/mcp.md); None: not one.
     mcp_tool: McpToolRef | None = None
+    #: A remote A2A agent's skill (``<a2a>``, docs/a2a.md); None: not one.
+    a2a_skill: A2aSkillRef | None = None
 
     @property
     def is_boot(self) -> bool:
@@ -165,6 +169,8 @@ class Topology:
     http: HttpSpec | None = None
     #: ``<mcp>``: the MCP servers whose tools are listeners, with the tools listed at load.
     mcp: tuple[McpServerSpec, ...] = ()
+    #: ``<a2a>``: the remote A2A agents whose skills are listeners, cards fetched at load.
+    a2a: tuple[A2aRemoteSpec, ...] = ()
     #: ``<expose-mcp listeners>``: what ``agentserver mcp`` and ``/mcp`` offer.
     expose_mcp: tuple[str, ...] = ()
     #: ``<webhooks>`` and the agents' ``<webhook>`` (docs/webhooks.md).
@@ -173,6 +179,8 @@ class Topology:
     budgets: tuple[BudgetSpec, ...] = ()
     #: ``<schedules>``: runs on a schedule (docs/runs.md).
     schedules: tuple[ScheduleSpec, ...] = ()
+    #: ``<expose-a2a>``: the agents served as A2A agents (docs/a2a.md); None: absent.
+    expose_a2a: ExposeA2a | None = None
 
     def listener(self, name: str) -> ListenerSpec:
         for spec in self.listeners:

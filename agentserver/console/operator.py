@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 from lxml import etree
 
@@ -65,14 +66,27 @@ def parse_command(root: etree._Element) -> Command | None:
     return Command(verb, agent, thread, reply_thread[:128])
 
 
+class CallerCalls(Protocol):
+    """Calls in flight that a stop of their caller cancels (the remote A2A agents':
+    :class:`agentserver.remote.a2a_client.A2aRemotes`)."""
+
+    def cancel_caller(self, caller: str) -> int: ...
+
+
 class Operator:
     """Carries out operator commands on the agent runtime and the runner hub."""
 
     def __init__(
-        self, runtime: AgentRuntime | None, hub: RunnerHub | None, *, max_message_bytes: int
+        self,
+        runtime: AgentRuntime | None,
+        hub: RunnerHub | None,
+        *,
+        max_message_bytes: int,
+        remote_calls: CallerCalls | None = None,
     ) -> None:
         self.runtime = runtime
         self.hub = hub
+        self.remote_calls = remote_calls
         self._parser = SafeParser(max_message_bytes)
 
     @staticmethod
@@ -120,6 +134,8 @@ class Operator:
         if self.hub is not None:
             # One active Turn per agent: every step the agent has in progress is its.
             self.hub.cancel_caller(agent)
+        if self.remote_calls is not None:
+            self.remote_calls.cancel_caller(agent)
         return 1
 
     async def cancel(self, runtime: AgentRuntime, agent: str, thread: str) -> int:

@@ -20,6 +20,7 @@ from agentserver.agents.errors import StoreError
 from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
 from agentserver.http.problems import problem
+from agentserver.http.routes.a2a import A2aRoutes
 from agentserver.http.routes.agents import AgentRoutes
 from agentserver.http.routes.budgets import BudgetRoutes
 from agentserver.http.routes.events import SSE_BUFFER, SSE_KEEPALIVE, EventRoutes
@@ -51,6 +52,7 @@ def build_app(ctx: HttpContext) -> Starlette:
     hooks = WebhookRoutes(ctx, gate)
     budgets = BudgetRoutes(ctx, gate)
     schedules = ScheduleRoutes(ctx, gate)
+    a2a = A2aRoutes(ctx, gate)
     return Starlette(
         routes=[
             Route("/healthz", status.healthz),
@@ -79,6 +81,10 @@ def build_app(ctx: HttpContext) -> Starlette:
             Route("/v1/budgets/{name}/reset", budgets.reset, methods=["POST"]),
             *ui_routes(ctx, gate, events, status),
             Route("/mcp", McpRoute(ctx, gate), methods=["GET", "POST", "DELETE"]),
+            Route("/.well-known/agent-card.json", a2a.card),
+            Route("/a2a", a2a.rpc, methods=["POST"]),
+            Route("/a2a/agents/{name}", a2a.rpc, methods=["POST"]),
+            Route("/a2a/agents/{name}/agent-card.json", a2a.agent_card),
         ],
         exception_handlers={
             404: _not_found,

@@ -76,6 +76,9 @@ class HttpContext:
     tls: bool = False
     #: ``/mcp`` (:class:`agentserver.http.mcp_expose.McpHttp`; None: ``<expose-mcp>`` absent).
     mcp: Any = None
+    #: The A2A methods (:class:`agentserver.http.a2a.handler.A2aHandler`; None:
+    #: ``<expose-a2a>`` absent).
+    a2a: Any = None
     organism: str = ""
     version: str = ""
     #: The spend budgets (None: none declared; ``PUT /v1/budgets`` then refuses).

@@ -367,6 +367,25 @@ class ViewStore(Protocol):
     ) -> list[Any]: ...
 
 
+class A2aStore(Protocol):
+    """The A2A tasks our agents were sent over A2A (agents/store/sql/a2a.py)."""
+
+    async def a2a_record(
+        self,
+        task_id: str,
+        agent_id: str,
+        context_id: str,
+        owner: str,
+        message_id: str,
+        message: str,
+    ) -> tuple[str, bool]: ...
+    async def a2a_reject(self, task_id: str, text: str) -> None: ...
+    async def a2a_task(self, task_id: str) -> dict[str, Any] | None: ...
+    async def a2a_tasks(
+        self, owner: str, context_id: str | None, agents: Sequence[str], limit: int, offset: int
+    ) -> tuple[list[dict[str, Any]], int]: ...
+
+
 class StoreLifecycle(Protocol):
     """The store's life in this process, and what differs when several processes share
     it (PostgreSQL) from one process owning it (SQLite, which answers the one-process
@@ -442,6 +461,7 @@ class AgentStore(
     ApprovalStore,
     OperatorStore,
     ViewStore,
+    A2aStore,
     StoreLifecycle,
     Protocol,
 ):

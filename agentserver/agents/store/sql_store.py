@@ -44,6 +44,7 @@ from agentserver.agents.store.budget_store import BudgetStore
 from agentserver.agents.store.governance import DecisionRecord, PendingApproval, StepRecord
 from agentserver.agents.store.rows import Fired, ScheduleRow
 from agentserver.agents.store.sql import (
+    a2a,
     common,
     conversations,
     forks,
@@ -521,6 +522,32 @@ class SqlAgentStore(BudgetStore, abc.ABC):
 
     async def turn_thread(self, agent_turn_id: str) -> tuple[str | None, str | None]:
         return await self._read(views.turn_thread, agent_turn_id)
+
+    # -- A2A tasks (agents/store/sql/a2a.py) ---------------------------------------------------
+    async def a2a_record(
+        self,
+        task_id: str,
+        agent_id: str,
+        context_id: str,
+        owner: str,
+        message_id: str,
+        message: str,
+    ) -> tuple[str, bool]:
+        """Record an A2A task unless ``owner`` sent ``message_id`` before: (its id, new?)."""
+        return await self._run(
+            a2a.record, task_id, agent_id, context_id, owner, message_id, message
+        )
+
+    async def a2a_reject(self, task_id: str, text: str) -> None:
+        await self._run1(a2a.reject, task_id, text)
+
+    async def a2a_task(self, task_id: str) -> dict[str, Any] | None:
+        return await self._read(a2a.task, task_id)
+
+    async def a2a_tasks(
+        self, owner: str, context_id: str | None, agents: Sequence[str], limit: int, offset: int
+    ) -> tuple[list[dict[str, Any]], int]:
+        return await self._read(a2a.tasks, owner, context_id, list(agents), limit, offset)
 
     async def figures(self) -> views.FigureRows:
         return await self._read(views.figures)

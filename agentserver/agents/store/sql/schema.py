@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from agentserver.agents.errors import StoreError
 from agentserver.agents.store import outbox, step_log
+from agentserver.agents.store.sql import a2a, fair, prune
 from agentserver.agents.store.sql import budgets as budget_sql
-from agentserver.agents.store.sql import fair, prune
 from agentserver.agents.store.sql.db import POSTGRESQL, SQLITE, Tx
 
 _GOVERNANCE = """
@@ -255,6 +255,8 @@ CREATE TABLE schedule_runs (
     PRIMARY KEY (schedule, tick)
 );
 """,
+    # Issue 35: A2A tasks (agents/store/sql/a2a.py).
+    11: a2a.MIGRATION,
 }
 #: The newest schema version: migrations are numbered 1..N without gaps.
 SCHEMA_VERSION = max(MIGRATIONS)

@@ -1,0 +1,136 @@
+"""A2A tasks (docs/a2a.md): which of our tasks an A2A client sent, under which context,
+with which message, and what became of them, read from the durable state.
+
+An A2A task is one of our tasks: its id is the thread its task was sent on, so every
+fact about it (queued, running, waiting for an approval, ended and how) is read from the
+agent's own rows (:func:`agentserver.agents.store.sql.views.task`); the table
+``a2a_tasks`` adds only what A2A knows and we do not: the context, the client's message
+and its id (a message sent twice is one task), and a refusal at intake. Every function is
+one backend-neutral transaction (the same SQL on SQLite and PostgreSQL).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentserver.agents.store.sql import views
+from agentserver.agents.store.sql.db import StoreEnv, Tx
+from agentserver.agents.store.states import ApprovalStatus
+
+MIGRATION = """
+CREATE TABLE a2a_tasks (
+    task_id TEXT PRIMARY KEY,
+    agent_id TEXT NOT NULL,
+    context_id TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    message_id TEXT NOT NULL,
+    message TEXT NOT NULL,
+    refusal TEXT,
+    created_at REAL NOT NULL,
+    UNIQUE (owner, message_id)
+);
+CREATE INDEX a2a_tasks_owner ON a2a_tasks (owner, created_at);
+"""
+
+_COLUMNS = "task_id, agent_id, context_id, owner, message_id, message, refusal, created_at"
+_DELIVERABLE = "task.deliverable"
+#: Characters of a deliverable or a refusal an A2A task carries.
+TEXT_CHARS = 100_000
+
+
+def record(
+    tx: Tx,
+    env: StoreEnv,
+    task_id: str,
+    agent_id: str,
+    context_id: str,
+    owner: str,
+    message_id: str,
+    message: str,
+) -> tuple[str, bool]:
+    """Record a new task, unless ``owner`` sent ``message_id`` before. Returns the task's
+    id and whether it is new (False: the earlier task's id; nothing written)."""
+    tx.execute(
+        f"INSERT INTO a2a_tasks ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, NULL, ?) "
+        "ON CONFLICT (owner, message_id) DO NOTHING",
+        (task_id, agent_id, context_id, owner, message_id, message, env.clock.now()),
+    )
+    row = tx.one(
+        "SELECT task_id FROM a2a_tasks WHERE owner = ? AND message_id = ?", (owner, message_id)
+    )
+    assert row is not None  # inserted, or there before
+    return str(row[0]), row[0] == task_id
+
+
+def reject(tx: Tx, env: StoreEnv, task_id: str, text: str) -> None:
+    """The task never reached its agent: ``text`` says why (the task is ``rejected``)."""
+    tx.execute("UPDATE a2a_tasks SET refusal = ? WHERE task_id = ?", (text[:TEXT_CHARS], task_id))
+
+
+def _row(row: Any) -> dict[str, Any]:
+    keys = ("task_id", "agent", "context_id", "owner", "message_id", "message", "refusal")
+    out = dict(zip(keys, row[:7], strict=True))
+    out["created_at"] = row[7]
+    return out
+
+
+def _state(tx: Tx, env: StoreEnv, out: dict[str, Any]) -> dict[str, Any]:
+    """``out`` with what our rows say: ``view`` (the task's view, None before it reached
+    the inbox), ``answer`` (the deliverable's text) and ``asks`` (a pending approval)."""
+    view = views.task(tx, env, out["agent"], out["task_id"])
+    out["view"] = view
+    out["answer"] = None
+    out["asks"] = None
+    turn = view.get("turn") if view else None
+    if turn is None:
+        return out
+    done = tx.one(
+        "SELECT content FROM cards WHERE agent_turn_id = ? AND card_type = ? "
+        "ORDER BY seq DESC LIMIT 1",
+        (turn, _DELIVERABLE),
+    )
+    if done is not None:
+        out["answer"] = str(done[0])[:TEXT_CHARS]
+        return out
+    asks = tx.one(
+        "SELECT request_id, target, payload, rule, approver, deadline FROM approvals "
+        "WHERE agent_turn_id = ? AND status = ? ORDER BY created_at LIMIT 1",
+        (turn, ApprovalStatus.PENDING.value),
+    )
+    if asks is not None:
+        keys = ("request", "target", "payload", "rule", "approver", "deadline")
+        out["asks"] = dict(zip(keys, asks, strict=True))
+    return out
+
+
+def task(tx: Tx, env: StoreEnv, task_id: str) -> dict[str, Any] | None:
+    """The task ``task_id`` with its state (see :func:`_state`); None if unknown."""
+    row = tx.one(f"SELECT {_COLUMNS} FROM a2a_tasks WHERE task_id = ?", (task_id,))
+    return None if row is None else _state(tx, env, _row(row))
+
+
+def tasks(
+    tx: Tx,
+    env: StoreEnv,
+    owner: str,
+    context_id: str | None,
+    agents: list[str],
+    limit: int,
+    offset: int,
+) -> tuple[list[dict[str, Any]], int]:
+    """``owner``'s tasks of ``agents`` (in ``context_id`` if given), newest first, from
+    ``offset``, at most ``limit``, with their states; and how many there are in all."""
+    if not agents:
+        return [], 0
+    where = f"owner = ? AND agent_id IN ({', '.join('?' * len(agents))})"
+    params: tuple[Any, ...] = (owner, *agents)
+    if context_id:
+        where += " AND context_id = ?"
+        params += (context_id,)
+    total = tx.one(f"SELECT count(*) FROM a2a_tasks WHERE {where}", params)
+    rows = tx.all(
+        f"SELECT {_COLUMNS} FROM a2a_tasks WHERE {where} "
+        "ORDER BY created_at DESC, task_id LIMIT ? OFFSET ?",
+        (*params, limit, offset),
+    )
+    return [_state(tx, env, _row(r)) for r in rows], int(total[0]) if total else 0

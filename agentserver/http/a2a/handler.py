@@ -1,0 +1,447 @@
+"""The A2A methods on our agents (docs/a2a.md): the SDK's ``RequestHandler``, called by
+the SDK's own JSON-RPC dispatcher (which parses the requests into the SDK's types, checks
+``A2A-Version`` and writes the answers and the SSE streams), carried out with our
+gateway, our store and our operator commands.
+
+A task is recorded in the store (``a2a_tasks``) before its payload is sent through the
+HTTP gateway, on a new thread that is the task's id; from then on every answer is read
+from the durable state (:mod:`agentserver.agents.store.sql.a2a`), so any process on the
+store answers ``GetTask``, ``ListTasks`` and ``SubscribeToTask`` for a task sent to any
+other. Waiting (a blocking ``SendMessage``, a stream) polls that state, every
+:data:`POLL_MIN` seconds at first, backing off to :data:`POLL_MAX` while nothing changes:
+bounded work per waiting request, none on a Turn's path. Cancelling a request (the client
+gone) ends the wait; the task runs on (it is durable), and ``CancelTask`` is how a client
+ends it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import trio
+from a2a.server.context import ServerCallContext
+from a2a.server.request_handlers.request_handler import RequestHandler
+from a2a.types import (
+    AgentCard,
+    CancelTaskRequest,
+    DeleteTaskPushNotificationConfigRequest,
+    GetExtendedAgentCardRequest,
+    GetTaskPushNotificationConfigRequest,
+    GetTaskRequest,
+    ListTaskPushNotificationConfigsRequest,
+    ListTaskPushNotificationConfigsResponse,
+    ListTasksRequest,
+    ListTasksResponse,
+    Message,
+    SendMessageRequest,
+    SubscribeToTaskRequest,
+    Task,
+    TaskArtifactUpdateEvent,
+    TaskPushNotificationConfig,
+    TaskState,
+    TaskStatus,
+    TaskStatusUpdateEvent,
+)
+from a2a.utils.errors import (
+    ContentTypeNotSupportedError,
+    ExtendedAgentCardNotConfiguredError,
+    InvalidParamsError,
+    PushNotificationNotSupportedError,
+    TaskNotCancelableError,
+    TaskNotFoundError,
+    UnsupportedOperationError,
+)
+from google.protobuf.json_format import MessageToDict, MessageToJson
+from lxml import etree
+
+from agentserver.agents.store.base import A2aStore
+from agentserver.core.envelope import build_envelope
+from agentserver.core.handshake import Identity
+from agentserver.core.namespaces import CORE_NS
+from agentserver.core.threads import new_thread_id
+from agentserver.core.xmlsafe import SafeParser
+from agentserver.http.a2a.card import CardFacts, server_card
+from agentserver.http.a2a.scope import AGENT, BASE_URL, IDENTITY
+from agentserver.http.a2a.skills import SKILL_KEY, A2aSkill, MessageRefused
+from agentserver.http.a2a.tasks import INTERRUPTED, TERMINAL, answer_artifact, state_of, to_task
+from agentserver.net.roles import OperatorCommands
+from agentserver.primitives.approval import NS as APPROVAL_NS
+from agentserver.primitives.approval import ApprovalDecision
+
+log = logging.getLogger("agentserver.a2a")
+
+#: Seconds between two reads of a waited-on task's state, at first and at most.
+POLL_MIN = 0.05
+POLL_MAX = 1.0
+#: ``ListTasks`` page sizes: the default and the most.
+PAGE_DEFAULT = 50
+PAGE_MAX = 100
+#: The longest context id and message id taken (they name durable rows).
+MAX_ID = 128
+#: Seconds ``CancelTask`` waits for the task to be seen ended before answering.
+CANCEL_WAIT = 10.0
+_ACK = f"{{{APPROVAL_NS}}}approval-ack"
+
+
+class Sender(Protocol):
+    """The HTTP gateway (:class:`agentserver.http.gateway.HttpGateway`)."""
+
+    async def send(
+        self,
+        identity: Identity,
+        to: str | None,
+        body: bytes,
+        *,
+        wait: bool,
+        thread: str | None = None,
+    ) -> Any: ...
+
+
+class Conversations(Protocol):
+    """Which conversation the next task on a thread continues (``AgentRuntime.expect_fork``)."""
+
+    def expect_fork(self, agent_id: str, thread: str, conversation: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class A2aDeps:
+    """What the handler works with, passed in by the composition root."""
+
+    store: A2aStore
+    gateway: Sender
+    skills: tuple[A2aSkill, ...]
+    facts: CardFacts
+    may_see: Callable[[Identity, str], bool]
+    #: Seconds a blocking ``SendMessage`` waits (the HTTP API's ``wait-timeout``).
+    wait_timeout: float
+    conversations: Conversations | None = None
+    operator: OperatorCommands | None = None
+    #: boot.xml's ``public-url``: the cards' base URL (None: the request's).
+    public_url: str | None = None
+
+
+class A2aHandler(RequestHandler):
+    """Every A2A method on the exposed agents; the push-notification methods answer
+    PushNotificationNotSupported (the card says so)."""
+
+    def __init__(self, deps: A2aDeps) -> None:
+        self.deps = deps
+        self.by_name = {s.name: s for s in deps.skills}
+        self._parser = SafeParser()
+
+    # -- who and what ------------------------------------------------------------------------
+    @staticmethod
+    def identity(context: ServerCallContext | None) -> Identity:
+        identity = context.state.get(IDENTITY) if context is not None else None
+        if not isinstance(identity, Identity):  # the route authenticates every request
+            raise InvalidParamsError("unauthenticated")
+        return identity
+
+    @staticmethod
+    def owner(identity: Identity) -> str:
+        return identity.name or ""
+
+    def visible(self, identity: Identity, context: ServerCallContext | None) -> list[A2aSkill]:
+        """The skills ``identity`` may address through this endpoint."""
+        only = context.state.get(AGENT) if context is not None else None
+        return [
+            s
+            for s in self.deps.skills
+            if (only is None or s.name == only) and self.deps.may_see(identity, s.name)
+        ]
+
+    def _skill(
+        self, params: SendMessageRequest, identity: Identity, context: ServerCallContext | None
+    ) -> A2aSkill:
+        skills = {s.name: s for s in self.visible(identity, context)}
+        named = None
+        for metadata in (params.message.metadata, params.metadata):
+            value = MessageToDict(metadata).get(SKILL_KEY) if metadata.fields else None
+            if value is not None:
+                named = value
+                break
+        if named is None:
+            if len(skills) == 1:
+                return next(iter(skills.values()))
+            raise InvalidParamsError(
+                f"name the skill in the message's metadata ({SKILL_KEY!r}): one of "
+                + ", ".join(sorted(skills))
+            )
+        if not isinstance(named, str) or named not in skills:
+            raise InvalidParamsError(f"unknown skill {named!r}")
+        return skills[named]
+
+    async def _task_row(self, task_id: str, identity: Identity) -> dict[str, Any]:
+        """The task's row, if ``identity`` sent it and may still see its agent."""
+        row = await self.deps.store.a2a_task(task_id) if len(task_id) <= MAX_ID else None
+        if (
+            row is None
+            or row["owner"] != self.owner(identity)
+            or not self.deps.may_see(identity, row["agent"])
+        ):
+            raise TaskNotFoundError(f"no task {task_id!r}")
+        return row
+
+    # -- intake ----------------------------------------------------------------------------------
+    async def _intake(
+        self, params: SendMessageRequest, context: ServerCallContext | None
+    ) -> dict[str, Any]:
+        """Record the task and send its payload (once per message id); its row."""
+        identity = self.identity(context)
+        message = params.message
+        if not message.message_id or len(message.message_id) > MAX_ID:
+            raise InvalidParamsError(f"a message needs a messageId of at most {MAX_ID} characters")
+        if message.task_id:
+            return await self._continue(message, identity)
+        skill = self._skill(params, identity, context)
+        try:
+            payload = skill.payload(message)
+        except MessageRefused as exc:
+            if exc.content:
+                raise ContentTypeNotSupportedError(str(exc)) from None
+            raise InvalidParamsError(str(exc)) from None
+        context_id = message.context_id or new_thread_id()
+        if len(context_id) > MAX_ID or not context_id.isprintable():
+            raise InvalidParamsError(f"a contextId is at most {MAX_ID} printable characters")
+        task_id = new_thread_id()
+        kept = Message()
+        kept.CopyFrom(message)
+        kept.task_id, kept.context_id = task_id, context_id
+        owner = self.owner(identity)
+        found, new = await self.deps.store.a2a_record(
+            task_id, skill.name, context_id, owner, message.message_id, MessageToJson(kept)
+        )
+        if new:
+            if skill.memory and self.deps.conversations is not None:
+                # Each context is its own conversation with the agent.
+                self.deps.conversations.expect_fork(
+                    skill.name, task_id, f"a2a:{owner}:{context_id}"
+                )
+            outcome = await self.deps.gateway.send(
+                identity, skill.name, etree.tostring(payload), wait=False, thread=task_id
+            )
+            if outcome.kind == "refused":
+                await self.deps.store.a2a_reject(task_id, f"refused: {outcome.refusal}")
+        row = await self.deps.store.a2a_task(found)
+        assert row is not None
+        return row
+
+    async def _continue(self, message: Message, identity: Identity) -> dict[str, Any]:
+        """A message on an existing task: the answer to its approval (a data part with
+        ``grant``, sent by the approval's approver); nothing else continues a task."""
+        row = await self._task_row(message.task_id, identity)
+        state, _ = state_of(row)
+        if state != TaskState.TASK_STATE_INPUT_REQUIRED:
+            raise UnsupportedOperationError(
+                "a task takes no further messages: send a new message in its context"
+            )
+        fields: dict[str, Any] = {}
+        for part in message.parts:
+            if part.WhichOneof("content") == "data":
+                data = MessageToDict(part.data)
+                fields.update(data if isinstance(data, dict) else {})
+        grant = fields.get("grant")
+        if not isinstance(grant, bool):
+            raise InvalidParamsError(
+                'answer an approval with a data part {"grant": true|false, "reason": "..."}'
+            )
+        asks = row["asks"]
+        decision = ApprovalDecision(
+            request=asks["request"], grant=grant, reason=str(fields.get("reason", ""))[:2000]
+        )
+        outcome = await self.deps.gateway.send(identity, row["agent"], decision.to_xml(), wait=True)
+        status = None
+        if outcome.kind == "reply":
+            root = self._parser.parse(outcome.reply)
+            if len(root) > 1 and root[1].tag == _ACK:
+                status = root[1].get("status")
+        if status not in ("applied", "duplicate"):
+            raise InvalidParamsError(
+                f"the decision on approval request {asks['request']} was not applied: "
+                f"{status or 'no answer'}"
+            )
+        fresh = await self.deps.store.a2a_task(row["task_id"])
+        assert fresh is not None
+        return fresh
+
+    # -- waiting ---------------------------------------------------------------------------------
+    async def _changes(
+        self, row: dict[str, Any], *, stop_interrupted: bool
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The task's row each time its state changes, until a terminal state (or an
+        interrupted one newly reached, with ``stop_interrupted``)."""
+        last = state_of(row)
+        delay = POLL_MIN
+        while last[0] not in TERMINAL:
+            await trio.sleep(delay)
+            fresh = await self.deps.store.a2a_task(row["task_id"])
+            if fresh is None:
+                return
+            now = state_of(fresh)
+            if now == last:
+                delay = min(delay * 2, POLL_MAX)
+                continue
+            delay = POLL_MIN
+            last = now
+            yield fresh
+            if stop_interrupted and now[0] in INTERRUPTED:
+                return
+
+    async def _events(
+        self, row: dict[str, Any], first: Task, *, stop_interrupted: bool
+    ) -> AsyncGenerator[Any, None]:
+        """The task, then a status update per change (``working`` always among them, once
+        the Turn has started); the answer as an artifact before the final status."""
+        yield first
+        if state_of(row)[0] in TERMINAL:
+            return
+        working = False  # a status update said working
+        async for fresh in self._changes(row, stop_interrupted=stop_interrupted):
+            task = to_task(fresh, 0)
+            if not working and task.status.state != TaskState.TASK_STATE_SUBMITTED:
+                # The Turn ran, however briefly: a poll may have missed its running state.
+                working = True
+                if task.status.state != TaskState.TASK_STATE_WORKING:
+                    yield TaskStatusUpdateEvent(
+                        task_id=task.id,
+                        context_id=task.context_id,
+                        status=TaskStatus(state=TaskState.TASK_STATE_WORKING),
+                    )
+            if task.status.state == TaskState.TASK_STATE_COMPLETED:
+                yield TaskArtifactUpdateEvent(
+                    task_id=task.id,
+                    context_id=task.context_id,
+                    artifact=answer_artifact(fresh),
+                    last_chunk=True,
+                )
+            yield TaskStatusUpdateEvent(
+                task_id=task.id, context_id=task.context_id, status=task.status
+            )
+
+    # -- the methods -----------------------------------------------------------------------------
+    async def on_message_send(
+        self, params: SendMessageRequest, context: ServerCallContext | None = None
+    ) -> Task | Message:
+        row = await self._intake(params, context)
+        config = params.configuration
+        history = config.history_length if config.HasField("history_length") else None
+        if not config.return_immediately and state_of(row)[0] not in TERMINAL | INTERRUPTED:
+            # Blocking: until the task ends or waits for input, at most wait-timeout.
+            with trio.move_on_after(self.deps.wait_timeout):
+                async for fresh in self._changes(row, stop_interrupted=True):
+                    row = fresh
+        return to_task(row, history)
+
+    async def on_message_send_stream(
+        self, params: SendMessageRequest, context: ServerCallContext | None = None
+    ) -> AsyncGenerator[Any, None]:
+        row = await self._intake(params, context)
+        async for event in self._events(row, to_task(row), stop_interrupted=True):
+            yield event
+
+    async def on_subscribe_to_task(
+        self, params: SubscribeToTaskRequest, context: ServerCallContext | None = None
+    ) -> AsyncGenerator[Any, None]:
+        row = await self._task_row(params.id, self.identity(context))
+        if state_of(row)[0] in TERMINAL:
+            raise UnsupportedOperationError("the task has ended: GetTask reads it")
+        async for event in self._events(row, to_task(row), stop_interrupted=False):
+            yield event
+
+    async def on_get_task(
+        self, params: GetTaskRequest, context: ServerCallContext | None = None
+    ) -> Task | None:
+        row = await self._task_row(params.id, self.identity(context))
+        return to_task(row, params.history_length if params.HasField("history_length") else None)
+
+    async def on_list_tasks(
+        self, params: ListTasksRequest, context: ServerCallContext | None = None
+    ) -> ListTasksResponse:
+        identity = self.identity(context)
+        size = params.page_size if params.HasField("page_size") else PAGE_DEFAULT
+        if not 1 <= size <= PAGE_MAX:
+            raise InvalidParamsError(f"pageSize is 1 to {PAGE_MAX}")
+        try:
+            offset = int(params.page_token or 0)
+            if offset < 0:
+                raise ValueError
+        except ValueError:
+            raise InvalidParamsError("not a page token of ours") from None
+        agents = [s.name for s in self.visible(identity, context)]
+        rows, total = await self.deps.store.a2a_tasks(
+            self.owner(identity), params.context_id or None, agents, size, offset
+        )
+        history = params.history_length if params.HasField("history_length") else 0
+        tasks = [to_task(r, history) for r in rows]
+        if params.status:
+            tasks = [t for t in tasks if t.status.state == params.status]
+        following = offset + len(rows)
+        return ListTasksResponse(
+            tasks=tasks,
+            next_page_token=str(following) if following < total else "",
+            page_size=size,
+            total_size=total,
+        )
+
+    async def on_cancel_task(
+        self, params: CancelTaskRequest, context: ServerCallContext | None = None
+    ) -> Task | None:
+        identity = self.identity(context)
+        row = await self._task_row(params.id, identity)
+        if state_of(row)[0] in TERMINAL:
+            raise TaskNotCancelableError(f"the task has ended ({to_task(row).status.state})")
+        operator = self.deps.operator
+        if operator is None:
+            raise UnsupportedOperationError("no operator commands on this server")
+        # Our operator's cancel: a queued task is skipped with its failed answer, a
+        # running one stopped (on whichever process runs it).
+        command = etree.Element(f"{{{CORE_NS}}}cancel", nsmap={None: CORE_NS})
+        command.set("agent", row["agent"])
+        command.set("thread", row["task_id"])
+        sender = identity.name or "a2a"
+        frame = etree.tostring(build_envelope(sender, None, new_thread_id(), command))
+        await operator.handle(frame, sender)
+        with trio.move_on_after(CANCEL_WAIT):
+            async for fresh in self._changes(row, stop_interrupted=False):
+                row = fresh
+        state = state_of(row)[0]
+        if state not in TERMINAL:
+            raise TaskNotCancelableError("the task did not end when cancelled")
+        return to_task(row)
+
+    async def on_get_extended_agent_card(
+        self, params: GetExtendedAgentCardRequest, context: ServerCallContext | None = None
+    ) -> AgentCard:
+        identity = self.identity(context)
+        if identity.name is None or not self.deps.facts.secured:
+            raise ExtendedAgentCardNotConfiguredError("no extended card for anonymous callers")
+        base = self.deps.public_url or (context.state.get(BASE_URL, "") if context else "")
+        return server_card(self.deps.facts, base, self.visible(identity, None))
+
+    # -- push notifications: not served (the card says pushNotifications: false) ------------
+    async def on_create_task_push_notification_config(
+        self, params: TaskPushNotificationConfig, context: ServerCallContext | None = None
+    ) -> TaskPushNotificationConfig:
+        raise PushNotificationNotSupportedError()
+
+    async def on_get_task_push_notification_config(
+        self, params: GetTaskPushNotificationConfigRequest, context: ServerCallContext | None = None
+    ) -> TaskPushNotificationConfig:
+        raise PushNotificationNotSupportedError()
+
+    async def on_list_task_push_notification_configs(
+        self,
+        params: ListTaskPushNotificationConfigsRequest,
+        context: ServerCallContext | None = None,
+    ) -> ListTaskPushNotificationConfigsResponse:
+        raise PushNotificationNotSupportedError()
+
+    async def on_delete_task_push_notification_config(
+        self,
+        params: DeleteTaskPushNotificationConfigRequest,
+        context: ServerCallContext | None = None,
+    ) -> None:
+        raise PushNotificationNotSupportedError()

@@ -1,0 +1,401 @@
+"""Remote A2A agents' skills served as listeners (docs/a2a.md, "Remote A2A agents as
+tools"): the card's fetch at load, and the pump handler of each skill listener, calling
+the remote with the official SDK's client (httpx, which runs under trio).
+
+A call sends one message (its id: our idempotency key, so a retry of the same call is the
+same message and a remote that dedupes, as ours does, continues the same task) with the
+skill named in its metadata, then follows the remote task to a terminal state or
+``input-required``: by its stream when the card offers streaming, else (and after a lost
+stream) by ``GetTask`` every :data:`POLL_MIN` seconds backing off to :data:`POLL_MAX`.
+The whole call is bounded by ``<a2a timeout>``; on that timeout, or when the call is
+cancelled (the pump's timeout, our stop), ``CancelTask`` is sent to the remote, shielded
+and bounded by :data:`CANCEL_TIMEOUT`. A remote that answers VersionNotSupported has its
+card fetched again and the call made once more.
+
+A remote task that asks for input (``input-required``) is answered to the caller as its
+question; the next call of the same caller chain to the same skill continues that task
+(same context and task ids) with its text as the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import ssl
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import trio
+from lxml import etree
+
+from agentserver.core.jsonschema_xsd import ArgumentError, ToolShape
+from agentserver.core.listener import HandlerMetadata, HandlerResponse, HandlerResult
+from agentserver.primitives.a2a import A2aAnswer
+from agentserver.remote.a2a_spec import A2aRemoteSpec
+
+log = logging.getLogger("agentserver.a2a")
+
+CARD_PATH = "/.well-known/agent-card.json"
+POLL_MIN = 0.1
+POLL_MAX = 2.0
+#: Seconds the CancelTask of an abandoned call may take.
+CANCEL_TIMEOUT = 10.0
+#: Input-required remote tasks remembered (per caller chain and skill) at most.
+MAX_PENDING = 1024
+_STATE_NAMES = {
+    "TASK_STATE_SUBMITTED": "submitted",
+    "TASK_STATE_WORKING": "working",
+    "TASK_STATE_COMPLETED": "completed",
+    "TASK_STATE_FAILED": "failed",
+    "TASK_STATE_CANCELED": "canceled",
+    "TASK_STATE_INPUT_REQUIRED": "input-required",
+    "TASK_STATE_REJECTED": "rejected",
+    "TASK_STATE_AUTH_REQUIRED": "auth-required",
+}
+_ENDED = frozenset({"completed", "failed", "canceled", "rejected"})
+_WAITING = frozenset({"input-required", "auth-required"})
+
+
+class CardError(Exception):
+    """A remote agent's card could not be fetched or read."""
+
+
+def _tls(spec: A2aRemoteSpec) -> ssl.SSLContext | bool:
+    if spec.ca is None and spec.cert is None:
+        return True
+    context = ssl.create_default_context(cafile=spec.ca)
+    if spec.cert is not None:
+        context.load_cert_chain(spec.cert, spec.key)
+    return context
+
+
+def _http_options(spec: A2aRemoteSpec, timeout: float) -> dict[str, Any]:
+    return {"headers": dict(spec.headers), "verify": _tls(spec), "timeout": timeout}
+
+
+def _parse_card(data: Any) -> Any:
+    """The SDK's ``AgentCard`` of a card's JSON. Raises CardError."""
+    try:
+        from a2a.client.card_resolver import parse_agent_card
+    except ImportError:
+        raise CardError("the A2A SDK is not installed (pip install 'agentserver[a2a]')") from None
+    try:
+        return parse_agent_card(data)
+    except Exception as exc:
+        raise CardError(f"not an agent card: {exc}") from None
+
+
+def fetch_card_blocking(spec: A2aRemoteSpec) -> dict[str, Any]:
+    """``spec``'s card as JSON (checked by the SDK's parser), within its connect-timeout.
+    Blocking: boot.xml is loaded before any event loop runs. Raises CardError."""
+    import httpx
+
+    try:
+        with httpx.Client(**_http_options(spec, spec.connect_timeout)) as http:
+            response = http.get(spec.url + CARD_PATH)
+    except (httpx.HTTPError, OSError, ssl.SSLError) as exc:
+        raise CardError(f"card unreachable: {exc}") from None
+    if response.status_code != 200:
+        raise CardError(f"card: HTTP {response.status_code}")
+    try:
+        data = response.json()
+    except ValueError:
+        raise CardError("the card is not JSON") from None
+    _parse_card(data)
+    return data
+
+
+def state_name(task: Any) -> str:
+    """``completed``, ``input-required``, ... of the SDK's ``Task``."""
+    from a2a.types import TaskState
+
+    return _STATE_NAMES.get(TaskState.Name(task.status.state), "working")
+
+
+def task_texts(task: Any) -> list[str]:
+    """The remote task's final message and artifacts as text (data parts as JSON)."""
+    from google.protobuf.json_format import MessageToDict
+
+    def texts(parts: Sequence[Any]) -> list[str]:
+        out = []
+        for part in parts:
+            kind = part.WhichOneof("content")
+            if kind == "text" and part.text:
+                out.append(part.text)
+            elif kind == "data":
+                out.append(json.dumps(MessageToDict(part.data)))
+            elif kind == "url":
+                out.append(part.url)
+        return out
+
+    found = texts(task.status.message.parts) if task.status.HasField("message") else []
+    for artifact in task.artifacts:
+        found.extend(texts(artifact.parts))
+    # Once each: an agent may say its answer both as its message and as an artifact.
+    return list(dict.fromkeys(found))
+
+
+class RemoteAgent:
+    """One ``<a2a>``: its card, the SDK's client (made when first used, in the running
+    trio), and the input-required tasks its callers may continue."""
+
+    def __init__(self, spec: A2aRemoteSpec) -> None:
+        self.spec = spec
+        self.card: Any = _parse_card(dict(spec.card)) if spec.card else None
+        self._http: Any = None
+        self._client: Any = None
+        #: (caller chain, skill) -> (context id, task id) of a task waiting for input.
+        self.pending: dict[tuple[str, str], tuple[str, str]] = {}
+
+    async def client(self) -> Any:
+        if self._client is None:
+            import httpx
+            from a2a.client import ClientConfig, ClientFactory
+
+            if self.card is None:
+                await self.refetch_card()
+            self._http = httpx.AsyncClient(**_http_options(self.spec, self.spec.timeout))
+            streaming = bool(self.card.capabilities.streaming)
+            factory = ClientFactory(ClientConfig(httpx_client=self._http, streaming=streaming))
+            self._client = factory.create(self.card)
+        return self._client
+
+    async def refetch_card(self) -> None:
+        """Fetch the card again (a version failure), and make the client anew."""
+        data = await trio.to_thread.run_sync(fetch_card_blocking, self.spec)
+        self.card = _parse_card(data)
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        http, self._http, self._client = self._http, None, None
+        if http is not None:
+            await http.aclose()
+
+    async def call(
+        self, skill: str, text: str, data: Mapping[str, Any], key: str, chain: str
+    ) -> A2aAnswer:
+        """One call of ``skill`` (see the module doc). Never raises but Cancelled."""
+        from a2a.utils.errors import A2AError, VersionNotSupportedError
+
+        for attempt in (1, 2):
+            try:
+                return await self._call(skill, text, data, key, chain)
+            except VersionNotSupportedError as exc:
+                if attempt == 2:
+                    return self._failed(skill, f"version refused: {exc}")
+                try:
+                    await self.refetch_card()
+                except CardError as card_exc:
+                    return self._failed(skill, f"version refused, card: {card_exc}")
+            except A2AError as exc:
+                return self._failed(skill, f"{type(exc).__name__}: {exc}")
+            except CardError as exc:
+                return self._failed(skill, str(exc))
+            except Exception as exc:  # the transport: connection refused, reset, ...
+                return self._failed(skill, f"the remote agent failed: {type(exc).__name__}: {exc}")
+        raise AssertionError("unreachable")
+
+    def _failed(self, skill: str, text: str, task: str = "", context: str = "") -> A2aAnswer:
+        return A2aAnswer(
+            state="failed", status="failed", skill=skill, task=task, context=context, text=[text]
+        )
+
+    async def _call(
+        self, skill: str, text: str, data: Mapping[str, Any], key: str, chain: str
+    ) -> A2aAnswer:
+        from a2a.types import (
+            Message,
+            Part,
+            Role,
+            SendMessageConfiguration,
+            SendMessageRequest,
+            Task,
+        )
+        from google.protobuf.json_format import ParseDict
+        from google.protobuf.struct_pb2 import Struct, Value
+
+        client = await self.client()
+        message = Message(message_id=key, role=Role.ROLE_USER, parts=[Part(text=text)])
+        if data:
+            message.parts.append(Part(data=ParseDict(dict(data), Value())))
+        metadata = Struct()
+        metadata.update({"skill": skill})
+        message.metadata.CopyFrom(metadata)
+        waiting = self.pending.pop((chain, skill), None)
+        # Continuing a task that waits for input: its first reads may still show it waiting.
+        resumed = waiting is not None
+        if waiting is not None:
+            message.context_id, message.task_id = waiting
+        streaming = bool(self.card.capabilities.streaming)
+        request = SendMessageRequest(
+            message=message,
+            configuration=SendMessageConfiguration(return_immediately=not streaming),
+        )
+        task: Any = None
+        try:
+            with trio.fail_after(self.spec.timeout):
+                async for event in client.send_message(request):
+                    if event.HasField("task"):
+                        task = event.task
+                    elif event.HasField("message"):  # a direct answer, no task
+                        return A2aAnswer(skill=skill, text=task_texts_of_message(event.message))
+                    elif event.HasField("status_update"):
+                        update = event.status_update
+                        # A continued task's stream may start with its updates.
+                        task = task or Task(id=update.task_id, context_id=update.context_id)
+                        task.status.CopyFrom(update.status)
+                    elif event.HasField("artifact_update"):
+                        update = event.artifact_update
+                        task = task or Task(id=update.task_id, context_id=update.context_id)
+                        task.artifacts.append(update.artifact)
+                    if task is not None and self._settled(task, resumed):
+                        break
+                    if task is not None and state_name(task) not in _WAITING:
+                        resumed = False  # the answer is being worked on
+                if task is None:
+                    return self._failed(skill, "the remote agent answered no task")
+                task = await self._follow(client, task, resumed)
+        except trio.TooSlowError:
+            await self._cancel(client, task)
+            return self._failed(
+                skill,
+                f"no answer within {self.spec.timeout:g} s: the remote task was cancelled",
+                task.id if task is not None else "",
+            )
+        except trio.Cancelled:
+            await self._cancel(client, task)
+            raise
+        state = state_name(task)
+        texts = task_texts(task)
+        answer = A2aAnswer(
+            state=state, skill=skill, task=task.id, context=task.context_id, text=texts
+        )
+        if state in _WAITING:
+            self.pending[(chain, skill)] = (task.context_id, task.id)
+            while len(self.pending) > MAX_PENDING:
+                self.pending.pop(next(iter(self.pending)))
+            answer.text = [
+                f"The remote agent asks: {' '.join(texts) or '(no question given)'} "
+                "(call the same skill again with the answer)"
+            ]
+        elif state != "completed":
+            answer.status = "failed"
+            answer.text = texts or [f"the remote task ended {state}"]
+        return answer
+
+    @staticmethod
+    def _settled(task: Any, resumed: bool) -> bool:
+        """The call's answer is there: the task ended, or waits for input (again: not
+        merely still, when the call answers its question)."""
+        state = state_name(task)
+        if state in _WAITING and resumed:
+            return False  # not yet seen at work on the answer: read on (the timeout bounds it)
+        return state in _ENDED | _WAITING
+
+    async def _follow(self, client: Any, task: Any, resumed: bool) -> Any:
+        """``task`` read again until it ends or waits for input (a stream that stopped
+        early, or a non-streaming remote)."""
+        from a2a.types import GetTaskRequest
+
+        delay = POLL_MIN
+        while not self._settled(task, resumed):
+            await trio.sleep(delay)
+            delay = min(delay * 2, POLL_MAX)
+            task = await client.get_task(GetTaskRequest(id=task.id))
+            if state_name(task) not in _WAITING:
+                resumed = False
+        return task
+
+    async def _cancel(self, client: Any, task: Any) -> None:
+        """Ask the remote to cancel ``task`` (shielded, bounded; failures logged)."""
+        if task is None:
+            return
+        from a2a.types import CancelTaskRequest
+
+        with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_TIMEOUT):
+            try:
+                await client.cancel_task(CancelTaskRequest(id=task.id))
+                log.info("a2a %s: remote task %s cancelled", self.spec.name, task.id)
+            except Exception as exc:
+                log.warning("a2a %s: cancel of %s failed: %s", self.spec.name, task.id, exc)
+
+
+def task_texts_of_message(message: Any) -> list[str]:
+    return [p.text for p in message.parts if p.WhichOneof("content") == "text"]
+
+
+class A2aRemotes:
+    """Every ``<a2a>`` of a topology, and the handlers of their skill listeners."""
+
+    def __init__(self, specs: Sequence[A2aRemoteSpec]) -> None:
+        self.agents = {spec.name: RemoteAgent(spec) for spec in specs}
+        #: The calls in flight by caller (the listener or agent that called).
+        self.calls: dict[str, set[trio.CancelScope]] = {}
+
+    def cancel_caller(self, caller: str) -> int:
+        """Cancel every call ``caller`` has in flight (our stop of an agent): each sends
+        CancelTask to its remote. Returns how many."""
+        scopes = self.calls.get(caller, set())
+        for scope in scopes:
+            scope.cancel()
+        return len(scopes)
+
+    async def aclose(self) -> None:
+        for agent in self.agents.values():
+            await agent.aclose()
+
+    def handler_for(self, remote: str, skill: str, listener: str, shape: ToolShape) -> Any:
+        """The pump handler of skill listener ``listener`` (raw: the validated element)."""
+        agent = self.agents[remote]
+        slots = trio.CapacityLimiter(agent.spec.concurrency)
+
+        async def a2a_skill(payload: etree._Element, meta: HandlerMetadata) -> HandlerResult:
+            try:
+                arguments = shape.to_json(payload)
+                data = json.loads(arguments.get("data") or "{}")
+                if not isinstance(data, dict):
+                    raise ValueError("data must be a JSON object")
+            except (ArgumentError, ValueError) as exc:
+                answer = A2aAnswer(state="rejected", status="failed", skill=skill, text=[str(exc)])
+                return HandlerResponse.respond(answer)
+            # The caller's chain names its context: its next call continues a waiting task.
+            chain = meta.chain[0] if meta.chain else meta.thread_id
+            caller = meta.chain[-2] if len(meta.chain) >= 2 else meta.from_id
+            answer = A2aAnswer(
+                state="canceled",
+                status="failed",
+                skill=skill,
+                text=["the call was stopped: the remote task was cancelled"],
+            )
+            with trio.CancelScope() as scope:
+                calls = self.calls.setdefault(caller, set())
+                calls.add(scope)
+                try:
+                    answer = await self._call(agent, slots, skill, arguments, data, meta, chain)
+                finally:
+                    calls.discard(scope)
+                    if not calls:
+                        self.calls.pop(caller, None)
+            return HandlerResponse.respond(answer)
+
+        a2a_skill.__qualname__ = f"a2a:{listener}"
+        return a2a_skill
+
+    @staticmethod
+    async def _call(
+        agent: RemoteAgent,
+        slots: trio.CapacityLimiter,
+        skill: str,
+        arguments: Mapping[str, Any],
+        data: Mapping[str, Any],
+        meta: HandlerMetadata,
+        chain: str,
+    ) -> A2aAnswer:
+        async with slots:
+            return await agent.call(
+                skill,
+                str(arguments.get("text", "")),
+                data,
+                meta.idempotency_key or meta.thread_id,
+                chain,
+            )

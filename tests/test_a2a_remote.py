@@ -1,0 +1,241 @@
+"""Remote A2A agents as tools (issue 35, docs/a2a.md): our server (a subprocess) calls an
+agent built with the official SDK's own server pieces, in its own asyncio process
+(tests/a2a_sdk_server.py): a plain answer (over the remote's stream, and by polling a
+remote without streaming), a remote failure, our timeout cancelling the remote task, a
+remote input-required question reaching our agent's model and answered by its next call,
+our stop cancelling the remote task, and the remote killed mid-task; ``check`` printing
+the mapping, an unreachable card an error (a warning with ``required="false"``).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+import trio
+from httputil import http_url
+from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from serverproc import TESTS, ServerProcess, cli, subprocess_env
+
+SERVER = TESTS / "a2a_sdk_server.py"
+REMOTE_NS = "urn:agentserver:a2a:remote"
+PATIENCE = 40.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Remote:
+    """The SDK's server in its own process."""
+
+    def __init__(self, tmp_path, name: str, *flags: str) -> None:
+        self.port = free_port()
+        self.cancels = tmp_path / f"{name}-cancels.txt"
+        self.cancels.write_text("")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SERVER), str(self.port), str(self.cancels), *flags],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=subprocess_env(),
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self) -> None:
+        for _ in range(200):
+            try:
+                if httpx.get(self.url + "/.well-known/agent-card.json").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            import time
+
+            time.sleep(0.05)
+        raise AssertionError("the SDK's server did not start")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class CallingModel(FakeServer):
+    """``colors``: asks the remote's ``ask`` skill, answers its question with "blue",
+    then reports what it noted. ``stall``: calls ``echo`` with a slow task. Else "ok"."""
+
+    def __init__(self) -> None:
+        super().__init__("openai")
+
+    def default(self, seen: Seen) -> Script:
+        messages = seen.body["messages"]
+        everything = "\n".join(str(m.get("content", "")) for m in messages[1:])
+        if "colors" in everything:
+            noted = re.search(r"Color noted: \w+", everything)
+            if noted:
+                return openai_ok(f"Done: {noted.group(0)}", model="m")
+            if "The remote agent asks" in everything:
+                return openai_ok(f'<ask xmlns="{REMOTE_NS}"><text>blue</text></ask>', model="m")
+            return openai_ok(f'<ask xmlns="{REMOTE_NS}"><text>ask me</text></ask>', model="m")
+        if "stall" in everything:
+            if "<answer" in everything:
+                return openai_ok("stalled", model="m")
+            return openai_ok(f'<echo xmlns="{REMOTE_NS}"><text>slow</text></echo>', model="m")
+        return openai_ok("ok", model="m")
+
+
+def boot(path, remote: Remote, plain: Remote, extra: str = "") -> None:
+    path.write_text(
+        f"""<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="caller">
+  <limits hello-timeout="2" read-timeout="2" drain-timeout="1" write-timeout="2"/>
+  <llm max-attempts="1" timeout="60">
+    <backend name="fake" provider="openai" base-url="http://127.0.0.1:9/v1"
+             base-url-env="A2A_LLM_BASE_URL" api-key-env="A2A_LLM_KEY" timeout="60">
+      <model name="m"/>
+    </backend>
+  </llm>
+  <store path="state/agents.sqlite3" watchdog-interval="0.2"
+         url-env="AGENTS_TEST_STORE_URL" lease="1" heartbeat="0.25"/>
+  <listeners>
+    <a2a name="remote" url="{remote.url}" timeout="30"/>
+    <a2a name="plain" url="{plain.url}" timeout="3" concurrency="2"/>
+    {extra}
+    <listener name="assistant" handler="assistant" agent="true"
+              peers="remote-echo remote-ask">
+      <agent model="m" max-steps="6"/>
+    </listener>
+  </listeners>
+</organism>"""
+    )
+
+
+async def post(url: str, to: str, body: str) -> str:
+    async with httpx.AsyncClient(timeout=PATIENCE) as http:
+        response = await http.post(
+            f"{url}/v1/messages",
+            params={"to": to},
+            content=body.encode(),
+            headers={"content-type": "application/xml"},
+        )
+        return response.text
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgresql)])
+def store_env(request) -> dict[str, str]:
+    if request.param == "sqlite":
+        return {}
+    return {"AGENTS_TEST_STORE_URL": request.getfixturevalue("pg_url")}
+
+
+async def test_remote_sdk_agents_as_tools(tmp_path, store_env):
+    remote = Remote(tmp_path, "remote")
+    plain = Remote(tmp_path, "plain", "--no-streaming")
+    try:
+        await trio.to_thread.run_sync(remote.wait_ready)
+        await trio.to_thread.run_sync(plain.wait_ready)
+        path = tmp_path / "boot.xml"
+        boot(path, remote, plain)
+        checked = await trio.to_thread.run_sync(lambda: cli("check", str(path)))
+        out = checked.stdout.decode()
+        assert checked.returncode == 0, checked.stderr
+        assert "a2a remote: skill 'echo' -> listener remote-echo" in out
+        assert "a2a plain: skill 'ask' -> listener plain-ask" in out
+        async with trio.open_nursery() as nursery:
+            model = await CallingModel().start(nursery)
+            env = subprocess_env(A2A_LLM_BASE_URL=model.base_url, A2A_LLM_KEY="k", **store_env)
+            server = await trio.to_thread.run_sync(
+                lambda: ServerProcess.start(path, "--http-port", "0", env=env, cwd=tmp_path)
+            )
+            try:
+                url = http_url(server)
+                await _answers_failures_timeouts(url, plain)
+                await _input_required_reaches_the_model(url)
+                await _stop_cancels_the_remote_task(url, server, remote)
+                await _remote_killed_mid_task(url, remote)
+            finally:
+                await trio.to_thread.run_sync(server.stop)
+                nursery.cancel_scope.cancel()
+    finally:
+        remote.stop()
+        plain.stop()
+
+
+async def _answers_failures_timeouts(url: str, plain: Remote) -> None:
+    # A plain answer: over the remote's stream, and by polling the one without streaming.
+    for name in ("remote", "plain"):
+        body = f'<echo xmlns="urn:agentserver:a2a:{name}"><text>hello</text></echo>'
+        reply = await post(url, f"{name}-echo", body)
+        assert 'state="completed"' in reply and "remote says: hello" in reply, reply
+    # Data fields ride along as a data part.
+    body = '<echo xmlns="urn:agentserver:a2a:plain"><text>with data</text><data>[1]</data></echo>'
+    assert "must be a JSON object" in await post(url, "plain-echo", body)
+    # A remote failure: a failed answer with the remote's text.
+    reply = await post(
+        url, "plain-echo", '<echo xmlns="urn:agentserver:a2a:plain"><text>fail</text></echo>'
+    )
+    assert 'status="failed"' in reply and "remote broke" in reply, reply
+    # Our timeout (3 s): the remote task is cancelled there.
+    reply = await post(
+        url, "plain-echo", '<echo xmlns="urn:agentserver:a2a:plain"><text>slow</text></echo>'
+    )
+    assert "the remote task was cancelled" in reply, reply
+    task = re.search(r'task="([^"]+)"', reply).group(1)
+    assert task in plain.cancels.read_text().split()
+
+
+async def _input_required_reaches_the_model(url: str) -> None:
+    body = '<task xmlns="urn:agentserver:assistant"><text>colors please</text></task>'
+    reply = await post(url, "assistant", body)
+    assert "Done: Color noted: blue" in reply, reply
+
+
+async def _stop_cancels_the_remote_task(url: str, server: ServerProcess, remote: Remote) -> None:
+    body = '<task xmlns="urn:agentserver:assistant"><text>stall here</text></task>'
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(post, url, "assistant", body)
+        await trio.sleep(2.0)  # the agent's call to the remote's slow task is in flight
+        connect = f"{server.host}:{server.port}"
+        done = await trio.to_thread.run_sync(lambda: cli("stop", "assistant", "--connect", connect))
+        assert done.returncode == 0, done.stdout + done.stderr
+        with trio.fail_after(15):
+            while not remote.cancels.read_text().strip():  # noqa: ASYNC110 (a file)
+                await trio.sleep(0.1)
+
+
+async def _remote_killed_mid_task(url: str, remote: Remote) -> None:
+    body = '<echo xmlns="urn:agentserver:a2a:remote"><text>slow</text></echo>'
+    async with trio.open_nursery() as nursery:
+        replies: list[str] = []
+
+        async def call() -> None:
+            replies.append(await post(url, "remote-echo", body))
+
+        nursery.start_soon(call)
+        await trio.sleep(1.5)
+        await trio.to_thread.run_sync(remote.stop)
+    (reply,) = replies
+    assert 'status="failed"' in reply and "Network communication error" in reply, reply
+
+
+@pytest.mark.parametrize("required", ["true", "false"])
+async def test_an_unreachable_card_is_an_error_or_a_warning(tmp_path, required):
+    path = tmp_path / "boot.xml"
+    path.write_text(
+        f"""<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="caller">
+  <listeners>
+    <a2a name="gone" url="http://127.0.0.1:{free_port()}" required="{required}"
+         connect-timeout="1"/>
+    <listener name="calculator" handler="calculator"/>
+  </listeners>
+</organism>"""
+    )
+    done = await trio.to_thread.run_sync(lambda: cli("check", str(path)))
+    err = done.stdout.decode() + done.stderr.decode()
+    assert "<a2a name='gone'>" in err and "card unreachable" in err, err
+    assert done.returncode == (0 if required == "false" else 1), err
+    if required == "false":
+        assert "its skills are absent" in err
