@@ -43,6 +43,9 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "suppor
 
 from chaos_check import Ledger, check
 from chaos_clients import TOKEN, Approver, Operator, Servers, Switches, TaskClient
+from chaos_hooks import SECRET_ENV as HOOK_SECRET_ENV
+from chaos_hooks import HookReceiver, await_hooks, check_hooks, ended_turns, webhooks_xml
+from chaos_hooks import new_secret as hook_secret
 from chaos_model import ChaosModel, plan_for
 from chaos_procs import RunnerSlot, ServerSlot, child_env
 from chaos_tools import AGENTS, proof_text
@@ -51,7 +54,7 @@ LLM_TIMEOUT = 4.0
 CLIENTS = (("c0", True), ("c1", False), ("c2", True), ("c3", False))
 
 
-def boot_xml(model_url: str, postgres: bool) -> str:
+def boot_xml(model_url: str, postgres: bool, hooks: str = "") -> str:
     store = (
         '<store url-env="CHAOS_STORE_URL" worker-concurrency="4" watchdog-interval="0.5" '
         'lease="2" heartbeat="0.5"/>'
@@ -108,7 +111,7 @@ def boot_xml(model_url: str, postgres: bool) -> str:
     </listener>
 {agents}
   </listeners>
-</organism>
+{hooks}</organism>
 """
 
 
@@ -187,11 +190,15 @@ async def chaos(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             model = await ChaosModel(seed, LLM_TIMEOUT, on_final=on_final).start(nursery)
             boot_dir = out / "organism"
+            hooks = await HookReceiver(seed, hook_secret(seed)).start(nursery)
             env = child_env(boot_dir, CHAOS_TOKEN=TOKEN, CHAOS_LLM_KEY="chaos-key")
+            env[HOOK_SECRET_ENV] = hooks.secret
             if pg_url:
                 env["CHAOS_STORE_URL"] = pg_url
             boot = boot_dir / "boot.xml"
-            await trio.Path(boot).write_text(boot_xml(model.base_url, postgres))
+            await trio.Path(boot).write_text(
+                boot_xml(model.base_url, postgres, webhooks_xml(hooks.url))
+            )
             oracle = Oracle(None if postgres else boot_dir / "state" / "agents.sqlite3", pg_url)
             slots = [ServerSlot(i, boot, env, out) for i in range(args.processes)]
             for slot in slots:
@@ -226,6 +233,7 @@ async def chaos(args: argparse.Namespace) -> int:
             switches.faults = False
             switches.sending = False
             model.faults_on = False
+            hooks.faults = False
             with trio.move_on_after(30):  # a killed server's restart under way
                 for slot in slots:
                     while not slot.alive:
@@ -249,6 +257,16 @@ async def chaos(args: argparse.Namespace) -> int:
             refs = await oracle.refs()
             taken = {t for t in ledger.attempts if t in refs}
             verdict = check(ledger, taken, expected_proofs(seed))
+            sqlite_path = None if postgres else boot_dir / "state" / "agents.sqlite3"
+            await await_hooks(hooks, lambda: ended_turns(sqlite_path, pg_url), 60.0)
+            hook_counts, hook_violations = check_hooks(
+                hooks, await ended_turns(sqlite_path, pg_url)
+            )
+            verdict.counts.update(hook_counts)
+            verdict.counts["violations"] = int(str(verdict.counts["violations"])) + len(
+                hook_violations
+            )
+            verdict.violations.extend(hook_violations)
             await trio.Path(out / "ledger.json").write_text(ledger_json(ledger, taken))
             for slot in slots:
                 await slot.terminate()
