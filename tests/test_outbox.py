@@ -330,3 +330,67 @@ async def test_a_task_end_lost_before_its_write_is_offered_again_at_start(real: 
         assert payload["data"]["thread"] == "th-1" and payload["data"]["answer"] == "the answer"
     finally:
         recv.stop()
+
+
+async def test_no_webhook_costs_nothing_and_the_first_one_made_starts_them(real: Opener) -> None:
+    from agentserver.agents.edge.webhooks import Webhooks
+    from agentserver.agents.events import EventBus, TaskEvent
+    from agentserver.agents.profile.webhooks import WebhookSpec
+
+    store = await real()
+    bus = EventBus()
+    recv = Receiver().start()
+    try:
+        hooks = Webhooks(store, Outbox(store, store.env.clock.now), bus, store.env.clock.now)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hooks.run)
+            bus.publish(TaskEvent("a", "turn-0", "succeeded", "", ""))
+            await trio.sleep(0.2)
+            assert not hooks.observing and await store.outbox_figures() == []
+            spec = WebhookSpec("late", recv.url, ("task.*",), first_delay_s=0.05)
+            made = await hooks.create(spec)
+            assert made.secret.startswith("whsec_") and hooks.observing
+            bus.publish(TaskEvent("a", "turn-1", "failed", "", ""))
+            await wait_for(lambda: len(recv.ok()) == 1)
+            nursery.cancel_scope.cancel()
+        assert recv.ok()[0].payload["data"]["turn"] == "turn-1"
+    finally:
+        recv.stop()
+
+
+async def test_a_receiver_failing_too_long_is_disabled_with_an_event(real: Opener) -> None:
+    from agentserver.agents.edge.webhooks import Webhooks
+    from agentserver.agents.events import EventBus, NoticeEvent, TaskEvent
+    from agentserver.agents.profile.webhooks import WebhookSpec
+
+    store = await real()
+    bus = EventBus()
+    dead = Receiver().start()
+    dead.stop()  # nothing listens on its port: refused
+    watcher = Receiver().start()
+    try:
+        outbox = Outbox(store, store.env.clock.now)
+        specs = (
+            WebhookSpec(
+                "dead", dead.url, ("task.*",), SECRET, first_delay_s=0.05, max_delay_s=0.1,
+                disable_after_s=0.5,
+            ),
+            WebhookSpec("watch", watcher.url, ("webhook.disabled",), SECRET, first_delay_s=0.05),
+        )  # fmt: skip
+        hooks = Webhooks(store, outbox, bus, store.env.clock.now, specs)
+        async with bus.subscribe() as sub:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(hooks.run)
+                bus.publish(TaskEvent("a", "turn-1", "failed", "", ""))
+                await wait_for(lambda: len(watcher.ok()) == 1)
+                [state] = [w for w in await hooks.status() if w["name"] == "dead"]
+                assert state["disabled"] and state["disabled_rows"] == 1
+                # Enabled again: the parked event is due (and fails again: refused).
+                assert await hooks.enable("dead") == 1
+                nursery.cancel_scope.cancel()
+            notices = [e for e in sub.drain() if isinstance(e, NoticeEvent)]
+        assert [n.event_type for n in notices] == ["webhook.disabled"]
+        assert notices[0].data["webhook"] == "dead"
+        assert verify(watcher.ok()[0])["type"] == "webhook.disabled"
+    finally:
+        watcher.stop()

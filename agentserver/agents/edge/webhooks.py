@@ -221,6 +221,11 @@ class Webhooks:
         except Exception as exc:
             log.error("webhooks: %d event(s) not written at shutdown: %s", len(self._batch), exc)
 
+    @property
+    def observing(self) -> bool:
+        """Whether the bus's events are looked at (only once a webhook exists)."""
+        return self._observing
+
     # -- the webhooks -----------------------------------------------------------------------
     def specs(self) -> list[WebhookSpec]:
         return sorted(self._specs.values(), key=lambda s: s.name)
