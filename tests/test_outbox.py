@@ -137,6 +137,10 @@ async def test_store_rows_dedupe_sequence_lease_and_outcomes(manual: Opener) -> 
     assert four.order_seq == 4
     statuses = [d["status"] for d in await store.outbox_deliveries("c1", 10)]
     assert statuses == [PENDING]
+    # A key twice in one batch is one delivery; the sequence goes on without a gap.
+    assert await store.outbox_enqueue([item(5), item(5), item(6, order_key="other")]) == 2
+    got = {d["id"]: d["sequence"] for d in await store.outbox_deliveries(None, 10)}
+    assert got[delivery_id("c1:5")] == 5 and got[delivery_id("c1:6")] == 1
 
 
 async def test_channel_disabled_after_failing_too_long_and_enabled_again(manual: Opener) -> None:
@@ -220,7 +224,7 @@ async def test_hanging_receiver_holds_back_no_other(real: Opener) -> None:
     good = Receiver().start()
     try:
         outbox = Outbox(store, store.env.clock.now)
-        outbox.add(signed("hung", concurrency=2, timeout_s=1.0))
+        outbox.add(signed("hung", concurrency=2, timeout_s=3.0))
         outbox.add(signed("good", concurrency=2, timeout_s=5.0))
         async with trio.open_nursery() as nursery:
             await nursery.start(outbox.run)
@@ -229,13 +233,14 @@ async def test_hanging_receiver_holds_back_no_other(real: Opener) -> None:
             start = trio.current_time()
             await outbox.enqueue([item(n, "good", good.url) for n in range(20)])
             await wait_for(lambda: len(good.ok()) == 20, within=10.0)
-            # The good receiver got everything while the hung one held its two slots.
-            assert trio.current_time() - start < 3.0
+            # The good receiver got everything while the hung one held its two slots
+            # (held back, it would wait for the hung one's 10 attempts: 5 x 3 s).
+            assert trio.current_time() - start < 6.0
             assert outbox.inflight("hung") <= 2
-            await wait_for(lambda: outbox.figures.failed >= 2, within=5.0)
+            await wait_for(lambda: outbox.figures.failed >= 2, within=10.0)
             nursery.cancel_scope.cancel()
         figures = {f.channel: f for f in await store.outbox_figures()}
-        assert figures["hung"].last_error == "timed out after 1s"
+        assert figures["hung"].last_error == "timed out after 3s"
         assert figures["hung"].pending == 10
     finally:
         hung.stop()

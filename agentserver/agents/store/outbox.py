@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentserver.agents.store.rows import CardType
-from agentserver.agents.store.sql.db import StoreEnv, Tx, marks
+from agentserver.agents.store.sql.db import INSERT_CHUNK, StoreEnv, Tx, insert_rows, marks
 from agentserver.agents.store.sql.views import json_text
 from agentserver.agents.store.states import MessageType
 
@@ -200,12 +200,33 @@ def _row(r: Sequence[Any]) -> OutboxRow:
 
 
 def enqueue(tx: Tx, env: StoreEnv, items: Sequence[OutboxItem]) -> int:
-    """Insert ``items`` (those whose key is already there add nothing; those of a
-    disabled channel are stored ``disabled``); returns how many were new. Atomic."""
+    """Insert ``items`` (those whose key is already there, or earlier in ``items``, add
+    nothing; those of a disabled channel are stored ``disabled``); returns how many were
+    new. Atomic. Round trips: one read of the keys (per :data:`INSERT_CHUNK`), one
+    sequence update per order key, the inserts (pipelined on PostgreSQL). A concurrent
+    insert of the same key by another process fails the transaction (unique key): the
+    caller's retry then finds it there."""
     if not items:
         return 0
     now = env.clock.now()
-    channels = sorted({i.channel for i in items})
+    keys = list(dict.fromkeys(i.dedupe_key for i in items))
+    there: set[str] = set()
+    for i in range(0, len(keys), INSERT_CHUNK):
+        part = keys[i : i + INSERT_CHUNK]
+        there.update(
+            r[0]
+            for r in tx.all(
+                f"SELECT dedupe_key FROM outbox WHERE dedupe_key IN ({marks(len(part))})", part
+            )
+        )
+    new: list[OutboxItem] = []
+    for item in items:
+        if item.dedupe_key not in there:
+            there.add(item.dedupe_key)
+            new.append(item)
+    if not new:
+        return 0
+    channels = sorted({i.channel for i in new})
     disabled = {
         r[0]
         for r in tx.all(
@@ -214,23 +235,25 @@ def enqueue(tx: Tx, env: StoreEnv, items: Sequence[OutboxItem]) -> int:
             channels,
         )
     }
-    new = 0
-    for item in items:
-        if tx.one("SELECT 1 FROM outbox WHERE dedupe_key = ?", (item.dedupe_key,)):
-            continue
-        order_key = item.order_key or item.channel
+    counts: dict[str, int] = {}
+    for item in new:
+        key = item.order_key or item.channel
+        counts[key] = counts.get(key, 0) + 1
+    next_seq: dict[str, int] = {}
+    for key, n in sorted(counts.items()):  # sorted: two writers lock keys in one order
         got = tx.one(
-            "INSERT INTO outbox_sequences (order_key, last_seq) VALUES (?, 1) "
-            "ON CONFLICT (order_key) DO UPDATE SET last_seq = outbox_sequences.last_seq + 1 "
-            "RETURNING last_seq",
-            (order_key,),
+            "INSERT INTO outbox_sequences (order_key, last_seq) VALUES (?, ?) "
+            "ON CONFLICT (order_key) DO UPDATE SET "
+            "last_seq = outbox_sequences.last_seq + excluded.last_seq RETURNING last_seq",
+            (key, n),
         )
         assert got is not None
-        tx.execute(
-            "INSERT INTO outbox (delivery_id, dedupe_key, channel, url, headers, body, "
-            "order_key, order_seq, status, next_at, expires_at, first_delay, max_delay, "
-            "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT (dedupe_key) DO NOTHING",
+        next_seq[key] = int(got[0]) - n + 1
+    rows = []
+    for item in new:
+        key = item.order_key or item.channel
+        seq, next_seq[key] = next_seq[key], next_seq[key] + 1
+        rows.append(
             (
                 delivery_id(item.dedupe_key),
                 item.dedupe_key,
@@ -238,18 +261,23 @@ def enqueue(tx: Tx, env: StoreEnv, items: Sequence[OutboxItem]) -> int:
                 item.url,
                 json.dumps(item.headers, sort_keys=True),
                 item.body,
-                order_key,
-                int(got[0]),
+                key,
+                seq,
                 DISABLED if item.channel in disabled else PENDING,
                 now,
                 now + item.retry_for_s,
                 item.first_delay_s,
                 item.max_delay_s,
                 now,
-            ),
+            )
         )
-        new += 1
-    return new
+    insert_rows(
+        tx,
+        "INSERT INTO outbox (delivery_id, dedupe_key, channel, url, headers, body, order_key, "
+        "order_seq, status, next_at, expires_at, first_delay, max_delay, created_at)",
+        rows,
+    )
+    return len(new)
 
 
 def claim(
