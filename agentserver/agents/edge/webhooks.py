@@ -214,7 +214,9 @@ class Webhooks:
             await self._nursery.start(self._write_loop)
 
     async def drain(self) -> None:
-        """At shutdown (the writer cancelled): write the events still buffered."""
+        """At shutdown (the writer and the sender cancelled): record the deliveries done,
+        write the events still buffered."""
+        await self._outbox.drain()
         try:
             while self._batch or self._take():
                 await self._write()
