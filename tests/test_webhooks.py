@@ -21,7 +21,7 @@ from hookrecv import Got, Receiver
 from httputil import http_url
 from llm.llm_fakes import FakeServer
 from lxml import etree
-from serverproc import DATA, ServerProcess, subprocess_env
+from serverproc import DATA, ServerProcess, cli, subprocess_env
 from standardwebhooks.webhooks import Webhook
 
 from agentserver.agents.edge.hooksign import new_secret
@@ -140,6 +140,12 @@ async def test_every_task_end_reaches_every_receiver_with_its_id(tmp_path, store
                     assert hooks["hung"]["failing"] and "timed out" in hooks["hung"]["last_error"]
                     assert hooks["good"]["failing"] is False
                     assert hooks["good"]["delivered"] >= 6
+                    url = http_url(server)
+                    shown = await trio.to_thread.run_sync(
+                        lambda: cli("status", "--url", url, env=env)
+                    )
+                    assert shown.returncode == 0, shown.stderr
+                    assert "hung" in shown.stdout.decode() and "FAILING" in shown.stdout.decode()
                     page = await client.get("/ui")
                     assert page.status_code == 200, page.text
                     assert '<tr data-webhook="hung" class="bad">' in page.text
