@@ -44,6 +44,9 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "suppor
 from chaos_budget import DEFAULT_TOKENS, WorstCase, budget_element, check_budgets
 from chaos_check import Ledger, check
 from chaos_clients import TOKEN, Approver, Operator, Servers, Switches, TaskClient
+from chaos_hooks import SECRET_ENV as HOOK_SECRET_ENV
+from chaos_hooks import HookReceiver, await_hooks, check_hooks, ended_turns, webhooks_xml
+from chaos_hooks import new_secret as hook_secret
 from chaos_model import ChaosModel, plan_for
 from chaos_procs import RunnerSlot, ServerSlot, child_env
 from chaos_retention import PRUNED_QUERY, SizeWatch, with_retention
@@ -55,7 +58,11 @@ CLIENTS = (("c0", True), ("c1", False), ("c2", True), ("c3", False))
 
 
 def boot_xml(
-    model_url: str, postgres: bool, retention: bool = False, budget_tokens: int = DEFAULT_TOKENS
+    model_url: str,
+    postgres: bool,
+    retention: bool = False,
+    budget_tokens: int = DEFAULT_TOKENS,
+    hooks: str = "",
 ) -> str:
     store = (
         '<store url-env="CHAOS_STORE_URL" worker-concurrency="4" watchdog-interval="0.5" '
@@ -117,7 +124,7 @@ def boot_xml(
 {agents}
   </listeners>
   {SCHEDULES_XML}
-</organism>
+{hooks}</organism>
 """
 
 
@@ -200,12 +207,20 @@ async def chaos(args: argparse.Namespace) -> int:
             worst = WorstCase()
             model.decide = worst.watch(model.decide)  # type: ignore[method-assign]
             boot_dir = out / "organism"
+            hooks = await HookReceiver(seed, hook_secret(seed)).start(nursery)
             env = child_env(boot_dir, CHAOS_TOKEN=TOKEN, CHAOS_LLM_KEY="chaos-key")
+            env[HOOK_SECRET_ENV] = hooks.secret
             if pg_url:
                 env["CHAOS_STORE_URL"] = pg_url
             boot = boot_dir / "boot.xml"
             await trio.Path(boot).write_text(
-                boot_xml(model.base_url, postgres, args.retention, args.budget_tokens)
+                boot_xml(
+                    model.base_url,
+                    postgres,
+                    args.retention,
+                    args.budget_tokens,
+                    webhooks_xml(hooks.url),
+                )
             )
             oracle = Oracle(None if postgres else boot_dir / "state" / "agents.sqlite3", pg_url)
             sizes = SizeWatch(oracle.sqlite_path, pg_url)
@@ -244,6 +259,7 @@ async def chaos(args: argparse.Namespace) -> int:
             switches.faults = False
             switches.sending = False
             model.faults_on = False
+            hooks.faults = False
             with trio.move_on_after(30):  # a killed server's restart under way
                 for slot in slots:
                     while not slot.alive:
@@ -276,6 +292,17 @@ async def chaos(args: argparse.Namespace) -> int:
             )
             verdict.counts.update(sched_counts)
             verdict.violations.extend(sched_violations)
+            verdict.counts["violations"] = int(verdict.counts["violations"]) + len(sched_violations)
+            sqlite_path = None if postgres else boot_dir / "state" / "agents.sqlite3"
+            await await_hooks(hooks, lambda: ended_turns(sqlite_path, pg_url), 60.0)
+            hook_counts, hook_violations = check_hooks(
+                hooks, await ended_turns(sqlite_path, pg_url)
+            )
+            verdict.counts.update(hook_counts)
+            verdict.counts["violations"] = int(str(verdict.counts["violations"])) + len(
+                hook_violations
+            )
+            verdict.violations.extend(hook_violations)
             await trio.Path(out / "ledger.json").write_text(ledger_json(ledger, taken))
             for slot in slots:
                 await slot.terminate()

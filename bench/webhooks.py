@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import http.server
+import inspect
 import json
 import pathlib
 import tempfile
@@ -57,8 +58,12 @@ class Sink(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class SinkServer(http.server.ThreadingHTTPServer):
+    request_queue_size = 256  # the default 5 resets connections under concurrency
+
+
 def receiver() -> tuple[http.server.ThreadingHTTPServer, str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    server = SinkServer(("127.0.0.1", 0), Sink)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}/hook"
@@ -96,7 +101,9 @@ async def open_store(url: str | None, folder: pathlib.Path) -> Any:
         return SqliteAgentStore.open(settings.path, clock=SystemClock(), settings=settings)
     from agentserver.agents.store.pg.store import PostgresAgentStore
 
-    store = await PostgresAgentStore.open(url, clock=SystemClock(), settings=settings)
+    store = PostgresAgentStore.open(url, clock=SystemClock(), settings=settings)
+    if inspect.isawaitable(store):
+        store = await store
     from agentserver.agents.store.outbox import MIGRATION
 
     tables = [ln.split()[2] for ln in MIGRATION.splitlines() if ln.startswith("CREATE TABLE")]
@@ -175,6 +182,7 @@ async def case(url: str | None, events: int, folder: pathlib.Path, sink_url: str
                     await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
         wall = time.perf_counter() - t0
+        last_errors = [f.last_error for f in await store.outbox_figures() if f.last_error]
         return {
             "events": events,
             "observe_us_per_event": round(observe_us, 2),
@@ -186,6 +194,7 @@ async def case(url: str | None, events: int, folder: pathlib.Path, sink_url: str
             "sender_cpu_ms_per_event": round((time.process_time() - c0) / events * 1e3, 3),
             "attempts": outbox.figures.attempts,
             "store_calls": timed.calls,
+            "last_error": last_errors[0] if last_errors else None,
         }
     finally:
         await store.aclose()

@@ -87,8 +87,11 @@ class Receiver:
             def log_message(self, *args: object) -> None:
                 pass
 
-        http.server.ThreadingHTTPServer.allow_reuse_address = True
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            allow_reuse_address = True
+            request_queue_size = 256  # the default 5 resets connections under concurrency
+
+        server = Server(("127.0.0.1", self.port), Handler)
         server.daemon_threads = True
         self.port = server.server_address[1]
         self._server = server

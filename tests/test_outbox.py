@@ -137,6 +137,10 @@ async def test_store_rows_dedupe_sequence_lease_and_outcomes(manual: Opener) -> 
     assert four.order_seq == 4
     statuses = [d["status"] for d in await store.outbox_deliveries("c1", 10)]
     assert statuses == [PENDING]
+    # A key twice in one batch is one delivery; the sequence goes on without a gap.
+    assert await store.outbox_enqueue([item(5), item(5), item(6, order_key="other")]) == 2
+    got = {d["id"]: d["sequence"] for d in await store.outbox_deliveries(None, 10)}
+    assert got[delivery_id("c1:5")] == 5 and got[delivery_id("c1:6")] == 1
 
 
 async def test_channel_disabled_after_failing_too_long_and_enabled_again(manual: Opener) -> None:
@@ -220,7 +224,7 @@ async def test_hanging_receiver_holds_back_no_other(real: Opener) -> None:
     good = Receiver().start()
     try:
         outbox = Outbox(store, store.env.clock.now)
-        outbox.add(signed("hung", concurrency=2, timeout_s=1.0))
+        outbox.add(signed("hung", concurrency=2, timeout_s=3.0))
         outbox.add(signed("good", concurrency=2, timeout_s=5.0))
         async with trio.open_nursery() as nursery:
             await nursery.start(outbox.run)
@@ -229,13 +233,14 @@ async def test_hanging_receiver_holds_back_no_other(real: Opener) -> None:
             start = trio.current_time()
             await outbox.enqueue([item(n, "good", good.url) for n in range(20)])
             await wait_for(lambda: len(good.ok()) == 20, within=10.0)
-            # The good receiver got everything while the hung one held its two slots.
-            assert trio.current_time() - start < 3.0
+            # The good receiver got everything while the hung one held its two slots
+            # (held back, it would wait for the hung one's 10 attempts: 5 x 3 s).
+            assert trio.current_time() - start < 6.0
             assert outbox.inflight("hung") <= 2
-            await wait_for(lambda: outbox.figures.failed >= 2, within=5.0)
+            await wait_for(lambda: outbox.figures.failed >= 2, within=10.0)
             nursery.cancel_scope.cancel()
         figures = {f.channel: f for f in await store.outbox_figures()}
-        assert figures["hung"].last_error == "timed out after 1s"
+        assert figures["hung"].last_error == "timed out after 3s"
         assert figures["hung"].pending == 10
     finally:
         hung.stop()
@@ -330,3 +335,67 @@ async def test_a_task_end_lost_before_its_write_is_offered_again_at_start(real: 
         assert payload["data"]["thread"] == "th-1" and payload["data"]["answer"] == "the answer"
     finally:
         recv.stop()
+
+
+async def test_no_webhook_costs_nothing_and_the_first_one_made_starts_them(real: Opener) -> None:
+    from agentserver.agents.edge.webhooks import Webhooks
+    from agentserver.agents.events import EventBus, TaskEvent
+    from agentserver.agents.profile.webhooks import WebhookSpec
+
+    store = await real()
+    bus = EventBus()
+    recv = Receiver().start()
+    try:
+        hooks = Webhooks(store, Outbox(store, store.env.clock.now), bus, store.env.clock.now)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hooks.run)
+            bus.publish(TaskEvent("a", "turn-0", "succeeded", "", ""))
+            await trio.sleep(0.2)
+            assert not hooks.observing and await store.outbox_figures() == []
+            spec = WebhookSpec("late", recv.url, ("task.*",), first_delay_s=0.05)
+            made = await hooks.create(spec)
+            assert made.secret.startswith("whsec_") and hooks.observing
+            bus.publish(TaskEvent("a", "turn-1", "failed", "", ""))
+            await wait_for(lambda: len(recv.ok()) == 1)
+            nursery.cancel_scope.cancel()
+        assert recv.ok()[0].payload["data"]["turn"] == "turn-1"
+    finally:
+        recv.stop()
+
+
+async def test_a_receiver_failing_too_long_is_disabled_with_an_event(real: Opener) -> None:
+    from agentserver.agents.edge.webhooks import Webhooks
+    from agentserver.agents.events import EventBus, NoticeEvent, TaskEvent
+    from agentserver.agents.profile.webhooks import WebhookSpec
+
+    store = await real()
+    bus = EventBus()
+    dead = Receiver().start()
+    dead.stop()  # nothing listens on its port: refused
+    watcher = Receiver().start()
+    try:
+        outbox = Outbox(store, store.env.clock.now)
+        specs = (
+            WebhookSpec(
+                "dead", dead.url, ("task.*",), SECRET, first_delay_s=0.05, max_delay_s=0.1,
+                disable_after_s=0.5,
+            ),
+            WebhookSpec("watch", watcher.url, ("webhook.disabled",), SECRET, first_delay_s=0.05),
+        )  # fmt: skip
+        hooks = Webhooks(store, outbox, bus, store.env.clock.now, specs)
+        async with bus.subscribe() as sub:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(hooks.run)
+                bus.publish(TaskEvent("a", "turn-1", "failed", "", ""))
+                await wait_for(lambda: len(watcher.ok()) == 1)
+                [state] = [w for w in await hooks.status() if w["name"] == "dead"]
+                assert state["disabled"] and state["disabled_rows"] == 1
+                # Enabled again: the parked event is due (and fails again: refused).
+                assert await hooks.enable("dead") == 1
+                nursery.cancel_scope.cancel()
+            notices = [e for e in sub.drain() if isinstance(e, NoticeEvent)]
+        assert [n.event_type for n in notices] == ["webhook.disabled"]
+        assert notices[0].data["webhook"] == "dead"
+        assert verify(watcher.ok()[0])["type"] == "webhook.disabled"
+    finally:
+        watcher.stop()

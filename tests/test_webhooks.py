@@ -21,7 +21,7 @@ from hookrecv import Got, Receiver
 from httputil import http_url
 from llm.llm_fakes import FakeServer
 from lxml import etree
-from serverproc import DATA, ServerProcess, subprocess_env
+from serverproc import DATA, ServerProcess, cli, subprocess_env
 from standardwebhooks.webhooks import Webhook
 
 from agentserver.agents.edge.hooksign import new_secret
@@ -140,6 +140,12 @@ async def test_every_task_end_reaches_every_receiver_with_its_id(tmp_path, store
                     assert hooks["hung"]["failing"] and "timed out" in hooks["hung"]["last_error"]
                     assert hooks["good"]["failing"] is False
                     assert hooks["good"]["delivered"] >= 6
+                    url = http_url(server)
+                    shown = await trio.to_thread.run_sync(
+                        lambda: cli("status", "--url", url, env=env)
+                    )
+                    assert shown.returncode == 0, shown.stderr
+                    assert "hung" in shown.stdout.decode() and "FAILING" in shown.stdout.decode()
                     page = await client.get("/ui")
                     assert page.status_code == 200, page.text
                     assert '<tr data-webhook="hung" class="bad">' in page.text
@@ -323,5 +329,44 @@ async def test_two_processes_on_postgresql_deliver_each_event_once(tmp_path, pg_
         assert len(ok) == turns, [g.id for g in ok]  # each once
         turns_seen = {verified(g)["data"]["turn"] for g in ok}
         assert len(turns_seen) == turns
+    finally:
+        recv.stop()
+
+
+async def test_only_operators_see_and_change_webhooks(tmp_path) -> None:
+    recv = Receiver().start()
+    boot = boot_with(tmp_path, {"declared": (recv.url, {})})
+    tree = etree.parse(str(boot))
+    clients = etree.SubElement(tree.getroot(), f"{{{NS}}}clients")
+    etree.SubElement(
+        clients, f"{{{NS}}}client", name="alice", **{"token-env": "ALICE_TOKEN", "operator": "true"}
+    )
+    etree.SubElement(clients, f"{{{NS}}}client", name="bob", **{"token-env": "BOB_TOKEN"})
+    tree.write(str(boot), xml_declaration=True, encoding="UTF-8")
+    env = subprocess_env(
+        HOOKS_LLM_KEY="k", HOOK_SECRET=SECRET, ALICE_TOKEN="alice-t", BOB_TOKEN="bob-t"
+    )
+    try:
+        server = await start_server(boot, env, tmp_path)
+        try:
+            async with httpx.AsyncClient(base_url=http_url(server), timeout=PATIENCE) as client:
+                assert (await client.get("/v1/webhooks")).status_code == 401
+                bob = {"Authorization": "Bearer bob-t"}
+                alice = {"Authorization": "Bearer alice-t"}
+                assert (await client.get("/v1/webhooks", headers=bob)).status_code == 403
+                made = await client.post(
+                    "/v1/webhooks",
+                    headers=bob,
+                    json={"name": "x", "url": recv.url, "events": ["task.failed"]},
+                )
+                assert made.status_code == 403
+                listed = await client.get("/v1/webhooks", headers=alice)
+                assert [w["name"] for w in listed.json()["webhooks"]] == ["declared"]
+                # /v1/status shows any caller the state, not the URL or settings.
+                status = (await client.get("/v1/status", headers=bob)).json()
+                [hook] = status["webhooks"]
+                assert hook["name"] == "declared" and "url" not in hook
+        finally:
+            server.stop()
     finally:
         recv.stop()

@@ -127,3 +127,61 @@ def test_a_rendered_attempt_verifies_and_a_tampered_one_does_not() -> None:
         pass
     else:
         raise AssertionError("another secret verified")
+
+
+@given(
+    attempt=st.integers(min_value=1, max_value=10_000),
+    first=st.floats(min_value=0.001, max_value=1e4),
+    factor=st.floats(min_value=1.0, max_value=1e3),
+    r=st.floats(min_value=0.0, max_value=1.0),
+)
+def test_backoff_stays_between_half_and_all_of_the_capped_exponential(
+    attempt: int, first: float, factor: float, r: float
+) -> None:
+    from agentserver.agents.edge.outbox import backoff
+
+    cap = first * factor
+    full = min(cap, first * 2.0 ** min(attempt - 1, 62))
+    delay = backoff(attempt, first, cap, lambda: r)
+    assert full / 2 <= delay <= full * (1 + 1e-12) and delay <= cap * (1 + 1e-12)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=5)
+    ),
+    max_leaves=20,
+)
+
+
+@given(
+    st.one_of(
+        _json,
+        st.fixed_dictionaries(
+            {"name": st.text(max_size=70), "url": st.text(max_size=40)},
+            optional={
+                "events": st.one_of(st.text(max_size=30), st.lists(st.text(max_size=15))),
+                "first_delay": _json,
+                "concurrency": _json,
+                "agent": _json,
+                "secret": _json,
+            },
+        ),
+    )
+)
+def test_any_json_body_is_a_webhook_or_a_clear_refusal(doc: object) -> None:
+    """``POST /v1/webhooks``'s parser and checks: a valid spec or one of the errors the
+    route turns into a 400, never anything else."""
+    import dataclasses
+
+    from agentserver.agents.profile.webhooks import check_spec
+    from agentserver.http.routes.webhooks import REFUSED, spec_from_json
+
+    try:
+        spec = spec_from_json(doc)
+        spec = check_spec(dataclasses.replace(spec, secret=spec.secret or SECRET))
+        secret_bytes(spec.secret)
+    except REFUSED:  # a 400 naming it; anything else would be a 500
+        return
+    assert spec.url.startswith(("http://", "https://")) and spec.events

@@ -333,13 +333,14 @@ async def _start_webhooks(
     """The webhooks (docs/webhooks.md) on the agents' store and event bus, run in
     ``nursery`` under the returned scope (cancelled at shutdown, then ``drain()``)."""
     from agentserver.agents.edge.outbox import Outbox
-    from agentserver.agents.edge.webhooks import WebhookCollector, Webhooks
+    from agentserver.agents.edge.outbox_metrics import OutboxCollector
+    from agentserver.agents.edge.webhooks import Webhooks
 
     store = agents.runtime.store
     clock = agents.runtime.clock.now
     outbox = Outbox(store, clock)
     webhooks = Webhooks(store, outbox, agents.runtime.events, clock, topology.webhooks)
-    registry.register(WebhookCollector(outbox))
+    registry.register(OutboxCollector(outbox))
     scope = trio.CancelScope()
 
     async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -119,6 +119,16 @@ def format_status(doc: dict) -> str:
                 f"  {name:<20} breaker {b['breaker']}, {b['active']} active{cooling}"
                 f"{', ' + buckets if buckets else ''}"
             )
+    hooks = doc.get("webhooks", [])
+    if hooks:
+        lines.append("webhooks:")
+        for w in hooks:
+            state = "DISABLED" if w.get("disabled") else ("FAILING" if w.get("failing") else "ok")
+            error = f", last error: {w['last_error']}" if w.get("failing") else ""
+            lines.append(
+                f"  {w['name']:<20} {state}, {w.get('pending', 0)} pending, "
+                f"{w.get('delivered', 0)} delivered{error}"
+            )
     conns = doc.get("connections", {})
     lines.append(
         f"connections: socket {conns.get('socket', 0)}, HTTP pending {conns.get('http_pending', 0)}, "

@@ -223,6 +223,17 @@ class Outbox:
                 # claim: one claim for several rows, not one per row.
                 await trio.sleep(COALESCE_S)
 
+    async def drain(self) -> None:
+        """At shutdown (the sender cancelled): record the deliveries done and not yet
+        written, so a restart does not send them again. A failure is logged."""
+        done, self._done = self._done, []
+        try:
+            await self._store.outbox_delivered(done)
+        except Exception as exc:
+            log.warning(
+                "outbox: %d deliveries not recorded (they will be sent again): %s", len(done), exc
+            )
+
     async def _record(self) -> None:
         """Write the deliveries done, in batches (one transaction each), until cancelled;
         a failed write keeps them for the next (their leases may run out first: then

@@ -23,12 +23,10 @@ import datetime
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import trio
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from agentserver.agents.edge.hooksign import new_secret, secret_bytes, signed_headers
 from agentserver.agents.edge.outbox import Channel, Outbox
@@ -214,12 +212,19 @@ class Webhooks:
             await self._nursery.start(self._write_loop)
 
     async def drain(self) -> None:
-        """At shutdown (the writer cancelled): write the events still buffered."""
+        """At shutdown (the writer and the sender cancelled): record the deliveries done,
+        write the events still buffered."""
+        await self._outbox.drain()
         try:
             while self._batch or self._take():
                 await self._write()
         except Exception as exc:
             log.error("webhooks: %d event(s) not written at shutdown: %s", len(self._batch), exc)
+
+    @property
+    def observing(self) -> bool:
+        """Whether the bus's events are looked at (only once a webhook exists)."""
+        return self._observing
 
     # -- the webhooks -----------------------------------------------------------------------
     def specs(self) -> list[WebhookSpec]:
@@ -460,53 +465,3 @@ def _fields(event: object) -> dict[str, Any]:
     if dataclasses.is_dataclass(event) and not isinstance(event, type):
         return {k: v for k, v in dataclasses.asdict(event).items() if k != "event_type"}
     return {}
-
-
-class WebhookCollector(Collector):
-    """The webhooks' figures in the server's Prometheus registry (read when scraped,
-    from the sender's counters and its last read of the store: never waits)."""
-
-    def __init__(self, outbox: Outbox) -> None:
-        self.outbox = outbox
-
-    def collect(self) -> Iterator[Metric]:
-        figures = self.outbox.figures
-        attempts = CounterMetricFamily(
-            "agentserver_outbox_attempts",
-            "Delivery attempts from the outbox in this process, by outcome",
-            labels=["outcome"],
-        )
-        attempts.add_metric(["delivered"], figures.delivered)
-        attempts.add_metric(["failed"], figures.failed)
-        attempts.add_metric(["expired"], figures.expired)
-        yield attempts
-        failures = CounterMetricFamily(
-            "agentserver_outbox_channel_failures",
-            "Failed delivery attempts in this process, by channel (webhook:NAME)",
-            labels=["channel"],
-        )
-        for channel, n in sorted(figures.failures.items()):
-            failures.add_metric([channel], n)
-        yield failures
-        pending = GaugeMetricFamily(
-            "agentserver_outbox_pending",
-            "Deliveries waiting in the outbox, by channel (as last read, every 5 s)",
-            labels=["channel"],
-        )
-        failing = GaugeMetricFamily(
-            "agentserver_outbox_failing",
-            "1 while a channel's last attempts failed (no delivery since its first failure)",
-            labels=["channel"],
-        )
-        disabled = GaugeMetricFamily(
-            "agentserver_outbox_disabled",
-            "1 when a channel was disabled for failing too long",
-            labels=["channel"],
-        )
-        for f in self.outbox.channel_figures:
-            pending.add_metric([f.channel], f.pending)
-            failing.add_metric([f.channel], 1 if f.failing_since is not None else 0)
-            disabled.add_metric([f.channel], 1 if f.disabled_at is not None else 0)
-        yield pending
-        yield failing
-        yield disabled

@@ -28,10 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentserver.agents.store.rows import CardType
-from agentserver.agents.store.sql.db import StoreEnv, Tx, marks
-from agentserver.agents.store.sql.views import json_text
-from agentserver.agents.store.states import MessageType
+from agentserver.agents.store.sql.db import INSERT_CHUNK, StoreEnv, Tx, insert_rows, marks
 
 MIGRATION = """
 CREATE TABLE outbox (
@@ -200,12 +197,33 @@ def _row(r: Sequence[Any]) -> OutboxRow:
 
 
 def enqueue(tx: Tx, env: StoreEnv, items: Sequence[OutboxItem]) -> int:
-    """Insert ``items`` (those whose key is already there add nothing; those of a
-    disabled channel are stored ``disabled``); returns how many were new. Atomic."""
+    """Insert ``items`` (those whose key is already there, or earlier in ``items``, add
+    nothing; those of a disabled channel are stored ``disabled``); returns how many were
+    new. Atomic. Round trips: one read of the keys (per :data:`INSERT_CHUNK`), one
+    sequence update per order key, the inserts (pipelined on PostgreSQL). A concurrent
+    insert of the same key by another process fails the transaction (unique key): the
+    caller's retry then finds it there."""
     if not items:
         return 0
     now = env.clock.now()
-    channels = sorted({i.channel for i in items})
+    keys = list(dict.fromkeys(i.dedupe_key for i in items))
+    there: set[str] = set()
+    for i in range(0, len(keys), INSERT_CHUNK):
+        part = keys[i : i + INSERT_CHUNK]
+        there.update(
+            r[0]
+            for r in tx.all(
+                f"SELECT dedupe_key FROM outbox WHERE dedupe_key IN ({marks(len(part))})", part
+            )
+        )
+    new: list[OutboxItem] = []
+    for item in items:
+        if item.dedupe_key not in there:
+            there.add(item.dedupe_key)
+            new.append(item)
+    if not new:
+        return 0
+    channels = sorted({i.channel for i in new})
     disabled = {
         r[0]
         for r in tx.all(
@@ -214,23 +232,25 @@ def enqueue(tx: Tx, env: StoreEnv, items: Sequence[OutboxItem]) -> int:
             channels,
         )
     }
-    new = 0
-    for item in items:
-        if tx.one("SELECT 1 FROM outbox WHERE dedupe_key = ?", (item.dedupe_key,)):
-            continue
-        order_key = item.order_key or item.channel
+    counts: dict[str, int] = {}
+    for item in new:
+        key = item.order_key or item.channel
+        counts[key] = counts.get(key, 0) + 1
+    next_seq: dict[str, int] = {}
+    for key, n in sorted(counts.items()):  # sorted: two writers lock keys in one order
         got = tx.one(
-            "INSERT INTO outbox_sequences (order_key, last_seq) VALUES (?, 1) "
-            "ON CONFLICT (order_key) DO UPDATE SET last_seq = outbox_sequences.last_seq + 1 "
-            "RETURNING last_seq",
-            (order_key,),
+            "INSERT INTO outbox_sequences (order_key, last_seq) VALUES (?, ?) "
+            "ON CONFLICT (order_key) DO UPDATE SET "
+            "last_seq = outbox_sequences.last_seq + excluded.last_seq RETURNING last_seq",
+            (key, n),
         )
         assert got is not None
-        tx.execute(
-            "INSERT INTO outbox (delivery_id, dedupe_key, channel, url, headers, body, "
-            "order_key, order_seq, status, next_at, expires_at, first_delay, max_delay, "
-            "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT (dedupe_key) DO NOTHING",
+        next_seq[key] = int(got[0]) - n + 1
+    rows = []
+    for item in new:
+        key = item.order_key or item.channel
+        seq, next_seq[key] = next_seq[key], next_seq[key] + 1
+        rows.append(
             (
                 delivery_id(item.dedupe_key),
                 item.dedupe_key,
@@ -238,18 +258,23 @@ def enqueue(tx: Tx, env: StoreEnv, items: Sequence[OutboxItem]) -> int:
                 item.url,
                 json.dumps(item.headers, sort_keys=True),
                 item.body,
-                order_key,
-                int(got[0]),
+                key,
+                seq,
                 DISABLED if item.channel in disabled else PENDING,
                 now,
                 now + item.retry_for_s,
                 item.first_delay_s,
                 item.max_delay_s,
                 now,
-            ),
+            )
         )
-        new += 1
-    return new
+    insert_rows(
+        tx,
+        "INSERT INTO outbox (delivery_id, dedupe_key, channel, url, headers, body, order_key, "
+        "order_seq, status, next_at, expires_at, first_delay, max_delay, created_at)",
+        rows,
+    )
+    return len(new)
 
 
 def claim(
@@ -445,69 +470,3 @@ def deliveries(tx: Tx, env: StoreEnv, channel: str | None, limit: int) -> list[d
         "last_status last_error"
     ).split()
     return [dict(zip(keys, r, strict=True)) for r in rows]
-
-
-# -- webhooks made at run time (their specs as JSON) ---------------------------------------
-
-
-def put_webhook(tx: Tx, env: StoreEnv, name: str, spec: str, secret: str) -> bool:
-    """Store a webhook made at run time; False if the name is taken."""
-    if tx.one("SELECT 1 FROM webhooks WHERE name = ?", (name,)):
-        return False
-    tx.execute(
-        "INSERT INTO webhooks (name, spec, secret, created_at) VALUES (?, ?, ?, ?)",
-        (name, spec, secret, env.clock.now()),
-    )
-    return True
-
-
-def get_webhooks(tx: Tx, env: StoreEnv) -> list[tuple[str, str, str]]:
-    """(name, spec JSON, secret) of every webhook made at run time. Read only."""
-    return [(r[0], r[1], r[2]) for r in tx.all("SELECT name, spec, secret FROM webhooks")]
-
-
-def delete_webhook(tx: Tx, env: StoreEnv, name: str, channel: str) -> bool:
-    """Delete a webhook made at run time and withdraw its undelivered rows; False if
-    there is none of that name. Atomic."""
-    tx.execute("DELETE FROM webhooks WHERE name = ?", (name,))
-    if tx.rowcount == 0:
-        return False
-    cancel_channel(tx, env, channel)
-    return True
-
-
-def turn_conversation(tx: Tx, env: StoreEnv, turn: str) -> tuple[str | None, str | None]:
-    """(caller thread, conversation) of the task Turn ``turn`` runs. Read only."""
-    caller = json_text(tx, "reply_ref", "caller_thread")
-    row = tx.one(
-        f"SELECT {caller}, conversation FROM agent_inbox WHERE agent_turn_id = ? "
-        "AND message_type = ? LIMIT 1",
-        (turn, MessageType.TURN.value),
-    )
-    return (row[0], row[1]) if row else (None, None)
-
-
-#: The most recent cards a start-up sweep looks through (a primary-key range: bounded).
-SWEEP_CARDS = 50000
-
-
-def recent_task_ends(
-    tx: Tx, env: StoreEnv, since: float
-) -> list[tuple[str, str, str, str, str, float]]:
-    """(agent, Turn, status, output box, deliverable card, ended at) of the Turns that
-    ended since ``since``, among the last :data:`SWEEP_CARDS` cards. Read only."""
-    top = tx.one("SELECT MAX(seq) FROM cards")
-    if top is None or top[0] is None:
-        return []
-    rows = tx.all(
-        "SELECT b.agent_id, c.agent_turn_id, c.metadata, c.box_id, c.card_id, c.created_at "
-        "FROM cards c JOIN boxes b ON b.box_id = c.box_id "
-        "WHERE c.seq > ? AND c.card_type = ? AND c.created_at >= ? ORDER BY c.seq",
-        (int(top[0]) - SWEEP_CARDS, str(CardType.DELIVERABLE), since),
-    )
-    out = []
-    for agent, turn, metadata, box, card, at in rows:
-        status = json.loads(metadata or "{}").get("status", "")
-        if status:
-            out.append((agent, turn, str(status), box, card, float(at)))
-    return out

@@ -22,7 +22,7 @@ from agentserver.agents.errors import StoreError
 from agentserver.agents.ports import LLMCompletion, ReplyRef
 from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.profile.settings import StoreSettings
-from agentserver.agents.store import outbox, step_log
+from agentserver.agents.store import step_log
 from agentserver.agents.store.base import (
     BoxSwap,
     Card,
@@ -42,6 +42,7 @@ from agentserver.agents.store.base import (
 )
 from agentserver.agents.store.budget_store import BudgetStore
 from agentserver.agents.store.governance import DecisionRecord, PendingApproval, StepRecord
+from agentserver.agents.store.outbox_calls import OutboxCalls
 from agentserver.agents.store.rows import Fired, ScheduleRow
 from agentserver.agents.store.sql import (
     a2a,
@@ -68,7 +69,7 @@ from agentserver.steps.log import StepRow
 T = TypeVar("T")
 
 
-class SqlAgentStore(BudgetStore, abc.ABC):
+class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     """The store's logic over a backend's transactions (see the module docstring). A
     backend supplies :meth:`_run` and :meth:`aclose`; it cannot be instantiated without."""
 
@@ -561,69 +562,6 @@ class SqlAgentStore(BudgetStore, abc.ABC):
         self, step: str | None, listener: str | None, after: int, limit: int
     ) -> list[StepRow]:
         return await self._read(step_log.select_rows, step, listener, after, limit)
-
-    # -- the outbox (agents/store/outbox.py) ------------------------------------------------
-    async def outbox_enqueue(self, items: Sequence[outbox.OutboxItem]) -> int:
-        """Insert deliveries in one transaction (deduplicated by key); how many were new."""
-        return await self._run(outbox.enqueue, list(items)) if items else 0
-
-    async def outbox_claim(
-        self, owner: str, lease_s: float, limit: int, exclude: Sequence[str] = ()
-    ) -> list[outbox.OutboxRow]:
-        """Lease due deliveries to ``owner`` (``SKIP LOCKED`` where the backend has it)."""
-        return await self._run(outbox.claim, owner, lease_s, limit, list(exclude), self.claim_lock)
-
-    async def outbox_release(self, seqs: Sequence[int], owner: str, delay_s: float = 0.0) -> None:
-        if seqs:
-            await self._run(outbox.release, list(seqs), owner, delay_s)
-
-    async def outbox_delivered(self, done: Sequence[tuple[int, str, int]]) -> None:
-        """Record deliveries ``(seq, channel, HTTP status)`` in one transaction."""
-        if done:
-            await self._run(outbox.delivered, list(done))
-
-    async def outbox_failed(
-        self,
-        seq: int,
-        channel: str,
-        error: str,
-        status: int | None,
-        retry_at: float | None,
-        disable_after_s: float | None,
-    ) -> bool:
-        """Record a failed attempt; True when it disabled the channel (once)."""
-        return await self._run(
-            outbox.failed, seq, channel, error, status, retry_at, disable_after_s
-        )
-
-    async def outbox_enable(self, channel: str) -> int:
-        return await self._run(outbox.enable, channel)
-
-    async def outbox_figures(self) -> list[outbox.ChannelFigures]:
-        return await self._read(outbox.figures)
-
-    async def outbox_prune(self, keep_s: float) -> int:
-        return await self._run(outbox.prune, keep_s)
-
-    async def outbox_deliveries(self, channel: str | None, limit: int) -> list[dict[str, Any]]:
-        return await self._read(outbox.deliveries, channel, limit)
-
-    async def put_webhook(self, name: str, spec: str, secret: str) -> bool:
-        return await self._run(outbox.put_webhook, name, spec, secret)
-
-    async def get_webhooks(self) -> list[tuple[str, str, str]]:
-        return await self._read(outbox.get_webhooks)
-
-    async def delete_webhook(self, name: str, channel: str) -> bool:
-        return await self._run(outbox.delete_webhook, name, channel)
-
-    async def recent_task_ends(self, since: float) -> list[tuple[str, str, str, str, str, float]]:
-        """The Turns ended since ``since`` (webhooks' start-up sweep)."""
-        return await self._read(outbox.recent_task_ends, since)
-
-    async def turn_conversation(self, agent_turn_id: str) -> tuple[str | None, str | None]:
-        """(caller thread, conversation) of the task a Turn runs (for webhook payloads)."""
-        return await self._read(outbox.turn_conversation, agent_turn_id)
 
     # -- retention (agents/store/sql/prune.py; the pruner is agents/store/pruner.py) --------
     async def take_prune_lease(self, owner: str, lease_s: float) -> bool:

@@ -29,6 +29,10 @@ _NUMBERS = {
 }
 
 
+#: What a bad ``POST /v1/webhooks`` body raises (a 400 problem naming it).
+REFUSED = (ValueError, TypeError, KeyError, OverflowError, WebhookConfigError, SecretError)
+
+
 class WebhookRoutes:
     """The routes of one app over the server's :class:`Webhooks` (None: no agents)."""
 
@@ -67,7 +71,7 @@ class WebhookRoutes:
         try:
             spec = spec_from_json(json.loads(raw))
             made = await hooks.create(spec)
-        except (ValueError, TypeError, KeyError, WebhookConfigError, SecretError) as exc:
+        except REFUSED as exc:
             return problem(400, "bad-request", f"Not a valid webhook: {exc}")
         except WebhookExists:
             return problem(409, "conflict", f"A webhook named {spec.name!r} exists already.")

@@ -1,0 +1,33 @@
+"""``approval.requested`` (issue 36, docs/webhooks.md): sending an approval request
+publishes one ``NoticeEvent`` on the agents' event bus (what webhooks deliver), keyed by
+the request so a resend after a restart is the same event."""
+
+from __future__ import annotations
+
+from agents_fakes import make_harness, task
+from test_agents_approvals import approval_profile, script
+
+from agentserver.agents.events import NoticeEvent
+
+
+async def test_a_request_sent_publishes_approval_requested(tmp_path):
+    h = make_harness(tmp_path, script, profiles={"assistant": approval_profile()})
+    await h.rt.enqueue("assistant", task("add"), {"r": 1})
+    await h.pump()
+    sent = []
+
+    async def send(pending, element) -> None:
+        sent.append(pending.request_id)
+
+    h.rt.approvals.send = send
+    h.events.drain()
+    assert await h.rt.approvals.deliver_requests() == 1
+    notices = [e for e in h.events.drain() if isinstance(e, NoticeEvent)]
+    assert [n.event_type for n in notices] == ["approval.requested"]
+    [notice] = notices
+    assert notice.data["request_id"] == sent[0] and notice.data["approver"] == "alice"
+    assert notice.data["target"] == "calculator" and notice.agent_id == "assistant"
+    assert notice.dedupe_key == f"approval.requested:{sent[0]}"
+    # Sent already: nothing more is published.
+    assert await h.rt.approvals.deliver_requests() == 0
+    assert not [e for e in h.events.drain() if isinstance(e, NoticeEvent)]
