@@ -190,7 +190,7 @@ async def test_a_v4_file_with_a_turn_in_flight_opens_and_the_turn_goes_on(tmp_pa
 
     store = SqliteAgentStore.open(path, clock=clock)
     versions = store._db.execute("SELECT version FROM schema_version").fetchall()
-    assert versions == [(v,) for v in range(1, SCHEMA_VERSION + 1)] and SCHEMA_VERSION == 6
+    assert versions == [(v,) for v in range(1, SCHEMA_VERSION + 1)] and SCHEMA_VERSION == 7
     await store.report_tool_result("a", "c1", b"3", failed=False)
     [report] = await store.claim_due("a", 5)
     resumed = (await store.apply_report(report)).resumed

@@ -318,3 +318,23 @@ async def test_a_cancelled_queued_task_leaves_a_tombstone(store):
     assert (await prune(store)).tasks == 1
     with pytest.raises(TurnPruned):
         await store.task_view(A, "later")
+
+
+async def test_a_pass_walks_the_inbox_in_bounded_windows(store, monkeypatch):
+    """A batch looks at most SCAN_WINDOW rows by primary key; the pass goes window by
+    window to the end of what is old enough, kept rows in between included."""
+    from agentserver.agents.store.sql import prune as prune_sql
+
+    monkeypatch.setattr(prune_sql, "SCAN_WINDOW", 3)
+    for i in range(20):
+        await finished(store, f"t{i}", conversation="alice" if i % 2 else None)
+    clock_of(store).advance(2 * DAY)
+    keep = RetentionSettings(defaults=AgentRetention(DAY, 3, None), step_log_s=None)
+    report = await prune(store, keep)
+    assert report.tasks == 14  # 10 with a conversation, 10 without: 3 of each kept
+    assert report.batches > 20 / 3
+    # The newest three of each, and nothing else, are left.
+    for i in range(14, 20):
+        assert await store.turn_record(A, f"t{i}") is not None
+    with pytest.raises(TurnPruned):
+        await store.turn_record(A, "t13")

@@ -479,10 +479,11 @@ class SqlAgentStore(abc.ABC):
         keep_last: int | None,
         limit: int,
         dry_run: bool = False,
+        after: int = 0,
     ) -> prune.Pruned:
         """One batch of finished tasks (one transaction; see ``prune.prune_tasks``)."""
         return await self._run(
-            prune.prune_tasks, owner, agent_id, max_age_s, keep_last, limit, dry_run
+            prune.prune_tasks, owner, agent_id, max_age_s, keep_last, limit, dry_run, after
         )
 
     async def prune_orphan_boxes(
@@ -502,8 +503,11 @@ class SqlAgentStore(abc.ABC):
         max_age_s: float,
         limit: int,
         dry_run: bool = False,
+        after: int = 0,
     ) -> prune.Pruned:
-        return await self._run(prune.prune_events, owner, agent_id, max_age_s, limit, dry_run)
+        return await self._run(
+            prune.prune_events, owner, agent_id, max_age_s, limit, dry_run, after
+        )
 
     async def prune_replies(
         self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
@@ -511,9 +515,14 @@ class SqlAgentStore(abc.ABC):
         return await self._run(prune.prune_replies, owner, max_age_s, limit, dry_run)
 
     async def prune_step_log(
-        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
+        self,
+        owner: str | None,
+        max_age_s: float,
+        limit: int,
+        dry_run: bool = False,
+        after: int = 0,
     ) -> prune.Pruned:
-        return await self._run(prune.prune_step_log, owner, max_age_s, limit, dry_run)
+        return await self._run(prune.prune_step_log, owner, max_age_s, limit, dry_run, after)
 
     async def store_agents(self) -> list[str]:
         """Every agent the store has rows of (configured or not any more)."""
