@@ -93,7 +93,9 @@ class PruneStore(Protocol):
 
 @dataclass(slots=True)
 class PruneReport:
-    """What one run removed (or, dry, would remove), by kind."""
+    """What one run removed (or, dry, would remove): tasks, and rows by kind (``task_rows``:
+    every row a task and its Turn had; a dry run cannot count those, and may count an
+    edge both with its Turn and by age)."""
 
     tasks: int = 0
     rows: dict[str, int] = field(default_factory=dict)
@@ -104,7 +106,7 @@ class PruneReport:
 
     def add(self, kind: str, got: Pruned) -> None:
         self.tasks += got.tasks
-        self.rows[kind] = self.rows.get(kind, 0) + got.rows + (got.tasks if kind == "tasks" else 0)
+        self.rows[kind] = self.rows.get(kind, 0) + got.rows
         self.batches += 1
 
     def as_dict(self) -> dict[str, object]:
@@ -216,7 +218,7 @@ class Pruner:
                 age, keep = r.finished_tasks_s, r.keep_last
                 await self._batches(
                     report,
-                    "tasks",
+                    "task_rows",
                     lambda n, after, a=agent, age=age, keep=keep: s.prune_tasks(
                         owner, a, age, keep, n, dry_run, after
                     ),
