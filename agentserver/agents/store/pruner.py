@@ -149,10 +149,8 @@ class Pruner:
         while True:
             try:
                 report = await self.prune_once()
-                if report.tasks or report.rows:
+                if report.tasks or any(report.rows.values()):
                     log.info("retention: pruned %s", report.as_dict())
-            except trio.Cancelled:
-                raise
             except Exception:
                 log.exception(
                     "retention: a prune run failed (retried in %ss)", self.settings.interval_s

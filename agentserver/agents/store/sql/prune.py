@@ -119,7 +119,10 @@ class Pruned:
 
 def take_lease(tx: Tx, env: StoreEnv, owner: str, lease_s: float) -> bool:
     """Take (or renew) the pruner's lease for ``lease_s`` seconds; False while another
-    owner holds it. Atomic: the row's update is the compare-and-set."""
+    owner holds it. Atomic: the row's update is the compare-and-set. Times are the
+    processes' clocks (hosts whose clocks differ by less than the lease agree; at worst
+    two prune at once, which the batches' own conditions make harmless: a task deleted
+    by one is simply not found by the other)."""
     now = env.clock.now()
     tx.execute(
         "INSERT INTO prune_lease (name, owner, lease_until) VALUES (?,?,?) "
