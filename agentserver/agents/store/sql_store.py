@@ -48,6 +48,7 @@ from agentserver.agents.store.sql import (
     prune,
     record,
     replies,
+    stats,
     tools,
     turn_end,
     turns,
@@ -526,11 +527,11 @@ class SqlAgentStore(abc.ABC):
 
     async def store_agents(self) -> list[str]:
         """Every agent the store has rows of (configured or not any more)."""
-        return await self._read(prune.agent_ids)
+        return await self._read(stats.agent_ids)
 
     async def table_stats(self) -> list[tuple[str, int, int | None, float | None]]:
-        """Rows, bytes and oldest row time per table (see ``prune.table_stats``)."""
-        return await self._read(prune.table_stats)
+        """Rows, bytes and oldest row time per table (see ``stats.table_stats``)."""
+        return await self._read(stats.table_stats)
 
     async def reclaim_pages(self, max_pages: int) -> int:
         """Give up to ``max_pages`` free pages back to the file system; how many went.
