@@ -47,7 +47,7 @@ from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
 from agentserver.agents.service import LateHandler
-from agentserver.agents.store.sql.prune import TABLES
+from agentserver.agents.store.sql.stats import TABLES
 from agentserver.agents.turn.compaction import SUMMARY_SYSTEM
 from agentserver.core.envelope import build_envelope
 from agentserver.core.listener import Listener

@@ -30,6 +30,7 @@ from agentserver.agents.governance.budgets import Budgets, WorstPrice
 from agentserver.agents.policy.budget import BudgetSpec
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.profile.retention import AgentRetention, RetentionSettings
 from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
@@ -130,27 +131,36 @@ async def open_llm(
     return RouterLLM(router)
 
 
-def retention_pruner(
-    store: StoreSettings, profiles: Mapping[str, AgentProfile], agent_store: Any
-) -> Any:
-    """The store's :class:`~agentserver.agents.store.pruner.Pruner` if ``<retention>`` is
-    configured (on the store, or on any agent: then the store's own values are ``none``
-    and only those agents' rows are pruned); None otherwise (no task, nothing spent)."""
+def effective_retention(
+    store: StoreSettings, profiles: Mapping[str, AgentProfile]
+) -> RetentionSettings | None:
+    """The retention the pruner applies: ``<store><retention>`` with each agent's
+    ``<retention>`` over it; an agent's alone switches it on for that agent only (the
+    store's values are then ``none``). None: nothing configured, no pruner."""
     overrides = {n: p.retention for n, p in profiles.items() if p.retention is not None}
     settings = store.retention
     if settings is None:
         if not overrides:
             return None
-        from agentserver.agents.profile.retention import AgentRetention, RetentionSettings
-
         settings = RetentionSettings(
             defaults=AgentRetention(None, None, None),
             step_log_s=None,
             acknowledged_replies_s=None,
         )
+    return settings.with_overrides(overrides)
+
+
+def retention_pruner(
+    store: StoreSettings, profiles: Mapping[str, AgentProfile], agent_store: Any
+) -> Any:
+    """The store's :class:`~agentserver.agents.store.pruner.Pruner` if retention is
+    configured (:func:`effective_retention`); None otherwise (no task, nothing spent)."""
+    settings = effective_retention(store, profiles)
+    if settings is None:
+        return None
     from agentserver.agents.store.pruner import Pruner
 
-    return Pruner(agent_store, settings.with_overrides(overrides), tuple(profiles))
+    return Pruner(agent_store, settings, tuple(profiles))
 
 
 async def start_agent_service(
@@ -195,6 +205,10 @@ async def start_agent_service(
     named = set(clients)
     clock = SystemClock()
     # The store first: the ports (the runtime's tools and replies) are made with it.
+    retention = effective_retention(store, profiles)
+    if retention is not None and store.retention is None:
+        # An agent's retention alone: the SQLite file is made INCREMENTAL all the same.
+        store = dataclasses.replace(store, retention=retention)
     agent_store = open_agent_store(store, profiles, clock=clock)
     # At once (it is all runtime.aclose does): closed even if what follows fails.
     resources.push_async_callback(agent_store.aclose)

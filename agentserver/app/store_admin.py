@@ -131,7 +131,10 @@ async def prune(
         report = await pruner.prune_once(dry_run=dry_run, progress=progress)
         out: dict[str, Any] = {"dry_run": dry_run, "server_running": beside, **report.as_dict()}
         if isinstance(opened, SqliteAgentStore):
-            opened.checkpoint()
+            if beside:
+                opened.checkpoint()  # PASSIVE: never waits for the server's readers
+            else:
+                opened.checkpoint_truncate()
             out["file_bytes_before"] = before
             out["file_bytes_after"] = opened.file_bytes()
         out["notes"] = notes

@@ -101,3 +101,23 @@ def test_without_retention_no_pruner_is_made():
     from agentserver.agents.service import retention_pruner
 
     assert retention_pruner(StoreSettings(), {}, object()) is None
+
+
+def test_an_agents_retention_alone_prunes_only_that_agent():
+    from dataclasses import replace
+
+    from agentserver.agents.profile.agent import AgentProfile
+    from agentserver.agents.profile.retention import RetentionOverride
+    from agentserver.agents.profile.settings import StoreSettings
+    from agentserver.agents.service import effective_retention
+
+    own = RetentionOverride((("finished-tasks", 60.0),))
+    profiles = {
+        "a": replace(AgentProfile(name="a", model="m"), retention=own),
+        "b": AgentProfile(name="b", model="m"),
+    }
+    r = effective_retention(StoreSettings(), profiles)
+    assert r is not None
+    assert r.for_agent("a") == AgentRetention(60.0, None, None)
+    assert r.for_agent("b") == AgentRetention(None, None, None)
+    assert r.step_log_s is None and r.acknowledged_replies_s is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -318,3 +319,59 @@ async def test_a_cancelled_queued_task_leaves_a_tombstone(store):
     assert (await prune(store)).tasks == 1
     with pytest.raises(TurnPruned):
         await store.task_view(A, "later")
+
+
+async def test_a_pass_walks_the_inbox_in_bounded_windows(store, monkeypatch):
+    """A batch looks at most SCAN_WINDOW rows by primary key; the pass goes window by
+    window to the end of what is old enough, kept rows in between included."""
+    from agentserver.agents.store.sql import prune as prune_sql
+
+    monkeypatch.setattr(prune_sql, "SCAN_WINDOW", 3)
+    for i in range(20):
+        await finished(store, f"t{i}", conversation="alice" if i % 2 else None)
+    clock_of(store).advance(2 * DAY)
+    keep = RetentionSettings(defaults=AgentRetention(DAY, 3, None), step_log_s=None)
+    report = await prune(store, keep)
+    assert report.tasks == 14  # 10 with a conversation, 10 without: 3 of each kept
+    assert report.batches > 20 / 3
+    # The newest three of each, and nothing else, are left.
+    for i in range(14, 20):
+        assert await store.turn_record(A, f"t{i}") is not None
+    with pytest.raises(TurnPruned):
+        await store.turn_record(A, "t13")
+
+
+async def test_store_prune_converts_an_old_file_and_shrinks_it(tmp_path):
+    """``agentserver store prune`` (app/store_admin.py) on a stopped server's file made
+    before retention was on: converted to INCREMENTAL, pruned, and smaller after."""
+    import shutil
+    import time
+
+    from agentserver.agents.store.sqlite_store import SqliteAgentStore
+    from agentserver.app import store_admin
+
+    here = Path(__file__).parent.parent / "data"
+    shutil.copyfile(here / "agents-retention-boot.xml", tmp_path / "boot.xml")
+    path = tmp_path / "state" / "agents.sqlite3"
+    old = SqliteAgentStore.open(path, clock=ManualClock(time.time() - 100))  # no retention
+    try:
+        assert old.vacuum_mode() == 0
+        for i in range(30):
+            await old.enqueue_turn("assistant", b"t", {"caller_thread": f"t{i}"})
+            [row] = await old.claim_due("assistant", 5)
+            token = await old.start_turn(row)
+            await old.add_cards(token, [NewCard(CardType.LLM_MESSAGE, "x" * 30_000)])
+            await old.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+            await old.mark_reply_sent(token.agent_turn_id)
+    finally:
+        await old.aclose()
+    dry = await store_admin.prune(tmp_path / "boot.xml", dry_run=True, environ={})
+    assert dry["tasks"] == 30 and dry["file_bytes_before"] == dry["file_bytes_after"]
+    seen = []
+    done = await store_admin.prune(tmp_path / "boot.xml", environ={}, progress=seen.append)
+    assert done["tasks"] == 30 and seen
+    assert any("converted" in n for n in done["notes"])
+    assert done["file_bytes_after"] < done["file_bytes_before"] / 2
+    stats = await store_admin.stats(tmp_path / "boot.xml", environ={})
+    assert stats["auto_vacuum"] == "incremental"
+    assert {t["table"]: t["rows"] for t in stats["tables"]}["pruned_turns"] == 30

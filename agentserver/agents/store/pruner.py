@@ -5,8 +5,9 @@ one PostgreSQL database one prunes at a time; a dead one's lease expires after
 ``prune.LEASE_S``), then, agent by agent, removes finished tasks, orphaned boxes and old
 edges, then delivered replies and idle step log rows, each in batches of at most
 :data:`TASK_BATCH` tasks or :data:`ROW_BATCH` rows, one short transaction per batch
-(fenced on the lease), with a pause between batches so a Turn's transactions come
-first. On SQLite it then gives the freed pages back to the file,
+(fenced on the lease, looking at no more than ``prune.SCAN_WINDOW`` rows by primary key:
+a pass resumes each batch where the last ended), with a pause between batches so a
+Turn's transactions come first. On SQLite it then gives the freed pages back to the file,
 :data:`VACUUM_PAGES` at a time (a file made before retention was on keeps its pages
 until ``agentserver store prune`` converts it, docs/operations.md).
 
@@ -35,12 +36,12 @@ log = logging.getLogger(__name__)
 TASK_BATCH = 16
 #: Rows per transaction of the row-wise passes (edges, replies, step log, boxes).
 ROW_BATCH = 500
-#: Pages (4 KiB) given back per ``incremental_vacuum``.
-VACUUM_PAGES = 256
+#: Pages (4 KiB) given back per ``incremental_vacuum`` (a few milliseconds each).
+VACUUM_PAGES = 128
 #: The pause between two batches: the store's other transactions go first.
 PAUSE_S = 0.002
 #: A dry run counts up to this many of each kind in one read.
-DRY_LIMIT = 10_000_000
+DRY_LIMIT = 1 << 31
 
 
 class PruneStore(Protocol):
@@ -56,6 +57,7 @@ class PruneStore(Protocol):
         keep_last: int | None,
         limit: int,
         dry_run: bool = False,
+        after: int = 0,
     ) -> Pruned: ...
     async def prune_orphan_boxes(
         self,
@@ -72,12 +74,18 @@ class PruneStore(Protocol):
         max_age_s: float,
         limit: int,
         dry_run: bool = False,
+        after: int = 0,
     ) -> Pruned: ...
     async def prune_replies(
         self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
     ) -> Pruned: ...
     async def prune_step_log(
-        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
+        self,
+        owner: str | None,
+        max_age_s: float,
+        limit: int,
+        dry_run: bool = False,
+        after: int = 0,
     ) -> Pruned: ...
     async def store_agents(self) -> list[str]: ...
     async def reclaim_pages(self, max_pages: int) -> int: ...
@@ -85,7 +93,9 @@ class PruneStore(Protocol):
 
 @dataclass(slots=True)
 class PruneReport:
-    """What one run removed (or, dry, would remove), by kind."""
+    """What one run removed (or, dry, would remove): tasks, and rows by kind (``task_rows``:
+    every row a task and its Turn had; a dry run cannot count those, and may count an
+    edge both with its Turn and by age)."""
 
     tasks: int = 0
     rows: dict[str, int] = field(default_factory=dict)
@@ -96,7 +106,7 @@ class PruneReport:
 
     def add(self, kind: str, got: Pruned) -> None:
         self.tasks += got.tasks
-        self.rows[kind] = self.rows.get(kind, 0) + got.rows + (got.tasks if kind == "tasks" else 0)
+        self.rows[kind] = self.rows.get(kind, 0) + got.rows
         self.batches += 1
 
     def as_dict(self) -> dict[str, object]:
@@ -139,10 +149,8 @@ class Pruner:
         while True:
             try:
                 report = await self.prune_once()
-                if report.tasks or report.rows:
+                if report.tasks or any(report.rows.values()):
                     log.info("retention: pruned %s", report.as_dict())
-            except trio.Cancelled:
-                raise
             except Exception:
                 log.exception(
                     "retention: a prune run failed (retried in %ss)", self.settings.interval_s
@@ -175,20 +183,22 @@ class Pruner:
         self,
         report: PruneReport,
         kind: str,
-        call: Callable[[int], Awaitable[Pruned]],
+        call: Callable[[int, int], Awaitable[Pruned]],
         limit: int,
         dry_run: bool,
         progress: Callable[[PruneReport], None] | None,
     ) -> None:
-        """Run ``call(limit)`` until a batch comes back short (dry: once, counting)."""
+        """Run ``call(limit, after)`` batch after batch, each starting where the last
+        ended, until one says the pass is done (dry: once, counting everything)."""
+        after = 0
         while True:
-            got = await call(DRY_LIMIT if dry_run else limit)
+            got = await call(DRY_LIMIT if dry_run else limit, after)
             report.add(kind, got)
             if progress is not None:
                 progress(report)
-            done = got.tasks if kind == "tasks" else got.rows
-            if dry_run or done < limit:
+            if dry_run or got.done:
                 return
+            after = got.after
             await trio.sleep(self.pause_s)
 
     async def _pass(
@@ -206,9 +216,9 @@ class Pruner:
                 age, keep = r.finished_tasks_s, r.keep_last
                 await self._batches(
                     report,
-                    "tasks",
-                    lambda n, a=agent, age=age, keep=keep: s.prune_tasks(
-                        owner, a, age, keep, n, dry_run
+                    "task_rows",
+                    lambda n, after, a=agent, age=age, keep=keep: s.prune_tasks(
+                        owner, a, age, keep, n, dry_run, after
                     ),
                     TASK_BATCH,
                     dry_run,
@@ -217,7 +227,9 @@ class Pruner:
                 await self._batches(
                     report,
                     "boxes",
-                    lambda n, a=agent, age=age: s.prune_orphan_boxes(owner, a, age, n, dry_run),
+                    lambda n, _after, a=agent, age=age: s.prune_orphan_boxes(
+                        owner, a, age, n, dry_run
+                    ),
                     ROW_BATCH,
                     dry_run,
                     progress,
@@ -227,7 +239,9 @@ class Pruner:
                 await self._batches(
                     report,
                     "execution_edges",
-                    lambda n, a=agent, ev=ev: s.prune_events(owner, a, ev, n, dry_run),
+                    lambda n, after, a=agent, ev=ev: s.prune_events(
+                        owner, a, ev, n, dry_run, after
+                    ),
                     ROW_BATCH,
                     dry_run,
                     progress,
@@ -238,7 +252,7 @@ class Pruner:
             await self._batches(
                 report,
                 "agent_replies",
-                lambda n: s.prune_replies(owner, age_r, n, dry_run),
+                lambda n, _after: s.prune_replies(owner, age_r, n, dry_run),
                 ROW_BATCH,
                 dry_run,
                 progress,
@@ -248,7 +262,7 @@ class Pruner:
             await self._batches(
                 report,
                 "step_log",
-                lambda n: s.prune_step_log(owner, age_s, n, dry_run),
+                lambda n, after: s.prune_step_log(owner, age_s, n, dry_run, after),
                 ROW_BATCH,
                 dry_run,
                 progress,

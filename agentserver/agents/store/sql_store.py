@@ -57,6 +57,7 @@ from agentserver.agents.store.sql import (
     record,
     replies,
     schedules,
+    stats,
     tools,
     turn_end,
     turns,
@@ -578,10 +579,11 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         keep_last: int | None,
         limit: int,
         dry_run: bool = False,
+        after: int = 0,
     ) -> prune.Pruned:
         """One batch of finished tasks (one transaction; see ``prune.prune_tasks``)."""
         return await self._run(
-            prune.prune_tasks, owner, agent_id, max_age_s, keep_last, limit, dry_run
+            prune.prune_tasks, owner, agent_id, max_age_s, keep_last, limit, dry_run, after
         )
 
     async def prune_orphan_boxes(
@@ -601,8 +603,11 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         max_age_s: float,
         limit: int,
         dry_run: bool = False,
+        after: int = 0,
     ) -> prune.Pruned:
-        return await self._run(prune.prune_events, owner, agent_id, max_age_s, limit, dry_run)
+        return await self._run(
+            prune.prune_events, owner, agent_id, max_age_s, limit, dry_run, after
+        )
 
     async def prune_replies(
         self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
@@ -610,17 +615,22 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         return await self._run(prune.prune_replies, owner, max_age_s, limit, dry_run)
 
     async def prune_step_log(
-        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
+        self,
+        owner: str | None,
+        max_age_s: float,
+        limit: int,
+        dry_run: bool = False,
+        after: int = 0,
     ) -> prune.Pruned:
-        return await self._run(prune.prune_step_log, owner, max_age_s, limit, dry_run)
+        return await self._run(prune.prune_step_log, owner, max_age_s, limit, dry_run, after)
 
     async def store_agents(self) -> list[str]:
         """Every agent the store has rows of (configured or not any more)."""
-        return await self._read(prune.agent_ids)
+        return await self._read(stats.agent_ids)
 
     async def table_stats(self) -> list[tuple[str, int, int | None, float | None]]:
-        """Rows, bytes and oldest row time per table (see ``prune.table_stats``)."""
-        return await self._read(prune.table_stats)
+        """Rows, bytes and oldest row time per table (see ``stats.table_stats``)."""
+        return await self._read(stats.table_stats)
 
     async def reclaim_pages(self, max_pages: int) -> int:
         """Give up to ``max_pages`` free pages back to the file system; how many went.

@@ -261,6 +261,11 @@ class SqliteAgentStore(SqlAgentStore):
             raise StoreError("the file is in use by a running server: stop it to convert")
         return make_incremental(self._db)
 
+    def checkpoint_truncate(self) -> None:
+        """A ``TRUNCATE`` checkpoint on this connection: the WAL copied back and emptied
+        (``agentserver store prune`` on a stopped server's file, after its ``VACUUM``)."""
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
     def file_bytes(self) -> int:
         """The file's size plus its WAL's, in bytes."""
         if self._path is None:

@@ -62,6 +62,16 @@ CREATE INDEX boxes_turn ON boxes (agent_turn_id);
 CREATE INDEX approvals_turn ON approvals (agent_turn_id);
 """
 
+#: Rows one batch looks at, at most, by primary key (a window of ``seq`` or ``edge_id``:
+#: bounded work per transaction however many rows a rule keeps).
+SCAN_WINDOW = 2000
+#: Rows one batch of tasks deletes, about, at most (a big Turn's cards: the batch stops
+#: after the task that crossed it, so a transaction stays in the milliseconds).
+ROW_BUDGET = 400
+#: A dry run's window and limit: the whole table in one read.
+DRY_WINDOW = 1 << 62
+DRY_LIMIT = 1 << 31
+
 LEASE = "pruner"
 #: How long the pruner's lease lasts past its last batch (a dead pruner's lease expires,
 #: then another process's pruner takes it).
@@ -71,34 +81,16 @@ FINAL_INBOX = (InboxStatus.CONSUMED, InboxStatus.ERROR, InboxStatus.SKIPPED)
 OPEN_APPROVALS = (ApprovalStatus.PENDING, ApprovalStatus.GRANTED, ApprovalStatus.FORWARDING)
 DONE_REPLIES = (ReplyStatus.SENT, ReplyStatus.UNDELIVERABLE)
 
-#: Every table the store keeps, and the column that says how old a row is (stats).
-TABLES: dict[str, str | None] = {
-    "agent_inbox": "created_at",
-    "agent_state_head": "updated_at",
-    "turn_waiting_tools": "created_at",
-    "execution_edges": "created_at",
-    "agent_steps": "started_at",
-    "boxes": "created_at",
-    "cards": "created_at",
-    "agent_replies": "created_at",
-    "client_replies": "created_at",
-    "conversations": "updated_at",
-    "policy_decisions": "at",
-    "approvals": "created_at",
-    "step_log": "at",
-    "forks": "created_at",
-    "pruned_turns": "pruned_at",
-    "prune_lease": None,
-    "schema_version": None,
-}
-
 
 @dataclass(frozen=True, slots=True)
 class Pruned:
-    """What one batch removed (or, dry, would remove)."""
+    """What one batch removed (or, dry, would remove), and where the next batch of the
+    same pass starts: ``after`` (a primary key) and ``done`` (nothing older is left)."""
 
     tasks: int = 0
     rows: int = 0
+    after: int = 0
+    done: bool = True
 
 
 # -- the lease -------------------------------------------------------------------------
@@ -106,7 +98,10 @@ class Pruned:
 
 def take_lease(tx: Tx, env: StoreEnv, owner: str, lease_s: float) -> bool:
     """Take (or renew) the pruner's lease for ``lease_s`` seconds; False while another
-    owner holds it. Atomic: the row's update is the compare-and-set."""
+    owner holds it. Atomic: the row's update is the compare-and-set. Times are the
+    processes' clocks (hosts whose clocks differ by less than the lease agree; at worst
+    two prune at once, which the batches' own conditions make harmless: a task deleted
+    by one is simply not found by the other)."""
     now = env.clock.now()
     tx.execute(
         "INSERT INTO prune_lease (name, owner, lease_until) VALUES (?,?,?) "
@@ -143,27 +138,39 @@ def _holds(tx: Tx, env: StoreEnv, owner: str | None) -> bool:
 
 
 def _candidates(
-    tx: Tx, agent_id: str, cutoff: float, keep_last: int | None, limit: int
+    tx: Tx,
+    agent_id: str,
+    cutoff: float,
+    keep_last: int | None,
+    limit: int,
+    after: int,
+    upto: int,
 ) -> list[tuple[Any, ...]]:
     """Up to ``limit`` finished tasks of ``agent_id`` older than ``cutoff`` that no rule
-    keeps: (inbox_id, agent_turn_id, reply_ref), oldest first."""
+    keeps, with ``after < seq <= upto``: (seq, inbox_id, agent_turn_id, reply_ref),
+    oldest first. Every subquery is an indexed lookup."""
     keep = keep_last or 0
+    same = "IS NOT DISTINCT FROM" if tx.dialect == POSTGRESQL else "IS"
+    # SQLite: a unary + keeps the planner off the (agent_id, status) index, whose range
+    # is every finished task of the agent, sorted at every batch: the window's primary
+    # key range is what bounds the batch (PostgreSQL's planner picks it by itself).
+    u = "" if tx.dialect == POSTGRESQL else "+"
     newer = (
         " AND (SELECT count(*) FROM (SELECT 1 FROM agent_inbox j WHERE j.agent_id = i.agent_id "
-        "AND j.message_type = i.message_type AND j.seq > i.seq AND "
-        "(j.conversation = i.conversation OR (i.conversation IS NULL AND j.conversation IS NULL))"
-        " LIMIT ?) k) >= ?"
+        f"AND j.conversation {same} i.conversation AND j.seq > i.seq "
+        "AND j.message_type = i.message_type LIMIT ?) k) >= ?"
         if keep
         else ""
     )
-    params: list[Any] = [agent_id, MessageType.TURN, *FINAL_INBOX, cutoff]
+    params: list[Any] = [after, upto, agent_id, MessageType.TURN, *FINAL_INBOX, cutoff]
     params += [*FINAL_INBOX, cutoff, cutoff, *OPEN_APPROVALS, ReplyStatus.PENDING]
     if keep:
         params += [keep, keep]
     params.append(limit)
     return tx.all(
-        "SELECT i.inbox_id, i.agent_turn_id, i.reply_ref FROM agent_inbox i "
-        f"WHERE i.agent_id = ? AND i.message_type = ? AND i.status IN ({marks(3)}) "
+        "SELECT i.seq, i.inbox_id, i.agent_turn_id, i.reply_ref FROM agent_inbox i "
+        "WHERE i.seq > ? AND i.seq <= ? "
+        f"AND {u}i.agent_id = ? AND i.message_type = ? AND {u}i.status IN ({marks(3)}) "
         "AND i.updated_at < ? "
         "AND (i.agent_turn_id IS NULL OR ("
         " NOT EXISTS (SELECT 1 FROM agent_state_head h "
@@ -174,14 +181,39 @@ def _candidates(
         "  AND coalesce(s.ended_at, s.started_at) >= ?)"
         " AND NOT EXISTS (SELECT 1 FROM approvals a WHERE a.agent_turn_id = i.agent_turn_id"
         f"  AND a.status IN ({marks(3)}))"
-        " AND NOT EXISTS (SELECT 1 FROM boxes b JOIN conversations c"
-        "  ON c.context_box_id = b.box_id OR c.output_box_id = b.box_id"
-        "  WHERE b.agent_turn_id = i.agent_turn_id)))"
+        # A conversation's memory: only the task's own conversation can point at its
+        # Turn's boxes (a fork or a manual compaction makes boxes of its own).
+        " AND NOT EXISTS (SELECT 1 FROM conversations c JOIN boxes b"
+        "  ON b.box_id = c.context_box_id OR b.box_id = c.output_box_id"
+        "  WHERE c.agent_id = i.agent_id AND c.conversation = i.conversation"
+        "  AND b.agent_turn_id = i.agent_turn_id)))"
         " AND NOT EXISTS (SELECT 1 FROM agent_replies r WHERE r.status = ? AND"
         "  (r.agent_turn_id = i.agent_turn_id OR r.agent_turn_id = 'cancel:' || i.inbox_id))"
         f"{newer} ORDER BY i.seq LIMIT ?",
         params,
     )
+
+
+def _window(
+    tx: Tx,
+    table: str,
+    key: str,
+    at: str,
+    after: int,
+    limit: int,
+    found: list[Any],
+    cutoff: float,
+    dry_run: bool,
+) -> tuple[int, bool]:
+    """Where the next batch of a windowed pass starts, and whether the pass is done:
+    ``found`` (the batch's keys, ascending) filled ``limit``: right after the last; else
+    after this window, done when no row follows it or the next is not older than
+    ``cutoff`` (keys grow with time, so none after it is either)."""
+    upto = DRY_WINDOW if dry_run else after + SCAN_WINDOW
+    if len(found) >= limit:
+        return int(found[-1]), False
+    row = tx.one(f"SELECT {at} FROM {table} WHERE {key} > ? ORDER BY {key} LIMIT 1", (upto,))
+    return upto, row is None or float(row[0]) >= cutoff
 
 
 def _threads(ref_json: Any) -> tuple[str | None, str | None]:
@@ -250,18 +282,39 @@ def prune_tasks(
     keep_last: int | None,
     limit: int,
     dry_run: bool = False,
+    after: int = 0,
 ) -> Pruned:
-    """Up to ``limit`` finished tasks of ``agent_id`` older than ``max_age_s``, each with
-    all its Turn left (one transaction; nothing if ``owner`` lost the lease). ``dry_run``
-    counts them and deletes nothing."""
+    """Up to ``limit`` finished tasks of ``agent_id`` older than ``max_age_s`` among the
+    inbox rows after ``after`` (a window of :data:`SCAN_WINDOW`), each with all its Turn
+    left (one transaction; nothing if ``owner`` lost the lease). ``dry_run`` counts them
+    (all, in one read) and deletes nothing."""
     if not _holds(tx, env, owner):
         return Pruned()
     now = env.clock.now()
-    found = _candidates(tx, agent_id, now - max_age_s, keep_last, limit)
+    cutoff = now - max_age_s
+    upto = DRY_WINDOW if dry_run else after + SCAN_WINDOW
+    found = _candidates(tx, agent_id, cutoff, keep_last, limit, after, upto)
+    nxt, done = _window(
+        tx,
+        "agent_inbox",
+        "seq",
+        "created_at",
+        after,
+        limit,
+        [r[0] for r in found],
+        cutoff,
+        dry_run,
+    )
     if dry_run:
         return Pruned(tasks=len(found))
-    rows = sum(_delete_turn(tx, now, agent_id, str(i), t, ref) for i, t, ref in found)
-    return Pruned(tasks=len(found), rows=rows)
+    rows = tasks = 0
+    for seq, inbox_id, turn, ref in found:
+        rows += _delete_turn(tx, now, agent_id, str(inbox_id), turn, ref)
+        tasks += 1
+        if rows >= ROW_BUDGET and tasks < len(found):
+            # A batch of big Turns stops early: the next goes on after this task.
+            return Pruned(tasks=tasks, rows=rows, after=int(seq), done=False)
+    return Pruned(tasks=tasks, rows=rows, after=nxt, done=done)
 
 
 def prune_orphan_boxes(
@@ -274,12 +327,16 @@ def prune_orphan_boxes(
     dry_run: bool = False,
 ) -> Pruned:
     """Boxes no task, head or conversation names any more (those of a conversation's
-    earlier manual compaction or fork), older than ``max_age_s``, with their cards."""
+    earlier manual compaction or fork), older than ``max_age_s``, with their cards.
+    ``done`` when fewer than ``limit`` were found."""
     if not _holds(tx, env, owner):
         return Pruned()
     cutoff = env.clock.now() - max_age_s
+    # Such boxes are keyed by a conversation's key, not a Turn: ranges of boxes_turn.
     found = tx.all(
-        "SELECT b.box_id FROM boxes b WHERE b.agent_id = ? AND b.created_at < ? "
+        "SELECT b.box_id FROM boxes b WHERE ((b.agent_turn_id >= 'compaction:' AND "
+        "b.agent_turn_id < 'compaction;') OR (b.agent_turn_id >= 'fork:' AND "
+        "b.agent_turn_id < 'fork;')) AND b.agent_id = ? AND b.created_at < ? "
         "AND NOT EXISTS (SELECT 1 FROM agent_inbox i WHERE i.agent_turn_id = b.agent_turn_id) "
         "AND NOT EXISTS (SELECT 1 FROM agent_state_head h WHERE h.active_agent_turn_id = "
         "b.agent_turn_id OR h.context_box_id = b.box_id OR h.output_box_id = b.box_id) "
@@ -289,11 +346,12 @@ def prune_orphan_boxes(
     )
     if not found or dry_run:
         return Pruned(rows=len(found))
+    # (done unless the batch was full: the next one looks again)
     ids = [r[0] for r in found]
     tx.execute(f"DELETE FROM cards WHERE box_id IN ({marks(len(ids))})", ids)
     rows = tx.rowcount
     tx.execute(f"DELETE FROM boxes WHERE box_id IN ({marks(len(ids))})", ids)
-    return Pruned(rows=rows + tx.rowcount)
+    return Pruned(rows=rows + tx.rowcount, done=len(found) < limit)
 
 
 # -- rows with their own windows -------------------------------------------------------
@@ -318,21 +376,32 @@ def prune_events(
     max_age_s: float,
     limit: int,
     dry_run: bool = False,
+    after: int = 0,
 ) -> Pruned:
-    """Execution edges of ``agent_id`` older than ``max_age_s`` (never an active Turn's)."""
+    """Execution edges of ``agent_id`` older than ``max_age_s`` (never an active Turn's),
+    among those after ``after`` (a window of :data:`SCAN_WINDOW`)."""
     if not _holds(tx, env, owner):
         return Pruned()
-    return _delete_or_count(
-        tx,
-        "execution_edges",
-        "edge_id",
-        "SELECT e.edge_id FROM execution_edges e "
-        "WHERE e.agent_id = ? AND e.created_at < ? AND NOT EXISTS (SELECT 1 FROM "
-        "agent_state_head h WHERE h.active_agent_turn_id = e.agent_turn_id) "
-        "ORDER BY e.edge_id LIMIT ?",
-        (agent_id, env.clock.now() - max_age_s, limit),
-        dry_run,
+    cutoff = env.clock.now() - max_age_s
+    upto = DRY_WINDOW if dry_run else after + SCAN_WINDOW
+    found = [
+        r[0]
+        for r in tx.all(
+            "SELECT e.edge_id FROM execution_edges e WHERE e.edge_id > ? AND e.edge_id <= ? "
+            "AND e.agent_id = ? AND e.created_at < ? AND NOT EXISTS (SELECT 1 FROM "
+            "agent_state_head h WHERE h.active_agent_turn_id = e.agent_turn_id) "
+            "ORDER BY e.edge_id LIMIT ?",
+            (after, upto, agent_id, cutoff, DRY_LIMIT if dry_run else limit),
+        )
+    ]
+    if dry_run:
+        return Pruned(rows=len(found))
+    nxt, done = _window(
+        tx, "execution_edges", "edge_id", "created_at", after, limit, found, cutoff, False
     )
+    if found:
+        tx.execute(f"DELETE FROM execution_edges WHERE edge_id IN ({marks(len(found))})", found)
+    return Pruned(rows=len(found), after=nxt, done=done)
 
 
 def prune_replies(
@@ -347,16 +416,17 @@ def prune_replies(
     reply is never one of them."""
     if not _holds(tx, env, owner):
         return Pruned()
-    return _delete_or_count(
+    got = _delete_or_count(
         tx,
         "agent_replies",
         "agent_turn_id",
         "SELECT agent_turn_id FROM agent_replies "
         f"WHERE status IN ({marks(2)}) AND coalesce(sent_at, created_at) < ? "
         "ORDER BY created_at LIMIT ?",
-        (*DONE_REPLIES, env.clock.now() - max_age_s, limit),
+        (*DONE_REPLIES, env.clock.now() - max_age_s, DRY_LIMIT if dry_run else limit),
         dry_run,
     )
+    return Pruned(rows=got.rows, done=got.rows < limit)
 
 
 def prune_step_log(
@@ -366,22 +436,29 @@ def prune_step_log(
     max_age_s: float,
     limit: int,
     dry_run: bool = False,
+    after: int = 0,
 ) -> Pruned:
     """Step log rows of steps with no event in the last ``max_age_s`` (a step's record,
     its idempotency key's, stays whole while any of its events is in the window)."""
     if not _holds(tx, env, owner):
         return Pruned()
     cutoff = env.clock.now() - max_age_s
-    return _delete_or_count(
-        tx,
-        "step_log",
-        "seq",
-        "SELECT s.seq FROM step_log s WHERE s.at < ? "
-        "AND NOT EXISTS (SELECT 1 FROM step_log t WHERE t.step_id = s.step_id AND t.at >= ?) "
-        "ORDER BY s.seq LIMIT ?",
-        (cutoff, cutoff, limit),
-        dry_run,
-    )
+    upto = DRY_WINDOW if dry_run else after + SCAN_WINDOW
+    found = [
+        r[0]
+        for r in tx.all(
+            "SELECT s.seq FROM step_log s WHERE s.seq > ? AND s.seq <= ? AND s.at < ? "
+            "AND NOT EXISTS (SELECT 1 FROM step_log t WHERE t.step_id = s.step_id AND "
+            "t.at >= ?) ORDER BY s.seq LIMIT ?",
+            (after, upto, cutoff, cutoff, DRY_LIMIT if dry_run else limit),
+        )
+    ]
+    if dry_run:
+        return Pruned(rows=len(found))
+    nxt, done = _window(tx, "step_log", "seq", "at", after, limit, found, cutoff, False)
+    if found:
+        tx.execute(f"DELETE FROM step_log WHERE seq IN ({marks(len(found))})", found)
+    return Pruned(rows=len(found), after=nxt, done=done)
 
 
 # -- reads -----------------------------------------------------------------------------
@@ -394,43 +471,3 @@ def thread_pruned(tx: Tx, agent_id: str, thread: str) -> bool:
         (agent_id, thread, thread),
     )
     return row is not None
-
-
-def agent_ids(tx: Tx, env: StoreEnv) -> list[str]:
-    """Every agent with a head, inbox rows or boxes (the pruner's per-agent passes)."""
-    rows = tx.all(
-        "SELECT agent_id FROM agent_state_head UNION SELECT DISTINCT agent_id FROM agent_inbox "
-        "UNION SELECT DISTINCT agent_id FROM boxes"
-    )
-    return sorted(str(r[0]) for r in rows)
-
-
-def table_stats(tx: Tx, env: StoreEnv) -> list[tuple[str, int, int | None, float | None]]:
-    """Per table: (name, rows, bytes or None where the engine cannot say, oldest time)."""
-    sizes: dict[str, int] = {}
-    if tx.dialect == POSTGRESQL:
-        for name in TABLES:
-            row = tx.one("SELECT pg_total_relation_size(to_regclass(?))", (name,))
-            sizes[name] = int(row[0]) if row and row[0] is not None else 0
-    else:
-        try:
-            got = tx.all(
-                "SELECT coalesce(m.tbl_name, d.name), sum(d.pgsize) FROM dbstat d "
-                "LEFT JOIN sqlite_master m ON m.name = d.name GROUP BY 1"
-            )
-            sizes = {str(n): int(b) for n, b in got}
-        except Exception:  # dbstat not compiled in: rows only
-            sizes = {}
-    out = []
-    for name, col in TABLES.items():
-        count = tx.one(f"SELECT count(*) FROM {name}")
-        oldest = tx.one(f"SELECT min({col}) FROM {name}") if col else None
-        out.append(
-            (
-                name,
-                int(count[0]) if count else 0,
-                sizes.get(name) if sizes else None,
-                float(oldest[0]) if oldest and oldest[0] is not None else None,
-            )
-        )
-    return out
