@@ -261,13 +261,19 @@ async def test_a_stream_without_usage_settles_at_the_worst_case(store):
         [_ async for _ in items]
     [row] = await budgets.rows()
     assert row.spent_tokens == worst.tokens + 11
+    # the router's estimate of an unreported usage is not a report: the worst case again
+    port = budgets.port(StreamingModel(LLMUsage(5, 6, 11, estimated=True)), "a", None, "t", 10)
+    async with port.stream(request) as items:  # type: ignore[attr-defined]
+        [_ async for _ in items]
+    [row] = await budgets.rows()
+    assert row.spent_tokens == 2 * worst.tokens + 11
     # a stream that fails releases its hold and spends nothing
     port = budgets.port(StreamingModel(LLMUsage(), fail=True), "a", None, "t", 10)
     with pytest.raises(RuntimeError):
         async with port.stream(request) as items:  # type: ignore[attr-defined]
             [_ async for _ in items]
     [row] = await budgets.rows()
-    assert (row.spent_tokens, row.reserved_tokens) == (worst.tokens + 11, 0)
+    assert (row.spent_tokens, row.reserved_tokens) == (2 * worst.tokens + 11, 0)
 
 
 # -- the Turn's side: refused before any model call, ended at the next step --------------
