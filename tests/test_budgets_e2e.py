@@ -90,10 +90,12 @@ class UsageModel(FakeServer):
     """Answers each task at once, reporting its worst case as its usage (so that each
     call spends what it reserved); ``hold_s`` keeps calls in flight together."""
 
-    def __init__(self, hold_s: float = 0.05) -> None:
+    def __init__(self, hold_s: float = 0.05, usage: bool = True) -> None:
         super().__init__("openai")
         self.worst: list[int] = []
         self.hold_s = hold_s
+        #: False: streams end without a usage chunk (settled at the worst case)
+        self.usage = usage
 
     def default(self, seen: Seen) -> Script:
         w = worst_case(seen.body)
@@ -102,7 +104,11 @@ class UsageModel(FakeServer):
         done = int(seen.body["max_tokens"])
         if seen.body.get("stream"):
             return openai_stream(
-                ["done"], prompt_tokens=prompt, completion_tokens=done, chunk_delay=self.hold_s
+                ["done"],
+                prompt_tokens=prompt,
+                completion_tokens=done,
+                chunk_delay=self.hold_s,
+                include_usage=self.usage,
             )
         return openai_ok("done", prompt_tokens=prompt, completion_tokens=done, delay=self.hold_s)
 
@@ -119,6 +125,31 @@ def store_rows(sqlite_path: Path | None, pg_url: str | None, sql: str) -> list[t
         return db.execute(sql).fetchall()
     finally:
         db.close()
+
+
+async def test_a_stream_without_usage_is_settled_at_its_worst_case(tmp_path):
+    store = '<store path="state/agents.sqlite3" worker-concurrency="4" watchdog-interval="0.2"/>'
+    boot_file = tmp_path / "boot.xml"
+    boot_file.write_text(boot(store))
+    async with trio.open_nursery() as nursery:
+        model = await UsageModel(hold_s=0, usage=False).start(nursery)
+        [server] = await start_servers(boot_file, env_for(model, None), tmp_path, 1)
+        try:
+            async with open_client(
+                server.host, server.port, client="alice", token=TOKENS["alice"]
+            ) as client:
+                reply = await client.request(Task(text="hi"), to="assistant", timeout=20)
+                assert "".join(reply.payload.itertext()) == "done"
+        finally:
+            assert await trio.to_thread.run_sync(server.stop) == 0, server.stderr
+            nursery.cancel_scope.cancel()
+    assert all(r.body.get("stream") for r in model.requests)
+    [(spent, reserved)] = store_rows(
+        tmp_path / "state" / "agents.sqlite3",
+        None,
+        "SELECT spent_tokens, reserved_tokens FROM budget_spend WHERE budget = 'organism'",
+    )
+    assert (spent, reserved) == (model.worst[0], 0)  # the worst case, never zero
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgresql)])
@@ -249,15 +280,15 @@ class SlowModel(FakeServer):
         return openai_ok("late", delay=600)
 
 
-async def test_a_killed_servers_reservations_are_released_by_the_watchdog(tmp_path):
+async def test_a_killed_servers_reservations_are_released_by_the_watchdog(tmp_path, backend):
+    pg_url, store = backend
     boot_file = tmp_path / "boot.xml"
-    store = '<store path="state/agents.sqlite3" worker-concurrency="4" watchdog-interval="0.2"/>'
     boot_file.write_text(boot(store, llm_timeout=2))
-    sqlite_path = tmp_path / "state" / "agents.sqlite3"
+    sqlite_path = tmp_path / "state" / "agents.sqlite3" if pg_url is None else None
     query = "SELECT reserved_tokens, spent_tokens FROM budget_spend WHERE budget = 'organism'"
     async with trio.open_nursery() as nursery:
         model = await SlowModel().start(nursery)
-        env = env_for(model, None)
+        env = env_for(model, pg_url)
         [server] = await start_servers(boot_file, env, tmp_path, 1)
         try:
             async with open_client(
@@ -267,12 +298,12 @@ async def test_a_killed_servers_reservations_are_released_by_the_watchdog(tmp_pa
                     await client.send(payload(text="hold"), to=agent, thread=new_thread_id())
                 with trio.fail_after(20):
                     await model.all_holding.wait()
-            [(reserved, spent)] = store_rows(sqlite_path, None, query)
+            [(reserved, spent)] = store_rows(sqlite_path, pg_url, query)
             assert reserved > 0 and spent == 0
             await trio.to_thread.run_sync(server.proc.kill)
             assert await trio.to_thread.run_sync(server.wait_exit, 10) < 0
             # the dead server's holds are still there
-            [(reserved, spent)] = store_rows(sqlite_path, None, query)
+            [(reserved, spent)] = store_rows(sqlite_path, pg_url, query)
             assert reserved > 0
             # the Turns resumed after the restart call the model again: answered at once
             model.fast = True
@@ -282,12 +313,14 @@ async def test_a_killed_servers_reservations_are_released_by_the_watchdog(tmp_pa
             try:
                 # expiry: the call's bound (llm-timeout 2 s) + 10 s, then one watchdog tick
                 for _ in range(60):  # another process's store: poll
-                    if store_rows(sqlite_path, None, query)[0][0] == 0:
+                    if store_rows(sqlite_path, pg_url, query)[0][0] == 0:
                         break
                     await trio.sleep(0.5)
-                [(reserved, spent)] = store_rows(sqlite_path, None, query)
+                [(reserved, spent)] = store_rows(sqlite_path, pg_url, query)
                 assert reserved == 0
-                assert store_rows(sqlite_path, None, "SELECT count(*) FROM budget_holds") == [(0,)]
+                assert store_rows(sqlite_path, pg_url, "SELECT count(*) FROM budget_holds") == [
+                    (0,)
+                ]
                 # the resumed Turns' calls were settled (spent), the dead ones' not
                 assert spent == 15 * len(AGENTS)
             finally:

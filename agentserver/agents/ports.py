@@ -101,6 +101,8 @@ class LLMUsage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    #: True: the provider reported no usage (these are estimates).
+    estimated: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

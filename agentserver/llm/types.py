@@ -8,7 +8,7 @@ Everything here is immutable and free of I/O. Times are on trio's clock
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from .classify import ErrorKind
@@ -104,6 +104,9 @@ class Request:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: True: the provider reported none; these are the router's estimates (spend budgets
+    #: then settle at the reserved worst case instead).
+    estimated: bool = field(default=False, compare=False)
 
     @property
     def total_tokens(self) -> int:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 #: Words of a failed answer's text, in the order tried, and the reason counted.
 FAILURE_REASONS = (
+    ("budget exhausted", "budget"),  # issue 37 (bench/support/chaos_budget.py)
     ("cancel", "cancelled"),
     ("stopped", "stopped"),
     ("step retries", "model_gave_up"),

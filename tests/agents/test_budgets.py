@@ -261,13 +261,19 @@ async def test_a_stream_without_usage_settles_at_the_worst_case(store):
         [_ async for _ in items]
     [row] = await budgets.rows()
     assert row.spent_tokens == worst.tokens + 11
+    # the router's estimate of an unreported usage is not a report: the worst case again
+    port = budgets.port(StreamingModel(LLMUsage(5, 6, 11, estimated=True)), "a", None, "t", 10)
+    async with port.stream(request) as items:  # type: ignore[attr-defined]
+        [_ async for _ in items]
+    [row] = await budgets.rows()
+    assert row.spent_tokens == 2 * worst.tokens + 11
     # a stream that fails releases its hold and spends nothing
     port = budgets.port(StreamingModel(LLMUsage(), fail=True), "a", None, "t", 10)
     with pytest.raises(RuntimeError):
         async with port.stream(request) as items:  # type: ignore[attr-defined]
             [_ async for _ in items]
     [row] = await budgets.rows()
-    assert (row.spent_tokens, row.reserved_tokens) == (worst.tokens + 11, 0)
+    assert (row.spent_tokens, row.reserved_tokens) == (2 * worst.tokens + 11, 0)
 
 
 # -- the Turn's side: refused before any model call, ended at the next step --------------
@@ -355,3 +361,27 @@ async def test_without_budgets_a_turn_adds_no_statement(tmp_path):
     assert h.rt.budgets is None and h.rt.worker.model.budgets is None
     assert h.rt.watchdog.budgets is None
     await h.rt.store.aclose()
+
+
+async def test_the_turns_span_carries_the_reservation(store):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from agentserver.observability.tracing import Tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing = Tracing(provider)
+    budgets = Budgets(store, clock_of(store), [BudgetSpec("agent:a", tokens=1000)])
+    with tracing.invoke_agent("a", "turn-1", None, None):
+        hold = await budgets.reserve("a", None, Need(600, 0.25), 10)
+        assert hold is not None
+        with pytest.raises(BudgetSpent):
+            await budgets.reserve("a", None, Need(600, 0.0), 10)
+    [span] = exporter.get_finished_spans()
+    assert span.attributes["agentserver.budget.hold"] == hold.hold_id
+    assert span.attributes["agentserver.budget.names"] == "agent:a"
+    assert span.attributes["agentserver.budget.reserved_tokens"] == 600
+    assert span.attributes["agentserver.budget.refused"] == "agent:a"

@@ -84,7 +84,10 @@ def _completion(done: Completion) -> LLMCompletion:
     return LLMCompletion(
         content=done.content,
         usage=LLMUsage(
-            done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens
+            done.usage.prompt_tokens,
+            done.usage.completion_tokens,
+            done.usage.total_tokens,
+            estimated=done.usage.estimated,
         ),
         cost=done.cost or 0.0,
         model=done.model,

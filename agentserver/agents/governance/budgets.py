@@ -193,7 +193,7 @@ class Budgets:
         zero) and release the hold; publish ``budget.soft`` for each budget that crossed
         its mark. Shielded: a cancel arriving now cannot leak the hold."""
         tokens, cost = hold.need.tokens, hold.need.cost
-        if completion is not None:
+        if completion is not None and not completion.usage.estimated:
             u = completion.usage
             used = u.total_tokens or (u.prompt_tokens + u.completion_tokens)
             if used > 0:

@@ -32,7 +32,9 @@ def reported_or_estimated(usage: Usage | None, request: Request, content: str) -
     call uses no tokens), so the tokens bucket is charged either way."""
     if usage is not None and usage.total_tokens > 0:
         return usage
-    return Usage(estimate_prompt_tokens(request.messages), estimate_text_tokens(content))
+    return Usage(
+        estimate_prompt_tokens(request.messages), estimate_text_tokens(content), estimated=True
+    )
 
 
 __all__ = ["Backend", "BackendStream", "SSEDecoder", "StreamParser", "WholeReplyStream"]
