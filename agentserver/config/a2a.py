@@ -10,7 +10,7 @@ from __future__ import annotations
 from lxml import etree
 
 from agentserver.config.a2a_spec import A2aAgent, ExposeA2a
-from agentserver.config.imports import B
+from agentserver.config.imports import B, flag
 from agentserver.config.problems import Report
 from agentserver.config.topology import ListenerSpec, Topology
 from agentserver.core.payloads import PayloadType
@@ -50,7 +50,7 @@ def check_exposed_a2a(
             )
         )
     public_url = (el.get("public-url") or "").strip().rstrip("/") or None
-    return ExposeA2a(tuple(agents), public_url)
+    return ExposeA2a(tuple(agents), public_url, flag(el, "allow-private-push"))
 
 
 def exposed_skills(topology: Topology) -> tuple[A2aSkill, ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from agentserver.agents.errors import StoreError
 from agentserver.agents.store import step_log
-from agentserver.agents.store.sql import a2a
+from agentserver.agents.store.sql import a2a, a2a_push
 from agentserver.agents.store.sql.db import POSTGRESQL, SQLITE, Tx
 
 _GOVERNANCE = """
@@ -217,7 +217,7 @@ CREATE TABLE forks (
 );
 """,
     # Issue 35: A2A tasks (agents/store/sql/a2a.py).
-    7: a2a.MIGRATION,
+    7: a2a.MIGRATION + a2a_push.MIGRATION,
 }
 
 
