@@ -325,6 +325,22 @@ async def _refusals(url: str) -> None:
         assert (await http.post("/a2a", json=file_part, headers=v1)).json()["error"][
             "code"
         ] == -32005
+        # Data alone, without the task's required text: refused before anything is sent.
+        no_text = {
+            "jsonrpc": "2.0",
+            "id": 3,
+            "method": "SendMessage",
+            "params": {
+                "message": {
+                    "messageId": "m-data",
+                    "role": "ROLE_USER",
+                    "parts": [{"data": {"note": "x"}}],
+                    "metadata": {"skill": "planner"},
+                }
+            },
+        }
+        refused = (await http.post("/a2a", json=no_text, headers=v1)).json()["error"]
+        assert refused["code"] == -32602 and "does not fit" in refused["message"], refused
         push = {**body, "method": "GetTaskPushNotificationConfig", "params": {"taskId": "x"}}
         assert (await http.post("/a2a", json=push, headers=v1)).json()["error"]["code"] == -32001
     # The SDK's client without a token: the card is public, the call is refused.

@@ -64,14 +64,16 @@ def exposed_skills(topology: Topology) -> tuple[A2aSkill, ...]:
         spec = topology.listener(agent.name)
         model = next(m for m in spec.accepts if m not in spec.addressed_only and m is not Boot)
         profile = spec.agent_profile
+        ptype = PayloadType.from_model(model)
         skills.append(
             A2aSkill(
                 name=agent.name,
                 description=agent.description,
                 examples=agent.examples,
                 tags=agent.tags,
-                input=tool_input(PayloadType.from_model(model)),
+                input=tool_input(ptype),
                 memory=profile is not None and profile.memory == "client",
+                ptype=ptype,
             )
         )
     return tuple(skills)
