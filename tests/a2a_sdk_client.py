@@ -8,7 +8,9 @@ command prints one line per event, flushed, so the test can kill it mid-stream);
 error is ``{"error": CLASS, "message": TEXT}``. Commands: ``card``, ``send TEXT [CONTEXT]
 [SKILL]``, ``send-now TEXT [CONTEXT] [SKILL]``, ``stream TEXT``, ``get TASK [HISTORY]``,
 ``list [CONTEXT]``, ``cancel TASK``, ``subscribe TASK``, ``answer TASK GRANT``,
-``extended``, ``agent-card NAME`` (the agent's own card, then a send through it: TEXT).
+``extended``, ``agent-card NAME`` (the agent's own card, then a send through it: TEXT),
+``send-push TEXT URL TOKEN``, ``push-set TASK URL TOKEN``, ``push-get TASK ID``,
+``push-list TASK``, ``push-delete TASK ID``.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import httpx
 from a2a.client import A2ACardResolver, ClientConfig, ClientFactory
 from a2a.types import (
     CancelTaskRequest,
+    DeleteTaskPushNotificationConfigRequest,
     GetExtendedAgentCardRequest,
+    GetTaskPushNotificationConfigRequest,
     GetTaskRequest,
+    ListTaskPushNotificationConfigsRequest,
     ListTasksRequest,
     Message,
     Part,
@@ -31,6 +36,7 @@ from a2a.types import (
     SendMessageConfiguration,
     SendMessageRequest,
     SubscribeToTaskRequest,
+    TaskPushNotificationConfig,
 )
 from a2a.utils.errors import A2AError
 from google.protobuf.json_format import MessageToDict, ParseDict
@@ -108,6 +114,27 @@ async def main(url: str, token: str, command: str, *args: str) -> None:
                 )
                 async for event in client.send_message(request):
                     out(MessageToDict(event))
+            elif command == "send-push":
+                config = TaskPushNotificationConfig(url=args[1], token=args[2])
+                request = SendMessageRequest(
+                    message=message(args[0], "", "assistant"),
+                    configuration=SendMessageConfiguration(task_push_notification_config=config),
+                )
+                async for event in client.send_message(request):
+                    out(MessageToDict(event))
+            elif command == "push-set":
+                config = TaskPushNotificationConfig(task_id=args[0], url=args[1], token=args[2])
+                out(MessageToDict(await client.create_task_push_notification_config(config)))
+            elif command == "push-get":
+                request = GetTaskPushNotificationConfigRequest(task_id=args[0], id=args[1])
+                out(MessageToDict(await client.get_task_push_notification_config(request)))
+            elif command == "push-list":
+                request = ListTaskPushNotificationConfigsRequest(task_id=args[0])
+                out(MessageToDict(await client.list_task_push_notification_configs(request)))
+            elif command == "push-delete":
+                request = DeleteTaskPushNotificationConfigRequest(task_id=args[0], id=args[1])
+                await client.delete_task_push_notification_config(request)
+                out({"deleted": args[1]})
             elif command == "extended":
                 card = await client.get_extended_agent_card(GetExtendedAgentCardRequest())
                 out(MessageToDict(card))

@@ -2,7 +2,10 @@
 an ``AgentExecutor``, the in-memory task store, the SDK's Starlette routes), served by
 Hypercorn on asyncio in its own process: the remote of tests/test_a2a_remote.py.
 
-    python tests/a2a_sdk_server.py PORT CANCELS_FILE [--no-streaming]
+    python tests/a2a_sdk_server.py PORT CANCELS_FILE [--no-streaming] [--tls CERT KEY CA]
+
+``--tls``: HTTPS with CERT and KEY, asking every client for a certificate issued by CA
+(mutual TLS).
 
 Skills ``echo`` and ``ask``; by the task's text: ``fail`` fails ("remote broke"),
 ``ask`` asks "What color?" (input-required) and a follow-up on the task completes with
@@ -75,13 +78,15 @@ class Executor(AgentExecutor):
 def main() -> None:
     port, cancels = int(sys.argv[1]), sys.argv[2]
     streaming = "--no-streaming" not in sys.argv
+    tls = sys.argv[sys.argv.index("--tls") + 1 :][:3] if "--tls" in sys.argv else None
+    scheme = "https" if tls else "http"
     card = AgentCard(
         name="remote",
         description="An agent of the SDK's own.",
         version="1.0",
         supported_interfaces=[
             AgentInterface(
-                url=f"http://127.0.0.1:{port}/",
+                url=f"{scheme}://127.0.0.1:{port}/",
                 protocol_binding="JSONRPC",
                 protocol_version="1.0",
             )
@@ -100,6 +105,11 @@ def main() -> None:
     app = Starlette(routes=[*create_agent_card_routes(card), *create_jsonrpc_routes(handler, "/")])
     config = Config()
     config.bind = [f"127.0.0.1:{port}"]
+    if tls:
+        import ssl
+
+        config.certfile, config.keyfile, config.ca_certs = tls
+        config.verify_mode = ssl.CERT_REQUIRED
     print(f"remote listening on {port}", flush=True)
     asyncio.run(serve(app, config))
 

@@ -107,7 +107,7 @@ def store_env(request) -> dict[str, str]:
     return {"AGENTS_TEST_STORE_URL": request.getfixturevalue("pg_url")}
 
 
-async def start(tmp_path, model: A2aModel, store_env: dict[str, str], name: str = "a"):
+async def start(tmp_path, model: A2aModel, store_env: dict[str, str], name: str = "a", boot=BOOT):
     env = subprocess_env(
         A2A_LLM_BASE_URL=model.base_url,
         A2A_LLM_KEY="k",
@@ -116,9 +116,9 @@ async def start(tmp_path, model: A2aModel, store_env: dict[str, str], name: str 
         **store_env,
     )
     cwd = tmp_path / name
-    cwd.mkdir()
+    cwd.mkdir(exist_ok=True)
     return await trio.to_thread.run_sync(
-        lambda: ServerProcess.start(BOOT, "--http-port", "0", env=env, cwd=cwd, timeout=40)
+        lambda: ServerProcess.start(boot, "--http-port", "0", env=env, cwd=cwd, timeout=40)
     )
 
 
@@ -138,6 +138,7 @@ async def test_card_send_get_list_over_the_sdk_client(tmp_path, store_env):
                 "protocolVersion": "1.0",
             }
             assert card["capabilities"]["streaming"] is True
+            assert card["capabilities"]["pushNotifications"] is True
             assert card["capabilities"]["extendedAgentCard"] is True
             assert card["securitySchemes"]["bearer"]["httpAuthSecurityScheme"]["scheme"] == "Bearer"
             skills = {s["id"]: s for s in card["skills"]}
@@ -181,6 +182,10 @@ async def test_card_send_get_list_over_the_sdk_client(tmp_path, store_env):
             assert [s["id"] for s in extended["skills"]] == ["planner"]
             listed = await one(url, ALICE, "list")
             assert {t["id"] for t in listed["tasks"]} >= {task_id, task["id"]}
+            # A push URL on loopback: refused (SSRF), unless boot.xml allows it.
+            refused = await one(url, ALICE, "push-set", task_id, "http://127.0.0.1:9/hook", "t")
+            assert refused["error"] == "InvalidParamsError", refused
+            assert "loopback or private" in refused["message"]
             # A cancel of an ended task: not cancelable.
             assert (await one(url, ALICE, "cancel", task_id))["error"] == ("TaskNotCancelableError")
             # The planner's own card addresses it alone (no skill needed).
@@ -320,8 +325,24 @@ async def _refusals(url: str) -> None:
         assert (await http.post("/a2a", json=file_part, headers=v1)).json()["error"][
             "code"
         ] == -32005
+        # Data alone, without the task's required text: refused before anything is sent.
+        no_text = {
+            "jsonrpc": "2.0",
+            "id": 3,
+            "method": "SendMessage",
+            "params": {
+                "message": {
+                    "messageId": "m-data",
+                    "role": "ROLE_USER",
+                    "parts": [{"data": {"note": "x"}}],
+                    "metadata": {"skill": "planner"},
+                }
+            },
+        }
+        refused = (await http.post("/a2a", json=no_text, headers=v1)).json()["error"]
+        assert refused["code"] == -32602 and "does not fit" in refused["message"], refused
         push = {**body, "method": "GetTaskPushNotificationConfig", "params": {"taskId": "x"}}
-        assert (await http.post("/a2a", json=push, headers=v1)).json()["error"]["code"] == -32003
+        assert (await http.post("/a2a", json=push, headers=v1)).json()["error"]["code"] == -32001
     # The SDK's client without a token: the card is public, the call is refused.
     (sent,) = await run_sdk(url, None, "send", "hi", "", "planner")
     assert "error" in sent, sent
@@ -354,4 +375,108 @@ async def test_two_processes_on_postgresql_answer_for_each_others_tasks(tmp_path
         finally:
             await trio.to_thread.run_sync(first.stop)
             await trio.to_thread.run_sync(second.stop)
+            nursery.cancel_scope.cancel()
+
+
+class Receiver:
+    """A client's push notification receiver on loopback (a thread): keeps every
+    request (headers, body); answers 500 to the first and, while ``failing``, to all."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.requests: list[dict] = []
+        self.failing = False
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                refuse = receiver.failing or not receiver.requests
+                receiver.requests.append(
+                    {"headers": dict(self.headers), "body": json.loads(body), "refused": refuse}
+                )
+                self.send_response(500 if refuse else 204)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def delivered(self, task_id: str, wanted: str, refused: bool = False) -> list[dict]:
+        return [
+            r
+            for r in self.requests
+            if r["refused"] == refused
+            and r["body"]["task"]["id"] == task_id
+            and r["body"]["task"]["status"]["state"] == wanted
+        ]
+
+    async def wait_for(self, task_id: str, wanted: str, refused: bool = False) -> dict:
+        with trio.fail_after(60):
+            for _ in range(100_000):
+                found = self.delivered(task_id, wanted, refused)
+                if found:
+                    return found[0]
+                await trio.sleep(0.1)
+        raise AssertionError("never delivered")
+
+
+async def test_push_notifications_at_least_once_and_across_a_restart(tmp_path, store_env):
+    receiver = Receiver()
+    boot = tmp_path / "boot.xml"
+    boot.write_text(
+        BOOT.read_text().replace("<expose-a2a>", '<expose-a2a allow-private-push="true">')
+    )
+    async with trio.open_nursery() as nursery:
+        model = await A2aModel().start(nursery)
+        server = await start(tmp_path, model, store_env, boot=boot)
+        try:
+            url = http_url(server)
+            (sent,) = await run_sdk(url, ALICE, "send-push", "What is pushed?", receiver.url, "tk")
+            task_id = sent["task"]["id"]
+            assert state(sent["task"]) == "TASK_STATE_COMPLETED"
+            done = await receiver.wait_for(task_id, "TASK_STATE_COMPLETED")
+            assert done["headers"]["X-A2A-Notification-Token"] == "tk"
+            assert done["body"]["task"]["artifacts"][0]["parts"][0]["text"] == (
+                "You asked: What is pushed?"
+            )
+            # The first POST was refused (500): the same notification came again.
+            first = receiver.requests[0]
+            assert first["refused"]
+            ids = [r["headers"]["X-A2A-Notification-Id"] for r in receiver.requests]
+            assert ids.count(ids[0]) >= 2
+            # The four config methods.
+            made = await one(url, ALICE, "push-set", task_id, receiver.url, "second")
+            assert made["taskId"] == task_id and made["id"]
+            listed = await one(url, ALICE, "push-list", task_id)
+            assert {c["token"] for c in listed["configs"]} == {"tk", "second"}
+            got = await one(url, ALICE, "push-get", task_id, made["id"])
+            assert got["url"] == receiver.url
+            await one(url, ALICE, "push-delete", task_id, made["id"])
+            assert len((await one(url, ALICE, "push-list", task_id))["configs"]) == 1
+            assert (await one(url, BOB, "push-list", task_id))["error"] == "TaskNotFoundError"
+
+            # Owed while the receiver fails; the server restarts; delivered by the next.
+            receiver.failing = True
+            (slow,) = await run_sdk(url, ALICE, "send-push", "slow push", receiver.url, "tk2")
+            slow_id = slow["task"]["id"]
+            assert state(slow["task"]) == "TASK_STATE_COMPLETED"
+            # Tried (and refused) before the restart: owed, not delivered.
+            await receiver.wait_for(slow_id, "TASK_STATE_COMPLETED", refused=True)
+        finally:
+            await trio.to_thread.run_sync(server.stop)
+        receiver.failing = False
+        again = await start(tmp_path, model, store_env, boot=boot)
+        try:
+            done = await receiver.wait_for(slow_id, "TASK_STATE_COMPLETED")
+            assert done["headers"]["X-A2A-Notification-Token"] == "tk2"
+        finally:
+            await trio.to_thread.run_sync(again.stop)
+            receiver.server.shutdown()
             nursery.cancel_scope.cancel()

@@ -35,7 +35,7 @@ def free_port() -> int:
 class Remote:
     """The SDK's server in its own process."""
 
-    def __init__(self, tmp_path, name: str, *flags: str) -> None:
+    def __init__(self, tmp_path, name: str, *flags: str, scheme: str = "http") -> None:
         self.port = free_port()
         self.cancels = tmp_path / f"{name}-cancels.txt"
         self.cancels.write_text("")
@@ -45,12 +45,13 @@ class Remote:
             stderr=subprocess.DEVNULL,
             env=subprocess_env(),
         )
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, **options) -> None:
         for _ in range(200):
             try:
-                if httpx.get(self.url + "/.well-known/agent-card.json").status_code == 200:
+                card = httpx.get(self.url + "/.well-known/agent-card.json", **options)
+                if card.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -239,3 +240,57 @@ async def test_an_unreachable_card_is_an_error_or_a_warning(tmp_path, required):
     assert done.returncode == (0 if required == "false" else 1), err
     if required == "false":
         assert "its skills are absent" in err
+
+
+async def test_a_remote_over_mutual_tls(tmp_path):
+    from tlsutil import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    cert, key = pki.client_files("caller")
+    remote = Remote(
+        tmp_path,
+        "secure",
+        "--tls",
+        str(pki.cert_file),
+        str(pki.key_file),
+        str(pki.ca_file),
+        scheme="https",
+    )
+    try:
+        context = pki.client_context()
+        context.load_cert_chain(cert, key)
+        await trio.to_thread.run_sync(lambda: remote.wait_ready(verify=context))
+        path = tmp_path / "boot.xml"
+        for tls, ok in (
+            (f'ca="{pki.ca_file}" cert="{cert}" key="{key}"', True),
+            (f'ca="{pki.ca_file}"', False),  # no client certificate: the remote refuses
+            (f'cert="{cert}" key="{key}"', False),  # the remote's CA not trusted
+        ):
+            path.write_text(
+                f"""<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="caller">
+  <listeners><a2a name="secure" url="{remote.url}" {tls} connect-timeout="5"/></listeners>
+</organism>"""
+            )
+            done = await trio.to_thread.run_sync(lambda: cli("check", str(path)))
+            out = done.stdout.decode() + done.stderr.decode()
+            assert (done.returncode == 0) == ok, out
+            if ok:
+                assert "a2a secure: skill 'echo' -> listener secure-echo" in out
+        path.write_text(
+            f"""<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="caller">
+  <listeners>
+    <a2a name="secure" url="{remote.url}" ca="{pki.ca_file}" cert="{cert}" key="{key}"/>
+  </listeners>
+</organism>"""
+        )
+        server = await trio.to_thread.run_sync(
+            lambda: ServerProcess.start(path, "--http-port", "0", cwd=tmp_path)
+        )
+        try:
+            body = '<echo xmlns="urn:agentserver:a2a:secure"><text>over TLS</text></echo>'
+            reply = await post(http_url(server), "secure-echo", body)
+            assert "remote says: over TLS" in reply, reply
+        finally:
+            await trio.to_thread.run_sync(server.stop)
+    finally:
+        remote.stop()

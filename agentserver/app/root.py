@@ -382,8 +382,27 @@ def _a2a_handler(
             conversations=agents.runtime,
             operator=operator,
             public_url=topology.expose_a2a.public_url,
+            allow_private_push=topology.expose_a2a.allow_private_push,
         )
     )
+
+
+async def _a2a_push(
+    deps: Any,
+    scope: trio.CancelScope,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The A2A push notifications' watcher and deliverer, until ``scope`` is cancelled
+    (the HTTP API's end)."""
+    from agentserver.http.a2a.push import HttpPushDelivery, PushNotifier
+
+    delivery = HttpPushDelivery(allow_private=deps.allow_private_push)
+    try:
+        with scope:
+            await PushNotifier(deps.store, delivery).run(task_status=task_status)
+    finally:
+        with trio.CancelScope(shield=True):
+            await delivery.aclose()
 
 
 async def _start_http(
@@ -485,6 +504,11 @@ async def _start_http(
                 await serve_http(build_app(app_ctx), config, stop, task_status=task_status)
         finally:
             gateway_scope.cancel()
+            push_scope.cancel()
+
+    push_scope = trio.CancelScope()
+    if app_ctx.a2a is not None:
+        await nursery.start(_a2a_push, app_ctx.a2a.deps, push_scope)
 
     await nursery.start(run_gateway)
     return app_ctx, await nursery.start(run_http)

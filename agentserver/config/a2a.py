@@ -10,7 +10,7 @@ from __future__ import annotations
 from lxml import etree
 
 from agentserver.config.a2a_spec import A2aAgent, ExposeA2a
-from agentserver.config.imports import B
+from agentserver.config.imports import B, flag
 from agentserver.config.problems import Report
 from agentserver.config.topology import ListenerSpec, Topology
 from agentserver.core.payloads import PayloadType
@@ -50,7 +50,7 @@ def check_exposed_a2a(
             )
         )
     public_url = (el.get("public-url") or "").strip().rstrip("/") or None
-    return ExposeA2a(tuple(agents), public_url)
+    return ExposeA2a(tuple(agents), public_url, flag(el, "allow-private-push"))
 
 
 def exposed_skills(topology: Topology) -> tuple[A2aSkill, ...]:
@@ -64,14 +64,16 @@ def exposed_skills(topology: Topology) -> tuple[A2aSkill, ...]:
         spec = topology.listener(agent.name)
         model = next(m for m in spec.accepts if m not in spec.addressed_only and m is not Boot)
         profile = spec.agent_profile
+        ptype = PayloadType.from_model(model)
         skills.append(
             A2aSkill(
                 name=agent.name,
                 description=agent.description,
                 examples=agent.examples,
                 tags=agent.tags,
-                input=tool_input(PayloadType.from_model(model)),
+                input=tool_input(ptype),
                 memory=profile is not None and profile.memory == "client",
+                ptype=ptype,
             )
         )
     return tuple(skills)

@@ -11,6 +11,7 @@ absent until a restart finds it).
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import time
 from collections.abc import Mapping
@@ -104,8 +105,6 @@ class A2aRemoteReader:
                     self.report.warn(spec.line, problem + "; its skills are absent")
         if card is None:
             return []
-        import dataclasses
-
         spec = dataclasses.replace(spec, card=card)
         self.remotes.append(spec)
         namespace = skill_namespace(spec.name)

@@ -24,3 +24,6 @@ class ExposeA2a:
     #: The base URL clients reach the HTTP API at (``https://host:port``), for the card's
     #: absolute endpoint URLs; None: the URL each card request came to.
     public_url: str | None = None
+    #: ``allow-private-push``: push notification URLs on loopback or private ranges are
+    #: allowed (local deployments, tests); refused by default (SSRF).
+    allow_private_push: bool = False

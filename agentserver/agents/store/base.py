@@ -368,7 +368,8 @@ class ViewStore(Protocol):
 
 
 class A2aStore(Protocol):
-    """The A2A tasks our agents were sent over A2A (agents/store/sql/a2a.py)."""
+    """The A2A tasks our agents were sent over A2A (agents/store/sql/a2a.py) and their
+    push notifications (agents/store/sql/a2a_push.py)."""
 
     async def a2a_record(
         self,
@@ -384,6 +385,23 @@ class A2aStore(Protocol):
     async def a2a_tasks(
         self, owner: str, context_id: str | None, agents: Sequence[str], limit: int, offset: int
     ) -> tuple[list[dict[str, Any]], int]: ...
+    async def a2a_push_put(self, task_id: str, config_id: str, config: str) -> None: ...
+    async def a2a_push_configs(self, task_id: str) -> list[tuple[str, str]]: ...
+    async def a2a_push_delete(self, task_id: str, config_id: str) -> bool: ...
+    async def a2a_push_watched(self, limit: int) -> list[tuple[str, str, str | None]]: ...
+    async def a2a_push_owe(
+        self,
+        task_id: str,
+        config_id: str,
+        seen: str | None,
+        state: str,
+        finished: bool,
+        push_id: str,
+        body: str,
+    ) -> bool: ...
+    async def a2a_push_due(self, lease: float, limit: int) -> list[dict[str, Any]]: ...
+    async def a2a_push_delivered(self, push_id: str) -> None: ...
+    async def a2a_push_failed(self, push_id: str, delay: float | None, error: str) -> None: ...
 
 
 class StoreLifecycle(Protocol):

@@ -46,6 +46,7 @@ from agentserver.agents.store.outbox_calls import OutboxCalls
 from agentserver.agents.store.rows import Fired, ScheduleRow
 from agentserver.agents.store.sql import (
     a2a,
+    a2a_push,
     common,
     conversations,
     forks,
@@ -550,6 +551,41 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         self, owner: str, context_id: str | None, agents: Sequence[str], limit: int, offset: int
     ) -> tuple[list[dict[str, Any]], int]:
         return await self._read(a2a.tasks, owner, context_id, list(agents), limit, offset)
+
+    async def a2a_push_put(self, task_id: str, config_id: str, config: str) -> None:
+        await self._run1(a2a_push.put_config, task_id, config_id, config)
+
+    async def a2a_push_configs(self, task_id: str) -> list[tuple[str, str]]:
+        return await self._read(a2a_push.configs, task_id)
+
+    async def a2a_push_delete(self, task_id: str, config_id: str) -> bool:
+        return await self._run1(a2a_push.delete_config, task_id, config_id)
+
+    async def a2a_push_watched(self, limit: int) -> list[tuple[str, str, str | None]]:
+        return await self._read(a2a_push.watched, limit)
+
+    async def a2a_push_owe(
+        self,
+        task_id: str,
+        config_id: str,
+        seen: str | None,
+        state: str,
+        finished: bool,
+        push_id: str,
+        body: str,
+    ) -> bool:
+        return await self._run(
+            a2a_push.owe, task_id, config_id, seen, state, finished, push_id, body
+        )
+
+    async def a2a_push_due(self, lease: float, limit: int) -> list[dict[str, Any]]:
+        return await self._run(a2a_push.claim_due, lease, limit)
+
+    async def a2a_push_delivered(self, push_id: str) -> None:
+        await self._run1(a2a_push.delivered, push_id)
+
+    async def a2a_push_failed(self, push_id: str, delay: float | None, error: str) -> None:
+        await self._run1(a2a_push.failed, push_id, delay, error)
 
     async def figures(self) -> views.FigureRows:
         return await self._read(views.figures)

@@ -75,7 +75,7 @@ def _card(
             )
         ],
         capabilities=AgentCapabilities(
-            streaming=True, push_notifications=False, extended_agent_card=facts.secured
+            streaming=True, push_notifications=True, extended_agent_card=facts.secured
         ),
         default_input_modes=INPUT_MODES,
         default_output_modes=OUTPUT_MODES,

@@ -49,12 +49,11 @@ from a2a.utils.errors import (
     ContentTypeNotSupportedError,
     ExtendedAgentCardNotConfiguredError,
     InvalidParamsError,
-    PushNotificationNotSupportedError,
     TaskNotCancelableError,
     TaskNotFoundError,
     UnsupportedOperationError,
 )
-from google.protobuf.json_format import MessageToDict, MessageToJson
+from google.protobuf.json_format import MessageToDict, MessageToJson, Parse
 from lxml import etree
 
 from agentserver.agents.store.base import A2aStore
@@ -64,6 +63,7 @@ from agentserver.core.namespaces import CORE_NS
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.a2a.card import CardFacts, server_card
+from agentserver.http.a2a.push import PushRefused, check_push_url
 from agentserver.http.a2a.scope import AGENT, BASE_URL, IDENTITY
 from agentserver.http.a2a.skills import SKILL_KEY, A2aSkill, MessageRefused
 from agentserver.http.a2a.tasks import INTERRUPTED, TERMINAL, answer_artifact, state_of, to_task
@@ -121,11 +121,12 @@ class A2aDeps:
     operator: OperatorCommands | None = None
     #: boot.xml's ``public-url``: the cards' base URL (None: the request's).
     public_url: str | None = None
+    #: ``<expose-a2a allow-private-push>``: push URLs on loopback and private ranges.
+    allow_private_push: bool = False
 
 
 class A2aHandler(RequestHandler):
-    """Every A2A method on the exposed agents; the push-notification methods answer
-    PushNotificationNotSupported (the card says so)."""
+    """Every A2A method on the exposed agents."""
 
     def __init__(self, deps: A2aDeps) -> None:
         self.deps = deps
@@ -214,6 +215,9 @@ class A2aHandler(RequestHandler):
         found, new = await self.deps.store.a2a_record(
             task_id, skill.name, context_id, owner, message.message_id, MessageToJson(kept)
         )
+        if new and params.configuration.HasField("task_push_notification_config"):
+            # Before the task is sent: no state change goes unnoticed.
+            await self._set_push(task_id, params.configuration.task_push_notification_config)
         if new:
             if skill.memory and self.deps.conversations is not None:
                 # Each context is its own conversation with the agent.
@@ -421,27 +425,57 @@ class A2aHandler(RequestHandler):
         base = self.deps.public_url or (context.state.get(BASE_URL, "") if context else "")
         return server_card(self.deps.facts, base, self.visible(identity, None))
 
-    # -- push notifications: not served (the card says pushNotifications: false) ------------
+    # -- push notifications ------------------------------------------------------------------
+    async def _set_push(
+        self, task_id: str, config: TaskPushNotificationConfig
+    ) -> TaskPushNotificationConfig:
+        try:
+            await check_push_url(config.url, allow_private=self.deps.allow_private_push)
+        except PushRefused as exc:
+            raise InvalidParamsError(str(exc)) from None
+        kept = TaskPushNotificationConfig()
+        kept.CopyFrom(config)
+        kept.task_id = task_id
+        kept.id = config.id or new_thread_id()
+        if len(kept.id) > MAX_ID:
+            raise InvalidParamsError(f"a config id is at most {MAX_ID} characters")
+        await self.deps.store.a2a_push_put(task_id, kept.id, MessageToJson(kept))
+        return kept
+
     async def on_create_task_push_notification_config(
         self, params: TaskPushNotificationConfig, context: ServerCallContext | None = None
     ) -> TaskPushNotificationConfig:
-        raise PushNotificationNotSupportedError()
+        row = await self._task_row(params.task_id, self.identity(context))
+        return await self._set_push(row["task_id"], params)
+
+    async def _configs(self, task_id: str) -> list[TaskPushNotificationConfig]:
+        return [
+            Parse(text, TaskPushNotificationConfig())
+            for _, text in await self.deps.store.a2a_push_configs(task_id)
+        ]
 
     async def on_get_task_push_notification_config(
         self, params: GetTaskPushNotificationConfigRequest, context: ServerCallContext | None = None
     ) -> TaskPushNotificationConfig:
-        raise PushNotificationNotSupportedError()
+        row = await self._task_row(params.task_id, self.identity(context))
+        for config in await self._configs(row["task_id"]):
+            if config.id == params.id:
+                return config
+        raise TaskNotFoundError(f"no push config {params.id!r} on task {params.task_id!r}")
 
     async def on_list_task_push_notification_configs(
         self,
         params: ListTaskPushNotificationConfigsRequest,
         context: ServerCallContext | None = None,
     ) -> ListTaskPushNotificationConfigsResponse:
-        raise PushNotificationNotSupportedError()
+        row = await self._task_row(params.task_id, self.identity(context))
+        return ListTaskPushNotificationConfigsResponse(configs=await self._configs(row["task_id"]))
 
     async def on_delete_task_push_notification_config(
         self,
         params: DeleteTaskPushNotificationConfigRequest,
         context: ServerCallContext | None = None,
     ) -> None:
-        raise PushNotificationNotSupportedError()
+        row = await self._task_row(params.task_id, self.identity(context))
+        if not await self.deps.store.a2a_push_delete(row["task_id"], params.id):
+            raise TaskNotFoundError(f"no push config {params.id!r} on task {params.task_id!r}")

@@ -10,6 +10,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 from lxml import etree
 
+from agentserver.core.payloads import PayloadType
 from agentserver.core.xsd_jsonschema import XML_PROPERTY, ArgumentsRefused, ToolInput
 
 #: The message (or request) metadata key that names the skill, with several agents exposed.
@@ -38,6 +39,9 @@ class A2aSkill:
     input: ToolInput
     #: ``memory="client"``: each A2A context is a conversation the agent remembers.
     memory: bool = False
+    #: The task payload's type: a payload is checked against it before it is sent (the
+    #: pump would refuse it after the task was accepted, with no task to show it).
+    ptype: PayloadType | None = None
 
     def payload(self, message: Any) -> etree._Element:
         """The task payload of ``message`` (the SDK's ``Message``). Raises
@@ -66,6 +70,12 @@ class A2aSkill:
         if not arguments:
             raise MessageRefused("the message has no text and no data")
         try:
-            return self.input.element(arguments)
+            payload = self.input.element(arguments)
         except ArgumentsRefused as exc:
             raise MessageRefused(str(exc)) from None
+        if self.ptype is not None and not self.ptype.schema.validate(payload):
+            error = self.ptype.schema.error_log.last_error
+            raise MessageRefused(
+                f"the message does not fit {self.name}'s task: {error.message if error else ''}"
+            )
+        return payload

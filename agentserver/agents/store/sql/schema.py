@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from agentserver.agents.errors import StoreError
 from agentserver.agents.store import outbox, step_log
-from agentserver.agents.store.sql import a2a, fair, prune
+from agentserver.agents.store.sql import a2a, a2a_push, fair, prune
 from agentserver.agents.store.sql import budgets as budget_sql
 from agentserver.agents.store.sql.db import POSTGRESQL, SQLITE, Tx
 
@@ -256,7 +256,7 @@ CREATE TABLE schedule_runs (
 );
 """,
     # Issue 35: A2A tasks (agents/store/sql/a2a.py).
-    11: a2a.MIGRATION,
+    11: a2a.MIGRATION + a2a_push.MIGRATION,
 }
 #: The newest schema version: migrations are numbered 1..N without gaps.
 SCHEMA_VERSION = max(MIGRATIONS)
