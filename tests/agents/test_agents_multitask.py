@@ -297,6 +297,52 @@ async def test_two_processes_the_newer_task_meets_the_turn_run_elsewhere(
     assert ("teal" in shown) is (mode == "interrupt")
 
 
+async def test_two_double_texts_at_once_from_two_processes(
+    request: pytest.FixtureRequest, tmp_path, idle_clock: trio.testing.MockClock
+) -> None:
+    """Two interrupts of one conversation at once, one per process: whichever commits
+    second ends the first's Turn (its decision is taken again if the head moved under
+    it), unless that Turn ended first: every task has exactly one answer, the hung one
+    is interrupted, and the last one runs."""
+    from agentserver.agents.store.pg.store import PostgresAgentStore
+
+    url = request.getfixturevalue("pg_url")
+    settings = StoreSettings(url=url)
+    sides: list[Side] = []
+    try:
+        for _ in range(2):
+            clock = ManualClock()
+            store = PostgresAgentStore.open(url, clock=clock, settings=settings)
+            sides.append(runtime(store, settings, clock))
+        a, b = sides
+        await a.rt.recover()
+        await a.rt.enqueue("assistant", task("hang first"), ref("t1"))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.rt.worker.run)
+            await nursery.start(b.rt.worker.run)
+            await a.llm.hanging.wait()
+            async with trio.open_nursery() as both:
+                both.start_soon(
+                    lambda: a.rt.enqueue(
+                        "assistant", task("from a"), ref("t2"), multitask="interrupt"
+                    )
+                )
+                both.start_soon(
+                    lambda: b.rt.enqueue(
+                        "assistant", task("from b"), ref("t3"), multitask="interrupt"
+                    )
+                )
+            await trio.sleep(30)  # trio time: far less than an uncancelled model call
+            nursery.cancel_scope.cancel()
+    finally:
+        for s in sides:
+            await s.rt.aclose()
+    got = sorted((t, f) for t, f, _ in answers(a.replies) + answers(b.replies))
+    assert [t for t, _ in got] == ["t1", "t2", "t3"]  # one answer each
+    assert got[0] == ("t1", True)  # interrupted
+    assert [f for _, f in got[1:]].count(False) >= 1  # the last one ran (maybe both did)
+
+
 async def test_an_unknown_mode_writes_nothing(side: Side) -> None:
     with pytest.raises(ValueError, match="multitask"):
         await side.rt.enqueue("assistant", task("x"), ref("t1"), multitask="shout")
