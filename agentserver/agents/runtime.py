@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 
 #: The default double-texting mode: a task waits its turn (no added cost).
 ENQUEUE = MULTITASK_MODES[0]
+#: How often a double text is decided again when the Turn it ends moved on meanwhile.
+MULTITASK_ATTEMPTS = 3
 
 
 def _bytes(payload: etree._Element | bytes) -> bytes:
@@ -235,7 +237,9 @@ class AgentRuntime:
         applies it (agents/store/sql/multitask.py); then, as :meth:`stop` does, this
         process's run of the Turn it ended is cancelled with its model call in flight (a
         run in another process is fenced out by the epoch), and the answers it owes are
-        sent (they are in the reply outbox already: a crash resends them)."""
+        sent (they are in the reply outbox already: a crash resends them). A transaction
+        that loses a race for the head (the Turn it ends moved on) is rolled back whole and
+        decided again, at most :data:`MULTITASK_ATTEMPTS` times."""
         if mode not in MULTITASK_MODES:
             raise ValueError(f"multitask must be one of {', '.join(MULTITASK_MODES)}")
         profile = self.profiles[agent_id]
@@ -244,9 +248,23 @@ class AgentRuntime:
             ended=answer_bytes(profile, ENDED_TEXT.get(mode, ""), failed=True),
             superseded=answer_bytes(profile, SUPERSEDED_TEXT, failed=True),
         )
-        done = await self.store.enqueue_multitask(
-            agent_id, payload, reply_ref, conversation=conversation, mode=mode, answers=answers
-        )
+        for attempt in range(MULTITASK_ATTEMPTS):
+            try:
+                done = await self.store.enqueue_multitask(
+                    agent_id,
+                    payload,
+                    reply_ref,
+                    conversation=conversation,
+                    mode=mode,
+                    answers=answers,
+                )
+                break
+            except StaleTurn:
+                # The running Turn ended (or another double text ended it) between this
+                # transaction's read and its compare-and-set: all of it rolled back;
+                # decide again on the head as it is now.
+                if attempt == MULTITASK_ATTEMPTS - 1:
+                    raise
         if done.ended is not None:
             self.worker.interrupt(agent_id, done.ended.agent_turn_id)
             await self.ender.after(done.ended)

@@ -18,7 +18,7 @@ import trio
 
 from agentserver.agents.clock import Clock
 from agentserver.agents.doorbell import Doorbell
-from agentserver.agents.errors import StoreError
+from agentserver.agents.errors import StaleTurn, StoreError
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.schedule import ScheduleInvalid, ScheduleSpec, missed
 from agentserver.agents.store.base import AgentStore, Finished, Fired, ScheduleRow
@@ -96,6 +96,10 @@ class Scheduler:
         while True:
             try:
                 until = await self.fire_due()
+            except StaleTurn:
+                # cancel-other raced another end of the run it cancels: rolled back, the
+                # tick is still due; look again at once.
+                until = self.clock.now()
             except StoreError as exc:
                 log.warning("schedules: %s", exc)
                 until = self.clock.now() + self.poll_s
