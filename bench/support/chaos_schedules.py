@@ -53,7 +53,8 @@ class Run:
     schedule: str
     tick: float
     outcome: str
-    #: the run's task in the inbox: None when skipped, "" when its row is missing
+    #: the run's task in the inbox: None when skipped, "" when its row is missing,
+    #: "pruned" when retention removed it (its tombstone)
     inbox_status: str | None
     #: its Turn still holds its agent (the head's active Turn)
     running: bool
@@ -108,7 +109,9 @@ def check_runs(scheds: list[Sched], runs: list[Run], now: float) -> tuple[dict, 
 
 _SCHEDS = "SELECT name, cron, created_at, next_tick, skipped FROM schedules"
 _RUNS = (
-    "SELECT r.schedule, r.tick, r.outcome, r.inbox_id, i.status, "
+    "SELECT r.schedule, r.tick, r.outcome, r.inbox_id, "
+    # A task retention pruned (chaos.py --retention) left its tombstone: it was there.
+    "coalesce(i.status, (SELECT 'pruned' FROM pruned_turns p WHERE p.inbox_id = r.inbox_id)), "
     "(SELECT count(*) FROM agent_state_head h WHERE h.turn_inbox_id = r.inbox_id "
     "AND h.status IN ('dispatched', 'running', 'suspended')) "
     "FROM schedule_runs r LEFT JOIN agent_inbox i ON i.inbox_id = r.inbox_id"

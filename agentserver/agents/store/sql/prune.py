@@ -47,7 +47,8 @@ CREATE TABLE pruned_turns (
     agent_id TEXT NOT NULL,
     caller_thread TEXT,
     hop TEXT,
-    pruned_at REAL NOT NULL
+    pruned_at REAL NOT NULL,
+    inbox_id TEXT
 );
 CREATE INDEX pruned_turns_caller ON pruned_turns (agent_id, caller_thread);
 CREATE INDEX pruned_turns_hop ON pruned_turns (agent_id, hop);
@@ -266,9 +267,9 @@ def _delete_turn(
     # Every pruned task leaves its tombstone, a task that never got a Turn (cancelled
     # while queued, failed at its lease) too: "pruned" is then the answer for its thread.
     tx.execute(
-        "INSERT INTO pruned_turns (agent_turn_id, agent_id, caller_thread, hop, pruned_at) "
-        "VALUES (?,?,?,?,?) ON CONFLICT (agent_turn_id) DO NOTHING",
-        (turn or f"task:{inbox_id}", agent_id, *_threads(ref), now),
+        "INSERT INTO pruned_turns (agent_turn_id, agent_id, caller_thread, hop, pruned_at, "
+        "inbox_id) VALUES (?,?,?,?,?,?) ON CONFLICT (agent_turn_id) DO NOTHING",
+        (turn or f"task:{inbox_id}", agent_id, *_threads(ref), now, inbox_id),
     )
     return rows
 
