@@ -385,3 +385,54 @@ async def test_the_turns_span_carries_the_reservation(store):
     assert span.attributes["agentserver.budget.names"] == "agent:a"
     assert span.attributes["agentserver.budget.reserved_tokens"] == 600
     assert span.attributes["agentserver.budget.refused"] == "agent:a"
+
+
+# -- a run-time change holds across processes and periods ------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgresql)]
+)
+async def test_a_run_time_change_holds_across_processes_and_periods(kind, request, tmp_path):
+    """Two stores on one database stand for two processes (on SQLite, which one process
+    holds, two ``Budgets`` on one store: each keeps its own budgets and periods), both
+    booted with the same boot.xml budget; one changes it at run time (``PUT
+    /v1/budgets``). The other opens its next period with the change, and so does a third
+    started afterwards."""
+    clock = ManualClock(NOON)
+    a = await open_store(kind, request, tmp_path, clock)
+    b = a if kind == "sqlite" else await open_store(kind, request, tmp_path, clock)
+    c = None
+    try:
+        boot = BudgetSpec("agent:a", tokens=100, period="day")
+        here, there = Budgets(a, clock, [boot]), Budgets(b, clock, [boot])
+        assert await there.reserve("a", None, Need(50, 0.0), 10) is not None
+        await here.set(here.with_spec("agent:a", tokens=1000))
+        # at once, in the current period, for both
+        hold = await there.reserve("a", None, Need(500, 0.0), 10)
+        assert hold is not None
+        await there.settle(hold, None, agent="a", turn=None)
+        # the next period: the other process opens it with the change, not boot.xml's
+        clock.set(NOON + 12 * 3600 + 1)
+        hold = await there.reserve("a", None, Need(600, 0.0), 10)
+        assert hold is not None
+        [row] = await there.rows()
+        assert row.period_start == NOON + 12 * 3600 and row.limit_tokens == 1000
+        assert there.specs["agent:a"].tokens == 1000
+        # a process started now (a restart) opens it with the change too
+        if kind != "sqlite":
+            c = await open_store(kind, request, tmp_path, clock)
+        later = Budgets(c or a, clock, [boot])
+        [row] = await later.rows()
+        assert row.limit_tokens == 1000 and row.reserved_tokens == 600
+        # a change of period: the other process moves to it at its next period
+        await here.set(here.with_spec("agent:a", period="week"))
+        week = period_bounds("week", "UTC", clock.now())
+        clock.set(NOON + 36 * 3600 + 1)  # Sunday 00:00:01, still the same week
+        assert await there.reserve("a", None, Need(10, 0.0), 10) is not None
+        [row] = await here.rows()
+        assert (row.period, row.period_start) == ("week", week[0])
+        assert row.reserved_tokens == 10 and there.specs["agent:a"].period == "week"
+    finally:
+        for s in {id(x): x for x in (a, b, c) if x is not None}.values():
+            await s.aclose()

@@ -31,7 +31,7 @@ from agentserver.agents.policy.budget import (
 )
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import DEFAULT_MAX_OUTPUT
-from agentserver.agents.store.sql.budgets import PeriodRow, SpendRow, row_key
+from agentserver.agents.store.sql.budgets import Override, PeriodRow, SpendRow, row_key
 from agentserver.llm.tokens import PER_REQUEST, estimate_message_tokens
 from agentserver.observability.tracing import annotate_current
 
@@ -52,7 +52,7 @@ class BudgetSpent(Exception):
 class BudgetRows(Protocol):
     """What :class:`Budgets` needs of the store (``agents/store/budget_store.py``)."""
 
-    async def budget_ensure(self, rows: Sequence[PeriodRow]) -> None: ...
+    async def budget_ensure(self, rows: Sequence[PeriodRow]) -> list[Override]: ...
     async def budget_reserve(
         self, keys: Sequence[str], tokens: int, cost: float, hold_id: str, expires_at: float
     ) -> bool: ...
@@ -62,10 +62,8 @@ class BudgetRows(Protocol):
     ) -> list[SpendRow]: ...
     async def budget_release(self, hold_id: str) -> None: ...
     async def budget_release_expired(self) -> int: ...
-    async def budget_rows(self, budgets: Sequence[str]) -> list[SpendRow]: ...
-    async def budget_set_limits(
-        self, key: str, tokens: int | None, cost: float | None, soft: float | None
-    ) -> None: ...
+    async def budget_rows(self, keys: Sequence[str]) -> list[SpendRow]: ...
+    async def budget_set(self, override: Override, row: PeriodRow) -> None: ...
     async def budget_reset(self, key: str) -> None: ...
 
 
@@ -143,11 +141,50 @@ class Budgets:
         return Need(prompt + out, self.price.cost(prompt, out))
 
     def _rows(self, names: Sequence[str], now: float) -> list[PeriodRow]:
-        rows = []
-        for name in names:
-            s = self.specs[name]
-            start, end = period_bounds(s.period, s.timezone, now)
-            rows.append(PeriodRow(name, s.period, start, end, s.tokens, s.cost, s.soft))
+        return [self._row_of(self.specs[name], now) for name in names]
+
+    @staticmethod
+    def _row_of(s: BudgetSpec, now: float) -> PeriodRow:
+        start, end = period_bounds(s.period, s.timezone, now)
+        return PeriodRow(s.name, s.period, start, end, s.tokens, s.cost, s.soft, s.timezone)
+
+    def _adopt(self, overrides: Sequence[Override]) -> None:
+        """The budgets changed at run time (by any process) replace this process's."""
+        for o in overrides:
+            old = self.specs.get(o.budget)
+            try:
+                spec = BudgetSpec(
+                    o.budget,
+                    o.limit_tokens,
+                    o.limit_cost,
+                    o.period,
+                    o.soft,
+                    o.timezone,
+                    old.line if old is not None else 0,
+                )
+            except ValueError as exc:  # (written by set(), so valid; never trusted blindly)
+                log.warning("budget override %s ignored: %s", o.budget, exc)
+                continue
+            if spec != old:
+                self.specs[o.budget] = spec
+
+    async def _open(self, names: Sequence[str], now: float) -> list[PeriodRow]:
+        """The current rows of ``names``; those this process has not opened yet are
+        created (one store call, which also reads the run-time overrides and adopts them;
+        a second one only if an override moved a period's bounds). Cancelled: nothing
+        this process remembers changes before the store call returns."""
+        rows = self._rows(names, now)
+        missing = [r for r in rows if r.key not in self._ensured]
+        if not missing:
+            return rows
+        self._adopt(await self.store.budget_ensure(missing))
+        self._ensured.update(r.key for r in missing)
+        names = [n for n in names if n in self.specs]
+        rows = self._rows(names, now)
+        missing = [r for r in rows if r.key not in self._ensured]
+        if missing:  # an override changed the period or the time zone
+            self._adopt(await self.store.budget_ensure(missing))
+            self._ensured.update(r.key for r in missing)
         return rows
 
     async def reserve(
@@ -160,11 +197,7 @@ class Budgets:
         if not names:
             return None
         now = self.clock.now()
-        rows = self._rows(names, now)
-        missing = [r for r in rows if r.key not in self._ensured]
-        if missing:
-            await self.store.budget_ensure(missing)
-            self._ensured.update(r.key for r in missing)
+        rows = await self._open(names, now)
         keys = tuple(r.key for r in rows)
         hold_id = uuid.uuid4().hex
         expires = now + timeout_s + HOLD_MARGIN_S
@@ -248,20 +281,24 @@ class Budgets:
     async def rows(self) -> list[SpendRow]:
         """Each declared budget's current period (created if this is its first look)."""
         now = self.clock.now()
-        rows = self._rows(sorted(self.specs), now)
-        missing = [r for r in rows if r.key not in self._ensured]
-        if missing:
-            await self.store.budget_ensure(missing)
-            self._ensured.update(r.key for r in missing)
-        return await self.store.budget_rows(sorted(self.specs))
+        rows = await self._open(sorted(self.specs), now)
+        if len(rows) < len(self.specs):  # another process declared one at run time
+            rows = await self._open(sorted(self.specs), now)
+        return await self.store.budget_rows([r.key for r in rows])
 
     async def set(self, spec: BudgetSpec) -> None:
-        """Declare or change ``spec`` at run time: its current period's limits too."""
+        """Declare or change ``spec`` at run time, durably: stored as the budget's
+        override (every process, this one after a restart included, opens the budget's
+        next periods with it) and applied to its current period's row (every process's
+        reservations check it at once). One store transaction; cancelled before it
+        commits, nothing changes, here or in the store."""
+        row = self._row_of(spec, self.clock.now())
+        override = Override(
+            spec.name, spec.period, spec.timezone, spec.tokens, spec.cost, spec.soft
+        )
+        await self.store.budget_set(override, row)
         self.specs[spec.name] = spec
-        row = self._rows([spec.name], self.clock.now())[0]
-        await self.store.budget_ensure([row])
         self._ensured.add(row.key)
-        await self.store.budget_set_limits(row.key, spec.tokens, spec.cost, spec.soft)
 
     async def reset(self, name: str) -> None:
         """The current period's spend of ``name`` back to zero. KeyError: not declared."""

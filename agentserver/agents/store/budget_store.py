@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from agentserver.agents.store.sql import budgets as sql
-from agentserver.agents.store.sql.budgets import PeriodRow, SpendRow
+from agentserver.agents.store.sql.budgets import Override, PeriodRow, SpendRow
 
 T = TypeVar("T")
 
@@ -22,8 +22,9 @@ class BudgetStore:
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
         raise NotImplementedError
 
-    async def budget_ensure(self, rows: Sequence[PeriodRow]) -> None:
-        await self._run(sql.ensure_rows, list(rows))
+    async def budget_ensure(self, rows: Sequence[PeriodRow]) -> list[Override]:
+        """The rows created if missing (with the overrides' limits); every override."""
+        return await self._run(sql.ensure_rows, list(rows))
 
     async def budget_reserve(
         self, keys: Sequence[str], tokens: int, cost: float, hold_id: str, expires_at: float
@@ -44,13 +45,13 @@ class BudgetStore:
     async def budget_release_expired(self) -> int:
         return await self._run(sql.release_expired)
 
-    async def budget_rows(self, budgets: Sequence[str]) -> list[SpendRow]:
-        return await self._read(sql.current_rows, list(budgets))
+    async def budget_rows(self, keys: Sequence[str]) -> list[SpendRow]:
+        """The rows of ``keys`` (row keys: ``row_key(budget, period_start)``)."""
+        return await self._read(sql.rows_of, list(keys))
 
-    async def budget_set_limits(
-        self, key: str, tokens: int | None, cost: float | None, soft: float | None
-    ) -> None:
-        await self._run(sql.set_limits, key, tokens, cost, soft)
+    async def budget_set(self, override: Override, row: PeriodRow) -> None:
+        """The budget's override stored and its current row's limits changed, together."""
+        await self._run(sql.set_budget, override, row)
 
     async def budget_reset(self, key: str) -> None:
         await self._run(sql.reset, key)

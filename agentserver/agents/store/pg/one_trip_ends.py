@@ -69,9 +69,14 @@ def enqueue_turn(
     writes but the epoch, which the inbox row takes from the compare-and-set's
     ``RETURNING``. An idle head with older queued rows (the shared
     function leases the oldest) is a miss; so is a Turn continuing a conversation (its
-    cards are read first), before anything is sent."""
+    cards are read first), and so is every enqueue with ``<store fair-share>`` (the
+    shared function's lease moves the client's fair-share tags, which this statement
+    does not: agents/store/sql/fair.py), all before anything is sent. Fair share off, the
+    check is one attribute read: no statement is added."""
     if conversation:
         raise Missed("a conversation's cards are read first")
+    if env.settings.fair_weights is not None:
+        raise Missed("fair share tags the lease")
     ref_json = json.dumps(reply_ref)
     inbox_id = new_id()
     head.ensure(tx, env, agent_id)

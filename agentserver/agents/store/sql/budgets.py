@@ -49,6 +49,21 @@ CREATE TABLE budget_holds (
 CREATE INDEX budget_holds_expiry ON budget_holds (expires_at);
 """
 
+#: Migration 12: the budgets changed at run time (``PUT /v1/budgets/...``), so that a
+#: change holds across processes, restarts and periods: whichever process opens a
+#: budget's next period takes its limits, period, soft mark and time zone from here.
+OVERRIDES_MIGRATION = """
+CREATE TABLE budget_overrides (
+    budget TEXT PRIMARY KEY,
+    period TEXT NOT NULL,
+    timezone TEXT NOT NULL,
+    limit_tokens BIGINT,
+    limit_cost REAL,
+    soft REAL,
+    updated_at REAL NOT NULL
+);
+"""
+
 
 def row_key(budget: str, period_start: float) -> str:
     """The row of ``budget`` in the period starting at ``period_start``."""
@@ -66,10 +81,24 @@ class PeriodRow:
     limit_tokens: int | None
     limit_cost: float | None
     soft: float | None
+    timezone: str = "UTC"
 
     @property
     def key(self) -> str:
         return row_key(self.budget, self.start)
+
+
+@dataclass(frozen=True, slots=True)
+class Override:
+    """A budget as last changed at run time (``budget_overrides``): it replaces the
+    boot.xml declaration of ``budget`` in every process, from the period each opens next."""
+
+    budget: str
+    period: str
+    timezone: str
+    limit_tokens: int | None
+    limit_cost: float | None
+    soft: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,26 +163,62 @@ def _spend(r: Sequence[object]) -> SpendRow:
     )
 
 
-def ensure_rows(tx: Tx, env: StoreEnv, rows: Sequence[PeriodRow]) -> None:
-    """The periods' rows, created if missing (another process may have made them)."""
-    now = env.clock.now()
-    for p in rows:
-        tx.execute(
-            "INSERT INTO budget_spend (bkey, budget, period, period_start, period_end,"
-            " limit_tokens, limit_cost, soft, updated_at) VALUES (?,?,?,?,?,?,?,?,?)"
-            " ON CONFLICT (bkey) DO NOTHING",
-            (
-                p.key,
-                p.budget,
-                p.period,
-                p.start,
-                None if math.isinf(p.end) else p.end,
-                p.limit_tokens,
-                p.limit_cost,
-                p.soft,
-                now,
-            ),
+def overrides(tx: Tx, env: StoreEnv) -> list[Override]:
+    """Every budget changed at run time (one row per budget name: a handful)."""
+    return [
+        Override(
+            str(r[0]),
+            str(r[1]),
+            str(r[2]),
+            None if r[3] is None else int(r[3]),
+            None if r[4] is None else float(r[4]),
+            None if r[5] is None else float(r[5]),
         )
+        for r in tx.all(
+            "SELECT budget, period, timezone, limit_tokens, limit_cost, soft"
+            " FROM budget_overrides ORDER BY budget"
+        )
+    ]
+
+
+def _insert_row(tx: Tx, p: PeriodRow, now: float) -> None:
+    tx.execute(
+        "INSERT INTO budget_spend (bkey, budget, period, period_start, period_end,"
+        " limit_tokens, limit_cost, soft, updated_at) VALUES (?,?,?,?,?,?,?,?,?)"
+        " ON CONFLICT (bkey) DO NOTHING",
+        (
+            p.key,
+            p.budget,
+            p.period,
+            p.start,
+            None if math.isinf(p.end) else p.end,
+            p.limit_tokens,
+            p.limit_cost,
+            p.soft,
+            now,
+        ),
+    )
+
+
+def ensure_rows(tx: Tx, env: StoreEnv, rows: Sequence[PeriodRow]) -> list[Override]:
+    """The periods' rows, created if missing (another process may have made them), with
+    the limits of the budget's run-time override when it has one (else the row's own).
+    Returns every override, read in the same transaction, for the caller to adopt: a row
+    whose period or time zone the override changed was computed from stale bounds, so it
+    is not created, and the caller ensures the right one next."""
+    now = env.clock.now()
+    changed = overrides(tx, env)
+    by_name = {o.budget: o for o in changed}
+    for p in rows:
+        o = by_name.get(p.budget)
+        if o is not None and (o.period, o.timezone) != (p.period, p.timezone):
+            continue
+        if o is not None:
+            p = PeriodRow(
+                p.budget, p.period, p.start, p.end, o.limit_tokens, o.limit_cost, o.soft, o.timezone
+            )
+        _insert_row(tx, p, now)
+    return changed
 
 
 @functools.lru_cache(maxsize=16)
@@ -308,32 +373,38 @@ def release_expired(tx: Tx, env: StoreEnv) -> int:
     return len(ids)
 
 
-def current_rows(tx: Tx, env: StoreEnv, budgets: Sequence[str]) -> list[SpendRow]:
-    """Each budget's latest period row."""
-    if not budgets:
+def rows_of(tx: Tx, env: StoreEnv, keys: Sequence[str]) -> list[SpendRow]:
+    """The rows of ``keys`` (each budget's current period, as its process computes it:
+    after a run-time change of period, the newest row need not be the current one)."""
+    if not keys:
         return []
     rows = tx.all(
-        f"SELECT {_COLUMNS} FROM budget_spend s WHERE budget IN ({marks(len(budgets))})"
-        " AND period_start = (SELECT max(period_start) FROM budget_spend t"
-        " WHERE t.budget = s.budget) ORDER BY budget",
-        list(budgets),
+        f"SELECT {_COLUMNS} FROM budget_spend WHERE bkey IN ({marks(len(keys))}) ORDER BY budget",
+        list(keys),
     )
     return [_spend(r) for r in rows]
 
 
-def set_limits(
-    tx: Tx,
-    env: StoreEnv,
-    key: str,
-    tokens: int | None,
-    cost: float | None,
-    soft: float | None,
-) -> None:
-    """The current period's limits changed (``PUT /v1/budgets/...``)."""
+def set_budget(tx: Tx, env: StoreEnv, override: Override, row: PeriodRow) -> None:
+    """A budget changed at run time (``PUT /v1/budgets/...``): the override stored (every
+    process opens the budget's next periods with it) and ``row``, the current period's,
+    created if missing and given the new limits (every process's reservations check it
+    from now on). One transaction: both or neither."""
+    now = env.clock.now()
+    o = override
+    tx.execute(
+        "INSERT INTO budget_overrides (budget, period, timezone, limit_tokens, limit_cost,"
+        " soft, updated_at) VALUES (?,?,?,?,?,?,?) ON CONFLICT (budget) DO UPDATE SET"
+        " period = excluded.period, timezone = excluded.timezone,"
+        " limit_tokens = excluded.limit_tokens, limit_cost = excluded.limit_cost,"
+        " soft = excluded.soft, updated_at = excluded.updated_at",
+        (o.budget, o.period, o.timezone, o.limit_tokens, o.limit_cost, o.soft, now),
+    )
+    _insert_row(tx, row, now)
     tx.execute(
         "UPDATE budget_spend SET limit_tokens = ?, limit_cost = ?, soft = ?, updated_at = ?"
         " WHERE bkey = ?",
-        (tokens, cost, soft, env.clock.now(), key),
+        (o.limit_tokens, o.limit_cost, o.soft, now, row.key),
     )
 
 

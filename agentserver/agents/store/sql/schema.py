@@ -257,6 +257,9 @@ CREATE TABLE schedule_runs (
 """,
     # Issue 35: A2A tasks (agents/store/sql/a2a.py).
     11: a2a.MIGRATION + a2a_push.MIGRATION,
+    # Issue 37: budgets changed at run time hold across processes and periods
+    # (agents/store/sql/budgets.py).
+    12: budget_sql.OVERRIDES_MIGRATION,
 }
 #: The newest schema version: migrations are numbered 1..N without gaps.
 SCHEMA_VERSION = max(MIGRATIONS)
