@@ -14,7 +14,14 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from agentserver.agents.edge.hooksign import new_secret, secret_bytes, signed_headers
 from agentserver.agents.edge.webhooks import event_type, render_signed
-from agentserver.agents.events import ChunkEvent, NoticeEvent, StateEvent, StepEvent, TaskEvent
+from agentserver.agents.events import (
+    BudgetEvent,
+    ChunkEvent,
+    NoticeEvent,
+    StateEvent,
+    StepEvent,
+    TaskEvent,
+)
 from agentserver.agents.profile.webhooks import WebhookSpec, event_matches
 from agentserver.agents.store.outbox import OutboxRow
 from agentserver.config.loader import load_bytes
@@ -79,6 +86,10 @@ def test_events_map_to_webhook_types() -> None:
     assert event_type(StateEvent("a", "t", "running")) == "state.running"
     assert event_type(ChunkEvent("a", "t", "s", "x")) is None
     assert event_type(NoticeEvent("budget.soft", "a")) == "budget.soft"
+    # the spend budgets' own event (docs/budgets.md) is delivered by its kind, once a period
+    soft = BudgetEvent("a", "t", "organism", "day", 86400.0, 900, 0.0, 1000, None)
+    assert event_type(soft) == "budget.soft"
+    assert soft.dedupe_key == "budget.soft:organism:86400.0"
 
     class Other:  # any typed event of another feature, by its event_type
         event_type = "schedule.failed"

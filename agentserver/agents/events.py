@@ -100,6 +100,11 @@ class BudgetEvent:
         """The webhook event type (agents/edge/webhooks.py delivers it by this name)."""
         return self.kind
 
+    @property
+    def dedupe_key(self) -> str:
+        """One crossing per budget and period: a webhook delivers it once."""
+        return f"{self.kind}:{self.budget}:{self.period_start}"
+
 
 Event: TypeAlias = StepEvent | TaskEvent | ChunkEvent | StateEvent | NoticeEvent | BudgetEvent
 
