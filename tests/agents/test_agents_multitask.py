@@ -317,23 +317,35 @@ async def test_two_double_texts_at_once_from_two_processes(
         a, b = sides
         await a.rt.recover()
         await a.rt.enqueue("assistant", task("hang first"), ref("t1"))
-        async with trio.open_nursery() as nursery:
-            await nursery.start(a.rt.worker.run)
-            await nursery.start(b.rt.worker.run)
-            await a.llm.hanging.wait()
-            async with trio.open_nursery() as both:
-                both.start_soon(
-                    lambda: a.rt.enqueue(
-                        "assistant", task("from a"), ref("t2"), multitask="interrupt"
+        # Bounded: a hang fails the test (the MockClock jumps to this deadline once every
+        # task waits) instead of holding the suite.
+        with trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(a.rt.worker.run)
+                await nursery.start(b.rt.worker.run)
+                # Either process's worker may take the first Turn (one store): wait for
+                # whichever model call hangs.
+                async with trio.open_nursery() as first:
+
+                    async def hung(side: Side) -> None:
+                        await side.llm.hanging.wait()
+                        first.cancel_scope.cancel()
+
+                    for side in sides:
+                        first.start_soon(hung, side)
+                async with trio.open_nursery() as both:
+                    both.start_soon(
+                        lambda: a.rt.enqueue(
+                            "assistant", task("from a"), ref("t2"), multitask="interrupt"
+                        )
                     )
-                )
-                both.start_soon(
-                    lambda: b.rt.enqueue(
-                        "assistant", task("from b"), ref("t3"), multitask="interrupt"
+                    both.start_soon(
+                        lambda: b.rt.enqueue(
+                            "assistant", task("from b"), ref("t3"), multitask="interrupt"
+                        )
                     )
-                )
-            await trio.sleep(30)  # trio time: far less than an uncancelled model call
-            nursery.cancel_scope.cancel()
+                await trio.sleep(30)  # trio time: far less than an uncancelled model call
+                nursery.cancel_scope.cancel()
     finally:
         for s in sides:
             await s.rt.aclose()
