@@ -3,6 +3,7 @@ function of ``agents/store/sql/budgets.py`` in one transaction of the backend.""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -12,15 +13,19 @@ from agentserver.agents.store.sql.budgets import Override, PeriodRow, SpendRow
 T = TypeVar("T")
 
 
-class BudgetStore:
+class BudgetStore(abc.ABC):
     """Budget rows and holds. Every method is one transaction (``reserve`` on
-    PostgreSQL one statement); a cancel before it commits leaves nothing written."""
+    PostgreSQL one statement); a cancel before it commits leaves nothing written.
+    ``SqlAgentStore`` supplies the backend's ``_run`` and ``_read``, as for
+    :class:`~agentserver.agents.store.outbox_calls.OutboxCalls`."""
 
+    @abc.abstractmethod
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        raise NotImplementedError
+        """Run ``fn(tx, env, *args)`` in one write transaction of the backend."""
 
+    @abc.abstractmethod
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
-        raise NotImplementedError
+        """Run ``fn(tx, env, *args)`` in one read-only transaction of the backend."""
 
     async def budget_ensure(self, rows: Sequence[PeriodRow]) -> list[Override]:
         """The rows created if missing (with the overrides' limits); every override."""
