@@ -7,6 +7,8 @@ task payload's input and whether the agent remembers a conversation per context)
 
 from __future__ import annotations
 
+import importlib.util
+
 from lxml import etree
 
 from agentserver.config.a2a_spec import A2aAgent, ExposeA2a
@@ -19,11 +21,24 @@ from agentserver.http.a2a.skills import A2aSkill
 from agentserver.primitives.core import Boot
 
 
+def _sdk_installed() -> bool:
+    try:
+        return importlib.util.find_spec("a2a") is not None
+    except (ImportError, ValueError):  # a finder that refuses it, or a None module entry
+        return False
+
+
 def check_exposed_a2a(
     report: Report, el: etree._Element | None, listeners: tuple[ListenerSpec, ...]
 ) -> ExposeA2a | None:
     """``<expose-a2a>``: each ``<agent name>`` a declared agent, named once."""
     if el is None:
+        return None
+    if not _sdk_installed():
+        # The SDK is the optional a2a extra: say so at load, not as an ImportError later.
+        report.error(
+            el.sourceline, "<expose-a2a> needs the A2A SDK: pip install 'agentserver[a2a]'"
+        )
         return None
     by_name = {s.name: s for s in listeners}
     agents: list[A2aAgent] = []

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
 from lxml import etree
 
 from agentserver.core.payloads import PayloadType
@@ -54,6 +53,10 @@ class A2aSkill:
             if kind == "text":
                 texts.append(part.text)
             elif kind == "data":
+                # Imported here: a message in hand means the SDK (the a2a extra) is
+                # installed; loading boot.xml must not need it.
+                from google.protobuf.json_format import MessageToDict
+
                 data = MessageToDict(part.data)
                 if not isinstance(data, dict):
                     raise MessageRefused("a data part must be a JSON object (the task's fields)")
