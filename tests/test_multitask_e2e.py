@@ -30,7 +30,7 @@ from serverproc import DATA, ServerProcess, cli, subprocess_env
 from agentserver.core.errors import HuhReason
 from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import Task
-from agentserver.net.client import Client, Reply, open_client
+from agentserver.net.client import Client, DeliveredIds, Reply, open_client
 
 BOOT = DATA / "multitask-boot.xml"
 TOKEN = "alice-multitask-token"
@@ -138,9 +138,15 @@ async def servers_and_alice(
     try:
         for name in ("one", "two")[:processes]:
             servers.append(await start(env, tmp_path / name))
-        async with open_client(servers[0].host, servers[0].port, client="alice", token=TOKEN) as a:
+        # One client, two connections: connected to two processes she may be offered a
+        # reply by both (docs/wire.md); her ids drop the copy, as the wire contract says.
+        ids = DeliveredIds()
+        first, last = servers[0], servers[-1]
+        async with open_client(
+            first.host, first.port, client="alice", token=TOKEN, delivered=ids
+        ) as a:
             async with open_client(
-                servers[-1].host, servers[-1].port, client="alice", token=TOKEN
+                last.host, last.port, client="alice", token=TOKEN, delivered=ids
             ) as b:
                 alice = Alice([a, b], servers)
                 async with trio.open_nursery() as readers:
