@@ -301,6 +301,8 @@ async def test_an_http_task_double_texts_her_socket_task(tmp_path, mode: str) ->
         server = await start(env, tmp_path / "one", "--http-port", "0")
         try:
             url = http_url(server)
+            bad = await trio.to_thread.run_sync(post, url, "hello", "shout")
+            assert bad.status_code == 400 and "bad-multitask" in bad.text, bad.text
             async with open_client(server.host, server.port, client="alice", token=TOKEN) as c:
                 first = await c.send(
                     Task(text="hang: my colour is teal"), to="assistant", thread=new_thread_id()
