@@ -11,6 +11,7 @@ import re
 
 from lxml import etree
 
+from agentserver.core.envelope import MULTITASK_MODES
 from agentserver.core.errors import HuhReason, SystemErrorCode
 from agentserver.core.schemas_export import schema_path
 
@@ -85,3 +86,15 @@ def test_readme_quotes_only_real_huh_texts():
     readme = (DOCS.parent / "README.md").read_text()
     quoted = re.findall(r'`<huh>` \("([^"]+)"', readme.replace("\n", " "))
     assert quoted and [q for q in quoted if q not in HUH_TEXTS] == []
+
+
+def test_envelope_xsd_enumerates_exactly_the_multitask_modes():
+    """The envelope's ``multitask`` (docs/runs.md): the XSD a client validates against, the
+    code's one list and the ``<huh>`` naming them agree."""
+    doc = etree.parse(str(schema_path("envelope.xsd")))
+    modes = doc.xpath(
+        "//xs:attribute[@name='multitask']//xs:enumeration/@value", namespaces={"xs": XS[1:-1]}
+    )
+    assert tuple(modes) == MULTITASK_MODES
+    huh = HuhReason.INVALID_MULTITASK.value
+    assert re.findall(r"\w+", huh.split("be ", 1)[1]) == [*MULTITASK_MODES[:3], "or", "rollback"]

@@ -96,7 +96,7 @@ async def test_every_task_end_reaches_every_receiver_with_its_id(tmp_path, store
         tmp_path,
         {
             "flaky": (flaky.url, {}),
-            "hung": (hung.url, {"timeout": "1", "first-delay": "1", "max-delay": "2"}),
+            "hung": (hung.url, {"timeout": "1s", "first-delay": "1000ms", "max-delay": "2s"}),
             "good": (good.url, {}),
             "restarted": (restarted.url, {}),
         },
@@ -242,9 +242,19 @@ async def test_webhooks_made_at_run_time(tmp_path) -> None:
                             "url": made.url,
                             "events": ["task.succeeded"],
                             "first_delay": 0.1,
+                            # boot.xml's duration syntax, or seconds (shown in seconds)
+                            "retry_for": "36h",
+                            "disable_after": "7d",
                         },
                     )
                     assert created.status_code == 201, created.text
+                    assert created.json()["retry_for"] == 36 * 3600.0
+                    assert created.json()["disable_after"] == 7 * 86400.0
+                    badly = await client.post(
+                        "/v1/webhooks",
+                        json={"name": "y", "url": made.url, "events": "x", "max_delay": "5w"},
+                    )
+                    assert badly.status_code == 400 and "max_delay" in badly.text, badly.text
                     secret = created.json()["secret"]
                     assert secret.startswith("whsec_")
                     again = await client.post(

@@ -59,6 +59,58 @@ def test_declared_webhooks_are_read_globally_and_per_agent() -> None:
     assert (m.first_delay_s, m.retry_for_s, m.disable_after_s) == (5.0, 86400.0, 432000.0)
 
 
+def test_webhook_durations_take_units_as_the_rest_of_boot_xml() -> None:
+    result = load_bytes(
+        boot(
+            '<webhooks><webhook name="u" url="https://x.example/h" events="task.*" '
+            'secret-env="S" first-delay="250ms" max-delay="10m" retry-for="36h" '
+            'timeout="30s" disable-after="7d"/></webhooks>'
+        ),
+        environ={"S": SECRET},
+    )
+    assert not result.errors, result.errors
+    [u] = result.topology.webhooks
+    assert (u.first_delay_s, u.max_delay_s, u.retry_for_s) == (0.25, 600.0, 36 * 3600.0)
+    assert (u.timeout_s, u.disable_after_s) == (30.0, 7 * 86400.0)
+    for bad, says in (("5w", "retry-for"), ("0s", "longer than 0"), ("none", "retry-for")):
+        result = load_bytes(
+            boot(
+                '<webhooks><webhook name="b" url="https://x.example/h" events="task.*" '
+                f'secret-env="S" retry-for="{bad}"/></webhooks>'
+            ),
+            environ={"S": SECRET},
+        )
+        assert says in " ".join(p.message for p in result.errors), (bad, result.errors)
+
+
+_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+@given(
+    number=st.integers(min_value=1, max_value=10**6),
+    unit=st.sampled_from(sorted(_UNITS)),
+    spaces=st.sampled_from(["", " "]),
+)
+def test_a_webhook_duration_is_its_number_times_its_unit(number: int, unit: str, spaces: str):
+    from agentserver.agents.profile.webhooks import webhook_duration
+
+    text = f"{spaces}{number}{spaces}{unit}{spaces}"
+    assert webhook_duration(text, "retry-for") == number * _UNITS[unit]
+    assert webhook_duration(number, "retry-for") == float(number)  # JSON: seconds
+
+
+@given(st.one_of(st.text(max_size=12), st.floats(), st.integers(), st.none(), st.booleans()))
+def test_any_webhook_duration_is_seconds_or_a_refusal_naming_it(value: object) -> None:
+    from agentserver.agents.profile.webhooks import WebhookConfigError, webhook_duration
+
+    try:
+        seconds = webhook_duration(value, "max-delay")
+    except WebhookConfigError as exc:
+        assert "max-delay" in str(exc)
+        return
+    assert 0 < seconds < float("inf")
+
+
 def test_bad_webhooks_are_clear_errors() -> None:
     def errors(xml: str, environ: dict[str, str], **kw: str) -> str:
         result = load_bytes(boot(xml, **kw), environ=environ)
@@ -174,6 +226,10 @@ _json = st.recursive(
             optional={
                 "events": st.one_of(st.text(max_size=30), st.lists(st.text(max_size=15))),
                 "first_delay": _json,
+                "retry_for": st.one_of(
+                    _json,
+                    st.from_regex(r"\s?[0-9]{1,6}(\.[0-9]{1,3})?\s?(ms|s|m|h|d)?", fullmatch=True),
+                ),
                 "concurrency": _json,
                 "agent": _json,
                 "secret": _json,
@@ -196,3 +252,4 @@ def test_any_json_body_is_a_webhook_or_a_clear_refusal(doc: object) -> None:
     except REFUSED:  # a 400 naming it; anything else would be a 500
         return
     assert spec.url.startswith(("http://", "https://")) and spec.events
+    assert 0 < spec.retry_for_s < float("inf") and 0 < spec.first_delay_s < float("inf")

@@ -10,9 +10,9 @@ per Turn; a slow subscriber can still miss it (and can reread the deliverable ca
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import trio
 
@@ -107,6 +107,13 @@ class BudgetEvent:
 
 
 Event: TypeAlias = StepEvent | TaskEvent | ChunkEvent | StateEvent | NoticeEvent | BudgetEvent
+#: An event's outbox rows now (the store's ``OutboxItem``, a floor above this one: hence
+#: ``Any``). Pure: it may run in the store's transaction, off trio.
+OutboxRender: TypeAlias = Callable[[Event], Sequence[Any]]
+
+
+def _no_rows(event: Event) -> Sequence[Any]:
+    return ()
 
 
 class Subscription:
@@ -157,12 +164,37 @@ class EventBus:
     def __init__(self, max_subscribers: int = 64) -> None:
         self._subscribers: set[Subscription] = set()
         self._observers: list[Callable[[Event], None]] = []
+        #: The observers that make events durable (the webhooks' outbox writer), each
+        #: with its render factory (:meth:`outbox_render`).
+        self._durable: list[tuple[Callable[[Event], None], Callable[[], OutboxRender]]] = []
         self.max_subscribers = max_subscribers
 
     def observe(self, callback: Callable[[Event], None]) -> None:
         """Call ``callback`` with every event, synchronously (e.g. to count them for the
         metrics). It must be quick and must not raise."""
         self._observers.append(callback)
+
+    def observe_durably(
+        self, callback: Callable[[Event], None], render: Callable[[], OutboxRender]
+    ) -> None:
+        """:meth:`observe` for an observer that writes events to the store's outbox (the
+        webhooks): ``render()`` snapshots what it wants into a pure function of an event
+        to its outbox rows, which a publisher whose store transaction causes the event
+        writes in that transaction (:meth:`outbox_render`), publishing it afterwards with
+        ``written=True``: this observer then skips it (written already, and durable from
+        the same commit as its cause, so a crash between the two loses nothing)."""
+        self._durable.append((callback, render))
+
+    def outbox_render(self) -> OutboxRender:
+        """The outbox rows of an event, as the durable observers would write them (none
+        while there is none: a server without webhooks writes nothing more). Take it on
+        trio's side, call it anywhere."""
+        if not self._durable:
+            return _no_rows
+        renders = [render() for _, render in self._durable]
+        if len(renders) == 1:
+            return renders[0]
+        return lambda event: [row for r in renders for row in r(event)]
 
     def subscribe(self, capacity: int = 1024) -> Subscription:
         """Open a subscription buffering up to ``capacity`` events (must be finite)."""
@@ -178,8 +210,13 @@ class EventBus:
         """Stop offering events to ``sub`` (its ``close``). Idempotent."""
         self._subscribers.discard(sub)
 
-    def publish(self, event: Event) -> None:
-        """Offer ``event`` to every subscriber; never blocks."""
+    def publish(self, event: Event, *, written: bool = False) -> None:
+        """Offer ``event`` to every subscriber; never blocks. ``written``: its outbox rows
+        (:meth:`outbox_render`) were committed with its cause; the durable observers skip
+        it."""
+        if not written:
+            for durable, _ in self._durable:
+                durable(event)
         for callback in self._observers:
             callback(event)
         for sub in tuple(self._subscribers):

@@ -22,6 +22,7 @@ from agentserver.cli.common import (
     tls_options,
     trio_run,
 )
+from agentserver.core.envelope import MULTITASK_MODES
 from agentserver.core.errors import ConfigurationError, HuhReason, InputRefused
 from agentserver.core.threads import is_uuid4
 from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
@@ -68,6 +69,14 @@ def add_parsers(
     output.add_argument("--pretty", action="store_true", help="pretty-print the reply envelope(s)")
     send.add_argument(
         "--thread", metavar="UUID", help="thread to use (a uuid4; default: a new one)"
+    )
+    send.add_argument(
+        "--multitask",
+        choices=MULTITASK_MODES,
+        metavar="MODE",
+        help="for a task to an agent: what it does while an earlier task of its conversation "
+        "is queued or running: " + ", ".join(MULTITASK_MODES) + " (default: the agent's "
+        "multitask; docs/runs.md)",
     )
     send.add_argument(
         "--timeout",
@@ -131,7 +140,11 @@ def cmd_send(args: argparse.Namespace) -> int:
     async def send() -> int:
         async with open_client(host, port, client=creds[0], token=creds[1], **tls) as client:
             reply = await client.request(
-                payload, to=args.to, timeout=args.timeout, thread=args.thread
+                payload,
+                to=args.to,
+                timeout=args.timeout,
+                thread=args.thread,
+                multitask=args.multitask,
             )
             replies = [reply]
             with trio.move_on_after(max(args.linger, 0)):

@@ -10,20 +10,14 @@ from lxml import etree
 
 from agentserver.agents.edge.hooksign import SecretError, secret_bytes
 from agentserver.agents.profile.webhooks import (
+    DURATIONS,
     WebhookConfigError,
     WebhookSpec,
     check_spec,
+    webhook_duration,
 )
 from agentserver.config.imports import B, flag
 from agentserver.config.problems import Report
-
-_FLOATS = {
-    "first-delay": "first_delay_s",
-    "max-delay": "max_delay_s",
-    "retry-for": "retry_for_s",
-    "timeout": "timeout_s",
-    "disable-after": "disable_after_s",
-}
 
 
 def read_webhooks(
@@ -76,12 +70,13 @@ def _read(
     except SecretError as exc:
         report.error(line, f"webhook {name!r}: {env}: {exc}")
         return None
-    kw: dict[str, float | int] = {
-        field: float(value) for attr, field in _FLOATS.items() if (value := el.get(attr))
-    }
-    if (value := el.get("concurrency")) is not None:
-        kw["concurrency"] = int(value)
+    kw: dict[str, float | int] = {}
     try:
+        for attr, field in DURATIONS.items():
+            if (value := el.get(attr)) is not None:
+                kw[field] = webhook_duration(value, f"webhook {name!r}: {attr}")
+        if (value := el.get("concurrency")) is not None:
+            kw["concurrency"] = int(value)
         return check_spec(
             WebhookSpec(
                 name=name,

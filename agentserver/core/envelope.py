@@ -20,6 +20,12 @@ FROM = _E + "from"
 TO = _E + "to"
 THREAD = _E + "thread"
 _CORE_PREFIX = f"{{{CORE_NS}}}"
+#: The envelope's optional attribute naming a task's double-texting mode (docs/runs.md).
+MULTITASK = "multitask"
+#: The double-texting modes, the first the default: the one list the envelope's refusal,
+#: ``<agent multitask>``, ``POST /v1/messages?multitask=`` and the runtime check against
+#: (``schemas/envelope.xsd`` enumerates them too, and a test holds the two together).
+MULTITASK_MODES = ("enqueue", "reject", "interrupt", "rollback")
 
 
 def load_envelope_schema() -> etree.XMLSchema:
@@ -65,6 +71,11 @@ class EnvelopeCodec:
         """
         # The schema has one global element, so a valid root is <message>.
         if not self._env_schema.validate(root):
+            # Read only once the envelope failed (the valid path pays nothing): a mode the
+            # sender misspelt gets a text naming the modes, not the generic one.
+            mode = root.get(MULTITASK) if root.tag == MESSAGE else None
+            if mode is not None and mode not in MULTITASK_MODES:
+                raise InputRefused(HuhReason.INVALID_MULTITASK, f"multitask={mode!r}")
             raise InputRefused(HuhReason.INVALID_ENVELOPE)
         # The schema fixed the shape: meta is (from, [to], thread), then one payload.
         meta = root[0]
@@ -106,6 +117,19 @@ def schema_reason(schema: etree.XMLSchema, tag: str) -> str:
         return f"{tag} fails its XSD"
     message = _CLARK.sub(r"<\1>", entry.message).replace("Element <", "<", 1)
     return f"{tag} fails its XSD: {message}"
+
+
+def envelope_multitask(payload: etree._Element) -> str | None:
+    """The ``multitask`` mode of the envelope ``payload`` arrived in, or None (none given,
+    or a payload no longer in a client's envelope: a broadcast's copy, a listener's call).
+
+    :meth:`EnvelopeCodec.decode` validated it and leaves the payload in its envelope, and
+    the pump hands a raw listener that very element: read here, by the one listener that
+    cares (an agent's intake), instead of carried with every delivery."""
+    parent = payload.getparent()
+    if parent is None or parent.tag != MESSAGE:
+        return None
+    return parent.get(MULTITASK)
 
 
 def _template(with_to: bool) -> etree._Element:

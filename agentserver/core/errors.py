@@ -24,6 +24,7 @@ class HuhReason(enum.Enum):
     RESERVED_NAMESPACE = "Payload uses a reserved namespace."
     HANDLER_FAILED = "The request could not be completed."
     UNAUTHENTICATED = "Authentication required."
+    INVALID_MULTITASK = "The multitask attribute must be enqueue, reject, interrupt or rollback."
 
 
 class SystemErrorCode(enum.Enum):

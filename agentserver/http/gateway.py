@@ -13,7 +13,7 @@ from typing import Protocol
 import trio
 from lxml import etree
 
-from agentserver.core.envelope import build_envelope
+from agentserver.core.envelope import MULTITASK, build_envelope
 from agentserver.core.errors import (
     ConfigurationError,
     DeliveryRefused,
@@ -55,7 +55,6 @@ class Deciders(Protocol):
     decision sent over HTTP is that client's, as on its socket connection."""
 
     def speak_for(self, endpoint: str, identity: str) -> None: ...
-    def multitask_for(self, endpoint: str, mode: str) -> None: ...
     def forget_endpoint(self, endpoint: str) -> None: ...
 
 
@@ -157,9 +156,7 @@ class HttpGateway:
             exchange = Exchange(
                 thread,
                 identity.name,
-                lambda sink, on_chain_end: self._open_endpoint(
-                    identity, sink, on_chain_end, multitask
-                ),
+                lambda sink, on_chain_end: self._open_endpoint(identity, sink, on_chain_end),
                 self.spec.max_replies,
             )
         except PumpClosed:
@@ -170,6 +167,9 @@ class HttpGateway:
         try:
             try:
                 envelope = build_envelope(endpoint.name, to, thread, payload)
+                if multitask is not None:
+                    # As a socket client's envelope carries it: one way to the agent's intake.
+                    envelope.set(MULTITASK, multitask)
             except ValueError:  # a ``to`` that XML cannot carry (control characters)
                 self.counters["refused"] += 1
                 return Outcome("refused", refusal=InputRefused(HuhReason.INVALID_ENVELOPE))
@@ -213,7 +213,6 @@ class HttpGateway:
         identity: Identity,
         sink: Sink,
         on_chain_end: Callable[[], None],
-        multitask: str | None = None,
     ) -> Endpoint:
         pump = self.pump
         if not pump.running:
@@ -237,7 +236,5 @@ class HttpGateway:
                 continue
             if self.deciders is not None:
                 self.deciders.speak_for(endpoint.name, identity.name)
-                if multitask is not None:
-                    self.deciders.multitask_for(endpoint.name, multitask)
             return endpoint
         raise PumpClosed("no endpoint name")

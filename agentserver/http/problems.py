@@ -39,6 +39,7 @@ HUH_STATUS = {
     HuhReason.RESERVED_NAMESPACE: 422,
     HuhReason.HANDLER_FAILED: 502,
     HuhReason.UNAUTHENTICATED: 401,
+    HuhReason.INVALID_MULTITASK: 422,
 }
 #: HTTP status of each ``<SystemError>`` code.
 SYSTEM_ERROR_STATUS = {SystemErrorCode.ROUTING: 503, SystemErrorCode.TIMEOUT: 504}

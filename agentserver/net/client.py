@@ -30,7 +30,7 @@ import trio
 from lxml import etree
 from pydantic_xml import BaseXmlModel
 
-from agentserver.core.envelope import build_envelope
+from agentserver.core.envelope import MULTITASK, build_envelope
 from agentserver.core.errors import sole_exception
 from agentserver.core.framing import FrameDecoder, FramingError, encode_frame
 from agentserver.core.handshake import MAX_ACK_IDS, ack_frame_body, hello_frame_body
@@ -120,14 +120,21 @@ class Client:
         *,
         to: str | None = None,
         thread: str | None = None,
+        multitask: str | None = None,
     ) -> str:
         """Send one payload to listener ``to`` (None: routed by its root tag). Returns the
         thread its replies will carry: ``thread`` if given (a uuid4 of this client's), else
-        a fresh one."""
+        a fresh one. ``multitask``: for a task to an agent, what it does if an earlier task
+        of its conversation is queued or running (``enqueue``, ``reject``, ``interrupt``,
+        ``rollback``; docs/runs.md); None: the agent's own mode. The server checks it (a
+        ``<huh>`` names the modes)."""
         if thread is None:
             thread = new_thread_id()
         element = payload_element(payload)
-        body = etree.tostring(build_envelope(self._name, to, thread, element))
+        envelope = build_envelope(self._name, to, thread, element)
+        if multitask is not None:
+            envelope.set(MULTITASK, multitask)
+        body = etree.tostring(envelope)
         await self.send_raw(body)
         return thread
 
@@ -160,9 +167,11 @@ class Client:
         # A per-request deadline is the point of request(); callers may still wrap it.
         timeout: float = 30.0,  # noqa: ASYNC109
         thread: str | None = None,
+        multitask: str | None = None,
     ) -> Reply:
         """Send and wait for the first reply on the request's thread (which may be a
-        ``<huh>`` or ``<SystemError>``: check :attr:`Reply.is_error`).
+        ``<huh>`` or ``<SystemError>``: check :attr:`Reply.is_error`). ``multitask``: as
+        :meth:`send`'s.
         Raises :class:`RequestTimeout` or :class:`ConnectionClosed`."""
         if thread is None:
             thread = new_thread_id()
@@ -173,7 +182,7 @@ class Client:
             raise ValueError(f"a request on thread {thread} is already waiting")
         self._waiters[thread] = send
         try:
-            await self.send(payload, to=to, thread=thread)
+            await self.send(payload, to=to, thread=thread, multitask=multitask)
             with trio.move_on_after(timeout):
                 try:
                     reply = await receive.receive()

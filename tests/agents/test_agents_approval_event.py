@@ -31,3 +31,40 @@ async def test_a_request_sent_publishes_approval_requested(tmp_path):
     # Sent already: nothing more is published.
     assert await h.rt.approvals.deliver_requests() == 0
     assert not [e for e in h.events.drain() if isinstance(e, NoticeEvent)]
+
+
+async def test_approval_requested_is_in_the_outbox_with_the_mark(tmp_path):
+    """A webhook wants ``approval.requested``: its outbox row commits with the request's
+    "sent" mark (a crash after the send either finds both or sends again: no event lost,
+    none doubled), and the bus's durable observer is not handed it again."""
+    import json
+
+    from agentserver.agents.edge.hooksign import new_secret
+    from agentserver.agents.edge.outbox import Outbox
+    from agentserver.agents.edge.webhooks import Webhooks
+    from agentserver.agents.events import EventBus
+    from agentserver.agents.profile.webhooks import WebhookSpec
+
+    h = make_harness(tmp_path, script, profiles={"assistant": approval_profile()})
+    store, now = h.rt.store, h.clock.now
+    hook = WebhookSpec("w", "http://127.0.0.1:9/h", ("approval.*",), new_secret())
+    hooks = Webhooks(store, Outbox(store, now), EventBus(), now, (hook,))
+    offered: list[object] = []
+    h.rt.events.observe_durably(offered.append, hooks.render_durable)
+    await h.rt.enqueue("assistant", task("add"), {"r": 1})
+    await h.pump()
+    sent = []
+
+    async def send(pending, element) -> None:
+        sent.append(pending.request_id)
+
+    h.rt.approvals.send = send
+    h.events.drain()
+    assert await h.rt.approvals.deliver_requests() == 1
+    assert [e.event_type for e in h.events.drain() if isinstance(e, NoticeEvent)] == [
+        "approval.requested"
+    ]
+    assert not [e for e in offered if isinstance(e, NoticeEvent)]  # written already
+    [row] = await store.outbox_claim("test", 30.0, 10)
+    assert row.dedupe_key == f"w:approval.requested:{sent[0]}"
+    assert json.loads(row.body)["data"]["request_id"] == sent[0]

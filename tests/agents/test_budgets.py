@@ -7,6 +7,7 @@ usage settled at the worst case (docs/budgets.md)."""
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -221,6 +222,38 @@ async def test_soft_fires_once_per_period(store):
     assert hold is not None
     await budgets.settle(hold, None, agent="a", turn="t")
     assert len(seen) == 2
+
+
+async def test_budget_soft_is_in_the_outbox_with_its_mark(store):
+    """A webhook wants ``budget.soft``: its outbox row commits in the settle that marks the
+    crossing (a process killed right after the commit loses no event), and the bus's
+    durable observer is not handed it again (docs/webhooks.md)."""
+    from agentserver.agents.edge.hooksign import new_secret
+    from agentserver.agents.edge.outbox import Outbox
+    from agentserver.agents.edge.webhooks import Webhooks
+    from agentserver.agents.profile.webhooks import WebhookSpec
+
+    bus = EventBus()
+    clock = clock_of(store)
+    hook = WebhookSpec("w", "http://127.0.0.1:9/h", ("budget.soft",), new_secret())
+    hooks = Webhooks(store, Outbox(store, clock.now), EventBus(), clock.now, (hook,))
+    offered: list[object] = []
+    bus.observe_durably(offered.append, hooks.render_durable)
+    spec = BudgetSpec("agent:a", tokens=1000, period="day", soft=0.5)
+    budgets = Budgets(store, clock, [spec], events=bus)
+    seen: list[BudgetEvent] = []
+    bus.observe(lambda e: seen.append(e) if isinstance(e, BudgetEvent) else None)
+    for _ in range(3):
+        hold = await budgets.reserve("a", None, Need(200, 0.0), 10)
+        assert hold is not None
+        await budgets.settle(hold, None, agent="a", turn="t")
+    [event] = seen  # still published to the bus's other observers, once
+    assert offered == []  # written already: the durable observer skips it
+    [row] = await store.outbox_deliveries("webhook:w", 10)
+    assert row["status"] == "pending"
+    rows = await store.outbox_claim("test", 30.0, 10)
+    assert [r.dedupe_key for r in rows] == [f"w:{event.dedupe_key}"]
+    assert json.loads(rows[0].body)["data"]["budget"] == "agent:a"
 
 
 class StreamingModel:

@@ -28,7 +28,7 @@ from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore, TurnToken
 from agentserver.agents.turn.answer import FAILED, STATUS_ATTR
 from agentserver.agents.turn.memory import SPEAKS_FOR
-from agentserver.core.envelope import encode
+from agentserver.core.envelope import encode, envelope_multitask
 from agentserver.core.errors import Refusal
 from agentserver.core.listener import Handler, HandlerMetadata, HandlerResponse, HandlerResult
 from agentserver.core.namespaces import CORE_NS
@@ -79,25 +79,14 @@ class PumpPorts:
         #: the HTTP API's per-message endpoints of an authenticated client (its replies
         #: still go to that endpoint, so this is not :attr:`clients`' identity map).
         self._deciders: dict[str, str] = {}
-        #: Endpoint name -> the double-texting mode its message asked for (an HTTP
-        #: message's ``?multitask=``), until :meth:`forget_endpoint`.
-        self._multitask: dict[str, str] = {}
 
     def speak_for(self, endpoint: str, identity: str) -> None:
         """Endpoint ``endpoint`` was opened for authenticated client ``identity``: an
         approval decision it sends is ``identity``'s. Until :meth:`forget_endpoint`."""
         self._deciders[endpoint] = identity
 
-    def multitask_for(self, endpoint: str, mode: str) -> None:
-        """A task sent from ``endpoint`` asks for double-texting ``mode`` (docs/runs.md)."""
-        self._multitask[endpoint] = mode
-
-    def multitask_of(self, endpoint: str) -> str | None:
-        return self._multitask.get(endpoint) if self._multitask else None
-
     def forget_endpoint(self, endpoint: str) -> None:
         self._deciders.pop(endpoint, None)
-        self._multitask.pop(endpoint, None)
 
     def decider(self, endpoint: str) -> str:
         """Who decides an approval sent from ``endpoint``: the named client behind it
@@ -281,9 +270,10 @@ def agent_handler(
         if traceparent is not None:
             # Stored with the task: its Turn joins this trace, even after a restart.
             reply_ref["traceparent"] = traceparent
-        multitask = ports.multitask_of(ref.caller) if ports is not None else None
         try:
-            await runtime.enqueue(name, payload, reply_ref, multitask=multitask)
+            # The task's own mode, from its envelope (a socket client's attribute, or the
+            # gateway's from ``?multitask=``); None: the agent's.
+            await runtime.enqueue(name, payload, reply_ref, multitask=envelope_multitask(payload))
         except BaseException:
             pump.release(meta.thread_id)
             raise

@@ -11,7 +11,9 @@ once per webhook) and writes each batch in one store transaction. The outbox's s
 delivers them, each attempt signed the Standard Webhooks way (agents/edge/hooksign.py).
 
 An event is durable once its batch is written (milliseconds after it was published): a
-crash in between loses it (docs/webhooks.md says so). A full buffer (the store failing
+crash in between loses it, except a ``task.*`` (offered again at start, :meth:`_sweep`)
+and an event its publisher wrote in its own transaction (:meth:`render_durable`, then
+published ``written=True``; docs/runs.md has the table). A full buffer (the store failing
 for :data:`BUFFER_EVENTS` events) drops new events, counted and logged.
 """
 
@@ -205,7 +207,7 @@ class Webhooks:
             return
         if not self._observing:
             self._observing = True
-            self._bus.observe(self._observe)
+            self._bus.observe_durably(self._observe, self.render_durable)
         if not self._started:
             self._started = True
             await self._nursery.start(self._outbox.run)
@@ -404,61 +406,98 @@ class Webhooks:
         specs = [s for s in self._specs.values() if s.wants(etype, agent)]
         if not specs:
             return []
-        data, conversation, key = await self._describe(etype, event)
-        payload = {"type": etype, "timestamp": _iso(at), "data": data}
-        body = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
-        return [
-            OutboxItem(
-                channel=channel_name(s.name),
-                url=s.url,
-                body=body,
-                dedupe_key=f"{s.name}:{key}",
-                order_key=f"{s.name}|{conversation}",
-                retry_for_s=s.retry_for_s,
-                first_delay_s=s.first_delay_s,
-                max_delay_s=s.max_delay_s,
-            )
-            for s in specs
-        ]
-
-    async def _describe(self, etype: str, event: Event) -> tuple[dict[str, Any], str, str]:
-        """(payload data, conversation (the order key's), dedupe key) of one event."""
         if isinstance(event, TaskEvent):
-            thread, conversation = await self._store.turn_conversation(event.agent_turn_id)
-            data: dict[str, Any] = {
-                "agent": event.agent_id,
-                "turn": event.agent_turn_id,
-                "thread": thread,
-                "conversation": conversation,
-                "status": event.status,
-            }
-            card = (
-                await self._store.card(event.deliverable_card_id)
-                if event.deliverable_card_id
-                else None
-            )
-            if card is not None:
-                text = str(card.content)
-                data["answer"] = text[:ANSWER_CHARS]
-                if len(text) > ANSWER_CHARS:
-                    data["answer_truncated"] = True
-            conv = f"{event.agent_id}/{conversation or thread or event.agent_turn_id}"
-            return data, conv, f"{etype}:{event.agent_turn_id}"
-        if isinstance(event, StepEvent):
-            data = dataclasses.asdict(event)
-            key = f"{etype}:{event.step_id}:{event.attempt}"
-            return data, f"{event.agent_id}/{event.agent_turn_id}", key
-        if isinstance(event, StateEvent):
-            data = dataclasses.asdict(event)
-            return data, f"{event.agent_id}", f"{etype}:{uuid.uuid4().hex}"
-        raw = getattr(event, "data", None)
-        data = dict(raw) if isinstance(raw, dict) else _fields(event)
-        agent = getattr(event, "agent_id", "") or ""
-        turn = getattr(event, "agent_turn_id", None)
-        if agent and "agent" not in data:
-            data["agent"] = agent
-        dedupe = getattr(event, "dedupe_key", "") or f"{etype}:{uuid.uuid4().hex}"
-        return data, f"{agent}/{turn}" if turn else agent or etype, dedupe
+            described = await self._describe_task(etype, event)
+        else:
+            described = _describe(etype, event)
+        return _items_of(specs, etype, at, *described)
+
+    def render_durable(self) -> Callable[[Event], list[OutboxItem]]:
+        """The outbox rows of an event for the webhooks there are now (a snapshot: pure,
+        so a store transaction may call it off trio; :meth:`EventBus.outbox_render`). A
+        ``task.*`` event has none here: it is described from the store (and recovered
+        at start by :meth:`_sweep` instead)."""
+        specs = tuple(self._specs.values())
+        clock = self._clock
+
+        def render(event: Event) -> list[OutboxItem]:
+            etype = event_type(event)
+            if etype is None or isinstance(event, TaskEvent):
+                return []
+            agent = getattr(event, "agent_id", "") or ""
+            wanted = [s for s in specs if s.wants(etype, agent)]
+            if not wanted:
+                return []
+            return _items_of(wanted, etype, clock(), *_describe(etype, event))
+
+        return render
+
+    async def _describe_task(self, etype: str, event: TaskEvent) -> tuple[dict[str, Any], str, str]:
+        """(payload data, conversation (the order key's), dedupe key) of a Turn's end."""
+        thread, conversation = await self._store.turn_conversation(event.agent_turn_id)
+        data: dict[str, Any] = {
+            "agent": event.agent_id,
+            "turn": event.agent_turn_id,
+            "thread": thread,
+            "conversation": conversation,
+            "status": event.status,
+        }
+        card = (
+            await self._store.card(event.deliverable_card_id) if event.deliverable_card_id else None
+        )
+        if card is not None:
+            text = str(card.content)
+            data["answer"] = text[:ANSWER_CHARS]
+            if len(text) > ANSWER_CHARS:
+                data["answer_truncated"] = True
+        conv = f"{event.agent_id}/{conversation or thread or event.agent_turn_id}"
+        return data, conv, f"{etype}:{event.agent_turn_id}"
+
+
+def _describe(etype: str, event: Event) -> tuple[dict[str, Any], str, str]:
+    """(payload data, conversation (the order key's), dedupe key) of an event other than
+    a Turn's end: from the event alone (pure)."""
+    if isinstance(event, StepEvent):
+        data = dataclasses.asdict(event)
+        key = f"{etype}:{event.step_id}:{event.attempt}"
+        return data, f"{event.agent_id}/{event.agent_turn_id}", key
+    if isinstance(event, StateEvent):
+        data = dataclasses.asdict(event)
+        return data, f"{event.agent_id}", f"{etype}:{uuid.uuid4().hex}"
+    raw = getattr(event, "data", None)
+    data = dict(raw) if isinstance(raw, dict) else _fields(event)
+    agent = getattr(event, "agent_id", "") or ""
+    turn = getattr(event, "agent_turn_id", None)
+    if agent and "agent" not in data:
+        data["agent"] = agent
+    dedupe = getattr(event, "dedupe_key", "") or f"{etype}:{uuid.uuid4().hex}"
+    return data, f"{agent}/{turn}" if turn else agent or etype, dedupe
+
+
+def _items_of(
+    specs: list[WebhookSpec],
+    etype: str,
+    at: float,
+    data: dict[str, Any],
+    conversation: str,
+    key: str,
+) -> list[OutboxItem]:
+    """One event's outbox item per webhook in ``specs``."""
+    payload = {"type": etype, "timestamp": _iso(at), "data": data}
+    body = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+    return [
+        OutboxItem(
+            channel=channel_name(s.name),
+            url=s.url,
+            body=body,
+            dedupe_key=f"{s.name}:{key}",
+            order_key=f"{s.name}|{conversation}",
+            retry_for_s=s.retry_for_s,
+            first_delay_s=s.first_delay_s,
+            max_delay_s=s.max_delay_s,
+        )
+        for s in specs
+    ]
 
 
 def _fields(event: object) -> dict[str, Any]:

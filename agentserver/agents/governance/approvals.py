@@ -81,6 +81,26 @@ def request_element(p: PendingApproval, timeout: float) -> etree._Element:
     return etree.fromstring(model.to_xml())
 
 
+def requested_event(p: PendingApproval) -> NoticeEvent:
+    """The ``approval.requested`` event of a request sent (the same for a resend)."""
+    return NoticeEvent(
+        "approval.requested",
+        p.agent_id,
+        p.agent_turn_id,
+        {
+            "request_id": p.request_id,
+            "agent": p.agent_id,
+            "turn": p.agent_turn_id,
+            "target": p.target,
+            "rule": p.rule,
+            "approver": p.approver,
+            "thread": p.thread,
+            "deadline": p.deadline,
+        },
+        dedupe_key=f"approval.requested:{p.request_id}",
+    )
+
+
 class Approvals:
     """Sends approval requests, applies decisions, and times out the ones left waiting.
 
@@ -118,29 +138,15 @@ class Approvals:
                     "approval request %s to %s could not be sent", p.request_id, p.approver
                 )
                 continue
-            await self.store.mark_approval_sent(p.request_id)
+            # For webhooks (docs/webhooks.md): its outbox rows commit with the mark, so a
+            # crash after the send loses no event (unmarked, it is sent again, the same
+            # event by its dedupe key).
+            event = requested_event(p)
+            rows = self.events.outbox_render()(event) if self.events is not None else ()
+            await self.store.mark_approval_sent(p.request_id, rows)
             n += 1
             if self.events is not None:
-                # For webhooks (docs/webhooks.md); the same request sent again after a
-                # restart is the same event (its dedupe key).
-                self.events.publish(
-                    NoticeEvent(
-                        "approval.requested",
-                        p.agent_id,
-                        p.agent_turn_id,
-                        {
-                            "request_id": p.request_id,
-                            "agent": p.agent_id,
-                            "turn": p.agent_turn_id,
-                            "target": p.target,
-                            "rule": p.rule,
-                            "approver": p.approver,
-                            "thread": p.thread,
-                            "deadline": p.deadline,
-                        },
-                        dedupe_key=f"approval.requested:{p.request_id}",
-                    )
-                )
+                self.events.publish(event, written=bool(rows))
         return n
 
     async def decide(self, request_id: str, grant: bool, reason: str, by: str | None) -> str:

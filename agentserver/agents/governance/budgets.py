@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -31,6 +31,7 @@ from agentserver.agents.policy.budget import (
 )
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import DEFAULT_MAX_OUTPUT
+from agentserver.agents.store.outbox import OutboxItem
 from agentserver.agents.store.sql.budgets import Override, PeriodRow, SpendRow, row_key
 from agentserver.llm.tokens import PER_REQUEST, estimate_message_tokens
 from agentserver.observability.tracing import annotate_current
@@ -49,6 +50,21 @@ class BudgetSpent(Exception):
         self.budget = budget
 
 
+def soft_event(agent: str, turn: str | None, r: SpendRow) -> BudgetEvent:
+    """The ``budget.soft`` event of row ``r`` crossing its mark on ``agent``'s call."""
+    return BudgetEvent(
+        agent,
+        turn,
+        r.budget,
+        r.period,
+        r.period_start,
+        r.spent_tokens,
+        r.spent_cost,
+        r.limit_tokens,
+        r.limit_cost,
+    )
+
+
 class BudgetRows(Protocol):
     """What :class:`Budgets` needs of the store (``agents/store/budget_store.py``)."""
 
@@ -58,7 +74,12 @@ class BudgetRows(Protocol):
     ) -> bool: ...
     async def budget_refused(self, keys: Sequence[str], tokens: int, cost: float) -> str | None: ...
     async def budget_settle(
-        self, hold_id: str, keys: Sequence[str], tokens: int, cost: float
+        self,
+        hold_id: str,
+        keys: Sequence[str],
+        tokens: int,
+        cost: float,
+        events: Callable[[list[SpendRow]], Sequence[OutboxItem]] | None = None,
     ) -> list[SpendRow]: ...
     async def budget_release(self, hold_id: str) -> None: ...
     async def budget_release_expired(self) -> int: ...
@@ -231,23 +252,25 @@ class Budgets:
             used = u.total_tokens or (u.prompt_tokens + u.completion_tokens)
             if used > 0:
                 tokens, cost = used, completion.cost
+        rows: Callable[[list[SpendRow]], Sequence[OutboxItem]] | None = None
+        written = False
+        if self.events is not None:
+            render = self.events.outbox_render()
+
+            def outbox_rows(crossed: list[SpendRow]) -> Sequence[OutboxItem]:
+                # In the settle's transaction: the soft mark and its event's outbox rows
+                # commit together (docs/webhooks.md); pure (it runs off trio).
+                nonlocal written
+                out = [item for r in crossed for item in render(soft_event(agent, turn, r))]
+                written = bool(out)
+                return out
+
+            rows = outbox_rows
         with trio.CancelScope(shield=True):
-            crossed = await self.store.budget_settle(hold.hold_id, hold.keys, tokens, cost)
+            crossed = await self.store.budget_settle(hold.hold_id, hold.keys, tokens, cost, rows)
         if self.events is not None:
             for r in crossed:
-                self.events.publish(
-                    BudgetEvent(
-                        agent,
-                        turn,
-                        r.budget,
-                        r.period,
-                        r.period_start,
-                        r.spent_tokens,
-                        r.spent_cost,
-                        r.limit_tokens,
-                        r.limit_cost,
-                    )
-                )
+                self.events.publish(soft_event(agent, turn, r), written=written)
 
     async def release(self, hold: Hold) -> None:
         """The hold given back (failure, timeout, cancel). Shielded; a store failure is

@@ -12,12 +12,11 @@ from agentserver.agents.policy.guardrails import GuardrailSpec
 from agentserver.agents.profile.budget import DEFAULT_CONTEXT_WINDOW, Budget
 from agentserver.agents.profile.retention import RetentionOverride
 from agentserver.agents.profile.retry import RetryPolicy
+from agentserver.core.envelope import MULTITASK_MODES
 
 #: The output allowance of a request when the agent sets no max-tokens (the LLM
 #: adapter's default).
 DEFAULT_MAX_OUTPUT = 1024
-#: The double-texting modes (``<agent multitask>``, docs/runs.md); the first is the default.
-MULTITASK_MODES = ("enqueue", "reject", "interrupt", "rollback")
 
 SUBMIT_RESULT = "submit_result"
 

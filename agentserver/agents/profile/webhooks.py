@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from agentserver.agents.profile.retention import parse_duration
+
 #: The event names the server itself publishes (others come from features that publish
 #: typed events with an ``event_type``).
 KNOWN_EVENTS = (
@@ -40,6 +42,36 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 class WebhookConfigError(ValueError):
     """A webhook's settings are not valid (the message says which and why)."""
+
+
+#: A webhook's durations: boot.xml's attribute -> the spec's field (the JSON field of
+#: ``POST /v1/webhooks`` is the attribute with ``_`` for ``-``).
+DURATIONS = {
+    "first-delay": "first_delay_s",
+    "max-delay": "max_delay_s",
+    "retry-for": "retry_for_s",
+    "timeout": "timeout_s",
+    "disable-after": "disable_after_s",
+}
+
+
+def webhook_duration(value: object, label: str) -> float:
+    """Seconds of a webhook duration: a number of seconds (JSON), or text in boot.xml's
+    duration syntax (``90``, ``30s``, ``5m``, ``24h``, ``7d``, ``250ms``: the retention
+    parser's, so every duration in boot.xml reads alike). ``none`` is no webhook duration
+    (each has a bound). Raises :class:`WebhookConfigError` naming ``label``."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise WebhookConfigError(f"{label}: a duration (e.g. 30s, 5m, 24h, 7d) or seconds")
+    if not isinstance(value, str):
+        seconds: float | None = float(value)
+    else:
+        try:
+            seconds = parse_duration(value, label)
+        except ValueError as exc:
+            raise WebhookConfigError(str(exc)) from None
+    if seconds is None or not seconds > 0 or seconds == float("inf"):
+        raise WebhookConfigError(f"{label}: {value!r} must be a duration longer than 0")
+    return seconds
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ import abc
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from agentserver.agents.store.outbox import OutboxItem
 from agentserver.agents.store.sql import budgets as sql
 from agentserver.agents.store.sql.budgets import Override, PeriodRow, SpendRow
 
@@ -40,9 +41,16 @@ class BudgetStore(abc.ABC):
         return await self._run(sql.refused, list(keys), tokens, cost)
 
     async def budget_settle(
-        self, hold_id: str, keys: Sequence[str], tokens: int, cost: float
+        self,
+        hold_id: str,
+        keys: Sequence[str],
+        tokens: int,
+        cost: float,
+        events: Callable[[list[SpendRow]], Sequence[OutboxItem]] | None = None,
     ) -> list[SpendRow]:
-        return await self._run(sql.settle, hold_id, list(keys), tokens, cost)
+        """Settle a hold; ``events``: the crossed rows' outbox rows, in the same
+        transaction (pure: it runs in the backend's transaction)."""
+        return await self._run(sql.settle, hold_id, list(keys), tokens, cost, events)
 
     async def budget_release(self, hold_id: str) -> None:
         await self._run(sql.release, hold_id)

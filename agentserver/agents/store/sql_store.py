@@ -42,6 +42,7 @@ from agentserver.agents.store.base import (
 )
 from agentserver.agents.store.budget_store import BudgetStore
 from agentserver.agents.store.governance import DecisionRecord, PendingApproval, StepRecord
+from agentserver.agents.store.outbox import OutboxItem
 from agentserver.agents.store.outbox_calls import OutboxCalls
 from agentserver.agents.store.rows import Fired, ScheduleRow
 from agentserver.agents.store.sql import (
@@ -468,8 +469,11 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     async def approval_status(self, request_id: str) -> str | None:
         return await self._read(governance.approval_status, request_id)
 
-    async def mark_approval_sent(self, request_id: str) -> None:
-        await self._run1(governance.mark_approval_sent, request_id)
+    async def mark_approval_sent(self, request_id: str, events: Sequence[OutboxItem] = ()) -> None:
+        if events:
+            await self._run(governance.mark_approval_sent, request_id, list(events))
+        else:
+            await self._run1(governance.mark_approval_sent, request_id)
 
     async def unsend_approvals(self, approvers: Sequence[str]) -> None:
         if approvers:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from agentserver.core.envelope import MULTITASK_MODES
 from agentserver.core.errors import HuhReason
 from agentserver.core.threads import is_uuid4
 from agentserver.http.context import HttpContext
@@ -13,8 +14,6 @@ from agentserver.http.gate import Gate
 from agentserver.http.problems import huh_problem, problem, refusal_problem, reply_problem
 
 XML = "application/xml"
-#: ``?multitask=``: a task's double-texting mode (docs/runs.md; the agents' own list).
-MULTITASK_MODES = ("enqueue", "reject", "interrupt", "rollback")
 THREAD_HEADER = "Agentserver-Thread"
 
 

@@ -11,7 +11,12 @@ from starlette.responses import JSONResponse, Response
 
 from agentserver.agents.edge.hooksign import SecretError
 from agentserver.agents.edge.webhooks import WebhookExists, WebhookNotFound, Webhooks
-from agentserver.agents.profile.webhooks import WebhookConfigError, WebhookSpec
+from agentserver.agents.profile.webhooks import (
+    DURATIONS,
+    WebhookConfigError,
+    WebhookSpec,
+    webhook_duration,
+)
 from agentserver.http.auth import Identity
 from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
@@ -20,13 +25,8 @@ from agentserver.http.problems import problem
 #: The most bytes of a ``POST /v1/webhooks`` body.
 MAX_BODY = 16384
 
-_NUMBERS = {
-    "first_delay": "first_delay_s",
-    "max_delay": "max_delay_s",
-    "retry_for": "retry_for_s",
-    "timeout": "timeout_s",
-    "disable_after": "disable_after_s",
-}
+#: The JSON fields of the durations: seconds, or a duration as boot.xml writes it ("24h").
+_DURATIONS = {attr.replace("-", "_"): field for attr, field in DURATIONS.items()}
 
 
 #: What a bad ``POST /v1/webhooks`` body raises (a 400 problem naming it).
@@ -123,7 +123,7 @@ def spec_from_json(doc: Any) -> WebhookSpec:
     """A webhook from ``POST /v1/webhooks``'s JSON (checked by :meth:`Webhooks.create`)."""
     if not isinstance(doc, dict):
         raise ValueError("the body is a JSON object")
-    unknown = set(doc) - {"name", "url", "events", "agent", "secret", "concurrency", *_NUMBERS}
+    unknown = set(doc) - {"name", "url", "events", "agent", "secret", "concurrency", *_DURATIONS}
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
     events = doc.get("events", [])
@@ -131,7 +131,9 @@ def spec_from_json(doc: Any) -> WebhookSpec:
         events = events.split()
     if not isinstance(events, list) or not all(isinstance(e, str) for e in events):
         raise ValueError("events is a list of event names")
-    kw: dict[str, Any] = {f: float(doc[k]) for k, f in _NUMBERS.items() if k in doc}
+    kw: dict[str, Any] = {
+        field: webhook_duration(doc[key], key) for key, field in _DURATIONS.items() if key in doc
+    }
     if "concurrency" in doc:
         kw["concurrency"] = int(doc["concurrency"])
     for key in ("name", "url"):

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from agentserver.agents.store import outbox
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
 
 MIGRATION = """
@@ -330,11 +331,19 @@ def _unhold(tx: Tx, hold_id: str) -> None:
 
 
 def settle(
-    tx: Tx, env: StoreEnv, hold_id: str, keys: Sequence[str], tokens: int, cost: float
+    tx: Tx,
+    env: StoreEnv,
+    hold_id: str,
+    keys: Sequence[str],
+    tokens: int,
+    cost: float,
+    events: Callable[[list[SpendRow]], Sequence[outbox.OutboxItem]] | None = None,
 ) -> list[SpendRow]:
     """The hold released (if the watchdog has not already) and ``tokens``/``cost`` spent
     in every row of ``keys``. Returns the rows that crossed their soft mark just now
-    (marked, so each fires once per period)."""
+    (marked, so each fires once per period). ``events(crossed)``: their ``budget.soft``
+    outbox rows, written with the mark (a crash after the commit loses no event: the mark
+    and the event commit together)."""
     _unhold(tx, hold_id)
     now = env.clock.now()
     tx.execute(
@@ -350,7 +359,10 @@ def settle(
         f" RETURNING {_COLUMNS}",
         [now, *keys],
     )
-    return [_spend(r) for r in crossed]
+    rows = [_spend(r) for r in crossed]
+    if rows and events is not None and (items := events(rows)):
+        outbox.enqueue(tx, env, items)
+    return rows
 
 
 def release(tx: Tx, env: StoreEnv, hold_id: str) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.ports import LLMCompletion
+from agentserver.agents.store import outbox
 from agentserver.agents.store.base import InboxRow, NewCard, TurnToken
 from agentserver.agents.store.governance import (
     APPROVAL_PREFIX,
@@ -206,10 +207,17 @@ def approval_status(tx: Tx, env: StoreEnv, request_id: str) -> str | None:
     return row[0] if row else None
 
 
-def mark_approval_sent(tx: Tx, env: StoreEnv, request_id: str) -> None:
+def mark_approval_sent(
+    tx: Tx, env: StoreEnv, request_id: str, events: Sequence[outbox.OutboxItem] = ()
+) -> None:
+    """The request was sent; ``events``: its ``approval.requested`` outbox rows, written
+    with the mark (the request is sent again until marked, so the event is neither lost
+    nor doubled by a crash between the two)."""
     tx.execute(
         "UPDATE approvals SET sent_at = ? WHERE request_id = ?", (env.clock.now(), request_id)
     )
+    if events:
+        outbox.enqueue(tx, env, events)
 
 
 def unsend_approvals(tx: Tx, env: StoreEnv, approvers: Sequence[str]) -> None:
