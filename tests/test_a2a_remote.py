@@ -4,7 +4,10 @@ agent built with the official SDK's own server pieces, in its own asyncio proces
 remote without streaming), a remote failure, our timeout cancelling the remote task, a
 remote input-required question reaching our agent's model and answered by its next call,
 our stop cancelling the remote task, and the remote killed mid-task; ``check`` printing
-the mapping, an unreachable card an error (a warning with ``required="false"``).
+the mapping, an unreachable card an error (a warning with ``required="false"``). A call's
+step retries and its resend after our server is SIGKILLed continue the remote task it
+started (one remote task per call); on PostgreSQL another process takes the call over,
+and two processes on the one store each complete a task sent to them exactly once.
 """
 
 from __future__ import annotations
@@ -308,7 +311,8 @@ async def test_a_remote_over_mutual_tls(tmp_path):
 
 class ResumingModel(FakeServer):
     """``resume``: calls the streaming remote's ``echo`` with a task of 12 s, then answers
-    with what it said. Notes each remote answer it is shown."""
+    with what it said, noting it. ``relay N``: calls it with that text, then answers with
+    what it said."""
 
     def __init__(self) -> None:
         super().__init__("openai")
@@ -321,6 +325,12 @@ class ResumingModel(FakeServer):
         if said:
             self.answers.append(said.group(0))
             return openai_ok(f"Resumed: {said.group(0)}", model="m")
+        relayed = re.search(r"remote says: relay \d+", everything)
+        if relayed:
+            return openai_ok(f"Relayed: {relayed.group(0)}", model="m")
+        if asked := re.search(r"relay \d+", everything):
+            body = f"<text>{asked.group(0)}</text>"
+            return openai_ok(f'<echo xmlns="urn:agentserver:a2a:stream">{body}</echo>', model="m")
         if "resume" in everything:
             body = "<text>pause 12 longrun</text>"
             return openai_ok(f'<echo xmlns="urn:agentserver:a2a:stream">{body}</echo>', model="m")
@@ -429,7 +439,12 @@ async def test_retries_and_restarts_continue_the_remote_task(tmp_path, store_env
                     body = f'<echo xmlns="urn:agentserver:a2a:stream"><text>hi {n}</text></echo>'
                     reply = await post(http_url(server), "stream-echo", body)
                     assert f"remote says: hi {n}" in reply, reply
-                assert len(stream.tasks()) == 4, stream.tasks()
+                    # An agent's task: its Turn (and call) on either process.
+                    body = f'<task xmlns="urn:agentserver:assistant"><text>relay {n}</text></task>'
+                    reply = await post(http_url(server), "assistant", body)
+                    assert f"Relayed: remote says: relay {n}" in reply, reply
+                assert len(stream.tasks()) == 6, stream.tasks()
+                assert len(set(stream.tasks())) == 6
             nursery.cancel_scope.cancel()
     finally:
         for server in servers:
