@@ -176,7 +176,12 @@ class Attempt:
             return None
         try:
             page = await self.client.list_tasks(
-                ListTasksRequest(context_id=call.context, history_length=HISTORY, page_size=10)
+                ListTasksRequest(
+                    context_id=call.context,
+                    history_length=HISTORY,
+                    page_size=10,
+                    include_artifacts=True,  # an ended task's answer
+                )
             )
         except A2AError as exc:
             # Not served (or not as asked): send, by message id.

@@ -548,9 +548,15 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         return await self._read(a2a.task, task_id)
 
     async def a2a_tasks(
-        self, owner: str, context_id: str | None, agents: Sequence[str], limit: int, offset: int
-    ) -> tuple[list[dict[str, Any]], int]:
-        return await self._read(a2a.tasks, owner, context_id, list(agents), limit, offset)
+        self,
+        owner: str,
+        context_id: str | None,
+        agents: Sequence[str],
+        limit: int,
+        after: tuple[float, str] | None = None,
+        keep: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> tuple[list[dict[str, Any]], int, bool]:
+        return await self._read(a2a.tasks, owner, context_id, list(agents), limit, after, keep)
 
     async def a2a_push_put(self, task_id: str, config_id: str, config: str) -> None:
         await self._run1(a2a_push.put_config, task_id, config_id, config)
