@@ -23,6 +23,7 @@ import trio
 from httputil import http_url
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import DATA, TESTS, ServerProcess, subprocess_env
+from test_agents_crash import Store
 
 BOOT = DATA / "a2a-boot.xml"
 CLIENT = TESTS / "a2a_sdk_client.py"
@@ -483,6 +484,12 @@ async def test_push_notifications_at_least_once_and_across_a_restart(tmp_path, s
             assert first["refused"]
             ids = [r["headers"]["X-A2A-Notification-Id"] for r in receiver.requests]
             assert ids.count(ids[0]) >= 2
+            # Delivered from the webhooks' outbox, on the receiver's own channel.
+            store = Store(tmp_path / "state" / "agents.sqlite3")  # beside boot.xml
+            store.url = store_env.get("AGENTS_TEST_STORE_URL")
+            origin = receiver.url.removesuffix("/hook")
+            rows = store.rows("SELECT channel, delivery_id, attempts FROM outbox")
+            assert (f"a2a-push:{origin}", ids[0]) in {(r[0], r[1]) for r in rows}, rows
             # The four config methods.
             made = await one(url, ALICE, "push-set", task_id, receiver.url, "second")
             assert made["taskId"] == task_id and made["id"]

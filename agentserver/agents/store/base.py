@@ -35,6 +35,7 @@ from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.ports import LLMCompletion, ReplyRef
 from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.store.governance import GovernanceStore, PendingApproval
+from agentserver.agents.store.outbox import OutboxItem
 from agentserver.agents.store.rows import BoxSwap as BoxSwap
 from agentserver.agents.store.rows import Card as Card
 from agentserver.agents.store.rows import CardType as CardType
@@ -402,12 +403,8 @@ class A2aStore(Protocol):
         seen: str | None,
         state: str,
         finished: bool,
-        push_id: str,
-        body: str,
+        item: OutboxItem,
     ) -> bool: ...
-    async def a2a_push_due(self, lease: float, limit: int) -> list[dict[str, Any]]: ...
-    async def a2a_push_delivered(self, push_id: str) -> None: ...
-    async def a2a_push_failed(self, push_id: str, delay: float | None, error: str) -> None: ...
 
 
 class StoreLifecycle(Protocol):

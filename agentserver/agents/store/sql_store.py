@@ -42,6 +42,7 @@ from agentserver.agents.store.base import (
 )
 from agentserver.agents.store.budget_store import BudgetStore
 from agentserver.agents.store.governance import DecisionRecord, PendingApproval, StepRecord
+from agentserver.agents.store.outbox import OutboxItem
 from agentserver.agents.store.outbox_calls import OutboxCalls
 from agentserver.agents.store.rows import Fired, ScheduleRow
 from agentserver.agents.store.sql import (
@@ -577,21 +578,9 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         seen: str | None,
         state: str,
         finished: bool,
-        push_id: str,
-        body: str,
+        item: OutboxItem,
     ) -> bool:
-        return await self._run(
-            a2a_push.owe, task_id, config_id, seen, state, finished, push_id, body
-        )
-
-    async def a2a_push_due(self, lease: float, limit: int) -> list[dict[str, Any]]:
-        return await self._run(a2a_push.claim_due, lease, limit)
-
-    async def a2a_push_delivered(self, push_id: str) -> None:
-        await self._run1(a2a_push.delivered, push_id)
-
-    async def a2a_push_failed(self, push_id: str, delay: float | None, error: str) -> None:
-        await self._run1(a2a_push.failed, push_id, delay, error)
+        return await self._run(a2a_push.owe, task_id, config_id, seen, state, finished, item)
 
     async def figures(self) -> views.FigureRows:
         return await self._read(views.figures)
