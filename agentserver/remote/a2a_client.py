@@ -176,7 +176,9 @@ class RemoteAgent:
             await self._cancel(call.task_id)
             return self._failed(
                 skill,
-                f"no answer within {self.spec.timeout:g} s: the remote task was cancelled",
+                f"no answer in time (timeout {self.spec.timeout:g} s, step-timeout "
+                f"{self.spec.step_timeout or self.spec.timeout:g} s): the remote task was "
+                "cancelled",
                 call.task_id,
             )
         except trio.Cancelled:
