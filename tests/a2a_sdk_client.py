@@ -7,7 +7,7 @@ TOKEN ``-`` sends none. Each result is one JSON line on standard output (a strea
 command prints one line per event, flushed, so the test can kill it mid-stream); an A2A
 error is ``{"error": CLASS, "message": TEXT}``. Commands: ``card``, ``send TEXT [CONTEXT]
 [SKILL]``, ``send-now TEXT [CONTEXT] [SKILL]``, ``stream TEXT``, ``get TASK [HISTORY]``,
-``list [CONTEXT]``, ``cancel TASK``, ``subscribe TASK``, ``answer TASK GRANT``,
+``list [CONTEXT [STATUS [PAGE_SIZE [TOKEN]]]]``, ``cancel TASK``, ``subscribe TASK``, ``answer TASK GRANT``,
 ``extended``, ``agent-card NAME`` (the agent's own card, then a send through it: TEXT),
 ``send-push TEXT URL TOKEN``, ``push-set TASK URL TOKEN``, ``push-get TASK ID``,
 ``push-list TASK``, ``push-delete TASK ID``.
@@ -37,6 +37,7 @@ from a2a.types import (
     SendMessageRequest,
     SubscribeToTaskRequest,
     TaskPushNotificationConfig,
+    TaskState,
 )
 from a2a.utils.errors import A2AError
 from google.protobuf.json_format import MessageToDict, ParseDict
@@ -95,8 +96,13 @@ async def main(url: str, token: str, command: str, *args: str) -> None:
                 if len(args) > 1:
                     request.history_length = int(args[1])
                 out(MessageToDict(await client.get_task(request)))
-            elif command == "list":
-                request = ListTasksRequest(context_id=args[0] if args else "")
+            elif command == "list":  # [CONTEXT [STATUS [PAGE_SIZE [PAGE_TOKEN]]]]
+                context, status, size, token = (*args, "", "", "", "")[:4]
+                request = ListTasksRequest(context_id=context, page_token=token)
+                if status:
+                    request.status = TaskState.Value(status)
+                if size:
+                    request.page_size = int(size)
                 out(MessageToDict(await client.list_tasks(request)))
             elif command == "cancel":
                 out(MessageToDict(await client.cancel_task(CancelTaskRequest(id=args[0]))))

@@ -3,6 +3,7 @@ an ``AgentExecutor``, the in-memory task store, the SDK's Starlette routes), ser
 Hypercorn on asyncio in its own process: the remote of tests/test_a2a_remote.py.
 
     python tests/a2a_sdk_server.py PORT CANCELS_FILE [--no-streaming] [--tls CERT KEY CA]
+        [--starts FILE]
 
 ``--tls``: HTTPS with CERT and KEY, asking every client for a certificate issued by CA
 (mutual TLS).
@@ -10,12 +11,15 @@ Hypercorn on asyncio in its own process: the remote of tests/test_a2a_remote.py.
 Skills ``echo`` and ``ask``; by the task's text: ``fail`` fails ("remote broke"),
 ``ask`` asks "What color?" (input-required) and a follow-up on the task completes with
 "Color noted: TEXT"; ``slow`` works for 60 s (cancel appends the task id to
-CANCELS_FILE); anything else completes with the artifact "remote says: TEXT".
+CANCELS_FILE); ``pause`` (or ``pause N``) works for 4 s (N s), then completes as
+anything else does: with the artifact "remote says: TEXT". ``--starts``: the task's id is appended to FILE at
+each execution (how many remote tasks a call made).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 
 from a2a.helpers.proto_helpers import new_task_from_user_message
@@ -38,9 +42,16 @@ from hypercorn.config import Config
 from starlette.applications import Starlette
 
 
+def pause_of(text: str) -> float:
+    """``pause N``: N seconds; a bare ``pause``: 4."""
+    found = re.search(r"pause (\d+)", text)
+    return float(found.group(1)) if found else 4.0
+
+
 class Executor(AgentExecutor):
-    def __init__(self, cancels: str) -> None:
+    def __init__(self, cancels: str, starts: str | None) -> None:
         self.cancels = cancels
+        self.starts = starts
 
     async def execute(self, context, event_queue) -> None:
         task = context.current_task
@@ -48,6 +59,8 @@ class Executor(AgentExecutor):
         if task is None:
             task = new_task_from_user_message(context.message)
             await event_queue.enqueue_event(task)
+        if self.starts:
+            await asyncio.to_thread(self.record, task.id, self.starts)
         updater = TaskUpdater(event_queue, task.id, task.context_id)
         if task.status.state == TaskState.TASK_STATE_INPUT_REQUIRED:
             await updater.add_artifact([Part(text=f"Color noted: {text}")])
@@ -62,11 +75,13 @@ class Executor(AgentExecutor):
             await asyncio.sleep(60)
             await updater.complete()
         else:
+            if "pause" in text:
+                await asyncio.sleep(pause_of(text))
             await updater.add_artifact([Part(text=f"remote says: {text}")])
             await updater.complete()
 
-    def record(self, task_id: str) -> None:
-        with open(self.cancels, "a") as out:
+    def record(self, task_id: str, path: str = "") -> None:
+        with open(path or self.cancels, "a") as out:
             out.write(f"{task_id}\n")
 
     async def cancel(self, context, event_queue) -> None:
@@ -79,6 +94,7 @@ def main() -> None:
     port, cancels = int(sys.argv[1]), sys.argv[2]
     streaming = "--no-streaming" not in sys.argv
     tls = sys.argv[sys.argv.index("--tls") + 1 :][:3] if "--tls" in sys.argv else None
+    starts = sys.argv[sys.argv.index("--starts") + 1] if "--starts" in sys.argv else None
     scheme = "https" if tls else "http"
     card = AgentCard(
         name="remote",
@@ -100,7 +116,7 @@ def main() -> None:
         ],
     )
     handler = DefaultRequestHandler(
-        agent_executor=Executor(cancels), task_store=InMemoryTaskStore(), agent_card=card
+        agent_executor=Executor(cancels, starts), task_store=InMemoryTaskStore(), agent_card=card
     )
     app = Starlette(routes=[*create_agent_card_routes(card), *create_jsonrpc_routes(handler, "/")])
     config = Config()

@@ -23,6 +23,7 @@ import trio
 from httputil import http_url
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import DATA, TESTS, ServerProcess, subprocess_env
+from test_agents_crash import Store
 
 BOOT = DATA / "a2a-boot.xml"
 CLIENT = TESTS / "a2a_sdk_client.py"
@@ -207,6 +208,7 @@ async def test_stream_cancel_resubscribe_approval_and_contexts(tmp_path, store_e
             await _cancel(url)
             await _input_required_then_approved(url)
             await _contexts(url)
+            await _list_filters_before_paging(url)
             await _refusals(url)
         finally:
             await trio.to_thread.run_sync(server.stop)
@@ -286,6 +288,37 @@ async def _contexts(url: str) -> None:
     assert asked["task"]["artifacts"][0]["parts"][0]["text"] == "You said: banana"
     listed = await one(url, ALICE, "list", "ctx-one")
     assert len(listed["tasks"]) == 2 and {t["contextId"] for t in listed["tasks"]} == {"ctx-one"}
+
+
+async def _list_filters_before_paging(url: str) -> None:
+    """Alice's tasks, newest first: four completed (ctx-one, ctx-two, ctx-one, the sum),
+    one failed, one canceled. The filters apply before a page is cut: a page is full
+    while matches remain, and the next-page token follows the last match."""
+
+    async def pages(*args: str) -> list[list[dict]]:
+        found, token = [], ""
+        while True:
+            listed = await one(url, ALICE, "list", *args, token)
+            found.append(listed.get("tasks", []))
+            token = listed.get("nextPageToken", "")
+            if not token:
+                return found
+
+    (failed,) = await pages("", "TASK_STATE_FAILED", "1")
+    assert [state(t) for t in failed] == ["TASK_STATE_FAILED"]
+    done = await pages("", "TASK_STATE_COMPLETED", "3")
+    assert [len(p) for p in done] == [3, 1]
+    assert {state(t) for p in done for t in p} == {"TASK_STATE_COMPLETED"}
+    assert len({t["id"] for p in done for t in p}) == 4
+    listed = await one(url, ALICE, "list", "", "TASK_STATE_COMPLETED", "3")
+    assert listed["totalSize"] == 4 and listed["pageSize"] == 3
+    # With a context too; and without filters, every task once over pages of two.
+    one_ctx = await pages("ctx-one", "TASK_STATE_COMPLETED", "1")
+    assert [len(p) for p in one_ctx] == [1, 1]
+    everything = await pages("", "", "2")
+    assert [len(p) for p in everything] == [2, 2, 2]
+    assert len({t["id"] for p in everything for t in p}) == 6
+    assert (await one(url, ALICE, "list", "", "", "2", "bogus"))["error"] == "InvalidParamsError"
 
 
 async def _refusals(url: str) -> None:
@@ -451,6 +484,12 @@ async def test_push_notifications_at_least_once_and_across_a_restart(tmp_path, s
             assert first["refused"]
             ids = [r["headers"]["X-A2A-Notification-Id"] for r in receiver.requests]
             assert ids.count(ids[0]) >= 2
+            # Delivered from the webhooks' outbox, on the receiver's own channel.
+            store = Store(tmp_path / "state" / "agents.sqlite3")  # beside boot.xml
+            store.url = store_env.get("AGENTS_TEST_STORE_URL")
+            origin = receiver.url.removesuffix("/hook")
+            rows = store.rows("SELECT channel, delivery_id, attempts FROM outbox")
+            assert (f"a2a-push:{origin}", ids[0]) in {(r[0], r[1]) for r in rows}, rows
             # The four config methods.
             made = await one(url, ALICE, "push-set", task_id, receiver.url, "second")
             assert made["taskId"] == task_id and made["id"]

@@ -4,11 +4,15 @@ agent built with the official SDK's own server pieces, in its own asyncio proces
 remote without streaming), a remote failure, our timeout cancelling the remote task, a
 remote input-required question reaching our agent's model and answered by its next call,
 our stop cancelling the remote task, and the remote killed mid-task; ``check`` printing
-the mapping, an unreachable card an error (a warning with ``required="false"``).
+the mapping, an unreachable card an error (a warning with ``required="false"``). A call's
+step retries and its resend after our server is SIGKILLed continue the remote task it
+started (one remote task per call); on PostgreSQL another process takes the call over,
+and two processes on the one store each complete a task sent to them exactly once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import subprocess
@@ -20,6 +24,7 @@ import trio
 from httputil import http_url
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import TESTS, ServerProcess, cli, subprocess_env
+from test_agents_crash import Store
 
 SERVER = TESTS / "a2a_sdk_server.py"
 REMOTE_NS = "urn:agentserver:a2a:remote"
@@ -39,6 +44,10 @@ class Remote:
         self.port = free_port()
         self.cancels = tmp_path / f"{name}-cancels.txt"
         self.cancels.write_text("")
+        #: Each execution's task id, one a line.
+        self.starts = tmp_path / f"{name}-starts.txt"
+        self.starts.write_text("")
+        flags = (*flags, "--starts", str(self.starts))
         self.proc = subprocess.Popen(
             [sys.executable, str(SERVER), str(self.port), str(self.cancels), *flags],
             stdout=subprocess.DEVNULL,
@@ -63,6 +72,10 @@ class Remote:
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+    def tasks(self) -> list[str]:
+        """The remote tasks executed, in order (one line per execution)."""
+        return self.starts.read_text().split()
 
 
 class CallingModel(FakeServer):
@@ -294,3 +307,147 @@ async def test_a_remote_over_mutual_tls(tmp_path):
             await trio.to_thread.run_sync(server.stop)
     finally:
         remote.stop()
+
+
+class ResumingModel(FakeServer):
+    """``resume``: calls the streaming remote's ``echo`` with a task of 12 s, then answers
+    with what it said, noting it. ``relay N``: calls it with that text, then answers with
+    what it said."""
+
+    def __init__(self) -> None:
+        super().__init__("openai")
+        self.answers: list[str] = []
+
+    def default(self, seen: Seen) -> Script:
+        messages = seen.body["messages"]
+        everything = "\n".join(str(m.get("content", "")) for m in messages[1:])
+        said = re.search(r"remote says: pause 12 [\w-]+", everything)
+        if said:
+            self.answers.append(said.group(0))
+            return openai_ok(f"Resumed: {said.group(0)}", model="m")
+        relayed = re.search(r"remote says: relay \d+", everything)
+        if relayed:
+            return openai_ok(f"Relayed: {relayed.group(0)}", model="m")
+        if asked := re.search(r"relay \d+", everything):
+            body = f"<text>{asked.group(0)}</text>"
+            return openai_ok(f'<echo xmlns="urn:agentserver:a2a:stream">{body}</echo>', model="m")
+        if "resume" in everything:
+            body = "<text>pause 12 longrun</text>"
+            return openai_ok(f'<echo xmlns="urn:agentserver:a2a:stream">{body}</echo>', model="m")
+        return openai_ok("ok", model="m")
+
+
+def retrying_boot(path, stream: Remote, poll: Remote) -> None:
+    attempts = 'step-timeout="1" retries="8" timeout="60"'
+    path.write_text(
+        f"""<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="caller">
+  <limits hello-timeout="2" read-timeout="2" drain-timeout="1" write-timeout="2"/>
+  <llm max-attempts="1" timeout="60">
+    <backend name="fake" provider="openai" base-url="http://127.0.0.1:9/v1"
+             base-url-env="A2A_LLM_BASE_URL" api-key-env="A2A_LLM_KEY" timeout="60">
+      <model name="m"/>
+    </backend>
+  </llm>
+  <store path="state/agents.sqlite3" watchdog-interval="0.2"
+         url-env="AGENTS_TEST_STORE_URL" lease="1" heartbeat="0.25"/>
+  <listeners>
+    <a2a name="stream" url="{stream.url}" {attempts}/>
+    <a2a name="poll" url="{poll.url}" {attempts}/>
+    <listener name="assistant" handler="assistant" agent="true" peers="stream-echo">
+      <agent model="m" max-steps="4" resume-deadline="600"/>
+    </listener>
+  </listeners>
+</organism>"""
+    )
+
+
+async def test_retries_and_restarts_continue_the_remote_task(tmp_path, store_env):
+    """A call's retries (step-timeout 1 s against tasks of 4 s) and its resend after our
+    server is SIGKILLed continue the remote task the call started: one remote task each.
+    On PostgreSQL the call is taken over by another process, and then two processes each
+    call the remote once."""
+    stream = Remote(tmp_path, "stream")
+    poll = Remote(tmp_path, "poll", "--no-streaming")
+    servers: list[ServerProcess] = []
+    try:
+        await trio.to_thread.run_sync(stream.wait_ready)
+        await trio.to_thread.run_sync(poll.wait_ready)
+        path = tmp_path / "boot.xml"
+        retrying_boot(path, stream, poll)
+
+        async def start() -> ServerProcess:
+            server = await trio.to_thread.run_sync(
+                lambda: ServerProcess.start(path, "--http-port", "0", env=env, cwd=tmp_path)
+            )
+            servers.append(server)
+            return server
+
+        async with trio.open_nursery() as nursery:
+            model = await ResumingModel().start(nursery)
+            env = subprocess_env(A2A_LLM_BASE_URL=model.base_url, A2A_LLM_KEY="k", **store_env)
+            first = await start()
+            url = http_url(first)
+            # Step retries: each attempt times out after 1 s; the next continues the task
+            # (by its stream again, or by polling), never sending the message twice.
+            async with trio.open_nursery() as calls:
+                for name, word in (("stream", "one"), ("poll", "two")):
+                    body = (
+                        f'<echo xmlns="urn:agentserver:a2a:{name}"><text>pause {word}</text></echo>'
+                    )
+
+                    async def call(name: str = name, body: str = body, word: str = word) -> None:
+                        reply = await post(url, f"{name}-echo", body)
+                        assert 'state="completed"' in reply, reply
+                        assert f"remote says: pause {word}" in reply, reply
+
+                    calls.start_soon(call)
+            assert len(stream.tasks()) == 1 and len(poll.tasks()) == 1
+            assert "same remote task" in first.stderr
+
+            # Our server killed mid-call: the call is sent again (same key) after the
+            # restart (SQLite) or by the process that takes over (PostgreSQL), and finds
+            # and follows the remote task it started.
+            async def ask() -> None:
+                body = '<task xmlns="urn:agentserver:assistant"><text>resume me</text></task>'
+                with contextlib.suppress(httpx.HTTPError):
+                    await post(url, "assistant", body)
+
+            nursery.start_soon(ask)
+            store = Store(tmp_path / "state" / "agents.sqlite3")
+            store.url = store_env.get("AGENTS_TEST_STORE_URL")
+
+            def in_flight() -> bool:
+                # The remote task started, and the Turn waits for the call.
+                waiting = "SELECT 1 FROM turn_waiting_tools WHERE status = 'waiting'"
+                return len(stream.tasks()) == 2 and bool(store.rows(waiting))
+
+            with trio.fail_after(PATIENCE):
+                while not in_flight():  # noqa: ASYNC110 (other processes' files)
+                    await trio.sleep(0.05)
+            await trio.to_thread.run_sync(first.proc.kill)
+            await trio.to_thread.run_sync(first.wait_exit, 10)
+            second = await start()
+            with trio.fail_after(PATIENCE):
+                while not model.answers:  # noqa: ASYNC110 (set by the model's server)
+                    await trio.sleep(0.1)
+            assert model.answers == ["remote says: pause 12 longrun"], second.stderr
+            assert len(stream.tasks()) == 2, stream.tasks()
+            if store_env:
+                # Two processes on one store: a call sent to either is one remote task.
+                third = await start()
+                for n, server in enumerate((second, third)):
+                    body = f'<echo xmlns="urn:agentserver:a2a:stream"><text>hi {n}</text></echo>'
+                    reply = await post(http_url(server), "stream-echo", body)
+                    assert f"remote says: hi {n}" in reply, reply
+                    # An agent's task: its Turn (and call) on either process.
+                    body = f'<task xmlns="urn:agentserver:assistant"><text>relay {n}</text></task>'
+                    reply = await post(http_url(server), "assistant", body)
+                    assert f"Relayed: remote says: relay {n}" in reply, reply
+                assert len(stream.tasks()) == 6, stream.tasks()
+                assert len(set(stream.tasks())) == 6
+            nursery.cancel_scope.cancel()
+    finally:
+        for server in servers:
+            await trio.to_thread.run_sync(server.stop)
+        stream.stop()
+        poll.stop()

@@ -399,3 +399,36 @@ async def test_a_receiver_failing_too_long_is_disabled_with_an_event(real: Opene
         assert verify(watcher.ok()[0])["type"] == "webhook.disabled"
     finally:
         watcher.stop()
+
+
+async def test_a_family_makes_a_channel_per_receiver_and_checks_each_attempt(
+    real: Opener,
+) -> None:
+    """Channels made on demand by prefix (A2A push: one per receiver), each attempt
+    checked first: a refused check is a failed attempt, retried with the same id."""
+    store = await real()
+    one, two = Receiver().start(), Receiver().start()
+    checked: list[str] = []
+    try:
+        outbox = Outbox(store, store.env.clock.now)
+
+        async def check(row: Any) -> None:
+            checked.append(row.delivery_id)
+            if len(checked) == 1:
+                raise ValueError("not yet")
+
+        outbox.add_family("fam:", lambda name: Channel(name, concurrency=1, check=check))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(outbox.run)
+            fast = {"first_delay_s": 0.02, "max_delay_s": 0.1}
+            await outbox.enqueue(
+                [item(0, "fam:one", one.url, **fast), item(1, "fam:two", two.url, **fast)]
+            )
+            await wait_for(lambda: len(one.ok()) == 1 and len(two.ok()) == 1)
+            nursery.cancel_scope.cancel()
+        assert outbox.channel("fam:one") is not None and outbox.channel("fam:two") is not None
+        assert len(checked) == 3 and len(set(checked)) == 2  # the refused one, again
+        assert outbox.figures.failed == 1 and outbox.figures.delivered == 2
+    finally:
+        one.stop()
+        two.stop()

@@ -224,7 +224,9 @@ def build_listener_set(topology: Topology, ctx: RunContext) -> ListenerSet:
         else:
             assert spec.handler is not None  # the loader resolved it
             handler = spec.handler
-        if not (spec.remote or spec.agent) and (spec.step_timeout is not None or spec.idempotent):
+        # An A2A skill's handler retries itself (each retry continuing the remote task).
+        own_steps = spec.remote or spec.agent or spec.a2a_skill is not None
+        if not own_steps and (spec.step_timeout is not None or spec.idempotent):
             # Steps as a remote listener's: attempts, retries, the same idempotency key.
             from agentserver.remote.hub import pump_timeout
             from agentserver.steps.local import retrying_handler

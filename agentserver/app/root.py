@@ -389,20 +389,18 @@ def _a2a_handler(
 
 async def _a2a_push(
     deps: Any,
+    webhooks: Any,
     scope: trio.CancelScope,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """The A2A push notifications' watcher and deliverer, until ``scope`` is cancelled
-    (the HTTP API's end)."""
-    from agentserver.http.a2a.push import HttpPushDelivery, PushNotifier
+    """The A2A push notifications' watcher, until ``scope`` is cancelled (the HTTP API's
+    end); the webhooks' outbox delivers them (its sender started for them)."""
+    from agentserver.http.a2a.push import PushNotifier, push_channels
 
-    delivery = HttpPushDelivery(allow_private=deps.allow_private_push)
-    try:
-        with scope:
-            await PushNotifier(deps.store, delivery).run(task_status=task_status)
-    finally:
-        with trio.CancelScope(shield=True):
-            await delivery.aclose()
+    push_channels(webhooks.outbox, allow_private=deps.allow_private_push)
+    await webhooks.start_sender()
+    with scope:
+        await PushNotifier(deps.store, webhooks.outbox).run(task_status=task_status)
 
 
 async def _start_http(
@@ -507,8 +505,8 @@ async def _start_http(
             push_scope.cancel()
 
     push_scope = trio.CancelScope()
-    if app_ctx.a2a is not None:
-        await nursery.start(_a2a_push, app_ctx.a2a.deps, push_scope)
+    if app_ctx.a2a is not None and webhooks is not None:
+        await nursery.start(_a2a_push, app_ctx.a2a.deps, webhooks, push_scope)
 
     await nursery.start(run_gateway)
     return app_ctx, await nursery.start(run_http)

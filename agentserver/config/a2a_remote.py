@@ -27,9 +27,10 @@ from agentserver.core.listener import NAME_RE
 from agentserver.core.payloads import PayloadType
 from agentserver.core.xsdpayload import schema_model
 from agentserver.primitives.a2a import A2aAnswer, skill_namespace
-from agentserver.remote.a2a_client import CardError, fetch_card_blocking
+from agentserver.remote.a2a_client import CANCEL_TIMEOUT, CardError, fetch_card_blocking
 from agentserver.remote.a2a_spec import SKILL_INPUT, A2aRemoteSpec, A2aSkillRef
 from agentserver.remote.mcp_spec import tool_listener_name
+from agentserver.steps.retry import DEFAULT_RETRIES
 
 #: Card fetches tried for a ``required="false"`` remote before it is left out.
 CARD_ATTEMPTS = 3
@@ -77,6 +78,8 @@ class A2aRemoteReader:
             url=el.get("url", "").rstrip("/"),
             headers=headers,
             timeout=float(el.get("timeout", DEFAULT_TIMEOUT)),
+            step_timeout=float(v) if (v := el.get("step-timeout")) is not None else None,
+            retries=int(el.get("retries", DEFAULT_RETRIES)),
             connect_timeout=float(el.get("connect-timeout", DEFAULT_CONNECT_TIMEOUT)),
             concurrency=int(el.get("concurrency", DEFAULT_CONCURRENCY)),
             required=el.get("required") is None or flag(el, "required"),
@@ -139,8 +142,12 @@ class A2aRemoteReader:
                     accepts=(model,),
                     responds=(A2aAnswer,),
                     concurrency=spec.concurrency,
-                    # The pump's bound: the call's, plus the remote cancel's.
-                    timeout=spec.timeout + 10.0,
+                    # The pump's bound: the call's (every attempt), plus the remote cancel's.
+                    timeout=spec.timeout + CANCEL_TIMEOUT,
+                    # A call a restart interrupted is sent again: it finds the remote task
+                    # its first send started (the same message id) and follows it.
+                    idempotent=True,
+                    retries=spec.retries,
                     raw=True,
                     description=description,
                     line=spec.line,

@@ -2,15 +2,18 @@
 tools"): the card's fetch at load, and the pump handler of each skill listener, calling
 the remote with the official SDK's client (httpx, which runs under trio).
 
-A call sends one message (its id: our idempotency key, so a retry of the same call is the
-same message and a remote that dedupes, as ours does, continues the same task) with the
-skill named in its metadata, then follows the remote task to a terminal state or
-``input-required``: by its stream when the card offers streaming, else (and after a lost
-stream) by ``GetTask`` every :data:`POLL_MIN` seconds backing off to :data:`POLL_MAX`.
-The whole call is bounded by ``<a2a timeout>``; on that timeout, or when the call is
-cancelled (the pump's timeout, our stop), ``CancelTask`` is sent to the remote, shielded
-and bounded by :data:`CANCEL_TIMEOUT`. A remote that answers VersionNotSupported has its
-card fetched again and the call made once more.
+A call (:mod:`agentserver.remote.a2a_call`) sends one message, its id our idempotency
+key, with the skill named in its metadata, then follows the remote task to a terminal
+state or ``input-required``: by its stream when the card offers streaming, else (and
+after a lost stream) by ``GetTask``. Each attempt is bounded by ``<a2a step-timeout>``;
+one that times out or loses its transport is tried again (``retries``), and every
+attempt, like the resend after a restart, first looks for the remote task the call
+already started and continues it: a call never starts two remote tasks while the remote
+keeps the first. The whole call is bounded by ``<a2a timeout>``; on that timeout, on the
+last attempt's, or when the call is cancelled (the pump's timeout, our stop),
+``CancelTask`` is sent to the remote, shielded and bounded by :data:`CANCEL_TIMEOUT`. A
+remote that answers VersionNotSupported has its card fetched again and the call made
+once more.
 
 A remote task that asks for input (``input-required``) is answered to the caller as its
 question; the next call of the same caller chain to the same skill continues that task
@@ -31,29 +34,21 @@ from lxml import etree
 from agentserver.core.jsonschema_xsd import ArgumentError, ToolShape
 from agentserver.core.listener import HandlerMetadata, HandlerResponse, HandlerResult
 from agentserver.primitives.a2a import A2aAnswer
+from agentserver.remote.a2a_call import WAITING, Attempt, DirectAnswer, RemoteCall, state_name
 from agentserver.remote.a2a_spec import A2aRemoteSpec
+from agentserver.steps.retry import backoff
 
 log = logging.getLogger("agentserver.a2a")
 
 CARD_PATH = "/.well-known/agent-card.json"
-POLL_MIN = 0.1
-POLL_MAX = 2.0
 #: Seconds the CancelTask of an abandoned call may take.
 CANCEL_TIMEOUT = 10.0
 #: Input-required remote tasks remembered (per caller chain and skill) at most.
 MAX_PENDING = 1024
-_STATE_NAMES = {
-    "TASK_STATE_SUBMITTED": "submitted",
-    "TASK_STATE_WORKING": "working",
-    "TASK_STATE_COMPLETED": "completed",
-    "TASK_STATE_FAILED": "failed",
-    "TASK_STATE_CANCELED": "canceled",
-    "TASK_STATE_INPUT_REQUIRED": "input-required",
-    "TASK_STATE_REJECTED": "rejected",
-    "TASK_STATE_AUTH_REQUIRED": "auth-required",
-}
-_ENDED = frozenset({"completed", "failed", "canceled", "rejected"})
-_WAITING = frozenset({"input-required", "auth-required"})
+
+
+class CallFailed(Exception):
+    """A call's final failure: its text is the answer's."""
 
 
 class CardError(Exception):
@@ -105,13 +100,6 @@ def fetch_card_blocking(spec: A2aRemoteSpec) -> dict[str, Any]:
     return data
 
 
-def state_name(task: Any) -> str:
-    """``completed``, ``input-required``, ... of the SDK's ``Task``."""
-    from a2a.types import TaskState
-
-    return _STATE_NAMES.get(TaskState.Name(task.status.state), "working")
-
-
 def task_texts(task: Any) -> list[str]:
     """The remote task's final message and artifacts as text (data parts as JSON)."""
     from google.protobuf.json_format import MessageToDict
@@ -146,6 +134,9 @@ class RemoteAgent:
         self._client: Any = None
         #: (caller chain, skill) -> (context id, task id) of a task waiting for input.
         self.pending: dict[tuple[str, str], tuple[str, str]] = {}
+        #: The remote serves ListTasks (until it refuses once): a call's lookup of the
+        #: task it started.
+        self.lists = True
 
     async def client(self) -> Any:
         if self._client is None:
@@ -175,102 +166,96 @@ class RemoteAgent:
         self, skill: str, text: str, data: Mapping[str, Any], key: str, chain: str
     ) -> A2aAnswer:
         """One call of ``skill`` (see the module doc). Never raises but Cancelled."""
+        call = RemoteCall(
+            self.spec.name, skill, text, data, key, self.pending.pop((chain, skill), None)
+        )
+        try:
+            with trio.fail_after(self.spec.timeout):
+                task = await self._attempts(call)
+        except trio.TooSlowError:
+            await self._cancel(call.task_id)
+            return self._failed(
+                skill,
+                f"no answer in time (timeout {self.spec.timeout:g} s, step-timeout "
+                f"{self.spec.step_timeout or self.spec.timeout:g} s): the remote task was "
+                "cancelled",
+                call.task_id,
+            )
+        except trio.Cancelled:
+            await self._cancel(call.task_id)
+            raise
+        except CallFailed as exc:
+            return self._failed(skill, str(exc), call.task_id, call.context)
+        except DirectAnswer as exc:
+            return A2aAnswer(skill=skill, text=exc.texts)
+        return self._answer(skill, chain, task)
+
+    async def _attempts(self, call: RemoteCall) -> Any:
+        """The call's attempts: each bounded by ``step-timeout``, a timed-out one or one
+        whose transport failed tried again (``retries`` times, ``backoff(n)`` apart),
+        continuing the remote task. Returns the settled task. Raises CallFailed,
+        DirectAnswer, and TooSlowError when the last attempt timed out."""
         from a2a.utils.errors import A2AError, VersionNotSupportedError
 
-        for attempt in (1, 2):
-            try:
-                return await self._call(skill, text, data, key, chain)
-            except VersionNotSupportedError as exc:
-                if attempt == 2:
-                    return self._failed(skill, f"version refused: {exc}")
+        step_timeout = self.spec.step_timeout or self.spec.timeout
+        retries, refetched = 0, False
+        while True:
+            failure = ""
+            with trio.move_on_after(step_timeout):
                 try:
-                    await self.refetch_card()
-                except CardError as card_exc:
-                    return self._failed(skill, f"version refused, card: {card_exc}")
-            except A2AError as exc:
-                return self._failed(skill, f"{type(exc).__name__}: {exc}")
-            except CardError as exc:
-                return self._failed(skill, str(exc))
-            except Exception as exc:  # the transport: connection refused, reset, ...
-                return self._failed(skill, f"the remote agent failed: {type(exc).__name__}: {exc}")
-        raise AssertionError("unreachable")
+                    client = await self.client()
+                    streaming = bool(self.card.capabilities.streaming)
+                    attempt = Attempt(client, call, streaming, self.lists)
+                    try:
+                        return await attempt.run()
+                    finally:
+                        self.lists = attempt.lists
+                except VersionNotSupportedError as exc:
+                    if refetched:
+                        raise CallFailed(f"version refused: {exc}") from None
+                    refetched = True
+                    try:
+                        await self.refetch_card()
+                    except CardError as card_exc:
+                        raise CallFailed(f"version refused, card: {card_exc}") from None
+                    continue
+                except A2AError as exc:  # the remote's answer: final
+                    raise CallFailed(f"{type(exc).__name__}: {exc}") from None
+                except CardError as exc:
+                    raise CallFailed(str(exc)) from None
+                except DirectAnswer:
+                    raise
+                except Exception as exc:  # the transport: connection refused, reset, ...
+                    failure = f"the remote agent failed: {type(exc).__name__}: {exc}"
+            if retries >= self.spec.retries:
+                if failure:
+                    raise CallFailed(failure)
+                raise trio.TooSlowError
+            retries += 1
+            delay = backoff(retries)
+            log.warning(
+                "a2a %s: call %s attempt %d %s; retrying in %gs (same remote task)",
+                self.spec.name,
+                call.key,
+                retries,
+                failure or f"timed out after {step_timeout:g} s",
+                delay,
+            )
+            await trio.sleep(delay)
 
     def _failed(self, skill: str, text: str, task: str = "", context: str = "") -> A2aAnswer:
         return A2aAnswer(
             state="failed", status="failed", skill=skill, task=task, context=context, text=[text]
         )
 
-    async def _call(
-        self, skill: str, text: str, data: Mapping[str, Any], key: str, chain: str
-    ) -> A2aAnswer:
-        from a2a.types import (
-            Message,
-            Part,
-            Role,
-            SendMessageConfiguration,
-            SendMessageRequest,
-            Task,
-        )
-        from google.protobuf.json_format import ParseDict
-        from google.protobuf.struct_pb2 import Struct, Value
-
-        client = await self.client()
-        message = Message(message_id=key, role=Role.ROLE_USER, parts=[Part(text=text)])
-        if data:
-            message.parts.append(Part(data=ParseDict(dict(data), Value())))
-        metadata = Struct()
-        metadata.update({"skill": skill})
-        message.metadata.CopyFrom(metadata)
-        waiting = self.pending.pop((chain, skill), None)
-        # Continuing a task that waits for input: its first reads may still show it waiting.
-        resumed = waiting is not None
-        if waiting is not None:
-            message.context_id, message.task_id = waiting
-        streaming = bool(self.card.capabilities.streaming)
-        request = SendMessageRequest(
-            message=message,
-            configuration=SendMessageConfiguration(return_immediately=not streaming),
-        )
-        task: Any = None
-        try:
-            with trio.fail_after(self.spec.timeout):
-                async for event in client.send_message(request):
-                    if event.HasField("task"):
-                        task = event.task
-                    elif event.HasField("message"):  # a direct answer, no task
-                        return A2aAnswer(skill=skill, text=task_texts_of_message(event.message))
-                    elif event.HasField("status_update"):
-                        update = event.status_update
-                        # A continued task's stream may start with its updates.
-                        task = task or Task(id=update.task_id, context_id=update.context_id)
-                        task.status.CopyFrom(update.status)
-                    elif event.HasField("artifact_update"):
-                        update = event.artifact_update
-                        task = task or Task(id=update.task_id, context_id=update.context_id)
-                        task.artifacts.append(update.artifact)
-                    if task is not None and self._settled(task, resumed):
-                        break
-                    if task is not None and state_name(task) not in _WAITING:
-                        resumed = False  # the answer is being worked on
-                if task is None:
-                    return self._failed(skill, "the remote agent answered no task")
-                task = await self._follow(client, task, resumed)
-        except trio.TooSlowError:
-            await self._cancel(client, task)
-            return self._failed(
-                skill,
-                f"no answer within {self.spec.timeout:g} s: the remote task was cancelled",
-                task.id if task is not None else "",
-            )
-        except trio.Cancelled:
-            await self._cancel(client, task)
-            raise
+    def _answer(self, skill: str, chain: str, task: Any) -> A2aAnswer:
+        """The answer of a settled ``task``; one that asks is remembered for ``chain``."""
         state = state_name(task)
         texts = task_texts(task)
         answer = A2aAnswer(
             state=state, skill=skill, task=task.id, context=task.context_id, text=texts
         )
-        if state in _WAITING:
+        if state in WAITING:
             self.pending[(chain, skill)] = (task.context_id, task.id)
             while len(self.pending) > MAX_PENDING:
                 self.pending.pop(next(iter(self.pending)))
@@ -283,45 +268,18 @@ class RemoteAgent:
             answer.text = texts or [f"the remote task ended {state}"]
         return answer
 
-    @staticmethod
-    def _settled(task: Any, resumed: bool) -> bool:
-        """The call's answer is there: the task ended, or waits for input (again: not
-        merely still, when the call answers its question)."""
-        state = state_name(task)
-        if state in _WAITING and resumed:
-            return False  # not yet seen at work on the answer: read on (the timeout bounds it)
-        return state in _ENDED | _WAITING
-
-    async def _follow(self, client: Any, task: Any, resumed: bool) -> Any:
-        """``task`` read again until it ends or waits for input (a stream that stopped
-        early, or a non-streaming remote)."""
-        from a2a.types import GetTaskRequest
-
-        delay = POLL_MIN
-        while not self._settled(task, resumed):
-            await trio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX)
-            task = await client.get_task(GetTaskRequest(id=task.id))
-            if state_name(task) not in _WAITING:
-                resumed = False
-        return task
-
-    async def _cancel(self, client: Any, task: Any) -> None:
-        """Ask the remote to cancel ``task`` (shielded, bounded; failures logged)."""
-        if task is None:
+    async def _cancel(self, task_id: str) -> None:
+        """Ask the remote to cancel ``task_id`` (shielded, bounded; failures logged)."""
+        if not task_id or self._client is None:
             return
         from a2a.types import CancelTaskRequest
 
         with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_TIMEOUT):
             try:
-                await client.cancel_task(CancelTaskRequest(id=task.id))
-                log.info("a2a %s: remote task %s cancelled", self.spec.name, task.id)
+                await self._client.cancel_task(CancelTaskRequest(id=task_id))
+                log.info("a2a %s: remote task %s cancelled", self.spec.name, task_id)
             except Exception as exc:
-                log.warning("a2a %s: cancel of %s failed: %s", self.spec.name, task.id, exc)
-
-
-def task_texts_of_message(message: Any) -> list[str]:
-    return [p.text for p in message.parts if p.WhichOneof("content") == "text"]
+                log.warning("a2a %s: cancel of %s failed: %s", self.spec.name, task_id, exc)
 
 
 class A2aRemotes:

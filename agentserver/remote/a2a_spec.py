@@ -30,8 +30,14 @@ class A2aRemoteSpec:
     name: str
     url: str
     headers: Mapping[str, str] = field(default_factory=dict)
-    #: Seconds one call may take (then the remote task is cancelled).
+    #: Seconds one call may take, every attempt included (then the remote task is
+    #: cancelled).
     timeout: float = 300.0
+    #: Seconds one attempt may take (None: ``timeout``): a timed-out attempt is retried,
+    #: continuing the same remote task.
+    step_timeout: float | None = None
+    #: Attempts after the first (a step timeout, a lost transport), ``backoff(n)`` apart.
+    retries: int = 3
     #: Seconds fetching the card may take.
     connect_timeout: float = 30.0
     #: Calls in flight at once, per skill listener.

@@ -51,6 +51,8 @@ UNKNOWN_DELAY_S = 30.0
 COALESCE_S = 0.005
 #: Seconds between two reads of the channels' figures (for the metrics).
 FIGURES_S = 5.0
+#: Rows of receivers not met yet that one claim may take, per family of channels.
+FAMILY_SLOTS = 8
 #: Done rows are kept this long, then pruned (once a minute).
 KEEP_DONE_S = 24 * 3600.0
 
@@ -98,6 +100,9 @@ class Channel:
     #: None: never disabled.
     disable_after_s: float | None = None
     render: Render = plain
+    #: Run before each attempt (e.g. the URL checked against SSRF again: a name may
+    #: resolve elsewhere now); raising fails the attempt with its text (retried).
+    check: Callable[[OutboxRow], Awaitable[None]] | None = None
 
 
 @dataclass(slots=True)
@@ -151,11 +156,20 @@ class Outbox:
         #: Looks up a channel this process does not know yet (e.g. a webhook another
         #: process made at run time); None: unknown channels' rows wait.
         self.resolve: Callable[[str], Awaitable[Channel | None]] | None = None
+        #: Channels made on demand by name prefix (one per receiver of a feature whose
+        #: receivers are not declared: A2A push notifications).
+        self._families: dict[str, Callable[[str], Channel]] = {}
 
     # -- the API ----------------------------------------------------------------------------
     def add(self, channel: Channel) -> None:
         """Deliver ``channel``'s rows (replacing its previous settings)."""
         self._channels[channel.name] = channel
+        self._wake.set()
+
+    def add_family(self, prefix: str, make: Callable[[str], Channel]) -> None:
+        """Deliver the rows of every channel named ``prefix...``, each channel made by
+        ``make(name)`` when first met (its own slots: one receiver each)."""
+        self._families[prefix] = make
         self._wake.set()
 
     def remove(self, name: str) -> None:
@@ -261,7 +275,7 @@ class Outbox:
         excess: list[int] = []
         unknown: list[int] = []
         for row in rows:
-            channel = self._channels.get(row.channel)
+            channel = self._channels.get(row.channel) or self._of_family(row.channel)
             if channel is None and self.resolve is not None:
                 channel = await self.resolve(row.channel)
                 if channel is not None:
@@ -279,11 +293,20 @@ class Outbox:
             await self._store.outbox_release(unknown, self.owner, UNKNOWN_DELAY_S)
         return len(rows) - len(excess) - len(unknown)
 
+    def _of_family(self, name: str) -> Channel | None:
+        for prefix, make in self._families.items():
+            if name.startswith(prefix):
+                channel = self._channels[name] = make(name)
+                return channel
+        return None
+
     def _free(self) -> int:
-        """Free slots of the known channels."""
-        return sum(
+        """Free slots of the known channels (and some for receivers of a family not met
+        yet: a family's next receiver is always possible)."""
+        known = sum(
             max(0, c.concurrency - self._inflight.get(c.name, 0)) for c in self._channels.values()
         )
+        return known + (len(self._families) * FAMILY_SLOTS)
 
     def _capacity(self, name: str) -> int:
         channel = self._channels.get(name)
@@ -339,6 +362,11 @@ class Outbox:
     ) -> tuple[int | None, str | None]:
         """POST one attempt; (HTTP status, None) on success, (status or None, error)."""
         self.figures.attempts += 1
+        if channel.check is not None:
+            try:
+                await channel.check(row)
+            except Exception as exc:
+                return None, f"refused: {exc}"[:500]
         now = self._clock()
         try:
             headers, body = channel.render(row, now)

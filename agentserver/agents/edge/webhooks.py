@@ -154,6 +154,7 @@ class Webhooks:
         self._observing = False
         self._nursery: trio.Nursery | None = None
         self._started = False
+        self._sending = False
         self._batch: list[tuple[str, Event, float]] = []
         self.dropped = 0
         self.written = 0
@@ -208,10 +209,22 @@ class Webhooks:
         if not self._observing:
             self._observing = True
             self._bus.observe_durably(self._observe, self.render_durable)
+        await self.start_sender()
         if not self._started:
             self._started = True
-            await self._nursery.start(self._outbox.run)
             await self._nursery.start(self._write_loop)
+
+    async def start_sender(self) -> None:
+        """Run the outbox's sender from now on (once; after :meth:`run` started): for
+        the webhooks, or for another feature's deliveries (A2A push notifications)."""
+        if not self._sending and self._nursery is not None:
+            self._sending = True
+            await self._nursery.start(self._outbox.run)
+
+    @property
+    def outbox(self) -> Outbox:
+        """The outbox these webhooks deliver through (shared with A2A push)."""
+        return self._outbox
 
     async def drain(self) -> None:
         """At shutdown (the writer and the sender cancelled): record the deliveries done,

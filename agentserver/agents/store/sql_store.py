@@ -552,9 +552,15 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         return await self._read(a2a.task, task_id)
 
     async def a2a_tasks(
-        self, owner: str, context_id: str | None, agents: Sequence[str], limit: int, offset: int
-    ) -> tuple[list[dict[str, Any]], int]:
-        return await self._read(a2a.tasks, owner, context_id, list(agents), limit, offset)
+        self,
+        owner: str,
+        context_id: str | None,
+        agents: Sequence[str],
+        limit: int,
+        after: tuple[float, str] | None = None,
+        keep: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> tuple[list[dict[str, Any]], int, bool]:
+        return await self._read(a2a.tasks, owner, context_id, list(agents), limit, after, keep)
 
     async def a2a_push_put(self, task_id: str, config_id: str, config: str) -> None:
         await self._run1(a2a_push.put_config, task_id, config_id, config)
@@ -575,21 +581,9 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         seen: str | None,
         state: str,
         finished: bool,
-        push_id: str,
-        body: str,
+        item: OutboxItem,
     ) -> bool:
-        return await self._run(
-            a2a_push.owe, task_id, config_id, seen, state, finished, push_id, body
-        )
-
-    async def a2a_push_due(self, lease: float, limit: int) -> list[dict[str, Any]]:
-        return await self._run(a2a_push.claim_due, lease, limit)
-
-    async def a2a_push_delivered(self, push_id: str) -> None:
-        await self._run1(a2a_push.delivered, push_id)
-
-    async def a2a_push_failed(self, push_id: str, delay: float | None, error: str) -> None:
-        await self._run1(a2a_push.failed, push_id, delay, error)
+        return await self._run(a2a_push.owe, task_id, config_id, seen, state, finished, item)
 
     async def figures(self) -> views.FigureRows:
         return await self._read(views.figures)

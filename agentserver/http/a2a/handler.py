@@ -66,7 +66,16 @@ from agentserver.http.a2a.card import CardFacts, server_card
 from agentserver.http.a2a.push import PushRefused, check_push_url
 from agentserver.http.a2a.scope import AGENT, BASE_URL, IDENTITY
 from agentserver.http.a2a.skills import SKILL_KEY, A2aSkill, MessageRefused
-from agentserver.http.a2a.tasks import INTERRUPTED, TERMINAL, answer_artifact, state_of, to_task
+from agentserver.http.a2a.tasks import (
+    INTERRUPTED,
+    TERMINAL,
+    answer_artifact,
+    page_token,
+    read_page_token,
+    state_filter,
+    state_of,
+    to_task,
+)
 from agentserver.net.roles import OperatorCommands
 from agentserver.primitives.approval import NS as APPROVAL_NS
 from agentserver.primitives.approval import ApprovalDecision
@@ -368,24 +377,24 @@ class A2aHandler(RequestHandler):
         size = params.page_size if params.HasField("page_size") else PAGE_DEFAULT
         if not 1 <= size <= PAGE_MAX:
             raise InvalidParamsError(f"pageSize is 1 to {PAGE_MAX}")
-        try:
-            offset = int(params.page_token or 0)
-            if offset < 0:
-                raise ValueError
-        except ValueError:
-            raise InvalidParamsError("not a page token of ours") from None
+        after = read_page_token(params.page_token)
         agents = [s.name for s in self.visible(identity, context)]
-        rows, total = await self.deps.store.a2a_tasks(
-            self.owner(identity), params.context_id or None, agents, size, offset
+        rows, total, more = await self.deps.store.a2a_tasks(
+            self.owner(identity),
+            params.context_id or None,
+            agents,
+            size,
+            after,
+            state_filter(params),
         )
         history = params.history_length if params.HasField("history_length") else 0
         tasks = [to_task(r, history) for r in rows]
-        if params.status:
-            tasks = [t for t in tasks if t.status.state == params.status]
-        following = offset + len(rows)
+        if not params.include_artifacts:  # the spec's default: listings without them
+            for task in tasks:
+                task.ClearField("artifacts")
         return ListTasksResponse(
             tasks=tasks,
-            next_page_token=str(following) if following < total else "",
+            next_page_token=page_token(rows[-1]) if more and rows else "",
             page_size=size,
             total_size=total,
         )

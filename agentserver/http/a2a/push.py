@@ -1,19 +1,20 @@
 """A2A push notifications (docs/a2a.md, "Push notifications"): a client's URL checked
 against SSRF, and :class:`PushNotifier`, which owes a notification each time a watched
-task's state changes and delivers what is owed.
+task's state changes, on the webhooks' durable outbox (agents/edge/outbox.py), which
+delivers it.
 
-Both halves work on the store (:mod:`agentserver.agents.store.sql.a2a_push`), so any
-process sharing it notices a change (once: the owed row is written under a compare-and-
-set of the last state notified) and delivers (a due row is leased to one process at a
-time). A notification is POSTed to the config's URL with its token
-(``X-A2A-Notification-Token``), its ``authentication`` as ``Authorization``, and its id
-(``X-A2A-Notification-Id``); the body is the SDK's ``StreamResponse`` holding the task.
-A failed POST (an error, a non-2xx answer) is tried again after :data:`BACKOFF_FIRST`
-seconds doubling up to :data:`BACKOFF_MAX`, :data:`MAX_ATTEMPTS` times in all; the
-notification stays owed across restarts until then: at least once.
-
-The delivery half is one small interface, :class:`PushDelivery` (the store's outbox
-here); the webhooks' durable HTTP outbox (issue 36) is meant to take its place.
+The watching works on the store (:mod:`agentserver.agents.store.sql.a2a_push`), so any
+process sharing it notices a change, once: the outbox row is written in the transaction
+that compare-and-sets the config's last notified state. The outbox then does what it does
+for webhooks: a lease per attempt (one process at a time), retries with exponential
+backoff and jitter from :data:`FIRST_DELAY` up to :data:`MAX_DELAY` for
+:data:`RETRY_FOR` seconds, the same id on every attempt, at least once across restarts;
+one channel per receiver (``a2a-push:`` and the URL's origin), so a slow or dead receiver
+fills only its own slots. Only the wire format is A2A's, not the webhooks' (no Standard
+Webhooks signature): the body is the SDK's ``StreamResponse`` holding the task, with the
+config's token (``X-A2A-Notification-Token``), its ``authentication`` as
+``Authorization``, and the delivery's id (``X-A2A-Notification-Id``). Each attempt
+checks the URL against SSRF again first (a name may resolve elsewhere now).
 """
 
 from __future__ import annotations
@@ -21,29 +22,35 @@ from __future__ import annotations
 import ipaddress
 import logging
 import urllib.parse
-from typing import Any, Protocol
 
 import trio
 from a2a.types import StreamResponse, TaskPushNotificationConfig, TaskState
 from google.protobuf.json_format import MessageToJson, Parse
 
+from agentserver.agents.edge.outbox import Channel, Outbox
 from agentserver.agents.store.base import A2aStore
+from agentserver.agents.store.outbox import OutboxItem, OutboxRow
 from agentserver.core.threads import new_thread_id
 from agentserver.http.a2a.tasks import TERMINAL, state_of, to_task
 
 log = logging.getLogger("agentserver.a2a")
 
-#: Seconds between two looks at the watched tasks and the owed notifications.
+#: Seconds between two looks at the watched tasks.
 POLL = 0.5
-#: Seconds one process holds a notification it is trying.
-LEASE = 30.0
-BACKOFF_FIRST = 1.0
-BACKOFF_MAX = 300.0
-MAX_ATTEMPTS = 12
+#: The outbox's backoff for a notification: its first pause, its cap, and how long a
+#: notification is tried before it expires.
+FIRST_DELAY = 1.0
+MAX_DELAY = 300.0
+RETRY_FOR = 24 * 3600.0
 #: Seconds one POST may take.
 POST_TIMEOUT = 10.0
-#: Configs looked at and notifications tried per tick, at most.
+#: Notifications in flight at once, per receiver (the URL's origin).
+CONCURRENCY = 4
+#: Configs looked at per tick, at most.
 BATCH = 64
+#: The outbox channels of push notifications: this, then the receiver's origin.
+CHANNEL_PREFIX = "a2a-push:"
+ID_HEADER = "X-A2A-Notification-Id"
 
 
 class PushRefused(Exception):
@@ -89,50 +96,65 @@ async def check_push_url(url: str, *, allow_private: bool) -> None:
         )
 
 
-class PushDelivery(Protocol):
-    """Delivers one owed notification, or raises (it is tried again later)."""
-
-    async def __call__(
-        self, config: TaskPushNotificationConfig, push_id: str, body: str
-    ) -> None: ...
+def channel_of(url: str) -> str:
+    """The outbox channel of push URL ``url``: one per receiver (scheme, host, port)."""
+    parsed = urllib.parse.urlparse(url)
+    return f"{CHANNEL_PREFIX}{parsed.scheme}://{parsed.netloc.rpartition('@')[2]}"
 
 
-class HttpPushDelivery:
-    """POSTs a notification with httpx (which runs under trio), the URL checked again
-    first (a name may resolve elsewhere now)."""
+def push_item(
+    config: TaskPushNotificationConfig, task_id: str, config_id: str, body: str
+) -> OutboxItem:
+    """One notification of ``task_id`` to ``config``, as an outbox item (its id header is
+    added at each attempt: the row's delivery id, the same on every one)."""
+    headers = {"content-type": "application/json"}
+    if config.token:
+        headers["X-A2A-Notification-Token"] = config.token
+    if config.HasField("authentication") and config.authentication.credentials:
+        auth = config.authentication
+        headers["Authorization"] = f"{auth.scheme or 'Bearer'} {auth.credentials}"
+    return OutboxItem(
+        channel=channel_of(config.url),
+        url=config.url,
+        body=body.encode(),
+        # Unique: the compare-and-set of the owing transaction owes each state once.
+        dedupe_key=f"a2a-push:{task_id}:{config_id}:{new_thread_id()}",
+        headers=headers,
+        order_key=f"a2a-push:{task_id}",
+        retry_for_s=RETRY_FOR,
+        first_delay_s=FIRST_DELAY,
+        max_delay_s=MAX_DELAY,
+    )
 
-    def __init__(self, *, allow_private: bool) -> None:
-        self.allow_private = allow_private
-        self._http: Any = None
 
-    async def __call__(self, config: TaskPushNotificationConfig, push_id: str, body: str) -> None:
-        import httpx
+def push_channels(outbox: Outbox, *, allow_private: bool) -> None:
+    """Deliver A2A push notifications from ``outbox``: a channel per receiver, made when
+    first met, sending the A2A wire format after the SSRF check."""
 
-        await check_push_url(config.url, allow_private=self.allow_private)
-        if self._http is None:
-            self._http = httpx.AsyncClient(timeout=POST_TIMEOUT, follow_redirects=False)
-        headers = {"content-type": "application/json", "X-A2A-Notification-Id": push_id}
-        if config.token:
-            headers["X-A2A-Notification-Token"] = config.token
-        if config.HasField("authentication") and config.authentication.credentials:
-            auth = config.authentication
-            headers["Authorization"] = f"{auth.scheme or 'Bearer'} {auth.credentials}"
-        response = await self._http.post(config.url, content=body.encode(), headers=headers)
-        if not 200 <= response.status_code < 300:
-            raise PushRefused(f"HTTP {response.status_code}")
+    async def check(row: OutboxRow) -> None:
+        await check_push_url(row.url, allow_private=allow_private)
 
-    async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
+    def render(row: OutboxRow, now: float) -> tuple[dict[str, str], bytes]:
+        headers = dict(row.headers)
+        headers[ID_HEADER] = row.delivery_id
+        return headers, row.body
+
+    def make(name: str) -> Channel:
+        return Channel(
+            name, concurrency=CONCURRENCY, timeout_s=POST_TIMEOUT, render=render, check=check
+        )
+
+    outbox.add_family(CHANNEL_PREFIX, make)
 
 
 class PushNotifier:
-    """Watches the tasks that have push configs and delivers what is owed (see the
-    module doc), every :data:`POLL` seconds until cancelled."""
+    """Watches the tasks that have push configs and owes a notification on the outbox
+    for each change (see the module doc), every :data:`POLL` seconds until cancelled."""
 
-    def __init__(self, store: A2aStore, delivery: PushDelivery) -> None:
+    def __init__(self, store: A2aStore, outbox: Outbox | None = None) -> None:
         self.store = store
-        self.delivery = delivery
+        #: Woken when a notification is owed (else its sender finds it within a second).
+        self.outbox = outbox
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -143,8 +165,9 @@ class PushNotifier:
                 log.warning("a2a push notifications: %s", exc)
             await trio.sleep(POLL)
 
-    async def tick(self) -> None:
-        """One look: owe what changed, try what is due."""
+    async def tick(self) -> int:
+        """One look: owe what changed. Returns how many notifications were owed."""
+        owed = 0
         for task_id, config_id, seen in await self.store.a2a_push_watched(BATCH):
             row = await self.store.a2a_task(task_id)
             if row is None:
@@ -153,22 +176,21 @@ class PushNotifier:
             name = TaskState.Name(state)
             if name == seen:
                 continue
+            config = await self._config(task_id, config_id)
+            if config is None:
+                continue
             body = MessageToJson(StreamResponse(task=to_task(row, 0)), indent=None)
-            await self.store.a2a_push_owe(
-                task_id, config_id, seen, name, state in TERMINAL, new_thread_id(), body
-            )
-        for due in await self.store.a2a_push_due(LEASE, BATCH):
-            config = Parse(due["config"], TaskPushNotificationConfig())
-            try:
-                await self.delivery(config, due["push_id"], due["body"])
-            except Exception as exc:
-                attempts = due["attempts"] + 1
-                delay = (
-                    None
-                    if attempts >= MAX_ATTEMPTS
-                    else min(BACKOFF_FIRST * 2 ** (attempts - 1), BACKOFF_MAX)
-                )
-                log.info("a2a push %s to %s failed: %s", due["push_id"], config.url, exc)
-                await self.store.a2a_push_failed(due["push_id"], delay, str(exc))
-            else:
-                await self.store.a2a_push_delivered(due["push_id"])
+            item = push_item(config, task_id, config_id, body)
+            if await self.store.a2a_push_owe(
+                task_id, config_id, seen, name, state in TERMINAL, item
+            ):
+                owed += 1
+        if owed and self.outbox is not None:
+            self.outbox.wake()
+        return owed
+
+    async def _config(self, task_id: str, config_id: str) -> TaskPushNotificationConfig | None:
+        for cid, config_json in await self.store.a2a_push_configs(task_id):
+            if cid == config_id:
+                return Parse(config_json, TaskPushNotificationConfig())
+        return None

@@ -14,9 +14,20 @@ A2A ``Task`` (docs/a2a.md, "Mapping"). Sans I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from a2a.types import Artifact, Message, Part, Role, Task, TaskState, TaskStatus
+from a2a.types import (
+    Artifact,
+    ListTasksRequest,
+    Message,
+    Part,
+    Role,
+    Task,
+    TaskState,
+    TaskStatus,
+)
+from a2a.utils.errors import InvalidParamsError
 from google.protobuf.json_format import Parse
 
 S = TaskState
@@ -104,3 +115,44 @@ def to_task(row: dict[str, Any], history_length: int | None = None) -> Task:
         history = history[-history_length:] if history_length > 0 else []
     task.history.extend(history)
     return task
+
+
+def page_token(row: dict[str, Any]) -> str:
+    """The ``ListTasks`` page token after ``row``: a cursor (its time and id), so that a
+    task arriving meanwhile shifts no later page."""
+    return f"{float(row['created_at'])!r} {row['task_id']}"
+
+
+def read_page_token(token: str) -> tuple[float, str] | None:
+    """The cursor of a :func:`page_token` (None for the first page). Raises
+    InvalidParamsError for a token not of ours."""
+    if not token:
+        return None
+    stamp, _, task_id = token.partition(" ")
+    try:
+        if not task_id:
+            raise ValueError(token)
+        return float(stamp), task_id
+    except ValueError:
+        raise InvalidParamsError("not a page token of ours") from None
+
+
+def state_filter(params: ListTasksRequest) -> Callable[[dict[str, Any]], bool] | None:
+    """The ``ListTasks`` filters on a task's state (``status``, ``statusTimestampAfter``)
+    as a predicate on its row, applied before the page is cut; None: no such filter."""
+    status = params.status
+    after = (
+        params.status_timestamp_after.ToNanoseconds()
+        if params.HasField("status_timestamp_after")
+        else None
+    )
+    if not status and after is None:
+        return None
+
+    def keep(row: dict[str, Any]) -> bool:
+        task = to_task(row, 0)
+        if status and task.status.state != status:
+            return False
+        return after is None or task.status.timestamp.ToNanoseconds() >= after
+
+    return keep

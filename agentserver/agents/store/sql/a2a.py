@@ -11,6 +11,7 @@ one backend-neutral transaction (the same SQL on SQLite and PostgreSQL).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from agentserver.agents.store.sql import views
@@ -116,21 +117,51 @@ def tasks(
     context_id: str | None,
     agents: list[str],
     limit: int,
-    offset: int,
-) -> tuple[list[dict[str, Any]], int]:
-    """``owner``'s tasks of ``agents`` (in ``context_id`` if given), newest first, from
-    ``offset``, at most ``limit``, with their states; and how many there are in all."""
+    after: tuple[float, str] | None = None,
+    keep: Callable[[dict[str, Any]], bool] | None = None,
+) -> tuple[list[dict[str, Any]], int, bool]:
+    """``owner``'s tasks of ``agents`` (in ``context_id`` if given) that ``keep`` accepts
+    (a filter on the state: None, every one), newest first, after the cursor ``after``
+    (the ``created_at`` and id of the previous page's last), at most ``limit``, with their
+    states; how many match in all; and whether more follow this page.
+
+    The filters apply before the page is cut, so a page is full while matches remain:
+    with ``keep``, every candidate's state is read (in this one transaction)."""
     if not agents:
-        return [], 0
+        return [], 0, False
     where = f"owner = ? AND agent_id IN ({', '.join('?' * len(agents))})"
     params: tuple[Any, ...] = (owner, *agents)
     if context_id:
         where += " AND context_id = ?"
         params += (context_id,)
-    total = tx.one(f"SELECT count(*) FROM a2a_tasks WHERE {where}", params)
-    rows = tx.all(
-        f"SELECT {_COLUMNS} FROM a2a_tasks WHERE {where} "
-        "ORDER BY created_at DESC, task_id LIMIT ? OFFSET ?",
-        (*params, limit, offset),
-    )
-    return [_state(tx, env, _row(r)) for r in rows], int(total[0]) if total else 0
+    order = "ORDER BY created_at DESC, task_id"
+    if keep is None:
+        total = tx.one(f"SELECT count(*) FROM a2a_tasks WHERE {where}", params)
+        if after is not None:
+            where += " AND (created_at < ? OR (created_at = ? AND task_id > ?))"
+            params += (after[0], after[0], after[1])
+        rows = tx.all(
+            f"SELECT {_COLUMNS} FROM a2a_tasks WHERE {where} {order} LIMIT ?",
+            (*params, limit + 1),
+        )
+        page = [_state(tx, env, _row(r)) for r in rows[:limit]]
+        return page, int(total[0]) if total else 0, len(rows) > limit
+    page, count, more = [], 0, False
+    for row in tx.all(f"SELECT {_COLUMNS} FROM a2a_tasks WHERE {where} {order}", params):
+        out = _state(tx, env, _row(row))
+        if not keep(out):
+            continue
+        count += 1
+        if after is not None and not _follows(out, after):
+            continue
+        if len(page) < limit:
+            page.append(out)
+        else:
+            more = True
+    return page, count, more
+
+
+def _follows(out: dict[str, Any], after: tuple[float, str]) -> bool:
+    """``out`` comes after the cursor ``after`` in the order newest first, then by id."""
+    stamp = float(out["created_at"])
+    return stamp < after[0] or (stamp == after[0] and out["task_id"] > after[1])

@@ -1,14 +1,14 @@
 """A2A push notifications (docs/a2a.md, "Push notifications"): the configs clients set on
-their tasks, and the notifications owed, durable until delivered (an outbox: a
-notification is written, in the transaction that records the state it reports, before
-any attempt; it leaves the owed set only once its POST succeeded, so it is delivered at
-least once, across restarts). Every function is one backend-neutral transaction.
+their tasks, and the state each was last notified of. A notification owed is a row of the
+webhooks' durable outbox (agents/store/outbox.py), written in the transaction that
+records the state it reports, before any attempt, and delivered from there at least once,
+across restarts. Every function is one backend-neutral transaction.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
+from agentserver.agents.store import outbox
+from agentserver.agents.store.outbox import OutboxItem
 from agentserver.agents.store.sql.db import StoreEnv, Tx
 
 MIGRATION = """
@@ -33,6 +33,12 @@ CREATE TABLE a2a_pushes (
     created_at REAL NOT NULL
 );
 CREATE INDEX a2a_pushes_due ON a2a_pushes (done_at, next_at);
+"""
+#: The notifications moved to the webhooks' outbox (``outbox``, agents/store/outbox.py):
+#: their own table goes. It was never in a release.
+OUTBOX_MIGRATION = """
+DROP INDEX a2a_pushes_due;
+DROP TABLE a2a_pushes;
 """
 
 
@@ -82,11 +88,12 @@ def owe(
     seen: str | None,
     state: str,
     finished: bool,
-    push_id: str,
-    body: str,
+    item: OutboxItem,
 ) -> bool:
-    """Owe a notification of ``state`` (``body``), if the config's last notified state is
-    still ``seen`` (another process may have owed it first): False then, nothing written."""
+    """Owe a notification of ``state`` (``item``, on the webhooks' outbox), if the
+    config's last notified state is still ``seen`` (another process may have owed it
+    first): False then, nothing written. The outbox row is written in this transaction:
+    a notification is owed exactly when its state is recorded as notified."""
     if seen is None:
         tx.execute(
             "UPDATE a2a_push_configs SET last_state = ?, finished = ? "
@@ -101,66 +108,5 @@ def owe(
         )
     if tx.rowcount != 1:
         return False
-    now = env.clock.now()
-    tx.execute(
-        "INSERT INTO a2a_pushes (push_id, task_id, config_id, body, attempts, next_at, "
-        "done_at, last_error, created_at) VALUES (?, ?, ?, ?, 0, ?, NULL, NULL, ?)",
-        (push_id, task_id, config_id, body, now, now),
-    )
+    outbox.enqueue(tx, env, [item])
     return True
-
-
-def claim_due(tx: Tx, env: StoreEnv, lease: float, limit: int) -> list[dict[str, Any]]:
-    """The notifications due now (at most ``limit``, oldest first), each leased for
-    ``lease`` seconds (no other process tries it meanwhile), with its config's JSON."""
-    now = env.clock.now()
-    rows = tx.all(
-        "SELECT p.push_id, p.task_id, p.config_id, p.body, p.attempts, p.next_at, c.config "
-        "FROM a2a_pushes p JOIN a2a_push_configs c "
-        "ON c.task_id = p.task_id AND c.config_id = p.config_id "
-        "WHERE p.done_at IS NULL AND p.next_at <= ? ORDER BY p.next_at LIMIT ?",
-        (now, limit),
-    )
-    out = []
-    for push_id, task_id, config_id, body, attempts, next_at, config in rows:
-        tx.execute(
-            "UPDATE a2a_pushes SET next_at = ? WHERE push_id = ? AND next_at = ?",
-            (now + lease, push_id, next_at),
-        )
-        if tx.rowcount == 1:
-            out.append(
-                {
-                    "push_id": push_id,
-                    "task_id": task_id,
-                    "config_id": config_id,
-                    "body": body,
-                    "attempts": int(attempts),
-                    "config": config,
-                }
-            )
-    return out
-
-
-def delivered(tx: Tx, env: StoreEnv, push_id: str) -> None:
-    tx.execute(
-        "UPDATE a2a_pushes SET done_at = ?, attempts = attempts + 1 WHERE push_id = ?",
-        (env.clock.now(), push_id),
-    )
-
-
-def failed(tx: Tx, env: StoreEnv, push_id: str, delay: float | None, error: str) -> None:
-    """An attempt failed: try again in ``delay`` seconds (None: given up, kept with its
-    error)."""
-    now = env.clock.now()
-    if delay is None:
-        tx.execute(
-            "UPDATE a2a_pushes SET done_at = ?, attempts = attempts + 1, last_error = ? "
-            "WHERE push_id = ?",
-            (now, error[:2000], push_id),
-        )
-    else:
-        tx.execute(
-            "UPDATE a2a_pushes SET next_at = ?, attempts = attempts + 1, last_error = ? "
-            "WHERE push_id = ?",
-            (now + delay, error[:2000], push_id),
-        )

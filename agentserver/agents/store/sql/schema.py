@@ -260,6 +260,8 @@ CREATE TABLE schedule_runs (
     # Issue 37: budgets changed at run time hold across processes and periods
     # (agents/store/sql/budgets.py).
     12: budget_sql.OVERRIDES_MIGRATION,
+    # Issue 35/36: A2A push notifications delivered from the webhooks' outbox.
+    13: a2a_push.OUTBOX_MIGRATION,
 }
 #: The newest schema version: migrations are numbered 1..N without gaps.
 SCHEMA_VERSION = max(MIGRATIONS)
