@@ -17,7 +17,7 @@ from hookrecv import Receiver
 from agentserver.agents.clock import ManualClock, SystemClock
 from agentserver.agents.edge.hooksign import new_secret, secret_bytes
 from agentserver.agents.edge.outbox import Channel, Outbox, backoff
-from agentserver.agents.edge.webhooks import render_signed
+from agentserver.agents.edge.webhook_events import render_signed
 from agentserver.agents.errors import StoreInUse
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.outbox import (

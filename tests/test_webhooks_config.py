@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from agentserver.agents.edge.hooksign import new_secret, secret_bytes, signed_headers
-from agentserver.agents.edge.webhooks import event_type, render_signed
+from agentserver.agents.edge.webhook_events import event_type, render_signed
 from agentserver.agents.events import (
     BudgetEvent,
     ChunkEvent,

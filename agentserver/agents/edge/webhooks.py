@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import logging
 import uuid
@@ -30,15 +29,21 @@ from typing import Any, Protocol
 
 import trio
 
-from agentserver.agents.edge.hooksign import new_secret, secret_bytes, signed_headers
+from agentserver.agents.edge.hooksign import new_secret, secret_bytes
 from agentserver.agents.edge.outbox import Channel, Outbox
+from agentserver.agents.edge.webhook_events import (
+    CHANNEL_PREFIX,
+    channel_name,
+    describe,
+    event_type,
+    iso_time,
+    items_of,
+    render_signed,
+)
 from agentserver.agents.events import (
-    ChunkEvent,
     Event,
     EventBus,
     NoticeEvent,
-    StateEvent,
-    StepEvent,
     TaskEvent,
 )
 from agentserver.agents.profile.webhooks import (
@@ -47,7 +52,7 @@ from agentserver.agents.profile.webhooks import (
     check_spec,
     event_matches,
 )
-from agentserver.agents.store.outbox import ChannelFigures, OutboxItem, OutboxRow
+from agentserver.agents.store.outbox import ChannelFigures, OutboxItem
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +65,6 @@ BUFFER_EVENTS = 16384
 BATCH_EVENTS = 256
 #: The longest answer text a ``task.*`` payload carries (longer: cut, ``answer_truncated``).
 ANSWER_CHARS = 65536
-CHANNEL_PREFIX = "webhook:"
 
 
 class WebhookStore(Protocol):
@@ -85,50 +89,6 @@ class WebhookExists(Exception):
 
 class WebhookNotFound(Exception):
     """No webhook of that name (or it is declared in boot.xml, not made at run time)."""
-
-
-def event_type(event: Event | object) -> str | None:
-    """The webhook event type of a bus event (None: never a webhook event): ``task.*``
-    from a :class:`TaskEvent`, ``step.*`` from a :class:`StepEvent`, ``state.*`` from a
-    :class:`StateEvent`, any object's string ``event_type`` (:class:`NoticeEvent`)."""
-    if isinstance(event, TaskEvent):
-        return "task." + event.status
-    if isinstance(event, ChunkEvent):
-        return None
-    if isinstance(event, StepEvent):
-        return "step." + event.phase
-    if isinstance(event, StateEvent):
-        return "state." + event.status
-    kind = getattr(event, "event_type", None)
-    return kind if isinstance(kind, str) and kind else None
-
-
-def channel_name(webhook: str) -> str:
-    return CHANNEL_PREFIX + webhook
-
-
-def _iso(at: float) -> str:
-    return (
-        datetime.datetime.fromtimestamp(at, datetime.UTC)
-        .isoformat(timespec="milliseconds")
-        .replace("+00:00", "Z")
-    )
-
-
-def render_signed(key: bytes) -> Callable[[OutboxRow, float], tuple[dict[str, str], bytes]]:
-    """A channel's render: the stored payload with its ``sequence`` (the same bytes on
-    every attempt), signed for the attempt's time."""
-
-    def render(row: OutboxRow, now: float) -> tuple[dict[str, str], bytes]:
-        payload = json.loads(row.body)
-        payload["sequence"] = row.order_seq
-        body = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
-        headers = dict(row.headers)
-        headers.update(signed_headers(key, row.delivery_id, int(now), body))
-        headers["content-type"] = "application/json"
-        return headers, body
-
-    return render
 
 
 class Webhooks:
@@ -349,7 +309,7 @@ class Webhooks:
             self._bus.publish(
                 NoticeEvent(
                     "webhook.disabled",
-                    data={"webhook": name, "at": _iso(self._clock())},
+                    data={"webhook": name, "at": iso_time(self._clock())},
                     dedupe_key=f"webhook.disabled:{name}:{uuid.uuid4().hex}",
                 )
             )
@@ -422,8 +382,8 @@ class Webhooks:
         if isinstance(event, TaskEvent):
             described = await self._describe_task(etype, event)
         else:
-            described = _describe(etype, event)
-        return _items_of(specs, etype, at, *described)
+            described = describe(etype, event)
+        return items_of(specs, etype, at, *described)
 
     def render_durable(self) -> Callable[[Event], list[OutboxItem]]:
         """The outbox rows of an event for the webhooks there are now (a snapshot: pure,
@@ -441,7 +401,7 @@ class Webhooks:
             wanted = [s for s in specs if s.wants(etype, agent)]
             if not wanted:
                 return []
-            return _items_of(wanted, etype, clock(), *_describe(etype, event))
+            return items_of(wanted, etype, clock(), *describe(etype, event))
 
         return render
 
@@ -465,55 +425,3 @@ class Webhooks:
                 data["answer_truncated"] = True
         conv = f"{event.agent_id}/{conversation or thread or event.agent_turn_id}"
         return data, conv, f"{etype}:{event.agent_turn_id}"
-
-
-def _describe(etype: str, event: Event) -> tuple[dict[str, Any], str, str]:
-    """(payload data, conversation (the order key's), dedupe key) of an event other than
-    a Turn's end: from the event alone (pure)."""
-    if isinstance(event, StepEvent):
-        data = dataclasses.asdict(event)
-        key = f"{etype}:{event.step_id}:{event.attempt}"
-        return data, f"{event.agent_id}/{event.agent_turn_id}", key
-    if isinstance(event, StateEvent):
-        data = dataclasses.asdict(event)
-        return data, f"{event.agent_id}", f"{etype}:{uuid.uuid4().hex}"
-    raw = getattr(event, "data", None)
-    data = dict(raw) if isinstance(raw, dict) else _fields(event)
-    agent = getattr(event, "agent_id", "") or ""
-    turn = getattr(event, "agent_turn_id", None)
-    if agent and "agent" not in data:
-        data["agent"] = agent
-    dedupe = getattr(event, "dedupe_key", "") or f"{etype}:{uuid.uuid4().hex}"
-    return data, f"{agent}/{turn}" if turn else agent or etype, dedupe
-
-
-def _items_of(
-    specs: list[WebhookSpec],
-    etype: str,
-    at: float,
-    data: dict[str, Any],
-    conversation: str,
-    key: str,
-) -> list[OutboxItem]:
-    """One event's outbox item per webhook in ``specs``."""
-    payload = {"type": etype, "timestamp": _iso(at), "data": data}
-    body = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
-    return [
-        OutboxItem(
-            channel=channel_name(s.name),
-            url=s.url,
-            body=body,
-            dedupe_key=f"{s.name}:{key}",
-            order_key=f"{s.name}|{conversation}",
-            retry_for_s=s.retry_for_s,
-            first_delay_s=s.first_delay_s,
-            max_delay_s=s.max_delay_s,
-        )
-        for s in specs
-    ]
-
-
-def _fields(event: object) -> dict[str, Any]:
-    if dataclasses.is_dataclass(event) and not isinstance(event, type):
-        return {k: v for k, v in dataclasses.asdict(event).items() if k != "event_type"}
-    return {}
