@@ -77,3 +77,24 @@ async def test_close_after_serve_releases_the_checkpoint_connection(tmp_path, au
     store.close()  # idempotent
     # The lock and both connections are released: the file opens again in this process.
     SqliteAgentStore.open(path).close()
+
+
+def test_the_wal_is_cut_back_once_a_checkpoint_lets_it_start_over(tmp_path):
+    # Without journal_size_limit the WAL file keeps the size of its busiest moment for
+    # good: the store's size on disk grows with its peaks, not with what it holds.
+    path = tmp_path / "agents.sqlite3"
+    wal = path.with_name(path.name + "-wal")
+    store = SqliteAgentStore.open(path)
+    try:
+        db = store._db
+        db.execute("CREATE TABLE filler (blob BLOB)")
+        db.execute("BEGIN IMMEDIATE")
+        for _ in range(3 * sqlite_store.WAL_SIZE_LIMIT // 8192):
+            db.execute("INSERT INTO filler VALUES (zeroblob(8192))")
+        db.execute("COMMIT")
+        assert wal.stat().st_size > sqlite_store.WAL_SIZE_LIMIT
+        store.checkpoint()  # copies every frame back: the next writer starts over
+        db.execute("INSERT INTO filler VALUES (zeroblob(10))")
+        assert wal.stat().st_size <= sqlite_store.WAL_SIZE_LIMIT
+    finally:
+        store.close()
