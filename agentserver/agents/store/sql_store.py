@@ -53,6 +53,7 @@ from agentserver.agents.store.sql import (
     governance,
     head,
     inbox,
+    memory,
     multitask,
     prune,
     record,
@@ -676,7 +677,8 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
 
 
 def _cards(tx: Tx, env: StoreEnv, box_id: str) -> list[Card]:
-    return common.cards(tx, box_id)
+    # A context box's memory first: it names its conversation's cards, not copies.
+    return memory.box_cards(tx, box_id)
 
 
 def _card(tx: Tx, env: StoreEnv, card_id: str) -> Card | None:

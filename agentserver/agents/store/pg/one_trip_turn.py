@@ -30,14 +30,12 @@ from agentserver.agents.store.pg.one_trip import (
     move,
     one_trip,
 )
-from agentserver.agents.store.sql import governance, tools, turns
+from agentserver.agents.store.sql import governance, memory, tools, turns
 from agentserver.agents.store.sql.common import (
-    CARD_COLS,
     HEAD_COLS,
     edge,
     inbox_move_statement,
     insert_cards,
-    split_turn_cards,
     tokens_of,
 )
 from agentserver.agents.store.sql.db import StoreEnv, new_id
@@ -88,16 +86,14 @@ def start_turn_step(
     )
     if channel is not None:
         notify(tx, channel)
+    # The Turn's cards, its context's memory resolved (agents/store/sql/memory.py), by
+    # the boxes the head names after the statements before it in this trip.
     rows = tx.last(
-        f"SELECT {CARD_COLS}, seq FROM cards WHERE box_id IN ("
-        "SELECT context_box_id FROM agent_state_head WHERE agent_id = ? UNION ALL "
-        "SELECT output_box_id FROM agent_state_head WHERE agent_id = ?)",
-        (token.agent_id, token.agent_id),
+        memory.resolve_sql(_HEAD_BOX.format("context_box_id"), _HEAD_BOX.format("output_box_id")),
+        memory.resolve_params((token.agent_id,), (token.agent_id,)),
     )
     new = Head(*h.rows[0])
-    return StepStart(
-        new, step_id, new.step_count, *split_turn_cards(rows, new.context_box_id, new.output_box_id)
-    )
+    return StepStart(new, step_id, new.step_count, *memory.split(rows))
 
 
 @one_trip
@@ -270,18 +266,20 @@ def apply_report(
     if channel is not None:
         notify(tx, channel)
     rows = tx.last(
-        f"SELECT {CARD_COLS}, seq FROM cards WHERE box_id IN (?, ?)",
-        (h.context_box_id, h.output_box_id),
+        memory.resolve_sql(), memory.resolve_params((h.context_box_id,), (h.output_box_id,))
     )
     now_head = Head(*(stepped if stepped is not None else resumed).rows[0])
     step = StepStart(
         now_head,
         step_id,
         now_head.step_count,
-        *split_turn_cards(rows, now_head.context_box_id, now_head.output_box_id),
+        *memory.split(rows),
     )
     return ReportOutcome("applied", now_running, term, ref, step)
 
+
+#: A box the head of an agent (the parameter) names: ``context_box_id`` or ``output_box_id``.
+_HEAD_BOX = "(SELECT {} FROM agent_state_head WHERE agent_id = ?)"
 
 #: The compare-and-set keywords of a step begun (as ``open_step``'s, under the limit).
 _STEP: dict[str, Any] = {"exprs": {"step_count": "step_count + 1"}}

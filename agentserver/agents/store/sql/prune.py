@@ -32,6 +32,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from agentserver.agents.store.sql import memory
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
 from agentserver.agents.store.states import (
     ApprovalStatus,
@@ -234,13 +235,19 @@ def _threads(ref_json: Any) -> tuple[str | None, str | None]:
 
 
 def _delete_turn(
-    tx: Tx, now: float, agent_id: str, inbox_id: str, turn: str | None, ref: Any
+    tx: Tx, env: StoreEnv, agent_id: str, inbox_id: str, turn: str | None, ref: Any
 ) -> int:
-    """Delete one finished task and all its Turn left; how many rows went."""
+    """Delete one finished task and all its Turn left; how many rows went (copies made
+    for the Turns whose memory named its boxes count too)."""
+    now = env.clock.now()
     rows = 0
     reply_keys: list[str] = [f"cancel:{inbox_id}"]
     if turn is not None:
         reply_keys.append(turn)
+        # A later Turn whose context box names this Turn's boxes as its memory gets a
+        # copy of it first (sql/memory.py): its record stays whole.
+        boxes = [r[0] for r in tx.all("SELECT box_id FROM boxes WHERE agent_turn_id = ?", (turn,))]
+        rows += memory.release(tx, env, boxes, turn)
         tx.execute(
             "DELETE FROM cards WHERE box_id IN (SELECT box_id FROM boxes WHERE agent_turn_id = ?)",
             (turn,),
@@ -309,12 +316,15 @@ def prune_tasks(
     if dry_run:
         return Pruned(tasks=len(found))
     rows = tasks = 0
-    for seq, inbox_id, turn, ref in found:
-        rows += _delete_turn(tx, now, agent_id, str(inbox_id), turn, ref)
+    # Newest first: a conversation's later Turn names the earlier one's boxes as its
+    # memory, so going first it spares the earlier one's deletion a copy of them.
+    for _, inbox_id, turn, ref in reversed(found):
+        rows += _delete_turn(tx, env, agent_id, str(inbox_id), turn, ref)
         tasks += 1
         if rows >= ROW_BUDGET and tasks < len(found):
-            # A batch of big Turns stops early: the next goes on after this task.
-            return Pruned(tasks=tasks, rows=rows, after=int(seq), done=False)
+            # A batch of big Turns stops early: the next looks at the same window
+            # again, where only the older tasks it left are still found.
+            return Pruned(tasks=tasks, rows=rows, after=after, done=False)
     return Pruned(tasks=tasks, rows=rows, after=nxt, done=done)
 
 
@@ -349,8 +359,10 @@ def prune_orphan_boxes(
         return Pruned(rows=len(found))
     # (done unless the batch was full: the next one looks again)
     ids = [r[0] for r in found]
+    # A Turn whose memory names one of them gets a copy first (sql/memory.py).
+    copied = memory.release(tx, env, ids, None)
     tx.execute(f"DELETE FROM cards WHERE box_id IN ({marks(len(ids))})", ids)
-    rows = tx.rowcount
+    rows = tx.rowcount + copied
     tx.execute(f"DELETE FROM boxes WHERE box_id IN ({marks(len(ids))})", ids)
     return Pruned(rows=rows + tx.rowcount, done=len(found) < limit)
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.sql.db import StoreEnv, Tx
+from agentserver.agents.store.sql.memory import turn_memory
 from agentserver.agents.store.sql.prune import thread_pruned
 from agentserver.agents.store.sql.views import json_text
 from agentserver.agents.store.states import MessageType
@@ -52,9 +53,11 @@ def turn_record(tx: Tx, env: StoreEnv, agent: str, thread: str) -> dict[str, Any
             (turn,),
         )
     ]
+    # The memory its context box named first (sql/memory.py), as the copies it once held.
     cards = [
         {"type": r[0], "content": r[1], "metadata": json.loads(r[2] or "{}")}
-        for r in tx.all(
+        for r in [(m[2], m[3], m[4]) for m in turn_memory(tx, turn)]
+        + tx.all(
             "SELECT card_type, content, metadata FROM cards WHERE agent_turn_id = ? ORDER BY seq",
             (turn,),
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from agentserver.agents.errors import StoreError
 from agentserver.agents.store import outbox, step_log
-from agentserver.agents.store.sql import a2a, a2a_push, fair, prune
+from agentserver.agents.store.sql import a2a, a2a_push, fair, memory, prune
 from agentserver.agents.store.sql import budgets as budget_sql
 from agentserver.agents.store.sql.db import POSTGRESQL, SQLITE, Tx
 
@@ -260,6 +260,9 @@ CREATE TABLE schedule_runs (
     # Issue 37: budgets changed at run time hold across processes and periods
     # (agents/store/sql/budgets.py).
     12: budget_sql.OVERRIDES_MIGRATION,
+    # Issue 38: a new Turn names its conversation's memory instead of copying it
+    # (agents/store/sql/memory.py).
+    13: memory.MIGRATION,
 }
 #: The newest schema version: migrations are numbered 1..N without gaps.
 SCHEMA_VERSION = max(MIGRATIONS)

@@ -24,9 +24,9 @@ from agentserver.agents.store.sql.common import (
     insert_cards,
     insert_copies,
     tokens_of,
-    turn_cards,
 )
 from agentserver.agents.store.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
+from agentserver.agents.store.sql.memory import turn_cards
 from agentserver.agents.store.states import (
     AgentStepStatus,
     HeadEvent,
