@@ -18,7 +18,13 @@ import pytest
 from agentserver.agents.clock import ManualClock
 from agentserver.agents.profile.retention import AgentRetention, RetentionSettings
 from agentserver.agents.profile.settings import StoreSettings
-from agentserver.agents.store.base import CardType, NewCard, StepStart, TaskStatus
+from agentserver.agents.store.base import (
+    CardType,
+    NewCard,
+    StepStart,
+    TaskStatus,
+    ToolCallRecord,
+)
 from agentserver.agents.store.pruner import Pruner
 from agentserver.agents.store.sql.schema import SCHEMA_VERSION
 from agentserver.agents.store.sql_store import SqlAgentStore
@@ -198,3 +204,25 @@ async def test_a_store_from_before_migration_13_continues_its_conversations(
         ]
     finally:
         await s.aclose()
+
+
+@pytest.mark.parametrize("then_step", [None, 10])
+async def test_a_tool_result_is_kept_once_as_its_card(store, then_step):
+    started = await step(store, "t1")
+    token = started.head.token
+    assert token is not None and started.step_id is not None
+    calls = [ToolCallRecord("c1", "calc", "<add/>", "suspend")]
+    await store.suspend(token, started.step_id, calls, [], resume_deadline=1e12)
+    inbox_id = await store.report_tool_result(A, "c1", b"<sum>3</sum>", failed=False)
+    [row] = await store.claim_due(A, 5)
+    assert (await store.apply_report(row, then_step=then_step)).kind == "applied"
+    # The consumed report's payload went: its tool.result card holds it.
+    payload = await one(store, "SELECT payload FROM agent_inbox WHERE inbox_id = ?", inbox_id)
+    assert bytes(payload) == b""
+    result = await one(
+        store,
+        "SELECT c.content FROM turn_waiting_tools w JOIN cards c "
+        "ON c.card_id = w.result_card_id WHERE w.tool_call_id = ?",
+        "c1",
+    )
+    assert result == "<sum>3</sum>"

@@ -228,7 +228,9 @@ def apply_report(
     )
     (card_id,) = insert_cards(tx, env, str(h.output_box_id), turn_id, [(result, tokens)])
     tx.execute(*tools.received_statement(row, card_id, now))
-    tx.execute(*inbox_move_statement(env, row.inbox_id, InboxEvent.CONSUME))
+    tx.execute(
+        *inbox_move_statement(env, row.inbox_id, InboxEvent.CONSUME, payload=tools.CONSUMED_PAYLOAD)
+    )
     if h.waiting_tool_count - 1 > 0:
         return closing(tx, channel, ReportOutcome("applied"))
     resumed = fence(tx, env, token, HeadEvent.RESUME)

@@ -191,7 +191,7 @@ def apply_report(
         return ReportOutcome("stale")
     (card_id,) = insert_cards(tx, env, str(h.output_box_id), turn_id, [(result, tokens)])
     tx.execute(*received_statement(row, card_id, now))
-    inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME)
+    inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD)
     if h.waiting_tool_count > 0:
         return ReportOutcome("applied")
     resumed = head.fence(tx, env, token, HeadEvent.RESUME)
@@ -251,6 +251,12 @@ def unapplied(tx: Tx, env: StoreEnv, row: InboxRow, waiting: Sequence[Any] | Non
 def skip_stale(tx: Tx, env: StoreEnv, row: InboxRow) -> None:
     """A report for a Turn that moved on (its suspended head is gone): acknowledged."""
     inbox_move(tx, env, row.inbox_id, InboxEvent.SKIP, defer_reason="stale turn")
+
+
+#: A consumed report's payload: its tool.result card (named by the waiting row) holds it,
+#: written in the same transaction, and no one reads a consumed row's (issue 38: what is
+#: written twice is kept once).
+CONSUMED_PAYLOAD = b""
 
 
 def result_card(row: InboxRow, to: str, after: str) -> NewCard:
