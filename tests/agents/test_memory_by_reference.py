@@ -178,6 +178,8 @@ async def test_a_store_from_before_migration_13_continues_its_conversations(
             "DROP INDEX boxes_memory",
             "ALTER TABLE boxes DROP COLUMN memory_of",
             "ALTER TABLE boxes DROP COLUMN memory_out",
+            "DROP INDEX agent_inbox_caller",
+            "ALTER TABLE agent_inbox DROP COLUMN caller",
             "DELETE FROM schema_version WHERE version = 13",
             "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) VALUES "
             "('c1', 'agent', 'old', 'context', 1), ('o1', 'agent', 'old', 'output', 1)",
@@ -197,6 +199,7 @@ async def test_a_store_from_before_migration_13_continues_its_conversations(
         started = await step(s, "t1")
         assert texts(started.context) == ["copied earlier", "old task", "old said", "t1"]
         assert started.head.context_tokens >= 7
+        assert await one(s, "SELECT count(*) FROM agent_inbox WHERE caller IS NULL") == 1
         assert texts(await s.conversation_cards(A, "alice")) == [
             "copied earlier",
             "old task",

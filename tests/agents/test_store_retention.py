@@ -199,6 +199,28 @@ async def test_keep_last_keeps_the_newest_tasks(store):
         await store.turn_record(A, "t2")
 
 
+async def test_keep_last_counts_per_client_for_an_agent_without_memory(store):
+    async def task(thread: str, ref: dict[str, Any]) -> None:
+        await store.enqueue_turn(A, thread.encode(), {"caller_thread": thread, **ref})
+        [row] = await store.claim_due(A, 5)
+        token = await store.start_turn(row)
+        await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+        await store.mark_reply_sent(token.agent_turn_id)
+
+    # bob's one task is older than all of alice's, and so is the anonymous caller's.
+    await task("b0", {"client": "bob"})
+    await task("o0", {"chain": ["endpoint-1", A]})
+    for i in range(3):
+        await task(f"a{i}", {"client": "alice"})
+    clock_of(store).advance(2 * DAY)
+    keep = RetentionSettings(defaults=AgentRetention(DAY, 2, None), step_log_s=None)
+    assert (await prune(store, keep)).tasks == 1  # alice's oldest: she has two newer
+    with pytest.raises(TurnPruned):
+        await store.turn_record(A, "a0")
+    for kept in ("b0", "o0", "a1", "a2"):
+        assert await store.turn_record(A, kept) is not None
+
+
 async def test_an_idempotency_record_in_its_window_is_kept(store):
     now = clock_of(store).now()
     await store.record_steps(

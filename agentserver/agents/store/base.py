@@ -55,6 +55,7 @@ from agentserver.agents.store.rows import StepStart as StepStart
 from agentserver.agents.store.rows import TaskStatus as TaskStatus
 from agentserver.agents.store.rows import ToolCallRecord as ToolCallRecord
 from agentserver.agents.store.rows import TurnToken as TurnToken
+from agentserver.agents.store.rows import caller_key as caller_key
 
 #: What a shared store does with the calls of a dead process's suspended Turn
 #: (``await lost(token, reason)``: the runtime's ``lost_calls``).

@@ -18,7 +18,8 @@ so reads of its thread answer "pruned" instead of "not found". Never pruned:
   summary and the recent cards it keeps), and the Turn they belong to;
 - an idempotency record in its window: step log rows of a step with any event younger
   than ``step-log``;
-- the newest ``keep-last`` tasks of each conversation (of each agent without memory).
+- the newest ``keep-last`` tasks of each conversation (for an agent without memory, of
+  each caller: a named client, or the origin of an anonymous chain).
 
 Every batch is bounded by ``limit`` (tasks or rows) and, when a pruner runs it, fenced on
 the pruner's lease (``prune_lease``): a process that lost the lease deletes nothing, so
@@ -62,6 +63,14 @@ CREATE INDEX agent_inbox_turn ON agent_inbox (agent_turn_id);
 CREATE INDEX agent_inbox_conversation ON agent_inbox (agent_id, conversation, seq);
 CREATE INDEX boxes_turn ON boxes (agent_turn_id);
 CREATE INDEX approvals_turn ON approvals (agent_turn_id);
+"""
+
+#: Schema migration 13 (with sql/memory.py's): the caller of a task of an agent without
+#: memory, which ``keep-last`` counts its tasks by, and the index it counts them with
+#: (partial: the rows of agents with memory, keyed by their conversation, pay nothing).
+CALLER_MIGRATION = """
+ALTER TABLE agent_inbox ADD COLUMN caller TEXT;
+CREATE INDEX agent_inbox_caller ON agent_inbox (agent_id, caller, seq) WHERE caller IS NOT NULL;
 """
 
 #: Rows one batch looks at, at most, by primary key (a window of ``seq`` or ``edge_id``:
@@ -157,17 +166,22 @@ def _candidates(
     # is every finished task of the agent, sorted at every batch: the window's primary
     # key range is what bounds the batch (PostgreSQL's planner picks it by itself).
     u = "" if tx.dialect == POSTGRESQL else "+"
+    # The newer tasks of its conversation, or of its caller for an agent without memory
+    # (its rows name their caller, not a conversation): one of the two counts is empty.
     newer = (
-        " AND (SELECT count(*) FROM (SELECT 1 FROM agent_inbox j WHERE j.agent_id = i.agent_id "
-        f"AND j.conversation {same} i.conversation AND j.seq > i.seq "
-        "AND j.message_type = i.message_type LIMIT ?) k) >= ?"
+        " AND (SELECT count(*) FROM (SELECT 1 FROM agent_inbox j WHERE i.caller IS NULL "
+        f"AND j.agent_id = i.agent_id AND j.conversation {same} i.conversation "
+        "AND j.seq > i.seq AND j.message_type = i.message_type LIMIT ?) k) + "
+        "(SELECT count(*) FROM (SELECT 1 FROM agent_inbox j WHERE j.agent_id = i.agent_id "
+        "AND j.caller = i.caller AND j.seq > i.seq AND j.message_type = i.message_type "
+        "LIMIT ?) k2) >= ?"
         if keep
         else ""
     )
     params: list[Any] = [after, upto, agent_id, MessageType.TURN, *FINAL_INBOX, cutoff]
     params += [*FINAL_INBOX, cutoff, cutoff, *OPEN_APPROVALS, ReplyStatus.PENDING]
     if keep:
-        params += [keep, keep]
+        params += [keep, keep, keep]
     params.append(limit)
     return tx.all(
         "SELECT i.seq, i.inbox_id, i.agent_turn_id, i.reply_ref FROM agent_inbox i "

@@ -261,8 +261,9 @@ CREATE TABLE schedule_runs (
     # (agents/store/sql/budgets.py).
     12: budget_sql.OVERRIDES_MIGRATION,
     # Issue 38: a new Turn names its conversation's memory instead of copying it
-    # (agents/store/sql/memory.py).
-    13: memory.MIGRATION,
+    # (agents/store/sql/memory.py); a task of an agent without memory names its caller,
+    # whom keep-last counts its tasks by (agents/store/sql/prune.py).
+    13: memory.MIGRATION + prune.CALLER_MIGRATION,
 }
 #: The newest schema version: migrations are numbered 1..N without gaps.
 SCHEMA_VERSION = max(MIGRATIONS)
