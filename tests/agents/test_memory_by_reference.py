@@ -180,6 +180,7 @@ async def test_a_store_from_before_migration_13_continues_its_conversations(
             "ALTER TABLE boxes DROP COLUMN memory_out",
             "DROP INDEX agent_inbox_caller",
             "ALTER TABLE agent_inbox DROP COLUMN caller",
+            "DROP INDEX pruned_turns_age",
             "DELETE FROM schema_version WHERE version = 13",
             "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) VALUES "
             "('c1', 'agent', 'old', 'context', 1), ('o1', 'agent', 'old', 'output', 1)",

@@ -126,6 +126,24 @@ async def test_an_old_finished_task_goes_whole_and_reads_answer_pruned(store):
         await store.fork(A, "never", 1)
 
 
+async def test_a_tombstone_goes_after_the_window_again(store):
+    await finished(store, "t1")
+    clock_of(store).advance(2 * DAY)
+    assert (await prune(store)).tasks == 1
+    tombstones = "SELECT count(*) FROM pruned_turns"
+    assert await count(store, tombstones) == 1
+    clock_of(store).advance(DAY / 2)
+    report = await prune(store)
+    assert report.rows.get("pruned_turns", 0) == 0  # inside its own window
+    with pytest.raises(TurnPruned):
+        await store.turn_record(A, "t1")
+    clock_of(store).advance(DAY)
+    assert (await Pruner(store, ONE_DAY, (A,)).prune_once(dry_run=True)).rows["pruned_turns"] == 1
+    assert (await prune(store)).rows["pruned_turns"] == 1
+    assert await count(store, tombstones) == 0
+    assert await store.turn_record(A, "t1") is None  # gone whole: "not found"
+
+
 async def test_an_unacknowledged_reply_is_never_pruned(store):
     turn = await finished(store, "t1", sent=False)  # the outbox reply is still pending
     await store.record_client_reply("alice", {"t": 1}, b"<kept/>", failed=False)

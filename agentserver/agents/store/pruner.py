@@ -87,6 +87,14 @@ class PruneStore(Protocol):
         dry_run: bool = False,
         after: int = 0,
     ) -> Pruned: ...
+    async def prune_tombstones(
+        self,
+        owner: str | None,
+        agent_id: str,
+        max_age_s: float,
+        limit: int,
+        dry_run: bool = False,
+    ) -> Pruned: ...
     async def store_agents(self) -> list[str]: ...
     async def reclaim_pages(self, max_pages: int) -> int: ...
 
@@ -228,6 +236,17 @@ class Pruner:
                     report,
                     "boxes",
                     lambda n, _after, a=agent, age=age: s.prune_orphan_boxes(
+                        owner, a, age, n, dry_run
+                    ),
+                    ROW_BATCH,
+                    dry_run,
+                    progress,
+                )
+                # A tombstone lives one more window (sql/tombstones.py).
+                await self._batches(
+                    report,
+                    "pruned_turns",
+                    lambda n, _after, a=agent, age=age: s.prune_tombstones(
                         owner, a, age, n, dry_run
                     ),
                     ROW_BATCH,

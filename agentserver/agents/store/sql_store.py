@@ -60,6 +60,7 @@ from agentserver.agents.store.sql import (
     replies,
     schedules,
     stats,
+    tombstones,
     tools,
     turn_end,
     turns,
@@ -660,6 +661,18 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         after: int = 0,
     ) -> prune.Pruned:
         return await self._run(prune.prune_step_log, owner, max_age_s, limit, dry_run, after)
+
+    async def prune_tombstones(
+        self,
+        owner: str | None,
+        agent_id: str,
+        max_age_s: float,
+        limit: int,
+        dry_run: bool = False,
+    ) -> prune.Pruned:
+        return await self._run(
+            tombstones.prune_tombstones, owner, agent_id, max_age_s, limit, dry_run
+        )
 
     async def store_agents(self) -> list[str]:
         """Every agent the store has rows of (configured or not any more)."""

@@ -12,8 +12,8 @@ from agentserver.agents.store.base import CardType
 from agentserver.agents.store.sql.common import insert_copies
 from agentserver.agents.store.sql.db import StoreEnv, Tx, insert_rows, new_id
 from agentserver.agents.store.sql.memory import box_rows, copy_row
-from agentserver.agents.store.sql.prune import thread_pruned
 from agentserver.agents.store.sql.record import find_turn
+from agentserver.agents.store.sql.tombstones import thread_pruned
 
 _COPY_COLS = "card_id, agent_turn_id, card_type, content, metadata, created_at, tokens"
 

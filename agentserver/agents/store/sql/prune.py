@@ -131,7 +131,7 @@ def release_lease(tx: Tx, env: StoreEnv, owner: str) -> None:
     tx.execute("DELETE FROM prune_lease WHERE name = ? AND owner = ?", (LEASE, owner))
 
 
-def _holds(tx: Tx, env: StoreEnv, owner: str | None) -> bool:
+def holds(tx: Tx, env: StoreEnv, owner: str | None) -> bool:
     """The fence of a batch: ``owner`` still holds the lease, now renewed for
     :data:`LEASE_S` (None: unfenced, a dry run). The update locks the lease row, so a
     take-over waits for the batch to commit."""
@@ -310,7 +310,7 @@ def prune_tasks(
     inbox rows after ``after`` (a window of :data:`SCAN_WINDOW`), each with all its Turn
     left (one transaction; nothing if ``owner`` lost the lease). ``dry_run`` counts them
     (all, in one read) and deletes nothing."""
-    if not _holds(tx, env, owner):
+    if not holds(tx, env, owner):
         return Pruned()
     now = env.clock.now()
     cutoff = now - max_age_s
@@ -354,7 +354,7 @@ def prune_orphan_boxes(
     """Boxes no task, head or conversation names any more (those of a conversation's
     earlier manual compaction or fork), older than ``max_age_s``, with their cards.
     ``done`` when fewer than ``limit`` were found."""
-    if not _holds(tx, env, owner):
+    if not holds(tx, env, owner):
         return Pruned()
     cutoff = env.clock.now() - max_age_s
     # Such boxes are keyed by a conversation's key, not a Turn: ranges of boxes_turn.
@@ -407,7 +407,7 @@ def prune_events(
 ) -> Pruned:
     """Execution edges of ``agent_id`` older than ``max_age_s`` (never an active Turn's),
     among those after ``after`` (a window of :data:`SCAN_WINDOW`)."""
-    if not _holds(tx, env, owner):
+    if not holds(tx, env, owner):
         return Pruned()
     cutoff = env.clock.now() - max_age_s
     upto = DRY_WINDOW if dry_run else after + SCAN_WINDOW
@@ -441,7 +441,7 @@ def prune_replies(
 ) -> Pruned:
     """Outbox replies delivered (or given up) more than ``max_age_s`` ago. A ``pending``
     reply is never one of them."""
-    if not _holds(tx, env, owner):
+    if not holds(tx, env, owner):
         return Pruned()
     got = _delete_or_count(
         tx,
@@ -467,7 +467,7 @@ def prune_step_log(
 ) -> Pruned:
     """Step log rows of steps with no event in the last ``max_age_s`` (a step's record,
     its idempotency key's, stays whole while any of its events is in the window)."""
-    if not _holds(tx, env, owner):
+    if not holds(tx, env, owner):
         return Pruned()
     cutoff = env.clock.now() - max_age_s
     upto = DRY_WINDOW if dry_run else after + SCAN_WINDOW
@@ -486,15 +486,3 @@ def prune_step_log(
     if found:
         tx.execute(f"DELETE FROM step_log WHERE seq IN ({marks(len(found))})", found)
     return Pruned(rows=len(found), after=nxt, done=done)
-
-
-# -- reads -----------------------------------------------------------------------------
-
-
-def thread_pruned(tx: Tx, agent_id: str, thread: str) -> bool:
-    """Whether a Turn of ``agent_id`` on ``thread`` (caller thread or hop) was pruned."""
-    row = tx.one(
-        "SELECT 1 FROM pruned_turns WHERE agent_id = ? AND (caller_thread = ? OR hop = ?) LIMIT 1",
-        (agent_id, thread, thread),
-    )
-    return row is not None

@@ -8,7 +8,7 @@ from typing import Any
 from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.sql.db import StoreEnv, Tx
 from agentserver.agents.store.sql.memory import turn_memory
-from agentserver.agents.store.sql.prune import thread_pruned
+from agentserver.agents.store.sql.tombstones import thread_pruned
 from agentserver.agents.store.sql.views import json_text
 from agentserver.agents.store.states import MessageType
 

@@ -17,7 +17,7 @@ from typing import Any
 from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
 from agentserver.agents.store.sql.memory import turn_memory
-from agentserver.agents.store.sql.prune import thread_pruned
+from agentserver.agents.store.sql.tombstones import thread_pruned
 from agentserver.agents.store.states import ApprovalStatus, InboxStatus, MessageType
 
 #: Characters of a failed Turn's deliverable shown as an agent's last error.
