@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -126,20 +127,24 @@ async def test_an_old_finished_task_goes_whole_and_reads_answer_pruned(store):
         await store.fork(A, "never", 1)
 
 
-async def test_a_tombstone_goes_after_the_window_again(store):
+async def test_a_tombstone_goes_after_its_own_window(store):
     await finished(store, "t1")
     clock_of(store).advance(2 * DAY)
     assert (await prune(store)).tasks == 1
     tombstones = "SELECT count(*) FROM pruned_turns"
     assert await count(store, tombstones) == 1
-    clock_of(store).advance(DAY / 2)
-    report = await prune(store)
-    assert report.rows.get("pruned_turns", 0) == 0  # inside its own window
+    bounded = replace(ONE_DAY, tombstones_s=3 * DAY)
+    clock_of(store).advance(2 * DAY)
+    assert (await prune(store, bounded)).rows.get("pruned_turns", 0) == 0  # inside it
     with pytest.raises(TurnPruned):
         await store.turn_record(A, "t1")
-    clock_of(store).advance(DAY)
-    assert (await Pruner(store, ONE_DAY, (A,)).prune_once(dry_run=True)).rows["pruned_turns"] == 1
-    assert (await prune(store)).rows["pruned_turns"] == 1
+    clock_of(store).advance(2 * DAY)
+    dry = await Pruner(store, bounded, (A,)).prune_once(dry_run=True)
+    assert dry.rows["pruned_turns"] == 1 and await count(store, tombstones) == 1
+    assert (await prune(store, replace(bounded, tombstones_s=None))).rows.get(
+        "pruned_turns", 0
+    ) == 0  # none: kept forever
+    assert (await prune(store, bounded)).rows["pruned_turns"] == 1
     assert await count(store, tombstones) == 0
     assert await store.turn_record(A, "t1") is None  # gone whole: "not found"
 

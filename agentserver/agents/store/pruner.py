@@ -88,12 +88,7 @@ class PruneStore(Protocol):
         after: int = 0,
     ) -> Pruned: ...
     async def prune_tombstones(
-        self,
-        owner: str | None,
-        agent_id: str,
-        max_age_s: float,
-        limit: int,
-        dry_run: bool = False,
+        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
     ) -> Pruned: ...
     async def store_agents(self) -> list[str]: ...
     async def reclaim_pages(self, max_pages: int) -> int: ...
@@ -242,17 +237,7 @@ class Pruner:
                     dry_run,
                     progress,
                 )
-                # A tombstone lives one more window (sql/tombstones.py).
-                await self._batches(
-                    report,
-                    "pruned_turns",
-                    lambda n, _after, a=agent, age=age: s.prune_tombstones(
-                        owner, a, age, n, dry_run
-                    ),
-                    ROW_BATCH,
-                    dry_run,
-                    progress,
-                )
+
             if r.events_s is not None:
                 ev = r.events_s
                 await self._batches(
@@ -272,6 +257,16 @@ class Pruner:
                 report,
                 "agent_replies",
                 lambda n, _after: s.prune_replies(owner, age_r, n, dry_run),
+                ROW_BATCH,
+                dry_run,
+                progress,
+            )
+        if g.tombstones_s is not None:
+            age_t = g.tombstones_s
+            await self._batches(
+                report,
+                "pruned_turns",
+                lambda n, _after: s.prune_tombstones(owner, age_t, n, dry_run),
                 ROW_BATCH,
                 dry_run,
                 progress,

@@ -663,16 +663,9 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         return await self._run(prune.prune_step_log, owner, max_age_s, limit, dry_run, after)
 
     async def prune_tombstones(
-        self,
-        owner: str | None,
-        agent_id: str,
-        max_age_s: float,
-        limit: int,
-        dry_run: bool = False,
+        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
     ) -> prune.Pruned:
-        return await self._run(
-            tombstones.prune_tombstones, owner, agent_id, max_age_s, limit, dry_run
-        )
+        return await self._run(tombstones.prune_tombstones, owner, max_age_s, limit, dry_run)
 
     async def store_agents(self) -> list[str]:
         """Every agent the store has rows of (configured or not any more)."""

@@ -1,9 +1,8 @@
 """Tombstones (issue 38): what stays of a pruned task (``pruned_turns``: its Turn, agent,
 caller thread and hop), so a read of its thread answers "pruned" instead of "not found";
-and their own bound: a tombstone goes once it is older than its agent's
-``finished-tasks`` window again (a task is then gone whole, about twice that window
-after it finished, and a read of its thread answers "not found"). Plain functions over
-one transaction, both engines.
+and their own bound: a tombstone goes ``<retention tombstones>`` (default 30 days) after
+its task was pruned, and a read of the thread then answers "not found". Plain functions
+over one transaction, both engines.
 """
 
 from __future__ import annotations
@@ -12,9 +11,9 @@ from agentserver.agents.store.sql.db import StoreEnv, Tx
 from agentserver.agents.store.sql.prune import DRY_LIMIT, Pruned, holds
 
 #: Schema migration 13 (with sql/memory.py's): the index a tombstones batch finds the
-#: oldest of an agent's by (written when a task is pruned, never by a Turn).
+#: oldest by (written when a task is pruned, never by a Turn).
 MIGRATION = """
-CREATE INDEX pruned_turns_age ON pruned_turns (agent_id, pruned_at);
+CREATE INDEX pruned_turns_age ON pruned_turns (pruned_at);
 """
 
 
@@ -22,20 +21,16 @@ def prune_tombstones(
     tx: Tx,
     env: StoreEnv,
     owner: str | None,
-    agent_id: str,
     max_age_s: float,
     limit: int,
     dry_run: bool = False,
 ) -> Pruned:
-    """Up to ``limit`` tombstones of ``agent_id`` made more than ``max_age_s`` ago, oldest
-    first (nothing if ``owner`` lost the pruner's lease). ``dry_run`` counts them all."""
+    """Up to ``limit`` tombstones made more than ``max_age_s`` ago, oldest first (nothing
+    if ``owner`` lost the pruner's lease). ``dry_run`` counts them all."""
     if not holds(tx, env, owner):
         return Pruned()
-    params = (agent_id, env.clock.now() - max_age_s, DRY_LIMIT if dry_run else limit)
-    select = (
-        "SELECT agent_turn_id FROM pruned_turns WHERE agent_id = ? AND pruned_at < ? "
-        "ORDER BY pruned_at LIMIT ?"
-    )
+    params = (env.clock.now() - max_age_s, DRY_LIMIT if dry_run else limit)
+    select = "SELECT agent_turn_id FROM pruned_turns WHERE pruned_at < ? ORDER BY pruned_at LIMIT ?"
     if dry_run:
         row = tx.one(f"SELECT count(*) FROM ({select}) k", params)
         return Pruned(rows=int(row[0]) if row else 0)
