@@ -230,3 +230,34 @@ async def test_a_tool_result_is_kept_once_as_its_card(store, then_step):
         "c1",
     )
     assert result == "<sum>3</sum>"
+
+
+async def test_a_forks_boxes_go_after_the_turn_naming_them_gets_a_copy(store):
+    await turn(store, "t1")
+    forked = await store.fork(A, "t1", 1)
+    conversation = forked["conversation"]
+
+    async def on_fork(thread: str) -> StepStart:
+        ref = {"caller_thread": thread}
+        await store.enqueue_turn(A, thread.encode(), ref, conversation=conversation)
+        [row] = await store.claim_due(A, 5)
+        started = await store.start_turn_step(row, 10)
+        token = started.head.token
+        assert token is not None and started.step_id is not None
+        said = NewCard(CardType.LLM_MESSAGE, f"said {thread}", {"step_id": started.step_id})
+        await store.complete_step(token, started.step_id, None, [said])
+        await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+        await store.mark_reply_sent(token.agent_turn_id)
+        return started
+
+    first = await on_fork("f1")
+    assert texts(first.context) == ["t1", "said t1", "f1"]
+    await on_fork("f2")  # the fork's conversation moves on: its own boxes are orphans
+    before = await store.turn_record(A, "f1")
+    store.env.clock.advance(2 * DAY)  # type: ignore[attr-defined]
+    keep = RetentionSettings(defaults=AgentRetention(DAY, 2, None), step_log_s=None)
+    report = await Pruner(store, keep, (A,), pause_s=0).prune_once()
+    assert report.rows["boxes"] > 0  # the fork's boxes went
+    fork_boxes = "SELECT count(*) FROM boxes WHERE agent_turn_id = ?"
+    assert await one(store, fork_boxes, conversation) == 0
+    assert await store.turn_record(A, "f1") == before  # whole: it named a copy first
