@@ -139,8 +139,12 @@ async def test_record_fork_and_conversation_read_through_the_memory(store):
     assert record is not None
     assert [c["content"] for c in record["cards"]] == ["t1", "said t1", "t2", "said t2", "done"]
     assert texts(await store.conversation_cards(A, "alice")) == ["t1", "said t1", "t2", "said t2"]
+    # A started Turn's inbox row gives its payload up: its task card holds it.
+    consumed = "SELECT count(*) FROM agent_inbox WHERE message_type = 'turn' AND payload = ?"
+    assert await one(store, consumed, b"") == 2
+    assert record["task"] == "t2"
     forked = await store.fork(A, "t2", 1)
-    assert forked["cards"] == 4
+    assert forked["cards"] == 4 and forked["task"] == "t2"
     assert texts(await store.conversation_cards(A, forked["conversation"])) == [
         "t1",
         "said t1",

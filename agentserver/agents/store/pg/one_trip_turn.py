@@ -32,6 +32,7 @@ from agentserver.agents.store.pg.one_trip import (
 )
 from agentserver.agents.store.sql import governance, memory, tools, turns
 from agentserver.agents.store.sql.common import (
+    CONSUMED_PAYLOAD,
     HEAD_COLS,
     edge,
     inbox_move_statement,
@@ -68,7 +69,7 @@ def start_turn_step(
         where=turns.UNDER_LIMIT,
         where_params=(max_steps,),
     )
-    move(tx, env, row.inbox_id, InboxEvent.CONSUME)
+    move(tx, env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD)
     edge(tx, env, token.agent_id, token.agent_turn_id, "start", "request", inbox_id=row.inbox_id)
     step_id = new_id()
     tx.execute(
@@ -229,7 +230,7 @@ def apply_report(
     (card_id,) = insert_cards(tx, env, str(h.output_box_id), turn_id, [(result, tokens)])
     tx.execute(*tools.received_statement(row, card_id, now))
     tx.execute(
-        *inbox_move_statement(env, row.inbox_id, InboxEvent.CONSUME, payload=tools.CONSUMED_PAYLOAD)
+        *inbox_move_statement(env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD)
     )
     if h.waiting_tool_count - 1 > 0:
         return closing(tx, channel, ReportOutcome("applied"))

@@ -21,6 +21,11 @@ INBOX_COLS = (
     "payload, reply_ref, failed, retry_count, next_retry_at, defer_reason, created_at"
 )
 CARD_COLS = "card_id, box_id, card_type, content, metadata, created_at"
+#: A consumed inbox row's payload (issue 38: what is written twice is kept once): a Turn's
+#: task is its ``task.input`` card from its lease on, a tool report is its ``tool.result``
+#: card (named by the waiting row), each written before or with the consume; no one reads
+#: a consumed row's payload (a Turn's record falls back to its task card, sql/record.py).
+CONSUMED_PAYLOAD = b""
 
 #: Card types the worker never shows the model (``model_context.card_message`` returns None):
 #: they cost no context tokens.

@@ -17,6 +17,7 @@ from agentserver.agents.store.base import (
 )
 from agentserver.agents.store.sql import head
 from agentserver.agents.store.sql.common import (
+    CONSUMED_PAYLOAD,
     edge,
     inbox_move,
     insert_cards,
@@ -251,12 +252,6 @@ def unapplied(tx: Tx, env: StoreEnv, row: InboxRow, waiting: Sequence[Any] | Non
 def skip_stale(tx: Tx, env: StoreEnv, row: InboxRow) -> None:
     """A report for a Turn that moved on (its suspended head is gone): acknowledged."""
     inbox_move(tx, env, row.inbox_id, InboxEvent.SKIP, defer_reason="stale turn")
-
-
-#: A consumed report's payload: its tool.result card (named by the waiting row) holds it,
-#: written in the same transaction, and no one reads a consumed row's (issue 38: what is
-#: written twice is kept once).
-CONSUMED_PAYLOAD = b""
 
 
 def result_card(row: InboxRow, to: str, after: str) -> NewCard:
