@@ -22,12 +22,12 @@ written only for the oldest Turn kept of a chain, off the Turn's hot path.
 
 from __future__ import annotations
 
-import json
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 from agentserver.agents.store.base import Card, CardType
-from agentserver.agents.store.sql.common import insert_copies
+from agentserver.agents.store.sql.common import card_row, insert_copies
 from agentserver.agents.store.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 
 #: Schema migration 13: the context box's memory, and the index a prune looks up the
@@ -58,9 +58,11 @@ def _chain(ctx: str) -> str:
     )
 
 
+@functools.cache
 def resolve_sql(ctx: str = "?", out: str | None = "?") -> str:
     """The statement of a Turn's cards: context box ``ctx`` resolved, then (unless None)
-    output box ``out``; both SQL expressions. Parameters: :func:`resolve_params`."""
+    output box ``out``; both SQL expressions (fixed fragments of ours: the text is built
+    once per shape, every step reads through it). Parameters: :func:`resolve_params`."""
     sql = (
         _chain(ctx) + f"SELECT {_OWN}, 0, agent_turn_id, tokens FROM cards WHERE box_id = {ctx} "
         f"UNION ALL SELECT {_LINKED}, -2 * chain.depth, c.agent_turn_id, c.tokens "
@@ -84,16 +86,12 @@ def ordered(rows: list[Any]) -> list[Any]:
     return sorted(rows, key=lambda r: (r[PART], r[SEQ]))
 
 
-def card_of(r: Sequence[Any]) -> Card:
-    return Card(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5])
-
-
 def split(rows: list[Any]) -> tuple[tuple[Card, ...], tuple[Card, ...]]:
     """Resolved rows as (context cards, output cards), each in order."""
     rows = ordered(rows)
     return (
-        tuple(card_of(r) for r in rows if r[PART] <= 0),
-        tuple(card_of(r) for r in rows if r[PART] == 1),
+        tuple(card_row(r) for r in rows if r[PART] <= 0),
+        tuple(card_row(r) for r in rows if r[PART] == 1),
     )
 
 
@@ -113,7 +111,7 @@ def box_rows(tx: Tx, box_id: str) -> list[Any]:
 
 
 def box_cards(tx: Tx, box_id: str) -> list[Card]:
-    return [card_of(r) for r in box_rows(tx, box_id)]
+    return [card_row(r) for r in box_rows(tx, box_id)]
 
 
 def copy_row(r: Sequence[Any]) -> tuple[Any, ...]:
