@@ -182,10 +182,14 @@ class Store:
     def tasks(self) -> dict[str, tuple[str | None, str]]:
         """Accepted tasks (Enqueue rows) by job name: (agent_turn_id, row status)."""
         out: dict[str, tuple[str | None, str]] = {}
-        for payload, turn_id, status in self.rows(
-            "SELECT payload, agent_turn_id, status FROM agent_inbox WHERE message_type = 'turn'"
+        # A started Turn's row gave its payload up to its task.input card (issue 38).
+        for payload, turn_id, status, card in self.rows(
+            "SELECT i.payload, i.agent_turn_id, i.status, (SELECT c.content FROM cards c "
+            "WHERE c.agent_turn_id = i.agent_turn_id AND c.card_type = 'task.input' "
+            "ORDER BY c.seq LIMIT 1) FROM agent_inbox i WHERE i.message_type = 'turn'"
         ):
-            job = JOB_RE.search(bytes(payload).decode()).group(0)
+            text = bytes(payload).decode() or (card or "")
+            job = JOB_RE.search(text).group(0)
             assert job not in out, f"{job} was accepted twice"
             out[job] = (turn_id, status)
         return out

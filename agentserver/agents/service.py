@@ -146,6 +146,7 @@ def effective_retention(
             defaults=AgentRetention(None, None, None),
             step_log_s=None,
             acknowledged_replies_s=None,
+            tombstones_s=None,
         )
     return settings.with_overrides(overrides)
 

@@ -56,11 +56,19 @@ async def test_back_to_back_tasks_are_enqueued_and_answered_in_send_order(tmp_pa
                 while len(answered) < len(sent):
                     reply = etree.fromstring(await ep.receive())
                     answered.append(reply[0][-1].text)
+            # A started Turn's row gave its payload up to its task.input card (issue 38).
             inbox = agents.runtime.store._db.execute(  # type: ignore[attr-defined]
-                "SELECT payload FROM agent_inbox WHERE message_type = 'turn' ORDER BY seq"
+                "SELECT i.payload, (SELECT c.content FROM cards c WHERE c.agent_turn_id = "
+                "i.agent_turn_id AND c.card_type = 'task.input' ORDER BY c.seq LIMIT 1) "
+                "FROM agent_inbox i WHERE i.message_type = 'turn' ORDER BY i.seq"
             ).fetchall()
             agents.stop()
             nursery.cancel_scope.cancel()
-    texts = [etree.fromstring(row[0]).findtext("{urn:agentserver:assistant}text") for row in inbox]
+    texts = [
+        etree.fromstring(bytes(row[0]) or row[1].encode()).findtext(
+            "{urn:agentserver:assistant}text"
+        )
+        for row in inbox
+    ]
     assert texts == [f"task {i}.{j}" for i in range(ROUNDS) for j in range(2)]
     assert answered == sent  # one Turn at a time, in inbox order

@@ -1,16 +1,20 @@
 """Pruning during a SIGKILL (issue 38): a batch is one transaction, so a pruner killed
 at any moment leaves every finished task either whole or gone with its tombstone, never
-half; the next run redoes what was left. A real process, a real SQLite file."""
+half; the next run redoes what was left. A real process, a real SQLite file or a real
+PostgreSQL database (``pg_url`` skips when no server is reachable)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from agentserver.agents.clock import ManualClock
@@ -19,6 +23,7 @@ from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import CardType, NewCard, TaskStatus
 from agentserver.agents.store.pruner import Pruner
 from agentserver.agents.store.sql.prune import LEASE_S
+from agentserver.agents.store.sql_store import SqlAgentStore
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
 
 A = "agent"
@@ -38,12 +43,18 @@ from agentserver.agents.store.pruner import Pruner
 from agentserver.agents.store.sql.prune import LEASE_S
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
 
-path = sys.argv[1]
+target = sys.argv[1]
 r = RetentionSettings(defaults=AgentRetention(3600.0, 0, None), step_log_s=None,
                       acknowledged_replies_s=None)
 
 async def main():
-    store = SqliteAgentStore.open(path, settings=StoreSettings(path=path, retention=r))
+    if target.startswith("postgresql"):
+        from agentserver.agents.store.pg.store import PostgresAgentStore
+        store = PostgresAgentStore.open(target, settings=StoreSettings(retention=r))
+        if hasattr(store, "__await__"):
+            store = await store
+    else:
+        store = SqliteAgentStore.open(target, settings=StoreSettings(path=target, retention=r))
     def progress(report):
         print("batch", report.tasks, flush=True)
     await Pruner(store, r, ("agent",), pause_s=0.01).prune_once(progress=progress)
@@ -53,9 +64,30 @@ trio.run(main)
 """
 
 
-async def _fill(path) -> None:
-    settings = StoreSettings(path=path, retention=RETENTION)
-    store = SqliteAgentStore.open(path, clock=ManualClock(time.time() - 86400), settings=settings)
+async def _open(
+    target: str, clock: ManualClock | None = None, retention: RetentionSettings | None = None
+) -> SqlAgentStore:
+    """The store at ``target``: a SQLite file's path or a PostgreSQL URL."""
+    if target.startswith("postgresql"):
+        from agentserver.agents.store.pg.store import PostgresAgentStore
+
+        opened = PostgresAgentStore.open(
+            target, clock=clock, settings=StoreSettings(retention=retention)
+        )
+        return await opened if inspect.isawaitable(opened) else opened
+    settings = StoreSettings(path=Path(target), retention=retention)
+    return SqliteAgentStore.open(Path(target), clock=clock, settings=settings)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def target(request: pytest.FixtureRequest, tmp_path) -> str:
+    if request.param == "sqlite":
+        return str(tmp_path / "agents.sqlite3")
+    return str(request.getfixturevalue("pg_url"))  # skips when no server is reachable
+
+
+async def _fill(target: str) -> None:
+    store = await _open(target, ManualClock(time.time() - 86400), RETENTION)
     try:
         for i in range(TASKS):
             await store.enqueue_turn(A, b"t", {"caller_thread": f"t{i}"})
@@ -69,9 +101,13 @@ async def _fill(path) -> None:
         await store.aclose()
 
 
-def _check(path) -> tuple[int, int]:
+def _check(target: str) -> tuple[int, int]:
     """(tasks left, tasks pruned); asserts none is half there."""
-    store = SqliteAgentStore.open(path, settings=StoreSettings(path=path))
+    return trio.run(_check_async, target)
+
+
+async def _check_async(target: str) -> tuple[int, int]:
+    store = await _open(target)
     try:
 
         def read(tx: Any, env: Any) -> tuple[int, int]:
@@ -101,23 +137,16 @@ def _check(path) -> tuple[int, int]:
                 assert cards >= 2
             return len(left), len(pruned)
 
-        return _sync_read(store, read)
+        result: tuple[int, int] = await store._read(read)
+        return result
     finally:
-        store.close()
+        await store.aclose()
 
 
-def _sync_read(store: SqliteAgentStore, fn: Any) -> Any:
-    async def go() -> Any:
-        return await store._read(fn)
-
-    return trio.run(go)
-
-
-def test_a_killed_pruner_leaves_nothing_half_done(tmp_path):
-    path = tmp_path / "agents.sqlite3"
-    trio.run(_fill, path)
+def test_a_killed_pruner_leaves_nothing_half_done(target):
+    trio.run(_fill, target)
     proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, env=dict(os.environ)
+        [sys.executable, "-c", CHILD, target], stdout=subprocess.PIPE, env=dict(os.environ)
     )
     try:
         assert proc.stdout is not None
@@ -129,22 +158,18 @@ def test_a_killed_pruner_leaves_nothing_half_done(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    left, pruned = _check(path)
+    left, pruned = _check(target)
     assert left + pruned == TASKS and 0 < pruned < TASKS
 
     # The next run redoes the rest, once the dead pruner's lease has expired.
     async def again(ahead: float) -> bool:
-        store = SqliteAgentStore.open(
-            path,
-            clock=ManualClock(time.time() + ahead),
-            settings=StoreSettings(path=path, retention=RETENTION),
-        )
+        store = await _open(target, ManualClock(time.time() + ahead), RETENTION)
         try:
             return (await Pruner(store, RETENTION, (A,), pause_s=0).prune_once()).skipped
         finally:
             await store.aclose()
 
     assert trio.run(again, 0.0)  # the lease is still the dead pruner's
-    assert _check(path) == (left, pruned)
+    assert _check(target) == (left, pruned)
     assert not trio.run(again, LEASE_S + 1)
-    assert _check(path) == (0, TASKS)
+    assert _check(target) == (0, TASKS)

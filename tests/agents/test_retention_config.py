@@ -56,6 +56,17 @@ def test_the_defaults_and_what_is_written(schema):
     assert r.defaults == AgentRetention(30 * 86400.0, 5, 86400.0)
     assert r.step_log_s is None  # none: kept forever
     assert r.acknowledged_replies_s == 3600.0 and r.interval_s == 30.0
+    assert r.tombstones_s == 30 * 86400.0
+
+
+def test_tombstones_are_kept_as_written(schema):
+    el = etree.fromstring(f'<store xmlns="{BOOT_NS}"><retention tombstones="90d"/></store>')
+    schema.assertValid(el)
+    r = store_settings_from_element(el).retention
+    assert r is not None and r.tombstones_s == 90 * 86400.0
+    none = etree.fromstring(f'<store xmlns="{BOOT_NS}"><retention tombstones="none"/></store>')
+    r = store_settings_from_element(none).retention
+    assert r is not None and r.tombstones_s is None
 
 
 def test_an_agent_overrides_what_it_writes(schema):
@@ -121,3 +132,4 @@ def test_an_agents_retention_alone_prunes_only_that_agent():
     assert r.for_agent("a") == AgentRetention(60.0, None, None)
     assert r.for_agent("b") == AgentRetention(None, None, None)
     assert r.step_log_s is None and r.acknowledged_replies_s is None
+    assert r.tombstones_s is None

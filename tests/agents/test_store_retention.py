@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,28 @@ async def test_an_old_finished_task_goes_whole_and_reads_answer_pruned(store):
         await store.fork(A, "never", 1)
 
 
+async def test_a_tombstone_goes_after_its_own_window(store):
+    await finished(store, "t1")
+    clock_of(store).advance(2 * DAY)
+    assert (await prune(store)).tasks == 1
+    tombstones = "SELECT count(*) FROM pruned_turns"
+    assert await count(store, tombstones) == 1
+    bounded = replace(ONE_DAY, tombstones_s=3 * DAY)
+    clock_of(store).advance(2 * DAY)
+    assert (await prune(store, bounded)).rows.get("pruned_turns", 0) == 0  # inside it
+    with pytest.raises(TurnPruned):
+        await store.turn_record(A, "t1")
+    clock_of(store).advance(2 * DAY)
+    dry = await Pruner(store, bounded, (A,)).prune_once(dry_run=True)
+    assert dry.rows["pruned_turns"] == 1 and await count(store, tombstones) == 1
+    assert (await prune(store, replace(bounded, tombstones_s=None))).rows.get(
+        "pruned_turns", 0
+    ) == 0  # none: kept forever
+    assert (await prune(store, bounded)).rows["pruned_turns"] == 1
+    assert await count(store, tombstones) == 0
+    assert await store.turn_record(A, "t1") is None  # gone whole: "not found"
+
+
 async def test_an_unacknowledged_reply_is_never_pruned(store):
     turn = await finished(store, "t1", sent=False)  # the outbox reply is still pending
     await store.record_client_reply("alice", {"t": 1}, b"<kept/>", failed=False)
@@ -197,6 +220,28 @@ async def test_keep_last_keeps_the_newest_tasks(store):
     assert await store.turn_record(A, "t3") is not None
     with pytest.raises(TurnPruned):
         await store.turn_record(A, "t2")
+
+
+async def test_keep_last_counts_per_client_for_an_agent_without_memory(store):
+    async def task(thread: str, ref: dict[str, Any]) -> None:
+        await store.enqueue_turn(A, thread.encode(), {"caller_thread": thread, **ref})
+        [row] = await store.claim_due(A, 5)
+        token = await store.start_turn(row)
+        await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+        await store.mark_reply_sent(token.agent_turn_id)
+
+    # bob's one task is older than all of alice's, and so is the anonymous caller's.
+    await task("b0", {"client": "bob"})
+    await task("o0", {"chain": ["endpoint-1", A]})
+    for i in range(3):
+        await task(f"a{i}", {"client": "alice"})
+    clock_of(store).advance(2 * DAY)
+    keep = RetentionSettings(defaults=AgentRetention(DAY, 2, None), step_log_s=None)
+    assert (await prune(store, keep)).tasks == 1  # alice's oldest: she has two newer
+    with pytest.raises(TurnPruned):
+        await store.turn_record(A, "a0")
+    for kept in ("b0", "o0", "a1", "a2"):
+        assert await store.turn_record(A, kept) is not None
 
 
 async def test_an_idempotency_record_in_its_window_is_kept(store):

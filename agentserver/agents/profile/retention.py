@@ -5,7 +5,7 @@ Without a ``<retention>`` element the store keeps everything, as before, and no 
 runs. With one, each attribute left out takes its default (:data:`DEFAULTS`); the value
 ``none`` keeps that kind of row forever. An agent's ``<retention>`` overrides the global
 ``finished-tasks``, ``keep-last`` and ``events`` for that agent's rows (the step log,
-the acknowledged replies and the interval are the store's, global only).
+the acknowledged replies, the tombstones and the interval are the store's, global only).
 
 Durations are written ``90``, ``90s``, ``15m``, ``1h``, ``7d`` or ``250ms``.
 """
@@ -55,7 +55,7 @@ class AgentRetention:
 
     #: A finished task (its Turn: inbox rows, steps, cards, decisions, approvals, reply)
     #: older than this goes, unless it is among the newest ``keep_last`` of its
-    #: conversation (for an agent without memory, of the agent).
+    #: conversation (for an agent without memory, of its caller).
     finished_tasks_s: float | None = 30 * 86400.0
     keep_last: int | None = 50
     #: Execution edges (the store's audit events) older than this go.
@@ -72,6 +72,9 @@ class RetentionSettings:
     #: Turn replies delivered (``sent``/``undeliverable``) this long ago go (a reply still
     #: ``pending`` never does; a named client's kept replies go only when it acknowledges).
     acknowledged_replies_s: float | None = 3600.0
+    #: A pruned task's tombstone (what makes a read of its thread answer "pruned" rather
+    #: than "not found") goes this long after the task was pruned.
+    tombstones_s: float | None = 30 * 86400.0
     #: How often the pruner runs.
     interval_s: float = 300.0
     agents: Mapping[str, AgentRetention] = field(default_factory=dict)
@@ -95,6 +98,7 @@ DEFAULTS = {
     "step-log": "7d",
     "events": "1d",
     "acknowledged-replies": "1h",
+    "tombstones": "30d",
     "interval": "5m",
 }
 
@@ -115,6 +119,7 @@ def retention_from_element(el: etree._Element | None) -> RetentionSettings | Non
         acknowledged_replies_s=parse_duration(
             get("acknowledged-replies"), "retention acknowledged-replies"
         ),
+        tombstones_s=parse_duration(get("tombstones"), "retention tombstones"),
         interval_s=interval if interval is not None else 300.0,
     )
 

@@ -56,6 +56,7 @@ from agentserver.agents.store.rows import StepStart as StepStart
 from agentserver.agents.store.rows import TaskStatus as TaskStatus
 from agentserver.agents.store.rows import ToolCallRecord as ToolCallRecord
 from agentserver.agents.store.rows import TurnToken as TurnToken
+from agentserver.agents.store.rows import caller_key as caller_key
 
 #: What a shared store does with the calls of a dead process's suspended Turn
 #: (``await lost(token, reason)``: the runtime's ``lost_calls``).
@@ -201,7 +202,10 @@ class TurnStore(Protocol):
         completion, cards)``: the Turn's last step and its end, one compare-and-set)."""
         ...
 
-    async def cards(self, box_id: str) -> list[Card]: ...
+    async def cards(self, box_id: str) -> list[Card]:
+        """A box's cards in order; a context box's memory (sql/memory.py) first."""
+        ...
+
     async def card(self, card_id: str) -> Card | None: ...
     async def turn_reply_ref(self, token: TurnToken) -> str | None: ...
 

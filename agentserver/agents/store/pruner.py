@@ -87,6 +87,9 @@ class PruneStore(Protocol):
         dry_run: bool = False,
         after: int = 0,
     ) -> Pruned: ...
+    async def prune_tombstones(
+        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
+    ) -> Pruned: ...
     async def store_agents(self) -> list[str]: ...
     async def reclaim_pages(self, max_pages: int) -> int: ...
 
@@ -234,6 +237,7 @@ class Pruner:
                     dry_run,
                     progress,
                 )
+
             if r.events_s is not None:
                 ev = r.events_s
                 await self._batches(
@@ -253,6 +257,16 @@ class Pruner:
                 report,
                 "agent_replies",
                 lambda n, _after: s.prune_replies(owner, age_r, n, dry_run),
+                ROW_BATCH,
+                dry_run,
+                progress,
+            )
+        if g.tombstones_s is not None:
+            age_t = g.tombstones_s
+            await self._batches(
+                report,
+                "pruned_turns",
+                lambda n, _after: s.prune_tombstones(owner, age_t, n, dry_run),
                 ROW_BATCH,
                 dry_run,
                 progress,

@@ -10,6 +10,26 @@ from typing import Any, Protocol
 
 from agentserver.agents.profile.schedule import ScheduleSpec
 
+#: The reply reference's key naming the client an HTTP message was sent by (its bearer
+#: token's identity): her conversation, though the answer goes to the message's endpoint.
+SPEAKS_FOR = "speaks_for"
+
+
+def caller_key(reply_ref: Any) -> str | None:
+    """The caller a task's reply reference names (None: none): a named client by its
+    identity (``client:NAME``), any other caller by the origin of its chain
+    (``origin:ENDPOINT``). The conversation of ``memory="client"`` (agents/turn/memory.py),
+    and what ``keep-last`` counts an agent without memory by."""
+    if not isinstance(reply_ref, Mapping):
+        return None
+    client = reply_ref.get("client") or reply_ref.get(SPEAKS_FOR)
+    if isinstance(client, str) and client:
+        return f"client:{client}"
+    chain = reply_ref.get("chain")
+    if isinstance(chain, list) and chain and isinstance(chain[0], str) and chain[0]:
+        return f"origin:{chain[0]}"
+    return None
+
 
 class CardType:
     TASK_INPUT = "task.input"

@@ -54,12 +54,14 @@ from agentserver.agents.store.sql import (
     governance,
     head,
     inbox,
+    memory,
     multitask,
     prune,
     record,
     replies,
     schedules,
     stats,
+    tombstones,
     tools,
     turn_end,
     turns,
@@ -658,6 +660,11 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     ) -> prune.Pruned:
         return await self._run(prune.prune_step_log, owner, max_age_s, limit, dry_run, after)
 
+    async def prune_tombstones(
+        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
+    ) -> prune.Pruned:
+        return await self._run(tombstones.prune_tombstones, owner, max_age_s, limit, dry_run)
+
     async def store_agents(self) -> list[str]:
         """Every agent the store has rows of (configured or not any more)."""
         return await self._read(stats.agent_ids)
@@ -674,7 +681,8 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
 
 
 def _cards(tx: Tx, env: StoreEnv, box_id: str) -> list[Card]:
-    return common.cards(tx, box_id)
+    # A context box's memory first: it names its conversation's cards, not copies.
+    return memory.box_cards(tx, box_id)
 
 
 def _card(tx: Tx, env: StoreEnv, card_id: str) -> Card | None:

@@ -12,22 +12,15 @@ share one.
 from __future__ import annotations
 
 from agentserver.agents.ports import ReplyRef
+from agentserver.agents.store.base import caller_key
+from agentserver.agents.store.rows import SPEAKS_FOR as SPEAKS_FOR
 
 NONE = "none"
 CLIENT = "client"
-#: The reply reference's key naming the client an HTTP message was sent by (its bearer
-#: token's identity): her conversation, though the answer goes to the message's endpoint.
-SPEAKS_FOR = "speaks_for"
 
 
 def conversation_key(reply_ref: ReplyRef) -> str | None:
-    """The conversation of a task's reply reference (None: it names no caller)."""
-    if not isinstance(reply_ref, dict):
-        return None
-    client = reply_ref.get("client") or reply_ref.get(SPEAKS_FOR)
-    if isinstance(client, str) and client:
-        return f"client:{client}"
-    chain = reply_ref.get("chain")
-    if isinstance(chain, list) and chain and isinstance(chain[0], str) and chain[0]:
-        return f"origin:{chain[0]}"
-    return None
+    """The conversation of a task's reply reference (None: it names no caller): its
+    caller's key (:func:`~agentserver.agents.store.base.caller_key`, which retention's
+    ``keep-last`` counts an agent without memory by too)."""
+    return caller_key(reply_ref)

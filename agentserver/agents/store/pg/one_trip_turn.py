@@ -30,14 +30,13 @@ from agentserver.agents.store.pg.one_trip import (
     move,
     one_trip,
 )
-from agentserver.agents.store.sql import governance, tools, turns
+from agentserver.agents.store.sql import governance, memory, tools, turns
 from agentserver.agents.store.sql.common import (
-    CARD_COLS,
+    CONSUMED_PAYLOAD,
     HEAD_COLS,
     edge,
     inbox_move_statement,
     insert_cards,
-    split_turn_cards,
     tokens_of,
 )
 from agentserver.agents.store.sql.db import StoreEnv, new_id
@@ -70,7 +69,7 @@ def start_turn_step(
         where=turns.UNDER_LIMIT,
         where_params=(max_steps,),
     )
-    move(tx, env, row.inbox_id, InboxEvent.CONSUME)
+    move(tx, env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD)
     edge(tx, env, token.agent_id, token.agent_turn_id, "start", "request", inbox_id=row.inbox_id)
     step_id = new_id()
     tx.execute(
@@ -88,16 +87,14 @@ def start_turn_step(
     )
     if channel is not None:
         notify(tx, channel)
+    # The Turn's cards, its context's memory resolved (agents/store/sql/memory.py), by
+    # the boxes the head names after the statements before it in this trip.
     rows = tx.last(
-        f"SELECT {CARD_COLS}, seq FROM cards WHERE box_id IN ("
-        "SELECT context_box_id FROM agent_state_head WHERE agent_id = ? UNION ALL "
-        "SELECT output_box_id FROM agent_state_head WHERE agent_id = ?)",
-        (token.agent_id, token.agent_id),
+        memory.resolve_sql(_HEAD_BOX.format("context_box_id"), _HEAD_BOX.format("output_box_id")),
+        memory.resolve_params((token.agent_id,), (token.agent_id,)),
     )
     new = Head(*h.rows[0])
-    return StepStart(
-        new, step_id, new.step_count, *split_turn_cards(rows, new.context_box_id, new.output_box_id)
-    )
+    return StepStart(new, step_id, new.step_count, *memory.split(rows))
 
 
 @one_trip
@@ -232,7 +229,9 @@ def apply_report(
     )
     (card_id,) = insert_cards(tx, env, str(h.output_box_id), turn_id, [(result, tokens)])
     tx.execute(*tools.received_statement(row, card_id, now))
-    tx.execute(*inbox_move_statement(env, row.inbox_id, InboxEvent.CONSUME))
+    tx.execute(
+        *inbox_move_statement(env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD)
+    )
     if h.waiting_tool_count - 1 > 0:
         return closing(tx, channel, ReportOutcome("applied"))
     resumed = fence(tx, env, token, HeadEvent.RESUME)
@@ -270,18 +269,20 @@ def apply_report(
     if channel is not None:
         notify(tx, channel)
     rows = tx.last(
-        f"SELECT {CARD_COLS}, seq FROM cards WHERE box_id IN (?, ?)",
-        (h.context_box_id, h.output_box_id),
+        memory.resolve_sql(), memory.resolve_params((h.context_box_id,), (h.output_box_id,))
     )
     now_head = Head(*(stepped if stepped is not None else resumed).rows[0])
     step = StepStart(
         now_head,
         step_id,
         now_head.step_count,
-        *split_turn_cards(rows, now_head.context_box_id, now_head.output_box_id),
+        *memory.split(rows),
     )
     return ReportOutcome("applied", now_running, term, ref, step)
 
+
+#: A box the head of an agent (the parameter) names: ``context_box_id`` or ``output_box_id``.
+_HEAD_BOX = "(SELECT {} FROM agent_state_head WHERE agent_id = ?)"
 
 #: The compare-and-set keywords of a step begun (as ``open_step``'s, under the limit).
 _STEP: dict[str, Any] = {"exprs": {"step_count": "step_count + 1"}}

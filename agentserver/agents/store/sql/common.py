@@ -21,6 +21,11 @@ INBOX_COLS = (
     "payload, reply_ref, failed, retry_count, next_retry_at, defer_reason, created_at"
 )
 CARD_COLS = "card_id, box_id, card_type, content, metadata, created_at"
+#: A consumed inbox row's payload (issue 38: what is written twice is kept once): a Turn's
+#: task is its ``task.input`` card from its lease on, a tool report is its ``tool.result``
+#: card (named by the waiting row), each written before or with the consume; no one reads
+#: a consumed row's payload (a Turn's record falls back to its task card, sql/record.py).
+CONSUMED_PAYLOAD = b""
 
 #: Card types the worker never shows the model (``model_context.card_message`` returns None):
 #: they cost no context tokens.
@@ -162,19 +167,6 @@ def copy_cards(
     return insert_copies(tx, box_id, turn_id, found)
 
 
-def box_cards_raw(tx: Tx, boxes: Sequence[str], skip_type: str) -> list[tuple[Any, ...]]:
-    """The cards of ``boxes`` but those of ``skip_type``, as rows for :func:`insert_copies`:
-    the first box's cards before the second's, each box in its own order."""
-    rows = tx.all(
-        "SELECT card_id, agent_turn_id, card_type, content, metadata, created_at, tokens, "
-        f"box_id, seq FROM cards WHERE box_id IN ({marks(len(boxes))}) AND card_type != ?",
-        (*boxes, skip_type),
-    )
-    order = {b: i for i, b in enumerate(boxes)}
-    rows.sort(key=lambda r: (order[r[7]], r[8]))
-    return rows
-
-
 def insert_copies(
     tx: Tx, box_id: str, turn_id: str | None, rows: Sequence[Sequence[Any]]
 ) -> tuple[int, int]:
@@ -192,30 +184,6 @@ def insert_copies(
 def cards(tx: Tx, box_id: str) -> list[Card]:
     rows = tx.all(f"SELECT {CARD_COLS} FROM cards WHERE box_id = ? ORDER BY seq", (box_id,))
     return [card_row(r) for r in rows]
-
-
-def turn_cards(
-    tx: Tx, context_box: str | None, output_box: str | None
-) -> tuple[tuple[Card, ...], tuple[Card, ...]]:
-    """The cards of a Turn's context and output boxes, each in its order (one SELECT)."""
-    boxes = [b for b in (context_box, output_box) if b]
-    if not boxes:
-        return (), ()
-    rows = tx.all(
-        f"SELECT {CARD_COLS}, seq FROM cards WHERE box_id IN ({marks(len(boxes))})", boxes
-    )
-    return split_turn_cards(rows, context_box, output_box)
-
-
-def split_turn_cards(
-    rows: list[tuple[Any, ...]], context_box: str | None, output_box: str | None
-) -> tuple[tuple[Card, ...], tuple[Card, ...]]:
-    """Rows of ``SELECT {CARD_COLS}, seq`` as (context cards, output cards), in order."""
-    rows.sort(key=lambda r: r[6])
-    return (
-        tuple(card_row(r) for r in rows if r[1] == context_box),
-        tuple(card_row(r) for r in rows if r[1] == output_box),
-    )
 
 
 def card(tx: Tx, card_id: str) -> Card | None:

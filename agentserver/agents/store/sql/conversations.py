@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from agentserver.agents.store.base import Card, CardType, NewCard
 from agentserver.agents.store.sql.common import (
-    box_cards_raw,
-    cards,
     copy_cards,
     edge,
     insert_cards,
     tokens_of,
 )
 from agentserver.agents.store.sql.db import StoreEnv, Tx, insert_rows, new_id
+from agentserver.agents.store.sql.memory import turn_cards
 
 
 def boxes(tx: Tx, agent_id: str, conversation: str) -> tuple[str, str] | None:
@@ -24,13 +22,6 @@ def boxes(tx: Tx, agent_id: str, conversation: str) -> tuple[str, str] | None:
         (agent_id, conversation),
     )
     return (row[0], row[1]) if row else None
-
-
-def earlier_cards(tx: Tx, agent_id: str, conversation: str) -> list[tuple[Any, ...]]:
-    """What a new Turn of ``conversation`` continues from (rows for ``insert_copies``):
-    what its last Turn's model saw, plus that Turn's own cards but its deliverable."""
-    found = boxes(tx, agent_id, conversation)
-    return box_cards_raw(tx, found, CardType.DELIVERABLE) if found else []
 
 
 def save(
@@ -58,8 +49,8 @@ def conversation_cards(tx: Tx, env: StoreEnv, agent_id: str, conversation: str) 
     found = boxes(tx, agent_id, conversation)
     if found is None:
         return []
-    out = cards(tx, found[0]) + cards(tx, found[1])
-    return [c for c in out if c.card_type != CardType.DELIVERABLE]
+    context, output = turn_cards(tx, *found)
+    return [c for c in (*context, *output) if c.card_type != CardType.DELIVERABLE]
 
 
 def conversation_boxes(

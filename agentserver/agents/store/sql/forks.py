@@ -11,8 +11,9 @@ from agentserver.agents.errors import ForkRefused, TurnPruned
 from agentserver.agents.store.base import CardType
 from agentserver.agents.store.sql.common import insert_copies
 from agentserver.agents.store.sql.db import StoreEnv, Tx, insert_rows, new_id
-from agentserver.agents.store.sql.prune import thread_pruned
+from agentserver.agents.store.sql.memory import box_rows, copy_row
 from agentserver.agents.store.sql.record import find_turn
+from agentserver.agents.store.sql.tombstones import thread_pruned
 
 _COPY_COLS = "card_id, agent_turn_id, card_type, content, metadata, created_at, tokens"
 
@@ -54,10 +55,8 @@ def fork(tx: Tx, env: StoreEnv, agent: str, thread: str, at_step: int) -> dict[s
     ) or (None,)
     rows: list[tuple[Any, ...]] = []
     if context_box is not None:
-        rows += tx.all(
-            f"SELECT {_COPY_COLS} FROM cards WHERE box_id = ? AND card_type != ? ORDER BY seq",
-            (context_box, CardType.DELIVERABLE),
-        )
+        # What its model saw: the context box's memory resolved, then its own cards.
+        rows += [copy_row(r) for r in box_rows(tx, context_box) if r[2] != CardType.DELIVERABLE]
     rows += [
         r[:7]
         for r in tx.all(

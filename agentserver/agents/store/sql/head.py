@@ -13,13 +13,12 @@ from typing import Any
 
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.store.base import CardType, Head, NewCard, TurnToken
-from agentserver.agents.store.sql import conversations, fair
+from agentserver.agents.store.sql import fair, memory
 from agentserver.agents.store.sql.common import (
     HEAD_COLS,
     edge,
     inbox_move,
     insert_cards,
-    insert_copies,
     tokens_of,
 )
 from agentserver.agents.store.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
@@ -230,24 +229,26 @@ def lease_with(
     lease's effects (:func:`lease_given`), it moves the head (:data:`HeadEvent.LEASE`)
     and returns the new epoch, or None if the head is busy (then nothing is written)."""
     inbox_id, payload, conversation = row
-    earlier = conversations.earlier_cards(tx, agent_id, conversation) if conversation else []
+    # The conversation's memory is named, not copied (agents/store/sql/memory.py).
+    earlier = memory.conversation_memory(tx, agent_id, conversation) if conversation else None
+    memory_of, memory_out, earlier_tokens = earlier or (None, None, 0)
     task = NewCard(CardType.TASK_INPUT, bytes(payload).decode("utf-8", "replace"))
     task_tokens = tokens_of(env, agent_id, task)
     now = env.clock.now()
     turn_id, context_box, output_box = new_id(), new_id(), new_id()
-    tokens = sum(int(r[6]) for r in earlier) + task_tokens
+    tokens = earlier_tokens + task_tokens
     epoch = take(lease_given(turn_id, inbox_id, context_box, output_box, now, tokens))
     if epoch is None:
         return False
     insert_rows(
         tx,
-        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at)",
+        "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at, memory_of, "
+        "memory_out)",
         [
-            (context_box, agent_id, turn_id, "context", now),
-            (output_box, agent_id, turn_id, "output", now),
+            (context_box, agent_id, turn_id, "context", now, memory_of, memory_out),
+            (output_box, agent_id, turn_id, "output", now, None, None),
         ],
     )
-    insert_copies(tx, context_box, turn_id, earlier)
     insert_cards(tx, env, context_box, turn_id, [(task, task_tokens)])
     inbox_move(
         tx,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from agentserver.agents.ports import ReplyRef
-from agentserver.agents.store.base import EnqueueResult, InboxRow
+from agentserver.agents.store.base import EnqueueResult, InboxRow, caller_key
 from agentserver.agents.store.sql import head
 from agentserver.agents.store.sql.common import INBOX_COLS, edge, inbox_row
 from agentserver.agents.store.sql.db import StoreEnv, Tx, marks, new_id
@@ -55,12 +55,15 @@ def queue(
     ref_json: str,
     conversation: str | None,
 ) -> None:
-    """The Enqueue's queued row and its edge."""
+    """The Enqueue's queued row and its edge. Without a conversation (an agent without
+    memory) the row names its caller (``caller_key``): retention's ``keep-last`` counts
+    such an agent's tasks per caller (agents/store/sql/prune.py)."""
     now = env.clock.now()
+    caller = None if conversation else caller_key(json.loads(ref_json))
     tx.execute(
         "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, payload, "
-        "reply_ref, next_retry_at, created_at, updated_at, conversation) "
-        "VALUES (?,?,?,?,?,?,?,?,?,?)",
+        "reply_ref, next_retry_at, created_at, updated_at, conversation, caller) "
+        "VALUES (?,?,?,?,?,?,?,?,?,?,?)",
         (
             inbox_id,
             agent_id,
@@ -72,6 +75,7 @@ def queue(
             now,
             now,
             conversation,
+            caller,
         ),
     )
     edge(tx, env, agent_id, None, "enqueue", "request", inbox_id=inbox_id)

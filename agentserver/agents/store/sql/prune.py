@@ -18,7 +18,8 @@ so reads of its thread answer "pruned" instead of "not found". Never pruned:
   summary and the recent cards it keeps), and the Turn they belong to;
 - an idempotency record in its window: step log rows of a step with any event younger
   than ``step-log``;
-- the newest ``keep-last`` tasks of each conversation (of each agent without memory).
+- the newest ``keep-last`` tasks of each conversation (for an agent without memory, of
+  each caller: a named client, or the origin of an anonymous chain).
 
 Every batch is bounded by ``limit`` (tasks or rows) and, when a pruner runs it, fenced on
 the pruner's lease (``prune_lease``): a process that lost the lease deletes nothing, so
@@ -32,6 +33,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from agentserver.agents.store.sql import memory
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
 from agentserver.agents.store.states import (
     ApprovalStatus,
@@ -61,6 +63,14 @@ CREATE INDEX agent_inbox_turn ON agent_inbox (agent_turn_id);
 CREATE INDEX agent_inbox_conversation ON agent_inbox (agent_id, conversation, seq);
 CREATE INDEX boxes_turn ON boxes (agent_turn_id);
 CREATE INDEX approvals_turn ON approvals (agent_turn_id);
+"""
+
+#: Schema migration 14 (with sql/memory.py's): the caller of a task of an agent without
+#: memory, which ``keep-last`` counts its tasks by, and the index it counts them with
+#: (partial: the rows of agents with memory, keyed by their conversation, pay nothing).
+CALLER_MIGRATION = """
+ALTER TABLE agent_inbox ADD COLUMN caller TEXT;
+CREATE INDEX agent_inbox_caller ON agent_inbox (agent_id, caller, seq) WHERE caller IS NOT NULL;
 """
 
 #: Rows one batch looks at, at most, by primary key (a window of ``seq`` or ``edge_id``:
@@ -121,7 +131,7 @@ def release_lease(tx: Tx, env: StoreEnv, owner: str) -> None:
     tx.execute("DELETE FROM prune_lease WHERE name = ? AND owner = ?", (LEASE, owner))
 
 
-def _holds(tx: Tx, env: StoreEnv, owner: str | None) -> bool:
+def holds(tx: Tx, env: StoreEnv, owner: str | None) -> bool:
     """The fence of a batch: ``owner`` still holds the lease, now renewed for
     :data:`LEASE_S` (None: unfenced, a dry run). The update locks the lease row, so a
     take-over waits for the batch to commit."""
@@ -156,17 +166,22 @@ def _candidates(
     # is every finished task of the agent, sorted at every batch: the window's primary
     # key range is what bounds the batch (PostgreSQL's planner picks it by itself).
     u = "" if tx.dialect == POSTGRESQL else "+"
+    # The newer tasks of its conversation, or of its caller for an agent without memory
+    # (its rows name their caller, not a conversation): one of the two counts is empty.
     newer = (
-        " AND (SELECT count(*) FROM (SELECT 1 FROM agent_inbox j WHERE j.agent_id = i.agent_id "
-        f"AND j.conversation {same} i.conversation AND j.seq > i.seq "
-        "AND j.message_type = i.message_type LIMIT ?) k) >= ?"
+        " AND (SELECT count(*) FROM (SELECT 1 FROM agent_inbox j WHERE i.caller IS NULL "
+        f"AND j.agent_id = i.agent_id AND j.conversation {same} i.conversation "
+        "AND j.seq > i.seq AND j.message_type = i.message_type LIMIT ?) k) + "
+        "(SELECT count(*) FROM (SELECT 1 FROM agent_inbox j WHERE j.agent_id = i.agent_id "
+        "AND j.caller = i.caller AND j.seq > i.seq AND j.message_type = i.message_type "
+        "LIMIT ?) k2) >= ?"
         if keep
         else ""
     )
     params: list[Any] = [after, upto, agent_id, MessageType.TURN, *FINAL_INBOX, cutoff]
     params += [*FINAL_INBOX, cutoff, cutoff, *OPEN_APPROVALS, ReplyStatus.PENDING]
     if keep:
-        params += [keep, keep]
+        params += [keep, keep, keep]
     params.append(limit)
     return tx.all(
         "SELECT i.seq, i.inbox_id, i.agent_turn_id, i.reply_ref FROM agent_inbox i "
@@ -234,13 +249,19 @@ def _threads(ref_json: Any) -> tuple[str | None, str | None]:
 
 
 def _delete_turn(
-    tx: Tx, now: float, agent_id: str, inbox_id: str, turn: str | None, ref: Any
+    tx: Tx, env: StoreEnv, agent_id: str, inbox_id: str, turn: str | None, ref: Any
 ) -> int:
-    """Delete one finished task and all its Turn left; how many rows went."""
+    """Delete one finished task and all its Turn left; how many rows went (copies made
+    for the Turns whose memory named its boxes count too)."""
+    now = env.clock.now()
     rows = 0
     reply_keys: list[str] = [f"cancel:{inbox_id}"]
     if turn is not None:
         reply_keys.append(turn)
+        # A later Turn whose context box names this Turn's boxes as its memory gets a
+        # copy of it first (sql/memory.py): its record stays whole.
+        boxes = [r[0] for r in tx.all("SELECT box_id FROM boxes WHERE agent_turn_id = ?", (turn,))]
+        rows += memory.release(tx, env, boxes, turn)
         tx.execute(
             "DELETE FROM cards WHERE box_id IN (SELECT box_id FROM boxes WHERE agent_turn_id = ?)",
             (turn,),
@@ -289,7 +310,7 @@ def prune_tasks(
     inbox rows after ``after`` (a window of :data:`SCAN_WINDOW`), each with all its Turn
     left (one transaction; nothing if ``owner`` lost the lease). ``dry_run`` counts them
     (all, in one read) and deletes nothing."""
-    if not _holds(tx, env, owner):
+    if not holds(tx, env, owner):
         return Pruned()
     now = env.clock.now()
     cutoff = now - max_age_s
@@ -309,12 +330,15 @@ def prune_tasks(
     if dry_run:
         return Pruned(tasks=len(found))
     rows = tasks = 0
-    for seq, inbox_id, turn, ref in found:
-        rows += _delete_turn(tx, now, agent_id, str(inbox_id), turn, ref)
+    # Newest first: a conversation's later Turn names the earlier one's boxes as its
+    # memory, so going first it spares the earlier one's deletion a copy of them.
+    for _, inbox_id, turn, ref in reversed(found):
+        rows += _delete_turn(tx, env, agent_id, str(inbox_id), turn, ref)
         tasks += 1
         if rows >= ROW_BUDGET and tasks < len(found):
-            # A batch of big Turns stops early: the next goes on after this task.
-            return Pruned(tasks=tasks, rows=rows, after=int(seq), done=False)
+            # A batch of big Turns stops early: the next looks at the same window
+            # again, where only the older tasks it left are still found.
+            return Pruned(tasks=tasks, rows=rows, after=after, done=False)
     return Pruned(tasks=tasks, rows=rows, after=nxt, done=done)
 
 
@@ -330,7 +354,7 @@ def prune_orphan_boxes(
     """Boxes no task, head or conversation names any more (those of a conversation's
     earlier manual compaction or fork), older than ``max_age_s``, with their cards.
     ``done`` when fewer than ``limit`` were found."""
-    if not _holds(tx, env, owner):
+    if not holds(tx, env, owner):
         return Pruned()
     cutoff = env.clock.now() - max_age_s
     # Such boxes are keyed by a conversation's key, not a Turn: ranges of boxes_turn.
@@ -349,8 +373,10 @@ def prune_orphan_boxes(
         return Pruned(rows=len(found))
     # (done unless the batch was full: the next one looks again)
     ids = [r[0] for r in found]
+    # A Turn whose memory names one of them gets a copy first (sql/memory.py).
+    copied = memory.release(tx, env, ids, None)
     tx.execute(f"DELETE FROM cards WHERE box_id IN ({marks(len(ids))})", ids)
-    rows = tx.rowcount
+    rows = tx.rowcount + copied
     tx.execute(f"DELETE FROM boxes WHERE box_id IN ({marks(len(ids))})", ids)
     return Pruned(rows=rows + tx.rowcount, done=len(found) < limit)
 
@@ -381,7 +407,7 @@ def prune_events(
 ) -> Pruned:
     """Execution edges of ``agent_id`` older than ``max_age_s`` (never an active Turn's),
     among those after ``after`` (a window of :data:`SCAN_WINDOW`)."""
-    if not _holds(tx, env, owner):
+    if not holds(tx, env, owner):
         return Pruned()
     cutoff = env.clock.now() - max_age_s
     upto = DRY_WINDOW if dry_run else after + SCAN_WINDOW
@@ -415,7 +441,7 @@ def prune_replies(
 ) -> Pruned:
     """Outbox replies delivered (or given up) more than ``max_age_s`` ago. A ``pending``
     reply is never one of them."""
-    if not _holds(tx, env, owner):
+    if not holds(tx, env, owner):
         return Pruned()
     got = _delete_or_count(
         tx,
@@ -441,7 +467,7 @@ def prune_step_log(
 ) -> Pruned:
     """Step log rows of steps with no event in the last ``max_age_s`` (a step's record,
     its idempotency key's, stays whole while any of its events is in the window)."""
-    if not _holds(tx, env, owner):
+    if not holds(tx, env, owner):
         return Pruned()
     cutoff = env.clock.now() - max_age_s
     upto = DRY_WINDOW if dry_run else after + SCAN_WINDOW
@@ -460,15 +486,3 @@ def prune_step_log(
     if found:
         tx.execute(f"DELETE FROM step_log WHERE seq IN ({marks(len(found))})", found)
     return Pruned(rows=len(found), after=nxt, done=done)
-
-
-# -- reads -----------------------------------------------------------------------------
-
-
-def thread_pruned(tx: Tx, agent_id: str, thread: str) -> bool:
-    """Whether a Turn of ``agent_id`` on ``thread`` (caller thread or hop) was pruned."""
-    row = tx.one(
-        "SELECT 1 FROM pruned_turns WHERE agent_id = ? AND (caller_thread = ? OR hop = ?) LIMIT 1",
-        (agent_id, thread, thread),
-    )
-    return row is not None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from agentserver.agents.errors import StoreError
 from agentserver.agents.store import outbox, step_log
-from agentserver.agents.store.sql import a2a, a2a_push, fair, prune
+from agentserver.agents.store.sql import a2a, a2a_push, fair, memory, prune, tombstones
 from agentserver.agents.store.sql import budgets as budget_sql
 from agentserver.agents.store.sql.db import POSTGRESQL, SQLITE, Tx
 
@@ -262,6 +262,11 @@ CREATE TABLE schedule_runs (
     12: budget_sql.OVERRIDES_MIGRATION,
     # Issue 35/36: A2A push notifications delivered from the webhooks' outbox.
     13: a2a_push.OUTBOX_MIGRATION,
+    # Issue 38: a new Turn names its conversation's memory instead of copying it
+    # (agents/store/sql/memory.py); a task of an agent without memory names its caller,
+    # whom keep-last counts its tasks by (agents/store/sql/prune.py); tombstones are
+    # pruned by age (agents/store/sql/tombstones.py).
+    14: memory.MIGRATION + prune.CALLER_MIGRATION + tombstones.MIGRATION,
 }
 #: The newest schema version: migrations are numbered 1..N without gaps.
 SCHEMA_VERSION = max(MIGRATIONS)

@@ -17,6 +17,7 @@ from agentserver.agents.store.base import (
 )
 from agentserver.agents.store.sql import head
 from agentserver.agents.store.sql.common import (
+    CONSUMED_PAYLOAD,
     edge,
     inbox_move,
     insert_cards,
@@ -191,7 +192,7 @@ def apply_report(
         return ReportOutcome("stale")
     (card_id,) = insert_cards(tx, env, str(h.output_box_id), turn_id, [(result, tokens)])
     tx.execute(*received_statement(row, card_id, now))
-    inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME)
+    inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD)
     if h.waiting_tool_count > 0:
         return ReportOutcome("applied")
     resumed = head.fence(tx, env, token, HeadEvent.RESUME)

@@ -19,14 +19,15 @@ from agentserver.agents.store.base import (
 )
 from agentserver.agents.store.sql import head
 from agentserver.agents.store.sql.common import (
+    CONSUMED_PAYLOAD,
     edge,
     inbox_move,
     insert_cards,
     insert_copies,
     tokens_of,
-    turn_cards,
 )
 from agentserver.agents.store.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
+from agentserver.agents.store.sql.memory import turn_cards
 from agentserver.agents.store.states import (
     AgentStepStatus,
     HeadEvent,
@@ -43,7 +44,7 @@ def start_turn(tx: Tx, env: StoreEnv, row: InboxRow) -> TurnToken:
     if token is None:
         raise StaleTurn(f"inbox {row.inbox_id} carries no Turn")
     head.fence(tx, env, token, HeadEvent.START)
-    if not inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME):
+    if not inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD):
         raise StaleTurn(f"inbox {row.inbox_id} is no longer processing")
     edge(tx, env, token.agent_id, token.agent_turn_id, "start", "request", inbox_id=row.inbox_id)
     return token
@@ -122,7 +123,7 @@ def start_turn_step(tx: Tx, env: StoreEnv, row: InboxRow, max_steps: int) -> Ste
         # Nothing was written: fenced out (start_turn raises) or at the step limit.
         start_turn(tx, env, row)
         return open_step(tx, env, token, max_steps)
-    if not inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME):
+    if not inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD):
         raise StaleTurn(f"inbox {row.inbox_id} is no longer processing")
     edge(tx, env, token.agent_id, token.agent_turn_id, "start", "request", inbox_id=row.inbox_id)
     step_id = _insert_step(tx, env, token, h.step_count)

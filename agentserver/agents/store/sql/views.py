@@ -16,7 +16,8 @@ from typing import Any
 
 from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
-from agentserver.agents.store.sql.prune import thread_pruned
+from agentserver.agents.store.sql.memory import turn_memory
+from agentserver.agents.store.sql.tombstones import thread_pruned
 from agentserver.agents.store.states import ApprovalStatus, InboxStatus, MessageType
 
 #: Characters of a failed Turn's deliverable shown as an agent's last error.
@@ -198,6 +199,10 @@ def turn_log(tx: Tx, env: StoreEnv, turn: str) -> dict[str, Any]:
         "WHERE agent_turn_id = ? ORDER BY seq DESC LIMIT ?",
         (turn, TURN_LOG_CARDS),
     )
+    if len(cards) < TURN_LOG_CARDS:
+        # Room left: the newest of the memory its context box named (sql/memory.py).
+        memory = [(m[6], m[2], m[3], m[4], m[5]) for m in turn_memory(tx, turn)]
+        cards += list(reversed(memory))[: TURN_LOG_CARDS - len(cards)]
     decisions = tx.all(
         "SELECT target, payload_tag, decision, rule, reason, at FROM policy_decisions "
         "WHERE agent_turn_id = ? ORDER BY seq",
