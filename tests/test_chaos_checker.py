@@ -122,3 +122,196 @@ def test_the_schedules_checker_finds_each_violation():
     stuck = [Run("s", 1005, "fired", "consumed", True), *ok[1:]]
     assert check_runs([s], stuck, now=1040)[1] == []  # young: may still run
     assert any("never ended" in v for v in check_runs([s], stuck, now=2000)[1])
+
+
+# -- double texting (docs/runs.md): chaos_check.double_text_violations, repeated_effects
+
+BUSY = "the conversation is busy: an earlier task of it is queued or running"
+INTERRUPTED = "interrupted: a newer task of this conversation runs next"
+ROLLED_BACK = "rolled back: a newer task of this conversation runs next"
+SUPERSEDED = "superseded: a newer task of this conversation runs instead"
+
+
+def dt_check(ledger: Ledger, ran: dict | None = None, seen=(), effects=()):
+    taken = set(ledger.attempts)
+    return check(
+        ledger,
+        taken,
+        expected,
+        memory_agents={"alpha"},
+        ran=ran,
+        model_nonces=set(seen),
+        effects=effects,
+    )
+
+
+def test_double_text_answers_that_fit_their_modes_are_clean():
+    ledger = Ledger()
+    ledger.sent("c0", "a", "na", "alpha")
+    ledger.sent("c0", "b", "nb", "alpha", "interrupt", racing=True)  # ends a's Turn
+    ledger.sent("c0", "c", "nc", "alpha", "reject", racing=True)  # b still runs
+    ledger.sent("c0", "d", "nd", "alpha", "enqueue", racing=True)  # queued behind b
+    ledger.sent("c0", "e", "ne", "alpha", "rollback", racing=True)  # b rolled back, d too
+    ledger.sent("c1", "f", "nf", "beta", "reject", racing=True)  # no memory: runs
+    ledger.answered("c0", "a", INTERRUPTED, failed=True)
+    ledger.answered("c0", "c", BUSY, failed=True)
+    ledger.answered("c0", "b", ROLLED_BACK, failed=True)
+    ledger.answered("c0", "d", SUPERSEDED, failed=True)
+    ledger.answered("c0", "e", good("ne"), failed=False)
+    ledger.answered("c1", "f", good("nf"), failed=False)
+    ran = {"a": True, "b": True, "c": False, "d": False, "e": True, "f": True}
+    effects = [("stamp", "na", "s1.0"), ("relay", "na", "s1.1"), ("relay", "na", "s1.1")]
+    verdict = dt_check(ledger, ran, seen={"na", "nb", "ne", "nf"}, effects=effects)
+    assert verdict.ok, verdict.violations
+    c = verdict.counts
+    assert (c["rejected_busy"], c["interrupted"], c["rolled_back"], c["superseded"]) == (1, 1, 1, 1)
+    assert c["double_texts"] == 4 and c["multitask_sent"] == 5
+    assert c["double_texts_by_mode"] == {"enqueue": 1, "interrupt": 1, "reject": 1, "rollback": 1}
+    assert c["failed_by_reason"] == {"busy": 1, "interrupted": 1, "rolled_back": 1, "superseded": 1}
+    assert (c["tool_effects"], c["idempotent_repeats"], c["effects_of_ended_turns"]) == (3, 1, 3)
+
+
+def test_each_double_text_violation_is_found():
+    def one(setup, ran=None, seen=(), effects=()):
+        ledger = Ledger()
+        setup(ledger)
+        return dt_check(ledger, ran, seen, effects).violations
+
+    def busy_without_reject(ledger):
+        ledger.sent("c0", "a", "na", "alpha")
+        ledger.sent("c0", "b", "nb", "alpha", "interrupt", racing=True)
+        ledger.answered("c0", "a", good("na"), failed=False)
+        ledger.answered("c0", "b", BUSY, failed=True)
+
+    def interrupted_by_nobody(ledger):
+        ledger.sent("c0", "a", "na", "alpha")
+        ledger.sent("c0", "b", "nb", "alpha", "rollback", racing=True)
+        ledger.answered("c0", "a", INTERRUPTED, failed=True)  # rollback asked, not interrupt
+        ledger.answered("c0", "b", good("nb"), failed=False)
+
+    def interrupted_by_an_earlier_task(ledger):
+        ledger.sent("c0", "b", "nb", "alpha", "interrupt")
+        ledger.sent("c0", "a", "na", "alpha", racing=True)
+        ledger.answered("c0", "a", INTERRUPTED, failed=True)
+        ledger.answered("c0", "b", good("nb"), failed=False)
+
+    def rolled_back_by_another_client(ledger):
+        ledger.sent("c0", "a", "na", "alpha")
+        ledger.sent("c1", "b", "nb", "alpha", "rollback")
+        ledger.answered("c0", "a", ROLLED_BACK, failed=True)
+        ledger.answered("c1", "b", good("nb"), failed=False)
+
+    def superseded_by_enqueue(ledger):
+        ledger.sent("c0", "a", "na", "alpha")
+        ledger.sent("c0", "b", "nb", "alpha", "enqueue", racing=True)
+        ledger.answered("c0", "a", SUPERSEDED, failed=True)
+        ledger.answered("c0", "b", good("nb"), failed=False)
+
+    def busy_without_memory(ledger):
+        ledger.sent("c0", "a", "na", "beta")
+        ledger.sent("c0", "b", "nb", "beta", "reject", racing=True)
+        ledger.answered("c0", "a", good("na"), failed=False)
+        ledger.answered("c0", "b", BUSY, failed=True)
+
+    def rejected(ledger):
+        ledger.sent("c0", "a", "na", "alpha")
+        ledger.sent("c0", "b", "nb", "alpha", "reject", racing=True)
+        ledger.answered("c0", "a", good("na"), failed=False)
+        ledger.answered("c0", "b", BUSY, failed=True)
+
+    def interrupted(ledger):
+        ledger.sent("c0", "a", "na", "alpha")
+        ledger.sent("c0", "b", "nb", "alpha", "interrupt", racing=True)
+        ledger.answered("c0", "a", INTERRUPTED, failed=True)
+        ledger.answered("c0", "b", good("nb"), failed=False)
+
+    for setup, words in [
+        (busy_without_reject, "busy answer to a task sent with interrupt"),
+        (interrupted_by_nobody, "no later task asked to interrupt"),
+        (interrupted_by_an_earlier_task, "no later task asked to interrupt"),
+        (rolled_back_by_another_client, "no later task asked to roll back"),
+        (superseded_by_enqueue, "no later interrupt or rollback"),
+        (busy_without_memory, "agent without memory"),
+    ]:
+        found = one(setup)
+        assert len(found) == 1 and words in found[0], (setup.__name__, found)
+    assert one(rejected) == [] and one(interrupted) == []
+    assert "the store gave it a Turn" in one(rejected, ran={"b": True})[0]
+    assert "the model was asked" in one(rejected, seen={"nb"})[0]
+    assert "never had a Turn" in one(interrupted, ran={"a": False, "b": True})[0]
+    repeated = one(rejected, effects=[("pay", "na", "req1"), ("pay", "na", "req1")])
+    assert repeated == ["tool effect repeated: pay call req1 ran 2 times"]
+    assert one(rejected, effects=[("stamp", "na", ""), ("stamp", "na", "")]) == []  # no key
+
+
+@st.composite
+def conversations(draw):
+    """Tasks of clients to the memory agent, with modes, and what a correct server does:
+    per client the unanswered tasks in order (the first one's Turn running, or queued
+    when ``running`` says not), answered as each mode says."""
+    ledger = Ledger()
+    truth = {"busy": 0, "interrupted": 0, "rolled_back": 0, "superseded": 0, "double": 0}
+    ran: dict[str, bool] = {}
+    active: dict[str, list[str]] = {}
+    steps = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["c0", "c1"]),
+                st.sampled_from([None, "enqueue", "reject", "interrupt", "rollback", "finish"]),
+                st.booleans(),
+            ),
+            max_size=30,
+        )
+    )
+    for i, (client, mode, running) in enumerate(steps):
+        mine = active.setdefault(client, [])
+        if mode == "finish":
+            if mine:
+                thread = mine.pop(0)
+                ran[thread] = True
+                ledger.answered(client, thread, good(f"n{thread}"), failed=False)
+            continue
+        thread = f"t{i}"
+        ledger.sent(client, thread, f"n{thread}", "alpha", mode, racing=bool(mine))
+        if mine and mode is not None:
+            truth["double"] += 1
+        if not mine or mode in (None, "enqueue"):
+            mine.append(thread)
+            continue
+        if mode == "reject":
+            truth["busy"] += 1
+            ran[thread] = False
+            ledger.answered(client, thread, BUSY, failed=True)
+            continue
+        for j, earlier in enumerate(mine):
+            if j == 0 and running:
+                reason = "interrupted" if mode == "interrupt" else "rolled_back"
+                text = INTERRUPTED if mode == "interrupt" else ROLLED_BACK
+            else:
+                reason, text = "superseded", SUPERSEDED
+            truth[reason] += 1
+            ran[earlier] = reason != "superseded"
+            ledger.answered(client, earlier, text, failed=True)
+        mine[:] = [thread]
+    for client, mine in active.items():
+        for thread in mine:
+            ran[thread] = True
+            ledger.answered(client, thread, good(f"n{thread}"), failed=False)
+    return ledger, ran, truth
+
+
+@given(conversations())
+def test_a_correct_servers_double_texts_pass_and_are_counted(drawn):
+    ledger, ran, truth = drawn
+    seen = {a.nonce for a in ledger.attempts.values() if ran.get(a.thread)}
+    verdict = dt_check(ledger, ran, seen)
+    assert verdict.ok, verdict.violations
+    c = verdict.counts
+    assert c["double_texts"] == truth["double"]
+    assert (c["rejected_busy"], c["interrupted"], c["rolled_back"], c["superseded"]) == (
+        truth["busy"],
+        truth["interrupted"],
+        truth["rolled_back"],
+        truth["superseded"],
+    )
+    assert c["answered_once"] == len(ledger.attempts)
