@@ -33,7 +33,7 @@ from agentserver.core.envelope import MULTITASK, build_envelope
 from agentserver.core.framing import FrameDecoder, encode_frame
 from agentserver.core.handshake import hello_frame_body
 from agentserver.core.xmlsafe import SafeParser
-from agentserver.net.client import ClientError, approval_request, open_client
+from agentserver.net.client import Client, ClientError, approval_request, open_client
 from agentserver.net.reply import DeliveredIds, Reply, parse_reply
 
 TOKEN = "chaos-token"
@@ -106,6 +106,8 @@ class TaskClient:
         self.sent_on: dict[str, list] = {}
         #: Attempts the store showed taken (that never changes).
         self.known_taken: set[str] = set()
+        #: The open connection of a client with acks (tasks go through its ``send``).
+        self._client: Client | None = None
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -163,14 +165,16 @@ class TaskClient:
         nonce, agent = like.nonce, like.agent
         thread = str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
         task = TASK_TYPES[agent](text=f"Please handle NONCE[{nonce}] with your tools.")
-        envelope = build_envelope(self.name, agent, thread, task.to_xml_tree())
-        if like.multitask is not None:
-            # As Client.send(multitask=...) does, for both kinds of client.
-            envelope.set(MULTITASK, like.multitask)
-        body = etree.tostring(envelope)
         self.ledger.sent(self.name, thread, nonce, agent, like.multitask, like.racing)
         self.sent_on[thread] = [slot, slot.generation, None]
-        await send(body)
+        if self._client is not None:
+            # With acks: agentserver.client's own way to ask for a mode.
+            await self._client.send(task, to=agent, thread=thread, multitask=like.multitask)
+            return
+        envelope = build_envelope(self.name, agent, thread, task.to_xml_tree())
+        if like.multitask is not None:
+            envelope.set(MULTITASK, like.multitask)  # by hand: the envelope's attribute
+        await send(etree.tostring(envelope))
 
     async def _resend(self, send, slot: ServerSlot) -> None:
         """docs/deploy.md: a task still in a killed server's socket was never accepted and
@@ -204,7 +208,11 @@ class TaskClient:
                         self._hand(await client.receive())
 
                 nursery.start_soon(receive)
-                await self._life(slot, client.send_raw)
+                self._client = client
+                try:
+                    await self._life(slot, client.send_raw)
+                finally:
+                    self._client = None
                 nursery.cancel_scope.cancel()
             self.switches.count("ack_duplicates_dropped", client.duplicates)
 
