@@ -262,7 +262,7 @@ async def chaos(args: argparse.Namespace) -> int:
                 taken,
                 expected_proofs(seed),
                 memory_agents={MEMORY_AGENT},
-                ran=await oracle.ran(),
+                rows=await oracle.rows(),
                 model_nonces=model.nonces_seen,
                 effects=read_effects(env[EFFECTS_ENV]),
             )

@@ -14,7 +14,7 @@ sys.path.append(
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "support")
 )
 
-from chaos_check import Ledger, check, failure_reason
+from chaos_check import Ledger, TaskRow, check, failure_reason
 
 
 def expected(nonce: str, text: str) -> list[list[str]]:
@@ -132,14 +132,22 @@ ROLLED_BACK = "rolled back: a newer task of this conversation runs next"
 SUPERSEDED = "superseded: a newer task of this conversation runs instead"
 
 
-def dt_check(ledger: Ledger, ran: dict | None = None, seen=(), effects=()):
+def dt_check(ledger: Ledger, ran: dict | None = None, seen=(), effects=(), times=None):
+    """check() with the store's rows: in send order, ``ran`` as given, each task's answer
+    written when ``times`` says (thread -> (arrived, ended)), else at once."""
     taken = set(ledger.attempts)
+    rows = None
+    if ran is not None or times is not None:
+        rows = {}
+        for i, thread in enumerate(ledger.attempts):
+            arrived, ended = (times or {}).get(thread, (float(i), float(i)))
+            rows[thread] = TaskRow(i, arrived, bool((ran or {}).get(thread)), ended)
     return check(
         ledger,
         taken,
         expected,
         memory_agents={"alpha"},
-        ran=ran,
+        rows=rows,
         model_nonces=set(seen),
         effects=effects,
     )
@@ -172,10 +180,10 @@ def test_double_text_answers_that_fit_their_modes_are_clean():
 
 
 def test_each_double_text_violation_is_found():
-    def one(setup, ran=None, seen=(), effects=()):
+    def one(setup, ran=None, seen=(), effects=(), times=None):
         ledger = Ledger()
         setup(ledger)
-        return dt_check(ledger, ran, seen, effects).violations
+        return dt_check(ledger, ran, seen, effects, times).violations
 
     def busy_without_reject(ledger):
         ledger.sent("c0", "a", "na", "alpha")
@@ -239,20 +247,42 @@ def test_each_double_text_violation_is_found():
     assert "the store gave it a Turn" in one(rejected, ran={"b": True})[0]
     assert "the model was asked" in one(rejected, seen={"nb"})[0]
     assert "never had a Turn" in one(interrupted, ran={"a": False, "b": True})[0]
+
+    def not_interrupted(ledger):
+        ledger.sent("c0", "a", "na", "alpha")
+        ledger.sent("c0", "b", "nb", "alpha", "interrupt", racing=True)
+        ledger.answered("c0", "a", good("na"), failed=False)
+        ledger.answered("c0", "b", good("nb"), failed=False)
+
+    ran = {"a": True, "b": True}
+    # a's answer written before b arrived (it had ended): fine; 3 s after: left open
+    assert one(not_interrupted, ran, times={"a": (0.0, 4.9), "b": (5.0, 9.0)}) == []
+    assert one(not_interrupted, ran, times={"a": (0.0, 5.2), "b": (5.0, 9.0)}) == []  # slack
+    late = one(not_interrupted, ran, times={"a": (0.0, 8.0), "b": (5.0, 9.0)})
+    assert len(late) == 1 and "left a (na) of c0 alpha open: it ended 3.00 s later" in late[0]
     repeated = one(rejected, effects=[("pay", "na", "req1"), ("pay", "na", "req1")])
     assert repeated == ["tool effect repeated: pay call req1 ran 2 times"]
     assert one(rejected, effects=[("stamp", "na", ""), ("stamp", "na", "")]) == []  # no key
 
 
 @st.composite
-def conversations(draw):
+def conversations(draw, leave_queued: bool = False):
     """Tasks of clients to the memory agent, with modes, and what a correct server does:
     per client the unanswered tasks in order (the first one's Turn running, or queued
-    when ``running`` says not), answered as each mode says."""
+    when ``running`` says not), answered as each mode says; step ``i`` is time ``i``.
+    ``leave_queued``: the server is wrong, an interrupt or a rollback leaves the queued
+    earlier tasks of the conversation queued (they run later, answered on their own)."""
     ledger = Ledger()
     truth = {"busy": 0, "interrupted": 0, "rolled_back": 0, "superseded": 0, "double": 0}
+    left_ever: set[str] = set()
     ran: dict[str, bool] = {}
+    times: dict[str, tuple[float, float]] = {}
     active: dict[str, list[str]] = {}
+
+    def answer(client: str, thread: str, text: str, failed: bool, at: int) -> None:
+        ledger.answered(client, thread, text, failed=failed)
+        times[thread] = (times[thread][0], float(at))
+
     steps = draw(
         st.lists(
             st.tuples(
@@ -263,16 +293,18 @@ def conversations(draw):
             max_size=30,
         )
     )
+    i = 0
     for i, (client, mode, running) in enumerate(steps):
         mine = active.setdefault(client, [])
         if mode == "finish":
             if mine:
                 thread = mine.pop(0)
                 ran[thread] = True
-                ledger.answered(client, thread, good(f"n{thread}"), failed=False)
+                answer(client, thread, good(f"n{thread}"), False, i)
             continue
         thread = f"t{i}"
         ledger.sent(client, thread, f"n{thread}", "alpha", mode, racing=bool(mine))
+        times[thread] = (float(i), float(i))
         if mine and mode is not None:
             truth["double"] += 1
         if not mine or mode in (None, "enqueue"):
@@ -281,30 +313,37 @@ def conversations(draw):
         if mode == "reject":
             truth["busy"] += 1
             ran[thread] = False
-            ledger.answered(client, thread, BUSY, failed=True)
+            answer(client, thread, BUSY, True, i)
             continue
+        left = []
         for j, earlier in enumerate(mine):
             if j == 0 and running:
                 reason = "interrupted" if mode == "interrupt" else "rolled_back"
                 text = INTERRUPTED if mode == "interrupt" else ROLLED_BACK
+            elif leave_queued:
+                left.append(earlier)
+                continue
             else:
                 reason, text = "superseded", SUPERSEDED
             truth[reason] += 1
             ran[earlier] = reason != "superseded"
-            ledger.answered(client, earlier, text, failed=True)
-        mine[:] = [thread]
+            answer(client, earlier, text, True, i)
+        left_ever.update(left)
+        mine[:] = [*left, thread]
     for client, mine in active.items():
         for thread in mine:
             ran[thread] = True
-            ledger.answered(client, thread, good(f"n{thread}"), failed=False)
-    return ledger, ran, truth
+            answer(client, thread, good(f"n{thread}"), False, i + 1)
+    # Left once and then answered on their own (a later double text may have ended them).
+    truth["left"] = sum(1 for a in ledger.answers if a.thread in left_ever and not a.failed)
+    return ledger, ran, truth, times
 
 
 @given(conversations())
 def test_a_correct_servers_double_texts_pass_and_are_counted(drawn):
-    ledger, ran, truth = drawn
+    ledger, ran, truth, times = drawn
     seen = {a.nonce for a in ledger.attempts.values() if ran.get(a.thread)}
-    verdict = dt_check(ledger, ran, seen)
+    verdict = dt_check(ledger, ran, seen, times=times)
     assert verdict.ok, verdict.violations
     c = verdict.counts
     assert c["double_texts"] == truth["double"]
@@ -315,3 +354,29 @@ def test_a_correct_servers_double_texts_pass_and_are_counted(drawn):
         truth["superseded"],
     )
     assert c["answered_once"] == len(ledger.attempts)
+
+
+def test_the_clients_double_texts_stay_bounded_and_seeded():
+    import random
+
+    from chaos_multitask import MEMORY_AGENT, MODES, next_task
+
+    agents = ("alpha", "beta", "gamma")
+    draws = [next_task(random.Random(5), ["alpha"], 3, agents) for _ in range(2)]
+    assert draws[0] == draws[1]  # from the seed only
+    rng = random.Random(1)
+    seen = [next_task(rng, [MEMORY_AGENT] * 3, 3, agents) for _ in range(200)]
+    doubles = [t for t in seen if t is not None]
+    assert doubles and all(t.agent == MEMORY_AGENT and t.racing for t in doubles)
+    assert {t.multitask for t in doubles} == set(MODES)
+    assert all(next_task(rng, [MEMORY_AGENT] * 4, 3, agents) is None for _ in range(50))
+    assert all(next_task(rng, ["beta"] * 3, 3, agents) is None for _ in range(50))
+
+
+@given(conversations(leave_queued=True))
+def test_an_interrupt_that_leaves_a_queued_task_is_found(drawn):
+    ledger, ran, truth, times = drawn
+    seen = {a.nonce for a in ledger.attempts.values() if ran.get(a.thread)}
+    verdict = dt_check(ledger, ran, seen, times=times)
+    left = [v for v in verdict.violations if " open: it ended " in v]
+    assert bool(left) == (truth["left"] > 0), (truth, verdict.violations)

@@ -56,6 +56,24 @@ DOUBLE_TEXT_REASONS = ("busy", "interrupted", "rolled_back", "superseded")
 ONCE_ONLY_TOOLS = ("stamp", "pay")
 #: One tool effect, as the tools log it: (tool, nonce, the call's idempotency key).
 Effect = tuple[str, str, str]
+#: Seconds an earlier task may seem to end after a double text arrived and still have
+#: ended before it: both times are the wall clock of one host, each taken inside its
+#: transaction (an end's before its commit, an arrival's after its reads).
+CLOCK_SLACK_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRow:
+    """What the store shows of one task (its inbox row), read after the run."""
+
+    #: The row's place in the inbox (the order the server took the tasks in).
+    seq: int
+    #: When the task's row was written (its transaction, after it read the head).
+    created_at: float
+    #: The head ever leased it a Turn.
+    ran: bool
+    #: When its answer was written (its first reply row; None: none).
+    ended_at: float | None
 
 
 def failure_reason(text: str) -> str:
@@ -152,7 +170,7 @@ def check(
     max_listed: int = 20,
     *,
     memory_agents: Collection[str] = (),
-    ran: Mapping[str, bool] | None = None,
+    rows: Mapping[str, TaskRow] | None = None,
     model_nonces: Collection[str] | None = None,
     effects: Iterable[Effect] = (),
 ) -> Verdict:
@@ -160,8 +178,8 @@ def check(
     ``expected(nonce, text)``: the alternatives of proofs a successful answer for
     ``nonce`` must carry (one list must be wholly in it). For double texting
     (:func:`double_text_violations`): ``memory_agents``, the agents keeping a
-    conversation per client; ``ran``, per thread whose inbox row the store still has,
-    whether its task was ever given a Turn (None: unknown); ``model_nonces``, the nonces
+    conversation per client; ``rows``, per thread whose inbox row the store still has,
+    what it shows (None: unknown); ``model_nonces``, the nonces
     the model was asked about (None: unknown); ``effects``, the tools' effect log."""
     by_thread: dict[str, list[Answer]] = {}
     violations: list[str] = []
@@ -207,7 +225,7 @@ def check(
             wrong_content += 1
             violations.append(f"wrong content on {thread} ({attempt.nonce}): {first.text[:300]}")
     dt_counts, dt_violations = double_text_violations(
-        ledger, by_thread, taken, memory_agents, ran, model_nonces
+        ledger, by_thread, taken, memory_agents, rows, model_nonces
     )
     violations.extend(dt_violations)
     fx_counts, fx_violations = repeated_effects(effects, ledger, by_thread)
@@ -249,7 +267,7 @@ def double_text_violations(
     answers: Mapping[str, list[Answer]],
     taken: Collection[str],
     memory_agents: Collection[str],
-    ran: Mapping[str, bool] | None,
+    rows: Mapping[str, TaskRow] | None,
     model_nonces: Collection[str] | None,
 ) -> tuple[dict[str, object], list[str]]:
     """The promises of double texting (docs/runs.md) over the answers the clients were
@@ -264,7 +282,11 @@ def double_text_violations(
     ran a Turn: the store gave it none (``ran``) and the model was never asked about its
     nonce (``model_nonces``; unless another attempt of the nonce got an answer of its own,
     a resend the oracle raced). That each of these tasks, and the task that interrupted,
-    got exactly one answer is :func:`check`'s rule for every task."""
+    got exactly one answer is :func:`check`'s rule for every task.
+
+    And what an interrupt or a rollback must do: every earlier task of its conversation
+    (the store's order) still open when it arrived is ended by it (interrupted, rolled
+    back or superseded), not left to end later on its own (:func:`_left_running`)."""
     violations: list[str] = []
     by_mode: Counter = Counter()
     outcomes: Counter = Counter()
@@ -302,7 +324,8 @@ def double_text_violations(
                 violations.append(f"rolled back, no later task asked to roll back: {where}")
             elif reason == "superseded" and not later & {"interrupt", "rollback"}:
                 violations.append(f"superseded, no later interrupt or rollback: {where}")
-            turn = None if ran is None else ran.get(attempt.thread)
+            row = None if rows is None else rows.get(attempt.thread)
+            turn = None if row is None else row.ran
             if reason in ("busy", "superseded"):
                 if turn:
                     violations.append(f"{reason}, yet the store gave it a Turn: {where}")
@@ -311,6 +334,10 @@ def double_text_violations(
                         violations.append(f"{reason}, yet the model was asked: {where}")
             elif turn is False:
                 violations.append(f"{reason}, yet it never had a Turn: {where}")
+    if rows is not None:
+        for (_, agent), sent in order.items():
+            if agent in memory_agents:
+                violations.extend(_left_running(sent, answers, taken, rows))
     counts: dict[str, object] = {
         "multitask_sent": sent_with_mode,
         "double_texts": sum(by_mode.values()),
@@ -321,6 +348,39 @@ def double_text_violations(
         "superseded": outcomes["superseded"],
     }
     return counts, violations
+
+
+def _left_running(
+    sent: list[Attempt],
+    answers: Mapping[str, list[Answer]],
+    taken: Collection[str],
+    rows: Mapping[str, TaskRow],
+) -> list[str]:
+    """One conversation's tasks (``sent``): an interrupt or a rollback that left an
+    earlier task of it open. The earlier task's answer was written after the double text
+    arrived (by more than :data:`CLOCK_SLACK_S`), so it was open then, yet no double text
+    ended it (its answer is its own)."""
+    found: list[str] = []
+    known = [a for a in sent if a.thread in taken and a.thread in rows]
+    for newer in known:
+        if newer.multitask not in ("interrupt", "rollback"):
+            continue
+        if _first_reason(answers, newer.thread) == "busy":
+            continue
+        arrived = rows[newer.thread]
+        for older in known:
+            row = rows[older.thread]
+            if row.seq >= arrived.seq or row.ended_at is None:
+                continue
+            if _first_reason(answers, older.thread) in DOUBLE_TEXT_REASONS:
+                continue
+            late = row.ended_at - arrived.created_at
+            if late > CLOCK_SLACK_S:
+                found.append(
+                    f"{newer.multitask} {newer.thread} left {older.thread} ({older.nonce}) "
+                    f"of {older.client} {older.agent} open: it ended {late:.2f} s later"
+                )
+    return found
 
 
 def repeated_effects(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import trio
 from chaos_check import Attempt, Ledger
-from chaos_multitask import next_task
+from chaos_multitask import hurry, next_task
 from chaos_procs import ServerSlot
 from chaos_tools import AGENTS, TASK_TYPES
 from lxml import etree
@@ -155,6 +155,8 @@ class TaskClient:
                         self.switches.count("multitask_sent")
                     like = Attempt(self.name, "", nonce, task.agent, task.multitask, task.racing)
                     await self._send_task(send, slot, like)
+                    if hurry(self.rng, task):
+                        continue
                 with trio.move_on_after(self.rng.uniform(0.2, 1.5)):
                     await self.leave_now.wait()
         if self.switches.faults:

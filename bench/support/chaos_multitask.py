@@ -26,7 +26,10 @@ MEMORY_AGENT = "alpha"
 #: The modes a double text asks for (``enqueue`` too: the default, said out loud).
 MODES = ("reject", "interrupt", "rollback", "enqueue")
 #: Per turn of a client's loop with a task to :data:`MEMORY_AGENT` open: a double text.
-DOUBLE_TEXT_CHANCE = 0.15
+DOUBLE_TEXT_CHANCE = 0.3
+#: After a task to :data:`MEMORY_AGENT`: the client's loop turns again at once, so the
+#: next may double-text it within milliseconds (while it is still queued, or being leased).
+HURRY_CHANCE = 0.25
 #: Per new task otherwise: a ``multitask`` override anyway.
 STRAY_MODE_CHANCE = 0.08
 
@@ -54,3 +57,8 @@ def next_task(
     agent = rng.choice(agents)
     mode = rng.choice(MODES) if rng.random() < STRAY_MODE_CHANCE else None
     return NextTask(agent, mode, agent in open_agents)
+
+
+def hurry(rng: random.Random, sent: NextTask | None) -> bool:
+    """Whether the client's loop turns again at once after sending ``sent``."""
+    return sent is not None and sent.agent == MEMORY_AGENT and rng.random() < HURRY_CHANCE

@@ -12,12 +12,21 @@ import re
 import sqlite3
 
 import trio
+from chaos_check import TaskRow
 from chaos_retention import PRUNED_QUERY
 
 _TAKEN = "SELECT reply_ref FROM agent_inbox WHERE message_type = 'turn'"
-#: A task's row names its Turn once the head leased it; a rejected or superseded task's
-#: row never does (agents/store/sql/multitask.py).
-_RAN = "SELECT reply_ref, agent_turn_id FROM agent_inbox WHERE message_type = 'turn'"
+#: Per task: its place, when it was written, its Turn (named once the head leased it; a
+#: rejected or superseded task's row never does, agents/store/sql/multitask.py) and when
+#: its answer was written: the reply row of its Turn, or of the answer it got without one
+#: (keyed ``busy:``, ``superseded:`` or ``cancel:`` and its inbox id).
+_ROWS = (
+    "SELECT i.reply_ref, i.seq, i.created_at, i.agent_turn_id, "
+    "(SELECT min(r.created_at) FROM agent_replies r WHERE r.agent_turn_id IN "
+    "(i.agent_turn_id, 'busy:' || i.inbox_id, 'superseded:' || i.inbox_id, "
+    "'cancel:' || i.inbox_id)) "
+    "FROM agent_inbox i WHERE i.message_type = 'turn'"
+)
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 
 
@@ -55,10 +64,14 @@ class Oracle:
     async def taken(self, thread: str) -> bool:
         return thread in await self.refs()
 
-    async def ran(self) -> dict[str, bool]:
-        """Per thread named by a task's reply reference still in the inbox: whether the
-        task was given a Turn (a pruned task is not here: unknown)."""
-        rows = await trio.to_thread.run_sync(self._rows, _RAN)
+    async def rows(self) -> dict[str, TaskRow]:
+        """Per thread named by a task's reply reference still in the inbox: what the
+        store shows of it (a pruned task is not here: unknown)."""
+        rows = await trio.to_thread.run_sync(self._rows, _ROWS)
         return {
-            thread: turn is not None for ref, turn in rows for thread in _UUID.findall(str(ref))
+            thread: TaskRow(
+                int(seq), float(created), turn is not None, None if ended is None else float(ended)
+            )
+            for ref, seq, created, turn, ended in rows
+            for thread in _UUID.findall(str(ref))
         }
