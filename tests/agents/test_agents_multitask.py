@@ -232,10 +232,11 @@ async def test_queued_earlier_tasks_are_answered_once_and_the_newest_runs(
 async def test_an_earlier_task_leased_meanwhile_is_decided_again(
     side: Side, idle_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
-    """Found by the chaos bench's checker rule (docs/reliability.md): on PostgreSQL (read
-    committed) the double text's transaction reads alice's queued task, then another
-    process ends the Turn ahead of it and leases it, then the double text's supersede of
-    it matches no row. It must not go on as if it had moved it (it would run, untouched
+    """Seen while writing the chaos bench's rule that an interrupt ends every earlier
+    open task of its conversation (docs/reliability.md): on PostgreSQL (read committed)
+    the double text's transaction reads alice's queued task, then another process ends
+    the Turn ahead of it and leases it, then the double text's supersede of it matches
+    no row. It must not go on as if it had moved it (it would run, untouched
     by the interrupt, and the new task wait behind it): it decides again. Here the other
     process's commit is played inside the transaction, between the read and the move."""
     from agentserver.agents.store.rows import TaskStatus
