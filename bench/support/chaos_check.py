@@ -17,8 +17,9 @@ and the violations:
 - double texting (docs/runs.md; :func:`double_text_violations`): the answers only a
   double text can cause (busy, interrupted, rolled back, superseded) go only to the tasks
   whose mode and conversation allow them, a rejected or superseded task never ran a Turn,
-  and no call of a non-idempotent tool had its effect twice (the tools' effect log, keyed
-  by the call's idempotency key).
+  an interrupt or a rollback ends every earlier task of its conversation still open when
+  it arrived (the store's rows: :class:`TaskRow`), and no call of a non-idempotent tool
+  had its effect twice (the tools' effect log, keyed by the call's idempotency key).
 
 Pure: no I/O, no clock; memory is bounded by the attempts and answers recorded.
 """
