@@ -12,7 +12,9 @@ Retry-After, 5xx, hangs past ``llm-timeout``, malformed tool calls). Four named 
 (two with acknowledgements, two without) send tasks, disconnect at random (also just as
 their answer is about to be ready) and reconnect to any live server; a server process is
 SIGKILLed every 20-60 s and restarted; the operator stops and cancels tasks with the CLI.
-Every random choice comes from ``--seed``.
+``alpha`` keeps a conversation per client, and the clients double-text it with a
+``multitask`` override (bench/support/chaos_multitask.py). Every random choice comes from
+``--seed``.
 
 After ``--minutes`` the faults stop (and no new task is sent); every task the server took
 must then be answered within ``--drain`` s (120). bench/support/chaos_check.py checks the ledger
@@ -30,7 +32,6 @@ import pathlib
 import random
 import shlex
 import shutil
-import sqlite3
 import sys
 import tempfile
 import time
@@ -48,13 +49,20 @@ from chaos_hooks import SECRET_ENV as HOOK_SECRET_ENV
 from chaos_hooks import HookReceiver, await_hooks, check_hooks, ended_turns, webhooks_xml
 from chaos_hooks import new_secret as hook_secret
 from chaos_model import ChaosModel, plan_for
+from chaos_multitask import MEMORY_AGENT
+from chaos_oracle import Oracle
 from chaos_procs import RunnerSlot, ServerSlot, child_env
-from chaos_retention import PRUNED_QUERY, SizeWatch, with_retention
+from chaos_retention import SizeWatch, with_retention
 from chaos_schedules import SCHEDULES_XML, check_schedules
-from chaos_tools import AGENTS, proof_text
+from chaos_tools import AGENTS, EFFECTS_ENV, proof_text, read_effects
 
 LLM_TIMEOUT = 4.0
 CLIENTS = (("c0", True), ("c1", False), ("c2", True), ("c3", False))
+
+
+def memory(agent: str) -> str:
+    """The double texts' agent keeps a conversation per client (chaos_multitask.py)."""
+    return ' memory="client"' if agent == MEMORY_AGENT else ""
 
 
 def boot_xml(
@@ -81,7 +89,7 @@ def boot_xml(
       <accepts type="chaos_tools:{agent.title()}Task"/>
       <responds type="chaos_tools:{agent.title()}Answer"/>
       <agent model="m" max-steps="12" resume-deadline="60" llm-timeout="{LLM_TIMEOUT}"
-             step-retries="3" step-retry-base="1" max-retry-after="5"/>
+             step-retries="3" step-retry-base="1" max-retry-after="5"{memory(agent)}/>
       <policy default="allow">
         <rule priority="1" id="payments" decision="require-approval" target="pay"
               approver="approver" timeout="45s"/>
@@ -126,40 +134,6 @@ def boot_xml(
   {SCHEDULES_XML}
 {hooks}</organism>
 """
-
-
-class Oracle:
-    """Which tasks the server took: an inbox row whose reply reference names the thread
-    (read from the store itself, in a thread)."""
-
-    def __init__(self, sqlite_path: pathlib.Path | None, pg_url: str | None) -> None:
-        self.sqlite_path = sqlite_path
-        self.pg_url = pg_url
-
-    def _threads_blocking(self) -> str:
-        query = "SELECT reply_ref FROM agent_inbox WHERE message_type = 'turn'"
-        if self.pg_url is not None:
-            import psycopg
-
-            with psycopg.connect(self.pg_url, connect_timeout=10) as conn:
-                rows = conn.execute(query).fetchall()
-                rows += conn.execute(PRUNED_QUERY).fetchall()  # pruned tasks were taken
-        else:
-            if self.sqlite_path is None or not self.sqlite_path.exists():
-                return ""
-            conn = sqlite3.connect(f"file:{self.sqlite_path}?mode=ro", uri=True, timeout=30)
-            try:
-                rows = conn.execute(query).fetchall()
-                rows += conn.execute(PRUNED_QUERY).fetchall()  # pruned tasks were taken
-            finally:
-                conn.close()
-        return "\n".join(str(r[0]) for r in rows)
-
-    async def refs(self) -> str:
-        return await trio.to_thread.run_sync(self._threads_blocking)
-
-    async def taken(self, thread: str) -> bool:
-        return thread in await self.refs()
 
 
 def expected_proofs(seed: int):
@@ -210,6 +184,7 @@ async def chaos(args: argparse.Namespace) -> int:
             hooks = await HookReceiver(seed, hook_secret(seed)).start(nursery)
             env = child_env(boot_dir, CHAOS_TOKEN=TOKEN, CHAOS_LLM_KEY="chaos-key")
             env[HOOK_SECRET_ENV] = hooks.secret
+            env[EFFECTS_ENV] = str(out / "effects.log")
             if pg_url:
                 env["CHAOS_STORE_URL"] = pg_url
             boot = boot_dir / "boot.xml"
@@ -282,7 +257,15 @@ async def chaos(args: argparse.Namespace) -> int:
             await trio.sleep(1.0)
             refs = await oracle.refs()
             taken = {t for t in ledger.attempts if t in refs}
-            verdict = check(ledger, taken, expected_proofs(seed))
+            verdict = check(
+                ledger,
+                taken,
+                expected_proofs(seed),
+                memory_agents={MEMORY_AGENT},
+                rows=await oracle.rows(),
+                model_nonces=model.nonces_seen,
+                effects=read_effects(env[EFFECTS_ENV]),
+            )
             spend, overspent = await check_budgets(oracle.sqlite_path, pg_url, worst)
             verdict.counts.update(spend)
             verdict.violations.extend(overspent)
@@ -364,6 +347,8 @@ def ledger_json(ledger: Ledger, taken: set[str]) -> str:
                 "client": a.client,
                 "agent": a.agent,
                 "nonce": a.nonce,
+                "multitask": a.multitask,
+                "racing": a.racing,
                 "taken": a.thread in taken,
                 "resent": a.thread in ledger.resent,
                 "answers": answers.get(a.thread, []),

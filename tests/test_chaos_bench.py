@@ -40,4 +40,7 @@ def test_a_short_seeded_chaos_run_has_no_violation():
     counts = json.loads(lines[-1])
     assert done.returncode == 0 and counts["violations"] == 0, stderr[-3000:]
     assert counts["tasks"] > 0 and counts["answered_once"] == counts["taken"], counts
+    # The double texts' part of the checker ran (docs/reliability.md).
+    assert counts["tool_effects"] > 0 and counts["tool_effects_repeated"] == 0, counts
+    assert "double_texts_by_mode" in counts and "rejected_busy" in counts, counts
     assert "[chaos" in stderr  # progress lines

@@ -13,7 +13,13 @@ and the violations:
   (``unknown``); an attempt not taken gets no answer (``answered_untaken``);
 - a successful answer proves it saw its own tool results (``wrong_content``: the proofs
   ``expected(nonce)`` lists are not all in it); a failed answer (``status="failed"``) is
-  counted apart, by reason.
+  counted apart, by reason;
+- double texting (docs/runs.md; :func:`double_text_violations`): the answers only a
+  double text can cause (busy, interrupted, rolled back, superseded) go only to the tasks
+  whose mode and conversation allow them, a rejected or superseded task never ran a Turn,
+  an interrupt or a rollback ends every earlier task of its conversation still open when
+  it arrived (the store's rows: :class:`TaskRow`), and no call of a non-idempotent tool
+  had its effect twice (the tools' effect log, keyed by the call's idempotency key).
 
 Pure: no I/O, no clock; memory is bounded by the attempts and answers recorded.
 """
@@ -21,11 +27,16 @@ Pure: no I/O, no clock; memory is bounded by the attempts and answers recorded.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 #: Words of a failed answer's text, in the order tried, and the reason counted.
 FAILURE_REASONS = (
+    # The double-texting answers (agents/store/sql/multitask.py), before "stopped" etc.
+    ("conversation is busy", "busy"),
+    ("interrupted: a newer task", "interrupted"),
+    ("rolled back: a newer task", "rolled_back"),
+    ("superseded: a newer task", "superseded"),
     ("budget exhausted", "budget"),  # issue 37 (bench/support/chaos_budget.py)
     ("cancel", "cancelled"),
     ("stopped", "stopped"),
@@ -37,6 +48,33 @@ FAILURE_REASONS = (
     ("steps", "max_steps"),
     ("model", "model_error"),
 )
+
+
+#: The failed answers only a double text causes (docs/runs.md), by reason.
+DOUBLE_TEXT_REASONS = ("busy", "interrupted", "rolled_back", "superseded")
+#: The tools whose effect must happen at most once per call. ``relay`` is declared
+#: ``idempotent``: its retries repeat a call's key by design (the tool must dedupe).
+ONCE_ONLY_TOOLS = ("stamp", "pay")
+#: One tool effect, as the tools log it: (tool, nonce, the call's idempotency key).
+Effect = tuple[str, str, str]
+#: Seconds an earlier task may seem to end after a double text arrived and still have
+#: ended before it: both times are the wall clock of one host, each taken inside its
+#: transaction (an end's before its commit, an arrival's after its reads).
+CLOCK_SLACK_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRow:
+    """What the store shows of one task (its inbox row), read after the run."""
+
+    #: The row's place in the inbox (the order the server took the tasks in).
+    seq: int
+    #: When the task's row was written (its transaction, after it read the head).
+    created_at: float
+    #: The head ever leased it a Turn.
+    ran: bool
+    #: When its answer was written (its first reply row; None: none).
+    ended_at: float | None
 
 
 def failure_reason(text: str) -> str:
@@ -53,6 +91,11 @@ class Attempt:
     thread: str
     nonce: str
     agent: str
+    #: The task's ``multitask`` override on its envelope (None: the agent's own mode).
+    multitask: str | None = None
+    #: Sent while an earlier task of this client to this agent had no answer yet: a
+    #: double text if the agent keeps a conversation per client.
+    racing: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +115,16 @@ class Ledger:
     refusals: list[Answer] = field(default_factory=list)
     resent: set[str] = field(default_factory=set)
 
-    def sent(self, client: str, thread: str, nonce: str, agent: str) -> Attempt:
-        attempt = Attempt(client, thread, nonce, agent)
+    def sent(
+        self,
+        client: str,
+        thread: str,
+        nonce: str,
+        agent: str,
+        multitask: str | None = None,
+        racing: bool = False,
+    ) -> Attempt:
+        attempt = Attempt(client, thread, nonce, agent, multitask, racing)
         self.attempts[thread] = attempt
         return attempt
 
@@ -118,10 +169,19 @@ def check(
     taken: set[str],
     expected: Callable[[str, str], list[list[str]]],
     max_listed: int = 20,
+    *,
+    memory_agents: Collection[str] = (),
+    rows: Mapping[str, TaskRow] | None = None,
+    model_nonces: Collection[str] | None = None,
+    effects: Iterable[Effect] = (),
 ) -> Verdict:
     """The verdict over ``ledger``. ``taken``: the threads the store has a task for.
     ``expected(nonce, text)``: the alternatives of proofs a successful answer for
-    ``nonce`` must carry (one list must be wholly in it)."""
+    ``nonce`` must carry (one list must be wholly in it). For double texting
+    (:func:`double_text_violations`): ``memory_agents``, the agents keeping a
+    conversation per client; ``rows``, per thread whose inbox row the store still has,
+    what it shows (None: unknown); ``model_nonces``, the nonces
+    the model was asked about (None: unknown); ``effects``, the tools' effect log."""
     by_thread: dict[str, list[Answer]] = {}
     violations: list[str] = []
     wrong_client = unknown = wrong_content = 0
@@ -165,6 +225,12 @@ def check(
         ):
             wrong_content += 1
             violations.append(f"wrong content on {thread} ({attempt.nonce}): {first.text[:300]}")
+    dt_counts, dt_violations = double_text_violations(
+        ledger, by_thread, taken, memory_agents, rows, model_nonces
+    )
+    violations.extend(dt_violations)
+    fx_counts, fx_violations = repeated_effects(effects, ledger, by_thread)
+    violations.extend(fx_violations)
     nonces = {a.nonce for a in ledger.attempts.values()}
     counts: dict[str, object] = {
         "tasks": len(nonces),
@@ -182,6 +248,174 @@ def check(
         "wrong_content": wrong_content,
         "failed_answers": sum(failed.values()),
         "failed_by_reason": dict(sorted(failed.items())),
+        **dt_counts,
+        **fx_counts,
         "violations": len(violations),
     }
     return Verdict(counts, violations[:max_listed])
+
+
+def _first_reason(answers: Mapping[str, list[Answer]], thread: str) -> str | None:
+    """The failure reason of the first answer on ``thread`` (None: none, or a success)."""
+    got = answers.get(thread)
+    if not got or not got[0].failed:
+        return None
+    return failure_reason(got[0].text)
+
+
+def double_text_violations(
+    ledger: Ledger,
+    answers: Mapping[str, list[Answer]],
+    taken: Collection[str],
+    memory_agents: Collection[str],
+    rows: Mapping[str, TaskRow] | None,
+    model_nonces: Collection[str] | None,
+) -> tuple[dict[str, object], list[str]]:
+    """The promises of double texting (docs/runs.md) over the answers the clients were
+    handed (``answers``: per thread, those handed to the client that sent it).
+
+    A task with a busy, interrupted, rolled-back or superseded answer must be one that
+    only a double text could answer so: sent to an agent that keeps a conversation per
+    client (memory-less agents ignore ``multitask``); busy only when the task itself
+    asked for ``reject``; interrupted (rolled back) only when a later task of the same
+    client to the same agent asked for ``interrupt`` (``rollback``), and it ran a Turn;
+    superseded only when a later one asked for either. A rejected or superseded task never
+    ran a Turn: the store gave it none (``ran``) and the model was never asked about its
+    nonce (``model_nonces``; unless another attempt of the nonce got an answer of its own,
+    a resend the oracle raced). That each of these tasks, and the task that interrupted,
+    got exactly one answer is :func:`check`'s rule for every task.
+
+    And what an interrupt or a rollback must do: every earlier task of its conversation
+    (the store's order) still open when it arrived is ended by it (interrupted, rolled
+    back or superseded), not left to end later on its own (:func:`_left_running`)."""
+    violations: list[str] = []
+    by_mode: Counter = Counter()
+    outcomes: Counter = Counter()
+    sent_with_mode = 0
+    # Each client's tasks to each agent, in the order she sent them (the ledger keeps it).
+    order: dict[tuple[str, str], list[Attempt]] = {}
+    for attempt in ledger.attempts.values():
+        order.setdefault((attempt.client, attempt.agent), []).append(attempt)
+    # Nonces some attempt ran for: a reason neither busy nor superseded (so a Turn).
+    ran_nonces = {
+        a.nonce
+        for a in ledger.attempts.values()
+        if a.thread in answers and _first_reason(answers, a.thread) not in ("busy", "superseded")
+    }
+    for (client, agent), sent in order.items():
+        for i, attempt in enumerate(sent):
+            if attempt.multitask is not None:
+                sent_with_mode += 1
+                if attempt.racing and agent in memory_agents:
+                    by_mode[attempt.multitask] += 1
+            reason = _first_reason(answers, attempt.thread)
+            if attempt.thread not in taken or reason not in DOUBLE_TEXT_REASONS:
+                continue
+            outcomes[reason] += 1
+            where = f"{client} {agent} {attempt.thread} ({attempt.nonce})"
+            if agent not in memory_agents:
+                violations.append(f"{reason} answer from an agent without memory: {where}")
+                continue
+            later = {a.multitask for a in sent[i + 1 :] if a.thread in taken}
+            if reason == "busy" and attempt.multitask != "reject":
+                violations.append(f"busy answer to a task sent with {attempt.multitask}: {where}")
+            elif reason == "interrupted" and "interrupt" not in later:
+                violations.append(f"interrupted, no later task asked to interrupt: {where}")
+            elif reason == "rolled_back" and "rollback" not in later:
+                violations.append(f"rolled back, no later task asked to roll back: {where}")
+            elif reason == "superseded" and not later & {"interrupt", "rollback"}:
+                violations.append(f"superseded, no later interrupt or rollback: {where}")
+            row = None if rows is None else rows.get(attempt.thread)
+            turn = None if row is None else row.ran
+            if reason in ("busy", "superseded"):
+                if turn:
+                    violations.append(f"{reason}, yet the store gave it a Turn: {where}")
+                if model_nonces is not None and attempt.nonce in model_nonces:
+                    if attempt.nonce not in ran_nonces:
+                        violations.append(f"{reason}, yet the model was asked: {where}")
+            elif turn is False:
+                violations.append(f"{reason}, yet it never had a Turn: {where}")
+    if rows is not None:
+        for (_, agent), sent in order.items():
+            if agent in memory_agents:
+                violations.extend(_left_running(sent, answers, taken, rows))
+    counts: dict[str, object] = {
+        "multitask_sent": sent_with_mode,
+        "double_texts": sum(by_mode.values()),
+        "double_texts_by_mode": dict(sorted(by_mode.items())),
+        "rejected_busy": outcomes["busy"],
+        "interrupted": outcomes["interrupted"],
+        "rolled_back": outcomes["rolled_back"],
+        "superseded": outcomes["superseded"],
+    }
+    return counts, violations
+
+
+def _left_running(
+    sent: list[Attempt],
+    answers: Mapping[str, list[Answer]],
+    taken: Collection[str],
+    rows: Mapping[str, TaskRow],
+) -> list[str]:
+    """One conversation's tasks (``sent``): an interrupt or a rollback that left an
+    earlier task of it open. The earlier task's answer was written after the double text
+    arrived (by more than :data:`CLOCK_SLACK_S`), so it was open then, yet no double text
+    ended it (its answer is its own)."""
+    found: list[str] = []
+    known = [a for a in sent if a.thread in taken and a.thread in rows]
+    for newer in known:
+        if newer.multitask not in ("interrupt", "rollback"):
+            continue
+        if _first_reason(answers, newer.thread) == "busy":
+            continue
+        arrived = rows[newer.thread]
+        for older in known:
+            row = rows[older.thread]
+            if row.seq >= arrived.seq or row.ended_at is None:
+                continue
+            if _first_reason(answers, older.thread) in DOUBLE_TEXT_REASONS:
+                continue
+            late = row.ended_at - arrived.created_at
+            if late > CLOCK_SLACK_S:
+                found.append(
+                    f"{newer.multitask} {newer.thread} left {older.thread} ({older.nonce}) "
+                    f"of {older.client} {older.agent} open: it ended {late:.2f} s later"
+                )
+    return found
+
+
+def repeated_effects(
+    effects: Iterable[Effect], ledger: Ledger, answers: Mapping[str, list[Answer]]
+) -> tuple[dict[str, object], list[str]]:
+    """No call of a tool in :data:`ONCE_ONLY_TOOLS` had its effect twice (the same
+    idempotency key logged twice): neither a Turn a double text ended, nor the task that
+    ran next, nor a restart sent a call again that had already run. Also counts the
+    effects of the tasks a double text ended (calls already out when their Turn ended)."""
+    per_key: Counter = Counter()
+    by_kind: Counter = Counter()
+    per_nonce: Counter = Counter()
+    for kind, nonce, key in effects:
+        by_kind[kind] += 1
+        per_nonce[nonce] += 1
+        if key:
+            per_key[kind, key] += 1
+    violations = [
+        f"tool effect repeated: {kind} call {key} ran {n} times"
+        for (kind, key), n in sorted(per_key.items())
+        if n > 1 and kind in ONCE_ONLY_TOOLS
+    ]
+    ended = {
+        a.nonce
+        for a in ledger.attempts.values()
+        if _first_reason(answers, a.thread) in ("interrupted", "rolled_back")
+    }
+    counts: dict[str, object] = {
+        "tool_effects": sum(by_kind.values()),
+        "tool_effects_by_kind": dict(sorted(by_kind.items())),
+        "tool_effects_repeated": len(violations),
+        "idempotent_repeats": sum(
+            n - 1 for (kind, _), n in per_key.items() if n > 1 and kind not in ONCE_ONLY_TOOLS
+        ),
+        "effects_of_ended_turns": sum(per_nonce[n] for n in ended),
+    }
+    return counts, violations

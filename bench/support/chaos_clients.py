@@ -1,7 +1,8 @@
 """The chaos bench's actors: task clients (with and without acknowledgements), the
 approver and the operator (bench/chaos.py; docs/reliability.md).
 
-A task client sends tasks (a fresh uuid4 thread each, a nonce in the text), hands every
+A task client sends tasks (a fresh uuid4 thread each, a nonce in the text; now and then
+a double text with a ``multitask`` override, bench/support/chaos_multitask.py), hands every
 answer it receives to its "application" (the :class:`~chaos_check.Ledger`), and
 disconnects and reconnects at random, to any live server. One with acks uses
 ``agentserver.net.client`` (acks, copies dropped by ``reply-id`` across its connections);
@@ -22,16 +23,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
-from chaos_check import Ledger
+from chaos_check import Attempt, Ledger
+from chaos_multitask import hurry, next_task
 from chaos_procs import ServerSlot
 from chaos_tools import AGENTS, TASK_TYPES
 from lxml import etree
 
-from agentserver.core.envelope import build_envelope
+from agentserver.core.envelope import MULTITASK, build_envelope
 from agentserver.core.framing import FrameDecoder, encode_frame
 from agentserver.core.handshake import hello_frame_body
 from agentserver.core.xmlsafe import SafeParser
-from agentserver.net.client import ClientError, approval_request, open_client
+from agentserver.net.client import Client, ClientError, approval_request, open_client
 from agentserver.net.reply import DeliveredIds, Reply, parse_reply
 
 TOKEN = "chaos-token"
@@ -104,6 +106,8 @@ class TaskClient:
         self.sent_on: dict[str, list] = {}
         #: Attempts the store showed taken (that never changes).
         self.known_taken: set[str] = set()
+        #: The open connection of a client with acks (tasks go through its ``send``).
+        self._client: Client | None = None
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -143,25 +147,36 @@ class TaskClient:
                 if slot.generation != gen or not slot.alive:
                     return
                 await self._resend(send, slot)
-                open_now = len(self.ledger.open_attempts(self.name))
-                if self.switches.sending and open_now < self.max_open:
+                open_agents = [a.agent for a in self.ledger.open_attempts(self.name)]
+                task = next_task(self.rng, open_agents, self.max_open, AGENTS)
+                if self.switches.sending and task is not None:
                     nonce = f"{self.rng.getrandbits(64):016x}"
-                    await self._send_task(send, slot, nonce)
+                    if task.multitask is not None:
+                        self.switches.count("multitask_sent")
+                    like = Attempt(self.name, "", nonce, task.agent, task.multitask, task.racing)
+                    await self._send_task(send, slot, like)
+                    if hurry(self.rng, task):
+                        continue
                 with trio.move_on_after(self.rng.uniform(0.2, 1.5)):
                     await self.leave_now.wait()
         if self.switches.faults:
             self.switches.count("disconnects")
 
-    async def _send_task(
-        self, send, slot: ServerSlot, nonce: str, agent: str | None = None
-    ) -> None:
-        agent = agent or self.rng.choice(AGENTS)
+    async def _send_task(self, send, slot: ServerSlot, like: Attempt) -> None:
+        """Send a new attempt of ``like``'s task (its nonce, agent and mode; a new thread)."""
+        nonce, agent = like.nonce, like.agent
         thread = str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
         task = TASK_TYPES[agent](text=f"Please handle NONCE[{nonce}] with your tools.")
-        body = etree.tostring(build_envelope(self.name, agent, thread, task.to_xml_tree()))
-        self.ledger.sent(self.name, thread, nonce, agent)
+        self.ledger.sent(self.name, thread, nonce, agent, like.multitask, like.racing)
         self.sent_on[thread] = [slot, slot.generation, None]
-        await send(body)
+        if self._client is not None:
+            # With acks: agentserver.client's own way to ask for a mode.
+            await self._client.send(task, to=agent, thread=thread, multitask=like.multitask)
+            return
+        envelope = build_envelope(self.name, agent, thread, task.to_xml_tree())
+        if like.multitask is not None:
+            envelope.set(MULTITASK, like.multitask)  # by hand: the envelope's attribute
+        await send(etree.tostring(envelope))
 
     async def _resend(self, send, slot: ServerSlot) -> None:
         """docs/deploy.md: a task still in a killed server's socket was never accepted and
@@ -182,7 +197,7 @@ class TaskClient:
                 continue
             self.ledger.resend(attempt.thread)
             self.switches.count("resends")
-            await self._send_task(send, slot, attempt.nonce, attempt.agent)
+            await self._send_task(send, slot, attempt)
 
     async def _session_acks(self, slot: ServerSlot) -> None:
         async with open_client(
@@ -195,7 +210,11 @@ class TaskClient:
                         self._hand(await client.receive())
 
                 nursery.start_soon(receive)
-                await self._life(slot, client.send_raw)
+                self._client = client
+                try:
+                    await self._life(slot, client.send_raw)
+                finally:
+                    self._client = None
                 nursery.cancel_scope.cancel()
             self.switches.count("ack_duplicates_dropped", client.duplicates)
 

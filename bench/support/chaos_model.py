@@ -101,6 +101,9 @@ class ChaosModel:
         self.faults_on = True
         self.on_final = on_final
         self.stats = ModelStats()
+        #: Every nonce a request was about (its task's Turn ran): a task the server
+        #: rejected or superseded must never be here (bench/support/chaos_check.py).
+        self.nonces_seen: set[str] = set()
         self.port = 0
 
     @property
@@ -122,6 +125,7 @@ class ChaosModel:
         if not nonces:
             return 200, [], "Nothing to do."
         nonce = nonces[-1]
+        self.nonces_seen.add(nonce)
         if self.faults_on:
             r = self.rng.random()
             mix = self.mix

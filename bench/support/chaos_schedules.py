@@ -120,17 +120,23 @@ _RUNS = (
 
 def check_schedules(sqlite_path: Path | None, pg_url: str | None, now: float) -> tuple[dict, list]:
     """Read the store and :func:`check_runs` it (blocking: call in a thread)."""
+    # Both reads in one snapshot: the servers still run, and a tick firing between them
+    # would be a run past the ``next_tick`` read first (seed 9, PostgreSQL: "20 ticks due,
+    # 21 runs").
     if pg_url is not None:
         import psycopg
 
         with psycopg.connect(pg_url, connect_timeout=10) as conn:
+            conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             scheds, runs = conn.execute(_SCHEDS).fetchall(), conn.execute(_RUNS).fetchall()
     else:
         if sqlite_path is None or not sqlite_path.exists():
             return {}, ["schedules: no store"]
         conn = sqlite3.connect(f"file:{sqlite_path}?mode=ro", uri=True, timeout=30)
         try:
+            conn.execute("BEGIN")  # a read transaction: one WAL snapshot for both
             scheds, runs = conn.execute(_SCHEDS).fetchall(), conn.execute(_RUNS).fetchall()
+            conn.rollback()
         finally:
             conn.close()
     return check_runs(

@@ -228,6 +228,51 @@ async def test_queued_earlier_tasks_are_answered_once_and_the_newest_runs(
     assert not [text for text, _ in llm.started if "queued one" in text]
 
 
+@pytest.mark.parametrize("mode", ["interrupt", "rollback"])
+async def test_an_earlier_task_leased_meanwhile_is_decided_again(
+    side: Side, idle_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """Seen while writing the chaos bench's rule that an interrupt ends every earlier
+    open task of its conversation (docs/reliability.md): on PostgreSQL (read committed)
+    the double text's transaction reads alice's queued task, then another process ends
+    the Turn ahead of it and leases it, then the double text's supersede of it matches
+    no row. It must not go on as if it had moved it (it would run, untouched
+    by the interrupt, and the new task wait behind it): it decides again. Here the other
+    process's commit is played inside the transaction, between the read and the move."""
+    from agentserver.agents.store.rows import TaskStatus
+    from agentserver.agents.store.sql import multitask, turn_end
+
+    rt, llm, replies = side.rt, side.llm, side.replies
+    await rt.enqueue("assistant", task("hang: bob's"), {"caller_thread": "b1", "client": "bob"})
+    real_move = multitask.inbox_move
+    played: list[str] = []
+
+    def move_after_a_lease(tx, env, inbox_id, event, **sets):
+        if not played:  # bob's Turn ends elsewhere; its end leases alice's queued task
+            played.append(inbox_id)
+            turn_end.force_end(
+                tx, env, "assistant", TaskStatus.STOPPED, "x", None, None, None, None
+            )
+        return real_move(tx, env, inbox_id, event, **sets)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rt.worker.run)
+        await llm.hanging.wait()
+        queued = await rt.enqueue("assistant", task("queued one"), ref("t1"))
+        monkeypatch.setattr(multitask, "inbox_move", move_after_a_lease)
+        await rt.enqueue("assistant", task("newest"), ref("t2"), multitask=mode)
+        await rt.stop("assistant")  # what is running ends (not waiting out llm-timeout)
+        with trio.move_on_after(LLM_TIMEOUT * 3):  # alice's two answers
+            while len([a for a in answers(replies) if a[0] != "b1"]) < 2:
+                await replies.arrived.wait()
+        await trio.sleep(5)
+        nursery.cancel_scope.cancel()
+    assert played == [queued]
+    got = [(t, f, text.split(":")[0]) for t, f, text in answers(replies) if t != "b1"]
+    assert sorted(got) == [("t1", True, "superseded"), ("t2", False, "all done")], got
+    assert not [text for text, _ in llm.started if "queued one" in text]
+
+
 @pytest.mark.parametrize("mode", ["interrupt", "rollback", "reject"])
 @pytest.mark.parametrize("busy", ["hung model", "tool mid-call"])
 async def test_two_processes_the_newer_task_meets_the_turn_run_elsewhere(

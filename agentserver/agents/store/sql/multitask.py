@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from agentserver.agents.errors import StaleTurn
 from agentserver.agents.ports import ReplyRef
 from agentserver.agents.store.rows import (
     DoubleText,
@@ -82,8 +83,9 @@ def enqueue_multitask(
     ``interrupt`` / ``rollback``: the queued earlier tasks are skipped, each with its
     failed answer; the running one is force-ended (stopped; under ``rollback`` the
     conversation does not continue from it) and the head leased to this task at once.
-    Atomic: all of it or nothing. Raises ``TypeError``/``ValueError`` (nothing written)
-    if ``reply_ref`` is not JSON."""
+    Atomic: all of it or nothing. Raises ``StaleTurn`` (the caller decides again) when a
+    queued earlier task was leased by another transaction after it was read. Raises
+    ``TypeError``/``ValueError`` (nothing written) if ``reply_ref`` is not JSON."""
     ref_json = json.dumps(reply_ref)
     inbox_id = new_id()
     found = tx.one(_HEAD, (agent_id,))
@@ -104,11 +106,15 @@ def enqueue_multitask(
         return DoubleText(inbox_id, "rejected", False, None, (busy,) if busy else ())
     replies: list[PendingReply] = []
     for earlier, ref in queued:
-        if inbox_move(tx, env, earlier, InboxEvent.CANCEL, defer_reason=f"superseded ({mode})"):
-            key = f"superseded:{earlier}"
-            reply = _answer(tx, env, agent_id, key, ref, answers.superseded)
-            if reply is not None:
-                replies.append(reply)
+        if not inbox_move(tx, env, earlier, InboxEvent.CANCEL, defer_reason=f"superseded ({mode})"):
+            # It was queued when read and is not now: on PostgreSQL (read committed) another
+            # process's transaction leased it since (the end of the Turn ahead of it).
+            # Going on would leave it to run, untouched by this mode, and this task to
+            # wait behind it: all of this is rolled back and decided again on the new head.
+            raise StaleTurn(f"{agent_id}: task {earlier} left the queue meanwhile")
+        reply = _answer(tx, env, agent_id, f"superseded:{earlier}", ref, answers.superseded)
+        if reply is not None:
+            replies.append(reply)
     ended = None
     if running is not None:
         ended = turn_end.force_end(

@@ -1,0 +1,77 @@
+"""The chaos bench's oracle: what the store shows of the clients' tasks (bench/chaos.py).
+
+Read from the store itself (blocking queries run in a thread): which tasks the server
+took (an inbox row whose reply reference names the thread, or the tombstone of a pruned
+one), and, for double texting, which of them were ever given a Turn.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import sqlite3
+
+import trio
+from chaos_check import TaskRow
+from chaos_retention import PRUNED_QUERY
+
+_TAKEN = "SELECT reply_ref FROM agent_inbox WHERE message_type = 'turn'"
+#: Per task: its place, when it was written, its Turn (named once the head leased it; a
+#: rejected or superseded task's row never does, agents/store/sql/multitask.py) and when
+#: its answer was written: the reply row of its Turn, or of the answer it got without one
+#: (keyed ``busy:``, ``superseded:`` or ``cancel:`` and its inbox id).
+_ROWS = (
+    "SELECT i.reply_ref, i.seq, i.created_at, i.agent_turn_id, "
+    "(SELECT min(r.created_at) FROM agent_replies r WHERE r.agent_turn_id IN "
+    "(i.agent_turn_id, 'busy:' || i.inbox_id, 'superseded:' || i.inbox_id, "
+    "'cancel:' || i.inbox_id)) "
+    "FROM agent_inbox i WHERE i.message_type = 'turn'"
+)
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
+
+
+class Oracle:
+    """Which tasks the server took, and which ran: read from the store."""
+
+    def __init__(self, sqlite_path: pathlib.Path | None, pg_url: str | None) -> None:
+        self.sqlite_path = sqlite_path
+        self.pg_url = pg_url
+
+    def _rows(self, *queries: str) -> list[tuple]:
+        rows: list[tuple] = []
+        if self.pg_url is not None:
+            import psycopg
+
+            with psycopg.connect(self.pg_url, connect_timeout=10) as conn:
+                for query in queries:
+                    rows += conn.execute(query).fetchall()
+            return rows
+        if self.sqlite_path is None or not self.sqlite_path.exists():
+            return rows
+        conn = sqlite3.connect(f"file:{self.sqlite_path}?mode=ro", uri=True, timeout=30)
+        try:
+            for query in queries:
+                rows += conn.execute(query).fetchall()
+        finally:
+            conn.close()
+        return rows
+
+    async def refs(self) -> str:
+        """Every task's reply reference (pruned tasks were taken too), one string."""
+        rows = await trio.to_thread.run_sync(self._rows, _TAKEN, PRUNED_QUERY)
+        return "\n".join(str(r[0]) for r in rows)
+
+    async def taken(self, thread: str) -> bool:
+        return thread in await self.refs()
+
+    async def rows(self) -> dict[str, TaskRow]:
+        """Per thread named by a task's reply reference still in the inbox: what the
+        store shows of it (a pruned task is not here: unknown)."""
+        rows = await trio.to_thread.run_sync(self._rows, _ROWS)
+        return {
+            thread: TaskRow(
+                int(seq), float(created), turn is not None, None if ended is None else float(ended)
+            )
+            for ref, seq, created, turn, ended in rows
+            for thread in _UUID.findall(str(ref))
+        }
