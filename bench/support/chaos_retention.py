@@ -7,8 +7,10 @@ approvals waiting for the approver, suspended Turns, resends. The checker's rule
 unchanged and are what retention must not break: every task the server took gets
 exactly one answer (no reply lost to pruning, none twice), every paid call its approval's
 outcome. What changes is the oracle of "taken": a pruned task's inbox row is gone, so
-the tombstones (``pruned_turns``) count as taken too (:data:`PRUNED_QUERY`), so they are
-kept for the run (``tombstones="none"``: about 100 bytes a task).
+the tombstones (``pruned_turns``) count as taken too (:data:`PRUNED_QUERY`). The store
+prunes them as well (``tombstones="1m"``), so that the store is flat as a deployment's is
+once its tombstones window has passed; the oracle reads them every 2 s and keeps each one
+it saw (``Oracle.keep_tombstones``), and a tombstone lives 60 s at least.
 
 :class:`SizeWatch` samples the store's size (SQLite: file plus WAL; PostgreSQL:
 ``pg_database_size``) every ``period`` seconds, for the flatness figure: after the first
@@ -26,10 +28,12 @@ import trio
 #: every task many times over.
 RETENTION = (
     '<retention finished-tasks="20s" keep-last="1" step-log="20s" events="10s" '
-    'acknowledged-replies="10s" tombstones="none" interval="2s"/>'
+    'acknowledged-replies="10s" tombstones="1m" interval="2s"/>'
 )
-#: The window after which the store's size should be flat (the longest one above).
+#: The window after which the store's size should be flat (the longest one above but the
+#: tombstones', whose growth stops after theirs: the first sample taken is after both).
 WINDOW_S = 20.0
+TOMBSTONES_S = 60.0
 #: Threads of pruned tasks (caller thread and hop), read with the inbox's reply refs.
 PRUNED_QUERY = "SELECT coalesce(caller_thread, '') || ' ' || coalesce(hop, '') FROM pruned_turns"
 
@@ -45,8 +49,8 @@ class SizeWatch:
     def __init__(self, sqlite_path: pathlib.Path | None, pg_url: str | None) -> None:
         self.sqlite_path = sqlite_path
         self.pg_url = pg_url
-        #: (seconds since start, bytes)
-        self.samples: list[tuple[float, int]] = []
+        #: (seconds since start, store bytes, database file bytes, WAL bytes)
+        self.samples: list[tuple[float, int, int, int]] = []
         #: Tasks pruned so far (``pruned_turns`` rows), at the last sample.
         self.pruned = 0
 
@@ -68,18 +72,22 @@ class SizeWatch:
                 conn.close()
         return int(row[0]) if row else 0
 
-    def _size(self) -> int | None:
+    def _size(self) -> tuple[int, int, int] | None:
+        """(store bytes, database file bytes, WAL bytes); PostgreSQL: the database's size
+        three times (it has no WAL of its own to count)."""
         if self.pg_url is not None:
             import psycopg
 
             with psycopg.connect(self.pg_url, connect_timeout=10) as conn:
                 row = conn.execute("SELECT pg_database_size(current_database())").fetchone()
-                return int(row[0]) if row else None
+                return (int(row[0]),) * 2 + (0,) if row else None
         path = self.sqlite_path
         if path is None or not path.exists():
             return None
         wal = path.with_name(path.name + "-wal")
-        return path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+        file_bytes = path.stat().st_size
+        wal_bytes = wal.stat().st_size if wal.exists() else 0
+        return file_bytes + wal_bytes, file_bytes, wal_bytes
 
     async def run(self, period: float = 5.0) -> None:
         start = trio.current_time()
@@ -89,7 +97,7 @@ class SizeWatch:
             except Exception:  # a sample lost is not a fault
                 size = None
             if size is not None:
-                self.samples.append((trio.current_time() - start, size))
+                self.samples.append((trio.current_time() - start, *size))
                 try:
                     self.pruned = await trio.to_thread.run_sync(self._pruned)
                 except Exception:  # the table is made by the server's first start
@@ -98,16 +106,28 @@ class SizeWatch:
 
     def figures(self) -> dict[str, object]:
         """The size at the end of the first window and at the end, and the growth after
-        the first window (relative to its maximum so far)."""
-        after = [b for t, b in self.samples if t >= 2 * WINDOW_S]
+        the first window (relative to its maximum so far): of the store (file and WAL),
+        and of the database file alone. On SQLite the WAL swings between nothing and its
+        limit (a checkpoint lets it start over, ``journal_size_limit`` cuts it back), so a
+        store sample taken with a short WAL makes the store look grown; the file holds
+        the data. ``wal_bytes_max`` shows the WAL bounded."""
+        after = [(b, f, w) for t, b, f, w in self.samples if t >= 2 * WINDOW_S + TOMBSTONES_S]
         if not after:
             return {"store_bytes_samples": len(self.samples), "pruned_tasks": self.pruned}
-        first = after[0]
+        first, first_file = after[0][0], after[0][1]
+        files = [f for _, f, _ in after]
         return {
             "pruned_tasks": self.pruned,
             "store_bytes_samples": len(self.samples),
             "store_bytes_after_window": first,
-            "store_bytes_max": max(after),
-            "store_bytes_end": after[-1],
-            "size_growth_after_window": round((max(after) - first) / max(first, 1), 3),
+            "store_bytes_max": max(b for b, _, _ in after),
+            "store_bytes_end": after[-1][0],
+            "size_growth_after_window": round(
+                (max(b for b, _, _ in after) - first) / max(first, 1), 3
+            ),
+            "file_bytes_after_window": first_file,
+            "file_bytes_max": max(files),
+            "file_bytes_end": files[-1],
+            "file_growth_after_window": round((max(files) - first_file) / max(first_file, 1), 3),
+            "wal_bytes_max": max(w for _, _, w in after),
         }
