@@ -201,7 +201,6 @@ async def chaos(args: argparse.Namespace) -> int:
             sizes = SizeWatch(oracle.sqlite_path, pg_url)
             if args.retention:
                 nursery.start_soon(sizes.run)
-                nursery.start_soon(oracle.keep_tombstones)
             slots = [ServerSlot(i, boot, env, out) for i in range(args.processes)]
             for slot in slots:
                 await slot.start()
@@ -321,7 +320,6 @@ async def chaos(args: argparse.Namespace) -> int:
             "drain_seconds": round(drained, 1),
             "retention": args.retention,
             **(sizes.figures() if args.retention else {}),
-            **({"pruned_tasks": len(oracle.tombstones)} if args.retention else {}),
             "seconds": round(time.monotonic() - start, 1),
         }
     )

@@ -36,20 +36,6 @@ class Oracle:
     def __init__(self, sqlite_path: pathlib.Path | None, pg_url: str | None) -> None:
         self.sqlite_path = sqlite_path
         self.pg_url = pg_url
-        #: Every tombstone read so far (:meth:`keep_tombstones`): the store prunes them
-        #: too, after a window far longer than the reads' period.
-        self.tombstones: set[str] = set()
-
-    async def keep_tombstones(self, period: float = 2.0) -> None:
-        """Read the tombstones every ``period`` seconds until cancelled, keeping each one
-        seen: a pruned task counts as taken after its tombstone is gone too."""
-        while True:
-            try:
-                rows = await trio.to_thread.run_sync(self._rows, PRUNED_QUERY)
-            except Exception:  # a read lost (the file busy, the server restarting)
-                rows = []
-            self.tombstones.update(str(r[0]) for r in rows)
-            await trio.sleep(period)
 
     def _rows(self, *queries: str) -> list[tuple]:
         rows: list[tuple] = []
@@ -73,7 +59,7 @@ class Oracle:
     async def refs(self) -> str:
         """Every task's reply reference (pruned tasks were taken too), one string."""
         rows = await trio.to_thread.run_sync(self._rows, _TAKEN, PRUNED_QUERY)
-        return "\n".join([*(str(r[0]) for r in rows), *self.tombstones])
+        return "\n".join(str(r[0]) for r in rows)
 
     async def taken(self, thread: str) -> bool:
         return thread in await self.refs()

@@ -7,10 +7,9 @@ approvals waiting for the approver, suspended Turns, resends. The checker's rule
 unchanged and are what retention must not break: every task the server took gets
 exactly one answer (no reply lost to pruning, none twice), every paid call its approval's
 outcome. What changes is the oracle of "taken": a pruned task's inbox row is gone, so
-the tombstones (``pruned_turns``) count as taken too (:data:`PRUNED_QUERY`). The store
-prunes them as well (``tombstones="1m"``), so that the store is flat as a deployment's is
-once its tombstones window has passed; the oracle reads them every 2 s and keeps each one
-it saw (``Oracle.keep_tombstones``), and a tombstone lives 60 s at least.
+the tombstones (``pruned_turns``) count as taken too (:data:`PRUNED_QUERY`), so they are
+kept for the run (``tombstones="none"``: about 350 bytes a task, which the store's size
+carries; the schedules' checker reads them at the end too).
 
 :class:`SizeWatch` samples the store's size (SQLite: file plus WAL; PostgreSQL:
 ``pg_database_size``) every ``period`` seconds, for the flatness figure: after the first
@@ -28,12 +27,10 @@ import trio
 #: every task many times over.
 RETENTION = (
     '<retention finished-tasks="20s" keep-last="1" step-log="20s" events="10s" '
-    'acknowledged-replies="10s" tombstones="1m" interval="2s"/>'
+    'acknowledged-replies="10s" tombstones="none" interval="2s"/>'
 )
-#: The window after which the store's size should be flat (the longest one above but the
-#: tombstones', whose growth stops after theirs: the first sample taken is after both).
+#: The window after which the store's size should be flat (the longest one above).
 WINDOW_S = 20.0
-TOMBSTONES_S = 60.0
 #: Threads of pruned tasks (caller thread and hop), read with the inbox's reply refs.
 PRUNED_QUERY = "SELECT coalesce(caller_thread, '') || ' ' || coalesce(hop, '') FROM pruned_turns"
 
@@ -111,7 +108,7 @@ class SizeWatch:
         limit (a checkpoint lets it start over, ``journal_size_limit`` cuts it back), so a
         store sample taken with a short WAL makes the store look grown; the file holds
         the data. ``wal_bytes_max`` shows the WAL bounded."""
-        after = [(b, f, w) for t, b, f, w in self.samples if t >= 2 * WINDOW_S + TOMBSTONES_S]
+        after = [(b, f, w) for t, b, f, w in self.samples if t >= 2 * WINDOW_S]
         if not after:
             return {"store_bytes_samples": len(self.samples), "pruned_tasks": self.pruned}
         first, first_file = after[0][0], after[0][1]
