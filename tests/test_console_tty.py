@@ -58,6 +58,18 @@ def spawn(args: list[str], home, **kw) -> pexpect.spawn:
     return child
 
 
+def expect_then_prompt(child: pexpect.spawn, *texts: str) -> None:
+    """``texts`` in order, and the prompt back (READY). The prompt returns as the command
+    ends, which may reach the terminal before or after the command's output: it is
+    looked for in everything since the first text's wait began."""
+    since = ""
+    for text in texts:
+        child.expect_exact(text)
+        since += child.before + child.after
+    if READY not in since:
+        child.expect_exact(READY)
+
+
 def type_and_complete(child: pexpect.spawn, text: str) -> None:
     # As a person would: the completer runs after the keys have arrived.
     child.send(text)
@@ -72,9 +84,7 @@ def test_run_console_history_completion_describe_and_ctrl_c(tmp_path):
     try:
         child.expect_exact(READY)
         child.send(PING + "\r")
-        child.expect_exact("working…")
-        child.expect_exact("[echo] <pong")
-        child.expect_exact(READY)
+        expect_then_prompt(child, "working…", "[echo] <pong")
         child.send("\x1b[A")  # Up: the last line comes back
         child.expect_exact("<text>hi</text>")
         child.send("\x15")  # Ctrl-U: erase it
@@ -85,14 +95,7 @@ def test_run_console_history_completion_describe_and_ctrl_c(tmp_path):
         child.expect_exact("calculator")
         time.sleep(0.3)
         child.send("\r")
-        # The prompt comes back (READY) as the command ends, which may be before or
-        # after its output reaches the terminal: look for it in everything since Enter.
-        child.expect_exact("@calculator: Integer arithmetic.")
-        since = child.before + child.after
-        child.expect_exact("<multiply xmlns=")
-        since += child.before + child.after
-        if READY not in since:
-            child.expect_exact(READY)
+        expect_then_prompt(child, "@calculator: Integer arithmetic.", "<multiply xmlns=")
         child.send("\x03")  # Ctrl-C at the prompt: leave, and the server stops
         child.expect(pexpect.EOF)
     finally:
@@ -160,8 +163,7 @@ def test_remote_console_completes_names_it_asks_the_server_for(tmp_path):
             child.expect_exact("echo")
             time.sleep(0.3)
             child.send("\r")
-            child.expect_exact("<text>: string")
-            child.expect_exact(READY)
+            expect_then_prompt(child, "<text>: string")
             child.send("\x04")  # Ctrl-D: leave
             child.expect(pexpect.EOF)
         finally:
@@ -241,9 +243,11 @@ def test_run_console_shows_an_agent_s_streamed_text_then_its_answer(tmp_path):
             child.expect_exact("<lookup xmlns=")
             child.expect_exact("</term></lookup>")
             # Its second, streamed, then the agent's answer as the console renders it.
-            child.expect_exact("pump: the router that validates")
-            child.expect_exact("[assistant] pump: the router that validates")
-            child.expect_exact(READY)
+            expect_then_prompt(
+                child,
+                "pump: the router that validates",
+                "[assistant] pump: the router that validates",
+            )
             child.send("/quit\r")
             child.expect(pexpect.EOF)
         finally:
