@@ -384,7 +384,7 @@ def prune_orphan_boxes(
 # -- rows with their own windows -------------------------------------------------------
 
 
-def _delete_or_count(
+def delete_or_count(
     tx: Tx, table: str, key: str, select: str, params: tuple[Any, ...], dry_run: bool
 ) -> Pruned:
     """``DELETE FROM table WHERE key IN (select)``, or (``dry_run``) count the keys."""
@@ -443,7 +443,7 @@ def prune_replies(
     reply is never one of them."""
     if not holds(tx, env, owner):
         return Pruned()
-    got = _delete_or_count(
+    got = delete_or_count(
         tx,
         "agent_replies",
         "agent_turn_id",

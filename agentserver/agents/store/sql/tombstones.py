@@ -8,7 +8,7 @@ over one transaction, both engines.
 from __future__ import annotations
 
 from agentserver.agents.store.sql.db import StoreEnv, Tx
-from agentserver.agents.store.sql.prune import DRY_LIMIT, Pruned, holds
+from agentserver.agents.store.sql.prune import DRY_LIMIT, Pruned, delete_or_count, holds
 
 #: Schema migration 14 (with sql/memory.py's): the index a tombstones batch finds the
 #: oldest by (written when a task is pruned, never by a Turn).
@@ -29,14 +29,15 @@ def prune_tombstones(
     if ``owner`` lost the pruner's lease). ``dry_run`` counts them all."""
     if not holds(tx, env, owner):
         return Pruned()
-    params = (env.clock.now() - max_age_s, DRY_LIMIT if dry_run else limit)
-    select = "SELECT agent_turn_id FROM pruned_turns WHERE pruned_at < ? ORDER BY pruned_at LIMIT ?"
-    if dry_run:
-        row = tx.one(f"SELECT count(*) FROM ({select}) k", params)
-        return Pruned(rows=int(row[0]) if row else 0)
-    tx.execute(f"DELETE FROM pruned_turns WHERE agent_turn_id IN ({select})", params)
-    found = tx.rowcount
-    return Pruned(rows=found, done=found < limit)
+    got = delete_or_count(
+        tx,
+        "pruned_turns",
+        "agent_turn_id",
+        "SELECT agent_turn_id FROM pruned_turns WHERE pruned_at < ? ORDER BY pruned_at LIMIT ?",
+        (env.clock.now() - max_age_s, DRY_LIMIT if dry_run else limit),
+        dry_run,
+    )
+    return got if dry_run else Pruned(rows=got.rows, done=got.rows < limit)
 
 
 def thread_pruned(tx: Tx, agent_id: str, thread: str) -> bool:
