@@ -60,9 +60,15 @@ LLM_TIMEOUT = 4.0
 CLIENTS = (("c0", True), ("c1", False), ("c2", True), ("c3", False))
 
 
+#: The agent with memory folds its conversations early: a small window (the model answers
+#: the summary requests, chaos_model.py), so its memory stays bounded through a long soak
+#: and compaction runs among the faults. A task (its calls and results) fits ``keep-recent``.
+MEMORY_WINDOW = ' context-window="3000" context-reserve="500" max-tokens="500" keep-recent="1000"'
+
+
 def memory(agent: str) -> str:
     """The double texts' agent keeps a conversation per client (chaos_multitask.py)."""
-    return ' memory="client"' if agent == MEMORY_AGENT else ""
+    return ' memory="client"' + MEMORY_WINDOW if agent == MEMORY_AGENT else ""
 
 
 def boot_xml(
@@ -197,8 +203,8 @@ async def chaos(args: argparse.Namespace) -> int:
                     webhooks_xml(hooks.url),
                 )
             )
-            oracle = Oracle(None if postgres else boot_dir / "state" / "agents.sqlite3", pg_url)
-            sizes = SizeWatch(oracle.sqlite_path, pg_url)
+            sizes = SizeWatch(None if postgres else boot_dir / "state" / "agents.sqlite3", pg_url)
+            oracle = Oracle(sizes.sqlite_path, pg_url, sizes.tombstones)
             if args.retention:
                 nursery.start_soon(sizes.run)
             slots = [ServerSlot(i, boot, env, out) for i in range(args.processes)]
@@ -271,7 +277,12 @@ async def chaos(args: argparse.Namespace) -> int:
             verdict.violations.extend(overspent)
             verdict.counts["violations"] = int(verdict.counts["violations"]) + len(overspent)
             sched_counts, sched_violations = await trio.to_thread.run_sync(
-                check_schedules, oracle.sqlite_path, pg_url, time.time()
+                check_schedules,
+                oracle.sqlite_path,
+                pg_url,
+                time.time(),
+                set(sizes.tombstones),
+                dict(sizes.runs),
             )
             verdict.counts.update(sched_counts)
             verdict.violations.extend(sched_violations)
@@ -306,6 +317,7 @@ async def chaos(args: argparse.Namespace) -> int:
             "disconnects_before_answer": switches.counts.get("disconnects_before_answer", 0),
             "resends": switches.counts.get("resends", 0),
             "model_requests": model.stats.requests,
+            "model_summaries": model.stats.summaries,
             "model_faults": sum(model.stats.faults.values()),
             "model_faults_by_kind": dict(sorted(model.stats.faults.items())),
             "runner_kills": sum(r.kills for r in runners),

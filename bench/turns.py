@@ -323,7 +323,7 @@ async def run(
                 pg_per_call={k: list(v) for k, v in per_call.items()},
             )
             if pruner is not None:
-                out["pruned_tasks"] = pruner.last.tasks if pruner.last else 0
+                out["pruned_tasks"] = pruner.tasks_pruned
                 out["prune_runs"] = pruner.runs
             if hold is not None:
                 await hold(out)
@@ -448,20 +448,31 @@ def main() -> None:
         )
     report(out, args.count_statements, "SQLite")
     if args.retention:
-        with tempfile.TemporaryDirectory() as tmp:
-            kept = trio.run(
-                partial(
-                    run,
-                    args.turns,
-                    args.agents,
-                    args.concurrency,
-                    Path(tmp) / "bench.sqlite3",
-                    retention=True,
+        # Alternated, best of each: the machine's drift (and the order) between two runs
+        # is of the size of the difference measured.
+        runs: dict[bool, list[dict[str, object]]] = {False: [out], True: []}
+        for pruning in (True, False, True):
+            with tempfile.TemporaryDirectory() as tmp:
+                got = trio.run(
+                    partial(
+                        run,
+                        args.turns,
+                        args.agents,
+                        args.concurrency,
+                        Path(tmp) / "bench.sqlite3",
+                        retention=pruning,
+                    )
                 )
-            )
-        report(kept, False, "SQLite, the pruner running")
+            runs[pruning].append(got)
+            report(got, False, "SQLite, the pruner running" if pruning else "SQLite")
+        out = max(runs[False], key=lambda r: r["turns_per_s"])
+        kept = max(runs[True], key=lambda r: r["turns_per_s"])
         ratio = round(kept["turns_per_s"] / max(out["turns_per_s"], 0.1), 3)
-        print(f"retention: {kept['turns_per_s']} vs {out['turns_per_s']} Turns/s ({ratio}x)")
+        print(
+            f"retention: {kept['turns_per_s']} vs {out['turns_per_s']} Turns/s ({ratio}x; "
+            f"best of {len(runs[True])} runs each, alternated)"
+        )
+        failed = sum(r["failed"] for rs in runs.values() for r in rs)
         print(
             json.dumps(
                 {
@@ -470,11 +481,13 @@ def main() -> None:
                     "turns_per_s_with_pruner": kept["turns_per_s"],
                     "ratio_with_pruner": ratio,
                     "prune_runs": kept.get("prune_runs"),
-                    "failed": out["failed"] + kept["failed"],
+                    "pruned_tasks": kept.get("pruned_tasks"),
+                    "runs_each": len(runs[True]),
+                    "failed": failed,
                 }
             )
         )
-        raise SystemExit(1 if out["failed"] or kept["failed"] else 0)
+        raise SystemExit(1 if failed else 0)
     peers = run_peers(args) if args.peers else {}
     if not args.store:
         figures = {"store": "SQLite", **summary(out, args.count_statements)}

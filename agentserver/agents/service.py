@@ -147,6 +147,7 @@ def effective_retention(
             step_log_s=None,
             acknowledged_replies_s=None,
             tombstones_s=None,
+            deliveries_s=None,
         )
     return settings.with_overrides(overrides)
 

@@ -332,13 +332,16 @@ async def _start_webhooks(
 ) -> tuple[Any, trio.CancelScope]:
     """The webhooks (docs/webhooks.md) on the agents' store and event bus, run in
     ``nursery`` under the returned scope (cancelled at shutdown, then ``drain()``)."""
-    from agentserver.agents.edge.outbox import Outbox
+    from agentserver.agents.edge.outbox import KEEP_DONE_S, Outbox
     from agentserver.agents.edge.outbox_metrics import OutboxCollector
     from agentserver.agents.edge.webhooks import Webhooks
 
     store = agents.runtime.store
     clock = agents.runtime.clock.now
-    outbox = Outbox(store, clock)
+    # With <retention> the pruner removes done deliveries (its `deliveries` window, in
+    # leased batches); without it the sender keeps them a day, as it always did.
+    keep = KEEP_DONE_S if topology.store.retention is None else None
+    outbox = Outbox(store, clock, keep_done_s=keep)
     webhooks = Webhooks(store, outbox, agents.runtime.events, clock, topology.webhooks)
     registry.register(OutboxCollector(outbox))
     scope = trio.CancelScope()

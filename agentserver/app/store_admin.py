@@ -148,6 +148,8 @@ def _retention_dict(r: RetentionSettings) -> dict[str, Any]:
         "defaults": dataclasses.asdict(r.defaults),
         "step_log_s": r.step_log_s,
         "acknowledged_replies_s": r.acknowledged_replies_s,
+        "tombstones_s": r.tombstones_s,
+        "deliveries_s": r.deliveries_s,
         "interval_s": r.interval_s,
         "agents": {n: dataclasses.asdict(a) for n, a in r.agents.items()},
     }

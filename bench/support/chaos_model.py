@@ -61,6 +61,8 @@ class ModelStats:
     requests: int = 0
     faults: Counter = field(default_factory=Counter)
     answers: int = 0
+    #: compactions' summary requests answered (the agent with memory, bench/chaos.py)
+    summaries: int = 0
 
 
 def _texts(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -76,6 +78,27 @@ def _texts(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
 def _call(kind: str, nonce: str, **fields: object) -> str:
     inner = "".join(f"<{k}>{v}</{k}>" for k, v in fields.items())
     return f'<{kind} xmlns="{TOOLS_NS}"><nonce>{nonce}</nonce>{inner}</{kind}>'
+
+
+#: How a compaction's summary request starts (agents/turn/compaction.py's SUMMARY_SYSTEM):
+#: the bench's agent with memory has a small context window (bench/chaos.py), so its
+#: conversations are folded while the faults run.
+SUMMARY_START = "You keep the running summary of a conversation"
+
+
+def summary_of(texts: list[tuple[str, str]], nonce: str) -> str:
+    """A compaction's summary: bounded (a rolling summary must not grow with the
+    conversation), and keeping what a real model would: the tool results of the latest
+    task, so a task folded mid-way still sees its proofs (none of its tools run twice)."""
+    proofs = sorted(
+        {
+            f"PROOF[{kind}:{n}:{digest}]"
+            for _, text in texts
+            for kind, n, digest in PROOF.findall(text)
+            if n == nonce
+        }
+    )
+    return "Summary of the earlier tasks. Latest tool results: " + (" ".join(proofs) or "none")
 
 
 _CALLED = re.compile(
@@ -121,11 +144,13 @@ class ChaosModel:
         """(status, headers, text) for one request; text is a float for a hang (seconds)."""
         self.stats.requests += 1
         texts = _texts(body.get("messages", []))
+        summary = bool(texts) and texts[0][1].startswith(SUMMARY_START)
         nonces = [n for _, t in texts for n in NONCE.findall(t)]
-        if not nonces:
+        if not nonces and not summary:
             return 200, [], "Nothing to do."
-        nonce = nonces[-1]
-        self.nonces_seen.add(nonce)
+        nonce = nonces[-1] if nonces else ""
+        if not summary:
+            self.nonces_seen.add(nonce)
         if self.faults_on:
             r = self.rng.random()
             mix = self.mix
@@ -140,6 +165,9 @@ class ChaosModel:
             if r < mix.hang:
                 self.stats.faults["hang"] += 1
                 return 200, [], self.llm_timeout + 3.0
+        if summary:
+            self.stats.summaries += 1
+            return 200, [], summary_of(texts, nonce)
         plan = plan_for(self.seed, nonce)
         proofs: dict[str, str] = {}
         calls: Counter = Counter()

@@ -33,9 +33,16 @@ _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9
 class Oracle:
     """Which tasks the server took, and which ran: read from the store."""
 
-    def __init__(self, sqlite_path: pathlib.Path | None, pg_url: str | None) -> None:
+    def __init__(
+        self,
+        sqlite_path: pathlib.Path | None,
+        pg_url: str | None,
+        tombstones: dict[str, str] | None = None,
+    ) -> None:
         self.sqlite_path = sqlite_path
         self.pg_url = pg_url
+        #: Tombstones seen during the run (SizeWatch's): the store prunes its own.
+        self.tombstones: dict[str, str] = {} if tombstones is None else tombstones
 
     def _rows(self, *queries: str) -> list[tuple]:
         rows: list[tuple] = []
@@ -59,7 +66,7 @@ class Oracle:
     async def refs(self) -> str:
         """Every task's reply reference (pruned tasks were taken too), one string."""
         rows = await trio.to_thread.run_sync(self._rows, _TAKEN, PRUNED_QUERY)
-        return "\n".join(str(r[0]) for r in rows)
+        return "\n".join([*(str(r[0]) for r in rows), *self.tombstones.values()])
 
     async def taken(self, thread: str) -> bool:
         return thread in await self.refs()

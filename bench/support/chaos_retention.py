@@ -7,9 +7,11 @@ approvals waiting for the approver, suspended Turns, resends. The checker's rule
 unchanged and are what retention must not break: every task the server took gets
 exactly one answer (no reply lost to pruning, none twice), every paid call its approval's
 outcome. What changes is the oracle of "taken": a pruned task's inbox row is gone, so
-the tombstones (``pruned_turns``) count as taken too (:data:`PRUNED_QUERY`), so they are
-kept for the run (``tombstones="none"``: about 350 bytes a task, which the store's size
-carries; the schedules' checker reads them at the end too).
+the tombstones (``pruned_turns``) count as taken too (:data:`PRUNED_QUERY`). Tombstones
+are pruned as well (after a minute), so the store's size can be flat: :class:`SizeWatch`
+reads them every few seconds and keeps every one it saw (:attr:`SizeWatch.tombstones`),
+which the oracle and the schedules' checker read with the store's own; and the
+schedules' run records likewise (old ones go once their task did, :attr:`SizeWatch.runs`).
 
 :class:`SizeWatch` samples the store's size (SQLite: file plus WAL; PostgreSQL:
 ``pg_database_size``) every ``period`` seconds, for the flatness figure: after the first
@@ -27,12 +29,19 @@ import trio
 #: every task many times over.
 RETENTION = (
     '<retention finished-tasks="20s" keep-last="1" step-log="20s" events="10s" '
-    'acknowledged-replies="10s" tombstones="none" interval="2s"/>'
+    'acknowledged-replies="10s" tombstones="60s" deliveries="20s" interval="2s"/>'
 )
 #: The window after which the store's size should be flat (the longest one above).
-WINDOW_S = 20.0
+WINDOW_S = 60.0
 #: Threads of pruned tasks (caller thread and hop), read with the inbox's reply refs.
 PRUNED_QUERY = "SELECT coalesce(caller_thread, '') || ' ' || coalesce(hop, '') FROM pruned_turns"
+#: Every schedule run record (the store prunes old ones whose task went).
+RUNS_QUERY = "SELECT schedule, tick, outcome, inbox_id FROM schedule_runs"
+#: Every tombstone: its task's inbox id and its threads (as :data:`PRUNED_QUERY`).
+TOMBSTONES_QUERY = (
+    "SELECT coalesce(inbox_id, agent_turn_id), "
+    "coalesce(caller_thread, '') || ' ' || coalesce(hop, '') FROM pruned_turns"
+)
 
 
 def with_retention(store_xml: str) -> str:
@@ -48,26 +57,38 @@ class SizeWatch:
         self.pg_url = pg_url
         #: (seconds since start, store bytes, database file bytes, WAL bytes)
         self.samples: list[tuple[float, int, int, int]] = []
-        #: Tasks pruned so far (``pruned_turns`` rows), at the last sample.
-        self.pruned = 0
+        #: Every tombstone seen so far: a pruned task's inbox id → its threads. The store
+        #: prunes them after a minute; a sample every few seconds sees each one.
+        self.tombstones: dict[str, str] = {}
+        #: Every schedule run record seen so far: (schedule, tick) → (outcome, inbox id).
+        self.runs: dict[tuple[str, float], tuple[str, str | None]] = {}
 
-    def _pruned(self) -> int:
-        query = "SELECT count(*) FROM pruned_turns"
+    @property
+    def pruned(self) -> int:
+        """Tasks pruned so far (tombstones seen)."""
+        return len(self.tombstones)
+
+    def _read_records(self) -> tuple[list[tuple], list[tuple]]:
+        """(tombstones, schedule runs) as the store has them now."""
         if self.pg_url is not None:
             import psycopg
 
             with psycopg.connect(self.pg_url, connect_timeout=10) as conn:
-                row = conn.execute(query).fetchone()
-        else:
-            import sqlite3
+                return (
+                    conn.execute(TOMBSTONES_QUERY).fetchall(),
+                    conn.execute(RUNS_QUERY).fetchall(),
+                )
+        import sqlite3
 
-            assert self.sqlite_path is not None
-            conn = sqlite3.connect(f"file:{self.sqlite_path}?mode=ro", uri=True, timeout=30)
-            try:
-                row = conn.execute(query).fetchone()
-            finally:
-                conn.close()
-        return int(row[0]) if row else 0
+        assert self.sqlite_path is not None
+        conn = sqlite3.connect(f"file:{self.sqlite_path}?mode=ro", uri=True, timeout=30)
+        try:
+            return (
+                conn.execute(TOMBSTONES_QUERY).fetchall(),
+                conn.execute(RUNS_QUERY).fetchall(),
+            )
+        finally:
+            conn.close()
 
     def _size(self) -> tuple[int, int, int] | None:
         """(store bytes, database file bytes, WAL bytes); PostgreSQL: the database's size
@@ -95,10 +116,12 @@ class SizeWatch:
                 size = None
             if size is not None:
                 self.samples.append((trio.current_time() - start, *size))
-                try:
-                    self.pruned = await trio.to_thread.run_sync(self._pruned)
-                except Exception:  # the table is made by the server's first start
-                    pass
+            try:
+                tombstones, runs = await trio.to_thread.run_sync(self._read_records)
+            except Exception:  # the tables are made by the server's first start
+                tombstones, runs = [], []
+            self.tombstones.update((str(key), str(threads)) for key, threads in tombstones)
+            self.runs.update(((r[0], float(r[1])), (r[2], r[3])) for r in runs)
             await trio.sleep(period)
 
     def figures(self) -> dict[str, object]:

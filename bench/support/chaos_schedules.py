@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import sqlite3
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +109,7 @@ def check_runs(scheds: list[Sched], runs: list[Run], now: float) -> tuple[dict, 
 
 
 _SCHEDS = "SELECT name, cron, created_at, next_tick, skipped FROM schedules"
+_TOMBSTONES = "SELECT inbox_id FROM pruned_turns WHERE inbox_id IS NOT NULL"
 _RUNS = (
     "SELECT r.schedule, r.tick, r.outcome, r.inbox_id, "
     # A task retention pruned (chaos.py --retention) left its tombstone: it was there.
@@ -118,8 +120,17 @@ _RUNS = (
 )
 
 
-def check_schedules(sqlite_path: Path | None, pg_url: str | None, now: float) -> tuple[dict, list]:
-    """Read the store and :func:`check_runs` it (blocking: call in a thread)."""
+def check_schedules(
+    sqlite_path: Path | None,
+    pg_url: str | None,
+    now: float,
+    pruned: frozenset[str] | set[str] = frozenset(),
+    seen_runs: Mapping[tuple[str, float], tuple[str, str | None]] | None = None,
+) -> tuple[dict, list]:
+    """Read the store and :func:`check_runs` it (blocking: call in a thread). ``pruned``:
+    inbox ids of tasks whose tombstones were seen during the run, and ``seen_runs`` the
+    run records seen ((schedule, tick) → (outcome, inbox id)): with retention the store
+    prunes both (chaos_retention.py)."""
     # Both reads in one snapshot: the servers still run, and a tick firing between them
     # would be a run past the ``next_tick`` read first (seed 9, PostgreSQL: "20 ticks due,
     # 21 runs").
@@ -129,6 +140,7 @@ def check_schedules(sqlite_path: Path | None, pg_url: str | None, now: float) ->
         with psycopg.connect(pg_url, connect_timeout=10) as conn:
             conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             scheds, runs = conn.execute(_SCHEDS).fetchall(), conn.execute(_RUNS).fetchall()
+            stones = conn.execute(_TOMBSTONES).fetchall()
     else:
         if sqlite_path is None or not sqlite_path.exists():
             return {}, ["schedules: no store"]
@@ -136,14 +148,27 @@ def check_schedules(sqlite_path: Path | None, pg_url: str | None, now: float) ->
         try:
             conn.execute("BEGIN")  # a read transaction: one WAL snapshot for both
             scheds, runs = conn.execute(_SCHEDS).fetchall(), conn.execute(_RUNS).fetchall()
+            stones = conn.execute(_TOMBSTONES).fetchall()
             conn.rollback()
         finally:
             conn.close()
+
+    # A run record seen earlier may be gone now with its task, whose tombstone the run's
+    # samples did not catch yet: the store's own tombstones count too.
+    pruned = set(pruned) | {str(r[0]) for r in stones}
+
+    def status(inbox_id: str | None, found: str | None) -> str | None:
+        return None if inbox_id is None else (found or ("pruned" if inbox_id in pruned else ""))
+
+    kept = [Run(r[0], float(r[1]), r[2], status(r[3], r[4]), bool(r[5])) for r in runs]
+    have = {(r.schedule, r.tick) for r in kept}
+    gone = [
+        Run(name, tick, outcome, status(inbox_id, None), False)
+        for (name, tick), (outcome, inbox_id) in (seen_runs or {}).items()
+        if (name, tick) not in have
+    ]
     return check_runs(
         [Sched(r[0], r[1], float(r[2]), float(r[3]), int(r[4])) for r in scheds],
-        [
-            Run(r[0], float(r[1]), r[2], None if r[3] is None else (r[4] or ""), bool(r[5]))
-            for r in runs
-        ],
+        kept + gone,
         now,
     )

@@ -420,3 +420,102 @@ async def test_store_prune_converts_an_old_file_and_shrinks_it(tmp_path):
     stats = await store_admin.stats(tmp_path / "boot.xml", environ={})
     assert stats["auto_vacuum"] == "incremental"
     assert {t["table"]: t["rows"] for t in stats["tables"]}["pruned_turns"] == 30
+
+
+# -- the records beside the Turns (agents/store/sql/prune_records.py) -----------------
+
+
+async def execute(store: SqlAgentStore, sql: str, *params: Any) -> None:
+    def write(tx: Any, env: Any) -> None:
+        tx.execute(sql, params)
+
+    await store._run(write)
+
+
+async def test_done_deliveries_go_with_their_conversations_counter(store):
+    from agentserver.agents.store.outbox import OutboxItem
+
+    def item(key: str, conversation: str) -> OutboxItem:
+        return OutboxItem("hook", "http://127.0.0.1:9/", b"{}", key, order_key=conversation)
+
+    await store.outbox_enqueue([item("a1", "A"), item("a2", "A"), item("b1", "B")])
+    clock_of(store).advance(1.0)
+    claimed = await store.outbox_claim("me", 30.0, 10)
+    await store.outbox_delivered([(r.seq, r.channel, 200) for r in claimed if r.order_key == "A"])
+    rows, counters = "SELECT count(*) FROM outbox", "SELECT count(*) FROM outbox_sequences"
+    clock_of(store).advance(DAY / 2)
+    assert (await prune(store)).rows.get("outbox", 0) == 0  # inside its window
+    clock_of(store).advance(DAY)
+    dry = await Pruner(store, ONE_DAY, (A,)).prune_once(dry_run=True)
+    assert dry.rows["outbox"] == 2 and await count(store, rows) == 3
+    # none keeps them
+    assert (await prune(store, replace(ONE_DAY, deliveries_s=None))).rows.get("outbox", 0) == 0
+    # A's two delivered rows and its counter go; B's pending row never does, nor its counter.
+    assert (await prune(store)).rows["outbox"] == 3
+    assert await count(store, rows) == 1 and await count(store, counters) == 1
+    assert await count(store, "SELECT count(*) FROM outbox_sequences WHERE order_key = 'B'") == 1
+    clock_of(store).advance(10 * DAY)
+    assert (await prune(store)).rows.get("outbox", 0) == 0
+    # A conversation with nothing kept numbers its next event from 1 again.
+    await store.outbox_enqueue([item("a3", "A")])
+    seq = "SELECT order_seq FROM outbox WHERE order_key = 'A'"
+    assert await count(store, seq) == 1
+
+
+async def test_old_schedule_runs_go_but_the_newest_and_those_with_a_task(store):
+    now = clock_of(store).now()
+    await execute(
+        store,
+        "INSERT INTO schedules (name, agent_id, cron, timezone, overlap, catchup_window, "
+        "jitter, payload, source, next_tick, created_at, updated_at) "
+        "VALUES ('s', ?, '* * * * *', 'UTC', 'skip', 60, 0, ?, 'api', ?, ?, ?)",
+        A,
+        b"<t/>",
+        now + 60,
+        now,
+        now,
+    )
+    await store.enqueue_turn(A, b"x", {"caller_thread": "kept"})
+    [kept] = [
+        r[0] for r in await store._read(lambda tx, env: tx.all("SELECT inbox_id FROM agent_inbox"))
+    ]
+    runs = [
+        (1, "gone-1", "fired"),
+        (2, None, "skipped"),
+        (3, kept, "fired"),
+        (4, "gone-4", "fired"),
+    ]
+    for tick, inbox, outcome in runs:
+        await execute(
+            store,
+            "INSERT INTO schedule_runs (schedule, tick, inbox_id, outcome, at) VALUES ('s',?,?,?,?)",
+            now - 100 + tick,
+            inbox,
+            outcome,
+            now,
+        )
+    assert (await prune(store)).rows.get("schedule_runs", 0) == 0  # inside the window
+    clock_of(store).advance(2 * DAY)
+    assert (await prune(store)).rows["schedule_runs"] == 2
+    left = await store._read(
+        lambda tx, env: tx.all("SELECT inbox_id FROM schedule_runs ORDER BY tick")
+    )
+    assert [r[0] for r in left] == [kept, "gone-4"]  # its task is queued; the newest
+
+
+async def test_an_a2a_tasks_record_goes_with_its_tombstone_a_refused_one_by_age(store):
+    await store.a2a_record("t1", A, "ctx", "owner", "m1", "hello")
+    await store.a2a_record("t2", A, "ctx", "owner", "m2", "hello")
+    await store.a2a_reject("t2", "refused")
+    await finished(store, "t1")
+    records = "SELECT count(*) FROM a2a_tasks"
+    clock_of(store).advance(2 * DAY)
+    report = await prune(store)
+    assert report.tasks == 1 and report.rows["a2a_tasks"] == 1  # the refused one
+    # The task's record stays while its tombstone does: the same message is the same task.
+    assert await count(store, records) == 1
+    assert await store.a2a_record("t9", A, "ctx", "owner", "m1", "hello") == ("t1", False)
+    bounded = replace(ONE_DAY, tombstones_s=3 * DAY)
+    clock_of(store).advance(4 * DAY)
+    assert (await prune(store, bounded)).rows["pruned_turns"] == 1
+    assert await count(store, records) == 0

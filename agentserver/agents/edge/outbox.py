@@ -53,7 +53,7 @@ COALESCE_S = 0.005
 FIGURES_S = 5.0
 #: Rows of receivers not met yet that one claim may take, per family of channels.
 FAMILY_SLOTS = 8
-#: Done rows are kept this long, then pruned (once a minute).
+#: Done rows are kept this long, then pruned (once a minute), when no ``<retention>`` says.
 KEEP_DONE_S = 24 * 3600.0
 
 
@@ -137,8 +137,12 @@ class Outbox:
         transport: httpx.AsyncBaseTransport | None = None,
         on_disabled: Callable[[str], None] | None = None,
         rand: Callable[[], float] = random.random,
+        keep_done_s: float | None = KEEP_DONE_S,
     ) -> None:
         self._store = store
+        #: How long done rows are kept before the sender prunes them; None: it never does
+        #: (with ``<retention>`` the pruner does, agents/store/sql/prune_records.py).
+        self._keep_done_s = keep_done_s
         self._clock = clock
         self._transport = transport
         self.on_disabled = on_disabled
@@ -222,9 +226,9 @@ class Outbox:
                     if now >= next_figures:
                         next_figures = now + FIGURES_S
                         self.channel_figures = await self._store.outbox_figures()
-                    if now >= next_prune:
+                    if now >= next_prune and self._keep_done_s is not None:
                         next_prune = now + 60.0
-                        await self._store.outbox_prune(KEEP_DONE_S)
+                        await self._store.outbox_prune(self._keep_done_s)
                 except Exception as exc:  # the store failing: try again, never die
                     log.warning("outbox: store call failed (retrying): %s", exc)
                     took = 0

@@ -5,7 +5,9 @@ Without a ``<retention>`` element the store keeps everything, as before, and no 
 runs. With one, each attribute left out takes its default (:data:`DEFAULTS`); the value
 ``none`` keeps that kind of row forever. An agent's ``<retention>`` overrides the global
 ``finished-tasks``, ``keep-last`` and ``events`` for that agent's rows (the step log,
-the acknowledged replies, the tombstones and the interval are the store's, global only).
+the acknowledged replies, the tombstones, the deliveries and the interval are the
+store's, global only). An agent's ``finished-tasks`` also bounds its schedules' run
+records and its A2A tasks' records.
 
 Durations are written ``90``, ``90s``, ``15m``, ``1h``, ``7d`` or ``250ms``.
 """
@@ -75,6 +77,10 @@ class RetentionSettings:
     #: A pruned task's tombstone (what makes a read of its thread answer "pruned" rather
     #: than "not found") goes this long after the task was pruned.
     tombstones_s: float | None = 30 * 86400.0
+    #: Webhook (and A2A push) deliveries done (delivered, expired, cancelled) this long ago
+    #: go, and with a conversation's last one its sequence counter (its next event would
+    #: be numbered from 1 again). Without retention the sender keeps them a day.
+    deliveries_s: float | None = 86400.0
     #: How often the pruner runs.
     interval_s: float = 300.0
     agents: Mapping[str, AgentRetention] = field(default_factory=dict)
@@ -99,6 +105,7 @@ DEFAULTS = {
     "events": "1d",
     "acknowledged-replies": "1h",
     "tombstones": "30d",
+    "deliveries": "1d",
     "interval": "5m",
 }
 
@@ -120,6 +127,7 @@ def retention_from_element(el: etree._Element | None) -> RetentionSettings | Non
             get("acknowledged-replies"), "retention acknowledged-replies"
         ),
         tombstones_s=parse_duration(get("tombstones"), "retention tombstones"),
+        deliveries_s=parse_duration(get("deliveries"), "retention deliveries"),
         interval_s=interval if interval is not None else 300.0,
     )
 

@@ -2,8 +2,10 @@
 
 Every ``interval`` it takes the prune lease (``prune_lease``: with several processes on
 one PostgreSQL database one prunes at a time; a dead one's lease expires after
-``prune.LEASE_S``), then, agent by agent, removes finished tasks, orphaned boxes and old
-edges, then delivered replies and idle step log rows, each in batches of at most
+``prune.LEASE_S``), then, agent by agent, removes finished tasks, orphaned boxes, old
+schedule run records, refused A2A tasks and old edges, then delivered replies, old
+tombstones (with their A2A task records), idle step log rows and done webhook
+deliveries (with their sequence counters), each in batches of at most
 :data:`TASK_BATCH` tasks or :data:`ROW_BATCH` rows, one short transaction per batch
 (fenced on the lease, looking at no more than ``prune.SCAN_WINDOW`` rows by primary key:
 a pass resumes each batch where the last ended), with a pause between batches so a
@@ -90,6 +92,15 @@ class PruneStore(Protocol):
     async def prune_tombstones(
         self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
     ) -> Pruned: ...
+    async def prune_deliveries(
+        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
+    ) -> Pruned: ...
+    async def prune_schedule_runs(
+        self, owner: str | None, agent_id: str, max_age_s: float, limit: int, dry_run: bool = False
+    ) -> Pruned: ...
+    async def prune_refused_a2a_tasks(
+        self, owner: str | None, agent_id: str, max_age_s: float, limit: int, dry_run: bool = False
+    ) -> Pruned: ...
     async def store_agents(self) -> list[str]: ...
     async def reclaim_pages(self, max_pages: int) -> int: ...
 
@@ -144,6 +155,8 @@ class Pruner:
         #: Runs completed, and the last one's report (metrics, tests).
         self.runs = 0
         self.last: PruneReport | None = None
+        #: Tasks removed by every run so far.
+        self.tasks_pruned = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Prune every ``interval`` until cancelled. A failed run is logged and retried
@@ -180,6 +193,8 @@ class Pruner:
                     await self.store.release_prune_lease(owner)
         self.runs += 1
         self.last = report
+        if not dry_run:
+            self.tasks_pruned += report.tasks
         return report
 
     async def _batches(
@@ -204,6 +219,36 @@ class Pruner:
             after = got.after
             await trio.sleep(self.pause_s)
 
+    def _passes(self, owner: str | None, dry_run: bool, agents: Sequence[str]) -> list[_Pass]:
+        """Every pass of one run, in order: agent by agent what ``finished-tasks`` and
+        ``events`` bound (a Turn's rows first, so the records that wait for their task to
+        go find it gone), then the store's own windows."""
+        s, d = self.store, dry_run
+        out: list[_Pass] = []
+        for a in agents:
+            r = self.settings.for_agent(a)
+            if (age := r.finished_tasks_s) is not None:
+                out += [
+                    ("task_rows", _paged(s.prune_tasks, d, owner, a, age, r.keep_last), TASK_BATCH),
+                    ("boxes", _unpaged(s.prune_orphan_boxes, d, owner, a, age), ROW_BATCH),
+                    ("schedule_runs", _unpaged(s.prune_schedule_runs, d, owner, a, age), ROW_BATCH),
+                    ("a2a_tasks", _unpaged(s.prune_refused_a2a_tasks, d, owner, a, age), ROW_BATCH),
+                ]
+            if (events := r.events_s) is not None:
+                out.append(
+                    ("execution_edges", _paged(s.prune_events, d, owner, a, events), ROW_BATCH)
+                )
+        g = self.settings
+        if (replies := g.acknowledged_replies_s) is not None:
+            out.append(("agent_replies", _unpaged(s.prune_replies, d, owner, replies), ROW_BATCH))
+        if (stones := g.tombstones_s) is not None:
+            out.append(("pruned_turns", _unpaged(s.prune_tombstones, d, owner, stones), ROW_BATCH))
+        if (steps := g.step_log_s) is not None:
+            out.append(("step_log", _paged(s.prune_step_log, d, owner, steps), ROW_BATCH))
+        if (deliveries := g.deliveries_s) is not None:
+            out.append(("outbox", _unpaged(s.prune_deliveries, d, owner, deliveries), ROW_BATCH))
+        return out
+
     async def _pass(
         self,
         report: PruneReport,
@@ -211,79 +256,30 @@ class Pruner:
         dry_run: bool,
         progress: Callable[[PruneReport], None] | None,
     ) -> None:
-        s = self.store
-        agents = sorted(set(self.agents) | set(await s.store_agents()))
-        for agent in agents:
-            r = self.settings.for_agent(agent)
-            if r.finished_tasks_s is not None:
-                age, keep = r.finished_tasks_s, r.keep_last
-                await self._batches(
-                    report,
-                    "task_rows",
-                    lambda n, after, a=agent, age=age, keep=keep: s.prune_tasks(
-                        owner, a, age, keep, n, dry_run, after
-                    ),
-                    TASK_BATCH,
-                    dry_run,
-                    progress,
-                )
-                await self._batches(
-                    report,
-                    "boxes",
-                    lambda n, _after, a=agent, age=age: s.prune_orphan_boxes(
-                        owner, a, age, n, dry_run
-                    ),
-                    ROW_BATCH,
-                    dry_run,
-                    progress,
-                )
-
-            if r.events_s is not None:
-                ev = r.events_s
-                await self._batches(
-                    report,
-                    "execution_edges",
-                    lambda n, after, a=agent, ev=ev: s.prune_events(
-                        owner, a, ev, n, dry_run, after
-                    ),
-                    ROW_BATCH,
-                    dry_run,
-                    progress,
-                )
-        g = self.settings
-        if g.acknowledged_replies_s is not None:
-            age_r = g.acknowledged_replies_s
-            await self._batches(
-                report,
-                "agent_replies",
-                lambda n, _after: s.prune_replies(owner, age_r, n, dry_run),
-                ROW_BATCH,
-                dry_run,
-                progress,
-            )
-        if g.tombstones_s is not None:
-            age_t = g.tombstones_s
-            await self._batches(
-                report,
-                "pruned_turns",
-                lambda n, _after: s.prune_tombstones(owner, age_t, n, dry_run),
-                ROW_BATCH,
-                dry_run,
-                progress,
-            )
-        if g.step_log_s is not None:
-            age_s = g.step_log_s
-            await self._batches(
-                report,
-                "step_log",
-                lambda n, after: s.prune_step_log(owner, age_s, n, dry_run, after),
-                ROW_BATCH,
-                dry_run,
-                progress,
-            )
+        agents = sorted(set(self.agents) | set(await self.store.store_agents()))
+        for kind, call, batch in self._passes(owner, dry_run, agents):
+            await self._batches(report, kind, call, batch, dry_run, progress)
         if not dry_run:
-            while (freed := await s.reclaim_pages(VACUUM_PAGES)) > 0:
+            while (freed := await self.store.reclaim_pages(VACUUM_PAGES)) > 0:
                 report.pages += freed
                 if progress is not None:
                     progress(report)
                 await trio.sleep(self.pause_s)
+
+
+#: One pass: (the report's kind, ``call(limit, after)`` for one batch, the batch size).
+_Pass = tuple[str, Callable[[int, int], Awaitable[Pruned]], int]
+
+
+def _paged(
+    fn: Callable[..., Awaitable[Pruned]], dry_run: bool, *args: object
+) -> Callable[[int, int], Awaitable[Pruned]]:
+    """A batch call of a pass that resumes where the last batch ended (``after``)."""
+    return lambda limit, after: fn(*args, limit, dry_run, after)
+
+
+def _unpaged(
+    fn: Callable[..., Awaitable[Pruned]], dry_run: bool, *args: object
+) -> Callable[[int, int], Awaitable[Pruned]]:
+    """A batch call of a pass that finds its rows afresh each batch."""
+    return lambda limit, _after: fn(*args, limit, dry_run)

@@ -57,6 +57,7 @@ from agentserver.agents.store.sql import (
     memory,
     multitask,
     prune,
+    prune_records,
     record,
     replies,
     schedules,
@@ -664,6 +665,25 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
     ) -> prune.Pruned:
         return await self._run(tombstones.prune_tombstones, owner, max_age_s, limit, dry_run)
+
+    async def prune_deliveries(
+        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
+    ) -> prune.Pruned:
+        return await self._run(prune_records.prune_deliveries, owner, max_age_s, limit, dry_run)
+
+    async def prune_schedule_runs(
+        self, owner: str | None, agent_id: str, max_age_s: float, limit: int, dry_run: bool = False
+    ) -> prune.Pruned:
+        return await self._run(
+            prune_records.prune_schedule_runs, owner, agent_id, max_age_s, limit, dry_run
+        )
+
+    async def prune_refused_a2a_tasks(
+        self, owner: str | None, agent_id: str, max_age_s: float, limit: int, dry_run: bool = False
+    ) -> prune.Pruned:
+        return await self._run(
+            prune_records.prune_refused_a2a_tasks, owner, agent_id, max_age_s, limit, dry_run
+        )
 
     async def store_agents(self) -> list[str]:
         """Every agent the store has rows of (configured or not any more)."""

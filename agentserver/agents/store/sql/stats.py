@@ -23,6 +23,18 @@ TABLES: dict[str, str | None] = {
     "forks": "created_at",
     "pruned_turns": "pruned_at",
     "prune_lease": None,
+    "outbox": "created_at",
+    "outbox_sequences": None,
+    "outbox_channels": None,
+    "webhooks": "created_at",
+    "schedules": "created_at",
+    "schedule_runs": "at",
+    "budget_spend": "period_start",
+    "budget_holds": "expires_at",
+    "budget_overrides": None,
+    "fair_share": None,
+    "a2a_tasks": "created_at",
+    "a2a_push_configs": "created_at",
     "schema_version": None,
 }
 

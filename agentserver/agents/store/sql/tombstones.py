@@ -1,14 +1,14 @@
 """Tombstones (issue 38): what stays of a pruned task (``pruned_turns``: its Turn, agent,
 caller thread and hop), so a read of its thread answers "pruned" instead of "not found";
 and their own bound: a tombstone goes ``<retention tombstones>`` (default 30 days) after
-its task was pruned, and a read of the thread then answers "not found". Plain functions
-over one transaction, both engines.
+its task was pruned, and a read of the thread then answers "not found". An A2A task's
+record goes with its tombstone. Plain functions over one transaction, both engines.
 """
 
 from __future__ import annotations
 
 from agentserver.agents.store.sql.db import StoreEnv, Tx
-from agentserver.agents.store.sql.prune import DRY_LIMIT, Pruned, delete_or_count, holds
+from agentserver.agents.store.sql.prune import Pruned, delete_or_count, holds
 
 #: Schema migration 14 (with sql/memory.py's): the index a tombstones batch finds the
 #: oldest by (written when a task is pruned, never by a Turn).
@@ -29,15 +29,30 @@ def prune_tombstones(
     if ``owner`` lost the pruner's lease). ``dry_run`` counts them all."""
     if not holds(tx, env, owner):
         return Pruned()
-    got = delete_or_count(
-        tx,
-        "pruned_turns",
-        "agent_turn_id",
-        "SELECT agent_turn_id FROM pruned_turns WHERE pruned_at < ? ORDER BY pruned_at LIMIT ?",
-        (env.clock.now() - max_age_s, DRY_LIMIT if dry_run else limit),
-        dry_run,
+    cutoff = env.clock.now() - max_age_s
+    if dry_run:
+        return delete_or_count(
+            tx,
+            "pruned_turns",
+            "agent_turn_id",
+            "SELECT agent_turn_id FROM pruned_turns WHERE pruned_at < ?",
+            (cutoff,),
+            dry_run,
+        )
+    found = tx.all(
+        "SELECT agent_turn_id, agent_id, caller_thread, hop FROM pruned_turns "
+        "WHERE pruned_at < ? ORDER BY pruned_at LIMIT ?",
+        (cutoff, limit),
     )
-    return got if dry_run else Pruned(rows=got.rows, done=got.rows < limit)
+    if not found:
+        return Pruned()
+    tx.executemany("DELETE FROM pruned_turns WHERE agent_turn_id = ?", [(r[0],) for r in found])
+    # An A2A task's record (its id is the thread it was sent on) goes with its tombstone:
+    # until then its GetTask answers "pruned" (agents/store/sql/prune_records.py).
+    threads = [(r[1], t) for r in found for t in {r[2], r[3]} if t]
+    if threads:
+        tx.executemany("DELETE FROM a2a_tasks WHERE agent_id = ? AND task_id = ?", threads)
+    return Pruned(rows=len(found), done=len(found) < limit)
 
 
 def thread_pruned(tx: Tx, agent_id: str, thread: str) -> bool:
