@@ -19,7 +19,8 @@ from typing import Any
 
 from agentserver.agents.clock import SystemClock
 from agentserver.agents.errors import StoreInUse
-from agentserver.agents.profile.retention import RetentionOverride, RetentionSettings
+from agentserver.agents.profile.retention import RetentionSettings
+from agentserver.agents.service import effective_retention
 from agentserver.agents.store.pruner import Pruner, PruneReport
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
 from agentserver.app.replay import store_settings
@@ -28,16 +29,14 @@ from agentserver.config.topology import Topology
 
 
 def retention_of(topology: Topology) -> RetentionSettings | None:
-    """The topology's retention with each agent's overrides (None: none configured)."""
-    overrides: dict[str, RetentionOverride] = {
-        spec.name: spec.agent_profile.retention
+    """The retention the server's pruner applies (the store's with each agent's over it;
+    an agent's alone prunes that agent only); None: none configured."""
+    profiles = {
+        spec.name: spec.agent_profile
         for spec in topology.listeners
-        if spec.agent and spec.agent_profile is not None and spec.agent_profile.retention
+        if spec.agent and spec.agent_profile is not None
     }
-    settings = topology.store.retention
-    if settings is None:
-        return None
-    return settings.with_overrides(overrides)
+    return effective_retention(topology.store, profiles)
 
 
 async def _open(topology: Topology, store: str | os.PathLike[str] | None) -> tuple[Any, bool]:
@@ -112,7 +111,9 @@ async def prune(
     topology = boot.load_or_raise(boot_path, environ=environ)
     retention = retention_of(topology)
     if retention is None:
-        raise ValueError(f"{boot_path} has no <store><retention>: nothing to prune")
+        raise ValueError(
+            f"{boot_path} has no <retention> (store's or any agent's): nothing to prune"
+        )
     opened, beside = await _open(topology, store)
     try:
         notes: list[str] = []

@@ -56,7 +56,17 @@ def test_the_defaults_and_what_is_written(schema):
     assert r.defaults == AgentRetention(30 * 86400.0, 5, 86400.0)
     assert r.step_log_s is None  # none: kept forever
     assert r.acknowledged_replies_s == 3600.0 and r.interval_s == 30.0
-    assert r.tombstones_s == 30 * 86400.0
+    assert r.tombstones_s == 30 * 86400.0 and r.deliveries_s == 86400.0
+
+
+def test_deliveries_are_kept_as_written(schema):
+    el = etree.fromstring(f'<store xmlns="{BOOT_NS}"><retention deliveries="2h"/></store>')
+    schema.assertValid(el)
+    r = store_settings_from_element(el).retention
+    assert r is not None and r.deliveries_s == 7200.0
+    none = etree.fromstring(f'<store xmlns="{BOOT_NS}"><retention deliveries="none"/></store>')
+    r = store_settings_from_element(none).retention
+    assert r is not None and r.deliveries_s is None
 
 
 def test_tombstones_are_kept_as_written(schema):
@@ -132,4 +142,38 @@ def test_an_agents_retention_alone_prunes_only_that_agent():
     assert r.for_agent("a") == AgentRetention(60.0, None, None)
     assert r.for_agent("b") == AgentRetention(None, None, None)
     assert r.step_log_s is None and r.acknowledged_replies_s is None
-    assert r.tombstones_s is None
+    assert r.tombstones_s is None and r.deliveries_s is None
+
+
+async def test_store_prune_applies_an_agents_retention_alone(tmp_path):
+    """`agentserver store prune` prunes what the server's pruner would: an agent's own
+    ``<retention>`` without the store's is retention too (the store's kinds: none)."""
+    from agentserver.app import store_admin
+
+    boot = tmp_path / "boot.xml"
+    boot.write_text(
+        f"""<organism xmlns="{BOOT_NS}" name="r">
+  <llm><backend name="b" provider="openai" base-url="http://127.0.0.1:9/v1" api-key-env="K">
+    <model name="m"/></backend></llm>
+  <store path="state/agents.sqlite3"/>
+  <listeners>
+    <listener name="calculator" handler="calculator"/>
+    <listener name="assistant" handler="assistant" agent="true" peers="calculator">
+      <agent model="m"><retention finished-tasks="1h"/></agent>
+    </listener>
+  </listeners>
+</organism>"""
+    )
+    from agentserver.agents.clock import SystemClock
+    from agentserver.agents.profile.settings import StoreSettings
+    from agentserver.agents.store.sqlite_store import SqliteAgentStore
+
+    (tmp_path / "state").mkdir()
+    path = tmp_path / "state" / "agents.sqlite3"
+    made = SqliteAgentStore.open(path, clock=SystemClock(), settings=StoreSettings(path=path))
+    await made.aclose()
+    report = await store_admin.prune(boot, dry_run=True, environ={"K": "k"})
+    assert report["dry_run"] and report["tasks"] == 0
+    shown = (await store_admin.stats(boot, environ={"K": "k"}))["retention"]
+    assert shown["agents"]["assistant"]["finished_tasks_s"] == 3600.0
+    assert shown["step_log_s"] is None and shown["deliveries_s"] is None
