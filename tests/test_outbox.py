@@ -401,6 +401,43 @@ async def test_a_receiver_failing_too_long_is_disabled_with_an_event(real: Opene
         watcher.stop()
 
 
+async def test_a_disable_whose_event_was_lost_is_announced_at_start_once(real: Opener) -> None:
+    """A process killed after the sender committed a disable and before its
+    ``webhook.disabled`` was written: the next start offers it (keyed by the disable's
+    time in the store), and a start after that adds nothing."""
+    from agentserver.agents.edge.webhooks import Webhooks, channel_name
+    from agentserver.agents.events import EventBus
+    from agentserver.agents.profile.webhooks import WebhookSpec
+    from agentserver.agents.store.outbox import OutboxItem
+
+    store = await real()
+    watcher = Receiver().start()
+    try:
+        dead = channel_name("dead")
+        # The disable, committed with no Webhooks running to announce it (the "crash").
+        await store.outbox_enqueue([OutboxItem(dead, "http://127.0.0.1:9/", b"{}", "k1")])
+        [row] = await store.outbox_claim("me", 30.0, 10)
+        assert await store.outbox_failed(row.seq, dead, "refused", None, None, 0.0)
+        specs = (
+            WebhookSpec("dead", "http://127.0.0.1:9/", ("task.*",), SECRET),
+            WebhookSpec("watch", watcher.url, ("webhook.disabled",), SECRET, first_delay_s=0.05),
+        )
+        for _start in range(2):
+            outbox = Outbox(store, store.env.clock.now)
+            hooks = Webhooks(store, outbox, EventBus(), store.env.clock.now, specs)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(hooks.run)
+                await wait_for(lambda: len(watcher.ok()) >= 1)
+                await trio.sleep(0.3)  # time for a second delivery, were there one
+                nursery.cancel_scope.cancel()
+            await hooks.drain()
+        assert len(watcher.ok()) == 1
+        event = verify(watcher.ok()[0])
+        assert event["type"] == "webhook.disabled" and event["data"]["webhook"] == "dead"
+    finally:
+        watcher.stop()
+
+
 async def test_a_family_makes_a_channel_per_receiver_and_checks_each_attempt(
     real: Opener,
 ) -> None:

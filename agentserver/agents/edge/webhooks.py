@@ -11,8 +11,8 @@ once per webhook) and writes each batch in one store transaction. The outbox's s
 delivers them, each attempt signed the Standard Webhooks way (agents/edge/hooksign.py).
 
 An event is durable once its batch is written (milliseconds after it was published): a
-crash in between loses it, except a ``task.*`` (offered again at start, :meth:`_sweep`)
-and an event its publisher wrote in its own transaction (:meth:`render_durable`, then
+crash in between loses it, except a ``task.*`` and a ``webhook.disabled`` (offered again
+at start, :meth:`_sweep` and :meth:`_announce_disabled`) and an event its publisher wrote in its own transaction (:meth:`render_durable`, then
 published ``written=True``; docs/runs.md has the table). A full buffer (the store failing
 for :data:`BUFFER_EVENTS` events) drops new events, counted and logged.
 """
@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -139,6 +138,8 @@ class Webhooks:
             task_status.started()
             if self._specs:
                 await self._sweep()
+                if self._wants_any("webhook.disabled"):
+                    await self._announce_disabled(None, self._clock() - SWEEP_S)
             await trio.sleep_forever()
 
     async def _sweep(self) -> None:
@@ -303,14 +304,33 @@ class Webhooks:
         return None
 
     def disabled(self, channel: str) -> None:
-        """The outbox disabled ``channel``: a ``webhook.disabled`` event (to the others)."""
-        if channel.startswith(CHANNEL_PREFIX):
-            name = channel[len(CHANNEL_PREFIX) :]
+        """The outbox disabled ``channel``: a ``webhook.disabled`` event (to the others),
+        announced from the store's record of the disable (:meth:`_announce_disabled`)."""
+        if channel.startswith(CHANNEL_PREFIX) and self._nursery is not None:
+            self._nursery.start_soon(self._announce_disabled, channel, 0.0)
+
+    async def _announce_disabled(self, channel: str | None, since: float) -> None:
+        """Publish ``webhook.disabled`` for ``channel`` (None: every webhook channel
+        disabled at or after ``since``), keyed by the disable's time in the store: the
+        start-up sweep's offer of an event already written adds nothing, and one a
+        process killed before writing it is written then."""
+        try:
+            figures = await self._store.outbox_figures()
+        except Exception as exc:  # the store failing: the disable itself is durable
+            log.warning("webhooks: webhook.disabled not announced: %s", exc)
+            return
+        for f in figures:
+            at = f.disabled_at
+            if at is None or at < since or not f.channel.startswith(CHANNEL_PREFIX):
+                continue
+            if channel is not None and f.channel != channel:
+                continue
+            name = f.channel[len(CHANNEL_PREFIX) :]
             self._bus.publish(
                 NoticeEvent(
                     "webhook.disabled",
-                    data={"webhook": name, "at": iso_time(self._clock())},
-                    dedupe_key=f"webhook.disabled:{name}:{uuid.uuid4().hex}",
+                    data={"webhook": name, "at": iso_time(at)},
+                    dedupe_key=f"webhook.disabled:{name}:{at!r}",
                 )
             )
 
