@@ -519,3 +519,28 @@ async def test_an_a2a_tasks_record_goes_with_its_tombstone_a_refused_one_by_age(
     clock_of(store).advance(4 * DAY)
     assert (await prune(store, bounded)).rows["pruned_turns"] == 1
     assert await count(store, records) == 0
+
+
+async def test_the_deliveries_pass_walks_bounded_windows_past_kept_rows(store, monkeypatch):
+    """A batch looks at most SCAN_WINDOW deliveries by ``seq``; pending ones in between
+    are kept and the pass goes on past them to the end of what is old enough."""
+    from agentserver.agents.store.outbox import OutboxItem
+    from agentserver.agents.store.sql import prune as prune_sql
+
+    monkeypatch.setattr(prune_sql, "SCAN_WINDOW", 3)
+    items = [
+        OutboxItem("hook", "http://127.0.0.1:9/", b"{}", f"k{i}", order_key=f"c{i}")
+        for i in range(12)
+    ]
+    await store.outbox_enqueue(items)
+    clock_of(store).advance(1.0)
+    claimed = await store.outbox_claim("me", 30.0, 20)
+    # Every third stays pending (never pruned); the others delivered.
+    await store.outbox_delivered(
+        [(r.seq, r.channel, 200) for r in claimed if int(r.order_key[1:]) % 3]
+    )
+    clock_of(store).advance(2 * DAY)
+    report = await prune(store, replace(ONE_DAY, deliveries_s=DAY))
+    assert report.rows["outbox"] == 8 + 8  # the rows and their conversations' counters
+    assert report.batches > 12 / 3
+    assert await count(store, "SELECT count(*) FROM outbox") == 4

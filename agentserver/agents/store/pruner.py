@@ -93,7 +93,12 @@ class PruneStore(Protocol):
         self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
     ) -> Pruned: ...
     async def prune_deliveries(
-        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
+        self,
+        owner: str | None,
+        max_age_s: float,
+        limit: int,
+        dry_run: bool = False,
+        after: int = 0,
     ) -> Pruned: ...
     async def prune_schedule_runs(
         self, owner: str | None, agent_id: str, max_age_s: float, limit: int, dry_run: bool = False
@@ -246,7 +251,7 @@ class Pruner:
         if (steps := g.step_log_s) is not None:
             out.append(("step_log", _paged(s.prune_step_log, d, owner, steps), ROW_BATCH))
         if (deliveries := g.deliveries_s) is not None:
-            out.append(("outbox", _unpaged(s.prune_deliveries, d, owner, deliveries), ROW_BATCH))
+            out.append(("outbox", _paged(s.prune_deliveries, d, owner, deliveries), ROW_BATCH))
         return out
 
     async def _pass(

@@ -667,9 +667,16 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         return await self._run(tombstones.prune_tombstones, owner, max_age_s, limit, dry_run)
 
     async def prune_deliveries(
-        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
+        self,
+        owner: str | None,
+        max_age_s: float,
+        limit: int,
+        dry_run: bool = False,
+        after: int = 0,
     ) -> prune.Pruned:
-        return await self._run(prune_records.prune_deliveries, owner, max_age_s, limit, dry_run)
+        return await self._run(
+            prune_records.prune_deliveries, owner, max_age_s, limit, dry_run, after
+        )
 
     async def prune_schedule_runs(
         self, owner: str | None, agent_id: str, max_age_s: float, limit: int, dry_run: bool = False

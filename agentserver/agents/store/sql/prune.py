@@ -210,7 +210,7 @@ def _candidates(
     )
 
 
-def _window(
+def next_window(
     tx: Tx,
     table: str,
     key: str,
@@ -316,7 +316,7 @@ def prune_tasks(
     cutoff = now - max_age_s
     upto = DRY_WINDOW if dry_run else after + SCAN_WINDOW
     found = _candidates(tx, agent_id, cutoff, keep_last, limit, after, upto)
-    nxt, done = _window(
+    nxt, done = next_window(
         tx,
         "agent_inbox",
         "seq",
@@ -423,7 +423,7 @@ def prune_events(
     ]
     if dry_run:
         return Pruned(rows=len(found))
-    nxt, done = _window(
+    nxt, done = next_window(
         tx, "execution_edges", "edge_id", "created_at", after, limit, found, cutoff, False
     )
     if found:
@@ -482,7 +482,7 @@ def prune_step_log(
     ]
     if dry_run:
         return Pruned(rows=len(found))
-    nxt, done = _window(tx, "step_log", "seq", "at", after, limit, found, cutoff, False)
+    nxt, done = next_window(tx, "step_log", "seq", "at", after, limit, found, cutoff, False)
     if found:
         tx.execute(f"DELETE FROM step_log WHERE seq IN ({marks(len(found))})", found)
     return Pruned(rows=len(found), after=nxt, done=done)

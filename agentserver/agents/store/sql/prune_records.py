@@ -19,8 +19,9 @@ Never pruned:
 from __future__ import annotations
 
 from agentserver.agents.store import outbox
+from agentserver.agents.store.sql import prune as prune_sql
 from agentserver.agents.store.sql.db import StoreEnv, Tx
-from agentserver.agents.store.sql.prune import DRY_LIMIT, Pruned, holds
+from agentserver.agents.store.sql.prune import DRY_LIMIT, DRY_WINDOW, Pruned, holds, next_window
 
 _DONE = (outbox.DELIVERED, outbox.EXPIRED, outbox.CANCELLED)
 
@@ -32,9 +33,12 @@ def prune_deliveries(
     max_age_s: float,
     limit: int,
     dry_run: bool = False,
+    after: int = 0,
 ) -> Pruned:
-    """Up to ``limit`` deliveries done more than ``max_age_s`` ago, and the sequence
-    counters of the conversations they were the last of. ``rows`` counts both.
+    """Up to ``limit`` deliveries done more than ``max_age_s`` ago among those after
+    ``after`` (a window of ``prune.SCAN_WINDOW`` by ``seq``: a batch's work is bounded however
+    many rows the window keeps), and the sequence counters of the conversations they were
+    the last of. ``rows`` counts both.
 
     A counter goes only if its ``last_seq`` is still the one read here: on PostgreSQL an
     event of that conversation committed meanwhile (its counter bumped, its row added)
@@ -42,18 +46,21 @@ def prune_deliveries(
     if not holds(tx, env, owner):
         return Pruned()
     cutoff = env.clock.now() - max_age_s
-    if dry_run:
-        row = tx.one(
-            "SELECT count(*) FROM outbox WHERE status IN (?, ?, ?) AND done_at < ?",
-            (*_DONE, cutoff),
-        )
-        return Pruned(rows=int(row[0]) if row else 0)
+    # The module's value, read at the call: the window next_window moves by (tests shrink it).
+    upto = DRY_WINDOW if dry_run else after + prune_sql.SCAN_WINDOW
     rows = tx.all(
-        "SELECT seq, order_key FROM outbox WHERE status IN (?, ?, ?) AND done_at < ? LIMIT ?",
-        (*_DONE, cutoff, limit),
+        "SELECT seq, order_key FROM outbox WHERE seq > ? AND seq <= ? AND status IN (?, ?, ?) "
+        "AND done_at < ? ORDER BY seq LIMIT ?",
+        (after, upto, *_DONE, cutoff, DRY_LIMIT if dry_run else limit),
+    )
+    if dry_run:
+        return Pruned(rows=len(rows))
+    # A row is made before it is done: the pass stops at the first made after the cutoff.
+    nxt, done = next_window(
+        tx, "outbox", "seq", "created_at", after, limit, [r[0] for r in rows], cutoff, False
     )
     if not rows:
-        return Pruned()
+        return Pruned(after=nxt, done=done)
     tx.executemany("DELETE FROM outbox WHERE seq = ?", [(r[0],) for r in rows])
     gone = 0
     for key in sorted({str(r[1]) for r in rows}):  # sorted: counters locked in one order
@@ -68,7 +75,7 @@ def prune_deliveries(
                 (key, counter[0]),
             )
             gone += tx.rowcount
-    return Pruned(rows=len(rows) + gone, done=len(rows) < limit)
+    return Pruned(rows=len(rows) + gone, after=nxt, done=done)
 
 
 def prune_schedule_runs(
