@@ -90,3 +90,18 @@ async def test_no_decision_before_the_timeout_becomes_a_refusal(tmp_path):
     (answer,) = h.replies.sent
     assert "got no decision from alice within 300 s" in answer[1]
     assert h.sql("SELECT status FROM approvals") == [("timed_out",)]
+
+
+async def test_a_grant_after_its_turn_ended_is_withdrawn_never_sent(tmp_path):
+    """The Turn stopped while its call waited for the approver; her grant comes later:
+    nothing waits for the call, so it is never sent, and the request is ``withdrawn``
+    (not left ``granted``, which would look open for ever and keep its Turn from
+    retention)."""
+    h, rid = await start(tmp_path)
+    assert await h.rt.stop("assistant")
+    await h.pump()
+    assert await h.rt.approvals.decide(rid, True, "", "alice") == "applied"
+    await h.pump()
+    await h.pump()
+    assert h.tools.calls == []
+    assert h.sql("SELECT status FROM approvals") == [("withdrawn",)]

@@ -179,6 +179,34 @@ async def test_a_pending_approval_keeps_its_turn(store):
     assert await store.approval_status("r1") == "pending"
 
 
+@pytest.mark.parametrize("awaited", [True, False])
+async def test_a_granted_approval_keeps_its_turn_only_while_the_call_is_awaited(store, awaited):
+    """Granted and still to forward: kept. Granted after its Turn ended (a store from
+    before such grants were marked ``withdrawn``): nothing will forward it, so it keeps
+    nothing, or the Turn would stay for ever."""
+    turn = await finished(store, "t1")
+
+    def add(tx: Any, env: Any) -> None:
+        tx.execute(
+            "INSERT INTO approvals (request_id, agent_id, agent_turn_id, step_id, target, "
+            "payload, rule, approver, thread, status, deadline, created_at) "
+            "VALUES ('r1', ?, ?, 's', 'tool', '<x/>', 'r', 'ops', 'th', 'granted', 0, 0)",
+            (A, turn),
+        )
+        if awaited:
+            tx.execute(
+                "INSERT INTO turn_waiting_tools (tool_call_id, agent_turn_id, turn_epoch, "
+                "agent_id, step_id, to_listener, after_execution, status, created_at, "
+                "updated_at) VALUES ('approval:r1', ?, 1, ?, 's', 'tool', 'retry', "
+                "'waiting', 0, 0)",
+                (turn, A),
+            )
+
+    await store._run(add)
+    clock_of(store).advance(30 * DAY)
+    assert (await prune(store)).tasks == (0 if awaited else 1)
+
+
 async def test_a_turn_suspended_longer_than_the_window_is_kept_whole(store):
     token = await running(store, "t1")
     step_id, _ = await store.begin_step(token)

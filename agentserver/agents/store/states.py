@@ -229,6 +229,7 @@ class ApprovalStatus(enum.StrEnum):
     FORWARDED = "forwarded"
     LOST = "lost"  # a crash between claim and send: reported, never resent
     REFUSED = "refused"  # the pump refused the granted call
+    WITHDRAWN = "withdrawn"  # granted after its Turn had ended: never sent
 
 
 def head_transition(state: HeadStatus | str, event: HeadEvent | str) -> Transition:

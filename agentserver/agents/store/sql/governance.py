@@ -316,6 +316,16 @@ def begin_forward(tx: Tx, env: StoreEnv, row: InboxRow) -> tuple[str, TurnToken,
     )
     live = (ApprovalStatus.GRANTED, ApprovalStatus.FORWARDING)
     if found is None or found[0] not in live or found[5] != WaitingStatus.WAITING:
+        if found is not None and found[0] in live:
+            # Its Turn ended first (stopped, interrupted, timed out): nothing waits for
+            # the call, so it is never sent, and the request says so (a request left
+            # ``granted`` would look open for ever and keep its Turn from retention).
+            ended = (
+                ApprovalStatus.WITHDRAWN
+                if found[0] == ApprovalStatus.GRANTED
+                else ApprovalStatus.LOST
+            )
+            tx.execute("UPDATE approvals SET status = ? WHERE request_id = ?", (ended, request_id))
         inbox_move(tx, env, row.inbox_id, InboxEvent.SKIP, defer_reason="approval settled")
         return None
     status, target, payload, turn_id, epoch, _ = found

@@ -10,7 +10,8 @@ so reads of its thread answer "pruned" instead of "not found". Never pruned:
 
 - a Turn that is queued, running or suspended (the head names it, or one of its inbox
   rows is not final), with everything it references;
-- a Turn with an approval still pending, granted or being forwarded;
+- a Turn with an approval still pending, or granted or being forwarded while the Turn
+  still waits for the call (a grant that came after its Turn ended is never sent);
 - a Turn (or a cancelled task) whose outbox reply is still ``pending``; the replies kept
   for a named client (``client_replies``) are never touched here: they go only when
   the client acknowledges them (``sql/replies.ack_client_replies``);
@@ -40,6 +41,7 @@ from agentserver.agents.store.states import (
     InboxStatus,
     MessageType,
     ReplyStatus,
+    WaitingStatus,
 )
 
 #: Schema migration 8: tombstones, the pruner's lease, the indexes a batch looks up by.
@@ -88,7 +90,8 @@ LEASE = "pruner"
 #: then another process's pruner takes it).
 LEASE_S = 60.0
 FINAL_INBOX = (InboxStatus.CONSUMED, InboxStatus.ERROR, InboxStatus.SKIPPED)
-#: Approval statuses a Turn still waits on (a decision to come, or a call to forward).
+#: Approval statuses a Turn still waits on: a decision to come, or (while the Turn still
+#: waits for the call) a call to forward.
 OPEN_APPROVALS = (ApprovalStatus.PENDING, ApprovalStatus.GRANTED, ApprovalStatus.FORWARDING)
 DONE_REPLIES = (ReplyStatus.SENT, ReplyStatus.UNDELIVERABLE)
 
@@ -179,7 +182,8 @@ def _candidates(
         else ""
     )
     params: list[Any] = [after, upto, agent_id, MessageType.TURN, *FINAL_INBOX, cutoff]
-    params += [*FINAL_INBOX, cutoff, cutoff, *OPEN_APPROVALS, ReplyStatus.PENDING]
+    params += [*FINAL_INBOX, cutoff, cutoff, *OPEN_APPROVALS, WaitingStatus.WAITING]
+    params.append(ReplyStatus.PENDING)
     if keep:
         params += [keep, keep, keep]
     params.append(limit)
@@ -195,8 +199,11 @@ def _candidates(
         f"  AND (o.status NOT IN ({marks(3)}) OR o.updated_at >= ?))"
         " AND NOT EXISTS (SELECT 1 FROM agent_steps s WHERE s.agent_turn_id = i.agent_turn_id"
         "  AND coalesce(s.ended_at, s.started_at) >= ?)"
+        # An approval still to decide, or granted with its call still awaited (a grant
+        # that came after its Turn ended is never sent: it keeps nothing).
         " AND NOT EXISTS (SELECT 1 FROM approvals a WHERE a.agent_turn_id = i.agent_turn_id"
-        f"  AND a.status IN ({marks(3)}))"
+        "  AND (a.status = ? OR (a.status IN (?, ?) AND EXISTS (SELECT 1 FROM"
+        "  turn_waiting_tools w WHERE w.agent_turn_id = a.agent_turn_id AND w.status = ?))))"
         # A conversation's memory: only the task's own conversation can point at its
         # Turn's boxes (a fork or a manual compaction makes boxes of its own).
         " AND NOT EXISTS (SELECT 1 FROM conversations c JOIN boxes b"
