@@ -117,3 +117,15 @@ def test_a_short_chaos_run_with_retention_has_no_violation():
     assert done.returncode == 0 and counts["violations"] == 0, stderr[-3000:]
     assert counts["retention"] and counts["pruned_tasks"] > 0, counts
     assert counts["answered_once"] == counts["taken"] > 0, counts
+
+
+def test_the_trend_compares_the_quarters_means_not_two_samples():
+    from chaos_retention import trend
+
+    swinging = [100, 150, 100, 150, 100, 150, 100, 150]  # flat, swinging by half
+    assert trend(swinging)["file_trend_after_window"] == 0.0
+    growing = [100, 100, 110, 120, 130, 140, 150, 160]
+    got = trend(growing)
+    assert got["file_bytes_mean_first_quarter"] == 100
+    assert got["file_bytes_mean_last_quarter"] == 155
+    assert got["file_trend_after_window"] == 0.55

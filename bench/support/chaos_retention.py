@@ -15,7 +15,9 @@ schedules' run records likewise (old ones go once their task did, :attr:`SizeWat
 
 :class:`SizeWatch` samples the store's size (SQLite: file plus WAL; PostgreSQL:
 ``pg_database_size``) every ``period`` seconds, for the flatness figure: after the first
-window the size should stay within 10% (``size_growth_after_window``).
+window the size should stay within 10%: ``file_trend_after_window`` compares the file's
+mean over the first and the last quarter of the samples after it (``size_growth_after_window``
+and ``file_growth_after_window``, the largest sample against the first, show the swing).
 """
 
 from __future__ import annotations
@@ -149,5 +151,20 @@ class SizeWatch:
             "file_bytes_max": max(files),
             "file_bytes_end": files[-1],
             "file_growth_after_window": round((max(files) - first_file) / max(first_file, 1), 3),
+            **trend(files),
             "wal_bytes_max": max(w for _, _, w in after),
         }
+
+
+def trend(sizes: list[int]) -> dict[str, object]:
+    """The file's mean over the first and the last quarter of the samples after the first
+    window, and the change between them: a store of a megabyte swings by a few hundred
+    KiB with the Turns in flight and the pages not yet given back, so one sample against
+    another measures the swing; the quarters' means measure whether it grows."""
+    q = max(1, len(sizes) // 4)
+    first, last = sum(sizes[:q]) / q, sum(sizes[-q:]) / q
+    return {
+        "file_bytes_mean_first_quarter": round(first),
+        "file_bytes_mean_last_quarter": round(last),
+        "file_trend_after_window": round((last - first) / max(first, 1), 3),
+    }
