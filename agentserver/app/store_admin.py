@@ -128,7 +128,7 @@ async def prune(
             else:
                 opened.make_incremental()
                 notes.append("converted the file to auto_vacuum=INCREMENTAL (VACUUM)")
-        pruner = Pruner(opened, retention, _agents(topology), lease_s=60.0)
+        pruner = Pruner(opened, retention, _agents(topology))
         report = await pruner.prune_once(dry_run=dry_run, progress=progress)
         out: dict[str, Any] = {"dry_run": dry_run, "server_running": beside, **report.as_dict()}
         if isinstance(opened, SqliteAgentStore):

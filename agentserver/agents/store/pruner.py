@@ -30,7 +30,7 @@ from typing import Protocol
 import trio
 
 from agentserver.agents.profile.retention import RetentionSettings
-from agentserver.agents.store.sql.prune import Pruned
+from agentserver.agents.store.sql.prune import LEASE_S, Pruned
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class Pruner:
         agents: Sequence[str] = (),
         *,
         owner: str | None = None,
-        lease_s: float = 60.0,
+        lease_s: float = LEASE_S,
         pause_s: float = PAUSE_S,
     ) -> None:
         self.store = store

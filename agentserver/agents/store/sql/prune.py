@@ -87,8 +87,10 @@ DRY_LIMIT = 1 << 31
 
 LEASE = "pruner"
 #: How long the pruner's lease lasts past its last batch (a dead pruner's lease expires,
-#: then another process's pruner takes it).
-LEASE_S = 60.0
+#: then another process's pruner takes it). Short: a live pruner renews it every batch
+#: (milliseconds apart), and a server killed mid-run, restarted, prunes again after this
+#: long (with 60 s, a 30-minute soak's store swelled for a minute after each such kill).
+LEASE_S = 15.0
 FINAL_INBOX = (InboxStatus.CONSUMED, InboxStatus.ERROR, InboxStatus.SKIPPED)
 #: Approval statuses a Turn still waits on: a decision to come, or (while the Turn still
 #: waits for the call) a call to forward.
