@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -107,6 +107,7 @@ class PruneStore(Protocol):
         self, owner: str | None, agent_id: str, max_age_s: float, limit: int, dry_run: bool = False
     ) -> Pruned: ...
     async def store_agents(self) -> list[str]: ...
+    async def record_agents(self) -> tuple[list[str], list[str]]: ...
     async def reclaim_pages(self, max_pages: int) -> int: ...
 
 
@@ -224,7 +225,14 @@ class Pruner:
             after = got.after
             await trio.sleep(self.pause_s)
 
-    def _passes(self, owner: str | None, dry_run: bool, agents: Sequence[str]) -> list[_Pass]:
+    def _passes(
+        self,
+        owner: str | None,
+        dry_run: bool,
+        agents: Sequence[str],
+        scheduled: Collection[str] = (),
+        refused: Collection[str] = (),
+    ) -> list[_Pass]:
         """Every pass of one run, in order: agent by agent what ``finished-tasks`` and
         ``events`` bound (a Turn's rows first, so the records that wait for their task to
         go find it gone), then the store's own windows."""
@@ -236,9 +244,13 @@ class Pruner:
                 out += [
                     ("task_rows", _paged(s.prune_tasks, d, owner, a, age, r.keep_last), TASK_BATCH),
                     ("boxes", _unpaged(s.prune_orphan_boxes, d, owner, a, age), ROW_BATCH),
-                    ("schedule_runs", _unpaged(s.prune_schedule_runs, d, owner, a, age), ROW_BATCH),
-                    ("a2a_tasks", _unpaged(s.prune_refused_a2a_tasks, d, owner, a, age), ROW_BATCH),
                 ]
+                if a in scheduled:
+                    run_records = _unpaged(s.prune_schedule_runs, d, owner, a, age)
+                    out.append(("schedule_runs", run_records, ROW_BATCH))
+                if a in refused:
+                    a2a_records = _unpaged(s.prune_refused_a2a_tasks, d, owner, a, age)
+                    out.append(("a2a_tasks", a2a_records, ROW_BATCH))
             if (events := r.events_s) is not None:
                 out.append(
                     ("execution_edges", _paged(s.prune_events, d, owner, a, events), ROW_BATCH)
@@ -262,7 +274,8 @@ class Pruner:
         progress: Callable[[PruneReport], None] | None,
     ) -> None:
         agents = sorted(set(self.agents) | set(await self.store.store_agents()))
-        for kind, call, batch in self._passes(owner, dry_run, agents):
+        scheduled, refused = await self.store.record_agents()
+        for kind, call, batch in self._passes(owner, dry_run, agents, scheduled, refused):
             await self._batches(report, kind, call, batch, dry_run, progress)
         if not dry_run:
             while (freed := await self.store.reclaim_pages(VACUUM_PAGES)) > 0:

@@ -696,6 +696,10 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         """Every agent the store has rows of (configured or not any more)."""
         return await self._read(stats.agent_ids)
 
+    async def record_agents(self) -> tuple[list[str], list[str]]:
+        """(agents with schedules, agents with refused A2A tasks), for the pruner."""
+        return await self._read(stats.record_agents)
+
     async def table_stats(self) -> list[tuple[str, int, int | None, float | None]]:
         """Rows, bytes and oldest row time per table (see ``stats.table_stats``)."""
         return await self._read(stats.table_stats)

@@ -48,6 +48,14 @@ def agent_ids(tx: Tx, env: StoreEnv) -> list[str]:
     return sorted(str(r[0]) for r in rows)
 
 
+def record_agents(tx: Tx, env: StoreEnv) -> tuple[list[str], list[str]]:
+    """(agents with schedules, agents with refused A2A tasks): the pruner's passes over
+    those records run for them only (an empty pass would still be a write transaction)."""
+    scheduled = tx.all("SELECT DISTINCT agent_id FROM schedules")
+    refused = tx.all("SELECT DISTINCT agent_id FROM a2a_tasks WHERE refusal IS NOT NULL")
+    return sorted(str(r[0]) for r in scheduled), sorted(str(r[0]) for r in refused)
+
+
 def table_stats(tx: Tx, env: StoreEnv) -> list[tuple[str, int, int | None, float | None]]:
     """Per table: (name, rows, bytes or None where the engine cannot say, oldest time)."""
     sizes: dict[str, int] = {}
