@@ -105,6 +105,18 @@ def ref(thread: str, **more: object) -> dict[str, object]:
     return {"caller_thread": thread, **ALICE, **more}
 
 
+async def any_reply(*ports: Replies) -> None:
+    """Until the next reply to any of ``ports`` (their events as of this call)."""
+    async with trio.open_nursery() as nursery:
+        for port in ports:
+
+            async def one(arrived: trio.Event = port.arrived) -> None:
+                await arrived.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(one)
+
+
 async def settle(replies: Replies, n: int) -> None:
     with trio.move_on_after(LLM_TIMEOUT / 2):
         await replies.wait_for(n)
@@ -389,7 +401,16 @@ async def test_two_double_texts_at_once_from_two_processes(
                             "assistant", task("from b"), ref("t3"), multitask="interrupt"
                         )
                     )
-                await trio.sleep(30)  # trio time: far less than an uncancelled model call
+                # Every task answered, however the two processes' transactions fell:
+                # waited for rather than slept on (the MockClock jumps while both wait on
+                # PostgreSQL, so a fixed trio-time sleep could end before the last Turn
+                # did: CI saw t3 unanswered at 30 s once); bounded by LLM_TIMEOUT / 2,
+                # far less than an uncancelled model call. Then a little longer: an
+                # answer sent twice would show.
+                with trio.move_on_after(LLM_TIMEOUT / 2):
+                    while len(answers(a.replies) + answers(b.replies)) < 3:
+                        await any_reply(a.replies, b.replies)
+                await trio.sleep(5)
                 nursery.cancel_scope.cancel()
     finally:
         for s in sides:
