@@ -41,6 +41,11 @@ class AgentsView:
         the hop thread the agent was called on): status, steps, usage. None if none."""
         return await self.store.task_view(name, thread)
 
+    async def task_reading(self, name: str, thread: str) -> dict[str, Any] | None:
+        """What a person reads of that task (the web console): its text, outcome, answer
+        (:func:`agentserver.agents.store.sql.views.reading`). None if none."""
+        return await self.store.task_reading(name, thread)
+
     async def turn_thread(self, turn: str) -> tuple[str | None, str | None]:
         """(caller thread, hop thread) of the task a Turn runs, for event filtering."""
         return await self.store.turn_thread(turn)

@@ -516,6 +516,9 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     async def task_view(self, agent_id: str, thread: str) -> dict[str, Any] | None:
         return await self._read(views.task, agent_id, thread)
 
+    async def task_reading(self, agent_id: str, thread: str) -> dict[str, Any] | None:
+        return await self._read(views.task_reading, agent_id, thread)
+
     async def recent_tasks(self, agent_id: str, limit: int = 20) -> list[dict[str, Any]]:
         return await self._read(views.recent_tasks, agent_id, limit)
 

@@ -21,10 +21,26 @@ from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
 from agentserver.http.routes.budgets import visible_budgets
 from agentserver.http.routes.status import StatusRoutes
+from agentserver.http.ui import wording
 from agentserver.primitives.approval import ApprovalDecision
 
 #: Tasks listed on an agent's page.
 RECENT_TASKS = 25
+#: Characters of a task's text in a list.
+LIST_TEXT = 100
+#: The store's reading of a task it does not hold yet (a task page opened as the task is
+#: sent, before its inbox row is committed): queued, no text.
+NOT_YET: dict[str, Any] = {
+    "inbox_status": "queued",
+    "reason": None,
+    "text": "",
+    "text_cut": False,
+    "outcome": None,
+    "answer": None,
+    "answer_cut": False,
+    "finished_at": None,
+    "asking": False,
+}
 
 
 class ConsoleData:
@@ -97,7 +113,9 @@ class ConsoleData:
         doc["approvals"] = await self.approvals(identity)
         doc["operator"] = self.is_operator(identity)
         doc["caller"] = identity.name
-        doc["budgets"] = await visible_budgets(self.ctx, identity)
+        doc["budgets"] = [worded_budget(b) for b in await visible_budgets(self.ctx, identity)]
+        for backend in doc["backends"].values():
+            backend["calls"] = wording.backend_calls(backend.get("counters"))
         return doc
 
     async def agent(self, identity: Identity, name: str) -> dict[str, Any] | None:
@@ -108,7 +126,7 @@ class ConsoleData:
         form = self.task_form(name)
         return {
             "agent": await view.agent(name),
-            "tasks": await view.recent_tasks(name, RECENT_TASKS),
+            "tasks": [self.listed(t) for t in await view.recent_tasks(name, RECENT_TASKS)],
             "approvals": approvals,
             "operator": self.is_operator(identity),
             "task_form": dataclasses.asdict(form) if form is not None else None,
@@ -124,14 +142,57 @@ class ConsoleData:
         task = await view.task(name, thread)
         turn = task.get("turn") if task is not None else None
         log = await view.turn_log(turn) if turn else {"cards": [], "decisions": []}
+        if task is not None:
+            for step in task["steps"]:
+                step["took"] = _took(step.get("started_at"), step.get("ended_at"))
+                step["cost_text"] = wording.cost(step.get("cost"))
+        found = await view.task_reading(name, thread)
         return {
             "agent": name,
             "thread": thread,
             "task": task,
+            "reading": self.reading(found or NOT_YET, task),
             "log": log,
             "approvals": await self.approvals(identity, turn) if turn else [],
             "replies": self.replies(identity, thread),
             "operator": self.is_operator(identity),
+        }
+
+    def reading(self, found: dict[str, Any], task: dict[str, Any] | None) -> dict[str, Any]:
+        """A task as its page shows it, from the store's reading of it
+        (:func:`agentserver.agents.store.sql.views.reading`) and its view (usage): the
+        state in words, the text, the answer, and its figures formatted."""
+        state = wording.task_state(found["inbox_status"], found["outcome"], found["asking"])
+        usage = (task or {}).get("usage") or {}
+        steps = (task or {}).get("steps") or []
+        return {
+            "state": state,
+            "detail": wording.state_detail(
+                found["inbox_status"], found["outcome"], found["reason"]
+            ),
+            "finished": state in wording.FINISHED,
+            "text": wording.payload_text(found["text"], self._parser)
+            + (" …" if found["text_cut"] else ""),
+            "answer": found["answer"],
+            "answer_cut": found["answer_cut"],
+            "answered": state == wording.SUCCEEDED,
+            "took": _took((task or {}).get("created_at"), found["finished_at"]),
+            "tokens": wording.count(usage.get("total_tokens"), "token") if steps else wording.NONE,
+            "cost": wording.cost(usage.get("cost")) if steps else wording.NONE,
+            "steps": wording.count(len(steps), "step"),
+        }
+
+    def listed(self, row: dict[str, Any]) -> dict[str, Any]:
+        """One task of an agent's list (:func:`views.recent_tasks`' row) with its text
+        shortened, its state in words and how long it took."""
+        state = wording.task_state(row["inbox_status"], row["outcome"], row["asking"])
+        return {
+            **row,
+            "state": state,
+            "detail": wording.state_detail(row["inbox_status"], row["outcome"], row["reason"]),
+            "summary": wording.shorten(wording.payload_text(row["text"], self._parser), LIST_TEXT)
+            or "(no text)",
+            "took": _took(row["created_at"], row["finished_at"]),
         }
 
     def replies(self, identity: Identity, thread: str) -> list[dict[str, str]] | None:
@@ -155,3 +216,30 @@ def reply_document(envelope: bytes, parser: SafeParser) -> dict[str, str]:
     payload = root[1] if len(root) > 1 else None
     text = " ".join("".join(payload.itertext()).split()) if payload is not None else ""
     return {"from": sender, "text": text, "xml": xml}
+
+
+def _took(start: float | None, end: float | None) -> str:
+    """How long from ``start`` to ``end`` (store clock readings), worded; a dash unless
+    both are known."""
+    if start is None or end is None:
+        return wording.NONE
+    return wording.duration(end - start)
+
+
+def worded_budget(budget: dict[str, Any]) -> dict[str, Any]:
+    """A budget's row (``visible_budgets``) with its amounts worded for the overview:
+    tokens counted, costs in dollars, for the limits it has."""
+
+    def amount(values: dict[str, Any]) -> str:
+        limit = budget["limit"]
+        parts = []
+        if limit.get("tokens") is not None:
+            parts.append(wording.count(values.get("tokens"), "token"))
+        if limit.get("cost") is not None:
+            parts.append(wording.cost(values.get("cost")))
+        return ", ".join(parts) or wording.NONE
+
+    return {
+        **budget,
+        "worded": {k: amount(budget[k]) for k in ("spent", "reserved", "limit")},
+    }

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentserver.agents.errors import TurnPruned
+from agentserver.agents.store.base import CardType
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
 from agentserver.agents.store.sql.memory import turn_memory
 from agentserver.agents.store.sql.tombstones import thread_pruned
@@ -173,20 +174,106 @@ CARD_TEXT_CHARS = 4000
 TURN_LOG_CARDS = 200
 
 
+#: Characters of a task's text (its payload as sent) and of its answer that the web
+#: console's task page carries; a list carries :data:`LIST_TEXT_CHARS` of each.
+READING_CHARS = 20000
+LIST_TEXT_CHARS = 400
+
+
 def recent_tasks(tx: Tx, env: StoreEnv, name: str, limit: int) -> list[dict[str, Any]]:
     """The newest ``limit`` tasks of agent ``name``, newest first: the caller's thread, the
     hop thread, the inbox status, the Turn and when it came (the web console's agent
-    page). One indexed read (``agent_inbox`` by agent)."""
+    page), each with its :func:`reading` (its text and outcome, cut at
+    :data:`LIST_TEXT_CHARS`). One indexed read (``agent_inbox`` by agent), then two per
+    started task (its Turn's boxes, and its approvals while it runs)."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
     rows = tx.all(
-        f"SELECT {caller}, {hop}, status, agent_turn_id, created_at FROM agent_inbox "
-        "WHERE agent_id = ? AND message_type = ? ORDER BY seq DESC LIMIT ?",
+        f"SELECT {caller}, {hop}, status, agent_turn_id, created_at, payload, defer_reason "
+        "FROM agent_inbox WHERE agent_id = ? AND message_type = ? ORDER BY seq DESC LIMIT ?",
         (name, MessageType.TURN.value, limit),
     )
     return [
-        {"thread": r[0] or r[1], "hop": r[1], "status": r[2], "turn": r[3], "created_at": r[4]}
+        {
+            "thread": r[0] or r[1],
+            "hop": r[1],
+            "status": r[2],
+            "turn": r[3],
+            "created_at": r[4],
+            **reading(tx, r[2], r[5], r[6], r[3], LIST_TEXT_CHARS),
+        }
         for r in rows
     ]
+
+
+def task_reading(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None:
+    """The :func:`reading` of the latest task of agent ``name`` sent on ``thread`` (found
+    as :func:`task` finds it), its text and answer cut at :data:`READING_CHARS`; None if
+    there is none (a pruned one included: :func:`task` says which)."""
+    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    row = tx.one(
+        "SELECT status, payload, defer_reason, agent_turn_id FROM agent_inbox "
+        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?) "
+        "ORDER BY seq DESC LIMIT 1",
+        (name, MessageType.TURN.value, thread, thread),
+    )
+    if row is None:
+        return None
+    return reading(tx, row[0], row[1], row[2], row[3], READING_CHARS)
+
+
+def reading(
+    tx: Tx,
+    inbox_status: str,
+    payload: bytes | memoryview | None,
+    reason: str | None,
+    turn: str | None,
+    chars: int,
+) -> dict[str, Any]:
+    """What a person reads of one task, as the store holds it (the web console words it,
+    agentserver/http/ui/wording.py): its inbox row's status and reason, its ``text`` (the
+    payload as sent: the row's until its Turn starts, then the Turn's ``task.input``
+    card, as ``common.CONSUMED_PAYLOAD`` says), its ``outcome`` (the deliverable's status,
+    None before the end), its ``answer`` (the deliverable's text), when it finished, and
+    whether an approval of its Turn is ``asking`` (pending). Text and answer are cut at
+    ``chars`` (``text_cut``/``answer_cut`` say so)."""
+    text = bytes(payload or b"").decode("utf-8", "replace")
+    out: dict[str, Any] = {
+        "inbox_status": inbox_status,
+        "reason": reason,
+        "outcome": None,
+        "answer": None,
+        "answer_cut": False,
+        "finished_at": None,
+        "asking": False,
+    }
+    if turn is not None:
+        # The Turn's own boxes (indexed by Turn), their cards by box: the task is the
+        # context box's first task.input card, the end the output box's last deliverable.
+        cards = tx.all(
+            "SELECT c.card_type, c.content, c.metadata, c.created_at FROM boxes b "
+            "JOIN cards c ON c.box_id = b.box_id WHERE b.agent_turn_id = ? "
+            "AND c.agent_turn_id = ? AND c.card_type IN (?, ?) ORDER BY c.seq",
+            (turn, turn, CardType.TASK_INPUT, CardType.DELIVERABLE),
+        )
+        inputs = [c for c in cards if c[0] == CardType.TASK_INPUT]
+        if not text and inputs:
+            text = str(inputs[0][1])
+        ends = [c for c in cards if c[0] == CardType.DELIVERABLE]
+        if ends:
+            _type, answer, metadata, at = ends[-1]
+            out["outcome"] = json.loads(metadata or "{}").get("status") or "finished"
+            out["answer"] = str(answer)[:chars]
+            out["answer_cut"] = len(answer) > chars
+            out["finished_at"] = at
+        else:
+            asking = tx.one(
+                "SELECT count(*) FROM approvals WHERE agent_turn_id = ? AND status = ?",
+                (turn, ApprovalStatus.PENDING.value),
+            )
+            out["asking"] = bool(asking and asking[0])
+    out["text"] = text[:chars]
+    out["text_cut"] = len(text) > chars
+    return out
 
 
 def turn_log(tx: Tx, env: StoreEnv, turn: str) -> dict[str, Any]:
