@@ -59,8 +59,19 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
 
     def answered() -> str:
         wait.until(lambda d: d.find_element(By.ID, "task-status").text == "succeeded")
-        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#replies pre.reply-text"))
-        return text("#replies pre.reply-text")
+        wait.until(lambda d: d.find_element(By.ID, "answer").text)
+        return text("#answer")
+
+    def finished_task_page(words: str, answer: str) -> None:
+        """A finished task's page reads as done: its text, "succeeded", its answer, and
+        no live badge, no Stop, no Cancel (whether it was watched to the end, or opened
+        afterwards and so served finished)."""
+        assert text("#task-text") == words
+        assert text("#task-status") == "succeeded"
+        assert text("#answer") == answer
+        assert not driver.find_elements(By.ID, "live")
+        assert not driver.find_elements(By.CSS_SELECTOR, "#controls, main button.danger")
+        assert not driver.find_element(By.ID, "no-answer").is_displayed()
 
     def pending_approval() -> None:
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#approvals li.approval"))
@@ -115,6 +126,15 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
         assert answered() == "Hello from the console."
         assert driver.execute_script("return window.__still_here === true;")
         assert "Say hello." in text("#conversation")
+        # Watched to its end: the page took its badge and buttons away as it finished.
+        wait.until(lambda d: not d.find_elements(By.ID, "live"))
+        finished_task_page("Say hello.", "Hello from the console.")
+        # Opened again, finished: served without them, and the updater adds none back.
+        hello = driver.current_url
+        driver.get(hello)
+        finished_task_page("Say hello.", "Hello from the console.")
+        assert driver.find_element(By.TAG_NAME, "body").get_attribute("data-finished") == "true"
+        assert text("#task-steps") == "1 step" and text("#task-tokens").endswith(" tokens")
         shot("task")
 
         # An approval: it appears on the task page; Approve runs the tool once.
@@ -172,9 +192,26 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
         assert text("#replies .reply-from") == "from echo"
         shot("thread")
 
-        # The agent's page lists its tasks.
+        # The agent's page lists its tasks by their text and outcome, newest first.
         driver.get(console.url + "/ui/agents/assistant")
-        assert len(driver.find_elements(By.CSS_SELECTOR, "#tasks tbody tr")) == 4
+        rows = [
+            (
+                r.find_element(By.CSS_SELECTOR, ".task-summary").text,
+                r.find_element(By.CSS_SELECTOR, ".state").text,
+            )
+            for r in driver.find_elements(By.CSS_SELECTOR, "#tasks tbody tr")
+        ]
+        assert rows == [
+            ("say something nasty", "succeeded"),
+            ("pay carol 7", "succeeded"),
+            ("pay bob 5", "succeeded"),
+            ("Say hello.", "succeeded"),
+        ]
+        assert "consumed" not in text("#tasks")
+        driver.find_element(By.LINK_TEXT, "Say hello.").click()
+        wait.until(lambda d: d.current_url == hello)
+        finished_task_page("Say hello.", "Hello from the console.")
+        driver.get(console.url + "/ui/agents/assistant")
         shot("agent")
     except BaseException:
         # What the browser showed when it failed, for the person reading the failure.

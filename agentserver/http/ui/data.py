@@ -165,6 +165,7 @@ class ConsoleData:
         state = wording.task_state(found["inbox_status"], found["outcome"], found["asking"])
         usage = (task or {}).get("usage") or {}
         steps = (task or {}).get("steps") or []
+        costs = [s["cost"] for s in steps if s.get("cost") is not None]
         return {
             "state": state,
             "detail": wording.state_detail(
@@ -178,7 +179,8 @@ class ConsoleData:
             "answered": state == wording.SUCCEEDED,
             "took": _took((task or {}).get("created_at"), found["finished_at"]),
             "tokens": wording.count(usage.get("total_tokens"), "token") if steps else wording.NONE,
-            "cost": wording.cost(usage.get("cost")) if steps else wording.NONE,
+            # Unpriced steps (no <price>) have no cost: their zero sum is not "$0".
+            "cost": wording.cost(sum(costs)) if costs else wording.NONE,
             "steps": wording.count(len(steps), "step"),
         }
 
