@@ -75,6 +75,8 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
 
     def pending_approval() -> None:
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#approvals li.approval"))
+        wait.until(lambda d: d.find_element(By.ID, "task-status").text == "waiting for approval")
+        assert driver.find_elements(By.ID, "live") and driver.find_elements(By.ID, "controls")
 
     def decide(button: str, reason: str = "") -> None:
         """Type the reason into the approval's form and press ``button`` with the
@@ -197,7 +199,7 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
         rows = [
             (
                 r.find_element(By.CSS_SELECTOR, ".task-summary").text,
-                r.find_element(By.CSS_SELECTOR, ".state").text,
+                r.find_element(By.CSS_SELECTOR, ".badge").text,
             )
             for r in driver.find_elements(By.CSS_SELECTOR, "#tasks tbody tr")
         ]

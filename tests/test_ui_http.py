@@ -140,6 +140,23 @@ async def test_the_console_refuses_strangers_forged_posts_and_inline_scripts(tmp
                 # The answer's text, and the task's XML (its text escaped once in it).
                 assert "a &lt;b&gt;bold &amp; &lt;i&gt;risky answer" in html
                 assert "&amp;lt;img src=x onerror=&#34;alert(1)&#34;&amp;gt;" in html
+                # A finished task reads as one: its text, its state, its answer; no live
+                # badge, no Stop or Cancel (alice is an operator).
+                assert "&lt;img src=x onerror=&#34;alert(1)&#34;&gt;</blockquote>" in html
+                assert re.search(r'id="task-status"[^>]*>succeeded<', html)
+                assert re.search(r'<pre id="answer" class="answer">a &lt;b&gt;bold', html)
+                assert 'id="live"' not in html and 'id="controls"' not in html
+                assert "/stop" not in html and "/cancel" not in html
+                assert 'data-finished="true"' in html
+                # The agent's list: the task's text and outcome, not its inbox status.
+                listed = (await alice.get("/ui/agents/assistant")).text
+                assert re.search(r'title="thread [^"]+">&lt;img src=x onerror=', listed)
+                assert 'class="badge succeeded">succeeded<' in listed
+                assert "consumed" not in listed
+                # The backends' counters in words, no Python reprs.
+                calls = re.search(r'<td class="calls">([^<]*)</td>', (await alice.get("/ui")).text)
+                assert calls and "1 request, 1 succeeded, 0 failed" in calls.group(1), calls
+                assert "no errors" in calls.group(1) and "{" not in calls.group(1)
                 # A redirect never leaves the console.
                 away = await alice.post(
                     "/ui/send", data={**task, "csrf": csrf, "to": "", "next": "//evil.example/"}
@@ -242,6 +259,11 @@ async def test_approvals_settle_once_only_by_the_approver_and_stop_is_for_operat
                 api = f"/ui/api/agents/assistant/tasks/{thread}"
                 await until(lambda: _task_status(bob, api, "stopped"), "the task stopped")
                 assert "erin 3" not in console.paid()
+                # Stopped by an operator: cancelled, saying how, and over.
+                page = (await alice.get(f"/ui/agents/assistant/tasks/{thread}")).text
+                assert re.search(r'id="task-status"[^>]*>cancelled<', page)
+                assert '<span id="task-detail" class="detail">stopped</span>' in page
+                assert "pay erin" in page and "/cancel" not in page
         finally:
             code = await trio.to_thread.run_sync(console.stop)
             nursery.cancel_scope.cancel()

@@ -152,7 +152,7 @@ function renderTask(doc) {
   const reading = doc.reading;
   const status = document.getElementById("task-status");
   status.textContent = reading.state;
-  status.className = "state " + reading.state.replace(/ /g, "-");
+  status.className = "badge " + reading.state.replace(/ /g, "-");
   setText("task-detail", reading.detail);
   setText("task-text", reading.text);
   setText("task-took", reading.took);
