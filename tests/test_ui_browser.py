@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pathlib
 
+import httpx
 import trio
 from browser import open_browser, page_errors, screenshot_dir, skip_without_browser
 from llm.llm_fakes import openai_ok, openai_stream
@@ -210,6 +211,28 @@ def scenario(console: ConsoleServer, shots: pathlib.Path, profiles: pathlib.Path
             ("Say hello.", "succeeded"),
         ]
         assert "consumed" not in text("#tasks")
+        # A task sent elsewhere (the HTTP API) shows up in the open list with its
+        # outcome, without a reload.
+        driver.execute_script("window.__still_here = 'agent';")
+        console.model.push(openai_ok("Done later.", model="m"))
+        sent = httpx.post(
+            console.url + "/v1/messages",
+            params={"to": "assistant", "wait": "false"},
+            content=b'<task xmlns="urn:agentserver:assistant"><text>from the API</text></task>',
+            headers={"Authorization": f"Bearer {TOKENS['alice']}"},
+            timeout=PATIENCE,
+        )
+        assert sent.status_code < 300, sent.text
+
+        def first_row() -> tuple[str, str]:
+            row = driver.find_element(By.CSS_SELECTOR, "#tasks tbody tr")
+            return (
+                row.find_element(By.CSS_SELECTOR, ".task-summary").text,
+                row.find_element(By.CSS_SELECTOR, ".badge").text,
+            )
+
+        wait.until(lambda d: first_row() == ("from the API", "succeeded"))
+        assert driver.execute_script("return window.__still_here === 'agent';")
         driver.find_element(By.LINK_TEXT, "Say hello.").click()
         wait.until(lambda d: d.current_url == hello)
         finished_task_page("Say hello.", "Hello from the console.")

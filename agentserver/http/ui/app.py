@@ -37,6 +37,7 @@ def ui_routes(
         Route("/ui/threads/{thread}", pages.thread),
         Route("/ui/events", pages.events_stream),
         Route("/ui/api/overview", pages.overview_json),
+        Route("/ui/api/agents/{name}", pages.agent_json),
         Route("/ui/api/agents/{name}/tasks/{thread}", pages.task_json),
         Route("/ui/api/threads/{thread}", pages.thread_json),
         Route("/ui/send", actions.send, methods=post),

@@ -133,6 +133,15 @@ class Pages:
             return identity
         return self.json(await self.data.overview(identity))
 
+    async def agent_json(self, request: Request) -> Response:
+        identity = await self.session.identify(request)
+        if isinstance(identity, Response):
+            return identity
+        doc = await self.data.agent(identity, request.path_params["name"])
+        if doc is None:
+            return problem(404, "not-found", "Not found.")
+        return self.json(doc)
+
     async def task_json(self, request: Request) -> Response:
         identity = await self.session.identify(request)
         if isinstance(identity, Response):

@@ -118,11 +118,31 @@ function overviewPage() {
   setInterval(refresh, 5000);
 }
 
+function taskRow(agent, t) {
+  const summary = t.thread
+    ? el("a", { href: "/ui/agents/" + encodeURIComponent(agent) + "/tasks/" + encodeURIComponent(t.thread), title: "thread " + t.thread, text: t.summary })
+    : document.createTextNode(t.summary);
+  const state = el("td", { class: "state-cell" }, el("span", { class: "badge " + t.state.replace(/ /g, "-"), text: t.state }));
+  if (t.detail) state.append(" ", el("span", { class: "detail", text: t.detail }));
+  const came = el("time", { "data-epoch": String(t.created_at) });
+  return el("tr", { "data-thread": t.thread || "" }, el("th", { scope: "row", class: "task-summary" }, summary),
+    state, el("td", {}, came), el("td", { text: t.took }));
+}
+
+function renderTasks(agent, tasks) {
+  const body = document.querySelector("#tasks tbody");
+  if (!body) return;
+  replaceChildren(body, tasks.length ? tasks.map((t) => taskRow(agent, t))
+    : [el("tr", {}, el("td", { colspan: "4", text: "No task yet." }))]);
+  localTimes();
+}
+
 function agentPage(agent) {
   const refresh = debounce(async () => {
     try {
-      const doc = await getJSON("/ui/api/overview");
-      renderApprovals(doc.approvals.filter((a) => a.agent_id === agent));
+      const doc = await getJSON("/ui/api/agents/" + encodeURIComponent(agent));
+      renderApprovals(doc.approvals);
+      renderTasks(agent, doc.tasks);
     } catch (e) { /* retried */ }
   }, 250);
   const source = new EventSource("/ui/events?agent=" + encodeURIComponent(agent));
