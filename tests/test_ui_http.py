@@ -153,6 +153,15 @@ async def test_the_console_refuses_strangers_forged_posts_and_inline_scripts(tmp
                 assert re.search(r'title="thread [^"]+">&lt;img src=x onerror=', listed)
                 assert 'class="badge succeeded">succeeded<' in listed
                 assert "consumed" not in listed
+                # The same list as JSON, for the page's script (and only for the signed-in).
+                tasks = (await alice.get("/ui/api/agents/assistant")).json()["tasks"]
+                assert [(t["summary"], t["state"]) for t in tasks][-1] == (
+                    '<img src=x onerror="alert(1)">',
+                    "succeeded",
+                )
+                async with httpx.AsyncClient(base_url=console.url, timeout=PATIENCE) as anon:
+                    assert (await anon.get("/ui/api/agents/assistant")).status_code == 401
+                assert (await alice.get("/ui/api/agents/nobody")).status_code == 404
                 # The backends' counters in words, no Python reprs.
                 calls = re.search(r'<td class="calls">([^<]*)</td>', (await alice.get("/ui")).text)
                 assert calls and "1 request, 1 succeeded, 0 failed" in calls.group(1), calls
