@@ -179,7 +179,7 @@ class ConsoleData:
             "answered": state == wording.SUCCEEDED,
             "took": _took((task or {}).get("created_at"), found["finished_at"]),
             "tokens": wording.count(usage.get("total_tokens"), "token") if steps else wording.NONE,
-            # Unpriced steps (no <price>) have no cost: their zero sum is not "$0".
+            # Steps that recorded no cost at all read as a dash, not as "$0".
             "cost": wording.cost(sum(costs)) if costs else wording.NONE,
             "steps": wording.count(len(steps), "step"),
         }
