@@ -15,7 +15,9 @@ import tempfile
 
 import pytest
 
-CHROMIUM = "/usr/bin/chromium"
+#: The browser (``AGENTSERVER_TEST_CHROMIUM`` names another; tests/test_no_silent_skips.py
+#: names a missing one to see the skip fail in CI).
+CHROMIUM = os.environ.get("AGENTSERVER_TEST_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = "/usr/bin/chromedriver"
 
 FLAGS = (
