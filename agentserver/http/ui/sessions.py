@@ -56,29 +56,29 @@ class MemorySessionTable:
         self.clock = clock
         self.max_sessions = max_sessions
         #: id hash → (client, proof, expires at); in sign-in order.
-        self._rows: dict[str, tuple[str, str, float]] = {}
+        self.rows: dict[str, tuple[str, str, float]] = {}
 
     async def ui_session_put(
         self, id_hash: str, client: str, proof: str, lifetime_s: float
     ) -> float:
         now = self.clock.now()
-        if len(self._rows) >= self.max_sessions:
-            for key in [k for k, row in self._rows.items() if row[2] <= now]:
-                del self._rows[key]
-        while len(self._rows) >= self.max_sessions:
-            del self._rows[next(iter(self._rows))]
+        if len(self.rows) >= self.max_sessions:
+            for key in [k for k, row in self.rows.items() if row[2] <= now]:
+                del self.rows[key]
+        while len(self.rows) >= self.max_sessions:
+            del self.rows[next(iter(self.rows))]
         expires = now + lifetime_s
-        self._rows[id_hash] = (client, proof, expires)
+        self.rows[id_hash] = (client, proof, expires)
         return expires
 
     async def ui_session_get(self, id_hash: str) -> tuple[str, str] | None:
-        row = self._rows.get(id_hash)
+        row = self.rows.get(id_hash)
         if row is None or row[2] <= self.clock.now():
             return None
         return row[0], row[1]
 
     async def ui_session_delete(self, id_hash: str) -> bool:
-        return self._rows.pop(id_hash, None) is not None
+        return self.rows.pop(id_hash, None) is not None
 
 
 def id_hash(session: str) -> str:
