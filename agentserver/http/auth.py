@@ -60,9 +60,9 @@ class HttpAuth:
         token = given.strip().encode("utf-8")
         found: Identity | None = None
         # Every token is compared, so timing does not tell how far the search went.
-        for name, expected, allowed in self._tokens:
+        for name, expected, _ in self._tokens:
             if hmac.compare_digest(token, expected) and found is None:
-                found = Identity(name, allowed)
+                found = self.identity_of(name)
         if found is None:
             raise Unauthenticated("unknown bearer token")
         return found
@@ -84,6 +84,11 @@ class HttpAuth:
         expected = self.session_proof(name, session)
         if expected is None or not hmac.compare_digest(expected, proof):
             return None
+        return self.identity_of(name)
+
+    def identity_of(self, name: str) -> Identity:
+        """The identity of declared client ``name`` (with a token): the one object both its
+        bearer token and its console sessions stand for."""
         return Identity(name, self._by_name[name][1])
 
     def is_token(self, value: str) -> bool:

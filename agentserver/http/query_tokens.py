@@ -66,7 +66,8 @@ class RefuseQueryTokens:
         self.counters = counters
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        query = scope.get("query_string") if scope["type"] in ("http", "websocket") else None
+        # The app serves no WebSocket; lifespan events have no query.
+        query = scope.get("query_string") if scope["type"] == "http" else None
         if query:
             found = token_in_query(query.decode("latin-1"), self.auth)
             if found is not None:
