@@ -130,6 +130,11 @@ def test_a_sign_in_is_a_session_not_the_token_and_signing_out_revokes_it(tmp_pat
             assert "Secure" not in cookie  # plain HTTP (under <tls>: test_ui_http.py)
             for header in signed.headers.get_list("set-cookie"):
                 assert TOKENS["alice"] not in header
+            # The cookie that held the raw token before sessions is cleared.
+            assert any(
+                c.startswith('agentserver_ui_token=""') and "Max-Age=0" in c
+                for c in signed.headers.get_list("set-cookie")
+            )
             session = alice.cookies[COOKIE]
             assert len(session) >= 43 and session != TOKENS["alice"]
             assert signed_in_as(alice) == "alice"
