@@ -152,8 +152,18 @@ def test_a_sign_in_is_a_session_not_the_token_and_signing_out_revokes_it(tmp_pat
             page = alice.get("/ui").text
             assert TOKENS["alice"] not in page and session not in page
 
-            # Signing out revokes the session: the old cookie works nowhere.
-            out = alice.post("/ui/logout", data={"csrf": csrf_of(page)})
+            # Signing out revokes the session: the old cookie works nowhere, and an event
+            # stream it opened (another tab) ends too (its session is checked every 5 s;
+            # the bound here is the stream's 15 s keep-alives, not a clock).
+            with with_cookie(url, session) as tab, tab.stream("GET", "/ui/events") as stream:
+                assert stream.status_code == 200
+                chunks = stream.iter_text()
+                assert next(chunks).startswith(": agentserver events")
+                out = alice.post("/ui/logout", data={"csrf": csrf_of(page)})
+                seen = ""
+                for chunk in chunks:
+                    seen += chunk
+                    assert seen.count(": keep-alive") < 4, "the stream outlived its session"
             assert out.status_code == 303 and out.headers["location"] == "/ui/login"
             assert any(c.startswith(f'{COOKIE}=""') for c in out.headers.get_list("set-cookie"))
             refused_everywhere(url, session)

@@ -161,7 +161,8 @@ class Pages:
             return identity
         response = self.events.respond(identity, request.query_params)
         response.headers.update(page_headers())
-        return response
+        # A stream outlives its request: it ends when the session is signed out or expires.
+        return self.session.bound_stream(request, response)
 
 
 def _here(request: Request) -> str:

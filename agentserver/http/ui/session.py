@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import hmac
 import logging
+from typing import Any
 from urllib.parse import parse_qsl, quote
 
+import trio
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
@@ -34,6 +36,9 @@ MAX_FIELDS = 20
 FORM = "application/x-www-form-urlencoded"
 #: ``request.state.ui_identity`` before the request's session was resolved.
 _UNRESOLVED = object()
+#: Seconds between the checks of an open event stream's session (it ends soon after the
+#: session is signed out, on any process, or expires).
+STREAM_RECHECK = 5.0
 
 
 def own_origin(request: Request) -> str:
@@ -111,6 +116,14 @@ class UiSession:
             self.clear_login(response)
             return response
         return identity
+
+    def bound_stream(self, request: Request, response: Response) -> Response:
+        """``response`` (an event stream) ended once the request's session no longer
+        stands for anyone; as is without a session (anonymous, or a script's header)."""
+        session = getattr(request.state, "ui_session", None)
+        if session is None:
+            return response
+        return SessionBoundStream(response, self.sessions, session)
 
     @staticmethod
     def to_login(request: Request) -> Response:
@@ -193,6 +206,52 @@ class UiSession:
             response.headers.update(page_headers())
             return response
         return fields
+
+
+class SessionBoundStream:
+    """An open-ended response (the console's event stream) that ends when its session
+    does: every :data:`STREAM_RECHECK` seconds the session is resolved again, and once it
+    is gone the stream is told its client disconnected, so it ends as for a client that
+    left (its closing bytes sent)."""
+
+    def __init__(self, inner: Response, sessions: UiSessions, session: str) -> None:
+        self.inner = inner
+        self.sessions = sessions
+        self.session = session
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        ended = trio.Event()
+
+        async def watch() -> None:
+            while True:
+                await trio.sleep(STREAM_RECHECK)
+                if await self.sessions.resolve(self.session) is None:
+                    ended.set()
+                    return
+
+        async def receive_or_end() -> Any:
+            if ended.is_set():
+                return {"type": "http.disconnect"}
+            message = None
+            async with trio.open_nursery() as nursery:
+
+                async def real() -> None:
+                    nonlocal message
+                    message = await receive()
+                    nursery.cancel_scope.cancel()
+
+                async def end() -> None:
+                    await ended.wait()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(real)
+                nursery.start_soon(end)
+            return message if message is not None else {"type": "http.disconnect"}
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            await self.inner(scope, receive_or_end, send)
+            nursery.cancel_scope.cancel()
 
 
 async def read_form(request: Request, limit: int) -> dict[str, str] | None:
