@@ -86,9 +86,9 @@ def session_cookie(response: httpx.Response) -> str:
     return cookie
 
 
-def with_cookie(url: str, session: str) -> httpx.Client:
+def with_cookie(url: str, session: str, timeout: float = 10) -> httpx.Client:
     """A new browser holding only ``session`` (a copied cookie)."""
-    return httpx.Client(base_url=url, timeout=10, cookies={COOKIE: session})
+    return httpx.Client(base_url=url, timeout=timeout, cookies={COOKIE: session})
 
 
 def signed_in_as(client: httpx.Client) -> str | None:
@@ -155,7 +155,9 @@ def test_a_sign_in_is_a_session_not_the_token_and_signing_out_revokes_it(tmp_pat
             # Signing out revokes the session: the old cookie works nowhere, and an event
             # stream it opened (another tab) ends too (its session is checked every 5 s;
             # the bound here is the stream's 15 s keep-alives, not a clock).
-            with with_cookie(url, session) as tab, tab.stream("GET", "/ui/events") as stream:
+            # (Reads wait up to 30 s: longer than a keep-alive's 15.)
+            tab = with_cookie(url, session, timeout=30)
+            with tab, tab.stream("GET", "/ui/events") as stream:
                 assert stream.status_code == 200
                 chunks = stream.iter_text()
                 assert next(chunks).startswith(": agentserver events")
