@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import sqlite3
 from typing import Any
 from urllib.parse import parse_qsl, quote
 
@@ -13,6 +14,7 @@ import trio
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
+from agentserver.agents.errors import StoreError
 from agentserver.core.handshake import Identity
 from agentserver.http.gate import Gate
 from agentserver.http.problems import problem
@@ -225,7 +227,14 @@ class SessionBoundStream:
         async def watch() -> None:
             while True:
                 await trio.sleep(STREAM_RECHECK)
-                if await self.sessions.resolve(self.session) is None:
+                try:
+                    live = await self.sessions.resolve(self.session) is not None
+                except (StoreError, sqlite3.Error) as exc:
+                    # Cannot tell: end the stream (the browser's EventSource reconnects,
+                    # and is checked then) rather than serve an unchecked session.
+                    log.info("event stream ended: its session could not be checked: %s", exc)
+                    live = False
+                if not live:
                     ended.set()
                     return
 
