@@ -431,6 +431,7 @@ async def _start_http(
     from agentserver.http.gateway import HttpGateway
     from agentserver.http.metrics import HttpCollector
     from agentserver.http.serve import http_config, serve_http
+    from agentserver.http.ui.sessions import MemorySessionTable, SessionTable, UiSessions
 
     gateway = HttpGateway(
         pump, topology.limits, spec, deciders=agents.ports if agents is not None else None
@@ -440,10 +441,21 @@ async def _start_http(
     if agents is not None:
         view = AgentsView(agents.runtime.store, tuple(agents.profiles))
     router = agents.router if agents is not None else None
+    auth = HttpAuth(credentials(topology, environ))
+    # The console's sessions live in the agents' store (every process of a PostgreSQL
+    # store, and restarts, know them); without agents there is no store: this process's
+    # memory (docs/operations.md, "Signing in").
+    table: SessionTable
+    if agents is not None:
+        table = agents.runtime.store
+    else:
+        from agentserver.agents.clock import SystemClock
+
+        table = MemorySessionTable(SystemClock())
     app_ctx = HttpContext(
         pump=pump,
         gateway=gateway,
-        auth=HttpAuth(credentials(topology, environ)),
+        auth=auth,
         registry=registry,
         agents=view,
         forks=agents.runtime if agents is not None else None,
@@ -460,6 +472,7 @@ async def _start_http(
         organism=topology.organism,
         version=package_version(),
         budgets=agents.budgets if agents is not None else None,
+        ui_sessions=UiSessions(table, auth, spec.ui_session_ttl),
     )
     ssl_context = None
     if topology.tls is not None:

@@ -45,6 +45,7 @@ class SectionReader:
             reply_ttl=float(el.get("reply-ttl", default.reply_ttl)),
             max_replies=int(el.get("max-replies", default.max_replies)),
             wait_timeout=float(el.get("wait-timeout", default.wait_timeout)),
+            ui_session_ttl=float(el.get("ui-session-ttl", default.ui_session_ttl)),
             line=el.sourceline or 0,
         )
         if not is_loopback(spec.host):

@@ -61,6 +61,8 @@ class HttpSpec:
     max_replies: int = 64
     #: Seconds a waiting ``POST /v1/messages`` waits for its first reply.
     wait_timeout: float = 60.0
+    #: Seconds a web console sign-in lasts (a fixed lifetime from signing in).
+    ui_session_ttl: float = 43200.0
     line: int = 0
 
 

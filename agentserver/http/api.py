@@ -12,6 +12,7 @@ import logging
 import sqlite3
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -20,6 +21,7 @@ from agentserver.agents.errors import StoreError
 from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
 from agentserver.http.problems import problem
+from agentserver.http.query_tokens import RefuseQueryTokens
 from agentserver.http.routes.a2a import A2aRoutes
 from agentserver.http.routes.agents import AgentRoutes
 from agentserver.http.routes.budgets import BudgetRoutes
@@ -86,6 +88,8 @@ def build_app(ctx: HttpContext) -> Starlette:
             Route("/a2a/agents/{name}", a2a.rpc, methods=["POST"]),
             Route("/a2a/agents/{name}/agent-card.json", a2a.agent_card),
         ],
+        # Every door, the unauthenticated ones too: a token in a URL is refused.
+        middleware=[Middleware(RefuseQueryTokens, auth=ctx.auth, counters=ctx.counters)],
         exception_handlers={
             404: _not_found,
             405: _not_allowed,

@@ -18,6 +18,7 @@ from agentserver.core.throttle import HelloThrottle
 from agentserver.http.agents_view import AgentsView
 from agentserver.http.auth import HttpAuth
 from agentserver.http.gateway import HttpGateway
+from agentserver.http.ui.sessions import UiSessions
 from agentserver.net.roles import OperatorCommands
 from agentserver.pump.pump import Pump
 
@@ -83,12 +84,16 @@ class HttpContext:
     version: str = ""
     #: The spend budgets (None: none declared; ``PUT /v1/budgets`` then refuses).
     budgets: Budgets | None = None
+    #: The web console's sign-in sessions (http/ui/sessions.py), kept in the agents'
+    #: store; None: in this process's memory (an app built without a store).
+    ui_sessions: UiSessions | None = None
     counters: dict[str, int] = field(
         default_factory=lambda: {
             "requests": 0,
             "unauthenticated": 0,
             "throttled": 0,
             "sse_dropped": 0,
+            "query_tokens": 0,
         }
     )
     #: Set by :meth:`close`.

@@ -477,9 +477,21 @@ class ScheduleStore(Protocol):
     ) -> list[tuple[str, float, str | None, str]]: ...
 
 
+class UiSessionStore(Protocol):
+    """The web console's sign-in sessions (agents/store/sql/ui_sessions.py), keyed by a
+    hash of the session id; expiry in store time."""
+
+    async def ui_session_put(
+        self, id_hash: str, client: str, proof: str, lifetime_s: float
+    ) -> float: ...
+    async def ui_session_get(self, id_hash: str) -> tuple[str, str] | None: ...
+    async def ui_session_delete(self, id_hash: str) -> bool: ...
+
+
 class AgentStore(
     IntakeStore,
     ScheduleStore,
+    UiSessionStore,
     TurnStore,
     ReplyStore,
     WatchdogStore,

@@ -66,6 +66,7 @@ from agentserver.agents.store.sql import (
     tools,
     turn_end,
     turns,
+    ui_sessions,
     views,
     watchdog,
 )
@@ -706,6 +707,21 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     async def table_stats(self) -> list[tuple[str, int, int | None, float | None]]:
         """Rows, bytes and oldest row time per table (see ``stats.table_stats``)."""
         return await self._read(stats.table_stats)
+
+    # -- the web console's sessions (agents/store/sql/ui_sessions.py) -----------------------
+    async def ui_session_put(
+        self, id_hash: str, client: str, proof: str, lifetime_s: float
+    ) -> float:
+        """Store a sign-in session; when it expires (store time)."""
+        return await self._run(ui_sessions.put_session, id_hash, client, proof, lifetime_s)
+
+    async def ui_session_get(self, id_hash: str) -> tuple[str, str] | None:
+        """(client, proof) of a live session, or None (unknown, signed out, expired)."""
+        return await self._read(ui_sessions.get_session, id_hash)
+
+    async def ui_session_delete(self, id_hash: str) -> bool:
+        """Revoke a session; False if there was none."""
+        return await self._run1(ui_sessions.delete_session, id_hash)
 
     async def reclaim_pages(self, max_pages: int) -> int:
         """Give up to ``max_pages`` free pages back to the file system; how many went.

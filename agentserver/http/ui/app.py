@@ -7,6 +7,7 @@ from __future__ import annotations
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from agentserver.agents.clock import SystemClock
 from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
 from agentserver.http.routes.events import EventRoutes
@@ -16,13 +17,19 @@ from agentserver.http.ui.data import ConsoleData
 from agentserver.http.ui.pages import Pages, environment
 from agentserver.http.ui.security import CsrfGuard
 from agentserver.http.ui.session import UiSession
+from agentserver.http.ui.sessions import MemorySessionTable, UiSessions
 
 
 def ui_routes(
     ctx: HttpContext, gate: Gate, events: EventRoutes, status: StatusRoutes
 ) -> list[BaseRoute]:
     """The console's routes, on the API's gate (same tokens, same throttling)."""
-    session = UiSession(gate, CsrfGuard(), secure=ctx.tls)
+    sessions = ctx.ui_sessions
+    if sessions is None:
+        # An app built without the composition root's sessions (no agents' store was
+        # given): this process's memory, the system clock.
+        sessions = UiSessions(MemorySessionTable(SystemClock()), ctx.auth)
+    session = UiSession(gate, CsrfGuard(), sessions, secure=ctx.tls)
     data = ConsoleData(ctx, status)
     pages = Pages(ctx, session, data, events, environment())
     actions = Actions(ctx, session, data)

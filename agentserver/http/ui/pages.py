@@ -56,7 +56,7 @@ class Pages:
         status: int = 200,
         **values: Any,
     ) -> Response:
-        session, new = self.session.session_of(request)
+        browser, new = self.session.browser_of(request)
         notice = request.query_params.get("notice", "")
         html = self.templates.get_template(template).render(
             organism=self.ctx.organism,
@@ -64,12 +64,12 @@ class Pages:
             caller=identity.name if identity is not None else None,
             needs_login=self.session.needs_login,
             csrf_field=CSRF_FIELD,
-            csrf=self.session.csrf.token(session),
+            csrf=self.session.csrf_token(request, browser),
             here=_here(request),
             notice=notice[:300],
             **values,
         )
-        return self.session.finish(HTMLResponse(html, status), session, new)
+        return self.session.finish(HTMLResponse(html, status), browser, new)
 
     def json(self, body: Any) -> Response:
         return JSONResponse(body, headers=page_headers())
@@ -170,7 +170,8 @@ class Pages:
             return identity
         response = self.events.respond(identity, request.query_params)
         response.headers.update(page_headers())
-        return response
+        # A stream outlives its request: it ends when the session is signed out or expires.
+        return self.session.bound_stream(request, response)
 
 
 def _here(request: Request) -> str:
