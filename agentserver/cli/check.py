@@ -35,7 +35,10 @@ def add_parsers(
         "and exits 0 when the file is good (warnings do not fail it).",
     )
     check.add_argument(
-        "boot", nargs="?", metavar="BOOT", help=f"the boot.xml to check (default: ${BOOT_ENV})"
+        "boot",
+        nargs="?",
+        metavar="BOOT",
+        help=f"the boot.xml to check (default: ${BOOT_ENV}, else ./boot.xml)",
     )
     check.add_argument(
         "--connect",
@@ -52,7 +55,12 @@ def add_parsers(
         "models, as the server validates them), plus envelope.xsd and core.xsd, into DIR, so "
         "clients can validate what they send. Prints each file written.",
     )
-    schemas.add_argument("boot", metavar="BOOT", help="the boot.xml whose payloads to export")
+    schemas.add_argument(
+        "boot",
+        nargs="?",
+        metavar="BOOT",
+        help=f"the boot.xml whose payloads to export (default: ${BOOT_ENV}, else ./boot.xml)",
+    )
     schemas.add_argument(
         "--out",
         metavar="DIR",

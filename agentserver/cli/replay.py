@@ -63,7 +63,8 @@ def add_store_options(parser: argparse.ArgumentParser) -> None:
 
 
 def boot_of(args: argparse.Namespace) -> str:
-    return args.boot or "boot.xml"
+    """BOOT as main resolved it (``--boot``, else ``$AGENTSERVER_BOOT``, else ./boot.xml)."""
+    return str(args.boot)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

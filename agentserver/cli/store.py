@@ -40,7 +40,12 @@ def add_parsers(
     )
     prune.add_argument("--dry-run", action="store_true", help="count, delete nothing")
     for p in (stats, prune):
-        p.add_argument("boot", metavar="BOOT", help="the server's boot.xml")
+        p.add_argument(
+            "boot",
+            nargs="?",
+            metavar="BOOT",
+            help="the server's boot.xml (default: $AGENTSERVER_BOOT, else ./boot.xml)",
+        )
         p.add_argument(
             "--store",
             metavar="PATH|URL",
