@@ -76,7 +76,9 @@ async def test_a_pruned_task_reads_as_pruned(tmp_path, store_env):
             assert data["would_remove"] is not None
             if not store_env:
                 assert data["server_running"] and data["auto_vacuum"] == "incremental"
-            pruned = await trio.to_thread.run_sync(lambda: cli("store", "prune", boot, env=env))
+            pruned = await trio.to_thread.run_sync(
+                lambda: cli("store", "prune", boot, "--json", env=env)
+            )
             assert pruned.returncode == 0, pruned.stderr
             assert json.loads(pruned.stdout.decode().splitlines()[-1])["skipped"] in (True, False)
         finally:

@@ -16,6 +16,7 @@ from agentserver.cli.common import (
     Subcommands,
     add_http_api_options,
     http_api_client,
+    refusal_text,
 )
 
 
@@ -69,7 +70,7 @@ def cmd_budget(args: argparse.Namespace) -> int:
         return EXIT_CONNECTION
     if response.status_code != 200:
         print(
-            f"budget {args.action} refused ({response.status_code}): {response.text}",
+            f"budget {args.action} refused ({response.status_code}): {refusal_text(response)}",
             file=sys.stderr,
         )
         return EXIT_FAILED

@@ -52,6 +52,11 @@ class Subcommands(Protocol):
     def add_parser(self, name: str, **kwargs: object) -> argparse.ArgumentParser: ...
 
 
+def plural(count: int, word: str, many: str | None = None) -> str:
+    """``1 client``, ``2 clients`` (``many``: an irregular plural)."""
+    return f"{count:,} {word if count == 1 else (many or word + 's')}"
+
+
 def parse_address(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -257,6 +262,17 @@ def add_http_api_options(parser: argparse.ArgumentParser) -> None:
         help=f"CA certificate(s) (PEM) to verify an https URL with (default: ${TLS_ENV['ca']}, "
         "else the system's)",
     )
+
+
+def refusal_text(response: httpx.Response) -> str:
+    """What an HTTP API refusal says: its problem's title (RFC 9457), else its body."""
+    try:
+        doc = response.json()
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and doc.get("title"):
+        return str(doc["title"])
+    return response.text[:500]
 
 
 def http_api_client(args: argparse.Namespace, timeout: float) -> httpx.Client:

@@ -18,6 +18,7 @@ from agentserver.cli.common import (
     add_http_api_options,
     http_api_client,
     parse_positive,
+    refusal_text,
 )
 
 
@@ -70,7 +71,10 @@ def cmd_fork(args: argparse.Namespace) -> int:
                 f"{base}/v1/agents/{args.agent}/tasks/{args.thread}/fork", json=body
             )
             if response.status_code != 202:
-                print(f"fork refused ({response.status_code}): {response.text}", file=sys.stderr)
+                print(
+                    f"fork refused ({response.status_code}): {refusal_text(response)}",
+                    file=sys.stderr,
+                )
                 return EXIT_FAILED
             made = response.json()
             print(json.dumps(made))

@@ -16,6 +16,7 @@ from agentserver.cli.common import (
     Subcommands,
     add_http_api_options,
     http_api_client,
+    refusal_text,
 )
 
 TIMEOUT = 30.0
@@ -129,7 +130,10 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         print(f"cannot read the task: {exc}", file=sys.stderr)
         return EXIT_FAILED
     if response.status_code >= 400:
-        print(f"{args.verb} refused ({response.status_code}): {response.text}", file=sys.stderr)
+        print(
+            f"schedule {args.verb} refused ({response.status_code}): {refusal_text(response)}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     if args.verb == "list":
         for view in response.json()["schedules"]:

@@ -94,11 +94,14 @@ def format_status(doc: dict) -> str:
         for agent in agents:
             turn = agent.get("active_turn")
             active = f", turn {turn['id'][:8]} step {turn['steps']}" if turn else ""
-            error = agent.get("last_error")
-            last = f", last error ({error['status']}): {error['text'][:60]!r}" if error else ""
             lines.append(
-                f"  {agent['name']:<20} {agent['state']:<10} queue {agent['queue']}{active}{last}"
+                f"  {agent['name']:<20} {agent['state']:<10} queue {agent['queue']}{active}"
             )
+            error = agent.get("last_error")
+            if error:
+                # Whole (the API keeps its first 500 characters), on lines of its own.
+                text = " ".join(str(error.get("text", "")).split())
+                lines.append(f"    last error ({error['status']}): {text}")
     backends = doc.get("backends", {})
     if backends:
         lines.append("LLM backends:")
