@@ -13,6 +13,7 @@ from agentserver.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     Subcommands,
+    plural,
     print_problems,
 )
 from agentserver.config.topology import Topology
@@ -146,8 +147,8 @@ def summary(name: str, result: LoadResult) -> str:
     topo = result.topology
     assert topo is not None
     warnings = len(result.warnings)
-    extra = f", {warnings} warning{'s' * (warnings != 1)}" if warnings else ""
+    extra = f", {plural(warnings, 'warning')}" if warnings else ""
     return (
-        f"{name}: OK: organism {topo.organism!r}, {len(topo.listeners)} listeners, "
-        f"{len(topo.clients)} clients{extra}"
+        f"{name}: OK: organism {topo.organism!r}, {plural(len(topo.listeners), 'listener')}, "
+        f"{plural(len(topo.clients), 'client')}{extra}"
     )

@@ -176,7 +176,7 @@ def connection_failure(args: argparse.Namespace, exc: BaseException) -> str:
 
     if isinstance(exc, AuthenticationRefused):
         if getattr(args, "client", None) is None:
-            return f"authentication required: pass --client NAME and set ${TOKEN_ENV}"
+            return f"authentication required: pass --client NAME and set {TOKEN_ENV}"
         return (
             f"authentication refused for client {args.client!r}: check ${TOKEN_ENV} (the "
             "token of that client in the server's boot.xml)"

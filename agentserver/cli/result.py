@@ -96,7 +96,7 @@ def _from_store(args: argparse.Namespace) -> dict[str, Any] | None:
     if found.clients_declared:
         if args.client is None:
             raise _Refused(
-                f"authentication required: pass --client NAME and set ${TOKEN_ENV}", EXIT_USAGE
+                f"authentication required: pass --client NAME and set {TOKEN_ENV}", EXIT_USAGE
             )
         if task is not None and task.get("sender") != args.client:
             return None  # another client's task reads as missing
@@ -129,7 +129,7 @@ def _from_http(args: argparse.Namespace) -> dict[str, Any] | None:
 def _check(response: Any, args: argparse.Namespace) -> None:
     if response.status_code in (401, 403):
         raise _Refused(
-            f"authentication required: pass --client NAME and set ${TOKEN_ENV}"
+            f"authentication required: pass --client NAME and set {TOKEN_ENV}"
             if args.client is None
             else f"authentication refused: check ${TOKEN_ENV} (the token of client "
             f"{args.client!r})",
