@@ -159,8 +159,8 @@ def _apply_environment(args: argparse.Namespace) -> None:
         args.boot = find_boot(args.boot, env)
         if args.boot is None:
             raise argparse.ArgumentTypeError(no_boot_message(args.command))
-        if args.command == "mcp":
-            # mcp loads BOOT whole and connects where its <listen> says (cli/mcp.py).
-            return
+        # (mcp loads BOOT whole and connects where its <listen> says: cli/mcp.py; check's
+        # --connect is a switch, not an address)
+        return
     if hasattr(args, "connect") or hasattr(args, "url"):
         apply_project(args, env)
