@@ -71,12 +71,13 @@ class Model(FakeServer):
     def __init__(self) -> None:
         super().__init__("openai")
         self.release = trio.Event()
-        self.held = 0
+        #: Set once a call is held.
+        self.holding = trio.Event()
 
     def default(self, seen: Seen) -> Script:
         script = openai_ok(ANSWER)
         if "slow" in json.dumps(seen.body) and not self.release.is_set():
-            self.held += 1
+            self.holding.set()
             script.headers.append(("x-held", "1"))
         return script
 
@@ -194,10 +195,10 @@ class User:
         return ServerProcess.start(None, "--port", str(port), env=self.env(), cwd=self.folder)
 
 
-async def wait_until(predicate, what: str) -> None:
+async def held(model: Model) -> None:
+    """Until the model holds a task's call (the task is in flight)."""
     with trio.fail_after(PATIENCE):
-        while not predicate():
-            await trio.sleep(0.05)
+        await model.holding.wait()
 
 
 def text(done: subprocess.CompletedProcess) -> tuple[str, str]:
@@ -283,9 +284,9 @@ async def collect_an_interrupted_task(user: User, model: Model, http: int) -> No
         "send", TASK.format("slow one"), "--client", "alice", AGENTSERVER_TOKEN=ALICE
     )
     try:
-        await wait_until(lambda: model.held == 1, "the model holds the task's call")
+        await held(model)
         sending.send_signal(signal.SIGINT)
-        out, err = await trio.to_thread.run_sync(lambda: sending.communicate(timeout=PATIENCE))
+        _out, err = await trio.to_thread.run_sync(lambda: sending.communicate(timeout=PATIENCE))
     finally:
         if sending.poll() is None:
             sending.kill()
@@ -336,14 +337,14 @@ async def collect_a_task_the_server_dropped(
     """The server stops mid-task: ``send`` names the thread and the ``result`` command;
     after the restart the task is answered and ``result`` collects it."""
     model.release = trio.Event()
-    model.held = 0
+    model.holding = trio.Event()
     sending = user.popen(
         "send", TASK.format("slow two"), "--client", "alice", AGENTSERVER_TOKEN=ALICE
     )
     try:
-        await wait_until(lambda: model.held == 1, "the model holds the task's call")
+        await held(model)
         assert await trio.to_thread.run_sync(server.stop) == 0
-        out, err = await trio.to_thread.run_sync(lambda: sending.communicate(timeout=PATIENCE))
+        _out, err = await trio.to_thread.run_sync(lambda: sending.communicate(timeout=PATIENCE))
     finally:
         if sending.poll() is None:
             sending.kill()
