@@ -437,3 +437,36 @@ def test_an_unreadable_project_is_a_usage_error(tmp_path: Path) -> None:
         timeout=PATIENCE,
     )
     assert done.returncode == 2 and b"boot.xml:1: not well-formed XML" in done.stderr
+
+
+def test_status_shows_whole_errors_and_counts_in_words() -> None:
+    """``status`` once cut an agent's last error at 60 characters, in a repr."""
+    from agentserver.cli.status import format_status
+
+    long = "The model refused the request: " + "word " * 60 + "end of the sentence."
+    doc = {
+        "organism": "proj",
+        "pump": {"state": "running", "inflight": 0, "threads": 1, "endpoints": 2},
+        "agents": [
+            {
+                "name": "assistant",
+                "state": "idle",
+                "queue": 0,
+                "active_turn": None,
+                "last_error": {"status": "failed", "text": long},
+            }
+        ],
+    }
+    out = format_status(doc)
+    [line] = [x for x in out.splitlines() if "last error" in x]
+    assert line.strip() == f"last error (failed): {' '.join(long.split())}"
+    assert "1 thread, 2 endpoints" in out
+
+
+def test_store_output_is_words() -> None:
+    """``store prune`` and ``store stats`` print counts in words, never a dict's repr."""
+    from agentserver.cli.store import removed
+
+    report = {"tasks": 1, "rows": {"task_rows": 12, "boxes": 0, "step_log": 1}}
+    assert removed(report) == "1 task and 13 rows (task rows 12, step log 1)"
+    assert removed({"tasks": 0, "rows": {}}) == "0 tasks and 0 rows"

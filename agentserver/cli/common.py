@@ -265,14 +265,16 @@ def add_http_api_options(parser: argparse.ArgumentParser) -> None:
 
 
 def refusal_text(response: httpx.Response) -> str:
-    """What an HTTP API refusal says: its problem's title (RFC 9457), else its body."""
+    """What an HTTP API refusal says: its problem's title (RFC 9457), else its body; for a
+    refused token, what to set."""
     try:
         doc = response.json()
     except ValueError:
         doc = None
-    if isinstance(doc, dict) and doc.get("title"):
-        return str(doc["title"])
-    return response.text[:500]
+    text = str(doc["title"]) if isinstance(doc, dict) and doc.get("title") else response.text[:500]
+    if response.status_code == 401:
+        text += f" (set {TOKEN_ENV} to the token of a client declared in the server's boot.xml)"
+    return text
 
 
 def http_api_client(args: argparse.Namespace, timeout: float) -> httpx.Client:

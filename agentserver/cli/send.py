@@ -185,6 +185,9 @@ def cmd_send(args: argparse.Namespace) -> int:
 
     try:
         status = trio_run(send)
+    except KeyboardInterrupt:
+        # A Ctrl-C before the signal watcher started (it is one of the first things).
+        status = None
     except RequestTimeout as exc:
         print(str(exc), file=sys.stderr)
         print(f"an agent's task goes on: {later(args, thread, wait=True)}", file=sys.stderr)

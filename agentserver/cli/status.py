@@ -15,6 +15,8 @@ from agentserver.cli.common import (
     add_http_api_options,
     http_api_client,
     parse_positive,
+    plural,
+    refusal_text,
 )
 
 
@@ -57,11 +59,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         return EXIT_CONNECTION
     if response.status_code != 200:
-        try:
-            title = response.json().get("title", "")
-        except ValueError:
-            title = response.text[:200]
-        print(f"{url}: {response.status_code} {title}", file=sys.stderr)
+        print(f"{url}: {response.status_code} {refusal_text(response)}", file=sys.stderr)
         return EXIT_FAILED
     doc = response.json()
     if args.json:
@@ -80,7 +78,8 @@ def format_status(doc: dict) -> str:
         f"organism {doc.get('organism')!r} (agentserver {doc.get('version')}): "
         f"{'ready' if ready.get('ready') else 'NOT ready'} ({checks})",
         f"pump {pump.get('state')}: {pump.get('inflight', 0)} in flight, "
-        f"{pump.get('threads', 0)} threads, {pump.get('endpoints', 0)} endpoints",
+        f"{plural(pump.get('threads', 0), 'thread')}, "
+        f"{plural(pump.get('endpoints', 0), 'endpoint')}",
         "listeners:",
     ]
     for lst in doc.get("listeners", []):
