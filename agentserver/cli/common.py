@@ -264,6 +264,16 @@ def add_http_api_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def http_unreachable(args: argparse.Namespace, exc: BaseException) -> str:
+    """The line an HTTP command prints when the API does not answer; when the address
+    is today's default because the project's boot.xml declares no ``<http>``, says so."""
+    text = f"cannot reach the HTTP API at {args.url}: {exc}"
+    project = getattr(args, "project", None)
+    if getattr(args, "url_from", None) == "default" and project is not None:
+        text += f" ({project.boot} declares no <http>: add one, or give --url)"
+    return text
+
+
 def refusal_text(response: httpx.Response) -> str:
     """What an HTTP API refusal says: its problem's title (RFC 9457), else its body; for a
     refused token, what to set."""

@@ -17,6 +17,7 @@ from agentserver.cli.common import (
     Subcommands,
     add_http_api_options,
     http_api_client,
+    http_unreachable,
     parse_positive,
     refusal_text,
 )
@@ -90,5 +91,5 @@ def cmd_fork(args: argparse.Namespace) -> int:
             print("no answer in time", file=sys.stderr)
             return EXIT_TIMEOUT
     except httpx.HTTPError as exc:
-        print(f"cannot reach the HTTP API at {args.url}: {exc}", file=sys.stderr)
+        print(http_unreachable(args, exc), file=sys.stderr)
         return EXIT_CONNECTION

@@ -28,6 +28,7 @@ from agentserver.cli.common import (
     Subcommands,
     add_http_api_options,
     http_api_client,
+    http_unreachable,
     trio_run,
 )
 from agentserver.core.threads import is_uuid4
@@ -121,7 +122,7 @@ def _from_http(args: argparse.Namespace) -> dict[str, Any] | None:
                 _check(one, args)
                 found.append(one.json())
     except httpx.HTTPError as exc:
-        raise _Refused(f"cannot reach the HTTP API at {args.url}: {exc}", EXIT_CONNECTION) from None
+        raise _Refused(http_unreachable(args, exc), EXIT_CONNECTION) from None
     # The latest, should several agents have a task on it.
     return max(found, key=lambda t: t.get("created_at") or 0.0, default=None)
 

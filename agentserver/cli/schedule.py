@@ -16,6 +16,7 @@ from agentserver.cli.common import (
     Subcommands,
     add_http_api_options,
     http_api_client,
+    http_unreachable,
     refusal_text,
 )
 
@@ -124,7 +125,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
             else:
                 response = client.post(f"{base}/{args.name}/{args.verb}")
     except httpx.HTTPError as exc:
-        print(f"cannot reach the HTTP API at {args.url}: {exc}", file=sys.stderr)
+        print(http_unreachable(args, exc), file=sys.stderr)
         return EXIT_CONNECTION
     except OSError as exc:
         print(f"cannot read the task: {exc}", file=sys.stderr)

@@ -14,6 +14,7 @@ from agentserver.cli.common import (
     Subcommands,
     add_http_api_options,
     http_api_client,
+    http_unreachable,
     parse_positive,
     plural,
     refusal_text,
@@ -52,11 +53,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         with http_api_client(args, args.timeout) as client:
             response = client.get(url)
     except httpx.HTTPError as exc:
-        print(
-            f"cannot reach the HTTP API at {args.url}: {exc} (is the server running with "
-            "<http> in boot.xml or run --http-port?)",
-            file=sys.stderr,
+        hint = (
+            ""
+            if getattr(args, "url_from", None) == "default" and getattr(args, "project", None)
+            else (" (is the server running with <http> in boot.xml or run --http-port?)")
         )
+        print(http_unreachable(args, exc) + hint, file=sys.stderr)
         return EXIT_CONNECTION
     if response.status_code != 200:
         print(f"{url}: {response.status_code} {refusal_text(response)}", file=sys.stderr)
