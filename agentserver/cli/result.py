@@ -21,6 +21,7 @@ from typing import Any
 from agentserver.cli.common import (
     EXIT_CONNECTION,
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_TIMEOUT,
     EXIT_USAGE,
@@ -144,6 +145,14 @@ def cmd_result(args: argparse.Namespace) -> int:
     if not is_uuid4(args.thread):
         print("THREAD must be a lowercase uuid4 (as send prints it)", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        return _collect(args)
+    except KeyboardInterrupt:
+        print(f"interrupted; 'agentserver result {args.thread}' looks again", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _collect(args: argparse.Namespace) -> int:
     from_store = args.project is not None and args.url_from in ("project", "default")
     deadline = time.monotonic() + max(args.wait, 0.0)
     while True:
