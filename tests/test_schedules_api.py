@@ -122,6 +122,12 @@ def exercise(server: ServerProcess, env: dict[str, str], tmp_path: Path) -> None
         assert http.get("/v1/schedules/two").status_code == 404
         code, out, err = run("delete", "two")
         assert code == 1 and "404" in err
+        # A schedule declared in boot.xml is refused, as a declared webhook is (409): the
+        # next start would bring it back.
+        code, out, err = run("delete", "every-second")
+        assert code == 1 and "409" in err, (out, err)
+        assert "declared in boot.xml" in err and "{" not in err  # the title, not the JSON
+        assert http.get("/v1/schedules/every-second").status_code == 200
         # each run is a task of the agent like any other
         agents = http.get("/v1/agents").json()
         assert "assistant" in json.dumps(agents)

@@ -80,7 +80,9 @@ async def test_a_pruned_task_reads_as_pruned(tmp_path, store_env):
             # beside it may be told "skipped"; one of a few attempts gets the lease.
             outs = []
             for _ in range(10):
-                pruned = await trio.to_thread.run_sync(lambda: cli("store", "prune", boot, env=env))
+                pruned = await trio.to_thread.run_sync(
+                    lambda: cli("store", "prune", boot, "--json", env=env)
+                )
                 assert pruned.returncode == 0, pruned.stderr
                 outs.append(json.loads(pruned.stdout.decode().splitlines()[-1]))
                 if not outs[-1]["skipped"]:

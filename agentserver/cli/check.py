@@ -13,6 +13,7 @@ from agentserver.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     Subcommands,
+    plural,
     print_problems,
 )
 from agentserver.config.topology import Topology
@@ -35,7 +36,10 @@ def add_parsers(
         "and exits 0 when the file is good (warnings do not fail it).",
     )
     check.add_argument(
-        "boot", nargs="?", metavar="BOOT", help=f"the boot.xml to check (default: ${BOOT_ENV})"
+        "boot",
+        nargs="?",
+        metavar="BOOT",
+        help=f"the boot.xml to check (default: ${BOOT_ENV}, else ./boot.xml)",
     )
     check.add_argument(
         "--connect",
@@ -52,7 +56,12 @@ def add_parsers(
         "models, as the server validates them), plus envelope.xsd and core.xsd, into DIR, so "
         "clients can validate what they send. Prints each file written.",
     )
-    schemas.add_argument("boot", metavar="BOOT", help="the boot.xml whose payloads to export")
+    schemas.add_argument(
+        "boot",
+        nargs="?",
+        metavar="BOOT",
+        help=f"the boot.xml whose payloads to export (default: ${BOOT_ENV}, else ./boot.xml)",
+    )
     schemas.add_argument(
         "--out",
         metavar="DIR",
@@ -138,8 +147,8 @@ def summary(name: str, result: LoadResult) -> str:
     topo = result.topology
     assert topo is not None
     warnings = len(result.warnings)
-    extra = f", {warnings} warning{'s' * (warnings != 1)}" if warnings else ""
+    extra = f", {plural(warnings, 'warning')}" if warnings else ""
     return (
-        f"{name}: OK: organism {topo.organism!r}, {len(topo.listeners)} listeners, "
-        f"{len(topo.clients)} clients{extra}"
+        f"{name}: OK: organism {topo.organism!r}, {plural(len(topo.listeners), 'listener')}, "
+        f"{plural(len(topo.clients), 'client')}{extra}"
     )

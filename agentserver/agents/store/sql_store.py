@@ -523,6 +523,10 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     async def recent_tasks(self, agent_id: str, limit: int = 20) -> list[dict[str, Any]]:
         return await self._read(views.recent_tasks, agent_id, limit)
 
+    async def task_answer(self, thread: str) -> dict[str, Any] | None:
+        """The latest task sent on the caller's ``thread``, with its sender and answer."""
+        return await self._read(views.task_answer, thread)
+
     async def turn_log(self, agent_turn_id: str) -> dict[str, Any]:
         return await self._read(views.turn_log, agent_turn_id)
 
@@ -626,6 +630,30 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         return await self._run(
             prune.prune_tasks, owner, agent_id, max_age_s, keep_last, limit, dry_run, after
         )
+
+    async def rehearse_prune(
+        self, passes: Sequence[tuple[str, str, tuple[Any, ...], bool]]
+    ) -> list[tuple[str, prune.Pruned]]:
+        """Run the passes of a prune (each: its kind, the batch method of this store, its
+        arguments between the owner and the limit, whether it resumes after a key) in one
+        transaction, then roll it back (``prune.rehearse``): what each batch removed."""
+        batches = {
+            "prune_tasks": prune.prune_tasks,
+            "prune_orphan_boxes": prune.prune_orphan_boxes,
+            "prune_events": prune.prune_events,
+            "prune_replies": prune.prune_replies,
+            "prune_step_log": prune.prune_step_log,
+            "prune_tombstones": tombstones.prune_tombstones,
+            "prune_deliveries": prune_records.prune_deliveries,
+            "prune_schedule_runs": prune_records.prune_schedule_runs,
+            "prune_refused_a2a_tasks": prune_records.prune_refused_a2a_tasks,
+        }
+        plan = [(kind, batches[method], args, paged) for kind, method, args, paged in passes]
+        try:
+            await self._run(prune.rehearse, plan)
+        except prune.Rehearsed as done:
+            return done.results
+        raise StoreError("a prune rehearsal ended without rolling back")
 
     async def prune_orphan_boxes(
         self,

@@ -143,6 +143,14 @@ class ScheduleRoutes:
             if not self.gate.may_see(identity, row.spec.agent):
                 raise NoSuchSchedule(name)
             if request.method == "DELETE":
+                if row.source == "boot":
+                    # As a declared webhook: boot.xml would bring it back at the next start.
+                    return problem(
+                        409,
+                        "conflict",
+                        f"Schedule {name!r} is declared in boot.xml: remove it there "
+                        "(pause it to stop its runs meanwhile).",
+                    )
                 await schedules.delete(name)
                 return Response(status_code=204)
         except NoSuchSchedule:

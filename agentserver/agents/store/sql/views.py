@@ -1,6 +1,7 @@
 """Read-only views of the store: the agents and tasks the HTTP API shows (``/v1/agents``,
-``/v1/agents/{name}/tasks/{thread}``, ``agentserver status``), the figures ``/metrics``
-exports, and a reachability probe. Nothing here writes.
+``/v1/agents/{name}/tasks/{thread}``, ``agentserver status``), a task's answer by its
+thread (``agentserver result``), the figures ``/metrics`` exports, and a reachability
+probe. Nothing here writes.
 
 Each function is one backend-neutral read (:meth:`SqlAgentStore._read`): on SQLite inline
 on the store's connection, on PostgreSQL one thread hop of the executor. JSON columns are
@@ -16,6 +17,7 @@ from typing import Any
 
 from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.base import CardType
+from agentserver.agents.store.rows import SPEAKS_FOR
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
 from agentserver.agents.store.sql.memory import turn_memory
 from agentserver.agents.store.sql.tombstones import thread_pruned
@@ -102,7 +104,8 @@ def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
 
 def task(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None:
     """The latest task of agent ``name`` sent on ``thread`` (the caller's thread, or the
-    hop thread the agent was called on): status, steps, usage. None if none."""
+    hop thread the agent was called on): status, steps, usage, and the answer its caller
+    was sent once there is one. None if none."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
     row = tx.one(
         "SELECT inbox_id, status, agent_turn_id, created_at, conversation FROM agent_inbox "
@@ -114,7 +117,7 @@ def task(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None
         if thread_pruned(tx, name, thread):
             raise TurnPruned(name, thread)
         return None
-    _inbox_id, inbox_status, turn, created, conversation = row
+    inbox_id, inbox_status, turn, created, conversation = row
     out: dict[str, Any] = {
         "agent": name,
         "thread": thread,
@@ -127,6 +130,7 @@ def task(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None
     origin = fork_origin(tx, name, conversation)
     if origin is not None:
         out["forked_from"] = origin
+    _answer(tx, out, inbox_id, turn)
     if turn is None:
         if inbox_status not in _WAITING:
             out["status"] = inbox_status
@@ -166,6 +170,59 @@ def task(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None
         for key, value in zip(_USAGE, step[4:8], strict=True):
             usage[key] += value or 0
     return out
+
+
+def _answer(tx: Tx, out: dict[str, Any], inbox_id: str, turn: str | None) -> None:
+    """``answer`` (the answer payload the task's caller was sent, XML text) and
+    ``answer_failed`` into a task's view, once there is one: its Turn's, or the refusal
+    of a task cancelled before it ran."""
+    keys = [f"cancel:{inbox_id}"] + ([turn] if turn is not None else [])
+    reply = tx.one(
+        f"SELECT payload, failed FROM agent_replies WHERE agent_turn_id IN ({marks(len(keys))}) "
+        "ORDER BY created_at DESC LIMIT 1",
+        keys,
+    )
+    if reply is not None:
+        out["answer"] = bytes(reply[0]).decode("utf-8", "replace")
+        out["answer_failed"] = bool(reply[1])
+
+
+def task_answer(tx: Tx, env: StoreEnv, thread: str) -> dict[str, Any] | None:
+    """The latest task sent on the caller's thread ``thread``, whichever agent has it
+    (``agentserver result``): :func:`task`'s view with ``sender`` (the named client that
+    sent it, None for an anonymous caller). None if there is none;
+    ``{"agent", "thread", "pruned": True, "sender"}`` if retention removed it."""
+    caller = json_text(tx, "reply_ref", "caller_thread")
+    row = tx.one(
+        "SELECT agent_id, inbox_id, agent_turn_id, reply_ref FROM agent_inbox "
+        f"WHERE message_type = ? AND {caller} = ? ORDER BY seq DESC LIMIT 1",
+        (MessageType.TURN.value, thread),
+    )
+    if row is None:
+        stone = tx.one(
+            "SELECT agent_id FROM pruned_turns WHERE caller_thread = ? "
+            "ORDER BY pruned_at DESC LIMIT 1",
+            (thread,),
+        )
+        # A tombstone keeps no sender: the caller reads "pruned" only with the store's
+        # own access (the HTTP API answers another client's thread as missing).
+        if stone is None:
+            return None
+        return {"agent": stone[0], "thread": thread, "pruned": True, "sender": None}
+    agent, _inbox_id, _turn, ref_json = row
+    try:
+        ref = json.loads(ref_json) if ref_json else {}
+    except ValueError:
+        ref = {}
+    sender = None
+    if isinstance(ref, dict):
+        named = ref.get("client") or ref.get(SPEAKS_FOR)
+        sender = named if isinstance(named, str) and named else None
+    view = task(tx, env, agent, thread)
+    if view is None:
+        return None
+    view["sender"] = sender
+    return view
 
 
 #: Characters of one card's content the web console's Turn log carries.
