@@ -137,6 +137,9 @@ async def test_agents_view_is_the_same_on_every_backend(opener):
             }
         ],
         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15, "cost": 0.25},
+        # The failed Turn's answer, as its caller was sent it.
+        "answer": "<a/>",
+        "answer_failed": True,
     }
     running_task = await view.task(A, "t2")
     assert running_task is not None and running_task["status"] == "running"
