@@ -22,6 +22,7 @@ from agentserver.config.imports import B, Resolver, Unresolved, flag, resolve_im
 from agentserver.config.mcp import McpReader
 from agentserver.config.problems import Report, pretty
 from agentserver.config.topology import ListenerSpec
+from agentserver.core.durations import parse_duration
 from agentserver.core.errors import ConfigurationError
 from agentserver.core.listener import RESERVED_NAMES, Listener
 from agentserver.core.namespaces import CORE_NS
@@ -247,7 +248,7 @@ class ListenerReader:
         if (value := el.get("concurrency")) is not None:
             tuning["concurrency"] = int(value)
         if (value := el.get("timeout")) is not None:
-            tuning["timeout"] = float(value)
+            tuning["timeout"] = parse_duration(value)
         if (value := el.get("queue-size")) is not None:
             tuning["queue_size"] = int(value)
         if el.get("raw") is not None:
@@ -261,7 +262,7 @@ class ListenerReader:
         if not agent:
             tuning["idempotent"] = flag(el, "idempotent")
             if (value := el.get("step-timeout")) is not None:
-                tuning["step_timeout"] = float(value)
+                tuning["step_timeout"] = parse_duration(value)
             if (value := el.get("retries")) is not None:
                 tuning["retries"] = int(value)
         spec = ListenerSpec(

@@ -10,6 +10,7 @@ from lxml import etree
 from agentserver.agents.profile.schedule import ScheduleInvalid, ScheduleSpec
 from agentserver.config.imports import B
 from agentserver.config.problems import Report
+from agentserver.core.durations import parse_duration
 
 
 def read_schedules(
@@ -44,8 +45,8 @@ def read_schedules(
                 payload=etree.tostring(_detached(payload[0])),
                 timezone=item.get("timezone", "UTC"),
                 overlap=item.get("overlap", "skip"),
-                catchup_window_s=float(item.get("catchup-window", "60")),
-                jitter_s=float(item.get("jitter", "0")),
+                catchup_window_s=parse_duration(item.get("catchup-window", "60")),
+                jitter_s=parse_duration(item.get("jitter", "0")),
             )
         except (ScheduleInvalid, ValueError) as exc:
             report.error(line, f"schedule {name!r}: {exc}")
