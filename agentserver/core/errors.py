@@ -69,11 +69,16 @@ class Refusal(AgentServerError):
 class InputRefused(Refusal):
     """Answered with ``<huh>`` carrying ``reason``'s canned text."""
 
-    def __init__(self, reason: HuhReason, detail: str = "") -> None:
+    def __init__(
+        self, reason: HuhReason, detail: str = "", *, payload_tag: str | None = None
+    ) -> None:
         # ``detail`` is for the local log only; it never reaches the wire.
         super().__init__(f"{reason.name}: {detail}" if detail else reason.name)
         self.reason = reason
         self.detail = detail
+        #: The payload's root tag when the refusal is that no listener takes it (its
+        #: namespace missing or wrong): the pump's log then names what the listeners take.
+        self.payload_tag = payload_tag
 
 
 class DeliveryRefused(Refusal):
