@@ -58,6 +58,19 @@ class ConfigurationError(AgentServerError):
     """A listener, payload type or topology is declared wrongly (raised at registration)."""
 
 
+class CannotListen(AgentServerError):
+    """The server cannot bind the address boot.xml's ``<element>`` (``listen`` or
+    ``http``) gives it, e.g. the port is in use: said before anything announces a start."""
+
+    def __init__(self, element: str, address: str, cause: OSError) -> None:
+        reason = cause.strerror or str(cause)
+        if cause.errno is not None:
+            reason = f"{reason} (errno {cause.errno})"
+        super().__init__(f"cannot listen on <{element}> {address}: {reason}")
+        self.element = element
+        self.address = address
+
+
 class SchemaDerivationError(ConfigurationError):
     """A pydantic-xml model uses a construct that has no XSD equivalent we support."""
 
