@@ -209,7 +209,9 @@ class _Loader:
         from agentserver.config.webhooks import read_webhooks
 
         webhooks = read_webhooks(report, root, self.environ)
-        budgets = read_budgets(report, root, {s.name for s in listeners if s.agent})
+        budgets = read_budgets(
+            report, root, {s.name for s in listeners if s.agent}, readers.cause_of
+        )
         return Topology(
             path=self.path,
             organism=root.get("name", ""),
@@ -232,7 +234,10 @@ class _Loader:
             webhooks=webhooks,
             budgets=budgets,
             schedules=read_schedules(
-                report, root.find(B + "schedules"), {s.name for s in listeners if s.agent}
+                report,
+                root.find(B + "schedules"),
+                {s.name for s in listeners if s.agent},
+                readers.cause_of,
             ),
             expose_a2a=check_exposed_a2a(report, root.find(B + "expose-a2a"), tuple(listeners)),
         )
