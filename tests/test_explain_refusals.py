@@ -110,6 +110,19 @@ async def test_a_namespace_no_listener_accepts_is_explained(caplog):
     )
 
 
+async def test_a_registered_tag_nobody_takes_names_what_the_listeners_take():
+    # <sum> is calculator's answer type: registered, but no listener accepts it.
+    answer = etree.fromstring(b'<sum xmlns="urn:agentserver:calculator"><value>1</value></sum>')
+    async with open_pump([calculator()], config=PumpConfig(explain_refusals=True)) as pump:
+        ep = pump.open_endpoint("alice")
+        await ep.send(envelope_bytes(answer))
+        _, payload = await receive(ep)
+    assert huh_text(payload) == HuhReason.INVALID_PAYLOAD.value
+    assert payload.findtext(DETAIL) == (
+        "nobody takes {urn:agentserver:calculator}sum; no listener accepts a payload named `sum`"
+    )
+
+
 async def test_without_the_option_the_namespace_slip_is_logged_not_sent(caplog):
     caplog.set_level("INFO", logger="agentserver.pump")
     async with open_pump([calculator()]) as pump:
