@@ -259,3 +259,28 @@ def test_the_llm_section_alone_takes_units_too():
     report = check_llm_section(el, environ={})
     assert report.errors == [] and report.config is not None
     assert report.config.timeout == 120 and report.config.retry.max_retry_after == 60
+
+
+def test_a_policy_rules_durations_are_the_same_syntax(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        <clients><client name="alice" token-env="A_TOKEN"/></clients>
+        <listeners>
+          <listener name="calculator" handler="calculator"/>
+          <listener name="assistant" handler="assistant" agent="true" peers="calculator">
+            <agent model="m"/>
+            <policy default="deny">
+              <rule priority="10" decision="allow" target="calc*" rate="3/1d"/>
+              <rule priority="20" decision="require-approval" target="calculator"
+                    approver="alice" timeout="5x"/>
+            </policy>
+          </listener>
+        </listeners>
+        """,
+    )
+    (error,) = boot.load(path, environ={"A_TOKEN": "t"}).errors
+    assert (
+        error.message
+        == f"listener 'assistant': <rule>: timeout: '5x' is not a duration: write {FORMS}"
+    )
