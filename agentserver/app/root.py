@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from agentserver.app.builtins import RunContext, build_listener_set
 from agentserver.config.topology import HttpSpec, Topology
 from agentserver.console.operator import Operator
-from agentserver.core.errors import ConfigurationError
+from agentserver.core.errors import CannotListen, ConfigurationError, sole_exception
 from agentserver.core.handshake import Credential, HelloGate
 from agentserver.net.server import Server, format_address
 from agentserver.net.tls import CertificateRule, normalize_fingerprint, parse_subject
@@ -247,36 +247,49 @@ async def run_server(
                 named_clients=agents.ports.clients if agents is not None else None,
             )
             metrics.bind_pump(pump, lambda: server.connection_count)
+            # Both addresses are bound before the boot message and any "listening" line:
+            # a port in use stops the start naming its element, with nothing announced.
+            http_stop = trio.Event()
+            http_ctx = None
+            urls: list[str] = []
+            if http is not None:
+                try:
+                    http_ctx, urls = await _start_http(
+                        nursery,
+                        topology,
+                        http,
+                        pump,
+                        server,
+                        hub,
+                        agents,
+                        registry,
+                        ctx,
+                        http_stop,
+                        environ,
+                        operator,
+                        webhooks,
+                    )
+                except (OSError, BaseExceptionGroup) as exc:
+                    # Hypercorn binds inside a nursery of its own: a group of one OSError.
+                    cause = sole_exception(exc) if isinstance(exc, BaseExceptionGroup) else exc
+                    if not isinstance(cause, OSError):
+                        raise
+                    pump.close()
+                    address = format_address((http.host, http.port))
+                    raise CannotListen("http", address, cause) from exc
+            try:
+                addresses = await nursery.start(server.serve, host, port)
+            except OSError as exc:
+                pump.close()
+                raise CannotListen("listen", format_address((host, port)), exc) from exc
             await pump.inject_system(
                 topology.boot_primitive(),
                 to=topology.boot_listener.name,
             )
-            http_stop = trio.Event()
-            http_ctx = None
             if http is not None:
-                http_ctx, urls = await _start_http(
-                    nursery,
-                    topology,
-                    http,
-                    pump,
-                    server,
-                    hub,
-                    agents,
-                    registry,
-                    ctx,
-                    http_stop,
-                    environ,
-                    operator,
-                    webhooks,
-                )
                 log.debug("HTTP API on %s", ", ".join(urls))
                 if on_http is not None:
                     on_http(urls)
-            try:
-                addresses = await nursery.start(server.serve, host, port)
-            except OSError:
-                pump.close()
-                raise
             shown = [format_address(a) for a in addresses]
             log.debug("listening on %s", ", ".join(shown))
             if on_listening is not None:

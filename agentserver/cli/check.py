@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import sys
 from typing import TYPE_CHECKING
 
 from agentserver.cli.common import (
@@ -32,8 +31,9 @@ def add_parsers(
         help="validate a boot.xml",
         description="Validate BOOT against schemas/boot.xsd and check every reference in it "
         "(imports resolve, peers and payload types exist, names are unique, ...). Prints "
-        "each problem as FILE:LINE: message and exits 1 on errors; prints a one-line summary "
-        "and exits 0 when the file is good (warnings do not fail it).",
+        "each problem as FILE:LINE: message (a knock-on effect indented under the error that "
+        "caused it) and exits 1 on errors; prints a one-line summary and exits 0 when the "
+        "file is good (warnings do not fail it). Everything goes to standard output.",
     )
     check.add_argument(
         "boot",
@@ -74,10 +74,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     from agentserver.config import loader as boot  # not at import: other commands skip it
 
     result = boot.load(args.boot)
-    print_problems(result)
+    # One stream, standard output: errors, warnings and the summary in the order a reader
+    # needs them (the exit status says whether the file is good).
+    for problem in result.problems:
+        print(problem)
     if result.topology is None:
-        count = len(result.errors)
-        print(f"{args.boot}: {count} error{'s' * (count != 1)}", file=sys.stderr)
+        print(f"{args.boot}: {plural(len(result.errors), 'error')}")
         return EXIT_FAILED
     print(summary(args.boot, result))
     from agentserver.config.a2a_remote import a2a_mapping_lines
@@ -103,7 +105,7 @@ def _check_store_reachable(name: str, topology: Topology) -> int:
     if ok:
         print(f"{name}: store {settings.where}: reachable ({detail})")
         return EXIT_OK
-    print(f"{name}: store {settings.where}: NOT reachable: {detail}", file=sys.stderr)
+    print(f"{name}: store {settings.where}: NOT reachable: {detail}")
     return EXIT_FAILED
 
 

@@ -48,7 +48,7 @@ DEFAULT_HTTP_PORT = 7341
 
 @dataclass(frozen=True, slots=True)
 class HttpSpec:
-    """boot.xml ``<http>``: the HTTP API (docs/operations.md). Same clients, tokens and
+    """boot.xml ``<http>``: the HTTP API (docs/http-api.md). Same clients, tokens and
     ``<tls>`` as the socket; the bounds of ``?wait=false`` threads are its own."""
 
     host: str = DEFAULT_HOST

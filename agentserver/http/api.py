@@ -1,4 +1,4 @@
-"""The Starlette app of the HTTP API (reference: docs/operations.md, "HTTP API reference").
+"""The Starlette app of the HTTP API (reference: docs/http-api.md).
 
 Runs on trio (Starlette runs on anyio; Hypercorn's trio worker drives it). Every route
 but ``/healthz`` and ``/readyz`` authenticates the caller (:mod:`agentserver.http.gate`);

@@ -28,6 +28,7 @@ from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore, TurnToken
 from agentserver.agents.turn.answer import FAILED, STATUS_ATTR
 from agentserver.agents.turn.memory import SPEAKS_FOR
+from agentserver.agents.turn.scheduler import SCHEDULE_KEY
 from agentserver.core.envelope import encode, envelope_multitask
 from agentserver.core.errors import Refusal
 from agentserver.core.listener import Handler, HandlerMetadata, HandlerResponse, HandlerResult
@@ -201,6 +202,10 @@ class PumpPorts:
                 self.pump.end_hop(ref.hop)  # as an answer would: the hop ends
                 if reply_id:
                     await self.clients.deliver(identity, reply_id, body)
+        elif isinstance(reply_ref, dict) and SCHEDULE_KEY in reply_ref:
+            # A schedule's run: no caller waits for its answer, which goes to the store
+            # and the agent's events only. Nothing is gone, so nothing to log.
+            self.pump.release(ref.hop)
         elif self.pump.is_connected(caller):
             if not await self.pump.answer(agent, ref, payload):
                 log.info("turn %s: caller %s went away; answer kept in the store", turn_id, caller)

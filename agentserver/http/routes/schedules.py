@@ -1,5 +1,5 @@
 """``/v1/schedules``: runs on a schedule made, listed, paused, resumed, triggered and
-deleted at run time (docs/runs.md, docs/operations.md). A caller sees and changes only
+deleted at run time (docs/runs.md, docs/http-api.md). A caller sees and changes only
 the schedules of the agents it may address."""
 
 from __future__ import annotations
