@@ -45,9 +45,21 @@ class AgentsView:
         """(caller thread, hop thread) of the task a Turn runs, for event filtering."""
         return await self.store.turn_thread(turn)
 
-    async def recent_tasks(self, name: str, limit: int = 20) -> list[dict[str, Any]]:
-        """The newest ``limit`` tasks of agent ``name``, newest first (the web console)."""
-        return await self.store.recent_tasks(name, limit)
+    async def recent_tasks(
+        self, name: str, limit: int = 20, sender: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The newest ``limit`` tasks of agent ``name`` (only those ``sender`` sent, if
+        given), newest first (the web console)."""
+        return await self.store.recent_tasks(name, limit, sender)
+
+    async def task_sender(self, name: str, thread: str) -> tuple[bool, str | None]:
+        """Whether agent ``name`` has a task on ``thread`` (pruned ones count), and the
+        client that sent it (None: none declared): what the authorization rule reads."""
+        return await self.store.task_sender(name, thread)
+
+    async def turn_task(self, turn: str) -> tuple[str | None, str | None, str | None]:
+        """(caller thread, hop thread, sender) of the task a Turn runs (event filtering)."""
+        return await self.store.turn_task(turn)
 
     async def turn_log(self, turn: str) -> dict[str, Any]:
         """A Turn's cards, governance decisions and approvals (the web console)."""

@@ -28,6 +28,7 @@ from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore, TurnToken
 from agentserver.agents.turn.answer import FAILED, STATUS_ATTR
 from agentserver.agents.turn.memory import SPEAKS_FOR
+from agentserver.core.access import AccessRule
 from agentserver.core.envelope import encode, envelope_multitask
 from agentserver.core.errors import Refusal
 from agentserver.core.listener import Handler, HandlerMetadata, HandlerResponse, HandlerResult
@@ -66,6 +67,7 @@ class PumpPorts:
         store: AgentStore | None = None,
         named_clients: Iterable[str] = (),
         operators: Iterable[str] = (),
+        access: AccessRule | None = None,
     ) -> None:
         self.pump = pump
         self.named_clients = frozenset(named_clients)
@@ -79,6 +81,9 @@ class PumpPorts:
         #: the HTTP API's per-message endpoints of an authenticated client (its replies
         #: still go to that endpoint, so this is not :attr:`clients`' identity map).
         self._deciders: dict[str, str] = {}
+        #: The authorization rule (agentserver/core/access.py): a client that is not an
+        #: approval request's approver learns nothing of it (None: no rule, a test's).
+        self.access = access
 
     def speak_for(self, endpoint: str, identity: str) -> None:
         """Endpoint ``endpoint`` was opened for authenticated client ``identity``: an
@@ -230,6 +235,17 @@ async def approval_decision(
     status = await runtime.approvals.decide(
         decision.request, decision.grant, decision.reason.strip(), by
     )
+    if (
+        status == "not-yours"
+        and ports is not None
+        and ports.access is not None
+        and by in ports.named_clients  # anonymous callers (no <clients>) keep not-yours
+        and not ports.access.sees_all(by)
+    ):
+        # Not its approver, nor an operator: answered as an unknown request, so request
+        # ids cannot be probed (docs/security.md).
+        ports.access.refuse(by, "approval", "approval-decision")
+        status = "unknown"
     if status != "applied":
         log.info("approval decision for %s from %s: %s", decision.request, by, status)
     if meta.response_thread is not None:

@@ -516,8 +516,16 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     async def task_view(self, agent_id: str, thread: str) -> dict[str, Any] | None:
         return await self._read(views.task, agent_id, thread)
 
-    async def recent_tasks(self, agent_id: str, limit: int = 20) -> list[dict[str, Any]]:
-        return await self._read(views.recent_tasks, agent_id, limit)
+    async def recent_tasks(
+        self, agent_id: str, limit: int = 20, sender: str | None = None
+    ) -> list[dict[str, Any]]:
+        return await self._read(views.recent_tasks, agent_id, limit, sender)
+
+    async def task_sender(self, agent_id: str, thread: str) -> tuple[bool, str | None]:
+        return await self._read(views.task_sender, agent_id, thread)
+
+    async def turn_task(self, agent_turn_id: str) -> tuple[str | None, str | None, str | None]:
+        return await self._read(views.turn_task, agent_turn_id)
 
     async def turn_log(self, agent_turn_id: str) -> dict[str, Any]:
         return await self._read(views.turn_log, agent_turn_id)
@@ -556,7 +564,7 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
 
     async def a2a_tasks(
         self,
-        owner: str,
+        owner: str | None,
         context_id: str | None,
         agents: Sequence[str],
         limit: int,

@@ -131,6 +131,11 @@ class StatusRoutes:
         listener = q.get("listener") or None
         if log_ is None or (listener is not None and not self.gate.may_see(identity, listener)):
             return JSONResponse({"durable": False, "steps": []})
+        if not self.gate.sees_all(identity):
+            # The runners' step log names no sender: an operator's (docs/security.md). A
+            # client gets the answer of a log without rows.
+            self.gate.refuse(identity, request)
+            return JSONResponse({"durable": log_.durable, "steps": []})
         rows = await log_.rows(
             step=q.get("step") or None, listener=listener, after=after, limit=limit
         )
@@ -145,4 +150,6 @@ class StatusRoutes:
         identity = await self.gate.identify(request)
         if isinstance(identity, Response):
             return identity
-        return JSONResponse(await self.status_document())
+        doc = await self.status_document()
+        doc["agents"] = self.gate.agent_summaries(identity, doc["agents"])
+        return JSONResponse(doc)

@@ -105,7 +105,7 @@ class Pages:
         if isinstance(identity, Response):
             return identity
         name, thread = request.path_params["name"], request.path_params["thread"]
-        doc = await self.data.task(identity, name, thread) if is_uuid4(thread) else None
+        doc = await self.data.task(identity, name, thread, request) if is_uuid4(thread) else None
         if doc is None:
             return self.not_found(request, identity)
         return self.render(request, "task.html", identity, name=name, thread=thread, doc=doc)
@@ -138,7 +138,7 @@ class Pages:
         if isinstance(identity, Response):
             return identity
         name, thread = request.path_params["name"], request.path_params["thread"]
-        doc = await self.data.task(identity, name, thread) if is_uuid4(thread) else None
+        doc = await self.data.task(identity, name, thread, request) if is_uuid4(thread) else None
         if doc is None:
             return problem(404, "not-found", "Not found.")
         return self.json(doc)

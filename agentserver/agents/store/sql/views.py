@@ -19,6 +19,7 @@ from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
 from agentserver.agents.store.sql.memory import turn_memory
 from agentserver.agents.store.sql.tombstones import thread_pruned
 from agentserver.agents.store.states import ApprovalStatus, InboxStatus, MessageType
+from agentserver.core.access import SENDER_KEYS, sender_of
 
 #: Characters of a failed Turn's deliverable shown as an agent's last error.
 ERROR_TEXT_CHARS = 500
@@ -173,15 +174,22 @@ CARD_TEXT_CHARS = 4000
 TURN_LOG_CARDS = 200
 
 
-def recent_tasks(tx: Tx, env: StoreEnv, name: str, limit: int) -> list[dict[str, Any]]:
+def recent_tasks(
+    tx: Tx, env: StoreEnv, name: str, limit: int, sender: str | None = None
+) -> list[dict[str, Any]]:
     """The newest ``limit`` tasks of agent ``name``, newest first: the caller's thread, the
     hop thread, the inbox status, the Turn and when it came (the web console's agent
-    page). One indexed read (``agent_inbox`` by agent)."""
+    page); with ``sender``, only the tasks that client sent (the authorization rule's
+    scope: :mod:`agentserver.core.access`). One indexed read (``agent_inbox`` by agent)."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    where, params = "agent_id = ? AND message_type = ?", (name, MessageType.TURN.value)
+    if sender is not None:
+        where += f" AND {sender_sql(tx)} = ?"
+        params += (sender,)
     rows = tx.all(
         f"SELECT {caller}, {hop}, status, agent_turn_id, created_at FROM agent_inbox "
-        "WHERE agent_id = ? AND message_type = ? ORDER BY seq DESC LIMIT ?",
-        (name, MessageType.TURN.value, limit),
+        f"WHERE {where} ORDER BY seq DESC LIMIT ?",
+        (*params, limit),
     )
     return [
         {"thread": r[0] or r[1], "hop": r[1], "status": r[2], "turn": r[3], "created_at": r[4]}
@@ -240,6 +248,49 @@ def turn_log(tx: Tx, env: StoreEnv, turn: str) -> dict[str, Any]:
             for r in approvals
         ],
     }
+
+
+def sender_sql(tx: Tx) -> str:
+    """The SQL expression for the client that sent an ``agent_inbox`` row's task (its
+    reply reference's ``client`` or ``speaks_for``: :data:`agentserver.core.access.SENDER_KEYS`;
+    NULL when it names none)."""
+    client, speaks = (json_text(tx, "reply_ref", key) for key in SENDER_KEYS)
+    return f"COALESCE({client}, {speaks})"
+
+
+def task_sender(tx: Tx, env: StoreEnv, name: str, thread: str) -> tuple[bool, str | None]:
+    """Whether agent ``name`` has a task sent on ``thread`` (the row :func:`task` reads;
+    a pruned one counts), and the client that sent it (None: no declared client)."""
+    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    row = tx.one(
+        f"SELECT reply_ref FROM agent_inbox WHERE agent_id = ? AND message_type = ? "
+        f"AND ({caller} = ? OR {hop} = ?) ORDER BY seq DESC LIMIT 1",
+        (name, MessageType.TURN.value, thread, thread),
+    )
+    if row is None:
+        return thread_pruned(tx, name, thread), None
+    return True, sender_of(_decoded(row[0]))
+
+
+def turn_task(tx: Tx, env: StoreEnv, turn: str) -> tuple[str | None, str | None, str | None]:
+    """(caller thread, hop thread, sender) of the task a Turn runs: what the event streams
+    filter by."""
+    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    row = tx.one(
+        f"SELECT {caller}, {hop}, reply_ref FROM agent_inbox WHERE agent_turn_id = ? "
+        "AND message_type = ? LIMIT 1",
+        (turn, MessageType.TURN.value),
+    )
+    return (row[0], row[1], sender_of(_decoded(row[2]))) if row else (None, None, None)
+
+
+def _decoded(reply_ref: Any) -> Any:
+    if reply_ref is None:
+        return None
+    try:
+        return json.loads(reply_ref)
+    except (TypeError, ValueError):
+        return None
 
 
 def turn_thread(tx: Tx, env: StoreEnv, turn: str) -> tuple[str | None, str | None]:
