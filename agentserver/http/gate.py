@@ -18,6 +18,7 @@ from agentserver.http.access import route_label
 from agentserver.http.auth import AnonymousRefused
 from agentserver.http.context import HttpContext
 from agentserver.http.problems import huh_problem, problem
+from agentserver.http.replies import ThreadView
 
 log = logging.getLogger("agentserver.http")
 
@@ -136,6 +137,15 @@ class Gate:
                 agent = {**agent, "last_error": {**error, "turn": None, "text": None}}
             out.append(agent)
         return out
+
+    def kept_thread(self, identity: Identity, thread: str, request: Request) -> ThreadView | None:
+        """The replies the gateway keeps on ``thread`` if ``identity`` may see them (its
+        own message's, or any for an operator); None for a missing thread and another's
+        alike (the latter counted and logged as a refusal)."""
+        view = self.ctx.gateway.thread(thread, identity.name, any_owner=True)
+        if view is None or not self.owns(identity, view.owner, request):
+            return None
+        return view
 
     def scope(self, identity: Identity) -> str | None:
         """The one sender whose objects ``identity`` may list (None: all)."""

@@ -497,7 +497,7 @@ class AccessRefusals:
     def refused(self, client: str | None, door: str, route: str) -> None:
         who = client or "anonymous"
         self.counter.labels(door, route, who).inc()
-        _access_log.info(
+        _access_log.warning(
             "access refused: %s on %s %s",
             who,
             door,

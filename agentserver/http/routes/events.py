@@ -71,8 +71,9 @@ class EventRoutes:
         if thread is None and sees_all:
             return True
         if turn is None:
-            # Not a task's event (an agent's state, a notice): an operator's only.
-            return sees_all
+            # Not a task's event (an agent's state, a notice): on no thread, and an
+            # operator's only.
+            return sees_all and thread is None
         caller, hop, sender = await self._turn_task(turn)
         if not sees_all and not self.gate.rule.decide(identity.name, sender):
             # Another client's task: never shown, whatever the filters (the stream is not

@@ -153,14 +153,17 @@ class ConsoleData:
             "task": task,
             "log": log,
             "approvals": await self.approvals(identity, turn) if turn else [],
-            "replies": self.replies(identity, thread),
+            "replies": self.replies(identity, thread, request),
             "operator": self.is_operator(identity),
         }
 
-    def replies(self, identity: Identity, thread: str) -> list[dict[str, str]] | None:
-        """The replies kept for the caller's message on ``thread``: who sent each, its
-        payload's text and the whole envelope; None if the gateway keeps none for it."""
-        kept = self.ctx.gateway.thread(thread, identity.name)
+    def replies(
+        self, identity: Identity, thread: str, request: Request
+    ) -> list[dict[str, str]] | None:
+        """The replies kept for the caller's message on ``thread`` (any message's for an
+        operator): who sent each, its payload's text and the whole envelope; None if the
+        gateway keeps none it may see."""
+        kept = self.gate.kept_thread(identity, thread, request)
         if kept is None:
             return None
         return [reply_document(r, self._parser) for r in kept.replies]

@@ -116,7 +116,7 @@ class Pages:
         if isinstance(identity, Response):
             return identity
         thread = request.path_params["thread"]
-        replies = self.data.replies(identity, thread) if is_uuid4(thread) else None
+        replies = self.data.replies(identity, thread, request) if is_uuid4(thread) else None
         if replies is None:
             return self.not_found(request, identity)
         to = request.query_params.get("to", "")
@@ -148,7 +148,7 @@ class Pages:
         if isinstance(identity, Response):
             return identity
         thread = request.path_params["thread"]
-        replies = self.data.replies(identity, thread) if is_uuid4(thread) else None
+        replies = self.data.replies(identity, thread, request) if is_uuid4(thread) else None
         if replies is None:
             return problem(404, "not-found", "Not found.")
         return self.json({"thread": thread, "replies": replies})
