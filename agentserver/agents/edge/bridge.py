@@ -219,6 +219,18 @@ class PumpPorts:
             self._delivered.popitem(last=False)
 
 
+async def _sees_request(runtime: AgentRuntime, access: AccessRule, by: str, request: str) -> bool:
+    """Whether client ``by`` may see approval request ``request`` though it is not its
+    approver: an operator, or the sender of the task whose call waits for it."""
+    if access.sees_all(by):
+        return True
+    for pending in await runtime.store.pending_approvals():
+        if pending.request_id == request:
+            _caller, _hop, sender = await runtime.store.turn_task(pending.agent_turn_id)
+            return access.decide(by, sender)
+    return False
+
+
 async def approval_decision(
     runtime: AgentRuntime, payload: etree._Element, meta: HandlerMetadata, ports: PumpPorts | None
 ) -> HandlerResult:
@@ -240,10 +252,11 @@ async def approval_decision(
         and ports is not None
         and ports.access is not None
         and by in ports.named_clients  # anonymous callers (no <clients>) keep not-yours
-        and not ports.access.sees_all(by)
+        and not await _sees_request(runtime, ports.access, by, decision.request)
     ):
-        # Not its approver, nor an operator: answered as an unknown request, so request
-        # ids cannot be probed (docs/security.md).
+        # Neither its approver, nor an operator, nor the sender of the task that asked:
+        # answered as an unknown request, so request ids cannot be probed
+        # (docs/security.md).
         ports.access.refuse(by, "approval", "approval-decision")
         status = "unknown"
     if status != "applied":
