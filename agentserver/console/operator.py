@@ -1,7 +1,9 @@
 """Stop and cancel agents' tasks from outside the process (``agentserver stop``/``cancel``).
 
 An operator connection (a client declared ``operator="true"``, or any anonymous loopback
-connection when no clients are declared) may send the core commands
+connection when no clients are declared) may send the core commands below on any task;
+any other declared client on its own tasks only (the authorization rule,
+:mod:`agentserver.core.access`: another's answers ``count="0"``, as a missing task's)
 
 - ``<stop agent="A" [thread="T"]/>``: end A's active Turn (only if it is the task sent on
   thread T, when given) with one failed ("stopped") answer to its sender; its steps in
