@@ -77,7 +77,7 @@ def build_app(ctx: HttpContext) -> Starlette:
                 "/v1/schedules/{name}/{action}", schedules.action, methods=["POST"], access=OWNER
             ),
             GuardedRoute("/v1/status", status.status, access=CALLER),
-            GuardedRoute("/v1/steps", status.steps, access=OPERATOR),
+            GuardedRoute("/v1/steps", status.steps, access=CALLER),
             GuardedRoute("/v1/webhooks", hooks.list, access=OPERATOR),
             GuardedRoute("/v1/webhooks", hooks.create, methods=["POST"], access=OPERATOR),
             GuardedRoute("/v1/webhooks/{name}", hooks.one, access=OPERATOR),
