@@ -313,13 +313,18 @@ class Callers:
 
     def __init__(self, url: str) -> None:
         self.url = url
+        # A connection per request: an idle kept-alive one may be closed by the server
+        # (read-timeout) just as the next request is sent on it.
+        fresh = httpx.Limits(max_keepalive_connections=0)
         self.http = {
-            who: httpx.AsyncClient(base_url=url, timeout=PATIENCE, headers=bearer(who))
+            who: httpx.AsyncClient(
+                base_url=url, timeout=PATIENCE, headers=bearer(who), limits=fresh
+            )
             for who in ("alice", "bob", "ops", "wrong", "anon")
         }
         #: Browsers: alice, bob and ops signed in; wrong and anon not.
         self.browser = {
-            who: httpx.AsyncClient(base_url=url, timeout=PATIENCE)
+            who: httpx.AsyncClient(base_url=url, timeout=PATIENCE, limits=fresh)
             for who in ("alice", "bob", "ops", "wrong", "anon")
         }
         self.csrf: dict[str, str] = {}
