@@ -727,3 +727,33 @@ async def events_are_the_senders(callers: Callers, alices_thread: str) -> None:
         assert alices_turn not in turns(key), key
         assert all(d.get("agent_turn_id") in (bobs_turn,) for _, d in streams[key]), key
     assert streams["bob-thread"] == []
+
+
+def test_the_rule_itself():
+    """The decision table of docs/security.md, pure: a client its own, an operator all,
+    anonymous callers all only without clients; refusals reach the sink with the route."""
+    from agentserver.core.access import AccessRule, sender_of
+    from agentserver.http.routes.budgets import budget_owner
+
+    told: list[tuple[str | None, str, str]] = []
+
+    class Sink:
+        def refused(self, client: str | None, door: str, route: str) -> None:
+            told.append((client, door, route))
+
+    rule = AccessRule(frozenset({"ops"}), anonymous_sees_all=False, sink=Sink())
+    assert rule.decide("alice", "alice") and rule.decide("ops", "alice")
+    assert not rule.decide("bob", "alice") and not rule.decide("bob", None)
+    assert not rule.decide(None, "alice") and not rule.decide(None, None)
+    assert rule.scope("alice") == "alice" and rule.scope("ops") is None
+    assert not rule.allows("bob", "alice", door="http", route="GET /x/{id}")
+    assert rule.allows("alice", "alice", door="http", route="GET /x/{id}")
+    assert told == [("bob", "http", "GET /x/{id}")]
+    open_rule = AccessRule()  # no <clients>: anonymous callers see all
+    assert open_rule.decide(None, None) and open_rule.decide(None, "x")
+    assert sender_of({"client": "alice"}) == "alice"
+    assert sender_of({"speaks_for": "bob", "chain": ["bob-1a2b3c4d", "assistant"]}) == "bob"
+    assert sender_of({"chain": ["client-1", "assistant"]}) is None and sender_of("x") is None
+    assert budget_owner("client:alice@agent:helper") == "alice"
+    assert budget_owner("client:alice") == "alice"
+    assert budget_owner("agent:helper") is None and budget_owner("organism") is None
