@@ -619,6 +619,18 @@ async def exercise(server: ServerProcess, callers: Callers) -> list[str]:
     bobs = (await callers.browser["bob"].get("/ui/agents/assistant")).text
     assert bobs_thread in bobs and thread not in bobs
     assert (await bob.get(f"/v1/agents/assistant/tasks/{bobs_thread}")).status_code == 200
+    # bob sends on alice's thread id: he sees his own task there, alice still hers
+    alices_view = (await alice.get(f"/v1/agents/assistant/tasks/{thread}")).json()
+    reused = await bob.post(
+        "/v1/messages", params={"to": "assistant", "thread": thread}, content=task("same id")
+    )
+    assert reused.status_code == 200, reused.text
+    bobs_view = (await bob.get(f"/v1/agents/assistant/tasks/{thread}")).json()
+    assert bobs_view["turn"] != alices_view["turn"]
+    assert (await alice.get(f"/v1/agents/assistant/tasks/{thread}")).json() == alices_view
+    assert (await ops.get(f"/v1/agents/assistant/tasks/{thread}")).json()["turn"] == (
+        bobs_view["turn"]
+    )  # the operator reads the latest on the thread, whoever sent it
 
     # -- MCP: the tools send as the caller; no token, no tools ------------------------------
     mcp_call = {

@@ -144,6 +144,7 @@ class Operator:
             if rule is not None:
                 rule.refuse(client, "socket", command.verb)
             return False
+        # The latest task on the thread (what stop and cancel act on) must be the client's.
         found, owner = await runtime.store.task_sender(command.agent, command.thread)
         return found and rule.allows(client, owner, door="socket", route=command.verb)
 

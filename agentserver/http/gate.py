@@ -121,7 +121,7 @@ class Gate:
             return False
         if self.sees_all(identity):
             return True
-        found, sender = await view.task_sender(name, thread)
+        found, sender = await view.task_sender(name, thread, identity.name)
         return found and self.owns(identity, sender, request)
 
     def agent_summaries(self, identity: Identity, agents: list[dict]) -> list[dict]:

@@ -513,16 +513,20 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     async def agent_views(self, names: Sequence[str]) -> list[dict[str, Any]]:
         return await self._read(views.agents, list(names))
 
-    async def task_view(self, agent_id: str, thread: str) -> dict[str, Any] | None:
-        return await self._read(views.task, agent_id, thread)
+    async def task_view(
+        self, agent_id: str, thread: str, sender: str | None = None
+    ) -> dict[str, Any] | None:
+        return await self._read(views.task, agent_id, thread, sender)
 
     async def recent_tasks(
         self, agent_id: str, limit: int = 20, sender: str | None = None
     ) -> list[dict[str, Any]]:
         return await self._read(views.recent_tasks, agent_id, limit, sender)
 
-    async def task_sender(self, agent_id: str, thread: str) -> tuple[bool, str | None]:
-        return await self._read(views.task_sender, agent_id, thread)
+    async def task_sender(
+        self, agent_id: str, thread: str, sender: str | None = None
+    ) -> tuple[bool, str | None]:
+        return await self._read(views.task_sender, agent_id, thread, sender)
 
     async def turn_task(self, agent_turn_id: str) -> tuple[str | None, str | None, str | None]:
         return await self._read(views.turn_task, agent_turn_id)

@@ -75,7 +75,8 @@ class AgentRoutes:
         found = None
         if view is not None and await self.gate.task_visible(identity, name, thread, request):
             try:
-                found = await view.task(name, thread)
+                # A client's own task on the thread (another may have used the same id).
+                found = await view.task(name, thread, self.gate.scope(identity))
             except TurnPruned as exc:
                 return pruned_problem(exc)
         if found is None:

@@ -142,9 +142,9 @@ class ConsoleData:
             return None
         hidden = False
         if not self.gate.sees_all(identity):
-            found, sender = await view.task_sender(name, thread)
+            found, sender = await view.task_sender(name, thread, identity.name)
             hidden = found and not self.gate.owns(identity, sender, request)
-        task = None if hidden else await view.task(name, thread)
+        task = None if hidden else await view.task(name, thread, self.gate.scope(identity))
         turn = task.get("turn") if task is not None else None
         log = await view.turn_log(turn) if turn else {"cards": [], "decisions": []}
         return {

@@ -100,15 +100,22 @@ def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
     return out
 
 
-def task(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None:
+def task(
+    tx: Tx, env: StoreEnv, name: str, thread: str, sender: str | None = None
+) -> dict[str, Any] | None:
     """The latest task of agent ``name`` sent on ``thread`` (the caller's thread, or the
-    hop thread the agent was called on): status, steps, usage. None if none."""
+    hop thread the agent was called on), of client ``sender`` if given (the authorization
+    rule's scope: another client may have sent on the same thread id): status, steps,
+    usage. None if none."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    where, params = "", (name, MessageType.TURN.value, thread, thread)
+    if sender is not None:
+        where, params = f" AND {sender_sql(tx)} = ?", (*params, sender)
     row = tx.one(
         "SELECT inbox_id, status, agent_turn_id, created_at, conversation FROM agent_inbox "
-        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?) "
+        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?){where} "
         "ORDER BY seq DESC LIMIT 1",
-        (name, MessageType.TURN.value, thread, thread),
+        params,
     )
     if row is None:
         if thread_pruned(tx, name, thread):
@@ -258,15 +265,21 @@ def sender_sql(tx: Tx) -> str:
     return f"COALESCE({client}, {speaks})"
 
 
-def task_sender(tx: Tx, env: StoreEnv, name: str, thread: str) -> tuple[bool, str | None]:
-    """Whether agent ``name`` has a task sent on ``thread`` (the row :func:`task` reads;
-    a pruned one counts), and the client that sent it (None: no declared client)."""
+def task_sender(
+    tx: Tx, env: StoreEnv, name: str, thread: str, sender: str | None = None
+) -> tuple[bool, str | None]:
+    """Whether agent ``name`` has a task sent on ``thread`` (a pruned one counts), and the
+    client that sent it (None: no declared client): ``sender``'s own if it sent one there,
+    else the latest one's (the row :func:`task` reads)."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
-    row = tx.one(
+    base = (
         f"SELECT reply_ref FROM agent_inbox WHERE agent_id = ? AND message_type = ? "
-        f"AND ({caller} = ? OR {hop} = ?) ORDER BY seq DESC LIMIT 1",
-        (name, MessageType.TURN.value, thread, thread),
+        f"AND ({caller} = ? OR {hop} = ?)"
     )
+    params = (name, MessageType.TURN.value, thread, thread)
+    if sender is not None and tx.one(f"{base} AND {sender_sql(tx)} = ? LIMIT 1", (*params, sender)):
+        return True, sender
+    row = tx.one(f"{base} ORDER BY seq DESC LIMIT 1", params)
     if row is None:
         return thread_pruned(tx, name, thread), None
     return True, sender_of(_decoded(row[0]))
