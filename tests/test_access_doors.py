@@ -631,6 +631,11 @@ async def exercise(server: ServerProcess, callers: Callers) -> list[str]:
     assert (await ops.get(f"/v1/agents/assistant/tasks/{thread}")).json()["turn"] == (
         bobs_view["turn"]
     )  # the operator reads the latest on the thread, whoever sent it
+    # A fork takes the thread's latest Turn: bob's now, so alice may not fork it.
+    fork = f"/v1/agents/assistant/tasks/{thread}/fork"
+    assert (await alice.post(fork, json={"at_step": 1})).status_code == 404
+    forked = await bob.post(fork, json={"at_step": 1})
+    assert forked.status_code == 202, forked.text
 
     # -- MCP: the tools send as the caller; no token, no tools ------------------------------
     mcp_call = {

@@ -110,7 +110,7 @@ class Gate:
         return self.rule.sees_all(identity.name)
 
     async def task_visible(
-        self, identity: Identity, name: str, thread: str, request: Request
+        self, identity: Identity, name: str, thread: str, request: Request, *, latest: bool = False
     ) -> bool:
         """Whether agent ``name``'s task on ``thread`` exists for ``identity``: the agent is
         one it may see, and the task is its own (or it sees all). False for a missing task
@@ -121,7 +121,9 @@ class Gate:
             return False
         if self.sees_all(identity):
             return True
-        found, sender = await view.task_sender(name, thread, identity.name)
+        # ``latest``: the action reads the thread's latest task whoever sent it (a fork),
+        # so that one must be the caller's, not only some task on the thread.
+        found, sender = await view.task_sender(name, thread, None if latest else identity.name)
         return found and self.owns(identity, sender, request)
 
     def agent_summaries(self, identity: Identity, agents: list[dict]) -> list[dict]:

@@ -92,7 +92,9 @@ class AgentRoutes:
             return identity
         name, thread = request.path_params["name"], request.path_params["thread"]
         forks = self.ctx.forks
-        if forks is None or not await self.gate.task_visible(identity, name, thread, request):
+        if forks is None or not await self.gate.task_visible(
+            identity, name, thread, request, latest=True
+        ):
             # Another client's conversation answers as a missing one (docs/security.md).
             return problem(404, "not-found", "Not found.")
         body = await request.body()
