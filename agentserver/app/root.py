@@ -20,11 +20,13 @@ from prometheus_client import CollectorRegistry
 from agentserver.app.builtins import RunContext, build_listener_set
 from agentserver.config.topology import HttpSpec, Topology
 from agentserver.console.operator import Operator
+from agentserver.core.access import AccessRule
 from agentserver.core.errors import CannotListen, ConfigurationError, sole_exception
 from agentserver.core.handshake import Credential, HelloGate
 from agentserver.net.server import Server, format_address
 from agentserver.net.tls import CertificateRule, normalize_fingerprint, parse_subject
 from agentserver.observability import Metrics, Tracing
+from agentserver.observability.metrics import AccessRefusals
 from agentserver.pump.pump import Pump
 
 if TYPE_CHECKING:
@@ -181,6 +183,13 @@ async def run_server(
         tracing = Tracing.from_environ(environ)
         ctx.resources.callback(tracing.shutdown)
     metrics = Metrics(registry)
+    # The one authorization rule every door applies (docs/security.md); its refusals are
+    # counted in /metrics and logged.
+    access = AccessRule(
+        frozenset(c.name for c in topology.clients if c.operator),
+        anonymous_sees_all=not topology.clients,
+        sink=AccessRefusals(registry),
+    )
     built = build_listener_set(topology, ctx)
     hub = built.runner_hub
     config = topology.pump_config()
@@ -209,6 +218,7 @@ async def run_server(
                 environ=environ,
                 tracing=tracing,
                 metrics=metrics,
+                access=access,
             )
             if agents is not None:
                 if hub is not None:
@@ -229,6 +239,7 @@ async def run_server(
                 hub,
                 max_message_bytes=topology.limits.max_message_bytes,
                 remote_calls=built.a2a_remotes,
+                access=access,
             )
             server = Server(
                 pump,
@@ -268,6 +279,7 @@ async def run_server(
                         environ,
                         operator,
                         webhooks,
+                        access,
                     )
                 except (OSError, BaseExceptionGroup) as exc:
                     # Hypercorn binds inside a nursery of its own: a group of one OSError.
@@ -373,6 +385,7 @@ def _a2a_handler(
     gateway: Any,
     agents: AgentService,
     operator: Operator | None,
+    access: AccessRule | None = None,
 ) -> Any:
     """The A2A methods on the agents ``<expose-a2a>`` names (docs/a2a.md)."""
     from agentserver import package_version
@@ -399,6 +412,7 @@ def _a2a_handler(
             operator=operator,
             public_url=topology.expose_a2a.public_url,
             allow_private_push=topology.expose_a2a.allow_private_push,
+            access=access,
         )
     )
 
@@ -433,6 +447,7 @@ async def _start_http(
     environ,
     operator: Operator | None = None,
     webhooks: Any = None,
+    access: AccessRule | None = None,
 ) -> tuple[Any, list[str]]:
     """Start the HTTP API in ``nursery`` (it ends once ``stop`` is set and its requests
     are done, or after the drain timeout); returns its context (to close its event
@@ -486,6 +501,7 @@ async def _start_http(
         version=package_version(),
         budgets=agents.budgets if agents is not None else None,
         ui_sessions=UiSessions(table, auth, spec.ui_session_ttl),
+        access=access,
     )
     ssl_context = None
     if topology.tls is not None:
@@ -501,7 +517,7 @@ async def _start_http(
         graceful_timeout=topology.limits.drain_timeout,
     )
     if topology.expose_a2a is not None and agents is not None:
-        app_ctx.a2a = _a2a_handler(topology, spec, gateway, agents, operator)
+        app_ctx.a2a = _a2a_handler(topology, spec, gateway, agents, operator, access)
     mcp_http = None
     if topology.expose_mcp:
         from agentserver.config.loader import is_loopback

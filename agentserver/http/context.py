@@ -14,6 +14,7 @@ from agentserver.agents.events import EventBus, Subscription
 from agentserver.agents.governance.budgets import Budgets
 from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.store.base import Fired, ScheduleRow
+from agentserver.core.access import AccessRule
 from agentserver.core.throttle import HelloThrottle
 from agentserver.http.agents_view import AgentsView
 from agentserver.http.auth import HttpAuth
@@ -37,7 +38,7 @@ class Schedules(Protocol):
     :class:`~agentserver.agents.turn.scheduler.Scheduler`)."""
 
     async def list(self) -> list[ScheduleRow]: ...
-    async def add(self, spec: ScheduleSpec) -> ScheduleRow: ...
+    async def add(self, spec: ScheduleSpec, owner: str | None = None) -> ScheduleRow: ...
     async def pause(self, name: str, paused: bool) -> ScheduleRow: ...
     async def trigger(self, name: str) -> Fired | None: ...
     async def delete(self, name: str) -> None: ...
@@ -96,10 +97,17 @@ class HttpContext:
             "query_tokens": 0,
         }
     )
+    #: The authorization rule every route applies (agentserver/core/access.py); None:
+    #: made from ``operators`` and ``auth`` without a refusal sink (a test's context).
+    access: AccessRule | None = None
     #: Set by :meth:`close`.
     closing: trio.Event = field(default_factory=trio.Event)
     #: The open event streams' subscriptions.
     subscriptions: set[Subscription] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.access is None:
+            self.access = AccessRule(self.operators, anonymous_sees_all=not self.auth.required)
 
     def close(self) -> None:
         """The server is shutting down: end the event streams now (endless, they would

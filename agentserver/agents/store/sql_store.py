@@ -514,14 +514,28 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     async def agent_views(self, names: Sequence[str]) -> list[dict[str, Any]]:
         return await self._read(views.agents, list(names))
 
-    async def task_view(self, agent_id: str, thread: str) -> dict[str, Any] | None:
-        return await self._read(views.task, agent_id, thread)
+    async def task_view(
+        self, agent_id: str, thread: str, sender: str | None = None
+    ) -> dict[str, Any] | None:
+        return await self._read(views.task, agent_id, thread, sender)
 
-    async def task_reading(self, agent_id: str, thread: str) -> dict[str, Any] | None:
-        return await self._read(views.task_reading, agent_id, thread)
+    async def task_reading(
+        self, agent_id: str, thread: str, sender: str | None = None
+    ) -> dict[str, Any] | None:
+        return await self._read(views.task_reading, agent_id, thread, sender)
 
-    async def recent_tasks(self, agent_id: str, limit: int = 20) -> list[dict[str, Any]]:
-        return await self._read(views.recent_tasks, agent_id, limit)
+    async def recent_tasks(
+        self, agent_id: str, limit: int = 20, sender: str | None = None
+    ) -> list[dict[str, Any]]:
+        return await self._read(views.recent_tasks, agent_id, limit, sender)
+
+    async def task_sender(
+        self, agent_id: str, thread: str, sender: str | None = None
+    ) -> tuple[bool, str | None]:
+        return await self._read(views.task_sender, agent_id, thread, sender)
+
+    async def turn_task(self, agent_turn_id: str) -> tuple[str | None, str | None, str | None]:
+        return await self._read(views.turn_task, agent_turn_id)
 
     async def task_answer(self, thread: str) -> dict[str, Any] | None:
         """The latest task sent on the caller's ``thread``, with its sender and answer."""
@@ -564,7 +578,7 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
 
     async def a2a_tasks(
         self,
-        owner: str,
+        owner: str | None,
         context_id: str | None,
         agents: Sequence[str],
         limit: int,

@@ -13,6 +13,8 @@ import dataclasses
 import time
 from typing import Any
 
+from starlette.requests import Request
+
 from agentserver.core.errors import InputRefused
 from agentserver.core.handshake import Identity
 from agentserver.core.usage import TaskForm, task_form
@@ -46,9 +48,12 @@ NOT_YET: dict[str, Any] = {
 class ConsoleData:
     """Reads for the console's pages of one app."""
 
-    def __init__(self, ctx: HttpContext, status: StatusRoutes) -> None:
+    def __init__(self, ctx: HttpContext, status: StatusRoutes, gate: Gate) -> None:
         self.ctx = ctx
         self.status = status
+        #: The API's gate: the authorization rule (agentserver/core/access.py) as routes
+        #: call it.
+        self.gate = gate
         self._parser = SafeParser(ctx.gateway.max_bytes)
         #: Listener name → its task form (None: no such listener, or it takes nothing
         #: a person sends); one entry per listener at most.
@@ -88,17 +93,24 @@ class ConsoleData:
         return [n for n in view.agents if Gate.may_see(identity, n)]
 
     async def approvals(self, identity: Identity, turn: str | None = None) -> list[dict]:
-        """Pending approval requests of the agents ``identity`` may see (of one Turn)."""
+        """Pending approval requests of the agents ``identity`` may see (of one Turn): an
+        operator sees all; a client those it is the approver of and those of its own
+        tasks (the authorization rule, docs/security.md)."""
         view = self.ctx.agents
         if view is None:
             return []
         now = time.time()
         out = []
+        sees_all = self.gate.sees_all(identity)
         for p in await view.pending_approvals():
             if not Gate.may_see(identity, p.agent_id):
                 continue
             if turn is not None and p.agent_turn_id != turn:
                 continue
+            if not sees_all and p.approver != identity.name:
+                _caller, _hop, sender = await view.turn_task(p.agent_turn_id)
+                if not self.gate.rule.decide(identity.name, sender):
+                    continue
             item = dataclasses.asdict(p)
             item["seconds_left"] = max(0, round(p.deadline - now))
             item["mine"] = identity.name is None or identity.name == p.approver
@@ -108,7 +120,9 @@ class ConsoleData:
     async def overview(self, identity: Identity) -> dict[str, Any]:
         doc = await self.status.status_document()
         seen = set(self.agent_names(identity))
-        doc["agents"] = [a for a in doc["agents"] if a["name"] in seen]
+        doc["agents"] = self.gate.agent_summaries(
+            identity, [a for a in doc["agents"] if a["name"] in seen]
+        )
         doc["listeners"] = [lst for lst in doc["listeners"] if Gate.may_see(identity, lst["name"])]
         doc["approvals"] = await self.approvals(identity)
         doc["operator"] = self.is_operator(identity)
@@ -125,28 +139,41 @@ class ConsoleData:
         approvals = [a for a in await self.approvals(identity) if a["agent_id"] == name]
         form = self.task_form(name)
         return {
-            "agent": await view.agent(name),
-            "tasks": [self.listed(t) for t in await view.recent_tasks(name, RECENT_TASKS)],
+            "agent": self.gate.agent_summaries(identity, [await view.agent(name)])[0],
+            # Only the caller's own tasks unless it sees all (docs/security.md).
+            "tasks": [
+                self.listed(t)
+                for t in await view.recent_tasks(name, RECENT_TASKS, self.gate.scope(identity))
+            ],
             "approvals": approvals,
             "operator": self.is_operator(identity),
             "task_form": dataclasses.asdict(form) if form is not None else None,
         }
 
-    async def task(self, identity: Identity, name: str, thread: str) -> dict[str, Any] | None:
+    async def task(
+        self, identity: Identity, name: str, thread: str, request: Request
+    ) -> dict[str, Any] | None:
         """The task of agent ``name`` sent on ``thread``: its view (status, steps, usage),
         its Turn's log (cards, decisions, approvals), its pending approvals and the
-        replies the gateway keeps for the caller on that thread. None: not visible."""
+        replies the gateway keeps for the caller on that thread. None: not visible. A
+        task not (yet) in the store is shown as waiting, and so is another client's (the
+        authorization rule: exactly what a missing one shows)."""
         view = self.ctx.agents
         if view is None or name not in self.agent_names(identity):
             return None
-        task = await view.task(name, thread)
+        hidden = False
+        if not self.gate.sees_all(identity):
+            found, sender = await view.task_sender(name, thread, identity.name)
+            hidden = found and not self.gate.owns(identity, sender, request)
+        task = None if hidden else await view.task(name, thread, self.gate.scope(identity))
         turn = task.get("turn") if task is not None else None
         log = await view.turn_log(turn) if turn else {"cards": [], "decisions": []}
         if task is not None:
             for step in task["steps"]:
                 step["took"] = _took(step.get("started_at"), step.get("ended_at"))
                 step["cost_text"] = wording.cost(step.get("cost"))
-        found = await view.task_reading(name, thread)
+        # The same scope as the task itself: another client's task reads as a missing one.
+        found = None if hidden else await view.task_reading(name, thread, self.gate.scope(identity))
         return {
             "agent": name,
             "thread": thread,
@@ -154,7 +181,7 @@ class ConsoleData:
             "reading": self.reading(found or NOT_YET, task),
             "log": log,
             "approvals": await self.approvals(identity, turn) if turn else [],
-            "replies": self.replies(identity, thread),
+            "replies": self.replies(identity, thread, request),
             "operator": self.is_operator(identity),
         }
 
@@ -197,10 +224,13 @@ class ConsoleData:
             "took": _took(row["created_at"], row["finished_at"]),
         }
 
-    def replies(self, identity: Identity, thread: str) -> list[dict[str, str]] | None:
-        """The replies kept for the caller's message on ``thread``: who sent each, its
-        payload's text and the whole envelope; None if the gateway keeps none for it."""
-        kept = self.ctx.gateway.thread(thread, identity.name)
+    def replies(
+        self, identity: Identity, thread: str, request: Request
+    ) -> list[dict[str, str]] | None:
+        """The replies kept for the caller's message on ``thread`` (any message's for an
+        operator): who sent each, its payload's text and the whole envelope; None if the
+        gateway keeps none it may see."""
+        kept = self.gate.kept_thread(identity, thread, request)
         if kept is None:
             return None
         return [reply_document(r, self._parser) for r in kept.replies]

@@ -105,7 +105,7 @@ class Pages:
         if isinstance(identity, Response):
             return identity
         name, thread = request.path_params["name"], request.path_params["thread"]
-        doc = await self.data.task(identity, name, thread) if is_uuid4(thread) else None
+        doc = await self.data.task(identity, name, thread, request) if is_uuid4(thread) else None
         if doc is None:
             return self.not_found(request, identity)
         return self.render(request, "task.html", identity, name=name, thread=thread, doc=doc)
@@ -116,7 +116,7 @@ class Pages:
         if isinstance(identity, Response):
             return identity
         thread = request.path_params["thread"]
-        replies = self.data.replies(identity, thread) if is_uuid4(thread) else None
+        replies = self.data.replies(identity, thread, request) if is_uuid4(thread) else None
         if replies is None:
             return self.not_found(request, identity)
         to = request.query_params.get("to", "")
@@ -147,7 +147,7 @@ class Pages:
         if isinstance(identity, Response):
             return identity
         name, thread = request.path_params["name"], request.path_params["thread"]
-        doc = await self.data.task(identity, name, thread) if is_uuid4(thread) else None
+        doc = await self.data.task(identity, name, thread, request) if is_uuid4(thread) else None
         if doc is None:
             return problem(404, "not-found", "Not found.")
         return self.json(doc)
@@ -157,7 +157,7 @@ class Pages:
         if isinstance(identity, Response):
             return identity
         thread = request.path_params["thread"]
-        replies = self.data.replies(identity, thread) if is_uuid4(thread) else None
+        replies = self.data.replies(identity, thread, request) if is_uuid4(thread) else None
         if replies is None:
             return problem(404, "not-found", "Not found.")
         return self.json({"thread": thread, "replies": replies})

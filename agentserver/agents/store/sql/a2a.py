@@ -113,14 +113,15 @@ def task(tx: Tx, env: StoreEnv, task_id: str) -> dict[str, Any] | None:
 def tasks(
     tx: Tx,
     env: StoreEnv,
-    owner: str,
+    owner: str | None,
     context_id: str | None,
     agents: list[str],
     limit: int,
     after: tuple[float, str] | None = None,
     keep: Callable[[dict[str, Any]], bool] | None = None,
 ) -> tuple[list[dict[str, Any]], int, bool]:
-    """``owner``'s tasks of ``agents`` (in ``context_id`` if given) that ``keep`` accepts
+    """``owner``'s tasks (None: every owner's, for an operator) of ``agents`` (in
+    ``context_id`` if given) that ``keep`` accepts
     (a filter on the state: None, every one), newest first, after the cursor ``after``
     (the ``created_at`` and id of the previous page's last), at most ``limit``, with their
     states; how many match in all; and whether more follow this page.
@@ -129,8 +130,11 @@ def tasks(
     with ``keep``, every candidate's state is read (in this one transaction)."""
     if not agents:
         return [], 0, False
-    where = f"owner = ? AND agent_id IN ({', '.join('?' * len(agents))})"
-    params: tuple[Any, ...] = (owner, *agents)
+    where = f"agent_id IN ({', '.join('?' * len(agents))})"
+    params: tuple[Any, ...] = tuple(agents)
+    if owner is not None:
+        where += " AND owner = ?"
+        params += (owner,)
     if context_id:
         where += " AND context_id = ?"
         params += (context_id,)

@@ -22,6 +22,7 @@ from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
 from agentserver.agents.store.sql.memory import turn_memory
 from agentserver.agents.store.sql.tombstones import thread_pruned
 from agentserver.agents.store.states import ApprovalStatus, InboxStatus, MessageType
+from agentserver.core.access import SENDER_KEYS, sender_of
 
 #: Characters of a failed Turn's deliverable shown as an agent's last error.
 ERROR_TEXT_CHARS = 500
@@ -102,16 +103,22 @@ def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
     return out
 
 
-def task(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None:
+def task(
+    tx: Tx, env: StoreEnv, name: str, thread: str, sender: str | None = None
+) -> dict[str, Any] | None:
     """The latest task of agent ``name`` sent on ``thread`` (the caller's thread, or the
-    hop thread the agent was called on): status, steps, usage, and the answer its caller
-    was sent once there is one. None if none."""
+    hop thread the agent was called on), of client ``sender`` if given (the authorization
+    rule's scope: another client may have sent on the same thread id): status, steps,
+    usage, and the answer its caller was sent once there is one. None if none."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    where, params = "", (name, MessageType.TURN.value, thread, thread)
+    if sender is not None:
+        where, params = f" AND {sender_sql(tx)} = ?", (*params, sender)
     row = tx.one(
         "SELECT inbox_id, status, agent_turn_id, created_at, conversation FROM agent_inbox "
-        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?) "
+        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?){where} "
         "ORDER BY seq DESC LIMIT 1",
-        (name, MessageType.TURN.value, thread, thread),
+        params,
     )
     if row is None:
         if thread_pruned(tx, name, thread):
@@ -237,17 +244,25 @@ READING_CHARS = 20000
 LIST_TEXT_CHARS = 400
 
 
-def recent_tasks(tx: Tx, env: StoreEnv, name: str, limit: int) -> list[dict[str, Any]]:
+def recent_tasks(
+    tx: Tx, env: StoreEnv, name: str, limit: int, sender: str | None = None
+) -> list[dict[str, Any]]:
     """The newest ``limit`` tasks of agent ``name``, newest first: the caller's thread, the
     hop thread, the inbox status, the Turn and when it came (the web console's agent
     page), each with its :func:`reading` (its text and outcome, cut at
-    :data:`LIST_TEXT_CHARS`). One indexed read (``agent_inbox`` by agent), then two per
-    started task (its Turn's boxes, and its approvals while it runs)."""
+    :data:`LIST_TEXT_CHARS`); with ``sender``, only the tasks that client sent (the
+    authorization rule's scope: :mod:`agentserver.core.access`). One indexed read
+    (``agent_inbox`` by agent), then two per started task (its Turn's boxes, and its
+    approvals while it runs)."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    where, params = "agent_id = ? AND message_type = ?", (name, MessageType.TURN.value)
+    if sender is not None:
+        where += f" AND {sender_sql(tx)} = ?"
+        params += (sender,)
     rows = tx.all(
         f"SELECT {caller}, {hop}, status, agent_turn_id, created_at, payload, defer_reason "
-        "FROM agent_inbox WHERE agent_id = ? AND message_type = ? ORDER BY seq DESC LIMIT ?",
-        (name, MessageType.TURN.value, limit),
+        f"FROM agent_inbox WHERE {where} ORDER BY seq DESC LIMIT ?",
+        (*params, limit),
     )
     return [
         {
@@ -262,16 +277,22 @@ def recent_tasks(tx: Tx, env: StoreEnv, name: str, limit: int) -> list[dict[str,
     ]
 
 
-def task_reading(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None:
+def task_reading(
+    tx: Tx, env: StoreEnv, name: str, thread: str, sender: str | None = None
+) -> dict[str, Any] | None:
     """The :func:`reading` of the latest task of agent ``name`` sent on ``thread`` (found
-    as :func:`task` finds it), its text and answer cut at :data:`READING_CHARS`; None if
-    there is none (a pruned one included: :func:`task` says which)."""
+    as :func:`task` finds it, of client ``sender`` if given), its text and answer cut at
+    :data:`READING_CHARS`; None if there is none (a pruned one included: :func:`task`
+    says which)."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    where, params = "", (name, MessageType.TURN.value, thread, thread)
+    if sender is not None:
+        where, params = f" AND {sender_sql(tx)} = ?", (*params, sender)
     row = tx.one(
         "SELECT status, payload, defer_reason, agent_turn_id FROM agent_inbox "
-        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?) "
+        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?){where} "
         "ORDER BY seq DESC LIMIT 1",
-        (name, MessageType.TURN.value, thread, thread),
+        params,
     )
     if row is None:
         return None
@@ -384,6 +405,55 @@ def turn_log(tx: Tx, env: StoreEnv, turn: str) -> dict[str, Any]:
             for r in approvals
         ],
     }
+
+
+def sender_sql(tx: Tx) -> str:
+    """The SQL expression for the client that sent an ``agent_inbox`` row's task (its
+    reply reference's ``client`` or ``speaks_for``: :data:`agentserver.core.access.SENDER_KEYS`;
+    NULL when it names none)."""
+    client, speaks = (json_text(tx, "reply_ref", key) for key in SENDER_KEYS)
+    return f"COALESCE({client}, {speaks})"
+
+
+def task_sender(
+    tx: Tx, env: StoreEnv, name: str, thread: str, sender: str | None = None
+) -> tuple[bool, str | None]:
+    """Whether agent ``name`` has a task sent on ``thread`` (a pruned one counts), and the
+    client that sent it (None: no declared client): ``sender``'s own if it sent one there,
+    else the latest one's (the row :func:`task` reads)."""
+    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    base = (
+        f"SELECT reply_ref FROM agent_inbox WHERE agent_id = ? AND message_type = ? "
+        f"AND ({caller} = ? OR {hop} = ?)"
+    )
+    params = (name, MessageType.TURN.value, thread, thread)
+    if sender is not None and tx.one(f"{base} AND {sender_sql(tx)} = ? LIMIT 1", (*params, sender)):
+        return True, sender
+    row = tx.one(f"{base} ORDER BY seq DESC LIMIT 1", params)
+    if row is None:
+        return thread_pruned(tx, name, thread), None
+    return True, sender_of(_decoded(row[0]))
+
+
+def turn_task(tx: Tx, env: StoreEnv, turn: str) -> tuple[str | None, str | None, str | None]:
+    """(caller thread, hop thread, sender) of the task a Turn runs: what the event streams
+    filter by."""
+    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    row = tx.one(
+        f"SELECT {caller}, {hop}, reply_ref FROM agent_inbox WHERE agent_turn_id = ? "
+        "AND message_type = ? LIMIT 1",
+        (turn, MessageType.TURN.value),
+    )
+    return (row[0], row[1], sender_of(_decoded(row[2]))) if row else (None, None, None)
+
+
+def _decoded(reply_ref: Any) -> Any:
+    if reply_ref is None:
+        return None
+    try:
+        return json.loads(reply_ref)
+    except (TypeError, ValueError):
+        return None
 
 
 def turn_thread(tx: Tx, env: StoreEnv, turn: str) -> tuple[str | None, str | None]:
