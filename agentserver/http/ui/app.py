@@ -31,8 +31,6 @@ def ui_routes(
         # given): this process's memory, the system clock.
         sessions = UiSessions(MemorySessionTable(SystemClock()), ctx.auth)
     session = UiSession(gate, CsrfGuard(), sessions, secure=ctx.tls)
-    data = ConsoleData(ctx, status)
-    session = UiSession(gate, CsrfGuard(), secure=ctx.tls)
     data = ConsoleData(ctx, status, gate)
     pages = Pages(ctx, session, data, events, environment())
     actions = Actions(ctx, session, data)
