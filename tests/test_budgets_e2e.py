@@ -38,8 +38,11 @@ MAX_TOKENS = 1000
 #: About ten calls' worst case (a prompt here is a few hundred tokens).
 LIMIT = 10 * 1500
 PATIENCE = 60.0
+#: Spent, or (issue 45) room left but less than the call's worst case.
 REASON = re.compile(
-    r"^budget exhausted: organism \(day\) is spent; it resets at \d{4}-\d\d-\d\dT00:00:00Z$"
+    r"^budget exhausted: (organism \(day\) is spent"
+    r"|this call needs up to [\d,]+ tokens; [\d,]+ remain of organism \(day\));"
+    r" it resets at \d{4}-\d\d-\d\dT00:00:00Z$"
 )
 
 

@@ -185,7 +185,13 @@ async def test_a_store_from_before_migration_13_continues_its_conversations(
             "DROP INDEX agent_inbox_caller",
             "ALTER TABLE agent_inbox DROP COLUMN caller",
             "DROP INDEX pruned_turns_age",
-            "DELETE FROM schema_version WHERE version = 14",
+            # (and migration 15's, which runs again after 14)
+            "DROP INDEX budget_holds_turn",
+            "ALTER TABLE budget_holds DROP COLUMN agent_id",
+            "ALTER TABLE budget_holds DROP COLUMN agent_turn_id",
+            "ALTER TABLE budget_holds DROP COLUMN turn_epoch",
+            "ALTER TABLE budget_holds DROP COLUMN step_id",
+            "DELETE FROM schema_version WHERE version >= 14",
             "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) VALUES "
             "('c1', 'agent', 'old', 'context', 1), ('o1', 'agent', 'old', 'output', 1)",
             "INSERT INTO cards (card_id, box_id, agent_turn_id, card_type, content, created_at, "
@@ -200,7 +206,7 @@ async def test_a_store_from_before_migration_13_continues_its_conversations(
         await s.aclose()
     s = await _open(kind, request, tmp_path)
     try:
-        assert await one(s, "SELECT max(version) FROM schema_version") == SCHEMA_VERSION == 14
+        assert await one(s, "SELECT max(version) FROM schema_version") == SCHEMA_VERSION == 15
         started = await step(s, "t1")
         assert texts(started.context) == ["copied earlier", "old task", "old said", "t1"]
         assert started.head.context_tokens >= 7

@@ -267,6 +267,9 @@ CREATE TABLE schedule_runs (
     # whom keep-last counts its tasks by (agents/store/sql/prune.py); tombstones are
     # pruned by age (agents/store/sql/tombstones.py).
     14: memory.MIGRATION + prune.CALLER_MIGRATION + tombstones.MIGRATION,
+    # Issue 43: a budget hold belongs to the Turn's step that made its call, not to a
+    # process (agents/store/sql/budgets.py).
+    15: budget_sql.HOLDS_MIGRATION,
 }
 #: The newest schema version: migrations are numbered 1..N without gaps.
 SCHEMA_VERSION = max(MIGRATIONS)
