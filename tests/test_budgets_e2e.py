@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -337,6 +338,15 @@ async def test_a_killed_servers_reservations_are_released_by_the_watchdog(tmp_pa
             nursery.cancel_scope.cancel()
 
 
+async def until(check: Callable[[], bool], what: str, polls: int = 600) -> None:
+    """Wait (bounded: ``polls`` reads 0.1 s apart) until ``check()`` holds."""
+    for _ in range(polls):
+        if check():
+            return
+        await trio.sleep(0.1)
+    raise AssertionError(f"never: {what}")
+
+
 class HangThenGate(FakeServer):
     """Issue 43's reproduction: the first life's calls hang (they hold their reservations
     when the server is killed); after ``restarted``, calls wait for ``gate``, then
@@ -455,9 +465,7 @@ async def test_a_killed_servers_holds_go_with_its_turns_not_its_process(tmp_path
             assert len(running) == 2
             # reserved comes back to what the running calls hold (another process's
             # store: a bounded poll)
-            with trio.fail_after(PATIENCE):
-                while alice_row()[0] != sum(running):
-                    await trio.sleep(0.1)
+            await until(lambda: alice_row()[0] == sum(running), "reserved is what runs")
             assert alice_row() == (sum(running), 0, 0)
             async with open_client(
                 survivor.host, survivor.port, client="alice", token=TOKENS["alice"]
@@ -469,9 +477,7 @@ async def test_a_killed_servers_holds_go_with_its_turns_not_its_process(tmp_path
                         reply = await client.receive()
                         answers[reply.thread] = "".join(reply.payload.itertext())
             assert answers == {t: "done" for t in threads}, answers
-            with trio.fail_after(PATIENCE):  # the settles commit before the answers
-                while alice_row()[0] != 0:
-                    await trio.sleep(0.1)
+            await until(lambda: alice_row()[0] == 0, "nothing reserved")
             assert alice_row() == (0, 2 * sum(HangThenGate.USAGE), 0)
             assert store_rows(sqlite_path, pg_url, "SELECT count(*) FROM budget_holds") == [(0,)]
         finally:
