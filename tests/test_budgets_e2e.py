@@ -484,3 +484,72 @@ async def test_a_killed_servers_holds_go_with_its_turns_not_its_process(tmp_path
             for s in servers:
                 await trio.to_thread.run_sync(s.stop)
             nursery.cancel_scope.cancel()
+
+
+class FirstCallWaits(FakeServer):
+    """The first call waits for ``gate`` (its Turn runs while the others queue); every
+    call answers ``done``. ``order``: each call's task text, in the order made."""
+
+    def __init__(self) -> None:
+        super().__init__("openai")
+        self.gate = trio.Event()
+        self.first = trio.Event()
+        self.order: list[str] = []
+
+    def default(self, seen: Seen) -> Script:
+        said = str(seen.body["messages"][-1]["content"])
+        self.order.append(said.split("<text>")[1].split("</text>")[0])
+        if seen.body.get("stream"):
+            script = openai_stream(["done"], prompt_tokens=10, completion_tokens=5)
+        else:
+            script = openai_ok("done", prompt_tokens=10, completion_tokens=5)
+        if len(self.order) == 1:
+            self.first.set()
+            script.wait = self.gate
+        return script
+
+
+async def test_fair_share_is_on_by_default(tmp_path, backend):
+    """Issue 43: without ``fair-share`` on ``<store>``, a client flooding an agent with
+    20 tasks delays another client's task by at most the Turn running when it arrives
+    (first come, first served it would be the 21st)."""
+    pg_url, store = backend
+    assert "fair-share" not in store
+    boot_file = tmp_path / "boot.xml"
+    boot_file.write_text(boot(store, limit=10**9))
+    sqlite_path = tmp_path / "state" / "agents.sqlite3" if pg_url is None else None
+    queued = "SELECT count(*) FROM agent_inbox WHERE agent_id = 'assistant' AND status = 'queued'"
+    flood = [f"flood {i}" for i in range(20)]
+    async with trio.open_nursery() as nursery:
+        model = await FirstCallWaits().start(nursery)
+        [server] = await start_servers(boot_file, env_for(model, pg_url), tmp_path, 1)
+        try:
+            async with (
+                open_client(server.host, server.port, client="alice", token=TOKENS["alice"]) as a,
+                open_client(server.host, server.port, client="bob", token=TOKENS["bob"]) as b,
+            ):
+                for text in flood:
+                    await a.send(Task(text=text), to="assistant", thread=new_thread_id())
+                with trio.fail_after(PATIENCE):
+                    await model.first.wait()
+                await until(
+                    lambda: store_rows(sqlite_path, pg_url, queued) == [(len(flood) - 1,)],
+                    "the flood is queued behind its first task",
+                )
+                await b.send(Task(text="quiet"), to="assistant", thread=new_thread_id())
+                await until(
+                    lambda: store_rows(sqlite_path, pg_url, queued) == [(len(flood),)],
+                    "bob's task is queued",
+                )
+                model.gate.set()
+                with trio.fail_after(PATIENCE):
+                    reply = await b.receive()
+                    assert "".join(reply.payload.itertext()) == "done"
+                    for _ in flood:
+                        await a.receive()
+        finally:
+            assert await trio.to_thread.run_sync(server.stop) == 0, server.stderr
+            nursery.cancel_scope.cancel()
+    # the Turn running when bob's task arrived, then bob's
+    assert model.order[:2] == ["flood 0", "quiet"], model.order
+    assert [t for t in model.order if t != "quiet"] == flood  # FIFO within alice
