@@ -7,8 +7,10 @@ prompt plus ``max-tokens``; the model reports exactly that as its usage). The sp
 exceeds the budget by more than one call's worst case; every task is answered once, and
 exactly the refused tasks are answered ``failed`` with the budget's reason, with no
 model call made for them. On SQLite with one server; on PostgreSQL with two servers
-sharing the store. Then a SIGKILL while reservations are held: the holds are released by
-the watchdog of the next server, never leaked.
+sharing the store. Then a SIGKILL while reservations are held: the holds are released
+when the next server resumes their Turns, never leaked; issue 43's reproduction (a
+``total`` budget, a restart, and on PostgreSQL another process's takeover) checks that
+``reserved`` comes back to what the resumed calls hold. And fair share is on by default.
 """
 
 from __future__ import annotations
@@ -319,7 +321,8 @@ async def test_a_killed_servers_reservations_are_released_by_the_watchdog(tmp_pa
                 lambda: ServerProcess.start(boot_file, env=env, cwd=tmp_path / "s0")
             )
             try:
-                # expiry: the call's bound (llm-timeout 2 s) + 10 s, then one watchdog tick
+                # released as the restart resumes the Turns (issue 43), at the latest by
+                # the expiry: the call's bound (llm-timeout 2 s) + 10 s, then a tick
                 for _ in range(60):  # another process's store: poll
                     if store_rows(sqlite_path, pg_url, query)[0][0] == 0:
                         break
