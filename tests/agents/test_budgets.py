@@ -128,6 +128,24 @@ async def test_a_reservation_is_taken_in_every_budget_or_in_none(store):
     assert rows["client:c"].remaining() == (110, None)
 
 
+async def test_a_refusal_for_cost_gives_the_cost_figures(store):
+    """Issue 45: tokens fit but the cost does not: the cost's figures are given."""
+    budgets = Budgets(
+        store, clock_of(store), [BudgetSpec("agent:a", tokens=1000, cost=1.0, period="total")]
+    )
+    assert await budgets.reserve("a", None, Need(10, 0.75), 60) is not None
+    with pytest.raises(BudgetSpent) as refused:
+        await budgets.reserve("a", None, Need(10, 0.5), 60)
+    assert str(refused.value) == (
+        "budget exhausted: this call needs up to 0.5 in cost; 0.25 remain of agent:a (total);"
+        " it never resets (period total)"
+    )
+    # the budget's token limit is the one without room: tokens are named first
+    with pytest.raises(BudgetSpent) as refused:
+        await budgets.reserve("a", None, Need(1405, 0.5), 60)
+    assert "this call needs up to 1,405 tokens; 990 remain of agent:a (total)" in str(refused.value)
+
+
 async def race(budgets: list[Budgets], callers: int, need: Need) -> tuple[int, int]:
     """``callers`` concurrent reserve-then-settle-at-worst-case calls spread over the
     ``budgets`` objects; returns (admitted, refused)."""
