@@ -11,6 +11,7 @@ import json
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import pytest
@@ -196,6 +197,32 @@ async def test_two_stores_on_one_database_share_the_budget(request, tmp_path):
         assert (admitted, refused) == (10, 90)
         [row] = await both[0].rows()
         assert (row.spent_tokens, row.reserved_tokens) == (3000, 0)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+@pytest.mark.postgresql
+async def test_a_hold_released_by_two_processes_at_once_is_released_once(request, tmp_path):
+    """Issue 43: a hold's settle (its caller) and another process's release of it (its
+    watchdog) may run at once: ``reserved`` is lowered once (the release deletes the
+    hold and reads what it held in one statement)."""
+    clock = ManualClock(NOON)
+    a = await open_store("postgresql", request, tmp_path, clock)
+    b = await open_store("postgresql", request, tmp_path, clock)
+    try:
+        spec = BudgetSpec("agent:a", tokens=10**6, period="day")
+        mine, other = Budgets(a, clock, [spec]), Budgets(b, clock, [spec])
+        holds = [await mine.reserve("a", None, Need(100, 0.0), 10) for _ in range(40)]
+        clock.advance(10 + 10 + 1)  # all expired: the other's watchdog may take them
+        async with trio.open_nursery() as nursery:
+            for hold in holds:
+                assert hold is not None
+                nursery.start_soon(partial(mine.settle, hold, None, agent="a", turn=None))
+                nursery.start_soon(other.release, hold)
+                nursery.start_soon(other.release_expired)
+        [row] = await mine.rows()
+        assert (row.spent_tokens, row.reserved_tokens) == (40 * 100, 0)
     finally:
         await a.aclose()
         await b.aclose()
