@@ -328,7 +328,31 @@ async def test_a_killed_servers_reservations_are_released_by_the_watchdog(tmp_pa
                         break
                     await trio.sleep(0.5)
                 [(reserved, spent)] = store_rows(sqlite_path, pg_url, query)
-                assert reserved == 0
+                if reserved:
+                    import pprint
+
+                    pprint.pprint(store_rows(sqlite_path, pg_url, "SELECT * FROM budget_holds"))
+                    pprint.pprint(
+                        store_rows(
+                            sqlite_path,
+                            pg_url,
+                            "SELECT agent_id, status, active_agent_turn_id, turn_epoch"
+                            " FROM agent_state_head",
+                        )
+                    )
+                    print(model.calls, again.stderr)
+                assert reserved == 0, (
+                    store_rows(sqlite_path, pg_url, "SELECT * FROM budget_holds"),
+                    store_rows(sqlite_path, pg_url, "SELECT * FROM budget_spend"),
+                    store_rows(
+                        sqlite_path,
+                        pg_url,
+                        "SELECT agent_id, status, active_agent_turn_id, turn_epoch"
+                        " FROM agent_state_head",
+                    ),
+                    model.calls,
+                    again.stderr[-3000:],
+                )
                 assert store_rows(sqlite_path, pg_url, "SELECT count(*) FROM budget_holds") == [
                     (0,)
                 ]

@@ -373,18 +373,35 @@ def refused(
     return _spend(rows[0][1:]) if rows else None
 
 
-def _unhold(tx: Tx, hold_id: str) -> None:
-    # DELETE … RETURNING, not a read then a delete: two releases of one hold at once (a
-    # settle and another process's watchdog, on PostgreSQL) lower ``reserved`` once, as
-    # the second delete waits for the first's row lock and then finds nothing.
-    for bkey, tokens, cost in tx.all(
-        "DELETE FROM budget_holds WHERE hold_id = ? RETURNING bkey, tokens, cost", (hold_id,)
+def _unhold(tx: Tx, hold_ids: Sequence[str]) -> int:
+    """The holds deleted and what they held given back. DELETE … RETURNING, not a read
+    then a delete: two releases of one hold at once (a settle and another process's
+    watchdog, on PostgreSQL) lower ``reserved`` once, as the second delete waits for the
+    first's row lock and then finds nothing. Every release locks its holds first (in
+    ``hold_id`` order) and then the spend rows (in key order, as a reservation does), so
+    two releases never wait for each other in a cycle. Returns how many of the holds
+    were still there (the others: released meanwhile)."""
+    if not hold_ids:
+        return 0
+    ids = sorted(hold_ids)
+    gone: dict[str, tuple[int, float]] = {}
+    found: set[str] = set()
+    for hold_id, bkey, tokens, cost in tx.all(
+        f"DELETE FROM budget_holds WHERE hold_id IN ({marks(len(ids))})"
+        " RETURNING hold_id, bkey, tokens, cost",
+        ids,
     ):
+        found.add(str(hold_id))
+        t, c = gone.get(str(bkey), (0, 0.0))
+        gone[str(bkey)] = (t + int(tokens), c + float(cost))
+    for bkey in sorted(gone):
+        tokens, cost = gone[bkey]
         tx.execute(
             "UPDATE budget_spend SET reserved_tokens = reserved_tokens - ?,"
             " reserved_cost = reserved_cost - ? WHERE bkey = ?",
             (tokens, cost, bkey),
         )
+    return len(found)
 
 
 def settle(
@@ -401,7 +418,7 @@ def settle(
     (marked, so each fires once per period). ``events(crossed)``: their ``budget.soft``
     outbox rows, written with the mark (a crash after the commit loses no event: the mark
     and the event commit together)."""
-    _unhold(tx, hold_id)
+    _unhold(tx, [hold_id])
     now = env.clock.now()
     tx.execute(
         "UPDATE budget_spend SET spent_tokens = spent_tokens + ?, spent_cost = spent_cost + ?,"
@@ -424,7 +441,7 @@ def settle(
 
 def release(tx: Tx, env: StoreEnv, hold_id: str) -> None:
     """The hold given back untouched (the call failed, timed out or was cancelled)."""
-    _unhold(tx, hold_id)
+    _unhold(tx, [hold_id])
 
 
 def release_turn(tx: Tx, env: StoreEnv, agent_id: str, agent_turn_id: str, epoch: int) -> int:
@@ -440,9 +457,7 @@ def release_turn(tx: Tx, env: StoreEnv, agent_id: str, agent_turn_id: str, epoch
             (agent_id, agent_turn_id, epoch),
         )
     ]
-    for hold_id in ids:
-        _unhold(tx, hold_id)
-    return len(ids)
+    return _unhold(tx, ids)
 
 
 #: The holds whose Turn's run is no longer under way: their Turn is not ``running`` at
@@ -470,10 +485,7 @@ def release_expired(tx: Tx, env: StoreEnv) -> int:
             (env.clock.now(),),
         )
     ]
-    ids = list(dict.fromkeys(ids))
-    for hold_id in ids:
-        _unhold(tx, hold_id)
-    return len(ids)
+    return _unhold(tx, list(dict.fromkeys(ids)))
 
 
 def rows_of(tx: Tx, env: StoreEnv, keys: Sequence[str]) -> list[SpendRow]:
