@@ -46,8 +46,13 @@ Every case also prints its store calls per Turn, by store function (each call on
 transaction or one autocommit statement; on PostgreSQL one thread hop), counted from the
 runtime's start to the last answer (``store_calls_per_turn`` in the JSON).
 
+With ``--fair-share`` the same Turns run with fair share off and on (alternated, best
+of two each; one client: the bench's anonymous one), on SQLite and with ``--store`` on
+PostgreSQL, one process: fair share's cost per Turn (docs/budgets.md, "Fair share").
+
 Usage: python bench/turns.py [--turns N] [--agents K] [--concurrency C] [--count-statements]
                              [--store URL [--processes N] [--pg-executor trio|thread]]
+                             [--budget | --fair-share]
                              [--peers [--peer-concurrency C,C]]
 The last line printed is one JSON object (with a store: every case, and the ratio of N
 processes to one).
@@ -187,9 +192,12 @@ async def run(
     pg_executor: str = "trio",
     retention: bool = False,
     budget: bool = False,
+    fair_share: bool = False,
 ) -> dict[str, float]:
     """Run ``turns`` Turns (``budget``: with an organism budget too large to refuse, so
-    every model call reserves and settles); with ``gate``, wait for it once everything is running, just
+    every model call reserves and settles; ``fair_share``: with fair share between
+    clients on, as boot.xml's ``<store>`` has it by default, the one anonymous client's
+    Turns leased through agents/store/sql/fair.py); with ``gate``, wait for it once everything is running, just
     before the first task is sent (the start of the clock); with ``hold``, pass it the
     figures once every answer is in, and keep running until it returns (the Turns this
     process runs for other processes' callers go on)."""
@@ -224,6 +232,7 @@ async def run(
             worker_concurrency=concurrency,
             pg_executor=pg_executor,
             retention=RETENTION if retention else None,  # SQLite: auto_vacuum INCREMENTAL
+            fair_weights=() if fair_share else None,
         )
         clock = SystemClock()
         store = open_agent_store(settings, profiles, clock=clock)
@@ -423,6 +432,13 @@ def main() -> None:
         help="measure the spend budgets' reservation: the same Turns without and with an "
         "organism <budget>, on SQLite and (with --store) PostgreSQL, one process each",
     )
+    ap.add_argument(
+        "--fair-share",
+        action="store_true",
+        help="measure fair share's cost: the same Turns (one client) with <store "
+        'fair-share="false"> and with fair share on (the default), alternated, best of '
+        "two each, on SQLite and (with --store) PostgreSQL, one process each",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.turns is None:
@@ -437,6 +453,8 @@ def main() -> None:
         ap.error("--processes must be at least 1")
     if args.budget:
         return budget_cost(args)
+    if args.fair_share:
+        return fair_share_cost(args)
     with tempfile.TemporaryDirectory() as tmp:
         out = trio.run(
             run,
@@ -571,6 +589,53 @@ def budget_cost(args: argparse.Namespace) -> None:
         }
         print(f"{name}: {json.dumps(figures[name])}")
     print(json.dumps({"budget": figures}))
+    raise SystemExit(1 if failed else 0)
+
+
+def fair_share_cost(args: argparse.Namespace) -> None:
+    """``--fair-share``: each store with fair share off and on, alternated (off, on, off,
+    on: the machine's drift is of the size of the difference), the best run of each
+    counting; the cost per Turn and the ratio of Turns/s (on over off)."""
+    stores: list[tuple[str, str | None]] = [("sqlite", None)]
+    if args.store:
+        stores.append(("postgresql", args.store))
+    figures: dict[str, object] = {}
+    failed = False
+    for name, url in stores:
+        runs: dict[bool, list[dict]] = {False: [], True: []}
+        for fair in (False, True, False, True):
+            if url is not None:
+                empty_pg_store(url)
+            with tempfile.TemporaryDirectory() as tmp:
+                got = trio.run(
+                    functools.partial(
+                        run,
+                        args.turns,
+                        args.agents,
+                        args.concurrency,
+                        Path(tmp) / "bench.sqlite3",
+                        url=url,
+                        fair_share=fair,
+                    )
+                )
+            runs[fair].append(got)
+            failed = failed or bool(got["failed"]) or got["succeeded"] < got["turns"]
+            report(got, False, f"{name}, fair share {'on' if fair else 'off'}")
+        off = max(runs[False], key=lambda r: r["turns_per_s"])
+        on = max(runs[True], key=lambda r: r["turns_per_s"])
+        figures[name] = {
+            "turns_per_s_off": [r["turns_per_s"] for r in runs[False]],
+            "turns_per_s_on": [r["turns_per_s"] for r in runs[True]],
+            "ratio_on_vs_off": _ratio(on, off),
+            "ms_per_turn_added": round(
+                1000 / max(on["turns_per_s"], 1e-9) - 1000 / max(off["turns_per_s"], 1e-9), 3
+            ),
+            "cpu_ms_per_turn_added": round(on["cpu_ms_per_turn"] - off["cpu_ms_per_turn"], 3),
+            "store_calls_per_turn_off": off["store_calls_per_turn"],
+            "store_calls_per_turn_on": on["store_calls_per_turn"],
+        }
+        print(f"{name}: {json.dumps(figures[name])}")
+    print(json.dumps({"fair_share": figures}))
     raise SystemExit(1 if failed else 0)
 
 

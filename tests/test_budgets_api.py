@@ -92,7 +92,13 @@ async def test_budgets_over_http_and_the_cli(tmp_path):
                 ) as client:
                     reply = await client.request(Task(text="again"), to="assistant", timeout=20)
                     said = "".join(reply.payload.itertext())
-                    assert said.startswith("budget exhausted: client:alice (day) is spent;")
+                    # issue 45: room is left, less than the call's worst case: both said
+                    left = 3000 - sum(model.worst)
+                    assert 0 < left < max(model.worst)
+                    assert said.startswith("budget exhausted: this call needs up to "), said
+                    assert f" tokens; {left:,} remain of client:alice (day); it resets at " in said
+                    needed = int(said.split("needs up to ")[1].split(" ")[0].replace(",", ""))
+                    assert needed > left
                     assert reply.payload.get("status") == "failed"
                 calls = len(model.worst)
                 # the CLI: raise the limit, then reset the spend

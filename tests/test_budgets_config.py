@@ -49,10 +49,16 @@ def test_budgets_on_organism_agent_and_client_are_read():
     assert topo.store.fair_weights == (("alice", 2.0), ("bob", 1.0))
 
 
-def test_no_budget_and_no_fair_share_by_default():
+def test_no_budget_and_fair_share_on_by_default():
+    """Issue 43: fair share is on unless ``fair-share="false"``."""
     result = load_bytes(boot(), environ=ENV)
     assert result.ok and result.topology is not None
-    assert result.topology.budgets == () and result.topology.store.fair_weights is None
+    assert result.topology.budgets == ()
+    assert result.topology.store.fair_weights == (("alice", 2.0), ("bob", 1.0))
+    for off in ("false", "0"):
+        result = load_bytes(boot(store=f'fair-share="{off}"'), environ=ENV)
+        assert result.ok and result.topology is not None
+        assert result.topology.store.fair_weights is None, off
 
 
 def test_bad_budgets_are_refused_by_line():

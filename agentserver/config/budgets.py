@@ -16,10 +16,10 @@ __all__ = ["fair_weights", "read_budgets"]
 
 
 def fair_weights(root: etree._Element) -> tuple[tuple[str, float], ...] | None:
-    """``<store fair-share="true">``: each named client's ``weight`` (1 unless given);
-    None when fair share is off."""
+    """Fair share, on unless ``<store fair-share="false">`` (issue 43): each named
+    client's ``weight`` (1 unless given); None when fair share is off."""
     store = root.find(B + "store")
-    if store is None or store.get("fair-share") not in ("true", "1"):
+    if store is not None and store.get("fair-share") in ("false", "0"):
         return None
     return tuple(
         (c.get("name", ""), float(c.get("weight", "1")))

@@ -11,6 +11,7 @@ import json
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import pytest
@@ -98,11 +99,23 @@ async def test_a_reservation_is_taken_in_every_budget_or_in_none(store):
     # 100 more would pass agent:a but not client:c: refused, nothing held anywhere
     with pytest.raises(BudgetSpent) as refused:
         await budgets.reserve("a", "c", Need(100, 0.0), 60)
-    assert str(refused.value).startswith("budget exhausted: client:c (month) is spent;")
-    assert "it resets at 2026-12-01T00:00:00Z" in str(refused.value)
+    # (issue 45: a budget with room left, but less than the worst case, says so)
+    assert str(refused.value) == (
+        "budget exhausted: this call needs up to 100 tokens; 50 remain of client:c (month);"
+        " it resets at 2026-12-01T00:00:00Z"
+    )
     rows = {r.budget: r for r in await budgets.rows()}
     assert rows["agent:a"].reserved_tokens == 100 and rows["client:c"].reserved_tokens == 100
     assert rows["client:c"].refusals == 1 and rows["agent:a"].refusals == 0
+    # once nothing is left, the budget "is spent" (the old text)
+    rest = await budgets.reserve("a", "c", Need(50, 0.0), 60)
+    assert rest is not None
+    with pytest.raises(BudgetSpent) as refused:
+        await budgets.reserve("a", "c", Need(1, 0.0), 60)
+    assert str(refused.value) == (
+        "budget exhausted: client:c (month) is spent; it resets at 2026-12-01T00:00:00Z"
+    )
+    await budgets.release(rest)
     # another client pays only into agent:a
     other = await budgets.reserve("a", "d", Need(100, 0.0), 60)
     assert other is not None and len(other.keys) == 1
@@ -114,6 +127,24 @@ async def test_a_reservation_is_taken_in_every_budget_or_in_none(store):
     assert (rows["agent:a"].spent_tokens, rows["agent:a"].reserved_tokens) == (40, 0)
     assert (rows["client:c"].spent_tokens, rows["client:c"].reserved_tokens) == (40, 0)
     assert rows["client:c"].remaining() == (110, None)
+
+
+async def test_a_refusal_for_cost_gives_the_cost_figures(store):
+    """Issue 45: tokens fit but the cost does not: the cost's figures are given."""
+    budgets = Budgets(
+        store, clock_of(store), [BudgetSpec("agent:a", tokens=1000, cost=1.0, period="total")]
+    )
+    assert await budgets.reserve("a", None, Need(10, 0.75), 60) is not None
+    with pytest.raises(BudgetSpent) as refused:
+        await budgets.reserve("a", None, Need(10, 0.5), 60)
+    assert str(refused.value) == (
+        "budget exhausted: this call needs up to 0.5 in cost; 0.25 remain of agent:a (total);"
+        " it never resets (period total)"
+    )
+    # the budget's token limit is the one without room: tokens are named first
+    with pytest.raises(BudgetSpent) as refused:
+        await budgets.reserve("a", None, Need(1405, 0.5), 60)
+    assert "this call needs up to 1,405 tokens; 990 remain of agent:a (total)" in str(refused.value)
 
 
 async def race(budgets: list[Budgets], callers: int, need: Need) -> tuple[int, int]:
@@ -166,6 +197,32 @@ async def test_two_stores_on_one_database_share_the_budget(request, tmp_path):
         assert (admitted, refused) == (10, 90)
         [row] = await both[0].rows()
         assert (row.spent_tokens, row.reserved_tokens) == (3000, 0)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+@pytest.mark.postgresql
+async def test_a_hold_released_by_two_processes_at_once_is_released_once(request, tmp_path):
+    """Issue 43: a hold's settle (its caller) and another process's release of it (its
+    watchdog) may run at once: ``reserved`` is lowered once (the release deletes the
+    hold and reads what it held in one statement)."""
+    clock = ManualClock(NOON)
+    a = await open_store("postgresql", request, tmp_path, clock)
+    b = await open_store("postgresql", request, tmp_path, clock)
+    try:
+        spec = BudgetSpec("agent:a", tokens=10**6, period="day")
+        mine, other = Budgets(a, clock, [spec]), Budgets(b, clock, [spec])
+        holds = [await mine.reserve("a", None, Need(100, 0.0), 10) for _ in range(40)]
+        clock.advance(10 + 10 + 1)  # all expired: the other's watchdog may take them
+        async with trio.open_nursery() as nursery:
+            for hold in holds:
+                assert hold is not None
+                nursery.start_soon(partial(mine.settle, hold, None, agent="a", turn=None))
+                nursery.start_soon(other.release, hold)
+                nursery.start_soon(other.release_expired)
+        [row] = await mine.rows()
+        assert (row.spent_tokens, row.reserved_tokens) == (40 * 100, 0)
     finally:
         await a.aclose()
         await b.aclose()
@@ -309,6 +366,118 @@ async def test_a_stream_without_usage_settles_at_the_worst_case(store):
     assert (row.spent_tokens, row.reserved_tokens) == (2 * worst.tokens + 11, 0)
 
 
+class HangingModel:
+    """A port without ``stream`` (the non-streamed path): each call fails with
+    ``fail`` if given, else waits until cancelled (``started`` set once it waits)."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.fail = fail
+        self.started = trio.Event()
+
+    async def complete(self, request: LLMRequest) -> LLMCompletion:
+        if self.fail is not None:
+            raise self.fail
+        self.started.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def held(store: SqlAgentStore) -> tuple[int, int, int]:
+    """``agent:a``'s reserved and spent tokens, and the hold rows left."""
+    [row] = [r for r in await store.budget_rows(await _keys(store)) if r.budget == "agent:a"]
+    holds = await store._read(lambda tx, env: tx.one("SELECT count(*) FROM budget_holds")[0])
+    return row.reserved_tokens, row.spent_tokens, int(holds)
+
+
+async def _keys(store: SqlAgentStore) -> list[str]:
+    return [
+        str(r[0])
+        for r in await store._read(lambda tx, env: tx.all("SELECT bkey FROM budget_spend"))
+    ]
+
+
+async def test_a_non_streamed_calls_hold_is_released_when_it_fails_times_out_or_is_cancelled(
+    store,
+):
+    """Issue 43: BudgetedLLM.complete gives its hold back (nothing spent) whichever way
+    the call ends without an answer."""
+    from agentserver.agents.errors import LLMUnavailable
+
+    budgets = Budgets(store, clock_of(store), [BudgetSpec("agent:a", tokens=100_000)])
+    request = LLMRequest("a", "m", [LLMMessage("user", "x" * 300)], max_tokens=200)
+    # fails
+    port = budgets.port(HangingModel(LLMUnavailable("down", kind="server")), "a", None, "t", 10)
+    assert getattr(port, "stream", None) is None  # the non-streamed path
+    with pytest.raises(LLMUnavailable):
+        await port.complete(request)
+    assert await held(store) == (0, 0, 0)
+    # times out (the model step's bound is a deadline around the call)
+    for how in ("deadline", "cancel"):
+        model = HangingModel()
+        port = budgets.port(model, "a", None, "t", 10)
+        async with trio.open_nursery() as nursery:
+            scope = trio.CancelScope()
+
+            async def call(scope: trio.CancelScope = scope, port: Any = port) -> None:
+                with scope:
+                    await port.complete(request)
+
+            nursery.start_soon(call)
+            await model.started.wait()
+            reserved, spent, holds = await held(store)
+            assert reserved == budgets.need(request).tokens and holds == 1 and spent == 0
+            if how == "deadline":
+                scope.deadline = trio.current_time()
+            else:
+                scope.cancel()
+        assert scope.cancelled_caught
+        assert await held(store) == (0, 0, 0), how
+
+
+async def test_a_hold_belongs_to_its_turns_run_not_to_a_process(store):
+    """Issue 43: a hold names the Turn's step that made its call. When that run is
+    fenced out (a restart's recovery; on PostgreSQL another process's takeover, the same
+    ``recover_turn``), its holds are released with the fence; a hold whose Turn ended
+    meanwhile is released by the watchdog's next pass, without waiting for its expiry."""
+    from agentserver.agents.governance.budgets import HoldOwner
+    from agentserver.agents.store.base import TaskStatus
+
+    await store.ensure_agents(["a"])
+    budgets = Budgets(store, clock_of(store), [BudgetSpec("agent:a", tokens=1000)])
+    await store.enqueue_turn("a", b"<task/>", {"caller_thread": "t1"})
+    [row] = await store.claim_due("a", 5)
+    started = await store.start_turn_step(row, 10)
+    token = started.head.token
+    assert token is not None and started.step_id is not None
+    owner = HoldOwner(token.agent_id, token.agent_turn_id, token.turn_epoch, started.step_id)
+    # a one-hour bound: the expiry cannot be what releases these holds
+    hold = await budgets.reserve("a", None, Need(600, 0.0), 3600, owner)
+    assert hold is not None
+    assert await budgets.release_expired() == 0  # its run is under way
+    assert await held(store) == (600, 0, 1)
+    # the process dies; the restart (or another process) fences the Turn's run
+    [again] = await store.recover_running()
+    assert again.turn_epoch == token.turn_epoch + 1
+    assert await held(store) == (0, 0, 0)
+    # the resumed run reserves afresh: the dead run's 600 no longer count
+    owner2 = HoldOwner(again.agent_id, again.agent_turn_id, again.turn_epoch, started.step_id)
+    hold2 = await budgets.reserve("a", None, Need(900, 0.0), 3600, owner2)
+    assert hold2 is not None
+    assert await budgets.release_expired() == 0
+    # the Turn is ended from outside while its call is under way (and that call's
+    # process is gone): the watchdog's pass releases the hold at once
+    ended = await store.force_end(
+        "a", TaskStatus.FAILED, "stopped", None, agent_turn_id=again.agent_turn_id
+    )
+    assert ended is not None
+    assert await budgets.release_expired() == 1
+    assert await held(store) == (0, 0, 0)
+    # a late settle of a released hold still counts its spend, once
+    await budgets.settle(hold, None, agent="a", turn=None)
+    await budgets.release(hold)
+    assert await held(store) == (0, 600, 0)
+
+
 # -- the Turn's side: refused before any model call, ended at the next step --------------
 
 
@@ -374,7 +543,14 @@ async def test_a_turn_whose_budget_runs_out_ends_failed_at_its_next_step(tmp_pat
     assert len(llm.requests) == 1
     [(sent_ref, text, failed)] = [(r[0], r[1], r[2]) for r in replies.sent]
     assert failed and sent_ref == ref
-    assert text.startswith("budget exhausted: client:alice@agent:assistant (month) is spent;")
+    # 400 of 1000 remain, less than step 2's worst case: the reason gives both figures
+    assert text.startswith("budget exhausted: this call needs up to ")
+    assert text.endswith(
+        " tokens; 400 remain of client:alice@agent:assistant (month);"
+        " it resets at 2026-12-01T00:00:00Z"
+    )
+    needed = int(text.split("needs up to ")[1].split(" ")[0].replace(",", ""))
+    assert needed > 400 and needed > first
     # a new task of alice is refused before any model call; bob's is not limited
     await rt.enqueue("assistant", task("2+2"), {"thread": "t2", "client": "alice"})
     await rt.worker.process_agent("assistant")

@@ -78,7 +78,7 @@ class Script:
 
     ``body`` is sent whole with a content-length; ``chunks`` are streamed one
     write each (chunked transfer encoding), ``chunk_delay`` apart. ``delay``
-    passes before the status line. ``break_after`` closes the connection
+    passes before the status line, and ``wait`` (an event) is waited for before it. ``break_after`` closes the connection
     abruptly after that many chunks (the body never completes).
     """
 
@@ -90,6 +90,7 @@ class Script:
     delay: float = 0.0
     chunk_delay: float = 0.0
     break_after: int | None = None
+    wait: trio.Event | None = None
 
 
 @dataclass
@@ -488,6 +489,8 @@ class FakeServer:
                     script = self._next(seen)
                     if script.delay:
                         await trio.sleep(script.delay)
+                    if script.wait is not None:
+                        await script.wait.wait()
                     if not await self._respond(stream, conn, script):
                         return
                 finally:

@@ -25,6 +25,7 @@ from agentserver.agents.events import BudgetEvent, EventBus
 from agentserver.agents.policy.budget import (
     BudgetSpec,
     Need,
+    Shortfall,
     applicable,
     period_bounds,
     refusal_text,
@@ -32,13 +33,19 @@ from agentserver.agents.policy.budget import (
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import DEFAULT_MAX_OUTPUT
 from agentserver.agents.store.outbox import OutboxItem
-from agentserver.agents.store.sql.budgets import Override, PeriodRow, SpendRow, row_key
+from agentserver.agents.store.sql.budgets import (
+    HoldOwner,
+    Override,
+    PeriodRow,
+    SpendRow,
+    row_key,
+)
 from agentserver.llm.tokens import PER_REQUEST, estimate_message_tokens
 from agentserver.observability.tracing import annotate_current
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BudgetSpent", "BudgetedLLM", "Budgets", "Hold", "WorstPrice"]
+__all__ = ["BudgetSpent", "BudgetedLLM", "Budgets", "Hold", "HoldOwner", "WorstPrice"]
 
 
 class BudgetSpent(Exception):
@@ -48,6 +55,18 @@ class BudgetSpent(Exception):
         super().__init__(reason)
         self.reason = reason
         self.budget = budget
+
+
+def shortfall(row: SpendRow, need: Need) -> Shortfall:
+    """Which of ``row``'s limits the call's worst case ``need`` did not fit, and what
+    remained of it (tokens first)."""
+    if row.limit_tokens is not None and (
+        row.spent_tokens + row.reserved_tokens + need.tokens > row.limit_tokens
+    ):
+        left = row.limit_tokens - row.spent_tokens - row.reserved_tokens
+        return Shortfall(need.tokens, max(left, 0), "tokens")
+    left_cost = (row.limit_cost or 0.0) - row.spent_cost - row.reserved_cost
+    return Shortfall(need.cost, max(left_cost, 0.0), "cost")
 
 
 def soft_event(agent: str, turn: str | None, r: SpendRow) -> BudgetEvent:
@@ -70,9 +89,17 @@ class BudgetRows(Protocol):
 
     async def budget_ensure(self, rows: Sequence[PeriodRow]) -> list[Override]: ...
     async def budget_reserve(
-        self, keys: Sequence[str], tokens: int, cost: float, hold_id: str, expires_at: float
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        cost: float,
+        hold_id: str,
+        expires_at: float,
+        owner: HoldOwner | None = None,
     ) -> bool: ...
-    async def budget_refused(self, keys: Sequence[str], tokens: int, cost: float) -> str | None: ...
+    async def budget_refused(
+        self, keys: Sequence[str], tokens: int, cost: float
+    ) -> SpendRow | None: ...
     async def budget_settle(
         self,
         hold_id: str,
@@ -209,11 +236,18 @@ class Budgets:
         return rows
 
     async def reserve(
-        self, agent: str, client: str | None, need: Need, timeout_s: float
+        self,
+        agent: str,
+        client: str | None,
+        need: Need,
+        timeout_s: float,
+        owner: HoldOwner | None = None,
     ) -> Hold | None:
         """Hold ``need`` in every budget the call pays into (None: none applies). Raises
         :class:`BudgetSpent` when one has no room; one store statement otherwise (two at
-        the first call of a period). Cancelled before it commits: nothing is held."""
+        the first call of a period). Cancelled before it commits: nothing is held.
+        ``owner``: the Turn's step making the call; its hold is released when that run
+        of the Turn is fenced out (a dead process's), else only at its expiry."""
         names = applicable(frozenset(self.specs), agent, client)
         if not names:
             return None
@@ -222,7 +256,7 @@ class Budgets:
         keys = tuple(r.key for r in rows)
         hold_id = uuid.uuid4().hex
         expires = now + timeout_s + HOLD_MARGIN_S
-        if await self.store.budget_reserve(keys, need.tokens, need.cost, hold_id, expires):
+        if await self.store.budget_reserve(keys, need.tokens, need.cost, hold_id, expires, owner):
             # The span of the Turn's run carries its reservations (the last one's).
             annotate_current(
                 {
@@ -235,10 +269,13 @@ class Budgets:
             return Hold(hold_id, keys, need, tuple(names))
         full = await self.store.budget_refused(keys, need.tokens, need.cost)
         by_key = {r.key: r for r in rows}
-        row = by_key.get(full or "", rows[0])
+        row = by_key.get(row_key(full.budget, full.period_start) if full else "", rows[0])
         self.refusals[row.budget] = self.refusals.get(row.budget, 0) + 1
         annotate_current({"agentserver.budget.refused": row.budget})
-        raise BudgetSpent(refusal_text(row.budget, row.period, row.end), row.budget)
+        text = refusal_text(
+            row.budget, row.period, row.end, shortfall(full, need) if full else None
+        )
+        raise BudgetSpent(text, row.budget)
 
     async def settle(
         self, hold: Hold, completion: LLMCompletion | None, *, agent: str, turn: str | None
@@ -288,17 +325,20 @@ class Budgets:
         client: str | None,
         turn: str | None,
         timeout_s: float,
+        owner: HoldOwner | None = None,
     ) -> LLMPort:
         """``llm`` with every call reserved and settled in the budgets of ``agent`` and
         ``client`` (``llm`` itself when none applies). ``timeout_s``: the bound of one
-        call, which a hold's expiry exceeds by :data:`HOLD_MARGIN_S`."""
+        call, which a hold's expiry exceeds by :data:`HOLD_MARGIN_S`. ``owner``: the
+        Turn's step whose calls these are (their holds belong to it)."""
         if not applicable(frozenset(self.specs), agent, client):
             return llm
-        return BudgetedLLM(llm, self, agent, client, turn, timeout_s)
+        return BudgetedLLM(llm, self, agent, client, turn, timeout_s, owner)
 
     # -- the operator's side ----------------------------------------------------------
     async def release_expired(self) -> int:
-        """The watchdog's pass: holds of dead processes released."""
+        """The watchdog's pass: holds of Turn runs that are over (a dead process's,
+        fenced out) and expired holds released."""
         return await self.store.budget_release_expired()
 
     async def rows(self) -> list[SpendRow]:
@@ -345,6 +385,7 @@ class BudgetedLLM:
         client: str | None,
         turn: str | None,
         timeout_s: float,
+        owner: HoldOwner | None = None,
     ) -> None:
         self.llm = llm
         self.budgets = budgets
@@ -353,6 +394,8 @@ class BudgetedLLM:
         self.turn = turn
         #: The bound a call of this Turn runs under (the hold's expiry exceeds it).
         self.timeout_s = timeout_s
+        #: The Turn's step whose calls these are (None: the holds only expire).
+        self.owner = owner
 
     def context_window(self, model: str) -> int | None:
         window_of = getattr(self.llm, "context_window", None)
@@ -360,7 +403,7 @@ class BudgetedLLM:
 
     async def complete(self, request: LLMRequest) -> LLMCompletion:
         hold = await self.budgets.reserve(
-            self.agent, self.client, self.budgets.need(request), self.timeout_s
+            self.agent, self.client, self.budgets.need(request), self.timeout_s, self.owner
         )
         if hold is None:
             return await self.llm.complete(request)
@@ -387,7 +430,7 @@ class BudgetedLLM:
         """Streamed: the hold settles when the stream ends (at the worst case if no final
         usage came), and is released if it fails or is cancelled first."""
         hold = await self.budgets.reserve(
-            self.agent, self.client, self.budgets.need(request), self.timeout_s
+            self.agent, self.client, self.budgets.need(request), self.timeout_s, self.owner
         )
         final: list[LLMCompletion] = []
 

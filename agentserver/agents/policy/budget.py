@@ -24,6 +24,7 @@ __all__ = [
     "PERIODS",
     "BudgetSpec",
     "Need",
+    "Shortfall",
     "applicable",
     "budget_name",
     "period_bounds",
@@ -135,12 +136,37 @@ class Need:
     cost: float
 
 
-def refusal_text(name: str, period: str, resets_at: float) -> str:
+@dataclass(frozen=True, slots=True)
+class Shortfall:
+    """Why a call did not fit a budget that is not spent: its worst case (``needed``)
+    is more than what ``remains`` (neither spent nor reserved) in ``unit``
+    (``tokens`` or ``cost``)."""
+
+    needed: float
+    remains: float
+    unit: str = "tokens"
+
+
+def refusal_text(
+    name: str, period: str, resets_at: float, shortfall: Shortfall | None = None
+) -> str:
     """The stable reason a task or Turn is refused for: it names the budget and when it
-    resets (ISO 8601, UTC), or says it never does."""
+    resets (ISO 8601, UTC), or says it never does. A budget with something left but
+    less than the call's worst case (``shortfall``) says so, with both figures: "this
+    call needs up to 1,405 tokens; 1,000 remain of client:alice (day)"; one with nothing
+    left "is spent"."""
     if math.isinf(resets_at):
         when = "it never resets (period total)"
     else:
         stamp = dt.datetime.fromtimestamp(resets_at, dt.UTC).isoformat().replace("+00:00", "Z")
         when = f"it resets at {stamp}"
+    if shortfall is not None and shortfall.remains > 0:
+        if shortfall.unit == "tokens":
+            needed, left = f"{int(shortfall.needed):,} tokens", f"{int(shortfall.remains):,}"
+        else:
+            needed, left = f"{shortfall.needed:.4g} in cost", f"{shortfall.remains:.4g}"
+        return (
+            f"budget exhausted: this call needs up to {needed}; {left} remain of"
+            f" {name} ({period}); {when}"
+        )
     return f"budget exhausted: {name} ({period}) is spent; {when}"

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from agentserver.agents.store.outbox import OutboxItem
 from agentserver.agents.store.sql import budgets as sql
-from agentserver.agents.store.sql.budgets import Override, PeriodRow, SpendRow
+from agentserver.agents.store.sql.budgets import HoldOwner, Override, PeriodRow, SpendRow
 
 T = TypeVar("T")
 
@@ -33,11 +33,22 @@ class BudgetStore(abc.ABC):
         return await self._run(sql.ensure_rows, list(rows))
 
     async def budget_reserve(
-        self, keys: Sequence[str], tokens: int, cost: float, hold_id: str, expires_at: float
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        cost: float,
+        hold_id: str,
+        expires_at: float,
+        owner: HoldOwner | None = None,
     ) -> bool:
-        return await self._run(sql.reserve, list(keys), tokens, cost, hold_id, expires_at)
+        """Hold the worst case in every row or none; ``owner``: the Turn's step the hold
+        belongs to (released when that run is fenced out)."""
+        return await self._run(sql.reserve, list(keys), tokens, cost, hold_id, expires_at, owner)
 
-    async def budget_refused(self, keys: Sequence[str], tokens: int, cost: float) -> str | None:
+    async def budget_refused(
+        self, keys: Sequence[str], tokens: int, cost: float
+    ) -> SpendRow | None:
+        """The refusal counted; the first row without room, as it stands (or None)."""
         return await self._run(sql.refused, list(keys), tokens, cost)
 
     async def budget_settle(

@@ -17,7 +17,7 @@ import trio
 
 from agentserver.agents.errors import LLMUnavailable, StaleTurn, StoreError
 from agentserver.agents.events import ChunkEvent, EventBus, StepEvent
-from agentserver.agents.governance.budgets import Budgets, BudgetSpent
+from agentserver.agents.governance.budgets import Budgets, BudgetSpent, HoldOwner
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.retry import RetryStep, decide_retry
@@ -89,8 +89,11 @@ class ModelStep:
         before any call is made.
         """
         if self.budgets is not None:
+            # The holds belong to this run of the step: whichever process fences the run
+            # out (a restart, a takeover) releases them (agents/store/sql/budgets.py).
+            owner = HoldOwner(token.agent_id, token.agent_turn_id, token.turn_epoch, step_id)
             llm = self.budgets.port(
-                llm, token.agent_id, client, token.agent_turn_id, profile.llm_timeout_s
+                llm, token.agent_id, client, token.agent_turn_id, profile.llm_timeout_s, owner
             )
         budget = profile.budget
         system = system_text(profile)

@@ -1,6 +1,13 @@
 """Spend budgets in the store: one row per budget and period (``budget_spend``: limits,
 spent, reserved, refusals), one row per budget a reservation holds (``budget_holds``).
 
+A hold belongs to the Turn's step that made the call (its agent, Turn, epoch and step:
+migration 16), not to a process: when a Turn's run is fenced out (a restart's recovery, or
+another process taking over a dead one's Turns), its holds are released in the same
+transaction (:func:`release_turn`), and the watchdog releases any hold whose Turn is no
+longer running at that epoch (:func:`release_expired`). The expiry stays as the backstop
+for holds without an owner.
+
 The promise (docs/budgets.md): a reservation is admitted only if every budget it pays into
 has room for its worst case, and it is taken in all of them or in none. On PostgreSQL that
 is ONE statement (:data:`_PG_RESERVE`: the rows locked in key order, checked, raised and
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 
 from agentserver.agents.store import outbox
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
+from agentserver.agents.store.states import HeadStatus
 
 MIGRATION = """
 CREATE TABLE budget_spend (
@@ -64,6 +72,28 @@ CREATE TABLE budget_overrides (
     updated_at REAL NOT NULL
 );
 """
+
+
+#: Migration 16: a hold names the Turn's step that made its call, so that the hold goes
+#: with that run of the Turn (released when the run is fenced out), not with the process.
+HOLDS_MIGRATION = """
+ALTER TABLE budget_holds ADD COLUMN agent_id TEXT;
+ALTER TABLE budget_holds ADD COLUMN agent_turn_id TEXT;
+ALTER TABLE budget_holds ADD COLUMN turn_epoch INTEGER;
+ALTER TABLE budget_holds ADD COLUMN step_id TEXT;
+CREATE INDEX budget_holds_turn ON budget_holds (agent_id, agent_turn_id);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class HoldOwner:
+    """The run of a Turn's step a hold belongs to: released when that run is fenced
+    out (the Turn's epoch moves on), whichever process notices."""
+
+    agent_id: str
+    agent_turn_id: str
+    turn_epoch: int
+    step_id: str | None = None
 
 
 def row_key(budget: str, period_start: float) -> str:
@@ -247,9 +277,11 @@ WITH locked AS (
     FROM verdict WHERE verdict.ok AND b.bkey IN ({keys})
     RETURNING b.bkey
 ), held AS (
-    INSERT INTO budget_holds (hold_id, bkey, tokens, cost, expires_at)
+    INSERT INTO budget_holds (hold_id, bkey, tokens, cost, expires_at, agent_id,
+                              agent_turn_id, turn_epoch, step_id)
     SELECT CAST(? AS TEXT), bkey, CAST(? AS BIGINT), CAST(? AS DOUBLE PRECISION),
-           CAST(? AS DOUBLE PRECISION)
+           CAST(? AS DOUBLE PRECISION), CAST(? AS TEXT), CAST(? AS TEXT),
+           CAST(? AS BIGINT), CAST(? AS TEXT)
     FROM raised
     RETURNING 1
 )
@@ -273,14 +305,34 @@ def reserve(
     cost: float,
     hold_id: str,
     expires_at: float,
+    owner: HoldOwner | None = None,
 ) -> bool:
     """Hold ``tokens``/``cost`` in every row of ``keys`` if all have room for them; else
-    nothing. Atomic (see the module docstring); False: refused, nothing written."""
+    nothing. Atomic (see the module docstring); False: refused, nothing written.
+    ``owner``: the Turn's step the hold belongs to (None: only its expiry frees it)."""
     n = len(keys)
+    who = (
+        (owner.agent_id, owner.agent_turn_id, owner.turn_epoch, owner.step_id)
+        if owner is not None
+        else (None, None, None, None)
+    )
     if tx.dialect == POSTGRESQL:
         row = tx.one(
             _pg_reserve(n),
-            [*keys, n, tokens, cost, tokens, cost, *keys, hold_id, tokens, cost, expires_at],
+            [
+                *keys,
+                n,
+                tokens,
+                cost,
+                tokens,
+                cost,
+                *keys,
+                hold_id,
+                tokens,
+                cost,
+                expires_at,
+                *who,
+            ],
         )
         return bool(row and row[0])
     # SQLite: inside BEGIN IMMEDIATE, so nothing else writes between check and writes.
@@ -293,17 +345,20 @@ def reserve(
         [tokens, cost, *keys],
     )
     tx.executemany(
-        "INSERT INTO budget_holds (hold_id, bkey, tokens, cost, expires_at) VALUES (?,?,?,?,?)",
-        [(hold_id, k, tokens, cost, expires_at) for k in keys],
+        "INSERT INTO budget_holds (hold_id, bkey, tokens, cost, expires_at, agent_id,"
+        " agent_turn_id, turn_epoch, step_id) VALUES (?,?,?,?,?,?,?,?,?)",
+        [(hold_id, k, tokens, cost, expires_at, *who) for k in keys],
     )
     return True
 
 
-def refused(tx: Tx, env: StoreEnv, keys: Sequence[str], tokens: int, cost: float) -> str | None:
+def refused(
+    tx: Tx, env: StoreEnv, keys: Sequence[str], tokens: int, cost: float
+) -> SpendRow | None:
     """After a refused reservation: count the refusal on the rows without room, and
-    return the first of them (None: room was made meanwhile)."""
+    return the first of them as it stands (None: room was made meanwhile)."""
     rows = tx.all(
-        f"SELECT bkey FROM budget_spend WHERE bkey IN ({marks(len(keys))}) AND NOT ("
+        f"SELECT bkey, {_COLUMNS} FROM budget_spend WHERE bkey IN ({marks(len(keys))}) AND NOT ("
         "(limit_tokens IS NULL OR spent_tokens + reserved_tokens + ? <= limit_tokens)"
         " AND (limit_cost IS NULL OR spent_cost + reserved_cost + ? <= limit_cost))"
         " ORDER BY bkey",
@@ -315,19 +370,38 @@ def refused(tx: Tx, env: StoreEnv, keys: Sequence[str], tokens: int, cost: float
             f"UPDATE budget_spend SET refusals = refusals + 1 WHERE bkey IN ({marks(len(full))})",
             full,
         )
-    return full[0] if full else None
+    return _spend(rows[0][1:]) if rows else None
 
 
-def _unhold(tx: Tx, hold_id: str) -> None:
-    for bkey, tokens, cost in tx.all(
-        "SELECT bkey, tokens, cost FROM budget_holds WHERE hold_id = ?", (hold_id,)
+def _unhold(tx: Tx, hold_ids: Sequence[str]) -> int:
+    """The holds deleted and what they held given back. DELETE … RETURNING, not a read
+    then a delete: two releases of one hold at once (a settle and another process's
+    watchdog, on PostgreSQL) lower ``reserved`` once, as the second delete waits for the
+    first's row lock and then finds nothing. Every release locks its holds first (in
+    ``hold_id`` order) and then the spend rows (in key order, as a reservation does), so
+    two releases never wait for each other in a cycle. Returns how many of the holds
+    were still there (the others: released meanwhile)."""
+    if not hold_ids:
+        return 0
+    ids = sorted(hold_ids)
+    gone: dict[str, tuple[int, float]] = {}
+    found: set[str] = set()
+    for hold_id, bkey, tokens, cost in tx.all(
+        f"DELETE FROM budget_holds WHERE hold_id IN ({marks(len(ids))})"
+        " RETURNING hold_id, bkey, tokens, cost",
+        ids,
     ):
+        found.add(str(hold_id))
+        t, c = gone.get(str(bkey), (0, 0.0))
+        gone[str(bkey)] = (t + int(tokens), c + float(cost))
+    for bkey in sorted(gone):
+        tokens, cost = gone[bkey]
         tx.execute(
             "UPDATE budget_spend SET reserved_tokens = reserved_tokens - ?,"
             " reserved_cost = reserved_cost - ? WHERE bkey = ?",
             (tokens, cost, bkey),
         )
-    tx.execute("DELETE FROM budget_holds WHERE hold_id = ?", (hold_id,))
+    return len(found)
 
 
 def settle(
@@ -344,7 +418,7 @@ def settle(
     (marked, so each fires once per period). ``events(crossed)``: their ``budget.soft``
     outbox rows, written with the mark (a crash after the commit loses no event: the mark
     and the event commit together)."""
-    _unhold(tx, hold_id)
+    _unhold(tx, [hold_id])
     now = env.clock.now()
     tx.execute(
         "UPDATE budget_spend SET spent_tokens = spent_tokens + ?, spent_cost = spent_cost + ?,"
@@ -367,22 +441,51 @@ def settle(
 
 def release(tx: Tx, env: StoreEnv, hold_id: str) -> None:
     """The hold given back untouched (the call failed, timed out or was cancelled)."""
-    _unhold(tx, hold_id)
+    _unhold(tx, [hold_id])
+
+
+def release_turn(tx: Tx, env: StoreEnv, agent_id: str, agent_turn_id: str, epoch: int) -> int:
+    """The holds of a Turn's runs up to ``epoch`` released: that run is fenced out (its
+    process died; the Turn re-runs its step under a new epoch and reserves again). Their
+    calls' usage is unknown and nothing is spent for them. Called in the transaction that
+    fences the run (``sql/watchdog.recover_turn``). Returns how many reservations."""
+    ids = [
+        str(r[0])
+        for r in tx.all(
+            "SELECT DISTINCT hold_id FROM budget_holds WHERE agent_id = ? AND agent_turn_id = ?"
+            " AND turn_epoch <= ?",
+            (agent_id, agent_turn_id, epoch),
+        )
+    ]
+    return _unhold(tx, ids)
+
+
+#: The holds whose Turn's run is no longer under way: their Turn is not ``running`` at
+#: the hold's epoch any more (ended, or fenced out), so no live call of that run can
+#: settle them. A run is fenced before its Turn leaves ``running`` and an epoch never
+#: comes back, so a hold found here stays orphaned.
+_ORPHANS = (
+    "SELECT DISTINCT h.hold_id FROM budget_holds h WHERE h.agent_turn_id IS NOT NULL"
+    " AND NOT EXISTS (SELECT 1 FROM agent_state_head a WHERE a.agent_id = h.agent_id"
+    " AND a.active_agent_turn_id = h.agent_turn_id AND a.turn_epoch = h.turn_epoch"
+    " AND a.status = ?) LIMIT 256"
+)
 
 
 def release_expired(tx: Tx, env: StoreEnv) -> int:
-    """Holds past their expiry released (a dead process's: a live call is bounded by its
-    timeout, which the expiry exceeds). Returns how many reservations."""
-    ids = [
+    """The watchdog's pass: holds whose Turn's run is over (see :data:`_ORPHANS`: a dead
+    process's run, or one ended while its call was under way) and holds past their expiry
+    (those without an owner: a live call is bounded by its timeout, which the expiry
+    exceeds) released. Returns how many reservations."""
+    ids = [str(r[0]) for r in tx.all(_ORPHANS, (HeadStatus.RUNNING,))]
+    ids += [
         str(r[0])
         for r in tx.all(
             "SELECT DISTINCT hold_id FROM budget_holds WHERE expires_at < ? LIMIT 256",
             (env.clock.now(),),
         )
     ]
-    for hold_id in ids:
-        _unhold(tx, hold_id)
-    return len(ids)
+    return _unhold(tx, list(dict.fromkeys(ids)))
 
 
 def rows_of(tx: Tx, env: StoreEnv, keys: Sequence[str]) -> list[SpendRow]:

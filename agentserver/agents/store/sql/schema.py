@@ -277,6 +277,9 @@ CREATE TABLE schedule_runs (
     14: memory.MIGRATION + prune.CALLER_MIGRATION + tombstones.MIGRATION,
     # Issue 44: the web console's sign-in sessions, server-side (agents/store/sql/ui_sessions.py).
     15: ui_sessions.MIGRATION,
+    # Issue 43: a budget hold belongs to the Turn's step that made its call, not to a
+    # process (agents/store/sql/budgets.py).
+    16: budget_sql.HOLDS_MIGRATION,
 }
 #: The newest schema version: migrations are numbered 1..N without gaps.
 SCHEMA_VERSION = max(MIGRATIONS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from agentserver.agents.profile.retry import step_retries_done
 from agentserver.agents.store.base import Head, TurnToken
-from agentserver.agents.store.sql import head
+from agentserver.agents.store.sql import budgets, head
 from agentserver.agents.store.sql.common import HEAD_COLS, edge, inbox_move
 from agentserver.agents.store.sql.db import StoreEnv, Tx, new_id
 from agentserver.agents.store.sql.inbox import requeue
@@ -87,9 +87,11 @@ def recover_running(tx: Tx, env: StoreEnv) -> list[TurnToken]:
 def recover_turn(tx: Tx, env: StoreEnv, token: TurnToken, now: float) -> TurnToken:
     """Fence one ``running`` Turn whose worker is gone (epoch + 1) and queue the
     ``resume`` row that re-runs its next step; returns its new token. (Also used by a
-    shared store for the Turns of a process whose lease expired.)"""
+    shared store for the Turns of a process whose lease expired.) The budget holds of the
+    fenced run (its model call died with its worker) are released with the fence."""
     due, payload = _pending_step_retry(tx, env, token, now)
     h = head.fence(tx, env, token, HeadEvent.RECOVER, given={"now": now})
+    budgets.release_turn(tx, env, token.agent_id, token.agent_turn_id, token.turn_epoch)
     tx.execute(
         "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, "
         "agent_turn_id, turn_epoch, payload, next_retry_at, created_at, updated_at) "
