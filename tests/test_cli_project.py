@@ -32,7 +32,7 @@ import trio
 from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import ServerProcess, subprocess_env
 
-ALICE, BOB = "alice-secret-token", "bob-secret-token"
+ALICE, BOB, OPS = "alice-secret-token", "bob-secret-token", "ops-secret-token"
 ANSWER = "the answer is forty-two"
 TASK = '<task xmlns="urn:agentserver:assistant"><text>{}</text></task>'
 COUNT = '<count xmlns="urn:me:wc"><text>one two three</text></count>'
@@ -109,6 +109,7 @@ def make_project(folder: Path, llm_url: str) -> tuple[int, int]:
               <clients>
                 <client name="alice" token-env="PROJ_ALICE_TOKEN"/>
                 <client name="bob" token-env="PROJ_BOB_TOKEN"/>
+                <client name="ops" token-env="PROJ_OPS_TOKEN" operator="true"/>
               </clients>
               <llm max-attempts="1" timeout="300">
                 <backend name="fake" provider="openai" base-url="{llm_url}"
@@ -148,7 +149,9 @@ def store_env(request) -> dict[str, str]:
 
 def user_env(**extra: str) -> dict[str, str]:
     """A user's shell: no agentserver variable set (the project says where to go)."""
-    env = subprocess_env(PROJ_ALICE_TOKEN=ALICE, PROJ_BOB_TOKEN=BOB, PROJ_LLM_KEY="k")
+    env = subprocess_env(
+        PROJ_ALICE_TOKEN=ALICE, PROJ_BOB_TOKEN=BOB, PROJ_OPS_TOKEN=OPS, PROJ_LLM_KEY="k"
+    )
     for name in list(env):
         if name.startswith("AGENTSERVER_"):
             del env[name]
@@ -226,13 +229,14 @@ async def test_a_project_folder_of_ones_own(tmp_path: Path, store_env: dict[str,
 def commands_find_the_project(user: User, port: int, http: int) -> None:
     out, err = text(check := user.run("check"))
     assert check.returncode == 0 and "OK: organism 'proj'" in out, (out, err)
-    assert "3 listeners, 2 clients" in out
+    assert "3 listeners, 3 clients" in out
     sent = user.alice("send", "--payload-only", COUNT)
     assert sent.returncode == 0, sent.stderr
     assert b"<words>3</words>" in sent.stdout
     out, err = text(status := user.run("status", AGENTSERVER_TOKEN=ALICE))
     assert status.returncode == 0 and "organism 'proj'" in out, err
-    out, err = text(listed := user.run("schedule", "list", AGENTSERVER_TOKEN=ALICE))
+    # boot.xml's schedule is nobody's: an operator sees it (docs/security.md).
+    out, err = text(listed := user.run("schedule", "list", AGENTSERVER_TOKEN=OPS))
     assert listed.returncode == 0 and out.startswith("nightly"), err
     budgets = user.run("budget", "show", AGENTSERVER_TOKEN=ALICE)
     assert budgets.returncode == 0, budgets.stderr
@@ -264,9 +268,9 @@ def errors_name_the_fix(user: User) -> None:
     assert "authentication refused for client 'alice'" in wrong.stderr.decode()
     assert "closed the connection" not in wrong.stderr.decode()
     # A schedule declared in boot.xml: refused (409) with the reason, and still there.
-    out, err = text(deleted := user.run("schedule", "delete", "nightly", AGENTSERVER_TOKEN=ALICE))
+    out, err = text(deleted := user.run("schedule", "delete", "nightly", AGENTSERVER_TOKEN=OPS))
     assert deleted.returncode == 1 and "409" in err and "declared in boot.xml" in err, (out, err)
-    listed = user.run("schedule", "list", AGENTSERVER_TOKEN=ALICE)
+    listed = user.run("schedule", "list", AGENTSERVER_TOKEN=OPS)
     assert listed.stdout.decode().startswith("nightly")
     # No console-router: said at connect, and a line gets the reason, not "Invalid payload".
     console = user.alice("console", input=b"hello\n/quit\n")
