@@ -335,6 +335,43 @@ async def test_sqlite_gives_freed_pages_back(tmp_path):
         await store.aclose()
 
 
+def _wal_frames(path: Path) -> int:
+    """The frames in the WAL now (a checkpoint from a connection of our own reports the
+    log's length; what it copies changes nothing the store can see)."""
+    import sqlite3
+
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        _busy, log, _copied = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    finally:
+        db.close()
+    return int(log)
+
+
+async def test_a_prune_run_lets_the_wal_start_over(tmp_path):
+    """Issue 43: a pruner's deletions on top of the Turns' writes made the WAL peak 2.5x
+    higher; after a prune run the log is copied back, so the next commit starts it over
+    (a few frames) instead of appending to everything written since the store opened.
+    No background checkpoint here (``serve`` is not running): only the pruner's."""
+    from agentserver.agents.store.sqlite_store import SqliteAgentStore
+
+    settings = _settings(tmp_path)
+    store = SqliteAgentStore.open(settings.path, clock=ManualClock(1e6), settings=settings)
+    try:
+        for i in range(60):
+            await finished(store, f"t{i}")
+        clock_of(store).advance(2 * DAY)
+        await finished(store, "fresh")  # kept: inside its window
+        before = _wal_frames(settings.path)
+        assert before > 200  # everything written so far is still in the log
+        report = await prune(store)
+        assert report.tasks == 60
+        await finished(store, "after")  # the next commits (about 50 frames): started over
+        assert _wal_frames(settings.path) < 100, "the WAL did not start over after the prune run"
+    finally:
+        await store.aclose()
+
+
 async def test_an_existing_file_is_converted_when_stopped(tmp_path):
     from agentserver.agents.store.sqlite_store import SqliteAgentStore
 
