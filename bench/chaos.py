@@ -313,7 +313,9 @@ async def chaos(args: argparse.Namespace) -> int:
                 effects=read_effects(env[EFFECTS_ENV]),
             )
             await a2a.settle()
-            a2a_counts, a2a_violations = check_a2a(a2a.tasks, expected_proofs(seed))
+            a2a_counts, a2a_violations = check_a2a(
+                a2a.tasks, expected_proofs(seed), internal_errors=a2a.internal_errors
+            )
             a2a_counts.update(
                 {k: v for k, v in sorted(a2a.counts.items()) if not k.startswith("seen:")}
             )

@@ -32,7 +32,7 @@ import json
 import random
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +95,10 @@ def _text(task_or_status: dict[str, Any]) -> str:
     return "\n".join(p for p in parts if p)
 
 
+#: JSON-RPC's internal error: the server failed, which no call should ever see.
+INTERNAL = -32603
+
+
 class RpcError(Exception):
     def __init__(self, error: dict[str, Any]) -> None:
         super().__init__(error.get("message", ""))
@@ -111,6 +115,8 @@ class A2aClient:
         self.switches = switches
         self.headers = {"Authorization": f"Bearer {token}", "A2A-Version": "1.0"}
         self.tasks: list[A2aTask] = []
+        #: Every internal error (-32603) a call got: (method, message). A violation.
+        self.internal_errors: list[tuple[str, str]] = []
         self.counts: Counter = Counter()
         self._ids = 0
 
@@ -202,14 +208,14 @@ class A2aClient:
             if "text/event-stream" not in response.headers.get("content-type", ""):
                 answer = json.loads(await response.aread())
                 if "error" in answer:
-                    raise RpcError(answer["error"])
+                    raise self._error(method, answer["error"])
                 return
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 event = json.loads(line[5:])
                 if "error" in event:
-                    raise RpcError(event["error"])
+                    raise self._error(method, event["error"])
                 result = event.get("result") or {}
                 if "task" in result:
                     self._saw(task, result["task"])
@@ -264,8 +270,13 @@ class A2aClient:
         body = {"jsonrpc": "2.0", "id": self._next_id(), "method": method, "params": params}
         answer = (await http.post("/a2a", json=body, headers=self.headers)).json()
         if "error" in answer:
-            raise RpcError(answer["error"])
+            raise self._error(method, answer["error"])
         return answer.get("result") or {}
+
+    def _error(self, method: str, error: dict[str, Any]) -> RpcError:
+        if error.get("code") == INTERNAL:
+            self.internal_errors.append((method, str(error.get("message", ""))[:200]))
+        return RpcError(error)
 
     def _next_id(self) -> int:
         self._ids += 1
@@ -273,7 +284,17 @@ class A2aClient:
 
     # -- after the drain -----------------------------------------------------------------
     async def settle(self) -> None:
-        """Read every task once more (``GetTask``, on a live server): its state now."""
+        """Read every task once more (``GetTask``, on a live server): its state now; and
+        list them (``ListTasks``, which must answer however many retention pruned)."""
+        slot = await self.servers.pick(self.rng)
+        try:
+            async with httpx.AsyncClient(base_url=slot.http_url, timeout=30) as http:
+                listed = await self._call(http, "ListTasks", {"pageSize": 100})
+            self.counts["a2a_listed"] = len(listed.get("tasks") or [])
+        except RpcError as exc:
+            self.counts[f"a2a_settle_error_{exc.code}"] += 1
+        except (httpx.HTTPError, OSError, json.JSONDecodeError):
+            self.counts["a2a_settle_errors"] += 1
         for task in self.tasks:
             for task_id in sorted(task.task_ids):
                 slot = await self.servers.pick(self.rng)
@@ -293,10 +314,16 @@ class A2aClient:
 
 
 def check_a2a(
-    tasks: list[A2aTask], expected: Callable[[str, str], list[list[str]]], max_listed: int = 20
+    tasks: list[A2aTask],
+    expected: Callable[[str, str], list[list[str]]],
+    max_listed: int = 20,
+    internal_errors: Sequence[tuple[str, str]] = (),
 ) -> tuple[dict[str, object], list[str]]:
-    """Counts and violations (see the module docstring). Pure."""
-    violations: list[str] = []
+    """Counts and violations (see the module docstring); ``internal_errors``: the
+    (method, message) of every call the server answered with an internal error. Pure."""
+    violations: list[str] = [
+        f"A2A {m} got an internal error: {text}" for m, text in internal_errors
+    ]
     states: Counter = Counter()
     twice = unended = differently = wrong = 0
     for task in tasks:
@@ -331,6 +358,7 @@ def check_a2a(
         "a2a_unended": unended,
         "a2a_ended_differently": differently,
         "a2a_wrong_content": wrong,
+        "a2a_internal_errors": len(internal_errors),
     }
     return counts, violations[:max_listed] + (
         [f"... {len(violations) - max_listed} more"] if len(violations) > max_listed else []

@@ -580,6 +580,13 @@ async def test_an_a2a_tasks_record_goes_with_its_tombstone_a_refused_one_by_age(
     # The task's record stays while its tombstone does: the same message is the same task.
     assert await count(store, records) == 1
     assert await store.a2a_record("t9", A, "ctx", "owner", "m1", "hello") == ("t1", False)
+    # Its reads say "pruned" (GetTask's TaskNotFound, http/a2a/handler.py), and ListTasks
+    # leaves it out, with or without a filter on the state (issue 43: the chaos bench's
+    # A2A client saw ListTasks and GetTask fail with an internal error instead).
+    with pytest.raises(TurnPruned):
+        await store.a2a_task("t1")
+    assert await store.a2a_tasks("owner", None, [A], 10) == ([], 0, False)
+    assert await store.a2a_tasks("owner", "ctx", [A], 10, keep=lambda _: True) == ([], 0, False)
     bounded = replace(ONE_DAY, tombstones_s=3 * DAY)
     clock_of(store).advance(4 * DAY)
     assert (await prune(store, bounded)).rows["pruned_turns"] == 1

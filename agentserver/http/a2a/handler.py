@@ -56,6 +56,7 @@ from a2a.utils.errors import (
 from google.protobuf.json_format import MessageToDict, MessageToJson, Parse
 from lxml import etree
 
+from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.base import A2aStore
 from agentserver.core.envelope import build_envelope
 from agentserver.core.handshake import Identity
@@ -186,7 +187,14 @@ class A2aHandler(RequestHandler):
 
     async def _task_row(self, task_id: str, identity: Identity) -> dict[str, Any]:
         """The task's row, if ``identity`` sent it and may still see its agent."""
-        row = await self.deps.store.a2a_task(task_id) if len(task_id) <= MAX_ID else None
+        try:
+            row = await self.deps.store.a2a_task(task_id) if len(task_id) <= MAX_ID else None
+        except TurnPruned:
+            # Its record outlives it while its tombstone lasts (the message's idempotency
+            # key): the task itself is gone, which the client is told as such.
+            raise TaskNotFoundError(
+                f"task {task_id!r} was pruned by the store's retention"
+            ) from None
         if (
             row is None
             or row["owner"] != self.owner(identity)
@@ -238,7 +246,14 @@ class A2aHandler(RequestHandler):
             )
             if outcome.kind == "refused":
                 await self.deps.store.a2a_reject(task_id, f"refused: {outcome.refusal}")
-        row = await self.deps.store.a2a_task(found)
+        try:
+            row = await self.deps.store.a2a_task(found)
+        except TurnPruned:
+            # The same message again, after retention removed its task.
+            raise TaskNotFoundError(
+                f"message {message.message_id!r} was task {found!r}, pruned by the store's "
+                "retention: send a new message (a new messageId)"
+            ) from None
         assert row is not None
         return row
 
@@ -290,7 +305,10 @@ class A2aHandler(RequestHandler):
         delay = POLL_MIN
         while last[0] not in TERMINAL:
             await trio.sleep(delay)
-            fresh = await self.deps.store.a2a_task(row["task_id"])
+            try:
+                fresh = await self.deps.store.a2a_task(row["task_id"])
+            except TurnPruned:
+                return  # ended and pruned meanwhile: nothing more will change
             if fresh is None:
                 return
             now = state_of(fresh)

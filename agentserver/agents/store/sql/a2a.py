@@ -129,7 +129,14 @@ def tasks(
     with ``keep``, every candidate's state is read (in this one transaction)."""
     if not agents:
         return [], 0, False
-    where = f"owner = ? AND agent_id IN ({', '.join('?' * len(agents))})"
+    # A task pruned by retention is not listed (its record stays while its tombstone
+    # does, as its message's idempotency key; reading its state would raise TurnPruned).
+    # (Two NOT EXISTS, each on an index of pruned_turns: (agent_id, caller_thread), hop.)
+    where = f"owner = ? AND agent_id IN ({', '.join('?' * len(agents))})" + "".join(
+        " AND NOT EXISTS (SELECT 1 FROM pruned_turns p WHERE "
+        f"p.agent_id = a2a_tasks.agent_id AND p.{column} = a2a_tasks.task_id)"
+        for column in ("caller_thread", "hop")
+    )
     params: tuple[Any, ...] = (owner, *agents)
     if context_id:
         where += " AND context_id = ?"
