@@ -60,7 +60,10 @@ async def test_a_pruned_a2a_task_reads_not_found_never_an_internal_error(tmp_pat
                 assert task["status"]["state"] == "TASK_STATE_COMPLETED", sent
                 # Bounded wait for the pruner (every second, a one-second window).
                 with trio.fail_after(PATIENCE):
-                    while "result" in (got := await rpc(http, "GetTask", {"id": task["id"]})):
+                    for _ in range(10_000):
+                        got = await rpc(http, "GetTask", {"id": task["id"]})
+                        if "result" not in got:
+                            break
                         await trio.sleep(0.3)
                 assert got["error"]["code"] == -32001, got  # TaskNotFound, not -32603
                 assert "pruned by the store's retention" in got["error"]["message"]
