@@ -2,6 +2,7 @@
 
     python bench/chaos.py --minutes M --seed S --store sqlite|postgresql --processes 1|2
                           [--store-url URL] [--out DIR] [--drain S]
+                          [--retention] [--budget-tokens N]
 
 Starts ``agentserver run`` (one process, or two on one PostgreSQL store) on a generated
 boot.xml: three agents (``alpha``, ``beta``, ``gamma``) whose tools are ``stamp`` (local,
@@ -13,8 +14,13 @@ Retry-After, 5xx, hangs past ``llm-timeout``, malformed tool calls). Four named 
 their answer is about to be ready) and reconnect to any live server; a server process is
 SIGKILLed every 20-60 s and restarted; the operator stops and cancels tasks with the CLI.
 ``alpha`` keeps a conversation per client, and the clients double-text it with a
-``multitask`` override (bench/support/chaos_multitask.py). Every random choice comes from
-``--seed``.
+``multitask`` override (bench/support/chaos_multitask.py), over the socket and over the
+HTTP API (``POST /v1/messages?multitask=``). An A2A client sends tasks to ``beta`` and
+``gamma`` (``<expose-a2a>``) and follows them through the kills: streams, resubscribes,
+cancels (bench/support/chaos_a2a.py). ``--retention`` prunes with short windows
+(bench/support/chaos_retention.py); ``--budget-tokens N`` gives clients ``c1``, ``c2`` and
+``a2a`` a budget of N tokens that runs out (bench/support/chaos_budget.py). Every random
+choice comes from ``--seed``.
 
 After ``--minutes`` the faults stop (and no new task is sent); every task the server took
 must then be answered within ``--drain`` s (120). bench/support/chaos_check.py checks the ledger

@@ -145,7 +145,7 @@ class A2aClient:
         """Send ``task`` and follow it until a terminal state is seen."""
         async with trio.open_nursery() as nursery:
             if rng.random() < CANCEL_CHANCE:
-                nursery.start_soon(self._cancel_later, task, rng.uniform(0.5, 6.0))
+                nursery.start_soon(self._cancel_later, task, rng.uniform(0.5, 6.0), rng)
             while not task.ended and not self.switches.stop:
                 slot = await self.servers.pick(rng)
                 if not slot.http_url:
@@ -229,11 +229,11 @@ class A2aClient:
                     self.counts["a2a_streams_dropped"] += 1
                     return  # the connection closes: the next round resubscribes
 
-    async def _cancel_later(self, task: A2aTask, delay: float) -> None:
+    async def _cancel_later(self, task: A2aTask, delay: float, rng: random.Random) -> None:
         await trio.sleep(delay)
         if task.ended or not task.task_ids or not self.switches.faults:
             return
-        slot = await self.servers.pick(self.rng)
+        slot = await self.servers.pick(rng)
         try:
             async with httpx.AsyncClient(base_url=slot.http_url, timeout=30) as http:
                 self.counts["a2a_cancels"] += 1
