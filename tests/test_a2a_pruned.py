@@ -12,7 +12,7 @@ import httpx
 import trio
 from httputil import http_url
 from serverproc import DATA
-from test_a2a_expose import ALICE, A2aModel, start, store_env  # noqa: F401 (a fixture)
+from test_a2a_expose import ALICE, BOB, A2aModel, start, store_env  # noqa: F401 (a fixture)
 
 PATIENCE = 40.0
 RETENTION = (
@@ -31,9 +31,9 @@ def boot_with_retention(tmp_path) -> object:
     return boot
 
 
-async def rpc(http: httpx.AsyncClient, method: str, params: dict) -> dict:
+async def rpc(http: httpx.AsyncClient, method: str, params: dict, token: str = ALICE) -> dict:
     body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
-    headers = {"Authorization": f"Bearer {ALICE}", "A2A-Version": "1.0"}
+    headers = {"Authorization": f"Bearer {token}", "A2A-Version": "1.0"}
     return (await http.post("/a2a", json=body, headers=headers)).json()
 
 
@@ -67,6 +67,10 @@ async def test_a_pruned_a2a_task_reads_not_found_never_an_internal_error(tmp_pat
                         await trio.sleep(0.3)
                 assert got["error"]["code"] == -32001, got  # TaskNotFound, not -32603
                 assert "pruned by the store's retention" in got["error"]["message"]
+                # Another client is not told it was ever there.
+                theirs = await rpc(http, "GetTask", {"id": task["id"]}, token=BOB)
+                assert theirs["error"]["code"] == -32001, theirs
+                assert "pruned" not in theirs["error"]["message"], theirs
                 for method in ("SubscribeToTask", "CancelTask"):
                     answer = await rpc(http, method, {"id": task["id"]})
                     assert answer.get("error", {}).get("code") == -32001, (method, answer)

@@ -583,8 +583,9 @@ async def test_an_a2a_tasks_record_goes_with_its_tombstone_a_refused_one_by_age(
     # Its reads say "pruned" (GetTask's TaskNotFound, http/a2a/handler.py), and ListTasks
     # leaves it out, with or without a filter on the state (issue 43: the chaos bench's
     # A2A client saw ListTasks and GetTask fail with an internal error instead).
-    with pytest.raises(TurnPruned):
+    with pytest.raises(TurnPruned) as pruned:
         await store.a2a_task("t1")
+    assert pruned.value.owner == "owner"  # only its sender is told (http/a2a/handler.py)
     assert await store.a2a_tasks("owner", None, [A], 10) == ([], 0, False)
     assert await store.a2a_tasks("owner", "ctx", [A], 10, keep=lambda _: True) == ([], 0, False)
     bounded = replace(ONE_DAY, tombstones_s=3 * DAY)

@@ -189,9 +189,11 @@ class A2aHandler(RequestHandler):
         """The task's row, if ``identity`` sent it and may still see its agent."""
         try:
             row = await self.deps.store.a2a_task(task_id) if len(task_id) <= MAX_ID else None
-        except TurnPruned:
+        except TurnPruned as exc:
             # Its record outlives it while its tombstone lasts (the message's idempotency
-            # key): the task itself is gone, which the client is told as such.
+            # key): the task itself is gone, which its sender (only) is told as such.
+            if exc.owner != self.owner(identity) or not self.deps.may_see(identity, exc.agent):
+                raise TaskNotFoundError(f"no task {task_id!r}") from None
             raise TaskNotFoundError(
                 f"task {task_id!r} was pruned by the store's retention"
             ) from None

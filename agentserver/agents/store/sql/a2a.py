@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.sql import views
 from agentserver.agents.store.sql.db import StoreEnv, Tx
 from agentserver.agents.store.states import ApprovalStatus
@@ -107,7 +108,14 @@ def _state(tx: Tx, env: StoreEnv, out: dict[str, Any]) -> dict[str, Any]:
 def task(tx: Tx, env: StoreEnv, task_id: str) -> dict[str, Any] | None:
     """The task ``task_id`` with its state (see :func:`_state`); None if unknown."""
     row = tx.one(f"SELECT {_COLUMNS} FROM a2a_tasks WHERE task_id = ?", (task_id,))
-    return None if row is None else _state(tx, env, _row(row))
+    if row is None:
+        return None
+    out = _row(row)
+    try:
+        return _state(tx, env, out)
+    except TurnPruned as exc:
+        # Its record outlives it while its tombstone lasts: "pruned", for its sender only.
+        raise TurnPruned(exc.agent, exc.thread, owner=out["owner"]) from None
 
 
 def tasks(
