@@ -12,6 +12,7 @@ keep their meaning across releases; the modules they come from are internal and 
 from agentserver.net.client import Client, open_client
 from agentserver.net.connect import TlsSessions
 from agentserver.net.reply import (
+    AuthenticationRefused,
     ClientError,
     ConnectionClosed,
     DeliveredIds,
@@ -24,6 +25,7 @@ from agentserver.net.reply import (
 )
 
 __all__ = [
+    "AuthenticationRefused",
     "Client",
     "ClientError",
     "ConnectionClosed",

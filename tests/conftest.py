@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 
 import pytest
@@ -98,6 +99,35 @@ async def drain(endpoint) -> list[bytes]:
 async def receive(endpoint, seconds: float = 5) -> tuple[dict[str, str | None], etree._Element]:
     with trio.fail_after(seconds):
         return parse_reply(await endpoint.receive())
+
+
+#: Set (to anything but empty or ``0``) where no test that needs PostgreSQL or the browser
+#: may skip: CI (.ci/run). Such a skip is then a failure, its reason kept.
+NO_SKIP_ENV = "AGENTSERVER_TEST_NO_SKIP"
+#: The markers of the tests that must run where ``NO_SKIP_ENV`` is set.
+MUST_RUN = ("postgresql", "browser")
+
+
+def _no_skip() -> bool:
+    return os.environ.get(NO_SKIP_ENV, "") not in ("", "0")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under ``NO_SKIP_ENV``, a skipped test that needs PostgreSQL or the browser fails:
+    a cluster or a chromium missing in CI must not leave their promises unchecked while
+    the run stays green."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and _no_skip()) or hasattr(report, "wasxfail"):
+        return
+    needs = [m for m in MUST_RUN if item.get_closest_marker(m) is not None]
+    if needs:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (
+            f"skipped, but {NO_SKIP_ENV} is set and this test needs {' and '.join(needs)}: {reason}"
+        )
 
 
 def pytest_collection_modifyitems(items):

@@ -2,7 +2,9 @@
 
 A server is used when one is configured: ``AGENTSERVER_TEST_PG_URL``, or the ``PG*``
 variables ``pg_virtualenv`` exports (``PGHOST``/``PGPORT``/...). Without one, every test
-that needs it is skipped with the reason. Each test gets a database of its own, created
+that needs it is skipped with the reason. A server configured but not reachable fails
+every such test instead (a broken cluster must not pass for "no PostgreSQL here": the
+tests it would have run are unchecked). Each test gets a database of its own, created
 for it and dropped after it, so tests cannot see each other's rows.
 """
 
@@ -48,30 +50,43 @@ class PgServer:
         return f"postgresql://{auth}@{host}:{self.port}/{quote(dbname)}"
 
 
-def find_server() -> PgServer | str:
-    """The configured server, or why there is none (the skip reason)."""
+@dataclass(frozen=True, slots=True)
+class NoServer:
+    """Why there is no test server: none configured (the tests skip) or one configured
+    that cannot be used (they fail)."""
+
+    reason: str
+    configured: bool
+
+
+def find_server() -> PgServer | NoServer:
+    """The configured server, or why there is none."""
     base = os.environ.get(URL_ENV, "")
     if not base and not any(os.environ.get(v) for v in _LIBPQ_ENV):
-        return HOW
+        return NoServer(HOW, configured=False)
+    where = f"{URL_ENV}={base}" if base else "the PG* variables"
     try:
         import psycopg
     except ImportError as exc:  # pragma: no cover - psycopg is a core dependency
-        return f"psycopg is not installed ({exc})"
+        return NoServer(f"PostgreSQL configured ({where}) but psycopg is missing: {exc}", True)
     try:
         with psycopg.connect(base, connect_timeout=5, autocommit=True) as conn:
             info = conn.info
             return PgServer(base, info.host, info.port, info.user, info.password or None)
     except psycopg.Error as exc:
-        where = os.environ.get(URL_ENV) or "the PG* variables"
-        return f"PostgreSQL configured ({where}) but not reachable: {exc}".strip()
+        fix = f"start it, or unset {URL_ENV} and the PG* variables to skip these tests"
+        return NoServer(f"PostgreSQL configured ({where}) but not reachable ({fix}): {exc}", True)
 
 
 @pytest.fixture(scope="session")
 def pg_server() -> PgServer:
-    """The test server (skips the test when there is none)."""
+    """The test server: skips the test when none is configured, fails it when the one
+    configured is not reachable."""
     found = find_server()
-    if isinstance(found, str):
-        pytest.skip(found)
+    if isinstance(found, NoServer):
+        if found.configured:
+            pytest.fail(found.reason.strip(), pytrace=False)
+        pytest.skip(found.reason)
     return found
 
 

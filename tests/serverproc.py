@@ -114,6 +114,7 @@ class ServerProcess:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         timeout: float = 20.0,
+        log_level: str = "warning",
     ) -> ServerProcess:
         cwd = cwd or scratch_dir()
         if boot is not None:
@@ -124,7 +125,7 @@ class ServerProcess:
                 "-m",
                 "agentserver",
                 "--log-level",
-                "warning",
+                log_level,
                 "run",
                 *([str(boot)] if boot is not None else []),
                 "--port",

@@ -79,7 +79,10 @@ def test_check_reports_every_problem_with_its_line(tmp_path):
     path.write_text(BAD)
     result = cli_in_process("check", str(path))
     assert result.returncode == 1
-    lines = result.stdout.decode().splitlines()
+    # One stream: errors, warnings and the summary all on standard output, in line order.
+    assert result.stderr == b""
+    *out, warning, summary = result.stdout.decode().splitlines()
+    lines = [x for x in out if ": warning: " not in x]
     expect = [
         (4, "cannot import module 'nosuchmodule_xyz'"),
         (7, "unknown peer 'ghost'"),
@@ -97,12 +100,10 @@ def test_check_reports_every_problem_with_its_line(tmp_path):
             lines,
         )
     assert len(lines) == len(expect), lines
-    err = result.stderr.decode()
-    assert (
+    assert warning.startswith(
         f"{path}:20: warning: client 'zed': token variable AGENTSERVER_TEST_UNSET_VAR is not set"
-        in err
     )
-    assert "8 errors" in err
+    assert summary == f"{path}: 8 errors"
 
 
 def test_check_reports_schema_errors_and_unknown_sections(tmp_path):
@@ -120,6 +121,66 @@ def test_check_reports_schema_errors_and_unknown_sections(tmp_path):
     assert re.search(
         rf"^{re.escape(str(path))}:3: Element 'bogus': This element is not expected", out, re.M
     ), out
+
+
+def test_check_counts_in_the_singular_on_one_stream(tmp_path):
+    path = tmp_path / "one.xml"
+    path.write_text(
+        '<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="one">\n'
+        '  <clients><client name="alice" token-env="ONE_TOKEN"/></clients>\n'
+        '  <listeners><listener name="boot" handler="system-boot"/></listeners>\n'
+        "</organism>\n"
+    )
+    result = cli_in_process("check", str(path), env=subprocess_env(ONE_TOKEN="t"))
+    assert result.returncode == 0 and result.stderr == b""
+    assert result.stdout.decode().splitlines() == [
+        f"{path}: OK: organism 'one', 1 listener, 1 client"
+    ]
+
+
+def test_a_knock_on_error_is_said_once_under_the_error_that_caused_it(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on: the A2A card is unreachable
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    path = tmp_path / "knock.xml"
+    path.write_text(
+        textwrap.dedent(
+            f"""\
+            <organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="knock">
+              <clients>
+                <client name="alice" token-env="KNOCK_TOKEN">
+                  <budget agent="planner" tokens="1000" period="day"/>
+                </client>
+              </clients>
+              <listeners>
+                <a2a name="remote" url="http://127.0.0.1:{closed}/"/>
+                <listener name="writer" agent="true" handler="assistant" peers="remote-search"/>
+                <listener name="planner" agent="true" handler="nosuchmodule_knock:handle"/>
+                <listener name="boss" handler="echo" peers="planner"/>
+              </listeners>
+              <schedules>
+                <schedule name="nightly" agent="planner" cron="0 * * * *"><t xmlns="urn:t"/></schedule>
+              </schedules>
+            </organism>
+            """
+        )
+    )
+    result = cli_in_process("check", str(path), env=subprocess_env(KNOCK_TOKEN="t"))
+    assert result.returncode == 1
+    out = result.stdout.decode()
+    # Two causes, two errors; what names the failed parts is said under each, once.
+    assert "unknown peer" not in out and "no agent of that name" not in out, out
+    assert "is not an agent listener" not in out, out
+    lines = out.splitlines()
+    assert lines[-1] == f"{path}: 2 errors"
+    a2a = lines.index(next(x for x in lines if x.startswith(f"{path}:8: <a2a name='remote'>")))
+    assert lines[a2a + 1] == "    (so listener 'writer', line 9, lacks its peer 'remote-search')"
+    planner = lines.index(next(x for x in lines if x.startswith(f"{path}:10: listener 'planner'")))
+    assert lines[planner + 1 : planner + 4] == [
+        "    (so listener 'boss', line 11, lacks its peer 'planner')",
+        "    (so <budget agent='planner'>, line 4, has no agent)",
+        "    (so schedule 'nightly', line 14, has no agent)",
+    ]
 
 
 def test_check_not_well_formed_and_missing_file(tmp_path):
@@ -367,12 +428,12 @@ async def test_sigterm_drains_in_flight_work_and_exits_0():
                 await client.send(LongJob(text=f"l{i}", seconds=20), to="slower") for i in range(2)
             }
             await trio.sleep(0.2)
-            start = trio.current_time()
             proc.proc.send_signal(signal.SIGTERM)
-            with trio.fail_after(8):
+            # A bound, not a measure: what shows the drain bound (2 s) cut the 20 s jobs
+            # is their replies (a timeout SystemError, not the note a finished job sends).
+            with trio.fail_after(60):
                 for _ in range(7):
                     replies.append(await client.receive())
-            elapsed = trio.current_time() - start
             # New connections are no longer accepted.
             with pytest.raises(OSError):
                 async with open_client(proc.host, proc.port, connect_timeout=2) as late:
@@ -396,7 +457,6 @@ async def test_sigterm_drains_in_flight_work_and_exits_0():
     for t in stuck:
         reply = by_thread[t]
         assert reply.is_system_error and reply.payload.findtext(f"{{{CORE}}}code") == "timeout"
-    assert elapsed < 5  # the drain bound (2 s), not the 20 s jobs
     assert "Traceback" not in proc.stderr
 
 

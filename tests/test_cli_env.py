@@ -66,7 +66,7 @@ def test_run_and_send_take_their_defaults_from_the_environment(tmp_path):
         proc.stderr.close()
 
 
-def test_check_takes_its_boot_file_from_the_environment(tmp_path):
+def test_check_takes_its_boot_file_from_the_environment(tmp_path, monkeypatch):
     path = tmp_path / "b.xml"
     path.write_text(
         f'<organism xmlns="{NS}" name="x"><listeners>'
@@ -74,7 +74,16 @@ def test_check_takes_its_boot_file_from_the_environment(tmp_path):
     )
     result = cli_in_process("check", env=subprocess_env(AGENTSERVER_BOOT=str(path)))
     assert result.returncode == 0 and b"OK: organism 'x'" in result.stdout
-    assert cli_in_process("check", env=subprocess_env()).returncode == 2
+    # Neither BOOT nor the variable: ./boot.xml, and none here is a usage error.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    missing = cli_in_process("check", env=subprocess_env())
+    assert missing.returncode == 2 and b"no boot.xml here" in missing.stderr
+    monkeypatch.chdir(tmp_path)
+    path.rename(tmp_path / "boot.xml")
+    local = cli_in_process("check", env=subprocess_env())
+    assert local.returncode == 0 and b"boot.xml: OK: organism 'x'" in local.stdout
 
 
 def test_bad_values_are_usage_errors():

@@ -124,14 +124,14 @@ def test_ctrl_c_while_waiting_stops_without_draining_for_drain_timeout(tmp_path)
     boot = tmp_path / "boot.xml"
     boot.write_text(
         f"""<organism xmlns="{NS}" name="sleepy">
-  <limits drain-timeout="60"/>
+  <limits drain-timeout="600"/>
   <listeners>
     <listener name="boot" handler="system-boot" peers="console"/>
-    <listener name="sleepy" handler="sleepy:nap" timeout="120" ends-chains="true">
+    <listener name="sleepy" handler="sleepy:nap" timeout="1200" ends-chains="true">
       <accepts type="sleepy:Nap"/>
     </listener>
     <listener name="console" handler="console" peers="console-router"/>
-    <listener name="console-router" handler="console-router" peers="sleepy" timeout="100"/>
+    <listener name="console-router" handler="console-router" peers="sleepy" timeout="1000"/>
   </listeners>
 </organism>
 """
@@ -139,17 +139,15 @@ def test_ctrl_c_while_waiting_stops_without_draining_for_drain_timeout(tmp_path)
     child = spawn(["run", str(boot), "--port", "0", "--console"], tmp_path)
     try:
         child.expect_exact(READY)
-        child.send('@sleepy <nap xmlns="urn:test:sleepy"><seconds>100</seconds></nap>\r')
+        child.send('@sleepy <nap xmlns="urn:test:sleepy"><seconds>1000</seconds></nap>\r')
         child.expect_exact("working…")
-        started = time.monotonic()
         child.send("\x03")  # no prompt is up: the terminal sends SIGINT
-        # Not the 60 s of drain-timeout (nor the nap's 100 s): the console's grace.
-        child.expect(pexpect.EOF, timeout=20)
-        elapsed = time.monotonic() - started
+        # The console's grace (0.5 s), not the 600 s of drain-timeout nor the nap's
+        # 1000 s: a bound far from both, so a loaded machine cannot confuse them.
+        child.expect(pexpect.EOF, timeout=120)
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
-    assert elapsed < 20
 
 
 @pytest.mark.slow

@@ -89,3 +89,15 @@ def test_no_document_names_a_module_file_that_is_not_there():
             r"\b(?:agentserver|listeners|primitives)/[a-z_/]+\.py\b", doc.read_text()
         ):
             assert (REPO / ref).is_file(), f"{doc.relative_to(REPO)} names {ref}"
+
+
+def test_the_http_api_reference_is_its_own_page_linked_from_the_readme():
+    page = (REPO / "docs" / "http-api.md").read_text()
+    assert page.startswith("# HTTP API reference\n")
+    for route in ("## `POST /v1/messages?to=NAME`", "## `GET /v1/status` and `agentserver status`"):
+        assert route in page
+    assert "docs/http-api.md" in (REPO / "README.md").read_text()
+    operations = (REPO / "docs" / "operations.md").read_text()
+    assert "/v1/messages?to=NAME`\n" not in operations and "docs/http-api.md" in operations
+    for doc in [*DOCS, *READMES]:
+        assert 'operations.md, "HTTP API reference"' not in doc.read_text(), doc.name

@@ -68,3 +68,7 @@ def test_the_markers_are_registered_and_the_fast_loop_documented():
     assert {"subprocess", "socket", "database", "postgresql", "fast"} <= names
     assert "pytest -m fast" in (REPO / "README.md").read_text()
     assert "pytest -m fast" in (REPO / "docs" / "architecture.md").read_text()
+    # No -q by default (issue 45): `pytest -m fast -q` would be -qq, which prints no
+    # summary line.
+    assert "-q" not in markers["ini_options"].get("addopts", "")
+    assert {"browser"} <= names  # tests/conftest.py's no-skip rule selects by it

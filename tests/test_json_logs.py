@@ -180,3 +180,36 @@ def test_an_unexpected_error_is_one_json_object_with_its_traceback():
     (crashed,) = [r for r in json_records(stderr) if r["level"] == "critical"]
     assert crashed["event"].endswith(": stopped by an unexpected error")
     assert "RuntimeError: a bug at start-up" in crashed["exception"]
+
+
+@pytest.mark.parametrize("element", ["listen", "http"])
+def test_a_port_in_use_names_its_element_and_nothing_announced_a_start(tmp_path, element):
+    """Issue 45: which of the two ports, and no "booted" (nor "listening") logged before it:
+    both addresses are bound before the boot message."""
+    with socket.socket() as taken, socket.socket() as free:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        free.bind(("127.0.0.1", 0))  # a port nobody listens on, for the other element
+        used, other = taken.getsockname()[1], free.getsockname()[1]
+        ports = (
+            {"listen": used, "http": other}
+            if element == "listen"
+            else {"listen": other, "http": used}
+        )
+        free.close()
+        boot = tmp_path / "boot.xml"
+        boot.write_text(
+            '<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="ports">\n'
+            f'  <listen host="127.0.0.1" port="{ports["listen"]}"/>\n'
+            f'  <http host="127.0.0.1" port="{ports["http"]}"/>\n'
+            '  <listeners><listener name="echo" handler="echo"/></listeners>\n'
+            "</organism>\n"
+        )
+        result = cli("run", str(boot))
+    assert result.returncode == 1
+    records = json_records(result.stderr.decode())
+    refused = with_event(records, f"{boot}: cannot listen on <{element}> 127.0.0.1:{used}: ")
+    assert refused["level"] == "error"
+    assert "in use" in refused["event"]
+    for record in records:
+        assert "booted" not in record["event"] and "listening on" not in record["event"], record

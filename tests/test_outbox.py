@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from hookrecv import Receiver
 
 from agentserver.agents.clock import ManualClock, SystemClock
@@ -21,7 +22,6 @@ from agentserver.agents.edge.webhook_events import render_signed
 from agentserver.agents.errors import StoreInUse
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.outbox import (
-    DELIVERED,
     DISABLED,
     EXPIRED,
     PENDING,
@@ -50,10 +50,13 @@ def verify(got: Any) -> dict[str, Any]:
 Opener = Callable[[], Awaitable[SqlAgentStore]]
 
 
-def _opener_fixture(clock_factory: Callable[[], Any]) -> Any:
-    @pytest.fixture(params=["sqlite", "postgresql"])
+def _opener_fixture(
+    clock_factory: Callable[[pytest.FixtureRequest], Any],
+    stores: tuple[str, ...] = ("sqlite", "postgresql"),
+) -> Any:
+    @pytest.fixture(params=stores)
     async def fixture(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[Opener]:
-        clock = clock_factory()
+        clock = clock_factory(request)
         settings = StoreSettings(path=tmp_path / "agents.sqlite3")
         url = request.getfixturevalue("pg_url") if request.param == "postgresql" else None
         opened: list[SqlAgentStore] = []
@@ -80,8 +83,32 @@ def _opener_fixture(clock_factory: Callable[[], Any]) -> Any:
     return fixture
 
 
-manual = _opener_fixture(lambda: ManualClock(1000.0))
-real = _opener_fixture(SystemClock)
+class FollowsMockClock:
+    """A store clock that is the test's ``MockClock`` plus an offset: the sender's sleeps
+    and the store's due times move together in virtual time. Read from any thread (the
+    PostgreSQL store's calls run on worker threads)."""
+
+    def __init__(self, clock: trio.testing.MockClock) -> None:
+        self._clock = clock
+
+    def now(self) -> float:
+        return 1_700_000_000.0 + self._clock.current_time()
+
+
+@pytest.fixture
+def autojump_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+manual = _opener_fixture(lambda _request: ManualClock(1000.0))
+real = _opener_fixture(lambda _request: SystemClock())
+#: The test must ask for ``autojump_clock`` too (pytest-trio runs it on that clock).
+#: SQLite only: its calls run on the trio thread, so virtual time moves only when the
+#: sender waits (PostgreSQL's calls wait on worker threads, and autojump would move time
+#: during each). The store's part of an expiry is checked on both stores above.
+virtual = _opener_fixture(
+    lambda request: FollowsMockClock(request.getfixturevalue("autojump_clock")), ("sqlite",)
+)
 
 
 def item(n: int, channel: str = "c1", url: str = "http://127.0.0.1:9/x", **kw: Any) -> OutboxItem:
@@ -159,12 +186,59 @@ async def test_channel_disabled_after_failing_too_long_and_enabled_again(manual:
     # New rows of a disabled channel are parked too.
     await store.outbox_enqueue([item(3)])
     assert await store.outbox_claim("p", 60.0, 10) == []
+    assert [d["status"] for d in await store.outbox_deliveries(None, 10)] == [DISABLED] * 3
     assert await store.outbox_enable("c1") == 3
     assert len(await store.outbox_claim("p", 60.0, 10)) == 3
     [f] = await store.outbox_figures()
     assert f.disabled_at is None and f.failing_since is None
     assert {d["status"] for d in await store.outbox_deliveries(None, 10)} == {PENDING}
-    assert DISABLED != DELIVERED != EXPIRED
+
+
+async def test_a_delivery_failing_past_its_retry_for_expires_and_is_not_tried_again(
+    virtual: Opener, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The sender gives a delivery up once its next retry would fall after ``retry_for``
+    (``expires_at``): the row ends ``expired``, counted, and is never attempted again."""
+    store = await virtual()
+    clock = store.env.clock
+    attempts: list[float] = []
+
+    async def receiver_down(row: Any) -> None:
+        attempts.append(clock.now())
+        raise ConnectionRefusedError("receiver down")
+
+    outbox = Outbox(store, clock.now, rand=lambda: 1.0)  # no jitter: full backoff
+    outbox.add(Channel("down", check=receiver_down))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(outbox.run)
+        await outbox.enqueue(
+            [item(1, "down", first_delay_s=1.0, max_delay_s=8.0, retry_for_s=30.0)]
+        )
+        # An hour of virtual time, a second at a time (no far deadline: autojump would
+        # jump to it while every task waits on a store call's thread): retried for ever,
+        # the row would still be pending.
+        for _ in range(3600):
+            if (await store.outbox_deliveries("down", 10))[0]["status"] == EXPIRED:
+                break
+            await trio.sleep(1.0)
+        else:
+            pytest.fail(f"never expired: still pending after {len(attempts)} attempts")
+        tried = len(attempts)
+        for _ in range(600):  # ten minutes more: no attempt more
+            await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()
+    assert len(attempts) == tried
+    # Backoff 1, 2, 4, 8, 8 s (each found up to a poll late): the sixth attempt's retry
+    # (8 s on) is past the 30 s; the fifth's is not.
+    [row] = await store.outbox_deliveries("down", 10)
+    since = [round(at - row["created_at"], 3) for at in attempts]
+    assert 5 <= tried <= 6, since
+    # Each attempt but the last was retried: its retry fell within the 30 s.
+    assert all(at + 1.0 <= 30.0 for at in since[:-1]), since
+    assert row["status"] == EXPIRED and row["attempts"] == tried
+    [figures] = await store.outbox_figures()
+    assert (figures.expired, figures.pending) == (1, 0)
+    assert outbox.figures.expired == 1 and outbox.figures.failed == tried
 
 
 def test_backoff_is_exponential_capped_and_jittered() -> None:

@@ -194,6 +194,7 @@ def test_agentserver_check_names_the_line_of_a_bad_schema_reference(tmp_path):
     path = write_boot(tmp_path, xml)
     result = cli_in_process("check", str(path), env={**os.environ, **ENV})
     assert result.returncode == 1
-    [line] = result.stdout.decode().splitlines()
+    [line, summary] = result.stdout.decode().splitlines()
+    assert summary == f"{path}: 1 error"
     # boot_xml writes <responds> on the <listener> line, the 9th.
     assert line.startswith(f"{path}:9: ") and "gone.xsd" in line, line

@@ -137,6 +137,9 @@ async def test_agents_view_is_the_same_on_every_backend(opener):
             }
         ],
         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15, "cost": 0.25},
+        # The failed Turn's answer, as its caller was sent it.
+        "answer": "<a/>",
+        "answer_failed": True,
     }
     running_task = await view.task(A, "t2")
     assert running_task is not None and running_task["status"] == "running"
@@ -177,6 +180,52 @@ async def test_the_web_consoles_views_are_the_same_on_every_backend(opener):
     assert log["decisions"] == [] and log["approvals"] == []
     assert await view.turn_log("no-such-turn") == {"cards": [], "decisions": [], "approvals": []}
     assert await view.pending_approvals() == []
+
+
+async def test_what_a_person_reads_of_a_task_is_the_same_on_every_backend(opener):
+    """The web console's reading of a task (views.reading): its text (the payload while
+    queued, the Turn's task card once started), its end and answer, its inbox status."""
+    from agentserver.agents.store.sql.views import LIST_TEXT_CHARS
+
+    store = await opener()
+    await store.ensure_agents([A])
+    view = AgentsView(store, (A,))
+    assert await view.task_reading(A, "t1") is None
+    first = "<task><text>first</text></task>"
+    await failed_turn(store, first, "t1")
+    done = await view.task_reading(A, "t1")
+    assert done is not None
+    assert (done["inbox_status"], done["outcome"], done["asking"]) == ("consumed", "failed", False)
+    # The started row gave its payload up: the text is the Turn's task.input card.
+    assert (done["text"], done["text_cut"]) == (first, False)
+    assert done["answer"] == "no luck " * 100 and done["answer_cut"] is False
+    assert done["finished_at"] == 1003.0
+
+    second = "<task><text>second</text></task>"
+    await store.enqueue_turn(A, second.encode(), {"caller_thread": "t2"})
+    [row] = await store.claim_due(A, 5)
+    await store.start_turn(row)
+    running = await view.task_reading(A, "t2")
+    assert running is not None
+    assert (running["outcome"], running["answer"], running["finished_at"]) == (None, None, None)
+    assert running["text"] == second and running["inbox_status"] == "consumed"
+
+    long = "x" * (LIST_TEXT_CHARS + 5)
+    await store.enqueue_turn(A, long.encode(), {"caller_thread": "t3"})  # behind t2
+    queued = await view.task_reading(A, "t3")
+    assert queued is not None and (queued["inbox_status"], queued["text"]) == ("queued", long)
+    listed = await view.recent_tasks(A)
+    assert [t["inbox_status"] for t in listed] == ["queued", "consumed", "consumed"]
+    assert listed[0]["text"] == long[:LIST_TEXT_CHARS] and listed[0]["text_cut"] is True
+    assert [t["outcome"] for t in listed] == [None, None, "failed"]
+    assert listed[2]["text"] == first
+    assert listed[2]["answer"] == ("no luck " * 100)[:LIST_TEXT_CHARS] and listed[2]["answer_cut"]
+
+    await store.cancel_queued(A, "t3", b"<cancelled/>")
+    cancelled = await view.task_reading(A, "t3")
+    assert cancelled is not None
+    assert (cancelled["inbox_status"], cancelled["outcome"]) == ("skipped", None)
+    assert cancelled["text"] == long
 
 
 async def test_an_unreachable_store_is_not_ready(opener):

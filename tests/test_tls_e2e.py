@@ -196,7 +196,7 @@ def test_declared_clients_on_a_public_address_without_tls_are_refused(tmp_path):
 def test_insecure_plaintext_starts_with_a_warning(tmp_path):
     path = clients_boot(tmp_path, '<listen host="0.0.0.0" port="0" insecure-plaintext="true"/>')
     check = cli_in_process("check", path)
-    assert check.returncode == 0 and b"insecure-plaintext" in check.stderr
+    assert check.returncode == 0 and b"insecure-plaintext" in check.stdout
     proc = ServerProcess.start(path)
     try:
         assert "in clear" in proc.stderr

@@ -79,7 +79,7 @@ async def test_the_console_refuses_strangers_forged_posts_and_inline_scripts(tmp
                 # A token is also no way in without the form's CSRF token.
                 forged = await anon.post("/ui/login", data={"token": TOKENS["alice"]})
                 assert forged.status_code == 403
-                assert "agentserver_ui_token" not in forged.headers.get("set-cookie", "")
+                assert "agentserver_ui_session=" not in forged.headers.get("set-cookie", "")
 
             async with httpx.AsyncClient(base_url=console.url, timeout=PATIENCE) as alice:
                 csrf = await signed_in(alice, "alice")
@@ -91,10 +91,10 @@ async def test_the_console_refuses_strangers_forged_posts_and_inline_scripts(tmp
                 # No inline script: every script element is an empty one with a src.
                 scripts = re.findall(r"<script([^>]*)>(.*?)</script>", page.text, re.S)
                 assert scripts and all("src=" in a and body == "" for a, body in scripts)
-                cookie = page.headers.get("set-cookie", "") + (
-                    alice.cookies.jar and " ".join(c.name for c in alice.cookies.jar)
-                )
-                assert "agentserver_ui_token" in cookie
+                # The browser holds a session id, never the token (issue 44).
+                jar = {c.name: c.value for c in alice.cookies.jar}
+                assert "agentserver_ui_session" in jar and "agentserver_ui_token" not in jar
+                assert TOKENS["alice"] not in "".join(jar.values())
                 # The script and stylesheet come from the package.
                 js = await alice.get("/ui/static/ui.js")
                 assert js.status_code == 200 and "EventSource" in js.text
@@ -140,6 +140,32 @@ async def test_the_console_refuses_strangers_forged_posts_and_inline_scripts(tmp
                 # The answer's text, and the task's XML (its text escaped once in it).
                 assert "a &lt;b&gt;bold &amp; &lt;i&gt;risky answer" in html
                 assert "&amp;lt;img src=x onerror=&#34;alert(1)&#34;&amp;gt;" in html
+                # A finished task reads as one: its text, its state, its answer; no live
+                # badge, no Stop or Cancel (alice is an operator).
+                assert "&lt;img src=x onerror=&#34;alert(1)&#34;&gt;</blockquote>" in html
+                assert re.search(r'id="task-status"[^>]*>succeeded<', html)
+                assert re.search(r'<pre id="answer" class="answer">a &lt;b&gt;bold', html)
+                assert 'id="live"' not in html and 'id="controls"' not in html
+                assert "/stop" not in html and "/cancel" not in html
+                assert 'data-finished="true"' in html
+                # The agent's list: the task's text and outcome, not its inbox status.
+                listed = (await alice.get("/ui/agents/assistant")).text
+                assert re.search(r'title="thread [^"]+">&lt;img src=x onerror=', listed)
+                assert 'class="badge succeeded">succeeded<' in listed
+                assert "consumed" not in listed
+                # The same list as JSON, for the page's script (and only for the signed-in).
+                tasks = (await alice.get("/ui/api/agents/assistant")).json()["tasks"]
+                assert [(t["summary"], t["state"]) for t in tasks][-1] == (
+                    '<img src=x onerror="alert(1)">',
+                    "succeeded",
+                )
+                async with httpx.AsyncClient(base_url=console.url, timeout=PATIENCE) as anon:
+                    assert (await anon.get("/ui/api/agents/assistant")).status_code == 401
+                assert (await alice.get("/ui/api/agents/nobody")).status_code == 404
+                # The backends' counters in words, no Python reprs.
+                calls = re.search(r'<td class="calls">([^<]*)</td>', (await alice.get("/ui")).text)
+                assert calls and "1 request, 1 succeeded, 0 failed" in calls.group(1), calls
+                assert "no errors" in calls.group(1) and "{" not in calls.group(1)
                 # A redirect never leaves the console.
                 away = await alice.post(
                     "/ui/send", data={**task, "csrf": csrf, "to": "", "next": "//evil.example/"}
@@ -242,6 +268,11 @@ async def test_approvals_settle_once_only_by_the_approver_and_stop_is_for_operat
                 api = f"/ui/api/agents/assistant/tasks/{thread}"
                 await until(lambda: _task_status(bob, api, "stopped"), "the task stopped")
                 assert "erin 3" not in console.paid()
+                # Stopped by an operator: cancelled, saying how, and over.
+                page = (await alice.get(f"/ui/agents/assistant/tasks/{thread}")).text
+                assert re.search(r'id="task-status"[^>]*>cancelled<', page)
+                assert '<span id="task-detail" class="detail">stopped</span>' in page
+                assert "pay erin" in page and "/cancel" not in page
         finally:
             code = await trio.to_thread.run_sync(console.stop)
             nursery.cancel_scope.cancel()
@@ -314,8 +345,9 @@ def test_under_tls_the_console_is_https_and_its_cookies_are_secure(tmp_path):
                 headers={"Origin": url},
             )
             assert signed.status_code == 303
-            cookie = signed.headers["set-cookie"]
-            assert cookie.startswith("agentserver_ui_token=")
+            cookies = signed.headers.get_list("set-cookie")
+            assert not any("alice-token" in c for c in cookies)
+            (cookie,) = [c for c in cookies if c.startswith("agentserver_ui_session=")]
             for flag in ("HttpOnly", "Secure", "SameSite=strict", "Path=/ui"):
                 assert flag in cookie
             page = client.get("/ui")

@@ -10,6 +10,7 @@ same id; webhooks made at run time through ``POST /v1/webhooks``; failing webhoo
 from __future__ import annotations
 
 import pathlib
+import re
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 import trio
 from hookrecv import Got, Receiver
 from httputil import http_url
-from llm.llm_fakes import FakeServer
+from llm.llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
 from lxml import etree
 from serverproc import DATA, ServerProcess, cli, subprocess_env
 from standardwebhooks.webhooks import Webhook
@@ -37,6 +38,20 @@ PATIENCE = 40.0
 
 def task(text: str) -> str:
     return f'<task xmlns="{TASK_NS}"><text>{text}</text></task>'
+
+
+class TaskEcho(FakeServer):
+    """The fake model answering each task with that task's own text ("hello N", found
+    in the request), so a delivery's answer can be matched to its task."""
+
+    def __init__(self) -> None:
+        super().__init__("openai")
+
+    def default(self, seen: Seen) -> Script:
+        found = re.search(r"hello \d+", str(seen.body))
+        text = f"echo: {found.group(0) if found else 'no task text'}"
+        stream = isinstance(seen.body, dict) and seen.body.get("stream")
+        return openai_stream([text]) if stream else openai_ok(text)
 
 
 def boot_with(tmp: pathlib.Path, hooks: dict[str, tuple[str, dict[str, str]]]) -> pathlib.Path:
@@ -103,7 +118,7 @@ async def test_every_task_end_reaches_every_receiver_with_its_id(tmp_path, store
     )
     try:
         async with trio.open_nursery() as nursery:
-            model = await FakeServer("openai").start(nursery)
+            model = await TaskEcho().start(nursery)
             env = subprocess_env(
                 HOOKS_LLM_BASE_URL=model.base_url,
                 HOOKS_LLM_KEY="k",
@@ -167,9 +182,10 @@ async def test_every_task_end_reaches_every_receiver_with_its_id(tmp_path, store
             assert sorted(p["data"]["thread"] for p in payloads if p["data"]["thread"]) == sorted(
                 set(threads)
             ) or {p["data"]["thread"] for p in payloads} == set(threads), name
-            assert all(
-                p["data"]["answer"].startswith("echo") or p["data"]["answer"] for p in payloads
-            )
+            # Each task end carries that task's answer: the model echoes the task's text.
+            asked = {thread: f"hello {n}" for n, thread in enumerate(threads)}
+            for p in payloads:
+                assert p["data"]["answer"] == f"echo: {asked[p['data']['thread']]}", (name, p)
             # One id per task end, the same on every attempt of it.
             by_turn: dict[str, set[str]] = {}
             for g, p in zip(ok, payloads, strict=True):

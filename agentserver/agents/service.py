@@ -34,6 +34,7 @@ from agentserver.agents.profile.retention import AgentRetention, RetentionSettin
 from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
+from agentserver.core.access import AccessRule
 from agentserver.core.listener import Handler, HandlerMetadata
 from agentserver.llm.config import RouterConfig
 from agentserver.observability import LLMTelemetry, Metrics, Tracing
@@ -179,6 +180,7 @@ async def start_agent_service(
     environ: Mapping[str, str] | None = None,
     tracing: Tracing | None = None,
     metrics: Metrics | None = None,
+    access: AccessRule | None = None,
     retryable_tools: Collection[str] = (),
     budgets: Sequence[BudgetSpec] = (),
     schedules: Sequence[ScheduleSpec] = (),
@@ -214,7 +216,13 @@ async def start_agent_service(
     agent_store = open_agent_store(store, profiles, clock=clock)
     # At once (it is all runtime.aclose does): closed even if what follows fails.
     resources.push_async_callback(agent_store.aclose)
-    ports = PumpPorts(pump, store=agent_store, named_clients=named, operators=frozenset(operators))
+    ports = PumpPorts(
+        pump,
+        store=agent_store,
+        named_clients=named,
+        operators=frozenset(operators),
+        access=access,
+    )
     events = EventBus()
     spend = None
     if budgets:

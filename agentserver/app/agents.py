@@ -24,6 +24,7 @@ from agentserver.agents.profile.settings import AgentSettings
 from agentserver.agents.service import AgentService, LateHandler, start_agent_service
 from agentserver.agents.turn.answer import takes_failure_status
 from agentserver.config.topology import Topology
+from agentserver.core.access import AccessRule
 from agentserver.observability import Metrics, Tracing
 from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
 from agentserver.pump.pump import Pump
@@ -93,6 +94,7 @@ async def start_agents(
     environ: Mapping[str, str] | None = None,
     tracing: Tracing | None = None,
     metrics: Metrics | None = None,
+    access: AccessRule | None = None,
 ) -> AgentService | None:
     """Start ``topology``'s agents on the running ``pump`` (see
     :func:`~agentserver.agents.service.start_agent_service`). Returns None if the
@@ -113,6 +115,7 @@ async def start_agents(
         environ=env,
         tracing=tracing,
         metrics=metrics,
+        access=access,
         retryable_tools=[s.name for s in topology.listeners if s.idempotent],
         budgets=topology.budgets,
         schedules=topology.schedules,

@@ -21,17 +21,19 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 from lxml import etree
 
 from agentserver.agents.clock import SystemClock
 from agentserver.agents.edge.bridge import PumpPorts, agent_handler
-from agentserver.agents.errors import AgentError, TurnPruned
+from agentserver.agents.errors import AgentError, StoreError, StoreInUse, TurnPruned
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.replay.record import TurnRecord
 from agentserver.agents.replay.recorded import Divergence, RecordedLLM, RecordedTools, compare
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
+from agentserver.agents.store.sqlite_store import SqliteAgentStore
 from agentserver.app.agents import build_profiles
 from agentserver.app.builtins import RunContext, build_listener_set
 from agentserver.config import loader as boot
@@ -81,6 +83,24 @@ def store_settings(topology: Topology, store: str | os.PathLike[str] | None) -> 
     return dataclasses.replace(settings, path=Path(text), url=None)
 
 
+async def open_beside(settings: StoreSettings) -> tuple[Any, bool]:
+    """The store of ``settings`` opened to read it by hand (export, replay, ``store stats``,
+    ``result``): as the server would open it when none runs, else beside the running
+    server (SQLite: :meth:`SqliteAgentStore.attach`, no lock, no migration). Returns (the
+    store, whether a running server holds it). Raises ``StoreError`` for a SQLite file
+    that is not there."""
+    if settings.url:
+        from agentserver.agents.store.pg.store import PostgresAgentStore
+
+        return PostgresAgentStore.open(settings.url, clock=SystemClock(), settings=settings), False
+    if not settings.path.exists():
+        raise StoreError(f"no agent store at {settings.path}")
+    try:
+        return SqliteAgentStore.open(settings.path, settings=settings), False
+    except StoreInUse:
+        return SqliteAgentStore.attach(settings.path, settings=settings), True
+
+
 async def read_record(
     boot_path: str | os.PathLike[str],
     agent: str,
@@ -90,13 +110,13 @@ async def read_record(
     environ: Mapping[str, str] | None = None,
 ) -> TurnRecord:
     """The latest Turn of ``agent`` on ``thread`` from the store of ``boot_path`` (or
-    ``store``). Raises :class:`ReplayError`; ``StoreInUse`` while a server holds the
-    SQLite file."""
+    ``store``), read beside a running server as ``store stats`` reads it (:func:`open_beside`).
+    Raises :class:`ReplayError`."""
     topology = boot.load_or_raise(boot_path, environ=environ)
     settings = store_settings(topology, store)
     if settings.url is None and not settings.path.exists():
         raise ReplayError(f"no agent store at {settings.path}")
-    opened = open_agent_store(settings, {}, clock=SystemClock())
+    opened, _beside = await open_beside(settings)
     try:
         data = await opened.turn_record(agent, thread)
     except TurnPruned as exc:

@@ -20,11 +20,13 @@ from prometheus_client import CollectorRegistry
 from agentserver.app.builtins import RunContext, build_listener_set
 from agentserver.config.topology import HttpSpec, Topology
 from agentserver.console.operator import Operator
-from agentserver.core.errors import ConfigurationError
+from agentserver.core.access import AccessRule
+from agentserver.core.errors import CannotListen, ConfigurationError, sole_exception
 from agentserver.core.handshake import Credential, HelloGate
 from agentserver.net.server import Server, format_address
 from agentserver.net.tls import CertificateRule, normalize_fingerprint, parse_subject
 from agentserver.observability import Metrics, Tracing
+from agentserver.observability.metrics import AccessRefusals
 from agentserver.pump.pump import Pump
 
 if TYPE_CHECKING:
@@ -181,6 +183,13 @@ async def run_server(
         tracing = Tracing.from_environ(environ)
         ctx.resources.callback(tracing.shutdown)
     metrics = Metrics(registry)
+    # The one authorization rule every door applies (docs/security.md); its refusals are
+    # counted in /metrics and logged.
+    access = AccessRule(
+        frozenset(c.name for c in topology.clients if c.operator),
+        anonymous_sees_all=not topology.clients,
+        sink=AccessRefusals(registry),
+    )
     built = build_listener_set(topology, ctx)
     hub = built.runner_hub
     config = topology.pump_config()
@@ -209,6 +218,7 @@ async def run_server(
                 environ=environ,
                 tracing=tracing,
                 metrics=metrics,
+                access=access,
             )
             if agents is not None:
                 if hub is not None:
@@ -229,6 +239,7 @@ async def run_server(
                 hub,
                 max_message_bytes=topology.limits.max_message_bytes,
                 remote_calls=built.a2a_remotes,
+                access=access,
             )
             server = Server(
                 pump,
@@ -247,36 +258,50 @@ async def run_server(
                 named_clients=agents.ports.clients if agents is not None else None,
             )
             metrics.bind_pump(pump, lambda: server.connection_count)
+            # Both addresses are bound before the boot message and any "listening" line:
+            # a port in use stops the start naming its element, with nothing announced.
+            http_stop = trio.Event()
+            http_ctx = None
+            urls: list[str] = []
+            if http is not None:
+                try:
+                    http_ctx, urls = await _start_http(
+                        nursery,
+                        topology,
+                        http,
+                        pump,
+                        server,
+                        hub,
+                        agents,
+                        registry,
+                        ctx,
+                        http_stop,
+                        environ,
+                        operator,
+                        webhooks,
+                        access,
+                    )
+                except (OSError, BaseExceptionGroup) as exc:
+                    # Hypercorn binds inside a nursery of its own: a group of one OSError.
+                    cause = sole_exception(exc) if isinstance(exc, BaseExceptionGroup) else exc
+                    if not isinstance(cause, OSError):
+                        raise
+                    pump.close()
+                    address = format_address((http.host, http.port))
+                    raise CannotListen("http", address, cause) from exc
+            try:
+                addresses = await nursery.start(server.serve, host, port)
+            except OSError as exc:
+                pump.close()
+                raise CannotListen("listen", format_address((host, port)), exc) from exc
             await pump.inject_system(
                 topology.boot_primitive(),
                 to=topology.boot_listener.name,
             )
-            http_stop = trio.Event()
-            http_ctx = None
             if http is not None:
-                http_ctx, urls = await _start_http(
-                    nursery,
-                    topology,
-                    http,
-                    pump,
-                    server,
-                    hub,
-                    agents,
-                    registry,
-                    ctx,
-                    http_stop,
-                    environ,
-                    operator,
-                    webhooks,
-                )
                 log.debug("HTTP API on %s", ", ".join(urls))
                 if on_http is not None:
                     on_http(urls)
-            try:
-                addresses = await nursery.start(server.serve, host, port)
-            except OSError:
-                pump.close()
-                raise
             shown = [format_address(a) for a in addresses]
             log.debug("listening on %s", ", ".join(shown))
             if on_listening is not None:
@@ -360,6 +385,7 @@ def _a2a_handler(
     gateway: Any,
     agents: AgentService,
     operator: Operator | None,
+    access: AccessRule | None = None,
 ) -> Any:
     """The A2A methods on the agents ``<expose-a2a>`` names (docs/a2a.md)."""
     from agentserver import package_version
@@ -386,6 +412,7 @@ def _a2a_handler(
             operator=operator,
             public_url=topology.expose_a2a.public_url,
             allow_private_push=topology.expose_a2a.allow_private_push,
+            access=access,
         )
     )
 
@@ -420,6 +447,7 @@ async def _start_http(
     environ,
     operator: Operator | None = None,
     webhooks: Any = None,
+    access: AccessRule | None = None,
 ) -> tuple[Any, list[str]]:
     """Start the HTTP API in ``nursery`` (it ends once ``stop`` is set and its requests
     are done, or after the drain timeout); returns its context (to close its event
@@ -431,6 +459,7 @@ async def _start_http(
     from agentserver.http.gateway import HttpGateway
     from agentserver.http.metrics import HttpCollector
     from agentserver.http.serve import http_config, serve_http
+    from agentserver.http.ui.sessions import MemorySessionTable, SessionTable, UiSessions
 
     gateway = HttpGateway(
         pump, topology.limits, spec, deciders=agents.ports if agents is not None else None
@@ -440,10 +469,21 @@ async def _start_http(
     if agents is not None:
         view = AgentsView(agents.runtime.store, tuple(agents.profiles))
     router = agents.router if agents is not None else None
+    auth = HttpAuth(credentials(topology, environ))
+    # The console's sessions live in the agents' store (every process of a PostgreSQL
+    # store, and restarts, know them); without agents there is no store: this process's
+    # memory (docs/operations.md, "Signing in").
+    table: SessionTable
+    if agents is not None:
+        table = agents.runtime.store
+    else:
+        from agentserver.agents.clock import SystemClock
+
+        table = MemorySessionTable(SystemClock())
     app_ctx = HttpContext(
         pump=pump,
         gateway=gateway,
-        auth=HttpAuth(credentials(topology, environ)),
+        auth=auth,
         registry=registry,
         agents=view,
         forks=agents.runtime if agents is not None else None,
@@ -460,6 +500,8 @@ async def _start_http(
         organism=topology.organism,
         version=package_version(),
         budgets=agents.budgets if agents is not None else None,
+        ui_sessions=UiSessions(table, auth, spec.ui_session_ttl),
+        access=access,
     )
     ssl_context = None
     if topology.tls is not None:
@@ -475,7 +517,7 @@ async def _start_http(
         graceful_timeout=topology.limits.drain_timeout,
     )
     if topology.expose_a2a is not None and agents is not None:
-        app_ctx.a2a = _a2a_handler(topology, spec, gateway, agents, operator)
+        app_ctx.a2a = _a2a_handler(topology, spec, gateway, agents, operator, access)
     mcp_http = None
     if topology.expose_mcp:
         from agentserver.config.loader import is_loopback

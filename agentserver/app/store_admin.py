@@ -17,13 +17,11 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from agentserver.agents.clock import SystemClock
-from agentserver.agents.errors import StoreInUse
 from agentserver.agents.profile.retention import RetentionSettings
 from agentserver.agents.service import effective_retention
 from agentserver.agents.store.pruner import Pruner, PruneReport
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
-from agentserver.app.replay import store_settings
+from agentserver.app.replay import open_beside, store_settings
 from agentserver.config import loader as boot
 from agentserver.config.topology import Topology
 
@@ -41,19 +39,7 @@ def retention_of(topology: Topology) -> RetentionSettings | None:
 
 async def _open(topology: Topology, store: str | os.PathLike[str] | None) -> tuple[Any, bool]:
     """(the store, whether a running server holds it)."""
-    settings = store_settings(topology, store)
-    if settings.url:
-        from agentserver.agents.store.pg.store import PostgresAgentStore
-
-        return PostgresAgentStore.open(settings.url, clock=SystemClock(), settings=settings), False
-    if not settings.path.exists():
-        from agentserver.agents.errors import StoreError
-
-        raise StoreError(f"no agent store at {settings.path}")
-    try:
-        return SqliteAgentStore.open(settings.path, settings=settings), False
-    except StoreInUse:
-        return SqliteAgentStore.attach(settings.path, settings=settings), True
+    return await open_beside(store_settings(topology, store))
 
 
 def _agents(topology: Topology) -> tuple[str, ...]:

@@ -16,6 +16,8 @@ from agentserver.cli.common import (
     Subcommands,
     add_http_api_options,
     http_api_client,
+    http_unreachable,
+    refusal_text,
 )
 
 
@@ -65,11 +67,11 @@ def cmd_budget(args: argparse.Namespace) -> int:
             else:
                 response = client.post(f"{base}/v1/budgets/{args.name}/reset")
     except httpx.HTTPError as exc:
-        print(f"cannot reach the HTTP API at {args.url}: {exc}", file=sys.stderr)
+        print(http_unreachable(args, exc), file=sys.stderr)
         return EXIT_CONNECTION
     if response.status_code != 200:
         print(
-            f"budget {args.action} refused ({response.status_code}): {response.text}",
+            f"budget {args.action} refused ({response.status_code}): {refusal_text(response)}",
             file=sys.stderr,
         )
         return EXIT_FAILED

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import sys
 from typing import TYPE_CHECKING
 
 from agentserver.cli.common import (
@@ -13,6 +12,7 @@ from agentserver.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     Subcommands,
+    plural,
     print_problems,
 )
 from agentserver.config.topology import Topology
@@ -31,11 +31,15 @@ def add_parsers(
         help="validate a boot.xml",
         description="Validate BOOT against schemas/boot.xsd and check every reference in it "
         "(imports resolve, peers and payload types exist, names are unique, ...). Prints "
-        "each problem as FILE:LINE: message and exits 1 on errors; prints a one-line summary "
-        "and exits 0 when the file is good (warnings do not fail it).",
+        "each problem as FILE:LINE: message (a knock-on effect indented under the error that "
+        "caused it) and exits 1 on errors; prints a one-line summary and exits 0 when the "
+        "file is good (warnings do not fail it). Everything goes to standard output.",
     )
     check.add_argument(
-        "boot", nargs="?", metavar="BOOT", help=f"the boot.xml to check (default: ${BOOT_ENV})"
+        "boot",
+        nargs="?",
+        metavar="BOOT",
+        help=f"the boot.xml to check (default: ${BOOT_ENV}, else ./boot.xml)",
     )
     check.add_argument(
         "--connect",
@@ -52,7 +56,12 @@ def add_parsers(
         "models, as the server validates them), plus envelope.xsd and core.xsd, into DIR, so "
         "clients can validate what they send. Prints each file written.",
     )
-    schemas.add_argument("boot", metavar="BOOT", help="the boot.xml whose payloads to export")
+    schemas.add_argument(
+        "boot",
+        nargs="?",
+        metavar="BOOT",
+        help=f"the boot.xml whose payloads to export (default: ${BOOT_ENV}, else ./boot.xml)",
+    )
     schemas.add_argument(
         "--out",
         metavar="DIR",
@@ -65,10 +74,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     from agentserver.config import loader as boot  # not at import: other commands skip it
 
     result = boot.load(args.boot)
-    print_problems(result)
+    # One stream, standard output: errors, warnings and the summary in the order a reader
+    # needs them (the exit status says whether the file is good).
+    for problem in result.problems:
+        print(problem)
     if result.topology is None:
-        count = len(result.errors)
-        print(f"{args.boot}: {count} error{'s' * (count != 1)}", file=sys.stderr)
+        print(f"{args.boot}: {plural(len(result.errors), 'error')}")
         return EXIT_FAILED
     print(summary(args.boot, result))
     from agentserver.config.a2a_remote import a2a_mapping_lines
@@ -94,7 +105,7 @@ def _check_store_reachable(name: str, topology: Topology) -> int:
     if ok:
         print(f"{name}: store {settings.where}: reachable ({detail})")
         return EXIT_OK
-    print(f"{name}: store {settings.where}: NOT reachable: {detail}", file=sys.stderr)
+    print(f"{name}: store {settings.where}: NOT reachable: {detail}")
     return EXIT_FAILED
 
 
@@ -138,8 +149,8 @@ def summary(name: str, result: LoadResult) -> str:
     topo = result.topology
     assert topo is not None
     warnings = len(result.warnings)
-    extra = f", {warnings} warning{'s' * (warnings != 1)}" if warnings else ""
+    extra = f", {plural(warnings, 'warning')}" if warnings else ""
     return (
-        f"{name}: OK: organism {topo.organism!r}, {len(topo.listeners)} listeners, "
-        f"{len(topo.clients)} clients{extra}"
+        f"{name}: OK: organism {topo.organism!r}, {plural(len(topo.listeners), 'listener')}, "
+        f"{plural(len(topo.clients), 'client')}{extra}"
     )

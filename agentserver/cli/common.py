@@ -27,6 +27,8 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
 EXIT_CONNECTION = 4
+#: Interrupted by a signal (Ctrl-C), as a shell reports it (128 + SIGINT).
+EXIT_INTERRUPTED = 130
 DEFAULT_CONNECT = f"127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_HTTP_URL = f"http://127.0.0.1:{DEFAULT_HTTP_PORT}"
 HTTP_URL_ENV = "AGENTSERVER_HTTP_URL"
@@ -48,6 +50,11 @@ class Subcommands(Protocol):
     """Where a command module adds its subcommands (argparse's subparsers action)."""
 
     def add_parser(self, name: str, **kwargs: object) -> argparse.ArgumentParser: ...
+
+
+def plural(count: int, word: str, many: str | None = None) -> str:
+    """``1 client``, ``2 clients`` (``many``: an irregular plural)."""
+    return f"{count:,} {word if count == 1 else (many or word + 's')}"
 
 
 def parse_address(value: str) -> tuple[str, int]:
@@ -91,7 +98,7 @@ def shared_options(
         type=parse_address,
         metavar="HOST:PORT",
         help=f"server address (default: ${HOST_ENV}:${PORT_ENV}, each else the <listen> of "
-        f"the BOOT the command is given, else {DEFAULT_CONNECT})",
+        f"the project's boot.xml, else {DEFAULT_CONNECT})",
     )
     remote.add_argument(
         "--client",
@@ -125,7 +132,7 @@ def shared_options(
 
 
 #: A wildcard listening host, and the loopback address a client on this machine uses for it.
-_WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
 def connect_address(
@@ -150,7 +157,7 @@ def connect_address(
         raise argparse.ArgumentTypeError(f"${PORT_ENV}=0 is no address to connect to")
     if listen is not None:
         listen_host, listen_port = listen
-        default_host = _WILDCARDS.get(listen_host, listen_host)
+        default_host = WILDCARDS.get(listen_host, listen_host)
         if port is None and listen_port == 0:
             raise argparse.ArgumentTypeError(
                 "BOOT listens on port 0 (any free one): give --connect HOST:PORT"
@@ -159,6 +166,23 @@ def connect_address(
     else:
         default_host, default_port = parse_address(DEFAULT_CONNECT)
     return host or default_host, port or default_port
+
+
+def connection_failure(args: argparse.Namespace, exc: BaseException) -> str:
+    """The line a client command prints when its connection failed or was lost: the
+    server's refusal of a missing or wrong token says what to pass, anything else names
+    the address."""
+    from agentserver.net.reply import AuthenticationRefused
+
+    if isinstance(exc, AuthenticationRefused):
+        if getattr(args, "client", None) is None:
+            return f"authentication required: pass --client NAME and set {TOKEN_ENV}"
+        return (
+            f"authentication refused for client {args.client!r}: check ${TOKEN_ENV} (the "
+            "token of that client in the server's boot.xml)"
+        )
+    host, port = args.connect
+    return f"cannot talk to {host}:{port}: {exc}"
 
 
 def trio_run(fn: Callable[[], Awaitable[T]]) -> T:
@@ -211,20 +235,56 @@ async def cancel_on_signal(scope: trio.CancelScope) -> None:
             return
 
 
+def add_boot_option(parser: argparse.ArgumentParser) -> None:
+    """``--boot``: the project's boot.xml, whose addresses a client command connects to."""
+    parser.add_argument(
+        "--boot",
+        metavar="BOOT",
+        help=f"the project's boot.xml, whose <listen> and <http> say where the server is "
+        f"(default: ${BOOT_ENV}, else ./boot.xml; none: {DEFAULT_CONNECT} and "
+        f"{DEFAULT_HTTP_URL})",
+    )
+
+
 def add_http_api_options(parser: argparse.ArgumentParser) -> None:
-    """``--url`` and ``--ca``: the commands that talk to a running server's HTTP API."""
+    """``--url``, ``--ca`` and ``--boot``: the commands that talk to a running server's
+    HTTP API."""
     parser.add_argument(
         "--url",
-        default=os.environ.get(HTTP_URL_ENV) or DEFAULT_HTTP_URL,
         metavar="URL",
-        help=f"the HTTP API (default: ${HTTP_URL_ENV}, else {DEFAULT_HTTP_URL})",
+        help=f"the HTTP API (default: ${HTTP_URL_ENV}, else the <http> of the project's "
+        f"boot.xml, else {DEFAULT_HTTP_URL})",
     )
+    add_boot_option(parser)
     parser.add_argument(
         "--ca",
         metavar="FILE",
         help=f"CA certificate(s) (PEM) to verify an https URL with (default: ${TLS_ENV['ca']}, "
         "else the system's)",
     )
+
+
+def http_unreachable(args: argparse.Namespace, exc: BaseException) -> str:
+    """The line an HTTP command prints when the API does not answer; when the address
+    is today's default because the project's boot.xml declares no ``<http>``, says so."""
+    text = f"cannot reach the HTTP API at {args.url}: {exc}"
+    project = getattr(args, "project", None)
+    if getattr(args, "url_from", None) == "default" and project is not None:
+        text += f" ({project.boot} declares no <http>: add one, or give --url)"
+    return text
+
+
+def refusal_text(response: httpx.Response) -> str:
+    """What an HTTP API refusal says: its problem's title (RFC 9457), else its body; for a
+    refused token, what to set."""
+    try:
+        doc = response.json()
+    except ValueError:
+        doc = None
+    text = str(doc["title"]) if isinstance(doc, dict) and doc.get("title") else response.text[:500]
+    if response.status_code == 401:
+        text += f" (set {TOKEN_ENV} to the token of a client declared in the server's boot.xml)"
+    return text
 
 
 def http_api_client(args: argparse.Namespace, timeout: float) -> httpx.Client:

@@ -12,7 +12,9 @@ from agentserver.cli.common import (
     EXIT_OK,
     EXIT_USAGE,
     Subcommands,
+    add_boot_option,
     cancel_on_signal,
+    connection_failure,
     credentials,
     tls_options,
     trio_run,
@@ -24,13 +26,14 @@ def add_parsers(
     sub: Subcommands, common: argparse.ArgumentParser, remote: argparse.ArgumentParser
 ) -> None:
     """The ``console`` subcommand."""
-    sub.add_parser(
+    console = sub.add_parser(
         "console",
         parents=[common, remote],
         help="talk to a running server",
         description="An interactive console over the socket. Type @NAME <payload .../> to "
         "send a payload to listener NAME, plain text for the default agent, /help, /quit.",
     )
+    add_boot_option(console)
 
 
 def cmd_console(args: argparse.Namespace) -> int:
@@ -62,6 +65,6 @@ def cmd_console(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
     except (ClientError, OSError, trio.TooSlowError) as exc:
-        print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
+        print(connection_failure(args, exc), file=sys.stderr)
         return EXIT_CONNECTION
     return EXIT_CONNECTION if status else EXIT_OK

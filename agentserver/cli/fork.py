@@ -17,7 +17,9 @@ from agentserver.cli.common import (
     Subcommands,
     add_http_api_options,
     http_api_client,
+    http_unreachable,
     parse_positive,
+    refusal_text,
 )
 
 
@@ -70,7 +72,10 @@ def cmd_fork(args: argparse.Namespace) -> int:
                 f"{base}/v1/agents/{args.agent}/tasks/{args.thread}/fork", json=body
             )
             if response.status_code != 202:
-                print(f"fork refused ({response.status_code}): {response.text}", file=sys.stderr)
+                print(
+                    f"fork refused ({response.status_code}): {refusal_text(response)}",
+                    file=sys.stderr,
+                )
                 return EXIT_FAILED
             made = response.json()
             print(json.dumps(made))
@@ -86,5 +91,5 @@ def cmd_fork(args: argparse.Namespace) -> int:
             print("no answer in time", file=sys.stderr)
             return EXIT_TIMEOUT
     except httpx.HTTPError as exc:
-        print(f"cannot reach the HTTP API at {args.url}: {exc}", file=sys.stderr)
+        print(http_unreachable(args, exc), file=sys.stderr)
         return EXIT_CONNECTION

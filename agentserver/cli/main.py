@@ -28,6 +28,7 @@ from agentserver.cli import (
     mcp,
     operator,
     replay,
+    result,
     run,
     runner,
     schedule,
@@ -42,10 +43,10 @@ from agentserver.cli.common import (
     LEVELS,
     LOG_LEVEL_ENV,
     PORT_ENV,
-    connect_address,
     parse_port,
     shared_options,
 )
+from agentserver.cli.project import apply_project, find_boot, no_boot_message
 from agentserver.observability.logs import LOG_FORMATS, configure_logging
 
 
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     # In this order in --help.
     run.add_parsers(sub, common, remote)
     send.add_parsers(sub, common, remote)
+    result.add_parsers(sub, common, remote)
     check.add_parsers(sub, common, remote)
     status.add_parsers(sub, common, remote)
     runner.add_parsers(sub, common, remote)
@@ -107,15 +109,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except argparse.ArgumentTypeError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
-    if args.command == "check" and args.boot is None:
-        print(f"check needs BOOT (or ${BOOT_ENV})", file=sys.stderr)
-        return EXIT_USAGE
     # The format in use from here on (the default resolved): ``run`` writes its start-up
     # lines in it.
     args.log_format = configure_logging(level, args.log_format, sys.stderr)
     handler = {
         "run": run.cmd_run,
         "send": send.cmd_send,
+        "result": result.cmd_result,
         "check": check.cmd_check,
         "console": console.cmd_console,
         "schemas": check.cmd_schemas,
@@ -134,9 +134,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return handler[args.command](args)
 
 
+#: The commands that load a topology: BOOT defaults to $AGENTSERVER_BOOT, else ./boot.xml
+#: (``run`` falls back to the bundled one instead of failing).
+NEEDS_BOOT = ("check", "schemas", "store", "export", "replay", "mcp")
+
+
 def _apply_environment(args: argparse.Namespace) -> None:
-    """Fill the options left unset from AGENTSERVER_HOST/PORT/BOOT. Raises
-    ArgumentTypeError for a variable that is not a valid value."""
+    """Fill the options left unset from AGENTSERVER_HOST/PORT/BOOT and the project's
+    boot.xml. Raises ArgumentTypeError for a variable that is not a valid value, a
+    command that needs a topology and finds none, or a project that cannot be read."""
     env = os.environ
     host = env.get(HOST_ENV, "").strip() or None
     port_text = env.get(PORT_ENV, "").strip() or None
@@ -144,12 +150,17 @@ def _apply_environment(args: argparse.Namespace) -> None:
         port = parse_port(port_text) if port_text is not None else None
     except argparse.ArgumentTypeError as exc:
         raise argparse.ArgumentTypeError(f"${PORT_ENV}: {exc}") from None
-    if getattr(args, "boot", "given") is None:
-        args.boot = env.get(BOOT_ENV, "").strip() or None
     if args.command == "run":
+        args.boot = args.boot or env.get(BOOT_ENV, "").strip() or None
         args.host = args.host or host
         args.port = args.port if args.port is not None else port
-    # A command given BOOT connects by default where BOOT listens: it resolves the address
-    # itself once BOOT is loaded (connect_address with BOOT's <listen>).
-    if hasattr(args, "connect") and args.connect is None and not hasattr(args, "boot"):
-        args.connect = connect_address(args)
+        return
+    if args.command in NEEDS_BOOT:
+        args.boot = find_boot(args.boot, env)
+        if args.boot is None:
+            raise argparse.ArgumentTypeError(no_boot_message(args.command))
+        # (mcp loads BOOT whole and connects where its <listen> says: cli/mcp.py; check's
+        # --connect is a switch, not an address)
+        return
+    if hasattr(args, "connect") or hasattr(args, "url"):
+        apply_project(args, env)

@@ -23,6 +23,7 @@ from agentserver.cli.common import (
     EXIT_USAGE,
     Subcommands,
     connect_address,
+    connection_failure,
     credentials,
     parse_positive,
     tls_options,
@@ -43,7 +44,12 @@ def add_parsers(
         "--connect or $AGENTSERVER_HOST/$AGENTSERVER_PORT say otherwise). Exits when the client "
         "closes standard input.",
     )
-    mcp.add_argument("boot", nargs="?", metavar="BOOT", help="the boot.xml of the server")
+    mcp.add_argument(
+        "boot",
+        nargs="?",
+        metavar="BOOT",
+        help="the boot.xml of the server (default: $AGENTSERVER_BOOT, else ./boot.xml)",
+    )
     mcp.add_argument(
         "--timeout",
         type=parse_positive,
@@ -80,9 +86,6 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     from agentserver.http.mcp_expose import build_server, serve_stdio
     from agentserver.net.client import ClientError, open_client
 
-    if args.boot is None:
-        print("agentserver mcp needs BOOT (or $AGENTSERVER_BOOT)", file=sys.stderr)
-        return EXIT_USAGE
     result = boot.load(args.boot)
     if result.topology is None:
         # (problems to standard error: standard output is the protocol's)
@@ -103,6 +106,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     except argparse.ArgumentTypeError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
+    args.connect = (host, port)
 
     async def serve() -> int:
         async with open_client(host, port, client=creds[0], token=creds[1], **tls) as client:
@@ -118,5 +122,5 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     try:
         return trio.run(serve)
     except (ClientError, OSError) as exc:
-        print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
+        print(connection_failure(args, exc), file=sys.stderr)
         return EXIT_CONNECTION

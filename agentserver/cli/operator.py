@@ -15,6 +15,8 @@ from agentserver.cli.common import (
     EXIT_TIMEOUT,
     EXIT_USAGE,
     Subcommands,
+    add_boot_option,
+    connection_failure,
     credentials,
     parse_positive,
     tls_options,
@@ -40,6 +42,7 @@ def add_parsers(
             'clients declared operator="true", and for anonymous loopback connections when '
             "no clients are declared (docs/agents.md, Stop and cancel).",
         )
+        add_boot_option(command)
         command.add_argument("agent", metavar="AGENT", help="the agent listener")
         command.add_argument(
             "--thread",
@@ -92,5 +95,5 @@ def cmd_operator(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
     except (ClientError, OSError) as exc:
-        print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
+        print(connection_failure(args, exc), file=sys.stderr)
         return EXIT_CONNECTION

@@ -23,7 +23,8 @@ def add_parsers(
         "from the record (or the real tools with --live-tools), while policy, guardrails, "
         "loop detection, compaction and step limits run as BOOT configures them now. "
         "Prints 'identical' (exit 0) or the first divergence (exit 1); exit 2 when it "
-        "cannot run (no such Turn, a store a running server holds, an unreadable export).",
+        "cannot run (no such Turn, an unreadable export). The store is read beside a "
+        "running server as 'store stats' reads it.",
     )
     replay.add_argument("agent", metavar="AGENT", nargs="?", help="the agent listener")
     replay.add_argument("thread", metavar="THREAD", nargs="?", help="the task's thread")
@@ -63,7 +64,8 @@ def add_store_options(parser: argparse.ArgumentParser) -> None:
 
 
 def boot_of(args: argparse.Namespace) -> str:
-    return args.boot or "boot.xml"
+    """BOOT as main resolved it (``--boot``, else ``$AGENTSERVER_BOOT``, else ./boot.xml)."""
+    return str(args.boot)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from agentserver.config.topology import Topology
 
 if TYPE_CHECKING:
     from agentserver.config.problems import LoadResult
-from agentserver.core.errors import ConfigurationError
+from agentserver.core.errors import CannotListen, ConfigurationError
 from agentserver.observability.logs import announce
 
 log = logging.getLogger("agentserver.cli")
@@ -183,6 +183,9 @@ def _run(args: argparse.Namespace, json_logs: bool) -> int:
             trio_run(serve)
     except ConfigurationError as exc:
         _say_error(json_logs, f"{name}: not started: {exc}")
+        return EXIT_FAILED
+    except CannotListen as exc:
+        _say_error(json_logs, f"{name}: {exc}")
         return EXIT_FAILED
     except OSError as exc:
         _say_error(json_logs, f"{name}: cannot listen: {exc}")

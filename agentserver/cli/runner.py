@@ -15,6 +15,7 @@ from agentserver.cli.common import (
     EXIT_USAGE,
     TOKEN_ENV,
     Subcommands,
+    add_boot_option,
     cancel_on_signal,
     tls_options,
     trio_run,
@@ -44,6 +45,7 @@ def add_parsers(
         default=TOKEN_ENV,
         help=f"environment variable holding the client's token (default: {TOKEN_ENV})",
     )
+    add_boot_option(runner)
     runner.add_argument("--listener", required=True, metavar="NAME", help="remote listener")
     runner.add_argument(
         "--handler", required=True, metavar="MOD:FUNC", help="async handler(payload, meta)"

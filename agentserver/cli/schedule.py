@@ -16,6 +16,8 @@ from agentserver.cli.common import (
     Subcommands,
     add_http_api_options,
     http_api_client,
+    http_unreachable,
+    refusal_text,
 )
 
 TIMEOUT = 30.0
@@ -123,13 +125,16 @@ def cmd_schedule(args: argparse.Namespace) -> int:
             else:
                 response = client.post(f"{base}/{args.name}/{args.verb}")
     except httpx.HTTPError as exc:
-        print(f"cannot reach the HTTP API at {args.url}: {exc}", file=sys.stderr)
+        print(http_unreachable(args, exc), file=sys.stderr)
         return EXIT_CONNECTION
     except OSError as exc:
         print(f"cannot read the task: {exc}", file=sys.stderr)
         return EXIT_FAILED
     if response.status_code >= 400:
-        print(f"{args.verb} refused ({response.status_code}): {response.text}", file=sys.stderr)
+        print(
+            f"schedule {args.verb} refused ({response.status_code}): {refusal_text(response)}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     if args.verb == "list":
         for view in response.json()["schedules"]:

@@ -13,10 +13,14 @@ import trio
 from agentserver.cli.common import (
     EXIT_CONNECTION,
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_TIMEOUT,
     EXIT_USAGE,
     Subcommands,
+    add_boot_option,
+    cancel_on_signal,
+    connection_failure,
     credentials,
     parse_positive,
     tls_options,
@@ -24,7 +28,7 @@ from agentserver.cli.common import (
 )
 from agentserver.core.envelope import MULTITASK_MODES
 from agentserver.core.errors import ConfigurationError, HuhReason, InputRefused
-from agentserver.core.threads import is_uuid4
+from agentserver.core.threads import is_uuid4, new_thread_id
 from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
@@ -54,6 +58,7 @@ def add_parsers(
         help="the payload itself (an argument starting with '<'), a payload file, or - for "
         "standard input (default)",
     )
+    add_boot_option(send)
     send.add_argument(
         "--to",
         metavar="NAME",
@@ -102,6 +107,7 @@ def _failed(reply: Reply) -> bool:
 
 def cmd_send(args: argparse.Namespace) -> int:
     from agentserver.net.client import (
+        AuthenticationRefused,
         ClientError,
         ConnectionClosed,
         RequestTimeout,
@@ -136,14 +142,19 @@ def cmd_send(args: argparse.Namespace) -> int:
     if tls is None or creds is None:
         return EXIT_USAGE
     host, port = args.connect
+    # Chosen here, not by the client: a Ctrl-C or a lost connection can still name it.
+    thread = args.thread or new_thread_id()
+    sent = False
 
-    async def send() -> int:
+    async def exchange() -> int:
+        nonlocal sent
         async with open_client(host, port, client=creds[0], token=creds[1], **tls) as client:
+            sent = True
             reply = await client.request(
                 payload,
                 to=args.to,
                 timeout=args.timeout,
-                thread=args.thread,
+                thread=thread,
                 multitask=args.multitask,
             )
             replies = [reply]
@@ -163,17 +174,63 @@ def cmd_send(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         return EXIT_FAILED if any(_failed(r) for r in replies) else EXIT_OK
 
+    async def send() -> int | None:
+        """The exit status, or None when a signal (Ctrl-C) interrupted the wait."""
+        outcome: int | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_on_signal, nursery.cancel_scope)
+            outcome = await exchange()
+            nursery.cancel_scope.cancel()
+        return outcome
+
     try:
-        return trio_run(send)
+        status = trio_run(send)
+    except KeyboardInterrupt:
+        # A Ctrl-C before the signal watcher started (it is one of the first things).
+        status = None
     except RequestTimeout as exc:
         print(str(exc), file=sys.stderr)
+        print(f"an agent's task goes on: {later(args, thread, wait=True)}", file=sys.stderr)
         return EXIT_TIMEOUT
     except ConfigurationError as exc:  # a CA, certificate or key file that cannot be used
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
     except (ClientError, OSError, trio.TooSlowError) as exc:
-        print(f"cannot talk to {host}:{port}: {exc}", file=sys.stderr)
+        print(connection_failure(args, exc), file=sys.stderr)
+        if (
+            sent
+            and isinstance(exc, ConnectionClosed)
+            and not isinstance(exc, AuthenticationRefused)
+        ):
+            print(
+                f"the task was sent on thread {thread}; a task to an agent goes on (after a "
+                f"restart too): {later(args, thread, wait=True)}",
+                file=sys.stderr,
+            )
         return EXIT_CONNECTION
+    if status is None:
+        if sent:
+            print(
+                f"interrupted; the task was sent on thread {thread}. A task to an agent goes "
+                f"on: {later(args, thread, wait=False)}",
+                file=sys.stderr,
+            )
+        else:
+            print("interrupted before the task was sent", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return status
+
+
+def later(args: argparse.Namespace, thread: str, *, wait: bool) -> str:
+    """The command that collects the answer of the task sent on ``thread`` later."""
+    words = ["agentserver", "result", thread]
+    if args.client is not None:
+        words += ["--client", args.client]
+    if args.boot is not None:
+        words += ["--boot", args.boot]
+    if wait:
+        words += ["--wait", "60"]
+    return "collect its answer with: " + " ".join(words)
 
 
 def render_reply(reply, *, payload_only: bool = False, pretty: bool = False) -> str:

@@ -14,7 +14,10 @@ from agentserver.cli.common import (
     Subcommands,
     add_http_api_options,
     http_api_client,
+    http_unreachable,
     parse_positive,
+    plural,
+    refusal_text,
 )
 
 
@@ -50,18 +53,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         with http_api_client(args, args.timeout) as client:
             response = client.get(url)
     except httpx.HTTPError as exc:
-        print(
-            f"cannot reach the HTTP API at {args.url}: {exc} (is the server running with "
-            "<http> in boot.xml or run --http-port?)",
-            file=sys.stderr,
+        hint = (
+            ""
+            if getattr(args, "url_from", None) == "default" and getattr(args, "project", None)
+            else (" (is the server running with <http> in boot.xml or run --http-port?)")
         )
+        print(http_unreachable(args, exc) + hint, file=sys.stderr)
         return EXIT_CONNECTION
     if response.status_code != 200:
-        try:
-            title = response.json().get("title", "")
-        except ValueError:
-            title = response.text[:200]
-        print(f"{url}: {response.status_code} {title}", file=sys.stderr)
+        print(f"{url}: {response.status_code} {refusal_text(response)}", file=sys.stderr)
         return EXIT_FAILED
     doc = response.json()
     if args.json:
@@ -80,7 +80,8 @@ def format_status(doc: dict) -> str:
         f"organism {doc.get('organism')!r} (agentserver {doc.get('version')}): "
         f"{'ready' if ready.get('ready') else 'NOT ready'} ({checks})",
         f"pump {pump.get('state')}: {pump.get('inflight', 0)} in flight, "
-        f"{pump.get('threads', 0)} threads, {pump.get('endpoints', 0)} endpoints",
+        f"{plural(pump.get('threads', 0), 'thread')}, "
+        f"{plural(pump.get('endpoints', 0), 'endpoint')}",
         "listeners:",
     ]
     for lst in doc.get("listeners", []):
@@ -94,11 +95,14 @@ def format_status(doc: dict) -> str:
         for agent in agents:
             turn = agent.get("active_turn")
             active = f", turn {turn['id'][:8]} step {turn['steps']}" if turn else ""
-            error = agent.get("last_error")
-            last = f", last error ({error['status']}): {error['text'][:60]!r}" if error else ""
             lines.append(
-                f"  {agent['name']:<20} {agent['state']:<10} queue {agent['queue']}{active}{last}"
+                f"  {agent['name']:<20} {agent['state']:<10} queue {agent['queue']}{active}"
             )
+            error = agent.get("last_error")
+            if error:
+                # Whole (the API keeps its first 500 characters), on lines of its own.
+                text = " ".join(str(error.get("text", "")).split())
+                lines.append(f"    last error ({error['status']}): {text}")
     backends = doc.get("backends", {})
     if backends:
         lines.append("LLM backends:")

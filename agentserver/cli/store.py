@@ -1,4 +1,4 @@
-"""``agentserver store stats BOOT`` and ``agentserver store prune BOOT [--dry-run]``: the
+"""``agentserver store stats [BOOT]`` and ``agentserver store prune [BOOT] [--dry-run]``: the
 agents' store looked at and pruned by retention by hand (docs/operations.md, "Storage
 and retention"), on a stopped server's store or beside a running one."""
 
@@ -9,7 +9,7 @@ import json
 import sys
 import time
 
-from agentserver.cli.common import EXIT_OK, EXIT_USAGE, Subcommands, trio_run
+from agentserver.cli.common import EXIT_OK, EXIT_USAGE, Subcommands, plural, trio_run
 
 
 def add_parsers(
@@ -36,17 +36,29 @@ def add_parsers(
         description="Remove what BOOT's <retention> says may go, in small batches, never "
         "what a promise needs (docs/operations.md). SQLite: the freed pages go back to "
         "the file (a file made before retention was on is converted first, which needs "
-        "the server stopped). Progress on standard error; the result as JSON.",
+        "the server stopped). Progress on standard error; the result as lines (--json: "
+        "one JSON object).",
     )
-    prune.add_argument("--dry-run", action="store_true", help="count, delete nothing")
+    prune.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="report exactly what the prune would remove now, delete nothing (the prune "
+        "is run in one transaction and rolled back)",
+    )
     for p in (stats, prune):
-        p.add_argument("boot", metavar="BOOT", help="the server's boot.xml")
+        p.add_argument(
+            "boot",
+            nargs="?",
+            metavar="BOOT",
+            help="the server's boot.xml (default: $AGENTSERVER_BOOT, else ./boot.xml)",
+        )
         p.add_argument(
             "--store",
             metavar="PATH|URL",
             help="the agent store: a SQLite file or a postgresql:// URL (default: BOOT's)",
         )
-    stats.add_argument("--json", action="store_true", help="the figures as one JSON object")
+    for p in (stats, prune):
+        p.add_argument("--json", action="store_true", help="the figures as one JSON object")
 
 
 def _size(n: int | None) -> str:
@@ -72,7 +84,34 @@ def _print_stats(data: dict) -> None:
     if would is None:
         print("retention: none configured (everything is kept)")
     else:
-        print(f"retention would remove: {would['tasks']} tasks; rows {would['rows']}")
+        print(f"retention would remove now: {removed(would)}")
+
+
+def removed(report: dict) -> str:
+    """A prune report (``PruneReport.as_dict``) as words: tasks, rows and rows by kind."""
+    rows = {k: v for k, v in report.get("rows", {}).items() if v}
+    text = f"{plural(report.get('tasks', 0), 'task')} and {plural(sum(rows.values()), 'row')}"
+    if rows:
+        text += " (" + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in rows.items()) + ")"
+    return text
+
+
+def _print_prune(out: dict) -> None:
+    if out.get("skipped"):
+        print("another process is pruning this store now (it holds the prune lease): nothing done")
+        return
+    if out["dry_run"]:
+        print(f"would remove: {removed(out)} (a dry run: nothing was deleted)")
+        return
+    line = f"removed: {removed(out)}"
+    if out.get("pages_freed"):
+        line += f"; {plural(out['pages_freed'], 'page')} given back to the file"
+    print(line)
+    if out.get("file_bytes_before") is not None:
+        print(
+            f"file (with WAL): {_size(out['file_bytes_before'])} before, "
+            f"{_size(out['file_bytes_after'])} after"
+        )
 
 
 def cmd_store(args: argparse.Namespace) -> int:
@@ -94,8 +133,10 @@ def cmd_store(args: argparse.Namespace) -> int:
             now = time.monotonic()
             if now - last[0] >= 0.5:  # at most two lines a second
                 last[0] = now
+                rows = sum(report.rows.values())
                 print(
-                    f"prune: {report.tasks} tasks, rows {report.rows}, {report.pages} pages freed",
+                    f"prune: {plural(report.tasks, 'task')}, {plural(rows, 'row')}, "
+                    f"{plural(report.pages, 'page')} freed so far",
                     file=sys.stderr,
                 )
 
@@ -106,7 +147,10 @@ def cmd_store(args: argparse.Namespace) -> int:
         )
         for note in out.get("notes", ()):
             print(f"prune: {note}", file=sys.stderr)
-        print(json.dumps(out))
+        if args.json:
+            print(json.dumps(out))
+        else:
+            _print_prune(out)
         return EXIT_OK
     except (AgentError, BootError, OSError, ValueError) as exc:
         print(f"store: {exc}", file=sys.stderr)

@@ -21,6 +21,7 @@ from lxml import etree
 from agentserver.config.imports import B, flag
 from agentserver.config.problems import Report
 from agentserver.config.topology import ListenerSpec
+from agentserver.core.durations import parse_duration
 from agentserver.core.errors import ConfigurationError
 from agentserver.core.jsonschema_xsd import convert, xml_name
 from agentserver.core.listener import NAME_RE
@@ -77,10 +78,10 @@ class A2aRemoteReader:
             name=name,
             url=el.get("url", "").rstrip("/"),
             headers=headers,
-            timeout=float(el.get("timeout", DEFAULT_TIMEOUT)),
-            step_timeout=float(v) if (v := el.get("step-timeout")) is not None else None,
+            timeout=parse_duration(el.get("timeout", str(DEFAULT_TIMEOUT))),
+            step_timeout=parse_duration(v) if (v := el.get("step-timeout")) is not None else None,
             retries=int(el.get("retries", DEFAULT_RETRIES)),
-            connect_timeout=float(el.get("connect-timeout", DEFAULT_CONNECT_TIMEOUT)),
+            connect_timeout=parse_duration(el.get("connect-timeout", str(DEFAULT_CONNECT_TIMEOUT))),
             concurrency=int(el.get("concurrency", DEFAULT_CONCURRENCY)),
             required=el.get("required") is None or flag(el, "required"),
             ca=path("ca"),

@@ -4,13 +4,13 @@ client's (inside its ``<client>``, across agents or with ``agent="NAME"`` on one
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from lxml import etree
 
 from agentserver.agents.policy.budget import BudgetSpec, budget_name, parse_soft
 from agentserver.config.imports import B
-from agentserver.config.problems import Report
+from agentserver.config.problems import Problem, Report
 
 __all__ = ["fair_weights", "read_budgets"]
 
@@ -28,9 +28,14 @@ def fair_weights(root: etree._Element) -> tuple[tuple[str, float], ...] | None:
 
 
 def read_budgets(
-    report: Report, root: etree._Element, agents: Collection[str]
+    report: Report,
+    root: etree._Element,
+    agents: Collection[str],
+    cause_of: Callable[[str], Problem | None] = lambda name: None,
 ) -> tuple[BudgetSpec, ...]:
-    """Every declared budget, checked (a problem per bad one, by line; none kept then)."""
+    """Every declared budget, checked (a problem per bad one, by line; none kept then).
+    ``cause_of(name)``: the error that made a declared listener fail; a budget naming it
+    is said under that error, not as one of its own."""
     found: list[BudgetSpec] = []
     seen: set[str] = set()
 
@@ -59,7 +64,13 @@ def read_budgets(
         for el in client.iterfind(B + "budget"):
             agent = el.get("agent")
             if agent is not None and agent not in agents:
-                report.error(el.sourceline, f"<budget agent={agent!r}>: no agent of that name")
+                if (cause := cause_of(agent)) is not None:
+                    report.note(
+                        cause,
+                        f"(so <budget agent={agent!r}>, line {el.sourceline}, has no agent)",
+                    )
+                else:
+                    report.error(el.sourceline, f"<budget agent={agent!r}>: no agent of that name")
                 continue
             add(el, budget_name(client=client.get("name", ""), agent=agent))
     return tuple(found)

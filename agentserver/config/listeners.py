@@ -20,8 +20,9 @@ from agentserver.config.builtins import BUILTIN_HANDLERS, BUILTIN_PAYLOADS
 from agentserver.config.governance import read_governance
 from agentserver.config.imports import B, Resolver, Unresolved, flag, resolve_import
 from agentserver.config.mcp import McpReader
-from agentserver.config.problems import Report, pretty
+from agentserver.config.problems import Problem, Report, pretty
 from agentserver.config.topology import ListenerSpec
+from agentserver.core.durations import parse_duration
 from agentserver.core.errors import ConfigurationError
 from agentserver.core.listener import RESERVED_NAMES, Listener
 from agentserver.core.namespaces import CORE_NS
@@ -66,6 +67,11 @@ class ListenerReader:
         #: Listeners declared but broken (already reported): naming one as a peer, in
         #: may-address or serves is not a second error.
         self.broken: set[str] = set()
+        #: The error that made a declared listener fail (by its name), or an ``<a2a>`` or
+        #: ``<mcp>`` give none of its listeners (by their names' prefix ``NAME-``): what
+        #: names one of them is a knock-on effect, said under that error (:meth:`cause_of`).
+        self.causes: dict[str, Problem] = {}
+        self.group_causes: dict[str, Problem] = {}
         #: Payload schema files read so far, and the type of each (file, root) pair.
         self.schema_docs: dict[str, etree._Element | ConfigurationError] = {}
         self.schema_models: dict[tuple[str, str], type[BaseXmlModel]] = {}
@@ -87,17 +93,29 @@ class ListenerReader:
         first_line: dict[str, int] = {}
         read: list[ListenerSpec | None] = []
         for lel in el.iterchildren(B + "listener", B + "mcp", B + "a2a"):
+            before = len(self.report.problems)
+            name = lel.get("name", "")
             if lel.tag == B + "listener":
-                read.append(self.listener(lel))
-            elif lel.tag == B + "a2a":
+                spec = self.listener(lel)
+                read.append(spec)
+                if spec is None and (cause := self.report.first_error_since(before)):
+                    self.causes.setdefault(name, cause)
+                    self.broken.add(name)  # a client naming it: no second error either
+                continue
+            if lel.tag == B + "a2a":
                 if self.a2a is not None:
-                    read.extend(self.a2a.read(lel))
+                    group = self.a2a.read(lel)
                 else:
+                    group = []
                     self.error(lel.sourceline, "<a2a> is not read here")
             elif self.mcp is not None:
-                read.extend(self.mcp.read(lel))
+                group = self.mcp.read(lel)
             else:
+                group = []
                 self.error(lel.sourceline, "<mcp> is not read here")
+            read.extend(group)
+            if not group and (cause := self.report.first_error_since(before)):
+                self.group_causes.setdefault(f"{name}-", cause)
         for spec in read:
             if spec is None:
                 continue
@@ -247,7 +265,7 @@ class ListenerReader:
         if (value := el.get("concurrency")) is not None:
             tuning["concurrency"] = int(value)
         if (value := el.get("timeout")) is not None:
-            tuning["timeout"] = float(value)
+            tuning["timeout"] = parse_duration(value)
         if (value := el.get("queue-size")) is not None:
             tuning["queue_size"] = int(value)
         if el.get("raw") is not None:
@@ -261,7 +279,7 @@ class ListenerReader:
         if not agent:
             tuning["idempotent"] = flag(el, "idempotent")
             if (value := el.get("step-timeout")) is not None:
-                tuning["step_timeout"] = float(value)
+                tuning["step_timeout"] = parse_duration(value)
             if (value := el.get("retries")) is not None:
                 tuning["retries"] = int(value)
         spec = ListenerSpec(
@@ -371,13 +389,27 @@ class ListenerReader:
         self.schema_models[key] = model
         return model
 
+    def cause_of(self, name: str) -> Problem | None:
+        """The error that made the listener ``name`` fail (None: not a declared one that
+        failed): naming it is a knock-on effect of that error, not an error of its own."""
+        if name in self.causes:
+            return self.causes[name]
+        return next((c for p, c in self.group_causes.items() if name.startswith(p)), None)
+
     def check_topology(self, specs: list[ListenerSpec]) -> None:
         names = {s.name for s in specs}
         by_tag: dict[str, list[ListenerSpec]] = {}
         model_of: dict[str, type[BaseXmlModel]] = {}
         for spec in specs:
             for peer in spec.peers:
-                if peer not in names and peer not in self.broken:
+                if peer in names:
+                    continue
+                if (cause := self.cause_of(peer)) is not None:
+                    self.report.note(
+                        cause,
+                        f"(so listener {spec.name!r}, line {spec.line}, lacks its peer {peer!r})",
+                    )
+                elif peer not in self.broken:
                     self.error(spec.line, f"listener {spec.name!r}: unknown peer {peer!r}")
             for model in (*spec.accepts, *spec.responds):
                 tag = model_root_tag(model)

@@ -35,6 +35,7 @@ from agentserver.config.a2a import check_exposed_a2a
 from agentserver.config.a2a_remote import A2aRemoteReader
 from agentserver.config.budgets import fair_weights, read_budgets
 from agentserver.config.clients import ClientReader, is_loopback
+from agentserver.config.durations import check_durations, schema_message
 from agentserver.config.governance import check_approvers
 from agentserver.config.imports import B, Resolver, add_import_dir, flag, resolve_import
 from agentserver.config.listeners import IMPLICIT_BOOT_NAME, ListenerReader
@@ -125,8 +126,11 @@ class _Loader:
         schema = boot_schema()
         if not schema.validate(root):
             for entry in schema.error_log:
-                self.report.error(entry.line, pretty(entry.message))
+                # A bad duration's message names the forms, not the schema's pattern.
+                duration = schema_message(entry.message)
+                self.report.error(entry.line, duration or pretty(entry.message))
             return self.report.result(None)
+        check_durations(self.report, root)
         return self.report.result(self.topology(root))
 
     def parse(self, data: bytes) -> etree._Element | None:
@@ -205,7 +209,9 @@ class _Loader:
         from agentserver.config.webhooks import read_webhooks
 
         webhooks = read_webhooks(report, root, self.environ)
-        budgets = read_budgets(report, root, {s.name for s in listeners if s.agent})
+        budgets = read_budgets(
+            report, root, {s.name for s in listeners if s.agent}, readers.cause_of
+        )
         return Topology(
             path=self.path,
             organism=root.get("name", ""),
@@ -228,7 +234,10 @@ class _Loader:
             webhooks=webhooks,
             budgets=budgets,
             schedules=read_schedules(
-                report, root.find(B + "schedules"), {s.name for s in listeners if s.agent}
+                report,
+                root.find(B + "schedules"),
+                {s.name for s in listeners if s.agent},
+                readers.cause_of,
             ),
             expose_a2a=check_exposed_a2a(report, root.find(B + "expose-a2a"), tuple(listeners)),
         )

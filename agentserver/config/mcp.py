@@ -21,6 +21,7 @@ from lxml import etree
 from agentserver.config.imports import B, flag
 from agentserver.config.problems import Report
 from agentserver.config.topology import ListenerSpec, Topology
+from agentserver.core.durations import parse_duration
 from agentserver.core.errors import ConfigurationError
 from agentserver.core.jsonschema_xsd import convert, xml_name
 from agentserver.core.listener import NAME_RE
@@ -88,8 +89,8 @@ class McpReader:
             url=url,
             headers=headers,
             allow=allow,
-            timeout=float(el.get("timeout", DEFAULT_TIMEOUT)),
-            connect_timeout=float(el.get("connect-timeout", DEFAULT_TIMEOUT)),
+            timeout=parse_duration(el.get("timeout", str(DEFAULT_TIMEOUT))),
+            connect_timeout=parse_duration(el.get("connect-timeout", str(DEFAULT_TIMEOUT))),
             concurrency=int(el.get("concurrency", DEFAULT_CONCURRENCY)),
             idempotent=flag(el, "idempotent"),
             retries=int(el.get("retries", DEFAULT_RETRIES)),

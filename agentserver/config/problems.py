@@ -3,7 +3,7 @@ and :class:`Report`, where each section's reader adds the problems it finds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from agentserver.config.topology import Topology
 from agentserver.core.errors import ConfigurationError
@@ -12,16 +12,21 @@ from agentserver.core.namespaces import BOOT_NS, CORE_NS
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One finding, printed as ``FILE:LINE: message`` (warnings say so)."""
+    """One finding, printed as ``FILE:LINE: message`` (warnings say so), then its
+    ``notes``, one indented line each: the knock-on effects it has (a peer, a budget, a
+    schedule naming what failed), said under it instead of as errors of their own."""
 
     path: str
     line: int
     message: str
     warning: bool = False
+    notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         kind = "warning: " if self.warning else ""
-        return f"{self.path}:{self.line}: {kind}{self.message}"
+        return f"{self.path}:{self.line}: {kind}{self.message}" + "".join(
+            f"\n    {note}" for note in self.notes
+        )
 
 
 @dataclass(slots=True)
@@ -59,11 +64,33 @@ class Report:
         self.shown = shown
         self.problems: list[Problem] = []
 
-    def error(self, line: int | None, message: str) -> None:
-        self.problems.append(Problem(self.shown, line or 0, message))
+    def error(self, line: int | None, message: str) -> Problem:
+        problem = Problem(self.shown, line or 0, message)
+        self.problems.append(problem)
+        return problem
 
-    def warn(self, line: int | None, message: str) -> None:
-        self.problems.append(Problem(self.shown, line or 0, message, warning=True))
+    def warn(self, line: int | None, message: str) -> Problem:
+        problem = Problem(self.shown, line or 0, message, warning=True)
+        self.problems.append(problem)
+        return problem
+
+    def note(self, cause: Problem, text: str) -> None:
+        """Say ``text`` (a knock-on effect of ``cause``) under ``cause``, not as a problem
+        of its own: the one error a user has to fix is the cause."""
+        for i, problem in enumerate(self.problems):
+            # ``cause`` as reported: an earlier note replaced it with a copy.
+            if (problem.line, problem.message, problem.warning) == (
+                cause.line,
+                cause.message,
+                cause.warning,
+            ):
+                self.problems[i] = replace(problem, notes=(*problem.notes, text))
+                return
+        raise ValueError(f"not a problem of this report: {cause}")
+
+    def first_error_since(self, count: int) -> Problem | None:
+        """The first error reported after the first ``count`` problems, or None."""
+        return next((p for p in self.problems[count:] if not p.warning), None)
 
     @property
     def failed(self) -> bool:

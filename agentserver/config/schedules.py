@@ -5,18 +5,25 @@ kept as bytes. Problems are reported by line; a bad schedule is left out."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from lxml import etree
 
 from agentserver.agents.profile.schedule import ScheduleInvalid, ScheduleSpec
 from agentserver.config.imports import B
-from agentserver.config.problems import Report
+from agentserver.config.problems import Problem, Report
+from agentserver.core.durations import parse_duration
 
 
 def read_schedules(
-    report: Report, el: etree._Element | None, agents: set[str]
+    report: Report,
+    el: etree._Element | None,
+    agents: set[str],
+    cause_of: Callable[[str], Problem | None] = lambda name: None,
 ) -> tuple[ScheduleSpec, ...]:
     """The schedules of ``<schedules>`` (``el``; None: none). ``agents``: the agent
-    listeners' names."""
+    listeners' names; ``cause_of(name)``: the error that made a declared listener fail
+    (a schedule naming it is said under that error, not as one of its own)."""
     if el is None:
         return ()
     out: list[ScheduleSpec] = []
@@ -31,6 +38,9 @@ def read_schedules(
         seen.add(name)
         agent = item.get("agent", "")
         if agent not in agents:
+            if (cause := cause_of(agent)) is not None:
+                report.note(cause, f"(so schedule {name!r}, line {line}, has no agent)")
+                continue
             report.error(line, f"schedule {name!r}: {agent!r} is not an agent listener")
             continue
         if len(payload) != 1:
@@ -44,8 +54,8 @@ def read_schedules(
                 payload=etree.tostring(_detached(payload[0])),
                 timezone=item.get("timezone", "UTC"),
                 overlap=item.get("overlap", "skip"),
-                catchup_window_s=float(item.get("catchup-window", "60")),
-                jitter_s=float(item.get("jitter", "0")),
+                catchup_window_s=parse_duration(item.get("catchup-window", "60")),
+                jitter_s=parse_duration(item.get("jitter", "0")),
             )
         except (ScheduleInvalid, ValueError) as exc:
             report.error(line, f"schedule {name!r}: {exc}")

@@ -15,6 +15,7 @@ from agentserver.agents.profile.settings import StoreSettings
 from agentserver.config.clients import is_loopback
 from agentserver.config.problems import Report
 from agentserver.config.topology import DEFAULT_HOST, DEFAULT_HTTP_PORT, HttpSpec, Limits
+from agentserver.core.durations import parse_duration
 from agentserver.llm.config import RouterConfig, check_llm_section
 
 
@@ -42,9 +43,10 @@ class SectionReader:
             host=el.get("host", DEFAULT_HOST),
             port=int(el.get("port", DEFAULT_HTTP_PORT)),
             max_pending=int(el.get("max-pending", default.max_pending)),
-            reply_ttl=float(el.get("reply-ttl", default.reply_ttl)),
+            reply_ttl=_seconds(el, "reply-ttl", default.reply_ttl),
             max_replies=int(el.get("max-replies", default.max_replies)),
-            wait_timeout=float(el.get("wait-timeout", default.wait_timeout)),
+            wait_timeout=_seconds(el, "wait-timeout", default.wait_timeout),
+            ui_session_ttl=_seconds(el, "ui-session-ttl", default.ui_session_ttl),
             line=el.sourceline or 0,
         )
         if not is_loopback(spec.host):
@@ -66,8 +68,8 @@ class SectionReader:
             raw = el.get(name.replace("_", "-"))
             if raw is not None:
                 kind = type(getattr(defaults, name))
-                # The schema made it an integer or a decimal: int() keeps every digit.
-                values[name] = int(raw) if kind is int else float(raw)
+                # The schema made it an integer or a duration: int() keeps every digit.
+                values[name] = int(raw) if kind is int else parse_duration(raw)
         limits = Limits(**values)
         if limits.outgoing_buffer < limits.max_inflight:
             self.warn(
@@ -117,3 +119,9 @@ class SectionReader:
                 f"is the SQLite file {settings.path}",
             )
         return settings
+
+
+def _seconds(el: etree._Element, attr: str, default: float) -> float:
+    """A duration attribute (schema-valid, so it parses), or ``default``."""
+    raw = el.get(attr)
+    return default if raw is None else parse_duration(raw)

@@ -48,7 +48,7 @@ DEFAULT_HTTP_PORT = 7341
 
 @dataclass(frozen=True, slots=True)
 class HttpSpec:
-    """boot.xml ``<http>``: the HTTP API (docs/operations.md). Same clients, tokens and
+    """boot.xml ``<http>``: the HTTP API (docs/http-api.md). Same clients, tokens and
     ``<tls>`` as the socket; the bounds of ``?wait=false`` threads are its own."""
 
     host: str = DEFAULT_HOST
@@ -61,6 +61,8 @@ class HttpSpec:
     max_replies: int = 64
     #: Seconds a waiting ``POST /v1/messages`` waits for its first reply.
     wait_timeout: float = 60.0
+    #: Seconds a web console sign-in lasts (a fixed lifetime from signing in).
+    ui_session_ttl: float = 43200.0
     line: int = 0
 
 

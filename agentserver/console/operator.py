@@ -1,7 +1,9 @@
 """Stop and cancel agents' tasks from outside the process (``agentserver stop``/``cancel``).
 
 An operator connection (a client declared ``operator="true"``, or any anonymous loopback
-connection when no clients are declared) may send the core commands
+connection when no clients are declared) may send the core commands below on any task;
+any other declared client on its own tasks only (the authorization rule,
+:mod:`agentserver.core.access`: another's answers ``count="0"``, as a missing task's)
 
 - ``<stop agent="A" [thread="T"]/>``: end A's active Turn (only if it is the task sent on
   thread T, when given) with one failed ("stopped") answer to its sender; its steps in
@@ -25,6 +27,7 @@ from lxml import etree
 
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.turn.answer import answer_bytes
+from agentserver.core.access import AccessRule
 from agentserver.core.envelope import MESSAGE, encode
 from agentserver.core.errors import HuhReason, InputRefused
 from agentserver.core.namespaces import CORE_NS
@@ -83,10 +86,14 @@ class Operator:
         *,
         max_message_bytes: int,
         remote_calls: CallerCalls | None = None,
+        access: AccessRule | None = None,
     ) -> None:
         self.runtime = runtime
         self.hub = hub
         self.remote_calls = remote_calls
+        #: The authorization rule for a non-operator client's commands (None: only
+        #: operators' commands are carried out).
+        self.access = access
         self._parser = SafeParser(max_message_bytes)
 
     @staticmethod
@@ -94,9 +101,13 @@ class Operator:
         """Cheap pre-check, so ordinary requests are not parsed twice."""
         return _MARK in frame and (b"stop" in frame or b"cancel" in frame)
 
-    async def handle(self, frame: bytes, sender: str) -> bytes | None:
+    async def handle(
+        self, frame: bytes, sender: str, client: str | None = None, *, operator: bool = True
+    ) -> bytes | None:
         """The reply body if ``frame`` is an operator command (carried out now), else
-        None (an ordinary request)."""
+        None (an ordinary request). A non-``operator`` ``client`` stops and cancels only
+        its own tasks (the authorization rule): another's, and a ``stop`` naming no
+        thread, answer ``count="0"`` exactly as a task that does not exist."""
         try:
             command = parse_command(self._parser.parse(frame))
         except InputRefused as refusal:
@@ -108,7 +119,9 @@ class Operator:
             log.info("operator %s: %s of unknown agent %r", sender, command.verb, command.agent)
             refusal = huh(HuhReason.INVALID_PAYLOAD, frame)
             return encode("system", sender, command.reply_thread, refusal)
-        if command.verb == "stop":
+        if not operator and not await self._owns(runtime, command, client):
+            count = 0
+        elif command.verb == "stop":
             count = await self.stop(runtime, command.agent, command.thread)
         else:
             count = await self.cancel(runtime, command.agent, command.thread or "")
@@ -122,6 +135,18 @@ class Operator:
         )
         outcome = Outcome(command=command.verb, agent=command.agent, count=count)
         return encode("system", sender, command.reply_thread, outcome.to_xml_tree())
+
+    async def _owns(self, runtime: AgentRuntime, command: Command, client: str | None) -> bool:
+        """Whether non-operator ``client`` may carry out ``command``: the task on its
+        thread exists and is its own. A refusal is counted and logged."""
+        rule = self.access
+        if rule is None or command.thread is None:
+            if rule is not None:
+                rule.refuse(client, "socket", command.verb)
+            return False
+        # The latest task on the thread (what stop and cancel act on) must be the client's.
+        found, owner = await runtime.store.task_sender(command.agent, command.thread)
+        return found and rule.allows(client, owner, door="socket", route=command.verb)
 
     async def stop(self, runtime: AgentRuntime, agent: str, thread: str | None) -> int:
         turn = None

@@ -27,7 +27,13 @@ from agentserver.listeners.console import Console, Input, Prompt, Terminal
 from agentserver.listeners.console_approvals import render_request
 from agentserver.listeners.console_router import DEFAULT_AGENT, listener_names, render_reply
 from agentserver.listeners.system_boot import SystemBoot
-from agentserver.net.client import Client, ClientError, RequestTimeout, open_client
+from agentserver.net.client import (
+    AuthenticationRefused,
+    Client,
+    ClientError,
+    RequestTimeout,
+    open_client,
+)
 from agentserver.primitives.core import Boot, boot_primitive
 from agentserver.pump.pump import PumpConfig, open_pump
 
@@ -37,11 +43,14 @@ PROMPT_TAG = etree.QName(CONSOLE_NS, "prompt").text
 
 class Bridge:
     """The local ``console-router``: relays ``<input>`` to the server, answers with the
-    server's ``<prompt>`` (or a readable error)."""
+    server's ``<prompt>`` (or a readable error). Without a router on the server
+    (``router`` False) a line that would be relayed is answered with :data:`NO_ROUTER`
+    instead of the server's bare refusal."""
 
-    def __init__(self, client: Client, *, timeout: float) -> None:
+    def __init__(self, client: Client, *, timeout: float, router: bool = True) -> None:
         self._client = client
         self._timeout = timeout
+        self._router = router
 
     async def __call__(self, payload: etree._Element, meta: HandlerMetadata) -> HandlerResponse:
         line = payload.findtext(f"{{{CONSOLE_NS}}}line") or ""
@@ -58,6 +67,8 @@ class Bridge:
         return await self._relay(payload)
 
     async def _relay(self, payload: etree._Element) -> HandlerResponse:
+        if not self._router:
+            return HandlerResponse.respond(Prompt(lines=[f"error: {NO_ROUTER}"]))
         try:
             # Relayed by root tag: whichever server listener takes console <input>.
             reply = await self._client.request(copy.deepcopy(payload), timeout=self._timeout)
@@ -90,16 +101,32 @@ async def show_unasked(conn: Client, terminal: Terminal) -> None:
             terminal.write(line)
 
 
-async def _listener_names(conn: Client, wait: float) -> list[str]:
-    """The listeners the server's console router can address (its ``/listeners``), for
-    completion; none if it does not say."""
+#: What the console says when the server has no console router it may address.
+NO_ROUTER = (
+    "this server has no console-router this console may address, so plain text, @NAME "
+    "lines and /listeners get no answer here (/stop, /cancel and /quit still work). Add "
+    'a <listener name="console-router" handler="console-router" peers="..."/> to its '
+    "boot.xml, or send payloads with 'agentserver send'."
+)
+
+
+async def _probe_router(conn: Client, wait: float) -> tuple[bool, list[str]]:
+    """Whether the server's console router answers this connection, and the listeners
+    it can address (its ``/listeners``, for completion). A ``<huh>`` means there is no
+    router this connection may address; no answer in time is taken as a router (lines
+    are relayed as before). Raises :class:`AuthenticationRefused` (the server refused
+    the connection: the caller says what to pass)."""
     try:
         reply = await conn.request(Input(line="/listeners"), timeout=wait)
+    except AuthenticationRefused:
+        raise
     except (RequestTimeout, ClientError):
-        return []
+        return True, []
+    if reply.is_huh:
+        return False, []
     if reply.payload.tag != PROMPT_TAG:
-        return []
-    return listener_names(Prompt.from_xml_tree(reply.payload).lines)
+        return True, []
+    return True, listener_names(Prompt.from_xml_tree(reply.payload).lines)
 
 
 async def run_remote_console(
@@ -115,8 +142,14 @@ async def run_remote_console(
     """Run until the user quits (0) or the server goes away (1). ``tls``: the TLS
     arguments of :func:`agentserver.net.client.open_client` (``tls``, ``ca``, ``cert``, ``key``)."""
     async with open_client(host, port, client=client, token=token, **tls) as conn:
+        router, names = await _probe_router(conn, reply_timeout)
         if hasattr(terminal, "set_listeners"):
-            terminal.set_listeners(await _listener_names(conn, reply_timeout))
+            terminal.set_listeners(names)
+        banner = [
+            f"agentserver console: connected to {host}:{port}. /help for commands, /quit to leave."
+        ]
+        if not router:
+            banner.append(NO_ROUTER)
         done = trio.Event()
         lost = False
         listeners = [
@@ -125,9 +158,7 @@ async def run_remote_console(
                 (Boot,),
                 SystemBoot(
                     start_console=True,
-                    banner=[
-                        f"agentserver console: connected to {host}:{port}. /help for commands, /quit to leave."
-                    ],
+                    banner=banner,
                 ),
                 peers=("console",),
                 **BUILTIN_HANDLERS["system-boot"].defaults,
@@ -143,7 +174,7 @@ async def run_remote_console(
             Listener(
                 "console-router",
                 (Input,),
-                Bridge(conn, timeout=reply_timeout),
+                Bridge(conn, timeout=reply_timeout, router=router),
                 responses=(Prompt,),
                 raw=True,
                 concurrency=1,

@@ -76,6 +76,13 @@ class EnvelopeCodec:
             mode = root.get(MULTITASK) if root.tag == MESSAGE else None
             if mode is not None and mode not in MULTITASK_MODES:
                 raise InputRefused(HuhReason.INVALID_MULTITASK, f"multitask={mode!r}")
+            # The most common slip: a payload without a namespace (the envelope takes only
+            # elements of another namespace than its own). Said in the log, not the <huh>.
+            tag = _unqualified_payload(root)
+            if tag is not None:
+                raise InputRefused(
+                    HuhReason.INVALID_ENVELOPE, f"payload `{tag}` has no namespace", payload_tag=tag
+                )
             raise InputRefused(HuhReason.INVALID_ENVELOPE)
         # The schema fixed the shape: meta is (from, [to], thread), then one payload.
         meta = root[0]
@@ -99,10 +106,29 @@ class EnvelopeCodec:
             raise InputRefused(HuhReason.RESERVED_NAMESPACE, tag)
         ptype = self._ptype_of(tag)
         if ptype is None:
-            raise InputRefused(HuhReason.INVALID_PAYLOAD, f"unknown root tag {tag}")
+            raise InputRefused(
+                HuhReason.INVALID_PAYLOAD, f"unknown root tag {tag}", payload_tag=tag
+            )
         if not ptype.schema.validate(payload):
             raise InputRefused(HuhReason.INVALID_PAYLOAD, schema_reason(ptype.schema, tag))
         return ptype
+
+
+def _unqualified_payload(root: etree._Element) -> str | None:
+    """The local name of a ``<message>``'s payload written without a namespace of its own,
+    else None. Such a payload is in no namespace, or, far more often, in the envelope's
+    (``<add>`` inside ``<message xmlns="...envelope/v1">`` inherits it)."""
+    if root.tag != MESSAGE:
+        return None
+    for child in root:
+        tag = child.tag
+        if not isinstance(tag, str) or tag == META:
+            continue
+        if not tag.startswith("{"):
+            return tag
+        if tag.startswith(_E):
+            return tag[len(_E) :]
+    return None
 
 
 _CLARK = re.compile(r"'?\{[^}\s']+\}([^\s',)]+)'?")

@@ -58,6 +58,19 @@ class ConfigurationError(AgentServerError):
     """A listener, payload type or topology is declared wrongly (raised at registration)."""
 
 
+class CannotListen(AgentServerError):
+    """The server cannot bind the address boot.xml's ``<element>`` (``listen`` or
+    ``http``) gives it, e.g. the port is in use: said before anything announces a start."""
+
+    def __init__(self, element: str, address: str, cause: OSError) -> None:
+        reason = cause.strerror or str(cause)
+        if cause.errno is not None:
+            reason = f"{reason} (errno {cause.errno})"
+        super().__init__(f"cannot listen on <{element}> {address}: {reason}")
+        self.element = element
+        self.address = address
+
+
 class SchemaDerivationError(ConfigurationError):
     """A pydantic-xml model uses a construct that has no XSD equivalent we support."""
 
@@ -69,11 +82,16 @@ class Refusal(AgentServerError):
 class InputRefused(Refusal):
     """Answered with ``<huh>`` carrying ``reason``'s canned text."""
 
-    def __init__(self, reason: HuhReason, detail: str = "") -> None:
+    def __init__(
+        self, reason: HuhReason, detail: str = "", *, payload_tag: str | None = None
+    ) -> None:
         # ``detail`` is for the local log only; it never reaches the wire.
         super().__init__(f"{reason.name}: {detail}" if detail else reason.name)
         self.reason = reason
         self.detail = detail
+        #: The payload's root tag when the refusal is that no listener takes it (its
+        #: namespace missing or wrong): the pump's log then names what the listeners take.
+        self.payload_tag = payload_tag
 
 
 class DeliveryRefused(Refusal):

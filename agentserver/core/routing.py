@@ -73,8 +73,31 @@ class RoutingTable:
             raise InputRefused(HuhReason.INVALID_PAYLOAD, f"to={to!r} does not take {tag}")
         targets = self.by_tag.get(tag)
         if not targets:
-            raise InputRefused(HuhReason.INVALID_PAYLOAD, f"nobody takes {tag}")
+            raise InputRefused(HuhReason.INVALID_PAYLOAD, f"nobody takes {tag}", payload_tag=tag)
         return targets
+
+    def explain(self, refusal: InputRefused) -> InputRefused:
+        """``refusal`` of a payload no listener takes, its detail (the log's, and
+        ``--explain-refusals``'s) completed with what the listeners take of that local
+        name: e.g. "payload `count` has no namespace; listener `wc` accepts
+        `{urn:me:wc}count`". Refusals only: the sender's ``<huh>`` stays canned."""
+        tag = refusal.payload_tag
+        if tag is None:
+            return refusal
+        local = tag.rpartition("}")[2]
+        takers = [
+            f"listener `{name}` accepts `{t}`"
+            for name, tags in self.accepts.items()
+            for t in sorted(tags)
+            if t.rpartition("}")[2] == local
+        ]
+        hint = "; ".join(takers) if takers else f"no listener accepts a payload named `{local}`"
+        if tag.startswith("{") and refusal.detail.startswith("unknown root tag"):
+            namespace = tag[1:].partition("}")[0]
+            detail = f"payload `{local}` has namespace `{namespace}`, which no listener accepts"
+        else:
+            detail = refusal.detail
+        return InputRefused(refusal.reason, f"{detail}; {hint}", payload_tag=tag)
 
     def outbound(self, sender: str, tag: str, to: str | None) -> SelfCall | Forward:
         """Where a handler's forward goes.

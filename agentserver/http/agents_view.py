@@ -36,18 +36,44 @@ class AgentsView:
         (one,) = await self.store.agent_views([name])
         return one
 
-    async def task(self, name: str, thread: str) -> dict[str, Any] | None:
+    async def task(
+        self, name: str, thread: str, sender: str | None = None
+    ) -> dict[str, Any] | None:
         """The latest task of agent ``name`` sent on ``thread`` (the caller's thread, or
-        the hop thread the agent was called on): status, steps, usage. None if none."""
-        return await self.store.task_view(name, thread)
+        the hop thread the agent was called on), of client ``sender`` if given: status,
+        steps, usage. None if none."""
+        return await self.store.task_view(name, thread, sender)
+
+    async def task_reading(
+        self, name: str, thread: str, sender: str | None = None
+    ) -> dict[str, Any] | None:
+        """What a person reads of that task (the web console), of client ``sender`` if
+        given: its text, outcome, answer
+        (:func:`agentserver.agents.store.sql.views.reading`). None if none."""
+        return await self.store.task_reading(name, thread, sender)
 
     async def turn_thread(self, turn: str) -> tuple[str | None, str | None]:
         """(caller thread, hop thread) of the task a Turn runs, for event filtering."""
         return await self.store.turn_thread(turn)
 
-    async def recent_tasks(self, name: str, limit: int = 20) -> list[dict[str, Any]]:
-        """The newest ``limit`` tasks of agent ``name``, newest first (the web console)."""
-        return await self.store.recent_tasks(name, limit)
+    async def recent_tasks(
+        self, name: str, limit: int = 20, sender: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The newest ``limit`` tasks of agent ``name`` (only those ``sender`` sent, if
+        given), newest first (the web console)."""
+        return await self.store.recent_tasks(name, limit, sender)
+
+    async def task_sender(
+        self, name: str, thread: str, sender: str | None = None
+    ) -> tuple[bool, str | None]:
+        """Whether agent ``name`` has a task on ``thread`` (pruned ones count), and the
+        client that sent it (None: none declared; ``sender`` when it sent one there): what
+        the authorization rule reads."""
+        return await self.store.task_sender(name, thread, sender)
+
+    async def turn_task(self, turn: str) -> tuple[str | None, str | None, str | None]:
+        """(caller thread, hop thread, sender) of the task a Turn runs (event filtering)."""
+        return await self.store.turn_task(turn)
 
     async def turn_log(self, turn: str) -> dict[str, Any]:
         """A Turn's cards, governance decisions and approvals (the web console)."""

@@ -1,4 +1,4 @@
-"""The Starlette app of the HTTP API (reference: docs/operations.md, "HTTP API reference").
+"""The Starlette app of the HTTP API (reference: docs/http-api.md).
 
 Runs on trio (Starlette runs on anyio; Hypercorn's trio worker drives it). Every route
 but ``/healthz`` and ``/readyz`` authenticates the caller (:mod:`agentserver.http.gate`);
@@ -12,14 +12,16 @@ import logging
 import sqlite3
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from agentserver.agents.errors import StoreError
+from agentserver.http.access import CALLER, OPEN, OPERATOR, OWNER, GuardedRoute
 from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
 from agentserver.http.problems import problem
+from agentserver.http.query_tokens import RefuseQueryTokens
 from agentserver.http.routes.a2a import A2aRoutes
 from agentserver.http.routes.agents import AgentRoutes
 from agentserver.http.routes.budgets import BudgetRoutes
@@ -55,37 +57,53 @@ def build_app(ctx: HttpContext) -> Starlette:
     a2a = A2aRoutes(ctx, gate)
     return Starlette(
         routes=[
-            Route("/healthz", status.healthz),
-            Route("/readyz", status.readyz),
-            Route("/metrics", status.metrics),
-            Route("/v1/messages", messages.post_message, methods=["POST"]),
-            Route("/v1/threads/{thread}", messages.thread),
-            Route("/v1/listeners", agents.listeners),
-            Route("/v1/agents", agents.agents),
-            Route("/v1/agents/{name}/tasks/{thread}", agents.task),
-            Route("/v1/agents/{name}/tasks/{thread}/fork", agents.fork, methods=["POST"]),
-            Route("/v1/events", events.events),
-            Route("/v1/schedules", schedules.collection, methods=["GET", "POST"]),
-            Route("/v1/schedules/{name}", schedules.one, methods=["GET", "DELETE"]),
-            Route("/v1/schedules/{name}/{action}", schedules.action, methods=["POST"]),
-            Route("/v1/status", status.status),
-            Route("/v1/steps", status.steps),
-            Route("/v1/webhooks", hooks.list),
-            Route("/v1/webhooks", hooks.create, methods=["POST"]),
-            Route("/v1/webhooks/{name}", hooks.one),
-            Route("/v1/webhooks/{name}", hooks.delete, methods=["DELETE"]),
-            Route("/v1/webhooks/{name}/enable", hooks.enable, methods=["POST"]),
-            Route("/v1/budgets", budgets.list),
-            Route("/v1/budgets/{name}", budgets.one),
-            Route("/v1/budgets/{name}", budgets.put, methods=["PUT"]),
-            Route("/v1/budgets/{name}/reset", budgets.reset, methods=["POST"]),
+            GuardedRoute("/healthz", status.healthz, access=OPEN),
+            GuardedRoute("/readyz", status.readyz, access=OPEN),
+            GuardedRoute("/metrics", status.metrics, access=CALLER),
+            GuardedRoute("/v1/messages", messages.post_message, methods=["POST"], access=CALLER),
+            GuardedRoute("/v1/threads/{thread}", messages.thread, access=OWNER),
+            GuardedRoute("/v1/listeners", agents.listeners, access=CALLER),
+            GuardedRoute("/v1/agents", agents.agents, access=CALLER),
+            GuardedRoute("/v1/agents/{name}/tasks/{thread}", agents.task, access=OWNER),
+            GuardedRoute(
+                "/v1/agents/{name}/tasks/{thread}/fork", agents.fork, methods=["POST"], access=OWNER
+            ),
+            GuardedRoute("/v1/events", events.events, access=OWNER),
+            GuardedRoute(
+                "/v1/schedules", schedules.collection, methods=["GET", "POST"], access=OWNER
+            ),
+            GuardedRoute(
+                "/v1/schedules/{name}", schedules.one, methods=["GET", "DELETE"], access=OWNER
+            ),
+            GuardedRoute(
+                "/v1/schedules/{name}/{action}", schedules.action, methods=["POST"], access=OWNER
+            ),
+            GuardedRoute("/v1/status", status.status, access=CALLER),
+            GuardedRoute("/v1/steps", status.steps, access=CALLER),
+            GuardedRoute("/v1/webhooks", hooks.list, access=OPERATOR),
+            GuardedRoute("/v1/webhooks", hooks.create, methods=["POST"], access=OPERATOR),
+            GuardedRoute("/v1/webhooks/{name}", hooks.one, access=OPERATOR),
+            GuardedRoute("/v1/webhooks/{name}", hooks.delete, methods=["DELETE"], access=OPERATOR),
+            GuardedRoute(
+                "/v1/webhooks/{name}/enable", hooks.enable, methods=["POST"], access=OPERATOR
+            ),
+            GuardedRoute("/v1/budgets", budgets.list, access=OWNER),
+            GuardedRoute("/v1/budgets/{name}", budgets.one, access=OWNER),
+            GuardedRoute("/v1/budgets/{name}", budgets.put, methods=["PUT"], access=OPERATOR),
+            GuardedRoute(
+                "/v1/budgets/{name}/reset", budgets.reset, methods=["POST"], access=OPERATOR
+            ),
             *ui_routes(ctx, gate, events, status),
-            Route("/mcp", McpRoute(ctx, gate), methods=["GET", "POST", "DELETE"]),
-            Route("/.well-known/agent-card.json", a2a.card),
-            Route("/a2a", a2a.rpc, methods=["POST"]),
-            Route("/a2a/agents/{name}", a2a.rpc, methods=["POST"]),
-            Route("/a2a/agents/{name}/agent-card.json", a2a.agent_card),
+            GuardedRoute(
+                "/mcp", McpRoute(ctx, gate), methods=["GET", "POST", "DELETE"], access=CALLER
+            ),
+            GuardedRoute("/.well-known/agent-card.json", a2a.card, access=OPEN),
+            GuardedRoute("/a2a", a2a.rpc, methods=["POST"], access=OWNER),
+            GuardedRoute("/a2a/agents/{name}", a2a.rpc, methods=["POST"], access=OWNER),
+            GuardedRoute("/a2a/agents/{name}/agent-card.json", a2a.agent_card, access=OPEN),
         ],
+        # Every door, the unauthenticated ones too: a token in a URL is refused.
+        middleware=[Middleware(RefuseQueryTokens, auth=ctx.auth, counters=ctx.counters)],
         exception_handlers={
             404: _not_found,
             405: _not_allowed,

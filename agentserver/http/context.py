@@ -14,10 +14,12 @@ from agentserver.agents.events import EventBus, Subscription
 from agentserver.agents.governance.budgets import Budgets
 from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.store.base import Fired, ScheduleRow
+from agentserver.core.access import AccessRule
 from agentserver.core.throttle import HelloThrottle
 from agentserver.http.agents_view import AgentsView
 from agentserver.http.auth import HttpAuth
 from agentserver.http.gateway import HttpGateway
+from agentserver.http.ui.sessions import UiSessions
 from agentserver.net.roles import OperatorCommands
 from agentserver.pump.pump import Pump
 
@@ -36,7 +38,7 @@ class Schedules(Protocol):
     :class:`~agentserver.agents.turn.scheduler.Scheduler`)."""
 
     async def list(self) -> list[ScheduleRow]: ...
-    async def add(self, spec: ScheduleSpec) -> ScheduleRow: ...
+    async def add(self, spec: ScheduleSpec, owner: str | None = None) -> ScheduleRow: ...
     async def pause(self, name: str, paused: bool) -> ScheduleRow: ...
     async def trigger(self, name: str) -> Fired | None: ...
     async def delete(self, name: str) -> None: ...
@@ -83,18 +85,29 @@ class HttpContext:
     version: str = ""
     #: The spend budgets (None: none declared; ``PUT /v1/budgets`` then refuses).
     budgets: Budgets | None = None
+    #: The web console's sign-in sessions (http/ui/sessions.py), kept in the agents'
+    #: store; None: in this process's memory (an app built without a store).
+    ui_sessions: UiSessions | None = None
     counters: dict[str, int] = field(
         default_factory=lambda: {
             "requests": 0,
             "unauthenticated": 0,
             "throttled": 0,
             "sse_dropped": 0,
+            "query_tokens": 0,
         }
     )
+    #: The authorization rule every route applies (agentserver/core/access.py); None:
+    #: made from ``operators`` and ``auth`` without a refusal sink (a test's context).
+    access: AccessRule | None = None
     #: Set by :meth:`close`.
     closing: trio.Event = field(default_factory=trio.Event)
     #: The open event streams' subscriptions.
     subscriptions: set[Subscription] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.access is None:
+            self.access = AccessRule(self.operators, anonymous_sees_all=not self.auth.required)
 
     def close(self) -> None:
         """The server is shutting down: end the event streams now (endless, they would

@@ -125,8 +125,12 @@ class HttpGateway:
             for exchange in self.pending.clear():
                 self._release(exchange)
 
-    def thread(self, thread: str, owner: str | None) -> ThreadView | None:
-        return self.pending.view(thread, owner, trio.current_time())
+    def thread(
+        self, thread: str, owner: str | None, *, any_owner: bool = False
+    ) -> ThreadView | None:
+        """The replies kept for ``thread`` if ``owner`` sent it (whoever did, with
+        ``any_owner``)."""
+        return self.pending.view(thread, owner, trio.current_time(), any_owner=any_owner)
 
     async def send(
         self,

@@ -95,6 +95,8 @@ class ThreadView:
     unanswered: int
     dropped: int
     expires_in: float
+    #: The client that sent the message (None: an anonymous caller).
+    owner: str | None = None
 
 
 class PendingThreads:
@@ -120,11 +122,16 @@ class PendingThreads:
         self._threads[exchange.thread] = exchange
         return old
 
-    def view(self, thread: str, owner: str | None, now: float) -> ThreadView | None:
-        """The thread if ``owner`` sent it and it is still kept; None otherwise (an
-        unknown thread and another client's look the same)."""
+    def view(
+        self, thread: str, owner: str | None, now: float, *, any_owner: bool = False
+    ) -> ThreadView | None:
+        """The thread if ``owner`` sent it (or whoever did, with ``any_owner``: the
+        caller applies the authorization rule to :attr:`ThreadView.owner`) and it is still
+        kept; None otherwise (an unknown thread and another client's look the same)."""
         exchange = self._threads.get(thread)
-        if exchange is None or exchange.owner != owner or exchange.deadline <= now:
+        if exchange is None or exchange.deadline <= now:
+            return None
+        if not any_owner and exchange.owner != owner:
             return None
         return ThreadView(
             thread,
@@ -132,6 +139,7 @@ class PendingThreads:
             exchange.unanswered,
             exchange.dropped,
             exchange.deadline - now,
+            exchange.owner,
         )
 
     def touch(self, now: float) -> None:

@@ -16,6 +16,7 @@ from importlib.resources import as_file, files
 
 from lxml import etree
 
+from agentserver.core.durations import parse_duration
 from agentserver.core.namespaces import BOOT_NS
 
 from .types import Usage
@@ -268,7 +269,7 @@ def _backend(el: etree._Element, environ: Mapping[str, str]) -> BackendConfig:
             )
         if alias in models:
             raise LlmConfigError(line, f"backend {name!r}: alias {alias!r} is also a model name")
-    pos_int, pos_float = _positive(int), _positive(float)
+    pos_int, pos_seconds = _positive(int), _positive(parse_duration)
     return BackendConfig(
         name=name,
         provider=provider,
@@ -278,7 +279,7 @@ def _backend(el: etree._Element, environ: Mapping[str, str]) -> BackendConfig:
         api_key_env=el.get("api-key-env") or None,
         # The dataclasses' own defaults (not slotted: their class attributes hold them).
         priority=_opt(el, "priority", int, BackendConfig.priority),
-        timeout=_opt(el, "timeout", pos_float, BackendConfig.timeout),
+        timeout=_opt(el, "timeout", pos_seconds, BackendConfig.timeout),
         context_window=_opt(el, "context-window", pos_int),
         model_windows=model_windows,
         requests_per_minute=None
@@ -320,16 +321,18 @@ def parse_llm_section(
         elif child.tag == _NS + "retry":
             retry = replace(
                 retry,
-                base_delay=_opt(child, "base-delay", _non_negative(float), retry.base_delay),
-                max_delay=_opt(child, "max-delay", _non_negative(float), retry.max_delay),
+                base_delay=_opt(
+                    child, "base-delay", _non_negative(parse_duration), retry.base_delay
+                ),
+                max_delay=_opt(child, "max-delay", _non_negative(parse_duration), retry.max_delay),
                 max_retry_after=_opt(
-                    child, "max-retry-after", _non_negative(float), retry.max_retry_after
+                    child, "max-retry-after", _non_negative(parse_duration), retry.max_retry_after
                 ),
             )
         elif child.tag == _NS + "breaker":
             breaker = BreakerConfig(
                 failures=_opt(child, "failures", _positive(int), breaker.failures),
-                cooldown=_opt(child, "cooldown", _non_negative(float), breaker.cooldown),
+                cooldown=_opt(child, "cooldown", _non_negative(parse_duration), breaker.cooldown),
             )
     seen: dict[str, int | None] = {}
     for b in backends:
@@ -352,7 +355,7 @@ def parse_llm_section(
         strategy=strategy,
         retry=retry,
         breaker=breaker,
-        timeout=_opt(element, "timeout", _positive(float), RouterConfig.timeout),
+        timeout=_opt(element, "timeout", _positive(parse_duration), RouterConfig.timeout),
         queue_limit=_opt(element, "queue-limit", _positive(int), RouterConfig.queue_limit),
     )
 

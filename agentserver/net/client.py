@@ -31,13 +31,14 @@ from lxml import etree
 from pydantic_xml import BaseXmlModel
 
 from agentserver.core.envelope import MULTITASK, build_envelope
-from agentserver.core.errors import sole_exception
+from agentserver.core.errors import HuhReason, sole_exception
 from agentserver.core.framing import FrameDecoder, FramingError, encode_frame
 from agentserver.core.handshake import MAX_ACK_IDS, ack_frame_body, hello_frame_body
 from agentserver.core.threads import is_uuid4, new_thread_id
 from agentserver.core.xmlsafe import DEFAULT_MAX_MESSAGE_BYTES, SafeParser
 from agentserver.net.connect import PathLike, TlsSessions, connect_stream, tls_context
 from agentserver.net.reply import (
+    AuthenticationRefused,
     ClientError,
     ConnectionClosed,
     DeliveredIds,
@@ -55,6 +56,7 @@ from agentserver.primitives.approval import ApprovalDecision
 
 __all__ = [
     "ACK_FLUSH_TIMEOUT",
+    "AuthenticationRefused",
     "Client",
     "ClientError",
     "ConnectionClosed",
@@ -111,6 +113,9 @@ class Client:
         #: Ids handed over (or dropped as copies) and not yet acknowledged.
         self._to_ack: list[int] = []
         self._ack_wanted = trio.Event()
+        #: The server sent its canned authentication refusal: the close that follows
+        #: is that refusal, not a network fault.
+        self._refused = False
 
     # -- sending -------------------------------------------------------------------------
 
@@ -312,7 +317,15 @@ class Client:
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     data = b""
                 if not data:
-                    self._fail(ConnectionClosed("the server closed the connection"))
+                    if self._refused:
+                        self._fail(
+                            AuthenticationRefused(
+                                "the server requires authentication and refused this "
+                                "connection's (a client name and its token)"
+                            )
+                        )
+                    else:
+                        self._fail(ConnectionClosed("the server closed the connection"))
                     return
                 decoder.feed(data)
                 while (frame := decoder.next_frame()) is not None:
@@ -321,6 +334,9 @@ class Client:
             self._fail(ProtocolError(str(exc)))
 
     def _dispatch(self, reply: Reply) -> None:
+        if reply.is_huh and reply.error_text == HuhReason.UNAUTHENTICATED.value:
+            # The server's one refusal before it closes (net/hello.py): say so at the close.
+            self._refused = True
         if reply.id is not None:
             if reply.id in self.delivered:
                 # Sent again: our acknowledgement was lost (e.g. the server restarted).

@@ -109,8 +109,11 @@ class Connection:
         self.input_open = True
         #: Set on a runner client's connection: its frames are job replies.
         self.runner: object | None = None
-        #: May send operator commands (stop, cancel).
+        #: May send operator commands (stop, cancel) on every task.
         self.is_operator = False
+        #: The declared client this connection is (None: anonymous): a non-operator
+        #: client's commands reach only its own tasks (agentserver/core/access.py).
+        self.client: str | None = None
 
     def stop_reading(self) -> None:
         """Read no more from the client (shutdown); replies still owed are written."""
@@ -186,6 +189,7 @@ class Connection:
         endpoint = self.endpoint = out.endpoint
         named = shared.named_clients if identity.name is not None else None
         self.acks = identity.ack
+        self.client = identity.name
         self.is_operator = shared.operator is not None and (
             identity.name in shared.operators
             if identity.name is not None
@@ -264,7 +268,10 @@ class Connection:
         acks = self.shared.acks if self.acks else None
         runner = self.runner
         runners = self.shared.runners
-        operator = self.shared.operator if self.is_operator else None
+        # Operators' commands reach every task; a declared client's only its own (the
+        # operator object applies the authorization rule).
+        operator = self.shared.operator if self.is_operator or self.client is not None else None
+        is_operator, client = self.is_operator, self.client
         direct = self._direct
         # Readiness is waited for on trio's own socket (which tells trio's I/O manager
         # when it closes), never on the duplicate.
@@ -348,7 +355,9 @@ class Connection:
                             continue
                         if operator is not None and operator.may_be_command(frame):
                             out.flush()
-                            answer = await operator.handle(frame, endpoint.name)
+                            answer = await operator.handle(
+                                frame, endpoint.name, client, operator=is_operator
+                            )
                             if batching:
                                 out.start_batch()
                             if answer is not None:  # a command: carried out, not a request

@@ -29,6 +29,12 @@ class ConnectionClosed(ClientError):
     """The server closed the connection (or it broke)."""
 
 
+class AuthenticationRefused(ConnectionClosed):
+    """The server refused the connection's hello (or the lack of one): it declares
+    clients, and this connection named none, or a wrong token (the server's canned
+    ``<huh>`` ``Authentication required.``, then the close)."""
+
+
 class RequestTimeout(ClientError):
     """No reply on the request's thread within the timeout."""
 

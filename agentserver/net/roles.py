@@ -68,6 +68,10 @@ class OperatorCommands(Protocol):
         """A cheap test: False means ``frame`` is surely an ordinary request."""
         ...
 
-    async def handle(self, frame: bytes, sender: str) -> bytes | None:
-        """The answer to the command in ``frame``; None if it carries none."""
+    async def handle(
+        self, frame: bytes, sender: str, client: str | None = None, *, operator: bool = True
+    ) -> bytes | None:
+        """The answer to the command in ``frame``; None if it carries none. ``client``: the
+        declared client sending it (None: anonymous); ``operator``: whether it is an
+        operator (else the authorization rule limits it to its own tasks)."""
         ...

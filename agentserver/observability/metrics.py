@@ -10,6 +10,7 @@ registered. The list is in docs/operations.md.
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +22,10 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+from agentserver.observability.logs import FIELDS_ATTRIBUTE
+
+_access_log = logging.getLogger("agentserver.access")
 
 #: Seconds; handlers range from microseconds (echo) to the handler timeout.
 HANDLER_BUCKETS = (
@@ -471,3 +476,31 @@ class AgentCounters:
 
     def turn_started(self, agent: str) -> None:
         self.started.labels(agent).inc()
+
+
+class AccessRefusals:
+    """The authorization rule's refusals (:class:`agentserver.core.access.AccessRule`):
+    counted by door, route and client, and logged with the same three, never with the
+    refused object's id or content (the route is its pattern, e.g.
+    ``GET /v1/agents/{name}/tasks/{thread}``). Clients are boot.xml's declared names, so
+    the label's values are bounded."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.counter = Counter(
+            "agentserver_access_refusals",
+            "Requests for another client's object (or an operator's action) the "
+            "authorization rule refused, by door, route and client.",
+            ["door", "route", "client"],
+            registry=registry,
+        )
+
+    def refused(self, client: str | None, door: str, route: str) -> None:
+        who = client or "anonymous"
+        self.counter.labels(door, route, who).inc()
+        _access_log.warning(
+            "access refused: %s on %s %s",
+            who,
+            door,
+            route,
+            extra={FIELDS_ATTRIBUTE: {"client": who, "door": door, "route": route}},
+        )

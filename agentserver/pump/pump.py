@@ -221,6 +221,8 @@ class Pump:
             root = self._codec.parse_root(data)
             inbound = self._codec.decode(root)
         except InputRefused as refusal:
+            if refusal.payload_tag is not None and self._table is not None:
+                refusal = self._table.explain(refusal)
             self._answer_endpoint(endpoint, guess_thread(root) or new_thread_id(), refusal, data)
             return None
         to, thread_id, inbound_payload, ptype = inbound
@@ -260,6 +262,8 @@ class Pump:
                 )
         except InputRefused as refusal:
             self.threads.finish(thread)  # a fresh conversation got no hop: it ends here
+            if refusal.payload_tag is not None:
+                refusal = self._table.explain(refusal)
             self._answer_endpoint(endpoint, thread.id, refusal, data)
             return
         payload = inbound_payload

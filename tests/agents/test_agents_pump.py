@@ -208,3 +208,23 @@ async def test_named_client_replies_stay_kept_until_received(tmp_path):
         assert not await clients.deliver("alice", rid, b"<m><n>150</n></m>")  # kept
         assert [r.reply_id for r in await store.pending_client_replies("alice")] == [rid]
         await store.aclose()
+
+
+async def test_a_schedule_runs_answer_is_not_a_caller_gone(caplog):
+    """Issue 45: each schedule run logged "anonymous caller schedule:… is gone"; no caller
+    waits for a run's answer (it goes to the store and the events), so nothing is said.
+    An anonymous caller that did go away is still logged."""
+    from agentserver.agents.turn.scheduler import run_ref
+
+    caplog.set_level("INFO", logger="agentserver")
+    async with open_pump([]) as pump:
+        ports = PumpPorts(pump)
+        answer = etree.fromstring(b"<answer xmlns='urn:t'>done</answer>")
+        await ports.deliver(
+            run_ref("nightly", "assistant", 0.0), answer, failed=False, turn_id="t-run"
+        )
+        assert "is gone" not in caplog.text
+        gone = {"hop": "h", "caller_thread": "c", "chain": ["client-1", "assistant"]}
+        await ports.deliver(gone, answer, failed=False, turn_id="t-client")
+    assert "turn t-client: anonymous caller client-1 is gone" in caplog.text
+    assert "schedule:nightly" not in caplog.text

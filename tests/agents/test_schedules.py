@@ -5,6 +5,7 @@ ports; time is trio's mock clock, and the store's wall clock follows it
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -21,6 +22,7 @@ from agentserver.agents.profile.schedule import (
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore
+from agentserver.agents.turn.scheduler import run_ref
 
 START = 1_800_000_000.0  # a whole second
 
@@ -99,20 +101,19 @@ async def test_each_second_fires_once_and_each_run_is_a_task(
         [row] = await store.list_schedules()
         assert row.fired == len(ticks) and row.last_outcome == "fired"
         # each run a task like any other: its Turn ran and ended
-        done = store_rows(store, "SELECT count(*) FROM agent_inbox WHERE message_type='turn'")
-        assert done is None or done == len(ticks)
+        assert [t["status"] for t in await tasks(store)] == ["consumed"] * len(ticks)
         late = [at - tick for name, tick, _, at in rt.scheduler.fired]
         assert max(late) < 0.2
     finally:
         await rt.aclose()
 
 
-def store_rows(store: AgentStore, sql: str) -> int | None:
-    db = getattr(store, "_db", None)  # SQLite only: the count, read directly
-    return db.execute(sql).fetchone()[0] if db is not None else None
+async def tasks(store: AgentStore) -> list[dict]:
+    """The agent's tasks (its inbox rows), newest first, on either store."""
+    return await store.recent_tasks("assistant", 1000)
 
 
-async def test_two_processes_fire_each_tick_once(request, tmp_path, mock_clock) -> None:
+async def test_two_processes_fire_each_tick_once(request, tmp_path, mock_clock, caplog) -> None:
     clock = TrioWall()
     stores = [await open_store("postgresql", request, tmp_path, clock) for _ in range(2)]
     rts = [make(s, clock, schedules=[spec()], tmp_path=tmp_path) for s in stores]
@@ -123,9 +124,87 @@ async def test_two_processes_fire_each_tick_once(request, tmp_path, mock_clock) 
         assert len(ticks) == len(set(ticks)) and 9 <= len(ticks) <= 11
         by = [len(rt.scheduler.fired) for rt in rts]
         assert sum(by) == len(ticks)
+        # The loser of each tick was told by the claim, not by a duplicate key.
+        warned = [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "agentserver.agents.turn.scheduler" and r.levelno >= logging.WARNING
+        ]
+        assert warned == []
     finally:
         for rt in rts:
             await rt.aclose()
+
+
+async def claim(store: AgentStore, tick: float, next_tick: float, name: str = "tick"):
+    """One claim of ``tick`` as the scheduler makes it (agents/turn/scheduler.py)."""
+    return await store.fire_schedule(
+        name, tick, next_tick, run_ref(name, "assistant", tick), None, b"<cancelled/>"
+    )
+
+
+async def test_a_tick_is_claimed_only_while_it_is_the_schedules_next(
+    kind: str, request, tmp_path, mock_clock
+) -> None:
+    """The claim's own condition (``next_tick`` = this tick), with no run of the tick
+    recorded yet, so the primary key on ``schedule_runs`` cannot be what refuses it."""
+    clock = TrioWall()
+    store = await open_store(kind, request, tmp_path, clock)
+    try:
+        await store.ensure_agents(["assistant"])
+        tick = START + 60
+        await store.put_schedule(spec(), "api", tick, new=True)
+        # A tick that is not the schedule's next (ahead of it, or one it moved past
+        # without a run: skipped, paused): not claimed, nothing moved.
+        assert await claim(store, tick + 1, tick + 2) is None
+        assert await claim(store, tick - 1, tick) is None
+        [row] = await store.list_schedules()
+        assert (row.next_tick, row.fired, row.skipped) == (tick, 0, 0)
+        assert await store.schedule_runs("tick") == []
+        # Its next tick is claimed once, and moves the schedule on.
+        fired = await claim(store, tick, tick + 1)
+        assert fired is not None and (fired.tick, fired.outcome) == (tick, "fired")
+        [row] = await store.list_schedules()
+        assert (row.next_tick, row.fired) == (tick + 1, 1)
+    finally:
+        await store.aclose()
+
+
+async def test_two_claimers_of_one_tick_one_wins_and_no_duplicate_is_attempted(
+    kind: str, request, tmp_path, mock_clock, caplog
+) -> None:
+    """Two claimers of the same tick at once (on PostgreSQL two processes' connections
+    to one store, on SQLite one store's): one run, and the loser is told None, not a
+    duplicate key (the primary key on ``schedule_runs`` is a backstop, never the
+    claim)."""
+    clock = TrioWall()
+    first = await open_store(kind, request, tmp_path, clock)
+    second = await open_store(kind, request, tmp_path, clock) if kind == "postgresql" else first
+    try:
+        await first.ensure_agents(["assistant"])
+        tick = START + 60
+        # overlap allow: every tick won starts a run (the runs never end here)
+        await first.put_schedule(spec(overlap="allow"), "api", tick, new=True)
+
+        async def race(store: AgentStore, t: float, got: list[object]) -> None:
+            got.append(await claim(store, t, t + 1))
+
+        for n in range(5):  # five ticks in a row, each raced by both
+            got: list[object] = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(race, first, tick + n, got)
+                nursery.start_soon(race, second, tick + n, got)
+            assert sorted(f is None for f in got) == [False, True], got
+        runs = await first.schedule_runs("tick")
+        assert [t for _, t, _, _ in runs] == [tick + n for n in range(5)]
+        [row] = await first.list_schedules()
+        assert (row.next_tick, row.fired) == (tick + 5, 5)
+        noise = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not [m for m in noise if "duplicate" in m.lower() or "unique" in m.lower()]
+    finally:
+        await first.aclose()
+        if second is not first:
+            await second.aclose()
 
 
 async def test_a_restart_catches_up_within_the_window_and_skips_beyond(
@@ -193,8 +272,8 @@ async def test_overlap_with_a_run_that_does_not_end(
             assert len(llm.cancelled) == 5
         else:
             assert len(fired_later) == 4
-        queued = store_rows(store, "SELECT count(*) FROM agent_inbox WHERE status='queued'")
-        assert queued is None or queued == queued_runs
+        queued = [t for t in await tasks(store) if t["status"] == "queued"]
+        assert len(queued) == queued_runs
     finally:
         await rt.aclose()
 

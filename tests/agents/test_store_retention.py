@@ -298,6 +298,31 @@ async def test_a_dry_run_counts_and_deletes_nothing(store):
     assert await turn_rows(store, turn) > 0
 
 
+async def test_a_dry_run_reports_exactly_what_the_prune_then_removes(store):
+    """Issue 45: a dry run once counted a task's candidates only (0 rows, while the prune
+    then removed 230: every row of each Turn, the records an earlier pass frees). It is
+    now the prune itself, rolled back: its report is the prune's, figure for figure."""
+    for i in range(12):
+        await finished(store, f"t{i}", conversation=f"c{i % 3}")
+    await finished(store, "unsent", sent=False)  # its reply is pending: kept
+    await store.record_steps(
+        [StepRow(f"s{i}", "tool", "a", 1, "step.done", "", clock_of(store).now()) for i in range(5)]
+    )
+    clock_of(store).advance(2 * DAY)
+    await finished(store, "young")  # inside the window: kept
+    settings = replace(ONE_DAY, defaults=replace(ONE_DAY.defaults, keep_last=1))
+    tables = ("agent_inbox", "cards", "boxes", "agent_steps", "agent_replies", "step_log")
+    before = {t: await count(store, f"SELECT count(*) FROM {t}") for t in tables}
+    dry = await Pruner(store, settings, (A,)).prune_once(dry_run=True)
+    # The dry run left everything as it was.
+    assert {t: await count(store, f"SELECT count(*) FROM {t}") for t in tables} == before
+    done = await prune(store, settings)
+    assert dry.tasks == done.tasks and dry.tasks > 0
+    assert dry.rows == done.rows
+    assert dry.rows["task_rows"] > 0 and dry.rows["step_log"] == 5
+    assert sum(dry.rows.values()) == sum(done.rows.values())
+
+
 async def test_two_pruners_take_turns(store):
     """Two pruners on one store: while one holds the lease the other does nothing (and a
     batch fenced on a lease it does not hold deletes nothing); a dead one's lease expires."""
@@ -512,7 +537,8 @@ async def test_done_deliveries_go_with_their_conversations_counter(store):
     assert (await prune(store)).rows.get("outbox", 0) == 0  # inside its window
     clock_of(store).advance(DAY)
     dry = await Pruner(store, ONE_DAY, (A,)).prune_once(dry_run=True)
-    assert dry.rows["outbox"] == 2 and await count(store, rows) == 3
+    # (exactly what the prune below removes: the two rows and their counter)
+    assert dry.rows["outbox"] == 3 and await count(store, rows) == 3
     # none keeps them
     assert (await prune(store, replace(ONE_DAY, deliveries_s=None))).rows.get("outbox", 0) == 0
     # A's two delivered rows and its counter go; B's pending row never does, nor its counter.

@@ -106,8 +106,9 @@ def test_check_connect_says_unreachable(tmp_path) -> None:
     path = _boot(tmp_path, '<store url-env="T_STORE_URL"/>')
     result = cli_in_process("check", "--connect", str(path), env=subprocess_env(T_STORE_URL=url))
     assert result.returncode == 1
-    err = result.stderr.decode()
-    assert "NOT reachable" in err and "hunter2" not in err and "u:***@" in err
+    out = result.stdout.decode()  # check's one stream
+    assert "NOT reachable" in out and "hunter2" not in out and "u:***@" in out
+    assert "hunter2" not in result.stderr.decode()
 
 
 def test_check_connect_on_sqlite_says_so(tmp_path) -> None:

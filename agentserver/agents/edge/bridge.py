@@ -28,6 +28,8 @@ from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore, TurnToken
 from agentserver.agents.turn.answer import FAILED, STATUS_ATTR
 from agentserver.agents.turn.memory import SPEAKS_FOR
+from agentserver.agents.turn.scheduler import SCHEDULE_KEY
+from agentserver.core.access import AccessRule
 from agentserver.core.envelope import encode, envelope_multitask
 from agentserver.core.errors import Refusal
 from agentserver.core.listener import Handler, HandlerMetadata, HandlerResponse, HandlerResult
@@ -66,6 +68,7 @@ class PumpPorts:
         store: AgentStore | None = None,
         named_clients: Iterable[str] = (),
         operators: Iterable[str] = (),
+        access: AccessRule | None = None,
     ) -> None:
         self.pump = pump
         self.named_clients = frozenset(named_clients)
@@ -79,6 +82,9 @@ class PumpPorts:
         #: the HTTP API's per-message endpoints of an authenticated client (its replies
         #: still go to that endpoint, so this is not :attr:`clients`' identity map).
         self._deciders: dict[str, str] = {}
+        #: The authorization rule (agentserver/core/access.py): a client that is not an
+        #: approval request's approver learns nothing of it (None: no rule, a test's).
+        self.access = access
 
     def speak_for(self, endpoint: str, identity: str) -> None:
         """Endpoint ``endpoint`` was opened for authenticated client ``identity``: an
@@ -201,6 +207,10 @@ class PumpPorts:
                 self.pump.end_hop(ref.hop)  # as an answer would: the hop ends
                 if reply_id:
                     await self.clients.deliver(identity, reply_id, body)
+        elif isinstance(reply_ref, dict) and SCHEDULE_KEY in reply_ref:
+            # A schedule's run: no caller waits for its answer, which goes to the store
+            # and the agent's events only. Nothing is gone, so nothing to log.
+            self.pump.release(ref.hop)
         elif self.pump.is_connected(caller):
             if not await self.pump.answer(agent, ref, payload):
                 log.info("turn %s: caller %s went away; answer kept in the store", turn_id, caller)
@@ -212,6 +222,18 @@ class PumpPorts:
         self._delivered[turn_id] = None
         while len(self._delivered) > _DEDUP_WINDOW:
             self._delivered.popitem(last=False)
+
+
+async def _sees_request(runtime: AgentRuntime, access: AccessRule, by: str, request: str) -> bool:
+    """Whether client ``by`` may see approval request ``request`` though it is not its
+    approver: an operator, or the sender of the task whose call waits for it."""
+    if access.sees_all(by):
+        return True
+    for pending in await runtime.store.pending_approvals():
+        if pending.request_id == request:
+            _caller, _hop, sender = await runtime.store.turn_task(pending.agent_turn_id)
+            return access.decide(by, sender)
+    return False
 
 
 async def approval_decision(
@@ -230,6 +252,18 @@ async def approval_decision(
     status = await runtime.approvals.decide(
         decision.request, decision.grant, decision.reason.strip(), by
     )
+    if (
+        status == "not-yours"
+        and ports is not None
+        and ports.access is not None
+        and by in ports.named_clients  # anonymous callers (no <clients>) keep not-yours
+        and not await _sees_request(runtime, ports.access, by, decision.request)
+    ):
+        # Neither its approver, nor an operator, nor the sender of the task that asked:
+        # answered as an unknown request, so request ids cannot be probed
+        # (docs/security.md).
+        ports.access.refuse(by, "approval", "approval-decision")
+        status = "unknown"
     if status != "applied":
         log.info("approval decision for %s from %s: %s", decision.request, by, status)
     if meta.response_thread is not None:

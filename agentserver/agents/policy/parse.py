@@ -17,11 +17,10 @@ from agentserver.agents.policy.rules import (
     RateScope,
     Rule,
 )
+from agentserver.core.durations import parse_duration as core_duration
 from agentserver.core.namespaces import BOOT_NS
 
 _B = f"{{{BOOT_NS}}}"
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
 class PolicyError(ValueError):
@@ -33,10 +32,8 @@ class PolicyError(ValueError):
 
 
 def parse_duration(raw: str) -> float:
-    m = _DURATION.match(raw)
-    if m is None:
-        raise ValueError(f"{raw!r} is not a duration (e.g. 60s, 5m, 1h, 0.5)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    """boot.xml's one duration syntax (:mod:`agentserver.core.durations`)."""
+    return core_duration(raw)
 
 
 def parse_rate(raw: str, scope: RateScope) -> Rate:

@@ -23,6 +23,7 @@ from agentserver.agents.profile.retention import (
     retention_from_element,
 )
 from agentserver.agents.profile.settings import AgentSettings, StoreSettings, profile_default
+from agentserver.core.durations import DurationError, parse_duration
 from agentserver.core.namespaces import BOOT_NS
 
 SCHEMA_FILE = "boot-agents.xsd"
@@ -48,6 +49,17 @@ def _num(el: etree._Element, attr: str, default: float, kind: type = float) -> f
         raise AgentConfigError(
             f"<{etree.QName(el).localname}> {attr}={raw!r} is not a number"
         ) from None
+
+
+def _seconds(el: etree._Element, attr: str, default: float) -> float:
+    """A duration attribute (boot.xml's one syntax: ``30``, ``250ms``, ``5m``, ...)."""
+    raw = el.get(attr)
+    if raw is None:
+        return default
+    try:
+        return parse_duration(raw)
+    except DurationError as exc:
+        raise AgentConfigError(f"<{etree.QName(el).localname} {attr}>: {exc}") from None
 
 
 def store_url(el: etree._Element, environ: Mapping[str, str] | None = None) -> str | None:
@@ -88,15 +100,15 @@ def store_settings_from_element(
         return StoreSettings(
             path=path,
             url=store_url(el, environ),
-            lease_s=_num(el, "lease", d.lease_s),
-            heartbeat_s=_num(el, "heartbeat", d.heartbeat_s),
+            lease_s=_seconds(el, "lease", d.lease_s),
+            heartbeat_s=_seconds(el, "heartbeat", d.heartbeat_s),
             pool_size=int(_num(el, "pool-size", d.pool_size, int)),
             worker_concurrency=int(_num(el, "worker-concurrency", d.worker_concurrency, int)),
-            watchdog_interval_s=_num(el, "watchdog-interval", d.watchdog_interval_s),
-            processing_timeout_s=_num(el, "processing-timeout", d.processing_timeout_s),
-            dispatch_timeout_s=_num(el, "dispatch-timeout", d.dispatch_timeout_s),
-            max_running_s=_num(el, "max-running", d.max_running_s),
-            retry_base_s=_num(el, "retry-base", d.retry_base_s),
+            watchdog_interval_s=_seconds(el, "watchdog-interval", d.watchdog_interval_s),
+            processing_timeout_s=_seconds(el, "processing-timeout", d.processing_timeout_s),
+            dispatch_timeout_s=_seconds(el, "dispatch-timeout", d.dispatch_timeout_s),
+            max_running_s=_seconds(el, "max-running", d.max_running_s),
+            retry_base_s=_seconds(el, "retry-base", d.retry_base_s),
             max_retries=int(_num(el, "max-retries", d.max_retries, int)),
             client_replies_max=int(_num(el, "client-replies-max", d.client_replies_max, int)),
             retention=retention_from_element(el.find(_q("retention"))),
@@ -127,12 +139,12 @@ def agent_settings_from_element(el: etree._Element | None, *, name: str) -> Agen
             model_env=el.get("model-env") or None,
             system_prompt=(prompt_el.text or "").strip() if prompt_el is not None else None,
             max_steps=int(_num(el, "max-steps", d.max_steps, int)),
-            resume_deadline_s=_num(el, "resume-deadline", d.resume_deadline_s),
-            llm_timeout_s=_num(el, "llm-timeout", d.llm_timeout_s),
+            resume_deadline_s=_seconds(el, "resume-deadline", d.resume_deadline_s),
+            llm_timeout_s=_seconds(el, "llm-timeout", d.llm_timeout_s),
             max_tokens=int(max_tokens) if max_tokens else None,
             step_retries=int(_num(el, "step-retries", d.step_retries, int)),
-            step_retry_base_s=_num(el, "step-retry-base", d.step_retry_base_s),
-            max_retry_after_s=_num(el, "max-retry-after", d.max_retry_after_s),
+            step_retry_base_s=_seconds(el, "step-retry-base", d.step_retry_base_s),
+            max_retry_after_s=_seconds(el, "max-retry-after", d.max_retry_after_s),
             context_window=int(window) if (window := el.get("context-window")) else None,
             context_reserve=int(_num(el, "context-reserve", d.context_reserve, int)),
             keep_recent=int(_num(el, "keep-recent", d.keep_recent, int)),

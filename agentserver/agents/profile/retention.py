@@ -14,14 +14,14 @@ Durations are written ``90``, ``90s``, ``15m``, ``1h``, ``7d`` or ``250ms``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from lxml import etree
 
-_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+from agentserver.core.durations import DurationError
+from agentserver.core.durations import parse_duration as core_duration
+
 NONE = "none"
 
 
@@ -29,10 +29,10 @@ def parse_duration(text: str, what: str) -> float | None:
     """Seconds of ``text`` (None for ``none``). Raises ValueError naming ``what``."""
     if text.strip() == NONE:
         return None
-    m = _DURATION.match(text)
-    if m is None:
-        raise ValueError(f"{what}: {text!r} is not a duration (e.g. 30d, 1h, 90s) or none")
-    seconds = float(m.group(1)) * _UNIT[m.group(2)]
+    try:
+        seconds = core_duration(text)
+    except DurationError as exc:
+        raise ValueError(f"{what}: {exc}, or none") from None
     if seconds <= 0:
         raise ValueError(f"{what}: {text!r} must be longer than 0")
     return seconds

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from agentserver.agents.profile.retention import parse_duration
+from agentserver.core.durations import DurationError, parse_duration
 
 #: The event names the server itself publishes (others come from features that publish
 #: typed events with an ``event_type``).
@@ -57,19 +57,19 @@ DURATIONS = {
 
 def webhook_duration(value: object, label: str) -> float:
     """Seconds of a webhook duration: a number of seconds (JSON), or text in boot.xml's
-    duration syntax (``90``, ``30s``, ``5m``, ``24h``, ``7d``, ``250ms``: the retention
-    parser's, so every duration in boot.xml reads alike). ``none`` is no webhook duration
+    duration syntax (``90``, ``30s``, ``5m``, ``24h``, ``7d``, ``250ms``: the
+    one parser of every duration in boot.xml). ``none`` is no webhook duration
     (each has a bound). Raises :class:`WebhookConfigError` naming ``label``."""
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise WebhookConfigError(f"{label}: a duration (e.g. 30s, 5m, 24h, 7d) or seconds")
     if not isinstance(value, str):
-        seconds: float | None = float(value)
+        seconds = float(value)
     else:
         try:
-            seconds = parse_duration(value, label)
-        except ValueError as exc:
-            raise WebhookConfigError(str(exc)) from None
-    if seconds is None or not seconds > 0 or seconds == float("inf"):
+            seconds = parse_duration(value)
+        except DurationError as exc:
+            raise WebhookConfigError(f"{label}: {exc}") from None
+    if not seconds > 0 or seconds == float("inf"):
         raise WebhookConfigError(f"{label}: {value!r} must be a duration longer than 0")
     return seconds
 

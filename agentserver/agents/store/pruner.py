@@ -26,7 +26,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -43,8 +43,6 @@ ROW_BATCH = 500
 VACUUM_PAGES = 128
 #: The pause between two batches: the store's other transactions go first.
 PAUSE_S = 0.002
-#: A dry run counts up to this many of each kind in one read.
-DRY_LIMIT = 1 << 31
 
 
 class PruneStore(Protocol):
@@ -107,6 +105,9 @@ class PruneStore(Protocol):
     async def prune_refused_a2a_tasks(
         self, owner: str | None, agent_id: str, max_age_s: float, limit: int, dry_run: bool = False
     ) -> Pruned: ...
+    async def rehearse_prune(
+        self, passes: Sequence[tuple[str, str, tuple[Any, ...], bool]]
+    ) -> list[tuple[str, Pruned]]: ...
     async def store_agents(self) -> list[str]: ...
     async def record_agents(self) -> tuple[list[str], list[str]]: ...
     async def reclaim_pages(self, max_pages: int) -> int: ...
@@ -115,9 +116,9 @@ class PruneStore(Protocol):
 
 @dataclass(slots=True)
 class PruneReport:
-    """What one run removed (or, dry, would remove): tasks, and rows by kind (``task_rows``:
-    every row a task and its Turn had; a dry run cannot count those, and may count an
-    edge both with its Turn and by age)."""
+    """What one run removed (or, dry, would remove: the same figures, the dry run being
+    the prune rolled back): tasks, and rows by kind (``task_rows``: every row a task and
+    its Turn had)."""
 
     tasks: int = 0
     rows: dict[str, int] = field(default_factory=dict)
@@ -185,7 +186,9 @@ class Pruner:
         self, *, dry_run: bool = False, progress: Callable[[PruneReport], None] | None = None
     ) -> PruneReport:
         """One pass over the store; ``progress`` is called after every batch. A dry run
-        takes no lease and deletes nothing (it counts)."""
+        takes no lease and deletes nothing: it runs the pass in one transaction of the
+        store, rolled back (``rehearse_prune``), so it counts exactly what a prune run
+        now removes (it holds the store's write lock meanwhile)."""
         report = PruneReport()
         owner: str | None = None
         if not dry_run:
@@ -211,26 +214,23 @@ class Pruner:
         kind: str,
         call: Callable[[int, int], Awaitable[Pruned]],
         limit: int,
-        dry_run: bool,
         progress: Callable[[PruneReport], None] | None,
     ) -> None:
         """Run ``call(limit, after)`` batch after batch, each starting where the last
-        ended, until one says the pass is done (dry: once, counting everything)."""
+        ended, until one says the pass is done."""
         after = 0
         while True:
-            got = await call(DRY_LIMIT if dry_run else limit, after)
+            got = await call(limit, after)
             report.add(kind, got)
             if progress is not None:
                 progress(report)
-            if dry_run or got.done:
+            if got.done:
                 return
             after = got.after
             await trio.sleep(self.pause_s)
 
     def _passes(
         self,
-        owner: str | None,
-        dry_run: bool,
         agents: Sequence[str],
         scheduled: Collection[str] = (),
         refused: Collection[str] = (),
@@ -238,34 +238,29 @@ class Pruner:
         """Every pass of one run, in order: agent by agent what ``finished-tasks`` and
         ``events`` bound (a Turn's rows first, so the records that wait for their task to
         go find it gone), then the store's own windows."""
-        s, d = self.store, dry_run
         out: list[_Pass] = []
         for a in agents:
             r = self.settings.for_agent(a)
             if (age := r.finished_tasks_s) is not None:
                 out += [
-                    ("task_rows", _paged(s.prune_tasks, d, owner, a, age, r.keep_last), TASK_BATCH),
-                    ("boxes", _unpaged(s.prune_orphan_boxes, d, owner, a, age), ROW_BATCH),
+                    ("task_rows", "prune_tasks", (a, age, r.keep_last), TASK_BATCH, True),
+                    ("boxes", "prune_orphan_boxes", (a, age), ROW_BATCH, False),
                 ]
                 if a in scheduled:
-                    run_records = _unpaged(s.prune_schedule_runs, d, owner, a, age)
-                    out.append(("schedule_runs", run_records, ROW_BATCH))
+                    out.append(("schedule_runs", "prune_schedule_runs", (a, age), ROW_BATCH, False))
                 if a in refused:
-                    a2a_records = _unpaged(s.prune_refused_a2a_tasks, d, owner, a, age)
-                    out.append(("a2a_tasks", a2a_records, ROW_BATCH))
+                    out.append(("a2a_tasks", "prune_refused_a2a_tasks", (a, age), ROW_BATCH, False))
             if (events := r.events_s) is not None:
-                out.append(
-                    ("execution_edges", _paged(s.prune_events, d, owner, a, events), ROW_BATCH)
-                )
+                out.append(("execution_edges", "prune_events", (a, events), ROW_BATCH, True))
         g = self.settings
         if (replies := g.acknowledged_replies_s) is not None:
-            out.append(("agent_replies", _unpaged(s.prune_replies, d, owner, replies), ROW_BATCH))
+            out.append(("agent_replies", "prune_replies", (replies,), ROW_BATCH, False))
         if (stones := g.tombstones_s) is not None:
-            out.append(("pruned_turns", _unpaged(s.prune_tombstones, d, owner, stones), ROW_BATCH))
+            out.append(("pruned_turns", "prune_tombstones", (stones,), ROW_BATCH, False))
         if (steps := g.step_log_s) is not None:
-            out.append(("step_log", _paged(s.prune_step_log, d, owner, steps), ROW_BATCH))
+            out.append(("step_log", "prune_step_log", (steps,), ROW_BATCH, True))
         if (deliveries := g.deliveries_s) is not None:
-            out.append(("outbox", _paged(s.prune_deliveries, d, owner, deliveries), ROW_BATCH))
+            out.append(("outbox", "prune_deliveries", (deliveries,), ROW_BATCH, True))
         return out
 
     async def _pass(
@@ -277,32 +272,43 @@ class Pruner:
     ) -> None:
         agents = sorted(set(self.agents) | set(await self.store.store_agents()))
         scheduled, refused = await self.store.record_agents()
-        for kind, call, batch in self._passes(owner, dry_run, agents, scheduled, refused):
-            await self._batches(report, kind, call, batch, dry_run, progress)
-        if not dry_run:
-            while (freed := await self.store.reclaim_pages(VACUUM_PAGES)) > 0:
-                report.pages += freed
-                if progress is not None:
-                    progress(report)
-                await trio.sleep(self.pause_s)
-            # The run's deletions (and the Turns' writes meanwhile) copied back, so the
-            # WAL starts over at the next commit instead of growing on (issue 43).
-            await self.store.checkpoint_after_prune()
+        passes = self._passes(agents, scheduled, refused)
+        if dry_run:
+            # The prune itself in one transaction, rolled back: exactly what it removes.
+            rehearsal = [(kind, method, args, paged) for kind, method, args, _, paged in passes]
+            for kind, got in await self.store.rehearse_prune(rehearsal):
+                report.add(kind, got)
+            if progress is not None:
+                progress(report)
+            return
+        for kind, method, args, batch, paged in passes:
+            fn = getattr(self.store, method)
+            call = _paged(fn, owner, args) if paged else _unpaged(fn, owner, args)
+            await self._batches(report, kind, call, batch, progress)
+        while (freed := await self.store.reclaim_pages(VACUUM_PAGES)) > 0:
+            report.pages += freed
+            if progress is not None:
+                progress(report)
+            await trio.sleep(self.pause_s)
+        # The run's deletions (and the Turns' writes meanwhile) copied back, so the WAL
+        # starts over at the next commit instead of growing on (issue 43).
+        await self.store.checkpoint_after_prune()
 
 
-#: One pass: (the report's kind, ``call(limit, after)`` for one batch, the batch size).
-_Pass = tuple[str, Callable[[int, int], Awaitable[Pruned]], int]
+#: One pass: (the report's kind, the store's batch method, its arguments between the
+#: owner and the limit, the batch size, whether a batch resumes after the last one's key).
+_Pass = tuple[str, str, tuple[Any, ...], int, bool]
 
 
 def _paged(
-    fn: Callable[..., Awaitable[Pruned]], dry_run: bool, *args: object
+    fn: Callable[..., Awaitable[Pruned]], owner: str | None, args: tuple[Any, ...]
 ) -> Callable[[int, int], Awaitable[Pruned]]:
     """A batch call of a pass that resumes where the last batch ended (``after``)."""
-    return lambda limit, after: fn(*args, limit, dry_run, after)
+    return lambda limit, after: fn(owner, *args, limit, False, after)
 
 
 def _unpaged(
-    fn: Callable[..., Awaitable[Pruned]], dry_run: bool, *args: object
+    fn: Callable[..., Awaitable[Pruned]], owner: str | None, args: tuple[Any, ...]
 ) -> Callable[[int, int], Awaitable[Pruned]]:
     """A batch call of a pass that finds its rows afresh each batch."""
-    return lambda limit, _after: fn(*args, limit, dry_run)
+    return lambda limit, _after: fn(owner, *args, limit, False)

@@ -293,7 +293,20 @@ class ScheduleRow:
     last_inbox_id: str | None
     fired: int
     skipped: int
+    #: ``boot`` (boot.xml), ``api`` (made at run time by an anonymous caller) or
+    #: ``api:NAME`` (made by declared client NAME, its owner).
     source: str
+
+    @property
+    def owner(self) -> str | None:
+        """The declared client that made the schedule (None: boot.xml's, an anonymous
+        caller's): whom the authorization rule lets see and change it besides operators."""
+        return self.source.partition(":")[2] or None
+
+    @property
+    def origin(self) -> str:
+        """``boot`` or ``api``: where the schedule was made."""
+        return self.source.partition(":")[0]
 
 
 @dataclass(frozen=True, slots=True)

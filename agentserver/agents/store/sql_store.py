@@ -66,6 +66,7 @@ from agentserver.agents.store.sql import (
     tools,
     turn_end,
     turns,
+    ui_sessions,
     views,
     watchdog,
 )
@@ -513,11 +514,32 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     async def agent_views(self, names: Sequence[str]) -> list[dict[str, Any]]:
         return await self._read(views.agents, list(names))
 
-    async def task_view(self, agent_id: str, thread: str) -> dict[str, Any] | None:
-        return await self._read(views.task, agent_id, thread)
+    async def task_view(
+        self, agent_id: str, thread: str, sender: str | None = None
+    ) -> dict[str, Any] | None:
+        return await self._read(views.task, agent_id, thread, sender)
 
-    async def recent_tasks(self, agent_id: str, limit: int = 20) -> list[dict[str, Any]]:
-        return await self._read(views.recent_tasks, agent_id, limit)
+    async def task_reading(
+        self, agent_id: str, thread: str, sender: str | None = None
+    ) -> dict[str, Any] | None:
+        return await self._read(views.task_reading, agent_id, thread, sender)
+
+    async def recent_tasks(
+        self, agent_id: str, limit: int = 20, sender: str | None = None
+    ) -> list[dict[str, Any]]:
+        return await self._read(views.recent_tasks, agent_id, limit, sender)
+
+    async def task_sender(
+        self, agent_id: str, thread: str, sender: str | None = None
+    ) -> tuple[bool, str | None]:
+        return await self._read(views.task_sender, agent_id, thread, sender)
+
+    async def turn_task(self, agent_turn_id: str) -> tuple[str | None, str | None, str | None]:
+        return await self._read(views.turn_task, agent_turn_id)
+
+    async def task_answer(self, thread: str) -> dict[str, Any] | None:
+        """The latest task sent on the caller's ``thread``, with its sender and answer."""
+        return await self._read(views.task_answer, thread)
 
     async def turn_log(self, agent_turn_id: str) -> dict[str, Any]:
         return await self._read(views.turn_log, agent_turn_id)
@@ -556,7 +578,7 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
 
     async def a2a_tasks(
         self,
-        owner: str,
+        owner: str | None,
         context_id: str | None,
         agents: Sequence[str],
         limit: int,
@@ -622,6 +644,30 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         return await self._run(
             prune.prune_tasks, owner, agent_id, max_age_s, keep_last, limit, dry_run, after
         )
+
+    async def rehearse_prune(
+        self, passes: Sequence[tuple[str, str, tuple[Any, ...], bool]]
+    ) -> list[tuple[str, prune.Pruned]]:
+        """Run the passes of a prune (each: its kind, the batch method of this store, its
+        arguments between the owner and the limit, whether it resumes after a key) in one
+        transaction, then roll it back (``prune.rehearse``): what each batch removed."""
+        batches = {
+            "prune_tasks": prune.prune_tasks,
+            "prune_orphan_boxes": prune.prune_orphan_boxes,
+            "prune_events": prune.prune_events,
+            "prune_replies": prune.prune_replies,
+            "prune_step_log": prune.prune_step_log,
+            "prune_tombstones": tombstones.prune_tombstones,
+            "prune_deliveries": prune_records.prune_deliveries,
+            "prune_schedule_runs": prune_records.prune_schedule_runs,
+            "prune_refused_a2a_tasks": prune_records.prune_refused_a2a_tasks,
+        }
+        plan = [(kind, batches[method], args, paged) for kind, method, args, paged in passes]
+        try:
+            await self._run(prune.rehearse, plan)
+        except prune.Rehearsed as done:
+            return done.results
+        raise StoreError("a prune rehearsal ended without rolling back")
 
     async def prune_orphan_boxes(
         self,
@@ -703,6 +749,21 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     async def table_stats(self) -> list[tuple[str, int, int | None, float | None]]:
         """Rows, bytes and oldest row time per table (see ``stats.table_stats``)."""
         return await self._read(stats.table_stats)
+
+    # -- the web console's sessions (agents/store/sql/ui_sessions.py) -----------------------
+    async def ui_session_put(
+        self, id_hash: str, client: str, proof: str, lifetime_s: float
+    ) -> float:
+        """Store a sign-in session; when it expires (store time)."""
+        return await self._run(ui_sessions.put_session, id_hash, client, proof, lifetime_s)
+
+    async def ui_session_get(self, id_hash: str) -> tuple[str, str] | None:
+        """(client, proof) of a live session, or None (unknown, signed out, expired)."""
+        return await self._read(ui_sessions.get_session, id_hash)
+
+    async def ui_session_delete(self, id_hash: str) -> bool:
+        """Revoke a session; False if there was none."""
+        return await self._run1(ui_sessions.delete_session, id_hash)
 
     async def reclaim_pages(self, max_pages: int) -> int:
         """Give up to ``max_pages`` free pages back to the file system; how many went.

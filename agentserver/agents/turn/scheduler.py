@@ -27,6 +27,9 @@ from agentserver.agents.turn.memory import CLIENT
 
 log = logging.getLogger(__name__)
 
+#: The source of a schedule made at run time (``api:NAME`` when a declared client made it).
+API_SOURCE = "api"
+
 #: The longest the loop sleeps without reading the schedules (others may make some).
 POLL_S = 1.0
 #: The same while the store has no schedule at all (one made here wakes the loop).
@@ -161,12 +164,15 @@ class Scheduler:
             raise StoreError(f"schedule {name!r}: agent {row.spec.agent!r} is not served here")
         return await self.fire(row, self.clock.now(), None)
 
-    async def add(self, spec: ScheduleSpec) -> ScheduleRow:
+    async def add(self, spec: ScheduleSpec, owner: str | None = None) -> ScheduleRow:
         """Make schedule ``spec`` (ScheduleExists if its name is taken, ScheduleInvalid if
-        its agent is not one of these); fires from its next tick after now."""
+        its agent is not one of these); fires from its next tick after now. ``owner``: the
+        declared client that made it (kept in its source, ``api:NAME``: the
+        authorization rule's owner, docs/security.md), None for an anonymous caller."""
         if spec.agent not in self.profiles:
             raise ScheduleInvalid(f"no agent {spec.agent!r}")
-        await self.store.put_schedule(spec, "api", spec.next_tick(self.clock.now()), new=True)
+        source = API_SOURCE if owner is None else f"{API_SOURCE}:{owner}"
+        await self.store.put_schedule(spec, source, spec.next_tick(self.clock.now()), new=True)
         self.wake()
         return await self.store.get_schedule(spec.name)
 

@@ -58,6 +58,7 @@ from lxml import etree
 
 from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.base import A2aStore
+from agentserver.core.access import AccessRule
 from agentserver.core.envelope import build_envelope
 from agentserver.core.handshake import Identity
 from agentserver.core.namespaces import CORE_NS
@@ -133,6 +134,9 @@ class A2aDeps:
     public_url: str | None = None
     #: ``<expose-a2a allow-private-push>``: push URLs on loopback and private ranges.
     allow_private_push: bool = False
+    #: The authorization rule (agentserver/core/access.py): an operator sees and acts on
+    #: every task; None: only the task's sender (a test's handler).
+    access: AccessRule | None = None
 
 
 class A2aHandler(RequestHandler):
@@ -185,22 +189,36 @@ class A2aHandler(RequestHandler):
             raise InvalidParamsError(f"unknown skill {named!r}")
         return skills[named]
 
-    async def _task_row(self, task_id: str, identity: Identity) -> dict[str, Any]:
-        """The task's row, if ``identity`` sent it and may still see its agent."""
+    def _owns(self, identity: Identity, owner: str, method: str) -> bool:
+        """The authorization rule on a task of ``owner`` ("" for an anonymous caller's);
+        a refusal is counted and logged with ``method``."""
+        rule = self.deps.access
+        if rule is None:
+            return owner == self.owner(identity)
+        return rule.allows(identity.name, owner or None, door="a2a", route=method)
+
+    async def _task_row(
+        self, task_id: str, identity: Identity, method: str = "GetTask"
+    ) -> dict[str, Any]:
+        """The task's row, if ``identity`` sent it (or is an operator) and may still see
+        its agent; another's answers TaskNotFound, as a missing one."""
         try:
             row = await self.deps.store.a2a_task(task_id) if len(task_id) <= MAX_ID else None
         except TurnPruned as exc:
             # Its record outlives it while its tombstone lasts (the message's idempotency
             # key): the task itself is gone, which its sender (only) is told as such.
-            if exc.owner != self.owner(identity) or not self.deps.may_see(identity, exc.agent):
+            owner = exc.owner or ""
+            if not self.deps.may_see(identity, exc.agent) or not self._owns(
+                identity, owner, method
+            ):
                 raise TaskNotFoundError(f"no task {task_id!r}") from None
             raise TaskNotFoundError(
                 f"task {task_id!r} was pruned by the store's retention"
             ) from None
         if (
             row is None
-            or row["owner"] != self.owner(identity)
             or not self.deps.may_see(identity, row["agent"])
+            or not self._owns(identity, row["owner"], method)
         ):
             raise TaskNotFoundError(f"no task {task_id!r}")
         return row
@@ -262,7 +280,7 @@ class A2aHandler(RequestHandler):
     async def _continue(self, message: Message, identity: Identity) -> dict[str, Any]:
         """A message on an existing task: the answer to its approval (a data part with
         ``grant``, sent by the approval's approver); nothing else continues a task."""
-        row = await self._task_row(message.task_id, identity)
+        row = await self._task_row(message.task_id, identity, "SendMessage")
         state, _ = state_of(row)
         if state != TaskState.TASK_STATE_INPUT_REQUIRED:
             raise UnsupportedOperationError(
@@ -378,7 +396,7 @@ class A2aHandler(RequestHandler):
     async def on_subscribe_to_task(
         self, params: SubscribeToTaskRequest, context: ServerCallContext | None = None
     ) -> AsyncGenerator[Any, None]:
-        row = await self._task_row(params.id, self.identity(context))
+        row = await self._task_row(params.id, self.identity(context), "SubscribeToTask")
         if state_of(row)[0] in TERMINAL:
             raise UnsupportedOperationError("the task has ended: GetTask reads it")
         async for event in self._events(row, to_task(row), stop_interrupted=False):
@@ -399,8 +417,11 @@ class A2aHandler(RequestHandler):
             raise InvalidParamsError(f"pageSize is 1 to {PAGE_MAX}")
         after = read_page_token(params.page_token)
         agents = [s.name for s in self.visible(identity, context)]
+        rule = self.deps.access
+        # An operator lists every sender's tasks (the authorization rule); a client its own.
+        owner = self.owner(identity) if rule is None or not rule.sees_all(identity.name) else None
         rows, total, more = await self.deps.store.a2a_tasks(
-            self.owner(identity),
+            owner,
             params.context_id or None,
             agents,
             size,
@@ -423,7 +444,7 @@ class A2aHandler(RequestHandler):
         self, params: CancelTaskRequest, context: ServerCallContext | None = None
     ) -> Task | None:
         identity = self.identity(context)
-        row = await self._task_row(params.id, identity)
+        row = await self._task_row(params.id, identity, "CancelTask")
         if state_of(row)[0] in TERMINAL:
             raise TaskNotCancelableError(f"the task has ended ({to_task(row).status.state})")
         operator = self.deps.operator
@@ -474,7 +495,7 @@ class A2aHandler(RequestHandler):
     async def on_create_task_push_notification_config(
         self, params: TaskPushNotificationConfig, context: ServerCallContext | None = None
     ) -> TaskPushNotificationConfig:
-        row = await self._task_row(params.task_id, self.identity(context))
+        row = await self._task_row(params.task_id, self.identity(context), "CreateTaskPushConfig")
         return await self._set_push(row["task_id"], params)
 
     async def _configs(self, task_id: str) -> list[TaskPushNotificationConfig]:
@@ -486,7 +507,7 @@ class A2aHandler(RequestHandler):
     async def on_get_task_push_notification_config(
         self, params: GetTaskPushNotificationConfigRequest, context: ServerCallContext | None = None
     ) -> TaskPushNotificationConfig:
-        row = await self._task_row(params.task_id, self.identity(context))
+        row = await self._task_row(params.task_id, self.identity(context), "GetTaskPushConfig")
         for config in await self._configs(row["task_id"]):
             if config.id == params.id:
                 return config
@@ -497,7 +518,7 @@ class A2aHandler(RequestHandler):
         params: ListTaskPushNotificationConfigsRequest,
         context: ServerCallContext | None = None,
     ) -> ListTaskPushNotificationConfigsResponse:
-        row = await self._task_row(params.task_id, self.identity(context))
+        row = await self._task_row(params.task_id, self.identity(context), "ListTaskPushConfigs")
         return ListTaskPushNotificationConfigsResponse(configs=await self._configs(row["task_id"]))
 
     async def on_delete_task_push_notification_config(
@@ -505,6 +526,6 @@ class A2aHandler(RequestHandler):
         params: DeleteTaskPushNotificationConfigRequest,
         context: ServerCallContext | None = None,
     ) -> None:
-        row = await self._task_row(params.task_id, self.identity(context))
+        row = await self._task_row(params.task_id, self.identity(context), "DeleteTaskPushConfig")
         if not await self.deps.store.a2a_push_delete(row["task_id"], params.id):
             raise TaskNotFoundError(f"no push config {params.id!r} on task {params.task_id!r}")

@@ -63,18 +63,20 @@ class AgentRoutes:
         if view is None:
             return JSONResponse({"agents": []})
         names = [n for n in view.agents if self.gate.may_see(identity, n)]
-        return JSONResponse({"agents": await view.agent_list(names)})
+        agents = self.gate.agent_summaries(identity, await view.agent_list(names))
+        return JSONResponse({"agents": agents})
 
     async def task(self, request: Request) -> Response:
         identity = await self.gate.identify(request)
         if isinstance(identity, Response):
             return identity
-        name = request.path_params["name"]
+        name, thread = request.path_params["name"], request.path_params["thread"]
         view = self.ctx.agents
         found = None
-        if view is not None and name in view.agents and self.gate.may_see(identity, name):
+        if view is not None and await self.gate.task_visible(identity, name, thread, request):
             try:
-                found = await view.task(name, request.path_params["thread"])
+                # A client's own task on the thread (another may have used the same id).
+                found = await view.task(name, thread, self.gate.scope(identity))
             except TurnPruned as exc:
                 return pruned_problem(exc)
         if found is None:
@@ -90,7 +92,10 @@ class AgentRoutes:
             return identity
         name, thread = request.path_params["name"], request.path_params["thread"]
         forks = self.ctx.forks
-        if forks is None or not self.gate.may_see(identity, name):
+        if forks is None or not await self.gate.task_visible(
+            identity, name, thread, request, latest=True
+        ):
+            # Another client's conversation answers as a missing one (docs/security.md).
             return problem(404, "not-found", "Not found.")
         body = await request.body()
         if len(body) > self.ctx.gateway.max_bytes:

@@ -51,18 +51,23 @@ def row_json(row: SpendRow) -> dict[str, Any]:
 
 
 def is_budget_operator(ctx: HttpContext, identity: Identity) -> bool:
-    """Whether ``identity`` may see every budget and change them."""
-    if identity.name is None:
-        return ctx.anonymous_operators
-    return identity.name in ctx.operators
+    """Whether ``identity`` may see every budget and change them (the authorization
+    rule's operator)."""
+    assert ctx.access is not None
+    return ctx.access.sees_all(identity.name)
+
+
+def budget_owner(budget: str) -> str | None:
+    """The client a budget is of (``client:NAME`` and ``client:NAME@agent:A``), None for
+    the organism's and an agent's."""
+    kind, _, rest = budget.partition(":")
+    return rest.partition("@")[0] or None if kind == "client" else None
 
 
 def may_see_budget(ctx: HttpContext, identity: Identity, budget: str) -> bool:
     """Operators see every budget; a client its own."""
-    if is_budget_operator(ctx, identity):
-        return True
-    own = f"client:{identity.name}"
-    return identity.name is not None and (budget == own or budget.startswith(own + "@"))
+    assert ctx.access is not None
+    return ctx.access.decide(identity.name, budget_owner(budget))
 
 
 async def visible_budgets(ctx: HttpContext, identity: Identity) -> list[dict[str, Any]]:
@@ -96,10 +101,11 @@ class BudgetRoutes:
             return identity
         name = request.path_params["name"]
         budgets = self.ctx.budgets
-        if budgets is not None and self._may_see(identity, name):
+        if budgets is not None:
             for row in await budgets.rows():
-                if row.budget == name:
+                if row.budget == name and self.gate.owns(identity, budget_owner(name), request):
                     return JSONResponse(row_json(row))
+        # Another client's budget answers as a missing one (docs/security.md).
         return problem(404, "not-found", f"No budget {name!r}.")
 
     async def put(self, request: Request) -> Response:
@@ -113,6 +119,7 @@ class BudgetRoutes:
         if budgets is None:
             return problem(409, "no-agents", "This server runs no agents.")
         if not self._operator(identity):
+            self.gate.refuse(identity, request)
             return problem(403, "forbidden", "Only an operator may change budgets.")
         name = request.path_params["name"]
         if not valid_name(name):
@@ -143,10 +150,12 @@ class BudgetRoutes:
             return identity
         budgets = self.ctx.budgets
         name = request.path_params["name"]
+        if not self._operator(identity):
+            # Before the name is looked up: the same answer whether it exists or not.
+            self.gate.refuse(identity, request)
+            return problem(403, "forbidden", "Only an operator may reset budgets.")
         if budgets is None or name not in budgets.specs:
             return problem(404, "not-found", f"No budget {name!r}.")
-        if not self._operator(identity):
-            return problem(403, "forbidden", "Only an operator may reset budgets.")
         await budgets.reset(name)
         for row in await budgets.rows():
             if row.budget == name:

@@ -37,22 +37,23 @@ class EventRoutes:
     def __init__(self, ctx: HttpContext, gate: Gate) -> None:
         self.ctx = ctx
         self.gate = gate
-        self._turns: collections.OrderedDict[str, tuple[str | None, str | None]] = (
+        #: Turn -> (caller thread, hop thread, sender) of its task.
+        self._turns: collections.OrderedDict[str, tuple[str | None, str | None, str | None]] = (
             collections.OrderedDict()
         )
         #: SSE streams open now.
         self.streams = 0
 
-    async def _turn_threads(self, turn: str) -> tuple[str | None, str | None]:
+    async def _turn_task(self, turn: str) -> tuple[str | None, str | None, str | None]:
         cached = self._turns.get(turn)
-        if cached is None or cached == (None, None):
+        if cached is None or cached == (None, None, None):
             view = self.ctx.agents
             try:
-                cached = await view.turn_thread(turn) if view is not None else (None, None)
+                cached = await view.turn_task(turn) if view is not None else (None, None, None)
             except (StoreError, sqlite3.Error) as exc:
                 # Mid-stream: no response to fail; the event is not shown (not cached).
                 log.warning("event filter: the agent store could not be read: %s", exc)
-                return (None, None)
+                return (None, None, None)
             self._turns[turn] = cached
             while len(self._turns) > _TURN_CACHE:
                 self._turns.popitem(last=False)
@@ -65,10 +66,20 @@ class EventRoutes:
             return False
         if agent is not None and event.agent_id != agent:
             return False
-        if thread is not None:
-            turn = event.agent_turn_id
-            return turn is not None and thread in await self._turn_threads(turn)
-        return True
+        turn = event.agent_turn_id
+        sees_all = self.gate.sees_all(identity)
+        if thread is None and sees_all:
+            return True
+        if turn is None:
+            # Not a task's event (an agent's state, a notice): on no thread, and an
+            # operator's only.
+            return sees_all and thread is None
+        caller, hop, sender = await self._turn_task(turn)
+        if not sees_all and not self.gate.rule.decide(identity.name, sender):
+            # Another client's task: never shown, whatever the filters (the stream is not
+            # a request for it: a withheld event is not counted as a refusal).
+            return False
+        return thread is None or thread in (caller, hop)
 
     async def events(self, request: Request) -> Response:
         identity = await self.gate.identify(request)

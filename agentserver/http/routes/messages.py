@@ -98,7 +98,7 @@ class MessageRoutes:
         if isinstance(identity, Response):
             return identity
         thread = request.path_params["thread"]
-        view = self.ctx.gateway.thread(thread, identity.name)
+        view = self.gate.kept_thread(identity, thread, request)
         if view is None:
             return problem(404, "not-found", "Not found.")
         return JSONResponse(

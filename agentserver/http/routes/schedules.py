@@ -1,6 +1,8 @@
 """``/v1/schedules``: runs on a schedule made, listed, paused, resumed, triggered and
-deleted at run time (docs/runs.md, docs/operations.md). A caller sees and changes only
-the schedules of the agents it may address."""
+deleted at run time (docs/runs.md, docs/http-api.md). A caller sees and changes only
+the schedules of the agents it may address, and of those only its own unless it is an
+operator (the authorization rule, docs/security.md): another client's schedule answers
+as a missing one."""
 
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ def schedule_view(row: ScheduleRow) -> dict[str, Any]:
         "jitter": spec.jitter_s,
         "task": spec.payload.decode("utf-8", "replace"),
         "paused": row.paused,
-        "source": row.source,
+        "source": row.origin,
+        "owner": row.owner,
         "next": nxt,
         "last_tick": _iso(row.last_tick),
         "last_outcome": row.last_outcome,
@@ -79,6 +82,18 @@ class ScheduleRoutes:
             return problem(404, "not-found", "Not found.")
         return identity, self.ctx.schedules
 
+    async def _visible(
+        self, schedules: Schedules, name: str, identity: Identity, request: Request
+    ) -> ScheduleRow:
+        """Schedule ``name`` if ``identity`` may see it; NoSuchSchedule for a missing one
+        and for another's alike (the latter counted and logged as a refusal)."""
+        row = await schedules.get(name)
+        if not self.gate.may_see(identity, row.spec.agent) or not self.gate.owns(
+            identity, row.owner, request
+        ):
+            raise NoSuchSchedule(name)
+        return row
+
     async def collection(self, request: Request) -> Response:
         opened = await self._open(request)
         if isinstance(opened, Response):
@@ -86,7 +101,12 @@ class ScheduleRoutes:
         identity, schedules = opened
         if request.method == "POST":
             return await self._add(request, identity, schedules)
-        rows = [r for r in await schedules.list() if self.gate.may_see(identity, r.spec.agent)]
+        rows = [
+            r
+            for r in await schedules.list()
+            if self.gate.may_see(identity, r.spec.agent)
+            and self.gate.rule.decide(identity.name, r.owner)
+        ]
         return JSONResponse({"schedules": [schedule_view(r) for r in rows]})
 
     async def _add(self, request: Request, identity: Identity, schedules: Schedules) -> Response:
@@ -120,7 +140,7 @@ class ScheduleRoutes:
         if not self.gate.may_see(identity, spec.agent):
             return problem(404, "not-found", "Not found.")
         try:
-            row = await schedules.add(spec)
+            row = await schedules.add(spec, identity.name)
         except ScheduleInvalid as exc:
             return problem(400, "bad-schedule", str(exc))
         except ScheduleExists as exc:
@@ -139,10 +159,16 @@ class ScheduleRoutes:
         identity, schedules = opened
         name = request.path_params["name"]
         try:
-            row = await schedules.get(name)
-            if not self.gate.may_see(identity, row.spec.agent):
-                raise NoSuchSchedule(name)
+            row = await self._visible(schedules, name, identity, request)
             if request.method == "DELETE":
+                if row.source == "boot":
+                    # As a declared webhook: boot.xml would bring it back at the next start.
+                    return problem(
+                        409,
+                        "conflict",
+                        f"Schedule {name!r} is declared in boot.xml: remove it there "
+                        "(pause it to stop its runs meanwhile).",
+                    )
                 await schedules.delete(name)
                 return Response(status_code=204)
         except NoSuchSchedule:
@@ -159,9 +185,7 @@ class ScheduleRoutes:
         if verb not in ("pause", "resume", "trigger"):
             return problem(404, "not-found", "Not found.")
         try:
-            row = await schedules.get(name)
-            if not self.gate.may_see(identity, row.spec.agent):
-                raise NoSuchSchedule(name)
+            row = await self._visible(schedules, name, identity, request)
             if verb == "trigger":
                 fired = await schedules.trigger(name)
                 outcome = fired.outcome if fired is not None else None

@@ -145,4 +145,6 @@ class StatusRoutes:
         identity = await self.gate.identify(request)
         if isinstance(identity, Response):
             return identity
-        return JSONResponse(await self.status_document())
+        doc = await self.status_document()
+        doc["agents"] = self.gate.agent_summaries(identity, doc["agents"])
+        return JSONResponse(doc)

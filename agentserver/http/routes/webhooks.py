@@ -17,7 +17,6 @@ from agentserver.agents.profile.webhooks import (
     WebhookSpec,
     webhook_duration,
 )
-from agentserver.http.auth import Identity
 from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
 from agentserver.http.problems import problem
@@ -40,16 +39,13 @@ class WebhookRoutes:
         self.ctx = ctx
         self.gate = gate
 
-    def _operator(self, identity: Identity) -> bool:
-        if identity.name is None:
-            return self.ctx.anonymous_operators
-        return identity.name in self.ctx.operators
-
     async def _hooks(self, request: Request) -> Webhooks | Response:
         identity = await self.gate.identify(request)
         if isinstance(identity, Response):
             return identity
-        if not self._operator(identity):
+        if not self.gate.sees_all(identity):
+            # The same answer whatever the request names (docs/security.md).
+            self.gate.refuse(identity, request)
             return problem(403, "forbidden", "Only an operator may see and change webhooks.")
         if self.ctx.webhooks is None:
             return problem(404, "no-webhooks", "Webhooks need the agents' store (no agent).")

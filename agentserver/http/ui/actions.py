@@ -32,7 +32,7 @@ from agentserver.core.usage import TaskForm
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.context import HttpContext
 from agentserver.http.ui.data import ConsoleData
-from agentserver.http.ui.security import page_headers, safe_next
+from agentserver.http.ui.security import SESSION_COOKIE, page_headers, safe_next
 from agentserver.http.ui.session import UiSession
 from agentserver.primitives.approval import NS as APPROVAL_NS
 from agentserver.primitives.approval import ApprovalDecision
@@ -72,6 +72,8 @@ class Actions:
         self._parser = SafeParser(ctx.gateway.max_bytes)
 
     async def login(self, request: Request) -> Response:
+        """Exchange a client's token for a new session (the cookie holds its id only);
+        a session this browser held before ends."""
         fields = await self.session.check_post(request)
         if isinstance(fields, Response):
             return fields
@@ -83,16 +85,27 @@ class Actions:
                 f"/ui/login?failed=1&next={quote(target, safe='/')}", 303, page_headers()
             )
         response = RedirectResponse(target, 303, page_headers())
-        self.session.set_login(response, token)
+        if self.session.needs_login:
+            await self._end_session(request)
+            self.session.set_login(response, await self.session.sessions.create(identity))
+            log.info("web console: %s signed in", identity.name)
         return response
 
     async def logout(self, request: Request) -> Response:
+        """Revoke the browser's session (on every process: the old cookie no longer
+        works anywhere) and clear its cookie."""
         fields = await self.session.check_post(request)
         if isinstance(fields, Response):
             return fields
         response = RedirectResponse("/ui/login", 303, page_headers())
+        await self._end_session(request)
         self.session.clear_login(response)
         return response
+
+    async def _end_session(self, request: Request) -> None:
+        session = request.cookies.get(SESSION_COOKIE)
+        if session and await self.session.sessions.revoke(session):
+            log.info("web console: a session signed out")
 
     async def send(self, request: Request) -> Response:
         """A task (``text``, filling the one text field of ``to``'s own task type) or a

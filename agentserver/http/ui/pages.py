@@ -56,7 +56,7 @@ class Pages:
         status: int = 200,
         **values: Any,
     ) -> Response:
-        session, new = self.session.session_of(request)
+        browser, new = self.session.browser_of(request)
         notice = request.query_params.get("notice", "")
         html = self.templates.get_template(template).render(
             organism=self.ctx.organism,
@@ -64,12 +64,12 @@ class Pages:
             caller=identity.name if identity is not None else None,
             needs_login=self.session.needs_login,
             csrf_field=CSRF_FIELD,
-            csrf=self.session.csrf.token(session),
+            csrf=self.session.csrf_token(request, browser),
             here=_here(request),
             notice=notice[:300],
             **values,
         )
-        return self.session.finish(HTMLResponse(html, status), session, new)
+        return self.session.finish(HTMLResponse(html, status), browser, new)
 
     def json(self, body: Any) -> Response:
         return JSONResponse(body, headers=page_headers())
@@ -105,7 +105,7 @@ class Pages:
         if isinstance(identity, Response):
             return identity
         name, thread = request.path_params["name"], request.path_params["thread"]
-        doc = await self.data.task(identity, name, thread) if is_uuid4(thread) else None
+        doc = await self.data.task(identity, name, thread, request) if is_uuid4(thread) else None
         if doc is None:
             return self.not_found(request, identity)
         return self.render(request, "task.html", identity, name=name, thread=thread, doc=doc)
@@ -116,7 +116,7 @@ class Pages:
         if isinstance(identity, Response):
             return identity
         thread = request.path_params["thread"]
-        replies = self.data.replies(identity, thread) if is_uuid4(thread) else None
+        replies = self.data.replies(identity, thread, request) if is_uuid4(thread) else None
         if replies is None:
             return self.not_found(request, identity)
         to = request.query_params.get("to", "")
@@ -133,12 +133,21 @@ class Pages:
             return identity
         return self.json(await self.data.overview(identity))
 
+    async def agent_json(self, request: Request) -> Response:
+        identity = await self.session.identify(request)
+        if isinstance(identity, Response):
+            return identity
+        doc = await self.data.agent(identity, request.path_params["name"])
+        if doc is None:
+            return problem(404, "not-found", "Not found.")
+        return self.json(doc)
+
     async def task_json(self, request: Request) -> Response:
         identity = await self.session.identify(request)
         if isinstance(identity, Response):
             return identity
         name, thread = request.path_params["name"], request.path_params["thread"]
-        doc = await self.data.task(identity, name, thread) if is_uuid4(thread) else None
+        doc = await self.data.task(identity, name, thread, request) if is_uuid4(thread) else None
         if doc is None:
             return problem(404, "not-found", "Not found.")
         return self.json(doc)
@@ -148,7 +157,7 @@ class Pages:
         if isinstance(identity, Response):
             return identity
         thread = request.path_params["thread"]
-        replies = self.data.replies(identity, thread) if is_uuid4(thread) else None
+        replies = self.data.replies(identity, thread, request) if is_uuid4(thread) else None
         if replies is None:
             return problem(404, "not-found", "Not found.")
         return self.json({"thread": thread, "replies": replies})
@@ -161,7 +170,8 @@ class Pages:
             return identity
         response = self.events.respond(identity, request.query_params)
         response.headers.update(page_headers())
-        return response
+        # A stream outlives its request: it ends when the session is signed out or expires.
+        return self.session.bound_stream(request, response)
 
 
 def _here(request: Request) -> str:

@@ -1,12 +1,15 @@
-"""The web console's defences, sans I/O: who the browser is (a bearer token kept in a
-cookie), cross-site request forgery (a per-session token and the ``Origin`` check) and
-the headers every page carries (CSP without inline scripts, no framing, no sniffing).
+"""The web console's defences, sans I/O: cross-site request forgery (a token bound to
+the browser or to its sign-in session, and the ``Origin`` check) and the headers every
+page carries (CSP without inline scripts, no framing, no sniffing).
 
-A browser cannot send ``Authorization: Bearer`` on a navigation, so the console keeps the
-token the operator typed once in an ``HttpOnly``, ``SameSite=Strict`` cookie (``Secure``
-under TLS) and checks it exactly as the API checks the header. The session cookie is a
-random name for the browser; the CSRF token is an HMAC of it under a key drawn when the
-app is built, so it needs no server-side table and a restart only asks for a reload.
+A browser cannot send ``Authorization: Bearer`` on a navigation, so signing in exchanges
+the token the operator typed once for a server-side session (``http/ui/sessions.py``)
+whose random id is the ``HttpOnly``, ``SameSite=Strict`` cookie :data:`SESSION_COOKIE`
+(``Secure`` under TLS); the token is never in a cookie. Before signing in, the CSRF
+cookie :data:`CSRF_COOKIE` is a random name for the browser and its token an HMAC of it
+under a key drawn when the app is built (a restart asks for a reload); once signed in,
+a form's token is derived from the session id (:func:`session_csrf`), so it holds on
+every process that knows the session, and across restarts.
 """
 
 from __future__ import annotations
@@ -19,17 +22,24 @@ from urllib.parse import urlsplit
 
 __all__ = [
     "CSP",
+    "CSRF_COOKIE",
     "CSRF_FIELD",
     "CSRF_HEADER",
+    "LEGACY_TOKEN_COOKIE",
     "SESSION_COOKIE",
-    "TOKEN_COOKIE",
     "CsrfGuard",
     "page_headers",
     "safe_next",
+    "same_origin",
+    "session_csrf",
 ]
 
-TOKEN_COOKIE = "agentserver_ui_token"
+#: The sign-in session's id (nothing else: never the token).
 SESSION_COOKIE = "agentserver_ui_session"
+#: The browser's random name the CSRF token of a form is bound to before signing in.
+CSRF_COOKIE = "agentserver_ui_csrf"
+#: The cookie that held the raw token before issue 44: cleared wherever it is seen.
+LEGACY_TOKEN_COOKIE = "agentserver_ui_token"
 CSRF_FIELD = "csrf"
 CSRF_HEADER = "x-csrf-token"
 
@@ -90,11 +100,24 @@ class CsrfGuard:
             return False
         if not hmac.compare_digest(self.token(session).encode(), given.encode("utf-8")):
             return False
-        origin = headers.get("origin")
-        if origin is None:
-            referer = headers.get("referer")
-            if referer is None:
-                return True
-            parts = urlsplit(referer)
-            origin = f"{parts.scheme}://{parts.netloc}"
-        return origin == own_origin
+        return same_origin(headers, own_origin)
+
+
+def session_csrf(session: str) -> str:
+    """The CSRF token of a signed-in browser's forms: an HMAC keyed by its session id
+    (which only the browser's ``HttpOnly`` cookie and no page holds), so every process
+    that knows the session checks it without a key of its own."""
+    return hmac.new(session.encode("utf-8"), b"agentserver-ui-csrf", hashlib.sha256).hexdigest()
+
+
+def same_origin(headers: Mapping[str, str], own_origin: str) -> bool:
+    """Whether the browser's ``Origin`` (or, lacking one, ``Referer``) is this server;
+    true when it sends neither."""
+    origin = headers.get("origin")
+    if origin is None:
+        referer = headers.get("referer")
+        if referer is None:
+            return True
+        parts = urlsplit(referer)
+        origin = f"{parts.scheme}://{parts.netloc}"
+    return origin == own_origin

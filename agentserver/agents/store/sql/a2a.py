@@ -121,14 +121,15 @@ def task(tx: Tx, env: StoreEnv, task_id: str) -> dict[str, Any] | None:
 def tasks(
     tx: Tx,
     env: StoreEnv,
-    owner: str,
+    owner: str | None,
     context_id: str | None,
     agents: list[str],
     limit: int,
     after: tuple[float, str] | None = None,
     keep: Callable[[dict[str, Any]], bool] | None = None,
 ) -> tuple[list[dict[str, Any]], int, bool]:
-    """``owner``'s tasks of ``agents`` (in ``context_id`` if given) that ``keep`` accepts
+    """``owner``'s tasks (None: every owner's, for an operator) of ``agents`` (in
+    ``context_id`` if given) that ``keep`` accepts
     (a filter on the state: None, every one), newest first, after the cursor ``after``
     (the ``created_at`` and id of the previous page's last), at most ``limit``, with their
     states; how many match in all; and whether more follow this page.
@@ -140,12 +141,15 @@ def tasks(
     # A task pruned by retention is not listed (its record stays while its tombstone
     # does, as its message's idempotency key; reading its state would raise TurnPruned).
     # (Two NOT EXISTS, each on an index of pruned_turns: (agent_id, caller_thread), hop.)
-    where = f"owner = ? AND agent_id IN ({', '.join('?' * len(agents))})" + "".join(
+    where = f"agent_id IN ({', '.join('?' * len(agents))})" + "".join(
         " AND NOT EXISTS (SELECT 1 FROM pruned_turns p WHERE "
         f"p.agent_id = a2a_tasks.agent_id AND p.{column} = a2a_tasks.task_id)"
         for column in ("caller_thread", "hop")
     )
-    params: tuple[Any, ...] = (owner, *agents)
+    params: tuple[Any, ...] = tuple(agents)
+    if owner is not None:
+        where += " AND owner = ?"
+        params += (owner,)
     if context_id:
         where += " AND context_id = ?"
         params += (context_id,)

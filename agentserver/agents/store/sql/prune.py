@@ -109,6 +109,48 @@ class Pruned:
     done: bool = True
 
 
+# -- a dry run: the prune itself, rolled back ----------------------------------------
+
+#: A rehearsal's batch size: every pass runs to its end (the batches only bound a real
+#: prune's transactions, not what it removes).
+REHEARSAL_LIMIT = 1 << 30
+
+
+class Rehearsed(Exception):
+    """Raised at the end of :func:`rehearse` so that its transaction rolls back; carries
+    what each batch removed, in order."""
+
+    def __init__(self, results: list[tuple[str, Pruned]]) -> None:
+        super().__init__("rehearsed")
+        self.results = results
+
+
+#: One pass of a rehearsal: (the report's kind, the batch function over a transaction,
+#: its arguments after the owner and before the limit, whether it resumes after a key).
+RehearsalPass = tuple[str, Any, tuple[Any, ...], bool]
+
+
+def rehearse(tx: Tx, env: StoreEnv, passes: list[RehearsalPass]) -> None:
+    """Run every pass of a prune in this one transaction, unfenced, with the very
+    statements and in the order a prune runs them (each later pass sees what the earlier
+    ones removed), then raise :class:`Rehearsed` so nothing of it is committed. A dry run
+    counted this way reports exactly what the prune then removes (counting the candidates
+    alone missed the rows a task's Turn had and what an earlier pass frees)."""
+    results: list[tuple[str, Pruned]] = []
+    for kind, fn, args, paged in passes:
+        after = 0
+        while True:
+            if paged:
+                got = fn(tx, env, None, *args, REHEARSAL_LIMIT, False, after)
+            else:
+                got = fn(tx, env, None, *args, REHEARSAL_LIMIT, False)
+            results.append((kind, got))
+            if got.done:
+                break
+            after = got.after
+    raise Rehearsed(results)
+
+
 # -- the lease -------------------------------------------------------------------------
 
 

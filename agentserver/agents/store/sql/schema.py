@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from agentserver.agents.errors import StoreError
 from agentserver.agents.store import outbox, step_log
-from agentserver.agents.store.sql import a2a, a2a_push, fair, memory, prune, tombstones
+from agentserver.agents.store.sql import (
+    a2a,
+    a2a_push,
+    fair,
+    memory,
+    prune,
+    tombstones,
+    ui_sessions,
+)
 from agentserver.agents.store.sql import budgets as budget_sql
 from agentserver.agents.store.sql.db import POSTGRESQL, SQLITE, Tx
 
@@ -267,6 +275,8 @@ CREATE TABLE schedule_runs (
     # whom keep-last counts its tasks by (agents/store/sql/prune.py); tombstones are
     # pruned by age (agents/store/sql/tombstones.py).
     14: memory.MIGRATION + prune.CALLER_MIGRATION + tombstones.MIGRATION,
+    # Issue 44: the web console's sign-in sessions, server-side (agents/store/sql/ui_sessions.py).
+    15: ui_sessions.MIGRATION,
 }
 #: The newest schema version: migrations are numbered 1..N without gaps.
 SCHEMA_VERSION = max(MIGRATIONS)

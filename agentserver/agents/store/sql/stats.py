@@ -35,6 +35,7 @@ TABLES: dict[str, str | None] = {
     "fair_share": None,
     "a2a_tasks": "created_at",
     "a2a_push_configs": "created_at",
+    "ui_sessions": "created_at",
     "schema_version": None,
 }
 

@@ -1,6 +1,7 @@
 """Read-only views of the store: the agents and tasks the HTTP API shows (``/v1/agents``,
-``/v1/agents/{name}/tasks/{thread}``, ``agentserver status``), the figures ``/metrics``
-exports, and a reachability probe. Nothing here writes.
+``/v1/agents/{name}/tasks/{thread}``, ``agentserver status``), a task's answer by its
+thread (``agentserver result``), the figures ``/metrics`` exports, and a reachability
+probe. Nothing here writes.
 
 Each function is one backend-neutral read (:meth:`SqlAgentStore._read`): on SQLite inline
 on the store's connection, on PostgreSQL one thread hop of the executor. JSON columns are
@@ -15,10 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentserver.agents.errors import TurnPruned
+from agentserver.agents.store.base import CardType
+from agentserver.agents.store.rows import SPEAKS_FOR
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
 from agentserver.agents.store.sql.memory import turn_memory
 from agentserver.agents.store.sql.tombstones import thread_pruned
 from agentserver.agents.store.states import ApprovalStatus, InboxStatus, MessageType
+from agentserver.core.access import SENDER_KEYS, sender_of
 
 #: Characters of a failed Turn's deliverable shown as an agent's last error.
 ERROR_TEXT_CHARS = 500
@@ -99,21 +103,28 @@ def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
     return out
 
 
-def task(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None:
+def task(
+    tx: Tx, env: StoreEnv, name: str, thread: str, sender: str | None = None
+) -> dict[str, Any] | None:
     """The latest task of agent ``name`` sent on ``thread`` (the caller's thread, or the
-    hop thread the agent was called on): status, steps, usage. None if none."""
+    hop thread the agent was called on), of client ``sender`` if given (the authorization
+    rule's scope: another client may have sent on the same thread id): status, steps,
+    usage, and the answer its caller was sent once there is one. None if none."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    where, params = "", (name, MessageType.TURN.value, thread, thread)
+    if sender is not None:
+        where, params = f" AND {sender_sql(tx)} = ?", (*params, sender)
     row = tx.one(
         "SELECT inbox_id, status, agent_turn_id, created_at, conversation FROM agent_inbox "
-        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?) "
+        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?){where} "
         "ORDER BY seq DESC LIMIT 1",
-        (name, MessageType.TURN.value, thread, thread),
+        params,
     )
     if row is None:
         if thread_pruned(tx, name, thread):
             raise TurnPruned(name, thread)
         return None
-    _inbox_id, inbox_status, turn, created, conversation = row
+    inbox_id, inbox_status, turn, created, conversation = row
     out: dict[str, Any] = {
         "agent": name,
         "thread": thread,
@@ -126,6 +137,7 @@ def task(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None
     origin = fork_origin(tx, name, conversation)
     if origin is not None:
         out["forked_from"] = origin
+    _answer(tx, out, inbox_id, turn)
     if turn is None:
         if inbox_status not in _WAITING:
             out["status"] = inbox_status
@@ -167,26 +179,179 @@ def task(tx: Tx, env: StoreEnv, name: str, thread: str) -> dict[str, Any] | None
     return out
 
 
+def _answer(tx: Tx, out: dict[str, Any], inbox_id: str, turn: str | None) -> None:
+    """``answer`` (the answer payload the task's caller was sent, XML text) and
+    ``answer_failed`` into a task's view, once there is one: its Turn's, or the refusal
+    of a task cancelled before it ran."""
+    keys = [f"cancel:{inbox_id}"] + ([turn] if turn is not None else [])
+    reply = tx.one(
+        f"SELECT payload, failed FROM agent_replies WHERE agent_turn_id IN ({marks(len(keys))}) "
+        "ORDER BY created_at DESC LIMIT 1",
+        keys,
+    )
+    if reply is not None:
+        out["answer"] = bytes(reply[0]).decode("utf-8", "replace")
+        out["answer_failed"] = bool(reply[1])
+
+
+def task_answer(tx: Tx, env: StoreEnv, thread: str) -> dict[str, Any] | None:
+    """The latest task sent on the caller's thread ``thread``, whichever agent has it
+    (``agentserver result``): :func:`task`'s view with ``sender`` (the named client that
+    sent it, None for an anonymous caller). None if there is none;
+    ``{"agent", "thread", "pruned": True, "sender"}`` if retention removed it."""
+    caller = json_text(tx, "reply_ref", "caller_thread")
+    row = tx.one(
+        "SELECT agent_id, inbox_id, agent_turn_id, reply_ref FROM agent_inbox "
+        f"WHERE message_type = ? AND {caller} = ? ORDER BY seq DESC LIMIT 1",
+        (MessageType.TURN.value, thread),
+    )
+    if row is None:
+        stone = tx.one(
+            "SELECT agent_id FROM pruned_turns WHERE caller_thread = ? "
+            "ORDER BY pruned_at DESC LIMIT 1",
+            (thread,),
+        )
+        # A tombstone keeps no sender: the caller reads "pruned" only with the store's
+        # own access (the HTTP API answers another client's thread as missing).
+        if stone is None:
+            return None
+        return {"agent": stone[0], "thread": thread, "pruned": True, "sender": None}
+    agent, _inbox_id, _turn, ref_json = row
+    try:
+        ref = json.loads(ref_json) if ref_json else {}
+    except ValueError:
+        ref = {}
+    sender = None
+    if isinstance(ref, dict):
+        named = ref.get("client") or ref.get(SPEAKS_FOR)
+        sender = named if isinstance(named, str) and named else None
+    view = task(tx, env, agent, thread)
+    if view is None:
+        return None
+    view["sender"] = sender
+    return view
+
+
 #: Characters of one card's content the web console's Turn log carries.
 CARD_TEXT_CHARS = 4000
 #: Cards of one Turn the web console's log carries (the newest ones).
 TURN_LOG_CARDS = 200
 
 
-def recent_tasks(tx: Tx, env: StoreEnv, name: str, limit: int) -> list[dict[str, Any]]:
+#: Characters of a task's text (its payload as sent) and of its answer that the web
+#: console's task page carries; a list carries :data:`LIST_TEXT_CHARS` of each.
+READING_CHARS = 20000
+LIST_TEXT_CHARS = 400
+
+
+def recent_tasks(
+    tx: Tx, env: StoreEnv, name: str, limit: int, sender: str | None = None
+) -> list[dict[str, Any]]:
     """The newest ``limit`` tasks of agent ``name``, newest first: the caller's thread, the
     hop thread, the inbox status, the Turn and when it came (the web console's agent
-    page). One indexed read (``agent_inbox`` by agent)."""
+    page), each with its :func:`reading` (its text and outcome, cut at
+    :data:`LIST_TEXT_CHARS`); with ``sender``, only the tasks that client sent (the
+    authorization rule's scope: :mod:`agentserver.core.access`). One indexed read
+    (``agent_inbox`` by agent), then two per started task (its Turn's boxes, and its
+    approvals while it runs)."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    where, params = "agent_id = ? AND message_type = ?", (name, MessageType.TURN.value)
+    if sender is not None:
+        where += f" AND {sender_sql(tx)} = ?"
+        params += (sender,)
     rows = tx.all(
-        f"SELECT {caller}, {hop}, status, agent_turn_id, created_at FROM agent_inbox "
-        "WHERE agent_id = ? AND message_type = ? ORDER BY seq DESC LIMIT ?",
-        (name, MessageType.TURN.value, limit),
+        f"SELECT {caller}, {hop}, status, agent_turn_id, created_at, payload, defer_reason "
+        f"FROM agent_inbox WHERE {where} ORDER BY seq DESC LIMIT ?",
+        (*params, limit),
     )
     return [
-        {"thread": r[0] or r[1], "hop": r[1], "status": r[2], "turn": r[3], "created_at": r[4]}
+        {
+            "thread": r[0] or r[1],
+            "hop": r[1],
+            "status": r[2],
+            "turn": r[3],
+            "created_at": r[4],
+            **reading(tx, r[2], r[5], r[6], r[3], LIST_TEXT_CHARS),
+        }
         for r in rows
     ]
+
+
+def task_reading(
+    tx: Tx, env: StoreEnv, name: str, thread: str, sender: str | None = None
+) -> dict[str, Any] | None:
+    """The :func:`reading` of the latest task of agent ``name`` sent on ``thread`` (found
+    as :func:`task` finds it, of client ``sender`` if given), its text and answer cut at
+    :data:`READING_CHARS`; None if there is none (a pruned one included: :func:`task`
+    says which)."""
+    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    where, params = "", (name, MessageType.TURN.value, thread, thread)
+    if sender is not None:
+        where, params = f" AND {sender_sql(tx)} = ?", (*params, sender)
+    row = tx.one(
+        "SELECT status, payload, defer_reason, agent_turn_id FROM agent_inbox "
+        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?){where} "
+        "ORDER BY seq DESC LIMIT 1",
+        params,
+    )
+    if row is None:
+        return None
+    return reading(tx, row[0], row[1], row[2], row[3], READING_CHARS)
+
+
+def reading(
+    tx: Tx,
+    inbox_status: str,
+    payload: bytes | memoryview | None,
+    reason: str | None,
+    turn: str | None,
+    chars: int,
+) -> dict[str, Any]:
+    """What a person reads of one task, as the store holds it (the web console words it,
+    agentserver/http/ui/wording.py): its inbox row's status and reason, its ``text`` (the
+    payload as sent: the row's until its Turn starts, then the Turn's ``task.input``
+    card, as ``common.CONSUMED_PAYLOAD`` says), its ``outcome`` (the deliverable's status,
+    None before the end), its ``answer`` (the deliverable's text), when it finished, and
+    whether an approval of its Turn is ``asking`` (pending). Text and answer are cut at
+    ``chars`` (``text_cut``/``answer_cut`` say so)."""
+    text = bytes(payload or b"").decode("utf-8", "replace")
+    out: dict[str, Any] = {
+        "inbox_status": inbox_status,
+        "reason": reason,
+        "outcome": None,
+        "answer": None,
+        "answer_cut": False,
+        "finished_at": None,
+        "asking": False,
+    }
+    if turn is not None:
+        # The Turn's own boxes (indexed by Turn), their cards by box: the task is the
+        # context box's first task.input card, the end the output box's last deliverable.
+        cards = tx.all(
+            "SELECT c.card_type, c.content, c.metadata, c.created_at FROM boxes b "
+            "JOIN cards c ON c.box_id = b.box_id WHERE b.agent_turn_id = ? "
+            "AND c.agent_turn_id = ? AND c.card_type IN (?, ?) ORDER BY c.seq",
+            (turn, turn, CardType.TASK_INPUT, CardType.DELIVERABLE),
+        )
+        inputs = [c for c in cards if c[0] == CardType.TASK_INPUT]
+        if not text and inputs:
+            text = str(inputs[0][1])
+        ends = [c for c in cards if c[0] == CardType.DELIVERABLE]
+        if ends:
+            _type, answer, metadata, at = ends[-1]
+            out["outcome"] = json.loads(metadata or "{}").get("status") or "finished"
+            out["answer"] = str(answer)[:chars]
+            out["answer_cut"] = len(answer) > chars
+            out["finished_at"] = at
+        else:
+            asking = tx.one(
+                "SELECT count(*) FROM approvals WHERE agent_turn_id = ? AND status = ?",
+                (turn, ApprovalStatus.PENDING.value),
+            )
+            out["asking"] = bool(asking and asking[0])
+    out["text"] = text[:chars]
+    out["text_cut"] = len(text) > chars
+    return out
 
 
 def turn_log(tx: Tx, env: StoreEnv, turn: str) -> dict[str, Any]:
@@ -240,6 +405,55 @@ def turn_log(tx: Tx, env: StoreEnv, turn: str) -> dict[str, Any]:
             for r in approvals
         ],
     }
+
+
+def sender_sql(tx: Tx) -> str:
+    """The SQL expression for the client that sent an ``agent_inbox`` row's task (its
+    reply reference's ``client`` or ``speaks_for``: :data:`agentserver.core.access.SENDER_KEYS`;
+    NULL when it names none)."""
+    client, speaks = (json_text(tx, "reply_ref", key) for key in SENDER_KEYS)
+    return f"COALESCE({client}, {speaks})"
+
+
+def task_sender(
+    tx: Tx, env: StoreEnv, name: str, thread: str, sender: str | None = None
+) -> tuple[bool, str | None]:
+    """Whether agent ``name`` has a task sent on ``thread`` (a pruned one counts), and the
+    client that sent it (None: no declared client): ``sender``'s own if it sent one there,
+    else the latest one's (the row :func:`task` reads)."""
+    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    base = (
+        f"SELECT reply_ref FROM agent_inbox WHERE agent_id = ? AND message_type = ? "
+        f"AND ({caller} = ? OR {hop} = ?)"
+    )
+    params = (name, MessageType.TURN.value, thread, thread)
+    if sender is not None and tx.one(f"{base} AND {sender_sql(tx)} = ? LIMIT 1", (*params, sender)):
+        return True, sender
+    row = tx.one(f"{base} ORDER BY seq DESC LIMIT 1", params)
+    if row is None:
+        return thread_pruned(tx, name, thread), None
+    return True, sender_of(_decoded(row[0]))
+
+
+def turn_task(tx: Tx, env: StoreEnv, turn: str) -> tuple[str | None, str | None, str | None]:
+    """(caller thread, hop thread, sender) of the task a Turn runs: what the event streams
+    filter by."""
+    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    row = tx.one(
+        f"SELECT {caller}, {hop}, reply_ref FROM agent_inbox WHERE agent_turn_id = ? "
+        "AND message_type = ? LIMIT 1",
+        (turn, MessageType.TURN.value),
+    )
+    return (row[0], row[1], sender_of(_decoded(row[2]))) if row else (None, None, None)
+
+
+def _decoded(reply_ref: Any) -> Any:
+    if reply_ref is None:
+        return None
+    try:
+        return json.loads(reply_ref)
+    except (TypeError, ValueError):
+        return None
 
 
 def turn_thread(tx: Tx, env: StoreEnv, turn: str) -> tuple[str | None, str | None]:

@@ -3,8 +3,6 @@
 // model, a tool or a client wrote is shown as text.
 "use strict";
 
-const TERMINAL = new Set(["succeeded", "failed", "stopped", "timed_out", "cancelled", "skipped"]);
-
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
@@ -99,10 +97,9 @@ function renderBackends(backends) {
   const body = document.querySelector("#backends tbody");
   if (!body || !Object.keys(backends).length) return;
   replaceChildren(body, Object.entries(backends).map(([name, b]) => {
-    const counters = Object.entries(b.counters || {}).map(([k, v]) => k + " " + v).join(", ");
     return el("tr", {}, el("th", { scope: "row", text: name }), el("td", { text: b.provider || "" }),
       el("td", { text: b.breaker || "" }), el("td", { text: b.cooling_for ? b.cooling_for.toFixed(1) + " s" : "–" }),
-      el("td", { text: b.skipped || "yes" }), el("td", { text: counters }));
+      el("td", { text: b.skipped || "yes" }), el("td", { class: "calls", text: b.calls || "–" }));
   }));
 }
 
@@ -121,11 +118,31 @@ function overviewPage() {
   setInterval(refresh, 5000);
 }
 
+function taskRow(agent, t) {
+  const summary = t.thread
+    ? el("a", { href: "/ui/agents/" + encodeURIComponent(agent) + "/tasks/" + encodeURIComponent(t.thread), title: "thread " + t.thread, text: t.summary })
+    : document.createTextNode(t.summary);
+  const state = el("td", { class: "state-cell" }, el("span", { class: "badge " + t.state.replace(/ /g, "-"), text: t.state }));
+  if (t.detail) state.append(" ", el("span", { class: "detail", text: t.detail }));
+  const came = el("time", { "data-epoch": String(t.created_at) });
+  return el("tr", { "data-thread": t.thread || "" }, el("th", { scope: "row", class: "task-summary" }, summary),
+    state, el("td", {}, came), el("td", { text: t.took }));
+}
+
+function renderTasks(agent, tasks) {
+  const body = document.querySelector("#tasks tbody");
+  if (!body) return;
+  replaceChildren(body, tasks.length ? tasks.map((t) => taskRow(agent, t))
+    : [el("tr", {}, el("td", { colspan: "4", text: "No task yet." }))]);
+  localTimes();
+}
+
 function agentPage(agent) {
   const refresh = debounce(async () => {
     try {
-      const doc = await getJSON("/ui/api/overview");
-      renderApprovals(doc.approvals.filter((a) => a.agent_id === agent));
+      const doc = await getJSON("/ui/api/agents/" + encodeURIComponent(agent));
+      renderApprovals(doc.approvals);
+      renderTasks(agent, doc.tasks);
     } catch (e) { /* retried */ }
   }, 250);
   const source = new EventSource("/ui/events?agent=" + encodeURIComponent(agent));
@@ -135,9 +152,33 @@ function agentPage(agent) {
 
 // -- a task --------------------------------------------------------------------------------
 
+function setText(id, text) {
+  const node = document.getElementById(id);
+  if (node) node.textContent = text;
+}
+
+// A finished task is over: no live badge, no Stop or Cancel (the server renders its page
+// without them; this removes them from a page that watched it finish).
+function showFinished() {
+  for (const id of ["live", "controls"]) {
+    const node = document.getElementById(id);
+    if (node) node.remove();
+  }
+  document.body.dataset.finished = "true";
+}
+
 function renderTask(doc) {
   const task = doc.task;
-  document.getElementById("task-status").textContent = task ? task.status : "sent";
+  const reading = doc.reading;
+  const status = document.getElementById("task-status");
+  status.textContent = reading.state;
+  status.className = "badge " + reading.state.replace(/ /g, "-");
+  setText("task-detail", reading.detail);
+  setText("task-text", reading.text);
+  setText("task-took", reading.took);
+  setText("task-steps", reading.steps);
+  setText("task-tokens", reading.tokens);
+  setText("task-cost", reading.cost);
   const cards = doc.log.cards.map((c) => {
     const li = el("li", { class: "card " + c.type.replace(/\./g, "-") }, el("span", { class: "kind", text: c.type }));
     if (c.metadata && c.metadata.to) li.appendChild(document.createTextNode(" → " + c.metadata.to));
@@ -147,17 +188,31 @@ function renderTask(doc) {
   replaceChildren(document.getElementById("conversation"), cards);
   const steps = (task ? task.steps : []).map((s) => el("tr", {},
     el("th", { scope: "row", text: String(s.step) }), el("td", { text: s.status }), el("td", { text: s.model || "" }),
-    el("td", { text: s.backend || "" }), el("td", { text: String(s.total_tokens ?? "") }), el("td", { text: String(s.tool_calls) })));
+    el("td", { text: s.backend || "" }), el("td", { text: s.total_tokens == null ? "–" : s.total_tokens.toLocaleString("en-US") }),
+    el("td", { text: s.cost_text }), el("td", { text: s.took }), el("td", { text: String(s.tool_calls) })));
   replaceChildren(document.querySelector("#steps tbody"), steps);
   replaceChildren(document.getElementById("decisions"), doc.log.decisions.map((d) =>
     el("li", { text: d.decision + " " + d.target + " (" + d.rule + ")" + (d.reason ? ": " + d.reason : "") })));
   renderApprovals(doc.approvals);
-  if (doc.replies) {
+  if (doc.replies && doc.replies.length) {
     replaceChildren(document.getElementById("replies"), doc.replies.map(replyItem));
-    // The answer is there whole: the streamed copy of it is hidden.
-    if (doc.replies.length) document.getElementById("streaming").classList.add("done");
+    document.getElementById("replies-box").hidden = false;
   }
-  return task && TERMINAL.has(task.status) && doc.replies !== null ? "done" : "running";
+  const answer = document.getElementById("answer");
+  if (reading.answer !== null) {
+    answer.textContent = reading.answer;
+    answer.className = "answer" + (reading.answered ? "" : " failed");
+    answer.hidden = false;
+    document.getElementById("answer-cut").hidden = !reading.answer_cut;
+    // The answer is there whole: the streamed copy of it is hidden.
+    document.getElementById("streaming").classList.add("done");
+  }
+  if (reading.finished) {
+    document.getElementById("no-answer").hidden = true;
+    showFinished();
+    return "done";
+  }
+  return "running";
 }
 
 function logEvent(kind, data) {
@@ -171,17 +226,26 @@ function logEvent(kind, data) {
 }
 
 function taskPage(agent, thread) {
+  // A finished task's page is whole as served: nothing to listen to.
+  if (document.body.dataset.finished === "true") return;
   const url = "/ui/api/agents/" + encodeURIComponent(agent) + "/tasks/" + encodeURIComponent(thread);
   const live = document.getElementById("live");
   let finished = false;
+  let timer = null;
+  const source = new EventSource("/ui/events?agent=" + encodeURIComponent(agent) + "&thread=" + encodeURIComponent(thread));
   const refresh = debounce(async () => {
+    if (finished) return;
     try {
       finished = renderTask(await getJSON(url)) === "done";
     } catch (e) { /* retried */ }
+    if (finished) {
+      // Over: stop listening, so no later event or reconnection brings a badge back.
+      source.close();
+      clearInterval(timer);
+    }
   }, 150);
-  const source = new EventSource("/ui/events?agent=" + encodeURIComponent(agent) + "&thread=" + encodeURIComponent(thread));
-  source.addEventListener("open", () => { live.textContent = "live"; refresh(); });
-  source.addEventListener("error", () => { live.textContent = "reconnecting"; });
+  source.addEventListener("open", () => { if (!finished) { live.textContent = "live"; refresh(); } });
+  source.addEventListener("error", () => { if (!finished) live.textContent = "reconnecting"; });
   source.addEventListener("chunk", (e) => {
     const data = JSON.parse(e.data);
     document.getElementById("streaming").textContent += data.text;
@@ -194,9 +258,8 @@ function taskPage(agent, thread) {
       refresh();
     });
   }
-  // The answer's reply lands in the gateway a moment after the task event: poll until it
-  // is there (and as a fallback for a dropped stream).
-  setInterval(() => { if (!finished) refresh(); }, 1000);
+  // Poll as a fallback for a dropped stream, until the task is over.
+  timer = setInterval(refresh, 1000);
 }
 
 function threadPage(thread) {
