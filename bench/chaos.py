@@ -2,6 +2,7 @@
 
     python bench/chaos.py --minutes M --seed S --store sqlite|postgresql --processes 1|2
                           [--store-url URL] [--out DIR] [--drain S]
+                          [--retention] [--budget-tokens N]
 
 Starts ``agentserver run`` (one process, or two on one PostgreSQL store) on a generated
 boot.xml: three agents (``alpha``, ``beta``, ``gamma``) whose tools are ``stamp`` (local,
@@ -13,8 +14,13 @@ Retry-After, 5xx, hangs past ``llm-timeout``, malformed tool calls). Four named 
 their answer is about to be ready) and reconnect to any live server; a server process is
 SIGKILLed every 20-60 s and restarted; the operator stops and cancels tasks with the CLI.
 ``alpha`` keeps a conversation per client, and the clients double-text it with a
-``multitask`` override (bench/support/chaos_multitask.py). Every random choice comes from
-``--seed``.
+``multitask`` override (bench/support/chaos_multitask.py), over the socket and over the
+HTTP API (``POST /v1/messages?multitask=``). An A2A client sends tasks to ``beta`` and
+``gamma`` (``<expose-a2a>``) and follows them through the kills: streams, resubscribes,
+cancels (bench/support/chaos_a2a.py). ``--retention`` prunes with short windows
+(bench/support/chaos_retention.py); ``--budget-tokens N`` gives clients ``c1``, ``c2`` and
+``a2a`` a budget of N tokens that runs out (bench/support/chaos_budget.py). Every random
+choice comes from ``--seed``.
 
 After ``--minutes`` the faults stop (and no new task is sent); every task the server took
 must then be answered within ``--drain`` s (120). bench/support/chaos_check.py checks the ledger
@@ -42,9 +48,27 @@ import trio
 # The chaos bench's modules (bench/support/: library modules, not benches).
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
-from chaos_budget import DEFAULT_TOKENS, WorstCase, budget_element, check_budgets
-from chaos_check import Ledger, check
-from chaos_clients import TOKEN, Approver, Operator, Servers, Switches, TaskClient
+from chaos_a2a import CLIENT as A2A_CLIENT
+from chaos_a2a import A2aClient, check_a2a, expose_a2a_xml
+from chaos_budget import (
+    DEFAULT_TOKENS,
+    WorstCase,
+    budget_element,
+    check_budgets,
+    client_budget,
+    refusal_violations,
+)
+from chaos_check import Ledger, check, failure_reason
+from chaos_clients import (
+    TOKEN,
+    Approver,
+    Operator,
+    Servers,
+    Switches,
+    TaskClient,
+    token_env,
+    token_of,
+)
 from chaos_hooks import SECRET_ENV as HOOK_SECRET_ENV
 from chaos_hooks import HookReceiver, await_hooks, check_hooks, ended_turns, webhooks_xml
 from chaos_hooks import new_secret as hook_secret
@@ -75,7 +99,7 @@ def boot_xml(
     model_url: str,
     postgres: bool,
     retention: bool = False,
-    budget_tokens: int = DEFAULT_TOKENS,
+    budget_tokens: int | None = None,
     hooks: str = "",
 ) -> str:
     store = (
@@ -86,8 +110,12 @@ def boot_xml(
     )
     if retention:
         store = with_retention(store)
+    # Each task client (and the A2A client) has a token of its own: over HTTP the bearer
+    # token alone names the client. Small budgets on some (``--budget-tokens``).
     clients = "\n".join(
-        f'    <client name="{name}" token-env="CHAOS_TOKEN"/>' for name, _ in CLIENTS
+        f'    <client name="{name}" token-env="{token_env(name)}">'
+        f"{client_budget(name, budget_tokens)}</client>"
+        for name in [*(n for n, _ in CLIENTS), A2A_CLIENT]
     )
     agents = "\n".join(
         f"""    <listener name="{agent}" handler="chaos_tools:agent_placeholder" agent="true"
@@ -106,7 +134,7 @@ def boot_xml(
     return f"""<?xml version="1.0" encoding="UTF-8"?>
 <organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="chaos">
   <limits hello-timeout="2" read-timeout="5" drain-timeout="1" write-timeout="5"/>
-  {budget_element(budget_tokens)}
+  {budget_element(DEFAULT_TOKENS)}
   <clients>
 {clients}
     <client name="approver" token-env="CHAOS_TOKEN"/>
@@ -138,6 +166,7 @@ def boot_xml(
 {agents}
   </listeners>
   {SCHEDULES_XML}
+  {expose_a2a_xml()}
 {hooks}</organism>
 """
 
@@ -189,6 +218,8 @@ async def chaos(args: argparse.Namespace) -> int:
             boot_dir = out / "organism"
             hooks = await HookReceiver(seed, hook_secret(seed)).start(nursery)
             env = child_env(boot_dir, CHAOS_TOKEN=TOKEN, CHAOS_LLM_KEY="chaos-key")
+            for name in [*(n for n, _ in CLIENTS), A2A_CLIENT]:
+                env[token_env(name)] = token_of(name)
             env[HOOK_SECRET_ENV] = hooks.secret
             env[EFFECTS_ENV] = str(out / "effects.log")
             if pg_url:
@@ -216,9 +247,20 @@ async def chaos(args: argparse.Namespace) -> int:
             for runner in runners:
                 nursery.start_soon(keep_runner, runner, switches)
             for name, acks in CLIENTS:
-                client = TaskClient(name, acks, seed, servers, ledger, switches, oracle.taken)
+                client = TaskClient(
+                    name,
+                    acks,
+                    seed,
+                    servers,
+                    ledger,
+                    switches,
+                    oracle.taken,
+                    stored_answers=oracle.stored_answers,
+                )
                 clients[name] = client
                 nursery.start_soon(client.run)
+            a2a = A2aClient(seed, servers, switches, token_of(A2A_CLIENT))
+            nursery.start_soon(a2a.run)
             approver = Approver(seed, servers, switches, env)
             nursery.start_soon(approver.run)
             nursery.start_soon(Operator(seed, servers, switches, ledger, env).run)
@@ -254,9 +296,13 @@ async def chaos(args: argparse.Namespace) -> int:
                 refs = await oracle.refs()
                 pending = [a for c in clients for a in ledger.open_attempts(c)]
                 taken_open = [a for a in pending if a.thread in refs]
-                if not pending:
+                if not pending and not a2a.open():
                     break
-                say(start, f"drain: {len(pending)} open ({len(taken_open)} taken)")
+                say(
+                    start,
+                    f"drain: {len(pending)} open ({len(taken_open)} taken), "
+                    f"{a2a.open()} A2A tasks open",
+                )
                 await trio.sleep(2.0)
             drained = time.monotonic() - (drain_end - args.drain)
             switches.stop = True
@@ -272,10 +318,31 @@ async def chaos(args: argparse.Namespace) -> int:
                 model_nonces=model.nonces_seen,
                 effects=read_effects(env[EFFECTS_ENV]),
             )
+            await a2a.settle()
+            a2a_counts, a2a_violations = check_a2a(
+                a2a.tasks, expected_proofs(seed), internal_errors=a2a.internal_errors
+            )
+            a2a_counts.update(
+                {k: v for k, v in sorted(a2a.counts.items()) if not k.startswith("seen:")}
+            )
+            verdict.counts.update(a2a_counts)
             spend, overspent = await check_budgets(oracle.sqlite_path, pg_url, worst)
+            refused = [
+                (a.client, a.thread, a.text)
+                for a in ledger.answers
+                if a.failed and failure_reason(a.text) == "budget"
+            ] + [
+                (A2A_CLIENT, t.message_id, text)
+                for t in a2a.tasks
+                for _, state, text in t.ends[:1]
+                if state == "failed" and failure_reason(text) == "budget"
+            ]
+            refusal_counts, misrefused = refusal_violations(refused, args.budget_tokens)
+            spend.update(refusal_counts)
             verdict.counts.update(spend)
-            verdict.violations.extend(overspent)
-            verdict.counts["violations"] = int(verdict.counts["violations"]) + len(overspent)
+            more = [*a2a_violations, *overspent, *misrefused]
+            verdict.violations.extend(more)
+            verdict.counts["violations"] = int(verdict.counts["violations"]) + len(more)
             sched_counts, sched_violations = await trio.to_thread.run_sync(
                 check_schedules,
                 oracle.sqlite_path,
@@ -331,6 +398,7 @@ async def chaos(args: argparse.Namespace) -> int:
             "ack_duplicates_dropped": switches.counts.get("ack_duplicates_dropped", 0),
             "drain_seconds": round(drained, 1),
             "retention": args.retention,
+            "budget_tokens": args.budget_tokens,
             **(sizes.figures() if args.retention else {}),
             "seconds": round(time.monotonic() - start, 1),
         }
@@ -460,8 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget-tokens",
         type=int,
-        default=DEFAULT_TOKENS,
-        help="the organism's <budget tokens> (default: too large to refuse)",
+        default=None,
+        help="a total budget of N tokens on clients c1, c2 and a2a, which runs out "
+        "(bench/support/chaos_budget.py; default: none)",
     )
     args = parser.parse_args(argv)
     if args.processes == 2 and args.store != "postgresql":

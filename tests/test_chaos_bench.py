@@ -27,6 +27,8 @@ def test_a_short_seeded_chaos_run_has_no_violation():
             "sqlite",
             "--drain",
             "90",
+            "--budget-tokens",
+            "2500",
             "--out",
             str(out),
         ],
@@ -43,4 +45,9 @@ def test_a_short_seeded_chaos_run_has_no_violation():
     # The double texts' part of the checker ran (docs/reliability.md).
     assert counts["tool_effects"] > 0 and counts["tool_effects_repeated"] == 0, counts
     assert "double_texts_by_mode" in counts and "rejected_busy" in counts, counts
+    # Issue 43's parts ran: the A2A client, the HTTP double texts, the small budgets.
+    assert counts["a2a_tasks"] > 0 and counts["a2a_internal_errors"] == 0, counts
+    assert "http_tasks" in counts and "budget_refused_tasks" in counts, counts
+    small = {"client:c1", "client:c2", "client:a2a"}
+    assert counts["budget_spend"] and set(counts["budget_spend"]) <= small, counts
     assert "[chaos" in stderr  # progress lines

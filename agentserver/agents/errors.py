@@ -81,9 +81,11 @@ class TurnPruned(AgentError):
     """The Turn asked for was removed by retention (agents/store/sql/prune.py): a read
     answers this, never a partial record (HTTP: 404 problem ``pruned``)."""
 
-    def __init__(self, agent: str, thread: str) -> None:
+    def __init__(self, agent: str, thread: str, owner: str | None = None) -> None:
         super().__init__(
             f"the Turn of {agent!r} on thread {thread!r} was pruned by the store's retention"
         )
         self.agent = agent
         self.thread = thread
+        #: Who sent it, where the store knows (an A2A task's record): only they are told.
+        self.owner = owner

@@ -96,6 +96,8 @@ class Attempt:
     #: Sent while an earlier task of this client to this agent had no answer yet: a
     #: double text if the agent keeps a conversation per client.
     racing: bool = False
+    #: How it was sent: ``socket`` (her connection) or ``http`` (``POST /v1/messages``).
+    via: str = "socket"
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +125,9 @@ class Ledger:
         agent: str,
         multitask: str | None = None,
         racing: bool = False,
+        via: str = "socket",
     ) -> Attempt:
-        attempt = Attempt(client, thread, nonce, agent, multitask, racing)
+        attempt = Attempt(client, thread, nonce, agent, multitask, racing, via)
         self.attempts[thread] = attempt
         return attempt
 
@@ -148,6 +151,15 @@ class Ledger:
             for a in self.attempts.values()
             if a.client == client and a.thread not in done and a.thread not in self.resent
         ]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredAnswers:
+    """What the store wrote as a task's answer (its reply rows: text, failed), for an
+    HTTP task whose exchange a kill lost; ``pruned``: retention removed it first."""
+
+    answers: list[tuple[str, bool]]
+    pruned: bool = False
 
 
 @dataclass
@@ -238,6 +250,12 @@ def check(
         "taken": sum(1 for t in ledger.attempts if t in taken),
         "not_taken": sum(1 for t in ledger.attempts if t not in taken),
         "resent": len(ledger.resent),
+        "http_tasks": sum(1 for a in ledger.attempts.values() if a.via == "http"),
+        "http_tasks_answered_once": sum(
+            1
+            for t, a in ledger.attempts.items()
+            if a.via == "http" and t in taken and len(by_thread.get(t, [])) == 1
+        ),
         "refusals": len(ledger.refusals),
         "answered_once": answered_once,
         "duplicates": duplicates,

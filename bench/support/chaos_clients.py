@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
-from chaos_check import Attempt, Ledger
+from chaos_check import Attempt, Ledger, StoredAnswers
 from chaos_multitask import hurry, next_task
 from chaos_procs import ServerSlot
 from chaos_tools import AGENTS, TASK_TYPES
@@ -37,6 +37,23 @@ from agentserver.net.client import Client, ClientError, approval_request, open_c
 from agentserver.net.reply import DeliveredIds, Reply, parse_reply
 
 TOKEN = "chaos-token"
+#: Of the double texts to the memory agent, this share goes over the HTTP API
+#: (``POST /v1/messages?multitask=``, docs/runs.md) rather than the socket.
+HTTP_DOUBLE_TEXT_CHANCE = 0.35
+#: A blocking HTTP task waits this long for its answer (the API's wait-timeout is 60 s).
+HTTP_WAIT_S = 70.0
+
+
+def token_of(name: str) -> str:
+    """A task client's own token: over HTTP the bearer token alone names the client."""
+    return f"{TOKEN}-{name}"
+
+
+def token_env(name: str) -> str:
+    """The variable boot.xml reads ``name``'s token from."""
+    return f"CHAOS_TOKEN_{name.upper()}"
+
+
 #: A request as ``agentserver console`` shows it (docs/agents.md, "Human approval").
 _SHOWN = re.compile(r"approval request (\w+): (\w+) wants to call")
 
@@ -91,6 +108,7 @@ class TaskClient:
         switches: Switches,
         taken: Callable[[str], Awaitable[bool]],
         max_open: int = 3,
+        stored_answers: Callable[[str], Awaitable[StoredAnswers]] | None = None,
     ) -> None:
         self.name = name
         self.acks = acks
@@ -108,10 +126,21 @@ class TaskClient:
         self.known_taken: set[str] = set()
         #: The open connection of a client with acks (tasks go through its ``send``).
         self._client: Client | None = None
+        #: The store's answers to a thread (the HTTP tasks whose exchange a kill lost).
+        self.stored_answers = stored_answers
+        self._http: trio.Nursery | None = None
+        #: HTTP tasks whose POST has not returned yet.
+        self._http_pending: set[str] = set()
 
     # -- the loop ----------------------------------------------------------------------
 
     async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._http = nursery
+            await self._run()
+            nursery.cancel_scope.cancel()
+
+    async def _run(self) -> None:
         while not self.switches.stop:
             slot = await self.servers.pick(self.rng)
             gen = slot.generation
@@ -123,7 +152,9 @@ class TaskClient:
                     await self._session_raw(slot)
             except (ClientError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
-            for entry in self.sent_on.values():
+            for thread, entry in self.sent_on.items():
+                if thread in self._http_pending:
+                    continue  # its POST, not this connection, says when it closed
                 if entry[0] is slot and entry[1] == gen and entry[2] is None:
                     entry[2] = trio.current_time()
             if self.switches.faults:
@@ -154,7 +185,16 @@ class TaskClient:
                     if task.multitask is not None:
                         self.switches.count("multitask_sent")
                     like = Attempt(self.name, "", nonce, task.agent, task.multitask, task.racing)
-                    await self._send_task(send, slot, like)
+                    if (
+                        task.racing
+                        and task.multitask is not None
+                        and slot.http_url
+                        and self.stored_answers is not None
+                        and self.rng.random() < HTTP_DOUBLE_TEXT_CHANCE
+                    ):
+                        self._send_http(slot, like)
+                    else:
+                        await self._send_task(send, slot, like)
                     if hurry(self.rng, task):
                         continue
                 with trio.move_on_after(self.rng.uniform(0.2, 1.5)):
@@ -177,6 +217,73 @@ class TaskClient:
         if like.multitask is not None:
             envelope.set(MULTITASK, like.multitask)  # by hand: the envelope's attribute
         await send(etree.tostring(envelope))
+
+    def _send_http(self, slot: ServerSlot, like: Attempt) -> None:
+        """A double text over the HTTP API: ``POST /v1/messages?to=AGENT&multitask=MODE``
+        with her own bearer token (her conversation, as her socket tasks), waiting for
+        the answer in a task of its own (:meth:`_follow_http`)."""
+        assert self._http is not None
+        thread = str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
+        self.ledger.sent(
+            self.name, thread, like.nonce, like.agent, like.multitask, like.racing, via="http"
+        )
+        self.switches.count("http_double_texts")
+        # Never a connection to close: the resend rule starts from the POST's return.
+        self.sent_on[thread] = [slot, slot.generation, None]
+        self._http_pending.add(thread)
+        self._http.start_soon(self._follow_http, slot, thread, like)
+
+    async def _follow_http(self, slot: ServerSlot, thread: str, like: Attempt) -> None:
+        """The HTTP task's one answer: the POST's response body (200, the reply
+        envelope), or, when the server that held the exchange was killed (or the wait
+        timed out), what the store wrote for it: the reply row(s) of its task (an
+        application without a socket of its own reads them as
+        ``GET /v1/agents/NAME/tasks/THREAD`` would, from the store)."""
+        import httpx
+
+        task = TASK_TYPES[like.agent](text=f"Please handle NONCE[{like.nonce}] with your tools.")
+        params = {"to": like.agent, "thread": thread, "multitask": like.multitask or "enqueue"}
+        headers = {"Authorization": f"Bearer {token_of(self.name)}"}
+        entry = self.sent_on[thread]
+        try:
+            async with httpx.AsyncClient(base_url=slot.http_url, timeout=HTTP_WAIT_S) as http:
+                got = await http.post(
+                    "/v1/messages", params=params, headers=headers, content=task.to_xml()
+                )
+        except httpx.HTTPError:
+            got = None
+        entry[2] = trio.current_time()
+        self._http_pending.discard(thread)
+        if got is not None and got.status_code == 200:
+            self._hand(parse_reply(got.content, SafeParser()))
+            self.switches.count("http_answers_on_the_wire")
+            return
+        if got is not None and got.status_code not in (504,) and got.status_code >= 400:
+            # Refused before it was a task (a problem document): her application sees it.
+            self.ledger.refused(self.name, thread, got.text[:300])
+            self.switches.count("http_refusals")
+            return
+        # The exchange is gone (its server killed) or timed out: the store has the answer
+        # once the task ends, if the server took it (else the resend rule sends it again).
+        while not self.switches.stop:
+            if thread in self.ledger.resent:
+                return
+            if thread in self.known_taken or await self.taken(thread):
+                self.known_taken.add(thread)
+                assert self.stored_answers is not None
+                found = await self.stored_answers(thread)
+                if found.answers:
+                    for text, failed in found.answers:
+                        self.ledger.answered(self.name, thread, text, failed)
+                    self.switches.count("http_answers_from_the_store")
+                    return
+                if found.pruned:
+                    # Retention removed the task with its reply before we read it: what
+                    # the answer was is unknowable here (counted, never a violation).
+                    self.ledger.answered(self.name, thread, "pruned before read", True)
+                    self.switches.count("http_answers_pruned")
+                    return
+            await trio.sleep(1.0)
 
     async def _resend(self, send, slot: ServerSlot) -> None:
         """docs/deploy.md: a task still in a killed server's socket was never accepted and
@@ -201,7 +308,11 @@ class TaskClient:
 
     async def _session_acks(self, slot: ServerSlot) -> None:
         async with open_client(
-            slot.host, slot.port, client=self.name, token=TOKEN, delivered=self.delivered
+            slot.host,
+            slot.port,
+            client=self.name,
+            token=token_of(self.name),
+            delivered=self.delivered,
         ) as client:
             async with trio.open_nursery() as nursery:
 
@@ -238,7 +349,7 @@ class TaskClient:
                     self._hand(parse_reply(frame, parser))
 
         async with stream:
-            await send(hello_frame_body(self.name, TOKEN, ack=False))
+            await send(hello_frame_body(self.name, token_of(self.name), ack=False))
             async with trio.open_nursery() as nursery:
                 reader_done = trio.Event()
 
@@ -293,6 +404,12 @@ class Approver:
         return [(a, r) for r, a in _SHOWN.findall(out) if r != request_id]
 
     async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._http = nursery
+            await self._run()
+            nursery.cancel_scope.cancel()
+
+    async def _run(self) -> None:
         while not self.switches.stop:
             slot = await self.servers.pick(self.rng)
             gen = slot.generation

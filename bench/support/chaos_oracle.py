@@ -12,8 +12,9 @@ import re
 import sqlite3
 
 import trio
-from chaos_check import TaskRow
+from chaos_check import StoredAnswers, TaskRow
 from chaos_retention import PRUNED_QUERY
+from lxml import etree
 
 _TAKEN = "SELECT reply_ref FROM agent_inbox WHERE message_type = 'turn'"
 #: Per task: its place, when it was written, its Turn (named once the head leased it; a
@@ -67,6 +68,42 @@ class Oracle:
         """Every task's reply reference (pruned tasks were taken too), one string."""
         rows = await trio.to_thread.run_sync(self._rows, _TAKEN, PRUNED_QUERY)
         return "\n".join([*(str(r[0]) for r in rows), *self.tombstones.values()])
+
+    def _answers(self, thread: str) -> tuple[list[tuple], bool]:
+        like = f"%{thread}%"
+        replies = "SELECT payload, failed FROM agent_replies WHERE reply_ref LIKE {}"
+        pruned = "SELECT count(*) FROM pruned_turns WHERE caller_thread = {} OR hop = {}"
+        if self.pg_url is not None:
+            import psycopg
+
+            with psycopg.connect(self.pg_url, connect_timeout=10) as conn:
+                rows = conn.execute(replies.format("%s"), (like,)).fetchall()
+                gone = conn.execute(pruned.format("%s", "%s"), (thread, thread)).fetchone()[0]
+            return rows, bool(gone)
+        if self.sqlite_path is None or not self.sqlite_path.exists():
+            return [], False
+        conn = sqlite3.connect(f"file:{self.sqlite_path}?mode=ro", uri=True, timeout=30)
+        try:
+            rows = conn.execute(replies.format("?"), (like,)).fetchall()
+            gone = conn.execute(pruned.format("?", "?"), (thread, thread)).fetchone()[0]
+        finally:
+            conn.close()
+        return rows, bool(gone)
+
+    async def stored_answers(self, thread: str) -> StoredAnswers:
+        """The reply rows the store wrote for the task on ``thread`` (its text and
+        whether it failed), and whether retention pruned the task."""
+        rows, gone = await trio.to_thread.run_sync(self._answers, thread)
+        answers = []
+        for payload, failed in rows:
+            raw = bytes(payload) if not isinstance(payload, str) else payload.encode()
+            try:
+                text = "".join(etree.fromstring(raw).itertext())
+            except etree.XMLSyntaxError:
+                text = raw.decode("utf-8", "replace")
+            answers.append((text, bool(failed)))
+        pruned = gone or any(thread in ref for ref in self.tombstones.values())
+        return StoredAnswers(answers, pruned)
 
     async def taken(self, thread: str) -> bool:
         return thread in await self.refs()

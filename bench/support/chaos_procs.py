@@ -19,6 +19,8 @@ import threading
 import trio
 
 LISTENING = re.compile(r"agentserver listening on (\S+?):(\d+)")
+#: ``run`` prints the HTTP API's URL(s) before the socket's line (docs/operations.md).
+HTTP_LISTENING = re.compile(r"agentserver http listening on (https?://[^\s,\"]+)")
 
 
 def child_env(tools: pathlib.Path, **extra: str) -> dict[str, str]:
@@ -40,6 +42,8 @@ class ServerSlot:
         self.proc: subprocess.Popen | None = None
         self.host = "127.0.0.1"
         self.port = 0
+        #: The HTTP API's base URL (the A2A clients' and the HTTP double texts' door).
+        self.http_url = ""
         #: Bumped at every start: a connection made to an older generation is dead.
         self.generation = 0
         self.changed = trio.Event()
@@ -63,6 +67,8 @@ class ServerSlot:
                 str(self.boot),
                 "--port",
                 "0",
+                "--http-port",
+                "0",
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -72,11 +78,16 @@ class ServerSlot:
         )
         found = threading.Event()
         address: list[tuple[str, int]] = []
+        http: list[str] = []
 
         def pump() -> None:
             with log:
                 for raw in proc.stderr:
                     log.write(raw)
+                    if not http:
+                        found_http = HTTP_LISTENING.search(raw.decode("utf-8", "replace"))
+                        if found_http:
+                            http.append(found_http.group(1))
                     if not address:
                         match = LISTENING.search(raw.decode("utf-8", "replace"))
                         if match:
@@ -91,6 +102,7 @@ class ServerSlot:
             proc.wait()
             raise RuntimeError(f"server {self.index} did not start (see {self.logs})")
         self.proc = proc
+        self.http_url = http[0] if http else ""
         self.host, self.port = address[0]
 
     async def start(self) -> None:

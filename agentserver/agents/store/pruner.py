@@ -11,7 +11,8 @@ deliveries (with their sequence counters), each in batches of at most
 a pass resumes each batch where the last ended), with a pause between batches so a
 Turn's transactions come first. On SQLite it then gives the freed pages back to the file,
 :data:`VACUUM_PAGES` at a time (a file made before retention was on keeps its pages
-until ``agentserver store prune`` converts it, docs/operations.md).
+until ``agentserver store prune`` converts it, docs/operations.md), and checkpoints the
+WAL inline, so the log starts over after each run (``checkpoint_after_prune``).
 
 What it never removes is listed in ``agents/store/sql/prune.py``. A cancel lands between
 batches (or aborts the batch in flight, which rolls back whole); the next run redoes it.
@@ -110,6 +111,7 @@ class PruneStore(Protocol):
     async def store_agents(self) -> list[str]: ...
     async def record_agents(self) -> tuple[list[str], list[str]]: ...
     async def reclaim_pages(self, max_pages: int) -> int: ...
+    async def checkpoint_after_prune(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -288,6 +290,9 @@ class Pruner:
             if progress is not None:
                 progress(report)
             await trio.sleep(self.pause_s)
+        # The run's deletions (and the Turns' writes meanwhile) copied back, so the WAL
+        # starts over at the next commit instead of growing on (issue 43).
+        await self.store.checkpoint_after_prune()
 
 
 #: One pass: (the report's kind, the store's batch method, its arguments between the

@@ -15,6 +15,16 @@ from agentserver.agents.profile.schedule import ScheduleSpec
 SPEAKS_FOR = "speaks_for"
 
 
+def client_of(reply_ref: Any) -> str | None:
+    """The named client a task's reply reference names (None: none): her socket's
+    identity, or the bearer token's of her HTTP message or A2A task. Whose budgets a
+    task's model calls pay into (docs/budgets.md): the same at every door."""
+    if not isinstance(reply_ref, Mapping):
+        return None
+    client = reply_ref.get("client") or reply_ref.get(SPEAKS_FOR)
+    return client if isinstance(client, str) and client else None
+
+
 def caller_key(reply_ref: Any) -> str | None:
     """The caller a task's reply reference names (None: none): a named client by its
     identity (``client:NAME``), any other caller by the origin of its chain

@@ -771,6 +771,11 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         autovacuum): 0 here."""
         return 0
 
+    async def checkpoint_after_prune(self) -> None:
+        """After a prune run: copy the write-ahead log back so it can start over (SQLite,
+        :class:`~agentserver.agents.store.sqlite_store.SqliteAgentStore`). PostgreSQL's
+        WAL is the server's own business: nothing here."""
+
 
 def _cards(tx: Tx, env: StoreEnv, box_id: str) -> list[Card]:
     # A context box's memory first: it names its conversation's cards, not copies.

@@ -54,6 +54,7 @@ from agentserver.agents.store.base import (
     TaskStatus,
     TurnToken,
 )
+from agentserver.agents.store.rows import client_of
 from agentserver.agents.store.states import HeadStatus, MessageType
 from agentserver.agents.turn.answer import answer_bytes
 from agentserver.agents.turn.hold import TurnHold
@@ -371,9 +372,8 @@ class Worker:
         ``retries_done``: retries the first step already had (a retry wait's resume);
         ``step``: the first step, if the transaction that started or resumed the Turn
         began it. Raises StaleTurn when fenced out."""
-        client = reply_ref.get("client") if isinstance(reply_ref, dict) else None
-        if not isinstance(client, str):
-            client = None
+        # Her budgets, whichever door she came in by (socket, HTTP, A2A).
+        client = client_of(reply_ref)
         while True:
             if step is None:
                 step = await self._open_step(token, profile)

@@ -56,6 +56,7 @@ from a2a.utils.errors import (
 from google.protobuf.json_format import MessageToDict, MessageToJson, Parse
 from lxml import etree
 
+from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.base import A2aStore
 from agentserver.core.access import AccessRule
 from agentserver.core.envelope import build_envelope
@@ -201,7 +202,19 @@ class A2aHandler(RequestHandler):
     ) -> dict[str, Any]:
         """The task's row, if ``identity`` sent it (or is an operator) and may still see
         its agent; another's answers TaskNotFound, as a missing one."""
-        row = await self.deps.store.a2a_task(task_id) if len(task_id) <= MAX_ID else None
+        try:
+            row = await self.deps.store.a2a_task(task_id) if len(task_id) <= MAX_ID else None
+        except TurnPruned as exc:
+            # Its record outlives it while its tombstone lasts (the message's idempotency
+            # key): the task itself is gone, which its sender (only) is told as such.
+            owner = exc.owner or ""
+            if not self.deps.may_see(identity, exc.agent) or not self._owns(
+                identity, owner, method
+            ):
+                raise TaskNotFoundError(f"no task {task_id!r}") from None
+            raise TaskNotFoundError(
+                f"task {task_id!r} was pruned by the store's retention"
+            ) from None
         if (
             row is None
             or not self.deps.may_see(identity, row["agent"])
@@ -253,7 +266,14 @@ class A2aHandler(RequestHandler):
             )
             if outcome.kind == "refused":
                 await self.deps.store.a2a_reject(task_id, f"refused: {outcome.refusal}")
-        row = await self.deps.store.a2a_task(found)
+        try:
+            row = await self.deps.store.a2a_task(found)
+        except TurnPruned:
+            # The same message again, after retention removed its task.
+            raise TaskNotFoundError(
+                f"message {message.message_id!r} was task {found!r}, pruned by the store's "
+                "retention: send a new message (a new messageId)"
+            ) from None
         assert row is not None
         return row
 
@@ -305,7 +325,10 @@ class A2aHandler(RequestHandler):
         delay = POLL_MIN
         while last[0] not in TERMINAL:
             await trio.sleep(delay)
-            fresh = await self.deps.store.a2a_task(row["task_id"])
+            try:
+                fresh = await self.deps.store.a2a_task(row["task_id"])
+            except TurnPruned:
+                return  # ended and pruned meanwhile: nothing more will change
             if fresh is None:
                 return
             now = state_of(fresh)

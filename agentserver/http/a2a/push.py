@@ -28,6 +28,7 @@ from a2a.types import StreamResponse, TaskPushNotificationConfig, TaskState
 from google.protobuf.json_format import MessageToJson, Parse
 
 from agentserver.agents.edge.outbox import Channel, Outbox
+from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.base import A2aStore
 from agentserver.agents.store.outbox import OutboxItem, OutboxRow
 from agentserver.core.threads import new_thread_id
@@ -169,7 +170,10 @@ class PushNotifier:
         """One look: owe what changed. Returns how many notifications were owed."""
         owed = 0
         for task_id, config_id, seen in await self.store.a2a_push_watched(BATCH):
-            row = await self.store.a2a_task(task_id)
+            try:
+                row = await self.store.a2a_task(task_id)
+            except TurnPruned:
+                continue  # ended (its last state was owed before) and pruned since
             if row is None:
                 continue
             state, _ = state_of(row)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.sql import views
 from agentserver.agents.store.sql.db import StoreEnv, Tx
 from agentserver.agents.store.states import ApprovalStatus
@@ -107,7 +108,14 @@ def _state(tx: Tx, env: StoreEnv, out: dict[str, Any]) -> dict[str, Any]:
 def task(tx: Tx, env: StoreEnv, task_id: str) -> dict[str, Any] | None:
     """The task ``task_id`` with its state (see :func:`_state`); None if unknown."""
     row = tx.one(f"SELECT {_COLUMNS} FROM a2a_tasks WHERE task_id = ?", (task_id,))
-    return None if row is None else _state(tx, env, _row(row))
+    if row is None:
+        return None
+    out = _row(row)
+    try:
+        return _state(tx, env, out)
+    except TurnPruned as exc:
+        # Its record outlives it while its tombstone lasts: "pruned", for its sender only.
+        raise TurnPruned(exc.agent, exc.thread, owner=out["owner"]) from None
 
 
 def tasks(
@@ -130,7 +138,14 @@ def tasks(
     with ``keep``, every candidate's state is read (in this one transaction)."""
     if not agents:
         return [], 0, False
-    where = f"agent_id IN ({', '.join('?' * len(agents))})"
+    # A task pruned by retention is not listed (its record stays while its tombstone
+    # does, as its message's idempotency key; reading its state would raise TurnPruned).
+    # (Two NOT EXISTS, each on an index of pruned_turns: (agent_id, caller_thread), hop.)
+    where = f"agent_id IN ({', '.join('?' * len(agents))})" + "".join(
+        " AND NOT EXISTS (SELECT 1 FROM pruned_turns p WHERE "
+        f"p.agent_id = a2a_tasks.agent_id AND p.{column} = a2a_tasks.task_id)"
+        for column in ("caller_thread", "hop")
+    )
     params: tuple[Any, ...] = tuple(agents)
     if owner is not None:
         where += " AND owner = ?"
