@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from agentserver.agents.clock import ManualClock
@@ -18,7 +20,7 @@ from agentserver.agents.ports import LLMCompletion, LLMUsage
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import CardType, NewCard, TaskStatus
 from agentserver.agents.store.figures import StoreFigures
-from agentserver.agents.store.sql.views import ERROR_TEXT_CHARS
+from agentserver.agents.store.sql.views import ERROR_TEXT_CHARS, error_text
 from agentserver.agents.store.sql_store import SqlAgentStore
 from agentserver.agents.store.step_log import StoreStepLog
 from agentserver.http.agents_view import AgentsView
@@ -63,8 +65,22 @@ def rows(n: int, listener: str = "search") -> list[StepRow]:
     ]
 
 
-async def failed_turn(store: SqlAgentStore, text: str, thread: str) -> str:
-    """Run one Turn of agent A on ``thread``: one step with usage, then a failed end."""
+#: A failed Turn's deliverable longer than the bound on an error's text: a first sentence,
+#: then words, the last sentence ending past the bound.
+LONG_ERROR = (
+    "The model refused the request. "
+    + "Its provider said: "
+    + "quota exceeded for the organisation " * 250
+    + "today. "
+    + "Retry after noon."
+)
+
+
+async def failed_turn(
+    store: SqlAgentStore, text: str, thread: str, error: str = "no luck " * 100
+) -> str:
+    """Run one Turn of agent A on ``thread``: one step with usage, then a failed end with
+    ``error`` as its deliverable."""
     clock = store.env.clock
     await store.enqueue_turn(A, text.encode(), {"caller_thread": thread})
     [row] = await store.claim_due(A, 5)
@@ -75,7 +91,7 @@ async def failed_turn(store: SqlAgentStore, text: str, thread: str) -> str:
     completion = LLMCompletion("trying", usage=usage, cost=0.25, model="m", backend="b")
     await store.complete_step(token, step_id, completion, [NewCard(CardType.LLM_MESSAGE, "x")])
     clock.advance(1)
-    await store.finish(token, TaskStatus.FAILED, "no luck " * 100, {}, b"<a/>")
+    await store.finish(token, TaskStatus.FAILED, error, {}, b"<a/>")
     return token.agent_turn_id
 
 
@@ -91,13 +107,18 @@ async def test_agents_view_is_the_same_on_every_backend(opener):
     assert await view.agent_list() == [{"name": A, **idle}, {"name": B, **idle}]
     assert await view.task(A, "nothing") is None
 
-    turn = await failed_turn(store, "first", "t1")
+    turn = await failed_turn(store, "first", "t1", LONG_ERROR)
     await store.enqueue_turn(A, b"second", {"caller_thread": "t2"})  # leased, not started
     await store.enqueue_turn(A, b"third", {"caller_thread": "t3", "hop": "h3"})  # queued
     [row] = await store.claim_due(A, 5)
     running = await store.start_turn(row)
     await store.begin_step(running)
-    error = {"turn": turn, "status": "failed", "text": ("no luck " * 100)[:ERROR_TEXT_CHARS]}
+    # The whole error up to the bound, cut at a word's end with the count of the rest.
+    assert len(LONG_ERROR) > ERROR_TEXT_CHARS
+    kept = LONG_ERROR[: LONG_ERROR.rindex(" ", 0, ERROR_TEXT_CHARS + 1)]
+    assert LONG_ERROR.startswith(kept) and len(kept) > ERROR_TEXT_CHARS - 20
+    cut = f"{kept} … ({len(LONG_ERROR) - len(kept)} more characters)"
+    error = {"turn": turn, "status": "failed", "text": cut}
     assert await view.agent_list([A]) == [
         {
             "name": A,
@@ -113,6 +134,11 @@ async def test_agents_view_is_the_same_on_every_backend(opener):
         }
     ]
     assert await view.agent(B) == {"name": B, **idle}
+    # ``agentserver status`` shows it whole, on one line (issue 45: it was cut mid-word).
+    from agentserver.cli.status import format_status
+
+    doc = {"organism": "o", "agents": await view.agent_list([A])}
+    assert f"    last error (failed): {cut}" in format_status(doc).splitlines()
     assert await view.task(A, "t1") == {
         "agent": A,
         "thread": "t1",
@@ -148,6 +174,39 @@ async def test_agents_view_is_the_same_on_every_backend(opener):
     assert queued is not None and (queued["status"], queued["turn"]) == ("queued", None)
     assert await view.turn_thread(turn) == ("t1", None)
     assert await view.turn_thread("no-such-turn") == (None, None)
+
+
+ERROR_WORDS = st.text(alphabet=st.sampled_from("ab. \n"), max_size=300)
+
+
+@given(text=ERROR_WORDS, limit=st.integers(min_value=1, max_value=120))
+def test_an_error_is_whole_or_cut_between_words_with_what_is_left(text: str, limit: int) -> None:
+    """``error_text``: the whole text when it fits; else a prefix that ends a word (or a
+    sentence), never inside one unless one word is longer than the bound, and a marker
+    with the exact count of what is not shown."""
+    shown = error_text(text, limit)
+    if len(text) <= limit:
+        assert shown == text
+        return
+    kept, sep, marker = shown.rpartition(" … (")
+    assert sep and marker == f"{len(text) - len(kept)} more characters)"
+    assert text.startswith(kept) and 0 < len(kept) <= limit
+    if any(c.isspace() for c in text[1 : limit + 1]) and text[:limit].strip():
+        # A word boundary exists within the bound: the cut is at one.
+        assert text[len(kept)].isspace() and not kept[-1].isspace()
+    else:
+        assert kept == text[:limit]
+
+
+def test_an_error_is_cut_at_a_sentence_near_the_bound() -> None:
+    text = "First part of the error. Second part goes on and on"
+    assert error_text(text, 30) == f"First part of the error. … ({len(text) - 24} more characters)"
+    # A sentence end far before the bound loses to the last word that fits.
+    assert error_text(text, 48).startswith("First part of the error. Second part goes on and …")
+    assert error_text("x" * 10, 4) == "xxxx … (6 more characters)"
+    # A provider's error body of a few KiB is shown whole (it was cut at 500 characters).
+    body = "upstream said: " + '{"error": {"message": "rate limited", "code": 429}} ' * 80
+    assert len(body) > 4000 and error_text(body) == body
 
 
 async def test_the_web_consoles_views_are_the_same_on_every_backend(opener):

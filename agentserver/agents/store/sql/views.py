@@ -24,13 +24,36 @@ from agentserver.agents.store.sql.tombstones import thread_pruned
 from agentserver.agents.store.states import ApprovalStatus, InboxStatus, MessageType
 from agentserver.core.access import SENDER_KEYS, sender_of
 
-#: Characters of a failed Turn's deliverable shown as an agent's last error.
-ERROR_TEXT_CHARS = 500
+#: Bound on the characters of a failed Turn's deliverable shown as an agent's last error
+#: and a task's error: generous, so that ``agentserver status`` shows a whole error (issue
+#: 45); the bound only keeps a runaway deliverable out of every status document.
+ERROR_TEXT_CHARS = 8192
+#: A cut at a sentence's end is preferred when it keeps at least this share of the bound.
+_SENTENCE_SHARE = 0.75
 _DELIVERABLE = "task.deliverable"
 #: A Turn row still waiting for the worker: queued behind a running Turn, or leased and
 #: not yet taken (a busy worker, or a retry after a failed claim).
 _WAITING = (InboxStatus.QUEUED.value, InboxStatus.PENDING.value)
 _USAGE = ("prompt_tokens", "completion_tokens", "total_tokens", "cost")
+
+
+def error_text(text: str, limit: int = ERROR_TEXT_CHARS) -> str:
+    """``text`` whole if it fits in ``limit`` characters, else cut at the end of a sentence
+    (or, failing one near the bound, of a word) with an explicit "… (N more characters)"
+    marker, so that no reader takes a cut error for the whole one. Only a single word
+    longer than ``limit`` is cut inside it, at the bound."""
+    if len(text) <= limit:
+        return text
+    # text[limit] may itself be the space that ends the last word that fits.
+    window = text[: limit + 1]
+    sentence = max(window.rfind(f".{gap}") for gap in (" ", "\n", "\t"))
+    if sentence >= 0 and sentence + 1 >= limit * _SENTENCE_SHARE:
+        kept = window[: sentence + 1]
+    else:
+        word = max(window.rfind(gap) for gap in (" ", "\n", "\t"))
+        kept = window[:word].rstrip() if word > 0 else text[:limit]
+        kept = kept or text[:limit]
+    return f"{kept} … ({len(text) - len(kept)} more characters)"
 
 
 def json_text(tx: Tx, column: str, key: str) -> str:
@@ -96,7 +119,7 @@ def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
             item["last_error"] = {
                 "turn": error[0],
                 "status": error[2],
-                "text": error[1][:ERROR_TEXT_CHARS],
+                "text": error_text(error[1]),
                 "at": error[3],
             }
         out.append(item)
@@ -151,7 +174,7 @@ def task(
         out["status"] = done[0] or "finished"
         out["finished_at"] = done[2]
         if done[0] != "succeeded":
-            out["error"] = done[1][:ERROR_TEXT_CHARS]
+            out["error"] = error_text(done[1])
     usage = out["usage"]
     for step in tx.all(
         "SELECT step_no, status, model, backend, prompt_tokens, completion_tokens, "
