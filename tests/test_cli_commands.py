@@ -183,6 +183,49 @@ def test_a_knock_on_error_is_said_once_under_the_error_that_caused_it(tmp_path):
     ]
 
 
+def test_exposing_a_failed_listener_is_said_under_its_error(tmp_path):
+    """``<expose-mcp listeners>`` and ``<expose-a2a><agent>`` naming a listener that
+    failed are knock-on effects of its error, said under it; a name nobody declared is
+    still an error of its own."""
+    path = tmp_path / "exposed.xml"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            <organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="exposed">
+              <http port="0"/>
+              <listeners>
+                <listener name="counter" handler="nosuchmodule_exposed:count"/>
+                <listener name="planner" agent="true" handler="nosuchmodule_exposed:plan"/>
+                <listener name="boss" handler="echo"/>
+              </listeners>
+              <expose-mcp listeners="boss counter ghost"/>
+              <expose-a2a>
+                <agent name="planner"/>
+                <agent name="phantom"/>
+              </expose-a2a>
+            </organism>
+            """
+        )
+    )
+    result = cli_in_process("check", str(path))
+    assert result.returncode == 1
+    out = result.stdout.decode()
+    lines = out.splitlines()
+    # One module that failed (two listeners with it) and two names nobody declared:
+    # three errors, the knock-on effects said once, under their cause.
+    assert lines[-1] == f"{path}: 3 errors", out
+    assert "'counter'" not in "".join(x for x in lines if x.startswith(f"{path}:8:")), out
+    assert "'planner' is not a declared agent" not in out, out
+    counter = lines.index(next(x for x in lines if x.startswith(f"{path}:4: listener 'counter'")))
+    assert lines[counter + 1 : counter + 4] == [
+        "    (so listener 'planner', line 5, fails too)",
+        "    (so <expose-mcp>, line 8, lacks its listener 'counter')",
+        "    (so <expose-a2a>, line 10, lacks its agent 'planner')",
+    ], out
+    assert f"{path}:8: <expose-mcp>: unknown listener 'ghost'" in lines
+    assert f"{path}:11: <expose-a2a>: 'phantom' is not a declared agent" in lines
+
+
 def test_check_not_well_formed_and_missing_file(tmp_path):
     path = tmp_path / "broken.xml"
     path.write_text(

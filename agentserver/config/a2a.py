@@ -8,12 +8,13 @@ task payload's input and whether the agent remembers a conversation per context)
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 
 from lxml import etree
 
 from agentserver.config.a2a_spec import A2aAgent, ExposeA2a
 from agentserver.config.imports import B, flag
-from agentserver.config.problems import Report
+from agentserver.config.problems import Problem, Report
 from agentserver.config.topology import ListenerSpec, Topology
 from agentserver.core.payloads import PayloadType
 from agentserver.core.xsd_jsonschema import tool_input
@@ -29,9 +30,14 @@ def _sdk_installed() -> bool:
 
 
 def check_exposed_a2a(
-    report: Report, el: etree._Element | None, listeners: tuple[ListenerSpec, ...]
+    report: Report,
+    el: etree._Element | None,
+    listeners: tuple[ListenerSpec, ...],
+    cause_of: Callable[[str], Problem | None] = lambda name: None,
 ) -> ExposeA2a | None:
-    """``<expose-a2a>``: each ``<agent name>`` a declared agent, named once."""
+    """``<expose-a2a>``: each ``<agent name>`` a declared agent, named once.
+    ``cause_of(name)``: the error that made a declared listener fail (naming it is said
+    under that error, not as one of its own)."""
     if el is None:
         return None
     if not _sdk_installed():
@@ -45,6 +51,12 @@ def check_exposed_a2a(
     for child in el.findall(B + "agent"):
         name = child.get("name", "")
         spec = by_name.get(name)
+        if spec is None and (cause := cause_of(name)) is not None:
+            report.note(
+                cause,
+                f"(so <expose-a2a>, line {child.sourceline}, lacks its agent {name!r})",
+            )
+            continue
         if spec is None or not spec.agent:
             report.error(child.sourceline, f"<expose-a2a>: {name!r} is not a declared agent")
             continue

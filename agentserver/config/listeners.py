@@ -72,6 +72,9 @@ class ListenerReader:
         #: names one of them is a knock-on effect, said under that error (:meth:`cause_of`).
         self.causes: dict[str, Problem] = {}
         self.group_causes: dict[str, Problem] = {}
+        #: The error of each module that failed to import (its later references are
+        #: knock-on effects of it).
+        self.module_causes: dict[str, Problem] = {}
         #: Payload schema files read so far, and the type of each (file, root) pair.
         self.schema_docs: dict[str, etree._Element | ConfigurationError] = {}
         self.schema_models: dict[tuple[str, str], type[BaseXmlModel]] = {}
@@ -83,8 +86,19 @@ class ListenerReader:
         self.report.warn(line, message)
 
     def unresolved(self, line: int | None, listener: str, exc: Unresolved) -> None:
-        if str(exc):  # empty: the same module's import failure is already reported
-            self.error(line, f"listener {listener!r}: {exc}")
+        if str(exc):
+            problem = self.report.error(line, f"listener {listener!r}: {exc}")
+            if exc.module is not None:
+                self.module_causes.setdefault(exc.module, problem)
+            return
+        # Empty: the same module's import failure, reported for an earlier listener. This
+        # listener fails with it: a knock-on effect said under that error, and what names
+        # this listener (a peer, a budget, <expose-a2a>) under it too.
+        cause = self.module_causes.get(exc.module or "")
+        if cause is not None and listener not in self.causes:
+            self.report.note(cause, f"(so listener {listener!r}, line {line}, fails too)")
+            self.causes[listener] = cause
+            self.broken.add(listener)
 
     def read(self, el: etree._Element) -> list[ListenerSpec]:
         """The listeners of ``<listeners>`` that have no error (plus the implicit boot

@@ -229,7 +229,7 @@ class _Loader:
             mcp=tuple(mcp.servers),
             a2a=tuple(remotes.remotes),
             expose_mcp=check_exposed(
-                report, root.find(B + "expose-mcp"), {s.name for s in listeners}
+                report, root.find(B + "expose-mcp"), {s.name for s in listeners}, readers.cause_of
             ),
             webhooks=webhooks,
             budgets=budgets,
@@ -239,5 +239,7 @@ class _Loader:
                 {s.name for s in listeners if s.agent},
                 readers.cause_of,
             ),
-            expose_a2a=check_exposed_a2a(report, root.find(B + "expose-a2a"), tuple(listeners)),
+            expose_a2a=check_exposed_a2a(
+                report, root.find(B + "expose-a2a"), tuple(listeners), readers.cause_of
+            ),
         )

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from lxml import etree
 
 from agentserver.config.imports import B, flag
-from agentserver.config.problems import Report
+from agentserver.config.problems import Problem, Report
 from agentserver.config.topology import ListenerSpec, Topology
 from agentserver.core.durations import parse_duration
 from agentserver.core.errors import ConfigurationError
@@ -193,13 +193,26 @@ def _with_tools(spec: McpServerSpec, tools: tuple[ToolInfo, ...]) -> McpServerSp
     return dataclasses.replace(spec, tools=tools)
 
 
-def check_exposed(report: Report, el: etree._Element | None, names: set[str]) -> tuple[str, ...]:
-    """``<expose-mcp listeners="...">``: the names, each a declared listener."""
+def check_exposed(
+    report: Report,
+    el: etree._Element | None,
+    names: set[str],
+    cause_of: Callable[[str], Problem | None] = lambda name: None,
+) -> tuple[str, ...]:
+    """``<expose-mcp listeners="...">``: the names, each a declared listener.
+    ``cause_of(name)``: the error that made a declared listener fail (naming it is said
+    under that error, not as one of its own)."""
     if el is None:
         return ()
     exposed = tuple(dict.fromkeys(el.get("listeners", "").split()))
     for name in exposed:
-        if name not in names:
+        if name in names:
+            continue
+        if (cause := cause_of(name)) is not None:
+            report.note(
+                cause, f"(so <expose-mcp>, line {el.sourceline}, lacks its listener {name!r})"
+            )
+        else:
             report.error(el.sourceline, f"<expose-mcp>: unknown listener {name!r}")
     return tuple(n for n in exposed if n in names)
 
