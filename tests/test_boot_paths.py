@@ -47,7 +47,10 @@ def test_a_relative_store_path_is_resolved_against_boot_xmls_folder(tmp_path, mo
 def test_the_default_store_is_next_to_boot_xml(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     topology = boot.load_or_raise(write(tmp_path / "conf", AGENT), environ={})
-    assert topology.store == StoreSettings(path=tmp_path / "conf" / "state" / "agents.sqlite3")
+    # Fair share is on by default (issue 43): no <client weight> means equal weights.
+    assert topology.store == StoreSettings(
+        path=tmp_path / "conf" / "state" / "agents.sqlite3", fair_weights=()
+    )
     # A document in memory has no folder: the working directory stands in for it.
     data = (tmp_path / "conf" / "boot.xml").read_bytes()
     assert boot.load_bytes(data, environ={}).topology.store.path == (
