@@ -127,6 +127,100 @@ async def test_an_old_finished_task_goes_whole_and_reads_answer_pruned(store):
         await store.fork(A, "never", 1)
 
 
+async def test_a_tombstone_names_its_sender_who_alone_is_told_pruned(store):
+    """Issue 44 (schema migration 17): the tombstone keeps the client that sent the task
+    (its reply reference's ``client``, or ``speaks_for`` for an HTTP message), which the
+    authorization rule reads; another client, or a scoped read by one, finds nothing."""
+    await store.enqueue_turn(A, b"x", {"caller_thread": "ta", "client": "alice"})
+    [row] = await store.claim_due(A, 5)
+    token = await store.start_turn(row)
+    await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+    await store.mark_reply_sent(token.agent_turn_id)
+    await finished(store, "tb")  # an anonymous caller's: nobody's
+    await store.enqueue_turn(A, b"y", {"caller_thread": "tc", "speaks_for": "carol"})
+    [row] = await store.claim_due(A, 5)
+    token = await store.start_turn(row)
+    await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+    await store.mark_reply_sent(token.agent_turn_id)
+    clock_of(store).advance(2 * DAY)
+    assert (await prune(store)).tasks == 3
+    # What the doors' rule reads: the sender, for the sender and for anyone else.
+    assert await store.task_sender(A, "ta", "alice") == (True, "alice")
+    assert await store.task_sender(A, "ta", "bob") == (True, "alice")
+    assert await store.task_sender(A, "ta") == (True, "alice")
+    assert await store.task_sender(A, "tc", "bob") == (True, "carol")
+    assert await store.task_sender(A, "tb", "bob") == (True, None)
+    assert await store.task_sender(A, "never", "bob") == (False, None)
+    # The view scoped to its sender (a client's read) or unscoped (an operator's) says
+    # "pruned", naming the sender; scoped to another client, nothing.
+    for scope in ("alice", None):
+        with pytest.raises(TurnPruned) as pruned:
+            await store.task_view(A, "ta", scope)
+        assert pruned.value.owner == "alice"
+    assert await store.task_view(A, "ta", "bob") is None
+    # ``agentserver result`` from the store: the sender, for the CLI to check.
+    assert await store.task_answer("ta") == {
+        "agent": A,
+        "thread": "ta",
+        "pruned": True,
+        "sender": "alice",
+    }
+    assert (await store.task_answer("tb"))["sender"] is None
+    # Another caller sends on the same thread id: alice is still told of her own pruned
+    # task; an unscoped read (an operator's) finds the thread's latest, the live one.
+    await finished(store, "ta")
+    assert await store.task_sender(A, "ta", "alice") == (True, "alice")
+    assert await store.task_sender(A, "ta", "bob") == (True, None)
+    with pytest.raises(TurnPruned):
+        await store.task_view(A, "ta", "alice")
+    assert (await store.task_view(A, "ta"))["status"] == "succeeded"
+
+    # A tombstone written before migration 17 names nobody: an operator's read only.
+    def forget(tx: Any, env: Any) -> None:
+        tx.execute("UPDATE pruned_turns SET sender = NULL WHERE caller_thread = ?", ("tc",))
+
+    await store._run(forget)
+    assert await store.task_sender(A, "tc", "carol") == (True, None)
+    assert await store.task_view(A, "tc", "carol") is None
+    with pytest.raises(TurnPruned):
+        await store.task_view(A, "tc")
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+async def test_a_store_at_schema_16_gains_the_tombstones_sender(kind, request, tmp_path):
+    """Schema migration 17 on a store with tombstones: they keep their rows and name no
+    sender (an operator's read only); the next pruned task's names its own."""
+    s = await _open(kind, request, tmp_path)
+    try:
+        await s.enqueue_turn(A, b"x", {"caller_thread": "old", "client": "alice"})
+        [row] = await s.claim_due(A, 5)
+        token = await s.start_turn(row)
+        await s.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+        await s.mark_reply_sent(token.agent_turn_id)
+        clock_of(s).advance(2 * DAY)
+        assert (await prune(s)).tasks == 1
+
+        def back_to_16(tx: Any, env: Any) -> None:
+            tx.execute("ALTER TABLE pruned_turns DROP COLUMN sender")
+            tx.execute("DELETE FROM schema_version WHERE version >= 17")
+
+        await s._run(back_to_16)
+    finally:
+        await s.aclose()
+    s = await _open(kind, request, tmp_path)
+    try:
+        from agentserver.agents.store.sql.schema import SCHEMA_VERSION
+
+        assert await count(s, "SELECT max(version) FROM schema_version") == SCHEMA_VERSION
+        assert await count(s, "SELECT count(*) FROM pruned_turns WHERE sender IS NULL") == 1
+        assert await s.task_sender(A, "old", "alice") == (True, None)
+        assert await s.task_view(A, "old", "alice") is None
+        with pytest.raises(TurnPruned):
+            await s.task_view(A, "old")
+    finally:
+        await s.aclose()
+
+
 async def test_a_tombstone_goes_after_its_own_window(store):
     await finished(store, "t1")
     clock_of(store).advance(2 * DAY)

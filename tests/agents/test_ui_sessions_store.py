@@ -97,7 +97,8 @@ async def test_ui_sessions_on_the_store_resolve_to_the_clients_identity(store):
 async def test_a_store_at_schema_14_gains_the_sessions_table(kind, request, tmp_path):
     s = await _open(kind, request, tmp_path)
     try:
-        # Back to 14: migration 15 (this table) and 16 (the budget holds' owners) undone.
+        # Back to 14: migration 15 (this table), 16 (the budget holds' owners) and 17 (the
+        # tombstones' sender) undone.
         await execute(
             s,
             "DROP TABLE ui_sessions",
@@ -106,6 +107,7 @@ async def test_a_store_at_schema_14_gains_the_sessions_table(kind, request, tmp_
             "ALTER TABLE budget_holds DROP COLUMN agent_turn_id",
             "ALTER TABLE budget_holds DROP COLUMN turn_epoch",
             "ALTER TABLE budget_holds DROP COLUMN step_id",
+            "ALTER TABLE pruned_turns DROP COLUMN sender",
             "DELETE FROM schema_version WHERE version >= 15",
         )
         assert await one(s, "SELECT max(version) FROM schema_version") == 14
@@ -113,7 +115,7 @@ async def test_a_store_at_schema_14_gains_the_sessions_table(kind, request, tmp_
         await s.aclose()
     s = await _open(kind, request, tmp_path)
     try:
-        assert await one(s, "SELECT max(version) FROM schema_version") == SCHEMA_VERSION == 16
+        assert await one(s, "SELECT max(version) FROM schema_version") == SCHEMA_VERSION == 17
         await s.ui_session_put("h", "alice", "p", 10.0)
         assert await s.ui_session_get("h") == ("alice", "p")
     finally:

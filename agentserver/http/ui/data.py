@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from agentserver.agents.errors import TurnPruned
 from agentserver.core.errors import InputRefused
 from agentserver.core.handshake import Identity
 from agentserver.core.usage import TaskForm, task_form
@@ -155,7 +156,8 @@ class ConsoleData:
     ) -> dict[str, Any] | None:
         """The task of agent ``name`` sent on ``thread``: its view (status, steps, usage),
         its Turn's log (cards, decisions, approvals), its pending approvals and the
-        replies the gateway keeps for the caller on that thread. None: not visible. A
+        replies the gateway keeps for the caller on that thread. None: not visible (or
+        its own task pruned by retention: nothing of it is left to show). A
         task not (yet) in the store is shown as waiting, and so is another client's (the
         authorization rule: exactly what a missing one shows)."""
         view = self.ctx.agents
@@ -165,7 +167,13 @@ class ConsoleData:
         if not self.gate.sees_all(identity):
             found, sender = await view.task_sender(name, thread, identity.name)
             hidden = found and not self.gate.owns(identity, sender, request)
-        task = None if hidden else await view.task(name, thread, self.gate.scope(identity))
+        try:
+            task = None if hidden else await view.task(name, thread, self.gate.scope(identity))
+        except TurnPruned:
+            # Its own (or, for an operator, any) task removed by retention: the console
+            # has nothing of it to show ("not found"); another client's pruned task was
+            # hidden above, shown as a missing one is.
+            return None
         turn = task.get("turn") if task is not None else None
         log = await view.turn_log(turn) if turn else {"cards": [], "decisions": []}
         if task is not None:

@@ -43,6 +43,7 @@ from agentserver.agents.store.states import (
     ReplyStatus,
     WaitingStatus,
 )
+from agentserver.core.access import sender_of
 
 #: Schema migration 8: tombstones, the pruner's lease, the indexes a batch looks up by.
 MIGRATION = """
@@ -283,19 +284,21 @@ def next_window(
     return upto, row is None or float(row[0]) >= cutoff
 
 
-def _threads(ref_json: Any) -> tuple[str | None, str | None]:
-    """(caller thread, hop) of a stored reply reference (read here, not in SQL, so the
-    statement is the same on both engines)."""
+def _threads(ref_json: Any) -> tuple[str | None, str | None, str | None]:
+    """(caller thread, hop, sender) of a stored reply reference (read here, not in SQL, so
+    the statement is the same on both engines; the sender as the authorization rule
+    reads it: :func:`agentserver.core.access.sender_of`)."""
     try:
         ref = json.loads(ref_json) if ref_json else None
     except ValueError:
-        return None, None
+        return None, None, None
     if not isinstance(ref, dict):
-        return None, None
+        return None, None, None
     caller, hop = ref.get("caller_thread"), ref.get("hop")
     return (
         caller if isinstance(caller, str) else None,
         hop if isinstance(hop, str) else None,
+        sender_of(ref),
     )
 
 
@@ -337,11 +340,13 @@ def _delete_turn(
     tx.execute("DELETE FROM agent_inbox WHERE inbox_id = ?", (inbox_id,))
     rows += tx.rowcount
     # Every pruned task leaves its tombstone, a task that never got a Turn (cancelled
-    # while queued, failed at its lease) too: "pruned" is then the answer for its thread.
+    # while queued, failed at its lease) too: "pruned" is then the answer for its thread,
+    # to its sender (kept here: the authorization rule's owner) and the operators.
+    caller, hop, sender = _threads(ref)
     tx.execute(
         "INSERT INTO pruned_turns (agent_turn_id, agent_id, caller_thread, hop, pruned_at, "
-        "inbox_id) VALUES (?,?,?,?,?,?) ON CONFLICT (agent_turn_id) DO NOTHING",
-        (turn or f"task:{inbox_id}", agent_id, *_threads(ref), now, inbox_id),
+        "inbox_id, sender) VALUES (?,?,?,?,?,?,?) ON CONFLICT (agent_turn_id) DO NOTHING",
+        (turn or f"task:{inbox_id}", agent_id, caller, hop, now, inbox_id, sender),
     )
     return rows
 

@@ -280,6 +280,9 @@ CREATE TABLE schedule_runs (
     # Issue 43: a budget hold belongs to the Turn's step that made its call, not to a
     # process (agents/store/sql/budgets.py).
     16: budget_sql.HOLDS_MIGRATION,
+    # Issue 44: a tombstone names the client that sent its task, so only that client (and
+    # the operators) is told "pruned" (agents/store/sql/tombstones.py).
+    17: tombstones.SENDER_MIGRATION,
 }
 #: The newest schema version: migrations are numbered 1..N without gaps.
 SCHEMA_VERSION = max(MIGRATIONS)

@@ -1,5 +1,7 @@
 """Tombstones (issue 38): what stays of a pruned task (``pruned_turns``: its Turn, agent,
-caller thread and hop), so a read of its thread answers "pruned" instead of "not found";
+caller thread and hop, and since migration 17 the client that sent it), so a read of its
+thread answers "pruned" instead of "not found" (to the task's sender and the operators
+only: docs/security.md, "Who may see and act on what");
 and their own bound: a tombstone goes ``<retention tombstones>`` (default 30 days) after
 its task was pruned, and a read of the thread then answers "not found". An A2A task's
 record goes with its tombstone. Plain functions over one transaction, both engines.
@@ -14,6 +16,14 @@ from agentserver.agents.store.sql.prune import Pruned, delete_or_count, holds
 #: oldest by (written when a task is pruned, never by a Turn).
 MIGRATION = """
 CREATE INDEX pruned_turns_age ON pruned_turns (pruned_at);
+"""
+
+#: Schema migration 17 (issue 44): the client that sent a pruned task (its reply
+#: reference's ``client`` or ``speaks_for``; NULL for a task no declared client sent, and
+#: on every tombstone written before), so that only its sender (and the operators) is
+#: told "pruned": to another client a pruned task answers as a missing one.
+SENDER_MIGRATION = """
+ALTER TABLE pruned_turns ADD COLUMN sender TEXT;
 """
 
 
@@ -62,3 +72,22 @@ def thread_pruned(tx: Tx, agent_id: str, thread: str) -> bool:
         (agent_id, thread, thread),
     )
     return row is not None
+
+
+def pruned_sender(
+    tx: Tx, agent_id: str, thread: str, sender: str | None = None
+) -> tuple[bool, str | None]:
+    """Whether a task of ``agent_id`` on ``thread`` (caller thread or hop) was pruned, and
+    the client that sent it (None: no declared client, or a tombstone older than
+    migration 17, which kept none): ``sender`` if one of its tasks there was pruned, else
+    the latest pruned one's. What the authorization rule reads of a pruned task."""
+    where = "agent_id = ? AND (caller_thread = ? OR hop = ?)"
+    params = (agent_id, thread, thread)
+    if sender is not None and tx.one(
+        f"SELECT 1 FROM pruned_turns WHERE {where} AND sender = ? LIMIT 1", (*params, sender)
+    ):
+        return True, sender
+    row = tx.one(
+        f"SELECT sender FROM pruned_turns WHERE {where} ORDER BY pruned_at DESC LIMIT 1", params
+    )
+    return (True, row[0]) if row is not None else (False, None)

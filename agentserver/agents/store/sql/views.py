@@ -20,7 +20,7 @@ from agentserver.agents.store.base import CardType
 from agentserver.agents.store.rows import SPEAKS_FOR
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
 from agentserver.agents.store.sql.memory import turn_memory
-from agentserver.agents.store.sql.tombstones import thread_pruned
+from agentserver.agents.store.sql.tombstones import pruned_sender
 from agentserver.agents.store.states import ApprovalStatus, InboxStatus, MessageType
 from agentserver.core.access import SENDER_KEYS, sender_of
 
@@ -144,8 +144,11 @@ def task(
         params,
     )
     if row is None:
-        if thread_pruned(tx, name, thread):
-            raise TurnPruned(name, thread)
+        # "pruned" for ``sender``'s own pruned task only (any, unscoped); the exception
+        # names the task's sender, as an A2A task's does (sql/a2a.py).
+        pruned, owner = pruned_sender(tx, name, thread, sender)
+        if pruned and (sender is None or owner == sender):
+            raise TurnPruned(name, thread, owner=owner)
         return None
     inbox_id, inbox_status, turn, created, conversation = row
     out: dict[str, Any] = {
@@ -230,15 +233,15 @@ def task_answer(tx: Tx, env: StoreEnv, thread: str) -> dict[str, Any] | None:
     )
     if row is None:
         stone = tx.one(
-            "SELECT agent_id FROM pruned_turns WHERE caller_thread = ? "
+            "SELECT agent_id, sender FROM pruned_turns WHERE caller_thread = ? "
             "ORDER BY pruned_at DESC LIMIT 1",
             (thread,),
         )
-        # A tombstone keeps no sender: the caller reads "pruned" only with the store's
-        # own access (the HTTP API answers another client's thread as missing).
         if stone is None:
             return None
-        return {"agent": stone[0], "thread": thread, "pruned": True, "sender": None}
+        # The tombstone's sender (schema migration 17; None on older ones): with clients
+        # declared, only that client is told "pruned" (agentserver/cli/result.py).
+        return {"agent": stone[0], "thread": thread, "pruned": True, "sender": stone[1]}
     agent, _inbox_id, _turn, ref_json = row
     try:
         ref = json.loads(ref_json) if ref_json else {}
@@ -442,8 +445,9 @@ def task_sender(
     tx: Tx, env: StoreEnv, name: str, thread: str, sender: str | None = None
 ) -> tuple[bool, str | None]:
     """Whether agent ``name`` has a task sent on ``thread`` (a pruned one counts), and the
-    client that sent it (None: no declared client): ``sender``'s own if it sent one there,
-    else the latest one's (the row :func:`task` reads)."""
+    client that sent it (None: no declared client): ``sender``'s own if it sent one there
+    (pruned or not), else the latest one's (the row :func:`task` reads; without one, the
+    latest pruned one's tombstone's: None if it is older than schema migration 17)."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
     base = (
         f"SELECT reply_ref FROM agent_inbox WHERE agent_id = ? AND message_type = ? "
@@ -452,9 +456,12 @@ def task_sender(
     params = (name, MessageType.TURN.value, thread, thread)
     if sender is not None and tx.one(f"{base} AND {sender_sql(tx)} = ? LIMIT 1", (*params, sender)):
         return True, sender
+    pruned, owner = pruned_sender(tx, name, thread, sender)
+    if pruned and sender is not None and owner == sender:
+        return True, sender  # its own pruned task: it is told "pruned"
     row = tx.one(f"{base} ORDER BY seq DESC LIMIT 1", params)
     if row is None:
-        return thread_pruned(tx, name, thread), None
+        return pruned, owner
     return True, sender_of(_decoded(row[0]))
 
 
