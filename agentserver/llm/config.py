@@ -107,6 +107,9 @@ class BackendConfig:
     #: llama-cpp only: constrain each reply by the agent's reply grammar (built from its
     #: peers' XSDs); other providers ignore it.
     constrain: bool = True
+    #: ``unless-env``: the backend is skipped while this environment variable is set (the
+    #: bundled boot.xml's local model stands in only without OPENAI_API_KEY).
+    unless_env: str | None = None
 
     def resolve(self, model: str) -> str | None:
         """The provider's model name for ``model`` (a name or alias), or ``None``."""
@@ -188,6 +191,11 @@ class LlmCheck:
 
 def missing_key_reason(backend: BackendConfig, environ: Mapping[str, str]) -> str | None:
     """Why ``backend`` cannot run with ``environ``, or ``None`` if it can."""
+    if backend.unless_env and environ.get(backend.unless_env):
+        return (
+            f"environment variable {backend.unless_env} is set, and backend "
+            f"{backend.name!r} stands in only without it (unless-env)"
+        )
     if backend.api_key_env and not environ.get(backend.api_key_env):
         return (
             f"environment variable {backend.api_key_env} (API key of backend "
@@ -285,7 +293,7 @@ def _backend(el: etree._Element, environ: Mapping[str, str]) -> BackendConfig:
             if window is not None:
                 model_windows[models[-1]] = window
         elif child.tag == _NS + "alias":
-            aliases[child.get("name", "")] = child.get("model", "")
+            aliases[child.get("name", "")] = _from_env(child, "model", environ) or ""
         elif child.tag == _NS + "limits":
             limits = child
         elif child.tag == _NS + "price":
@@ -329,6 +337,7 @@ def _backend(el: etree._Element, environ: Mapping[str, str]) -> BackendConfig:
         model_path=model_path,
         threads=_opt(el, "threads", pos_int),
         constrain=_opt(el, "constrain", _boolean, True),
+        unless_env=el.get("unless-env") or None,
     )
 
 
@@ -451,7 +460,7 @@ def check_llm_section(
 
     line_of = {b.name: b.line or element.sourceline or 0 for b in config.backends}
     for b in config.backends:
-        if b.provider is Provider.LLAMA_CPP and b.model_path:
+        if b.provider is Provider.LLAMA_CPP and b.model_path and not missing_key_reason(b, env):
             # A model that cannot load is a configuration error now, not a failed Turn later.
             from .local_models import LocalModelError, check_loads
 
