@@ -83,6 +83,7 @@ _COLLAPSED = frozenset({"token", "normalizedString"})
 _DECIMALS = frozenset({"decimal"})
 _FLOATS = frozenset({"float", "double"})
 _B64 = "[A-Za-z0-9+/]"
+_XS = "http://www.w3.org/2001/XMLSchema"
 
 
 class GrammarUnsupported(ConfigurationError):
@@ -223,7 +224,7 @@ class _Builder:
         """A GBNF expression for the canonical values of simple type ``t``."""
         if getattr(t, "is_list", lambda: False)() or getattr(t, "is_union", lambda: False)():
             raise self.fail("a list or union simple type")
-        if getattr(t, "patterns", None):
+        if _user_types(t, "patterns"):
             raise self.fail("an xs:pattern facet")
         if getattr(t, "assertions", None):
             raise self.fail("an XSD 1.1 assertion")
@@ -370,12 +371,24 @@ def _builtin_name(t: Any) -> str:
     while base is not None:
         name = getattr(base, "local_name", None)
         ns = getattr(base, "target_namespace", None)
-        if name and ns == "http://www.w3.org/2001/XMLSchema":
+        if name and ns == _XS:
             return name
         if name and getattr(base, "is_builtin", lambda: False)():
             return name
         base = getattr(base, "base_type", None)
     return "anySimpleType"
+
+
+def _user_types(t: Any, attribute: str) -> list[Any]:
+    """The restrictions between ``t`` and its built-in base that set ``attribute`` (a
+    built-in's own patterns, such as xs:double's lexical one, are its definition)."""
+    out = []
+    base = t
+    while base is not None and getattr(base, "target_namespace", None) != _XS:
+        if getattr(base, attribute, None):
+            out.append(base)
+        base = getattr(base, "base_type", None)
+    return out
 
 
 def _collapses(t: Any) -> bool:
@@ -392,7 +405,7 @@ def _facets(t: Any) -> dict[str, Any]:
         chain.append(base)
         base = getattr(base, "base_type", None)
     for ty in reversed(chain):
-        if getattr(ty, "target_namespace", None) == "http://www.w3.org/2001/XMLSchema":
+        if getattr(ty, "target_namespace", None) == _XS:
             continue  # a built-in's own facets are its definition, not a restriction
         for key, facet in ty.facets.items():
             if key is None:
