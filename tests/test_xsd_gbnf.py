@@ -186,7 +186,7 @@ def valid(ptype: PayloadType, text: str) -> bool:
 
 # -- mutations -------------------------------------------------------------------------
 
-_NOISE = st.sampled_from(list('0123456789-</>"= ab.x') + ["</a>", "<a>", "&amp;", "  "])
+_NOISE = st.sampled_from([*'0123456789-</>"= ab.x', "</a>", "<a>", "&amp;", "  "])
 
 
 @st.composite
