@@ -85,7 +85,7 @@ class _Engine:
         prompt = self.format(messages=messages).prompt
         return self.llama.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
 
-    def run(self, job: _Job, name: str) -> None:
+    def run(self, job: _Job, name: str, count: Callable[[], None]) -> None:
         """Generate ``job`` to its end, posting text pieces then one :class:`Reply` (or an
         :class:`LLMError`). Runs in the worker thread."""
         request = job.request
@@ -113,6 +113,7 @@ class _Engine:
         produced = 0
         finish = "length"
         for token in self.llama.generate(tokens, temp=temperature, grammar=grammar, reset=True):
+            count()
             if job.stop.is_set():
                 return  # abandoned: nobody reads any more
             if token in self.stop_ids:
@@ -189,6 +190,11 @@ class LlamaCppBackend:
         self._slot = trio.Semaphore(1)
         #: Generations finished or abandoned-and-stopped (their thread ended).
         self.finished = 0
+        #: Tokens sampled, over all generations (counted in the thread).
+        self.sampled = 0
+        #: Generations running now, and the most ever at once (1: one per model).
+        self.running = 0
+        self.max_running = 0
 
     @property
     def path(self) -> Path:
@@ -218,6 +224,11 @@ class LlamaCppBackend:
                 await trio.to_thread.run_sync(engine.llama.close)
             finally:
                 self._slot.release()
+
+    async def wait_idle(self) -> None:
+        """Return once no generation runs (callers queued before go first)."""
+        async with self._slot:
+            pass
 
     def grammar_for(self, request: Request) -> str | None:
         return request.grammar if self.config.constrain else None
@@ -252,9 +263,12 @@ class LlamaCppBackend:
 
         job = _Job(request, self.grammar_for(request), post)
 
+        def count() -> None:  # on the worker thread; one writer at a time (the slot)
+            self.sampled += 1
+
         def work() -> None:
             try:
-                engine.run(job, self.name)
+                engine.run(job, self.name, count)
             except LLMError as exc:
                 post(exc)
             except Exception as exc:  # llama.cpp refused a decode, a bad grammar, ...
@@ -263,6 +277,7 @@ class LlamaCppBackend:
         def ended(_outcome: object) -> None:  # on the worker thread, after work()
             def free() -> None:
                 self.finished += 1
+                self.running -= 1
                 self._slot.release()
                 send.close()
 
@@ -271,6 +286,8 @@ class LlamaCppBackend:
             except trio.RunFinishedError:
                 pass
 
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
         trio.lowlevel.start_thread_soon(work, ended, name=f"agentserver llama-cpp {self.name}")
         return LocalStream(job, receive)
 
