@@ -117,7 +117,7 @@ def simple_value(t, attribute: bool) -> st.SearchStrategy[str]:
             hi = min(hi, int(v))
         return st.integers(lo, hi).map(str)
     if base == "boolean":
-        return st.sampled_from(["true", "false"])
+        return st.sampled_from(["true", "false", "1", "0"])
     if base in ("decimal", "double", "float"):
         return st.tuples(st.integers(-(10**9), 10**9), st.none() | st.integers(0, 999)).map(
             lambda p: str(p[0]) + ("" if p[1] is None else f".{p[1]}")
@@ -205,6 +205,46 @@ def mutated(draw, text: str) -> str:
     return text
 
 
+#: Values put in place of a value: canonical in every type that accepts them, so the
+#: serialization stays one the grammar is meant to accept exactly when the XSD does.
+_VALUES = ["", "0", "-1", "x", "true", "99999999999999999999", "a b", "AA==", "1.5"]
+
+
+@st.composite
+def broken(draw, el: etree._Element) -> etree._Element:
+    """``el`` with one to three rules of its schema likely broken, as a tree (so it is
+    written canonically): an attribute removed, changed or added, an element removed,
+    repeated or moved, a value replaced."""
+    import copy
+
+    el = copy.deepcopy(el)
+    for _ in range(draw(st.integers(1, 3))):
+        nodes = [el, *el.iterdescendants()]
+        node = draw(st.sampled_from(nodes))
+        op = draw(
+            st.sampled_from(["drop-attr", "set-attr", "new-attr", "drop", "repeat", "swap", "text"])
+        )
+        if op == "drop-attr" and node.attrib:
+            del node.attrib[draw(st.sampled_from(sorted(node.attrib)))]
+        elif op == "set-attr" and node.attrib:
+            node.set(draw(st.sampled_from(sorted(node.attrib))), draw(st.sampled_from(_VALUES)))
+        elif op == "new-attr":
+            node.set("zz", "1")
+        elif op in ("drop", "repeat", "swap") and node is not el:
+            parent = node.getparent()
+            if op == "drop":
+                parent.remove(node)
+            elif op == "repeat":
+                node.addnext(copy.deepcopy(node))
+            else:
+                nxt = node.getnext()
+                if nxt is not None:
+                    nxt.addnext(node)
+        elif op == "text" and len(node) == 0:
+            node.text = draw(st.sampled_from(_VALUES)) or None
+    return el
+
+
 # -- the project's payload types -------------------------------------------------------
 
 PROJECT_TYPES = [PayloadType.from_model(m) for m in PROJECT_MODELS]
@@ -230,6 +270,15 @@ def test_what_the_grammar_accepts_of_a_project_payload_validates(ptype, data):
     text = data.draw(mutated(written(data.draw(document(ptype)))))
     if _GRAMMARS[ptype.tag].accepts(text):
         assert valid(ptype, text), text
+
+
+@pytest.mark.parametrize("ptype", PROJECT_TYPES, ids=lambda p: p.local)
+@_FAST
+@given(data=st.data())
+def test_a_broken_project_payload_is_refused_exactly_when_its_xsd_refuses_it(ptype, data):
+    el = data.draw(broken(data.draw(document(ptype))))
+    text = written(el)
+    assert _GRAMMARS[ptype.tag].accepts(text) == ptype.schema.validate(el), text
 
 
 def test_the_calculator_grammar_refuses_what_its_xsd_refuses():
@@ -403,6 +452,11 @@ def test_generated_schemas_accept_every_valid_document_and_refuse_invalid_ones(d
         other = data.draw(mutated(text))
         if g.accepts(other):
             assert valid(ptype, other), (other, etree.tostring(ptype.schema_doc))
+        changed = data.draw(broken(el))
+        assert g.accepts(written(changed)) == ptype.schema.validate(changed), (
+            written(changed),
+            etree.tostring(ptype.schema_doc),
+        )
 
 
 # -- what cannot be expressed ----------------------------------------------------------

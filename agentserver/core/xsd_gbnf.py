@@ -17,7 +17,7 @@ What one payload's grammar accepts is the payload as a serializer writes it:
 - values in their canonical lexical form: integers without ``+`` or leading zeros, within
   the type's range and its ``min/maxInclusive/Exclusive`` facets (exactly: the range is
   written digit by digit); decimals, floats and doubles as ``-?digits(.digits)?`` (an
-  exponent, ``INF`` and ``NaN`` for floats); booleans ``true``/``false``; base64 in whole
+  exponent, ``INF`` and ``NaN`` for floats); booleans ``true``/``false``/``1``/``0``; base64 in whole
   quanta with exact padding; enumerations as their values; strings as characters other
   than ``<``, ``&``, ``>`` and control characters (quotes, tabs and newlines also excluded
   in attributes), with ``length``/``minLength``/``maxLength`` on ``string``.
@@ -246,7 +246,7 @@ class _Builder:
                 return f'({number} ([eE] "-"? [0-9]+)? | "INF" | "-INF" | "NaN")'
             return f"({number})"
         if base == "boolean":
-            return '("true" | "false")'
+            return '("true" | "false" | "1" | "0")'
         if base == "base64Binary":
             if facets.keys() - {"whiteSpace"}:
                 raise self.fail("a length facet on xs:base64Binary")
