@@ -223,7 +223,7 @@ E2E_BOOT = f"""<?xml version="1.0" encoding="UTF-8"?>
   <listen host="127.0.0.1" port="0"/>
   <llm>
     <backend name="local" provider="llama-cpp" model-path="{PACKAGED}" context-window="2048"
-             threads="2" timeout="300">
+             threads="2" timeout="300" temperature="0">
       <model name="smol"/>
     </backend>
   </llm>
@@ -232,9 +232,11 @@ E2E_BOOT = f"""<?xml version="1.0" encoding="UTF-8"?>
     <listener name="calculator" handler="calculator"/>
     <listener name="assistant" handler="assistant" agent="true" peers="calculator" timeout="600">
       <agent model="smol" max-steps="3" max-tokens="48">
-        <system-prompt>You use a calculator. To add two numbers, write only this XML:
-&lt;add xmlns="{CALC}"&gt;&lt;a&gt;2&lt;/a&gt;&lt;b&gt;3&lt;/b&gt;&lt;/add&gt;
-When you get the result, say the number.</system-prompt>
+        <system-prompt>You are a calculator front end. Examples:
+User: Add 5 and 7.
+You: &lt;add xmlns="{CALC}"&gt;&lt;a&gt;5&lt;/a&gt;&lt;b&gt;7&lt;/b&gt;&lt;/add&gt;
+User: What is 6 times 4?
+You: &lt;multiply xmlns="{CALC}"&gt;&lt;a&gt;6&lt;/a&gt;&lt;b&gt;4&lt;/b&gt;&lt;/multiply&gt;</system-prompt>
       </agent>
     </listener>
   </listeners>

@@ -107,6 +107,9 @@ class BackendConfig:
     #: llama-cpp only: constrain each reply by the agent's reply grammar (built from its
     #: peers' XSDs); other providers ignore it.
     constrain: bool = True
+    #: llama-cpp only: the sampling temperature of a request that sets none (None:
+    #: llama.cpp's 0.8; 0 decodes greedily, the same prompt giving the same reply).
+    temperature: float | None = None
     #: ``unless-env``: the backend is skipped while this environment variable is set (the
     #: bundled boot.xml's local model stands in only without OPENAI_API_KEY).
     unless_env: str | None = None
@@ -338,6 +341,7 @@ def _backend(el: etree._Element, environ: Mapping[str, str]) -> BackendConfig:
         threads=_opt(el, "threads", pos_int),
         constrain=_opt(el, "constrain", _boolean, True),
         unless_env=el.get("unless-env") or None,
+        temperature=_opt(el, "temperature", _non_negative(float)),
     )
 
 

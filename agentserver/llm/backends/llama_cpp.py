@@ -59,12 +59,13 @@ class _Job:
 class _Engine:
     """The loaded model and what the thread needs to drive it (thread side only)."""
 
-    def __init__(self, llama: Any, n_ctx: int) -> None:
+    def __init__(self, llama: Any, n_ctx: int, temperature: float) -> None:
         llama_cpp = import_llama_cpp()
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         self.llama = llama
         self.n_ctx = n_ctx
+        self.temperature = temperature
         self.grammar_type = llama_cpp.LlamaGrammar
         eos = llama.token_eos()
         bos = llama.token_bos()
@@ -103,7 +104,7 @@ class _Engine:
             )
             return
         budget = min(request.max_tokens, room)
-        temperature = DEFAULT_TEMPERATURE if request.temperature is None else request.temperature
+        temperature = self.temperature if request.temperature is None else request.temperature
         grammar = self.grammar_type.from_string(job.grammar, verbose=False) if job.grammar else None
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         stops = request.stop
@@ -207,9 +208,12 @@ class LlamaCppBackend:
             return
         path = self.path
         n_ctx, threads = self.n_ctx, self.config.threads
+        temperature = (
+            DEFAULT_TEMPERATURE if self.config.temperature is None else self.config.temperature
+        )
 
         def load() -> _Engine:
-            return _Engine(load_model(path, n_ctx=n_ctx, threads=threads), n_ctx)
+            return _Engine(load_model(path, n_ctx=n_ctx, threads=threads), n_ctx, temperature)
 
         self._engine = await trio.to_thread.run_sync(load)
 
