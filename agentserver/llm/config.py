@@ -477,7 +477,9 @@ def check_llm_section(
     runnable = []
     for b in config.backends:
         reason = missing_key_reason(b, env)
-        if reason:
+        if b.unless_env and env.get(b.unless_env):
+            pass  # standing aside as configured: nothing to warn about
+        elif reason:
             warnings.append((line_of[b.name], f"{reason}; the backend will be skipped"))
         else:
             runnable.append(b)
