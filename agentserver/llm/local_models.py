@@ -10,6 +10,7 @@ an optional dependency: ``pip install 'agentserver[local]'``).
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,18 @@ def check_loads(spec: str) -> Path:
     reads its header and vocabulary (``vocab_only``: no weights, a fraction of a second).
     Returns the path; raises :class:`LocalModelError`."""
     path = resolve_model_path(spec)
-    model = load_model(path, n_ctx=512, threads=1, vocab_only=True)
-    model.close()
+    llama_cpp = import_llama_cpp()
+    # The model alone, vocabulary only, through the C API: no context is made (a context
+    # on a vocabulary-only model logs a spurious overflow warning).
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise LocalModelError(
+            f"llama.cpp cannot load {path} (its header or vocabulary is unreadable); the file "
+            "may be truncated or of an architecture this llama-cpp-python does not know: "
+            "download it again, or upgrade llama-cpp-python"
+        )
+    llama_cpp.llama_model_free(model)
     return path
