@@ -150,6 +150,43 @@ def _positive_pieces(lo: int, hi: int) -> list[str]:
             parts.append("[0-9]" if k == 1 else f"[0-9]{{{k}}}")
         out.append(" ".join(parts))
         start = end + 1
+    return _merge_decades(out)
+
+
+def _merge_decades(pieces: list[str]) -> list[str]:
+    """``[1-9]``, ``[1-9] [0-9]``, ``[1-9] [0-9]{2}`` ... in a row become one
+    ``[1-9] [0-9]{a,b}``: fewer alternatives for llama.cpp's grammar sampler to track."""
+
+    def digits(piece: str) -> int | None:
+        if piece == "[1-9]":
+            return 0
+        if piece == "[1-9] [0-9]":
+            return 1
+        if piece.startswith("[1-9] [0-9]{") and piece.endswith("}") and "," not in piece:
+            return int(piece[len("[1-9] [0-9]{") : -1])
+        return None
+
+    out: list[str] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        if len(run) == 1:
+            out.append("[1-9]" if run[0] == 0 else f"[1-9] [0-9]{{{run[0]}}}")
+        elif run:
+            out.append(f"[1-9] [0-9]{{{run[0]},{run[-1]}}}")
+        run.clear()
+
+    for piece in pieces:
+        k = digits(piece)
+        if k is not None and (not run or k == run[-1] + 1):
+            run.append(k)
+            continue
+        flush()
+        if k is not None:
+            run.append(k)
+        else:
+            out.append(piece)
+    flush()
     return out
 
 
