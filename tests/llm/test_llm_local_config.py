@@ -69,3 +69,43 @@ def test_the_bundled_assistant_uses_openai_with_a_key_and_the_local_model_withou
     assert agent.model == "assistant"
     router = Router(with_key.topology.llm, environ={})
     assert router.models()["assistant"] == ["local"]
+
+
+async def test_the_bundled_assistant_gets_its_reply_grammar_from_the_pumps_types():
+    from agentserver.app.agents import build_profiles
+    from agentserver.app.builtins import RunContext, build_listeners
+    from agentserver.pump.pump import open_pump
+
+    for environ in ({}, {"OPENAI_API_KEY": "k"}):
+        topo = loader.load_or_raise(REPO / "boot.xml", environ=environ)
+        async with open_pump(
+            build_listeners(topo, RunContext(topo)), config=topo.pump_config()
+        ) as pump:
+            profile = build_profiles(topo, pump, environ)["assistant"]
+        # The model name "assistant" is served by the local backend in the configuration
+        # (skipped or not at run time): the grammar is there, the HTTP backend ignores it.
+        assert profile.reply_grammar is not None
+        assert '<add xmlns=\\"urn:agentserver:calculator\\"' in profile.reply_grammar
+        assert '<multiply xmlns=\\"urn:agentserver:calculator\\"' in profile.reply_grammar
+
+
+async def test_the_router_adapter_passes_the_grammar_on():
+    from agentserver.agents.edge.llm_adapter import RouterLLM
+    from agentserver.agents.ports import LLMMessage, LLMRequest
+    from agentserver.llm.types import Completion, Usage
+
+    seen = []
+
+    class Capture:
+        async def complete(self, request):
+            seen.append(request)
+            return Completion("ok", "m", "b", Usage(1, 1), "stop", 0.0)
+
+        def stream(self, request):  # pragma: no cover - not used here
+            raise AssertionError
+
+    llm = RouterLLM(Capture())
+    await llm.complete(
+        LLMRequest(agent="a", model="m", messages=[LLMMessage("user", "x")], grammar="root ::= [a]")
+    )
+    assert seen[0].grammar == "root ::= [a]"
