@@ -196,6 +196,8 @@ class LlamaCppBackend:
         #: Generations running now, and the most ever at once (1: one per model).
         self.running = 0
         self.max_running = 0
+        #: The generation running now (at most one), told to stop when the router closes.
+        self._current: _Job | None = None
 
     @property
     def path(self) -> Path:
@@ -222,6 +224,8 @@ class LlamaCppBackend:
         engine, self._engine = self._engine, None
         if engine is None:
             return
+        if self._current is not None:
+            self._current.stop.set()
         with trio.CancelScope(shield=True):
             await self._slot.acquire()
             try:
@@ -282,6 +286,7 @@ class LlamaCppBackend:
             def free() -> None:
                 self.finished += 1
                 self.running -= 1
+                self._current = None
                 self._slot.release()
                 send.close()
 
@@ -292,6 +297,7 @@ class LlamaCppBackend:
 
         self.running += 1
         self.max_running = max(self.max_running, self.running)
+        self._current = job
         trio.lowlevel.start_thread_soon(work, ended, name=f"agentserver llama-cpp {self.name}")
         return LocalStream(job, receive)
 
