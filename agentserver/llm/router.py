@@ -170,6 +170,11 @@ class Router:
         """
         return CompletionStream(self, request)
 
+    def config_of(self, backend: str) -> BackendConfig:
+        """The configuration of ``backend`` (running or skipped)."""
+        rt = self._runtimes.get(backend)
+        return rt.config if rt is not None else self._skipped_cfg[backend]
+
     def models(self) -> dict[str, list[str]]:
         """Each servable model name or alias -> the backends serving it, in priority order."""
         return {m: [r.runtime.name for r in routes] for m, routes in self._routes.items()}
