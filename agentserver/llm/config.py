@@ -471,7 +471,12 @@ def check_llm_section(
             try:
                 check_loads(b.model_path)
             except LocalModelError as exc:
-                errors.append((line_of[b.name], f"backend {b.name!r}: {exc}"))
+                aside = (
+                    f" (or set {b.unless_env}: this backend then stands aside)"
+                    if b.unless_env
+                    else ""
+                )
+                errors.append((line_of[b.name], f"backend {b.name!r}: {exc}{aside}"))
     if errors:
         return LlmCheck(errors, warnings)
     runnable = []
