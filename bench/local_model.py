@@ -253,28 +253,34 @@ async def bench_turns(args: argparse.Namespace, constrain: bool) -> dict[str, An
         started = time.perf_counter()
         import contextlib
 
-        async with contextlib.AsyncExitStack() as stack, trio.open_nursery() as nursery:
-            pump = await stack.enter_async_context(
+        # As the composition root nests them: the pump, the agents' resources (router,
+        # store), then the nursery of their tasks, which ends first.
+        async with contextlib.AsyncExitStack() as resources:
+            pump = await resources.enter_async_context(
                 open_pump(built.listeners, config=topology.pump_config())
             )
-            service = await start_agents(
-                topology, pump, built.agent_handlers, nursery, stack, environ={}
-            )
-            from agentserver.testing import InProcess
+            async with contextlib.AsyncExitStack() as agent_resources:
+                async with trio.open_nursery() as nursery:
+                    service = await start_agents(
+                        topology, pump, built.agent_handlers, nursery, agent_resources, environ={}
+                    )
+                    from agentserver.testing import InProcess
 
-            client = InProcess(pump, "bench")
-            for _ in range(args.turns):
-                a, b = rng.randint(1, 99), rng.randint(1, 99)
-                reply = await client.request(
-                    Task(text=f"What is {a}+{b}? Use the calculator."), to="assistant", timeout=900
-                )
-                answers += 1
-                if str(a + b) in "".join(reply.payload.itertext()):
-                    correct += 1
-            elapsed = time.perf_counter() - started
-            if service is not None:
-                service.stop()
-            nursery.cancel_scope.cancel()
+                    client = InProcess(pump, "bench")
+                    for _ in range(args.turns):
+                        a, b = rng.randint(1, 99), rng.randint(1, 99)
+                        reply = await client.request(
+                            Task(text=f"What is {a}+{b}? Use the calculator."),
+                            to="assistant",
+                            timeout=900,
+                        )
+                        answers += 1
+                        if str(a + b) in "".join(reply.payload.itertext()):
+                            correct += 1
+                    elapsed = time.perf_counter() - started
+                    if service is not None:
+                        service.stop()
+                    nursery.cancel_scope.cancel()
         import sqlite3
 
         db = sqlite3.connect(Path(tmp, "state", "agents.sqlite3"))
