@@ -109,3 +109,35 @@ async def test_the_router_adapter_passes_the_grammar_on():
         LLMRequest(agent="a", model="m", messages=[LLMMessage("user", "x")], grammar="root ::= [a]")
     )
     assert seen[0].grammar == "root ::= [a]"
+
+
+def test_check_names_the_construct_the_grammar_cannot_express_and_the_agent(tmp_path):
+    boot = tmp_path / "boot.xml"
+    boot.write_text(
+        f"""<organism xmlns="{BOOT_NS}" name="g">
+  <llm>
+    <backend name="local" provider="llama-cpp" model-path="/nonexistent.gguf"
+             unless-env="SKIP_LOCAL_MODEL_CHECK">
+      <model name="small"/>
+    </backend>
+  </llm>
+  <listeners>
+    <listener name="lookup" handler="local_grammar_types:lookup">
+      <accepts type="local_grammar_types:Lookup"/>
+    </listener>
+    <listener name="helper" handler="assistant" agent="true" peers="lookup">
+      <agent model="small"/>
+    </listener>
+  </listeners>
+</organism>"""
+    )
+    # The model file is not looked at (the backend stands aside); the grammar still is.
+    result = loader.load(boot, environ={"SKIP_LOCAL_MODEL_CHECK": "1"})
+    errors = [p for p in result.problems if not p.warning]
+    assert len(errors) == 1, result.problems
+    assert "agent 'helper'" in errors[0].message
+    assert "xs:pattern" in errors[0].message and "{urn:test:lookup}lookup" in errors[0].message
+    assert 'constrain="false"' in errors[0].message
+    # constrain="false": no grammar, no error.
+    boot.write_text(boot.read_text().replace("unless-env=", 'constrain="false" unless-env='))
+    assert loader.load(boot, environ={"SKIP_LOCAL_MODEL_CHECK": "1"}).ok
