@@ -217,22 +217,23 @@ async def test_assistant_task_with_a_tool_call_is_one_trace(tmp_path):
         [
             "handle assistant",  # the task (intake)
             "invoke_agent assistant",  # the Turn until it suspends on the tool call
-            "chat m",
+            "chat assistant",
             "execute_tool calculator",
             "handle calculator",
             "handle assistant",  # the tool's answer
             "invoke_agent assistant",  # the Turn resumed with the result
-            "chat m",
+            "chat assistant",
         ]
     ), names
     runs = [s for s in chain if s.name == "invoke_agent assistant"]
     assert all(parent_of(r, chain) is request for r in runs)
-    for chat in (s for s in chain if s.name == "chat m"):
+    for chat in (s for s in chain if s.name == "chat assistant"):
         assert parent_of(chat, chain) in runs
         a = chat.attributes
         assert a["gen_ai.operation.name"] == "chat"
         assert a["gen_ai.provider.name"] == "openai"
-        assert a["gen_ai.request.model"] == "m"
+        # the bundled assistant asks for its alias; the server answers with its model
+        assert a["gen_ai.request.model"] == "assistant"
         assert a["gen_ai.response.model"] == "m"
         assert a["gen_ai.usage.input_tokens"] > 0 and a["gen_ai.usage.output_tokens"] > 0
         assert tuple(a["gen_ai.response.finish_reasons"]) == ("stop",)
@@ -253,10 +254,16 @@ async def test_assistant_task_with_a_tool_call_is_one_trace(tmp_path):
     assert runs[0].attributes["gen_ai.agent.id"] == runs[1].attributes["gen_ai.agent.id"]
 
     got = samples(registry)
-    ok = {"backend": "openai", "model": "m", "status": "ok"}
+    ok = {"backend": "openai", "model": "assistant", "status": "ok"}
     assert value(got, "agentserver_llm_calls_total", **ok) == 2
     assert (
-        value(got, "agentserver_llm_tokens_total", backend="openai", model="m", direction="output")
+        value(
+            got,
+            "agentserver_llm_tokens_total",
+            backend="openai",
+            model="assistant",
+            direction="output",
+        )
         > 0
     )
     assert (
@@ -265,7 +272,7 @@ async def test_assistant_task_with_a_tool_call_is_one_trace(tmp_path):
             "gen_ai_client_operation_duration_seconds_count",
             gen_ai_operation_name="chat",
             gen_ai_provider_name="openai",
-            gen_ai_request_model="m",
+            gen_ai_request_model="assistant",
             error_type="",
         )
         == 2

@@ -94,6 +94,8 @@ class LLMRequest:
     model: str
     messages: Sequence[LLMMessage]
     max_tokens: int | None = None
+    #: The agent's reply grammar (GBNF) for a backend that constrains decoding, or None.
+    grammar: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

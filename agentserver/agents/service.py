@@ -128,7 +128,9 @@ async def open_llm(
         metrics.bind_router(router)
     await resources.enter_async_context(router)
     for backend, reason in router.skipped.items():
-        log.warning("LLM backend %s skipped: %s", backend, reason)
+        # A backend standing aside by its unless-env is the configuration working.
+        stands_aside = router.config_of(backend).unless_env is not None and "unless-env" in reason
+        (log.info if stands_aside else log.warning)("LLM backend %s skipped: %s", backend, reason)
     return RouterLLM(router)
 
 

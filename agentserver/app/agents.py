@@ -25,6 +25,7 @@ from agentserver.agents.service import AgentService, LateHandler, start_agent_se
 from agentserver.agents.turn.answer import takes_failure_status
 from agentserver.config.topology import Topology
 from agentserver.core.access import AccessRule
+from agentserver.llm.grammars import agent_grammar
 from agentserver.observability import Metrics, Tracing
 from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
 from agentserver.pump.pump import Pump
@@ -69,6 +70,10 @@ def build_profiles(
             quotable=tuple(dict.fromkeys(quotable)),
             policy=spec.agent_policy,
             guardrails=tuple(spec.agent_guardrails),
+            # The pump's own compiled payload types: the grammar and validation share them.
+            reply_grammar=agent_grammar(
+                spec.name, profile.model, [ptype_of[t] for t in peers], topology.llm
+            ),
         )
         reply_type = ptype_of.get(profile.answer_tag)
         if reply_type is not None and takes_failure_status(profile, reply_type.is_valid):

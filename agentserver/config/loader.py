@@ -148,6 +148,39 @@ class _Loader:
             return None
         return root
 
+    def check_grammars(self, listeners, llm) -> None:
+        """An agent on a constraining local backend: its peers' XSDs must make a reply
+        grammar (agentserver/llm/grammars.py); what cannot is an error naming it."""
+        from agentserver.agents.governance.approvals import DECISION_TAG, REQUEST_TAG
+        from agentserver.agents.profile.config import MODEL_ENV
+        from agentserver.core.xsdgen import model_root_tag
+        from agentserver.llm.grammars import constrained_models, grammar_problems
+
+        if not constrained_models(llm):
+            return
+        by_name = {s.name: s for s in listeners}
+        agents = []
+        for spec in listeners:
+            settings = spec.agent_profile
+            if not spec.agent or settings is None:
+                continue
+            env = self.environ
+            model = (
+                (env.get(settings.model_env) if settings.model_env else None)
+                or settings.model
+                or env.get(MODEL_ENV, "")
+            )
+            peer_models = [
+                m
+                for peer in spec.peers
+                if peer in by_name
+                for m in by_name[peer].accepts
+                if model_root_tag(m) not in (REQUEST_TAG, DECISION_TAG)
+            ]
+            agents.append((spec.name, spec.line or 0, model, peer_models))
+        for line, message in grammar_problems(agents, llm):
+            self.report.error(line, message)
+
     def topology(self, root: etree._Element) -> Topology:
         report = self.report
         sections = SectionReader(report, self.base_dir, self.environ)
@@ -201,6 +234,8 @@ class _Loader:
                 )
         http = sections.http(root.find(B + "http"), bool(clients))
         llm = sections.llm(root.find(B + "llm"))
+        if llm is not None:
+            self.check_grammars(listeners, llm)
         store = sections.store(root.find(B + "store"))
         weights = fair_weights(root)
         if weights is not None:

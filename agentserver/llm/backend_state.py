@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import trio
 
 from .accounting import BackendStats, Counters
-from .backends import Backend
+from .backends import Backend, LlamaCppBackend
 from .breaker import Breaker, Cooling, Permit
 from .bucket import Limiter, TokenBucket
 from .classify import DECISIONS
@@ -38,7 +38,11 @@ class BackendRuntime:
     )
 
     def __init__(
-        self, config: BackendConfig, backend: Backend, rank: int, router_cfg: RouterConfig
+        self,
+        config: BackendConfig,
+        backend: Backend | LlamaCppBackend,
+        rank: int,
+        router_cfg: RouterConfig,
     ):
         self.config = config
         self.name = config.name

@@ -45,6 +45,8 @@ class Provider(StrEnum):
     OPENAI = "openai"
     ANTHROPIC = "anthropic"
     OLLAMA = "ollama"
+    #: A GGUF model run in-process by llama-cpp-python (no HTTP; ``model-path``).
+    LLAMA_CPP = "llama-cpp"
 
 
 class Strategy(StrEnum):
@@ -99,6 +101,19 @@ class BackendConfig:
     #: ``<model context-window>``: a model's own window, over the backend's.
     model_windows: Mapping[str, int] = field(default_factory=dict)
     line: int | None = None
+    #: llama-cpp only: the GGUF file, or ``packaged:NAME`` (see ``llm/local_models.py``).
+    model_path: str | None = None
+    #: llama-cpp only: CPU threads for generation (None: llama.cpp's default).
+    threads: int | None = None
+    #: llama-cpp only: constrain each reply by the agent's reply grammar (built from its
+    #: peers' XSDs); other providers ignore it.
+    constrain: bool = True
+    #: llama-cpp only: the sampling temperature of a request that sets none (None:
+    #: llama.cpp's 0.8; 0 decodes greedily, the same prompt giving the same reply).
+    temperature: float | None = None
+    #: ``unless-env``: the backend is skipped while this environment variable is set (the
+    #: bundled boot.xml's local model stands in only without OPENAI_API_KEY).
+    unless_env: str | None = None
 
     def resolve(self, model: str) -> str | None:
         """The provider's model name for ``model`` (a name or alias), or ``None``."""
@@ -180,6 +195,11 @@ class LlmCheck:
 
 def missing_key_reason(backend: BackendConfig, environ: Mapping[str, str]) -> str | None:
     """Why ``backend`` cannot run with ``environ``, or ``None`` if it can."""
+    if backend.unless_env and environ.get(backend.unless_env):
+        return (
+            f"environment variable {backend.unless_env} is set, and backend "
+            f"{backend.name!r} stands in only without it (unless-env)"
+        )
     if backend.api_key_env and not environ.get(backend.api_key_env):
         return (
             f"environment variable {backend.api_key_env} (API key of backend "
@@ -221,6 +241,18 @@ def _non_negative(conv):
     return parse
 
 
+#: A local backend's context window (llama.cpp's n_ctx) when it declares none.
+_LOCAL_N_CTX = 4096
+
+
+def _boolean(raw: str) -> bool:
+    if raw in ("true", "1"):
+        return True
+    if raw in ("false", "0"):
+        return False
+    raise ValueError("must be true or false")
+
+
 def _from_env(el: etree._Element, attr: str, environ: Mapping[str, str]) -> str | None:
     """``attr``, overridden by the environment variable named in ``attr-env`` if set."""
     var = el.get(attr + "-env")
@@ -239,8 +271,19 @@ def _backend(el: etree._Element, environ: Mapping[str, str]) -> BackendConfig:
             line, f"backend {name!r}: provider must be one of {[p.value for p in Provider]}"
         ) from None
     base_url = _from_env(el, "base-url", environ)
-    if not base_url:
+    model_path = _from_env(el, "model-path", environ)
+    if provider is Provider.LLAMA_CPP:
+        if not model_path:
+            raise LlmConfigError(
+                line,
+                f"backend {name!r}: provider llama-cpp needs model-path (a GGUF file, or "
+                "packaged:smollm2-135m)",
+            )
+        base_url = base_url or ""
+    elif not base_url:
         raise LlmConfigError(line, f"backend {name!r}: base-url is required")
+    elif model_path:
+        raise LlmConfigError(line, f"backend {name!r}: model-path is for provider llama-cpp only")
     models: list[str] = []
     model_windows: dict[str, int] = {}
     aliases: dict[str, str] = {}
@@ -254,7 +297,7 @@ def _backend(el: etree._Element, environ: Mapping[str, str]) -> BackendConfig:
             if window is not None:
                 model_windows[models[-1]] = window
         elif child.tag == _NS + "alias":
-            aliases[child.get("name", "")] = child.get("model", "")
+            aliases[child.get("name", "")] = _from_env(child, "model", environ) or ""
         elif child.tag == _NS + "limits":
             limits = child
         elif child.tag == _NS + "price":
@@ -280,7 +323,8 @@ def _backend(el: etree._Element, environ: Mapping[str, str]) -> BackendConfig:
         # The dataclasses' own defaults (not slotted: their class attributes hold them).
         priority=_opt(el, "priority", int, BackendConfig.priority),
         timeout=_opt(el, "timeout", pos_seconds, BackendConfig.timeout),
-        context_window=_opt(el, "context-window", pos_int),
+        context_window=_opt(el, "context-window", pos_int)
+        or (_LOCAL_N_CTX if provider is Provider.LLAMA_CPP else None),
         model_windows=model_windows,
         requests_per_minute=None
         if limits is None
@@ -294,6 +338,11 @@ def _backend(el: etree._Element, environ: Mapping[str, str]) -> BackendConfig:
             _opt(price, "output-per-million", _non_negative(float), 0.0),
         ),
         line=line,
+        model_path=model_path,
+        threads=_opt(el, "threads", pos_int),
+        constrain=_opt(el, "constrain", _boolean, True),
+        unless_env=el.get("unless-env") or None,
+        temperature=_opt(el, "temperature", _non_negative(float)),
     )
 
 
@@ -417,10 +466,28 @@ def check_llm_section(
         return LlmCheck(errors, warnings)
 
     line_of = {b.name: b.line or element.sourceline or 0 for b in config.backends}
+    for b in config.backends:
+        if b.provider is Provider.LLAMA_CPP and b.model_path and not missing_key_reason(b, env):
+            # A model that cannot load is a configuration error now, not a failed Turn later.
+            from .local_models import LocalModelError, check_loads
+
+            try:
+                check_loads(b.model_path)
+            except LocalModelError as exc:
+                aside = (
+                    f" (or set {b.unless_env}: this backend then stands aside)"
+                    if b.unless_env
+                    else ""
+                )
+                errors.append((line_of[b.name], f"backend {b.name!r}: {exc}{aside}"))
+    if errors:
+        return LlmCheck(errors, warnings)
     runnable = []
     for b in config.backends:
         reason = missing_key_reason(b, env)
-        if reason:
+        if b.unless_env and env.get(b.unless_env):
+            pass  # standing aside as configured: nothing to warn about
+        elif reason:
             warnings.append((line_of[b.name], f"{reason}; the backend will be skipped"))
         else:
             runnable.append(b)

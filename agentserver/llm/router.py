@@ -38,11 +38,12 @@ import trio
 
 from .accounting import AgentStats, BackendStats, Counters, RouterStats
 from .backend_state import BackendRuntime, DeadlineReached, Lease, Route, in_trio, verdict
-from .backends import BackendStream, make_backend
+from .backends import BackendStream, LlamaCppBackend, make_backend
 from .breaker import BreakerState, Permit
 from .bucket import ExceedsCapacity, QueueFull
 from .classify import DECISIONS, Action, ErrorKind, backoff_delay
-from .config import BackendConfig, RouterConfig, missing_key_reason
+from .config import BackendConfig, LlmConfigError, RouterConfig, missing_key_reason
+from .local_models import LocalModelError
 from .selection import BackendSelector
 from .stream import CompletionStream
 from .tokens import estimate_prompt_tokens
@@ -109,10 +110,29 @@ class Router:
     # -- lifecycle -----------------------------------------------------------
 
     async def aclose(self) -> None:
+        for rt in self._runtimes.values():
+            if isinstance(rt.backend, LlamaCppBackend):
+                await rt.backend.aclose()
         if self._owns_client:
             await self._client.aclose()
 
+    async def start(self) -> None:
+        """Load the local backends' models (in worker threads). A model that cannot load
+        raises :class:`~agentserver.llm.config.LlmConfigError` naming the backend and the
+        fix: the server does not start with a backend it cannot run."""
+        for rt in self._runtimes.values():
+            if isinstance(rt.backend, LlamaCppBackend):
+                try:
+                    await rt.backend.start()
+                except LocalModelError as exc:
+                    raise LlmConfigError(rt.config.line, f"backend {rt.name!r}: {exc}") from None
+
     async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
         return self
 
     async def __aexit__(
@@ -149,6 +169,11 @@ class Router:
         failure after that raises :class:`LLMError` and no chunk is repeated.
         """
         return CompletionStream(self, request)
+
+    def config_of(self, backend: str) -> BackendConfig:
+        """The configuration of ``backend`` (running or skipped)."""
+        rt = self._runtimes.get(backend)
+        return rt.config if rt is not None else self._skipped_cfg[backend]
 
     def models(self) -> dict[str, list[str]]:
         """Each servable model name or alias -> the backends serving it, in priority order."""

@@ -73,6 +73,9 @@ class Request:
     stop: tuple[str, ...] = ()
     deadline: float | None = None
     agent: str = ""
+    #: A GBNF grammar the reply must follow, for a backend that constrains decoding (the
+    #: local one); other backends ignore it. See agentserver/core/xsd_gbnf.py.
+    grammar: str | None = None
 
     def __init__(
         self,
@@ -83,6 +86,7 @@ class Request:
         stop: Iterable[str] = (),
         deadline: float | None = None,
         agent: str = "",
+        grammar: str | None = None,
     ) -> None:
         msgs = tuple(messages)
         if not msgs:
@@ -98,6 +102,7 @@ class Request:
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "deadline", deadline)
         object.__setattr__(self, "agent", agent)
+        object.__setattr__(self, "grammar", grammar)
 
 
 @dataclass(frozen=True, slots=True)

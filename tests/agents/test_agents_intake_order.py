@@ -24,10 +24,13 @@ from agentserver.listeners.assistant import Task
 from agentserver.pump.pump import open_pump
 
 ROUNDS = 30
+#: An OpenAI backend nobody answers (without a key the bundled assistant would run the
+#: packaged local model): every Turn fails at once, which is all this test needs.
+NO_MODEL = {"OPENAI_API_KEY": "unused", "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
 
 
 async def test_back_to_back_tasks_are_enqueued_and_answered_in_send_order(tmp_path):
-    topo = store_in(boot.load_or_raise(REPO / "boot.xml"), tmp_path)
+    topo = store_in(boot.load_or_raise(REPO / "boot.xml", environ=NO_MODEL), tmp_path)
     ctx = RunContext(topo)
     sent: list[str] = []
     answered: list[str] = []
@@ -37,9 +40,8 @@ async def test_back_to_back_tasks_are_enqueued_and_answered_in_send_order(tmp_pa
         open_pump(built.listeners, config=topo.pump_config()) as pump,
     ):
         async with trio.open_nursery() as nursery:
-            # No API key: every Turn fails at once, which is all this test needs.
             agents = await start_agents(
-                topo, pump, built.agent_handlers, nursery, ctx.resources, environ={}
+                topo, pump, built.agent_handlers, nursery, ctx.resources, environ=NO_MODEL
             )
             assert agents is not None
             ep = pump.open_endpoint("client", buffer=4 * ROUNDS)

@@ -490,3 +490,11 @@ async def test_streaming_port_publishes_each_chunk_as_it_arrives(tmp_path):
     chunks = [e.text for e in events if isinstance(e, ChunkEvent)]
     assert chunks == ["The ", "answer ", "is 3."]
     assert [r[1] for r in h.replies.sent] == ["The answer is 3."]
+
+
+async def test_each_model_step_carries_the_agents_reply_grammar(tmp_path):
+    # A local backend constrains decoding by it (docs/llm-router.md); the step passes it.
+    h = make_harness(tmp_path, echo, profiles={"assistant": profile(reply_grammar="root ::= [a]")})
+    await h.rt.enqueue("assistant", task("first"), {"thread": "t1"})
+    await h.pump()
+    assert h.llm.requests and all(r.grammar == "root ::= [a]" for r in h.llm.requests)

@@ -46,6 +46,7 @@ class RouterLLM:
             model=request.model,
             max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
             agent=request.agent,
+            grammar=request.grammar,
         )
 
     async def complete(self, request: LLMRequest) -> LLMCompletion:

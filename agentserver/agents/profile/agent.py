@@ -83,6 +83,9 @@ class AgentProfile:
     #: ``<agent><retention>``: this agent's overrides of the store's retention (None: the
     #: store's values).
     retention: RetentionOverride | None = None
+    #: The reply's GBNF grammar (free text, then at most one call a peer's XSD accepts)
+    #: when the agent's model is served by a constraining local backend; None otherwise.
+    reply_grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:

@@ -222,6 +222,7 @@ class ModelStep:
             model=profile.model,
             messages=model_messages(profile, system, cards, step_no == profile.max_steps),
             max_tokens=profile.max_tokens,
+            grammar=profile.reply_grammar,
         )
 
         def chunk(text: str) -> None:

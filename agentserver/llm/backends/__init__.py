@@ -1,7 +1,8 @@
 """Provider wire formats. Each backend turns a :class:`~agentserver.llm.types.Request`
 into one HTTP call and the answer into a :class:`~agentserver.llm.types.Reply` or
 an :class:`~agentserver.llm.types.LLMError`; choosing, retrying and limiting are
-the router's business."""
+the router's business. The local backend (``llama-cpp``) makes no HTTP call: it runs
+a GGUF model in-process, with the same two methods."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import httpx
 from ..config import BackendConfig, Provider
 from .anthropic import AnthropicBackend
 from .base import Backend, BackendStream
+from .llama_cpp import LlamaCppBackend, LocalStream
 from .ollama import OllamaBackend
 from .openai import OpenAIBackend
 
@@ -17,6 +19,8 @@ __all__ = [
     "AnthropicBackend",
     "Backend",
     "BackendStream",
+    "LlamaCppBackend",
+    "LocalStream",
     "OllamaBackend",
     "OpenAIBackend",
     "make_backend",
@@ -29,5 +33,9 @@ _CLASSES: dict[Provider, type[Backend]] = {
 }
 
 
-def make_backend(config: BackendConfig, client: httpx.AsyncClient, api_key: str | None) -> Backend:
+def make_backend(
+    config: BackendConfig, client: httpx.AsyncClient, api_key: str | None
+) -> Backend | LlamaCppBackend:
+    if config.provider is Provider.LLAMA_CPP:
+        return LlamaCppBackend(config)
     return _CLASSES[config.provider](config, client, api_key)
