@@ -17,7 +17,9 @@ from test_budgets_e2e import TOKENS, UsageModel, boot
 from agentserver.listeners.assistant import Task
 from agentserver.net.client import open_client
 
-REFUSED = "budget exhausted: client:alice (total) is spent"
+#: Alice's 10 tokens never cover a call's worst case: the refusal says what it needs and
+#: what remains of her budget (issue 45's wording).
+REFUSED = "tokens; 10 remain of client:alice (total)"
 
 
 async def test_a_clients_budget_holds_over_http_as_on_her_socket(tmp_path):
