@@ -66,9 +66,13 @@ def test_a_broken_module_is_one_error_without_follow_ons(tmp_path):
     path.write_text(boot_xml("broken_unit"))
     result = boot.load(path, environ={})
     assert not result.ok
-    assert [str(p) for p in result.problems] == [
+    # One error; what fails because of it is said under it, as knock-on notes (issue 45).
+    (problem,) = [str(p) for p in result.problems]
+    first, *notes = problem.splitlines()
+    assert first == (
         f"{path}:3: listener 'broken_unit': cannot import module 'broken_unit': boom at import"
-    ]
+    )
+    assert notes and all(n.startswith("    (so ") for n in notes), notes
 
 
 def test_a_missing_module_is_one_error(tmp_path):
