@@ -380,3 +380,34 @@ def test_an_interrupt_that_leaves_a_queued_task_is_found(drawn):
     verdict = dt_check(ledger, ran, seen, times=times)
     left = [v for v in verdict.violations if " open: it ended " in v]
     assert bool(left) == (truth["left"] > 0), (truth, verdict.violations)
+
+
+def test_a_double_text_taken_after_a_later_one_counts_as_later():
+    """An HTTP double text goes on a connection of its own: the server may take it after
+    a task the client sent later over her socket. "Later" is the store's order then, not
+    the send order (the suite's chaos run once saw such a rollback called a violation)."""
+    ledger = Ledger()
+    ledger.sent("c0", "a", "na", "alpha")
+    ledger.sent("c0", "b", "nb", "alpha", "rollback", racing=True, via="http")  # took last
+    ledger.sent("c0", "c", "nc", "alpha", "interrupt", racing=True)  # took before b
+    ledger.answered("c0", "a", INTERRUPTED, failed=True)
+    ledger.answered("c0", "c", ROLLED_BACK, failed=True)
+    ledger.answered("c0", "b", good("nb"), failed=False)
+    taken = set(ledger.attempts)
+    seqs = {"a": 0, "c": 1, "b": 2}
+    rows = {t: TaskRow(seqs[t], float(seqs[t]), True, float(seqs[t])) for t in taken}
+
+    def verdict(rows):
+        return check(
+            ledger,
+            taken,
+            expected,
+            memory_agents={"alpha"},
+            rows=rows,
+            model_nonces={"na", "nb", "nc"},
+        )
+
+    assert verdict(rows).ok, verdict(rows).violations
+    # Without the store's rows, the send order is all there is: c's rollback then has no
+    # later rollback, and the checker says so.
+    assert any("rolled back, no later task" in v for v in verdict(None).violations)

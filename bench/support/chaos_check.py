@@ -273,6 +273,28 @@ def check(
     return Verdict(counts, violations[:max_listed])
 
 
+def _taken_after(
+    sent: list[Attempt], i: int, taken: set[str], rows: dict[str, TaskRow] | None
+) -> list[Attempt]:
+    """The tasks of ``sent`` (one client's to one agent) the server took after ``sent[i]``:
+    by the store's order (the inbox's ``seq``) where the store shows both rows, else by
+    the order she sent them. A double text sent over HTTP goes on a connection of its own
+    and may reach the server after a task she sent later over her socket, so the send
+    order alone would call a legitimate rollback or interrupt a violation."""
+    mine = None if rows is None else rows.get(sent[i].thread)
+    out = []
+    for j, other in enumerate(sent):
+        if j == i or other.thread not in taken:
+            continue
+        theirs = None if rows is None else rows.get(other.thread)
+        if mine is not None and theirs is not None:
+            if theirs.seq > mine.seq:
+                out.append(other)
+        elif j > i:
+            out.append(other)
+    return out
+
+
 def _first_reason(answers: Mapping[str, list[Answer]], thread: str) -> str | None:
     """The failure reason of the first answer on ``thread`` (None: none, or a success)."""
     got = answers.get(thread)
@@ -334,7 +356,7 @@ def double_text_violations(
             if agent not in memory_agents:
                 violations.append(f"{reason} answer from an agent without memory: {where}")
                 continue
-            later = {a.multitask for a in sent[i + 1 :] if a.thread in taken}
+            later = {a.multitask for a in _taken_after(sent, i, taken, rows)}
             if reason == "busy" and attempt.multitask != "reject":
                 violations.append(f"busy answer to a task sent with {attempt.multitask}: {where}")
             elif reason == "interrupted" and "interrupt" not in later:
