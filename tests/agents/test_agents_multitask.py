@@ -439,9 +439,10 @@ def test_the_profile_refuses_an_unknown_mode() -> None:
     assert profile().multitask == "enqueue"
 
 
+@pytest.mark.parametrize("first", ["lease reads", "supersede moves"])
 @pytest.mark.parametrize("fair", [False, True])
 def test_a_lease_and_a_supersede_of_one_queued_task_from_two_processes(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, fair: bool
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, fair: bool, first: str
 ) -> None:
     """Seen in the chaos soak (two processes, one PostgreSQL store): alice's queued task
     was answered "superseded" and then "interrupted". Process B ends bob's Turn and reads
@@ -449,7 +450,9 @@ def test_a_lease_and_a_supersede_of_one_queued_task_from_two_processes(
     supersedes it and commits; B's lease then moved the head onto it (its move of the
     inbox row matched nothing, unchecked): it ran, answered already, and the next double
     text answered it again. Played in that order on two connections: B is held between
-    its read and its lease while A decides. Every task must have exactly one answer."""
+    its read and its lease while A decides; and the other way round: A is held between
+    its supersede and its commit while B reads the queue. Every task must have exactly
+    one answer."""
     import threading
 
     from agentserver.agents.errors import StaleTurn
@@ -478,6 +481,15 @@ def test_a_lease_and_a_supersede_of_one_queued_task_from_two_processes(
         )
 
     outcomes: list[str] = []
+    moved, commit = threading.Event(), threading.Event()
+    real_answer = multitask._answer
+
+    def answer_then_wait(tx, env, *args):
+        done = real_answer(tx, env, *args)
+        if threading.current_thread().name == "a" and not moved.is_set():
+            moved.set()
+            commit.wait(30)  # B reads the queue meanwhile
+        return done
 
     def rollback_alice() -> None:
         for _ in range(5):  # as the runtime does: decided again on a StaleTurn
@@ -511,13 +523,23 @@ def test_a_lease_and_a_supersede_of_one_queued_task_from_two_processes(
             inbox.enqueue_turn, a.env, agent, b"<task>queued one</task>", ref("t1"), "alice"
         )
         monkeypatch.setattr(head, "next_queued", next_then_wait)
+        monkeypatch.setattr(multitask, "_answer", answer_then_wait)
         tb = threading.Thread(target=end_bobs_turn, name="b")
-        tb.start()
-        assert read.wait(30)
         ta = threading.Thread(target=rollback_alice, name="a")
-        ta.start()
-        ta.join(2)  # unfixed: A commits its supersede here; fixed: it waits for B's lock
-        go.set()
+        if first == "lease reads":
+            commit.set()
+            tb.start()
+            assert read.wait(30)
+            ta.start()
+            ta.join(2)  # unfixed: A commits its supersede here; fixed: it waits for B's lock
+            go.set()
+        else:
+            go.set()
+            ta.start()
+            assert moved.wait(30)
+            tb.start()
+            tb.join(2)  # unfixed: B reads the task as queued; fixed: it waits for A's lock
+            commit.set()
         tb.join(30)
         ta.join(30)
         assert not tb.is_alive() and not ta.is_alive()
@@ -538,6 +560,7 @@ def test_a_lease_and_a_supersede_of_one_queued_task_from_two_processes(
         x, (status, running), answered = b.executor.run_sync(state, b.env)
     finally:
         go.set()
+        commit.set()
         a.close()
         b.close()
     runs_it = status in ACTIVE_HEAD and running == x
