@@ -437,3 +437,133 @@ def test_the_profile_refuses_an_unknown_mode() -> None:
     with pytest.raises(ValueError, match="multitask"):
         profile(multitask="later")
     assert profile().multitask == "enqueue"
+
+
+@pytest.mark.parametrize("first", ["lease reads", "supersede moves"])
+@pytest.mark.parametrize("fair", [False, True])
+def test_a_lease_and_a_supersede_of_one_queued_task_from_two_processes(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, fair: bool, first: str
+) -> None:
+    """Seen in the chaos soak (two processes, one PostgreSQL store): alice's queued task
+    was answered "superseded" and then "interrupted". Process B ends bob's Turn and reads
+    alice's queued task as the next to lease; process A's rollback of alice's conversation
+    supersedes it and commits; B's lease then moved the head onto it (its move of the
+    inbox row matched nothing, unchecked): it ran, answered already, and the next double
+    text answered it again. Played in that order on two connections: B is held between
+    its read and its lease while A decides; and the other way round: A is held between
+    its supersede and its commit while B reads the queue. Every task must have exactly
+    one answer."""
+    import threading
+
+    from agentserver.agents.errors import StaleTurn
+    from agentserver.agents.store.pg.store import PostgresAgentStore
+    from agentserver.agents.store.rows import MultitaskAnswers, TaskStatus
+    from agentserver.agents.store.sql import head, inbox, multitask, turn_end
+    from agentserver.agents.store.states import ACTIVE_HEAD
+
+    url = request.getfixturevalue("pg_url")
+    settings = StoreSettings(url=url, fair_weights=(("alice", 1.0),) if fair else None)
+    a, b = (PostgresAgentStore.open(url, settings=settings) for _ in range(2))
+    agent = "assistant"
+    read, go = threading.Event(), threading.Event()
+    real_next = head.next_queued
+
+    def next_then_wait(tx, env, agent_id):
+        row = real_next(tx, env, agent_id)
+        if threading.current_thread().name == "b" and not read.is_set():
+            read.set()
+            go.wait(30)  # A decides meanwhile
+        return row
+
+    def end_bobs_turn() -> None:
+        b.executor.run_sync(
+            turn_end.force_end, b.env, agent, TaskStatus.STOPPED, "x", None, None, None, None
+        )
+
+    outcomes: list[str] = []
+    moved, commit = threading.Event(), threading.Event()
+    real_answer = multitask._answer
+
+    def answer_then_wait(tx, env, *args):
+        done = real_answer(tx, env, *args)
+        if threading.current_thread().name == "a" and not moved.is_set():
+            moved.set()
+            commit.wait(30)  # B reads the queue meanwhile
+        return done
+
+    def rollback_alice() -> None:
+        for _ in range(5):  # as the runtime does: decided again on a StaleTurn
+            try:
+                done = a.executor.run_sync(
+                    multitask.enqueue_multitask,
+                    a.env,
+                    agent,
+                    b"<task>newest</task>",
+                    ref("t2"),
+                    "alice",
+                    "rollback",
+                    MultitaskAnswers(b"<busy/>", b"<ended/>", b"<superseded/>"),
+                )
+            except StaleTurn:
+                outcomes.append("stale")
+                continue
+            outcomes.append(done.outcome)
+            return
+
+    try:
+        a.executor.run_sync(
+            inbox.enqueue_turn,
+            a.env,
+            agent,
+            b"<task>bob's</task>",
+            {"caller_thread": "b1", "client": "bob"},
+            "bob",
+        )
+        a.executor.run_sync(
+            inbox.enqueue_turn, a.env, agent, b"<task>queued one</task>", ref("t1"), "alice"
+        )
+        monkeypatch.setattr(head, "next_queued", next_then_wait)
+        monkeypatch.setattr(multitask, "_answer", answer_then_wait)
+        tb = threading.Thread(target=end_bobs_turn, name="b")
+        ta = threading.Thread(target=rollback_alice, name="a")
+        if first == "lease reads":
+            commit.set()
+            tb.start()
+            assert read.wait(30)
+            ta.start()
+            ta.join(2)  # unfixed: A commits its supersede here; fixed: it waits for B's lock
+            go.set()
+        else:
+            go.set()
+            ta.start()
+            assert moved.wait(30)
+            tb.start()
+            tb.join(2)  # unfixed: B reads the task as queued; fixed: it waits for A's lock
+            commit.set()
+        tb.join(30)
+        ta.join(30)
+        assert not tb.is_alive() and not ta.is_alive()
+
+        def state(tx, env):
+            [(x,)] = tx.all("SELECT inbox_id FROM agent_inbox WHERE reply_ref LIKE ?", ('%"t1"%',))
+            h = tx.one(
+                "SELECT status, turn_inbox_id FROM agent_state_head WHERE agent_id = ?", (agent,)
+            )
+            keys = [
+                k
+                for (k,) in tx.all(
+                    "SELECT agent_turn_id FROM agent_replies WHERE reply_ref LIKE ?", ('%"t1"%',)
+                )
+            ]
+            return x, h, keys
+
+        x, (status, running), answered = b.executor.run_sync(state, b.env)
+    finally:
+        go.set()
+        commit.set()
+        a.close()
+        b.close()
+    runs_it = status in ACTIVE_HEAD and running == x
+    # t1 is answered once: before, or by the end of its Turn (which is running), not both.
+    assert len(answered) + int(runs_it) == 1, (answered, status, running == x, outcomes)
+    assert outcomes[-1] == "superseded", outcomes  # A's rollback happened, decided again

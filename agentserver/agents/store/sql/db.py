@@ -55,6 +55,13 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
+def locking(tx: Tx) -> str:
+    """`` FOR UPDATE`` on PostgreSQL (read committed: the rows read are locked, and a row
+    another transaction changed meanwhile is checked again once it commits), nothing on
+    SQLite (one writer at a time: what a write transaction reads stays so until it ends)."""
+    return " FOR UPDATE" if tx.dialect == POSTGRESQL else ""
+
+
 def marks(n: int) -> str:
     """``?,?,…`` for an ``IN (…)`` of ``n`` values."""
     return ",".join("?" * n)

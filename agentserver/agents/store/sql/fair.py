@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx
+from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, locking
 from agentserver.agents.store.states import InboxStatus
 
 MIGRATION = """
@@ -45,20 +45,33 @@ def next_queued(tx: Tx, env: StoreEnv, agent_id: str) -> Sequence[Any] | None:
     shape), with the tags moved as if it is leased: call inside the lease's transaction
     (a lease that then fails rolls them back with it)."""
     weights = dict(env.settings.fair_weights or ())
-    firsts = tx.all(
-        f"SELECT {_client_expr(tx.dialect)} AS c, min(seq) FROM agent_inbox"
-        " WHERE agent_id = ? AND status = ? GROUP BY c",
-        (agent_id, InboxStatus.QUEUED),
-    )
-    if not firsts:
-        return None
-    tags = {
-        str(c): float(v)
-        for c, v in tx.all("SELECT client, vfinish FROM fair_share WHERE agent_id = ?", (agent_id,))
-    }
-    now_v = tags.get(AGENT_CLOCK, 0.0)
-    start, seq, client = min((max(now_v, tags.get(str(c), 0.0)), int(s), str(c)) for c, s in firsts)
-    row = tx.one("SELECT inbox_id, payload, conversation FROM agent_inbox WHERE seq = ?", (seq,))
+    while True:
+        firsts = tx.all(
+            f"SELECT {_client_expr(tx.dialect)} AS c, min(seq) FROM agent_inbox"
+            " WHERE agent_id = ? AND status = ? GROUP BY c",
+            (agent_id, InboxStatus.QUEUED),
+        )
+        if not firsts:
+            return None
+        tags = {
+            str(c): float(v)
+            for c, v in tx.all(
+                "SELECT client, vfinish FROM fair_share WHERE agent_id = ?", (agent_id,)
+            )
+        }
+        now_v = tags.get(AGENT_CLOCK, 0.0)
+        start, seq, client = min(
+            (max(now_v, tags.get(str(c), 0.0)), int(s), str(c)) for c, s in firsts
+        )
+        # Locked and read again (PostgreSQL): a double text of another process may have
+        # taken it out of the queue since (docs/runs.md); then choose again.
+        row = tx.one(
+            "SELECT inbox_id, payload, conversation FROM agent_inbox WHERE seq = ? "
+            f"AND status = ?{locking(tx)}",
+            (seq, InboxStatus.QUEUED),
+        )
+        if row is not None:
+            break
     weight = weights.get(client, 1.0)
     for key, value in ((client, start + 1.0 / weight), (AGENT_CLOCK, start)):
         tx.execute(

@@ -21,7 +21,14 @@ from agentserver.agents.store.sql.common import (
     insert_cards,
     tokens_of,
 )
-from agentserver.agents.store.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
+from agentserver.agents.store.sql.db import (
+    StoreEnv,
+    Tx,
+    insert_rows,
+    locking,
+    marks,
+    new_id,
+)
 from agentserver.agents.store.states import (
     HeadEvent,
     HeadStatus,
@@ -196,7 +203,11 @@ def next_queued(tx: Tx, env: StoreEnv, agent_id: str) -> Sequence[Any] | None:
     one (agents/store/sql/fair.py)."""
     if env.settings.fair_weights is not None:
         return fair.next_queued(tx, env, agent_id)
-    return tx.one(QUEUED_NEXT, (agent_id, InboxStatus.QUEUED))
+    # Locked (PostgreSQL): a double text of another process may supersede this row between
+    # this read and the lease's move of it (docs/runs.md); unlocked, the head would run a
+    # task already answered "superseded" (its move then matched no row). The lock waits
+    # for that transaction, and a row it took out of the queue is passed over for the next.
+    return tx.one(QUEUED_NEXT + locking(tx), (agent_id, InboxStatus.QUEUED))
 
 
 #: The oldest queued Turn of an agent (parameters: the agent, ``InboxStatus.QUEUED``).
