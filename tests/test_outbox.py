@@ -312,6 +312,14 @@ async def test_hanging_receiver_holds_back_no_other(real: Opener) -> None:
             assert trio.current_time() - start < 6.0
             assert outbox.inflight("hung") <= 2
             await wait_for(lambda: outbox.figures.failed >= 2, within=10.0)
+            # The sender counts a failure before its store write lands (on PostgreSQL a
+            # thread hop later): wait, bounded, for the store to show it before stopping.
+            with trio.fail_after(10.0):
+                while True:
+                    figures = {f.channel: f for f in await store.outbox_figures()}
+                    if figures["hung"].last_error is not None:
+                        break
+                    await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
         figures = {f.channel: f for f in await store.outbox_figures()}
         assert figures["hung"].last_error == "timed out after 3s"
