@@ -126,6 +126,24 @@ def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
     return out
 
 
+def _latest_task(
+    tx: Tx, columns: str, name: str, thread: str, sender: str | None
+) -> Sequence[Any] | None:
+    """``columns`` of the latest task of agent ``name`` sent on ``thread`` (the caller's
+    thread or the hop thread), of client ``sender`` if given (the authorization rule's
+    scope): the one read :func:`task` and :func:`task_reading` share."""
+    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
+    where, params = "", (name, MessageType.TURN.value, thread, thread)
+    if sender is not None:
+        where, params = f" AND {sender_sql(tx)} = ?", (*params, sender)
+    return tx.one(
+        f"SELECT {columns} FROM agent_inbox "
+        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?){where} "
+        "ORDER BY seq DESC LIMIT 1",
+        params,
+    )
+
+
 def task(
     tx: Tx, env: StoreEnv, name: str, thread: str, sender: str | None = None
 ) -> dict[str, Any] | None:
@@ -133,15 +151,8 @@ def task(
     hop thread the agent was called on), of client ``sender`` if given (the authorization
     rule's scope: another client may have sent on the same thread id): status, steps,
     usage, and the answer its caller was sent once there is one. None if none."""
-    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
-    where, params = "", (name, MessageType.TURN.value, thread, thread)
-    if sender is not None:
-        where, params = f" AND {sender_sql(tx)} = ?", (*params, sender)
-    row = tx.one(
-        "SELECT inbox_id, status, agent_turn_id, created_at, conversation FROM agent_inbox "
-        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?){where} "
-        "ORDER BY seq DESC LIMIT 1",
-        params,
+    row = _latest_task(
+        tx, "inbox_id, status, agent_turn_id, created_at, conversation", name, thread, sender
     )
     if row is None:
         # "pruned" for ``sender``'s own pruned task only (any, unscoped); the exception
@@ -310,16 +321,7 @@ def task_reading(
     as :func:`task` finds it, of client ``sender`` if given), its text and answer cut at
     :data:`READING_CHARS`; None if there is none (a pruned one included: :func:`task`
     says which)."""
-    caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
-    where, params = "", (name, MessageType.TURN.value, thread, thread)
-    if sender is not None:
-        where, params = f" AND {sender_sql(tx)} = ?", (*params, sender)
-    row = tx.one(
-        "SELECT status, payload, defer_reason, agent_turn_id FROM agent_inbox "
-        f"WHERE agent_id = ? AND message_type = ? AND ({caller} = ? OR {hop} = ?){where} "
-        "ORDER BY seq DESC LIMIT 1",
-        params,
-    )
+    row = _latest_task(tx, "status, payload, defer_reason, agent_turn_id", name, thread, sender)
     if row is None:
         return None
     return reading(tx, row[0], row[1], row[2], row[3], READING_CHARS)
