@@ -1,6 +1,6 @@
 """Measure the LLM router's own overhead per call.
 
-Same run, same loopback fake server (OpenAI wire format, from tests/llm), same
+Same run, same loopback fake server (OpenAI wire format, from tests/llm_fakes.py), same
 httpx client settings: a bare ``httpx`` POST + JSON decode versus
 ``router.complete`` on a backend with request, token and concurrency limits
 and a price table (so the whole hot path runs: limiter, breaker, accounting,
@@ -27,7 +27,7 @@ import httpx
 import trio
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "llm"))
+sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from llm_fakes import openai_ok, start_fake  # noqa: E402

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import trio
 from httputil import http_url
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import DATA, TESTS, ServerProcess, subprocess_env
 from test_agents_crash import Store
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import trio
 from httputil import http_url
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import TESTS, ServerProcess, cli, subprocess_env
 from test_agents_crash import Store
 

@@ -28,7 +28,7 @@ import httpx
 import pytest
 import trio
 from httputil import http_url
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from lxml import etree
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families

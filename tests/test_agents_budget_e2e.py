@@ -11,7 +11,7 @@ import sqlite3
 
 import trio
 from agents_budget_support import TOOL_NS
-from llm.llm_fakes import FakeServer, Seen, openai_ok, openai_stream
+from llm_fakes import FakeServer, Seen, openai_ok, openai_stream
 from serverproc import DATA, ServerProcess, subprocess_env
 
 from agentserver.agents.turn.compaction import SUMMARY_SYSTEM

@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 import trio
 from agents_crash_support import MIXER_NS, PLANNER_NS, TOOL_NS, MixTask, PlanTask
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import DATA, ServerProcess, subprocess_env
 
 from agentserver.core.threads import new_thread_id

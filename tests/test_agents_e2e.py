@@ -13,7 +13,7 @@ import re
 
 import pytest
 import trio
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
+from llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
 from serverproc import REPO, ServerProcess, subprocess_env
 
 from agentserver.core.threads import new_thread_id

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import trio
 from governance_support import NS as GOV_NS
-from llm.llm_fakes import FakeServer, openai_ok
+from llm_fakes import FakeServer, openai_ok
 from serverproc import ServerProcess, subprocess_env
 
 from agentserver.core.threads import new_thread_id

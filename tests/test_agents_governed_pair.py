@@ -23,7 +23,7 @@ import trio
 from agents_crash_support import PLANNER_NS, PlanTask
 from cliutil import cli_in_process
 from governance_support import NS as GOV_NS
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverutil import InProcess, start_in_process
 
 from agentserver.app.builtins import RunContext

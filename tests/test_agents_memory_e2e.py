@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import trio
-from llm.llm_fakes import FakeServer, Seen, openai_ok, openai_stream
+from llm_fakes import FakeServer, Seen, openai_ok, openai_stream
 from serverproc import DATA, ServerProcess, subprocess_env
 
 from agentserver.core.threads import new_thread_id

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from llm.llm_fakes import FakeServer, Seen, openai_error, openai_ok, openai_stream
+from llm_fakes import FakeServer, Seen, openai_error, openai_ok, openai_stream
 from serverproc import DATA, ServerProcess, subprocess_env
 
 from agentserver.core.threads import new_thread_id

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import ServerProcess, subprocess_env
 
 ALICE, BOB, OPS = "alice-secret-token", "bob-secret-token", "ops-secret-token"

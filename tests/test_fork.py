@@ -17,7 +17,7 @@ import httpx
 import pytest
 import trio
 from httputil import http_url
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import DATA, ServerProcess, cli, subprocess_env
 
 BOOT = DATA / "agents-fork-boot.xml"

@@ -9,7 +9,7 @@ import httpx
 import trio
 from conftest import parse_reply
 from httputil import http_url
-from llm.llm_fakes import FakeServer, openai_stream
+from llm_fakes import FakeServer, openai_stream
 from serverproc import REPO, ServerProcess, subprocess_env
 
 from agentserver.core.threads import new_thread_id

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import trio
 from idem_support import rows
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import DATA, ServerProcess, subprocess_env
 from test_agents_crash import Store
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import trio
 from httputil import http_url
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import ServerProcess, subprocess_env
 
 ASSISTANT = "urn:agentserver:assistant"

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import trio
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from lxml import etree
 from serverproc import TESTS, ServerProcess, cli, subprocess_env, wait_until
 

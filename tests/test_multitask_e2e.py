@@ -23,7 +23,7 @@ import httpx
 import pytest
 import trio
 from httputil import http_url
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from multitask_support import EFFECTS_ENV, mark_call
 from serverproc import DATA, ServerProcess, cli, subprocess_env
 

@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 from conftest import store_in
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
+from llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import trio
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import REPO, ServerProcess, cli, subprocess_env
 
 from agentserver.core.threads import new_thread_id

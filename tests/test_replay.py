@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import trio
 from governance_support import NS as GOV_NS
-from llm.llm_fakes import FakeServer, Script, Seen, openai_error, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_error, openai_ok
 from serverproc import cli, subprocess_env
 from serverutil import start_in_process
 

@@ -19,7 +19,7 @@ import contextlib
 from pathlib import Path
 
 import trio
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from lxml import etree
 from serverproc import DATA, RawConnection, ServerProcess, cli, subprocess_env
 from test_agents_crash import Store, until

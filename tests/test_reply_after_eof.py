@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import trio
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from lxml import etree
 from serverproc import DATA, RawConnection, ServerProcess, subprocess_env
 from test_agents_crash import Store, until

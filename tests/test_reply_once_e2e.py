@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import trio
 from agents_crash_support import MixTask, PlanTask
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
+from llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
 from lxml import etree
 from serverproc import DATA, RawConnection, ServerProcess, subprocess_env
 from test_agents_crash import Store, until

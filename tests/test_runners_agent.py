@@ -15,7 +15,7 @@ from functools import partial
 
 import httpx
 import trio
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from runner_handlers import NS
 from serverproc import subprocess_env
 from serverutil import start_in_process

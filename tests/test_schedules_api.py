@@ -13,7 +13,7 @@ from typing import TypeVar
 import httpx
 import trio
 from httputil import http_url
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import DATA, ServerProcess, cli, subprocess_env
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import trio
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import DATA, ServerProcess, subprocess_env
 
 BOOT = DATA / "schedules-boot.xml"

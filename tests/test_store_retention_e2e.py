@@ -15,7 +15,7 @@ import httpx
 import pytest
 import trio
 from httputil import http_url
-from llm.llm_fakes import FakeServer
+from llm_fakes import FakeServer
 from serverproc import DATA, ServerProcess, cli, subprocess_env
 
 BOOT = DATA / "agents-retention-boot.xml"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 import trio
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok
+from llm_fakes import FakeServer, Script, Seen, openai_ok
 from prometheus_client.parser import text_string_to_metric_families
 from runner_handlers import NS, handle
 from serverutil import start_in_process

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import trio
 from browser import missing, open_browser, page_errors, screenshot_dir
-from llm.llm_fakes import openai_ok, openai_stream
+from llm_fakes import openai_ok, openai_stream
 from ui_support import TOKENS, ConsoleServer, pay
 
 #: Needs the browser: in CI (``AGENTSERVER_TEST_NO_SKIP``) a skip fails (tests/conftest.py).

@@ -12,7 +12,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import trio
 from httputil import http_url
-from llm.llm_fakes import openai_ok
+from llm_fakes import openai_ok
 from serverproc import DATA, REPO, ServerProcess, subprocess_env
 from tlsutil import make_pki, with_tls
 from ui_support import BOOT, TOKENS, ConsoleServer, pay

@@ -20,7 +20,7 @@ import pytest
 import trio
 from hookrecv import Got, Receiver
 from httputil import http_url
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
+from llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
 from lxml import etree
 from serverproc import DATA, ServerProcess, cli, subprocess_env
 from standardwebhooks.webhooks import Webhook

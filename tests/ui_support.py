@@ -10,7 +10,7 @@ import pathlib
 import trio
 from governance_support import NS as GOV_NS
 from httputil import http_url
-from llm.llm_fakes import FakeServer
+from llm_fakes import FakeServer
 from serverproc import ServerProcess, subprocess_env
 
 BOOT = """\

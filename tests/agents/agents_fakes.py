@@ -1,4 +1,4 @@
-"""In-memory fakes of the agent ports, for the agents tests (the benchmarks run the real\nserver and the LLM fakes of ``tests/llm/llm_fakes.py`` instead)."""
+"""In-memory fakes of the agent ports, for the agents tests (the benchmarks run the real\nserver and the LLM fakes of ``tests/llm_fakes.py`` instead)."""
 
 from __future__ import annotations
 

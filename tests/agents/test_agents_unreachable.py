@@ -12,7 +12,7 @@ import random
 
 import trio
 from agents_fakes import make_harness, profile, task
-from llm.llm_fakes import FakeServer, backend_for, openai_ok, start_fake
+from llm_fakes import FakeServer, backend_for, openai_ok, start_fake
 
 from agentserver.agents.edge.llm_adapter import RouterLLM
 from agentserver.llm import BreakerConfig, RetryConfig, Router, RouterConfig, Strategy

@@ -13,7 +13,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 import trio
-from llm.llm_fakes import FakeServer
+from llm_fakes import FakeServer
 from serverproc import ServerProcess, subprocess_env
 from test_pg_two_processes import AGENT_LISTENERS, AGENTS, DoneModel
 

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 import trio
 from agents_crash_support import MixTask, PlanTask
-from llm.llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
+from llm_fakes import FakeServer, Script, Seen, openai_ok, openai_stream
 from serverproc import ServerProcess, subprocess_env
 
 from agentserver.core.namespaces import BOOT_NS

