@@ -370,14 +370,14 @@ class RunStream:
                 continue
             self.seen.add(card["seq"])
             out += self._card(card)
-        out += self._set(status="running" if deliverable is None else status)
         if deliverable is not None:
-            out += self._close_message() + self._finish_step()
-            metadata = deliverable["metadata"]
-            return [
-                *out,
-                self._ended(metadata.get("status", status), deliverable["text"], task),
-            ], True
+            # The task was read before the cards: read it again for its final figures
+            # (two reads, not one transaction: on PostgreSQL the Turn may end between).
+            ended = str(deliverable["metadata"].get("status") or "finished")
+            task = await self.views.task(self.agent, self.thread) or task
+            out += self._close_message() + self._finish_step() + self._set(status=ended)
+            return [*out, self._ended(ended, deliverable["text"], task)], True
+        out += self._set(status="running")
         pending = [a for a in log_.get("approvals", []) if a["status"] == "pending"]
         if pending:
             out += self._close_message() + self._finish_step()
