@@ -614,7 +614,7 @@ async def exercise(server: ServerProcess, callers: Callers) -> list[str]:
         theirs = await client.post("/agui/agents/assistant", json=resume(theirs_id))
         none = await client.post("/agui/agents/assistant", json=resume(none_id))
         assert as_is(theirs)[0] in (401, 404), (who, theirs.text)
-        swapped = as_is(theirs)[:2] + (theirs.text.replace(theirs_id, none_id),)
+        swapped = (*as_is(theirs)[:2], theirs.text.replace(theirs_id, none_id))
         assert swapped == as_is(none)[:3], (who, theirs.text)
         if who != "bob":
             await ops.get("/healthz")
