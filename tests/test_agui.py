@@ -356,6 +356,9 @@ async def test_an_approval_is_an_interrupt_answered_by_resuming(tmp_path, store_
             assert interrupt.reason == "approval" and "ledger" in interrupt.message
             assert interrupt.response_schema["required"] == ["grant"]
             assert interrupt.metadata["approver"] == "alice"
+            # the interrupt names the tool call it holds, as the stream showed it
+            (asked,) = [e for e in events if e.type == EventType.TOOL_CALL_START]
+            assert interrupt.tool_call_id == asked.tool_call_id and asked.tool_call_name == "ledger"
             assert state_of(events)["status"] == "waiting for approval"
             # the tool call was asked for (its text streamed), not run
             assert list(texts(events).values()) == [PAYING]
@@ -411,6 +414,8 @@ async def test_an_approval_is_an_interrupt_answered_by_resuming(tmp_path, store_
                 r.content for r in results + snapped
             ]
             assert any("paid 3 to erin" in str(r.content) for r in results + snapped), order
+            # the same call, by the same id, before the approval and after it
+            assert {r.tool_call_id for r in results + snapped} == {asked.tool_call_id}
             assert ledger.read_text() == "erin 3\n"
             # resuming again (a reconnection of the resumed run): the end, nothing run twice
             twice = await run(alice, "guarded", resume(interrupt.id, True))

@@ -158,6 +158,8 @@ class RunStream:
     ended_messages: set[str] = field(default_factory=set)
     retried: dict[str, int] = field(default_factory=dict)
     last_message: str | None = None
+    #: Our tool call ids -> the ids the stream shows them by (:meth:`_call_id`).
+    calls: dict[str, str] = field(default_factory=dict)
     #: The step begun (``STEP_STARTED`` sent) and not yet finished.
     open_step: str | None = None
     state: dict[str, Any] = field(default_factory=dict)
@@ -404,7 +406,7 @@ class RunStream:
             out.append(TextMessageEndEvent(message_id=message))
         elif kind in ("tool.call", "tool.refused"):
             out += self._close_message()
-            call = str(metadata.get("tool_call_id") or f"refused-{card['seq']}")
+            call = self._call_id(card)
             out.append(
                 ToolCallStartEvent(
                     tool_call_id=call,
@@ -424,7 +426,7 @@ class RunStream:
                     )
                 )
         elif kind == "tool.result":
-            call = str(metadata.get("tool_call_id", card["seq"]))
+            call = self._result_id(card)
             text = card["text"]
             if metadata.get("failed"):
                 text = f"failed: {text}"
@@ -434,6 +436,23 @@ class RunStream:
                 )
             )
         return out
+
+    def _call_id(self, card: dict[str, Any]) -> str:
+        """A tool call's id for AG-UI: one that holds for the call's life. A call that
+        waits for an approval is ``approval:REQUEST`` (its interrupt names it too): the
+        store gives it its own id only once approved, and a stream showing it before
+        and one showing it after must name the same call."""
+        metadata = card["metadata"]
+        ours = str(metadata.get("tool_call_id") or f"refused-{card['seq']}")
+        approval = metadata.get("approval")
+        shown = f"approval:{approval}" if approval else ours
+        self.calls[ours] = shown
+        return shown
+
+    def _result_id(self, card: dict[str, Any]) -> str:
+        """The AG-UI id of the call a tool result answers."""
+        ours = str(card["metadata"].get("tool_call_id", card["seq"]))
+        return self.calls.get(ours, ours)
 
     def snapshot(self, cards: list[dict[str, Any]]) -> list[Any]:
         """The conversation so far as AG-UI messages: each task as a user message, each
@@ -456,7 +475,7 @@ class RunStream:
                 self.last_message = assistant.id
                 messages.append(assistant)
             elif kind in ("tool.call", "tool.refused"):
-                call = str(metadata.get("tool_call_id") or f"refused-{card['seq']}")
+                call = self._call_id(card)
                 tool = ToolCall(
                     id=call,
                     function=FunctionCall(name=str(metadata.get("to", "?")), arguments=_args(card)),
@@ -474,7 +493,7 @@ class RunStream:
                         )
                     )
             elif kind == "tool.result":
-                call = str(metadata.get("tool_call_id", card["seq"]))
+                call = self._result_id(card)
                 messages.append(
                     ToolMessage(id=f"result-{call}", tool_call_id=call, content=card["text"])
                 )
@@ -526,6 +545,7 @@ class RunStream:
                         id=interrupt_id(self.thread, a["request"]),
                         reason=APPROVAL_REASON,
                         message=f"The call to {a['target']} needs an approval (rule {a['rule']}).",
+                        tool_call_id=f"approval:{a['request']}",
                         response_schema=APPROVAL_SCHEMA,
                         metadata={
                             "target": a["target"],
