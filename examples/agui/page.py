@@ -46,8 +46,7 @@ class Handler(BaseHTTPRequestHandler):
         # The page runs its own script only, and talks to its own origin only.
         self.send_header(
             "content-security-policy",
-            "default-src 'none'; script-src 'self'; style-src 'unsafe-inline'; "
-            "connect-src 'self'",
+            "default-src 'none'; script-src 'self'; style-src 'unsafe-inline'; connect-src 'self'",
         )
         self.end_headers()
         self.wfile.write(body)

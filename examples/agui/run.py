@@ -18,7 +18,6 @@ import os
 import sys
 import urllib.request
 
-
 #: What was printed (message, tool call and result ids): a run resuming another begins
 #: with a snapshot of the conversation, of which only what is new is printed.
 PRINTED: set[str] = set()
@@ -102,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
             {"interruptId": i["id"], "status": "resolved", "payload": {"grant": args.approve}}
             for i in interrupts
         ]
-        run(url, token, {"threadId": args.thread, "runId": "run-2", "messages": [], "resume": resume})
+        run(
+            url,
+            token,
+            {"threadId": args.thread, "runId": "run-2", "messages": [], "resume": resume},
+        )
     return 0
 
 
