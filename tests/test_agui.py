@@ -18,17 +18,15 @@ import json
 import re
 from typing import Any
 
+import ag_ui.core as ag_ui_core
 import httpx
 import pytest
 import trio
+from ag_ui.core import EventType
 from httputil import http_url
 from llm_fakes import FakeServer, Seen, openai_stream
+from pydantic import TypeAdapter
 from serverproc import ServerProcess, subprocess_env
-
-ag_ui_core = pytest.importorskip("ag_ui.core")
-
-from ag_ui.core import EventType  # noqa: E402
-from pydantic import TypeAdapter  # noqa: E402
 
 PATIENCE = 40.0
 TOKENS = {"alice": "alice-agui-token", "bob": "bob-agui-token", "ops": "ops-agui-token"}

@@ -286,7 +286,9 @@ class RunStream:
                 out += self._finish_step()
                 out.append(StepStartedEvent(step_name=event.step_id))
                 self.open_step = event.step_id
-                out += self._set(steps=self.state["steps"] + 1, status="running")
+                out += self._set(
+                    steps=max(self.state["steps"], len(self.live_steps)), status="running"
+                )
             elif event.phase == "retrying":
                 # The chunks so far belonged to the failed attempt: that message ends
                 # as it is; the retry's text is a message of its own.
@@ -377,15 +379,21 @@ class RunStream:
             # (two reads, not one transaction: on PostgreSQL the Turn may end between).
             ended = str(deliverable["metadata"].get("status") or "finished")
             task = await self.views.task(self.agent, self.thread) or task
-            out += self._close_message() + self._finish_step() + self._set(status=ended)
+            out += self._close_message() + self._finish_step()
+            out += self._set(status=ended, activity="", tool="", steps=self._steps(task))
             return [*out, self._ended(ended, deliverable["text"], task)], True
-        out += self._set(status="running")
+        out += self._set(status="running", steps=self._steps(task))
         pending = [a for a in log_.get("approvals", []) if a["status"] == "pending"]
         if pending:
             out += self._close_message() + self._finish_step()
-            out += self._set(status="waiting for approval")
+            out += self._set(status="waiting for approval", activity="", tool="")
             return [*out, self._interrupted(pending)], True
         return out, False
+
+    def _steps(self, task: dict[str, Any]) -> int:
+        """The steps begun: the store's count (a stream begun late learns the earlier
+        ones), or the live one when the store has not caught up yet."""
+        return max(len(self.live_steps), len(task.get("steps") or []))
 
     def _card(self, card: dict[str, Any]) -> list[BaseEvent]:
         """The events of one new card of the Turn."""
