@@ -350,6 +350,11 @@ class RunStream:
             return [*out, self._ended(status, task.get("answer") or "", task)], True
         log_ = await self.views.turn_log(self.turn)
         cards = log_["cards"]
+        for card in cards:
+            if card["type"] == "tool.call":
+                # Its id may have changed since it was shown (a call approved meanwhile
+                # gets its own): the results it gets are named by its first id still.
+                self._call_id(card)
         # The Turn's own cards begin at its task; those before it are the memory it
         # was given (the conversation's earlier runs).
         starts = [i for i, c in enumerate(cards) if c["type"] == "task.input"]
@@ -454,8 +459,8 @@ class RunStream:
         ours = str(metadata.get("tool_call_id") or f"refused-{card['seq']}")
         approval = metadata.get("approval")
         shown = f"approval:{approval}" if approval else ours
-        self.calls[ours] = shown
-        return shown
+        self.calls.setdefault(ours, shown)
+        return self.calls[ours]
 
     def _result_id(self, card: dict[str, Any]) -> str:
         """The AG-UI id of the call a tool result answers."""
