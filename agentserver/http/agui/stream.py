@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -56,7 +57,7 @@ from ag_ui.core.events import (
     RunFinishedInterruptOutcome,
 )
 
-from agentserver.agents.errors import TurnPruned
+from agentserver.agents.errors import StoreError, TurnPruned
 from agentserver.agents.events import (
     ChunkEvent,
     Event,
@@ -192,7 +193,12 @@ class RunStream:
         delay = POLL_MIN
         quiet_since = trio.current_time()
         while not self.closing.is_set():
-            out, end = await self.read_store()
+            try:
+                out, end = await self.read_store()
+            except (StoreError, sqlite3.Error) as exc:
+                # Mid-stream: no response to fail; the next poll reads it again.
+                log.warning("AG-UI stream: the agent store could not be read: %s", exc)
+                out, end = [], False
             for event in out:
                 yield encode(event)
             if end:
