@@ -106,9 +106,12 @@ def store_env(request) -> dict[str, str]:
     return {"AGENTS_TEST_STORE_URL": request.getfixturevalue("pg_url")}
 
 
-async def start(tmp_path, model: Model, store_env: dict[str, str]) -> ServerProcess:
+async def start(tmp_path, model: Model, store_env: dict[str, str], name: str = "") -> ServerProcess:
     ledger = tmp_path / "ledger.txt"
-    ledger.write_text("")
+    if not ledger.exists():
+        ledger.write_text("")
+    cwd = tmp_path / name if name else tmp_path
+    cwd.mkdir(exist_ok=True)
     env = subprocess_env(
         AGUI_LLM_BASE_URL=model.base_url,
         AGUI_LLM_KEY="k",
@@ -118,10 +121,10 @@ async def start(tmp_path, model: Model, store_env: dict[str, str]) -> ServerProc
         GOV_LEDGER=str(ledger),
         **store_env,
     )
-    (tmp_path / "boot.xml").write_text(BOOT)
+    (cwd / "boot.xml").write_text(BOOT)
     return await trio.to_thread.run_sync(
         lambda: ServerProcess.start(
-            tmp_path / "boot.xml", "--http-port", "0", env=env, cwd=tmp_path, timeout=40
+            cwd / "boot.xml", "--http-port", "0", env=env, cwd=cwd, timeout=40
         )
     )
 
@@ -435,3 +438,39 @@ async def test_an_approval_is_an_interrupt_answered_by_resuming(tmp_path, store_
             code = await trio.to_thread.run_sync(server.stop)
             nursery.cancel_scope.cancel()
         assert code == 0, server.stderr
+
+
+@pytest.mark.postgresql
+async def test_two_processes_on_postgresql_follow_each_others_runs(tmp_path, pg_url):
+    """A run started on one process is reconnected to through the other (which reads
+    the Turn from the store if the first runs it), and an interrupt raised on one is
+    answered through the other."""
+    store = {"AGENTS_TEST_STORE_URL": pg_url}
+    async with trio.open_nursery() as nursery:
+        model = await Model().start(nursery)
+        first = await start(tmp_path, model, store, "one")
+        second = await start(tmp_path, model, store, "two")
+        one, two = client(http_url(first), "alice"), client(http_url(second), "alice")
+        try:
+            model.slow = 0.3
+            body = run_input("t-1", "r-1", "eight nine ten eleven twelve")
+            cut = await run(one, "assistant", body, until=EventType.TEXT_MESSAGE_CONTENT)
+            assert cut[-1].delta == "echo:"
+            rest = await run(two, "assistant", body)
+            assert rest[-1].type == EventType.RUN_FINISHED, kinds(rest)
+            assert rest[-1].result["answer"] == "echo: eight nine ten eleven twelve"
+            assert state_of(rest)["status"] == "succeeded"
+            assert sum("eight nine" in str(r.body) for r in model.requests) == 1
+            model.slow = 0.0
+            asked = await run(one, "guarded", run_input("t-2", "r-1", "please pay erin 3"))
+            (interrupt,) = asked[-1].outcome.interrupts
+            entry = {"interruptId": interrupt.id, "status": "resolved", "payload": True}
+            resumed = await run(two, "guarded", run_input("t-2", "r-2", resume=[entry]))
+            assert resumed[-1].result["answer"] == "".join(DONE), kinds(resumed)
+            assert (tmp_path / "ledger.txt").read_text() == "erin 3\n"
+        finally:
+            await one.aclose()
+            await two.aclose()
+            await trio.to_thread.run_sync(first.stop)
+            await trio.to_thread.run_sync(second.stop)
+            nursery.cancel_scope.cancel()
