@@ -10,6 +10,9 @@ every stream parsed with the ``ag-ui-protocol`` package's own models.
 - A pending approval ends the run with an interrupt; a run resuming with the answer
   decides it (the tool runs once) and streams the rest of the Turn. Another client's
   interrupt answers exactly as a missing one.
+- A failed Turn ends its run with ``RUN_ERROR``; a cancelled one with a ``cancelled``
+  outcome.
+- Two processes on one PostgreSQL store follow each other's runs.
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ import pytest
 import trio
 from ag_ui.core import EventType
 from httputil import http_url
-from llm_fakes import FakeServer, Seen, openai_stream
+from llm_fakes import FakeServer, Seen, openai_error, openai_stream
+from lxml import etree
 from pydantic import TypeAdapter
 from serverproc import ServerProcess, subprocess_env
+
+from agentserver.core.namespaces import CORE_NS
+from agentserver.net.client import open_client
 
 PATIENCE = 40.0
 TOKENS = {"alice": "alice-agui-token", "bob": "bob-agui-token", "ops": "ops-agui-token"}
@@ -92,6 +99,8 @@ class Model(FakeServer):
             return openai_stream(DONE, model="m", chunk_delay=0.02)
         if "failed" in question:
             return openai_stream(DENIED, model="m")
+        if "please fail" in question:
+            return openai_error(400, "the model refuses this")
         if "please pay" in question:
             return openai_stream(PAYING, model="m", chunk_delay=0.02)
         words = ("echo: " + re.sub(r"<[^>]+>", "", question).strip()).split(" ")
@@ -435,6 +444,42 @@ async def test_an_approval_is_an_interrupt_answered_by_resuming(tmp_path, store_
         finally:
             for c in (alice, bob, ops):
                 await c.aclose()
+            code = await trio.to_thread.run_sync(server.stop)
+            nursery.cancel_scope.cancel()
+        assert code == 0, server.stderr
+
+
+async def test_a_failed_run_errors_and_a_cancelled_one_ends_cancelled(tmp_path, store_env):
+    async with trio.open_nursery() as nursery:
+        model = await Model().start(nursery)
+        server = await start(tmp_path, model, store_env)
+        alice = client(http_url(server), "alice")
+        try:
+            failed = await run(alice, "assistant", run_input("t-1", "r-1", "please fail"))
+            assert kinds(failed)[-1] == "RUN_ERROR", kinds(failed)
+            assert failed[-1].code == "failed" and failed[-1].message
+            assert state_of(failed)["status"] == "failed"
+
+            # A run cancelled while it streams (the socket's <cancel>, by its sender):
+            # the stream ends with a cancelled outcome, and so does posting it again.
+            model.slow = 0.5
+            body = run_input("t-2", "r-1", "a long answer of many many words")
+            cut = await run(alice, "assistant", body, until=EventType.TEXT_MESSAGE_CONTENT)
+            thread = state_of(cut)["thread"]
+            command = etree.Element(f"{{{CORE_NS}}}cancel", nsmap={None: CORE_NS})
+            command.set("agent", "assistant")
+            command.set("thread", thread)
+            async with open_client(
+                server.host, server.port, client="alice", token=TOKENS["alice"]
+            ) as socket:
+                reply = await socket.request(command, timeout=PATIENCE)
+            assert reply.payload.get("count") == "1", etree.tostring(reply.payload)
+            after = await run(alice, "assistant", body)
+            assert after[-1].type == EventType.RUN_FINISHED, kinds(after)
+            assert after[-1].outcome.type == "cancelled", after[-1]
+            assert state_of(after)["status"] == "stopped"
+        finally:
+            await alice.aclose()
             code = await trio.to_thread.run_sync(server.stop)
             nursery.cancel_scope.cancel()
         assert code == 0, server.stderr
