@@ -24,15 +24,17 @@ from serverproc import DATA, TESTS, subprocess_env
 from test_a2a_expose import ALICE, BOB, A2aModel, Receiver, run_sdk, start
 
 CLIENT = TESTS / "a2a_v03_client.py"
-#: The 0.3 SDK the client runs on.
-V03_SDK = "a2a-sdk[http-server]==0.3.26"
+#: The 0.3 SDK the client and the 0.3 remote (tests/a2a_v03_server.py) run on, and the
+#: remote's ASGI server.
+V03_PACKAGES = ("a2a-sdk[http-server]==0.3.26", "hypercorn")
 PATIENCE = 40.0
 
 
 @pytest.fixture(scope="session")
 def v03_python(tmp_path_factory) -> str:
-    """An interpreter with the 0.3 SDK: ``AGENTSERVER_A2A_V03_PYTHON`` if set, else a
-    virtual environment made once per session (pip, from the configured index)."""
+    """An interpreter with the 0.3 SDK (and Hypercorn): ``AGENTSERVER_A2A_V03_PYTHON`` if
+    set, else a virtual environment made once per session (pip, from the configured
+    index; a failure fails the test, naming it)."""
     given = os.environ.get("AGENTSERVER_A2A_V03_PYTHON")
     if given:
         return given
@@ -40,12 +42,12 @@ def v03_python(tmp_path_factory) -> str:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
     done = subprocess.run(
-        [python, "-m", "pip", "install", "-q", V03_SDK],
+        [python, "-m", "pip", "install", "-q", *V03_PACKAGES],
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert done.returncode == 0, f"could not install {V03_SDK} for the 0.3 client: {done.stderr}"
+    assert done.returncode == 0, f"could not install {V03_PACKAGES} for A2A 0.3: {done.stderr}"
     return python
 
 

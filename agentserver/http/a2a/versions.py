@@ -54,7 +54,7 @@ def refusal(method: object, header: str | None) -> str | None:
             f"{method} is the A2A 0.3 name; under A2A-Version {given!r} call "
             f"{V03_METHODS[method]} (or send A2A-Version 0.3, or no A2A-Version, for 0.3)"
         )
-    if method in _V10_METHODS and not given:
+    if method in _V10_METHODS and (not given or _major(given) == 0):
         old = _V10_METHODS[method]
         named = f"0.3 calls it {old}" if old else "0.3 has no such method"
         return (
