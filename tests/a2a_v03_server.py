@@ -69,7 +69,9 @@ class Executor(AgentExecutor):
             return
         await updater.start_work()
         if "fail" in text:
-            await updater.failed(updater.new_agent_message([Part(root=TextPart(text="remote broke"))]))
+            await updater.failed(
+                updater.new_agent_message([Part(root=TextPart(text="remote broke"))])
+            )
         elif "ask" in text:
             await updater.requires_input(
                 updater.new_agent_message([Part(root=TextPart(text="What color?"))]), final=True

@@ -221,12 +221,16 @@ async def run_server(
                 access=access,
             )
             if agents is not None:
-                if hub is not None:
-                    # Step events are durable rows in the agents' store from now on.
+                if hub is not None or built.a2a_remotes is not None:
+                    # Step events are durable rows in the agents' store from now on
+                    # (the runners' steps; the remote tasks <a2a> calls started).
                     step_log, step_writer = await _durable_step_log(
                         nursery, agents.runtime.store, metrics
                     )
-                    hub.log_steps_to(step_log)
+                    if hub is not None:
+                        hub.log_steps_to(step_log)
+                    if built.a2a_remotes is not None:
+                        built.a2a_remotes.log_steps_to(step_log)
                 if on_agent_events is not None:
                     on_agent_events(agents.runtime.events)
                 # Costs nothing until a webhook exists (declared or made at run time).
