@@ -8,7 +8,8 @@ TOKEN ``-`` sends none. Each result is one JSON line on standard output (the SDK
 models dumped by alias: ``kind``, camelCase; a stream prints one line per event); an A2A
 error is ``{"error": CODE, "message": TEXT}``. Commands: ``card``, ``send TEXT SKILL
 [CONTEXT]`` (blocking), ``send-now TEXT SKILL``, ``stream TEXT SKILL``, ``get TASK
-[HISTORY]``, ``cancel TASK``, ``resubscribe TASK``, ``answer TASK GRANT``, ``push-set
+[HISTORY]``, ``send-push TEXT SKILL URL TOKEN`` (not blocking, a push config on the
+message), ``cancel TASK``, ``resubscribe TASK``, ``answer TASK GRANT``, ``push-set
 TASK URL TOKEN``, ``push-get TASK ID``; and, where the 0.3 client has no method,
 ``raw METHOD PARAMS-JSON [A2A-VERSION]``: a plain JSON-RPC request (``-`` as the
 version sends no ``A2A-Version`` header), whose answer is printed as it came.
@@ -85,6 +86,15 @@ async def main(url: str, token: str, command: str, *args: str) -> None:
                         out(dump(update) if update is not None else dump(task))
                     else:
                         out(dump(event))
+            elif command == "send-push":
+                configuration = MessageSendConfiguration(
+                    blocking=False,
+                    push_notification_config=PushNotificationConfig(url=args[2], token=args[3]),
+                )
+                async for event in client.send_message(
+                    message(args[0], args[1]), configuration=configuration
+                ):
+                    out(dump(event[0]) if isinstance(event, tuple) else dump(event))
             elif command == "get":
                 query = TaskQueryParams(id=args[0])
                 if len(args) > 1:

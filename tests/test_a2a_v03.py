@@ -214,7 +214,22 @@ async def _approval(client: Client03) -> None:
     assert text_of(done) == "The sum is 5."
 
 
+def notified(receiver: Receiver, task_id: str, state: str) -> list[dict]:
+    """The notifications of ``task_id`` in ``state`` the receiver took (0.3's shape)."""
+    return [
+        r
+        for r in receiver.requests
+        if not r["refused"]
+        and r["body"].get("id") == task_id
+        and r["body"]["status"]["state"] == state
+    ]
+
+
 async def _push_configs(client: Client03, receiver: Receiver) -> None:
+    # A push config on the message itself (0.3's configuration.pushNotificationConfig).
+    pushed = await client.one(
+        ALICE, "send-push", "watched from the start", "planner", receiver.url, "tok-send"
+    )
     task = await client.one(ALICE, "send-now", "slow, watched", "planner")
     config = await client.one(ALICE, "push-set", task["id"], receiver.url, "tok-03")
     config_id = config["pushNotificationConfig"]["id"]
@@ -225,21 +240,17 @@ async def _push_configs(client: Client03, receiver: Receiver) -> None:
     assert got["pushNotificationConfig"]["token"] == "tok-03", got
     listed = await client.raw("tasks/pushNotificationConfig/list", {"id": task["id"]})
     assert [c["pushNotificationConfig"]["id"] for c in listed["result"]] == [config_id], listed
-    # The notification a 0.3 client set up is a 0.3 Task (kind "task"), with its token.
+    # The notifications a 0.3 client set up are 0.3 Tasks (kind "task"), with its token.
     with trio.fail_after(60):
-        while True:
-            sent = [
-                r
-                for r in receiver.requests
-                if not r["refused"]
-                and r["body"].get("id") == task["id"]
-                and r["body"]["status"]["state"] == "completed"
-            ]
-            if sent:
-                break
+        while not (  # noqa: ASYNC110 (the receiver's thread fills it)
+            notified(receiver, task["id"], "completed")
+            and notified(receiver, pushed["id"], "completed")
+        ):
             await trio.sleep(0.1)
-    assert sent[0]["body"]["kind"] == "task", sent[0]
-    assert sent[0]["headers"]["X-A2A-Notification-Token"] == "tok-03"
+    for task_id, token in ((task["id"], "tok-03"), (pushed["id"], "tok-send")):
+        (sent, *_) = notified(receiver, task_id, "completed")
+        assert sent["body"]["kind"] == "task", sent
+        assert sent["headers"]["X-A2A-Notification-Token"] == token
     deleted = await client.raw(
         "tasks/pushNotificationConfig/delete",
         {"id": task["id"], "pushNotificationConfigId": config_id},
@@ -274,6 +285,13 @@ async def _versions_and_refusals(client: Client03) -> None:
     # A 0.3 method with A2A-Version 1.0: VersionNotSupported too, naming the 1.0 method.
     mixed = await client.raw("tasks/get", {"id": plain["result"]["id"]}, "1.0")
     assert mixed["error"]["code"] == -32009 and "GetTask" in mixed["error"]["message"], mixed
+    # A 1.0 method under A2A-Version 0.3: refused the same way, naming the fix.
+    old = await client.raw("GetTask", {"id": plain["result"]["id"]}, "0.3")
+    assert old["error"]["code"] == -32009 and "A2A-Version: 1.0" in old["error"]["message"]
+    # The extended card over 0.3: in 0.3's shape, the caller's agents.
+    extended = await client.raw("agent/getAuthenticatedExtendedCard", {})
+    assert extended["result"]["protocolVersion"] == "0.3", extended
+    assert {s["id"] for s in extended["result"]["skills"]} == {"assistant", "planner"}
     # A method 0.3 does not have (nor 1.0): not found.
     assert (await client.raw("tasks/list", {}))["error"]["code"] == -32601
     # 0.3's params checked by 0.3's schema: invalid request (-32600).
