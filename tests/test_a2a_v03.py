@@ -38,9 +38,12 @@ def v03_python(tmp_path_factory) -> str:
     given = os.environ.get("AGENTSERVER_A2A_V03_PYTHON")
     if given:
         return given
-    venv = tmp_path_factory.mktemp("a2a-v03") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # One per session at a fixed place: test_a2a_remote.py imports this fixture too.
+    venv = tmp_path_factory.getbasetemp() / "a2a-v03-venv"
     python = str(venv / "bin" / "python")
+    if (venv / "installed").exists():
+        return python
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     done = subprocess.run(
         [python, "-m", "pip", "install", "-q", *V03_PACKAGES],
         capture_output=True,
@@ -48,6 +51,7 @@ def v03_python(tmp_path_factory) -> str:
         timeout=600,
     )
     assert done.returncode == 0, f"could not install {V03_PACKAGES} for A2A 0.3: {done.stderr}"
+    (venv / "installed").write_text("\n".join(V03_PACKAGES))
     return python
 
 
