@@ -9,7 +9,8 @@ separate process with the interpreter of the 0.3 virtual environment
         [--methods FILE]
 
 The skills and behaviour of tests/a2a_sdk_server.py (``echo``, ``ask``; ``fail``,
-``ask``, ``slow``, ``pause [N]`` by the task's text). ``--starts``: each execution's task
+``ask``, ``slow``, ``pause [N]`` by the task's text); and ``lag``: the task is made
+2.5 s after the execution starts, so the send's answer comes that late. ``--starts``: each execution's task
 id appended to FILE; ``--methods``: each JSON-RPC method called appended to FILE (a 0.3
 remote is never asked for a method 0.3 lacks).
 """
@@ -59,8 +60,12 @@ class Executor(AgentExecutor):
         text = context.get_user_input()
         if task is None:
             task = new_task(context.message)
+            if self.starts:
+                await asyncio.to_thread(record, self.starts, task.id)
+            if "lag" in text:
+                await asyncio.sleep(2.5)  # the send's answer (the task) comes late
             await event_queue.enqueue_event(task)
-        if self.starts:
+        elif self.starts:
             await asyncio.to_thread(record, self.starts, task.id)
         updater = TaskUpdater(event_queue, task.id, task.context_id)
         if task.status.state == TaskState.input_required:

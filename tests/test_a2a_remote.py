@@ -436,9 +436,11 @@ async def test_retries_and_restarts_continue_the_remote_task(tmp_path, store_env
             first = await start()
             url = http_url(first)
             # Step retries: each attempt times out after 1 s; the next continues the task
-            # (by its stream again, or by polling), never sending the message twice.
+            # (by its stream again, or by polling), never sending the message twice. The
+            # 0.3 remote answers the send itself only after 2.5 s ("lag"): without
+            # ListTasks the first attempt waits for that answer past its step timeout.
             async with trio.open_nursery() as calls:
-                for name, word in (("stream", "one"), ("poll", "two")):
+                for name, word in (("stream", "lag one"), ("poll", "lag two")):
                     body = (
                         f'<echo xmlns="urn:agentserver:a2a:{name}"><text>pause {word}</text></echo>'
                     )
@@ -504,6 +506,12 @@ async def test_retries_and_restarts_continue_the_remote_task(tmp_path, store_env
                 # The resent call found its task by the record, which names it.
                 recorded = store.rows("SELECT detail FROM step_log WHERE event = 'a2a.task'")
                 assert stream.tasks()[1] in {r[0] for r in recorded}, recorded
+                # ... as GET /v1/steps shows it.
+                async with httpx.AsyncClient(timeout=PATIENCE) as http:
+                    log = (await http.get(http_url(second) + "/v1/steps?limit=1000")).json()
+                assert log["durable"] is True, log
+                shown = {r["detail"] for r in log["steps"] if r["event"] == "a2a.task"}
+                assert stream.tasks()[1] in shown, log
             nursery.cancel_scope.cancel()
     finally:
         for server in servers:

@@ -116,17 +116,20 @@ class RemoteTasks:
         self.ready.set()
 
     async def _log(self) -> StepLog:
-        with trio.move_on_after(READY_WAIT):
-            await self.ready.wait()
+        if not self.ready.is_set():  # no checkpoint once ready (remember's append)
+            with trio.move_on_after(READY_WAIT):
+                await self.ready.wait()
         return self.log
 
     async def remember(self, call: RemoteCall, task_id: str) -> None:
         """Record that ``call`` started remote task ``task_id``, and wait (at most
-        :data:`RECORD_WAIT` s) for the row to be written."""
+        :data:`RECORD_WAIT` s) for the row to be written. Once the log is ready the row
+        is appended before any checkpoint: an attempt cancelled here still leaves it."""
         log = await self._log()
         log.append(
             StepRow(call.key, call.listener, call.caller, 0, TASK_EVENT, task_id, time.time())
         )
+        call.recorded = task_id
         with trio.move_on_after(RECORD_WAIT):
             await log.flush()
 
@@ -170,6 +173,8 @@ class RemoteCall:
         self.task: Any = None
         #: The remote task recorded in :class:`RemoteTasks` by this process.
         self.recorded = ""
+        #: When the whole call times out (trio time; set as it starts).
+        self.deadline = float("inf")
 
     def message(self) -> Any:
         """The SDK's ``Message`` of this call: the same on every attempt."""
@@ -297,12 +302,33 @@ class Attempt:
         )
         # Continuing a task that waits for input: its first reads may still show it waiting.
         resumed = self.call.waiting is not None
-        task = await self._consume(self.client.send_message(request), None, resumed)
+        events = self.client.send_message(request)
+        if not self.lists:
+            events = self._held_first(events)
+        task = await self._consume(events, None, resumed)
         if task is None:
             raise DirectAnswer(["the remote agent answered no task"])
         if state_name(task) not in WAITING:
             resumed = False
         return await self._follow(task, resumed)
+
+    async def _held_first(self, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """``events`` with the first awaited past this attempt's step timeout (up to the
+        call's deadline): on a remote without ListTasks the send's answer is the only
+        way to learn the task it started; cut, the next attempt could not find it and
+        would start another. Our stop lands once it is there (the cancel then names
+        the task)."""
+        iterator = aiter(events)
+        first = None
+        with trio.CancelScope(shield=True, deadline=self.call.deadline) as held:
+            first = await anext(iterator, None)
+        if held.cancelled_caught:
+            await trio.lowlevel.checkpoint()  # the call's deadline passed: its timeout
+        if first is None:
+            return
+        yield first
+        async for event in iterator:
+            yield event
 
     async def _resume(self, task: Any, resumed: bool) -> Any:
         from a2a.types import SubscribeToTaskRequest
@@ -360,6 +386,7 @@ class Attempt:
             delay = min(delay * 2, POLL_MAX)
             task = await self.client.get_task(GetTaskRequest(id=task.id))
             self._seen(task)
+            await self._record(task)
             if state_name(task) not in WAITING:
                 resumed = False
         return task
@@ -368,7 +395,6 @@ class Attempt:
         """Record the task a remote without ListTasks started for this call, once."""
         if self.lists or self.tasks is None or not task.id or task.id == self.call.recorded:
             return
-        self.call.recorded = task.id
         await self.tasks.remember(self.call, task.id)
 
     def _seen(self, task: Any) -> None:

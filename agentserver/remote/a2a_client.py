@@ -223,6 +223,7 @@ class RemoteAgent:
         )
         try:
             with trio.fail_after(self.spec.timeout):
+                call.deadline = trio.current_effective_deadline()
                 task = await self._attempts(call)
         except trio.TooSlowError:
             await self._cancel(call.task_id)
