@@ -26,7 +26,10 @@ from test_a2a_expose import ALICE, BOB, A2aModel, Receiver, run_sdk, start
 CLIENT = TESTS / "a2a_v03_client.py"
 #: The 0.3 SDK the client and the 0.3 remote (tests/a2a_v03_server.py) run on, and the
 #: remote's ASGI server.
-V03_PACKAGES = ("a2a-sdk[http-server]==0.3.26", "hypercorn")
+# One list for this fixture and .ci/run, which makes the venv before the tests (so CI's
+# tests need no package index).
+V03_REQUIREMENTS = pathlib.Path(__file__).parent / "data" / "a2a-v03-requirements.txt"
+V03_PACKAGES = tuple(V03_REQUIREMENTS.read_text().split())
 PATIENCE = 40.0
 
 
