@@ -1,9 +1,15 @@
 """A real MCP server for the tests, written with the SDK's MCPServer (the 1.x FastMCP):
 a tiny in-memory "filesystem" and a few tools that misbehave on purpose.
 
-    python mcp_fs_server.py [--http PORT] [--marks DIR]
+    python mcp_fs_server.py [--http PORT [--only modern|legacy]] [--marks DIR]
 
-stdio by default; ``--http PORT`` serves streamable HTTP on 127.0.0.1:PORT at ``/mcp``.
+stdio by default; ``--http PORT`` serves streamable HTTP on 127.0.0.1:PORT at ``/mcp``;
+``--only modern`` makes it a server of the 2026-07-28 revision only: a request of an older
+revision (``initialize``, or a ``MCP-Protocol-Version`` of the handshake era) is answered
+-32022 "Unsupported protocol version", naming 2026-07-28. ``--only legacy`` makes it a
+server of the handshake era only (as most servers and SDKs still are): a request at
+2026-07-28 (``server/discover``) is answered as an older SDK does, HTTP 400 with a JSON-RPC
+error "Unsupported protocol version".
 ``--marks DIR``: the tools that must be observed from outside (a cancelled call, the
 process's id) write files there.
 """
@@ -83,9 +89,67 @@ def flaky() -> str:
 @server.tool(description="Adds a tool named extra and tells the client its tools changed.")
 async def grow(ctx: Context) -> str:
     server.add_tool(lambda: "extra!", name="extra", description="Added later.")
-    # (the session's notification: what a client on a 2025 protocol revision reads)
-    await ctx.session.send_tool_list_changed()
+    # subscriptions/listen streams: what a client at 2026-07-28 reads
+    await ctx.notify_tools_changed()
+    try:
+        # the session's notification: what a client on a 2025 protocol revision reads
+        await ctx.session.send_tool_list_changed()
+    except Exception:  # no such channel at 2026-07-28 (stateless)
+        pass
     return "grown"
+
+
+def only(app, era: str):
+    """``app`` refusing every request of the other era (the SDK serves both; this is the
+    one switch it lacks): ``modern`` as a 2026-07-28-only server does, ``legacy`` as a
+    server of the handshake era (an older SDK) does."""
+    import json
+
+    from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, MODERN_PROTOCOL_VERSIONS
+
+    async def asgi(scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await app(scope, receive, send)
+        headers = dict(scope["headers"])
+        version = headers.get(b"mcp-protocol-version", b"").decode()
+        modern = bool(version) and version not in HANDSHAKE_PROTOCOL_VERSIONS
+        if modern == (era == "modern"):
+            return await app(scope, receive, send)
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        try:
+            request_id = json.loads(body).get("id")
+        except (ValueError, AttributeError):
+            request_id = None
+        if era == "modern":
+            error = {
+                "code": -32022,
+                "message": "Unsupported protocol version",
+                "data": {
+                    "supported": list(MODERN_PROTOCOL_VERSIONS),
+                    "requested": version or "2025-11-25",
+                },
+            }
+        else:
+            error = {
+                "code": -32600,
+                "message": f"Bad Request: Unsupported protocol version: {version}",
+            }
+        out = json.dumps({"jsonrpc": "2.0", "id": request_id, "error": error}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 400,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": out})
+
+    return asgi
 
 
 def main() -> None:
@@ -93,9 +157,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--http", type=int)
     parser.add_argument("--marks")
+    parser.add_argument("--only", choices=("modern", "legacy"))
     args = parser.parse_args()
     marks = pathlib.Path(args.marks) if args.marks else None
-    if args.http:
+    if args.http and args.only:
+        import uvicorn
+
+        uvicorn.run(
+            only(server.streamable_http_app(), args.only),
+            host="127.0.0.1",
+            port=args.http,
+            log_level="warning",
+        )
+    elif args.http:
         server.run("streamable-http", host="127.0.0.1", port=args.http)
     else:
         server.run()
