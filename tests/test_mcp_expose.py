@@ -21,7 +21,8 @@ def boot(path: pathlib.Path, *, clients: str = "") -> pathlib.Path:
         f"""<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="exposed">
   <llm><backend name="scripted" provider="openai" base-url="http://127.0.0.1:1/v1"
        base-url-env="OPENAI_BASE_URL" timeout="30"><model name="m"/></backend></llm>
-  <store path="state/agents.sqlite3"/>
+  <store path="state/agents.sqlite3" url-env="AGENTS_TEST_STORE_URL" watchdog-interval="0.2"
+         lease="1" heartbeat="0.25"/>
   {clients}
   <listeners>
     <listener name="calculator" handler="calculator"/>
