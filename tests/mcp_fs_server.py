@@ -19,18 +19,121 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import time
+import uuid
 
 import anyio
+from mcp import MCPError
+from mcp.server.extension import Extension, MethodBinding
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import RequestParams
+from pydantic import ConfigDict
 
 FILES = {
     "/notes/todo.txt": "buy milk",
     "/notes/ideas.txt": "an XML pump",
 }
 
-server = MCPServer("fs")
 marks: pathlib.Path | None = None
+
+
+class Tasks(Extension):
+    """The 2026-07-28 Tasks extension (io.modelcontextprotocol/tasks) written on the SDK
+    server's extension hooks, in memory: a call of ``add_later`` or ``stuck`` by a client
+    that declares the extension is answered with a task handle. ``add_later``'s task
+    completes (with the sum) once a second old; ``stuck``'s never does, and cancelling it
+    writes the mark ``task-cancelled``."""
+
+    identifier = "io.modelcontextprotocol/tasks"
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, dict] = {}
+
+    def methods(self):
+        return [
+            MethodBinding("tasks/get", TaskIdParams, self.get),
+            MethodBinding("tasks/update", TaskIdParams, self.ack),
+            MethodBinding("tasks/cancel", TaskIdParams, self.cancel),
+        ]
+
+    async def intercept_tool_call(self, params, ctx, call_next):
+        capabilities = ctx.session.client_capabilities
+        declared = (capabilities.extensions if capabilities else None) or {}
+        if params.name not in ("add_later", "stuck") or self.identifier not in declared:
+            return await call_next(ctx)
+        task_id = uuid.uuid4().hex
+        arguments = params.arguments or {}
+        total = arguments.get("a", 0) + arguments.get("b", 0)
+        self.tasks[task_id] = {
+            "tool": params.name,
+            "born": time.monotonic(),
+            "status": "working",
+            "result": {
+                "content": [{"type": "text", "text": f"later: {total}"}],
+                "structuredContent": {"result": f"later: {total}"},
+                "isError": False,
+            },
+        }
+        return {"resultType": "task", **self.view(task_id)}
+
+    def view(self, task_id: str) -> dict:
+        task = self.tasks[task_id]
+        if (
+            task["status"] == "working"
+            and task["tool"] == "add_later"
+            and time.monotonic() - task["born"] > 1.0
+        ):
+            task["status"] = "completed"
+        out = {
+            "taskId": task_id,
+            "status": task["status"],
+            "createdAt": "2026-07-28T00:00:00Z",
+            "lastUpdatedAt": "2026-07-28T00:00:00Z",
+            "ttlMs": None,
+            "pollIntervalMs": 100,
+        }
+        if task["status"] == "completed":
+            out["result"] = task["result"]
+        return out
+
+    def known(self, params) -> str:
+        if params.task_id not in self.tasks:
+            raise MCPError(-32602, "Failed to retrieve task: Task not found")
+        return params.task_id
+
+    async def get(self, ctx, params):
+        return {"resultType": "complete", **self.view(self.known(params))}
+
+    async def ack(self, ctx, params):
+        self.known(params)
+        return {"resultType": "complete"}
+
+    async def cancel(self, ctx, params):
+        task = self.tasks[self.known(params)]
+        if task["status"] == "working":
+            task["status"] = "cancelled"
+            if marks is not None:
+                (marks / "task-cancelled").write_text(params.task_id)
+        return {"resultType": "complete"}
+
+
+class TaskIdParams(RequestParams):
+    model_config = ConfigDict(extra="allow")
+    task_id: str
+
+
+server = MCPServer("fs", extensions=[Tasks()])
+
+
+@server.tool(description="Adds two numbers (as a task, for a client of the Tasks extension).")
+def add_later(a: int, b: int) -> str:
+    return f"now: {a + b}"
+
+
+@server.tool(description="Never ends as a task; at once otherwise.")
+def stuck() -> str:
+    return "not stuck"
 
 
 @server.tool(description="Read one file of the notes folder and return its text.")

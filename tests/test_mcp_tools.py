@@ -174,6 +174,45 @@ async def test_mcp_calls_servers_of_either_revision(tmp_path, modern_mcp, legacy
         assert re.search(connected, server.stderr), server.stderr
 
 
+async def test_a_tool_answered_with_a_task_is_followed_and_cancelled(tmp_path, modern_mcp):
+    """A 2026-07-28 server that answers a call with a task handle (the Tasks extension,
+    tests/mcp_fs_server.py's, on the SDK's server hooks): ``<mcp>`` declared the extension,
+    follows the task with ``tasks/get`` to its result, and cancels it with ``tasks/cancel``
+    when the call is past its ``timeout``; over streamable HTTP and over stdio."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    path = boot(
+        tmp_path / "boot.xml",
+        f'<mcp name="web" url="{modern_mcp.url}"><tool name="add_later"/></mcp>'
+        + stdio_mcp(
+            "fs", marks, extra='timeout="2"', body='<tool name="add_later"/><tool name="stuck"/>'
+        ),
+    )
+    server = await trio.to_thread.run_sync(
+        lambda: ServerProcess.start(path, cwd=tmp_path, timeout=40, log_level="info")
+    )
+    try:
+        async with open_client(server.host, server.port) as client:
+            web = await _call(
+                client, f'<add_later xmlns="{WEB}"><a>2</a><b>3</b></add_later>', "web-add_later"
+            )
+            fs = await _call(
+                client, f'<add_later xmlns="{FS}"><a>4</a><b>5</b></add_later>', "fs-add_later"
+            )
+            stuck = await _call(client, f'<stuck xmlns="{FS}"/>', "fs-stuck")
+            cancelled = await trio.to_thread.run_sync(
+                lambda: wait_until(lambda: (marks / "task-cancelled").exists(), timeout=10)
+            )
+    finally:
+        assert await trio.to_thread.run_sync(server.stop) == 0, server.stderr
+    assert cancelled, server.stderr
+    # "later": the task's result, not the tool's synchronous one ("now").
+    assert web.payload.findtext(f"{{{MCP}}}text") == "later: 5", web.payload
+    assert fs.payload.findtext(f"{{{MCP}}}text") == "later: 9", fs.payload
+    assert _is_system_error(stuck.payload, "timeout"), stuck.payload
+    assert "MCP tool add_later: task " in server.stderr
+
+
 def test_check_prints_the_mapping_and_refuses_collisions(tmp_path):
     good = boot(
         tmp_path / "good.xml",

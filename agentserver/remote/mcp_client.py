@@ -53,14 +53,14 @@ class McpConnectError(Exception):
 
 @contextlib.asynccontextmanager
 async def open_session(
-    spec: McpServerSpec, *, message_handler: Any = None, extensions: Sequence[Any] = ()
+    spec: McpServerSpec, *, message_handler: Any = None, tasks: bool = False
 ) -> AsyncIterator[Any]:
     """A connected SDK ``Client`` with ``spec``'s server, at whichever revision it speaks
     (the SDK's automatic mode: ``server/discover`` at 2026-07-28, falling back to the
     ``initialize`` handshake of 2025-11-25 and older); closed on exit, a stdio server's
-    process stopped then. ``extensions``: the SDK ``ClientExtension``s it declares (the
-    Tasks extension, :mod:`agentserver.remote.mcp_tasks`). Raises whatever the transport
-    raises."""
+    process stopped then. ``tasks``: it declares the Tasks extension
+    (:mod:`agentserver.remote.mcp_tasks`), so a tool call answered with a task handle is
+    followed to the task's result. Raises whatever the transport raises."""
     # Imported here: the SDK is large, and only topologies with <mcp> need it.
     try:
         from mcp import Client
@@ -71,6 +71,8 @@ async def open_session(
     from mcp.client.stdio import StdioServerParameters, stdio_client
     from mcp.client.streamable_http import streamable_http_client
     from mcp.shared._httpx_utils import create_mcp_http_client
+
+    from agentserver.remote.mcp_tasks import TasksExtension
 
     async with contextlib.AsyncExitStack() as stack:
         if spec.url is not None:
@@ -95,7 +97,7 @@ async def open_session(
                 # Tool lists are read when we ask; the SDK's response cache would hide
                 # a relist after notifications/tools/list_changed.
                 cache=None,
-                extensions=list(extensions) or None,
+                extensions=[TasksExtension()] if tasks else None,
             )
         )
         yield client
@@ -218,7 +220,9 @@ class McpConnection:
                 with trio.CancelScope(
                     deadline=trio.current_time() + self.spec.connect_timeout
                 ) as bound:
-                    async with open_session(self.spec, message_handler=self._on_message) as session:
+                    async with open_session(
+                        self.spec, message_handler=self._on_message, tasks=True
+                    ) as session:
                         self._update(await list_tools(session))
                         bound.deadline = math.inf
                         self.session = session
