@@ -8,7 +8,8 @@ answering its input requests with ``tasks/update`` when it has an answerer, and
 ``<mcp>`` declares it on every call to a 2026-07-28 server, so a server that answers a
 tool call with a task is followed to the task's result; the typed requests are also what
 the tests drive a task with by hand. (The SDK ships the extension's hooks, not the
-extension: SEP-2663's methods and shapes are written here.)
+extension: SEP-2663's methods and shapes are written here.) Its waits are trio's, as
+everywhere here: a client using it runs the SDK under trio (anyio's trio backend).
 """
 
 from __future__ import annotations
