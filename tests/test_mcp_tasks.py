@@ -302,3 +302,38 @@ async def test_a_plain_call_asks_for_approval_with_input_required(deployment):
             done = await client.call_tool("assistant", {"text": "add 2 and 3 please"})
     assert done.content[0].text == "I was not allowed to add.", done
     assert len(asked) == 1 and "calculator" in asked[0]
+
+
+@pytest.mark.postgresql
+async def test_two_processes_on_postgresql_answer_for_each_others_tasks(tmp_path, nursery, pg_url):
+    """A task sent to one process is read, answered and cancelled through another on the
+    same PostgreSQL store: the task is the durable Turn, not the request."""
+    from agentserver.remote.mcp_tasks import cancel_task, update_task
+
+    model = await Model().start(nursery)
+    env = subprocess_env(
+        OPENAI_BASE_URL=model.base_url,
+        OPENAI_API_KEY="k",
+        MCP_TOKEN=TOKEN,
+        OTHER_TOKEN=OTHER,
+        AGENTS_TEST_STORE_URL=pg_url,
+    )
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = Deployment(tmp_path / "a", env), Deployment(tmp_path / "b", env)
+    try:
+        url_a, url_b = await first.start(), await second.start()
+        async with tasks_client(url_a) as a, tasks_client(url_b) as b:
+            handle = await call_raw(a, "add 2 and 3")
+            asking = await status_until(b, handle.task_id, "input_required")
+            (key,) = asking.input_requests
+            await update_task(b.session, handle.task_id, {key: grant()})
+            done = await status_until(a, handle.task_id, "completed")
+            assert done.result["content"][0]["text"] == "The sum is 5.", done
+            handle = await call_raw(b, "forever")
+            await status_until(a, handle.task_id, "working")
+            await cancel_task(a.session, handle.task_id)
+            await status_until(b, handle.task_id, "cancelled")
+    finally:
+        await first.stop()
+        await second.stop()
