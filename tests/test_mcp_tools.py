@@ -137,8 +137,7 @@ async def test_mcp_calls_servers_of_either_revision(tmp_path, modern_mcp, legacy
     path = boot(
         tmp_path / "boot.xml",
         f'<mcp name="web" url="{modern_mcp.url}"><tool name="list_dir"/></mcp>'
-        f'<mcp name="old" url="{legacy_mcp.url}"><tool name="read_file"/></mcp>'
-        + stdio_mcp("fs", body='<tool name="pid"/>'),
+        f'<mcp name="old" url="{legacy_mcp.url}"/>' + stdio_mcp("fs", body='<tool name="pid"/>'),
     )
     done = cli("check", str(path))
     assert done.returncode == 0, done.stderr
@@ -159,6 +158,14 @@ async def test_mcp_calls_servers_of_either_revision(tmp_path, modern_mcp, legacy
                 "old-read_file",
             )
             pid = await _call(client, f'<pid xmlns="{FS}"/>', "fs-pid")
+            # A handshake-era server's tool-list change comes as the session's notification.
+            grown = await _call(client, '<grow xmlns="urn:agentserver:mcp:old"/>', "old-grow")
+            relisted = await trio.to_thread.run_sync(
+                lambda: wait_until(
+                    lambda: "MCP server old: tools changed: added ['extra']" in server.stderr,
+                    timeout=10,
+                )
+            )
     finally:
         assert await trio.to_thread.run_sync(server.stop) == 0, server.stderr
     assert listed.payload.get("status") == "ok", listed.payload
@@ -168,6 +175,8 @@ async def test_mcp_calls_servers_of_either_revision(tmp_path, modern_mcp, legacy
     ]
     assert read.payload.findtext(f"{{{MCP}}}text") == "buy milk"
     assert pid.payload.get("status") == "ok"
+    assert grown.payload.get("status") == "ok", grown.payload
+    assert relisted, server.stderr
     # Each at its own revision: the modern one by discovery, the others by the handshake.
     for name, revision in (("web", "2026-07-28"), ("old", "2025-11-25"), ("fs", "2026-07-28")):
         connected = rf"MCP server {name} connected \(\d+ tools, protocol {revision}\)"
