@@ -181,8 +181,9 @@ async def test_the_sdk_client_calls_agents_and_listeners_at_slash_mcp(running, r
         assert response.text == "Invalid Host header"
 
 
-async def test_the_sdk_client_calls_agentserver_mcp_over_stdio(running):
-    from mcp import ClientSession
+@pytest.mark.parametrize("revision", ["2025-11-25", "2026-07-28"])
+async def test_the_sdk_client_calls_agentserver_mcp_over_stdio(running, revision):
+    from mcp import Client
     from mcp.client.stdio import StdioServerParameters, stdio_client
 
     server, path, env = running
@@ -200,7 +201,8 @@ async def test_the_sdk_client_calls_agentserver_mcp_over_stdio(running):
         ],
         env={"AGENTSERVER_TOKEN": "s3cret", "PYTHONPATH": env["PYTHONPATH"]},
     )
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
-        with trio.fail_after(60):
-            await session.initialize()
+    mode = "legacy" if revision == "2025-11-25" else "auto"
+    with trio.fail_after(60):
+        async with Client(stdio_client(params), mode=mode) as session:
+            assert session.protocol_version == revision
             _check(await _session_calls(session))
