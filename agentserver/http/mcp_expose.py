@@ -145,7 +145,7 @@ def build_server(
                     )
                 assert payload is not None
                 reply = await send(tool.listener, payload, identity)
-            except (SendFailed, ValueError) as exc:
+            except (SendFailed, mcp_tasks.CallRefused) as exc:
                 return failed(str(exc))
             text, is_error = result_text(reply, tool.agent)
             return types.CallToolResult(

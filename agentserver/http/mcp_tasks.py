@@ -117,6 +117,11 @@ class TaskNotFound(Exception):
     """No task of this id that the caller may see (the text is for the client)."""
 
 
+class CallRefused(Exception):
+    """A call, an answer or a cancel that cannot be carried out (the text is for the
+    client: a failed tool result, or the extension's invalid-params error)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """One read of a task: its view (``task_answer``) and its pending approval."""
@@ -197,14 +202,14 @@ async def owned(
 
 
 async def send(door: TurnDoor, identity: Identity, listener: str, payload: etree._Element) -> str:
-    """Send ``payload`` to ``listener`` on a new thread; the thread. Raises ValueError
+    """Send ``payload`` to ``listener`` on a new thread; the thread. Raises CallRefused
     (its text for the client) when the gateway refuses it."""
     thread = new_thread_id()
     outcome = await door.gateway.send(
         identity, listener, etree.tostring(payload), wait=False, thread=thread
     )
     if outcome.kind == "refused":
-        raise ValueError(f"refused: {outcome.refusal}")
+        raise CallRefused(f"refused: {outcome.refusal}")
     return thread
 
 
@@ -345,7 +350,7 @@ async def decide(
     door: TurnDoor, identity: Identity, snap: Snapshot, responses: Mapping[str, Any] | None
 ) -> bool:
     """Decide the task's pending approval from ``responses`` (keys not outstanding are
-    ignored, as the extension says); whether a decision was applied. Raises ValueError
+    ignored, as the extension says); whether a decision was applied. Raises CallRefused
     (its text for the client) when the answer is malformed or the decision was refused
     (the caller may not decide it)."""
     if snap.asks is None or not responses:
@@ -360,7 +365,7 @@ async def decide(
             action = responses[key].get("action")
         if action == "cancel":
             return False
-        raise ValueError(
+        raise CallRefused(
             f'answer {key} with an elicitation result: action "accept" and content '
             '{"grant": true|false, "reason": "..."}, or action "decline"'
         )
@@ -373,7 +378,7 @@ async def decide(
         if len(root) > 1 and root[1].tag == _ACK:
             status = root[1].get("status")
     if status not in ("applied", "duplicate"):
-        raise ValueError(
+        raise CallRefused(
             f"the decision on approval request {snap.asks.request_id} was not applied: "
             f"{status or 'no answer'}"
         )
@@ -382,11 +387,11 @@ async def decide(
 
 async def cancel(door: TurnDoor, identity: Identity, snap: Snapshot) -> None:
     """Our operator's cancel of the task's Turn (a queued task skipped, a running one
-    stopped, on whichever process runs it). Raises ValueError without operator commands."""
+    stopped, on whichever process runs it). Raises CallRefused without operator commands."""
     if snap.status in _ENDED:
         return
     if door.operator is None:
-        raise ValueError("no operator commands on this server")
+        raise CallRefused("no operator commands on this server")
     command = etree.Element(f"{{{CORE_NS}}}cancel", nsmap={None: CORE_NS})
     command.set("agent", snap.view["agent"])
     command.set("thread", snap.thread)
@@ -444,7 +449,7 @@ def install(
         identity, snap = await lookup(ctx, params, "tasks/update")
         try:
             await decide(door, identity, snap, params.input_responses)
-        except ValueError as exc:
+        except CallRefused as exc:
             raise MCPError(INVALID_PARAMS, str(exc)) from None
         return {"resultType": "complete"}
 
@@ -452,7 +457,7 @@ def install(
         identity, snap = await lookup(ctx, params, "tasks/cancel")
         try:
             await cancel(door, identity, snap)
-        except ValueError as exc:
+        except CallRefused as exc:
             raise MCPError(INVALID_PARAMS, str(exc)) from None
         return {"resultType": "complete"}
 
@@ -473,14 +478,14 @@ async def call(
 ) -> Any:
     """``tools/call`` on an agent's tool (see the module doc): a ``CallToolResult``, an
     ``InputRequiredResult`` or a ``CreateTaskResult``. ``payload`` None: a retry (its
-    ``requestState`` the thread). Raises ValueError (its text a failed result)."""
+    ``requestState`` the thread). Raises CallRefused (its text a failed result)."""
     import mcp_types as types
 
     if params.request_state is not None:
         try:
             snap = await owned(door, identity, params.request_state, "tools/call", listener)
         except TaskNotFound:
-            raise ValueError("requestState names no task of this tool") from None
+            raise CallRefused("requestState names no task of this tool") from None
         await decide(door, identity, snap, params.input_responses)
         thread = snap.thread
     else:
@@ -489,7 +494,7 @@ async def call(
         if declares_tasks(ctx):
             snap = await until_known(door, thread)
             if snap is None:
-                raise ValueError(f"the task on thread {thread} was not recorded in time")
+                raise CallRefused(f"the task on thread {thread} was not recorded in time")
             log.info("MCP task %s: %s for %s", thread, listener, identity.name or "anonymous")
             return {"resultType": "task", **detailed(snap, text_of)}
     asking = modern(ctx)
@@ -498,4 +503,4 @@ async def call(
         return call_result(snap, text_of)
     if snap is not None and asking and snap.status == "input_required":
         return types.InputRequiredResult(input_requests=input_requests(snap), request_state=thread)
-    raise ValueError(f"no answer in time (thread {thread})")
+    raise CallRefused(f"no answer in time (thread {thread})")
