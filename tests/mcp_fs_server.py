@@ -40,10 +40,11 @@ marks: pathlib.Path | None = None
 
 class Tasks(Extension):
     """The 2026-07-28 Tasks extension (io.modelcontextprotocol/tasks) written on the SDK
-    server's extension hooks, in memory: a call of ``add_later`` or ``stuck`` by a client
-    that declares the extension is answered with a task handle. ``add_later``'s task
-    completes (with the sum) once a second old; ``stuck``'s never does, and cancelling it
-    writes the mark ``task-cancelled``."""
+    server's extension hooks, in memory: a call of ``add_later``, ``stuck`` or
+    ``ask_later`` by a client that declares the extension is answered with a task handle.
+    ``add_later``'s task completes (with the sum) once a second old; ``stuck``'s never
+    does, and cancelling it writes the mark ``task-cancelled``; ``ask_later``'s waits for
+    the answer to a question (an elicitation) until it is cancelled."""
 
     identifier = "io.modelcontextprotocol/tasks"
 
@@ -60,7 +61,10 @@ class Tasks(Extension):
     async def intercept_tool_call(self, params, ctx, call_next):
         capabilities = ctx.session.client_capabilities
         declared = (capabilities.extensions if capabilities else None) or {}
-        if params.name not in ("add_later", "stuck") or self.identifier not in declared:
+        if (
+            params.name not in ("add_later", "stuck", "ask_later")
+            or self.identifier not in declared
+        ):
             return await call_next(ctx)
         task_id = uuid.uuid4().hex
         arguments = params.arguments or {}
@@ -93,6 +97,21 @@ class Tasks(Extension):
             "ttlMs": None,
             "pollIntervalMs": 100,
         }
+        if task["status"] == "working" and task["tool"] == "ask_later":
+            out["status"] = "input_required"
+            out["inputRequests"] = {
+                "name": {
+                    "method": "elicitation/create",
+                    "params": {
+                        "mode": "form",
+                        "message": "What is your name?",
+                        "requestedSchema": {
+                            "type": "object",
+                            "properties": {"name": {"type": "string"}},
+                        },
+                    },
+                }
+            }
         if task["status"] == "completed":
             out["result"] = task["result"]
         return out
@@ -134,6 +153,11 @@ def add_later(a: int, b: int) -> str:
 @server.tool(description="Never ends as a task; at once otherwise.")
 def stuck() -> str:
     return "not stuck"
+
+
+@server.tool(description="As a task, waits for an answer to a question; at once otherwise.")
+def ask_later() -> str:
+    return "no question"
 
 
 @server.tool(description="Read one file of the notes folder and return its text.")

@@ -194,7 +194,10 @@ async def test_a_tool_answered_with_a_task_is_followed_and_cancelled(tmp_path, m
         tmp_path / "boot.xml",
         f'<mcp name="web" url="{modern_mcp.url}"><tool name="add_later"/></mcp>'
         + stdio_mcp(
-            "fs", marks, extra='timeout="2"', body='<tool name="add_later"/><tool name="stuck"/>'
+            "fs",
+            marks,
+            extra='timeout="2"',
+            body='<tool name="add_later"/><tool name="stuck"/><tool name="ask_later"/>',
         ),
     )
     server = await trio.to_thread.run_sync(
@@ -209,6 +212,9 @@ async def test_a_tool_answered_with_a_task_is_followed_and_cancelled(tmp_path, m
                 client, f'<add_later xmlns="{FS}"><a>4</a><b>5</b></add_later>', "fs-add_later"
             )
             stuck = await _call(client, f'<stuck xmlns="{FS}"/>', "fs-stuck")
+            # A task waiting for input nobody here answers: waited on (logged), then
+            # ended by the call's timeout.
+            asked = await _call(client, f'<ask_later xmlns="{FS}"/>', "fs-ask_later")
             cancelled = await trio.to_thread.run_sync(
                 lambda: wait_until(lambda: (marks / "task-cancelled").exists(), timeout=10)
             )
@@ -219,6 +225,8 @@ async def test_a_tool_answered_with_a_task_is_followed_and_cancelled(tmp_path, m
     assert web.payload.findtext(f"{{{MCP}}}text") == "later: 5", web.payload
     assert fs.payload.findtext(f"{{{MCP}}}text") == "later: 9", fs.payload
     assert _is_system_error(stuck.payload, "timeout"), stuck.payload
+    assert _is_system_error(asked.payload, "timeout"), asked.payload
+    assert "waits for input nobody here answers: ['name']" in server.stderr
     assert "MCP tool add_later: task " in server.stderr
 
 
