@@ -337,3 +337,42 @@ async def test_two_processes_on_postgresql_answer_for_each_others_tasks(tmp_path
     finally:
         await first.stop()
         await second.stop()
+
+
+async def test_at_2025_11_25_a_call_waits_while_the_approver_decides_elsewhere(deployment):
+    """No ``input_required`` at 2025-11-25: the call waits for the answer while the
+    approval's approver decides it at another door (here its socket connection)."""
+    import mcp_types as types
+
+    from agentserver.net.client import approval_ack_status, approval_request, open_client
+    from agentserver.primitives.approval import ApprovalDecision
+
+    url = await deployment.start()
+    server = deployment.server
+    results: list = []
+    async with (
+        open_client(server.host, server.port, client="claude", token=TOKEN) as approver,
+        connect(url, mode="legacy") as client,
+    ):
+        assert client.protocol_version == "2025-11-25"
+
+        async def call() -> None:
+            results.append(
+                await client.session.call_tool(
+                    "assistant", {"text": "add 2 and 3"}, allow_input_required=True
+                )
+            )
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            with trio.fail_after(PATIENCE):
+                request = None
+                while request is None:
+                    request = approval_request(await approver.receive())
+            assert not results  # still waiting
+            decision = ApprovalDecision(request=request["request"], grant=True, reason="ok")
+            ack = await approver.request(decision, to=request["agent"], timeout=PATIENCE)
+            assert approval_ack_status(ack) == "applied"
+    (done,) = results
+    assert isinstance(done, types.CallToolResult), done
+    assert done.content[0].text == "The sum is 5."
