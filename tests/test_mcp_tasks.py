@@ -21,6 +21,8 @@ from httputil import http_url
 from llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import ServerProcess, subprocess_env
 
+from agentserver.http.mcp_tasks import POLL_MAX
+
 ASSISTANT = "urn:agentserver:assistant"
 CALC = "urn:agentserver:calculator"
 TOKEN, OTHER = "s3cret", "other-token"
@@ -369,6 +371,9 @@ async def test_at_2025_11_25_a_call_waits_while_the_approver_decides_elsewhere(d
                 request = None
                 while request is None:
                     request = approval_request(await approver.receive())
+            # Long enough for the waiting call to have read the pending approval (it
+            # polls at least every POLL_MAX): it must wait on, not answer input_required.
+            await trio.sleep(2 * POLL_MAX + 0.5)
             assert not results  # still waiting
             decision = ApprovalDecision(request=request["request"], grant=True, reason="ok")
             ack = await approver.request(decision, to=request["agent"], timeout=PATIENCE)
