@@ -5,7 +5,7 @@ extension (a task handle that is the Turn's thread; ``tasks/get`` after the serv
 killed and started again; a pending approval as ``input_required`` answered with
 ``tasks/update``; ``tasks/cancel`` stopping the Turn), and in a plain call a pending
 approval as an ``InputRequiredResult`` the client's retry answers (by hand, and by the
-SDK's own driver with an elicitation callback). The model is a scripted
+SDK's own driver with an elicitation callback), after a restart too. The model is a scripted
 OpenAI-compatible server on loopback."""
 
 from __future__ import annotations
@@ -269,6 +269,11 @@ async def test_a_plain_call_asks_for_approval_with_input_required(deployment):
         ((key, request),) = first.input_requests.items()
         assert isinstance(request, types.ElicitRequest)
         assert "approve a call to calculator" in request.params.message
+    # The state is the durable Turn's: the retry may reach the server after a kill and a
+    # restart (on the same store).
+    await deployment.stop(signal.SIGKILL)
+    url = await deployment.start()
+    async with connect(url) as client:
         # The client's retry carries the answer and the state; the answer decides it.
         with trio.fail_after(PATIENCE):
             done = await client.session.call_tool(
