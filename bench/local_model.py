@@ -19,9 +19,13 @@ unavailable (and the run exits 1).
 
 Part 2, ``--turns N``: N Turns of an assistant whose peer is the calculator ("What is A+B?"
 with random A, B) on the packaged model in-process, once with the grammar (the default of
-the local backend) and once with ``constrain="false"``. Per case: the model's tool calls,
-the share the pump accepted (``tool.call`` cards over those plus refused payloads,
-``sys.huh``), correct answers, and the time per generated token.
+the local backend) and once with ``constrain="false"``; the agent has ``max-steps="3"`` and
+``max-tokens`` ``--turn-max-tokens`` (256). Per case: the model's tool calls, the share the
+pump accepted (``tool.call`` cards over those plus refused payloads, ``sys.huh``), correct
+answers, and seconds per Turn. A refusal of a reply the token limit cut (its step produced
+``max-tokens`` tokens: the call in it is unfinished, which no grammar can prevent) is
+counted apart (``refusals_of_replies_cut_at_max_tokens``), not in the share.
+``--only-turns`` skips Part 1 and the grammar's cost (the shares do not depend on timing).
 
 Ends with one JSON line. Usage::
 
@@ -227,7 +231,7 @@ TURNS_BOOT = """<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="loca
     <listener name="calculator" handler="calculator"/>
     <listener name="assistant" handler="assistant" agent="true" peers="calculator"
               timeout="600">
-      <agent model="local" max-steps="3" max-tokens="64"/>
+      <agent model="local" max-steps="3" max-tokens="{max_tokens}"/>
     </listener>
   </listeners>
 </organism>"""
@@ -243,7 +247,8 @@ async def bench_turns(args: argparse.Namespace, constrain: bool) -> dict[str, An
 
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        root = etree.fromstring(TURNS_BOOT.encode())
+        boot_text = TURNS_BOOT.replace("{max_tokens}", str(args.turn_max_tokens))
+        root = etree.fromstring(boot_text.encode())
         root.insert(1, llm_element(args.model_path, args.n_ctx, args.threads, constrain))
         boot = Path(tmp, "boot.xml")
         await trio.Path(boot).write_bytes(etree.tostring(root))
@@ -291,9 +296,19 @@ async def bench_turns(args: argparse.Namespace, constrain: bool) -> dict[str, An
                     "('tool.call', 'sys.huh', 'llm.message') GROUP BY card_type"
                 ).fetchall()
             )
+            # Each refusal with the model message it answers (the last one before it in
+            # its box) and that message's completion tokens: a message the token limit
+            # cut holds an unfinished call, which no grammar can make whole.
+            refusals = db.execute(
+                "SELECT h.seq, (SELECT s.completion_tokens FROM cards m JOIN agent_steps s "
+                "ON s.step_id = json_extract(m.metadata, '$.step_id') WHERE m.box_id = "
+                "h.box_id AND m.card_type = 'llm.message' AND m.seq < h.seq ORDER BY m.seq "
+                "DESC LIMIT 1) FROM cards h WHERE h.card_type = 'sys.huh'"
+            ).fetchall()
         finally:
             db.close()
-    calls, refused = counts.get("tool.call", 0), counts.get("sys.huh", 0)
+    cut = sum(1 for _, tokens in refusals if tokens is not None and tokens >= args.turn_max_tokens)
+    calls, refused = counts.get("tool.call", 0), counts.get("sys.huh", 0) - cut
     return {
         "constrain": constrain,
         "turns": answers,
@@ -301,6 +316,7 @@ async def bench_turns(args: argparse.Namespace, constrain: bool) -> dict[str, An
         "tool_calls": calls,
         "refused_payloads": refused,
         "accepted_share": round(calls / (calls + refused), 3) if calls + refused else None,
+        "refusals_of_replies_cut_at_max_tokens": cut,
         "model_messages": counts.get("llm.message", 0),
         "seconds_per_turn": round(elapsed / answers, 2) if answers else None,
     }
@@ -361,6 +377,17 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--turns", type=int, default=0)
+    parser.add_argument(
+        "--turn-max-tokens",
+        type=int,
+        default=256,
+        help="the Turns' agent max-tokens (a reply cut there holds an unfinished call)",
+    )
+    parser.add_argument(
+        "--only-turns",
+        action="store_true",
+        help="skip the speed parts (the shares do not depend on timing)",
+    )
     parser.add_argument("--model-path", default="packaged:smollm2-135m")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--n-ctx", type=int, default=2048)
@@ -375,19 +402,20 @@ def main() -> int:
         "threads": args.threads,
         "cpus": os.cpu_count(),
     }
-    result["ours"] = trio.run(bench_ours, args)
-    print("ours (llama-cpp backend, in process):", result["ours"], flush=True)
-    result["llama_cpp_server"] = bench_server(args, path)
-    print("llama_cpp.server (OpenAI-compatible, loopback):", result["llama_cpp_server"])
-    result["grammar_cost"] = trio.run(bench_grammar_cost, args)
-    print("grammar cost:", result["grammar_cost"], flush=True)
+    if not args.only_turns:
+        result["ours"] = trio.run(bench_ours, args)
+        print("ours (llama-cpp backend, in process):", result["ours"], flush=True)
+        result["llama_cpp_server"] = bench_server(args, path)
+        print("llama_cpp.server (OpenAI-compatible, loopback):", result["llama_cpp_server"])
+        result["grammar_cost"] = trio.run(bench_grammar_cost, args)
+        print("grammar cost:", result["grammar_cost"], flush=True)
     if args.turns:
         result["turns_with_grammar"] = trio.run(bench_turns, args, True)
         print("Turns, grammar on:", result["turns_with_grammar"], flush=True)
         result["turns_without_grammar"] = trio.run(bench_turns, args, False)
         print("Turns, grammar off:", result["turns_without_grammar"], flush=True)
     print(json.dumps(result))
-    return 1 if "unavailable" in result["llama_cpp_server"] else 0
+    return 1 if "unavailable" in result.get("llama_cpp_server", {}) else 0
 
 
 if __name__ == "__main__":

@@ -177,6 +177,7 @@ DOORS: dict[tuple[str, str], Door] = {
     ("POST", "/a2a"): Door(OWNER, checked="A2A"),  # the A2A methods: checked below
     ("POST", "/a2a/agents/{name}"): Door(OWNER, checked="A2A"),
     ("GET", "/a2a/agents/{name}/agent-card.json"): Door(OPEN),
+    ("POST", "/agui/agents/{name}"): Door(OWNER, checked="AG-UI"),  # runs: checked below
     # The web console.
     ("GET", "/ui"): Door(CALLER),  # its lists: checked below
     ("GET", "/ui/login"): Door(OPEN),
@@ -601,6 +602,25 @@ async def exercise(server: ServerProcess, callers: Callers) -> list[str]:
     assert a2a_task not in json.dumps(await rpc(bob, "ListTasks", {}))
     assert (await rpc(alice, "GetTask", {"id": a2a_task}))["result"]["id"] == a2a_task
 
+    # -- AG-UI: bob answering alice's approval (an interrupt) answers as a missing one -----
+    def resume(target: str) -> dict:
+        entry = {"interruptId": target, "status": "resolved", "payload": {"grant": False}}
+        return {"threadId": "t", "runId": "r", "messages": [], "resume": [entry]}
+
+    theirs_id = f"{paying}/{request_id}"
+    none_id = f"{missing['thread']}/{missing['request']}"
+    for who in ("bob", "wrong", "anon"):
+        client = callers.http[who]
+        theirs = await client.post("/agui/agents/assistant", json=resume(theirs_id))
+        none = await client.post("/agui/agents/assistant", json=resume(none_id))
+        assert as_is(theirs)[0] in (401, 404), (who, theirs.text)
+        swapped = (*as_is(theirs)[:2], theirs.text.replace(theirs_id, none_id))
+        assert swapped == as_is(none)[:3], (who, theirs.text)
+        if who != "bob":
+            await ops.get("/healthz")
+            assert (await ops.get("/v1/listeners")).status_code == 200
+    assert await alices_request() == request_id  # still pending: bob decided nothing
+
     # -- the socket's <cancel>: another's task answers as a missing one ---------------------
     async def cancel(client: str, target: str) -> tuple[str | None, str | None]:
         command = etree.Element(f"{{{CORE_NS}}}cancel", nsmap={None: CORE_NS})
@@ -675,6 +695,11 @@ async def exercise(server: ServerProcess, callers: Callers) -> list[str]:
         if sample.name.endswith("_total") and sample.value > 0
     ]
     assert {"http", "ui", "a2a", "socket", "approval"} <= {c["door"] for c in counted}, counted
+    assert {
+        "door": "http",
+        "route": "POST /agui/agents/{name}",
+        "client": "bob",
+    } in counted, counted
     assert {
         "door": "http",
         "route": "GET /v1/agents/{name}/tasks/{thread}",

@@ -1,4 +1,5 @@
-"""The core installs and runs without its optional extras (``a2a``, ``mcp``, ``otel``).
+"""The core installs and runs without its optional extras (``a2a``, ``mcp``, ``otel``,
+``agui``).
 
 The development environment has every extra installed, so a module-level import of an
 extra's SDK in the core passes every other test and breaks only a user's plain
@@ -17,8 +18,9 @@ from pathlib import Path
 
 from serverproc import REPO
 
-#: Top-level modules of the optional extras (the ``a2a``, ``mcp`` and ``otel`` extras).
-OPTIONAL = ("a2a", "google", "mcp", "opentelemetry.sdk", "opentelemetry.exporter")
+#: Top-level modules of the optional extras (the ``a2a``, ``mcp``, ``otel`` and ``agui``
+#: extras).
+OPTIONAL = ("a2a", "google", "mcp", "opentelemetry.sdk", "opentelemetry.exporter", "ag_ui")
 
 BLOCKER = textwrap.dedent(
     f"""
@@ -84,7 +86,9 @@ def test_boot_loads_and_http_app_serves_without_extras(tmp_path: Path) -> None:
         assert main(["check", {str(REPO / "boot.xml")!r}]) == 0
         assert main(["check", "boot.xml"]) == 0
         import agentserver.app.root, agentserver.http.api  # the server's own modules
-        leaked = [m for m in sys.modules if m.split(".")[0] in ("a2a", "mcp", "google")]
+        leaked = [
+            m for m in sys.modules if m.split(".")[0] in ("a2a", "mcp", "google", "ag_ui")
+        ]
         assert not leaked, leaked
         print("ok")
         """,
@@ -106,3 +110,43 @@ def test_expose_a2a_without_the_sdk_names_the_extra(tmp_path: Path) -> None:
     )
     assert done.returncode != 0
     assert "pip install 'agentserver[a2a]'" in done.stdout + done.stderr
+
+
+def test_an_agui_run_without_the_package_names_the_extra(tmp_path: Path) -> None:
+    """``POST /agui/agents/{name}`` on a server without ag-ui-protocol: 501, saying
+    which extra to install (the app itself builds and serves without it)."""
+    done = run_child(
+        """
+        import httpx, trio
+        from prometheus_client import CollectorRegistry
+        from agentserver.http.agui.agents import AguiAgent
+        from agentserver.http.agui.runs import AguiRuns
+        from agentserver.http.api import HttpContext, build_app
+        from agentserver.http.auth import HttpAuth
+
+        class Gateway:
+            max_bytes = 1 << 20
+
+        class View:
+            agents = ("assistant",)
+
+        ctx = HttpContext(
+            pump=None, gateway=Gateway(), auth=HttpAuth({}), registry=CollectorRegistry(),
+            agents=View(),
+        )
+        ctx.agui = AguiRuns((AguiAgent("assistant", input=None),), Gateway(), View(), None)
+
+        async def main():
+            transport = httpx.ASGITransport(app=build_app(ctx))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                run = {"threadId": "t", "runId": "r", "messages": []}
+                answer = await client.post("/agui/agents/assistant", json=run)
+                print(answer.status_code, answer.json()["title"])
+
+        trio.run(main)
+        """,
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.startswith("501 "), done.stdout
+    assert "pip install 'agentserver[agui]'" in done.stdout

@@ -278,3 +278,50 @@ async def test_a_turn_end_to_end_through_the_pump_with_the_calculator(tmp_path):
         db.close()
     assert "tool.call" in types and "tool.result" in types, types
     assert "sys.huh" not in types, types  # the grammar let no malformed call through
+
+
+def test_sampling_then_checking_the_grammar_picks_what_grammar_first_picks():
+    """The backend samples first and checks its token against the grammar, resampling over
+    the whole vocabulary only when the grammar refuses it (agentserver/llm/backends/
+    llama_sampling.py). Greedy, that is the best token the grammar allows, which is what
+    llama-cpp-python's grammar-first ``generate`` picks: the same tokens, on prompts where
+    the model would write both allowed and refused tokens unconstrained."""
+    import llama_cpp
+
+    from agentserver.llm.backends.llama_sampling import constrained_tokens
+
+    types = [PayloadType.from_model(m) for m in (calculator.Add, calculator.Multiply)]
+    grammars = [reply_grammar(types), document_grammar(types), 'root ::= "yes" | "no"']
+    llama = llama_cpp.Llama(str(resolve_model_path(PACKAGED)), n_ctx=512, verbose=False)
+    eos = llama.token_eos()
+    prompts = ["What is 2+3? Use the calculator.", "Say something about the sea."]
+    refused_by_grammar = 0
+    try:
+        for grammar in grammars:
+            for prompt in prompts:
+                tokens = llama.tokenize(prompt.encode(), add_bos=False)
+
+                def first(it, n=24):
+                    out = []
+                    for t in it:
+                        if t == eos or len(out) == n:
+                            break
+                        out.append(t)
+                    return out
+
+                plain = first(llama.generate(tokens, temp=0.0, reset=True))
+                reference = first(
+                    llama.generate(
+                        tokens,
+                        temp=0.0,
+                        reset=True,
+                        grammar=llama_cpp.LlamaGrammar.from_string(grammar, verbose=False),
+                    )
+                )
+                ours = first(constrained_tokens(llama, tokens, grammar, 0.0))
+                assert ours == reference, (grammar[:60], prompt)
+                refused_by_grammar += plain != reference
+    finally:
+        llama.close()
+    # The prompts do reach the resampling path (the model's own choice refused).
+    assert refused_by_grammar >= 3

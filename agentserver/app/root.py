@@ -518,6 +518,13 @@ async def _start_http(
     )
     if topology.expose_a2a is not None and agents is not None:
         app_ctx.a2a = _a2a_handler(topology, spec, gateway, agents, operator, access)
+    if agents is not None and view is not None:
+        from agentserver.config.agui import agui_agents
+        from agentserver.http.agui.runs import AguiRuns
+
+        app_ctx.agui = AguiRuns(
+            agui_agents(topology), gateway, view, agents.runtime.events, agents.runtime
+        )
     mcp_http = None
     if topology.expose_mcp:
         from agentserver.config.loader import is_loopback

@@ -24,6 +24,7 @@ from agentserver.http.problems import problem
 from agentserver.http.query_tokens import RefuseQueryTokens
 from agentserver.http.routes.a2a import A2aRoutes
 from agentserver.http.routes.agents import AgentRoutes
+from agentserver.http.routes.agui import AguiRoutes
 from agentserver.http.routes.budgets import BudgetRoutes
 from agentserver.http.routes.events import SSE_BUFFER, SSE_KEEPALIVE, EventRoutes
 from agentserver.http.routes.mcp import McpRoute
@@ -55,6 +56,7 @@ def build_app(ctx: HttpContext) -> Starlette:
     budgets = BudgetRoutes(ctx, gate)
     schedules = ScheduleRoutes(ctx, gate)
     a2a = A2aRoutes(ctx, gate)
+    agui = AguiRoutes(ctx, gate)
     return Starlette(
         routes=[
             GuardedRoute("/healthz", status.healthz, access=OPEN),
@@ -101,6 +103,10 @@ def build_app(ctx: HttpContext) -> Starlette:
             GuardedRoute("/a2a", a2a.rpc, methods=["POST"], access=OWNER),
             GuardedRoute("/a2a/agents/{name}", a2a.rpc, methods=["POST"], access=OWNER),
             GuardedRoute("/a2a/agents/{name}/agent-card.json", a2a.agent_card, access=OPEN),
+            # An AG-UI run: sends as the caller; a reconnection or a resume reaches only
+            # the caller's own run (its thread is derived from the caller; an interrupt
+            # is answered after the rule's check of its task).
+            GuardedRoute("/agui/agents/{name}", agui.run, methods=["POST"], access=OWNER),
         ],
         # Every door, the unauthenticated ones too: a token in a URL is refused.
         middleware=[Middleware(RefuseQueryTokens, auth=ctx.auth, counters=ctx.counters)],

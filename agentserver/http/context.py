@@ -81,6 +81,9 @@ class HttpContext:
     #: The A2A methods (:class:`agentserver.http.a2a.handler.A2aHandler`; None:
     #: ``<expose-a2a>`` absent).
     a2a: Any = None
+    #: AG-UI runs on the agents (:class:`agentserver.http.agui.runs.AguiRuns`; None: no
+    #: agents).
+    agui: Any = None
     organism: str = ""
     version: str = ""
     #: The spend budgets (None: none declared; ``PUT /v1/budgets`` then refuses).

@@ -275,3 +275,34 @@ async def test_a_one_trip_lease_writes_what_the_shared_one_does(pg_url: str) -> 
         assert edges == [("enqueue", None), ("lease", turn)]
     finally:
         await store.aclose()
+
+
+@pytest.mark.parametrize(
+    ("clock", "finish", "start"),
+    [(3.0, 1.0, 3.0), (3.0, 5.0, 5.0), (None, None, 0.0)],
+)
+async def test_a_fair_share_enqueue_leases_in_one_trip_and_tags_as_the_shared_lease(
+    pg_url: str, clock: float | None, finish: float | None, start: float
+) -> None:
+    """With ``<store fair-share>`` an enqueue that leases at once is still one round trip, and
+    moves the tags as agents/store/sql/fair.py's lease does: the start is ``max(V, the
+    client's finish)``; the client's finish becomes ``start + 1/weight``, V the start."""
+    settings = StoreSettings(url=pg_url, fair_weights=(("c", 2.0),))
+    store = PostgresAgentStore.open(pg_url, settings=settings)
+    try:
+        await store.ensure_agents(["a"])
+        if clock is not None:
+            _sql(pg_url, "INSERT INTO fair_share VALUES ('a', '#v', %s), ('a', 'c', %s)",
+                 clock, finish)  # fmt: skip
+        trips = Trips(store)
+        got = await store.enqueue_turn("a", b"<task>x</task>", {"ref": 1, "client": "c"})
+        assert got.leased and trips.take("enqueue_turn") == [1]
+        assert sorted(_sql(pg_url, "SELECT client, vfinish FROM fair_share")) == [
+            ("#v", start),
+            ("c", start + 0.5),
+        ]
+        # Busy now: the next one queues and moves no tag (its lease will).
+        assert not (await store.enqueue_turn("a", b"<task>y</task>", {"client": "d"})).leased
+        assert len(_sql(pg_url, "SELECT 1 FROM fair_share")) == 2
+    finally:
+        await store.aclose()

@@ -60,13 +60,16 @@ class _Engine:
     """The loaded model and what the thread needs to drive it (thread side only)."""
 
     def __init__(self, llama: Any, n_ctx: int, temperature: float) -> None:
-        llama_cpp = import_llama_cpp()
+        import_llama_cpp()  # the clear error when the extra is missing
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         self.llama = llama
         self.n_ctx = n_ctx
         self.temperature = temperature
-        self.grammar_type = llama_cpp.LlamaGrammar
+        # Imported here: numpy comes with llama-cpp-python (the local extra), not with us.
+        from .llama_sampling import constrained_tokens
+
+        self.constrained = constrained_tokens
         eos = llama.token_eos()
         bos = llama.token_bos()
         eos_text = llama.detokenize([eos], special=True).decode("utf-8", "replace")
@@ -105,7 +108,10 @@ class _Engine:
             return
         budget = min(request.max_tokens, room)
         temperature = self.temperature if request.temperature is None else request.temperature
-        grammar = self.grammar_type.from_string(job.grammar, verbose=False) if job.grammar else None
+        if job.grammar:
+            sampled = self.constrained(self.llama, tokens, job.grammar, temperature)
+        else:
+            sampled = self.llama.generate(tokens, temp=temperature, reset=True)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         stops = request.stop
         hold = max((len(s) for s in stops), default=1) - 1
@@ -113,7 +119,7 @@ class _Engine:
         sent = 0  # characters of ``text`` already posted
         produced = 0
         finish = "length"
-        for token in self.llama.generate(tokens, temp=temperature, grammar=grammar, reset=True):
+        for token in sampled:
             count()
             if job.stop.is_set():
                 return  # abandoned: nobody reads any more

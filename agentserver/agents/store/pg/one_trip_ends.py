@@ -31,7 +31,7 @@ from agentserver.agents.store.pg.one_trip import (
     one_trip,
     tokens_exprs,
 )
-from agentserver.agents.store.sql import head, inbox, turn_end
+from agentserver.agents.store.sql import fair, head, inbox, turn_end
 from agentserver.agents.store.sql.common import (
     edge,
     tokens_of,
@@ -69,14 +69,14 @@ def enqueue_turn(
     writes but the epoch, which the inbox row takes from the compare-and-set's
     ``RETURNING``. An idle head with older queued rows (the shared
     function leases the oldest) is a miss; so is a Turn continuing a conversation (its
-    cards are read first), and so is every enqueue with ``<store fair-share>`` (the
-    shared function's lease moves the client's fair-share tags, which this statement
-    does not: agents/store/sql/fair.py), all before anything is sent. Fair share off, the
-    check is one attribute read: no statement is added."""
+    cards are read first), all before anything is sent. With ``<store fair-share>`` the
+    same statement moves the client's fair-share tags as the shared lease does
+    (agents/store/sql/fair.py): a lease that hits leases the agent's only queued row, so
+    the fair choice is this row, and its start tag is ``max(V, the client's finish)``,
+    read in the statement; fair share off, nothing is added."""
     if conversation:
         raise Missed("a conversation's cards are read first")
-    if env.settings.fair_weights is not None:
-        raise Missed("fair share tags the lease")
+    fair_tags = _fair_tags(env, reply_ref)
     ref_json = json.dumps(reply_ref)
     inbox_id = new_id()
     head.ensure(tx, env, agent_id)
@@ -101,6 +101,24 @@ def enqueue_turn(
     dispatch = inbox_sources(InboxEvent.DISPATCH)
     if channel is not None:
         notify(tx, channel)
+    fair_sql, fair_params = "", ()
+    if fair_tags is not None:
+        client, step = fair_tags
+        # f: the start tag, from the tags before this statement (h took the head, so this
+        # row is the only queued one: the fair choice); t: the client's finish and the
+        # agent's clock moved, as fair.next_queued moves them.
+        fair_sql = (
+            ", f AS (SELECT greatest(coalesce((SELECT vfinish FROM fair_share WHERE "
+            "agent_id = ? AND client = ?), 0), coalesce((SELECT vfinish FROM fair_share "
+            "WHERE agent_id = ? AND client = ?), 0)) AS s FROM h), "
+            "t AS (INSERT INTO fair_share (agent_id, client, vfinish) "
+            "SELECT ?, ?, s + ? FROM f UNION ALL SELECT ?, ?, s FROM f "
+            "ON CONFLICT (agent_id, client) DO UPDATE SET vfinish = excluded.vfinish)"
+        )
+        fair_params = (
+            agent_id, fair.AGENT_CLOCK, agent_id, client,
+            agent_id, client, step, agent_id, fair.AGENT_CLOCK,
+        )  # fmt: skip
     # One statement: the compare-and-set (h), and what the lease writes besides, from h
     # (nothing if it missed); then whether it hit, and the check that a miss was not an
     # idle head with older queued rows (the statement's snapshot: the head before it).
@@ -114,7 +132,8 @@ def enqueue_turn(
         "turn_epoch = h.turn_epoch, next_retry_at = ? FROM h WHERE agent_inbox.inbox_id = ? "
         f"AND agent_inbox.status IN ({marks(len(dispatch))})), "
         "e AS (INSERT INTO execution_edges (agent_id, agent_turn_id, primitive, edge_phase, "
-        "correlation_id, inbox_id, created_at, metadata) SELECT ?, ?, ?, ?, ?, ?, ?, ? FROM h) "
+        "correlation_id, inbox_id, created_at, metadata) SELECT ?, ?, ?, ?, ?, ?, ?, ? FROM h)"
+        f"{fair_sql} "
         "SELECT (SELECT count(*) FROM h), agentserver_expect(NOT EXISTS (SELECT 1 FROM "
         f"agent_state_head WHERE agent_id = ? AND status IN ({marks(len(sources))}) "
         f"AND EXISTS ({others})), ?)",
@@ -127,10 +146,24 @@ def enqueue_turn(
             str(inbox_transition(dispatch[0], InboxEvent.DISPATCH).target),
             env.clock.now(), turn_id, now, inbox_id, *dispatch,
             agent_id, turn_id, "lease", "request", None, inbox_id, env.clock.now(), "{}",
+            *fair_params,
             agent_id, *sources, *other_params, f"{agent_id}: older queued Turns to lease",
         ),
     )  # fmt: skip
     return EnqueueResult(inbox_id, bool(took))
+
+
+def _fair_tags(env: StoreEnv, reply_ref: Any) -> tuple[str, float] | None:
+    """With fair share on, the client the lease tags and its step ``1/weight``; None with it
+    off. A client the statement cannot name as fair.py's SQL does is a miss."""
+    if env.settings.fair_weights is None:
+        return None
+    client = reply_ref.get("client") if isinstance(reply_ref, Mapping) else None
+    if client is None:
+        client = ""
+    if not isinstance(client, str) or client == fair.AGENT_CLOCK:
+        raise Missed("a client fair.py names in SQL")
+    return client, 1.0 / dict(env.settings.fair_weights).get(client, 1.0)
 
 
 @one_trip
