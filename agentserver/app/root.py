@@ -538,7 +538,19 @@ async def _start_http(
         from agentserver.config.mcp import exposed_tools
         from agentserver.http.gate import Gate
         from agentserver.http.mcp_expose import GatewaySender, McpHttp, build_server
+        from agentserver.http.mcp_tasks import TurnDoor
 
+        turns = None
+        if agents is not None:
+            # An agent's tool on its durable Turn: tasks, input_required (docs/mcp.md).
+            turns = TurnDoor(
+                store=agents.runtime.store,
+                gateway=gateway,
+                may_see=Gate.may_see,
+                wait_timeout=spec.wait_timeout,
+                operator=operator,
+                access=access,
+            )
         mcp_http = app_ctx.mcp = McpHttp(
             build_server(
                 exposed_tools(topology),
@@ -546,6 +558,7 @@ async def _start_http(
                 name=topology.organism,
                 version=package_version(),
                 may_see=Gate.may_see,
+                turns=turns,
             ),
             loopback=is_loopback(spec.host),
         )
