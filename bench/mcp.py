@@ -1,5 +1,6 @@
 """Benchmark: one MCP tool call through the pump (an ``<mcp>`` tool listener) against the
-same call made directly with the SDK's ClientSession.
+same call made directly with the SDK's ``Client`` (both in its automatic mode, so both at
+the revision the server speaks: 2026-07-28 for the SDK's own server).
 
 A tiny MCP server (written with the SDK's MCPServer, over stdio) offers ``echo``; the
 direct path calls it with ``call_tool``; the pump path sends ``<echo>`` payloads to the
@@ -46,12 +47,12 @@ NS = "urn:agentserver:mcp:bench"
 
 
 async def direct(server: pathlib.Path, calls: int) -> float:
-    from mcp import ClientSession
+    from mcp import Client
     from mcp.client.stdio import StdioServerParameters, stdio_client
 
     params = StdioServerParameters(command=sys.executable, args=[str(server)])
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
-        await session.initialize()
+    # As <mcp> connects (agentserver/remote/mcp_client.py): the automatic mode, no cache.
+    async with Client(stdio_client(params), mode="auto", cache=None) as session:
         await session.call_tool("echo", {"text": "w"})  # warm
         started = time.perf_counter()
         for _ in range(calls):

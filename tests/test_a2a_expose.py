@@ -132,12 +132,11 @@ async def test_card_send_get_list_over_the_sdk_client(tmp_path, store_env):
             card = await one(url, None, "card")
             assert card["name"] == "a2a-test"
             assert card["description"] == "Agents of the A2A tests."
-            (interface,) = card["supportedInterfaces"]
-            assert interface == {
-                "url": url + "/a2a",
-                "protocolBinding": "JSONRPC",
-                "protocolVersion": "1.0",
-            }
+            # 1.0 first (the SDK's client takes it), then 0.3 at the same endpoint.
+            assert card["supportedInterfaces"] == [
+                {"url": url + "/a2a", "protocolBinding": "JSONRPC", "protocolVersion": v}
+                for v in ("1.0", "0.3")
+            ]
             assert card["capabilities"]["streaming"] is True
             assert card["capabilities"]["pushNotifications"] is True
             assert card["capabilities"]["extendedAgentCard"] is True
@@ -333,9 +332,11 @@ async def _refusals(url: str) -> None:
         refused = await http.post("/a2a", json=body, headers={"A2A-Version": "1.0"})
         assert refused.status_code == 401
         auth = {"Authorization": f"Bearer {ALICE}"}
-        # No A2A-Version: taken as 0.3, refused as the spec says.
+        # No A2A-Version: taken as 0.3, refused as the spec says, naming the fix.
         old = await http.post("/a2a", json=body, headers=auth)
         assert old.json()["error"]["code"] == -32009, old.text
+        assert "A2A-Version: 1.0" in old.json()["error"]["message"]
+        assert "0.3 calls it tasks/get" in old.json()["error"]["message"]
         newer = await http.post("/a2a", json=body, headers={**auth, "A2A-Version": "2.0"})
         assert newer.json()["error"]["code"] == -32009
         missing = await http.post("/a2a", json=body, headers={**auth, "A2A-Version": "1.0"})

@@ -8,6 +8,12 @@ the mapping, an unreachable card an error (a warning with ``required="false"``).
 step retries and its resend after our server is SIGKILLed continue the remote task it
 started (one remote task per call); on PostgreSQL another process takes the call over,
 and two processes on the one store each complete a task sent to them exactly once.
+
+Each of those runs twice: against the 1.x SDK's agent (A2A 1.0), and against the 0.3
+SDK's own (tests/a2a_v03_server.py, ``a2a-sdk==0.3.26`` in its own virtual environment:
+A2A 0.3 only, no ``ListTasks``), which our client reaches by its card's 0.3 interface
+with 0.3's method names alone, its retries and restarts finding the remote task by the
+step log's record.
 """
 
 from __future__ import annotations
@@ -24,9 +30,19 @@ import trio
 from httputil import http_url
 from llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import TESTS, ServerProcess, cli, subprocess_env
+from test_a2a_v03 import v03_python  # noqa: F401 - the 0.3 SDK's interpreter (fixture)
 from test_agents_crash import Store
 
 SERVER = TESTS / "a2a_sdk_server.py"
+SERVER_V03 = TESTS / "a2a_v03_server.py"
+#: The JSON-RPC methods of A2A 0.3.
+V03_METHODS = {
+    "message/send",
+    "message/stream",
+    "tasks/get",
+    "tasks/cancel",
+    "tasks/resubscribe",
+}
 REMOTE_NS = "urn:agentserver:a2a:remote"
 PATIENCE = 40.0
 
@@ -38,10 +54,21 @@ def free_port() -> int:
 
 
 class Remote:
-    """The SDK's server in its own process."""
+    """The SDK's server in its own process: 1.x's (tests/a2a_sdk_server.py), or with
+    ``python`` (the 0.3 SDK's interpreter) 0.3's (tests/a2a_v03_server.py), which also
+    records the JSON-RPC methods it is called with."""
 
-    def __init__(self, tmp_path, name: str, *flags: str, scheme: str = "http") -> None:
+    def __init__(
+        self, tmp_path, name: str, *flags: str, scheme: str = "http", python: str | None = None
+    ) -> None:
         self.port = free_port()
+        self.methods_file = tmp_path / f"{name}-methods.txt"
+        self.methods_file.write_text("")
+        server, env = SERVER, subprocess_env()
+        if python is not None:
+            server = SERVER_V03
+            flags = (*flags, "--methods", str(self.methods_file))
+            env.pop("PYTHONPATH", None)
         self.cancels = tmp_path / f"{name}-cancels.txt"
         self.cancels.write_text("")
         #: Each execution's task id, one a line.
@@ -49,10 +76,10 @@ class Remote:
         self.starts.write_text("")
         flags = (*flags, "--starts", str(self.starts))
         self.proc = subprocess.Popen(
-            [sys.executable, str(SERVER), str(self.port), str(self.cancels), *flags],
+            [python or sys.executable, str(server), str(self.port), str(self.cancels), *flags],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            env=subprocess_env(),
+            env=env,
         )
         self.url = f"{scheme}://127.0.0.1:{self.port}"
 
@@ -76,6 +103,10 @@ class Remote:
     def tasks(self) -> list[str]:
         """The remote tasks executed, in order (one line per execution)."""
         return self.starts.read_text().split()
+
+    def methods(self) -> set[str]:
+        """The JSON-RPC methods a 0.3 remote was called with."""
+        return set(self.methods_file.read_text().split())
 
 
 class CallingModel(FakeServer):
@@ -145,9 +176,23 @@ def store_env(request) -> dict[str, str]:
     return {"AGENTS_TEST_STORE_URL": request.getfixturevalue("pg_url")}
 
 
-async def test_remote_sdk_agents_as_tools(tmp_path, store_env):
-    remote = Remote(tmp_path, "remote")
-    plain = Remote(tmp_path, "plain", "--no-streaming")
+@pytest.fixture(params=["1.0", "0.3"])
+def remote_python(request) -> str | None:
+    """The remote's A2A version: None for the 1.x SDK's agent, else the 0.3 SDK's
+    interpreter (its agent speaks only 0.3)."""
+    return None if request.param == "1.0" else request.getfixturevalue("v03_python")
+
+
+def only_v03(*remotes: Remote) -> None:
+    """A 0.3 remote was called with 0.3's method names alone (never ``ListTasks``)."""
+    for remote in remotes:
+        called = remote.methods()
+        assert called and called <= V03_METHODS, called
+
+
+async def test_remote_sdk_agents_as_tools(tmp_path, store_env, remote_python):
+    remote = Remote(tmp_path, "remote", python=remote_python)
+    plain = Remote(tmp_path, "plain", "--no-streaming", python=remote_python)
     try:
         await trio.to_thread.run_sync(remote.wait_ready)
         await trio.to_thread.run_sync(plain.wait_ready)
@@ -170,6 +215,8 @@ async def test_remote_sdk_agents_as_tools(tmp_path, store_env):
                 await _input_required_reaches_the_model(url)
                 await _stop_cancels_the_remote_task(url, server, remote)
                 await _remote_killed_mid_task(url, remote)
+                if remote_python is not None:
+                    only_v03(remote, plain)
             finally:
                 await trio.to_thread.run_sync(server.stop)
                 nursery.cancel_scope.cancel()
@@ -361,13 +408,14 @@ def retrying_boot(path, stream: Remote, poll: Remote) -> None:
     )
 
 
-async def test_retries_and_restarts_continue_the_remote_task(tmp_path, store_env):
+async def test_retries_and_restarts_continue_the_remote_task(tmp_path, store_env, remote_python):
     """A call's retries (step-timeout 1 s against tasks of 4 s) and its resend after our
     server is SIGKILLed continue the remote task the call started: one remote task each.
     On PostgreSQL the call is taken over by another process, and then two processes each
-    call the remote once."""
-    stream = Remote(tmp_path, "stream")
-    poll = Remote(tmp_path, "poll", "--no-streaming")
+    call the remote once. A 0.3 remote has no ListTasks: the task is found by the id the
+    step log recorded (``a2a.task``)."""
+    stream = Remote(tmp_path, "stream", python=remote_python)
+    poll = Remote(tmp_path, "poll", "--no-streaming", python=remote_python)
     servers: list[ServerProcess] = []
     try:
         await trio.to_thread.run_sync(stream.wait_ready)
@@ -388,9 +436,11 @@ async def test_retries_and_restarts_continue_the_remote_task(tmp_path, store_env
             first = await start()
             url = http_url(first)
             # Step retries: each attempt times out after 1 s; the next continues the task
-            # (by its stream again, or by polling), never sending the message twice.
+            # (by its stream again, or by polling), never sending the message twice. The
+            # 0.3 remote answers the send itself only after 2.5 s ("lag"): without
+            # ListTasks the first attempt waits for that answer past its step timeout.
             async with trio.open_nursery() as calls:
-                for name, word in (("stream", "one"), ("poll", "two")):
+                for name, word in (("stream", "lag one"), ("poll", "lag two")):
                     body = (
                         f'<echo xmlns="urn:agentserver:a2a:{name}"><text>pause {word}</text></echo>'
                     )
@@ -417,8 +467,14 @@ async def test_retries_and_restarts_continue_the_remote_task(tmp_path, store_env
             store.url = store_env.get("AGENTS_TEST_STORE_URL")
 
             def in_flight() -> bool:
-                # The remote task started, and the Turn waits for the call.
+                # The remote task started, and the Turn waits for the call; a 0.3
+                # remote's task recorded (the window before the record is the one a
+                # kill could make a second task in: docs/a2a.md).
                 waiting = "SELECT 1 FROM turn_waiting_tools WHERE status = 'waiting'"
+                if remote_python is not None:
+                    recorded = "SELECT detail FROM step_log WHERE event = 'a2a.task'"
+                    if stream.tasks()[-1:] not in ([r[0]] for r in store.rows(recorded)):
+                        return False
                 return len(stream.tasks()) == 2 and bool(store.rows(waiting))
 
             with trio.fail_after(PATIENCE):
@@ -445,6 +501,17 @@ async def test_retries_and_restarts_continue_the_remote_task(tmp_path, store_env
                     assert f"Relayed: remote says: relay {n}" in reply, reply
                 assert len(stream.tasks()) == 6, stream.tasks()
                 assert len(set(stream.tasks())) == 6
+            if remote_python is not None:
+                only_v03(stream, poll)
+                # The resent call found its task by the record, which names it.
+                recorded = store.rows("SELECT detail FROM step_log WHERE event = 'a2a.task'")
+                assert stream.tasks()[1] in {r[0] for r in recorded}, recorded
+                # ... as GET /v1/steps shows it.
+                async with httpx.AsyncClient(timeout=PATIENCE) as http:
+                    log = (await http.get(http_url(second) + "/v1/steps?limit=1000")).json()
+                assert log["durable"] is True, log
+                shown = {r["detail"] for r in log["steps"] if r["event"] == "a2a.task"}
+                assert stream.tasks()[1] in shown, log
             nursery.cancel_scope.cancel()
     finally:
         for server in servers:

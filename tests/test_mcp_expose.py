@@ -21,7 +21,8 @@ def boot(path: pathlib.Path, *, clients: str = "") -> pathlib.Path:
         f"""<organism xmlns="https://xml-pipeline.org/ns/boot/v1" name="exposed">
   <llm><backend name="scripted" provider="openai" base-url="http://127.0.0.1:1/v1"
        base-url-env="OPENAI_BASE_URL" timeout="30"><model name="m"/></backend></llm>
-  <store path="state/agents.sqlite3"/>
+  <store path="state/agents.sqlite3" url-env="AGENTS_TEST_STORE_URL" watchdog-interval="0.2"
+         lease="1" heartbeat="0.25"/>
   {clients}
   <listeners>
     <listener name="calculator" handler="calculator"/>
@@ -103,11 +104,22 @@ def _check(found: dict) -> None:
     assert found["bad"].is_error  # refused by the payload's schema: a <huh>
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgresql)])
+def store_env(request) -> dict[str, str]:
+    if request.param == "sqlite":
+        return {}
+    return {"AGENTS_TEST_STORE_URL": request.getfixturevalue("pg_url")}
+
+
 @pytest.fixture
-async def running(tmp_path, nursery):
+async def running(tmp_path, nursery, store_env):
     model = await SlowModel().start(nursery)
     env = subprocess_env(
-        OPENAI_BASE_URL=model.base_url, OPENAI_API_KEY="k", MCP_TOKEN="s3cret", NARROW_TOKEN="n"
+        OPENAI_BASE_URL=model.base_url,
+        OPENAI_API_KEY="k",
+        MCP_TOKEN="s3cret",
+        NARROW_TOKEN="n",
+        **store_env,
     )
     path = boot(
         tmp_path / "boot.xml",
@@ -123,10 +135,15 @@ async def running(tmp_path, nursery):
         await trio.to_thread.run_sync(server.stop)
 
 
-async def test_the_sdk_client_calls_agents_and_listeners_at_slash_mcp(running):
-    from mcp import ClientSession
+@pytest.mark.parametrize("revision", ["2025-11-25", "2026-07-28"])
+async def test_the_sdk_client_calls_agents_and_listeners_at_slash_mcp(running, revision):
+    """The SDK's client at either revision: the handshake of 2025-11-25 (``initialize``,
+    a session) or 2026-07-28 (stateless, each request carrying its revision)."""
+    from mcp import Client
     from mcp.client.streamable_http import streamable_http_client
     from mcp.shared._httpx_utils import create_mcp_http_client
+
+    mode = "legacy" if revision == "2025-11-25" else revision
 
     server, _, _ = running
     url = http_url(server) + "/mcp"
@@ -137,19 +154,17 @@ async def test_the_sdk_client_calls_agents_and_listeners_at_slash_mcp(running):
     headers = {"Authorization": "Bearer s3cret"}
     async with (
         create_mcp_http_client(headers=headers) as http,
-        streamable_http_client(url, http_client=http) as (read, write),
-        ClientSession(read, write) as session,
+        Client(streamable_http_client(url, http_client=http), mode=mode) as session,
     ):
-        await session.initialize()
+        assert session.protocol_version == revision
         with trio.fail_after(60):
             _check(await _session_calls(session))
     # A client's may-address bounds what it sees and calls.
     async with (
         create_mcp_http_client(headers={"Authorization": "Bearer n"}) as http,
-        streamable_http_client(url, http_client=http) as (read, write),
-        ClientSession(read, write) as session,
+        Client(streamable_http_client(url, http_client=http), mode=mode) as session,
     ):
-        await session.initialize()
+        assert session.protocol_version == revision
         names = {t.name for t in (await session.list_tools()).tools}
         assert names and all(n.startswith("calculator-") for n in names), names
         refused = await session.call_tool("assistant", {"text": "hi"})
@@ -166,8 +181,9 @@ async def test_the_sdk_client_calls_agents_and_listeners_at_slash_mcp(running):
         assert response.text == "Invalid Host header"
 
 
-async def test_the_sdk_client_calls_agentserver_mcp_over_stdio(running):
-    from mcp import ClientSession
+@pytest.mark.parametrize("revision", ["2025-11-25", "2026-07-28"])
+async def test_the_sdk_client_calls_agentserver_mcp_over_stdio(running, revision):
+    from mcp import Client
     from mcp.client.stdio import StdioServerParameters, stdio_client
 
     server, path, env = running
@@ -185,7 +201,8 @@ async def test_the_sdk_client_calls_agentserver_mcp_over_stdio(running):
         ],
         env={"AGENTSERVER_TOKEN": "s3cret", "PYTHONPATH": env["PYTHONPATH"]},
     )
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
-        with trio.fail_after(60):
-            await session.initialize()
+    mode = "legacy" if revision == "2025-11-25" else "auto"
+    with trio.fail_after(60):
+        async with Client(stdio_client(params), mode=mode) as session:
+            assert session.protocol_version == revision
             _check(await _session_calls(session))

@@ -62,13 +62,15 @@ def free_port() -> int:
 
 
 class HttpMcpServer:
-    """tests/mcp_fs_server.py serving streamable HTTP on a loopback port."""
+    """tests/mcp_fs_server.py serving streamable HTTP on a loopback port (``only``: a
+    server of one revision only, ``modern`` or ``legacy``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, only: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.proc = subprocess.Popen(
-            [sys.executable, str(SERVER), "--http", str(self.port)],
+            [sys.executable, str(SERVER), "--http", str(self.port)]
+            + (["--only", only] if only else []),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -94,6 +96,138 @@ def http_mcp():
     server = HttpMcpServer()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def modern_mcp():
+    server = HttpMcpServer(only="modern")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def legacy_mcp():
+    server = HttpMcpServer(only="legacy")
+    yield server
+    server.stop()
+
+
+async def test_mcp_calls_servers_of_either_revision(tmp_path, modern_mcp, legacy_mcp):
+    """``<mcp>`` reaches a server that speaks only 2026-07-28 (``server/discover``, no
+    ``initialize``) and one that speaks only the handshake era, with the SDK client's
+    automatic mode (a server of both, the SDK's over stdio, is met at 2026-07-28)."""
+    from mcp import Client, MCPError
+
+    # The modern server really refuses the older handshake (what <mcp> did before).
+    with pytest.raises(BaseException) as refused:
+        async with Client(modern_mcp.url, mode="legacy"):
+            pass
+    error = refused.value
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    assert isinstance(error, MCPError) and error.code == -32022, refused.value
+    # And the legacy one the newer revision.
+    with pytest.raises(BaseException) as refused:
+        async with Client(legacy_mcp.url, mode="2026-07-28") as client:
+            await client.list_tools()
+    error = refused.value
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    assert isinstance(error, MCPError), refused.value
+    path = boot(
+        tmp_path / "boot.xml",
+        f'<mcp name="web" url="{modern_mcp.url}"><tool name="list_dir"/></mcp>'
+        f'<mcp name="old" url="{legacy_mcp.url}"/>' + stdio_mcp("fs", body='<tool name="pid"/>'),
+    )
+    done = cli("check", str(path))
+    assert done.returncode == 0, done.stderr
+    assert "mcp web: tool 'list_dir' -> listener web-list_dir" in done.stdout.decode()
+    server = await trio.to_thread.run_sync(
+        lambda: ServerProcess.start(path, cwd=tmp_path, timeout=40, log_level="info")
+    )
+    try:
+        async with open_client(server.host, server.port) as client:
+            listed = await _call(
+                client,
+                f'<list_dir xmlns="{WEB}"><folder>/notes</folder></list_dir>',
+                "web-list_dir",
+            )
+            read = await _call(
+                client,
+                '<read_file xmlns="urn:agentserver:mcp:old"><path>/notes/todo.txt</path></read_file>',
+                "old-read_file",
+            )
+            pid = await _call(client, f'<pid xmlns="{FS}"/>', "fs-pid")
+            # A handshake-era server's tool-list change comes as the session's notification.
+            grown = await _call(client, '<grow xmlns="urn:agentserver:mcp:old"/>', "old-grow")
+            relisted = await trio.to_thread.run_sync(
+                lambda: wait_until(
+                    lambda: "MCP server old: tools changed: added ['extra']" in server.stderr,
+                    timeout=10,
+                )
+            )
+    finally:
+        assert await trio.to_thread.run_sync(server.stop) == 0, server.stderr
+    assert listed.payload.get("status") == "ok", listed.payload
+    assert json.loads(listed.payload.findtext(f"{{{MCP}}}text"))["files"] == [
+        "/notes/ideas.txt",
+        "/notes/todo.txt",
+    ]
+    assert read.payload.findtext(f"{{{MCP}}}text") == "buy milk"
+    assert pid.payload.get("status") == "ok"
+    assert grown.payload.get("status") == "ok", grown.payload
+    assert relisted, server.stderr
+    # Each at its own revision: the modern one by discovery, the others by the handshake.
+    for name, revision in (("web", "2026-07-28"), ("old", "2025-11-25"), ("fs", "2026-07-28")):
+        connected = rf"MCP server {name} connected \(\d+ tools, protocol {revision}\)"
+        assert re.search(connected, server.stderr), server.stderr
+
+
+async def test_a_tool_answered_with_a_task_is_followed_and_cancelled(tmp_path, modern_mcp):
+    """A 2026-07-28 server that answers a call with a task handle (the Tasks extension,
+    tests/mcp_fs_server.py's, on the SDK's server hooks): ``<mcp>`` declared the extension,
+    follows the task with ``tasks/get`` to its result, and cancels it with ``tasks/cancel``
+    when the call is past its ``timeout``; over streamable HTTP and over stdio."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    path = boot(
+        tmp_path / "boot.xml",
+        f'<mcp name="web" url="{modern_mcp.url}"><tool name="add_later"/></mcp>'
+        + stdio_mcp(
+            "fs",
+            marks,
+            extra='timeout="2"',
+            body='<tool name="add_later"/><tool name="stuck"/><tool name="ask_later"/>',
+        ),
+    )
+    server = await trio.to_thread.run_sync(
+        lambda: ServerProcess.start(path, cwd=tmp_path, timeout=40, log_level="info")
+    )
+    try:
+        async with open_client(server.host, server.port) as client:
+            web = await _call(
+                client, f'<add_later xmlns="{WEB}"><a>2</a><b>3</b></add_later>', "web-add_later"
+            )
+            fs = await _call(
+                client, f'<add_later xmlns="{FS}"><a>4</a><b>5</b></add_later>', "fs-add_later"
+            )
+            stuck = await _call(client, f'<stuck xmlns="{FS}"/>', "fs-stuck")
+            # A task waiting for input nobody here answers: waited on (logged), then
+            # ended by the call's timeout.
+            asked = await _call(client, f'<ask_later xmlns="{FS}"/>', "fs-ask_later")
+            cancelled = await trio.to_thread.run_sync(
+                lambda: wait_until(lambda: (marks / "task-cancelled").exists(), timeout=10)
+            )
+    finally:
+        assert await trio.to_thread.run_sync(server.stop) == 0, server.stderr
+    assert cancelled, server.stderr
+    # "later": the task's result, not the tool's synchronous one ("now").
+    assert web.payload.findtext(f"{{{MCP}}}text") == "later: 5", web.payload
+    assert fs.payload.findtext(f"{{{MCP}}}text") == "later: 9", fs.payload
+    assert _is_system_error(stuck.payload, "timeout"), stuck.payload
+    assert _is_system_error(asked.payload, "timeout"), asked.payload
+    assert "waits for input nobody here answers: ['name']" in server.stderr
+    assert "MCP tool add_later: task " in server.stderr
 
 
 def test_check_prints_the_mapping_and_refuses_collisions(tmp_path):

@@ -196,7 +196,10 @@ def build_listener_set(topology: Topology, ctx: RunContext) -> ListenerSet:
             from agentserver.remote.a2a_client import A2aRemotes
 
             if a2a_remotes is None:
-                a2a_remotes = A2aRemotes(topology.a2a)
+                # With agents, their store keeps which remote task a call started
+                # (root.py hands it over once they run).
+                durable = any(s.agent for s in topology.listeners)
+                a2a_remotes = A2aRemotes(topology.a2a, durable=durable)
             ref = spec.a2a_skill
             handler = a2a_remotes.handler_for(ref.remote, ref.skill, spec.name, ref.shape)
         elif spec.remote:

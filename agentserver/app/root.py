@@ -221,12 +221,16 @@ async def run_server(
                 access=access,
             )
             if agents is not None:
-                if hub is not None:
-                    # Step events are durable rows in the agents' store from now on.
+                if hub is not None or built.a2a_remotes is not None:
+                    # Step events are durable rows in the agents' store from now on
+                    # (the runners' steps; the remote tasks <a2a> calls started).
                     step_log, step_writer = await _durable_step_log(
                         nursery, agents.runtime.store, metrics
                     )
-                    hub.log_steps_to(step_log)
+                    if hub is not None:
+                        hub.log_steps_to(step_log)
+                    if built.a2a_remotes is not None:
+                        built.a2a_remotes.log_steps_to(step_log)
                 if on_agent_events is not None:
                     on_agent_events(agents.runtime.events)
                 # Costs nothing until a webhook exists (declared or made at run time).
@@ -280,6 +284,7 @@ async def run_server(
                         operator,
                         webhooks,
                         access,
+                        step_log,
                     )
                 except (OSError, BaseExceptionGroup) as exc:
                     # Hypercorn binds inside a nursery of its own: a group of one OSError.
@@ -448,6 +453,7 @@ async def _start_http(
     operator: Operator | None = None,
     webhooks: Any = None,
     access: AccessRule | None = None,
+    steps: Any = None,
 ) -> tuple[Any, list[str]]:
     """Start the HTTP API in ``nursery`` (it ends once ``stop`` is set and its requests
     are done, or after the drain timeout); returns its context (to close its event
@@ -491,7 +497,8 @@ async def _start_http(
         events=agents.runtime.events if agents is not None else None,
         backends=(lambda: router.stats().as_dict()["backends"]) if router is not None else None,
         transports=lambda: {"socket": server.connection_count, **server.counters},
-        steps=hub.step_log if hub is not None else None,
+        # The durable step log (runners, or <a2a> calls' remote tasks), else the hub's.
+        steps=steps if steps is not None else (hub.step_log if hub is not None else None),
         operator=operator,
         webhooks=webhooks,
         operators=frozenset(c.name for c in topology.clients if c.operator),
@@ -531,7 +538,19 @@ async def _start_http(
         from agentserver.config.mcp import exposed_tools
         from agentserver.http.gate import Gate
         from agentserver.http.mcp_expose import GatewaySender, McpHttp, build_server
+        from agentserver.http.mcp_tasks import TurnDoor
 
+        turns = None
+        if agents is not None:
+            # An agent's tool on its durable Turn: tasks, input_required (docs/mcp.md).
+            turns = TurnDoor(
+                store=agents.runtime.store,
+                gateway=gateway,
+                may_see=Gate.may_see,
+                wait_timeout=spec.wait_timeout,
+                operator=operator,
+                access=access,
+            )
         mcp_http = app_ctx.mcp = McpHttp(
             build_server(
                 exposed_tools(topology),
@@ -539,6 +558,7 @@ async def _start_http(
                 name=topology.organism,
                 version=package_version(),
                 may_see=Gate.may_see,
+                turns=turns,
             ),
             loopback=is_loopback(spec.host),
         )

@@ -29,6 +29,7 @@ from agentserver.core.payloads import PayloadType
 from agentserver.core.xsd_jsonschema import tool_input
 from agentserver.core.xsdpayload import schema_model
 from agentserver.http.mcp_expose import ExposedTool
+from agentserver.primitives.approval import ApprovalDecision
 from agentserver.primitives.core import Boot
 from agentserver.primitives.mcp import McpResult, tool_namespace
 from agentserver.remote.mcp_client import McpConnectError, discover_blocking
@@ -239,7 +240,13 @@ def exposed_tools(topology: Topology) -> list[ExposedTool]:
     tools: list[ExposedTool] = []
     for name in topology.expose_mcp:
         spec = topology.listener(name)
-        models = [m for m in spec.accepts if m not in spec.addressed_only and m is not Boot]
+        # An agent under a policy takes approval decisions too: they are answers (through
+        # input_required, or the approvals API), never a tool.
+        models = [
+            m
+            for m in spec.accepts
+            if m not in spec.addressed_only and m is not Boot and m is not ApprovalDecision
+        ]
         for model in models:
             ptype = PayloadType.from_model(model)
             tool = name if len(models) == 1 else f"{name}-{ptype.local}"

@@ -27,6 +27,8 @@ from lxml import etree
 from agentserver.core.handshake import Identity
 from agentserver.core.namespaces import CORE_NS
 from agentserver.core.xsd_jsonschema import ArgumentsRefused, ToolInput
+from agentserver.http import mcp_tasks
+from agentserver.http.mcp_tasks import TurnDoor
 
 log = logging.getLogger("agentserver.mcp")
 
@@ -78,10 +80,13 @@ def build_server(
     name: str,
     version: str,
     may_see: Callable[[Identity, str], bool] | None = None,
+    turns: TurnDoor | None = None,
 ) -> Any:
     """The SDK's low-level ``Server`` offering ``tools``; with ``may_see``, an HTTP
     caller (its identity in the request's scope) sees and calls only the listeners it
-    may address."""
+    may address. With ``turns`` (``/mcp`` with a store), an agent's tool runs on its
+    durable Turn: a task for a client of the Tasks extension, ``input_required`` for a
+    pending approval (:mod:`agentserver.http.mcp_tasks`)."""
     import mcp_types as types
     from mcp.server.lowlevel import Server
 
@@ -110,29 +115,55 @@ def build_server(
             content=[types.TextContent(type="text", text=text)], is_error=True
         )
 
+    def agent_text(payload: etree._Element) -> tuple[str, bool]:
+        return result_text(payload, True)
+
     async def call_tool(ctx: Any, params: Any) -> Any:
         tool = by_name.get(params.name)
         if tool is None or not visible(ctx, tool):
             return failed(f"unknown tool {params.name!r}")
-        try:
-            payload = tool.input.element(dict(params.arguments or {}))
-        except ArgumentsRefused as exc:
-            return failed(str(exc))
+        identity = identity_of(ctx)
+        durable = turns is not None and tool.agent and identity is not None
+        if params.request_state is not None and not durable:
+            return failed(f"the tool {tool.name!r} asks for no input: call it without requestState")
+        payload = None
+        if params.request_state is None:
+            try:
+                payload = tool.input.element(dict(params.arguments or {}))
+            except ArgumentsRefused as exc:
+                return failed(str(exc))
         token = _progress_token(ctx)
-        try:
-            async with trio.open_nursery() as nursery:
-                if token is not None:
-                    nursery.start_soon(_report_progress, ctx, token, tool.listener)
-                reply = await send(tool.listener, payload, identity_of(ctx))
-                nursery.cancel_scope.cancel()
-        except SendFailed as exc:
-            return failed(str(exc))
-        text, is_error = result_text(reply, tool.agent)
-        return types.CallToolResult(
-            content=[types.TextContent(type="text", text=text)], is_error=is_error
-        )
 
-    return Server(name, version=version, on_list_tools=list_tools, on_call_tool=call_tool)
+        async def answer() -> Any:
+            # Errors become failed results here, inside the nursery, so that none reaches
+            # the client wrapped in an exception group.
+            try:
+                if durable:
+                    assert turns is not None and identity is not None
+                    return await mcp_tasks.call(
+                        ctx, params, turns, identity, tool.listener, payload, agent_text
+                    )
+                assert payload is not None
+                reply = await send(tool.listener, payload, identity)
+            except (SendFailed, mcp_tasks.CallRefused) as exc:
+                return failed(str(exc))
+            text, is_error = result_text(reply, tool.agent)
+            return types.CallToolResult(
+                content=[types.TextContent(type="text", text=text)], is_error=is_error
+            )
+
+        if token is None:
+            return await answer()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_report_progress, ctx, token, tool.listener)
+            outcome = await answer()
+            nursery.cancel_scope.cancel()
+        return outcome
+
+    server = Server(name, version=version, on_list_tools=list_tools, on_call_tool=call_tool)
+    if turns is not None:
+        mcp_tasks.install(server, turns, identity_of, agent_text)
+    return server
 
 
 def _progress_token(ctx: Any) -> Any:

@@ -9,8 +9,13 @@ attempt first looks for the remote task the call already started:
 
 - by its id, when an earlier attempt of this process saw it;
 - else by ``ListTasks`` of the call's context (after a restart: nothing is kept here);
-  a remote that does not serve ``ListTasks`` is asked once, then sent to directly (a
-  remote that dedupes by message id, as ours does, still continues the same task).
+- else, on a remote without ``ListTasks`` (one that speaks A2A 0.3, which has none, or
+  one that refused it once), by the id :class:`RemoteTasks` recorded when an attempt
+  first saw the task: a step event (``a2a.task``) in the step log, durable in the
+  agents' store, so the resend after a restart, on any process of a shared store, reads
+  it. Nothing recorded (the process died between the remote's answer and the record):
+  sent again with the same message id (a remote that dedupes by message id, as ours
+  does, still continues the same task).
 
 A task found is followed (``SubscribeToTask`` when the card offers streaming, else
 ``GetTask``) and never sent again; a task the remote no longer has (TaskNotFound, or none
@@ -22,11 +27,14 @@ message in its history, the answer is sent again.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import trio
+
+from agentserver.steps.log import MemoryStepLog, StepLog, StepRow
 
 log = logging.getLogger("agentserver.a2a")
 
@@ -46,6 +54,13 @@ _STATE_NAMES = {
 }
 ENDED = frozenset({"completed", "failed", "canceled", "rejected"})
 WAITING = frozenset({"input-required", "auth-required"})
+#: The step event recording the remote task a call started (detail: the task's id).
+TASK_EVENT = "a2a.task"
+#: Seconds a record waits to be written before the call goes on (the writer still
+#: writes it: the wait only narrows the window a kill could lose it in).
+RECORD_WAIT = 2.0
+#: Seconds a call waits for the durable log at start (then it goes on without it).
+READY_WAIT = 30.0
 #: The namespace of :func:`call_context`'s ids.
 _CONTEXTS = uuid.UUID("5f0c2b8e-6a8d-4c1e-9d0a-a2a0c0de0a2a")
 
@@ -80,6 +95,51 @@ def settled(task: Any, resumed: bool) -> bool:
     return state in ENDED | WAITING
 
 
+class RemoteTasks:
+    """Which remote task each call started, for remotes without ``ListTasks``: a step
+    event :data:`TASK_EVENT` of the call's step (its idempotency key) in the step log,
+    durable in the agents' store (:meth:`log_to`, by the composition root once the
+    agents run, as the runner hub's log is); in memory without a store (``durable``
+    false: no agents, so no Turn resends a call after a restart)."""
+
+    def __init__(self, *, durable: bool = False) -> None:
+        self.log: StepLog = MemoryStepLog()
+        #: Set once the durable log is given (at once without a store): a Turn resumed
+        #: at start may resend its call before the composition root gets there.
+        self.ready = trio.Event()
+        if not durable:
+            self.ready.set()
+
+    def log_to(self, log: StepLog) -> None:
+        """Record in ``log`` from now on (the agents' store exists only once they run)."""
+        self.log = log
+        self.ready.set()
+
+    async def _log(self) -> StepLog:
+        if not self.ready.is_set():  # no checkpoint once ready (remember's append)
+            with trio.move_on_after(READY_WAIT):
+                await self.ready.wait()
+        return self.log
+
+    async def remember(self, call: RemoteCall, task_id: str) -> None:
+        """Record that ``call`` started remote task ``task_id``, and wait (at most
+        :data:`RECORD_WAIT` s) for the row to be written. Once the log is ready the row
+        is appended before any checkpoint: an attempt cancelled here still leaves it."""
+        log = await self._log()
+        log.append(
+            StepRow(call.key, call.listener, call.caller, 0, TASK_EVENT, task_id, time.time())
+        )
+        call.recorded = task_id
+        with trio.move_on_after(RECORD_WAIT):
+            await log.flush()
+
+    async def recall(self, key: str) -> str | None:
+        """The remote task the call of idempotency key ``key`` started, if recorded."""
+        rows = await (await self._log()).rows(step=key)
+        found = [r.detail for r in rows if r.event == TASK_EVENT and r.detail]
+        return found[-1] if found else None
+
+
 class RemoteCall:
     """The state one call keeps across its attempts: its message, and the remote task
     once known."""
@@ -92,8 +152,14 @@ class RemoteCall:
         data: Mapping[str, Any],
         key: str,
         waiting: tuple[str, str] | None,
+        *,
+        listener: str = "",
+        caller: str = "",
     ) -> None:
         self.remote = remote
+        #: The skill listener called, and who called it (the step log's columns).
+        self.listener = listener
+        self.caller = caller
         self.skill = skill
         self.text = text
         self.data = dict(data)
@@ -105,6 +171,10 @@ class RemoteCall:
         self.task_id = waiting[1] if waiting else ""
         #: The last state seen (the task being followed).
         self.task: Any = None
+        #: The remote task recorded in :class:`RemoteTasks` by this process.
+        self.recorded = ""
+        #: When the whole call times out (trio time; set as it starts).
+        self.deadline = float("inf")
 
     def message(self) -> Any:
         """The SDK's ``Message`` of this call: the same on every attempt."""
@@ -132,12 +202,21 @@ class Attempt:
     """One attempt of a :class:`RemoteCall` on an SDK client; raises what the client
     raises (the caller retries transport failures)."""
 
-    def __init__(self, client: Any, call: RemoteCall, streaming: bool, lists: bool) -> None:
+    def __init__(
+        self,
+        client: Any,
+        call: RemoteCall,
+        streaming: bool,
+        lists: bool,
+        tasks: RemoteTasks | None = None,
+    ) -> None:
         self.client = client
         self.call = call
         self.streaming = streaming
         #: The remote serves ListTasks (as far as known).
         self.lists = lists
+        #: Where a remote without ListTasks has its calls' tasks recorded.
+        self.tasks = tasks
 
     async def run(self) -> Any:
         """The task settled (ended or asking). Raises DirectAnswer for a remote that
@@ -173,7 +252,7 @@ class Attempt:
             delivered = call.holds_ours(task) or state_name(task) not in WAITING
             return (task, True) if delivered else None
         if not self.lists:
-            return None
+            return await self._recalled()
         try:
             page = await self.client.list_tasks(
                 ListTasksRequest(
@@ -183,17 +262,36 @@ class Attempt:
                     include_artifacts=True,  # an ended task's answer
                 )
             )
-        except A2AError as exc:
-            # Not served (or not as asked): send, by message id.
+        except (A2AError, NotImplementedError) as exc:
+            # Not served (or not as asked; the SDK's 0.3 transport has none): the record.
             log.info("a2a %s: ListTasks refused (%s): not asked again", call.remote, exc)
             self.lists = False
-            return None
+            return await self._recalled()
         tasks = [t for t in page.tasks if t.context_id == call.context]
         if not tasks:
             return None
         # Ours by message id when the history says; else the context's oldest (it is ours).
         mine = [t for t in tasks if call.holds_ours(t)] or tasks[-1:]
         return mine[0], False
+
+    async def _recalled(self) -> tuple[Any, bool] | None:
+        """The task :class:`RemoteTasks` recorded for this call (a fresh call's; an
+        answer to a question is looked up by its task's id), if the remote still has
+        it; None: to be sent."""
+        from a2a.types import GetTaskRequest
+        from a2a.utils.errors import TaskNotFoundError
+
+        if self.tasks is None or self.call.waiting is not None:
+            return None
+        recorded = await self.tasks.recall(self.call.key)
+        if recorded is None:
+            return None
+        self.call.recorded = recorded
+        try:
+            task = await self.client.get_task(GetTaskRequest(id=recorded, history_length=HISTORY))
+        except TaskNotFoundError:
+            return None
+        return task, False
 
     async def _send(self) -> Any:
         from a2a.types import SendMessageConfiguration, SendMessageRequest
@@ -204,12 +302,33 @@ class Attempt:
         )
         # Continuing a task that waits for input: its first reads may still show it waiting.
         resumed = self.call.waiting is not None
-        task = await self._consume(self.client.send_message(request), None, resumed)
+        events = self.client.send_message(request)
+        if not self.lists:
+            events = self._held_first(events)
+        task = await self._consume(events, None, resumed)
         if task is None:
             raise DirectAnswer(["the remote agent answered no task"])
         if state_name(task) not in WAITING:
             resumed = False
         return await self._follow(task, resumed)
+
+    async def _held_first(self, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """``events`` with the first awaited past this attempt's step timeout (up to the
+        call's deadline): on a remote without ListTasks the send's answer is the only
+        way to learn the task it started; cut, the next attempt could not find it and
+        would start another. Our stop lands once it is there (the cancel then names
+        the task)."""
+        iterator = aiter(events)
+        first = None
+        with trio.CancelScope(shield=True, deadline=self.call.deadline) as held:
+            first = await anext(iterator, None)
+        if held.cancelled_caught:
+            await trio.lowlevel.checkpoint()  # the call's deadline passed: its timeout
+        if first is None:
+            return
+        yield first
+        async for event in iterator:
+            yield event
 
     async def _resume(self, task: Any, resumed: bool) -> Any:
         from a2a.types import SubscribeToTaskRequest
@@ -249,6 +368,7 @@ class Attempt:
             if task is None:
                 continue
             self._seen(task)
+            await self._record(task)
             if settled(task, resumed):
                 break
             if state_name(task) not in WAITING:
@@ -266,9 +386,16 @@ class Attempt:
             delay = min(delay * 2, POLL_MAX)
             task = await self.client.get_task(GetTaskRequest(id=task.id))
             self._seen(task)
+            await self._record(task)
             if state_name(task) not in WAITING:
                 resumed = False
         return task
+
+    async def _record(self, task: Any) -> None:
+        """Record the task a remote without ListTasks started for this call, once."""
+        if self.lists or self.tasks is None or not task.id or task.id == self.call.recorded:
+            return
+        await self.tasks.remember(self.call, task.id)
 
     def _seen(self, task: Any) -> None:
         self.call.task_id = task.id

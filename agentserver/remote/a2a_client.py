@@ -15,6 +15,11 @@ last attempt's, or when the call is cancelled (the pump's timeout, our stop),
 remote that answers VersionNotSupported has its card fetched again and the call made
 once more.
 
+A remote whose card offers only A2A 0.3 is called with the SDK's 0.3 transport (its
+JSON-RPC method names), chosen by the SDK's client from the card; 0.3 has no
+``ListTasks``, so its calls find the task they started by the record
+:class:`~agentserver.remote.a2a_call.RemoteTasks` keeps (the step log).
+
 A remote task that asks for input (``input-required``) is answered to the caller as its
 question; the next call of the same caller chain to the same skill continues that task
 (same context and task ids) with its text as the answer.
@@ -22,6 +27,7 @@ question; the next call of the same caller chain to the same skill continues tha
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import ssl
@@ -34,8 +40,16 @@ from lxml import etree
 from agentserver.core.jsonschema_xsd import ArgumentError, ToolShape
 from agentserver.core.listener import HandlerMetadata, HandlerResponse, HandlerResult
 from agentserver.primitives.a2a import A2aAnswer
-from agentserver.remote.a2a_call import WAITING, Attempt, DirectAnswer, RemoteCall, state_name
+from agentserver.remote.a2a_call import (
+    WAITING,
+    Attempt,
+    DirectAnswer,
+    RemoteCall,
+    RemoteTasks,
+    state_name,
+)
 from agentserver.remote.a2a_spec import A2aRemoteSpec
+from agentserver.steps.log import StepLog
 from agentserver.steps.retry import backoff
 
 log = logging.getLogger("agentserver.a2a")
@@ -75,7 +89,8 @@ def _parse_card(data: Any) -> Any:
     except ImportError:
         raise CardError("the A2A SDK is not installed (pip install 'agentserver[a2a]')") from None
     try:
-        return parse_agent_card(data)
+        # A copy: the parser moves a 0.3 card's fields into 1.0's in place.
+        return parse_agent_card(copy.deepcopy(data))
     except Exception as exc:
         raise CardError(f"not an agent card: {exc}") from None
 
@@ -98,6 +113,24 @@ def fetch_card_blocking(spec: A2aRemoteSpec) -> dict[str, Any]:
         raise CardError("the card is not JSON") from None
     _parse_card(data)
     return data
+
+
+def speaks_v03(card: Any) -> bool:
+    """The SDK's client calls this card's remote at A2A 0.3: its JSON-RPC interfaces
+    include a 0.x one and no 1.x or later (the SDK prefers 1.0, then newer, then 0.3)."""
+    from a2a.compat.v0_3.versions import is_legacy_version
+
+    versions = [
+        i.protocol_version for i in card.supported_interfaces if i.protocol_binding == "JSONRPC"
+    ]
+    if any(v and not is_legacy_version(v) and _major(v) >= 1 for v in versions):
+        return False
+    return any(is_legacy_version(v) for v in versions)
+
+
+def _major(version: str) -> int:
+    head = version.split(".", 1)[0]
+    return int(head) if head.isdigit() else -1
 
 
 def task_texts(task: Any) -> list[str]:
@@ -127,8 +160,10 @@ class RemoteAgent:
     """One ``<a2a>``: its card, the SDK's client (made when first used, in the running
     trio), and the input-required tasks its callers may continue."""
 
-    def __init__(self, spec: A2aRemoteSpec) -> None:
+    def __init__(self, spec: A2aRemoteSpec, tasks: RemoteTasks | None = None) -> None:
         self.spec = spec
+        #: The record of which remote task each call started (a remote without ListTasks).
+        self.tasks = tasks
         self.card: Any = _parse_card(dict(spec.card)) if spec.card else None
         self._http: Any = None
         self._client: Any = None
@@ -149,6 +184,8 @@ class RemoteAgent:
             streaming = bool(self.card.capabilities.streaming)
             factory = ClientFactory(ClientConfig(httpx_client=self._http, streaming=streaming))
             self._client = factory.create(self.card)
+            if speaks_v03(self.card):
+                self.lists = False  # 0.3 has no ListTasks: the record finds a call's task
         return self._client
 
     async def refetch_card(self) -> None:
@@ -163,14 +200,30 @@ class RemoteAgent:
             await http.aclose()
 
     async def call(
-        self, skill: str, text: str, data: Mapping[str, Any], key: str, chain: str
+        self,
+        skill: str,
+        text: str,
+        data: Mapping[str, Any],
+        key: str,
+        chain: str,
+        *,
+        listener: str = "",
+        caller: str = "",
     ) -> A2aAnswer:
         """One call of ``skill`` (see the module doc). Never raises but Cancelled."""
         call = RemoteCall(
-            self.spec.name, skill, text, data, key, self.pending.pop((chain, skill), None)
+            self.spec.name,
+            skill,
+            text,
+            data,
+            key,
+            self.pending.pop((chain, skill), None),
+            listener=listener,
+            caller=caller,
         )
         try:
             with trio.fail_after(self.spec.timeout):
+                call.deadline = trio.current_effective_deadline()
                 task = await self._attempts(call)
         except trio.TooSlowError:
             await self._cancel(call.task_id)
@@ -205,7 +258,7 @@ class RemoteAgent:
                 try:
                     client = await self.client()
                     streaming = bool(self.card.capabilities.streaming)
-                    attempt = Attempt(client, call, streaming, self.lists)
+                    attempt = Attempt(client, call, streaming, self.lists, self.tasks)
                     try:
                         return await attempt.run()
                     finally:
@@ -285,10 +338,18 @@ class RemoteAgent:
 class A2aRemotes:
     """Every ``<a2a>`` of a topology, and the handlers of their skill listeners."""
 
-    def __init__(self, specs: Sequence[A2aRemoteSpec]) -> None:
-        self.agents = {spec.name: RemoteAgent(spec) for spec in specs}
+    def __init__(self, specs: Sequence[A2aRemoteSpec], *, durable: bool = False) -> None:
+        #: Which remote task each call started, for remotes without ListTasks (0.3);
+        #: ``durable``: the agents' store will keep it (:meth:`log_steps_to`).
+        self.tasks = RemoteTasks(durable=durable)
+        self.agents = {spec.name: RemoteAgent(spec, self.tasks) for spec in specs}
         #: The calls in flight by caller (the listener or agent that called).
         self.calls: dict[str, set[trio.CancelScope]] = {}
+
+    def log_steps_to(self, log: StepLog) -> None:
+        """Keep the calls' remote tasks in ``log`` from now on: the step log made durable
+        in the agents' store, which exists only once they run (as the runner hub's)."""
+        self.tasks.log_to(log)
 
     def cancel_caller(self, caller: str) -> int:
         """Cancel every call ``caller`` has in flight (our stop of an agent): each sends
@@ -329,7 +390,9 @@ class A2aRemotes:
                 calls = self.calls.setdefault(caller, set())
                 calls.add(scope)
                 try:
-                    answer = await self._call(agent, slots, skill, arguments, data, meta, chain)
+                    answer = await self._call(
+                        agent, slots, skill, arguments, data, meta, chain, listener, caller
+                    )
                 finally:
                     calls.discard(scope)
                     if not calls:
@@ -348,6 +411,8 @@ class A2aRemotes:
         data: Mapping[str, Any],
         meta: HandlerMetadata,
         chain: str,
+        listener: str,
+        caller: str,
     ) -> A2aAnswer:
         async with slots:
             return await agent.call(
@@ -356,4 +421,6 @@ class A2aRemotes:
                 data,
                 meta.idempotency_key or meta.thread_id,
                 chain,
+                listener=listener,
+                caller=caller,
             )

@@ -52,12 +52,18 @@ class McpConnectError(Exception):
 
 
 @contextlib.asynccontextmanager
-async def open_session(spec: McpServerSpec, *, message_handler: Any = None) -> AsyncIterator[Any]:
-    """An initialized ``ClientSession`` with ``spec``'s server (closed on exit; a stdio
-    server's process is stopped then). Raises whatever the transport raises."""
+async def open_session(
+    spec: McpServerSpec, *, message_handler: Any = None, tasks: bool = False
+) -> AsyncIterator[Any]:
+    """A connected SDK ``Client`` with ``spec``'s server, at whichever revision it speaks
+    (the SDK's automatic mode: ``server/discover`` at 2026-07-28, falling back to the
+    ``initialize`` handshake of 2025-11-25 and older); closed on exit, a stdio server's
+    process stopped then. ``tasks``: it declares the Tasks extension
+    (:mod:`agentserver.remote.mcp_tasks`), so a tool call answered with a task handle is
+    followed to the task's result. Raises whatever the transport raises."""
     # Imported here: the SDK is large, and only topologies with <mcp> need it.
     try:
-        from mcp import ClientSession
+        from mcp import Client
     except ImportError:
         raise McpConnectError(
             "the MCP SDK is not installed (pip install 'agentserver[mcp]')"
@@ -66,14 +72,14 @@ async def open_session(spec: McpServerSpec, *, message_handler: Any = None) -> A
     from mcp.client.streamable_http import streamable_http_client
     from mcp.shared._httpx_utils import create_mcp_http_client
 
+    from agentserver.remote.mcp_tasks import TasksExtension
+
     async with contextlib.AsyncExitStack() as stack:
         if spec.url is not None:
             http = await stack.enter_async_context(
                 create_mcp_http_client(headers=dict(spec.headers))
             )
-            read, write = await stack.enter_async_context(
-                streamable_http_client(spec.url, http_client=http)
-            )
+            transport = streamable_http_client(spec.url, http_client=http)
         else:
             assert spec.command is not None  # the loader checked one of url/command
             params = StdioServerParameters(
@@ -82,23 +88,27 @@ async def open_session(spec: McpServerSpec, *, message_handler: Any = None) -> A
                 env=dict(spec.env) or None,
                 cwd=spec.cwd,
             )
-            read, write = await stack.enter_async_context(stdio_client(params, errlog=sys.stderr))
-        session = await stack.enter_async_context(
-            ClientSession(read, write, message_handler=message_handler)
+            transport = stdio_client(params, errlog=sys.stderr)
+        client = await stack.enter_async_context(
+            Client(
+                transport,
+                mode="auto",
+                message_handler=message_handler,
+                # Tool lists are read when we ask; the SDK's response cache would hide
+                # a relist after notifications/tools/list_changed.
+                cache=None,
+                extensions=[TasksExtension()] if tasks else None,
+            )
         )
-        await session.initialize()
-        yield session
+        yield client
 
 
 async def list_tools(session: Any) -> tuple[ToolInfo, ...]:
     """Every tool the session's server lists (following its pages, at most MAX_PAGES)."""
-    from mcp_types import PaginatedRequestParams
-
     tools: list[ToolInfo] = []
     cursor = None
     for _ in range(MAX_PAGES):
-        params = PaginatedRequestParams(cursor=cursor) if cursor else None
-        page = await session.list_tools(params=params)
+        page = await session.list_tools(cursor=cursor)
         tools.extend(ToolInfo.from_mcp(t) for t in page.tools)
         cursor = page.next_cursor
         if not cursor:
@@ -138,6 +148,13 @@ def discover_blocking(spec: McpServerSpec) -> tuple[ToolInfo, ...]:
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
     return outcome[0]
+
+
+def _is_modern(session: Any) -> bool:
+    """The connection speaks a revision of 2026-07-28 or later (stateless, discovered)."""
+    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+    return session.protocol_version in MODERN_PROTOCOL_VERSIONS
 
 
 def _describe(exc: BaseException) -> str:
@@ -203,14 +220,19 @@ class McpConnection:
                 with trio.CancelScope(
                     deadline=trio.current_time() + self.spec.connect_timeout
                 ) as bound:
-                    async with open_session(self.spec, message_handler=self._on_message) as session:
+                    async with open_session(
+                        self.spec, message_handler=self._on_message, tasks=True
+                    ) as session:
                         self._update(await list_tools(session))
                         bound.deadline = math.inf
                         self.session = session
                         self.connects += 1
                         delay = BACKOFF_FIRST
                         log.info(
-                            "MCP server %s connected (%d tools)", self.spec.name, len(self.tools)
+                            "MCP server %s connected (%d tools, protocol %s)",
+                            self.spec.name,
+                            len(self.tools),
+                            session.protocol_version,
                         )
                         if not started:
                             started = True
@@ -236,31 +258,52 @@ class McpConnection:
             delay = min(delay * 2, BACKOFF_MAX)
 
     async def _watch(self, session: Any) -> None:
-        """Return once the session looks dead (a failed ping, or a call saw it fail);
-        list the tools again when the server says they changed."""
+        """Return once the session looks dead (a failed liveness check, or a call saw it
+        fail); list the tools again when the server says they changed. At 2026-07-28 the
+        liveness check is ``server/discover`` (``ping`` is gone) and the change comes on a
+        ``subscriptions/listen`` stream; before, ``ping`` and the session's notification."""
         self._broken = trio.Event()
-        while True:
-            with trio.move_on_after(PING_INTERVAL):
-                async with trio.open_nursery() as nursery:
+        modern = _is_modern(session)
+        async with trio.open_nursery() as outer:
+            if modern:
+                outer.start_soon(self._listen, session)
+            while True:
+                with trio.move_on_after(PING_INTERVAL):
+                    async with trio.open_nursery() as nursery:
 
-                    async def wake(event: trio.Event) -> None:
-                        await event.wait()
-                        nursery.cancel_scope.cancel()
+                        async def wake(event: trio.Event) -> None:
+                            await event.wait()
+                            nursery.cancel_scope.cancel()
 
-                    nursery.start_soon(wake, self._broken)
-                    nursery.start_soon(wake, self._relist)
-            if self._broken.is_set():
-                return
-            try:
-                with trio.fail_after(self.spec.connect_timeout):
-                    if self._relist.is_set():
-                        self._relist = trio.Event()
-                        self._update(await list_tools(session))
-                    else:
-                        await session.send_ping()
-            except Exception as exc:
-                log.warning("MCP server %s stopped answering: %s", self.spec.name, _describe(exc))
-                return
+                        nursery.start_soon(wake, self._broken)
+                        nursery.start_soon(wake, self._relist)
+                if self._broken.is_set():
+                    break
+                try:
+                    with trio.fail_after(self.spec.connect_timeout):
+                        if self._relist.is_set():
+                            self._relist = trio.Event()
+                            self._update(await list_tools(session))
+                        elif modern:
+                            await session.session.discover()
+                        else:
+                            await session.send_ping()
+                except Exception as exc:
+                    log.warning(
+                        "MCP server %s stopped answering: %s", self.spec.name, _describe(exc)
+                    )
+                    break
+            outer.cancel_scope.cancel()
+
+    async def _listen(self, session: Any) -> None:
+        """The tools' changes from a 2026-07-28 server (``subscriptions/listen``); a server
+        that does not offer them is only logged (its tools are then those of the load)."""
+        try:
+            async with session.listen(tools_list_changed=True) as subscription:
+                async for _event in subscription:
+                    self._relist.set()
+        except Exception as exc:
+            log.info("MCP server %s: no tool-change stream: %s", self.spec.name, _describe(exc))
 
     async def _on_message(self, message: Any) -> None:
         if getattr(message, "method", None) == "notifications/tools/list_changed":

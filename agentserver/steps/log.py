@@ -67,6 +67,10 @@ class StepLog(Protocol):
         """Rows in ``seq`` order after ``after``, optionally of one step or listener."""
         ...
 
+    async def flush(self) -> None:
+        """Wait until the rows appended so far are kept (written, for a durable log)."""
+        ...
+
 
 def limit_rows(limit: int) -> int:
     return max(1, min(limit, MAX_ROWS))
@@ -80,6 +84,9 @@ class MemoryStepLog:
     def __init__(self, size: int = MEMORY_ROWS) -> None:
         self._rows: collections.deque[StepRow] = collections.deque(maxlen=size)
         self._seq = 0
+
+    async def flush(self) -> None:
+        """Nothing to wait for: a row is kept as it is appended."""
 
     def append(self, row: StepRow) -> StepRow:
         self._seq += 1

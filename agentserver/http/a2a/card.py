@@ -20,7 +20,7 @@ from a2a.types import (
     StringList,
 )
 from a2a.types.a2a_pb2 import AgentExtension
-from a2a.utils.constants import PROTOCOL_VERSION_1_0, TransportProtocol
+from a2a.utils.constants import PROTOCOL_VERSION_0_3, PROTOCOL_VERSION_1_0, TransportProtocol
 from google.protobuf.struct_pb2 import Struct
 
 from agentserver.http.a2a.skills import SKILL_KEY, A2aSkill
@@ -67,12 +67,16 @@ def _card(
         name=name,
         description=description,
         version=facts.version,
+        # 1.0 first (a 1.x client takes it); then 0.3 at the same endpoint, from which the
+        # SDK writes the card's 0.3 fields (url, preferredTransport, protocolVersion) that
+        # 0.3 clients read.
         supported_interfaces=[
             AgentInterface(
                 url=url,
                 protocol_binding=TransportProtocol.JSONRPC.value,
-                protocol_version=PROTOCOL_VERSION_1_0,
+                protocol_version=version,
             )
+            for version in (PROTOCOL_VERSION_1_0, PROTOCOL_VERSION_0_3)
         ],
         capabilities=AgentCapabilities(
             streaming=True, push_notifications=True, extended_agent_card=facts.secured

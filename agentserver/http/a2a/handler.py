@@ -53,7 +53,7 @@ from a2a.utils.errors import (
     TaskNotFoundError,
     UnsupportedOperationError,
 )
-from google.protobuf.json_format import MessageToDict, MessageToJson, Parse
+from google.protobuf.json_format import MessageToDict, MessageToJson
 from lxml import etree
 
 from agentserver.agents.errors import TurnPruned
@@ -65,7 +65,7 @@ from agentserver.core.namespaces import CORE_NS
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.a2a.card import CardFacts, server_card
-from agentserver.http.a2a.push import PushRefused, check_push_url
+from agentserver.http.a2a.push import PushRefused, check_push_url, read_config, stored_config
 from agentserver.http.a2a.scope import AGENT, BASE_URL, IDENTITY
 from agentserver.http.a2a.skills import SKILL_KEY, A2aSkill, MessageRefused
 from agentserver.http.a2a.tasks import (
@@ -78,6 +78,7 @@ from agentserver.http.a2a.tasks import (
     state_of,
     to_task,
 )
+from agentserver.http.a2a.versions import protocol_of
 from agentserver.net.roles import OperatorCommands
 from agentserver.primitives.approval import NS as APPROVAL_NS
 from agentserver.primitives.approval import ApprovalDecision
@@ -158,6 +159,12 @@ class A2aHandler(RequestHandler):
     @staticmethod
     def owner(identity: Identity) -> str:
         return identity.name or ""
+
+    @staticmethod
+    def protocol(context: ServerCallContext | None) -> str:
+        """The A2A version the request speaks (``0.3`` for 0.3's method names, which
+        the SDK's adapter puts in the context as it converts them)."""
+        return protocol_of(context.state.get("method") if context is not None else None)
 
     def visible(self, identity: Identity, context: ServerCallContext | None) -> list[A2aSkill]:
         """The skills ``identity`` may address through this endpoint."""
@@ -254,7 +261,11 @@ class A2aHandler(RequestHandler):
         )
         if new and params.configuration.HasField("task_push_notification_config"):
             # Before the task is sent: no state change goes unnoticed.
-            await self._set_push(task_id, params.configuration.task_push_notification_config)
+            await self._set_push(
+                task_id,
+                params.configuration.task_push_notification_config,
+                self.protocol(context),
+            )
         if new:
             if skill.memory and self.deps.conversations is not None:
                 # Each context is its own conversation with the agent.
@@ -477,8 +488,10 @@ class A2aHandler(RequestHandler):
 
     # -- push notifications ------------------------------------------------------------------
     async def _set_push(
-        self, task_id: str, config: TaskPushNotificationConfig
+        self, task_id: str, config: TaskPushNotificationConfig, protocol: str
     ) -> TaskPushNotificationConfig:
+        """Keep ``config`` on the task; its notifications are in ``protocol``'s shape
+        (the version of the request that set it)."""
         try:
             await check_push_url(config.url, allow_private=self.deps.allow_private_push)
         except PushRefused as exc:
@@ -489,20 +502,17 @@ class A2aHandler(RequestHandler):
         kept.id = config.id or new_thread_id()
         if len(kept.id) > MAX_ID:
             raise InvalidParamsError(f"a config id is at most {MAX_ID} characters")
-        await self.deps.store.a2a_push_put(task_id, kept.id, MessageToJson(kept))
+        await self.deps.store.a2a_push_put(task_id, kept.id, stored_config(kept, protocol))
         return kept
 
     async def on_create_task_push_notification_config(
         self, params: TaskPushNotificationConfig, context: ServerCallContext | None = None
     ) -> TaskPushNotificationConfig:
         row = await self._task_row(params.task_id, self.identity(context), "CreateTaskPushConfig")
-        return await self._set_push(row["task_id"], params)
+        return await self._set_push(row["task_id"], params, self.protocol(context))
 
     async def _configs(self, task_id: str) -> list[TaskPushNotificationConfig]:
-        return [
-            Parse(text, TaskPushNotificationConfig())
-            for _, text in await self.deps.store.a2a_push_configs(task_id)
-        ]
+        return [read_config(text)[0] for _, text in await self.deps.store.a2a_push_configs(task_id)]
 
     async def on_get_task_push_notification_config(
         self, params: GetTaskPushNotificationConfigRequest, context: ServerCallContext | None = None

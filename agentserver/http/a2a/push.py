@@ -20,12 +20,13 @@ checks the URL against SSRF again first (a name may resolve elsewhere now).
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import urllib.parse
 
 import trio
-from a2a.types import StreamResponse, TaskPushNotificationConfig, TaskState
-from google.protobuf.json_format import MessageToJson, Parse
+from a2a.types import StreamResponse, Task, TaskPushNotificationConfig, TaskState
+from google.protobuf.json_format import MessageToJson, ParseDict
 
 from agentserver.agents.edge.outbox import Channel, Outbox
 from agentserver.agents.errors import TurnPruned
@@ -33,6 +34,7 @@ from agentserver.agents.store.base import A2aStore
 from agentserver.agents.store.outbox import OutboxItem, OutboxRow
 from agentserver.core.threads import new_thread_id
 from agentserver.http.a2a.tasks import TERMINAL, state_of, to_task
+from agentserver.http.a2a.versions import V03, V10
 
 log = logging.getLogger("agentserver.a2a")
 
@@ -95,6 +97,36 @@ async def check_push_url(url: str, *, allow_private: bool) -> None:
             f"the push URL's host {parsed.hostname!r} is loopback or private: refused "
             '(<expose-a2a allow-private-push="true"> allows it)'
         )
+
+
+#: The key of a stored config's JSON saying which version's shape its notifications take.
+PROTOCOL_KEY = "agentserverProtocol"
+
+
+def stored_config(config: TaskPushNotificationConfig, protocol: str) -> str:
+    """``config`` as the store keeps it: its JSON, with the version of the request that
+    set it (a 0.3 client is sent 0.3's notification shape)."""
+    data = json.loads(MessageToJson(config))
+    if protocol != V10:
+        data[PROTOCOL_KEY] = protocol
+    return json.dumps(data)
+
+
+def read_config(text: str) -> tuple[TaskPushNotificationConfig, str]:
+    """A stored config and the version its notifications speak."""
+    data = json.loads(text)
+    protocol = str(data.pop(PROTOCOL_KEY, V10))
+    return ParseDict(data, TaskPushNotificationConfig()), protocol
+
+
+def notification_body(task: Task, protocol: str) -> str:
+    """A notification's body: 1.0's ``StreamResponse`` holding the task; 0.3's is the
+    task itself (``kind: task``), as the 0.3 SDK's sender posts it."""
+    if protocol == V03:
+        from a2a.compat.v0_3.conversions import to_compat_task
+
+        return to_compat_task(task).model_dump_json(by_alias=True, exclude_none=True)
+    return MessageToJson(StreamResponse(task=task), indent=None)
 
 
 def channel_of(url: str) -> str:
@@ -180,10 +212,11 @@ class PushNotifier:
             name = TaskState.Name(state)
             if name == seen:
                 continue
-            config = await self._config(task_id, config_id)
-            if config is None:
+            found = await self._config(task_id, config_id)
+            if found is None:
                 continue
-            body = MessageToJson(StreamResponse(task=to_task(row, 0)), indent=None)
+            config, protocol = found
+            body = notification_body(to_task(row, 0), protocol)
             item = push_item(config, task_id, config_id, body)
             if await self.store.a2a_push_owe(
                 task_id, config_id, seen, name, state in TERMINAL, item
@@ -193,8 +226,10 @@ class PushNotifier:
             self.outbox.wake()
         return owed
 
-    async def _config(self, task_id: str, config_id: str) -> TaskPushNotificationConfig | None:
+    async def _config(
+        self, task_id: str, config_id: str
+    ) -> tuple[TaskPushNotificationConfig, str] | None:
         for cid, config_json in await self.store.a2a_push_configs(task_id):
             if cid == config_id:
-                return Parse(config_json, TaskPushNotificationConfig())
+                return read_config(config_json)
         return None

@@ -11,12 +11,14 @@ loopback callers only, as everything else."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from agentserver.http.a2a.scope import AGENT, BASE_URL, IDENTITY
+from agentserver.http.a2a.versions import HEADER, VERSION_NOT_SUPPORTED, refusal
 from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
 from agentserver.http.problems import problem
@@ -36,13 +38,36 @@ def _dispatcher(handler: Any) -> Any:
             context.state.update(request.scope.get(_SCOPE_KEY, {}))
             return context
 
-    return JsonRpcDispatcher(handler, context_builder=Contexts())
+    # The 0.3 method names (message/send, tasks/get, ...) are served beside 1.0's by the
+    # SDK's own adapter, on the same handler: the same tasks either way.
+    return JsonRpcDispatcher(handler, context_builder=Contexts(), enable_v0_3_compat=True)
 
 
 def _card_json(card: Any) -> JSONResponse:
     from a2a.server.request_handlers.response_helpers import agent_card_to_dict
 
     return JSONResponse(agent_card_to_dict(card))
+
+
+def _version_refusal(body: bytes, header: str | None) -> Response | None:
+    """VersionNotSupported for a request whose ``A2A-Version`` does not fit its method
+    (:func:`agentserver.http.a2a.versions.refusal`); None: the dispatcher answers (a body
+    that is not a JSON-RPC request included: it says why)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(request, dict):
+        return None
+    why = refusal(request.get("method"), header)
+    if why is None:
+        return None
+    ident = request.get("id")
+    if isinstance(ident, bool) or not isinstance(ident, str | int):
+        ident = None
+    return JSONResponse(
+        {"jsonrpc": "2.0", "id": ident, "error": {"code": VERSION_NOT_SUPPORTED, "message": why}}
+    )
 
 
 class A2aRoutes:
@@ -101,6 +126,9 @@ class A2aRoutes:
         body = await request.body()  # kept by Starlette: the dispatcher reads it again
         if len(body) > self.ctx.gateway.max_bytes:
             return problem(413, "too-large", "The request is too large.")
+        refused = _version_refusal(body, request.headers.get(HEADER))
+        if refused is not None:
+            return refused
         state: dict[str, Any] = {IDENTITY: identity, BASE_URL: self._base_url(request)}
         if name is not None:
             state[AGENT] = name
