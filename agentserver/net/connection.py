@@ -124,8 +124,9 @@ class Connection:
     def offer(self, reply_id: int, body: bytes) -> bool:
         """Queue a durable reply (see :class:`~agentserver.net.roles.NamedClients`); False
         if it was dropped. On a no-ack link its receipt has committed already (the reply
-        is out of the store): it is written even if her end of input is read meanwhile
-        (she reads until the server closes), so none is taken after it was read."""
+        is out of the store), so once queued it is written even if her end of input is
+        read meanwhile (she reads until the server closes); once that was read, none is
+        queued (False: the caller keeps it again for her next connection)."""
         endpoint = self.endpoint
         if endpoint is None or self._out is None or endpoint.closed:
             return False
