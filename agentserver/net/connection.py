@@ -123,25 +123,16 @@ class Connection:
 
     def offer(self, reply_id: int, body: bytes) -> bool:
         """Queue a durable reply (see :class:`~agentserver.net.roles.NamedClients`); False
-        if it was dropped."""
-        endpoint, out = self.endpoint, self._out
-        if endpoint is None or out is None or endpoint.closed:
+        if it was dropped. On a no-ack link its receipt has committed already (the reply
+        is out of the store), so once queued it is written even if her end of input is
+        read meanwhile (she reads until the server closes); once that was read, none is
+        queued (False: the caller keeps it again for her next connection)."""
+        endpoint = self.endpoint
+        if endpoint is None or self._out is None or endpoint.closed:
             return False
         if not self.acks and not self.input_open:
-            # Nothing durable is written after a no-ack client's end of input: she could
-            # not tell it from what was written before (received), so it stays kept.
             return False
-        if not self.acks:
-            out.expect_durable(body, reply_id)
-        if endpoint.push(body):
-            return True
-        out.forget_durable(body)
-        return False
-
-    def take_written(self) -> list[int]:
-        """Ids of durable replies written while the input was open (no-ack links), since
-        the last call."""
-        return self._out.take_written() if self._out is not None else []
+        return endpoint.push(body)
 
     async def _acked(self, reply_ids: list[int]) -> None:
         named = self.shared.named_clients
@@ -173,8 +164,6 @@ class Connection:
                 self.inflight,
                 shared.counters,
                 self.limits.write_timeout,
-                input_open=lambda: self.input_open,
-                on_written=self._received,
                 # Jobs come in bursts (one per request read): the writer batches them into
                 # one write; the direct write would cost a send per job.
                 direct_writes=not is_runner,
@@ -409,9 +398,3 @@ class Connection:
         with trio.move_on_after(self.limits.read_timeout):
             while owed():
                 await self.inflight.wait_reply()
-
-    async def _received(self, reply_ids: list[int]) -> None:
-        """Durable replies were written on this no-ack link: they count as received."""
-        named = self.shared.named_clients
-        if named is not None and reply_ids:
-            await named.received(self, reply_ids)

@@ -26,12 +26,8 @@ class ClientLink(Protocol):
     input_open: bool
 
     def offer(self, reply_id: int, body: bytes) -> bool:
-        """Queue a durable reply for the client; False if the connection cannot take it."""
-        ...
-
-    def take_written(self) -> list[int]:
-        """Ids of durable replies written while the input was open (no-ack links), since
-        the last call."""
+        """Queue a durable reply for the client; False if the connection cannot take it.
+        Without acks, the caller has committed its receipt first: queued, it is written."""
         ...
 
 

@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -75,8 +75,6 @@ def direct_handle(stream: trio.abc.Stream) -> DirectHandle | None:
 class ReplyWriter:
     """Writes one connection's replies (see the module docstring). ``direct``: the
     connection's :func:`direct_handle` (None: every reply goes through :meth:`run`).
-    ``input_open`` tells whether the client can still acknowledge; ``on_written`` gets the
-    ids of durable replies written on a no-ack link (counted received).
 
     The writer opens the connection's endpoint (:attr:`endpoint`) with
     ``open_endpoint(sink)``, last in its constructor: the endpoint's sink is the writer's
@@ -92,8 +90,6 @@ class ReplyWriter:
         counters: dict[str, int],
         write_timeout: float,
         *,
-        input_open: Callable[[], bool],
-        on_written: Callable[[list[int]], Awaitable[None]],
         direct_writes: bool = True,
     ) -> None:
         self._stream = stream
@@ -104,8 +100,6 @@ class ReplyWriter:
         self.inflight = inflight
         self._counters = counters
         self._write_timeout = write_timeout
-        self._input_open = input_open
-        self._on_written = on_written
         #: True while the writer waits with nothing queued or half-written.
         self._writer_idle = False
         #: True while the client sends several requests per read: its replies are
@@ -117,11 +111,6 @@ class ReplyWriter:
         #: together when it is done with them (see start_batch); None when not collecting.
         self._batch: list[bytes] | None = None
         self._batch_bytes = 0
-        #: Durable replies queued on a no-ack link, by id() of their bytes: (bytes, id).
-        #: Empty on every other connection, so the write paths only test it.
-        self._durable: dict[int, tuple[bytes, int]] = {}
-        #: Ids of those written while the client's input was open (counted received).
-        self._written: list[int] = []
         # Last: the endpoint may call write_now as soon as it exists.
         sink = self.write_now if direct is not None and direct_writes else None
         #: The connection's endpoint (made by ``open_endpoint``).
@@ -131,45 +120,6 @@ class ReplyWriter:
         """The client sends several requests per read (``on``), or one at a time again:
         while it does, replies are batched by the writer rather than written one by one."""
         self._pipelining = on
-
-    # -- durable replies on a no-ack link ------------------------------------------------
-
-    def expect_durable(self, body: bytes, reply_id: int) -> None:
-        """``body`` (about to be pushed) is durable reply ``reply_id``: once written while
-        the client's input is open, it counts as received."""
-        self._durable[id(body)] = (body, reply_id)
-
-    def forget_durable(self, body: bytes) -> None:
-        """``body`` was not queued after all."""
-        self._durable.pop(id(body), None)
-
-    def take_written(self) -> list[int]:
-        """Ids of durable replies written while the input was open, since the last call."""
-        written, self._written = self._written, []
-        return written
-
-    def _wrote(self, body: bytes) -> None:
-        """A reply is being written: a durable one on a no-ack link counts as received (the
-        caller has dropped those it must not write: :meth:`_unwritable`)."""
-        entry = self._durable.pop(id(body), None)
-        if entry is not None and entry[0] is body:
-            self._written.append(entry[1])
-
-    def _unwritable(self, body: bytes) -> bool:
-        """``body`` is a durable reply on a no-ack link whose client's input has ended: it
-        is not written (it stays kept for her next connection). She reads until the server
-        closes, and could not tell a reply written after the server read her end of input
-        from one written before (received): so none is written after (docs/wire.md)."""
-        entry = self._durable.get(id(body))
-        if entry is None or entry[0] is not body or self._input_open():
-            return False
-        del self._durable[id(body)]
-        return True
-
-    def _writable(self, bodies: list[bytes]) -> list[bytes]:
-        if not self._durable or self._input_open():
-            return bodies
-        return [body for body in bodies if not self._unwritable(body)]
 
     # -- writing -------------------------------------------------------------------------
 
@@ -188,10 +138,6 @@ class ReplyWriter:
         if batch is None:
             return
         self._batch = None
-        owed = len(batch)
-        batch = self._writable(batch)
-        if len(batch) < owed:
-            self.inflight.replied(owed - len(batch))
         if not batch:
             return
         assert self._direct is not None
@@ -209,9 +155,6 @@ class ReplyWriter:
         which is woken to send it before anything else."""
         count = len(bodies)
         self.inflight.replied(count)
-        if self._durable:
-            for body in bodies:
-                self._wrote(body)
         counters = self._counters
         counters["replies"] += count
         counters["writes"] += 1
@@ -242,9 +185,6 @@ class ReplyWriter:
                 self.flush()
                 self.start_batch()
             return True
-        if self._durable and self._unwritable(body):
-            self.inflight.replied(1)  # answered, as far as the in-flight bound goes
-            return True  # not written: it stays kept
         if not self._writer_idle or self._pipelining or len(self.inflight.requests) > 1:
             # Queued for the writer, which that wakes: later replies must queue behind it.
             self._writer_idle = False
@@ -343,23 +283,13 @@ class ReplyWriter:
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 if not self._collect(endpoint, batch):
                     break
-            owed = [body for body in batch if body]  # an empty one is a _WAKE
-            replies = self._writable(owed)
+            replies = [body for body in batch if body]  # an empty one is a _WAKE
             data = encode_frames(replies)
             if self._carry:
                 data, self._carry = self._carry + data, b""
-            self.inflight.replied(len(owed))
+            self.inflight.replied(len(replies))
             counters["replies"] += len(replies)
             counters["queued"] += len(replies)
-            # Received if the client's input was open when they were taken for writing:
-            # she reads until the server closes, so what goes out now reaches her.
-            written: list[int] = []
-            if self._durable:
-                for body in replies:
-                    self._wrote(body)
-                written = self.take_written()
             # Even with nothing new: an empty write sends what a TLS stream still owes
             # (ciphertext a direct send left behind, the reason the writer was woken).
             await write(data)
-            if written:
-                await self._on_written(written)

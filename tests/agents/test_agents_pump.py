@@ -166,9 +166,6 @@ async def test_named_client_replies_stay_kept_until_received(tmp_path):
             self.got.append(int(root[0].text))
             return True
 
-        def take_written(self) -> list[int]:
-            return []
-
     async with open_pump([Listener("calculator", (Add,), calculator, responses=(Sum,))]) as pump:
         store = SqliteAgentStore.open(
             tmp_path / "s.sqlite3", settings=StoreSettings(path=tmp_path / "s.sqlite3")

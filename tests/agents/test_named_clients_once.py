@@ -12,8 +12,9 @@ receives a reply as it is written; one with acks when she acknowledges it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -65,6 +66,18 @@ class Gated:
         #: Awaited after a keep committed, before the keeper goes on.
         self.after_keep: Callable[[], Awaitable[Any]] | None = None
 
+    @contextlib.contextmanager
+    def opened_at_exit(self) -> Iterator[None]:
+        """The gates open when the block ends, however it ends: a receipt without acks
+        is taken shielded from cancel (agents/edge/named_clients.py), so a test failing
+        while one waits at a gate would otherwise wait for ever."""
+        try:
+            yield
+        finally:
+            for gate in (self.ack_gate, self.read_gate):
+                if gate is not None:
+                    gate.set()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
 
@@ -74,6 +87,13 @@ class Gated:
         count = await self.store.ack_client_replies(client, reply_ids)
         self.acked.set()
         return count
+
+    async def take_client_reply(self, client: str, reply_id: int) -> Any:
+        if self.ack_gate is not None:  # the receipt, committed before the write
+            await self.ack_gate.wait()
+        taken = await self.store.take_client_reply(client, reply_id)
+        self.acked.set()
+        return taken
 
     async def pending_client_replies(self, client: str, after_id: int = 0, limit: int = 100):
         rows = await self.store.pending_client_replies(client, after_id, limit)
@@ -90,9 +110,8 @@ class Gated:
 
 
 class Link:
-    """A connection of ``alice`` (the server's ClientLink): without acks each reply is
-    written at once, while her input is open (received); with acks she acknowledges
-    when the test says."""
+    """A connection of ``alice`` (the server's ClientLink): each reply offered is written
+    at once (without acks, received); with acks she acknowledges when the test says."""
 
     identity = "alice"
     endpoint_name = "alice"
@@ -100,23 +119,16 @@ class Link:
 
     def __init__(self, acks: bool) -> None:
         self.acks = acks
-        #: The reply ids of the frames queued for her, in order: a repeat is a duplicate.
+        #: The reply ids of the frames written to her, in order: a repeat is a duplicate.
         self.frames: list[int] = []
         #: Set at the second frame.
         self.repeated = trio.Event()
-        self._written: list[int] = []
 
     def offer(self, reply_id: int, body: bytes) -> bool:
         self.frames.append(reply_id)
         if len(self.frames) > 1:
             self.repeated.set()
-        if not self.acks:
-            self._written.append(reply_id)
         return True
-
-    def take_written(self) -> list[int]:
-        written, self._written = self._written, []
-        return written
 
 
 async def first_of(*events: trio.Event) -> None:
@@ -136,9 +148,9 @@ async def first_of(*events: trio.Event) -> None:
 async def test_a_flush_does_not_offer_again_a_reply_whose_receipt_is_committing(
     store, acks, commit
 ):
-    """Race (a): the reply was received (written, or acknowledged) and its store
-    acknowledgement is still committing while this process's flusher reads what is kept:
-    the read still shows the reply; it must not be offered again."""
+    """Race (a): the reply's receipt (without acks, taken before it is written; with
+    acks, her acknowledgement) is still committing while this process's flusher reads
+    what is kept: the read still shows the reply; it must not be offered again."""
     gated = Gated(store)
     clients = NamedClientReplies(gated, ["alice"])
     link = Link(acks)
@@ -148,31 +160,33 @@ async def test_a_flush_does_not_offer_again_a_reply_whose_receipt_is_committing(
     if commit == "during-the-read":
         gated.read_gate = trio.Event()
     async with trio.open_nursery() as nursery:
-        if acks:
-            assert await clients.deliver("alice", reply_id, BODY)
-            nursery.start_soon(clients.received, link, [reply_id])  # her <ack>
-        else:
-            nursery.start_soon(clients.deliver, "alice", reply_id, BODY)  # written at once
-        await trio.testing.wait_all_tasks_blocked()  # at the gate: committing
-        assert link.frames == [reply_id]
-        if commit == "after-the-flush":
-            flushed = trio.Event()
+        with gated.opened_at_exit():
+            if acks:
+                assert await clients.deliver("alice", reply_id, BODY)
+                nursery.start_soon(clients.received, link, [reply_id])  # her <ack>
+            else:
+                # Without acks the receipt commits first, and the reply is written after it.
+                nursery.start_soon(clients.deliver, "alice", reply_id, BODY)
+            await trio.testing.wait_all_tasks_blocked()  # at the gate: committing
+            assert link.frames == ([reply_id] if acks else [])
+            if commit == "after-the-flush":
+                flushed = trio.Event()
 
-            async def flush() -> None:
-                await clients.flush_all()
-                flushed.set()
+                async def flush() -> None:
+                    await clients.flush_all()
+                    flushed.set()
 
-            nursery.start_soon(flush)
-            # Done, or offered it again (then it may wait for its own ack at the gate).
-            await first_of(flushed, link.repeated)
-            gated.ack_gate.set()
-        else:
-            nursery.start_soon(clients.flush_all)
-            await gated.read_has_rows.wait()  # the read saw the reply kept ...
-            gated.ack_gate.set()
-            await gated.acked.wait()  # ... the receipt committed, then the flush goes on
-            assert gated.read_gate is not None
-            gated.read_gate.set()
+                nursery.start_soon(flush)
+                # Done, or offered it again (then it may wait for its own ack at the gate).
+                await first_of(flushed, link.repeated)
+                gated.ack_gate.set()
+            else:
+                nursery.start_soon(clients.flush_all)
+                await gated.read_has_rows.wait()  # the read saw the reply kept ...
+                gated.ack_gate.set()
+                await gated.acked.wait()  # ... the receipt committed, then the flush goes on
+                assert gated.read_gate is not None
+                gated.read_gate.set()
     assert link.frames == [reply_id]
     assert await store.pending_client_replies("alice") == []
     # The next flush (the poll) finds nothing either.
@@ -212,6 +226,35 @@ async def test_deliver_does_not_offer_again_a_reply_the_flusher_offered(store, r
     assert [r.reply_id for r in kept] == ([] if received != "offered" else link.frames)
 
 
+async def test_a_reply_written_without_acks_is_not_written_again_after_a_crash(store):
+    """The double answer of the 30-minute soak (seed 4302, PostgreSQL, two processes): a
+    no-ack client's reply was written to her connection, then the process was SIGKILLed
+    before its receipt committed (the receipt's transaction waited behind a deadlock for
+    two seconds). The store still kept the reply, and her next connection was handed it
+    again. Here the receipt stalls at its gate and the process is left there, as a kill
+    leaves it; her next connection is on a new process on the same store. She gets the
+    reply once: the receipt now commits before the reply is written, so a process killed
+    before it commits has written nothing."""
+    gated = Gated(store)
+    killed = NamedClientReplies(gated, ["alice"])
+    link = Link(acks=False)
+    await killed.attach(link)
+    reply_id = await gated.record_client_reply("alice", {"t": 1}, BODY, failed=False)
+    gated.ack_gate = trio.Event()
+    async with trio.open_nursery() as nursery:
+        with gated.opened_at_exit():
+            nursery.start_soon(killed.deliver, "alice", reply_id, BODY)
+            await trio.testing.wait_all_tasks_blocked()  # its receipt at the gate
+            restarted = NamedClientReplies(store, ["alice"])
+            again = Link(acks=False)
+            await restarted.attach(again)  # her next connection: what is kept is handed over
+            assert link.frames + again.frames == [reply_id]
+            # A process only stalled (not killed) that goes on writes it no more either.
+            gated.ack_gate.set()
+    assert link.frames + again.frames == [reply_id]
+    assert await store.pending_client_replies("alice") == []
+
+
 def test_receipts_are_forgotten_once_no_read_that_began_before_them_is_in_flight(
     monkeypatch,
 ):
@@ -243,3 +286,29 @@ def test_receipts_are_forgotten_once_no_read_that_began_before_them_is_in_flight
             receipts.committed("alice", [rid])
         assert len(receipts._held) == 10
         assert ("alice", 129) in receipts and ("alice", 119) not in receipts
+
+
+class Leaving(Link):
+    """A connection without acks whose end of input is read while the reply's receipt
+    commits: it can no longer take the reply."""
+
+    def offer(self, reply_id: int, body: bytes) -> bool:
+        return False
+
+
+async def test_a_reply_taken_for_a_connection_that_cannot_write_it_is_kept_again(store):
+    """Taken out of the store for a connection that then cannot write it, the reply is
+    kept again, with its id, and her next connection gets it once."""
+    clients = NamedClientReplies(store, ["alice"])
+    leaving = Leaving(acks=False)
+    await clients.attach(leaving)
+    first = await store.record_client_reply("alice", {"t": 1}, BODY, failed=False)
+    second = await store.record_client_reply("alice", {"t": 2}, BODY, failed=False)
+    assert not await clients.deliver("alice", first, BODY)
+    kept = await store.pending_client_replies("alice")
+    assert [r.reply_id for r in kept] == [first, second]  # in its place
+    await clients.detach(leaving)
+    again = Link(acks=False)
+    await clients.attach(again)
+    assert again.frames == [first, second]
+    assert await store.pending_client_replies("alice") == []

@@ -29,9 +29,6 @@ class Link:
         self.arrived.set()
         return True
 
-    def take_written(self) -> list[int]:
-        return []  # not confirmed: kept in the store (and not offered twice)
-
 
 async def test_a_reply_kept_by_one_process_reaches_the_connection_on_another(pg_url):
     settings = StoreSettings(url=pg_url)

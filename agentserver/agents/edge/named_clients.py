@@ -8,8 +8,11 @@ only once received:
 
 - on a connection whose hello asked for acknowledgement (``ack="true"``), when the client
   acknowledges its ``reply-id`` with a core ``<ack>``;
-- on any other connection (today's semantics), when it is written to the socket; none is
-  written after the server read the client's end of input (it stays kept).
+- on any other connection, when it is written to the socket. There the receipt (the
+  reply taken out of the store, one conditional ``DELETE``) commits before the reply is
+  queued for writing, so a process killed or stalled before that commit has written
+  nothing and the reply stays kept; none is taken after the server read the client's
+  end of input (it stays kept for her next connection).
 
 When a connection ends, the replies it was offered and did not receive are offered to
 another live connection of the identity, else handed over at the next hello. The server
@@ -37,6 +40,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Iterator
 
+import trio
 from lxml import etree
 
 from agentserver.agents.store.base import ClientReplyStore
@@ -113,6 +117,13 @@ class _Receipts:
                 self._held[key] = tick
                 self._committed.append((tick, key))
         self._forget()
+
+    def dropped(self, identity: str, reply_ids: Iterable[int]) -> None:
+        """These replies were not received after all (their receipt did not commit, or
+        they were kept again): they may be offered again."""
+        for rid in reply_ids:
+            if self._held.get((identity, rid), 0) is None:
+                del self._held[identity, rid]
 
     def _forget(self) -> None:
         # A read or keep that began after a commit cannot see the reply as kept.
@@ -228,16 +239,51 @@ class NamedClientReplies:
         return holder is link or (holder is not None and holder.input_open)
 
     async def _offer(self, link: ClientLink, reply_id: int, body: bytes) -> bool:
+        if not link.acks:
+            return await self._hand_over(link, reply_id, body)
         # From the caller's check to link.offer() nothing awaits: no other task can offer
         # the same reply in between.
-        data = with_reply_id(body, reply_id) if link.acks else body
-        if not link.offer(reply_id, data):
+        if not link.offer(reply_id, with_reply_id(body, reply_id)):
             return False
         self._offered[reply_id] = link
-        written = link.take_written()
-        if written:
-            await self.received(link, written)
         return True
+
+    async def _hand_over(self, link: ClientLink, reply_id: int, body: bytes) -> bool:
+        """Offer a reply to a connection without acks, where written is received: its
+        receipt (the reply taken out of the store) commits first, and only then is the
+        reply queued for writing. Written first and taken after, a process killed in
+        between (or whose store stalled there: a lock wait) left the reply kept, and her
+        next connection was handed it again (the 30-minute soak, seed 4302,
+        docs/reliability.md). Taken first, a kill before the receipt commits has written
+        nothing, and one after it has at most one write in flight left to make (that
+        reply is lost, as one written to a connection that drops is: docs/wire.md).
+
+        True when the reply is with a connection or received (another process or path
+        took it first: the take is one conditional ``DELETE``, so two never both write
+        it); False when ``link`` cannot take it (then it is kept again, with its id).
+        The take and the give-back are shielded: a cancel must not leave a reply taken
+        and never written."""
+        if not link.input_open:
+            return False  # nothing durable is written after her end of input
+        identity, receipts = link.identity, self._receipts
+        receipts.committing(identity, [reply_id])  # neither path offers it meanwhile
+        received = False
+        try:
+            with trio.CancelScope(shield=True):
+                taken = await self.store.take_client_reply(identity, reply_id)
+                if taken is None:
+                    received = True  # already: by another process, or another path here
+                    return True
+                # Nothing awaits from here to the offer: the link's state is as checked.
+                received = link.offer(reply_id, body)
+                if not received:
+                    await self.store.restore_client_reply(taken)
+                return received
+        finally:
+            if received:
+                receipts.committed(identity, [reply_id])
+            else:
+                receipts.dropped(identity, [reply_id])
 
     async def _flush(self, link: ClientLink) -> int:
         """Offer ``link`` every kept reply not already with a connection that may still

@@ -299,6 +299,15 @@ class ClientReplyStore(Protocol):
         """Replies kept for ``client`` (id above ``after_id``), oldest first; read only."""
         ...
 
+    async def take_client_reply(self, client: str, reply_id: int) -> ClientReply | None:
+        """Take a kept reply out of the store (its receipt) before writing it to a
+        connection without acks; None if it is no longer kept."""
+        ...
+
+    async def restore_client_reply(self, reply: ClientReply) -> None:
+        """Keep again, with its id, a reply taken that no connection wrote."""
+        ...
+
     async def ack_client_replies(self, client: str, reply_ids: Sequence[int]) -> int:
         """Forget kept replies the client has received."""
         ...

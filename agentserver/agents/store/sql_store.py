@@ -410,6 +410,12 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     ) -> list[ClientReply]:
         return await self._read(replies.pending_client_replies, client, after_id, limit)
 
+    async def take_client_reply(self, client: str, reply_id: int) -> ClientReply | None:
+        return await self._run1(replies.take_client_reply, client, reply_id)
+
+    async def restore_client_reply(self, reply: ClientReply) -> None:
+        await self._run1(replies.restore_client_reply, reply)
+
     async def ack_client_replies(self, client: str, reply_ids: Sequence[int]) -> int:
         if not reply_ids:
             return 0

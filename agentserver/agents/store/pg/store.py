@@ -83,6 +83,8 @@ _NOTIFIES = {
     )
 }
 _NOTIFIES[replies.record_client_reply] = CLIENT_REPLIES_CHANNEL
+# A reply kept again (taken for a connection that could not write it after all).
+_NOTIFIES[replies.restore_client_reply] = CLIENT_REPLIES_CHANNEL
 
 #: The hot store calls' PostgreSQL variants (agents/store/pg/one_trip.py): the one place the
 #: store runs SQL of its own instead of the shared function (which a miss falls back to).

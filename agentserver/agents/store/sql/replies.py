@@ -102,6 +102,40 @@ def pending_client_replies(
     return [ClientReply(r[0], r[1], r[2], bytes(r[3]), bool(r[4]), r[5]) for r in rows]
 
 
+def take_client_reply(tx: Tx, env: StoreEnv, client: str, reply_id: int) -> ClientReply | None:
+    """Take a kept reply of ``client`` out of the store before it is written to a
+    connection without acks (there, written is received): the receipt commits first, so
+    a process killed before it commits has written nothing, and the reply is still kept
+    for her next connection. None when it is no longer kept (received already: another
+    process, or another path of this one, took it). What is taken is given back with
+    :func:`restore_client_reply` if it cannot be written after all."""
+    row = tx.one(
+        "DELETE FROM client_replies WHERE client = ? AND reply_id = ? AND delivered_at IS NULL "
+        "RETURNING reply_id, client, thread_ref, payload, failed, created_at",
+        (client, reply_id),
+    )
+    if row is None:
+        return None
+    return ClientReply(row[0], row[1], row[2], bytes(row[3]), bool(row[4]), row[5])
+
+
+def restore_client_reply(tx: Tx, env: StoreEnv, reply: ClientReply) -> None:
+    """Keep again a reply :func:`take_client_reply` took and no connection wrote: with its
+    own id, so it keeps its place among her replies."""
+    tx.execute(
+        "INSERT INTO client_replies (reply_id, client, thread_ref, payload, failed, "
+        "created_at) VALUES (?,?,?,?,?,?) ON CONFLICT (reply_id) DO NOTHING",
+        (
+            reply.reply_id,
+            reply.client,
+            reply.thread_ref_json,
+            reply.payload,
+            int(reply.failed),
+            reply.created_at,
+        ),
+    )
+
+
 def ack_client_replies(tx: Tx, env: StoreEnv, client: str, reply_ids: Sequence[int]) -> int:
     """Forget the replies of ``client`` it has received (ids of other clients are
     ignored); how many were still kept."""
