@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, locking
+from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx
 from agentserver.agents.store.states import InboxStatus
 
 MIGRATION = """
@@ -43,35 +43,42 @@ def _client_expr(dialect: str) -> str:
 def next_queued(tx: Tx, env: StoreEnv, agent_id: str) -> Sequence[Any] | None:
     """The queued Turn ``agent_id`` leases next, fairly (a row of ``head.QUEUED_NEXT``'s
     shape), with the tags moved as if it is leased: call inside the lease's transaction
-    (a lease that then fails rolls them back with it)."""
+    (a lease that then fails rolls them back with it).
+
+    One statement chooses and locks it: each client's oldest queued row, its start tag
+    ``max(V, finish)``, the smallest (ties: the oldest row). On PostgreSQL the row is
+    locked (``FOR UPDATE OF``); a double text of another process that took it out of the
+    queue meanwhile leaves no row (read committed checks it again), and then the choice
+    is made again. The tag writes are sent with the transaction's next round trip."""
     weights = dict(env.settings.fair_weights or ())
+    pg = tx.dialect == POSTGRESQL
+    sql = (
+        "SELECT i.inbox_id, i.payload, i.conversation, p.c, p.start FROM agent_inbox i JOIN ("
+        f"SELECT f.s, f.c, {'greatest' if pg else 'max'}(coalesce(v.vfinish, 0), "
+        "coalesce(t.vfinish, 0)) AS start FROM ("
+        f"SELECT {_client_expr(tx.dialect)} AS c, min(seq) AS s FROM agent_inbox"
+        " WHERE agent_id = ? AND status = ? GROUP BY 1) f"
+        " LEFT JOIN fair_share t ON t.agent_id = ? AND t.client = f.c"
+        " LEFT JOIN fair_share v ON v.agent_id = ? AND v.client = ?"
+        " ORDER BY start, f.s LIMIT 1) p ON i.seq = p.s WHERE i.status = ?"
+        + (" FOR UPDATE OF i" if pg else "")
+    )
+    params = (agent_id, InboxStatus.QUEUED, agent_id, agent_id, AGENT_CLOCK, InboxStatus.QUEUED)
     while True:
-        firsts = tx.all(
-            f"SELECT {_client_expr(tx.dialect)} AS c, min(seq) FROM agent_inbox"
-            " WHERE agent_id = ? AND status = ? GROUP BY c",
-            (agent_id, InboxStatus.QUEUED),
-        )
-        if not firsts:
-            return None
-        tags = {
-            str(c): float(v)
-            for c, v in tx.all(
-                "SELECT client, vfinish FROM fair_share WHERE agent_id = ?", (agent_id,)
-            )
-        }
-        now_v = tags.get(AGENT_CLOCK, 0.0)
-        start, seq, client = min(
-            (max(now_v, tags.get(str(c), 0.0)), int(s), str(c)) for c, s in firsts
-        )
-        # Locked and read again (PostgreSQL): a double text of another process may have
-        # taken it out of the queue since (docs/runs.md); then choose again.
-        row = tx.one(
-            "SELECT inbox_id, payload, conversation FROM agent_inbox WHERE seq = ? "
-            f"AND status = ?{locking(tx)}",
-            (seq, InboxStatus.QUEUED),
-        )
-        if row is not None:
+        found = tx.one(sql, params)
+        if found is not None:
             break
+        if (
+            not pg
+            or tx.one(
+                "SELECT 1 FROM agent_inbox WHERE agent_id = ? AND status = ? LIMIT 1",
+                (agent_id, InboxStatus.QUEUED),
+            )
+            is None
+        ):
+            return None  # SQLite: one writer, so nothing queued
+    inbox_id, payload, conversation, client, start = found
+    client, start = str(client), float(start)
     weight = weights.get(client, 1.0)
     for key, value in ((client, start + 1.0 / weight), (AGENT_CLOCK, start)):
         tx.execute(
@@ -79,4 +86,4 @@ def next_queued(tx: Tx, env: StoreEnv, agent_id: str) -> Sequence[Any] | None:
             " ON CONFLICT (agent_id, client) DO UPDATE SET vfinish = excluded.vfinish",
             (agent_id, key, value),
         )
-    return row
+    return (inbox_id, payload, conversation)
