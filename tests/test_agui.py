@@ -500,7 +500,9 @@ async def test_two_processes_on_postgresql_follow_each_others_runs(tmp_path, pg_
             model.slow = 0.3
             body = run_input("t-1", "r-1", "eight nine ten eleven twelve")
             cut = await run(one, "assistant", body, until=EventType.TEXT_MESSAGE_CONTENT)
-            assert cut[-1].delta == "echo:"
+            # Either process's worker may run the Turn: on this one its text streams chunk
+            # by chunk; on the other, this one reads it from the store, whole.
+            assert cut[-1].delta in ("echo:", "echo: eight nine ten eleven twelve"), cut[-1]
             rest = await run(two, "assistant", body)
             assert rest[-1].type == EventType.RUN_FINISHED, kinds(rest)
             assert rest[-1].result["answer"] == "echo: eight nine ten eleven twelve"
