@@ -318,6 +318,21 @@ async def test_a_run_streams_its_turn_and_a_reconnection_gets_the_rest(tmp_path,
             asked = model.requests[-1].body["messages"]
             assert any("one two three" in str(m["content"]) for m in asked), asked
 
+            # two first POSTs of one new run at once (a double click): one task, both
+            # streams follow it to its end
+            twice = run_input("t-3", "r-1", "only once please")
+            streams: list[list[Any]] = []
+
+            async def post() -> None:
+                streams.append(await run(alice, "assistant", twice))
+
+            async with trio.open_nursery() as both:
+                both.start_soon(post)
+                both.start_soon(post)
+            for got in streams:
+                assert got[-1].result["answer"] == "echo: only once please", kinds(got)
+            assert sum("only once please" in str(r.body) for r in model.requests) == 1
+
             # bad input: told what is wrong, nothing sent
             refused = await alice.post("/agui/agents/assistant", json={"threadId": "x"})
             assert refused.status_code == 422, refused.text
