@@ -46,6 +46,13 @@ SYSTEM_ERROR_STATUS = {SystemErrorCode.ROUTING: 503, SystemErrorCode.TIMEOUT: 50
 _HUH_BY_TEXT = {r.value: r for r in HuhReason}
 
 
+def unread(response: Response) -> Response:
+    """A response sent before the request's body was read: the connection is closed after
+    it (the unread rest of the body cannot be told from a next request)."""
+    response.headers["Connection"] = "close"
+    return response
+
+
 def problem(
     status: int, kind: str, title: str, headers: dict[str, str] | None = None, **extra: Any
 ) -> Response:

@@ -15,7 +15,7 @@ from agentserver.core.errors import HuhReason
 from agentserver.core.handshake import Identity
 from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
-from agentserver.http.problems import huh_problem, problem, refusal_problem
+from agentserver.http.problems import huh_problem, problem, refusal_problem, unread
 
 if TYPE_CHECKING:
     from agentserver.http.agui.stream import RunStream
@@ -24,12 +24,6 @@ if TYPE_CHECKING:
 NOT_INSTALLED = (
     "AG-UI needs the ag-ui-protocol package on the server: pip install 'agentserver[agui]'"
 )
-
-
-def _unread(response: Response) -> Response:
-    """A response sent before the request's body was read: the connection closes after it."""
-    response.headers["Connection"] = "close"
-    return response
 
 
 class AguiRoutes:
@@ -42,31 +36,31 @@ class AguiRoutes:
     async def run(self, request: Request) -> Response:
         identity = await self.gate.identify(request)
         if isinstance(identity, Response):
-            return _unread(identity)
+            return unread(identity)
         runs = self.ctx.agui
         name = request.path_params["name"]
         agent = runs.agents.get(name) if runs is not None else None
         if agent is None or self.ctx.agents is None or not self.gate.may_see(identity, name):
-            return _unread(problem(404, "not-found", "Not found."))
+            return unread(problem(404, "not-found", "Not found."))
         try:
             from ag_ui.core import RunAgentInput
             from pydantic import ValidationError
 
             from agentserver.http.agui.stream import RunStream
         except ImportError:
-            return _unread(problem(501, "agui-not-installed", NOT_INSTALLED))
+            return unread(problem(501, "agui-not-installed", NOT_INSTALLED))
         from agentserver.http.agui.runs import RunProblem, RunRefusedByPump
 
         limit = self.ctx.gateway.max_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            return _unread(huh_problem(HuhReason.TOO_LARGE))
+            return unread(huh_problem(HuhReason.TOO_LARGE))
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                return _unread(huh_problem(HuhReason.TOO_LARGE))
+                return unread(huh_problem(HuhReason.TOO_LARGE))
             chunks.append(chunk)
         try:
             parsed = RunAgentInput.model_validate_json(b"".join(chunks))

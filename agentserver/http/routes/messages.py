@@ -11,17 +11,10 @@ from agentserver.core.errors import HuhReason
 from agentserver.core.threads import is_uuid4
 from agentserver.http.context import HttpContext
 from agentserver.http.gate import Gate
-from agentserver.http.problems import huh_problem, problem, refusal_problem, reply_problem
+from agentserver.http.problems import huh_problem, problem, refusal_problem, reply_problem, unread
 
 XML = "application/xml"
 THREAD_HEADER = "Agentserver-Thread"
-
-
-def _unread(response: Response) -> Response:
-    """A response sent before the request's body was read: the connection is closed after
-    it (the unread rest of the body cannot be told from a next request)."""
-    response.headers["Connection"] = "close"
-    return response
 
 
 class MessageRoutes:
@@ -34,19 +27,19 @@ class MessageRoutes:
     async def post_message(self, request: Request) -> Response:
         identity = await self.gate.identify(request)
         if isinstance(identity, Response):
-            return _unread(identity)
+            return unread(identity)
         gateway = self.ctx.gateway
         limit = gateway.max_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             # Refused before the body is read, as an oversize frame is on the socket.
-            return _unread(huh_problem(HuhReason.TOO_LARGE))
+            return unread(huh_problem(HuhReason.TOO_LARGE))
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                return _unread(huh_problem(HuhReason.TOO_LARGE))
+                return unread(huh_problem(HuhReason.TOO_LARGE))
             chunks.append(chunk)
         params = request.query_params
         wait = params.get("wait", "true").lower() not in ("false", "0", "no")
