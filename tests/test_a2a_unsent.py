@@ -20,6 +20,9 @@ from serverproc import DATA
 from test_a2a_expose import ALICE, A2aModel, start, store_env  # noqa: F401 (a fixture)
 from test_a2a_pruned import rpc
 from test_agents_crash import Store
+from test_store_views import opener  # noqa: F401 (a fixture)
+
+from agentserver.agents.store.rows import MultitaskAnswers
 
 PATIENCE = 40.0
 
@@ -130,3 +133,50 @@ async def test_a_task_recorded_and_never_sent_is_sent_once_by_its_resend(tmp_pat
                 await trio.to_thread.run_sync(s.stop)
             nursery.cancel_scope.cancel()
     assert "Unhandled exception" not in logs
+
+
+async def test_an_a2a_tasks_enqueue_again_is_dropped_in_the_store(opener, request, tmp_path):  # noqa: F811
+    """The agent's side: an Enqueue of an A2A task already enqueued (its first send was
+    still in flight when its resend came) queues nothing, whichever way in (plain,
+    double-texting), concurrent ones through two stores (processes) included; a refusal
+    of the second send leaves the task as the first made it. Other threads: unchanged."""
+    store = await opener()
+    check = Store(tmp_path / "agents.sqlite3")
+    shared = request.node.callspec.params["opener"] == "postgresql"
+    if shared:
+        check.url = request.getfixturevalue("pg_url")
+    task, _ = await store.a2a_record("t-1", "planner", "c-1", "alice", "m-1", "{}")
+    first = await store.enqueue_turn("planner", b"<task/>", {"caller_thread": task, "hop": "h1"})
+    again = await store.enqueue_turn("planner", b"<task/>", {"caller_thread": task, "hop": "h2"})
+    answers = MultitaskAnswers(busy=b"<busy/>", ended=b"<ended/>", superseded=b"<s/>")
+    texted = await store.enqueue_multitask(
+        "planner",
+        b"<task/>",
+        {"caller_thread": task, "hop": "h3"},
+        conversation="c-1",
+        mode="interrupt",
+        answers=answers,
+    )
+    assert again.inbox_id == first.inbox_id == texted.inbox_id
+    assert enqueued(check, task) == 1
+    await store.a2a_reject(task, "refused: a second send refused")
+    row = await store.a2a_task(task)
+    assert row is not None and row["refusal"] is None and row["view"] is not None
+    # Two processes' Enqueues of one task at once (SQLite: one process's): one row.
+    other = await opener() if shared else store
+    raced, _ = await store.a2a_record("t-2", "planner", "c-2", "alice", "m-2", "{}")
+    got: list[str] = []
+
+    async def enqueue(on, hop: str) -> None:
+        done = await on.enqueue_turn("planner", b"<task/>", {"caller_thread": raced, "hop": hop})
+        got.append(done.inbox_id)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(6):
+            nursery.start_soon(enqueue, (store, other)[i % 2], f"r{i}")
+    assert len(set(got)) == 1 and enqueued(check, raced) == 1
+    # Not an A2A task's thread: every Enqueue is queued.
+    plain = [
+        await store.enqueue_turn("planner", b"<task/>", {"caller_thread": "t-x"}) for _ in "ab"
+    ]
+    assert plain[0].inbox_id != plain[1].inbox_id and enqueued(check, "t-x") == 2
