@@ -7,7 +7,8 @@ A task is recorded in the store (``a2a_tasks``) before its payload is sent throu
 HTTP gateway, on a new thread that is the task's id; from then on every answer is read
 from the durable state (:mod:`agentserver.agents.store.sql.a2a`), so any process on the
 store answers ``GetTask``, ``ListTasks`` and ``SubscribeToTask`` for a task sent to any
-other. Waiting (a blocking ``SendMessage``, a stream) polls that state, every
+other. A task recorded and never sent (its process killed between the two) is sent by
+its message's resend, once (docs/a2a.md, "A task recorded, never sent"). Waiting (a blocking ``SendMessage``, a stream) polls that state, every
 :data:`POLL_MIN` seconds at first, backing off to :data:`POLL_MAX` while nothing changes:
 bounded work per waiting request, none on a Turn's path. Cancelling a request (the client
 gone) ends the wait; the task runs on (it is durable), and ``CancelTask`` is how a client
