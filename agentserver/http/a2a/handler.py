@@ -278,15 +278,16 @@ class A2aHandler(RequestHandler):
             # the task reaches its agent once.
             recorded = self.by_name.get(row["agent"])
             if recorded is not None:
-                kept = Parse(row["message"], Message())
-                await self._send(
-                    identity,
-                    recorded,
-                    recorded.payload(kept),
-                    owner,
-                    row["context_id"],
-                    row["task_id"],
-                )
+                try:
+                    resent = recorded.payload(Parse(row["message"], Message()))
+                except MessageRefused as exc:
+                    # Recorded under another configuration (the skill's payload changed):
+                    # it cannot be sent as recorded, and says so as its end.
+                    await self.deps.store.a2a_reject(found, f"refused: {exc}")
+                else:
+                    await self._send(
+                        identity, recorded, resent, owner, row["context_id"], row["task_id"]
+                    )
                 row = await self._recorded(found, message.message_id)
         return row
 
