@@ -7,7 +7,8 @@ A task is recorded in the store (``a2a_tasks``) before its payload is sent throu
 HTTP gateway, on a new thread that is the task's id; from then on every answer is read
 from the durable state (:mod:`agentserver.agents.store.sql.a2a`), so any process on the
 store answers ``GetTask``, ``ListTasks`` and ``SubscribeToTask`` for a task sent to any
-other. Waiting (a blocking ``SendMessage``, a stream) polls that state, every
+other. A task recorded and never sent (its process killed between the two) is sent by
+its message's resend, once (docs/a2a.md, "A task recorded, never sent"). Waiting (a blocking ``SendMessage``, a stream) polls that state, every
 :data:`POLL_MIN` seconds at first, backing off to :data:`POLL_MAX` while nothing changes:
 bounded work per waiting request, none on a Turn's path. Cancelling a request (the client
 gone) ends the wait; the task runs on (it is durable), and ``CancelTask`` is how a client
@@ -53,7 +54,7 @@ from a2a.utils.errors import (
     TaskNotFoundError,
     UnsupportedOperationError,
 )
-from google.protobuf.json_format import MessageToDict, MessageToJson
+from google.protobuf.json_format import MessageToDict, MessageToJson, Parse
 from lxml import etree
 
 from agentserver.agents.errors import TurnPruned
@@ -267,22 +268,57 @@ class A2aHandler(RequestHandler):
                 self.protocol(context),
             )
         if new:
-            if skill.memory and self.deps.conversations is not None:
-                # Each context is its own conversation with the agent.
-                self.deps.conversations.expect_fork(
-                    skill.name, task_id, f"a2a:{owner}:{context_id}"
-                )
-            outcome = await self.deps.gateway.send(
-                identity, skill.name, etree.tostring(payload), wait=False, thread=task_id
-            )
-            if outcome.kind == "refused":
-                await self.deps.store.a2a_reject(task_id, f"refused: {outcome.refusal}")
+            await self._send(identity, skill, payload, owner, context_id, task_id)
+        row = await self._recorded(found, message.message_id)
+        if not new and row["view"] is None and row["refusal"] is None:
+            # The same message again, its task recorded and never enqueued (the process
+            # that recorded it was killed before sending it, or its send is still in
+            # flight): send it again, from its record. The agent's Enqueue of a task
+            # already enqueued is dropped (agents/store/sql/a2a.py, earlier_send), so
+            # the task reaches its agent once.
+            recorded = self.by_name.get(row["agent"])
+            if recorded is not None:
+                try:
+                    resent = recorded.payload(Parse(row["message"], Message()))
+                except MessageRefused as exc:
+                    # Recorded under another configuration (the skill's payload changed):
+                    # it cannot be sent as recorded, and says so as its end.
+                    await self.deps.store.a2a_reject(found, f"refused: {exc}")
+                else:
+                    await self._send(
+                        identity, recorded, resent, owner, row["context_id"], row["task_id"]
+                    )
+                row = await self._recorded(found, message.message_id)
+        return row
+
+    async def _send(
+        self,
+        identity: Identity,
+        skill: A2aSkill,
+        payload: etree._Element,
+        owner: str,
+        context_id: str,
+        task_id: str,
+    ) -> None:
+        """Send the recorded task ``task_id``'s payload to its agent, on its thread; a
+        refusal is recorded as its end (``rejected``)."""
+        if skill.memory and self.deps.conversations is not None:
+            # Each context is its own conversation with the agent.
+            self.deps.conversations.expect_fork(skill.name, task_id, f"a2a:{owner}:{context_id}")
+        outcome = await self.deps.gateway.send(
+            identity, skill.name, etree.tostring(payload), wait=False, thread=task_id
+        )
+        if outcome.kind == "refused":
+            await self.deps.store.a2a_reject(task_id, f"refused: {outcome.refusal}")
+
+    async def _recorded(self, task_id: str, message_id: str) -> dict[str, Any]:
+        """The row of the task ``task_id`` recorded for ``message_id``."""
         try:
-            row = await self.deps.store.a2a_task(found)
+            row = await self.deps.store.a2a_task(task_id)
         except TurnPruned:
             # The same message again, after retention removed its task.
             raise TaskNotFoundError(
-                f"message {message.message_id!r} was task {found!r}, pruned by the store's "
+                f"message {message_id!r} was task {task_id!r}, pruned by the store's "
                 "retention: send a new message (a new messageId)"
             ) from None
         assert row is not None

@@ -122,7 +122,15 @@ def enqueue_turn(
     # One statement: the compare-and-set (h), and what the lease writes besides, from h
     # (nothing if it missed); then whether it hit, and the check that a miss was not an
     # idle head with older queued rows (the statement's snapshot: the head before it).
-    ((took, _),) = tx.last(
+    # An A2A task's Enqueue is a miss (it may repeat an earlier send, which the shared
+    # function drops: sql/a2a.py, earlier_send); every other Enqueue pays one index probe.
+    threads = (
+        [t for t in (reply_ref.get("caller_thread"), reply_ref.get("hop")) if isinstance(t, str)]
+        if isinstance(reply_ref, Mapping)
+        else []
+    )
+    threads = threads or [""]
+    ((took, _, _),) = tx.last(
         f"WITH h AS ({sql}), "
         "b AS (INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) "
         "SELECT ?, ?, ?, ?, ? FROM h UNION ALL SELECT ?, ?, ?, ?, ? FROM h), "
@@ -136,7 +144,8 @@ def enqueue_turn(
         f"{fair_sql} "
         "SELECT (SELECT count(*) FROM h), agentserver_expect(NOT EXISTS (SELECT 1 FROM "
         f"agent_state_head WHERE agent_id = ? AND status IN ({marks(len(sources))}) "
-        f"AND EXISTS ({others})), ?)",
+        f"AND EXISTS ({others})), ?), agentserver_expect(NOT EXISTS (SELECT 1 FROM a2a_tasks "
+        f"WHERE agent_id = ? AND task_id IN ({marks(len(threads))})), ?)",
         (
             *params,
             context_box, agent_id, turn_id, "context", now,
@@ -148,6 +157,7 @@ def enqueue_turn(
             agent_id, turn_id, "lease", "request", None, inbox_id, env.clock.now(), "{}",
             *fair_params,
             agent_id, *sources, *other_params, f"{agent_id}: older queued Turns to lease",
+            agent_id, *threads, f"{agent_id}: an A2A task, maybe sent before",
         ),
     )  # fmt: skip
     return EnqueueResult(inbox_id, bool(took))

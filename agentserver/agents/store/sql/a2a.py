@@ -16,8 +16,8 @@ from typing import Any
 
 from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.sql import views
-from agentserver.agents.store.sql.db import StoreEnv, Tx
-from agentserver.agents.store.states import ApprovalStatus
+from agentserver.agents.store.sql.db import StoreEnv, Tx, locking
+from agentserver.agents.store.states import ApprovalStatus, MessageType
 
 MIGRATION = """
 CREATE TABLE a2a_tasks (
@@ -65,8 +65,64 @@ def record(
 
 
 def reject(tx: Tx, env: StoreEnv, task_id: str, text: str) -> None:
-    """The task never reached its agent: ``text`` says why (the task is ``rejected``)."""
-    tx.execute("UPDATE a2a_tasks SET refusal = ? WHERE task_id = ?", (text[:TEXT_CHARS], task_id))
+    """The task never reached its agent: ``text`` says why (the task is ``rejected``).
+    Nothing is written once it did reach it: a send again of a task already in its
+    agent's inbox (:func:`earlier_send`) may be refused where the first was not."""
+    row = tx.one(f"SELECT agent_id FROM a2a_tasks WHERE task_id = ?{locking(tx)}", (task_id,))
+    if row is None or _reached(tx, str(row[0]), task_id) is not None:
+        return
+    tx.execute(
+        "UPDATE a2a_tasks SET refusal = ? WHERE task_id = ? AND refusal IS NULL",
+        (text[:TEXT_CHARS], task_id),
+    )
+
+
+def _reached(tx: Tx, agent_id: str, thread: str) -> str | None:
+    """The inbox id of the task of ``agent_id`` on ``thread`` (its inbox row's, or its
+    tombstone's once retention pruned it); None if no task of it was ever enqueued."""
+    caller, hop = (
+        views.json_text(tx, "reply_ref", "caller_thread"),
+        views.json_text(tx, "reply_ref", "hop"),
+    )
+    row = tx.one(
+        "SELECT inbox_id FROM agent_inbox WHERE agent_id = ? AND message_type = ? "
+        f"AND ({caller} = ? OR {hop} = ?) ORDER BY seq LIMIT 1",
+        (agent_id, MessageType.TURN.value, thread, thread),
+    )
+    if row is None:
+        row = tx.one(
+            "SELECT inbox_id FROM pruned_turns WHERE agent_id = ? "
+            "AND (caller_thread = ? OR hop = ?) LIMIT 1",
+            (agent_id, thread, thread),
+        )
+    return None if row is None else str(row[0] or thread)
+
+
+def earlier_send(tx: Tx, env: StoreEnv, agent_id: str, reply_ref: Any) -> str | None:
+    """The inbox id of the task this Enqueue repeats, if it is an A2A task's (its thread
+    is a task id of ``a2a_tasks`` for ``agent_id``) already enqueued; None: enqueue it.
+
+    An A2A task is recorded, then sent through the pump (docs/a2a.md): a process killed
+    between the two leaves it recorded and never sent, and the resend of its message
+    sends it again. Its first send may still be in flight in a live process: whichever
+    Enqueue comes second is this one, and is dropped, so a task reaches its agent once.
+    The ``a2a_tasks`` row is locked first (PostgreSQL; SQLite has one writer), so of two
+    concurrent Enqueues of one task the second reads the first's inbox row."""
+    if not isinstance(reply_ref, dict):
+        return None
+    threads = [
+        t for t in (reply_ref.get("caller_thread"), reply_ref.get("hop")) if isinstance(t, str)
+    ]
+    if not threads:
+        return None
+    found = tx.one(
+        f"SELECT task_id FROM a2a_tasks WHERE agent_id = ? AND task_id IN "
+        f"({', '.join('?' * len(threads))}) LIMIT 1{locking(tx)}",
+        (agent_id, *threads),
+    )
+    if found is None:
+        return None
+    return _reached(tx, agent_id, str(found[0]))
 
 
 def _row(row: Any) -> dict[str, Any]:

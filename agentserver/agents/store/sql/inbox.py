@@ -6,7 +6,7 @@ import json
 
 from agentserver.agents.ports import ReplyRef
 from agentserver.agents.store.base import EnqueueResult, InboxRow, caller_key
-from agentserver.agents.store.sql import head
+from agentserver.agents.store.sql import a2a, head
 from agentserver.agents.store.sql.common import INBOX_COLS, edge, inbox_row
 from agentserver.agents.store.sql.db import StoreEnv, Tx, marks, new_id
 from agentserver.agents.store.states import (
@@ -35,8 +35,13 @@ def enqueue_turn(
 ) -> EnqueueResult:
     """Write the Enqueue as a queued row; lease it at once if the agent is idle.
 
-    Raises ``TypeError``/``ValueError`` (nothing written) if ``reply_ref`` is not JSON."""
+    Raises ``TypeError``/``ValueError`` (nothing written) if ``reply_ref`` is not JSON.
+    An A2A task enqueued before (sent again after a crash, docs/a2a.md) is not queued
+    twice: the earlier row's id, nothing written."""
     ref_json = json.dumps(reply_ref)
+    earlier = a2a.earlier_send(tx, env, agent_id, reply_ref)
+    if earlier is not None:
+        return EnqueueResult(earlier, False)
     inbox_id = new_id()
     found = tx.one("SELECT status FROM agent_state_head WHERE agent_id = ?", (agent_id,))
     if found is None:

@@ -14,7 +14,7 @@ from agentserver.agents.store.rows import (
     PendingReply,
     TaskStatus,
 )
-from agentserver.agents.store.sql import head, turn_end
+from agentserver.agents.store.sql import a2a, head, turn_end
 from agentserver.agents.store.sql.common import inbox_move
 from agentserver.agents.store.sql.db import StoreEnv, Tx, new_id
 from agentserver.agents.store.sql.inbox import queue
@@ -85,8 +85,12 @@ def enqueue_multitask(
     conversation does not continue from it) and the head leased to this task at once.
     Atomic: all of it or nothing. Raises ``StaleTurn`` (the caller decides again) when a
     queued earlier task was leased by another transaction after it was read. Raises
-    ``TypeError``/``ValueError`` (nothing written) if ``reply_ref`` is not JSON."""
+    ``TypeError``/``ValueError`` (nothing written) if ``reply_ref`` is not JSON. An A2A
+    task enqueued before (sent again after a crash, docs/a2a.md) changes nothing."""
     ref_json = json.dumps(reply_ref)
+    earlier = a2a.earlier_send(tx, env, agent_id, reply_ref)
+    if earlier is not None:
+        return DoubleText(earlier, "queued", False)
     inbox_id = new_id()
     found = tx.one(_HEAD, (agent_id,))
     if found is None:
