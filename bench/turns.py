@@ -42,6 +42,12 @@ counting. The JSON gets ``ratio_sqlite_vs_langgraph`` and
 ``cpu_ratio_postgresql_vs_sqlite`` (our application CPU per Turn, PostgreSQL one process
 over SQLite).
 
+Every case also prints what a Turn writes (bench/support/writes.py): on SQLite its commits
+(``commits_per_turn``: each transaction and each autocommit write) and rows written
+(``rows_written_per_turn``), and with ``--count-statements`` the index entries written
+too, by statement and table (``writes_per_turn_by_table``); on PostgreSQL the rows and
+index entries written, from the server's table counters.
+
 Every case also prints its store calls per Turn, by store function (each call one
 transaction or one autocommit statement; on PostgreSQL one thread hop), counted from the
 runtime's start to the last answer (``store_calls_per_turn`` in the JSON).
@@ -93,8 +99,9 @@ from agentserver.core.listener import HandlerResponse, Listener
 from agentserver.listeners.calculator import Add, Sum
 from agentserver.pump.pump import PumpConfig, open_pump
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))  # pgcpu.py
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 import pgcpu
+from writes import SqliteWrites, Writes, pg_table_writes, pg_writes_between
 
 CALC = "urn:agentserver:calculator"
 ADD = f'<add xmlns="{CALC}"><a>1</a><b>2</b></add>'
@@ -150,15 +157,21 @@ def succeeded(reply: etree._Element) -> bool:
 _COUNTED = contextvars.ContextVar("_COUNTED", default=False)
 
 
-def count_store_calls(store: object, calls: collections.Counter) -> None:
+def count_store_calls(
+    store: object, calls: collections.Counter, kinds: collections.Counter | None = None
+) -> None:
     """Count the store's calls (one transaction or one autocommit statement each; on
-    PostgreSQL, one thread hop each) by the store function they run, in ``calls``."""
+    PostgreSQL, one thread hop each) by the store function they run, in ``calls``, and
+    by kind (``_run`` a transaction, ``_run1`` one autocommit statement, ``_read`` a
+    read) in ``kinds``."""
 
-    def wrap(method: Callable) -> Callable:
+    def wrap(name: str, method: Callable) -> Callable:
         async def counted(fn: Callable, *args: object) -> object:
             if _COUNTED.get():  # a call that delegates to another (PostgreSQL's _run1)
                 return await method(fn, *args)
             calls[fn.__name__] += 1
+            if kinds is not None:
+                kinds[name] += 1
             _COUNTED.set(True)
             try:
                 return await method(fn, *args)
@@ -168,7 +181,7 @@ def count_store_calls(store: object, calls: collections.Counter) -> None:
         return counted
 
     for name in ("_run", "_read", "_run1"):
-        setattr(store, name, wrap(getattr(store, name)))
+        setattr(store, name, wrap(name, getattr(store, name)))
 
 
 def empty_pg_store(url: str) -> None:
@@ -251,7 +264,8 @@ async def run(
             budgets=spend,
         )
         calls: collections.Counter = collections.Counter()
-        count_store_calls(rt.store, calls)
+        kinds: collections.Counter = collections.Counter()
+        count_store_calls(rt.store, calls, kinds)
         per_call: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
         if hasattr(getattr(rt.store, "executor", None), "on_call"):
 
@@ -265,12 +279,10 @@ async def run(
 
             rt.store.executor.on_call = on_call
         statements = [0]
-        if count_statements:
-            # Every SQL statement the store runs (BEGIN and COMMIT included).
-            def count(_sql: str) -> None:
-                statements[0] += 1
-
-            rt.store._db.set_trace_callback(count)  # type: ignore[attr-defined]
+        # SQLite: its commits, rows and index entries written (bench/support/writes.py);
+        # every statement traced only with count_statements (the trace costs a little).
+        sqlite_db = getattr(rt.store, "_db", None) if url is None else None
+        traced = SqliteWrites(sqlite_db, str(path)) if count_statements and sqlite_db else None
         for n in names:
             late[n].bind(agent_handler(rt, pump, n))
         client = pump.open_endpoint("bench")
@@ -300,6 +312,10 @@ async def run(
             executor = getattr(rt.store, "executor", None)
             sent0 = _sent(executor)
             per_call.clear()
+            kinds.clear()
+            changes0 = sqlite_db.total_changes if sqlite_db is not None else 0
+            if traced is not None:
+                traced.start()
             started_at = time.time()
             cpu0 = time.process_time()
             t0 = time.perf_counter()
@@ -317,6 +333,17 @@ async def run(
             cpu = time.process_time() - cpu0
             ended_at = time.time()
             sent1 = _sent(executor)
+            if traced is not None:
+                writes = traced.stop()
+                statements[0] = traced.statements
+            elif sqlite_db is not None:
+                # A transaction (_run) or an autocommit statement (_run1) is one commit.
+                writes = Writes(
+                    commits=kinds["_run"] + kinds["_run1"],
+                    rows=sqlite_db.total_changes - changes0,
+                )
+            else:
+                writes = None
             out = figures(
                 turns, agents, ok, failed, first_failure, elapsed, llm, statements[0], calls
             )
@@ -331,6 +358,10 @@ async def run(
                 # store function -> [calls, statements, round trips] (trio executor)
                 pg_per_call={k: list(v) for k, v in per_call.items()},
             )
+            if writes is not None:
+                out.update(writes.per_turn(done))
+                if traced is None:
+                    out["index_entries_written_per_turn"] = None  # traced only
             if pruner is not None:
                 out["pruned_tasks"] = pruner.tasks_pruned
                 out["prune_runs"] = pruner.runs
@@ -758,6 +789,7 @@ def processes(args: argparse.Namespace, n: int) -> dict:
             if line.strip() != "ready":
                 raise SystemExit(f"a bench process did not start: {line!r}")
         db0 = pgcpu.server_cpu_s(postmaster)
+        tables0 = pg_table_writes(args.store)
         for p in procs:  # every process is running: start them together
             p.stdin.write("go\n")
             p.stdin.flush()
@@ -770,6 +802,8 @@ def processes(args: argparse.Namespace, n: int) -> dict:
         for p in procs:
             if p.wait(timeout=60) != 0:
                 raise SystemExit(f"a bench process failed ({p.returncode})")
+    # Read once every process has ended: a backend flushes its counters as it exits.
+    writes = pg_writes_between(tables0, pg_table_writes(args.store))
     elapsed = max(o["ended_at"] for o in outs) - min(o["started_at"] for o in outs)
     ok = sum(o["succeeded"] for o in outs)
     done = max(ok + sum(o["failed"] for o in outs), 1)
@@ -806,6 +840,7 @@ def processes(args: argparse.Namespace, n: int) -> dict:
             ).most_common()
         ),
         "pg_per_call": _merge_per_call(o["pg_per_call"] for o in outs),
+        **{k: v for k, v in writes.per_turn(done).items() if k != "commits_per_turn"},
     }
 
 
@@ -830,7 +865,14 @@ def summary(out: dict, count_statements: bool) -> dict:
     ]
     if count_statements:
         keys.append("statements_per_turn")
-    for key in ("db_cpu_ms_per_turn", "statements_per_turn", "round_trips_per_turn"):
+    for key in (
+        "db_cpu_ms_per_turn",
+        "statements_per_turn",
+        "round_trips_per_turn",
+        "commits_per_turn",
+        "rows_written_per_turn",
+        "index_entries_written_per_turn",
+    ):
         if out.get(key) and key not in keys:  # measured (PostgreSQL, trio executor)
             keys.append(key)
     got = {k: out[k] for k in keys}
@@ -869,6 +911,23 @@ def report(out: dict, count_statements: bool, backend: str) -> None:
             f"{out['round_trips_per_turn']} round trips to it per Turn"
         )
     print(line)
+    written = [
+        f"{out[key]} {label}"
+        for key, label in (
+            ("commits_per_turn", "commits"),
+            ("rows_written_per_turn", "rows written"),
+            ("index_entries_written_per_turn", "index entries written"),
+        )
+        if out.get(key) is not None
+    ]
+    if written:
+        print("per Turn: " + ", ".join(written))
+    by_table = out.get("writes_per_turn_by_table")
+    if by_table:
+        print(
+            "  by statement and table (rows, index entries): "
+            + "; ".join(f"{k} {r}, {e}" for k, (r, e) in by_table.items())
+        )
     per_call = out.get("pg_per_call")
     if per_call:
         print("per store call (calls per Turn: statements, round trips per call):")
