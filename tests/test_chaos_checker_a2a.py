@@ -96,3 +96,14 @@ def test_an_internal_error_is_a_violation():
     counts, violations = check_a2a(tasks, expected, internal_errors=[("GetTask", "boom")])
     assert counts["a2a_internal_errors"] == 1
     assert violations == ["A2A GetTask got an internal error: boom"]
+
+
+def test_an_a2a_task_pruned_after_its_end_unread_is_counted_apart():
+    """The server said the task had ended (SubscribeToTask) and retention pruned it before
+    GetTask read it: not a violation, counted apart; a task neither ended nor pruned is."""
+    pruned = a2a_task("n1")
+    pruned.pruned_unread = True
+    counts, violations = check_a2a([pruned, a2a_task("n2")], expected)
+    assert counts["a2a_ended_pruned_unread"] == 1
+    assert counts["a2a_unended"] == 1
+    assert len(violations) == 1 and "n2" in violations[0]
