@@ -9,6 +9,7 @@ import json
 
 import psycopg
 import pytest
+import trio
 
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.ports import LLMCompletion, LLMUsage
@@ -305,4 +306,58 @@ async def test_a_fair_share_enqueue_leases_in_one_trip_and_tags_as_the_shared_le
         assert not (await store.enqueue_turn("a", b"<task>y</task>", {"client": "d"})).leased
         assert len(_sql(pg_url, "SELECT 1 FROM fair_share")) == 2
     finally:
+        await store.aclose()
+
+
+async def test_a_finish_locks_the_head_before_its_reply_row(pg_url: str) -> None:
+    """The one-trip finish takes the head's lock before it writes the reply row, as a
+    stop's end of the same Turn does (head, then reply row): one order, no deadlock.
+
+    A second session holds the head's lock, as a stop's transaction does after its
+    fence; the finish waits for it. The session then writes the Turn's reply row, as
+    that stop would: before the fix the finish had written that row already, and the
+    session waited on it (here until its lock timeout; in production until the deadlock
+    detector killed one of the two, a second lost). The deadlock detector is held off
+    for the store's sessions, so that the wait shows rather than being broken."""
+    dbname = psycopg.conninfo.conninfo_to_dict(pg_url)["dbname"]
+    _sql(pg_url, f"ALTER DATABASE \"{dbname}\" SET deadlock_timeout = '1min'")
+    store = _open(pg_url)
+    other = psycopg.connect(pg_url)
+    try:
+        start = await _start(store)
+        token = start.head.token
+        other.execute("SELECT 1 FROM agent_state_head WHERE agent_id = 'a' FOR UPDATE")
+        got: list[object] = []
+
+        async def finish() -> None:
+            got.append(await store.finish(token, "succeeded", "done", {}, b"<answer/>"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(finish)
+            for _ in range(3000):  # the finish waits for the head's lock
+                if _sql(
+                    pg_url,
+                    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND datname = current_database()",
+                ):
+                    break
+                await trio.sleep(0.01)
+            else:
+                raise AssertionError("the finish never waited for the head")
+
+            def end_as_a_stop_would() -> None:
+                other.execute("SET LOCAL lock_timeout = '1s'")
+                other.execute(
+                    "INSERT INTO agent_replies (agent_turn_id, agent_id, reply_ref, payload, "
+                    "failed, status, created_at) VALUES (%s, 'a', '{}', %s, 1, 'pending', 0)",
+                    (token.agent_turn_id, b"<stopped/>"),
+                )
+                other.rollback()  # the stop gives way: the finish goes on
+
+            await trio.to_thread.run_sync(end_as_a_stop_would)
+        [finished] = got
+        assert finished.agent_turn_id == token.agent_turn_id
+        assert _sql(pg_url, "SELECT payload FROM agent_replies") == [(b"<answer/>",)]
+    finally:
+        other.close()
         await store.aclose()

@@ -256,8 +256,11 @@ def finish(
     now = env.clock.now()
     agent, turn = token.agent_id, token.agent_turn_id
     # What the compare-and-set clears (the Turn's inbox row: its reply reference and
-    # conversation) is read by the statements before it.
-    ending = tx.later(turn_end.ENDING, (agent, turn))
+    # conversation) is read by the statements before it. The read locks the head first,
+    # as every other end of a Turn does (turn_end.end_turn fences the head before its
+    # reply row): inserting the reply row first would deadlock with a stop ending the
+    # same Turn, each holding what the other waits for.
+    ending = tx.later(turn_end.ENDING + " FOR UPDATE OF h", (agent, turn))
     by_turn_row = (
         "FROM agent_state_head h JOIN agent_inbox i ON i.inbox_id = h.turn_inbox_id "
         "WHERE h.agent_id = ? AND h.active_agent_turn_id = ?"
