@@ -364,15 +364,19 @@ async def _start_webhooks(
     ``nursery`` under the returned scope (cancelled at shutdown, then ``drain()``)."""
     from agentserver.agents.edge.outbox import KEEP_DONE_S, Outbox
     from agentserver.agents.edge.outbox_metrics import OutboxCollector
-    from agentserver.agents.edge.webhooks import Webhooks
+    from agentserver.agents.edge.webhooks import WebhookDirectory, Webhooks
 
     store = agents.runtime.store
     clock = agents.runtime.clock.now
+    bus = agents.runtime.events
     # With <retention> the pruner removes done deliveries (its `deliveries` window, in
     # leased batches); without it the sender keeps them a day, as it always did.
     keep = KEEP_DONE_S if topology.store.retention is None else None
-    outbox = Outbox(store, clock, keep_done_s=keep)
-    webhooks = Webhooks(store, outbox, agents.runtime.events, clock, topology.webhooks)
+    # In dependency order: the directory (which the outbox asks for channels made by
+    # other processes, and tells of disabled ones), the outbox, the webhooks.
+    directory = WebhookDirectory(store, bus)
+    outbox = Outbox(store, clock, keep_done_s=keep, directory=directory)
+    webhooks = Webhooks(store, directory, outbox, bus, clock, topology.webhooks)
     registry.register(OutboxCollector(outbox))
     scope = trio.CancelScope()
 
