@@ -560,3 +560,29 @@ async def test_a_family_makes_a_channel_per_receiver_and_checks_each_attempt(
     finally:
         one.stop()
         two.stop()
+
+
+async def test_a_webhook_another_process_made_is_resolved_by_the_outbox(real: Opener) -> None:
+    """The outbox asks the directory it was built with for a channel it does not know:
+    a webhook made at run time by another process (here: its Webhooks, on the same
+    store) is loaded from the store and its rows delivered, signed with its secret."""
+    from agentserver.agents.edge.webhooks import channel_name
+
+    store = await real()
+    recv = Receiver().start()
+    try:
+        maker = built_webhooks(store, EventBus())
+        spec = WebhookSpec("late", recv.url, ("task.*",), SECRET, first_delay_s=0.05)
+        await maker.create(spec)  # durable; this directory alone knows it
+        directory = WebhookDirectory(store, EventBus())
+        outbox = Outbox(store, store.env.clock.now, directory=directory)
+        assert "late" not in directory and outbox.channel(channel_name("late")) is None
+        await store.outbox_enqueue([item(7, channel_name("late"), recv.url)])
+        async with trio.open_nursery() as nursery:
+            await nursery.start(outbox.run)
+            await wait_for(lambda: len(recv.ok()) == 1)
+            nursery.cancel_scope.cancel()
+        assert verify(recv.ok()[0])["n"] == 7  # signed with the secret the store keeps
+        assert "late" in directory and outbox.channel(channel_name("late")) is not None
+    finally:
+        recv.stop()
