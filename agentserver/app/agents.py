@@ -154,11 +154,12 @@ async def build_agents(
 ) -> AgentService:
     """The agent runtime's parts, each made once and given what it uses when it is
     made (no callback is set on any of them afterwards), in this order: the profiles;
-    the LLM port, and the profiles with the models' context windows; the clock; the store (closed by
-    ``resources`` at once, even if what follows fails); the pump ports (the runtime's
-    tools and replies: made with the store); the event bus; the budgets (if declared);
-    the runtime; its helpers (metrics' figures, pruner); the agent listeners' handlers
-    bound to it; and the service that holds them (built once)."""
+    the LLM port, then the profiles with the models' context windows; the clock; the
+    store (closed by ``resources`` at once, even if what follows fails); the pump ports
+    (the runtime's tools and replies: made with the store); the event bus; the budgets
+    (if declared); the runtime; its helpers (metrics' figures, pruner, budgets' figures,
+    kept replies' forwarding); the agent listeners' handlers bound to it; and the
+    service that holds them (built once). Raises ``AgentConfigError`` (a profile)."""
     declared = build_profiles(topology, pump, environ)  # first: a bad <agent> opens nothing
     llm_port = await open_llm(topology.llm, resources, environ, tracing=tracing, metrics=metrics)
     profiles = with_context_windows(declared, llm_port)

@@ -1,8 +1,9 @@
 """Webhooks: the agents' events (agents/events.py) as signed HTTP deliveries, through
 the durable outbox (agents/edge/outbox.py; docs/webhooks.md).
 
-:class:`Webhooks` holds the webhooks declared in boot.xml and those made at run time
-(durable in the store's ``webhooks`` table). While there is none it costs nothing: no
+:class:`WebhookDirectory` holds the webhooks declared in boot.xml and those made at run
+time (durable in the store's ``webhooks`` table), and answers the outbox for them;
+:class:`Webhooks`, built with it and the outbox, makes and deletes them and feeds them. While there is none it costs nothing: no
 observer on the event bus, no task. Once there is one, an observer maps each event to
 its webhook event type (:func:`event_type`), keeps those some webhook wants, and hands
 them to a writer task through a bounded buffer (the bus's observers must never block);
@@ -12,8 +13,9 @@ delivers them, each attempt signed the Standard Webhooks way (agents/edge/hooksi
 
 An event is durable once its batch is written (milliseconds after it was published): a
 crash in between loses it, except a ``task.*`` and a ``webhook.disabled`` (offered again
-at start, :meth:`_sweep` and :meth:`WebhookDirectory.announce_disabled`) and an event its publisher wrote in its own transaction (:meth:`render_durable`, then
-published ``written=True``; docs/runs.md has the table). A full buffer (the store failing
+at start, :meth:`_sweep` and :meth:`WebhookDirectory.announce_disabled`) and an event
+its publisher wrote in its own transaction (:meth:`render_durable`, then published
+``written=True``; docs/runs.md has the table). A full buffer (the store failing
 for :data:`BUFFER_EVENTS` events) drops new events, counted and logged.
 """
 
