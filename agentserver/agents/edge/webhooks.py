@@ -3,8 +3,9 @@ the durable outbox (agents/edge/outbox.py; docs/webhooks.md).
 
 :class:`WebhookDirectory` holds the webhooks declared in boot.xml and those made at run
 time (durable in the store's ``webhooks`` table), and answers the outbox for them;
-:class:`Webhooks`, built with it and the outbox, makes and deletes them and feeds them. While there is none it costs nothing: no
-observer on the event bus, no task. Once there is one, an observer maps each event to
+:class:`Webhooks`, built with it and the outbox, makes and deletes them and feeds them.
+While there is none it costs nothing: no observer on the event bus, no task. Once there
+is one, an observer maps each event to
 its webhook event type (:func:`event_type`), keeps those some webhook wants, and hands
 them to a writer task through a bounded buffer (the bus's observers must never block);
 the writer turns them into outbox items (one per webhook, keyed so an event is enqueued
