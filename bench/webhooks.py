@@ -34,7 +34,12 @@ import trio
 from agentserver.agents.clock import SystemClock
 from agentserver.agents.edge.hooksign import new_secret
 from agentserver.agents.edge.outbox import Channel, Outbox
-from agentserver.agents.edge.webhooks import Webhooks, channel_name, render_signed
+from agentserver.agents.edge.webhooks import (
+    WebhookDirectory,
+    Webhooks,
+    channel_name,
+    render_signed,
+)
 from agentserver.agents.events import EventBus, TaskEvent
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.profile.webhooks import WebhookSpec
@@ -138,9 +143,11 @@ async def case(url: str | None, events: int, folder: pathlib.Path, sink_url: str
 
         # The observer: a TaskEvent mapped, checked and buffered.
         bus = EventBus()
+        directory = WebhookDirectory(store, bus)
         hooks = Webhooks(
             store,
-            Outbox(store, time.time),
+            directory,
+            Outbox(store, time.time, directory=directory),
             bus,
             time.time,
             (WebhookSpec("bench", sink_url, ("task.*",), secret),),

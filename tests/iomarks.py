@@ -107,11 +107,12 @@ RESOURCES: dict[str, tuple[str, ...]] = {
         "agentserver.agents.store.sqlite_store",
         "agentserver.agents.store.pg.executor",
         "agentserver.agents.store.pg.store",
-        # (an agent runtime always has its store; so has the service that starts one, and
-        # the app's glue that starts it from a topology)
+        # (an agent runtime always has its store; so has the service that runs one, and
+        # the app's composition that builds and starts it from a topology)
         "agentserver.agents.runtime:AgentRuntime",
-        "agentserver.agents.service:start_agent_service",
+        "agentserver.agents.service:AgentService",
         "agentserver.app.agents:start_agents",
+        "agentserver.app.agents:build_agents",
     ),
 }
 

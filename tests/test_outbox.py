@@ -19,8 +19,11 @@ from agentserver.agents.clock import ManualClock, SystemClock
 from agentserver.agents.edge.hooksign import new_secret, secret_bytes
 from agentserver.agents.edge.outbox import Channel, Outbox, backoff
 from agentserver.agents.edge.webhook_events import render_signed
+from agentserver.agents.edge.webhooks import WebhookDirectory, Webhooks
 from agentserver.agents.errors import StoreInUse
+from agentserver.agents.events import EventBus
 from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.profile.webhooks import WebhookSpec
 from agentserver.agents.store.outbox import (
     DISABLED,
     EXPIRED,
@@ -38,6 +41,14 @@ SECRET = new_secret()
 def signed(name: str, **kw: Any) -> Channel:
     """A channel whose attempts are signed the Standard Webhooks way (as webhooks')."""
     return Channel(name, render=render_signed(secret_bytes(SECRET)), **kw)
+
+
+def built_webhooks(store: Any, bus: EventBus, specs: tuple[WebhookSpec, ...] = ()) -> Webhooks:
+    """Webhooks built as the composition root builds them: the directory, the outbox
+    given it, then the webhooks given both."""
+    directory = WebhookDirectory(store, bus)
+    outbox = Outbox(store, store.env.clock.now, directory=directory)
+    return Webhooks(store, directory, outbox, bus, store.env.clock.now, specs)
 
 
 def verify(got: Any) -> dict[str, Any]:
@@ -384,7 +395,6 @@ async def test_two_senders_on_one_store_never_deliver_a_row_twice(real: Opener) 
 async def test_a_task_end_lost_before_its_write_is_offered_again_at_start(real: Opener) -> None:
     """A process killed between a Turn's end and the write of its event: the next start's
     sweep finds the Turn's deliverable and enqueues the event (once: its key)."""
-    from agentserver.agents.edge.webhooks import Webhooks
     from agentserver.agents.events import EventBus
     from agentserver.agents.ports import LLMCompletion, LLMUsage
     from agentserver.agents.profile.webhooks import WebhookSpec
@@ -402,9 +412,8 @@ async def test_a_task_end_lost_before_its_write_is_offered_again_at_start(real: 
     recv = Receiver().start()
     try:
         for _ in range(2):  # two starts: the second finds the event there already
-            outbox = Outbox(store, store.env.clock.now)
             spec = WebhookSpec("w", recv.url, ("task.succeeded",), SECRET, first_delay_s=0.05)
-            hooks = Webhooks(store, outbox, EventBus(), store.env.clock.now, (spec,))
+            hooks = built_webhooks(store, EventBus(), (spec,))
             async with trio.open_nursery() as nursery:
                 await nursery.start(hooks.run)
                 await wait_for(lambda: len(recv.ok()) >= 1)
@@ -420,7 +429,6 @@ async def test_a_task_end_lost_before_its_write_is_offered_again_at_start(real: 
 
 
 async def test_no_webhook_costs_nothing_and_the_first_one_made_starts_them(real: Opener) -> None:
-    from agentserver.agents.edge.webhooks import Webhooks
     from agentserver.agents.events import EventBus, TaskEvent
     from agentserver.agents.profile.webhooks import WebhookSpec
 
@@ -428,7 +436,7 @@ async def test_no_webhook_costs_nothing_and_the_first_one_made_starts_them(real:
     bus = EventBus()
     recv = Receiver().start()
     try:
-        hooks = Webhooks(store, Outbox(store, store.env.clock.now), bus, store.env.clock.now)
+        hooks = built_webhooks(store, bus)
         async with trio.open_nursery() as nursery:
             await nursery.start(hooks.run)
             bus.publish(TaskEvent("a", "turn-0", "succeeded", "", ""))
@@ -446,7 +454,6 @@ async def test_no_webhook_costs_nothing_and_the_first_one_made_starts_them(real:
 
 
 async def test_a_receiver_failing_too_long_is_disabled_with_an_event(real: Opener) -> None:
-    from agentserver.agents.edge.webhooks import Webhooks
     from agentserver.agents.events import EventBus, NoticeEvent, TaskEvent
     from agentserver.agents.profile.webhooks import WebhookSpec
 
@@ -456,7 +463,6 @@ async def test_a_receiver_failing_too_long_is_disabled_with_an_event(real: Opene
     dead.stop()  # nothing listens on its port: refused
     watcher = Receiver().start()
     try:
-        outbox = Outbox(store, store.env.clock.now)
         specs = (
             WebhookSpec(
                 "dead", dead.url, ("task.*",), SECRET, first_delay_s=0.05, max_delay_s=0.1,
@@ -464,7 +470,7 @@ async def test_a_receiver_failing_too_long_is_disabled_with_an_event(real: Opene
             ),
             WebhookSpec("watch", watcher.url, ("webhook.disabled",), SECRET, first_delay_s=0.05),
         )  # fmt: skip
-        hooks = Webhooks(store, outbox, bus, store.env.clock.now, specs)
+        hooks = built_webhooks(store, bus, specs)
         async with bus.subscribe() as sub:
             async with trio.open_nursery() as nursery:
                 await nursery.start(hooks.run)
@@ -487,7 +493,7 @@ async def test_a_disable_whose_event_was_lost_is_announced_at_start_once(real: O
     """A process killed after the sender committed a disable and before its
     ``webhook.disabled`` was written: the next start offers it (keyed by the disable's
     time in the store), and a start after that adds nothing."""
-    from agentserver.agents.edge.webhooks import Webhooks, channel_name
+    from agentserver.agents.edge.webhooks import channel_name
     from agentserver.agents.events import EventBus
     from agentserver.agents.profile.webhooks import WebhookSpec
     from agentserver.agents.store.outbox import OutboxItem
@@ -505,8 +511,7 @@ async def test_a_disable_whose_event_was_lost_is_announced_at_start_once(real: O
             WebhookSpec("watch", watcher.url, ("webhook.disabled",), SECRET, first_delay_s=0.05),
         )
         for _start in range(2):
-            outbox = Outbox(store, store.env.clock.now)
-            hooks = Webhooks(store, outbox, EventBus(), store.env.clock.now, specs)
+            hooks = built_webhooks(store, EventBus(), specs)
             async with trio.open_nursery() as nursery:
                 await nursery.start(hooks.run)
                 await wait_for(lambda: len(watcher.ok()) >= 1)
@@ -555,3 +560,29 @@ async def test_a_family_makes_a_channel_per_receiver_and_checks_each_attempt(
     finally:
         one.stop()
         two.stop()
+
+
+async def test_a_webhook_another_process_made_is_resolved_by_the_outbox(real: Opener) -> None:
+    """The outbox asks the directory it was built with for a channel it does not know:
+    a webhook made at run time by another process (here: its Webhooks, on the same
+    store) is loaded from the store and its rows delivered, signed with its secret."""
+    from agentserver.agents.edge.webhooks import channel_name
+
+    store = await real()
+    recv = Receiver().start()
+    try:
+        maker = built_webhooks(store, EventBus())
+        spec = WebhookSpec("late", recv.url, ("task.*",), SECRET, first_delay_s=0.05)
+        await maker.create(spec)  # durable; this directory alone knows it
+        directory = WebhookDirectory(store, EventBus())
+        outbox = Outbox(store, store.env.clock.now, directory=directory)
+        assert "late" not in directory and outbox.channel(channel_name("late")) is None
+        await store.outbox_enqueue([item(7, channel_name("late"), recv.url)])
+        async with trio.open_nursery() as nursery:
+            await nursery.start(outbox.run)
+            await wait_for(lambda: len(recv.ok()) == 1)
+            nursery.cancel_scope.cancel()
+        assert verify(recv.ok()[0])["n"] == 7  # signed with the secret the store keeps
+        assert "late" in directory and outbox.channel(channel_name("late")) is not None
+    finally:
+        recv.stop()

@@ -26,6 +26,7 @@ from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import (
     AgentStore,
     Finished,
+    LostCalls,
     MultitaskAnswers,
     NewCard,
     TaskStatus,
@@ -113,9 +114,11 @@ class AgentRuntime:
         self.retryable_tools = frozenset(retryable_tools)
         #: (agent, caller thread) → forked conversation, until that task is enqueued.
         self._forks: dict[tuple[str, str | None], str] = {}
-        if self.retryable_tools:
-            # A shared store takes over a dead process's suspended Turns itself.
-            store.on_lost_calls = self.lost_calls
+        #: What a shared store does with a dead process's suspended Turns' calls, handed
+        #: to its recovery and its ``serve`` (the store is not told after it is built: it
+        #: only needs this while the runtime runs it). Without retryable tools the store
+        #: reports them all lost itself.
+        self._takeover: LostCalls | None = self.lost_calls if self.retryable_tools else None
         self.profiles = dict(profiles)
         self.settings = settings
         self.clock = clock or SystemClock()
@@ -372,7 +375,7 @@ class AgentRuntime:
         are sent now.
         """
         await self.store.ensure_agents(list(self.profiles))
-        recovered = await self.store.recover_running()
+        recovered = await self.store.recover_running(self._takeover)
         if recovered:
             log.warning("recovered %d running turn(s) after a restart", len(recovered))
         if self.store.shared:
@@ -418,7 +421,7 @@ class AgentRuntime:
         async with trio.open_nursery() as nursery:
             # The store's own background work: PostgreSQL, rings from other processes and
             # leases; SQLite, WAL checkpoints off the trio thread.
-            await nursery.start(self.store.serve, self.doorbell)
+            await nursery.start(self.store.serve, self.doorbell, self._takeover)
             await nursery.start(self.worker.run)
             await nursery.start(self.watchdog.run)
             await nursery.start(self.approvals.run, self.listener_approvers)

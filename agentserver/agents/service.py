@@ -1,11 +1,15 @@
-"""Agents in a running server: the agent listeners → one AgentRuntime on the pump.
+"""The agents of a running server, as parts: :class:`AgentService` (the runtime and the
+tasks that run beside it, built once), :class:`LateHandler` (an agent listener's handler
+bound once the runtime exists), the LLM port of boot.xml's ``<llm>`` (:func:`open_llm`)
+and the retention the pruner applies (:func:`effective_retention`).
 
-Every listener declared with ``agent="true"`` is run by the runtime: its pump handler only
+The composition root builds them in order and passes each its parts
+(:func:`agentserver.app.agents.start_agents`, called from ``app/root.py``): every
+listener declared with ``agent="true"`` is run by the runtime: its pump handler only
 does intake (:func:`agentserver.agents.edge.bridge.agent_handler`), its Turns run in the
 worker, its model calls go through the LLM router built from boot.xml's ``<llm>``, and its
 state lives in the store of ``<store>`` (default ``state/agents.sqlite3`` next to
-boot.xml). This module takes typed settings; :mod:`agentserver.app.agents` derives them
-from a topology.
+boot.xml).
 """
 
 from __future__ import annotations
@@ -13,32 +17,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import trio
 from lxml import etree
 
-from agentserver.agents.clock import SystemClock
-from agentserver.agents.edge.bridge import PumpPorts, agent_handler
+from agentserver.agents.edge.bridge import PumpPorts
 from agentserver.agents.edge.llm_adapter import RouterLLM
 from agentserver.agents.errors import LLMUnavailable
-from agentserver.agents.events import EventBus, counting
 from agentserver.agents.governance.budgets import Budgets, WorstPrice
-from agentserver.agents.policy.budget import BudgetSpec
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.retention import AgentRetention, RetentionSettings
-from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.profile.settings import StoreSettings
-from agentserver.agents.runtime import AgentRuntime, open_agent_store
-from agentserver.core.access import AccessRule
+from agentserver.agents.runtime import AgentRuntime
 from agentserver.core.listener import Handler, HandlerMetadata
 from agentserver.llm.config import RouterConfig
 from agentserver.observability import LLMTelemetry, Metrics, Tracing
-from agentserver.pump.pump import Pump
 
 if TYPE_CHECKING:
     from agentserver.llm.router import Router
@@ -78,9 +75,14 @@ class NoLLM:
         )
 
 
+#: A task run beside the runtime (started with no arguments, cancelled when it ends).
+Helper = Callable[[], Awaitable[object]]
+
+
 @dataclass
 class AgentService:
-    """The agents of one server process."""
+    """The agents of one server process: built once, by the composition root, from the
+    parts it made; :meth:`run` runs them."""
 
     runtime: AgentRuntime
     ports: PumpPorts
@@ -90,10 +92,23 @@ class AgentService:
     router: Router | None = None
     #: The spend budgets (None: none declared), for the API, the CLI and the console.
     budgets: Budgets | None = None
+    #: Run beside the runtime while it runs, in this order (the metrics' store figures,
+    #: the pruner, the budgets' figures, the forwarding of replies kept for clients).
+    helpers: Sequence[Helper] = ()
 
     def stop(self) -> None:
         """Stop the worker and watchdog (their work is durable and resumes on restart)."""
         self.scope.cancel()
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the runtime and its helpers until :meth:`stop` or a cancel (the work is
+        durable and resumes at the next start); started once the runtime recovered."""
+        with self.scope:
+            async with trio.open_nursery() as inner:
+                for helper in self.helpers:
+                    inner.start_soon(helper)
+                await self.runtime.run(task_status=task_status)
+                inner.cancel_scope.cancel()  # the runtime ended: so do its helpers
 
 
 def worst_price(config: RouterConfig | None) -> WorstPrice:
@@ -168,129 +183,48 @@ def retention_pruner(
     return Pruner(agent_store, settings, tuple(profiles))
 
 
-async def start_agent_service(
-    pump: Pump,
-    handlers: Mapping[str, LateHandler],
-    nursery: trio.Nursery,
-    resources: contextlib.AsyncExitStack,
-    *,
-    store: StoreSettings,
-    profiles: Mapping[str, AgentProfile],
-    llm: RouterConfig | None,
-    clients: Collection[str] = (),
-    operators: Collection[str] = (),
-    environ: Mapping[str, str] | None = None,
-    tracing: Tracing | None = None,
-    metrics: Metrics | None = None,
-    access: AccessRule | None = None,
-    retryable_tools: Collection[str] = (),
-    budgets: Sequence[BudgetSpec] = (),
-    schedules: Sequence[ScheduleSpec] = (),
-) -> AgentService:
-    """Open the store of ``store`` and the router of ``llm``, bind the agent listeners
-    (``handlers``, one per name in ``profiles``) and start the runtime in ``nursery``. Call
-    once the pump runs. ``clients`` are the declared clients' names, ``operators`` the
-    listeners whose approval decisions are the operator's, for any request (the server's
-    own console routers); ``retryable_tools`` the listeners whose steps may be retried
-    (``idempotent``: their calls a restart interrupted are sent again); ``budgets`` the
-    declared spend budgets (none: nothing of them is built); ``schedules`` boot.xml's
-    (docs/runs.md). The store and router
-    are closed by ``resources``; cancelling ``nursery`` stops the runtime, whose work is
-    durable and resumes at the next start."""
-    env = os.environ if environ is None else environ
-    llm_port = await open_llm(llm, resources, env, tracing=tracing, metrics=metrics)
-    window_of = getattr(llm_port, "context_window", None)
-    if window_of is not None:
-        # <agent context-window> wins; else the model's <model context-window>; else 128k.
-        profiles = {
-            name: p
-            if p.context_window is not None or (w := window_of(p.model)) is None
-            else dataclasses.replace(p, context_window=w)
-            for name, p in profiles.items()
-        }
-    named = set(clients)
-    clock = SystemClock()
-    # The store first: the ports (the runtime's tools and replies) are made with it.
+def with_context_windows(
+    profiles: Mapping[str, AgentProfile], llm: LLMPort
+) -> dict[str, AgentProfile]:
+    """``profiles`` with each one's context window: ``<agent context-window>`` wins; else
+    the model's ``<model context-window>`` (when ``llm`` is a router that knows it); else
+    the profile's default (128k)."""
+    window_of = getattr(llm, "context_window", None)
+    if window_of is None:
+        return dict(profiles)
+    return {
+        name: p
+        if p.context_window is not None or (w := window_of(p.model)) is None
+        else dataclasses.replace(p, context_window=w)
+        for name, p in profiles.items()
+    }
+
+
+def store_with_retention(
+    store: StoreSettings, profiles: Mapping[str, AgentProfile]
+) -> StoreSettings:
+    """``store`` as the store is opened: with an agent's ``<retention>`` alone (none in
+    ``<store>``), the effective retention, so the SQLite file is made INCREMENTAL all the
+    same."""
     retention = effective_retention(store, profiles)
     if retention is not None and store.retention is None:
-        # An agent's retention alone: the SQLite file is made INCREMENTAL all the same.
-        store = dataclasses.replace(store, retention=retention)
-    agent_store = open_agent_store(store, profiles, clock=clock)
-    # At once (it is all runtime.aclose does): closed even if what follows fails.
-    resources.push_async_callback(agent_store.aclose)
-    ports = PumpPorts(
-        pump,
-        store=agent_store,
-        named_clients=named,
-        operators=frozenset(operators),
-        access=access,
+        return dataclasses.replace(store, retention=retention)
+    return store
+
+
+def listener_approvers(
+    profiles: Mapping[str, AgentProfile], clients: Collection[str]
+) -> tuple[str, ...]:
+    """The approvers the profiles' policies name that are listeners, not declared
+    ``clients`` (their requests are sent again after a restart)."""
+    return tuple(
+        sorted(
+            {
+                r.approver
+                for p in profiles.values()
+                if p.policy is not None
+                for r in p.policy.rules
+                if r.approver and r.approver not in clients
+            }
+        )
     )
-    events = EventBus()
-    spend = None
-    if budgets:
-        spend = Budgets(agent_store, clock, budgets, price=worst_price(llm), events=events)
-    runtime = AgentRuntime(
-        store=agent_store,
-        profiles=profiles,
-        settings=store,
-        clock=clock,
-        llm=llm_port,
-        tools=ports,
-        replies=ports,
-        tracing=tracing,
-        send_approval=ports.send_approval,
-        listener_approvers=tuple(
-            sorted(
-                {
-                    r.approver
-                    for p in profiles.values()
-                    if p.policy is not None
-                    for r in p.policy.rules
-                    if r.approver and r.approver not in named
-                }
-            )
-        ),
-        retryable_tools=retryable_tools,
-        events=events,
-        budgets=spend,
-        schedules=schedules,
-    )
-    figures = None
-    if metrics is not None:
-        # A snapshot refreshed by its own task (run below): a scrape never waits on the
-        # store, whichever backend it is.
-        from agentserver.agents.store.figures import StoreFigures
-
-        figures = StoreFigures(runtime.store, runtime.clock)
-        runtime.events.observe(counting(metrics.bind_agents(figures, tuple(profiles))))
-    if metrics is not None and spend is not None:
-        metrics.bind_budgets(spend)
-    for name in profiles:
-        handlers[name].bind(agent_handler(runtime, pump, name, ports))
-    service = AgentService(runtime, ports, profiles, router=getattr(llm_port, "router", None))
-    pruner = retention_pruner(store, profiles, agent_store)
-    service = AgentService(
-        runtime, ports, profiles, router=getattr(llm_port, "router", None), budgets=spend
-    )
-
-    async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        with service.scope:
-            kept = runtime.store.client_replies
-            async with trio.open_nursery() as inner:
-                if figures is not None:
-                    inner.start_soon(figures.run)
-                if pruner is not None:
-                    inner.start_soon(pruner.run)
-                if spend is not None and metrics is not None:
-                    inner.start_soon(spend.run)
-                if kept is not None and ports.clients is not None:
-                    # A shared store: replies other processes keep for clients here.
-                    from agentserver.agents.edge.named_clients import forward_kept
-
-                    inner.start_soon(forward_kept, kept, ports.clients)
-                await runtime.run(task_status=task_status)
-                inner.cancel_scope.cancel()  # the runtime ended: so do its helpers
-
-    await nursery.start(run)
-    log.info("agents running: %s (store %s)", ", ".join(profiles), store.where)
-    return service

@@ -16,6 +16,8 @@ scratch store is removed either way; the recorded store is only read.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -31,7 +33,13 @@ from agentserver.agents.edge.bridge import PumpPorts, agent_handler
 from agentserver.agents.errors import AgentError, StoreError, StoreInUse, TurnPruned
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.replay.record import TurnRecord
-from agentserver.agents.replay.recorded import Divergence, RecordedLLM, RecordedTools, compare
+from agentserver.agents.replay.recorded import (
+    Divergence,
+    RecordedLLM,
+    RecordedResult,
+    RecordedTools,
+    compare,
+)
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
 from agentserver.app.agents import build_profiles
@@ -157,6 +165,18 @@ async def replay(
         return await _run(topology, settings, record, live_tools, env, timeout)
 
 
+async def _report(
+    results: trio.MemoryReceiveChannel[RecordedResult], runtime: AgentRuntime
+) -> None:
+    """The recorded tool results into the runtime, each in a task of its own (as a
+    peer's response comes, independent of the others)."""
+    async with trio.open_nursery() as nursery:
+        async for agent, sub, body, failed in results:
+            nursery.start_soon(
+                functools.partial(runtime.report_tool_result, agent, sub, body, failed=failed)
+            )
+
+
 async def _run(
     topology: Topology,
     settings: StoreSettings,
@@ -175,7 +195,8 @@ async def _run(
         try:
             ports = PumpPorts(pump, store=scratch)
             async with trio.open_nursery() as nursery:
-                tools = RecordedTools(record, ports, ports, nursery, live=live_tools)
+                send, results = trio.open_memory_channel[RecordedResult](math.inf)
+                tools = RecordedTools(record, ports, ports, send, live=live_tools)
                 runtime = AgentRuntime(
                     store=scratch,
                     profiles=profiles,
@@ -186,10 +207,7 @@ async def _run(
                     clock=clock,
                 )
 
-                async def report(agent: str, sub: str, body: bytes, failed: bool) -> None:
-                    await runtime.report_tool_result(agent, sub, body, failed=failed)
-
-                tools.report = report
+                nursery.start_soon(_report, results, runtime)
                 for name, handler in listeners.agent_handlers.items():
                     handler.bind(agent_handler(runtime, pump, name, ports))
                 await nursery.start(runtime.run)

@@ -364,15 +364,19 @@ async def _start_webhooks(
     ``nursery`` under the returned scope (cancelled at shutdown, then ``drain()``)."""
     from agentserver.agents.edge.outbox import KEEP_DONE_S, Outbox
     from agentserver.agents.edge.outbox_metrics import OutboxCollector
-    from agentserver.agents.edge.webhooks import Webhooks
+    from agentserver.agents.edge.webhooks import WebhookDirectory, Webhooks
 
     store = agents.runtime.store
     clock = agents.runtime.clock.now
+    bus = agents.runtime.events
     # With <retention> the pruner removes done deliveries (its `deliveries` window, in
     # leased batches); without it the sender keeps them a day, as it always did.
     keep = KEEP_DONE_S if topology.store.retention is None else None
-    outbox = Outbox(store, clock, keep_done_s=keep)
-    webhooks = Webhooks(store, outbox, agents.runtime.events, clock, topology.webhooks)
+    # In dependency order: the directory (which the outbox asks for channels made by
+    # other processes, and tells of disabled ones), the outbox, the webhooks.
+    directory = WebhookDirectory(store, bus)
+    outbox = Outbox(store, clock, keep_done_s=keep, directory=directory)
+    webhooks = Webhooks(store, directory, outbox, bus, clock, topology.webhooks)
     registry.register(OutboxCollector(outbox))
     scope = trio.CancelScope()
 
@@ -486,52 +490,16 @@ async def _start_http(
         from agentserver.agents.clock import SystemClock
 
         table = MemorySessionTable(SystemClock())
-    app_ctx = HttpContext(
-        pump=pump,
-        gateway=gateway,
-        auth=auth,
-        registry=registry,
-        agents=view,
-        forks=agents.runtime if agents is not None else None,
-        schedules=agents.runtime.scheduler if agents is not None else None,
-        events=agents.runtime.events if agents is not None else None,
-        backends=(lambda: router.stats().as_dict()["backends"]) if router is not None else None,
-        transports=lambda: {"socket": server.connection_count, **server.counters},
-        # The durable step log (runners, or <a2a> calls' remote tasks), else the hub's.
-        steps=steps if steps is not None else (hub.step_log if hub is not None else None),
-        operator=operator,
-        webhooks=webhooks,
-        operators=frozenset(c.name for c in topology.clients if c.operator),
-        anonymous_operators=not topology.clients,
-        tls=topology.tls is not None,
-        organism=topology.organism,
-        version=package_version(),
-        budgets=agents.budgets if agents is not None else None,
-        ui_sessions=UiSessions(table, auth, spec.ui_session_ttl),
-        access=access,
-    )
-    ssl_context = None
-    if topology.tls is not None:
-        from agentserver.net.tls import server_context
-
-        # Its own context: ALPN for HTTP must not touch the socket's.
-        ssl_context = server_context(topology.tls, environ)
-    config = http_config(
-        spec.host,
-        spec.port,
-        ssl_context=ssl_context,
-        read_timeout=topology.limits.read_timeout,
-        graceful_timeout=topology.limits.drain_timeout,
-    )
+    # The doors the app serves are made before it, and given to its context.
+    a2a = None
     if topology.expose_a2a is not None and agents is not None:
-        app_ctx.a2a = _a2a_handler(topology, spec, gateway, agents, operator, access)
+        a2a = _a2a_handler(topology, spec, gateway, agents, operator, access)
+    agui = None
     if agents is not None and view is not None:
         from agentserver.config.agui import agui_agents
         from agentserver.http.agui.runs import AguiRuns
 
-        app_ctx.agui = AguiRuns(
-            agui_agents(topology), gateway, view, agents.runtime.events, agents.runtime
-        )
+        agui = AguiRuns(agui_agents(topology), gateway, view, agents.runtime.events, agents.runtime)
     mcp_http = None
     if topology.expose_mcp:
         from agentserver.config.loader import is_loopback
@@ -551,7 +519,7 @@ async def _start_http(
                 operator=operator,
                 access=access,
             )
-        mcp_http = app_ctx.mcp = McpHttp(
+        mcp_http = McpHttp(
             build_server(
                 exposed_tools(topology),
                 GatewaySender(gateway),
@@ -562,6 +530,46 @@ async def _start_http(
             ),
             loopback=is_loopback(spec.host),
         )
+    app_ctx = HttpContext(
+        pump=pump,
+        gateway=gateway,
+        auth=auth,
+        registry=registry,
+        agents=view,
+        forks=agents.runtime if agents is not None else None,
+        schedules=agents.runtime.scheduler if agents is not None else None,
+        events=agents.runtime.events if agents is not None else None,
+        backends=(lambda: router.stats().as_dict()["backends"]) if router is not None else None,
+        transports=lambda: {"socket": server.connection_count, **server.counters},
+        # The durable step log (runners, or <a2a> calls' remote tasks), else the hub's.
+        steps=steps if steps is not None else (hub.step_log if hub is not None else None),
+        operator=operator,
+        webhooks=webhooks,
+        operators=frozenset(c.name for c in topology.clients if c.operator),
+        anonymous_operators=not topology.clients,
+        tls=topology.tls is not None,
+        mcp=mcp_http,
+        a2a=a2a,
+        agui=agui,
+        organism=topology.organism,
+        version=package_version(),
+        budgets=agents.budgets if agents is not None else None,
+        ui_sessions=UiSessions(table, auth, spec.ui_session_ttl),
+        access=access,
+    )
+    ssl_context = None
+    if topology.tls is not None:
+        from agentserver.net.tls import server_context
+
+        # Its own context: ALPN for HTTP must not touch the socket's.
+        ssl_context = server_context(topology.tls, environ)
+    config = http_config(
+        spec.host,
+        spec.port,
+        ssl_context=ssl_context,
+        read_timeout=topology.limits.read_timeout,
+        graceful_timeout=topology.limits.drain_timeout,
+    )
     gateway_scope = trio.CancelScope()
 
     async def run_gateway(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

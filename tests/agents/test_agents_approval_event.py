@@ -41,14 +41,16 @@ async def test_approval_requested_is_in_the_outbox_with_the_mark(tmp_path):
 
     from agentserver.agents.edge.hooksign import new_secret
     from agentserver.agents.edge.outbox import Outbox
-    from agentserver.agents.edge.webhooks import Webhooks
+    from agentserver.agents.edge.webhooks import WebhookDirectory, Webhooks
     from agentserver.agents.events import EventBus
     from agentserver.agents.profile.webhooks import WebhookSpec
 
     h = make_harness(tmp_path, script, profiles={"assistant": approval_profile()})
     store, now = h.rt.store, h.clock.now
     hook = WebhookSpec("w", "http://127.0.0.1:9/h", ("approval.*",), new_secret())
-    hooks = Webhooks(store, Outbox(store, now), EventBus(), now, (hook,))
+    bus = EventBus()
+    directory = WebhookDirectory(store, bus)
+    hooks = Webhooks(store, directory, Outbox(store, now, directory=directory), bus, now, (hook,))
     offered: list[object] = []
     h.rt.events.observe_durably(offered.append, hooks.render_durable)
     await h.rt.enqueue("assistant", task("add"), {"r": 1})

@@ -287,13 +287,16 @@ async def test_budget_soft_is_in_the_outbox_with_its_mark(store):
     durable observer is not handed it again (docs/webhooks.md)."""
     from agentserver.agents.edge.hooksign import new_secret
     from agentserver.agents.edge.outbox import Outbox
-    from agentserver.agents.edge.webhooks import Webhooks
+    from agentserver.agents.edge.webhooks import WebhookDirectory, Webhooks
     from agentserver.agents.profile.webhooks import WebhookSpec
 
     bus = EventBus()
     clock = clock_of(store)
     hook = WebhookSpec("w", "http://127.0.0.1:9/h", ("budget.soft",), new_secret())
-    hooks = Webhooks(store, Outbox(store, clock.now), EventBus(), clock.now, (hook,))
+    hook_bus = EventBus()
+    directory = WebhookDirectory(store, hook_bus)
+    outbox = Outbox(store, clock.now, directory=directory)
+    hooks = Webhooks(store, directory, outbox, hook_bus, clock.now, (hook,))
     offered: list[object] = []
     bus.observe_durably(offered.append, hooks.render_durable)
     spec = BudgetSpec("agent:a", tokens=1000, period="day", soft=0.5)

@@ -12,7 +12,7 @@ import trio
 
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.profile.settings import StoreSettings
-from agentserver.agents.store.base import NewCard, ToolCallRecord
+from agentserver.agents.store.base import NewCard, ToolCallRecord, TurnToken
 from agentserver.agents.store.pg.leases import processes
 from agentserver.agents.store.pg.schema import EXTRAS_DIGEST, migrate_pg
 from agentserver.agents.store.pg.store import PostgresAgentStore
@@ -161,6 +161,40 @@ async def test_an_expired_lease_is_taken_over_and_tool_calls_time_out(pg_url: st
             pg_url, "SELECT correlation_id, failed FROM agent_inbox WHERE message_type = 'timeout'"
         )
         assert (corr, failed) == ("t1", 1)
+    finally:
+        a.close()
+        await b.aclose()
+
+
+async def test_serve_hands_a_dead_processs_suspended_turn_to_the_lost_calls_given(
+    pg_url: str,
+) -> None:
+    """The lost-calls handler is given to the store's ``serve`` by the runtime that runs
+    it (no callback set on the store): its heartbeat's takeover hands each suspended
+    Turn of a dead process to it, and injects no timeout itself."""
+    from agentserver.agents.doorbell import Doorbell
+
+    a = _open(pg_url, lease_s=0.3, heartbeat_s=0.1)
+    b = _open(pg_url, heartbeat_s=0.1)
+    handed: list[tuple[str, str]] = []
+    got = trio.Event()
+
+    async def lost_calls(token: TurnToken, reason: str) -> int:
+        handed.append((token.agent_turn_id, reason))
+        got.set()
+        return 0
+
+    try:
+        token = await _running(a)
+        step, _ = await a.begin_step(token)
+        await a.suspend(token, step, [ToolCallRecord("t1", "calc", "<add/>")], [], 1e12)
+        async with trio.open_nursery() as nursery:  # a's lease (0.3 s) runs out
+            await nursery.start(b.serve, Doorbell(), lost_calls)
+            with trio.fail_after(20):
+                await got.wait()
+            nursery.cancel_scope.cancel()
+        assert handed == [(token.agent_turn_id, "was lost with the process that sent it")]
+        assert not _sql(pg_url, "SELECT 1 FROM agent_inbox WHERE message_type = 'timeout'")
     finally:
         a.close()
         await b.aclose()

@@ -15,7 +15,8 @@ each attempt, when it is disabled). :meth:`Outbox.run` is the sender task:
 - an attempt is a POST (any 2xx is success); a failure is retried after
   ``min(max_delay, first_delay * 2**(n-1))``, half of it random (jitter), until the row's
   ``expires_at`` (then ``expired``); a channel failing without a success for its
-  ``disable_after_s`` is disabled (its rows parked) and ``on_disabled`` is called.
+  ``disable_after_s`` is disabled (its rows parked) and its :class:`ChannelDirectory`
+  is told.
 
 Bounded: at most :data:`CLAIM_LIMIT` rows claimed per round, each channel's slots. On
 cancel the deliveries in flight are abandoned: their leases run out and they are sent
@@ -105,6 +106,21 @@ class Channel:
     check: Callable[[OutboxRow], Awaitable[None]] | None = None
 
 
+class ChannelDirectory(Protocol):
+    """Who owns the channels the sender is not given up front (the webhooks,
+    agents/edge/webhooks.py). Given to the :class:`Outbox` when it is built: it is made
+    first and needs nothing of the outbox."""
+
+    async def resolve(self, name: str) -> Channel | None:
+        """The channel ``name`` this process does not know yet (e.g. a webhook another
+        process made at run time); None: its rows wait."""
+        ...
+
+    async def disabled(self, name: str) -> None:
+        """The sender disabled channel ``name`` (run in the sender's nursery)."""
+        ...
+
+
 @dataclass(slots=True)
 class SenderFigures:
     """What the sender counted in this process (for the metrics)."""
@@ -135,7 +151,7 @@ class Outbox:
         clock: Callable[[], float],
         *,
         transport: httpx.AsyncBaseTransport | None = None,
-        on_disabled: Callable[[str], None] | None = None,
+        directory: ChannelDirectory | None = None,
         rand: Callable[[], float] = random.random,
         keep_done_s: float | None = KEEP_DONE_S,
     ) -> None:
@@ -145,7 +161,9 @@ class Outbox:
         self._keep_done_s = keep_done_s
         self._clock = clock
         self._transport = transport
-        self.on_disabled = on_disabled
+        #: Asked for the channels not known here, told of those disabled; None: unknown
+        #: channels' rows wait, and a disable is only logged.
+        self._directory = directory
         self._rand = rand
         self.owner = "outbox-" + uuid.uuid4().hex[:12]
         self._channels: dict[str, Channel] = {}
@@ -157,9 +175,6 @@ class Outbox:
         #: The store's figures per channel, refreshed every :data:`FIGURES_S` while the
         #: sender runs (what the metrics export; a scrape never waits on the store).
         self.channel_figures: list[ChannelFigures] = []
-        #: Looks up a channel this process does not know yet (e.g. a webhook another
-        #: process made at run time); None: unknown channels' rows wait.
-        self.resolve: Callable[[str], Awaitable[Channel | None]] | None = None
         #: Channels made on demand by name prefix (one per receiver of a feature whose
         #: receivers are not declared: A2A push notifications).
         self._families: dict[str, Callable[[str], Channel]] = {}
@@ -280,17 +295,17 @@ class Outbox:
         unknown: list[int] = []
         for row in rows:
             channel = self._channels.get(row.channel) or self._of_family(row.channel)
-            if channel is None and self.resolve is not None:
-                channel = await self.resolve(row.channel)
+            if channel is None and self._directory is not None:
+                channel = await self._directory.resolve(row.channel)
                 if channel is not None:
-                    self._channels[channel.name] = channel
+                    self.add(channel)
             if channel is None:
                 unknown.append(row.seq)
             elif self._inflight.get(channel.name, 0) >= channel.concurrency:
                 excess.append(row.seq)
             else:
                 self._inflight[channel.name] = self._inflight.get(channel.name, 0) + 1
-                nursery.start_soon(self._deliver, client, channel, row)
+                nursery.start_soon(self._deliver, client, channel, row, nursery)
         if excess:
             await self._store.outbox_release(excess, self.owner)
         if unknown:
@@ -316,9 +331,12 @@ class Outbox:
         channel = self._channels.get(name)
         return channel.concurrency if channel is not None else 1
 
-    async def _deliver(self, client: httpx.AsyncClient, channel: Channel, row: OutboxRow) -> None:
+    async def _deliver(
+        self, client: httpx.AsyncClient, channel: Channel, row: OutboxRow, nursery: trio.Nursery
+    ) -> None:
         """One attempt at ``row``, its outcome recorded (a store failure leaves the lease
-        to run out: the row is attempted again)."""
+        to run out: the row is attempted again). A disable is told to the directory in
+        ``nursery`` (the sender's): this delivery's slot is not held for it."""
         try:
             status, error = await self._attempt(client, channel, row)
             if error is None:
@@ -351,8 +369,8 @@ class Outbox:
             if disabled:
                 self.figures.disabled += 1
                 log.error("outbox: channel %s disabled (failing too long): %s", channel.name, error)
-                if self.on_disabled is not None:
-                    self.on_disabled(channel.name)
+                if self._directory is not None:
+                    nursery.start_soon(self._directory.disabled, channel.name)
         except Exception as exc:
             log.warning("outbox: recording %s failed (its lease will run out): %s", row.seq, exc)
         finally:

@@ -1,9 +1,11 @@
 """Webhooks: the agents' events (agents/events.py) as signed HTTP deliveries, through
 the durable outbox (agents/edge/outbox.py; docs/webhooks.md).
 
-:class:`Webhooks` holds the webhooks declared in boot.xml and those made at run time
-(durable in the store's ``webhooks`` table). While there is none it costs nothing: no
-observer on the event bus, no task. Once there is one, an observer maps each event to
+:class:`WebhookDirectory` holds the webhooks declared in boot.xml and those made at run
+time (durable in the store's ``webhooks`` table), and answers the outbox for them;
+:class:`Webhooks`, built with it and the outbox, makes and deletes them and feeds them.
+While there is none it costs nothing: no observer on the event bus, no task. Once there
+is one, an observer maps each event to
 its webhook event type (:func:`event_type`), keeps those some webhook wants, and hands
 them to a writer task through a bounded buffer (the bus's observers must never block);
 the writer turns them into outbox items (one per webhook, keyed so an event is enqueued
@@ -12,8 +14,9 @@ delivers them, each attempt signed the Standard Webhooks way (agents/edge/hooksi
 
 An event is durable once its batch is written (milliseconds after it was published): a
 crash in between loses it, except a ``task.*`` and a ``webhook.disabled`` (offered again
-at start, :meth:`_sweep` and :meth:`_announce_disabled`) and an event its publisher wrote in its own transaction (:meth:`render_durable`, then
-published ``written=True``; docs/runs.md has the table). A full buffer (the store failing
+at start, :meth:`_sweep` and :meth:`WebhookDirectory.announce_disabled`) and an event
+its publisher wrote in its own transaction (:meth:`render_durable`, then published
+``written=True``; docs/runs.md has the table). A full buffer (the store failing
 for :data:`BUFFER_EVENTS` events) drops new events, counted and logged.
 """
 
@@ -90,23 +93,157 @@ class WebhookNotFound(Exception):
     """No webhook of that name (or it is declared in boot.xml, not made at run time)."""
 
 
+def spec_from_row(name: str, spec_json: str, secret: str) -> WebhookSpec:
+    """A webhook made at run time, as the store's ``webhooks`` table keeps it."""
+    d = json.loads(spec_json)
+    return check_spec(
+        WebhookSpec(
+            name=name,
+            url=d["url"],
+            events=tuple(d["events"]),
+            secret=secret,
+            agent=d.get("agent"),
+            first_delay_s=float(d["first_delay"]),
+            max_delay_s=float(d["max_delay"]),
+            retry_for_s=float(d["retry_for"]),
+            timeout_s=float(d["timeout"]),
+            concurrency=int(d["concurrency"]),
+            disable_after_s=float(d["disable_after"]),
+            runtime=True,
+        )
+    )
+
+
+class WebhookDirectory:
+    """The webhooks this process knows (declared, and made at run time here or by another
+    process) and the outbox's :class:`~agentserver.agents.edge.outbox.ChannelDirectory`
+    for them: a channel another process made is loaded from the store
+    (:meth:`resolve`), and a disabled one is announced on the bus (:meth:`disabled`).
+
+    Built first, from the store and the bus alone; the outbox is given it, and
+    :class:`Webhooks` is given both (no callback is set on the outbox afterwards)."""
+
+    def __init__(self, store: WebhookStore, bus: EventBus) -> None:
+        self._store = store
+        self._bus = bus
+        self._specs: dict[str, WebhookSpec] = {}
+        #: (event type, agent) → whether some webhook wants it (cleared on any change).
+        self._wanted: dict[tuple[str, str], bool] = {}
+
+    def install(self, spec: WebhookSpec) -> Channel:
+        """Know ``spec`` (replacing one of its name); its outbox channel. Raises
+        ValueError for a secret that is not a webhook secret."""
+        key = secret_bytes(spec.secret)
+        self._specs[spec.name] = spec
+        self._wanted.clear()
+        return Channel(
+            channel_name(spec.name),
+            concurrency=spec.concurrency,
+            timeout_s=spec.timeout_s,
+            disable_after_s=spec.disable_after_s,
+            render=render_signed(key),
+        )
+
+    def forget(self, name: str) -> None:
+        self._specs.pop(name, None)
+        self._wanted.clear()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+    def specs(self) -> list[WebhookSpec]:
+        return sorted(self._specs.values(), key=lambda s: s.name)
+
+    def spec(self, name: str) -> WebhookSpec | None:
+        return self._specs.get(name)
+
+    def current(self) -> tuple[WebhookSpec, ...]:
+        """The webhooks there are now (a snapshot)."""
+        return tuple(self._specs.values())
+
+    def wanting(self, etype: str, agent: str) -> list[WebhookSpec]:
+        """The webhooks that want an ``etype`` event of ``agent``."""
+        return [s for s in self._specs.values() if s.wants(etype, agent)]
+
+    def wants(self, etype: str, agent: str) -> bool:
+        """Some webhook wants an ``etype`` event of ``agent`` (cached: the bus's observer
+        asks it for every event)."""
+        key = (etype, agent)
+        got = self._wanted.get(key)
+        if got is None:
+            got = any(s.wants(etype, agent) for s in self._specs.values())
+            if len(self._wanted) > 4096:
+                self._wanted.clear()
+            self._wanted[key] = got
+        return got
+
+    def wants_any(self, etype: str) -> bool:
+        """Some webhook, of any agent, wants ``etype``."""
+        return any(any(event_matches(p, etype) for p in s.events) for s in self._specs.values())
+
+    async def resolve(self, name: str) -> Channel | None:
+        """A channel another process made at run time: its webhook loaded from the store."""
+        if not name.startswith(CHANNEL_PREFIX):
+            return None
+        webhook = name[len(CHANNEL_PREFIX) :]
+        for row_name, spec_json, secret in await self._store.get_webhooks():
+            if row_name == webhook:
+                return self.install(spec_from_row(row_name, spec_json, secret))
+        return None
+
+    async def disabled(self, name: str) -> None:
+        """The outbox disabled channel ``name``: a ``webhook.disabled`` event (to the
+        others), announced from the store's record of the disable."""
+        if name.startswith(CHANNEL_PREFIX):
+            await self.announce_disabled(name, 0.0)
+
+    async def announce_disabled(self, channel: str | None, since: float) -> None:
+        """Publish ``webhook.disabled`` for ``channel`` (None: every webhook channel
+        disabled at or after ``since``), keyed by the disable's time in the store: the
+        start-up sweep's offer of an event already written adds nothing, and one a
+        process killed before writing it is written then."""
+        try:
+            figures = await self._store.outbox_figures()
+        except Exception as exc:  # the store failing: the disable itself is durable
+            log.warning("webhooks: webhook.disabled not announced: %s", exc)
+            return
+        for f in figures:
+            at = f.disabled_at
+            if at is None or at < since or not f.channel.startswith(CHANNEL_PREFIX):
+                continue
+            if channel is not None and f.channel != channel:
+                continue
+            name = f.channel[len(CHANNEL_PREFIX) :]
+            self._bus.publish(
+                NoticeEvent(
+                    "webhook.disabled",
+                    data={"webhook": name, "at": iso_time(at)},
+                    dedupe_key=f"webhook.disabled:{name}:{at!r}",
+                )
+            )
+
+
 class Webhooks:
-    """The webhooks of one server process (see the module docstring)."""
+    """The webhooks of one server process (see the module docstring). ``directory``
+    holds them and is the one ``outbox`` was built with (``app/root.py`` builds the
+    three in that order)."""
 
     def __init__(
         self,
         store: WebhookStore,
+        directory: WebhookDirectory,
         outbox: Outbox,
         bus: EventBus,
         clock: Callable[[], float],
         declared: tuple[WebhookSpec, ...] = (),
     ) -> None:
         self._store = store
+        self._directory = directory
         self._outbox = outbox
         self._bus = bus
         self._clock = clock
-        self._specs: dict[str, WebhookSpec] = {}
-        self._wanted: dict[tuple[str, str], bool] = {}
+        #: The bus's observer asks this for every event: the directory's, unwrapped.
+        self._wants = directory.wants
         self._send, self._receive = trio.open_memory_channel[tuple[str, Event, float]](
             BUFFER_EVENTS
         )
@@ -119,8 +256,6 @@ class Webhooks:
         self.written = 0
         for spec in declared:
             self._install(spec)
-        outbox.resolve = self._resolve
-        outbox.on_disabled = self.disabled
 
     # -- life -------------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -131,22 +266,22 @@ class Webhooks:
             self._nursery = nursery
             for name, spec_json, secret in await self._store.get_webhooks():
                 try:
-                    self._install(self._from_row(name, spec_json, secret))
+                    self._install(spec_from_row(name, spec_json, secret))
                 except (WebhookConfigError, ValueError, TypeError, KeyError) as exc:
                     log.error("webhook %s in the store is not valid, ignored: %s", name, exc)
             await self._activate()
             task_status.started()
-            if self._specs:
+            if self._directory.current():
                 await self._sweep()
-                if self._wants_any("webhook.disabled"):
-                    await self._announce_disabled(None, self._clock() - SWEEP_S)
+                if self._directory.wants_any("webhook.disabled"):
+                    await self._directory.announce_disabled(None, self._clock() - SWEEP_S)
             await trio.sleep_forever()
 
     async def _sweep(self) -> None:
         """Offer again the ``task.*`` events of the Turns ended in the last
         :data:`SWEEP_S` (those a process killed between a Turn's end and the write of its
         event lost; the others are already in the outbox: their keys add nothing)."""
-        if not any(self._wants_any("task." + s) for s in _ENDS):
+        if not any(self._directory.wants_any("task." + s) for s in _ENDS):
             return
         try:
             ended = await self._store.recent_task_ends(self._clock() - SWEEP_S)
@@ -160,12 +295,8 @@ class Webhooks:
                 with contextlib.suppress(trio.WouldBlock):
                     self._send.send_nowait((etype, event, at))
 
-    def _wants_any(self, etype: str) -> bool:
-        """Some webhook, of any agent, wants ``etype``."""
-        return any(any(event_matches(p, etype) for p in s.events) for s in self._specs.values())
-
     async def _activate(self) -> None:
-        if not self._specs or self._nursery is None:
+        if not self._directory.current() or self._nursery is None:
             return
         if not self._observing:
             self._observing = True
@@ -204,10 +335,10 @@ class Webhooks:
 
     # -- the webhooks -----------------------------------------------------------------------
     def specs(self) -> list[WebhookSpec]:
-        return sorted(self._specs.values(), key=lambda s: s.name)
+        return self._directory.specs()
 
     def spec(self, name: str) -> WebhookSpec | None:
-        return self._specs.get(name)
+        return self._directory.spec(name)
 
     async def create(self, spec: WebhookSpec) -> WebhookSpec:
         """Make a webhook at run time (durable); a secret is generated unless given.
@@ -216,7 +347,7 @@ class Webhooks:
             spec = dataclasses.replace(spec, secret=new_secret())
         spec = check_spec(dataclasses.replace(spec, runtime=True, secret_env=None))
         secret_bytes(spec.secret)
-        if spec.name in self._specs:
+        if spec.name in self._directory:
             raise WebhookExists(spec.name)
         stored = json.dumps({k: v for k, v in spec.public().items() if k != "name"})
         if not await self._store.put_webhook(spec.name, stored, spec.secret):
@@ -227,18 +358,17 @@ class Webhooks:
 
     async def delete(self, name: str) -> None:
         """Delete a webhook made at run time; its undelivered events are withdrawn."""
-        spec = self._specs.get(name)
+        spec = self._directory.spec(name)
         if spec is not None and not spec.runtime:
             raise WebhookNotFound(f"{name} is declared in boot.xml")
         if not await self._store.delete_webhook(name, channel_name(name)):
             raise WebhookNotFound(name)
-        self._specs.pop(name, None)
+        self._directory.forget(name)
         self._outbox.remove(channel_name(name))
-        self._wanted.clear()
 
     async def enable(self, name: str) -> int:
         """Enable a disabled webhook again (its parked events pending); how many."""
-        if name not in self._specs:
+        if name not in self._directory:
             raise WebhookNotFound(name)
         n = await self._store.outbox_enable(channel_name(name))
         self._outbox.wake()
@@ -254,97 +384,14 @@ class Webhooks:
         return out
 
     async def deliveries(self, name: str, limit: int = 50) -> list[dict[str, Any]]:
-        if name not in self._specs:
+        if name not in self._directory:
             raise WebhookNotFound(name)
         return await self._store.outbox_deliveries(channel_name(name), limit)
 
     def _install(self, spec: WebhookSpec) -> None:
-        key = secret_bytes(spec.secret)
-        self._specs[spec.name] = spec
-        self._wanted.clear()
-        self._outbox.add(
-            Channel(
-                channel_name(spec.name),
-                concurrency=spec.concurrency,
-                timeout_s=spec.timeout_s,
-                disable_after_s=spec.disable_after_s,
-                render=render_signed(key),
-            )
-        )
-
-    @staticmethod
-    def _from_row(name: str, spec_json: str, secret: str) -> WebhookSpec:
-        d = json.loads(spec_json)
-        return check_spec(
-            WebhookSpec(
-                name=name,
-                url=d["url"],
-                events=tuple(d["events"]),
-                secret=secret,
-                agent=d.get("agent"),
-                first_delay_s=float(d["first_delay"]),
-                max_delay_s=float(d["max_delay"]),
-                retry_for_s=float(d["retry_for"]),
-                timeout_s=float(d["timeout"]),
-                concurrency=int(d["concurrency"]),
-                disable_after_s=float(d["disable_after"]),
-                runtime=True,
-            )
-        )
-
-    async def _resolve(self, channel: str) -> Channel | None:
-        """A channel another process made at run time: its webhook loaded from the store."""
-        if not channel.startswith(CHANNEL_PREFIX):
-            return None
-        name = channel[len(CHANNEL_PREFIX) :]
-        for row_name, spec_json, secret in await self._store.get_webhooks():
-            if row_name == name:
-                self._install(self._from_row(row_name, spec_json, secret))
-                return self._outbox.channel(channel)
-        return None
-
-    def disabled(self, channel: str) -> None:
-        """The outbox disabled ``channel``: a ``webhook.disabled`` event (to the others),
-        announced from the store's record of the disable (:meth:`_announce_disabled`)."""
-        if channel.startswith(CHANNEL_PREFIX) and self._nursery is not None:
-            self._nursery.start_soon(self._announce_disabled, channel, 0.0)
-
-    async def _announce_disabled(self, channel: str | None, since: float) -> None:
-        """Publish ``webhook.disabled`` for ``channel`` (None: every webhook channel
-        disabled at or after ``since``), keyed by the disable's time in the store: the
-        start-up sweep's offer of an event already written adds nothing, and one a
-        process killed before writing it is written then."""
-        try:
-            figures = await self._store.outbox_figures()
-        except Exception as exc:  # the store failing: the disable itself is durable
-            log.warning("webhooks: webhook.disabled not announced: %s", exc)
-            return
-        for f in figures:
-            at = f.disabled_at
-            if at is None or at < since or not f.channel.startswith(CHANNEL_PREFIX):
-                continue
-            if channel is not None and f.channel != channel:
-                continue
-            name = f.channel[len(CHANNEL_PREFIX) :]
-            self._bus.publish(
-                NoticeEvent(
-                    "webhook.disabled",
-                    data={"webhook": name, "at": iso_time(at)},
-                    dedupe_key=f"webhook.disabled:{name}:{at!r}",
-                )
-            )
+        self._outbox.add(self._directory.install(spec))
 
     # -- events into the outbox ---------------------------------------------------------------
-    def _wants(self, etype: str, agent: str) -> bool:
-        key = (etype, agent)
-        got = self._wanted.get(key)
-        if got is None:
-            got = any(s.wants(etype, agent) for s in self._specs.values())
-            if len(self._wanted) > 4096:
-                self._wanted.clear()
-            self._wanted[key] = got
-        return got
-
     def _observe(self, event: Event) -> None:
         """The bus's observer: quick, never blocks, never raises."""
         etype = event_type(event)
@@ -396,7 +443,7 @@ class Webhooks:
 
     async def _items(self, etype: str, event: Event, at: float) -> list[OutboxItem]:
         agent = getattr(event, "agent_id", "") or ""
-        specs = [s for s in self._specs.values() if s.wants(etype, agent)]
+        specs = self._directory.wanting(etype, agent)
         if not specs:
             return []
         if isinstance(event, TaskEvent):
@@ -410,7 +457,7 @@ class Webhooks:
         so a store transaction may call it off trio; :meth:`EventBus.outbox_render`). A
         ``task.*`` event has none here: it is described from the store (and recovered
         at start by :meth:`_sweep` instead)."""
-        specs = tuple(self._specs.values())
+        specs = self._directory.current()
         clock = self._clock
 
         def render(event: Event) -> list[OutboxItem]:

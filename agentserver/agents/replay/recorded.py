@@ -13,12 +13,13 @@ cards with the recorded ones. The run itself (a scratch store, the pump, the run
 - :func:`compare` finds the first divergence: cards compared by type, target and
   content; results within one step in their calls' order (tools answer in any order).
 
-Nothing here blocks; the result reports are sent by tasks of the nursery given.
+Nothing here blocks; the recorded results go out on the channel given (app/replay.py
+reports them to the runtime).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -59,8 +60,8 @@ class CallChecker(Protocol):
     def check_call(self, agent: str, payload: etree._Element, to: str | None) -> None: ...
 
 
-#: ``report(agent, sub_thread, payload, failed)``: a tool result into the runtime.
-Report = Callable[[str, str, bytes, bool], Awaitable[object]]
+#: ``(agent, sub_thread, payload, failed)``: a recorded tool result, for the runtime.
+RecordedResult = tuple[str, str, bytes, bool]
 
 
 class RecordedLLM:
@@ -96,23 +97,23 @@ class RecordedLLM:
 
 class RecordedTools:
     """The tool port of a replay. ``inner`` sends (the pump's ports); without ``live``
-    only its ``check_call`` is used and results come from the record, through
-    ``report`` (set once the runtime exists) in tasks of ``nursery``."""
+    only its ``check_call`` is used and results come from the record: each is sent on
+    ``results`` (whoever runs the replay reports them to the runtime, which is built
+    after this port: it is the runtime's tools)."""
 
     def __init__(
         self,
         record: TurnRecord,
         inner: ToolPort,
         checker: CallChecker,
-        nursery: trio.Nursery,
+        results: trio.MemorySendChannel[RecordedResult],
         *,
         live: bool = False,
     ) -> None:
         self.inner = inner
         self.checker = checker
-        self.nursery = nursery
+        self.results = results
         self.live = live
-        self.report: Report | None = None
         self._calls = record.of_type(CardType.TOOL_CALL)
         self._results = record.results()
         self.made = 0
@@ -145,8 +146,8 @@ class RecordedTools:
             failed = True
         else:
             body, failed = result["content"].encode(), bool(result["metadata"].get("failed"))
-        assert self.report is not None, "report is set before the Turn runs"
-        self.nursery.start_soon(self.report, agent, sub, body, failed)
+        # Unbounded (a record's results are few): reported after this call returns.
+        self.results.send_nowait((agent, sub, body, failed))
         return sub
 
     async def self_iterate(

@@ -59,7 +59,8 @@ from agentserver.agents.store.rows import TurnToken as TurnToken
 from agentserver.agents.store.rows import caller_key as caller_key
 
 #: What a shared store does with the calls of a dead process's suspended Turn
-#: (``await lost(token, reason)``: the runtime's ``lost_calls``).
+#: (``await lost(token, reason)``: the runtime's ``lost_calls``), handed to the store's
+#: :meth:`~StoreLifecycle.serve` and ``recover_running`` by the runtime that runs them.
 LostCalls = Callable[[TurnToken, str], Awaitable[int]]
 
 
@@ -272,7 +273,11 @@ class WatchdogStore(Protocol):
     ) -> None: ...
     async def stale_dispatched(self, older_than_s: float) -> list[Head]: ...
     async def overdue_running(self, older_than_s: float) -> list[Head]: ...
-    async def recover_running(self) -> list[TurnToken]: ...
+    async def recover_running(self, lost_calls: LostCalls | None = None) -> list[TurnToken]:
+        """Recover the running Turns left by a restart; a shared store also takes over
+        a dead process's work, handing its suspended Turns' calls to ``lost_calls``
+        (None: they are all reported lost)."""
+        ...
 
 
 class ClientReplyStore(Protocol):
@@ -452,15 +457,18 @@ class StoreLifecycle(Protocol):
         store)."""
         ...
 
-    #: What to do with the calls of a dead process's suspended Turns (set by the
-    #: runtime; None: report them all lost). Unused where no other process can die.
-    on_lost_calls: LostCalls | None
-
     async def serve(
-        self, doorbell: Doorbell, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+        self,
+        doorbell: Doorbell,
+        lost_calls: LostCalls | None = None,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """The store's own background work until cancelled (PostgreSQL: rings from other
-        processes, the lease; SQLite: WAL checkpoints off the trio thread)."""
+        processes, the lease, and the takeover of a dead process's work, whose suspended
+        Turns' calls go to ``lost_calls`` (None: all reported lost); SQLite: WAL
+        checkpoints off the trio thread, ``lost_calls`` unused: no other process can
+        die)."""
         ...
 
     async def aclose(self) -> None: ...

@@ -32,6 +32,7 @@ from agentserver.agents.store.base import (
     Finished,
     Head,
     InboxRow,
+    LostCalls,
     MultitaskAnswers,
     NewCard,
     PendingReply,
@@ -379,7 +380,8 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     async def overdue_running(self, older_than_s: float) -> list[Head]:
         return await self._read(watchdog.overdue_running, older_than_s)
 
-    async def recover_running(self) -> list[TurnToken]:
+    async def recover_running(self, lost_calls: LostCalls | None = None) -> list[TurnToken]:
+        # ``lost_calls``: unused here; a shared store's override takes over the dead.
         return await self._run(watchdog.recover_running)
 
     # -- replies ----------------------------------------------------------------------------

@@ -171,8 +171,6 @@ class SqliteAgentStore(SqlAgentStore):
         self._checkpoint_lock = threading.Lock()
         #: This process's id (the store names no process in its rows: it is the only one).
         self.owner = uuid.uuid4().hex
-        #: Never called: no other process's Turns can be left to take over.
-        self.on_lost_calls: LostCalls | None = None
 
     @classmethod
     def open(
@@ -315,11 +313,16 @@ class SqliteAgentStore(SqlAgentStore):
         return []
 
     async def serve(
-        self, doorbell: Doorbell, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+        self,
+        doorbell: Doorbell,
+        lost_calls: LostCalls | None = None,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Checkpoint the WAL every :data:`CHECKPOINT_PERIOD` seconds on a worker thread
-        until cancelled (run by :meth:`AgentRuntime.run`; ``doorbell`` is unused: one
-        process owns the file, so nobody else rings). A cancel waits for a checkpoint in
+        until cancelled (run by :meth:`AgentRuntime.run`; ``doorbell`` and ``lost_calls``
+        are unused: one process owns the file, so nobody else rings and no other
+        process's Turns are left to take over). A cancel waits for a checkpoint in
         progress to finish (it is bounded by the WAL's size)."""
         task_status.started()
         while True:

@@ -146,10 +146,6 @@ class PostgresAgentStore(SqlAgentStore):
         #: doorbells after it commits instead of sending ``NOTIFY`` (a statement per
         #: write, and the notification's round trip back to this process's listener).
         self.others_alive = True
-        #: What to do with the calls of a dead process's suspended Turns (the agent
-        #: runtime's ``lost_calls``: re-send those to idempotent listeners); None:
-        #: report them all lost.
-        self.on_lost_calls: LostCalls | None = None
         #: channel → this process's own doorbell for it (set by :meth:`serve`)
         self._rings: dict[str, Callable[[], None]] = {}
 
@@ -247,16 +243,19 @@ class PostgresAgentStore(SqlAgentStore):
     async def aclose(self) -> None:
         await trio.to_thread.run_sync(self.close)
 
-    async def recover_running(self) -> list[TurnToken]:
+    async def recover_running(self, lost_calls: LostCalls | None = None) -> list[TurnToken]:
         """Before this process's worker runs: recover its own running Turns and take over
         those of processes whose lease expired (e.g. this server's previous run); never
-        those of a live process."""
-        return await self.reclaim(mine=True)
+        those of a live process. Their suspended Turns' calls go to ``lost_calls``."""
+        return await self.reclaim(lost_calls, mine=True)
 
-    async def reclaim(self, *, mine: bool = False) -> list[TurnToken]:
-        """One round of :func:`leases.reclaim` (``mine``: this process's work too);
-        timeouts for the dead processes' tool calls. Returns the recovered running
-        Turns."""
+    async def reclaim(
+        self, lost_calls: LostCalls | None = None, *, mine: bool = False
+    ) -> list[TurnToken]:
+        """One round of :func:`leases.reclaim` (``mine``: this process's work too); the
+        dead processes' suspended Turns' tool calls handed to ``lost_calls`` (the agent
+        runtime's: re-sent to idempotent listeners), or with None all reported lost
+        (timeouts). Returns the recovered running Turns."""
         got = await self._run(leases.reclaim, 8, self.owner if mine else None)
         if got.recovered or got.suspended or got.requeued:
             log.warning(
@@ -270,8 +269,8 @@ class PostgresAgentStore(SqlAgentStore):
         for token in got.suspended:
             reason = "was lost with the process that sent it"
             try:
-                if self.on_lost_calls is not None:
-                    await self.on_lost_calls(token, reason)
+                if lost_calls is not None:
+                    await lost_calls(token, reason)
                 else:
                     await self.inject_timeouts(token, reason)
             except StaleTurn:
@@ -281,12 +280,14 @@ class PostgresAgentStore(SqlAgentStore):
     async def serve(
         self,
         doorbell: Doorbell,
+        lost_calls: LostCalls | None = None,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Until cancelled: ring ``doorbell`` when another process (or this one) makes work
         due, and at least every second; renew this process's lease every heartbeat and
-        take over the work of processes whose lease expired."""
+        take over the work of processes whose lease expired (their suspended Turns'
+        calls handed to ``lost_calls``, :meth:`reclaim`)."""
         rings = {
             WAKE_CHANNEL: doorbell.ring,
             CLIENT_REPLIES_CHANNEL: self.client_replies.ring,
@@ -300,7 +301,7 @@ class PostgresAgentStore(SqlAgentStore):
         self._rings = rings
         async with trio.open_nursery() as nursery:
             await nursery.start(listener.run)
-            nursery.start_soon(self._keep_lease, doorbell)
+            nursery.start_soon(self._keep_lease, doorbell, lost_calls)
             task_status.started()
 
     def _heard(self, ring: Callable[[], None]) -> None:
@@ -308,13 +309,13 @@ class PostgresAgentStore(SqlAgentStore):
         self.others_alive = True
         ring()
 
-    async def _keep_lease(self, doorbell: Doorbell) -> None:
+    async def _keep_lease(self, doorbell: Doorbell, lost_calls: LostCalls | None) -> None:
         while True:
             await trio.sleep(self.settings.heartbeat_s)
             try:
                 others = await self.executor.run(leases.heartbeat, self.env, *self._lease_args())
                 self.others_alive = others > 0
-                if await self.reclaim():
+                if await self.reclaim(lost_calls):
                     doorbell.ring()
             except StoreError as exc:
                 # The database is unreachable: keep trying; if the lease runs out
