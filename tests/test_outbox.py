@@ -428,6 +428,53 @@ async def test_a_task_end_lost_before_its_write_is_offered_again_at_start(real: 
         recv.stop()
 
 
+async def test_a_task_end_another_process_lost_is_offered_while_running(real: Opener) -> None:
+    """Another process ended a Turn and was killed before it wrote the event (and never
+    started again, so no start-up sweep of its own): a running process's periodic sweep
+    finds the end with nothing in the outbox and delivers it, once; later sweeps find
+    it there and offer nothing."""
+    from agentserver.agents.events import EventBus
+    from agentserver.agents.ports import LLMCompletion, LLMUsage
+    from agentserver.agents.store.base import CardType, NewCard, TaskStatus
+
+    store = await real()
+    recv = Receiver().start()
+    try:
+        spec = WebhookSpec("w", recv.url, ("task.succeeded",), SECRET, first_delay_s=0.05)
+        directory = WebhookDirectory(store, EventBus())
+        outbox = Outbox(store, store.env.clock.now, directory=directory)
+        hooks = Webhooks(
+            store,
+            directory,
+            outbox,
+            EventBus(),
+            store.env.clock.now,
+            (spec,),
+            resweep_every_s=0.1,
+            resweep_grace_s=0.05,
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hooks.run)
+            # The other process's Turn, ended in the store; its event never published.
+            await store.enqueue_turn("assistant", b"<t/>", {"caller_thread": "th-2"})
+            [row] = await store.claim_due("assistant", 5)
+            token = await store.start_turn(row)
+            step_id, _ = await store.begin_step(token)
+            usage = LLMUsage(prompt_tokens=1, completion_tokens=1, total_tokens=2)
+            done = LLMCompletion("done", usage=usage, cost=0.0, model="m", backend="b")
+            await store.complete_step(token, step_id, done, [NewCard(CardType.LLM_MESSAGE, "x")])
+            await store.finish(token, TaskStatus.SUCCEEDED, "the answer", {}, b"<a/>")
+            await wait_for(lambda: len(recv.ok()) >= 1)
+            swept = hooks.swept
+            await trio.sleep(0.6)  # several sweeps more: the event is in the outbox now
+            nursery.cancel_scope.cancel()
+        [got] = recv.ok()
+        assert verify(got)["data"]["turn"] == token.agent_turn_id
+        assert swept == hooks.swept == 1
+    finally:
+        recv.stop()
+
+
 async def test_no_webhook_costs_nothing_and_the_first_one_made_starts_them(real: Opener) -> None:
     from agentserver.agents.events import EventBus, TaskEvent
     from agentserver.agents.profile.webhooks import WebhookSpec

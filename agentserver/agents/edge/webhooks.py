@@ -13,8 +13,10 @@ once per webhook) and writes each batch in one store transaction. The outbox's s
 delivers them, each attempt signed the Standard Webhooks way (agents/edge/hooksign.py).
 
 An event is durable once its batch is written (milliseconds after it was published): a
-crash in between loses it, except a ``task.*`` and a ``webhook.disabled`` (offered again
-at start, :meth:`_sweep` and :meth:`WebhookDirectory.announce_disabled`) and an event
+crash in between loses it, except a ``task.*`` (offered again at start, and by any
+running process on the same store within :data:`RESWEEP_EVERY_S` when the outbox lacks
+it: :meth:`Webhooks._sweep`) and a ``webhook.disabled`` (offered again at start,
+:meth:`WebhookDirectory.announce_disabled`) and an event
 its publisher wrote in its own transaction (:meth:`render_durable`, then published
 ``written=True``; docs/runs.md has the table). A full buffer (the store failing
 for :data:`BUFFER_EVENTS` events) drops new events, counted and logged.
@@ -26,7 +28,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import trio
@@ -60,6 +62,12 @@ log = logging.getLogger(__name__)
 
 #: The Turns ended this long before a start have their ``task.*`` events offered again.
 SWEEP_S = 900.0
+#: While running, this often, the ``task.*`` events of the Turns ended since the last
+#: sweep (at least :data:`RESWEEP_GRACE_S` ago: the writer of their own process has
+#: written them by then) that the outbox does not hold are offered again: those of
+#: another process killed before it wrote them, and perhaps never started again.
+RESWEEP_EVERY_S = 30.0
+RESWEEP_GRACE_S = 10.0
 _ENDS = ("succeeded", "failed", "stopped", "timed_out")
 #: Events waiting for the writer at most (beyond: counted drops).
 BUFFER_EVENTS = 16384
@@ -82,6 +90,7 @@ class WebhookStore(Protocol):
     async def recent_task_ends(
         self, since: float
     ) -> list[tuple[str, str, str, str, str, float]]: ...
+    async def outbox_present_keys(self, keys: Sequence[str]) -> set[str]: ...
     async def card(self, card_id: str) -> Any: ...
 
 
@@ -236,8 +245,12 @@ class Webhooks:
         bus: EventBus,
         clock: Callable[[], float],
         declared: tuple[WebhookSpec, ...] = (),
+        resweep_every_s: float = RESWEEP_EVERY_S,
+        resweep_grace_s: float = RESWEEP_GRACE_S,
     ) -> None:
         self._store = store
+        self._resweep_every_s = resweep_every_s
+        self._resweep_grace_s = resweep_grace_s
         self._directory = directory
         self._outbox = outbox
         self._bus = bus
@@ -254,6 +267,8 @@ class Webhooks:
         self._batch: list[tuple[str, Event, float]] = []
         self.dropped = 0
         self.written = 0
+        #: Turn ends the periodic sweep found with no event in the outbox, and offered.
+        self.swept = 0
         for spec in declared:
             self._install(spec)
 
@@ -271,29 +286,61 @@ class Webhooks:
                     log.error("webhook %s in the store is not valid, ignored: %s", name, exc)
             await self._activate()
             task_status.started()
+            swept_to = self._clock()
             if self._directory.current():
-                await self._sweep()
+                await self._sweep(swept_to - SWEEP_S)
                 if self._directory.wants_any("webhook.disabled"):
                     await self._directory.announce_disabled(None, self._clock() - SWEEP_S)
-            await trio.sleep_forever()
+            while True:
+                await trio.sleep(self._resweep_every_s)
+                if not self._directory.current():
+                    continue
+                until = self._clock() - self._resweep_grace_s
+                # From a grace before the last sweep's end: a Turn ended just before it
+                # may have been written only after it read the store.
+                await self._sweep(min(swept_to, until) - self._resweep_grace_s, until, True)
+                swept_to = until
 
-    async def _sweep(self) -> None:
-        """Offer again the ``task.*`` events of the Turns ended in the last
-        :data:`SWEEP_S` (those a process killed between a Turn's end and the write of its
-        event lost; the others are already in the outbox: their keys add nothing)."""
+    async def _sweep(
+        self, since: float, until: float | None = None, missing_only: bool = False
+    ) -> None:
+        """Offer again the ``task.*`` events of the Turns ended from ``since`` (to
+        ``until``): those a process killed between a Turn's end and the write of its
+        event lost. The others are in the outbox already: their keys add nothing, and
+        with ``missing_only`` they are left out before they are described (the periodic
+        sweep, which would otherwise read two rows per Turn ended)."""
         if not any(self._directory.wants_any("task." + s) for s in _ENDS):
             return
         try:
-            ended = await self._store.recent_task_ends(self._clock() - SWEEP_S)
+            ended = [
+                end
+                for end in await self._store.recent_task_ends(since)
+                if until is None or end[5] <= until
+            ]
+            present: set[str] = set()
+            if missing_only and ended:
+                present = await self._store.outbox_present_keys(
+                    [key for end in ended for key in self._task_keys(end[0], end[1], end[2])]
+                )
         except Exception as exc:
-            log.warning("webhooks: start-up sweep failed: %s", exc)
+            log.warning("webhooks: sweep of the Turns ended failed: %s", exc)
             return
         for agent, turn, status, box, card, at in ended:
-            event = TaskEvent(agent, turn, status, box, card)
-            etype = "task." + status
-            if self._wants(etype, agent):
-                with contextlib.suppress(trio.WouldBlock):
-                    self._send.send_nowait((etype, event, at))
+            keys = self._task_keys(agent, turn, status)
+            if not keys or (missing_only and all(k in present for k in keys)):
+                continue
+            if missing_only:
+                self.swept += 1
+            with contextlib.suppress(trio.WouldBlock):
+                self._send.send_nowait(
+                    ("task." + status, TaskEvent(agent, turn, status, box, card), at)
+                )
+
+    def _task_keys(self, agent: str, turn: str, status: str) -> list[str]:
+        """The outbox keys of a Turn's end, one per webhook that wants it (as
+        :meth:`_describe_task` and ``items_of`` make them)."""
+        etype = "task." + status
+        return [f"{s.name}:{etype}:{turn}" for s in self._directory.wanting(etype, agent)]
 
     async def _activate(self) -> None:
         if not self._directory.current() or self._nursery is None:

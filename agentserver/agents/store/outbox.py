@@ -196,6 +196,22 @@ def _row(r: Sequence[Any]) -> OutboxRow:
 # -- the SQL (plain functions over one transaction, both backends) ------------------------
 
 
+def present_keys(tx: Tx, env: StoreEnv, keys: Sequence[str]) -> set[str]:
+    """Those of ``keys`` the outbox holds (pending, delivered or given up: kept until
+    pruned). Read only; one statement per :data:`INSERT_CHUNK` keys."""
+    unique = list(dict.fromkeys(keys))
+    there: set[str] = set()
+    for i in range(0, len(unique), INSERT_CHUNK):
+        part = unique[i : i + INSERT_CHUNK]
+        there.update(
+            r[0]
+            for r in tx.all(
+                f"SELECT dedupe_key FROM outbox WHERE dedupe_key IN ({marks(len(part))})", part
+            )
+        )
+    return there
+
+
 def enqueue(tx: Tx, env: StoreEnv, items: Sequence[OutboxItem]) -> int:
     """Insert ``items`` (those whose key is already there, or earlier in ``items``, add
     nothing; those of a disabled channel are stored ``disabled``); returns how many were
@@ -206,16 +222,7 @@ def enqueue(tx: Tx, env: StoreEnv, items: Sequence[OutboxItem]) -> int:
     if not items:
         return 0
     now = env.clock.now()
-    keys = list(dict.fromkeys(i.dedupe_key for i in items))
-    there: set[str] = set()
-    for i in range(0, len(keys), INSERT_CHUNK):
-        part = keys[i : i + INSERT_CHUNK]
-        there.update(
-            r[0]
-            for r in tx.all(
-                f"SELECT dedupe_key FROM outbox WHERE dedupe_key IN ({marks(len(part))})", part
-            )
-        )
+    there = present_keys(tx, env, [i.dedupe_key for i in items])
     new: list[OutboxItem] = []
     for item in items:
         if item.dedupe_key not in there:

@@ -86,6 +86,10 @@ class OutboxCalls(abc.ABC):
         """The Turns ended since ``since`` (webhooks' start-up sweep)."""
         return await self._read(webhook_rows.recent_task_ends, since)
 
+    async def outbox_present_keys(self, keys: Sequence[str]) -> set[str]:
+        """Those of ``keys`` the outbox holds (webhooks' sweep while running)."""
+        return await self._read(outbox.present_keys, keys)
+
     async def turn_conversation(self, agent_turn_id: str) -> tuple[str | None, str | None]:
         """(caller thread, conversation) of the task a Turn runs (for webhook payloads)."""
         return await self._read(webhook_rows.turn_conversation, agent_turn_id)
