@@ -28,9 +28,9 @@ import os
 import sqlite3
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import trio
 
@@ -39,7 +39,7 @@ from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StoreError, StoreInUse
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import LostCalls, PendingReply
-from agentserver.agents.store.sql.db import SQLITE
+from agentserver.agents.store.sql.db import SQLITE, StoreFn
 from agentserver.agents.store.sql.schema import MIGRATIONS, SCHEMA_VERSION, migrate
 from agentserver.agents.store.sql_store import SqlAgentStore
 
@@ -49,6 +49,7 @@ __all__ = ["SCHEMA_VERSION", "_MIGRATIONS", "SqliteAgentStore", "SqliteTx"]
 _MIGRATIONS = MIGRATIONS
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 #: Seconds between the background WAL checkpoints while :meth:`SqliteAgentStore.serve` runs.
 CHECKPOINT_PERIOD = 1.0
@@ -283,28 +284,28 @@ class SqliteAgentStore(SqlAgentStore):
                 pass
         return total
 
-    def _transact(self, fn: Callable[..., T], *args: Any) -> T:
+    def _transact(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
-            result = fn(self._tx, self.env, *args)
+            result = fn(self._tx, self.env, *args, **kwargs)
         except BaseException:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
         return result
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _run(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         # Inline on the trio thread: no await inside, so transactions never interleave.
-        return self._transact(fn, *args)
+        return self._transact(fn, *args, **kwargs)
 
-    async def _run1(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _run1(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         # One statement in autocommit is its own transaction (same lock, same busy wait).
-        return fn(self._tx, self.env, *args)
+        return fn(self._tx, self.env, *args, **kwargs)
 
-    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _read(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         # A single reader statement needs no BEGIN (autocommit reads one snapshot each).
-        return fn(self._tx, self.env, *args)
+        return fn(self._tx, self.env, *args, **kwargs)
 
     async def hand_over_reply(self, agent_turn_id: str, process: str) -> bool:
         """No other process holds a caller of this store's: nothing to hand over."""

@@ -123,7 +123,11 @@ class PgTx:
             name = b"as%d" % len(self._prepared)
             self._check(self._pg.prepare(name, to_pg(sql), types))
             self._prepared[key] = name
-        return self._check(self._pg.exec_prepared(name, args, formats, pq.Format.TEXT))
+        # psycopg's annotation leaves out the None a NULL parameter dumps to, which
+        # exec_prepared takes as exec_params does.
+        return self._check(
+            self._pg.exec_prepared(name, args, formats, pq.Format.TEXT)  # type: ignore[arg-type]
+        )
 
     def _check(self, res: pq.abc.PGresult) -> pq.abc.PGresult:
         if res.status in _FAILED:

@@ -101,7 +101,8 @@ def enqueue_turn(
     dispatch = inbox_sources(InboxEvent.DISPATCH)
     if channel is not None:
         notify(tx, channel)
-    fair_sql, fair_params = "", ()
+    fair_sql = ""
+    fair_params: tuple[object, ...] = ()
     if fair_tags is not None:
         client, step = fair_tags
         # f: the start tag, from the tags before this statement (h took the head, so this

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeAlias, TypeVar
 
 from agentserver.agents.clock import Clock
 from agentserver.agents.profile.settings import StoreSettings
@@ -49,6 +49,14 @@ class StoreEnv:
     settings: StoreSettings
     #: agent id → the most tokens one tool result is shown with (budget.tool_result_cap)
     tool_result_caps: dict[str, int] = field(default_factory=dict)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: A store function, ``fn(tx, env, *args)``: what a backend's ``_run`` runs in one
+#: transaction. Its ``P`` lets the checker match each call's arguments to the function.
+StoreFn: TypeAlias = Callable[Concatenate[Tx, StoreEnv, P], R]
 
 
 def new_id() -> str:
