@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from lxml import etree
 from pydantic_xml import BaseXmlModel
@@ -10,6 +11,20 @@ from pydantic_xml import BaseXmlModel
 from agentserver.core.errors import ConfigurationError
 from agentserver.core.xsdgen import derive_schema, merge_schemas, model_root_tag, split_tag
 from agentserver.core.xsdpayload import schema_doc_of
+
+M = TypeVar("M", bound=BaseXmlModel)
+
+
+def model_from_tree(model: type[M], element: etree._Element) -> M:
+    """``model.from_xml_tree(element)``. pydantic-xml reads lxml elements here (its lxml
+    backend, chosen at import), but its annotations name xml.etree's: the one place the
+    checker is told so."""
+    return model.from_xml_tree(element)  # type: ignore[arg-type]
+
+
+def model_tree(instance: BaseXmlModel) -> etree._Element:
+    """``instance.to_xml_tree()``, an lxml element (see :func:`model_from_tree`)."""
+    return instance.to_xml_tree()  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

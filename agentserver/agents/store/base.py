@@ -287,7 +287,7 @@ class ClientReplyStore(Protocol):
     async def record_client_reply(
         self,
         client: str,
-        thread_ref: ReplyRef,
+        thread_ref: Mapping[str, object],
         payload: bytes,
         *,
         failed: bool,

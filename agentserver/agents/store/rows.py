@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from agentserver.agents.profile.schedule import ScheduleSpec
 
 #: The reply reference's key naming the client an HTTP message was sent by (its bearer
 #: token's identity): her conversation, though the answer goes to the message's endpoint.
-SPEAKS_FOR = "speaks_for"
+SPEAKS_FOR: Final = "speaks_for"
 
 
-def client_of(reply_ref: Any) -> str | None:
+def client_of(reply_ref: Mapping[str, object] | None) -> str | None:
     """The named client a task's reply reference names (None: none): her socket's
     identity, or the bearer token's of her HTTP message or A2A task. Whose budgets a
     task's model calls pay into (docs/budgets.md): the same at every door."""
@@ -25,7 +25,7 @@ def client_of(reply_ref: Any) -> str | None:
     return client if isinstance(client, str) and client else None
 
 
-def caller_key(reply_ref: Any) -> str | None:
+def caller_key(reply_ref: Mapping[str, object] | None) -> str | None:
     """The caller a task's reply reference names (None: none): a named client by its
     identity (``client:NAME``), any other caller by the origin of its chain
     (``origin:ENDPOINT``). The conversation of ``memory="client"`` (agents/turn/memory.py),

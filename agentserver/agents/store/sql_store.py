@@ -396,7 +396,7 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     async def record_client_reply(
         self,
         client: str,
-        thread_ref: ReplyRef,
+        thread_ref: Mapping[str, object],
         payload: bytes,
         *,
         failed: bool,
