@@ -1,12 +1,13 @@
-"""The agent store's rows: what its calls take and return (plain frozen data), the card
-types and task statuses they carry, and governance's record of a step as the store takes
-it (:class:`ScreenedStep`). The store's protocols, by role, are in :mod:`.base`."""
+"""The agent store's rows: what its calls take and return (plain frozen data), and the
+card types and task statuses they carry. Governance's record of a step, as
+``complete_step`` takes it, is :class:`~agentserver.agents.store.governance.StepRecord`.
+The store's protocols, by role, are in :mod:`.base`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from agentserver.agents.profile.schedule import ScheduleSpec
 
@@ -262,23 +263,6 @@ class ClientReply:
     payload: bytes
     failed: bool
     created_at: float
-
-
-class ScreenedStep(Protocol):
-    """Governance's record of one step's calls, as ``complete_step`` takes it
-    (``governance_store.StepRecord`` is the one implementation). Declared here so that the
-    store does not import governance_store, which imports the store's row types."""
-
-    @property
-    def decisions(self) -> Sequence[Any]: ...
-
-    @property
-    def cards(self) -> Sequence[NewCard]: ...
-
-    @property
-    def approvals(self) -> Sequence[Any]: ...
-
-    def __bool__(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
