@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -22,9 +23,9 @@ def model_from_tree(model: type[M], element: etree._Element) -> M:
     return model.from_xml_tree(element)  # type: ignore[arg-type]
 
 
-def model_tree(instance: BaseXmlModel) -> etree._Element:
+def model_tree(instance: BaseXmlModel, *, exclude_none: bool = False) -> etree._Element:
     """``instance.to_xml_tree()``, an lxml element (see :func:`model_from_tree`)."""
-    return instance.to_xml_tree()  # type: ignore[return-value]
+    return instance.to_xml_tree(exclude_none=exclude_none)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -86,7 +87,7 @@ class PayloadRegistry:
     def get(self, tag: str) -> PayloadType | None:
         return self._by_tag.get(tag)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[PayloadType]:
         return iter(self._by_tag.values())
 
     def __len__(self) -> int:
