@@ -166,7 +166,7 @@ class Policy:
         default_factory=dict, init=False, compare=False, repr=False
     )
     #: The verdict when no rule matches.
-    default_verdict: Verdict | None = field(default=None, init=False, compare=False, repr=False)
+    default_verdict: Verdict = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         verdicts: dict[int, tuple[Verdict, Verdict | None]] = {}

@@ -213,7 +213,10 @@ def _unknown_error(raws: list[str], profile: AgentProfile) -> PayloadError:
     """One error for every unknown element of a reply (the model gets one ``<huh>``)."""
     names: list[str] = []
     for raw in raws:
-        name = f"<{_START.match(raw).group(0)[1:]}>"  # type: ignore[union-attr]
+        found = _START.match(raw)
+        if found is None:  # each raw is an element's text, which a start tag opens
+            continue
+        name = f"<{found.group(0)[1:]}>"
         if name not in names:
             names.append(name)
     shown = ", ".join(names[:_MAX_UNKNOWN_NAMED])
