@@ -30,7 +30,7 @@ import threading
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 import trio
 
@@ -39,7 +39,7 @@ from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StoreError, StoreInUse
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import LostCalls, PendingReply
-from agentserver.agents.store.sql.db import SQLITE, StoreFn
+from agentserver.agents.store.sql.db import SQLITE, Row, SqlValue, StoreFn
 from agentserver.agents.store.sql.schema import MIGRATIONS, SCHEMA_VERSION, migrate
 from agentserver.agents.store.sql_store import SqlAgentStore
 
@@ -72,19 +72,19 @@ class SqliteTx:
         self._conn = conn
         self.rowcount = 0
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
+    def execute(self, sql: str, params: Sequence[SqlValue] = ()) -> sqlite3.Cursor:
         cur = self._conn.execute(sql, params)
         self.rowcount = cur.rowcount
         return cur
 
-    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+    def executemany(self, sql: str, rows: Iterable[Sequence[SqlValue]]) -> None:
         self.rowcount = self._conn.executemany(sql, rows).rowcount
 
-    def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+    def one(self, sql: str, params: Sequence[SqlValue] = ()) -> Row | None:
         rows = self._conn.execute(sql, params).fetchall()
         return rows[0] if rows else None
 
-    def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    def all(self, sql: str, params: Sequence[SqlValue] = ()) -> list[Row]:
         return self._conn.execute(sql, params).fetchall()
 
 

@@ -83,7 +83,7 @@ def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
             tuple(names),
         )
     }
-    queued = dict(
+    queued: dict[str, int] = dict(
         tx.all(
             "SELECT agent_id, count(*) FROM agent_inbox WHERE agent_id IN "
             f"({marks(len(names))}) AND message_type = ? AND status = ? GROUP BY agent_id",
