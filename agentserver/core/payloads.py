@@ -23,6 +23,12 @@ def model_from_tree(model: type[M], element: etree._Element) -> M:
     return model.from_xml_tree(element)  # type: ignore[arg-type]
 
 
+def model_xml(instance: BaseXmlModel) -> bytes:
+    """``instance.to_xml()``: bytes from lxml's serialiser (annotated as str or bytes)."""
+    xml = instance.to_xml()
+    return xml.encode("utf-8") if isinstance(xml, str) else xml
+
+
 def model_tree(instance: BaseXmlModel, *, exclude_none: bool = False) -> etree._Element:
     """``instance.to_xml_tree()``, an lxml element (see :func:`model_from_tree`)."""
     return instance.to_xml_tree(exclude_none=exclude_none)  # type: ignore[return-value]
