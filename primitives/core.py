@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 import datetime
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from lxml import etree
 from pydantic_xml import BaseXmlModel, attr, element
@@ -21,6 +21,7 @@ from agentserver.core.errors import (
     SystemErrorCode,
 )
 from agentserver.core.namespaces import CORE_NS
+from agentserver.core.payloads import model_tree
 from agentserver.core.xsdgen import XsdType
 
 #: ``original-attempt`` carries at most this many of the received bytes (before base64).
@@ -29,8 +30,14 @@ ORIGINAL_ATTEMPT_MAX_BYTES = 4096
 _NSMAP = {"": CORE_NS}
 HUH_TAG = f"{{{CORE_NS}}}huh"
 SYSTEM_ERROR_TAG = f"{{{CORE_NS}}}SystemError"
-HuhText = Literal[tuple(r.value for r in HuhReason)]  # type: ignore[valid-type]
-ErrorCode = Literal[tuple(c.value for c in SystemErrorCode)]  # type: ignore[valid-type]
+if TYPE_CHECKING:
+    # Built from the enums at run time (pydantic checks, the XSD enumerates them); to the
+    # checker, the text the enums' values are.
+    HuhText = str
+    ErrorCode = str
+else:
+    HuhText = Literal[tuple(r.value for r in HuhReason)]
+    ErrorCode = Literal[tuple(c.value for c in SystemErrorCode)]
 Base64 = Annotated[str, XsdType("xs:base64Binary")]
 
 
@@ -152,15 +159,16 @@ def boot_primitive(organism: str, listener_count: int) -> Boot:
 
 def huh(reason: HuhReason, original: bytes = b"", detail: str | None = None) -> etree._Element:
     attempt = base64.b64encode(original[:ORIGINAL_ATTEMPT_MAX_BYTES]).decode("ascii")
-    return Huh(error=reason.value, original_attempt=attempt, detail=detail or None).to_xml_tree(
-        exclude_none=True
+    return model_tree(
+        Huh(error=reason.value, original_attempt=attempt, detail=detail or None),
+        exclude_none=True,
     )
 
 
 def system_error(code: SystemErrorCode, *, retry_allowed: bool) -> etree._Element:
-    return SystemErrorPayload(
-        code=code.value, message=code.message, retry_allowed=retry_allowed
-    ).to_xml_tree()
+    return model_tree(
+        SystemErrorPayload(code=code.value, message=code.message, retry_allowed=retry_allowed)
+    )
 
 
 def primitive_for(

@@ -7,21 +7,55 @@ because nothing is committed before the call returns.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Final, Literal, NotRequired, Protocol, TypedDict, cast
 
 from lxml import etree
 
-#: An opaque, JSON-serialisable reference to the caller's thread, produced by the pump for
-#: an Enqueue and stored verbatim with the inbox row. The worker never looks inside it.
-ReplyRef: TypeAlias = Any
+
+class ReplyRef(TypedDict):
+    """The reference to a task's caller, made at intake (the pump edge's hold of the
+    caller's hop, agents/edge/bridge.py; a schedule's run, agents/turn/scheduler.py) and
+    stored as JSON with the inbox row (``reply_ref``): a plain dict, so the stored form is
+    the JSON object of these keys, as before it had a type. Every key is stored in rows:
+    never rename one. Read back with :func:`reply_ref_from_json`."""
+
+    #: The hop thread the task arrived on (the pump's held hop).
+    hop: str
+    #: The caller's own thread (what its answer is sent on).
+    caller_thread: str
+    #: The hop's chain of endpoints, the caller's before the agent's.
+    chain: list[str]
+    #: The named client whose connection sent the task (her identity).
+    client: NotRequired[str]
+    #: The named client an authenticated HTTP message was sent by (rows.SPEAKS_FOR).
+    speaks_for: NotRequired[str]
+    #: The process holding an anonymous caller's connection (:data:`PROCESS_KEY`).
+    process: NotRequired[str]
+    #: The W3C ``traceparent`` of the intake's span: the Turn joins that trace.
+    traceparent: NotRequired[str]
+    #: The schedule a run belongs to (turn/scheduler.py's SCHEDULE_KEY), and its tick.
+    schedule: NotRequired[str]
+    tick: NotRequired[float]
+
 
 #: The reply reference's key naming the process whose pump holds an anonymous caller's
 #: connection, on a store shared by processes. Written at intake and read to answer by the
 #: pump edge (agents/edge/bridge.py); read by the PostgreSQL backend to hand the reply to
 #: that process (agents/store/pg/callers.py). Stored in the inbox rows: never change it.
-PROCESS_KEY = "process"
+PROCESS_KEY: Final = "process"
+
+
+def reply_ref_from_json(text: str) -> ReplyRef:
+    """A stored reply reference (``reply_ref`` JSON) as the typed value: the one edge
+    where the store's JSON becomes a :class:`ReplyRef`. Taken as stored, unchecked: the
+    worker carries it to the ports without looking inside, and the readers of one key
+    (``client_of``, the bridge) still check what they read, since a row may come from a
+    caller of the store other than intake (the tests' fakes store any JSON). Raises
+    ValueError (json's) when ``text`` is not JSON."""
+    return cast(ReplyRef, json.loads(text))
 
 
 class ToolPort(Protocol):

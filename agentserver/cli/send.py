@@ -233,7 +233,7 @@ def later(args: argparse.Namespace, thread: str, *, wait: bool) -> str:
     return "collect its answer with: " + " ".join(words)
 
 
-def render_reply(reply, *, payload_only: bool = False, pretty: bool = False) -> str:
+def render_reply(reply: Reply, *, payload_only: bool = False, pretty: bool = False) -> str:
     """A reply as ``send`` prints it: the envelope as received (one line), the envelope
     pretty-printed, or only the payload pretty-printed."""
     from lxml import etree
@@ -246,7 +246,7 @@ def render_reply(reply, *, payload_only: bool = False, pretty: bool = False) -> 
     return reply.raw.decode("utf-8") + "\n"
 
 
-def error_line(reply) -> str:
+def error_line(reply: Reply) -> str:
     """``huh from NAME: TEXT`` / ``SystemError (CODE) from NAME: TEXT``, with the
     explanation a server run with --explain-refusals adds."""
     from agentserver.core.namespaces import CORE_NS

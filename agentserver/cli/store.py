@@ -8,8 +8,12 @@ import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from agentserver.cli.common import EXIT_OK, EXIT_USAGE, Subcommands, plural, trio_run
+
+if TYPE_CHECKING:
+    from agentserver.agents.store.pruner import PruneReport
 
 
 def add_parsers(
@@ -64,11 +68,12 @@ def add_parsers(
 def _size(n: int | None) -> str:
     if n is None:
         return "?"
+    size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n = n / 1024  # type: ignore[assignment]
-    return str(n)
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(size)
 
 
 def _print_stats(data: dict) -> None:
@@ -129,7 +134,7 @@ def cmd_store(args: argparse.Namespace) -> int:
             return EXIT_OK
         last = [0.0]
 
-        def progress(report) -> None:
+        def progress(report: PruneReport) -> None:
             now = time.monotonic()
             if now - last[0] >= 0.5:  # at most two lines a second
                 last[0] = now

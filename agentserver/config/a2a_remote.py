@@ -61,8 +61,10 @@ class A2aRemoteReader:
                 )
             elif var is not None and var not in self.environ:
                 self.report.warn(hel.sourceline, f"<a2a name={name!r}> <header>: ${var} is not set")
-            else:
-                headers[key] = value if value is not None else self.environ[var]
+            elif value is not None:
+                headers[key] = value
+            elif var is not None:  # one of the two, checked above
+                headers[key] = self.environ[var]
         if (var := el.get("token-env")) is not None:
             token = self.environ.get(var)
             if token:

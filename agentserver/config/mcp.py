@@ -111,8 +111,10 @@ class McpReader:
                 self.report.warn(
                     vel.sourceline, f"<mcp name={server!r}> <{tag} name={key!r}>: ${var} is not set"
                 )
-            else:
-                out[key] = value if value is not None else self.environ[var]
+            elif value is not None:
+                out[key] = value
+            elif var is not None:  # one of the two, checked above
+                out[key] = self.environ[var]
         return out
 
     def read(self, el: etree._Element) -> list[ListenerSpec]:

@@ -21,7 +21,7 @@ Sans I/O: the rule is a plain object; what a refusal does is the sink's.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 #: The reply reference's keys naming the client that sent a task: a socket connection's
 #: identity (``client``) or an HTTP message's bearer token's (``speaks_for``).
@@ -35,7 +35,7 @@ class RefusalSink(Protocol):
     def refused(self, client: str | None, door: str, route: str) -> None: ...
 
 
-def sender_of(reply_ref: Any) -> str | None:
+def sender_of(reply_ref: Mapping[str, object] | None) -> str | None:
     """The declared client that sent the task of ``reply_ref`` (a decoded reply reference),
     None when it names none (an anonymous caller, an agent, a schedule)."""
     if not isinstance(reply_ref, Mapping):

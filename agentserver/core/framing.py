@@ -63,7 +63,7 @@ class FrameDecoder:
         # Body length of the frame being read, once its header is in; else -1.
         self._need = -1
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray) -> None:
         """Add received bytes."""
         if self._pos:
             # Compact lazily: drop consumed bytes only when new data arrives.

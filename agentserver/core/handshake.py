@@ -27,7 +27,7 @@ from lxml import etree
 from agentserver.core.envelope import MESSAGE, build_envelope, load_envelope_schema
 from agentserver.core.errors import AgentServerError, InputRefused
 from agentserver.core.namespaces import CORE_NS
-from agentserver.core.payloads import PayloadType
+from agentserver.core.payloads import PayloadType, model_tree
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.primitives.core import Ack, Hello
@@ -89,7 +89,7 @@ class HelloGate:
             raise Unauthenticated("first frame is not an envelope")
         payload = root[1]
         if payload.tag != HELLO_TAG or not self._hello.is_valid(payload):
-            raise Unauthenticated(f"first frame carries {payload.tag}, not a hello")
+            raise Unauthenticated(f"first frame carries {payload.tag!s}, not a hello")
         # Read the fields directly: an empty <token/> is schema-valid but has no text.
         name = (payload.findtext(f"{{{CORE_NS}}}client") or "").strip()
         given = (payload.findtext(f"{{{CORE_NS}}}token") or "").encode("utf-8")
@@ -143,17 +143,17 @@ class AckReader:
         payload = root[1]
         if payload.tag != ACK_TAG or not self._ack.is_valid(payload):
             return None
-        ids = [int(el.text) for el in payload]
+        ids = [int(el.text or "") for el in payload]  # schema-valid: each an integer
         return ids if len(ids) <= MAX_ACK_IDS else None
 
 
 def hello_frame_body(client: str, token: str, *, ack: bool = False) -> bytes:
     """The envelope a client sends first (see the module docstring)."""
-    payload = Hello(client=client, token=token, ack=ack or None).to_xml_tree(exclude_none=True)
+    payload = model_tree(Hello(client=client, token=token, ack=ack or None), exclude_none=True)
     return etree.tostring(build_envelope(client, None, new_thread_id(), payload))
 
 
 def ack_frame_body(client: str, ids: list[int]) -> bytes:
     """The envelope that acknowledges the durable replies ``ids``."""
-    payload = Ack(ids=ids).to_xml_tree()
+    payload = model_tree(Ack(ids=ids))
     return etree.tostring(build_envelope(client, None, new_thread_id(), payload))

@@ -144,7 +144,8 @@ def _node(schema: Any, depth: int, path: str, fallbacks: list[str]) -> Node:
     if not isinstance(schema, Mapping):
         description = ""
         return fallback()
-    description = schema.get("description") if isinstance(schema.get("description"), str) else ""
+    said = schema.get("description")
+    description = said if isinstance(said, str) else ""
     if depth > MAX_DEPTH or any(k in schema for k in ("oneOf", "anyOf", "allOf", "$ref", "not")):
         return fallback()
     kind = schema.get("type")
@@ -177,7 +178,8 @@ def _node(schema: Any, depth: int, path: str, fallbacks: list[str]) -> Node:
             return fallback()
         if not all(isinstance(n, str) and _NCNAME.match(n) for n in props):
             return fallback()
-        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        listed = schema.get("required")
+        required = listed if isinstance(listed, list) else []
         return Node(
             "object",
             tuple(

@@ -12,6 +12,7 @@ from lxml import etree
 from pydantic_xml import BaseXmlModel
 
 from agentserver.core.errors import ConfigurationError
+from agentserver.core.payloads import model_tree
 
 NAME_RE = re.compile(r"^[a-z0-9_-]{1,64}$")
 #: Names the pump keeps for itself.
@@ -23,7 +24,7 @@ Payload: TypeAlias = BaseXmlModel | etree._Element
 def to_element(payload: object) -> etree._Element:
     """A :data:`Payload` as an element (a model is serialised). Raises TypeError."""
     if isinstance(payload, BaseXmlModel):
-        return payload.to_xml_tree(exclude_none=True)
+        return model_tree(payload, exclude_none=True)
     if isinstance(payload, etree._Element):
         return payload
     raise TypeError(

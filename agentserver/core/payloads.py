@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from lxml import etree
 from pydantic_xml import BaseXmlModel
@@ -10,6 +12,26 @@ from pydantic_xml import BaseXmlModel
 from agentserver.core.errors import ConfigurationError
 from agentserver.core.xsdgen import derive_schema, merge_schemas, model_root_tag, split_tag
 from agentserver.core.xsdpayload import schema_doc_of
+
+M = TypeVar("M", bound=BaseXmlModel)
+
+
+def model_from_tree(model: type[M], element: etree._Element) -> M:
+    """``model.from_xml_tree(element)``. pydantic-xml reads lxml elements here (its lxml
+    backend, chosen at import), but its annotations name xml.etree's: the one place the
+    checker is told so."""
+    return model.from_xml_tree(element)  # type: ignore[arg-type]
+
+
+def model_xml(instance: BaseXmlModel) -> bytes:
+    """``instance.to_xml()``: bytes from lxml's serialiser (annotated as str or bytes)."""
+    xml = instance.to_xml()
+    return xml.encode("utf-8") if isinstance(xml, str) else xml
+
+
+def model_tree(instance: BaseXmlModel, *, exclude_none: bool = False) -> etree._Element:
+    """``instance.to_xml_tree()``, an lxml element (see :func:`model_from_tree`)."""
+    return instance.to_xml_tree(exclude_none=exclude_none)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -71,7 +93,7 @@ class PayloadRegistry:
     def get(self, tag: str) -> PayloadType | None:
         return self._by_tag.get(tag)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[PayloadType]:
         return iter(self._by_tag.values())
 
     def __len__(self) -> int:

@@ -76,3 +76,14 @@ def canonical_or_empty(element: etree._Element) -> bytes:
         return canonicalize(element)
     except Exception:
         return b""
+
+
+def tag_of(element: etree._Element) -> str:
+    """An element's tag (``{ns}local``): a str for every element parsed or built here.
+    lxml's annotations also allow the bytes or QName a program may assign to ``.tag``
+    (stored as given), which nothing in the package does; a comment's or processing
+    instruction's tag is not a str either, so those raise TypeError."""
+    tag = element.tag
+    if not isinstance(tag, str):
+        raise TypeError(f"not an element: its tag is {tag!r}")
+    return tag

@@ -9,10 +9,11 @@ check`` should print, as ``(line, message)`` pairs, errors and warnings apart.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from importlib.resources import as_file, files
+from typing import TypeVar, overload
 
 from lxml import etree
 
@@ -20,6 +21,10 @@ from agentserver.core.durations import parse_duration
 from agentserver.core.namespaces import BOOT_NS
 
 from .types import Usage
+
+T = TypeVar("T")
+#: A number an attribute must bound (``_positive``, ``_non_negative``).
+N = TypeVar("N", int, float)
 
 __all__ = [
     "BOOT_NS",
@@ -211,7 +216,13 @@ def missing_key_reason(backend: BackendConfig, environ: Mapping[str, str]) -> st
 # -- parsing ---------------------------------------------------------------
 
 
-def _opt(el: etree._Element, name: str, conv, default=None):
+@overload
+def _opt(el: etree._Element, name: str, conv: Callable[[str], T]) -> T | None: ...
+@overload
+def _opt(el: etree._Element, name: str, conv: Callable[[str], T], default: T) -> T: ...
+def _opt(
+    el: etree._Element, name: str, conv: Callable[[str], T], default: T | None = None
+) -> T | None:
     raw = el.get(name)
     if raw is None:
         return default
@@ -221,8 +232,8 @@ def _opt(el: etree._Element, name: str, conv, default=None):
         raise LlmConfigError(el.sourceline, f"attribute {name}={raw!r}: {exc}") from None
 
 
-def _positive(conv):
-    def parse(raw: str):
+def _positive(conv: Callable[[str], N]) -> Callable[[str], N]:
+    def parse(raw: str) -> N:
         value = conv(raw)
         if value <= 0:
             raise ValueError("must be positive")
@@ -231,8 +242,8 @@ def _positive(conv):
     return parse
 
 
-def _non_negative(conv):
-    def parse(raw: str):
+def _non_negative(conv: Callable[[str], N]) -> Callable[[str], N]:
+    def parse(raw: str) -> N:
         value = conv(raw)
         if value < 0:
             raise ValueError("must not be negative")
@@ -358,7 +369,9 @@ def parse_llm_section(
     use raises :class:`LlmConfigError` with the source line.
     """
     if element.tag != _NS + "llm":
-        raise LlmConfigError(element.sourceline, f"expected <llm> in {BOOT_NS}, got {element.tag}")
+        raise LlmConfigError(
+            element.sourceline, f"expected <llm> in {BOOT_NS}, got {element.tag!s}"
+        )
     backends: list[BackendConfig] = []
     retry = RetryConfig()
     breaker = BreakerConfig()

@@ -14,6 +14,7 @@ from agentserver.core.envelope import MESSAGE
 from agentserver.core.errors import AgentServerError, InputRefused
 from agentserver.core.listener import to_element
 from agentserver.core.namespaces import CORE_NS, ENVELOPE_NS
+from agentserver.core.payloads import model_from_tree
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.primitives.approval import NS, REQUEST_TAG, ApprovalRequest
 from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
@@ -145,7 +146,7 @@ def approval_request(reply: Reply) -> dict[str, str] | None:
     timeout, payload), or None if ``reply`` is something else (docs/agents.md)."""
     if reply.payload.tag != REQUEST_TAG:
         return None
-    model = ApprovalRequest.from_xml_tree(reply.payload)
+    model = model_from_tree(ApprovalRequest, reply.payload)
     return {k: str(v) for k, v in model.model_dump().items()}
 
 

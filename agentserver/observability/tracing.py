@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Mapping
+from contextvars import Token
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -80,13 +81,18 @@ class Tracing:
         try:
             from opentelemetry.sdk.resources import SERVICE_NAME, Resource
             from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+            from opentelemetry.sdk.trace.export import (
+                BatchSpanProcessor,
+                ConsoleSpanExporter,
+                SpanExporter,
+            )
         except ImportError:
             log.warning(
                 "OTEL_* variables are set but the OpenTelemetry SDK is not installed "
                 "(pip install 'agentserver[otel]'): tracing is off"
             )
             return cls()
+        exporter: SpanExporter
         if exporter_name == "console":
             exporter = ConsoleSpanExporter()
         else:
@@ -254,10 +260,10 @@ def record_error(span: Span, kind: str) -> None:
         span.set_status(Status(StatusCode.ERROR, kind))
 
 
-def attach(span: Span) -> object:
+def attach(span: Span) -> Token[otel_context.Context]:
     """Make ``span`` current in this task's context; returns the token for :func:`detach`."""
     return otel_context.attach(trace.set_span_in_context(span))
 
 
-def detach(token: object) -> None:
+def detach(token: Token[otel_context.Context]) -> None:
     otel_context.detach(token)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -17,8 +18,12 @@ class ThreadRef:
         return {"hop": self.hop, "caller_thread": self.caller_thread, "chain": list(self.chain)}
 
     @classmethod
-    def from_json(cls, data: dict[str, object]) -> ThreadRef:
-        chain = tuple(str(n) for n in data["chain"])  # type: ignore[union-attr]
+    def from_json(cls, data: Mapping[str, object]) -> ThreadRef:
+        """Raises ValueError when ``data`` is no hop reference."""
+        found = data["chain"]
+        if not isinstance(found, list | tuple):
+            raise ValueError("a hop chain is a list of endpoints")
+        chain = tuple(str(n) for n in found)
         if len(chain) < 2:
             raise ValueError("a hop chain has a caller and an owner")
         return cls(str(data["hop"]), str(data["caller_thread"]), chain)

@@ -24,7 +24,7 @@ import logging
 import math
 import sys
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import trio
@@ -440,7 +440,9 @@ class McpHub:
                 await nursery.start(connection.run)
             task_status.started()
 
-    def handler_for(self, server: str, tool: str, listener: str, shape: ToolShape):
+    def handler_for(
+        self, server: str, tool: str, listener: str, shape: ToolShape
+    ) -> Callable[[etree._Element, HandlerMetadata], Awaitable[HandlerResult]]:
         """The pump handler of tool listener ``listener`` (raw: it takes the validated
         element, turns it into the tool's JSON arguments and answers the result)."""
         connection = self.connections[server]

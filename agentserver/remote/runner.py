@@ -18,7 +18,7 @@ module relies on: a runner in another language does the same.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -237,7 +237,9 @@ async def _read_jobs(
     jobs: dict[str, trio.CancelScope],
     refused: list[str],
     nursery: trio.Nursery,
-    run_job,
+    run_job: Callable[
+        [str, str, etree._Element, trio.CancelScope, str | None, str | None], Awaitable[None]
+    ],
     listener: str,
 ) -> None:
     """Read frames until the connection ends or the server refuses us (then ``refused``

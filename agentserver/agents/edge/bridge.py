@@ -9,7 +9,6 @@ the worker, which talks back to the pump through :class:`PumpPorts`.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 from collections.abc import Iterable
 
@@ -23,7 +22,7 @@ from agentserver.agents.governance.approvals import (
     ApprovalDecision,
     PendingApproval,
 )
-from agentserver.agents.ports import PROCESS_KEY, ReplyRef
+from agentserver.agents.ports import PROCESS_KEY, ReplyRef, reply_ref_from_json
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore, TurnToken
 from agentserver.agents.turn.answer import FAILED, STATUS_ATTR
@@ -34,6 +33,7 @@ from agentserver.core.envelope import encode, envelope_multitask
 from agentserver.core.errors import Refusal
 from agentserver.core.listener import Handler, HandlerMetadata, HandlerResponse, HandlerResult
 from agentserver.core.namespaces import CORE_NS
+from agentserver.core.payloads import model_from_tree
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import canonical_or_empty
 from agentserver.primitives.core import primitive_for
@@ -48,6 +48,12 @@ _DEDUP_WINDOW = 4096
 
 def _refused(refusal: Refusal, payload: etree._Element) -> PumpRefused:
     return PumpRefused(primitive_for(refusal, canonical_or_empty(payload)), str(refusal))
+
+
+def thread_reply_ref(ref: ThreadRef) -> ReplyRef:
+    """The reply reference of a held hop: its thread keys, as :meth:`ThreadRef.to_json`
+    writes them (the bridge reads them back with :meth:`ThreadRef.from_json`)."""
+    return ReplyRef(hop=ref.hop, caller_thread=ref.caller_thread, chain=list(ref.chain))
 
 
 class PumpPorts:
@@ -102,11 +108,11 @@ class PumpPorts:
             found = self.clients.identity_of(endpoint)
         return found or endpoint
 
-    def reply_ref(self, ref: ThreadRef) -> dict[str, object]:
+    def reply_ref(self, ref: ThreadRef) -> ReplyRef:
         """The durable reference of a task's hop; it names the client identity when the
         caller is a connection of a named client (a second connection's endpoint is not
         named after it), so the answer still finds her after the connection ends."""
-        data = ref.to_json()
+        data = thread_reply_ref(ref)
         identity = self.clients.identity_of(ref.caller) if self.clients is not None else None
         if identity is not None:
             data["client"] = identity
@@ -171,7 +177,7 @@ class PumpPorts:
         ref = await self.store.turn_reply_ref(TurnToken(pending.agent_id, pending.agent_turn_id, 0))
         if ref is None:
             raise RuntimeError(f"turn {pending.agent_turn_id} has no reply reference")
-        await self.call(pending.agent_id, json.loads(ref), request, approver)
+        await self.call(pending.agent_id, reply_ref_from_json(ref), request, approver)
 
     # -- ReplyPort ------------------------------------------------------------------------
 
@@ -183,10 +189,10 @@ class PumpPorts:
         ref = ThreadRef.from_json(reply_ref)
         agent = ref.chain[-1]
         caller = ref.caller
-        identity = reply_ref.get("client") if isinstance(reply_ref, dict) else None
+        identity = reply_ref.get("client")
         if identity not in self.named_clients:
             identity = caller if caller in self.named_clients else None
-        home = reply_ref.get(PROCESS_KEY) if isinstance(reply_ref, dict) else None
+        home = reply_ref.get(PROCESS_KEY)
         if (
             identity is None
             and home is not None
@@ -207,7 +213,7 @@ class PumpPorts:
                 self.pump.end_hop(ref.hop)  # as an answer would: the hop ends
                 if reply_id:
                     await self.clients.deliver(identity, reply_id, body)
-        elif isinstance(reply_ref, dict) and SCHEDULE_KEY in reply_ref:
+        elif SCHEDULE_KEY in reply_ref:
             # A schedule's run: no caller waits for its answer, which goes to the store
             # and the agent's events only. Nothing is gone, so nothing to log.
             self.pump.release(ref.hop)
@@ -243,7 +249,7 @@ async def approval_decision(
     acknowledged (a listener approver's, arriving as its response, needs no ack). Any
     governed agent may receive it (by name, or the first by root tag): the store applies
     it by its request id, to the agent that asked."""
-    decision = ApprovalDecision.from_xml_tree(payload)
+    decision = model_from_tree(ApprovalDecision, payload)
     by: str | None = meta.from_id
     if ports is not None and meta.from_id in ports.operators:
         by = None  # the server's own console: the operator may decide any request
@@ -293,7 +299,7 @@ def agent_handler(
             log.info("%s: system notice on %s ignored", name, meta.thread_id)
             return None
         ref = pump.hold(meta.thread_id)
-        reply_ref = ports.reply_ref(ref) if ports is not None else ref.to_json()
+        reply_ref = ports.reply_ref(ref) if ports is not None else thread_reply_ref(ref)
         if runtime.store.shared and "client" not in reply_ref:
             # The caller's connection is in this process: an anonymous caller is answered
             # from here, whichever process runs the Turn (pg/callers.py). A named client's

@@ -20,7 +20,6 @@ failed result of the call (a refusal card). Later decisions are acknowledged
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -31,9 +30,9 @@ from agentserver.agents.clock import Clock
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import PumpRefused, StaleTurn
 from agentserver.agents.events import EventBus, NoticeEvent
-from agentserver.agents.ports import ToolPort
+from agentserver.agents.ports import ToolPort, reply_ref_from_json
 from agentserver.agents.profile.agent import AgentProfile
-from agentserver.agents.store.base import ApprovalStore, InboxRow
+from agentserver.agents.store.base import AgentStore, ApprovalStore, InboxRow
 from agentserver.agents.store.governance import APPROVAL_PREFIX, WAITING_KIND, PendingApproval
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.primitives.approval import (
@@ -110,9 +109,9 @@ class Approvals:
 
     def __init__(
         self,
-        store,
+        store: AgentStore,
         clock: Clock,
-        doorbell,
+        doorbell: Doorbell,
         send: SendApproval | None = None,
         interval_s: float = 0.5,
         events: EventBus | None = None,
@@ -202,11 +201,13 @@ async def forward_granted(
     profile = profiles.get(token.agent_id)
     after = "terminate" if profile is not None and target in profile.terminate_tools else "suspend"
     ref_json = await store.turn_reply_ref(token)
+    if ref_json is None:  # no longer the agent's active Turn
+        raise StaleTurn(f"{token}: not the active Turn")
     try:
         element = SafeParser().parse(payload.encode("utf-8"))
         # A granted call's idempotency key is its approval request's id (its card's).
         sub = await tools.call(
-            token.agent_id, json.loads(ref_json), element, target, key=request_id
+            token.agent_id, reply_ref_from_json(ref_json), element, target, key=request_id
         )
     except PumpRefused as refused:
         text = etree.tostring(refused.element, encoding="unicode")

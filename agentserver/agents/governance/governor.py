@@ -293,8 +293,10 @@ def result_annotations(cards: Sequence[Card]) -> dict[str, dict[str, object]]:
         if card.card_type in (CardType.TOOL_CALL, CardType.GUARD):
             entry = out.setdefault(call_id, {})
             warns = card.metadata.get("warn")
-            if warns:
-                entry.setdefault("warn", []).extend(warns)  # type: ignore[union-attr]
+            if isinstance(warns, list) and warns:
+                shown = entry.setdefault("warn", [])
+                if isinstance(shown, list):
+                    shown.extend(warns)
             if card.metadata.get("block"):
                 entry["block"] = card.metadata["block"]
     return out

@@ -69,9 +69,10 @@ def evaluate(policy: Policy, call: CallInfo, window: Sequence[float], now: float
     against the matching rule's rate (ignored when it has none; see :func:`rate_key`)."""
     rule = policy.match(call)
     if rule is None:
-        return policy.default_verdict  # type: ignore[return-value]
+        return policy.default_verdict
     verdict, limited = policy.verdicts[id(rule)]
-    if limited is not None and not rule.rate.admits(window, now):  # type: ignore[union-attr]
+    # limited is set only for a rule with a rate.
+    if limited is not None and rule.rate is not None and not rule.rate.admits(window, now):
         return limited
     return verdict
 

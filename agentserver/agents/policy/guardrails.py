@@ -89,12 +89,14 @@ class GuardrailSpec:
 
 def canonical(payload: etree._Element | str) -> str:
     """The payload in canonical form (C14N), so equal calls compare equal as strings."""
-    if isinstance(payload, str):
+    if not isinstance(payload, str):
+        element = payload
+    else:
         try:
-            payload = SafeParser().parse(payload.encode("utf-8"))
+            element = SafeParser().parse(payload.encode("utf-8"))
         except Exception:
             return payload
-    return etree.tostring(payload, method="c14n").decode("utf-8")
+    return etree.tostring(element, method="c14n").decode("utf-8")
 
 
 def loop_verdict(
@@ -157,10 +159,12 @@ class GuardrailRunner:
         return out
 
 
-def combine(decisions: Sequence[GuardDecision]) -> GuardDecision | tuple[Warn, ...]:
+def combine(decisions: Sequence[GuardDecision]) -> Halt | Block | tuple[Warn, ...]:
     """The strongest decision (halt > block), else every warning (possibly none)."""
-    for kind in (Halt, Block):
-        for d in decisions:
-            if isinstance(d, kind):
-                return d
+    for d in decisions:
+        if isinstance(d, Halt):
+            return d
+    for d in decisions:
+        if isinstance(d, Block):
+            return d
     return tuple(d for d in decisions if isinstance(d, Warn))

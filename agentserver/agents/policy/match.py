@@ -4,14 +4,24 @@ built once. Pure, no I/O; the plan memo is bounded (``CANDIDATE_CACHE_MAX``)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lxml import etree
 
 from agentserver.agents.policy.rules import CallInfo, Decision, PayloadView, Rule, child_text
+from agentserver.core.xmlsafe import tag_of
 
 CANDIDATE_CACHE_MAX = 4096
+
+
+def _has(needle: str, text: str) -> bool:
+    return needle in text
+
+
+def _at_most(limit: int, text: str) -> bool:
+    return len(text) <= limit
 
 
 class PathPlan:
@@ -41,7 +51,7 @@ class RulePlan:
         self.all = (1 << len(rules)) - 1
         self.steps: list[tuple[int, int]] = []  # (bit, min_step)
         by_path: dict[tuple[str, ...], PathPlan] = {}
-        regexes: list[tuple[PathPlan, int, Callable[[str], bool]]] = []
+        regexes: list[tuple[PathPlan, int, Callable[[str], object]]] = []
         for i, rule in enumerate(rules):
             bit = 1 << i
             if rule.min_step is not None:
@@ -72,10 +82,10 @@ class RulePlan:
                     pp.numeric.append((bit, lo, hi))
                 if a.contains is not None:
                     needle = a.contains
-                    pp.slow.append((bit, lambda t, n=needle: n in t))
+                    pp.slow.append((bit, functools.partial(_has, needle)))
                 if a.max_length is not None:
                     limit = a.max_length
-                    pp.slow.append((bit, lambda t, n=limit: len(t) <= n))
+                    pp.slow.append((bit, functools.partial(_at_most, limit)))
                 if a.regex is not None:
                     regexes.append((pp, bit, a.regex.fullmatch))
         self.paths = tuple(by_path.values())
@@ -156,7 +166,7 @@ class Policy:
         default_factory=dict, init=False, compare=False, repr=False
     )
     #: The verdict when no rule matches.
-    default_verdict: Verdict | None = field(default=None, init=False, compare=False, repr=False)
+    default_verdict: Verdict = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         verdicts: dict[int, tuple[Verdict, Verdict | None]] = {}
@@ -185,7 +195,7 @@ class Policy:
 
     def match(self, call: CallInfo) -> Rule | None:
         payload = call.payload
-        key = (call.target, payload.tag)
+        key = (call.target, tag_of(payload))
         plan = self._candidates.get(key)
         if plan is None:
             view = PayloadView(payload)

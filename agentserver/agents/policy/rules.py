@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from lxml import etree
 
+from agentserver.core.xmlsafe import tag_of
+
 DEFAULT_APPROVAL_TIMEOUT_S = 300.0
 
 
@@ -95,7 +97,7 @@ class PayloadView:
 
     def __init__(self, payload: etree._Element) -> None:
         self.payload = payload
-        self.tag: str = payload.tag
+        self.tag: str = tag_of(payload)
         self.local: str = self.tag.rpartition("}")[2]
         self._texts: dict[tuple[str, ...], str | None] = {}
         self._kids: dict[str, etree._Element] | None = None

@@ -35,6 +35,7 @@ from agentserver.agents.profile.agent import SUBMIT_RESULT, AgentProfile
 from agentserver.agents.reading.quoting import quoted_spans
 from agentserver.core.errors import HuhReason, InputRefused
 from agentserver.core.xmlsafe import SafeParser
+from agentserver.core.xmlsafe import tag_of as xml_tag
 from agentserver.primitives.core import huh
 
 MAX_TEXT_CHARS = 1_000_000
@@ -126,7 +127,7 @@ def _in_namespace(element: etree._Element, ns: str) -> etree._Element:
 
     def tag_of(el: etree._Element) -> str:
         q = etree.QName(el)
-        return etree.QName(ns, q.localname).text if q.namespace is None else el.tag
+        return etree.QName(ns, q.localname).text if q.namespace is None else xml_tag(el)
 
     root = etree.Element(tag_of(element), dict(element.attrib), nsmap={None: ns})
     root.text = element.text
@@ -212,7 +213,10 @@ def _unknown_error(raws: list[str], profile: AgentProfile) -> PayloadError:
     """One error for every unknown element of a reply (the model gets one ``<huh>``)."""
     names: list[str] = []
     for raw in raws:
-        name = f"<{_START.match(raw).group(0)[1:]}>"  # type: ignore[union-attr]
+        found = _START.match(raw)
+        if found is None:  # each raw is an element's text, which a start tag opens
+            continue
+        name = f"<{found.group(0)[1:]}>"
         if name not in names:
             names.append(name)
     shown = ", ".join(names[:_MAX_UNKNOWN_NAMED])
@@ -240,9 +244,11 @@ def _classify(
         return
     q = etree.QName(element)
     if q.localname == SUBMIT_RESULT and q.namespace is None:
-        result.payloads.append(FoundPayload(PayloadKind.SUBMIT, element, element.tag, None, raw))
+        result.payloads.append(
+            FoundPayload(PayloadKind.SUBMIT, element, xml_tag(element), None, raw)
+        )
         return
-    tag = element.tag
+    tag = xml_tag(element)
     if q.namespace is None:
         candidates = by_local.get(q.localname, [])
         if len(candidates) != 1:

@@ -243,7 +243,8 @@ def compare(
     for i in range(max(len(a), len(b))):
         x = a[i] if i < len(a) else None
         y = b[i] if i < len(b) else None
-        if (x or y)[0] == CardType.LLM_MESSAGE:
+        first = x if x is not None else y
+        if first is not None and first[0] == CardType.LLM_MESSAGE:
             step += 1
         if x != y:
             if x is not None and y is not None and x[0] == y[0] == CardType.TOOL_RESULT:

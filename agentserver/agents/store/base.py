@@ -34,7 +34,7 @@ import trio
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.ports import LLMCompletion, ReplyRef
 from agentserver.agents.profile.schedule import ScheduleSpec
-from agentserver.agents.store.governance import GovernanceStore, PendingApproval
+from agentserver.agents.store.governance import GovernanceStore, PendingApproval, StepRecord
 from agentserver.agents.store.outbox import OutboxItem
 from agentserver.agents.store.rows import BoxSwap as BoxSwap
 from agentserver.agents.store.rows import Card as Card
@@ -51,7 +51,6 @@ from agentserver.agents.store.rows import NewCard as NewCard
 from agentserver.agents.store.rows import PendingReply as PendingReply
 from agentserver.agents.store.rows import ReportOutcome as ReportOutcome
 from agentserver.agents.store.rows import ScheduleRow as ScheduleRow
-from agentserver.agents.store.rows import ScreenedStep as ScreenedStep
 from agentserver.agents.store.rows import StepStart as StepStart
 from agentserver.agents.store.rows import TaskStatus as TaskStatus
 from agentserver.agents.store.rows import ToolCallRecord as ToolCallRecord
@@ -132,7 +131,7 @@ class TurnStore(Protocol):
         cards: Sequence[NewCard],
         *,
         swap: BoxSwap | None = None,
-        screened: ScreenedStep | None = None,
+        screened: StepRecord | None = None,
     ) -> None:
         """Close the step with its cards; with ``swap``, the boxes are compacted first in
         the same transaction (a stale token writes neither); with ``screened`` (not with
@@ -292,7 +291,7 @@ class ClientReplyStore(Protocol):
     async def record_client_reply(
         self,
         client: str,
-        thread_ref: ReplyRef,
+        thread_ref: Mapping[str, object],
         payload: bytes,
         *,
         failed: bool,

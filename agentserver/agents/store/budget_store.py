@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import ParamSpec, TypeVar
 
 from agentserver.agents.store.outbox import OutboxItem
 from agentserver.agents.store.sql import budgets as sql
 from agentserver.agents.store.sql.budgets import HoldOwner, Override, PeriodRow, SpendRow
+from agentserver.agents.store.sql.db import StoreFn
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class BudgetStore(abc.ABC):
@@ -21,11 +23,11 @@ class BudgetStore(abc.ABC):
     :class:`~agentserver.agents.store.outbox_calls.OutboxCalls`."""
 
     @abc.abstractmethod
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _run(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn(tx, env, *args)`` in one write transaction of the backend."""
 
     @abc.abstractmethod
-    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _read(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn(tx, env, *args)`` in one read-only transaction of the backend."""
 
     async def budget_ensure(self, rows: Sequence[PeriodRow]) -> list[Override]:

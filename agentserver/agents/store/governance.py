@@ -76,8 +76,10 @@ class GovernanceStore(Protocol):
         step_id: str,
         decisions: Sequence[DecisionRecord],
         cards: Sequence[NewCard],
+        approvals: Sequence[PendingApproval] = (),
     ) -> None:
-        """Log the step's decisions and add ``cards`` (refusals), CAS-fenced on running."""
+        """Log the step's decisions, add ``cards`` (refusals) and record ``approvals``
+        (the requests the step waits for), CAS-fenced on running."""
         ...
 
     async def turn_decisions(self, agent_turn_id: str) -> list[DecisionRecord]: ...

@@ -5,12 +5,14 @@ SqlAgentStore`, which supplies the backend's ``_run`` and ``_read`` and ``claim_
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any, ParamSpec, TypeVar
 
 from agentserver.agents.store import outbox, webhook_rows
+from agentserver.agents.store.sql.db import StoreFn
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class OutboxCalls(abc.ABC):
@@ -20,11 +22,11 @@ class OutboxCalls(abc.ABC):
     claim_lock: str = ""
 
     @abc.abstractmethod
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _run(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Call ``fn(tx, env, *args)`` in one transaction (the backend's)."""
 
     @abc.abstractmethod
-    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _read(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """A call that writes nothing (the backend's)."""
 
     # -- the outbox (agents/store/outbox.py) ------------------------------------------------

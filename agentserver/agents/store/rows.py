@@ -1,21 +1,22 @@
-"""The agent store's rows: what its calls take and return (plain frozen data), the card
-types and task statuses they carry, and governance's record of a step as the store takes
-it (:class:`ScreenedStep`). The store's protocols, by role, are in :mod:`.base`."""
+"""The agent store's rows: what its calls take and return (plain frozen data), and the
+card types and task statuses they carry. Governance's record of a step, as
+``complete_step`` takes it, is :class:`~agentserver.agents.store.governance.StepRecord`.
+The store's protocols, by role, are in :mod:`.base`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final
 
 from agentserver.agents.profile.schedule import ScheduleSpec
 
 #: The reply reference's key naming the client an HTTP message was sent by (its bearer
 #: token's identity): her conversation, though the answer goes to the message's endpoint.
-SPEAKS_FOR = "speaks_for"
+SPEAKS_FOR: Final = "speaks_for"
 
 
-def client_of(reply_ref: Any) -> str | None:
+def client_of(reply_ref: Mapping[str, object] | None) -> str | None:
     """The named client a task's reply reference names (None: none): her socket's
     identity, or the bearer token's of her HTTP message or A2A task. Whose budgets a
     task's model calls pay into (docs/budgets.md): the same at every door."""
@@ -25,7 +26,7 @@ def client_of(reply_ref: Any) -> str | None:
     return client if isinstance(client, str) and client else None
 
 
-def caller_key(reply_ref: Any) -> str | None:
+def caller_key(reply_ref: Mapping[str, object] | None) -> str | None:
     """The caller a task's reply reference names (None: none): a named client by its
     identity (``client:NAME``), any other caller by the origin of its chain
     (``origin:ENDPOINT``). The conversation of ``memory="client"`` (agents/turn/memory.py),
@@ -262,23 +263,6 @@ class ClientReply:
     payload: bytes
     failed: bool
     created_at: float
-
-
-class ScreenedStep(Protocol):
-    """Governance's record of one step's calls, as ``complete_step`` takes it
-    (``governance_store.StepRecord`` is the one implementation). Declared here so that the
-    store does not import governance_store, which imports the store's row types."""
-
-    @property
-    def decisions(self) -> Sequence[Any]: ...
-
-    @property
-    def cards(self) -> Sequence[NewCard]: ...
-
-    @property
-    def approvals(self) -> Sequence[Any]: ...
-
-    def __bool__(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from agentserver.agents.clock import Clock
 from agentserver.agents.errors import StoreError
@@ -71,10 +71,11 @@ from agentserver.agents.store.sql import (
     views,
     watchdog,
 )
-from agentserver.agents.store.sql.db import StoreEnv, Tx
+from agentserver.agents.store.sql.db import StoreEnv, StoreFn, Tx
 from agentserver.steps.log import StepRow
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
@@ -104,17 +105,17 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
 
     # -- the backend's part ---------------------------------------------------------------
     @abc.abstractmethod
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _run(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Call ``fn(tx, env, *args)`` in one transaction; commit, or roll back and raise."""
 
-    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _read(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """A call that writes nothing (the backend may skip the transaction)."""
-        return await self._run(fn, *args)
+        return await self._run(fn, *args, **kwargs)
 
-    async def _run1(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _run1(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """A call that runs exactly one statement, so it is atomic by itself (the backend
         may run it in autocommit, saving the ``BEGIN``/``COMMIT`` round trips)."""
-        return await self._run(fn, *args)
+        return await self._run(fn, *args, **kwargs)
 
     @abc.abstractmethod
     async def aclose(self) -> None:
@@ -397,7 +398,7 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
     async def record_client_reply(
         self,
         client: str,
-        thread_ref: ReplyRef,
+        thread_ref: Mapping[str, object],
         payload: bytes,
         *,
         failed: bool,
@@ -450,7 +451,7 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
             conversations.replace_conversation,
             agent_id,
             conversation,
-            tuple(expect_boxes),
+            (expect_boxes[0], expect_boxes[1]),
             summary,
             list(keep),
         )

@@ -28,9 +28,9 @@ import os
 import sqlite3
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import ParamSpec, TypeVar
 
 import trio
 
@@ -39,7 +39,7 @@ from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StoreError, StoreInUse
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import LostCalls, PendingReply
-from agentserver.agents.store.sql.db import SQLITE
+from agentserver.agents.store.sql.db import SQLITE, Row, SqlValue, StoreFn
 from agentserver.agents.store.sql.schema import MIGRATIONS, SCHEMA_VERSION, migrate
 from agentserver.agents.store.sql_store import SqlAgentStore
 
@@ -49,6 +49,7 @@ __all__ = ["SCHEMA_VERSION", "_MIGRATIONS", "SqliteAgentStore", "SqliteTx"]
 _MIGRATIONS = MIGRATIONS
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 #: Seconds between the background WAL checkpoints while :meth:`SqliteAgentStore.serve` runs.
 CHECKPOINT_PERIOD = 1.0
@@ -71,19 +72,19 @@ class SqliteTx:
         self._conn = conn
         self.rowcount = 0
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
+    def execute(self, sql: str, params: Sequence[SqlValue] = ()) -> sqlite3.Cursor:
         cur = self._conn.execute(sql, params)
         self.rowcount = cur.rowcount
         return cur
 
-    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+    def executemany(self, sql: str, rows: Iterable[Sequence[SqlValue]]) -> None:
         self.rowcount = self._conn.executemany(sql, rows).rowcount
 
-    def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+    def one(self, sql: str, params: Sequence[SqlValue] = ()) -> Row | None:
         rows = self._conn.execute(sql, params).fetchall()
         return rows[0] if rows else None
 
-    def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    def all(self, sql: str, params: Sequence[SqlValue] = ()) -> list[Row]:
         return self._conn.execute(sql, params).fetchall()
 
 
@@ -281,28 +282,28 @@ class SqliteAgentStore(SqlAgentStore):
                 pass
         return total
 
-    def _transact(self, fn: Callable[..., T], *args: Any) -> T:
+    def _transact(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
-            result = fn(self._tx, self.env, *args)
+            result = fn(self._tx, self.env, *args, **kwargs)
         except BaseException:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
         return result
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _run(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         # Inline on the trio thread: no await inside, so transactions never interleave.
-        return self._transact(fn, *args)
+        return self._transact(fn, *args, **kwargs)
 
-    async def _run1(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _run1(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         # One statement in autocommit is its own transaction (same lock, same busy wait).
-        return fn(self._tx, self.env, *args)
+        return fn(self._tx, self.env, *args, **kwargs)
 
-    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _read(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         # A single reader statement needs no BEGIN (autocommit reads one snapshot each).
-        return fn(self._tx, self.env, *args)
+        return fn(self._tx, self.env, *args, **kwargs)
 
     async def hand_over_reply(self, agent_turn_id: str, process: str) -> bool:
         """No other process holds a caller of this store's: nothing to hand over."""

@@ -21,7 +21,7 @@ import enum
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from agentserver.core.errors import IllegalTransition
 
@@ -279,7 +279,12 @@ def inbox_sources(event: InboxEvent) -> tuple[str, ...]:
     return tuple(sorted(str(s) for (s, e) in INBOX_TRANSITIONS if e == event))
 
 
-def _table(rows: Mapping[tuple[str, str], Transition], epoch_col: bool) -> list[str]:
+#: A table's state and event types (each a str enum of its own).
+S = TypeVar("S", bound=str)
+E = TypeVar("E", bound=str)
+
+
+def _table(rows: Mapping[tuple[S, E], Transition], epoch_col: bool) -> list[str]:
     head = "| from | event | to |" + (" turn_epoch |" if epoch_col else "") + " meaning |"
     sep = "|---|---|---|" + ("---|" if epoch_col else "") + "---|"
     out = [head, sep]

@@ -79,7 +79,8 @@ def card_message(
         if note.get("block"):
             return LLMMessage("user", f"Tool call to {to} failed:\nblocked: {note['block']}")
         head = f"Tool call to {to} failed:" if card.metadata.get("failed") else f"Result from {to}:"
-        tail = "".join(f"\n{w}" for w in note.get("warn") or ())  # type: ignore[attr-defined]
+        warns = note.get("warn")
+        tail = "".join(f"\n{w}" for w in warns) if isinstance(warns, list) else ""
         return LLMMessage("user", f"{head}\n{shown_text(card.content, tool_result_cap)}{tail}")
     if t == CardType.TOOL_REFUSED:
         to = card.metadata.get("to", "?")

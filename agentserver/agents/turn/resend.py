@@ -10,12 +10,11 @@ Cancellation propagates between calls; what was rebound stays rebound.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Collection
 
-from agentserver.agents.errors import PumpRefused
-from agentserver.agents.ports import ToolPort
+from agentserver.agents.errors import PumpRefused, StaleTurn
+from agentserver.agents.ports import ToolPort, reply_ref_from_json
 from agentserver.agents.store.base import TurnToken, WatchdogStore
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.steps.retry import KEY_FIELD
@@ -40,7 +39,9 @@ async def resend_waiting(
     if not again:
         return 0, lost
     ref_json = await store.turn_reply_ref(token)
-    ref = json.loads(ref_json) if ref_json else None
+    if ref_json is None:  # the Turn is no longer the agent's active one
+        raise StaleTurn(f"{token}: not the active Turn")
+    ref = reply_ref_from_json(ref_json)
     parser = SafeParser()
     sent = 0
     for call in again:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Final
 
 import trio
 
 from agentserver.agents.clock import Clock
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StaleTurn, StoreError
+from agentserver.agents.ports import ReplyRef
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.schedule import ScheduleInvalid, ScheduleSpec, missed
 from agentserver.agents.store.base import AgentStore, Finished, Fired, ScheduleRow
@@ -35,21 +37,21 @@ POLL_S = 1.0
 #: The same while the store has no schedule at all (one made here wakes the loop).
 IDLE_POLL_S = 5.0
 #: The reply reference's key naming the schedule a run belongs to (its "client").
-SCHEDULE_KEY = "schedule"
+SCHEDULE_KEY: Final = "schedule"
 CANCELLED_TEXT = "cancelled: the schedule's next run started (overlap cancel-other)"
 
 
-def run_ref(name: str, agent: str, tick: float) -> dict[str, object]:
+def run_ref(name: str, agent: str, tick: float) -> ReplyRef:
     """A run's reply reference: a caller named ``schedule:NAME`` with a thread of its own
     (the run's tool calls go through the pump on it; its answer goes nowhere but the
     store, and to whoever watches the agent's events)."""
-    return {
-        "hop": str(uuid.uuid4()),
-        "caller_thread": str(uuid.uuid4()),
-        "chain": [f"schedule:{name}", agent],
-        SCHEDULE_KEY: name,
-        "tick": tick,
-    }
+    return ReplyRef(
+        hop=str(uuid.uuid4()),
+        caller_thread=str(uuid.uuid4()),
+        chain=[f"schedule:{name}", agent],
+        schedule=name,
+        tick=tick,
+    )
 
 
 class Scheduler:

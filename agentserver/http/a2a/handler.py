@@ -63,6 +63,7 @@ from agentserver.core.access import AccessRule
 from agentserver.core.envelope import build_envelope
 from agentserver.core.handshake import Identity
 from agentserver.core.namespaces import CORE_NS
+from agentserver.core.payloads import model_xml
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.a2a.card import CardFacts, server_card
@@ -347,7 +348,9 @@ class A2aHandler(RequestHandler):
         decision = ApprovalDecision(
             request=asks["request"], grant=grant, reason=str(fields.get("reason", ""))[:2000]
         )
-        outcome = await self.deps.gateway.send(identity, row["agent"], decision.to_xml(), wait=True)
+        outcome = await self.deps.gateway.send(
+            identity, row["agent"], model_xml(decision), wait=True
+        )
         status = None
         if outcome.kind == "reply":
             root = self._parser.parse(outcome.reply)

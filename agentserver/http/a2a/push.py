@@ -92,7 +92,7 @@ async def check_push_url(url: str, *, allow_private: bool) -> None:
             found = await trio.socket.getaddrinfo(parsed.hostname, parsed.port or 443)
     except (OSError, trio.TooSlowError):
         raise PushRefused(f"the push URL's host {parsed.hostname!r} does not resolve") from None
-    if not found or any(_blocked(info[4][0]) for info in found):
+    if not found or any(_blocked(str(info[4][0])) for info in found):
         raise PushRefused(
             f"the push URL's host {parsed.hostname!r} is loopback or private: refused "
             '(<expose-a2a allow-private-push="true"> allows it)'

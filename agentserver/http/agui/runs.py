@@ -21,6 +21,7 @@ from lxml import etree
 
 from agentserver.agents.events import EventBus, Subscription
 from agentserver.core.handshake import Identity
+from agentserver.core.payloads import model_xml
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.agui.agents import AguiAgent, RunRefused, last_user_text, run_thread
 from agentserver.primitives.approval import NS as APPROVAL_NS
@@ -233,7 +234,7 @@ class AguiRuns:
         try:
             for named, decision in decided:
                 outcome = await self.gateway.send(
-                    identity, agent.name, decision.to_xml(), wait=True
+                    identity, agent.name, model_xml(decision), wait=True
                 )
                 status = None
                 if outcome.kind == "reply":
@@ -272,7 +273,7 @@ class AguiRuns:
                 'answer an approval interrupt with {"status": "resolved", "payload": '
                 '{"grant": true|false, "reason": "..."}} or {"status": "cancelled"}',
             )
-        reason = payload.get("reason", "")
+        reason = payload.get("reason", "") if isinstance(payload, dict) else ""
         return ApprovalDecision(
             request=request, grant=grant, reason=str(reason if reason is not None else "")[:2000]
         )

@@ -27,6 +27,7 @@ from starlette.responses import RedirectResponse, Response
 from agentserver.core.envelope import build_envelope
 from agentserver.core.errors import InputRefused
 from agentserver.core.namespaces import CORE_NS
+from agentserver.core.payloads import model_xml
 from agentserver.core.threads import is_uuid4, new_thread_id
 from agentserver.core.usage import TaskForm
 from agentserver.core.xmlsafe import SafeParser
@@ -163,7 +164,7 @@ class Actions:
         decision = ApprovalDecision(
             request=request_id, grant=grant, reason=fields.get("reason", "")[:MAX_TEXT]
         )
-        body = decision.to_xml()
+        body = model_xml(decision)
         outcome = await self.ctx.gateway.send(identity, agent, body, wait=True)
         status = self._ack_status(outcome.reply) if outcome.kind == "reply" else None
         verb = "Approved" if grant else "Denied"

@@ -37,6 +37,7 @@ from agentserver.agents.errors import StoreError
 from agentserver.agents.profile.store_url import redact, redact_text
 from agentserver.agents.store.pg.config import PgConfig
 from agentserver.agents.store.pg.retry import CommitLost, run_retrying_sync
+from agentserver.agents.store.sql.db import Row, SqlValue
 
 T = TypeVar("T")
 
@@ -73,14 +74,14 @@ class Later:
 
     __slots__ = ("_rows",)
 
-    def __init__(self, rows: list[tuple[Any, ...]] | None = None) -> None:
+    def __init__(self, rows: list[Row] | None = None) -> None:
         self._rows = rows
 
-    def set(self, rows: list[tuple[Any, ...]]) -> None:
+    def set(self, rows: list[Row]) -> None:
         self._rows = rows
 
     @property
-    def rows(self) -> list[tuple[Any, ...]]:
+    def rows(self) -> list[Row]:
         """Its rows; RuntimeError if its round trip has not been made yet."""
         if self._rows is None:
             raise RuntimeError("the read has not been sent yet")
@@ -123,7 +124,11 @@ class PgTx:
             name = b"as%d" % len(self._prepared)
             self._check(self._pg.prepare(name, to_pg(sql), types))
             self._prepared[key] = name
-        return self._check(self._pg.exec_prepared(name, args, formats, pq.Format.TEXT))
+        # psycopg's annotation leaves out the None a NULL parameter dumps to, which
+        # exec_prepared takes as exec_params does.
+        return self._check(
+            self._pg.exec_prepared(name, args, formats, pq.Format.TEXT)  # type: ignore[arg-type]
+        )
 
     def _check(self, res: pq.abc.PGresult) -> pq.abc.PGresult:
         if res.status in _FAILED:
@@ -135,24 +140,24 @@ class PgTx:
         self.rowcount = res.command_tuples if res.command_tuples is not None else -1
         return res
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+    def execute(self, sql: str, params: Sequence[SqlValue] = ()) -> int:
         """Run one statement; returns (and keeps in ``rowcount``) the rows it changed."""
         self._exec(sql, params)
         return self.rowcount
 
-    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+    def executemany(self, sql: str, rows: Iterable[Sequence[SqlValue]]) -> None:
         total = 0
         for row in rows:
             self._exec(sql, row)
             total += max(self.rowcount, 0)
         self.rowcount = total
 
-    def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+    def one(self, sql: str, params: Sequence[SqlValue] = ()) -> Row | None:
         """The first row; all are fetched, so a ``RETURNING`` statement completes."""
         rows = self.all(sql, params)
         return rows[0] if rows else None
 
-    def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    def all(self, sql: str, params: Sequence[SqlValue] = ()) -> list[Row]:
         res = self._exec(sql, params)
         if res.status != pq.ExecStatus.TUPLES_OK:
             return []
@@ -160,12 +165,12 @@ class PgTx:
         tx.set_pgresult(res)
         return tx.load_rows(0, res.ntuples, tuple)
 
-    def later(self, sql: str, params: Sequence[Any] = ()) -> Later:
+    def later(self, sql: str, params: Sequence[SqlValue] = ()) -> Later:
         """The statement's rows when the store function needs them (here: at once; on
         the trio executor it waits in the pipeline, :class:`Later`)."""
         return Later(self.all(sql, params))
 
-    def last(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    def last(self, sql: str, params: Sequence[SqlValue] = ()) -> list[Row]:
         """The transaction's last statement and its rows (the trio executor sends
         ``COMMIT`` with it; here the executor commits after the function returns)."""
         return self.all(sql, params)

@@ -25,6 +25,7 @@ import trio
 from psycopg import pq, sql
 
 from agentserver.agents.profile.store_url import redact, redact_text
+from agentserver.agents.store.sql.db import Tx
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ CLIENT_REPLIES_CHANNEL = "agentserver_client_replies"
 REPLIES_CHANNEL = "agentserver_replies"
 
 
-def notify(tx, channel: str) -> None:
+def notify(tx: Tx, channel: str) -> None:
     """Ring ``channel`` when the transaction of ``tx`` commits (no payload)."""
     tx.execute("SELECT pg_notify(?, '')", (channel,))
 
@@ -87,7 +88,7 @@ class PgListener:
         for callback in self.on_poll:
             callback()
 
-    def _ring(self, channels) -> None:
+    def _ring(self, channels: Iterable[str]) -> None:
         for channel in channels:
             callback = self.callbacks.get(channel)
             if callback is not None:

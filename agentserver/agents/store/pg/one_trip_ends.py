@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentserver.agents.errors import StaleTurn
+from agentserver.agents.ports import ReplyRef
 from agentserver.agents.store.base import (
     CardType,
     EnqueueResult,
@@ -36,7 +37,7 @@ from agentserver.agents.store.sql.common import (
     edge,
     tokens_of,
 )
-from agentserver.agents.store.sql.db import StoreEnv, marks, new_id
+from agentserver.agents.store.sql.db import SqlValue, StoreEnv, marks, new_id
 from agentserver.agents.store.sql.turns import close_step, with_tokens
 from agentserver.agents.store.states import (
     AgentStepStatus,
@@ -58,7 +59,7 @@ def enqueue_turn(
     channel: str | None,
     agent_id: str,
     payload: bytes,
-    reply_ref: Any,
+    reply_ref: ReplyRef,
     conversation: str | None,
 ) -> EnqueueResult:
     """:func:`~agentserver.agents.store.sql.inbox.enqueue_turn` in one round trip: the head
@@ -101,7 +102,8 @@ def enqueue_turn(
     dispatch = inbox_sources(InboxEvent.DISPATCH)
     if channel is not None:
         notify(tx, channel)
-    fair_sql, fair_params = "", ()
+    fair_sql = ""
+    fair_params: tuple[SqlValue, ...] = ()
     if fair_tags is not None:
         client, step = fair_tags
         # f: the start tag, from the tags before this statement (h took the head, so this
@@ -163,7 +165,7 @@ def enqueue_turn(
     return EnqueueResult(inbox_id, bool(took))
 
 
-def _fair_tags(env: StoreEnv, reply_ref: Any) -> tuple[str, float] | None:
+def _fair_tags(env: StoreEnv, reply_ref: ReplyRef) -> tuple[str, float] | None:
     """With fair share on, the client the lease tags and its step ``1/weight``; None with it
     off. A client the statement cannot name as fair.py's SQL does is a miss."""
     if env.settings.fair_weights is None:

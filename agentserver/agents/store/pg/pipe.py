@@ -26,7 +26,6 @@ which sends nothing more; a connection lost while ``COMMIT`` is in flight is
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import greenlet
 import psycopg
@@ -36,6 +35,7 @@ from psycopg.adapt import PyFormat, Transformer
 
 from agentserver.agents.store.pg.executor import MAX_PREPARED, Later, to_pg
 from agentserver.agents.store.pg.retry import CommitLost
+from agentserver.agents.store.sql.db import Row, SqlValue
 
 _FAILED = (pq.ExecStatus.FATAL_ERROR, pq.ExecStatus.BAD_RESPONSE, pq.ExecStatus.NONFATAL_ERROR)
 _OK = pq.ConnStatus.OK
@@ -160,7 +160,7 @@ class PgPipeTx:
 
     # -- sending -----------------------------------------------------------------
 
-    def _send(self, sql: str, params: Sequence[Any], group: int | Later) -> None:
+    def _send(self, sql: str, params: Sequence[SqlValue], group: int | Later) -> None:
         """Queue one statement in the pipeline (prepared first if new on the
         connection; ``BEGIN`` first if due)."""
         if self.dead:
@@ -282,25 +282,25 @@ class PgPipeTx:
 
     # -- the Tx interface ------------------------------------------------------
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> None:
+    def execute(self, sql: str, params: Sequence[SqlValue] = ()) -> None:
         """Queue one statement (see the class); :attr:`rowcount` waits for its count."""
         self._group += 1
         self._rowcount = None
         self._send(sql, params, self._group)
 
-    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+    def executemany(self, sql: str, rows: Iterable[Sequence[SqlValue]]) -> None:
         """Queue the statement once per row; :attr:`rowcount`: all rows changed."""
         self._group += 1
         self._rowcount = None
         for row in rows:
             self._send(sql, row, self._group)
 
-    def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+    def one(self, sql: str, params: Sequence[SqlValue] = ()) -> Row | None:
         """The first row; all are fetched, so a ``RETURNING`` statement completes."""
         rows = self.all(sql, params)
         return rows[0] if rows else None
 
-    def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    def all(self, sql: str, params: Sequence[SqlValue] = ()) -> list[Row]:
         """The statement's rows (every deferred write before it goes out with it)."""
         self._group += 1
         self._send(sql, params, self._group)
@@ -311,7 +311,7 @@ class PgPipeTx:
         tx.set_pgresult(res)
         return tx.load_rows(0, res.ntuples, tuple)
 
-    def later(self, sql: str, params: Sequence[Any] = ()) -> Later:
+    def later(self, sql: str, params: Sequence[SqlValue] = ()) -> Later:
         """Queue a read like a deferred write: its rows (:attr:`Later.rows`) are there
         once the next round trip is back (a read, :attr:`rowcount`, :meth:`last`,
         ``COMMIT``). Its error, if any, is raised by that round trip."""
@@ -319,7 +319,7 @@ class PgPipeTx:
         self._send(sql, params, later)
         return later
 
-    def last(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    def last(self, sql: str, params: Sequence[SqlValue] = ()) -> list[Row]:
         """The call's last statement: in a transaction, sent with ``COMMIT`` (and every
         deferred statement) in one round trip; its rows. Nothing may be sent after it;
         if any statement fails, nothing is committed (the pipeline skips ``COMMIT``)."""

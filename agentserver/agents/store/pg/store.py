@@ -17,7 +17,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import trio
 
@@ -49,9 +49,11 @@ from agentserver.agents.store.sql import (
     turns,
     watchdog,
 )
+from agentserver.agents.store.sql.db import StoreEnv, StoreFn, Tx
 from agentserver.agents.store.sql_store import SqlAgentStore
 
 T = TypeVar("T")
+P = ParamSpec("P")
 log = logging.getLogger(__name__)
 
 
@@ -63,7 +65,7 @@ def executor_class(settings: StoreSettings) -> type[PgTrioExecutor] | type[PgExe
 
 #: Store functions after whose commit another process may have work to do, and the
 #: channel that says so.
-_NOTIFIES = {
+_NOTIFIES: dict[Callable[..., object], str] = {
     fn: WAKE_CHANNEL
     for fn in (
         inbox.enqueue_turn,
@@ -88,7 +90,8 @@ _NOTIFIES[replies.restore_client_reply] = CLIENT_REPLIES_CHANNEL
 
 #: The hot store calls' PostgreSQL variants (agents/store/pg/one_trip.py): the one place the
 #: store runs SQL of its own instead of the shared function (which a miss falls back to).
-ONE_TRIP: dict[Callable[..., Any], Callable[..., Any]] = {
+#: Keyed by function identity, so typed loosely: each variant returns what its function does.
+ONE_TRIP: dict[Callable[..., object], Callable[..., Any]] = {
     inbox.enqueue_turn: one_trip_ends.enqueue_turn,
     inbox.report_tool_result: one_trip_ends.report_tool_result,
     turn_end.finish: one_trip_ends.finish,
@@ -100,13 +103,19 @@ ONE_TRIP: dict[Callable[..., Any], Callable[..., Any]] = {
 }
 
 
-def _notifying(tx, env, channel, fn, *args):
+def _notifying(tx: Tx, env: StoreEnv, channel: str, fn: Callable[..., T], *args: object) -> T:
     result = fn(tx, env, *args)
     notify(tx, channel)
     return result
 
 
-def _hand_over(tx, env, agent_turn_id: str, process: str) -> bool:
+def _bound(fn: Callable[..., T], kwargs: Mapping[str, object]) -> Callable[..., T]:
+    """``fn`` with its named arguments bound: the executors pass arguments by position
+    (and report a call by its function, so one without named arguments stays itself)."""
+    return functools.partial(fn, **kwargs) if kwargs else fn
+
+
+def _hand_over(tx: Tx, env: StoreEnv, agent_turn_id: str, process: str) -> bool:
     if callers.hand_over(tx, env, agent_turn_id, process):
         notify(tx, REPLIES_CHANNEL)
         return True
@@ -196,9 +205,12 @@ class PostgresAgentStore(SqlAgentStore):
             log.warning("agent store: could not release the lease: %s", exc)
         self.executor.close()
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _run(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         channel = _NOTIFIES.get(fn)
-        fast = ONE_TRIP.get(fn)
+        # The one-trip forms are called by position: a call naming arguments takes the
+        # shared function (the executors pass arguments by position, so bound here).
+        fast = ONE_TRIP.get(fn) if not kwargs else None
+        fn = _bound(fn, kwargs)
         if fast is not None:
             notifying = channel is not None and (
                 self._rings.get(channel) is None or self.others_alive
@@ -223,13 +235,13 @@ class PostgresAgentStore(SqlAgentStore):
         ring()
         return result
 
-    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self.executor.run_single(fn, self.env, *args)
+    async def _read(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self.executor.run_single(_bound(fn, kwargs), self.env, *args)
 
-    async def _run1(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _run1(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         if fn in _NOTIFIES:  # the NOTIFY must commit with the write
-            return await self._run(fn, *args)
-        return await self.executor.run_single(fn, self.env, *args)
+            return await self._run(fn, *args, **kwargs)
+        return await self.executor.run_single(_bound(fn, kwargs), self.env, *args)
 
     async def pending_replies_here(self, limit: int = 256) -> list[PendingReply]:
         """The pending replies whose anonymous caller is connected to this process."""

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentserver.agents.errors import TurnPruned
+from agentserver.agents.ports import ReplyRef
 from agentserver.agents.store.sql import views
 from agentserver.agents.store.sql.db import StoreEnv, Tx, locking
 from agentserver.agents.store.states import ApprovalStatus, MessageType
@@ -98,7 +99,7 @@ def _reached(tx: Tx, agent_id: str, thread: str) -> str | None:
     return None if row is None else str(row[0] or thread)
 
 
-def earlier_send(tx: Tx, env: StoreEnv, agent_id: str, reply_ref: Any) -> str | None:
+def earlier_send(tx: Tx, env: StoreEnv, agent_id: str, reply_ref: ReplyRef) -> str | None:
     """The inbox id of the task this Enqueue repeats, if it is an A2A task's (its thread
     is a task id of ``a2a_tasks`` for ``agent_id``) already enqueued; None: enqueue it.
 

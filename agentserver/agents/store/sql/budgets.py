@@ -23,6 +23,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from agentserver.agents.store import outbox
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
@@ -175,22 +176,23 @@ _COLUMNS = (
 )
 
 
-def _spend(r: Sequence[object]) -> SpendRow:
+def _spend(r: tuple[Any, ...]) -> SpendRow:
+    """A ``budget_spend`` row (``_COLUMNS``) as read: the driver's values, typed here."""
     end = r[3]
     return SpendRow(
         str(r[0]),
         str(r[1]),
-        float(r[2]),  # type: ignore[arg-type]
-        math.inf if end is None else float(end),  # type: ignore[arg-type]
-        None if r[4] is None else int(r[4]),  # type: ignore[call-overload]
-        None if r[5] is None else float(r[5]),  # type: ignore[arg-type]
-        None if r[6] is None else float(r[6]),  # type: ignore[arg-type]
-        int(r[7]),  # type: ignore[call-overload]
-        float(r[8]),  # type: ignore[arg-type]
-        int(r[9]),  # type: ignore[call-overload]
-        float(r[10]),  # type: ignore[arg-type]
-        int(r[11]),  # type: ignore[call-overload]
-        None if r[12] is None else float(r[12]),  # type: ignore[arg-type]
+        float(r[2]),
+        math.inf if end is None else float(end),
+        None if r[4] is None else int(r[4]),
+        None if r[5] is None else float(r[5]),
+        None if r[6] is None else float(r[6]),
+        int(r[7]),
+        float(r[8]),
+        int(r[9]),
+        float(r[10]),
+        int(r[11]),
+        None if r[12] is None else float(r[12]),
     )
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeAlias, TypeVar
 
 from agentserver.agents.clock import Clock
 from agentserver.agents.profile.settings import StoreSettings
@@ -22,23 +22,29 @@ SQLITE = "sqlite"
 POSTGRESQL = "postgresql"
 
 
+#: A value bound to a statement's ``?`` (bool is an int; both drivers adapt these).
+SqlValue: TypeAlias = str | int | float | bytes | None
+#: A row as read: the driver's values, typed by the function that reads it (the edge).
+Row: TypeAlias = tuple[Any, ...]
+
+
 class Tx(Protocol):
     """One open transaction. ``rowcount``: rows changed by the last ``execute``."""
 
     dialect: str
     rowcount: int
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+    def execute(self, sql: str, params: Sequence[SqlValue] = ()) -> Any:
         """Run one statement. Its return value is not for use (on PostgreSQL the
         statement may only be queued): read ``rowcount``, which waits for it."""
         ...
 
-    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
-    def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+    def executemany(self, sql: str, rows: Iterable[Sequence[SqlValue]]) -> None: ...
+    def one(self, sql: str, params: Sequence[SqlValue] = ()) -> Row | None:
         """The first row (all rows are fetched, so a ``RETURNING`` statement completes)."""
         ...
 
-    def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
+    def all(self, sql: str, params: Sequence[SqlValue] = ()) -> list[Row]: ...
 
 
 @dataclass(slots=True)
@@ -49,6 +55,14 @@ class StoreEnv:
     settings: StoreSettings
     #: agent id → the most tokens one tool result is shown with (budget.tool_result_cap)
     tool_result_caps: dict[str, int] = field(default_factory=dict)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: A store function, ``fn(tx, env, *args)``: what a backend's ``_run`` runs in one
+#: transaction. Its ``P`` lets the checker match each call's arguments to the function.
+StoreFn: TypeAlias = Callable[Concatenate[Tx, StoreEnv, P], R]
 
 
 def new_id() -> str:

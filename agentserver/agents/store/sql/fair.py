@@ -15,10 +15,7 @@ queued a task, plus one per agent. Anonymous callers share one client (``""``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx
+from agentserver.agents.store.sql.db import POSTGRESQL, Row, StoreEnv, Tx
 from agentserver.agents.store.states import InboxStatus
 
 MIGRATION = """
@@ -40,7 +37,7 @@ def _client_expr(dialect: str) -> str:
     return "coalesce(json_extract(reply_ref, '$.client'), '')"
 
 
-def next_queued(tx: Tx, env: StoreEnv, agent_id: str) -> Sequence[Any] | None:
+def next_queued(tx: Tx, env: StoreEnv, agent_id: str) -> Row | None:
     """The queued Turn ``agent_id`` leases next, fairly (a row of ``head.QUEUED_NEXT``'s
     shape), with the tags moved as if it is leased: call inside the lease's transaction
     (a lease that then fails rolls them back with it).

@@ -22,6 +22,8 @@ from agentserver.agents.store.sql.common import (
     tokens_of,
 )
 from agentserver.agents.store.sql.db import (
+    Row,
+    SqlValue,
     StoreEnv,
     Tx,
     insert_rows,
@@ -48,12 +50,12 @@ def cas(
     epoch: int | None,
     how: HeadEvent | HeadStatus,
     *,
-    sets: Mapping[str, Any] | None = None,
-    given: Mapping[str, Any] | None = None,
+    sets: Mapping[str, SqlValue] | None = None,
+    given: Mapping[str, SqlValue] | None = None,
     exprs: Mapping[str, str] | None = None,
-    expr_params: Sequence[Any] = (),
+    expr_params: Sequence[SqlValue] = (),
     where: str = "",
-    where_params: Sequence[Any] = (),
+    where_params: Sequence[SqlValue] = (),
     stale: str = "",
 ) -> Head:
     """Compare-and-set the head of ``agent_id``; returns the head as updated.
@@ -94,16 +96,16 @@ def cas_statement(
     epoch: int | None,
     how: HeadEvent | HeadStatus,
     *,
-    sets: Mapping[str, Any] | None = None,
-    given: Mapping[str, Any] | None = None,
+    sets: Mapping[str, SqlValue] | None = None,
+    given: Mapping[str, SqlValue] | None = None,
     exprs: Mapping[str, str] | None = None,
-    expr_params: Sequence[Any] = (),
+    expr_params: Sequence[SqlValue] = (),
     where: str = "",
-    where_params: Sequence[Any] = (),
-) -> tuple[str, tuple[Any, ...]]:
+    where_params: Sequence[SqlValue] = (),
+) -> tuple[str, tuple[SqlValue, ...]]:
     """The ``UPDATE … RETURNING <head>`` of :func:`cas` and its parameters (not run)."""
     now = env.clock.now()
-    cols: dict[str, Any] = {}
+    cols: dict[str, SqlValue] = {}
     bump = False
     if isinstance(how, HeadEvent):
         t = head_event(how)
@@ -115,7 +117,7 @@ def cas_statement(
         sources = (str(how),)
     cols.update(sets or {})
     cols["updated_at"] = now
-    params: list[Any] = [*cols.values(), *expr_params, agent_id]
+    params: list[SqlValue] = [*cols.values(), *expr_params, agent_id]
     if turn_id is not None:
         params.append(turn_id)
     if epoch is not None:
@@ -198,7 +200,7 @@ def lease_next(tx: Tx, env: StoreEnv, agent_id: str) -> bool:
     return lease_row(tx, env, agent_id, row) if row is not None else False
 
 
-def next_queued(tx: Tx, env: StoreEnv, agent_id: str) -> Sequence[Any] | None:
+def next_queued(tx: Tx, env: StoreEnv, agent_id: str) -> Row | None:
     """The queued Turn to lease next: the oldest, or with ``<store fair-share>`` the fair
     one (agents/store/sql/fair.py)."""
     if env.settings.fair_weights is not None:
@@ -217,10 +219,10 @@ QUEUED_NEXT = (
 )
 
 
-def lease_row(tx: Tx, env: StoreEnv, agent_id: str, row: Sequence[Any]) -> bool:
+def lease_row(tx: Tx, env: StoreEnv, agent_id: str, row: Row) -> bool:
     """:func:`lease_next` for the queued ``row`` it read (a row of :data:`QUEUED_NEXT`)."""
 
-    def take(given: Mapping[str, Any]) -> int | None:
+    def take(given: Mapping[str, SqlValue]) -> int | None:
         try:
             return cas(tx, env, agent_id, None, None, HeadEvent.LEASE, given=given).turn_epoch
         except StaleTurn:
@@ -233,8 +235,8 @@ def lease_with(
     tx: Tx,
     env: StoreEnv,
     agent_id: str,
-    row: Sequence[Any],
-    take: Callable[[Mapping[str, Any]], int | None],
+    row: Row,
+    take: Callable[[Mapping[str, SqlValue]], int | None],
 ) -> bool:
     """:func:`lease_row` with ``take`` for its compare-and-set: given the values of the
     lease's effects (:func:`lease_given`), it moves the head (:data:`HeadEvent.LEASE`)
@@ -276,7 +278,7 @@ def lease_with(
 
 def lease_given(
     turn_id: str, inbox_id: str, context_box: str, output_box: str, now: float, tokens: int
-) -> dict[str, Any]:
+) -> dict[str, SqlValue]:
     """The values a lease's effects take (:data:`~.states.HEAD_EFFECTS`): the new Turn
     ``turn_id`` of the queued row ``inbox_id``, its boxes, ``tokens`` in its context."""
     return {

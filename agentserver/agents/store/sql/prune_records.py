@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from agentserver.agents.store import outbox
 from agentserver.agents.store.sql import prune as prune_sql
-from agentserver.agents.store.sql.db import StoreEnv, Tx
+from agentserver.agents.store.sql.db import SqlValue, StoreEnv, Tx
 from agentserver.agents.store.sql.prune import DRY_LIMIT, DRY_WINDOW, Pruned, holds, next_window
 
 _DONE = (outbox.DELIVERED, outbox.EXPIRED, outbox.CANCELLED)
@@ -133,7 +133,7 @@ def prune_refused_a2a_tasks(
 def _find_and_delete(
     tx: Tx,
     select: str,
-    params: tuple[object, ...],
+    params: tuple[SqlValue, ...],
     delete: str,
     limit: int,
     dry_run: bool,

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from agentserver.agents.ports import ReplyRef
 from agentserver.agents.store.base import ClientReply, PendingReply
 from agentserver.agents.store.sql.db import StoreEnv, Tx, marks
 from agentserver.agents.store.states import (
@@ -57,7 +56,7 @@ def record_client_reply(
     tx: Tx,
     env: StoreEnv,
     client: str,
-    thread_ref: ReplyRef,
+    thread_ref: Mapping[str, object],
     payload: bytes,
     failed: bool,
     agent_turn_id: str | None,

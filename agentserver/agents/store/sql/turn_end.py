@@ -24,7 +24,7 @@ from agentserver.agents.store.sql.common import (
     inbox_move,
     insert_cards,
 )
-from agentserver.agents.store.sql.db import StoreEnv, Tx
+from agentserver.agents.store.sql.db import Row, StoreEnv, Tx
 from agentserver.agents.store.sql.turns import close_step, with_tokens
 from agentserver.agents.store.states import (
     ACTIVE_HEAD,
@@ -57,7 +57,7 @@ def end_turn(
     ending: Sequence[Any] | None = None,
     before: Sequence[NewCard] = (),
     keep_memory: bool = True,
-    next_row: Sequence[Any] | None = None,
+    next_row: Row | None = None,
 ) -> Finished:
     """Deliverable card + head to idle + reply outbox + next lease, in one transaction.
 
@@ -189,7 +189,7 @@ def force_end(
     expect_status: Sequence[str] | None,
     metadata: Mapping[str, Any] | None = None,
     keep_memory: bool = True,
-    next_row: Sequence[Any] | None = None,
+    next_row: Row | None = None,
 ) -> Finished | None:
     """End the active Turn (stop, watchdog, double texting): epoch + 1, failed
     deliverable, reply. ``None`` when nothing matched (no active Turn, or it already moved

@@ -83,7 +83,7 @@ def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
             tuple(names),
         )
     }
-    queued = dict(
+    queued: dict[str, int] = dict(
         tx.all(
             "SELECT agent_id, count(*) FROM agent_inbox WHERE agent_id IN "
             f"({marks(len(names))}) AND message_type = ? AND status = ? GROUP BY agent_id",
@@ -133,7 +133,8 @@ def _latest_task(
     thread or the hop thread), of client ``sender`` if given (the authorization rule's
     scope): the one read :func:`task` and :func:`task_reading` share."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
-    where, params = "", (name, MessageType.TURN.value, thread, thread)
+    where = ""
+    params: tuple[str, ...] = (name, MessageType.TURN.value, thread, thread)
     if sender is not None:
         where, params = f" AND {sender_sql(tx)} = ?", (*params, sender)
     return tx.one(
@@ -292,7 +293,8 @@ def recent_tasks(
     (``agent_inbox`` by agent), then two per started task (its Turn's boxes, and its
     approvals while it runs)."""
     caller, hop = json_text(tx, "reply_ref", "caller_thread"), json_text(tx, "reply_ref", "hop")
-    where, params = "agent_id = ? AND message_type = ?", (name, MessageType.TURN.value)
+    where = "agent_id = ? AND message_type = ?"
+    params: tuple[str, ...] = (name, MessageType.TURN.value)
     if sender is not None:
         where += f" AND {sender_sql(tx)} = ?"
         params += (sender,)
