@@ -17,9 +17,15 @@ SIGKILLed every 20-60 s and restarted; the operator stops and cancels tasks with
 ``multitask`` override (bench/support/chaos_multitask.py), over the socket and over the
 HTTP API (``POST /v1/messages?multitask=``). An A2A client sends tasks to ``beta`` and
 ``gamma`` (``<expose-a2a>``) and follows them through the kills: streams, resubscribes,
-cancels (bench/support/chaos_a2a.py). ``--retention`` prunes with short windows
-(bench/support/chaos_retention.py); ``--budget-tokens N`` gives clients ``c1``, ``c2`` and
-``a2a`` a budget of N tokens that runs out (bench/support/chaos_budget.py). Every random
+cancels, a share of them on A2A 0.3's wire (bench/support/chaos_a2a.py). Issue 47's
+doors: the client ``mcp`` calls ``beta`` and ``gamma`` as MCP tools at ``/mcp``
+(``<expose-mcp>``), at 2026-07-28 as tasks followed with ``tasks/get`` on any live
+server and sometimes cancelled (``tasks/cancel``), at 2025-11-25 as plain calls
+(bench/support/chaos_mcp.py); the client ``agui`` runs them at ``POST /agui/agents/NAME``,
+reading the SSE stream, dropping it now and then and posting the same run again on any
+live server (bench/support/chaos_agui.py). ``--retention`` prunes with short windows
+(bench/support/chaos_retention.py); ``--budget-tokens N`` gives clients ``c1``, ``c2``,
+``a2a``, ``mcp`` and ``agui`` a budget of N tokens that runs out (bench/support/chaos_budget.py). Every random
 choice comes from ``--seed``.
 
 After ``--minutes`` the faults stop (and no new task is sent); every task the server took
@@ -373,6 +379,18 @@ async def chaos(args: argparse.Namespace) -> int:
                 for _, state, text in t.ends[:1]
                 if state == "failed" and failure_reason(text) == "budget"
             ]
+            refused += [
+                (MCP_CLIENT, c.nonce, text)
+                for c in mcp.calls
+                for _, _, text, is_error in c.ends[:1]
+                if is_error and failure_reason(text) == "budget"
+            ]
+            refused += [
+                (AGUI_CLIENT, r.nonce, text)
+                for r in agui.runs
+                for kind, text in r.ends[:1]
+                if kind.startswith(("error:", "refused:")) and failure_reason(text) == "budget"
+            ]
             refusal_counts, misrefused = refusal_violations(refused, args.budget_tokens)
             spend.update(refusal_counts)
             verdict.counts.update(spend)
@@ -565,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-tokens",
         type=int,
         default=None,
-        help="a total budget of N tokens on clients c1, c2 and a2a, which runs out "
+        help="a total budget of N tokens on clients c1, c2, a2a, mcp and agui, which runs out "
         "(bench/support/chaos_budget.py; default: none)",
     )
     args = parser.parse_args(argv)

@@ -47,6 +47,8 @@ MAX_OPEN = 3
 DROP_STREAM_CHANCE = 0.3
 READ_AGAIN_CHANCE = 0.3
 TERMINAL = ("RUN_FINISHED", "RUN_ERROR")
+#: Refusals before the stream worth posting the run again for (busy, a server going).
+RETRIED = (408, 429, 500, 502, 503, 504)
 
 
 def run_thread(owner: str, agent: str, thread_id: str, run_id: str) -> str:
@@ -166,11 +168,15 @@ class AguiClient:
                         raw = await response.aread()
                         kind = ""
                         try:
-                            kind = str(json.loads(raw).get("type", ""))
+                            problem = json.loads(raw)
+                            kind = f"{problem.get('type', '')}: {problem.get('detail', '')}"
                         except (ValueError, AttributeError):
                             pass
                         run.refusals.append((response.status_code, kind))
                         self.counts[f"agui_refused_{response.status_code}"] += 1
+                        if response.status_code not in RETRIED:
+                            # Refused for good (budget, validation): the run's end.
+                            run.ends.append((f"refused:{response.status_code}", kind))
                         await trio.sleep(rng.uniform(0.5, 2.0))
                         return False
                     run.streams.append(stream)
@@ -273,8 +279,8 @@ def check_agui(
             violations.append(f"{where} ended differently: {[(k, t[:80]) for k, t in run.ends]}")
         kind, text = run.ends[0]
         states[kind.split(":")[0]] += 1
-        if kind.startswith("error:"):
-            failed[kind[6:] + ":" + failure_reason(text)] += 1
+        if kind.startswith(("error:", "refused:")):
+            failed[kind.split(":", 1)[1] + ":" + failure_reason(text)] += 1
         elif kind == "finished" and not any(
             content_proves(text, run.nonce, alt) for alt in expected(run.nonce, text)
         ):

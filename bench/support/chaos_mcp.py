@@ -104,6 +104,18 @@ class McpCall:
         return bool(self.ends) or self.timed_out is not None
 
 
+class HttpRefused(Exception):
+    """An HTTP error status with no JSON-RPC answer (a problem document)."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"HTTP {status}: {text}")
+        self.status = status
+
+
+#: HTTP statuses worth sending the same request again for (busy, a server going).
+RETRIED = (408, 429, 500, 502, 503, 504)
+
+
 class RpcError(Exception):
     def __init__(self, error: Mapping[str, Any]) -> None:
         super().__init__(str(error.get("message", "")))
@@ -162,7 +174,7 @@ class McpClient:
                             await self._call(http, call)
                         else:
                             await self._follow(http, call, rng)
-                except (httpx.HTTPError, OSError, json.JSONDecodeError, ValueError):
+                except (httpx.HTTPError, OSError, json.JSONDecodeError, ValueError, HttpRefused):
                     self.counts["mcp_transport_errors"] += 1
                     await trio.sleep(rng.uniform(0.2, 1.0))
             if call.ends and call.task_ids and not self.switches.stop:
@@ -188,6 +200,12 @@ class McpClient:
         except RpcError as exc:
             # Refused before it became a task (e.g. -32602: not recorded in time).
             self.counts[f"mcp_call_error_{exc.code}"] += 1
+            call.ends.append(("tools/call", "refused", str(exc), True))
+            return
+        except HttpRefused as exc:
+            self.counts[f"mcp_call_http_{exc.status}"] += 1
+            if exc.status in RETRIED:
+                raise ValueError(str(exc)) from None  # sent again, on any live server
             call.ends.append(("tools/call", "refused", str(exc), True))
             return
         if result.get("resultType") == "task":
@@ -229,7 +247,7 @@ class McpClient:
             self._saw(call, got, "reread")
         except RpcError as exc:
             self.counts[f"mcp_get_error_{exc.code}"] += 1
-        except (httpx.HTTPError, OSError, json.JSONDecodeError, ValueError):
+        except (httpx.HTTPError, OSError, json.JSONDecodeError, ValueError, HttpRefused):
             self.counts["mcp_transport_errors"] += 1
 
     async def _cancel_later(self, call: McpCall, delay: float, rng: random.Random) -> None:
@@ -244,7 +262,7 @@ class McpClient:
                 await self._rpc(http, "tasks/cancel", {"taskId": call.task_ids[-1]}, MODERN)
         except RpcError as exc:
             self.counts[f"mcp_cancel_error_{exc.code}"] += 1
-        except (httpx.HTTPError, OSError, json.JSONDecodeError, ValueError):
+        except (httpx.HTTPError, OSError, json.JSONDecodeError, ValueError, HttpRefused):
             self.counts["mcp_transport_errors"] += 1
 
     # -- what was seen -------------------------------------------------------------------
@@ -298,9 +316,9 @@ class McpClient:
                         break
             else:
                 raw = await response.aread()
-                if response.status_code >= 400 and not raw.strip().startswith(b"{"):
-                    raise ValueError(f"HTTP {response.status_code}: {raw[:200]!r}")
-                answer = json.loads(raw)
+                answer = json.loads(raw) if raw.strip().startswith(b"{") else {}
+                if response.status_code >= 400 and "error" not in answer:
+                    raise HttpRefused(response.status_code, raw[:300].decode("utf-8", "replace"))
         if answer is None:
             raise ValueError(f"{method}: the stream ended without an answer")
         if "error" in answer:
@@ -323,7 +341,7 @@ class McpClient:
                     # "no task": retention pruned it (its end was seen before), or lost.
                     self.counts[f"mcp_settle_error_{exc.code}"] += 1
                     continue
-                except (httpx.HTTPError, OSError, json.JSONDecodeError, ValueError):
+                except (httpx.HTTPError, OSError, json.JSONDecodeError, ValueError, HttpRefused):
                     self.counts["mcp_settle_errors"] += 1
                     continue
                 self._saw(call, got, "settle")
