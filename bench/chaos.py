@@ -346,7 +346,7 @@ async def chaos(args: argparse.Namespace) -> int:
             verdict.counts.update(a2a_counts)
             await mcp.settle()
             payloads = await oracle.turn_payloads()
-            replies = await oracle.reply_counts()
+            replies = await oracle.reply_rows()
             gone = await oracle.pruned()
             mcp_counts, mcp_violations = check_mcp(
                 mcp.calls,

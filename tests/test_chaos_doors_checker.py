@@ -65,7 +65,7 @@ def test_mcp_each_broken_promise_is_found():
     counts, violations = mcp(
         [differently, wrong, unended, not_stored, missing],
         {"n1": ["t1"], "n2": ["t2"], "n3": ["t3"], "n5": ["t5"]},
-        answers={"t1": 2},
+        answers={"t1": [False, False], "t2": [True]},
     )
     assert counts["mcp_ended_differently"] == 1
     assert counts["mcp_wrong_content"] == 1
@@ -73,7 +73,8 @@ def test_mcp_each_broken_promise_is_found():
     assert counts["mcp_handle_not_stored"] == 1
     assert counts["mcp_get_not_found"] == 1
     assert counts["mcp_answered_twice"] == 1
-    assert len(violations) == 6
+    assert counts["mcp_state_not_the_stores"] == 1  # t2: completed here, failed there
+    assert len(violations) == 7
 
 
 def test_mcp_a_pruned_task_is_not_held_against_the_server():
@@ -104,7 +105,8 @@ def test_agui_clean_runs_pass():
     ok = agui_run("n1", [("finished", good("n1"))])
     failed = agui_run("n2", [("error:failed", "the model did not answer within 4 s")])
     thread = ok.streams[0].thread
-    counts, violations = check_agui([ok, failed], expected, {"n1": [thread]}, {thread: 1})
+    answers = {thread: [False]}
+    counts, violations = check_agui([ok, failed], expected, {"n1": [thread]}, answers)
     assert violations == []
     assert counts["agui_by_end"] == {"error": 1, "finished": 1}
 
@@ -121,7 +123,7 @@ def test_agui_each_broken_promise_is_found():
         [twice_ended, wrong, differently, unended, duplicate],
         expected,
         {"n5": [thread, thread]},
-        {thread: 2},
+        {thread: [False, False], wrong.streams[0].thread: [True]},
     )
     assert counts["agui_bad_end"] == 1
     assert counts["agui_wrong_content"] == 1
@@ -129,7 +131,8 @@ def test_agui_each_broken_promise_is_found():
     assert counts["agui_unended"] == 1
     assert counts["agui_twice"] == 1
     assert counts["agui_answered_twice"] == 1
-    assert len(violations) == 6
+    assert counts["agui_end_not_the_stores"] == 1  # n2: finished here, failed there
+    assert len(violations) == 7
 
 
 def test_agui_a_stream_we_dropped_is_not_judged():

@@ -227,15 +227,16 @@ def check_agui(
     runs: list[AguiRun],
     expected: Callable[[str, str], list[list[str]]],
     stored: Mapping[str, list[str]],
-    answers: Mapping[str, int],
+    answers: Mapping[str, list[bool]],
     max_listed: int = 20,
 ) -> tuple[dict[str, object], list[str]]:
     """Counts and violations (see the module docstring). ``stored``: per nonce, the
     threads of the store's turn rows naming it; ``answers``: per thread, the store's
-    reply rows for it. Pure."""
+    reply rows for it (each: failed). Pure."""
     violations: list[str] = []
     states: Counter = Counter()
     failed: Counter = Counter()
+    not_the_stores = 0
     bad_end = unended = differently = wrong = twice = answered_twice = wrong_thread = 0
     for run in runs:
         thread = run_thread(CLIENT, run.agent, run.thread_id, run.run_id)
@@ -261,9 +262,10 @@ def check_agui(
         if any(t != thread for t in threads):
             wrong_thread += 1
             violations.append(f"{where}: its task is on {sorted(set(threads))}")
-        if answers.get(thread, 0) > 1:
+        rows = answers.get(thread, [])
+        if len(rows) > 1:
             answered_twice += 1
-            violations.append(f"{where}: the store answered it {answers[thread]} times")
+            violations.append(f"{where}: the store answered it {len(rows)} times")
         if not run.ends:
             if not run.streams and run.refusals:
                 states["refused"] += 1
@@ -279,6 +281,13 @@ def check_agui(
             violations.append(f"{where} ended differently: {[(k, t[:80]) for k, t in run.ends]}")
         kind, text = run.ends[0]
         states[kind.split(":")[0]] += 1
+        # The run's end against the store's answer (its one reply row, if kept): a
+        # success there is RUN_FINISHED with a result here, and only that.
+        if len(rows) == 1 and (kind == "finished") == rows[0]:
+            not_the_stores += 1
+            violations.append(
+                f"{where} ended {kind}; the store's answer {'failed' if rows[0] else 'succeeded'}"
+            )
         if kind.startswith(("error:", "refused:")):
             failed[kind.split(":", 1)[1] + ":" + failure_reason(text)] += 1
         elif kind == "finished" and not any(
@@ -298,6 +307,7 @@ def check_agui(
         "agui_wrong_thread": wrong_thread,
         "agui_twice": twice,
         "agui_answered_twice": answered_twice,
+        "agui_end_not_the_stores": not_the_stores,
         "agui_wrong_content": wrong,
     }
     return counts, violations[:max_listed] + (

@@ -375,21 +375,21 @@ def check_mcp(
     calls: list[McpCall],
     expected: Callable[[str, str], list[list[str]]],
     stored: Mapping[str, list[str]],
-    answers: Mapping[str, int],
+    answers: Mapping[str, list[bool]],
     gone: Callable[[str], bool],
     max_listed: int = 20,
     internal_errors: Sequence[tuple[str, str]] = (),
 ) -> tuple[dict[str, object], list[str]]:
     """Counts and violations (see the module docstring). ``stored``: per nonce, the
     threads whose turn row names it (:func:`nonce_threads`); ``answers``: per task id,
-    the store's reply rows for it; ``gone(thread)``: retention pruned it. Pure."""
+    the store's reply rows for it (each: failed); ``gone(thread)``: retention pruned it. Pure."""
     violations: list[str] = [
         f"MCP {m} got an internal error: {text}" for m, text in internal_errors
     ]
     states: Counter = Counter()
     failed: Counter = Counter()
     twice = unknown_second = unended = differently = wrong = not_stored = not_found = 0
-    answered_twice = lost_calls = 0
+    answered_twice = lost_calls = not_the_stores = 0
     for call in calls:
         where = f"MCP {call.revision} {call.agent} call ({call.nonce})"
         threads = stored.get(call.nonce, [])
@@ -406,9 +406,10 @@ def check_mcp(
             if task_id not in threads and not gone(task_id):
                 not_stored += 1
                 violations.append(f"{where}: handle {task_id} names no task in the store")
-            if answers.get(task_id, 0) > 1:
+            rows = answers.get(task_id, [])
+            if len(rows) > 1:
                 answered_twice += 1
-                violations.append(f"{where}: the store answered {task_id} {answers[task_id]} times")
+                violations.append(f"{where}: the store answered {task_id} {len(rows)} times")
         for task_id, text in call.not_found:
             if task_id in threads and not gone(task_id):
                 not_found += 1
@@ -431,6 +432,17 @@ def check_mcp(
             violations.append(f"{where} ended differently: {shown}")
         _, state, text, is_error = ends[0]
         states[state] += 1
+        # What the door said against the store's answer (its one reply row, if kept):
+        # a success there is a completed, successful result here, and only that.
+        rows = [answers.get(t, []) for t in set(call.task_ids)]
+        if call.task_ids and len(rows[-1]) == 1 and state in ("completed", "cancelled"):
+            succeeded = state == "completed" and not is_error
+            if succeeded == rows[-1][0]:
+                not_the_stores += 1
+                violations.append(
+                    f"{where} read {state} (error {is_error}); the store's answer "
+                    f"{'failed' if rows[-1][0] else 'succeeded'}"
+                )
         if state == "completed" and is_error:
             failed[failure_reason(text)] += 1
         elif state == "completed" and not any(
@@ -452,6 +464,7 @@ def check_mcp(
         "mcp_get_not_found": not_found,
         "mcp_wrong_content": wrong,
         "mcp_answered_twice": answered_twice,
+        "mcp_state_not_the_stores": not_the_stores,
         "mcp_internal_errors": len(internal_errors),
     }
     return counts, violations[:max_listed] + (

@@ -37,7 +37,7 @@ _PAYLOADS = (
     "FROM agent_inbox i WHERE i.message_type = 'turn'"
 )
 #: Every reply row's reference (a Turn answered twice has two naming its thread).
-_REPLIES = "SELECT reply_ref FROM agent_replies"
+_REPLIES = "SELECT reply_ref, failed FROM agent_replies"
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 
 
@@ -132,13 +132,14 @@ class Oracle:
             out.append((str(ref), raw + "\n" + (card or "")))
         return out
 
-    async def reply_counts(self) -> dict[str, int]:
-        """Per thread named by a reply row's reference: how many reply rows name it."""
-        counts: dict[str, int] = {}
-        for (ref,) in await trio.to_thread.run_sync(self._rows, _REPLIES):
+    async def reply_rows(self) -> dict[str, list[bool]]:
+        """Per thread named by a reply row's reference: each reply row naming it (whether
+        it is a failed answer)."""
+        found: dict[str, list[bool]] = {}
+        for ref, failed in await trio.to_thread.run_sync(self._rows, _REPLIES):
             for thread in set(_UUID.findall(str(ref))):
-                counts[thread] = counts.get(thread, 0) + 1
-        return counts
+                found.setdefault(thread, []).append(bool(failed))
+        return found
 
     async def rows(self) -> dict[str, TaskRow]:
         """Per thread named by a task's reply reference still in the inbox: what the
