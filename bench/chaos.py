@@ -483,6 +483,7 @@ def ledger_json(ledger: Ledger, taken: set[str]) -> str:
                 "nonce": a.nonce,
                 "multitask": a.multitask,
                 "racing": a.racing,
+                "via": a.via,
                 "taken": a.thread in taken,
                 "resent": a.thread in ledger.resent,
                 "answers": answers.get(a.thread, []),
