@@ -368,13 +368,15 @@ def check_a2a(
         f"A2A {m} got an internal error: {text}" for m, text in internal_errors
     ]
     states: Counter = Counter()
-    wires: Counter = Counter(t.wire for t in tasks)
+    #: Per wire, its tasks' first terminal states (unended: "unended").
+    wires: dict[str, Counter] = {}
     twice = unended = differently = wrong = 0
     for task in tasks:
         where = f"A2A {task.wire} {task.op} {task.agent} message {task.message_id} ({task.nonce})"
         if len(task.task_ids) > 1:
             twice += 1
             violations.append(f"{where} became {len(task.task_ids)} tasks: {sorted(task.task_ids)}")
+        wires.setdefault(task.wire, Counter())[task.ends[0][1] if task.ends else "unended"] += 1
         if not task.ends:
             unended += 1
             violations.append(f"{where} never ended (tasks {sorted(task.task_ids)})")
@@ -398,7 +400,7 @@ def check_a2a(
     counts: dict[str, object] = {
         "a2a_tasks": len(tasks),
         "a2a_by_state": dict(sorted(states.items())),
-        "a2a_by_wire": dict(sorted(wires.items())),
+        "a2a_by_wire": {w: dict(sorted(c.items())) for w, c in sorted(wires.items())},
         "a2a_twice": twice,
         "a2a_unended": unended,
         "a2a_ended_differently": differently,
