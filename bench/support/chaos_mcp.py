@@ -97,6 +97,7 @@ class McpCall:
     not_found: list[tuple[str, str]] = field(default_factory=list)
     #: A plain call ended with no answer in time (the thread it names, if any).
     timed_out: str | None = None
+    #: ``tasks/cancel`` was acknowledged.
     cancelled: bool = False
 
     @property
@@ -258,8 +259,8 @@ class McpClient:
         try:
             async with httpx.AsyncClient(base_url=slot.http_url, timeout=30) as http:
                 self.counts["mcp_cancels"] += 1
-                call.cancelled = True
                 await self._rpc(http, "tasks/cancel", {"taskId": call.task_ids[-1]}, MODERN)
+                call.cancelled = True
         except RpcError as exc:
             self.counts[f"mcp_cancel_error_{exc.code}"] += 1
         except (httpx.HTTPError, OSError, json.JSONDecodeError, ValueError, HttpRefused):
@@ -388,6 +389,7 @@ def check_mcp(
     ]
     states: Counter = Counter()
     failed: Counter = Counter()
+    cancels: Counter = Counter()
     twice = unknown_second = unended = differently = wrong = not_stored = not_found = 0
     answered_twice = lost_calls = not_the_stores = 0
     for call in calls:
@@ -432,6 +434,9 @@ def check_mcp(
             violations.append(f"{where} ended differently: {shown}")
         _, state, text, is_error = ends[0]
         states[state] += 1
+        if call.cancelled:
+            # Acknowledged: the Turn stopped, unless it had ended first (a race).
+            cancels["effective" if state == "cancelled" else "after_the_end"] += 1
         # What the door said against the store's answer (its one reply row, if kept):
         # a success there is a completed, successful result here, and only that.
         rows = [answers.get(t, []) for t in set(call.task_ids)]
@@ -455,6 +460,7 @@ def check_mcp(
         "mcp_tasks": sum(1 for c in calls if c.revision == MODERN),
         "mcp_by_state": dict(sorted(states.items())),
         "mcp_failed_by_reason": dict(sorted(failed.items())),
+        "mcp_cancels_acknowledged": dict(sorted(cancels.items())),
         "mcp_calls_answer_lost": lost_calls,
         "mcp_second_task_after_loss": unknown_second,
         "mcp_twice": twice,
