@@ -140,3 +140,33 @@ def test_agui_a_stream_we_dropped_is_not_judged():
     run.streams.append(Stream(started=True, whole=False))
     counts, violations = check_agui([run], expected, {}, {})
     assert violations == [] and counts["agui_streams"] == 2
+
+
+def test_a2a_03_shapes_are_read_as_10s():
+    """The A2A client's 0.3 share: a 0.3 task (``kind``, lower-case states) and its
+    stream's ``status-update`` end a task as 1.0's shapes do, and are checked alike."""
+    from chaos_a2a import A2aClient, A2aTask, check_a2a
+
+    client = A2aClient(1, servers=None, switches=None, token="t")
+    sent = A2aTask("m1", "n1", "beta", "send", wire="0.3")
+    client.saw(
+        sent,
+        {
+            "kind": "task",
+            "id": "task-1",
+            "status": {"state": "completed"},
+            "artifacts": [{"parts": [{"kind": "text", "text": good("n1")}]}],
+        },
+    )
+    streamed = A2aTask("m2", "n2", "gamma", "stream", wire="0.3-no-header")
+    update = {"kind": "status-update", "taskId": "task-2", "status": {"state": "canceled"}}
+    client.saw_update(streamed, update, "")
+    assert client.wire_of("GetTask", "0.3") == (
+        "tasks/get",
+        {"Authorization": "Bearer t", "A2A-Version": "0.3"},
+    )
+    assert client.wire_of("SendMessage", "0.3-no-header")[0] == "message/send"
+    assert "A2A-Version" not in client.wire_of("SendMessage", "0.3-no-header")[1]
+    counts, violations = check_a2a([sent, streamed], expected)
+    assert violations == [], violations
+    assert counts["a2a_by_wire"] == {"0.3": {"completed": 1}, "0.3-no-header": {"canceled": 1}}

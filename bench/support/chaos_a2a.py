@@ -207,7 +207,7 @@ class A2aClient:
             )
         result = await self._call(http, "SendMessage", params, task.wire)
         # 1.0 answers {"task": ...}; 0.3 the task itself (``kind: "task"``).
-        self._saw(task, result.get("task") or (result if result.get("kind") == "task" else {}))
+        self.saw(task, result.get("task") or (result if result.get("kind") == "task" else {}))
 
     async def _follow(self, http: httpx.AsyncClient, task: A2aTask) -> None:
         """Resume a task whose id is known: its stream, or, ended, ``GetTask``."""
@@ -218,7 +218,7 @@ class A2aClient:
         except RpcError as exc:
             if exc.code != UNSUPPORTED:
                 raise
-            self._saw(task, await self._call(http, "GetTask", {"id": task_id}, task.wire))
+            self.saw(task, await self._call(http, "GetTask", {"id": task_id}, task.wire))
 
     async def _stream(
         self,
@@ -228,7 +228,7 @@ class A2aClient:
         params: dict[str, Any],
         drop_after: int | None,
     ) -> None:
-        method, headers = self._wire(method, task.wire)
+        method, headers = self.wire_of(method, task.wire)
         body = {"jsonrpc": "2.0", "id": self._next_id(), "method": method, "params": params}
         events = 0
         artifact = ""
@@ -247,9 +247,9 @@ class A2aClient:
                 result = event.get("result") or {}
                 kind = result.get("kind")  # 0.3: the event itself, named by its kind
                 if "task" in result or kind == "task":
-                    self._saw(task, result.get("task") or result)
+                    self.saw(task, result.get("task") or result)
                 elif "statusUpdate" in result or kind == "status-update":
-                    self._saw_update(task, result.get("statusUpdate") or result, artifact)
+                    self.saw_update(task, result.get("statusUpdate") or result, artifact)
                 elif "artifactUpdate" in result or kind == "artifact-update":
                     # The answer's artifact comes before its final status: kept with it.
                     artifact = _text(result.get("artifactUpdate") or result)
@@ -269,7 +269,7 @@ class A2aClient:
                 got = await self._call(
                     http, "CancelTask", {"id": next(iter(task.task_ids))}, task.wire
                 )
-                self._saw(task, got)
+                self.saw(task, got)
         except RpcError as exc:
             if exc.code != NOT_CANCELABLE:
                 self.counts["a2a_cancel_errors"] += 1
@@ -277,7 +277,7 @@ class A2aClient:
             self.counts["a2a_transport_errors"] += 1
 
     # -- what was seen -------------------------------------------------------------------
-    def _saw(self, task: A2aTask, got: dict[str, Any]) -> None:
+    def saw(self, task: A2aTask, got: dict[str, Any]) -> None:
         task_id = got.get("id")
         if not task_id:
             return
@@ -286,7 +286,7 @@ class A2aClient:
         if state in TERMINAL:
             task.ends.append((task_id, TERMINAL[state], _text(got)))
 
-    def _saw_update(self, task: A2aTask, update: dict[str, Any], artifact: str) -> None:
+    def saw_update(self, task: A2aTask, update: dict[str, Any], artifact: str) -> None:
         task_id = update.get("taskId")
         if task_id:
             task.task_ids.add(task_id)
@@ -297,7 +297,7 @@ class A2aClient:
                 text = "\n".join(t for t in (artifact, text) if t)
             task.ends.append((task_id, TERMINAL[state], text))
 
-    def _wire(self, method: str, wire: str) -> tuple[str, dict[str, str]]:
+    def wire_of(self, method: str, wire: str) -> tuple[str, dict[str, str]]:
         """The method's name and the request's headers on ``wire``."""
         if wire == "1.0":
             return method, self.headers
@@ -309,7 +309,7 @@ class A2aClient:
     async def _call(
         self, http: httpx.AsyncClient, method: str, params: dict[str, Any], wire: str = "1.0"
     ) -> dict:
-        method, headers = self._wire(method, wire)
+        method, headers = self.wire_of(method, wire)
         body = {"jsonrpc": "2.0", "id": self._next_id(), "method": method, "params": params}
         answer = (await http.post("/a2a", json=body, headers=headers)).json()
         if "error" in answer:
