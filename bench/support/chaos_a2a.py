@@ -278,6 +278,7 @@ class A2aClient:
 
     # -- what was seen -------------------------------------------------------------------
     def saw(self, task: A2aTask, got: dict[str, Any]) -> None:
+        """A task as a call answered it (1.0's or 0.3's shape): its id, and its end."""
         task_id = got.get("id")
         if not task_id:
             return
@@ -287,6 +288,7 @@ class A2aClient:
             task.ends.append((task_id, TERMINAL[state], _text(got)))
 
     def saw_update(self, task: A2aTask, update: dict[str, Any], artifact: str) -> None:
+        """A stream's status update (``artifact``: the answer's text seen before it)."""
         task_id = update.get("taskId")
         if task_id:
             task.task_ids.add(task_id)
