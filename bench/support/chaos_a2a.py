@@ -21,7 +21,12 @@ bench's approver decides it over her socket.
 message became exactly one task (``a2a_twice``), every task ended (``a2a_unended``), in
 one terminal state however often and wherever it was seen (``a2a_ended_differently``),
 and a completed task's answer carries its nonce and the proofs its plan needs
-(``a2a_wrong_content``). Raw JSON-RPC over httpx (under trio), header ``A2A-Version: 1.0``.
+(``a2a_wrong_content``). Raw JSON-RPC over httpx (under trio), header ``A2A-Version: 1.0``;
+:data:`V03_SHARE` of the tasks (issue 47) are sent and followed with A2A 0.3's wire
+instead (docs/a2a.md, "Versions": ``message/send``, ``message/stream``,
+``tasks/resubscribe``, ``tasks/get``, ``tasks/cancel``, 0.3's shapes), half of them with
+``A2A-Version: 0.3`` and half with no header; the same checks, counted by wire
+(``a2a_by_wire``).
 
 A library module of bench/chaos.py (not a bench).
 """
