@@ -99,6 +99,8 @@ class McpCall:
     timed_out: str | None = None
     #: ``tasks/cancel`` was acknowledged.
     cancelled: bool = False
+    #: The server slot that answered its handle.
+    origin: int | None = None
 
     @property
     def ended(self) -> bool:
@@ -173,8 +175,9 @@ class McpClient:
                     ) as http:
                         if not call.task_ids:
                             await self._call(http, call)
+                            call.origin = slot.index
                         else:
-                            await self._follow(http, call, rng)
+                            await self._follow(http, call, rng, slot.index != call.origin)
                 except (httpx.HTTPError, OSError, json.JSONDecodeError, ValueError, HttpRefused):
                     self.counts["mcp_transport_errors"] += 1
                     await trio.sleep(rng.uniform(0.2, 1.0))
@@ -221,10 +224,15 @@ class McpClient:
             return
         call.ends.append(("tools/call", "completed", text, bool(result.get("isError"))))
 
-    async def _follow(self, http: httpx.AsyncClient, call: McpCall, rng: random.Random) -> None:
-        """Poll ``tasks/get`` on this server until the task ends."""
+    async def _follow(
+        self, http: httpx.AsyncClient, call: McpCall, rng: random.Random, elsewhere: bool
+    ) -> None:
+        """Poll ``tasks/get`` on this server a few times (then the next round picks any
+        live server again: on two processes, either answers), or until the task ends."""
         task_id = call.task_ids[-1]
-        while not call.ended and not self.switches.stop:
+        for _ in range(rng.randint(1, 4)):
+            if call.ended or self.switches.stop:
+                return
             try:
                 got = await self._rpc(http, "tasks/get", {"taskId": task_id}, MODERN)
             except RpcError as exc:
@@ -236,6 +244,8 @@ class McpClient:
                     return
                 raise
             self.counts["mcp_gets"] += 1
+            # Read from another process than the one that made the task (PostgreSQL).
+            self.counts["mcp_gets_elsewhere"] += 1 if elsewhere else 0
             self._saw(call, got, "tasks/get")
             await trio.sleep(rng.uniform(*POLL_S))
 
