@@ -25,8 +25,8 @@ server and sometimes cancelled (``tasks/cancel``), at 2025-11-25 as plain calls
 reading the SSE stream, dropping it now and then and posting the same run again on any
 live server (bench/support/chaos_agui.py). ``--retention`` prunes with short windows
 (bench/support/chaos_retention.py); ``--budget-tokens N`` gives clients ``c1``, ``c2``,
-``a2a``, ``mcp`` and ``agui`` a budget of N tokens that runs out (bench/support/chaos_budget.py). Every random
-choice comes from ``--seed``.
+``a2a``, ``mcp`` and ``agui`` a budget of N tokens that runs out
+(bench/support/chaos_budget.py). Every random choice comes from ``--seed``.
 
 After ``--minutes`` the faults stop (and no new task is sent); every task the server took
 must then be answered within ``--drain`` s (120). bench/support/chaos_check.py checks the ledger
