@@ -17,10 +17,16 @@ SIGKILLed every 20-60 s and restarted; the operator stops and cancels tasks with
 ``multitask`` override (bench/support/chaos_multitask.py), over the socket and over the
 HTTP API (``POST /v1/messages?multitask=``). An A2A client sends tasks to ``beta`` and
 ``gamma`` (``<expose-a2a>``) and follows them through the kills: streams, resubscribes,
-cancels (bench/support/chaos_a2a.py). ``--retention`` prunes with short windows
-(bench/support/chaos_retention.py); ``--budget-tokens N`` gives clients ``c1``, ``c2`` and
-``a2a`` a budget of N tokens that runs out (bench/support/chaos_budget.py). Every random
-choice comes from ``--seed``.
+cancels, a share of them on A2A 0.3's wire (bench/support/chaos_a2a.py). Issue 47's
+doors: the client ``mcp`` calls ``beta`` and ``gamma`` as MCP tools at ``/mcp``
+(``<expose-mcp>``), at 2026-07-28 as tasks followed with ``tasks/get`` on any live
+server and sometimes cancelled (``tasks/cancel``), at 2025-11-25 as plain calls
+(bench/support/chaos_mcp.py); the client ``agui`` runs them at ``POST /agui/agents/NAME``,
+reading the SSE stream, dropping it now and then and posting the same run again on any
+live server (bench/support/chaos_agui.py). ``--retention`` prunes with short windows
+(bench/support/chaos_retention.py); ``--budget-tokens N`` gives clients ``c1``, ``c2``,
+``a2a``, ``mcp`` and ``agui`` a budget of N tokens that runs out
+(bench/support/chaos_budget.py). Every random choice comes from ``--seed``.
 
 After ``--minutes`` the faults stop (and no new task is sent); every task the server took
 must then be answered within ``--drain`` s (120). bench/support/chaos_check.py checks the ledger
@@ -50,6 +56,8 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "suppor
 
 from chaos_a2a import CLIENT as A2A_CLIENT
 from chaos_a2a import A2aClient, check_a2a, expose_a2a_xml
+from chaos_agui import CLIENT as AGUI_CLIENT
+from chaos_agui import AguiClient, check_agui
 from chaos_budget import (
     DEFAULT_TOKENS,
     WorstCase,
@@ -72,6 +80,8 @@ from chaos_clients import (
 from chaos_hooks import SECRET_ENV as HOOK_SECRET_ENV
 from chaos_hooks import HookReceiver, await_hooks, check_hooks, ended_turns, webhooks_xml
 from chaos_hooks import new_secret as hook_secret
+from chaos_mcp import CLIENT as MCP_CLIENT
+from chaos_mcp import McpClient, check_mcp, expose_mcp_xml, nonce_threads
 from chaos_model import ChaosModel, plan_for
 from chaos_multitask import MEMORY_AGENT
 from chaos_oracle import Oracle
@@ -82,6 +92,8 @@ from chaos_tools import AGENTS, EFFECTS_ENV, proof_text, read_effects
 
 LLM_TIMEOUT = 4.0
 CLIENTS = (("c0", True), ("c1", False), ("c2", True), ("c3", False))
+#: The clients of the HTTP doors, each with a token of its own.
+DOOR_CLIENTS = (A2A_CLIENT, MCP_CLIENT, AGUI_CLIENT)
 
 
 #: The agent with memory folds its conversations early: a small window (the model answers
@@ -115,7 +127,7 @@ def boot_xml(
     clients = "\n".join(
         f'    <client name="{name}" token-env="{token_env(name)}">'
         f"{client_budget(name, budget_tokens)}</client>"
-        for name in [*(n for n, _ in CLIENTS), A2A_CLIENT]
+        for name in [*(n for n, _ in CLIENTS), *DOOR_CLIENTS]
     )
     agents = "\n".join(
         f"""    <listener name="{agent}" handler="chaos_tools:agent_placeholder" agent="true"
@@ -167,6 +179,7 @@ def boot_xml(
   </listeners>
   {SCHEDULES_XML}
   {expose_a2a_xml()}
+  {expose_mcp_xml()}
 {hooks}</organism>
 """
 
@@ -218,7 +231,7 @@ async def chaos(args: argparse.Namespace) -> int:
             boot_dir = out / "organism"
             hooks = await HookReceiver(seed, hook_secret(seed)).start(nursery)
             env = child_env(boot_dir, CHAOS_TOKEN=TOKEN, CHAOS_LLM_KEY="chaos-key")
-            for name in [*(n for n, _ in CLIENTS), A2A_CLIENT]:
+            for name in [*(n for n, _ in CLIENTS), *DOOR_CLIENTS]:
                 env[token_env(name)] = token_of(name)
             env[HOOK_SECRET_ENV] = hooks.secret
             env[EFFECTS_ENV] = str(out / "effects.log")
@@ -261,6 +274,10 @@ async def chaos(args: argparse.Namespace) -> int:
                 nursery.start_soon(client.run)
             a2a = A2aClient(seed, servers, switches, token_of(A2A_CLIENT))
             nursery.start_soon(a2a.run)
+            mcp = McpClient(seed, servers, switches, token_of(MCP_CLIENT))
+            nursery.start_soon(mcp.run)
+            agui = AguiClient(seed, servers, switches, token_of(AGUI_CLIENT))
+            nursery.start_soon(agui.run)
             approver = Approver(seed, servers, switches, env)
             nursery.start_soon(approver.run)
             nursery.start_soon(Operator(seed, servers, switches, ledger, env).run)
@@ -296,12 +313,13 @@ async def chaos(args: argparse.Namespace) -> int:
                 refs = await oracle.refs()
                 pending = [a for c in clients for a in ledger.open_attempts(c)]
                 taken_open = [a for a in pending if a.thread in refs]
-                if not pending and not a2a.open():
+                if not pending and not a2a.open() and not mcp.open() and not agui.open():
                     break
                 say(
                     start,
                     f"drain: {len(pending)} open ({len(taken_open)} taken), "
-                    f"{a2a.open()} A2A tasks open",
+                    f"{a2a.open()} A2A tasks, {mcp.open()} MCP calls, "
+                    f"{agui.open()} AG-UI runs open",
                 )
                 await trio.sleep(2.0)
             drained = time.monotonic() - (drain_end - args.drain)
@@ -326,6 +344,30 @@ async def chaos(args: argparse.Namespace) -> int:
                 {k: v for k, v in sorted(a2a.counts.items()) if not k.startswith("seen:")}
             )
             verdict.counts.update(a2a_counts)
+            await mcp.settle()
+            payloads = await oracle.turn_payloads()
+            replies = await oracle.reply_rows()
+            gone = await oracle.pruned()
+            mcp_counts, mcp_violations = check_mcp(
+                mcp.calls,
+                expected_proofs(seed),
+                nonce_threads(payloads, [c.nonce for c in mcp.calls]),
+                replies,
+                lambda thread: thread in gone,
+                internal_errors=mcp.internal_errors,
+            )
+            mcp_counts.update(
+                {k: v for k, v in sorted(mcp.counts.items()) if not k.startswith("seen:")}
+            )
+            verdict.counts.update(mcp_counts)
+            agui_counts, agui_violations = check_agui(
+                agui.runs,
+                expected_proofs(seed),
+                nonce_threads(payloads, [r.nonce for r in agui.runs]),
+                replies,
+            )
+            agui_counts.update(dict(sorted(agui.counts.items())))
+            verdict.counts.update(agui_counts)
             spend, overspent = await check_budgets(oracle.sqlite_path, pg_url, worst)
             refused = [
                 (a.client, a.thread, a.text)
@@ -337,10 +379,22 @@ async def chaos(args: argparse.Namespace) -> int:
                 for _, state, text in t.ends[:1]
                 if state == "failed" and failure_reason(text) == "budget"
             ]
+            refused += [
+                (MCP_CLIENT, c.nonce, text)
+                for c in mcp.calls
+                for _, _, text, is_error in c.ends[:1]
+                if is_error and failure_reason(text) == "budget"
+            ]
+            refused += [
+                (AGUI_CLIENT, r.nonce, text)
+                for r in agui.runs
+                for kind, text in r.ends[:1]
+                if kind.startswith(("error:", "refused:")) and failure_reason(text) == "budget"
+            ]
             refusal_counts, misrefused = refusal_violations(refused, args.budget_tokens)
             spend.update(refusal_counts)
             verdict.counts.update(spend)
-            more = [*a2a_violations, *overspent, *misrefused]
+            more = [*a2a_violations, *mcp_violations, *agui_violations, *overspent, *misrefused]
             verdict.violations.extend(more)
             verdict.counts["violations"] = int(verdict.counts["violations"]) + len(more)
             sched_counts, sched_violations = await trio.to_thread.run_sync(
@@ -429,6 +483,7 @@ def ledger_json(ledger: Ledger, taken: set[str]) -> str:
                 "nonce": a.nonce,
                 "multitask": a.multitask,
                 "racing": a.racing,
+                "via": a.via,
                 "taken": a.thread in taken,
                 "resent": a.thread in ledger.resent,
                 "answers": answers.get(a.thread, []),
@@ -529,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-tokens",
         type=int,
         default=None,
-        help="a total budget of N tokens on clients c1, c2 and a2a, which runs out "
+        help="a total budget of N tokens on clients c1, c2, a2a, mcp and agui, which runs out "
         "(bench/support/chaos_budget.py; default: none)",
     )
     args = parser.parse_args(argv)

@@ -48,6 +48,10 @@ def test_a_short_seeded_chaos_run_has_no_violation():
     # Issue 43's parts ran: the A2A client, the HTTP double texts, the small budgets.
     assert counts["a2a_tasks"] > 0 and counts["a2a_internal_errors"] == 0, counts
     assert "http_tasks" in counts and "budget_refused_tasks" in counts, counts
-    small = {"client:c1", "client:c2", "client:a2a"}
+    small = {"client:c1", "client:c2", "client:a2a", "client:mcp", "client:agui"}
     assert counts["budget_spend"] and set(counts["budget_spend"]) <= small, counts
+    # Issue 47's doors ran: MCP calls (tasks and plain) and AG-UI runs, checked.
+    assert counts["mcp_calls"] > 0 and counts["mcp_internal_errors"] == 0, counts
+    assert counts["agui_runs"] > 0 and "agui_bad_end" in counts, counts
+    assert "a2a_by_wire" in counts, counts
     assert "[chaos" in stderr  # progress lines

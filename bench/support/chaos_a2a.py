@@ -21,7 +21,12 @@ bench's approver decides it over her socket.
 message became exactly one task (``a2a_twice``), every task ended (``a2a_unended``), in
 one terminal state however often and wherever it was seen (``a2a_ended_differently``),
 and a completed task's answer carries its nonce and the proofs its plan needs
-(``a2a_wrong_content``). Raw JSON-RPC over httpx (under trio), header ``A2A-Version: 1.0``.
+(``a2a_wrong_content``). Raw JSON-RPC over httpx (under trio), header ``A2A-Version: 1.0``;
+:data:`V03_SHARE` of the tasks (issue 47) are sent and followed with A2A 0.3's wire
+instead (docs/a2a.md, "Versions": ``message/send``, ``message/stream``,
+``tasks/resubscribe``, ``tasks/get``, ``tasks/cancel``, 0.3's shapes), half of them with
+``A2A-Version: 0.3`` and half with no header; the same checks, counted by wire
+(``a2a_by_wire``).
 
 A library module of bench/chaos.py (not a bench).
 """
@@ -49,6 +54,22 @@ TERMINAL = {
     "TASK_STATE_FAILED": "failed",
     "TASK_STATE_CANCELED": "canceled",
     "TASK_STATE_REJECTED": "rejected",
+    # 0.3's states, in lower case.
+    "completed": "completed",
+    "failed": "failed",
+    "canceled": "canceled",
+    "rejected": "rejected",
+}
+#: The share of tasks sent with A2A 0.3's wire (its method names and shapes; half of
+#: them with ``A2A-Version: 0.3``, half with no header, which the spec reads as 0.3).
+V03_SHARE = 0.3
+#: 1.0's methods by their 0.3 names (docs/a2a.md, "Versions").
+V03_METHODS = {
+    "SendMessage": "message/send",
+    "SendStreamingMessage": "message/stream",
+    "SubscribeToTask": "tasks/resubscribe",
+    "GetTask": "tasks/get",
+    "CancelTask": "tasks/cancel",
 }
 #: The ways a task is sent (see the module docstring), and the chances of the extras.
 OPS = ("send", "send-async", "stream")
@@ -74,6 +95,8 @@ class A2aTask:
     nonce: str
     agent: str
     op: str
+    #: The wire it is sent and followed with: ``1.0`` or ``0.3`` (header or none).
+    wire: str = "1.0"
     #: Task ids the server answered the message with (one, or a violation).
     task_ids: set[str] = field(default_factory=set)
     #: Every terminal state seen of it: (task id, state, text).
@@ -136,8 +159,11 @@ class A2aClient:
                         self.rng.choice(AGENTS),
                         self.rng.choice(OPS),
                     )
+                    if self.rng.random() < V03_SHARE:
+                        task.wire = self.rng.choice(("0.3", "0.3-no-header"))
                     self.tasks.append(task)
                     self.counts[f"a2a_sent_{task.op}"] += 1
+                    self.counts[f"a2a_sent_wire_{task.wire}"] += 1
                     nursery.start_soon(self._one, task, random.Random(self.rng.random()))
                 await trio.sleep(self.rng.uniform(0.3, 2.0))
             nursery.cancel_scope.cancel()
@@ -170,21 +196,27 @@ class A2aClient:
         if self.counts.get(f"seen:{task.message_id}"):
             self.counts["a2a_resent_same_message_id"] += 1
         self.counts[f"seen:{task.message_id}"] = 1
-        message = {
+        text = f"Please handle NONCE[{task.nonce}] with your tools."
+        message: dict[str, Any] = {
             "messageId": task.message_id,
             "role": "ROLE_USER",
-            "parts": [{"text": f"Please handle NONCE[{task.nonce}] with your tools."}],
+            "parts": [{"text": text}],
             "metadata": {"skill": task.agent},
         }
+        if task.wire != "1.0":
+            message.update(kind="message", role="user", parts=[{"kind": "text", "text": text}])
         if task.op == "stream":
             drop_after = rng.randint(1, 2) if rng.random() < DROP_STREAM_CHANCE else None
             await self._stream(http, task, "SendStreamingMessage", {"message": message}, drop_after)
             return
         params: dict[str, Any] = {"message": message}
         if task.op == "send-async":
-            params["configuration"] = {"returnImmediately": True}
-        result = await self._call(http, "SendMessage", params)
-        self._saw(task, result.get("task") or {})
+            params["configuration"] = (
+                {"returnImmediately": True} if task.wire == "1.0" else {"blocking": False}
+            )
+        result = await self._call(http, "SendMessage", params, task.wire)
+        # 1.0 answers {"task": ...}; 0.3 the task itself (``kind: "task"``).
+        self.saw(task, result.get("task") or (result if result.get("kind") == "task" else {}))
 
     async def _follow(self, http: httpx.AsyncClient, task: A2aTask) -> None:
         """Resume a task whose id is known: its stream, or, ended, ``GetTask``."""
@@ -198,7 +230,7 @@ class A2aClient:
         else:
             return
         try:
-            self._saw(task, await self._call(http, "GetTask", {"id": task_id}))
+            self.saw(task, await self._call(http, "GetTask", {"id": task_id}, task.wire))
         except RpcError as exc:
             if exc.code != TASK_NOT_FOUND:
                 raise
@@ -212,10 +244,11 @@ class A2aClient:
         params: dict[str, Any],
         drop_after: int | None,
     ) -> None:
+        method, headers = self.wire_of(method, task.wire)
         body = {"jsonrpc": "2.0", "id": self._next_id(), "method": method, "params": params}
         events = 0
         artifact = ""
-        async with http.stream("POST", "/a2a", json=body, headers=self.headers) as response:
+        async with http.stream("POST", "/a2a", json=body, headers=headers) as response:
             if "text/event-stream" not in response.headers.get("content-type", ""):
                 answer = json.loads(await response.aread())
                 if "error" in answer:
@@ -228,13 +261,14 @@ class A2aClient:
                 if "error" in event:
                     raise self._error(method, event["error"])
                 result = event.get("result") or {}
-                if "task" in result:
-                    self._saw(task, result["task"])
-                elif "statusUpdate" in result:
-                    self._saw_update(task, result["statusUpdate"], artifact)
-                elif "artifactUpdate" in result:
+                kind = result.get("kind")  # 0.3: the event itself, named by its kind
+                if "task" in result or kind == "task":
+                    self.saw(task, result.get("task") or result)
+                elif "statusUpdate" in result or kind == "status-update":
+                    self.saw_update(task, result.get("statusUpdate") or result, artifact)
+                elif "artifactUpdate" in result or kind == "artifact-update":
                     # The answer's artifact comes before its final status: kept with it.
-                    artifact = _text(result["artifactUpdate"])
+                    artifact = _text(result.get("artifactUpdate") or result)
                 events += 1
                 if drop_after is not None and events >= drop_after and not task.ended:
                     self.counts["a2a_streams_dropped"] += 1
@@ -248,8 +282,10 @@ class A2aClient:
         try:
             async with httpx.AsyncClient(base_url=slot.http_url, timeout=30) as http:
                 self.counts["a2a_cancels"] += 1
-                got = await self._call(http, "CancelTask", {"id": next(iter(task.task_ids))})
-                self._saw(task, got)
+                got = await self._call(
+                    http, "CancelTask", {"id": next(iter(task.task_ids))}, task.wire
+                )
+                self.saw(task, got)
         except RpcError as exc:
             if exc.code != NOT_CANCELABLE:
                 self.counts["a2a_cancel_errors"] += 1
@@ -257,7 +293,8 @@ class A2aClient:
             self.counts["a2a_transport_errors"] += 1
 
     # -- what was seen -------------------------------------------------------------------
-    def _saw(self, task: A2aTask, got: dict[str, Any]) -> None:
+    def saw(self, task: A2aTask, got: dict[str, Any]) -> None:
+        """A task as a call answered it (1.0's or 0.3's shape): its id, and its end."""
         task_id = got.get("id")
         if not task_id:
             return
@@ -266,7 +303,8 @@ class A2aClient:
         if state in TERMINAL:
             task.ends.append((task_id, TERMINAL[state], _text(got)))
 
-    def _saw_update(self, task: A2aTask, update: dict[str, Any], artifact: str) -> None:
+    def saw_update(self, task: A2aTask, update: dict[str, Any], artifact: str) -> None:
+        """A stream's status update (``artifact``: the answer's text seen before it)."""
         task_id = update.get("taskId")
         if task_id:
             task.task_ids.add(task_id)
@@ -277,9 +315,21 @@ class A2aClient:
                 text = "\n".join(t for t in (artifact, text) if t)
             task.ends.append((task_id, TERMINAL[state], text))
 
-    async def _call(self, http: httpx.AsyncClient, method: str, params: dict[str, Any]) -> dict:
+    def wire_of(self, method: str, wire: str) -> tuple[str, dict[str, str]]:
+        """The method's name and the request's headers on ``wire``."""
+        if wire == "1.0":
+            return method, self.headers
+        headers = {k: v for k, v in self.headers.items() if k != "A2A-Version"}
+        if wire == "0.3":
+            headers["A2A-Version"] = "0.3"
+        return V03_METHODS[method], headers
+
+    async def _call(
+        self, http: httpx.AsyncClient, method: str, params: dict[str, Any], wire: str = "1.0"
+    ) -> dict:
+        method, headers = self.wire_of(method, wire)
         body = {"jsonrpc": "2.0", "id": self._next_id(), "method": method, "params": params}
-        answer = (await http.post("/a2a", json=body, headers=self.headers)).json()
+        answer = (await http.post("/a2a", json=body, headers=headers)).json()
         if "error" in answer:
             raise self._error(method, answer["error"])
         return answer.get("result") or {}
@@ -311,7 +361,7 @@ class A2aClient:
                 slot = await self.servers.pick(self.rng)
                 try:
                     async with httpx.AsyncClient(base_url=slot.http_url, timeout=30) as http:
-                        got = await self._call(http, "GetTask", {"id": task_id})
+                        got = await self._call(http, "GetTask", {"id": task_id}, task.wire)
                 except RpcError as exc:
                     # TaskNotFound (-32001): retention pruned it (its end was seen before).
                     self.counts[f"a2a_settle_error_{exc.code}"] += 1
@@ -336,15 +386,19 @@ def check_a2a(
         f"A2A {m} got an internal error: {text}" for m, text in internal_errors
     ]
     states: Counter = Counter()
+    #: Per wire, its tasks' first terminal states (unended: "unended").
+    wires: dict[str, Counter] = {}
     twice = unended = differently = wrong = pruned_unread = 0
     for task in tasks:
-        where = f"A2A {task.op} {task.agent} message {task.message_id} ({task.nonce})"
+        where = f"A2A {task.wire} {task.op} {task.agent} message {task.message_id} ({task.nonce})"
         if len(task.task_ids) > 1:
             twice += 1
             violations.append(f"{where} became {len(task.task_ids)} tasks: {sorted(task.task_ids)}")
         if not task.ends and task.pruned_unread:
             pruned_unread += 1  # ended (the server said so), its state pruned unread
+            wires.setdefault(task.wire, Counter())["pruned_unread"] += 1
             continue
+        wires.setdefault(task.wire, Counter())[task.ends[0][1] if task.ends else "unended"] += 1
         if not task.ends:
             unended += 1
             violations.append(f"{where} never ended (tasks {sorted(task.task_ids)})")
@@ -368,6 +422,7 @@ def check_a2a(
     counts: dict[str, object] = {
         "a2a_tasks": len(tasks),
         "a2a_by_state": dict(sorted(states.items())),
+        "a2a_by_wire": {w: dict(sorted(c.items())) for w, c in sorted(wires.items())},
         "a2a_twice": twice,
         "a2a_unended": unended,
         "a2a_ended_pruned_unread": pruned_unread,

@@ -30,8 +30,9 @@ MAX_TOKENS = 1024
 
 
 #: The clients with a small budget under ``--budget-tokens`` (one with acks, one without,
-#: and the A2A client): their tasks are refused once it is spent; the others' never are.
-BUDGET_CLIENTS = ("c1", "c2", "a2a")
+#: and the A2A, MCP and AG-UI clients): their tasks are refused once it is spent; the
+#: others' never are.
+BUDGET_CLIENTS = ("c1", "c2", "a2a", "mcp", "agui")
 
 
 def budget_element(tokens: int) -> str:

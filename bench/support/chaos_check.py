@@ -280,7 +280,9 @@ def _taken_after(
     by the store's order (the inbox's ``seq``) where the store shows both rows, else by
     the order she sent them. A double text sent over HTTP goes on a connection of its own
     and may reach the server after a task she sent later over her socket, so the send
-    order alone would call a legitimate rollback or interrupt a violation."""
+    order alone would call a legitimate rollback or interrupt a violation. So where the
+    store was read but no longer shows both rows (retention pruned one) and one of the
+    two went over HTTP, their order is unknown and the other counts as possibly later."""
     mine = None if rows is None else rows.get(sent[i].thread)
     out = []
     for j, other in enumerate(sent):
@@ -290,7 +292,7 @@ def _taken_after(
         if mine is not None and theirs is not None:
             if theirs.seq > mine.seq:
                 out.append(other)
-        elif j > i:
+        elif j > i or (rows is not None and "http" in (other.via, sent[i].via)):
             out.append(other)
     return out
 

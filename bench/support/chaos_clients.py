@@ -150,7 +150,9 @@ class TaskClient:
                     await self._session_acks(slot)
                 else:
                     await self._session_raw(slot)
-            except (ClientError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            except* (ClientError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                # The connection broke (its server killed, or it closed us): also from
+                # inside a session's nursery, where trio raises it in an ExceptionGroup.
                 pass
             for thread, entry in self.sent_on.items():
                 if thread in self._http_pending:

@@ -28,6 +28,16 @@ _ROWS = (
     "'cancel:' || i.inbox_id)) "
     "FROM agent_inbox i WHERE i.message_type = 'turn'"
 )
+#: Every task's reply reference and its payload: the inbox row's until its Turn consumed
+#: it (the store then empties it), the Turn's ``task.input`` card after (the doors'
+#: clients find their tasks by nonce).
+_PAYLOADS = (
+    "SELECT i.reply_ref, i.payload, (SELECT min(c.content) FROM cards c WHERE "
+    "c.agent_turn_id = i.agent_turn_id AND c.card_type = 'task.input') "
+    "FROM agent_inbox i WHERE i.message_type = 'turn'"
+)
+#: Every reply row's reference (a Turn answered twice has two naming its thread).
+_REPLIES = "SELECT reply_ref, failed FROM agent_replies"
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 
 
@@ -107,6 +117,29 @@ class Oracle:
 
     async def taken(self, thread: str) -> bool:
         return thread in await self.refs()
+
+    async def pruned(self) -> str:
+        """Every pruned task's tombstone (the store's and those seen during the run)."""
+        rows = await trio.to_thread.run_sync(self._rows, PRUNED_QUERY)
+        return "\n".join([*(str(r[0]) for r in rows), *self.tombstones.values()])
+
+    async def turn_payloads(self) -> list[tuple[str, str]]:
+        """(reply reference, payload text) of every task row still in the inbox."""
+        rows = await trio.to_thread.run_sync(self._rows, _PAYLOADS)
+        out = []
+        for ref, payload, card in rows:
+            raw = payload if isinstance(payload, str) else bytes(payload).decode("utf-8", "replace")
+            out.append((str(ref), raw + "\n" + (card or "")))
+        return out
+
+    async def reply_rows(self) -> dict[str, list[bool]]:
+        """Per thread named by a reply row's reference: each reply row naming it (whether
+        it is a failed answer)."""
+        found: dict[str, list[bool]] = {}
+        for ref, failed in await trio.to_thread.run_sync(self._rows, _REPLIES):
+            for thread in set(_UUID.findall(str(ref))):
+                found.setdefault(thread, []).append(bool(failed))
+        return found
 
     async def rows(self) -> dict[str, TaskRow]:
         """Per thread named by a task's reply reference still in the inbox: what the
