@@ -393,14 +393,15 @@ class CallModel:
 
 @dataclass(frozen=True, slots=True)
 class CompleteStep:
-    """Write the step's reply (and its compaction, ``swap``). ``screen``: screen the
-    step's tool calls first and write their record in the same compare-and-set."""
+    """Write the step's reply (and its compaction, ``swap``). ``screen``: the step's tool
+    calls to screen first, their record written in the same compare-and-set (none after
+    a compaction: they are screened on the compacted cards, by :class:`SendTools`)."""
 
     step_id: str
     completion: LLMCompletion
     cards: tuple[NewCard, ...]
     swap: BoxSwap | None
-    screen: bool
+    screen: tuple[FoundPayload, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -704,9 +705,10 @@ class TurnMachine:
             ]
         # Tool calls are screened with the step (one compare-and-set), unless a compaction
         # swaps the boxes: then on the compacted cards, once the step is complete.
-        self._screened = isinstance(decision, CallTools) and event.swap is None
+        screen = decision.calls if isinstance(decision, CallTools) and event.swap is None else ()
+        self._screened = bool(screen)
         effects: list[Effect] = [
-            CompleteStep(step_id, completion, said, event.swap, self._screened),
+            CompleteStep(step_id, completion, said, event.swap, screen),
             EmitStep(step_id, "planning"),
         ]
         match decision:
