@@ -461,7 +461,7 @@ class Finish:
     """End the Turn with ``text`` and answer its caller (one compare-and-set), then its
     TaskEvent and reply; feed back :class:`Finished`. ``last_step``: completed with it."""
 
-    status: TaskStatus
+    status: str  # a TaskStatus
     text: str
     meta: Mapping[str, object] | None = None
     last_step: StepRecord | None = None
@@ -587,8 +587,8 @@ def render_markdown() -> str:
         target = "(unchanged)" if t.target == state else str(t.target)
         rows.setdefault((str(event), target, t.why), []).append(str(state))
     lines = ["| from | event | to | meaning |", "|---|---|---|---|"]
-    for (event, target, why), states in rows.items():
-        lines.append(f"| {', '.join(states)} | {event} | {target} | {why} |")
+    for (name, target, why), states in rows.items():
+        lines.append(f"| {', '.join(states)} | {name} | {target} | {why} |")
     return "\n".join(lines) + "\n"
 
 
@@ -597,7 +597,8 @@ def render_markdown() -> str:
 
 def element_text(element: etree._Element) -> str:
     """An element as the text a card keeps."""
-    return etree.tostring(element, encoding="unicode")
+    text: str = etree.tostring(element, encoding="unicode")
+    return text
 
 
 def huh_card(element: etree._Element, hint: str) -> NewCard:

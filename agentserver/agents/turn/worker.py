@@ -527,8 +527,8 @@ class Worker:
                     token, profile, run.reply_ref, approvals=self.approvals
                 )
             case Finish(status, text, meta, last):
-                step = (last.step_id, last.completion, list(last.cards)) if last else None
-                await self.hold.finish(token, profile, status, text, meta, step)
+                written = (last.step_id, last.completion, list(last.cards)) if last else None
+                await self.hold.finish(token, profile, status, text, meta, written)
                 return Finished()
             case ForwardGranted():
                 # Approval rows are forwarded by forward_granted (handle_row), not by a run.
