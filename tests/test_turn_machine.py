@@ -81,7 +81,7 @@ from agentserver.core.errors import HuhReason
 #: Effects the world answers with the next event (at most one per event).
 CALLS = (OpenStep, CallModel, SendTools, SendRecordedCalls, SelfIteration, Finish)
 
-LIMIT = 4  # the budget's limit
+LIMIT = 6  # the budget's limit (the agent's, over its Turns)
 WORST = 2  # one model call's worst case (its reservation)
 
 
@@ -103,8 +103,8 @@ _SWAP = BoxSwap(NewCard(CardType.SUMMARY, "s"), ())
 #: Decisions that go on first (hypothesis favours the first elements): long Turns.
 DECISIONS = st.sampled_from(
     [
-        Feedback((PayloadError(HuhReason.INVALID_PAYLOAD, "hint", "<x/>"),)),
         CallTools((_payload(PayloadKind.TOOL, "calc"), _payload(PayloadKind.TOOL, "calc"))),
+        Feedback((PayloadError(HuhReason.INVALID_PAYLOAD, "hint", "<x/>"),)),
         RequireTool("call submit_result"),
         SelfIterate(_payload(PayloadKind.SELF)),
         Deliver("the answer"),
@@ -155,7 +155,9 @@ class TurnPromises(RuleBasedStateMachine):
     @precondition(lambda self: self.m.state == TurnState.ENDED)
     @rule(recovered=st.booleans(), begun=st.booleans(), started=st.booleans())
     def new_turn(self, recovered: bool, begun: bool, started: bool) -> None:
-        """The next Turn (its own machine, answer, keys and budget)."""
+        """The next Turn (its own machine, answer and keys; the same budget)."""
+        if hasattr(self, "m"):
+            assert self.feed(Stopped("late")) == []  # a late stop finds the Turn ended
         self.m = TurnMachine(budgeted=True)
         self.pending: object | None = None  # the effect the world answers next
         self.answers = 0
@@ -163,7 +165,7 @@ class TurnPromises(RuleBasedStateMachine):
         self.refused = False
         self.sent_keys: set[str] = set()
         self.forwarded: set[str] = set()
-        self.spent = 0
+        self.spent = getattr(self, "spent", 0)  # the budget spans the agent's Turns
         self.steps = 0
         self.feed(Recovered() if recovered else TaskClaimed(step_begun=begun, started=started))
 
@@ -210,6 +212,23 @@ class TurnPromises(RuleBasedStateMachine):
         """The world answers the effect the machine asked for (one rule for all, so that
         a run goes far)."""
         pending = self.pending
+        # Instead of the answer, now and then: the Turn stopped, interrupted by a double
+        # text, a double text that leaves it alone, or a crash of the run.
+        meanwhile = data.draw(
+            st.sampled_from(["answer"] * 6 + ["stop", "interrupt", "queued", "crash"])
+        )
+        if meanwhile == "crash":
+            self.feed(Crashed("RuntimeError"))
+            return
+        if meanwhile == "stop":
+            self.feed(Stopped("stop"))
+            return
+        if meanwhile == "interrupt":
+            self.feed(DoubleText("interrupt"))
+            return
+        if meanwhile == "queued":
+            self.feed(DoubleText("enqueue"))
+            return
         if isinstance(pending, OpenStep):
             self.open_step(data.draw(st.sampled_from(["opened"] * 3 + ["limit", "halted"])))
         elif isinstance(pending, CallModel):
@@ -283,12 +302,6 @@ class TurnPromises(RuleBasedStateMachine):
         else:  # the store's compare-and-set: someone else ended it meanwhile
             self.feed(Stopped("fenced"))
 
-    @precondition(lambda self: self.waiting_for((OpenStep, CallModel, SendTools, SelfIteration)))
-    @rule(now=st.integers(0, 7))
-    def crash(self, now: int) -> None:
-        if now == 7:
-            self.feed(Crashed("RuntimeError"))
-
     # -- the world acting on its own ----------------------------------------------------
     @precondition(lambda self: self.m.state in (TurnState.SUSPENDED, TurnState.AWAITING_APPROVAL))
     @rule(
@@ -312,18 +325,15 @@ class TurnPromises(RuleBasedStateMachine):
     def retry_due(self, begun: bool) -> None:
         self.feed(TaskClaimed(step_begun=begun, retries_done=1))
 
-    @rule(reason=st.sampled_from(["stop", "cancel", "watchdog", "fenced"]), now=st.integers(0, 7))
-    def stop(self, reason: str, now: int) -> None:
-        if now == 7:  # (rarer than the rest, so that Turns get far before they are stopped)
-            self.feed(Stopped(reason))
+    @precondition(lambda self: self.pending is None and self.m.state != TurnState.ENDED)
+    @rule(reason=st.sampled_from(["stop", "cancel", "watchdog", "fenced"]))
+    def stop(self, reason: str) -> None:
+        self.feed(Stopped(reason))
 
-    @precondition(lambda self: self.m.state != TurnState.ENDED)
-    @rule(
-        mode=st.sampled_from(["enqueue", "reject", "interrupt", "rollback"]), now=st.integers(0, 7)
-    )
-    def double_text(self, mode: str, now: int) -> None:
-        if now == 7:
-            self.feed(DoubleText(mode))
+    @precondition(lambda self: self.pending is None and self.m.state != TurnState.ENDED)
+    @rule(mode=st.sampled_from(["enqueue", "reject", "interrupt", "rollback"]))
+    def double_text(self, mode: str) -> None:
+        self.feed(DoubleText(mode))
 
     @rule(event=ANY_EVENT, now=st.integers(0, 7))
     def illegal_event(self, event: tm.Event, now: int) -> None:
@@ -358,7 +368,7 @@ class TurnPromises(RuleBasedStateMachine):
             assert self.pending is not None
 
 
-TurnPromises.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+TurnPromises.TestCase.settings = settings(max_examples=800, stateful_step_count=80, deadline=None)
 test_turn_promises = TurnPromises.TestCase
 
 
