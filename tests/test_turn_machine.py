@@ -148,6 +148,10 @@ ANY_EVENT = st.sampled_from(ALL_EVENTS)
 class TurnPromises(RuleBasedStateMachine):
     """The world around one Turn, and the Turn's promises as invariants."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.spent = 0  # the agent's budget, over its Turns
+
     @initialize(recovered=st.booleans(), begun=st.booleans(), started=st.booleans())
     def claim(self, recovered: bool, begun: bool, started: bool) -> None:
         self.new_turn(recovered, begun, started)
@@ -165,7 +169,6 @@ class TurnPromises(RuleBasedStateMachine):
         self.refused = False
         self.sent_keys: set[str] = set()
         self.forwarded: set[str] = set()
-        self.spent = getattr(self, "spent", 0)  # the budget spans the agent's Turns
         self.steps = 0
         self.feed(Recovered() if recovered else TaskClaimed(step_begun=begun, started=started))
 
