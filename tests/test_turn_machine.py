@@ -197,6 +197,7 @@ class TurnPromises(RuleBasedStateMachine):
                 self.forwarded.add(effect.request_id)
             if isinstance(effect, CallModel):
                 assert not self.refused, "a model call after the budget refused"
+                assert effect.reserve, "a model call without its reservation"
             if isinstance(effect, Finish):
                 assert self.answers == 0, "a second answer"
         if calls:
