@@ -49,3 +49,21 @@ def _screen_calls() -> set[tuple[str, str]]:
 def test_one_entry_point_screens_a_tool_call():
     assert _screen_calls() == {("agents/turn/tool_dispatch.py", "screen")}
     assert "governor.screen" in inspect.getsource(ToolDispatch.screen)
+
+
+def test_the_worker_applies_every_effect_of_the_machine_and_decides_no_end():
+    """The worker is the Turn machine's shell: it applies each kind of effect, and no
+    Turn's status or answer is chosen in it (only the machine's Finish carries one)."""
+    from typing import get_args
+
+    from agentserver.agents.turn import worker
+    from agentserver.agents.turn.machine import Effect
+
+    source = inspect.getsource(worker)
+    for effect in get_args(Effect):
+        assert f"case {effect.__name__}(" in source, effect
+    for part in ("worker.py", "model_step.py", "tool_dispatch.py"):
+        text = (PACKAGE / "agents" / "turn" / part).read_text()
+        assert "TaskStatus." not in text and "hold.finish(" not in text.replace(
+            "await self.hold.finish(token, profile, status, text, meta, written)", ""
+        ), part

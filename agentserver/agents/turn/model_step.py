@@ -24,6 +24,12 @@ from agentserver.agents.profile.retry import RetryStep, decide_retry
 from agentserver.agents.store.base import AgentStore, BoxSwap, Head, StepStart, TurnToken
 from agentserver.agents.turn.compactor import PendingSwap, compact_turn
 from agentserver.agents.turn.hold import TurnHold
+from agentserver.agents.turn.machine import (
+    BudgetRefused,
+    ModelFailed,
+    RetryScheduled,
+    StepTimedOut,
+)
 from agentserver.agents.turn.model_context import model_messages, system_text
 from agentserver.llm.tokens import PER_REQUEST, estimate_message_tokens
 
@@ -31,10 +37,16 @@ log = logging.getLogger("agentserver.agents.turn.worker")
 
 
 @dataclass(frozen=True, slots=True)
-class StepFailed:
-    """The model call failed for good: the Turn ends failed with ``problem``."""
+class Completed:
+    """The model answered: its completion, and the compaction to commit with the step."""
 
-    problem: str
+    completion: LLMCompletion
+    swap: BoxSwap | None
+
+
+#: What a step's model call came to (each but :class:`Completed` is the Turn machine's
+#: event as it is; the worker makes a :class:`~.machine.ModelReplied` of a completion).
+ModelOutcome = Completed | ModelFailed | StepTimedOut | BudgetRefused | RetryScheduled
 
 
 class ModelStep:
@@ -69,11 +81,15 @@ class ModelStep:
         retries_done: int,
         step: StepStart,
         client: str | None = None,
-    ) -> tuple[LLMCompletion, BoxSwap | None] | StepFailed | None:
-        """One call of ``llm`` on the cards ``step`` read, and the compaction to commit with
-        the step (or None). None when it failed with a retryable kind (see
-        :mod:`agentserver.agents.profile.retry`): the step waits to be retried, recorded durably.
-        :class:`StepFailed` when it failed for good: the caller ends the Turn failed.
+        *,
+        reserve: bool = True,
+    ) -> ModelOutcome:
+        """One call of ``llm`` on the cards ``step`` read: :class:`Completed` (with the
+        compaction to commit with the step, or None). :class:`RetryScheduled` when it
+        failed with a retryable kind (see :mod:`agentserver.agents.profile.retry`): the
+        step waits to be retried, recorded durably. :class:`ModelFailed` (or
+        :class:`StepTimedOut` past ``llm-timeout``) when it failed for good, and
+        :class:`BudgetRefused` when a budget had no room: the caller ends the Turn failed.
 
         With a streaming port, each text chunk is published as a :class:`ChunkEvent` as it
         arrives; otherwise the whole text is published as one chunk.
@@ -83,12 +99,12 @@ class ModelStep:
         at once; a second overflow ends the Turn. The model is shown the compacted cards
         at once, but the box swap is committed only with the step's results.
 
-        With spend budgets, every call (compaction's too) reserves its worst case in the
-        budgets of the agent and ``client`` first (``agents/governance/budgets.py``); a
-        budget without room ends the step :class:`StepFailed` with its stable reason,
-        before any call is made.
+        With spend budgets (and ``reserve``: the Turn machine's :class:`~.machine.CallModel`
+        says so), every call (compaction's too) reserves its worst case in the budgets of
+        the agent and ``client`` first (``agents/governance/budgets.py``); a budget without
+        room is :class:`BudgetRefused` with its stable reason, before any call is made.
         """
-        if self.budgets is not None:
+        if self.budgets is not None and reserve:
             # The holds belong to this run of the step: whichever process fences the run
             # out (a restart, a takeover) releases them (agents/store/sql/budgets.py).
             owner = HoldOwner(token.agent_id, token.agent_turn_id, token.turn_epoch, step_id)
@@ -127,32 +143,32 @@ class ModelStep:
                     # the estimate is kept pessimistic).
                     over = completion.usage.prompt_tokens - (PER_REQUEST + system_tokens + shown)
                     if pending is not None:
-                        return completion, replace(pending.swap, correction=max(over, 0))
+                        return Completed(completion, replace(pending.swap, correction=max(over, 0)))
                     if over > 0:
                         await self.store.add_context_tokens(token, over)
-                    return completion, None
+                    return Completed(completion, None)
         except StaleTurn:
             raise
         except BudgetSpent as exc:
-            return StepFailed(exc.reason)
+            return BudgetRefused(exc.reason)
         except LLMUnavailable as exc:
             if exc.kind.upper() == "CONTEXT_OVERFLOW":
                 problem = (
                     "the conversation does not fit the model's context window, even after "
                     f"compaction: {exc}"
                 )
-                return StepFailed(problem)
+                return ModelFailed(problem)
             decision = decide_retry(exc.kind, exc.retry_after, retries_done, profile.retry_policy)
             if isinstance(decision, RetryStep):
                 await self._wait_to_retry(token, step_id, decision, exc)
-                return None
+                return RetryScheduled()
             problem = f"the model could not be reached: {exc}"
         except trio.TooSlowError:
-            problem = f"the model did not answer within {profile.llm_timeout_s:g} s"
+            return StepTimedOut(f"the model did not answer within {profile.llm_timeout_s:g} s")
         except Exception as exc:  # a port bug must not leave the Turn hanging
             log.exception("LLM port failed")
             problem = f"the model call failed: {type(exc).__name__}"
-        return StepFailed(problem)
+        return ModelFailed(problem)
 
     async def _watched_call(
         self,

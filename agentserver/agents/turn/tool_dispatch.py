@@ -31,16 +31,25 @@ from agentserver.agents.store.base import (
     Card,
     CardType,
     NewCard,
-    TaskStatus,
     ToolCallRecord,
     TurnToken,
 )
 from agentserver.agents.store.states import HeadStatus
 from agentserver.agents.turn.hold import TurnHold
+from agentserver.agents.turn.machine import (
+    GuardrailHalted,
+    NoToolsSent,
+    ToolsSent,
+    element_text,
+    huh_card,
+)
 from agentserver.observability.tracing import Tracing, record_error
 from agentserver.steps.retry import KEY_FIELD, idempotency_key
 
 log = logging.getLogger("agentserver.agents.turn.worker")
+
+#: What sending a step's calls came to: the Turn machine's event as it is.
+DispatchOutcome = ToolsSent | NoToolsSent | GuardrailHalted
 
 
 class ToolDispatch:
@@ -65,7 +74,7 @@ class ToolDispatch:
         self.clock = clock
         self.events = events
         self.doorbell = doorbell
-        #: Fences the Turn before each call, and ends it on a halt (answering its caller).
+        #: Fences the Turn before each call (a halt is the caller's to end: GuardrailHalted).
         self.hold = hold
 
     async def screen(
@@ -111,10 +120,12 @@ class ToolDispatch:
         screened: Screened | None = None,
         *,
         approvals: Approvals | None = None,
-    ) -> bool | None:
+    ) -> DispatchOutcome:
         """Forward the tool calls governance lets through; suspend if any was accepted.
-        None when the Turn goes on; else whether a report is due already (True too when
-        the Turn ended). ``history``: the Turn's output cards, if the caller has them;
+        :class:`NoToolsSent` when none went out (the Turn goes on); :class:`ToolsSent`
+        (whether a report is due already, whether approvals were asked) when it suspended;
+        :class:`GuardrailHalted` when a guardrail halted the step, nothing of it sent (the
+        caller ends the Turn). ``history``: the Turn's output cards, if the caller has them;
         ``screened``: the calls' screening, if written with the step already;
         ``approvals``: sends the approval requests at once (None: they wait for its tick).
 
@@ -129,10 +140,7 @@ class ToolDispatch:
             screened = await self.screen(token, step_id, step_no, profile, calls, history)
         if screened is not None:
             if screened.halt is not None:
-                await self.hold.finish(
-                    token, profile, TaskStatus.FAILED, f"halted: {screened.halt}"
-                )
-                return True
+                return GuardrailHalted(screened.halt)
             send = [(a.call, _keyed(a.metadata, step_id, place, a.call)) for a in screened.send]
             for ask in screened.approvals:
                 # Waits durably as a call of its own kind until a decision or the timeout.
@@ -183,7 +191,7 @@ class ToolDispatch:
             )
         if not records:
             await self.store.add_cards(token, cards)
-            return None
+            return NoToolsSent()
         deadline = self.clock.now() + profile.resume_deadline_s
         early = await self.store.suspend(token, step_id, records, cards, deadline)
         self.events.publish(
@@ -198,9 +206,10 @@ class ToolDispatch:
         )
         # Results that arrived before the suspend committed are due now.
         self.doorbell.ring()
-        if approvals is not None and any(r.after_execution == WAITING_KIND for r in records):
+        asked = any(r.after_execution == WAITING_KIND for r in records)
+        if approvals is not None and asked:
             await approvals.deliver_requests()
-        return early > 0
+        return ToolsSent(early > 0, asked)
 
     async def call_recorded(
         self,
@@ -209,22 +218,22 @@ class ToolDispatch:
         reply_ref: ReplyRef,
         *,
         approvals: Approvals | None = None,
-    ) -> bool | None:
+    ) -> DispatchOutcome:
         """A recovered Turn whose last step's output was recorded but whose tool calls were
         never suspended on (the process died while forwarding them): send them now, as
         that step's, so with the same idempotency keys, instead of asking the model again.
-        None when there was nothing to send (the Turn goes on with a new step); else as
-        :meth:`call`."""
+        :class:`NoToolsSent` when there was nothing to send (the Turn goes on with a new
+        step); else as :meth:`call`."""
         head = await self.hold.fence(token)
         box = head.output_box_id
         cards = await self.store.cards(box) if box else []
         if not cards or cards[-1].card_type != CardType.LLM_MESSAGE:
-            return None
+            return NoToolsSent()
         said = cards[-1]
         step_id = said.metadata.get("step_id")
         decision = decide(said.content, extract_payloads(said.content, profile), profile)
         if not isinstance(step_id, str) or not isinstance(decision, CallTools):
-            return None
+            return NoToolsSent()
         log.warning(
             "turn %s: the calls of step %d were cut off by a restart; sending them again",
             token.agent_turn_id,
@@ -245,13 +254,3 @@ class ToolDispatch:
 def _keyed(metadata: dict, step_id: str, place: dict[int, int], call: object) -> dict:
     """``metadata`` of a call card with the call's idempotency key added."""
     return {**metadata, KEY_FIELD: idempotency_key(step_id, place.get(id(call), len(place)))}
-
-
-def element_text(element: etree._Element) -> str:
-    """An element as the text a card keeps."""
-    return etree.tostring(element, encoding="unicode")
-
-
-def huh_card(element: etree._Element, hint: str) -> NewCard:
-    """A refusal card: the ``<huh>`` the model is shown, with an optional hint."""
-    return NewCard(CardType.HUH, element_text(element), {"hint": hint} if hint else {})

@@ -7,6 +7,10 @@ result or timeout is applied to the waiting set (resuming the Turn when it compl
 ``resume`` row re-runs a recovered Turn. An agent is handled by at most one runner at a
 time, and the head allows one active Turn, so an agent runs one Turn at a time.
 
+A Turn's decisions are the Turn machine's (:mod:`agentserver.agents.turn.machine`): a run
+feeds it what happened and applies the effects it returns (:meth:`Worker._drive`), calling
+the store, the model step, the tool dispatch and the hold; it decides nothing itself.
+
 The worker keeps no business state on itself: everything is in the store, in locals or in
 the inbox row. Every write is a CAS on the Turn's token; a :class:`StaleTurn` anywhere
 means another party (stop, watchdog) ended or moved the Turn, and the worker drops it
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import structlog
 import trio
@@ -35,32 +41,56 @@ from agentserver.agents.ports import LLMPort, ReplyRef, ToolPort
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.retry import step_retries_done
 from agentserver.agents.profile.settings import StoreSettings
-from agentserver.agents.reading.decide import (
-    CallTools,
-    Deliver,
-    Feedback,
-    RequireTool,
-    SelfIterate,
-    Submit,
-    decide,
-)
-from agentserver.agents.reading.parsing import extract_payloads, make_huh
+from agentserver.agents.reading.decide import Submit, decide
+from agentserver.agents.reading.parsing import extract_payloads
 from agentserver.agents.reading.submit import evaluate_submit
 from agentserver.agents.store.base import (
+    Card,
     CardType,
     InboxRow,
     NewCard,
     StepStart,
-    TaskStatus,
     TurnToken,
 )
 from agentserver.agents.store.rows import client_of
-from agentserver.agents.store.states import HeadStatus, MessageType
+from agentserver.agents.store.states import MessageType
 from agentserver.agents.turn.answer import answer_bytes
 from agentserver.agents.turn.hold import TurnHold
+from agentserver.agents.turn.machine import (
+    AddCards,
+    Answer,
+    CallModel,
+    CompleteStep,
+    Crashed,
+    Effect,
+    EmitState,
+    EmitStep,
+    Event,
+    Finish,
+    Finished,
+    ForwardGranted,
+    GuardrailHalted,
+    IllegalTurnEvent,
+    ModelReplied,
+    OpenStep,
+    Recovered,
+    SelfIterated,
+    SelfIteration,
+    SendRecordedCalls,
+    SendTools,
+    StepLimit,
+    StepOpened,
+    Stopped,
+    TaskClaimed,
+    ToolReported,
+    TurnMachine,
+    TurnState,
+    element_text,
+    huh_card,
+)
 from agentserver.agents.turn.model_context import limit_text
-from agentserver.agents.turn.model_step import ModelStep, StepFailed
-from agentserver.agents.turn.tool_dispatch import ToolDispatch, element_text, huh_card
+from agentserver.agents.turn.model_step import Completed, ModelStep
+from agentserver.agents.turn.tool_dispatch import ToolDispatch
 from agentserver.core.xmlsafe import SafeParser
 
 log = logging.getLogger(__name__)
@@ -72,6 +102,24 @@ class _Unread:
 
 #: A Turn's reply reference not read yet (None is a value: a Turn with none).
 UNREAD = _Unread()
+
+
+@dataclass(slots=True)
+class _Run:
+    """What one run of a Turn carries between the effects it applies (the shell's, not
+    the machine's: the store's rows and governance's screening of the open step)."""
+
+    token: TurnToken
+    profile: AgentProfile
+    reply_ref: ReplyRef = None
+    #: The step the claim's (or resume's) transaction began, until OpenStep takes it.
+    claimed: StepStart | None = None
+    #: The open step.
+    step: StepStart | None = None
+    #: The output box as the step left it (None after a compaction: read again).
+    history: Sequence[Card] | None = None
+    #: The step's tool calls' screening, written with the step.
+    screened: Screened | None = None
 
 
 class Worker:
@@ -208,12 +256,17 @@ class Worker:
                 return True
             if outcome.terminate_card_id is not None:
                 card = await self.store.card(outcome.terminate_card_id)
-                await self.hold.finish(
-                    outcome.resumed, profile, TaskStatus.SUCCEEDED, card.content if card else ""
-                )
+                report = ToolReported(True, terminate_text=card.content if card else "")
+                run = _Run(outcome.resumed, profile)
+                for effect in TurnMachine(TurnState.SUSPENDED).send(report):
+                    await self._apply(run, effect)
                 return True
             return await self._run_turn(
-                outcome.resumed, profile, ref_json=outcome.reply_ref_json, step=outcome.step
+                outcome.resumed,
+                profile,
+                ref_json=outcome.reply_ref_json,
+                step=outcome.step,
+                resumed=True,
             )
         if row.message_type == MessageType.APPROVAL:
             await forward_granted(
@@ -268,9 +321,10 @@ class Worker:
         except StaleTurn:
             await self.store.skip_row(row, "turn no longer dispatched")
             return True
-        self.events.publish(StateEvent(token.agent_id, token.agent_turn_id, HeadStatus.RUNNING))
         # The reference was read with the row: the Turn's own (its Enqueue).
-        return await self._run_turn(token, profile, ref_json=row.reply_ref_json, step=step)
+        return await self._run_turn(
+            token, profile, ref_json=row.reply_ref_json, step=step, started=True
+        )
 
     # -- the Turn -----------------------------------------------------------------------
     async def _run_turn(
@@ -282,11 +336,14 @@ class Worker:
         ref_json: str | _Unread | None = UNREAD,
         step: StepStart | None = None,
         recovered: bool = False,
+        resumed: bool = False,
+        started: bool = False,
     ) -> bool:
         """Run the Turn until it suspends, waits or ends. ``ref_json``: its reply
         reference if the caller read it already; ``step``: its first step if begun;
-        ``recovered``: a restart's resume (a last step's calls cut off are sent first).
-        False when it suspended with no report due yet.
+        ``recovered``: a restart's resume (a last step's calls cut off are sent first);
+        ``resumed``: its waiting set just completed; ``started``: its Enqueue just
+        claimed. False when it suspended with no report due yet.
 
         Cancelled by :meth:`interrupt` (a stop that ended the Turn): the run, its model
         call included, unwinds at its next checkpoint and returns True; a store write
@@ -295,9 +352,20 @@ class Worker:
         with trio.CancelScope() as scope:
             self._runs[token.agent_id] = (token.agent_turn_id, scope)
             try:
-                return await self._run_turn_logged(
-                    token, profile, retries_done, ref_json, step, recovered
-                )
+                # The machine in the state the Turn is in durably, and what just happened.
+                first: Event
+                state = TurnState.IDLE
+                if recovered:
+                    first = Recovered()
+                elif resumed:
+                    state, first = TurnState.SUSPENDED, ToolReported(True, step is not None)
+                elif retries_done:
+                    state, first = TurnState.RETRY_WAIT, TaskClaimed(retries_done=retries_done)
+                else:
+                    first = TaskClaimed(step_begun=step is not None, started=started)
+                machine = TurnMachine(state, budgeted=self.model.budgets is not None)
+                run = _Run(token, profile, claimed=step)
+                return await self._run_turn_logged(run, machine, first, ref_json)
             finally:
                 if self._runs.get(token.agent_id, (None, None))[1] is scope:
                     del self._runs[token.agent_id]
@@ -307,25 +375,23 @@ class Worker:
         return True
 
     async def _run_turn_logged(
-        self,
-        token: TurnToken,
-        profile: AgentProfile,
-        retries_done: int,
-        ref_json: str | _Unread | None,
-        step: StepStart | None,
-        recovered: bool = False,
+        self, run: _Run, machine: TurnMachine, first: Event, ref_json: str | _Unread | None
     ) -> bool:
         """:meth:`_run_turn` in the Turn's log context."""
+        token = run.token
         # Every log record of this run names the agent and Turn (and, once read from the
         # task's reference, its threads).
         with structlog.contextvars.bound_contextvars(
             agent=token.agent_id, turn=token.agent_turn_id
         ):
+            # The first event's effects are decided before any I/O, so that a failure of
+            # the run from here on is the machine's (Crashed) in every state it can be in.
+            effects = machine.send(first)
             try:
                 if isinstance(ref_json, _Unread):
                     ref_json = await self.store.turn_reply_ref(token)
-                reply_ref: ReplyRef = json.loads(ref_json) if ref_json else None
-                ref = reply_ref if isinstance(reply_ref, dict) else {}
+                run.reply_ref = json.loads(ref_json) if ref_json else None
+                ref = run.reply_ref if isinstance(run.reply_ref, dict) else {}
                 thread = ref.get("caller_thread")
                 # One span per run of the Turn; the trace context came with the task
                 # (see bridge.agent_handler), so it survives a restart.
@@ -337,165 +403,154 @@ class Worker:
                         thread=ref.get("hop"), caller_thread=thread
                     ),
                 ):
-                    if recovered:
-                        more = await self.tool_calls.call_recorded(
-                            token, profile, reply_ref, approvals=self.approvals
-                        )
-                        if more is not None:
-                            return more
-                    return await self._steps(token, profile, reply_ref, retries_done, step)
+                    return await self._drive(run, machine, effects)
             except StaleTurn:
+                machine.send(Stopped("fenced"))
                 log.info("turn %s of %s moved on; dropping it", token.agent_turn_id, token.agent_id)
             except trio.Cancelled:
                 raise
             except Exception as exc:
                 log.exception("turn %s of %s failed", token.agent_turn_id, token.agent_id)
                 try:
-                    await self.hold.finish(
-                        token, profile, TaskStatus.FAILED, f"internal error: {type(exc).__name__}"
-                    )
+                    effects = machine.send(Crashed(type(exc).__name__))
+                except IllegalTurnEvent:  # it let go of the Turn or ended it already
+                    effects = []
+                try:
+                    for effect in effects:
+                        await self._apply(run, effect)
                 except StaleTurn:
                     pass
         return True
 
-    async def _steps(
-        self,
-        token: TurnToken,
-        profile: AgentProfile,
-        reply_ref: ReplyRef,
-        retries_done: int = 0,
-        step: StepStart | None = None,
-    ) -> bool:
-        """Take steps until the Turn suspends, waits to retry a step, or ends; False when
-        it suspended with no report due yet.
-
-        ``retries_done``: retries the first step already had (a retry wait's resume);
-        ``step``: the first step, if the transaction that started or resumed the Turn
-        began it. Raises StaleTurn when fenced out."""
-        # Her budgets, whichever door she came in by (socket, HTTP, A2A).
-        client = client_of(reply_ref)
+    async def _drive(self, run: _Run, machine: TurnMachine, effects: list[Effect]) -> bool:
+        """Apply the machine's effects, feeding it what each call came to, until the run
+        lets go of the Turn or ends it; False when it suspended with no report due yet.
+        Raises StaleTurn when fenced out."""
         while True:
-            if step is None:
-                step = await self._open_step(token, profile)
-                if step is None:
-                    return True
-            head, step_id, step_no = step.head, step.step_id, step.step_no
-            if step_id is None:
-                await self.hold.finish(
-                    token, profile, TaskStatus.FAILED, limit_text(step.output, profile)
-                )
-                return True
-            self._step_event(token, step_id, "started", "thinking")
-            done = await self.model.complete(
-                self.llm, token, head, profile, step_id, retries_done, step, client
-            )
-            if isinstance(done, StepFailed):
-                await self.hold.finish(token, profile, TaskStatus.FAILED, done.problem)
-                return True
-            if done is None:
-                return True
-            completion, swap = done
-            retries_done = 0
-            # The output box as the step leaves it (past_calls reads only tool calls and
-            # refusals, which the step's own card is not); read again after a swap.
-            history = None if swap is not None else step.output
-            step = None
-            parsed = extract_payloads(completion.content, profile)
-            decision = decide(completion.content, parsed, profile)
-            said = [NewCard(CardType.LLM_MESSAGE, completion.content, {"step_id": step_id})]
-            if isinstance(decision, Submit | Deliver) and swap is None:
-                # The last step: written with the Turn's end, in one transaction.
-                self._step_event(token, step_id, "planning", "")
-                status, text, meta = TaskStatus.SUCCEEDED, "", None
-                if isinstance(decision, Deliver):
-                    text = decision.text
-                else:
-                    text, meta = _submitted(decision, profile)
-                await self.hold.finish(
-                    token, profile, status, text, meta, (step_id, completion, said)
-                )
-                return True
-            screened: Screened | None = None
-            if isinstance(decision, CallTools) and history is not None:
-                # Screened first, so that its record is written with the step (one
-                # compare-and-set instead of two). After a swap the calls are screened on
-                # the compacted cards, once the step is complete (ToolDispatch.call).
-                try:
-                    screened = await self.tool_calls.screen(
-                        token, step_id, step_no, profile, decision.calls, history, record=False
-                    )
-                except Exception:
-                    await self.store.complete_step(token, step_id, completion, said)
-                    raise
-            await self.store.complete_step(
-                token,
-                step_id,
-                completion,
-                said,
-                swap=swap,
-                screened=screened.record if screened is not None else None,
-            )
-            self._step_event(token, step_id, "planning", "")
-            match decision:
-                case Feedback(errors):
-                    cards = [huh_card(make_huh(e.reason, e.raw), e.hint) for e in errors]
-                    await self.store.add_cards(token, cards)
-                case RequireTool(note):
-                    await self.store.add_cards(token, [NewCard(CardType.NOTE, note)])
-                case SelfIterate(payload):
-                    await self.hold.fence(token)
-                    try:
-                        await self.tools.self_iterate(token.agent_id, reply_ref, payload.element)
-                    except PumpRefused as refused:
-                        card = huh_card(refused.element, "")
-                    else:
-                        card = NewCard(CardType.SELF_CALL, element_text(payload.element))
-                    await self.store.add_cards(token, [card])
-                case CallTools(calls):
-                    more = await self.tool_calls.call(
-                        token,
-                        step_id,
-                        step_no,
-                        profile,
-                        reply_ref,
-                        calls,
-                        history,
-                        screened,
-                        approvals=self.approvals,
-                    )
-                    if more is not None:
-                        return more
-                case Submit():
-                    text, meta = _submitted(decision, profile)
-                    await self.hold.finish(token, profile, TaskStatus.SUCCEEDED, text, meta)
-                    return True
-                case Deliver(text):
-                    await self.hold.finish(token, profile, TaskStatus.SUCCEEDED, text)
-                    return True
-            self._step_event(token, step_id, "completed", "")
+            event: Event | None = None
+            for effect in effects:
+                event = await self._apply(run, effect) or event
+            if event is None:
+                assert machine.resting, f"the machine waits in {machine.state}"
+                return machine.report_due
+            effects = machine.send(event)
 
-    async def _open_step(self, token: TurnToken, profile: AgentProfile) -> StepStart | None:
+    async def _apply(self, run: _Run, effect: Effect) -> Event | None:
+        """Apply one effect; the event it came to, if it is a call the machine waits on."""
+        token, profile = run.token, run.profile
+        match effect:
+            case EmitStep(step_id, phase):
+                self.events.publish(StepEvent(token.agent_id, token.agent_turn_id, step_id, phase))
+            case EmitState(status, activity):
+                self.events.publish(
+                    StateEvent(token.agent_id, token.agent_turn_id, status, activity)
+                )
+            case OpenStep(begun):
+                step, run.claimed = (run.claimed, None) if begun else (None, None)
+                if step is None:
+                    opened = await self._open_step(token, profile)
+                    if isinstance(opened, GuardrailHalted):
+                        return opened
+                    step = opened
+                if step.step_id is None:
+                    return StepLimit(limit_text(step.output, profile))
+                run.step, run.history, run.screened = step, None, None
+                return StepOpened(step)
+            case CallModel(step, retries_done, reserve):
+                assert step.step_id is not None
+                # Her budgets, whichever door she came in by (socket, HTTP, A2A).
+                done = await self.model.complete(
+                    self.llm,
+                    token,
+                    step.head,
+                    profile,
+                    step.step_id,
+                    retries_done,
+                    step,
+                    client_of(run.reply_ref),
+                    reserve=reserve,
+                )
+                if not isinstance(done, Completed):
+                    return done
+                # The output box as the step leaves it (past_calls reads only tool calls
+                # and refusals, which the step's own card is not); read again after a swap.
+                run.history = step.output if done.swap is None else None
+                content = done.completion.content
+                decision = decide(content, extract_payloads(content, profile), profile)
+                answer = _submitted(decision, profile) if isinstance(decision, Submit) else None
+                return ModelReplied(step.step_id, done.completion, done.swap, decision, answer)
+            case CompleteStep(step_id, completion, cards, swap, screen):
+                assert run.step is not None
+                if screen:
+                    # Screened first, so that its record is written with the step (one
+                    # compare-and-set instead of two).
+                    try:
+                        run.screened = await self.tool_calls.screen(
+                            token,
+                            step_id,
+                            run.step.step_no,
+                            profile,
+                            screen,
+                            run.history,
+                            record=False,
+                        )
+                    except Exception:
+                        await self.store.complete_step(token, step_id, completion, list(cards))
+                        raise
+                record = run.screened.record if run.screened is not None else None
+                await self.store.complete_step(
+                    token, step_id, completion, list(cards), swap=swap, screened=record
+                )
+            case AddCards(cards):
+                await self.store.add_cards(token, list(cards))
+            case SelfIteration(payload):
+                await self.hold.fence(token)
+                try:
+                    await self.tools.self_iterate(token.agent_id, run.reply_ref, payload.element)
+                except PumpRefused as refused:
+                    return SelfIterated(huh_card(refused.element, ""))
+                return SelfIterated(NewCard(CardType.SELF_CALL, element_text(payload.element)))
+            case SendTools(step_id, step_no, calls):
+                return await self.tool_calls.call(
+                    token,
+                    step_id,
+                    step_no,
+                    profile,
+                    run.reply_ref,
+                    calls,
+                    run.history,
+                    run.screened,
+                    approvals=self.approvals,
+                )
+            case SendRecordedCalls():
+                return await self.tool_calls.call_recorded(
+                    token, profile, run.reply_ref, approvals=self.approvals
+                )
+            case Finish(status, text, meta, last):
+                written = (last.step_id, last.completion, list(last.cards)) if last else None
+                await self.hold.finish(token, profile, status, text, meta, written)
+                return Finished()
+            case ForwardGranted():
+                # Approval rows are forwarded by forward_granted (handle_row), not by a run.
+                raise AssertionError("a run of a Turn forwards no approval")
+        return None
+
+    async def _open_step(
+        self, token: TurnToken, profile: AgentProfile
+    ) -> StepStart | GuardrailHalted:
         """Begin the next step (:meth:`AgentStore.open_step`), after the ``after``
-        guardrails judged the results so far; None when they halted the Turn."""
+        guardrails judged the results so far (:class:`GuardrailHalted` when they halt)."""
         if profile.guardrails:
             head = await self.hold.fence(token)
             if head.output_box_id:
                 cards = await self.store.cards(head.output_box_id)
                 halt = await self.governor.guard_results(token, head.step_count, profile, cards)
                 if halt is not None:
-                    await self.hold.finish(token, profile, TaskStatus.FAILED, f"halted: {halt}")
-                    return None
+                    return GuardrailHalted(halt)
         return await self.store.open_step(token, profile.max_steps)
 
-    def _step_event(self, token: TurnToken, step_id: str, phase: str, activity: str) -> None:
-        self.events.publish(StepEvent(token.agent_id, token.agent_turn_id, step_id, phase))
-        if activity:
-            self.events.publish(
-                StateEvent(token.agent_id, token.agent_turn_id, HeadStatus.RUNNING, activity)
-            )
 
-
-def _submitted(decision: Submit, profile: AgentProfile) -> tuple[str, dict[str, object]]:
+def _submitted(decision: Submit, profile: AgentProfile) -> Answer:
     """The answer text and deliverable metadata of a ``submit_result`` call."""
     outcome = evaluate_submit(decision.payload.element, profile.result_fields)
     if outcome.warnings:
@@ -505,4 +560,4 @@ def _submitted(decision: Submit, profile: AgentProfile) -> tuple[str, dict[str, 
         "degraded": outcome.degraded,
         "warnings": list(outcome.warnings),
     }
-    return outcome.as_text(), meta
+    return Answer(outcome.as_text(), meta)
