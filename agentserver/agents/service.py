@@ -33,7 +33,8 @@ from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.retention import AgentRetention, RetentionSettings
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime
-from agentserver.core.listener import Handler, HandlerMetadata
+from agentserver.agents.store.sql_store import SqlAgentStore
+from agentserver.core.listener import Handler, HandlerMetadata, HandlerResult
 from agentserver.llm.config import RouterConfig
 from agentserver.observability import LLMTelemetry, Metrics, Tracing
 
@@ -59,7 +60,7 @@ class LateHandler:
         """Call ``target`` from now on (once the agent runtime runs)."""
         self.target = target
 
-    async def __call__(self, payload: etree._Element, meta: HandlerMetadata) -> None:
+    async def __call__(self, payload: etree._Element, meta: HandlerMetadata) -> HandlerResult:
         if self.target is None:
             raise RuntimeError(f"agent {self.name!r} is not running")
         return await self.target(payload, meta)
@@ -87,6 +88,9 @@ class AgentService:
     runtime: AgentRuntime
     ports: PumpPorts
     profiles: Mapping[str, AgentProfile]
+    #: The runtime's store as opened: the webhooks and the outbox use its roles beyond
+    #: the agents' (``AgentStore``).
+    store: SqlAgentStore
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     #: The LLM router (None without ``<llm>``), for status and readiness.
     router: Router | None = None

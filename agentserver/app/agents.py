@@ -227,6 +227,7 @@ async def build_agents(
         runtime,
         ports,
         profiles,
+        store,
         router=getattr(llm_port, "router", None),
         budgets=budgets,
         helpers=tuple(helpers),

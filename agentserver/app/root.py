@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -98,7 +98,7 @@ def check_exposure(topology: Topology, host: str, insecure: bool, what: str) -> 
         )
 
 
-def credentials(topology: Topology, environ) -> dict[str, Credential]:
+def credentials(topology: Topology, environ: Mapping[str, str]) -> dict[str, Credential]:
     """Declared clients and their tokens, read from the environment now. (An unset
     token was reported by the boot loader, as a warning with its line.)"""
     out = {}
@@ -132,7 +132,7 @@ async def run_server(
     ctx: RunContext,
     shutdown: trio.Event,
     *,
-    environ,
+    environ: Mapping[str, str],
     on_listening: Callable[[list[str]], None] | None = None,
     on_http: Callable[[list[str]], None] | None = None,
     on_running: Callable[[Running], None] | None = None,
@@ -366,7 +366,7 @@ async def _start_webhooks(
     from agentserver.agents.edge.outbox_metrics import OutboxCollector
     from agentserver.agents.edge.webhooks import WebhookDirectory, Webhooks
 
-    store = agents.runtime.store
+    store = agents.store
     clock = agents.runtime.clock.now
     bus = agents.runtime.events
     # With <retention> the pruner removes done deliveries (its `deliveries` window, in
@@ -453,7 +453,7 @@ async def _start_http(
     registry: CollectorRegistry,
     ctx: RunContext,
     stop: trio.Event,
-    environ,
+    environ: Mapping[str, str],
     operator: Operator | None = None,
     webhooks: Any = None,
     access: AccessRule | None = None,

@@ -12,7 +12,7 @@ propagates with nothing more sent.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from lxml import etree
 
@@ -164,19 +164,21 @@ class ToolDispatch:
             if not fenced:
                 await self.hold.fence(token)
             fenced = False
+            # A tool call names its peer (decide() makes CallTools of those only).
+            to = call.to or ""
             content = None
             if self.tracing.capture_content:
                 content = etree.tostring(call.element, encoding="unicode")
             try:
                 # The span covers the dispatch; the tool's handle span is its child.
-                with self.tracing.execute_tool(call.to, content) as span:
+                with self.tracing.execute_tool(to, content) as span:
                     try:
                         sub_thread = await self.tools.call(
                             token.agent_id,
                             reply_ref,
                             call.element,
                             call.to,
-                            key=metadata[KEY_FIELD],
+                            key=str(metadata[KEY_FIELD]),
                         )
                     except PumpRefused:
                         record_error(span, "refused")
@@ -187,7 +189,7 @@ class ToolDispatch:
                 continue
             after = "terminate" if call.to in profile.terminate_tools else "suspend"
             records.append(
-                ToolCallRecord(sub_thread, call.to, element_text(call.element), after, metadata)
+                ToolCallRecord(sub_thread, to, element_text(call.element), after, metadata)
             )
         if not records:
             await self.store.add_cards(token, cards)
@@ -251,6 +253,8 @@ class ToolDispatch:
         )
 
 
-def _keyed(metadata: dict, step_id: str, place: dict[int, int], call: object) -> dict:
+def _keyed(
+    metadata: Mapping[str, object], step_id: str, place: dict[int, int], call: object
+) -> dict[str, object]:
     """``metadata`` of a call card with the call's idempotency key added."""
     return {**metadata, KEY_FIELD: idempotency_key(step_id, place.get(id(call), len(place)))}

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -37,7 +37,7 @@ from agentserver.agents.events import StateEvent, StepEvent
 from agentserver.agents.governance.approvals import Approvals, forward_granted
 from agentserver.agents.governance.budgets import Budgets
 from agentserver.agents.governance.governor import Governor, Screened
-from agentserver.agents.ports import LLMPort, ReplyRef, ToolPort
+from agentserver.agents.ports import LLMPort, ReplyRef, ToolPort, reply_ref_from_json
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.retry import step_retries_done
 from agentserver.agents.profile.settings import StoreSettings
@@ -111,7 +111,7 @@ class _Run:
 
     token: TurnToken
     profile: AgentProfile
-    reply_ref: ReplyRef = None
+    reply_ref: ReplyRef | None = None
     #: The step the claim's (or resume's) transaction began, until OpenStep takes it.
     claimed: StepStart | None = None
     #: The open step.
@@ -120,6 +120,13 @@ class _Run:
     history: Sequence[Card] | None = None
     #: The step's tool calls' screening, written with the step.
     screened: Screened | None = None
+
+    def ref(self) -> ReplyRef:
+        """The Turn's reply reference, which a call through the pump needs (a Turn
+        without one cannot call: the run fails, as an internal error)."""
+        if self.reply_ref is None:
+            raise LookupError(f"turn {self.token.agent_turn_id} has no reply reference")
+        return self.reply_ref
 
 
 class Worker:
@@ -149,7 +156,7 @@ class Worker:
         self.tools = tools
         self.clock = clock
         self.settings = settings
-        self.governor = Governor(self.store, clock)  # type: ignore[arg-type]
+        self.governor = Governor(self.store, clock)
         self.llm = llm
         self.model = ModelStep(
             store=self.store,
@@ -390,14 +397,14 @@ class Worker:
             try:
                 if isinstance(ref_json, _Unread):
                     ref_json = await self.store.turn_reply_ref(token)
-                run.reply_ref = json.loads(ref_json) if ref_json else None
-                ref = run.reply_ref if isinstance(run.reply_ref, dict) else {}
-                thread = ref.get("caller_thread")
+                run.reply_ref = reply_ref_from_json(ref_json) if ref_json else None
+                ref: Mapping[str, object] = run.reply_ref or {}
+                thread = _text(ref.get("caller_thread"))
                 # One span per run of the Turn; the trace context came with the task
                 # (see bridge.agent_handler), so it survives a restart.
                 with (
                     self.tracing.invoke_agent(
-                        token.agent_id, token.agent_turn_id, thread, ref.get("traceparent")
+                        token.agent_id, token.agent_turn_id, thread, _text(ref.get("traceparent"))
                     ),
                     structlog.contextvars.bound_contextvars(
                         thread=ref.get("hop"), caller_thread=thread
@@ -506,7 +513,7 @@ class Worker:
             case SelfIteration(payload):
                 await self.hold.fence(token)
                 try:
-                    await self.tools.self_iterate(token.agent_id, run.reply_ref, payload.element)
+                    await self.tools.self_iterate(token.agent_id, run.ref(), payload.element)
                 except PumpRefused as refused:
                     return SelfIterated(huh_card(refused.element, ""))
                 return SelfIterated(NewCard(CardType.SELF_CALL, element_text(payload.element)))
@@ -516,7 +523,7 @@ class Worker:
                     step_id,
                     step_no,
                     profile,
-                    run.reply_ref,
+                    run.ref(),
                     calls,
                     run.history,
                     run.screened,
@@ -524,7 +531,7 @@ class Worker:
                 )
             case SendRecordedCalls():
                 return await self.tool_calls.call_recorded(
-                    token, profile, run.reply_ref, approvals=self.approvals
+                    token, profile, run.ref(), approvals=self.approvals
                 )
             case Finish(status, text, meta, last):
                 written = (last.step_id, last.completion, list(last.cards)) if last else None
@@ -561,3 +568,8 @@ def _submitted(decision: Submit, profile: AgentProfile) -> Answer:
         "warnings": list(outcome.warnings),
     }
     return Answer(outcome.as_text(), meta)
+
+
+def _text(value: object) -> str | None:
+    """A reply reference's entry read for logs and traces: a string, or None."""
+    return value if isinstance(value, str) else None
