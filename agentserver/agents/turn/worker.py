@@ -398,7 +398,8 @@ class Worker:
                 if isinstance(ref_json, _Unread):
                     ref_json = await self.store.turn_reply_ref(token)
                 run.reply_ref = reply_ref_from_json(ref_json) if ref_json else None
-                ref: Mapping[str, object] = run.reply_ref or {}
+                # (A test's store may hold any JSON there.)
+                ref: Mapping[str, object] = run.reply_ref if isinstance(run.reply_ref, dict) else {}
                 thread = _text(ref.get("caller_thread"))
                 # One span per run of the Turn; the trace context came with the task
                 # (see bridge.agent_handler), so it survives a restart.
