@@ -395,7 +395,10 @@ class RunStream:
             return [*out, self._ended(ended, deliverable["text"], task)], True
         out += self._set(status="running", steps=self._steps(task))
         pending = [a for a in log_.get("approvals", []) if a["status"] == "pending"]
-        if pending:
+        # The approval is written with the step, its call's card with the suspend just
+        # after: until that card is there too, the interrupt waits for the next read (it
+        # names that call, which the stream must have shown first).
+        if pending and all(f"approval:{a['request']}" in self.calls.values() for a in pending):
             out += self._close_message() + self._finish_step()
             out += self._set(status="waiting for approval", activity="", tool="")
             return [*out, self._interrupted(pending)], True
