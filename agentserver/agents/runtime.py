@@ -37,7 +37,7 @@ from agentserver.agents.store.sqlite_store import SqliteAgentStore
 from agentserver.agents.turn.answer import answer_bytes
 from agentserver.agents.turn.compaction import SUMMARY, plan, summary_chunks, summary_max_tokens
 from agentserver.agents.turn.compactor import summarise
-from agentserver.agents.turn.delivery import TurnEnder
+from agentserver.agents.turn.delivery import SentMarks, TurnEnder
 from agentserver.agents.turn.hold import TurnHold
 from agentserver.agents.turn.memory import CLIENT, conversation_key
 from agentserver.agents.turn.resend import resend_waiting
@@ -124,8 +124,16 @@ class AgentRuntime:
         self.clock = clock or SystemClock()
         self.events = events or EventBus()
         self.doorbell = Doorbell()
+        #: The replies sent, marked so in batches (its flusher runs with the runtime).
+        self.sent_marks = SentMarks(store)
         self.ender = TurnEnder(
-            store, self.profiles, replies, self.events, self.doorbell, settings.reply_max_attempts
+            store,
+            self.profiles,
+            replies,
+            self.events,
+            self.doorbell,
+            settings.reply_max_attempts,
+            self.sent_marks,
         )
         self.approvals = Approvals(
             store,
@@ -422,6 +430,7 @@ class AgentRuntime:
             # The store's own background work: PostgreSQL, rings from other processes and
             # leases; SQLite, WAL checkpoints off the trio thread.
             await nursery.start(self.store.serve, self.doorbell, self._takeover)
+            await nursery.start(self.sent_marks.run)
             await nursery.start(self.worker.run)
             await nursery.start(self.watchdog.run)
             await nursery.start(self.approvals.run, self.listener_approvers)

@@ -27,29 +27,29 @@ def count_calls(store: Any) -> list[str]:
     return calls
 
 
-async def test_a_turn_with_one_tool_call_costs_nine_worker_calls(tmp_path):
+async def test_a_turn_with_one_tool_call_takes_its_steps_with_its_claims(tmp_path):
     h = make_harness(tmp_path, answer_after_tool)
     calls = count_calls(h.rt.store)
     await h.rt.enqueue("assistant", task("1+2"), "ref")
     assert calls == ["enqueue_turn"]
     del calls[:]
     assert await h.rt.worker.process_agent("assistant", poll_waiting=False) == 1
-    # Claim, start with the first step (head and cards read in it), the step written with
-    # the loop detector's decision, suspend; no claim after it: no report was due.
-    assert calls == ["claim_due", "start_turn_step", "complete_screened_step", "suspend"]
+    # The claim, with the Turn started and its first step begun in the same transaction
+    # (head and cards read in it); the step written with the loop detector's decision;
+    # suspend; no claim after it: no report was due.
+    assert calls == ["claim_next", "complete_screened_step", "suspend"]
     [(sub, _, _)] = h.tools.calls
     del calls[:]
     await h.rt.report_tool_result("assistant", sub, result("3"))
     assert await h.rt.worker.process_agent("assistant", poll_waiting=False) == 1
-    # The resume opens the second step and returns the reply reference; the last step is
-    # written with the Turn's end.
+    # The report's claim applies it, resumes the Turn and opens its second step (and
+    # returns the reply reference); the last step is written with the Turn's end.
     assert calls == [
         "report_tool_result",
-        "claim_due",
-        "apply_report",
+        "claim_next",
         "finish",
         "mark_reply_sent",
-        "claim_due",
+        "claim_next",
     ]
     assert [e.status for e in h.task_events()] == ["succeeded"]
     assert h.replies.sent[0][1].endswith("3</sum>")
@@ -75,7 +75,7 @@ async def test_process_agent_polls_after_a_suspend_unless_told_not_to(tmp_path):
     calls = count_calls(h.rt.store)
     await h.rt.enqueue("assistant", task("1+2"), "ref")
     assert await h.rt.worker.process_agent("assistant") == 1
-    assert calls[-2:] == ["suspend", "claim_due"]  # drains: one claim more, empty
+    assert calls[-2:] == ["suspend", "claim_next"]  # drains: one claim more, empty
 
 
 async def test_a_runner_goes_on_when_a_report_came_before_the_suspend(tmp_path):
@@ -89,4 +89,23 @@ async def test_a_runner_goes_on_when_a_report_came_before_the_suspend(tmp_path):
     await h.rt.enqueue("assistant", task("1+2"), "ref")
     # The suspend made the early report due: the runner claims it and ends the Turn.
     assert await h.rt.worker.process_agent("assistant", poll_waiting=False) == 2
+    assert [e.status for e in h.task_events()] == ["succeeded"]
+
+
+async def test_a_claim_whose_step_fails_is_claimed_again_alone(tmp_path):
+    """The claim with its first step raised (rolled back, nothing claimed): the worker
+    claims the row alone and takes the step the old way, so the Turn goes on."""
+    h = make_harness(tmp_path, answer_after_tool)
+    calls = count_calls(h.rt.store)
+
+    async def broken(*args: Any) -> Any:
+        raise RuntimeError("the step's transaction failed")
+
+    h.rt.store.claim_next = broken
+    await h.rt.enqueue("assistant", task("1+2"), "ref")
+    assert await h.rt.worker.process_agent("assistant", poll_waiting=False) == 1
+    assert calls[1:3] == ["claim_due", "start_turn_step"]
+    [(sub, _, _)] = h.tools.calls
+    await h.rt.report_tool_result("assistant", sub, result("3"))
+    await h.rt.worker.process_agent("assistant")
     assert [e.status for e in h.task_events()] == ["succeeded"]

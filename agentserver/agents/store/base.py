@@ -39,6 +39,7 @@ from agentserver.agents.store.outbox import OutboxItem
 from agentserver.agents.store.rows import BoxSwap as BoxSwap
 from agentserver.agents.store.rows import Card as Card
 from agentserver.agents.store.rows import CardType as CardType
+from agentserver.agents.store.rows import Claimed as Claimed
 from agentserver.agents.store.rows import ClientReply as ClientReply
 from agentserver.agents.store.rows import DoubleText as DoubleText
 from agentserver.agents.store.rows import EnqueueResult as EnqueueResult
@@ -107,6 +108,19 @@ class TurnStore(Protocol):
 
     async def due_agents(self, limit: int) -> list[str]: ...
     async def claim_due(self, agent_id: str, limit: int) -> list[InboxRow]: ...
+    async def claim_next(
+        self,
+        agent_id: str,
+        max_steps: int,
+        guardrails: bool,
+        check: Callable[[InboxRow], str | None],
+    ) -> Claimed | None:
+        """Claim the agent's next due row and take its first step in the same
+        transaction (:func:`~agentserver.agents.store.sql.claims.claim_next`; a backend
+        may only claim, returning a bare :class:`Claimed`). Raises what the step
+        raises, with nothing claimed."""
+        ...
+
     async def head(self, agent_id: str) -> Head: ...
     async def start_turn(self, row: InboxRow) -> TurnToken: ...
     async def skip_row(self, row: InboxRow, reason: str) -> None: ...
@@ -237,6 +251,10 @@ class ReplyStore(Protocol):
         ...
 
     async def mark_reply_sent(self, agent_turn_id: str) -> None: ...
+    async def mark_replies_sent(self, agent_turn_ids: Sequence[str]) -> None:
+        """Several replies marked sent, in one statement (:class:`SentMarks`' batches)."""
+        ...
+
     async def mark_reply_attempt(self, agent_turn_id: str, give_up: bool) -> None: ...
     async def hand_over_reply(self, agent_turn_id: str, process: str) -> bool:
         """Leave a reply for its caller's process ``process`` and ring it (True), or give

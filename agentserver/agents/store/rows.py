@@ -224,6 +224,25 @@ class ReportOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class Claimed:
+    """An inbox row claimed (``processing``) and, in the claim's own transaction, its
+    first store step taken when it has one (:meth:`~.base.TurnStore.claim_next`).
+
+    A task (``turn``) row: ``step``, its Turn started and first step begun; or
+    ``started`` (the agent's guardrails judge the cards before each step: started
+    without a step). A tool report or timeout: ``report``, its application. None of
+    them: the row is only claimed (another kind of row, a task with a ``problem``, or a
+    backend that claims on its own); the worker takes the step itself."""
+
+    row: InboxRow
+    step: StepStart | None = None
+    started: bool = False
+    report: ReportOutcome | None = None
+    #: Why a task row cannot start (the worker fails its Turn with it).
+    problem: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EnqueueResult:
     inbox_id: str
     leased: bool

@@ -26,6 +26,7 @@ from agentserver.agents.store import step_log
 from agentserver.agents.store.base import (
     BoxSwap,
     Card,
+    Claimed,
     ClientReply,
     DoubleText,
     EnqueueResult,
@@ -49,6 +50,7 @@ from agentserver.agents.store.rows import Fired, ScheduleRow
 from agentserver.agents.store.sql import (
     a2a,
     a2a_push,
+    claims,
     common,
     conversations,
     forks,
@@ -205,6 +207,13 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
 
     async def claim_due(self, agent_id: str, limit: int) -> list[InboxRow]:
         return await self._run1(inbox.claim_due, agent_id, limit, self.claim_lock)
+
+    async def claim_next(
+        self, agent_id: str, max_steps: int, guardrails: bool, check: claims.TaskCheck
+    ) -> Claimed | None:
+        return await self._run(
+            claims.claim_next, agent_id, max_steps, guardrails, check, self.claim_lock
+        )
 
     async def head(self, agent_id: str) -> Head:
         return await self._read(head.read, agent_id)
@@ -391,6 +400,9 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
 
     async def mark_reply_sent(self, agent_turn_id: str) -> None:
         await self._run1(replies.mark_reply_sent, agent_turn_id)
+
+    async def mark_replies_sent(self, agent_turn_ids: Sequence[str]) -> None:
+        await self._run1(replies.mark_replies_sent, list(agent_turn_ids))
 
     async def mark_reply_attempt(self, agent_turn_id: str, give_up: bool) -> None:
         await self._run1(replies.mark_reply_attempt, agent_turn_id, give_up)

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import trio
 from lxml import etree
 
 from agentserver.agents.doorbell import Doorbell
@@ -26,6 +27,70 @@ from agentserver.core.xmlsafe import make_parser
 log = logging.getLogger(__name__)
 
 
+#: The most replies one batch marks sent (one statement's parameters).
+MARKS_PER_BATCH = 256
+
+
+class SentMarks:
+    """Replies sent, marked so in the store in batches: every mark a flush finds waiting
+    goes in one statement (a group commit: under load the marks of many Turns share one,
+    idle each has its own at once). Until :meth:`run` runs, each is marked as it comes.
+
+    A reply sent and not yet marked is resent by the watchdog after a crash, as it was
+    between the send and its own mark before (at least once; ``turn_id`` lets the pump
+    drop the duplicate): the batch only widens that window by the flush under way. On
+    cancel, :meth:`run` writes what is waiting (bounded by :data:`FLUSH_ON_EXIT_S`)."""
+
+    def __init__(self, store: AgentStore) -> None:
+        self._store = store
+        self._waiting: list[str] = []
+        self._wake = trio.Event()
+        self._running = False
+
+    async def mark(self, agent_turn_id: str) -> None:
+        """Mark a Turn's reply sent: soon (the flusher's next batch), or now when the
+        flusher does not run."""
+        if not self._running:
+            await self._store.mark_reply_sent(agent_turn_id)
+            return
+        self._waiting.append(agent_turn_id)
+        self._wake.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Flush the marks as they come, until cancelled."""
+        self._running = True
+        task_status.started()
+        try:
+            while True:
+                await self._wake.wait()
+                # Let the runners' next marks join this batch: no one waits on a mark.
+                await trio.sleep(MARK_GATHER_S)
+                self._wake = trio.Event()
+                while self._waiting:
+                    await self._flush()
+        finally:
+            self._running = False
+            with trio.move_on_after(FLUSH_ON_EXIT_S) as scope:
+                scope.shield = True
+                while self._waiting:
+                    await self._flush()
+
+    async def _flush(self) -> None:
+        batch = self._waiting[:MARKS_PER_BATCH]
+        del self._waiting[:MARKS_PER_BATCH]
+        try:
+            await self._store.mark_replies_sent(batch)
+        except Exception:
+            # Left pending: the watchdog sends them again (the pump drops a duplicate).
+            log.warning("%d replies sent but not marked so", len(batch), exc_info=True)
+
+
+#: How long the first mark of a batch waits for others (the reply itself went already).
+MARK_GATHER_S = 0.01
+#: The longest :meth:`SentMarks.run` writes waiting marks once cancelled.
+FLUSH_ON_EXIT_S = 5.0
+
+
 @dataclass(frozen=True, slots=True)
 class TurnEnder:
     """What a Turn's end sets off, whoever ended it (the worker, the watchdog, a stop):
@@ -37,6 +102,8 @@ class TurnEnder:
     events: EventBus
     doorbell: Doorbell
     max_attempts: int
+    #: Marks the replies sent (in batches once its flusher runs).
+    marks: SentMarks
 
     async def after(self, finished: Finished) -> None:
         """Publish the Turn's TaskEvent (exactly once: only the committing caller gets a
@@ -80,7 +147,7 @@ class TurnEnder:
             give_up = reply.attempts + 1 >= self.max_attempts
             await store.mark_reply_attempt(turn_id, give_up=give_up)
             return False
-        await store.mark_reply_sent(turn_id)
+        await self.marks.mark(turn_id)
         return True
 
     async def force_end(

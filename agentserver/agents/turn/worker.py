@@ -47,8 +47,10 @@ from agentserver.agents.reading.submit import evaluate_submit
 from agentserver.agents.store.base import (
     Card,
     CardType,
+    Claimed,
     InboxRow,
     NewCard,
+    ReportOutcome,
     StepStart,
     TurnToken,
 )
@@ -239,12 +241,48 @@ class Worker:
         Must not run concurrently for the same agent (:meth:`run` guarantees it).
         """
         handled = 0
-        while rows := await self.store.claim_due(agent_id, 1):
-            more = await self.handle_row(rows[0])
+        while (claimed := await self._claim(agent_id)) is not None:
+            more = await self._handle_claimed(claimed)
             handled += 1
             if not (more or poll_waiting):
                 break
         return handled
+
+    async def _claim(self, agent_id: str) -> Claimed | None:
+        """The agent's next due row, claimed with its first step taken in the same
+        transaction where the store can (``claim_next``); if that raises (the Turn moved
+        on, or anything else: the claim rolled back with it), the row claimed alone, so
+        that :meth:`handle_row` takes the step the old way and meets what raised."""
+        profile = self.profiles.get(agent_id)
+        if profile is not None:
+            try:
+                return await self.store.claim_next(
+                    agent_id, profile.max_steps, bool(profile.guardrails), task_problem
+                )
+            except StaleTurn:
+                pass
+            except Exception:
+                log.warning(
+                    "agent %s: claiming with its first step failed", agent_id, exc_info=True
+                )
+        rows = await self.store.claim_due(agent_id, 1)
+        return Claimed(rows[0]) if rows else None
+
+    async def _handle_claimed(self, claimed: Claimed) -> bool:
+        """:meth:`handle_row` for a row claimed with its first step taken (or not)."""
+        row, profile = claimed.row, self.profiles.get(claimed.row.agent_id)
+        if profile is not None and row.token is not None:
+            if claimed.step is not None or claimed.started:
+                return await self._run_turn(
+                    row.token,
+                    profile,
+                    ref_json=row.reply_ref_json,
+                    step=claimed.step,
+                    started=True,
+                )
+            if claimed.report is not None:
+                return await self._reported(claimed.report, profile)
+        return await self.handle_row(row)
 
     # -- rows ---------------------------------------------------------------------------
     async def handle_row(self, row: InboxRow) -> bool:
@@ -258,23 +296,10 @@ class Worker:
             # begins), the resume opens the next step in its own transaction.
             then_step = profile.max_steps if profile and not profile.guardrails else None
             outcome = await self.store.apply_report(row, then_step=then_step)
-            if outcome.resumed is None or profile is None:
-                # (profile None: unreachable in practice, a Turn exists only for a known agent)
+            if profile is None:
+                # (unreachable in practice, a Turn exists only for a known agent)
                 return True
-            if outcome.terminate_card_id is not None:
-                card = await self.store.card(outcome.terminate_card_id)
-                report = ToolReported(True, terminate_text=card.content if card else "")
-                run = _Run(outcome.resumed, profile)
-                for effect in TurnMachine(TurnState.SUSPENDED).send(report):
-                    await self._apply(run, effect)
-                return True
-            return await self._run_turn(
-                outcome.resumed,
-                profile,
-                ref_json=outcome.reply_ref_json,
-                step=outcome.step,
-                resumed=True,
-            )
+            return await self._reported(outcome, profile)
         if row.message_type == MessageType.APPROVAL:
             await forward_granted(
                 row,
@@ -294,23 +319,34 @@ class Worker:
             await self.store.skip_row(row, f"unknown message type {row.message_type!r}")
         return True
 
+    async def _reported(self, outcome: ReportOutcome, profile: AgentProfile) -> bool:
+        """Go on from a tool report applied (its waiting set, and the next step when it
+        resumed the Turn): run the Turn, or end it when a tool of the set ends it."""
+        if outcome.resumed is None:
+            return True
+        if outcome.terminate_card_id is not None:
+            card = await self.store.card(outcome.terminate_card_id)
+            report = ToolReported(True, terminate_text=card.content if card else "")
+            run = _Run(outcome.resumed, profile)
+            for effect in TurnMachine(TurnState.SUSPENDED).send(report):
+                await self._apply(run, effect)
+            return True
+        return await self._run_turn(
+            outcome.resumed,
+            profile,
+            ref_json=outcome.reply_ref_json,
+            step=outcome.step,
+            resumed=True,
+        )
+
     async def _start(self, row: InboxRow) -> bool:
         profile = self.profiles.get(row.agent_id)
-        problem = None
-        ref_ok = True
+        problem = "no such agent" if profile is None else task_problem(row)
         try:
             json.loads(row.reply_ref_json or "")
+            ref_ok = True
         except ValueError:
-            ref_ok, problem = False, "the task's reply reference is unreadable"
-        if profile is None:
-            problem = "no such agent"
-        elif row.token is None:
-            problem = "the task carries no Turn"
-        else:
-            try:
-                SafeParser().parse(row.payload)
-            except Exception:
-                problem = "the task payload is not well-formed XML"
+            ref_ok = False
         if problem is not None:
             reply = answer_bytes(profile, problem, failed=True) if profile and ref_ok else None
             fin = await self.store.fail_turn_row(row, problem, reply)
@@ -556,6 +592,22 @@ class Worker:
                 if halt is not None:
                     return GuardrailHalted(halt)
         return await self.store.open_step(token, profile.max_steps)
+
+
+def task_problem(row: InboxRow) -> str | None:
+    """Why a claimed task row cannot start its Turn, or None. Pure (it runs inside the
+    claim's transaction, :meth:`Worker._claim`)."""
+    if row.token is None:
+        return "the task carries no Turn"
+    try:
+        SafeParser().parse(row.payload)
+    except Exception:
+        return "the task payload is not well-formed XML"
+    try:
+        json.loads(row.reply_ref_json or "")
+    except ValueError:
+        return "the task's reply reference is unreadable"
+    return None
 
 
 def _submitted(decision: Submit, profile: AgentProfile) -> Answer:

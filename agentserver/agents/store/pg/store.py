@@ -25,7 +25,7 @@ from agentserver.agents.clock import Clock, SystemClock
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StaleTurn, StoreError
 from agentserver.agents.profile.settings import StoreSettings
-from agentserver.agents.store.base import LostCalls, PendingReply, TurnToken
+from agentserver.agents.store.base import Claimed, LostCalls, PendingReply, TurnToken
 from agentserver.agents.store.pg import callers, leases, one_trip_ends, one_trip_turn
 from agentserver.agents.store.pg.executor import PgExecutor
 from agentserver.agents.store.pg.notify import (
@@ -49,6 +49,7 @@ from agentserver.agents.store.sql import (
     turns,
     watchdog,
 )
+from agentserver.agents.store.sql.claims import TaskCheck
 from agentserver.agents.store.sql.db import StoreEnv, StoreFn, Tx
 from agentserver.agents.store.sql_store import SqlAgentStore
 
@@ -242,6 +243,15 @@ class PostgresAgentStore(SqlAgentStore):
         if fn in _NOTIFIES:  # the NOTIFY must commit with the write
             return await self._run(fn, *args, **kwargs)
         return await self.executor.run_single(_bound(fn, kwargs), self.env, *args)
+
+    async def claim_next(
+        self, agent_id: str, max_steps: int, guardrails: bool, check: TaskCheck
+    ) -> Claimed | None:
+        """Only the claim (one statement, autocommit): the step after it is one round
+        trip of its own (``ONE_TRIP``), which a shared transaction here would split into
+        several."""
+        rows = await self.claim_due(agent_id, 1)
+        return Claimed(rows[0]) if rows else None
 
     async def pending_replies_here(self, limit: int = 256) -> list[PendingReply]:
         """The pending replies whose anonymous caller is connected to this process."""

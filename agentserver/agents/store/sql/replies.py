@@ -40,6 +40,17 @@ def mark_reply_sent(tx: Tx, env: StoreEnv, agent_turn_id: str) -> None:
     mark_sent(tx, env, agent_turn_id)
 
 
+def mark_replies_sent(tx: Tx, env: StoreEnv, agent_turn_ids: Sequence[str]) -> None:
+    """:func:`mark_sent` for several Turns' replies, in one statement."""
+    if not agent_turn_ids:
+        return
+    tx.execute(
+        "UPDATE agent_replies SET status = ?, sent_at = ?, attempts = attempts + 1 "
+        f"WHERE agent_turn_id IN ({marks(len(agent_turn_ids))}) AND status != ?",
+        (ReplyStatus.SENT, env.clock.now(), *agent_turn_ids, ReplyStatus.SENT),
+    )
+
+
 def mark_reply_attempt(tx: Tx, env: StoreEnv, agent_turn_id: str, give_up: bool) -> None:
     tx.execute(
         "UPDATE agent_replies SET attempts = attempts + 1, status = ? "
