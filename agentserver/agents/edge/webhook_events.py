@@ -83,6 +83,17 @@ def describe(etype: str, event: Event) -> tuple[dict[str, Any], str, str]:
     return data, f"{agent}/{turn}" if turn else agent or etype, dedupe
 
 
+def outbox_key(webhook: str, key: str) -> str:
+    """The outbox's dedupe key of an event's item for ``webhook`` (``key``: the event's
+    own, the same for every webhook)."""
+    return f"{webhook}:{key}"
+
+
+def task_end_key(etype: str, agent_turn_id: str) -> str:
+    """The event key of a Turn's end (``task.*``): one per Turn, however often offered."""
+    return f"{etype}:{agent_turn_id}"
+
+
 def items_of(
     specs: list[WebhookSpec],
     etype: str,
@@ -99,7 +110,7 @@ def items_of(
             channel=channel_name(s.name),
             url=s.url,
             body=body,
-            dedupe_key=f"{s.name}:{key}",
+            dedupe_key=outbox_key(s.name, key),
             order_key=f"{s.name}|{conversation}",
             retry_for_s=s.retry_for_s,
             first_delay_s=s.first_delay_s,

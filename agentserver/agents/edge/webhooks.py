@@ -42,7 +42,9 @@ from agentserver.agents.edge.webhook_events import (
     event_type,
     iso_time,
     items_of,
+    outbox_key,
     render_signed,
+    task_end_key,
 )
 from agentserver.agents.events import (
     Event,
@@ -340,7 +342,8 @@ class Webhooks:
         """The outbox keys of a Turn's end, one per webhook that wants it (as
         :meth:`_describe_task` and ``items_of`` make them)."""
         etype = "task." + status
-        return [f"{s.name}:{etype}:{turn}" for s in self._directory.wanting(etype, agent)]
+        key = task_end_key(etype, turn)
+        return [outbox_key(s.name, key) for s in self._directory.wanting(etype, agent)]
 
     async def _activate(self) -> None:
         if not self._directory.current() or self._nursery is None:
@@ -538,4 +541,4 @@ class Webhooks:
             if len(text) > ANSWER_CHARS:
                 data["answer_truncated"] = True
         conv = f"{event.agent_id}/{conversation or thread or event.agent_turn_id}"
-        return data, conv, f"{etype}:{event.agent_turn_id}"
+        return data, conv, task_end_key(etype, event.agent_turn_id)
