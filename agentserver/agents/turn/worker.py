@@ -271,17 +271,13 @@ class Worker:
     async def _handle_claimed(self, claimed: Claimed) -> bool:
         """:meth:`handle_row` for a row claimed with its first step taken (or not)."""
         row, profile = claimed.row, self.profiles.get(claimed.row.agent_id)
-        if profile is not None and row.token is not None:
-            if claimed.step is not None or claimed.started:
-                return await self._run_turn(
-                    row.token,
-                    profile,
-                    ref_json=row.reply_ref_json,
-                    step=claimed.step,
-                    started=True,
-                )
-            if claimed.report is not None:
-                return await self._reported(claimed.report, profile)
+        if claimed.report is not None:
+            # Applied already: never handed to handle_row, which would apply it again.
+            return await self._reported(claimed.report, profile) if profile else True
+        if (claimed.step is not None or claimed.started) and profile and row.token:
+            return await self._run_turn(
+                row.token, profile, ref_json=row.reply_ref_json, step=claimed.step, started=True
+            )
         return await self.handle_row(row)
 
     # -- rows ---------------------------------------------------------------------------
