@@ -81,6 +81,7 @@ from agentserver.http.a2a.tasks import (
     to_task,
 )
 from agentserver.http.a2a.versions import protocol_of
+from agentserver.http.sendonce import SendOnce, until_stored
 from agentserver.net.roles import OperatorCommands
 from agentserver.primitives.approval import NS as APPROVAL_NS
 from agentserver.primitives.approval import ApprovalDecision
@@ -149,6 +150,9 @@ class A2aHandler(RequestHandler):
         self.deps = deps
         self.by_name = {s.name: s for s in deps.skills}
         self._parser = SafeParser()
+        # One send of a task at a time in this process (http/sendonce.py): resends of
+        # one message at once would otherwise each send it, on one thread.
+        self._sending = SendOnce()
 
     # -- who and what ------------------------------------------------------------------------
     @staticmethod
@@ -269,28 +273,39 @@ class A2aHandler(RequestHandler):
                 self.protocol(context),
             )
         if new:
-            await self._send(identity, skill, payload, owner, context_id, task_id)
+            async with self._sending.hold(task_id):
+                await self._send(identity, skill, payload, owner, context_id, task_id)
         row = await self._recorded(found, message.message_id)
         if not new and row["view"] is None and row["refusal"] is None:
             # The same message again, its task recorded and never enqueued (the process
             # that recorded it was killed before sending it, or its send is still in
-            # flight): send it again, from its record. The agent's Enqueue of a task
-            # already enqueued is dropped (agents/store/sql/a2a.py, earlier_send), so
-            # the task reaches its agent once.
-            recorded = self.by_name.get(row["agent"])
-            if recorded is not None:
-                try:
-                    resent = recorded.payload(Parse(row["message"], Message()))
-                except MessageRefused as exc:
-                    # Recorded under another configuration (the skill's payload changed):
-                    # it cannot be sent as recorded, and says so as its end.
-                    await self.deps.store.a2a_reject(found, f"refused: {exc}")
-                else:
-                    await self._send(
-                        identity, recorded, resent, owner, row["context_id"], row["task_id"]
-                    )
+            # flight): send it again, from its record, unless this process's own send
+            # of it (first or again) got it queued meanwhile. Across processes, the
+            # agent's Enqueue of a task already enqueued is dropped
+            # (agents/store/sql/a2a.py, earlier_send), so the task reaches its agent once.
+            async with self._sending.hold(found):
                 row = await self._recorded(found, message.message_id)
+                if row["view"] is None and row["refusal"] is None:
+                    row = await self._send_again(identity, row, found, message.message_id)
         return row
+
+    async def _send_again(
+        self, identity: Identity, row: dict[str, Any], task_id: str, message_id: str
+    ) -> dict[str, Any]:
+        """Send the recorded, never queued task ``task_id`` from its record; its row once
+        the store holds it (or after :data:`~agentserver.http.sendonce.STORED_WAIT`)."""
+        recorded = self.by_name.get(row["agent"])
+        if recorded is None:
+            return row
+        try:
+            resent = recorded.payload(Parse(row["message"], Message()))
+        except MessageRefused as exc:
+            # Recorded under another configuration (the skill's payload changed): it
+            # cannot be sent as recorded, and says so as its end.
+            await self.deps.store.a2a_reject(task_id, f"refused: {exc}")
+            return await self._recorded(task_id, message_id)
+        await self._send(identity, recorded, resent, row["owner"], row["context_id"], task_id)
+        return await self._recorded(task_id, message_id)
 
     async def _send(
         self,
@@ -302,7 +317,9 @@ class A2aHandler(RequestHandler):
         task_id: str,
     ) -> None:
         """Send the recorded task ``task_id``'s payload to its agent, on its thread; a
-        refusal is recorded as its end (``rejected``)."""
+        refusal is recorded as its end (``rejected``). Returns once the store holds the
+        task (at most :data:`~agentserver.http.sendonce.STORED_WAIT`): called holding
+        the task's key, so that the next send of it in this process sees it there."""
         if skill.memory and self.deps.conversations is not None:
             # Each context is its own conversation with the agent.
             self.deps.conversations.expect_fork(skill.name, task_id, f"a2a:{owner}:{context_id}")
@@ -311,6 +328,16 @@ class A2aHandler(RequestHandler):
         )
         if outcome.kind == "refused":
             await self.deps.store.a2a_reject(task_id, f"refused: {outcome.refusal}")
+            return
+
+        async def stored() -> bool:
+            try:
+                row = await self.deps.store.a2a_task(task_id)
+            except TurnPruned:
+                return True
+            return row is None or row["view"] is not None or row["refusal"] is not None
+
+        await until_stored(stored)
 
     async def _recorded(self, task_id: str, message_id: str) -> dict[str, Any]:
         """The row of the task ``task_id`` recorded for ``message_id``."""

@@ -16,7 +16,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import trio
 from lxml import etree
 
 from agentserver.agents.events import EventBus, Subscription
@@ -24,14 +23,11 @@ from agentserver.core.handshake import Identity
 from agentserver.core.payloads import model_xml
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.agui.agents import AguiAgent, RunRefused, last_user_text, run_thread
+from agentserver.http.sendonce import SendOnce, until_stored
 from agentserver.primitives.approval import NS as APPROVAL_NS
 from agentserver.primitives.approval import ApprovalDecision
 
 log = logging.getLogger("agentserver.agui")
-
-#: How long a run's start waits for the store to hold its task, and how often it looks.
-ACCEPT_WAIT = 5.0
-ACCEPT_POLL = 0.02
 
 _ACK = f"{{{APPROVAL_NS}}}approval-ack"
 #: Events a stream's subscriber may have waiting (then it is polled instead).
@@ -124,10 +120,8 @@ class AguiRuns:
         self.conversations = conversations
         self._parser = SafeParser()
         # One start at a time per run thread: the check for the run's task and its send
-        # are two awaits, so two first POSTs of one run would both send. Entries live
-        # while a start holds or waits for them. (Across processes sharing a store the
-        # two can still both send: docs/ag-ui.md.)
-        self._starting: dict[str, tuple[trio.Lock, list[int]]] = {}
+        # are two awaits, so two first POSTs of one run would both send (http/sendonce.py).
+        self._starting = SendOnce()
 
     def _subscribe(self) -> Subscription | None:
         if self.bus is None:
@@ -157,15 +151,8 @@ class AguiRuns:
             return await self._resume(identity, agent, run_input["resume"], visible)
         owner = identity.name or ""
         thread = run_thread(owner, agent.name, thread_id, run_id)
-        lock, users = self._starting.setdefault(thread, (trio.Lock(), [0]))
-        users[0] += 1
-        try:
-            async with lock:
-                return await self._start_or_find(identity, agent, run_input, owner, thread)
-        finally:
-            users[0] -= 1
-            if not users[0]:
-                del self._starting[thread]
+        async with self._starting.hold(thread):
+            return await self._start_or_find(identity, agent, run_input, owner, thread)
 
     async def _start_or_find(
         self,
@@ -195,14 +182,14 @@ class AguiRuns:
             )
             if outcome.kind == "refused":
                 raise RunRefusedByPump(outcome.refusal)
+
             # The task reaches the store after the send returns (the pump delivers it to
             # the agent): the next start of this run, which waits for this one, must find
             # it there, so the start ends once the store has it (bounded).
-            with trio.move_on_after(ACCEPT_WAIT):
-                while True:  # polled: the store is the truth, and another process may write it
-                    if (await self.tasks.task_sender(agent.name, thread))[0]:
-                        break
-                    await trio.sleep(ACCEPT_POLL)
+            async def stored() -> bool:
+                return (await self.tasks.task_sender(agent.name, thread))[0]
+
+            await until_stored(stored)
         except BaseException:
             if sub is not None:
                 sub.close()

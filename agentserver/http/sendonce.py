@@ -1,0 +1,71 @@
+"""One send at a time per thread, in this process, for the doors that send a task on a
+thread they chose (an A2A task's id, an AG-UI run's thread).
+
+Why: the gateway keeps one exchange per thread. A second send on a thread whose first is
+still in flight replaces the first's exchange and releases its endpoint, so the first
+message may be dropped before its agent queues it; and the pump gives the second one a
+new thread (a client never joins another endpoint's conversation), so it arrives as a
+different task. A door that checks "is this task queued yet?" and then sends makes two
+awaits, and two requests can both pass the check. :class:`SendOnce` makes the check
+and the send one step per key, and that step ends once the store holds the task
+(:func:`until_stored`), so the next holder's check sees it.
+
+Across processes that share a store each process may still send once; the store drops a
+repeat of an A2A task (agents/store/sql/a2a.py, ``earlier_send``) and docs/ag-ui.md says
+what an AG-UI run does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import trio
+
+#: How long a send waits for the store to hold its task (seconds): the pump delivers it
+#: to its agent after the send returns, in a few milliseconds unless the agent's queue is
+#: full. Bounded, so that a task the pump refused later does not hold its key for ever.
+STORED_WAIT = 5.0
+#: The first and the longest gap between two looks at the store (seconds).
+FIRST_POLL = 0.002
+LONGEST_POLL = 0.05
+
+
+class SendOnce:
+    """A lock per key, whose entry lives only while a holder holds it or waits for it
+    (bounded by the requests in flight)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[trio.Lock, list[int]]] = {}
+
+    @asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        """Hold ``key``: one holder at a time, in the order they came (trio's locks are
+        fair). Cancelled while waiting: the entry is still released."""
+        lock, users = self._locks.setdefault(key, (trio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._locks[key]
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
+async def until_stored(stored: Callable[[], Awaitable[bool]], wait: float = STORED_WAIT) -> bool:
+    """Look at the store (``stored``) until it says yes, at most ``wait`` seconds, the
+    gaps growing from :data:`FIRST_POLL` to :data:`LONGEST_POLL`. Polled, not told: the
+    store is the truth, and another process may be the one that writes it. False: not
+    within ``wait``."""
+    gap = FIRST_POLL
+    with trio.move_on_after(wait):
+        while True:
+            if await stored():
+                return True
+            await trio.sleep(gap)
+            gap = min(gap * 2, LONGEST_POLL)
+    return False
