@@ -29,7 +29,7 @@ from agentserver.agents.clock import SystemClock
 from agentserver.agents.ports import LLMCompletion, LLMRequest, LLMUsage
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.settings import StoreSettings
-from agentserver.agents.runtime import AgentRuntime
+from agentserver.app.runtime_parts import open_runtime
 
 NS = "urn:bench:fair"
 
@@ -86,7 +86,7 @@ async def case(path: Path, fair: bool, args: argparse.Namespace) -> dict[str, An
     )
     profile = AgentProfile(name="agent", model="m", own_roots=(f"{{{NS}}}task",))
     answers = Answers()
-    rt = AgentRuntime.open(
+    rt = open_runtime(
         settings,
         {"agent": profile},
         llm=SteadyModel(args.step_ms / 1000),

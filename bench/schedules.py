@@ -32,6 +32,7 @@ from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
+from agentserver.app.runtime_parts import runtime_parts
 
 GOAL_P99_MS = 1000.0
 
@@ -76,14 +77,16 @@ async def measure(path: Path, url: str | None, ticks: int, agents: int) -> dict[
     if url:
         await store.drop_boot_schedules([])  # a reused database: start from no schedules
     rt = AgentRuntime(
-        store=store,
-        profiles=profiles,
-        settings=settings,
-        clock=clock,
-        llm=InstantLLM(),
-        tools=NoTools(),
-        replies=Nowhere(),
-        schedules=schedules,
+        runtime_parts(
+            store=store,
+            profiles=profiles,
+            settings=settings,
+            clock=clock,
+            llm=InstantLLM(),
+            tools=NoTools(),
+            replies=Nowhere(),
+            schedules=schedules,
+        )
     )
     seconds = ticks / agents
     try:

@@ -49,6 +49,7 @@ from agentserver.agents.runtime import AgentRuntime, open_agent_store
 from agentserver.agents.service import LateHandler
 from agentserver.agents.store.sql.stats import TABLES
 from agentserver.agents.turn.compaction import SUMMARY_SYSTEM
+from agentserver.app.runtime_parts import runtime_parts
 from agentserver.core.envelope import build_envelope
 from agentserver.core.listener import Listener
 from agentserver.listeners.calculator import Add, Sum
@@ -139,13 +140,15 @@ async def conversation(
         store = open_agent_store(settings, {"agent0": profile}, clock=clock)
         ports = PumpPorts(pump, store=store)
         rt = AgentRuntime(
-            store=store,
-            profiles={"agent0": profile},
-            settings=settings,
-            clock=clock,
-            llm=llm,
-            tools=ports,
-            replies=ports,
+            runtime_parts(
+                store=store,
+                profiles={"agent0": profile},
+                settings=settings,
+                clock=clock,
+                llm=llm,
+                tools=ports,
+                replies=ports,
+            )
         )
         late.bind(agent_handler(rt, pump, "agent0"))
         client = pump.open_endpoint("bench")

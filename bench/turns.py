@@ -94,6 +94,7 @@ from agentserver.agents.profile.retention import AgentRetention, RetentionSettin
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
 from agentserver.agents.service import LateHandler
+from agentserver.app.runtime_parts import runtime_parts
 from agentserver.core.envelope import build_envelope
 from agentserver.core.listener import HandlerResponse, Listener
 from agentserver.listeners.calculator import Add, Sum
@@ -254,14 +255,16 @@ async def run(
         if budget:
             spend = Budgets(store, clock, [BudgetSpec("organism", tokens=10**15)])
         rt = AgentRuntime(
-            store=store,
-            profiles=profiles,
-            settings=settings,
-            clock=clock,
-            llm=llm,
-            tools=ports,
-            replies=ports,
-            budgets=spend,
+            runtime_parts(
+                store=store,
+                profiles=profiles,
+                settings=settings,
+                clock=clock,
+                llm=llm,
+                tools=ports,
+                replies=ports,
+                budgets=spend,
+            )
         )
         calls: collections.Counter = collections.Counter()
         kinds: collections.Counter = collections.Counter()

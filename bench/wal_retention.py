@@ -38,6 +38,7 @@ from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
 from agentserver.agents.service import LateHandler
 from agentserver.agents.store.pruner import Pruner
+from agentserver.app.runtime_parts import runtime_parts
 from agentserver.core.envelope import build_envelope
 from agentserver.core.listener import Listener
 from agentserver.listeners.calculator import Add, Sum
@@ -101,13 +102,15 @@ async def steady(
         store = open_agent_store(settings, profiles, clock=clock)
         ports = PumpPorts(pump, store=store)
         rt = AgentRuntime(
-            store=store,
-            profiles=profiles,
-            settings=settings,
-            clock=clock,
-            llm=bench_turns.InstantLLM(),
-            tools=ports,
-            replies=ports,
+            runtime_parts(
+                store=store,
+                profiles=profiles,
+                settings=settings,
+                clock=clock,
+                llm=bench_turns.InstantLLM(),
+                tools=ports,
+                replies=ports,
+            )
         )
         for n in names:
             late[n].bind(agent_handler(rt, pump, n))

@@ -110,6 +110,8 @@ RESOURCES: dict[str, tuple[str, ...]] = {
         # (an agent runtime always has its store; so has the service that runs one, and
         # the app's composition that builds and starts it from a topology)
         "agentserver.agents.runtime:AgentRuntime",
+        "agentserver.app.runtime_parts:open_runtime",
+        "agentserver.app.runtime_parts:runtime_parts",
         "agentserver.agents.service:AgentService",
         "agentserver.app.agents:start_agents",
         "agentserver.app.agents:build_agents",

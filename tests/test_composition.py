@@ -187,3 +187,32 @@ def test_the_agent_service_is_built_once_by_the_composition() -> None:
     built = _calls_of("AgentService")
     assert len(built) == 1, built
     assert built[0].startswith("agentserver/app/agents.py:"), built
+
+
+#: The parts of an agent runtime (agents/runtime.py ``RuntimeParts``).
+RUNTIME_PARTS = (
+    "SentMarks",
+    "TurnEnder",
+    "Approvals",
+    "TurnHold",
+    "Worker",
+    "Watchdog",
+    "Scheduler",
+)
+
+
+def test_the_agent_runtimes_parts_are_built_by_the_composition_only() -> None:
+    """Each part of an agent runtime is made in one place, app/runtime_parts.py (the
+    runtime is given them whole), and the runtime's constructor makes nothing."""
+    for part in RUNTIME_PARTS:
+        built = _calls_of(part)
+        assert built and all(b.startswith("agentserver/app/runtime_parts.py:") for b in built), (
+            part,
+            built,
+        )
+    ((_, tree),) = [m for m in _modules() if m[0] == "agentserver/agents/runtime.py"]
+    (runtime,) = [
+        n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "AgentRuntime"
+    ]
+    (init,) = [n for n in runtime.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    assert not [ast.unparse(c) for c in ast.walk(init) if isinstance(c, ast.Call)]

@@ -7,21 +7,21 @@ agent listeners' pump handlers, and run :meth:`AgentRuntime.run` in the server's
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
 from lxml import etree
 
-from agentserver.agents.clock import Clock, SystemClock
+from agentserver.agents.clock import Clock
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StaleTurn, StoreError
 from agentserver.agents.events import EventBus
-from agentserver.agents.governance.approvals import Approvals, SendApproval
+from agentserver.agents.governance.approvals import Approvals
 from agentserver.agents.governance.budgets import Budgets
-from agentserver.agents.ports import LLMPort, ReplyPort, ReplyRef, ToolPort
+from agentserver.agents.ports import ReplyRef, ToolPort
 from agentserver.agents.profile.agent import MULTITASK_MODES, AgentProfile
-from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import (
     AgentStore,
@@ -44,7 +44,6 @@ from agentserver.agents.turn.resend import resend_waiting
 from agentserver.agents.turn.scheduler import Scheduler
 from agentserver.agents.turn.watchdog import Watchdog
 from agentserver.agents.turn.worker import Worker
-from agentserver.observability.tracing import Tracing
 
 if TYPE_CHECKING:
     from agentserver.agents.store.pg.store import PostgresAgentStore
@@ -84,34 +83,62 @@ def open_agent_store(
 MAX_EXPECTED_FORKS = 1024
 
 
-class AgentRuntime:
-    """Store + worker + watchdog + event bus for a set of agent profiles."""
+@dataclass(frozen=True)
+class RuntimeParts:
+    """Everything an :class:`AgentRuntime` runs, built by the composition root
+    (``agentserver/app/runtime_parts.py``) and passed in whole: the runtime builds none
+    of it, and nothing is assigned to a part after it is built."""
 
-    def __init__(
-        self,
-        *,
-        store: AgentStore,
-        profiles: Mapping[str, AgentProfile],
-        llm: LLMPort,
-        tools: ToolPort,
-        replies: ReplyPort,
-        settings: StoreSettings,
-        clock: Clock | None = None,
-        events: EventBus | None = None,
-        tracing: Tracing | None = None,
-        send_approval: SendApproval | None = None,
-        listener_approvers: tuple[str, ...] = (),
-        retryable_tools: Collection[str] = (),
-        budgets: Budgets | None = None,
-        schedules: Sequence[ScheduleSpec] = (),
-    ) -> None:
-        self.store = store
-        #: Spend budgets (None: none declared).
-        self.budgets = budgets
-        self.tools = tools
-        #: Listeners whose steps may be retried (``idempotent``): a call to one that a
-        #: restart interrupted is sent again with its idempotency key, not reported lost.
-        self.retryable_tools = frozenset(retryable_tools)
+    store: AgentStore
+    profiles: dict[str, AgentProfile]
+    settings: StoreSettings
+    clock: Clock
+    events: EventBus
+    doorbell: Doorbell
+    tools: ToolPort
+    #: The replies sent, marked so in batches (its flusher runs with the runtime).
+    sent_marks: SentMarks
+    ender: TurnEnder
+    approvals: Approvals
+    #: Fences and finishes the Turns the worker runs (its parts share it).
+    hold: TurnHold
+    worker: Worker
+    watchdog: Watchdog
+    #: Fires schedules (boot.xml's ``<schedules>`` and those made at run time).
+    scheduler: Scheduler
+    #: Spend budgets (None: none declared).
+    budgets: Budgets | None = None
+    #: Approvers that are listeners (their requests are sent again after a restart).
+    listener_approvers: tuple[str, ...] = ()
+    #: Listeners whose steps may be retried (``idempotent``): a call to one that a
+    #: restart interrupted is sent again with its idempotency key, not reported lost.
+    retryable_tools: frozenset[str] = frozenset()
+
+
+class EndedElsewhere:
+    """What the scheduler does with a Turn it ended from outside its run (a schedule's
+    cancel-other): this process's run of it is cancelled with its model call, its end
+    published and answered."""
+
+    def __init__(self, worker: Worker, ender: TurnEnder) -> None:
+        self.worker = worker
+        self.ender = ender
+
+    async def __call__(self, finished: Finished) -> None:
+        self.worker.interrupt(finished.agent_id, finished.agent_turn_id)
+        await self.ender.after(finished)
+
+
+class AgentRuntime:
+    """Store + worker + watchdog + event bus for a set of agent profiles: the intake the
+    pump's handlers call and the loop that runs the Turns, over the parts it is given."""
+
+    def __init__(self, parts: RuntimeParts) -> None:
+        self.parts = parts
+        self.store = parts.store
+        self.budgets = parts.budgets
+        self.tools = parts.tools
+        self.retryable_tools = parts.retryable_tools
         #: (agent, caller thread) → forked conversation, until that task is enqueued.
         self._forks: dict[tuple[str, str | None], str] = {}
         #: What a shared store does with a dead process's suspended Turns' calls, handed
@@ -119,87 +146,19 @@ class AgentRuntime:
         #: only needs this while the runtime runs it). Without retryable tools the store
         #: reports them all lost itself.
         self._takeover: LostCalls | None = self.lost_calls if self.retryable_tools else None
-        self.profiles = dict(profiles)
-        self.settings = settings
-        self.clock = clock or SystemClock()
-        self.events = events or EventBus()
-        self.doorbell = Doorbell()
-        #: The replies sent, marked so in batches (its flusher runs with the runtime).
-        self.sent_marks = SentMarks(store)
-        self.ender = TurnEnder(
-            store,
-            self.profiles,
-            replies,
-            self.events,
-            self.doorbell,
-            settings.reply_max_attempts,
-            self.sent_marks,
-        )
-        self.approvals = Approvals(
-            store,
-            self.clock,
-            self.doorbell,
-            send=send_approval,
-            interval_s=settings.watchdog_interval_s,
-            events=self.events,
-        )
-        #: Fences and finishes the Turns the worker runs (its parts share it).
-        self.hold = TurnHold(self.ender, tracing or Tracing())
-        self.worker = Worker(
-            hold=self.hold,
-            llm=llm,
-            tools=tools,
-            clock=self.clock,
-            settings=settings,
-            approvals=self.approvals,
-            budgets=budgets,
-        )
-        self.watchdog = Watchdog(ender=self.ender, settings=settings, budgets=budgets)
-        #: Approvers that are listeners (their requests are sent again after a restart).
-        self.listener_approvers = listener_approvers
-        #: Fires schedules (boot.xml's ``<schedules>`` and those made at run time).
-        self.scheduler = Scheduler(
-            store, self.profiles, self.clock, self.doorbell, self._ended, declared=schedules
-        )
-
-    @classmethod
-    def open(
-        cls,
-        settings: StoreSettings,
-        profiles: Mapping[str, AgentProfile],
-        *,
-        llm: LLMPort,
-        tools: ToolPort,
-        replies: ReplyPort,
-        clock: Clock | None = None,
-        tracing: Tracing | None = None,
-        send_approval: SendApproval | None = None,
-        listener_approvers: tuple[str, ...] = (),
-        retryable_tools: Collection[str] = (),
-        schedules: Sequence[ScheduleSpec] = (),
-    ) -> AgentRuntime:
-        """Open the store (created/migrated) and wire everything: the PostgreSQL database
-        of ``settings.url`` if set, else the SQLite file at ``settings.path``.
-        ``send_approval`` delivers approval requests (None: they wait in the store);
-        ``listener_approvers`` are the approvers that are listeners (their requests are
-        sent again after a restart); ``retryable_tools`` the listeners whose calls a restart
-        interrupted are sent again (``idempotent``)."""
-        clock = clock or SystemClock()
-        store = open_agent_store(settings, profiles, clock=clock)
-        return cls(
-            store=store,
-            profiles=profiles,
-            llm=llm,
-            tools=tools,
-            replies=replies,
-            settings=settings,
-            clock=clock,
-            tracing=tracing,
-            send_approval=send_approval,
-            listener_approvers=listener_approvers,
-            retryable_tools=retryable_tools,
-            schedules=schedules,
-        )
+        self.profiles = parts.profiles
+        self.settings = parts.settings
+        self.clock = parts.clock
+        self.events = parts.events
+        self.doorbell = parts.doorbell
+        self.sent_marks = parts.sent_marks
+        self.ender = parts.ender
+        self.approvals = parts.approvals
+        self.hold = parts.hold
+        self.worker = parts.worker
+        self.watchdog = parts.watchdog
+        self.listener_approvers = parts.listener_approvers
+        self.scheduler = parts.scheduler
 
     # -- intake (from the pump handlers) ---------------------------------------------
     async def enqueue(
@@ -367,12 +326,6 @@ class AgentRuntime:
             ended=lambda f: self.worker.interrupt(f.agent_id, f.agent_turn_id),
         )
         return finished is not None
-
-    async def _ended(self, finished: Finished) -> None:
-        """A Turn ended from outside its run (a schedule's cancel-other): this process's
-        run of it is cancelled with its model call, its end published and answered."""
-        self.worker.interrupt(finished.agent_id, finished.agent_turn_id)
-        await self.ender.after(finished)
 
     # -- running ------------------------------------------------------------------------
     async def recover(self) -> None:

@@ -41,6 +41,7 @@ from agentserver.agents.service import (
     worst_price,
 )
 from agentserver.agents.turn.answer import takes_failure_status
+from agentserver.app.runtime_parts import runtime_parts
 from agentserver.config.topology import Topology
 from agentserver.core.access import AccessRule
 from agentserver.llm.grammars import agent_grammar
@@ -183,22 +184,24 @@ async def build_agents(
             store, clock, topology.budgets, price=worst_price(topology.llm), events=events
         )
     runtime = AgentRuntime(
-        store=store,
-        profiles=profiles,
-        settings=settings,
-        clock=clock,
-        llm=llm_port,
-        tools=ports,
-        replies=ports,
-        tracing=tracing,
-        send_approval=ports.send_approval,
-        listener_approvers=listener_approvers(profiles, clients),
-        # Listeners whose steps may be retried: their calls a restart interrupted are
-        # sent again (``idempotent``).
-        retryable_tools=[s.name for s in topology.listeners if s.idempotent],
-        events=events,
-        budgets=budgets,
-        schedules=topology.schedules,
+        runtime_parts(
+            store=store,
+            profiles=profiles,
+            settings=settings,
+            clock=clock,
+            llm=llm_port,
+            tools=ports,
+            replies=ports,
+            tracing=tracing,
+            send_approval=ports.send_approval,
+            listener_approvers=listener_approvers(profiles, clients),
+            # Listeners whose steps may be retried: their calls a restart interrupted are
+            # sent again (``idempotent``).
+            retryable_tools=[s.name for s in topology.listeners if s.idempotent],
+            events=events,
+            budgets=budgets,
+            schedules=topology.schedules,
+        )
     )
     helpers: list[Helper] = []
     if metrics is not None:

@@ -44,6 +44,7 @@ from agentserver.agents.runtime import AgentRuntime, open_agent_store
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
 from agentserver.app.agents import build_profiles
 from agentserver.app.builtins import RunContext, build_listener_set
+from agentserver.app.runtime_parts import runtime_parts
 from agentserver.config import loader as boot
 from agentserver.config.topology import Topology
 from agentserver.core.envelope import build_envelope
@@ -198,13 +199,15 @@ async def _run(
                 send, results = trio.open_memory_channel[RecordedResult](math.inf)
                 tools = RecordedTools(record, ports, ports, send, live=live_tools)
                 runtime = AgentRuntime(
-                    store=scratch,
-                    profiles=profiles,
-                    llm=llm,
-                    tools=tools,
-                    replies=ports,
-                    settings=settings,
-                    clock=clock,
+                    runtime_parts(
+                        store=scratch,
+                        profiles=profiles,
+                        llm=llm,
+                        tools=tools,
+                        replies=ports,
+                        settings=settings,
+                        clock=clock,
+                    )
                 )
 
                 nursery.start_soon(_report, results, runtime)

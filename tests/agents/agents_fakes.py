@@ -19,6 +19,7 @@ from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.reading.parsing import make_huh
 from agentserver.agents.runtime import AgentRuntime
+from agentserver.app.runtime_parts import open_runtime
 from agentserver.core.errors import HuhReason
 
 ASSISTANT_NS = "urn:agentserver:assistant"
@@ -166,5 +167,5 @@ def make_harness(
     replies = FakeReplies()
     profiles = profiles or {"assistant": profile()}
     cfg = StoreSettings(path=path / "agents.sqlite3", **settings)
-    rt = AgentRuntime.open(cfg, profiles, llm=llm, tools=tools, replies=replies, clock=clock)
+    rt = open_runtime(cfg, profiles, llm=llm, tools=tools, replies=replies, clock=clock)
     return Harness(rt, llm, tools, replies, clock, rt.events.subscribe())

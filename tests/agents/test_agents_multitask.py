@@ -25,6 +25,7 @@ from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore
 from agentserver.agents.turn.memory import SPEAKS_FOR, conversation_key
+from agentserver.app.runtime_parts import runtime_parts
 
 ALICE = {"client": "alice"}
 
@@ -56,13 +57,15 @@ def runtime(store: AgentStore, settings: StoreSettings, clock: ManualClock, **kw
         "assistant": profile(llm_timeout_s=LLM_TIMEOUT, memory="client", **kw)
     }
     rt = AgentRuntime(
-        store=store,
-        profiles=profiles,
-        llm=llm,
-        tools=tools,
-        replies=replies,
-        settings=settings,
-        clock=clock,
+        runtime_parts(
+            store=store,
+            profiles=profiles,
+            llm=llm,
+            tools=tools,
+            replies=replies,
+            settings=settings,
+            clock=clock,
+        )
     )
     return Side(rt, llm, tools, replies)
 

@@ -14,6 +14,7 @@ from agentserver.agents.ports import LLMCompletion, LLMRequest, LLMUsage
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
+from agentserver.app.runtime_parts import runtime_parts
 from agentserver.core.envelope import build_envelope
 from agentserver.core.listener import HandlerResponse, Listener
 from agentserver.pump.pump import open_pump
@@ -84,13 +85,15 @@ async def test_task_through_pump_calls_tools_iterates_and_answers_once(tmp_path)
         store = open_agent_store(settings, profiles, clock=clock)
         ports = PumpPorts(pump, store=store)
         return AgentRuntime(
-            store=store,
-            profiles=profiles,
-            settings=settings,
-            clock=clock,
-            llm=llm,
-            tools=ports,
-            replies=ports,
+            runtime_parts(
+                store=store,
+                profiles=profiles,
+                settings=settings,
+                clock=clock,
+                llm=llm,
+                tools=ports,
+                replies=ports,
+            )
         )
 
     async def assistant(payload, meta):

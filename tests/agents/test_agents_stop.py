@@ -24,6 +24,7 @@ from agentserver.agents.ports import LLMCompletion, LLMRequest, LLMUsage
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore
+from agentserver.app.runtime_parts import runtime_parts
 from agentserver.console.operator import Operator
 
 LLM_TIMEOUT = 300.0
@@ -108,13 +109,15 @@ async def parts(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[Parts
         store = await opened if inspect.isawaitable(opened) else opened
     llm, tools, replies = HangingLLM(), FakeTools(), Replies()
     rt = AgentRuntime(
-        store=store,
-        profiles={"assistant": profile(llm_timeout_s=LLM_TIMEOUT)},
-        llm=llm,
-        tools=tools,
-        replies=replies,
-        settings=settings,
-        clock=clock,
+        runtime_parts(
+            store=store,
+            profiles={"assistant": profile(llm_timeout_s=LLM_TIMEOUT)},
+            llm=llm,
+            tools=tools,
+            replies=replies,
+            settings=settings,
+            clock=clock,
+        )
     )
     try:
         await rt.recover()
@@ -237,13 +240,15 @@ async def test_a_stop_taken_by_another_process_cancels_the_model_call_here(
             store = PostgresAgentStore.open(url, clock=clock, settings=settings)
             llm, tools, replies = HangingLLM(), FakeTools(), Replies()
             rt = AgentRuntime(
-                store=store,
-                profiles=profiles,
-                llm=llm,
-                tools=tools,
-                replies=replies,
-                settings=settings,
-                clock=clock,
+                runtime_parts(
+                    store=store,
+                    profiles=profiles,
+                    llm=llm,
+                    tools=tools,
+                    replies=replies,
+                    settings=settings,
+                    clock=clock,
+                )
             )
             runtimes.append(rt)
             sides.append(Parts(rt, llm, tools, replies))

@@ -505,6 +505,7 @@ def budgeted_runtime(tmp_path, limit: int):
     from agents_fakes import FakeReplies, FakeTools, profile
 
     from agentserver.agents.runtime import AgentRuntime, open_agent_store
+    from agentserver.app.runtime_parts import runtime_parts
 
     clock = ManualClock(NOON)
     settings = StoreSettings(path=tmp_path / "agents.sqlite3")
@@ -516,15 +517,17 @@ def budgeted_runtime(tmp_path, limit: int):
     )
     llm, tools, replies = CostlyLLM(), FakeTools(), FakeReplies()
     rt = AgentRuntime(
-        store=store,
-        profiles=profiles,
-        llm=llm,
-        tools=tools,
-        replies=replies,
-        settings=settings,
-        clock=clock,
-        events=events,
-        budgets=budgets,
+        runtime_parts(
+            store=store,
+            profiles=profiles,
+            llm=llm,
+            tools=tools,
+            replies=replies,
+            settings=settings,
+            clock=clock,
+            events=events,
+            budgets=budgets,
+        )
     )
     return rt, llm, tools, replies
 

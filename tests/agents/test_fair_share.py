@@ -75,6 +75,7 @@ async def test_fair_share_on_postgresql(tmp_path, pg_url):
     from agentserver.agents.profile.settings import StoreSettings
     from agentserver.agents.runtime import AgentRuntime
     from agentserver.agents.store.pg.store import PostgresAgentStore
+    from agentserver.app.runtime_parts import runtime_parts
 
     settings = StoreSettings(url=pg_url, fair_weights=(("flood", 1.0),))
     clock = ManualClock()
@@ -82,13 +83,15 @@ async def test_fair_share_on_postgresql(tmp_path, pg_url):
     store = await opened if inspect.isawaitable(opened) else opened
     replies = FakeReplies()
     rt = AgentRuntime(
-        store=store,
-        profiles={"assistant": profile()},
-        llm=ScriptedLLM(echo),
-        tools=FakeTools(),
-        replies=replies,
-        settings=settings,
-        clock=clock,
+        runtime_parts(
+            store=store,
+            profiles={"assistant": profile()},
+            llm=ScriptedLLM(echo),
+            tools=FakeTools(),
+            replies=replies,
+            settings=settings,
+            clock=clock,
+        )
     )
     try:
         for i in range(10):

@@ -23,6 +23,7 @@ from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore
 from agentserver.agents.turn.scheduler import run_ref
+from agentserver.app.runtime_parts import runtime_parts
 
 START = 1_800_000_000.0  # a whole second
 
@@ -61,14 +62,18 @@ async def open_store(kind: str, request, tmp_path, clock) -> AgentStore:
 
 def make(store: AgentStore, clock, llm=None, schedules=(), tmp_path=None) -> AgentRuntime:
     return AgentRuntime(
-        store=store,
-        profiles={"assistant": profile()},
-        llm=llm or ScriptedLLM(lambda r: "done"),
-        tools=FakeTools(),
-        replies=Replies(),
-        settings=StoreSettings(path=tmp_path / "agents.sqlite3") if tmp_path else StoreSettings(),
-        clock=clock,
-        schedules=schedules,
+        runtime_parts(
+            store=store,
+            profiles={"assistant": profile()},
+            llm=llm or ScriptedLLM(lambda r: "done"),
+            tools=FakeTools(),
+            replies=Replies(),
+            settings=StoreSettings(path=tmp_path / "agents.sqlite3")
+            if tmp_path
+            else StoreSettings(),
+            clock=clock,
+            schedules=schedules,
+        )
     )
 
 
