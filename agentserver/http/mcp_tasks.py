@@ -45,6 +45,7 @@ from agentserver.core.handshake import Identity
 from agentserver.core.namespaces import CORE_NS
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
+from agentserver.http.sendonce import until_found
 from agentserver.net.roles import OperatorCommands
 from agentserver.primitives.approval import NS as APPROVAL_NS
 from agentserver.primitives.approval import ApprovalDecision
@@ -216,15 +217,9 @@ async def send(door: TurnDoor, identity: Identity, listener: str, payload: etree
 async def until_known(door: TurnDoor, thread: str) -> Snapshot | None:
     """The task once the store knows it (bounded by DURABLE_WAIT; None if it never
     does)."""
-    delay = POLL_MIN
-    with trio.move_on_after(DURABLE_WAIT):
-        while True:
-            snap = await read(door, thread)
-            if snap is not None:
-                return snap
-            await trio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX)
-    return None
+    return await until_found(
+        lambda: read(door, thread), DURABLE_WAIT, first=POLL_MIN, longest=POLL_MAX
+    )
 
 
 async def wait(door: TurnDoor, thread: str, *, stop_asking: bool) -> Snapshot | None:

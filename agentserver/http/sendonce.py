@@ -19,8 +19,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import trio
+
+T = TypeVar("T")
 
 #: How long a send waits for the store to hold its task (seconds): the pump delivers it
 #: to its agent after the send returns, in a few milliseconds unless the agent's queue is
@@ -56,16 +59,33 @@ class SendOnce:
         return len(self._locks)
 
 
-async def until_stored(stored: Callable[[], Awaitable[bool]], wait: float = STORED_WAIT) -> bool:
-    """Look at the store (``stored``) until it says yes, at most ``wait`` seconds, the
-    gaps growing from :data:`FIRST_POLL` to :data:`LONGEST_POLL`. Polled, not told: the
-    store is the truth, and another process may be the one that writes it. False: not
-    within ``wait``."""
-    gap = FIRST_POLL
+async def until_found(
+    look: Callable[[], Awaitable[T | None]],
+    wait: float = STORED_WAIT,
+    *,
+    first: float = FIRST_POLL,
+    longest: float = LONGEST_POLL,
+) -> T | None:
+    """Look at the store (``look``) until it finds something, at most ``wait`` seconds,
+    the gaps growing from ``first`` to ``longest``; what it found (None: not within
+    ``wait``). Polled, not told: the store is the truth, and another process may be the
+    one that writes it."""
+    gap = first
     with trio.move_on_after(wait):
         while True:
-            if await stored():
-                return True
+            found = await look()
+            if found is not None:
+                return found
             await trio.sleep(gap)
-            gap = min(gap * 2, LONGEST_POLL)
-    return False
+            gap = min(gap * 2, longest)
+    return None
+
+
+async def until_stored(stored: Callable[[], Awaitable[bool]], wait: float = STORED_WAIT) -> bool:
+    """:func:`until_found` for a yes-or-no look (``stored``): False when not within
+    ``wait``."""
+
+    async def look() -> bool | None:
+        return True if await stored() else None
+
+    return await until_found(look, wait) is not None
