@@ -498,3 +498,30 @@ async def test_each_model_step_carries_the_agents_reply_grammar(tmp_path):
     await h.rt.enqueue("assistant", task("first"), {"thread": "t1"})
     await h.pump()
     assert h.llm.requests and all(r.grammar == "root ::= [a]" for r in h.llm.requests)
+
+
+async def test_a_broken_task_is_answered_failed_only_where_its_reference_says(tmp_path):
+    """A task that cannot start (its payload not XML) ends failed, answered to its
+    caller; one whose reply reference is unreadable too ends failed unanswered (there is
+    nowhere to send it), and the agent goes on with its next task."""
+    h = make_harness(tmp_path, lambda req: "done")
+    await h.rt.enqueue("assistant", task("first"), {"thread": "t1"})
+    await h.rt.enqueue("assistant", task("second"), {"thread": "t2"})
+    await h.rt.enqueue("assistant", task("third"), {"thread": "t3"})
+    h.rt.store._db.execute(  # type: ignore[attr-defined]
+        "UPDATE agent_inbox SET payload = ? WHERE seq = 1", (b"<not-xml",)
+    )
+    h.rt.store._db.execute(  # type: ignore[attr-defined]
+        "UPDATE agent_inbox SET payload = ?, reply_ref = 'not json' WHERE seq = 2", (b"<x",)
+    )
+    for _ in range(3):
+        await h.pump()
+    answered = [(ref, failed) for ref, _, failed, _ in h.replies.sent]
+    assert answered == [({"thread": "t1"}, True), ({"thread": "t3"}, False)], h.replies.sent
+    assert h.sql("SELECT status FROM agent_inbox ORDER BY seq") == [("error",)] * 2 + [
+        ("consumed",)
+    ]
+    # No answer is kept for the unreadable one (it could never be sent): one per task
+    # answered.
+    assert h.sql("SELECT count(*) FROM agent_replies") == [(2,)]
+    await h.rt.store.aclose()

@@ -338,13 +338,13 @@ class Worker:
     async def _start(self, row: InboxRow) -> bool:
         profile = self.profiles.get(row.agent_id)
         problem = "no such agent" if profile is None else task_problem(row)
-        try:
-            json.loads(row.reply_ref_json or "")
-            ref_ok = True
-        except ValueError:
-            ref_ok = False
         if problem is not None:
-            reply = answer_bytes(profile, problem, failed=True) if profile and ref_ok else None
+            # A failed task is answered only if its reference can say where to.
+            reply = (
+                answer_bytes(profile, problem, failed=True)
+                if profile and _readable(row.reply_ref_json)
+                else None
+            )
             fin = await self.store.fail_turn_row(row, problem, reply)
             if fin is not None:
                 await self.ender.after(fin)
@@ -622,3 +622,12 @@ def _submitted(decision: Submit, profile: AgentProfile) -> Answer:
 def _text(value: object) -> str | None:
     """A reply reference's entry read for logs and traces: a string, or None."""
     return value if isinstance(value, str) else None
+
+
+def _readable(ref_json: str | None) -> bool:
+    """Whether a stored reply reference is JSON at all."""
+    try:
+        json.loads(ref_json or "")
+    except ValueError:
+        return False
+    return True
