@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import trio
@@ -98,6 +99,28 @@ def test_limits_listen_and_clients_are_read(tmp_path):
     assert topo.limits.read_timeout == 0.5
     (client,) = topo.clients
     assert (client.name, client.token_env, client.may_address) == ("ann", "ANN_TOKEN", ("echo",))
+
+
+def test_every_limit_is_read_from_its_attribute(tmp_path):
+    # Each Limits field has its own line in the reader: one left out would keep its
+    # default whatever boot.xml says.
+    defaults = Limits()
+    wanted = {}
+    for field in dataclasses.fields(Limits):
+        value = getattr(defaults, field.name)
+        wanted[field.name] = value + 3 if isinstance(value, int) else value + 1.5
+    wanted["max_message_bytes"] = defaults.max_message_bytes - 3  # at most 2**32 - 1
+    attributes = " ".join(f'{name.replace("_", "-")}="{value}"' for name, value in wanted.items())
+    path = write(
+        tmp_path,
+        f"""\
+        <limits {attributes}/>
+        <listeners><listener name="echo" handler="echo"/></listeners>
+        """,
+    )
+    result = boot.load(path)
+    assert result.ok, result.problems
+    assert dataclasses.asdict(result.topology.limits) == wanted
 
 
 def test_frame_limit_beyond_a_4_byte_length_is_refused_by_check(tmp_path):

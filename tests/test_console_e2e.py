@@ -7,6 +7,8 @@ import sys
 
 from serverproc import DATA, REPO, ServerProcess, cli, outside_checkout, scratch_dir
 
+from agentserver.console.commands import HELP
+
 SCRIPT = (
     b'@echo <ping xmlns="urn:agentserver:echo"><text>hi</text></ping>\n'
     b'@calculator <add xmlns="urn:agentserver:calculator"><a>20</a><b>22</b></add>\n'
@@ -56,8 +58,13 @@ def test_console_over_the_socket():
         )
         assert out[1:] == TRANSCRIPT
         # The server is still fine and the console's end did not stop it.
-        again = cli("console", "--connect", f"{server.host}:{server.port}", input=b"/listeners\n")
+        again = cli(
+            "console", "--connect", f"{server.host}:{server.port}", input=b"/listeners\n/help\n"
+        )
         assert again.returncode == 0 and "@echo:" in again.stdout.decode()
+        # /help: the server's commands, then those this console carries out itself.
+        lines = again.stdout.decode().splitlines()
+        assert "Commands:" in lines and lines[-len(HELP) - 1 :] == [*HELP, "bye"]
     finally:
         assert server.stop() == 0
 

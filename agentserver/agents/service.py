@@ -30,7 +30,11 @@ from agentserver.agents.errors import LLMUnavailable
 from agentserver.agents.governance.budgets import Budgets, WorstPrice
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import AgentProfile
-from agentserver.agents.profile.retention import AgentRetention, RetentionSettings
+from agentserver.agents.profile.retention import (
+    AgentRetention,
+    HasRetention,
+    RetentionSettings,
+)
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.sql_store import SqlAgentStore
@@ -154,7 +158,7 @@ async def open_llm(
 
 
 def effective_retention(
-    store: StoreSettings, profiles: Mapping[str, AgentProfile]
+    store: StoreSettings, profiles: Mapping[str, HasRetention]
 ) -> RetentionSettings | None:
     """The retention the pruner applies: ``<store><retention>`` with each agent's
     ``<retention>`` over it; an agent's alone switches it on for that agent only (the

@@ -189,8 +189,8 @@ def build_listener_set(topology: Topology, ctx: RunContext) -> ListenerSet:
 
             if mcp_hub is None:
                 mcp_hub = McpHub(topology.mcp)
-            ref = spec.mcp_tool
-            handler = mcp_hub.handler_for(ref.server, ref.tool, spec.name, ref.shape)
+            tool = spec.mcp_tool
+            handler = mcp_hub.handler_for(tool.server, tool.tool, spec.name, tool.shape)
         elif spec.a2a_skill is not None:
             # A remote A2A agent's skill: the SDK's client calls it.
             from agentserver.remote.a2a_client import A2aRemotes
@@ -200,8 +200,8 @@ def build_listener_set(topology: Topology, ctx: RunContext) -> ListenerSet:
                 # (root.py hands it over once they run).
                 durable = any(s.agent for s in topology.listeners)
                 a2a_remotes = A2aRemotes(topology.a2a, durable=durable)
-            ref = spec.a2a_skill
-            handler = a2a_remotes.handler_for(ref.remote, ref.skill, spec.name, ref.shape)
+            skill = spec.a2a_skill
+            handler = a2a_remotes.handler_for(skill.remote, skill.skill, spec.name, skill.shape)
         elif spec.remote:
             # Served by runners over the wire: the hub's handler sends each delivery as a
             # job and returns the runner's reply (agentserver.remote.hub).

@@ -8,7 +8,7 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import trio
@@ -47,9 +47,17 @@ T = TypeVar("T")
 
 
 class Subcommands(Protocol):
-    """Where a command module adds its subcommands (argparse's subparsers action)."""
+    """Where a command module adds its subcommands (argparse's subparsers action), with the
+    keywords the commands pass."""
 
-    def add_parser(self, name: str, **kwargs: object) -> argparse.ArgumentParser: ...
+    def add_parser(
+        self,
+        name: str,
+        *,
+        help: str | None = ...,
+        description: str | None = ...,
+        parents: Sequence[argparse.ArgumentParser] = ...,
+    ) -> argparse.ArgumentParser: ...
 
 
 def plural(count: int, word: str, many: str | None = None) -> str:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import gc
 import logging
 import os
 import pathlib
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import trio
@@ -33,6 +32,7 @@ from agentserver.config.bundled import BOOT_XML
 from agentserver.config.topology import Topology
 
 if TYPE_CHECKING:
+    from agentserver.agents.events import EventBus
     from agentserver.config.problems import LoadResult
 from agentserver.core.errors import CannotListen, ConfigurationError
 from agentserver.observability.logs import announce
@@ -116,7 +116,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, json_logs: bool) -> int:
     from agentserver.app.builtins import RunContext, console_listener_names
     from agentserver.app.root import ServeOptions, run_server
-    from agentserver.console.terminal import logs_above_prompt, make_terminal
+    from agentserver.console.terminal import PromptTerminal, logs_above_prompt, make_terminal
 
     name, result = load_boot_for_run(args.boot)
     topology = result.topology
@@ -161,11 +161,16 @@ def _run(args: argparse.Namespace, json_logs: bool) -> int:
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_signals, shutdown, nursery.cancel_scope, terminal)
-            on_agent_events = None
-            if hasattr(terminal, "chunk"):
+            on_agent_events: Callable[[EventBus], None] | None = None
+            if isinstance(terminal, PromptTerminal):  # it shows streamed text
                 from agentserver.console.terminal import show_chunks
 
-                on_agent_events = functools.partial(nursery.start_soon, show_chunks, terminal)
+                prompt = terminal
+
+                def show_agent_chunks(bus: EventBus) -> None:
+                    nursery.start_soon(show_chunks, prompt, bus)
+
+                on_agent_events = show_agent_chunks
             await run_server(
                 topology,
                 options,

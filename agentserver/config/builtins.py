@@ -13,6 +13,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TypedDict
+
+
+class Tuning(TypedDict, total=False):
+    """The listener settings a built-in handler defaults to: keywords of both
+    :class:`~agentserver.config.topology.ListenerSpec` and the pump's ``Listener``."""
+
+    raw: bool
+    concurrency: int
+    timeout: float
+    queue_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +33,7 @@ class BuiltinHandler:
 
     accepts: tuple[str, ...]
     responds: tuple[str, ...] = ()
-    defaults: Mapping[str, bool | int | float] = field(default_factory=dict)
+    defaults: Tuning = field(default_factory=Tuning)
     summary: str = ""
 
 

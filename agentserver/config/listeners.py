@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import pathlib
-from collections.abc import Mapping
 
 from lxml import etree
 from pydantic_xml import BaseXmlModel
@@ -16,7 +15,7 @@ from pydantic_xml import BaseXmlModel
 from agentserver.agents.errors import AgentConfigError
 from agentserver.agents.profile.config import agent_settings_from_element
 from agentserver.config.a2a_remote import A2aRemoteReader
-from agentserver.config.builtins import BUILTIN_HANDLERS, BUILTIN_PAYLOADS
+from agentserver.config.builtins import BUILTIN_HANDLERS, BUILTIN_PAYLOADS, Tuning
 from agentserver.config.governance import read_governance
 from agentserver.config.imports import B, Resolver, Unresolved, flag, resolve_import
 from agentserver.config.mcp import McpReader
@@ -33,6 +32,16 @@ from agentserver.primitives.approval import ApprovalAck, ApprovalDecision
 from agentserver.primitives.core import Boot
 
 IMPLICIT_BOOT_NAME = "system-boot"
+
+
+class SpecTuning(Tuning, total=False):
+    """A built-in's :class:`Tuning` with what boot.xml sets over it, as keywords of
+    :class:`ListenerSpec` (left out: the spec's default)."""
+
+    remote: bool
+    idempotent: bool
+    step_timeout: float
+    retries: int
 
 
 def builtin_models(refs: tuple[str, ...]) -> tuple[type[BaseXmlModel], ...]:
@@ -181,7 +190,7 @@ class ListenerReader:
         ref = el.get("handler", "")
         builtin_name: str | None = None
         handler = None
-        defaults: Mapping[str, bool | int | float] = {}
+        defaults = Tuning()
         accepts: list[type[BaseXmlModel]] = []
         responds: list[type[BaseXmlModel]] = []
         remote = flag(el, "remote")
@@ -275,7 +284,7 @@ class ListenerReader:
                 "never answers its caller)",
             )
         # The built-in's tuning, then what the file sets; ListenerSpec has the defaults.
-        tuning: dict[str, bool | int | float] = dict(defaults)
+        tuning = SpecTuning(**defaults)
         if (value := el.get("concurrency")) is not None:
             tuning["concurrency"] = int(value)
         if (value := el.get("timeout")) is not None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from lxml import etree
 
@@ -43,9 +43,10 @@ from agentserver.config.mcp import McpReader, check_exposed
 from agentserver.config.problems import BootError, LoadResult, Problem, Report, pretty
 from agentserver.config.schedules import read_schedules
 from agentserver.config.sections import SectionReader
-from agentserver.config.topology import DEFAULT_HOST, DEFAULT_PORT, Topology
+from agentserver.config.topology import DEFAULT_HOST, DEFAULT_PORT, ListenerSpec, Topology
 from agentserver.core.schemas_export import schema_path
 from agentserver.core.xmlsafe import make_parser
+from agentserver.llm.config import RouterConfig
 
 __all__ = [
     "IMPLICIT_BOOT_NAME",
@@ -148,7 +149,7 @@ class _Loader:
             return None
         return root
 
-    def check_grammars(self, listeners, llm) -> None:
+    def check_grammars(self, listeners: Sequence[ListenerSpec], llm: RouterConfig) -> None:
         """An agent on a constraining local backend: its peers' XSDs must make a reply
         grammar (agentserver/llm/grammars.py); what cannot is an error naming it."""
         from agentserver.agents.governance.approvals import DECISION_TAG, REQUEST_TAG
@@ -192,7 +193,9 @@ class _Loader:
         host = listen.get("host", DEFAULT_HOST) if listen is not None else DEFAULT_HOST
         port = int(listen.get("port", DEFAULT_PORT)) if listen is not None else DEFAULT_PORT
         limits = sections.limits(root.find(B + "limits"))
-        listeners = readers.read(root.find(B + "listeners"))
+        listeners_el = root.find(B + "listeners")
+        assert listeners_el is not None  # boot.xsd requires it; load() validated root
+        listeners = readers.read(listeners_el)
         tls_el = root.find(B + "tls")
         tls = access.tls(tls_el) if tls_el is not None else None
         clients = access.clients(

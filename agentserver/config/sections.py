@@ -62,15 +62,29 @@ class SectionReader:
     def limits(self, el: etree._Element | None) -> Limits:
         if el is None:
             return Limits()
-        values: dict[str, int | float] = {}
-        defaults = Limits()
-        for name in Limits.__slots__:
-            raw = el.get(name.replace("_", "-"))
-            if raw is not None:
-                kind = type(getattr(defaults, name))
-                # The schema made it an integer or a duration: int() keeps every digit.
-                values[name] = int(raw) if kind is int else parse_duration(raw)
-        limits = Limits(**values)
+        d = Limits()
+        # One keyword per field, so each is typed (tests/test_boot_load.py checks all are
+        # read). The schema made each an integer or a duration: int() keeps every digit.
+        limits = Limits(
+            max_connections=_count(el, "max-connections", d.max_connections),
+            max_inflight=_count(el, "max-inflight", d.max_inflight),
+            max_inflight_bytes=_count(el, "max-inflight-bytes", d.max_inflight_bytes),
+            inflight_ttl=_seconds(el, "inflight-ttl", d.inflight_ttl),
+            outgoing_buffer=_count(el, "outgoing-buffer", d.outgoing_buffer),
+            outgoing_buffer_bytes=_count(el, "outgoing-buffer-bytes", d.outgoing_buffer_bytes),
+            max_message_bytes=_count(el, "max-message-bytes", d.max_message_bytes),
+            read_timeout=_seconds(el, "read-timeout", d.read_timeout),
+            write_timeout=_seconds(el, "write-timeout", d.write_timeout),
+            hello_timeout=_seconds(el, "hello-timeout", d.hello_timeout),
+            idle_timeout=_seconds(el, "idle-timeout", d.idle_timeout),
+            drain_timeout=_seconds(el, "drain-timeout", d.drain_timeout),
+            delivery_timeout=_seconds(el, "delivery-timeout", d.delivery_timeout),
+            max_threads=_count(el, "max-threads", d.max_threads),
+            max_threads_per_connection=_count(
+                el, "max-threads-per-connection", d.max_threads_per_connection
+            ),
+            thread_ttl=_seconds(el, "thread-ttl", d.thread_ttl),
+        )
         if limits.outgoing_buffer < limits.max_inflight:
             self.warn(
                 el.sourceline,
@@ -119,6 +133,12 @@ class SectionReader:
                 f"is the SQLite file {settings.path}",
             )
         return settings
+
+
+def _count(el: etree._Element, attr: str, default: int) -> int:
+    """An integer attribute (schema-valid, so it parses), or ``default``."""
+    raw = el.get(attr)
+    return default if raw is None else int(raw)
 
 
 def _seconds(el: etree._Element, attr: str, default: float) -> float:

@@ -31,6 +31,7 @@ from agentserver.core.access import AccessRule
 from agentserver.core.envelope import MESSAGE, encode
 from agentserver.core.errors import HuhReason, InputRefused
 from agentserver.core.namespaces import CORE_NS
+from agentserver.core.payloads import model_tree
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.primitives.core import Outcome, huh
@@ -117,8 +118,8 @@ class Operator:
         runtime = self.runtime
         if runtime is None or command.agent not in runtime.profiles:
             log.info("operator %s: %s of unknown agent %r", sender, command.verb, command.agent)
-            refusal = huh(HuhReason.INVALID_PAYLOAD, frame)
-            return encode("system", sender, command.reply_thread, refusal)
+            unknown = huh(HuhReason.INVALID_PAYLOAD, frame)
+            return encode("system", sender, command.reply_thread, unknown)
         if not operator and not await self._owns(runtime, command, client):
             count = 0
         elif command.verb == "stop":
@@ -134,7 +135,7 @@ class Operator:
             count,
         )
         outcome = Outcome(command=command.verb, agent=command.agent, count=count)
-        return encode("system", sender, command.reply_thread, outcome.to_xml_tree())
+        return encode("system", sender, command.reply_thread, model_tree(outcome))
 
     async def _owns(self, runtime: AgentRuntime, command: Command, client: str | None) -> bool:
         """Whether non-operator ``client`` may carry out ``command``: the task on its

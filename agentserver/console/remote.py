@@ -22,6 +22,7 @@ from lxml import etree
 from agentserver.config.builtins import BUILTIN_HANDLERS
 from agentserver.console.commands import HELP, carry_out, parse_line
 from agentserver.core.listener import HandlerMetadata, HandlerResponse, Listener
+from agentserver.core.payloads import model_from_tree
 from agentserver.listeners.console import NS as CONSOLE_NS
 from agentserver.listeners.console import Console, Input, Prompt, Terminal
 from agentserver.listeners.console_approvals import render_request
@@ -60,29 +61,25 @@ class Bridge:
         if command is not None:
             lines = await carry_out(self._client, command, reply_timeout=self._timeout)
             return HandlerResponse.respond(Prompt(lines=lines))
+        prompt = await self._relay(payload)
         if line.strip() == "/help":
-            reply = await self._relay(payload)
-            reply.payload.lines.extend(HELP)
-            return reply
-        return await self._relay(payload)
+            prompt.lines.extend(HELP)
+        return HandlerResponse.respond(prompt)
 
-    async def _relay(self, payload: etree._Element) -> HandlerResponse:
+    async def _relay(self, payload: etree._Element) -> Prompt:
+        """The prompt that answers ``payload``: the server's, or a readable error."""
         if not self._router:
-            return HandlerResponse.respond(Prompt(lines=[f"error: {NO_ROUTER}"]))
+            return Prompt(lines=[f"error: {NO_ROUTER}"])
         try:
             # Relayed by root tag: whichever server listener takes console <input>.
             reply = await self._client.request(copy.deepcopy(payload), timeout=self._timeout)
         except RequestTimeout:
-            return HandlerResponse.respond(
-                Prompt(lines=[f"error: the server did not answer within {self._timeout:g} s"])
-            )
+            return Prompt(lines=[f"error: the server did not answer within {self._timeout:g} s"])
         except ClientError as exc:
-            return HandlerResponse.respond(Prompt(lines=[f"error: {exc}"]))
+            return Prompt(lines=[f"error: {exc}"])
         if reply.payload.tag == PROMPT_TAG:
-            return HandlerResponse.respond(Prompt.from_xml_tree(reply.payload))
-        return HandlerResponse.respond(
-            Prompt(lines=list(render_reply(reply.payload, reply.from_id)))
-        )
+            return model_from_tree(Prompt, reply.payload)
+        return Prompt(lines=list(render_reply(reply.payload, reply.from_id)))
 
 
 async def show_unasked(conn: Client, terminal: Terminal) -> None:
@@ -126,7 +123,7 @@ async def _probe_router(conn: Client, wait: float) -> tuple[bool, list[str]]:
         return False, []
     if reply.payload.tag != PROMPT_TAG:
         return True, []
-    return True, listener_names(Prompt.from_xml_tree(reply.payload).lines)
+    return True, listener_names(model_from_tree(Prompt, reply.payload).lines)
 
 
 async def run_remote_console(

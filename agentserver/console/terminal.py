@@ -19,10 +19,19 @@ import os
 import pathlib
 import sys
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import trio
 
 from agentserver.listeners.console import MAX_LINE_CHARS, StdioTerminal
+
+if TYPE_CHECKING:
+    from prompt_toolkit.completion import CompleteEvent
+    from prompt_toolkit.document import Document
+    from prompt_toolkit.input import Input
+    from prompt_toolkit.output import Output
+
+    from agentserver.agents.events import EventBus
 
 log = logging.getLogger("agentserver.console")
 
@@ -68,8 +77,8 @@ class PromptTerminal:
         self,
         *,
         history: pathlib.Path | None = None,
-        input=None,
-        output=None,
+        input: Input | None = None,
+        output: Output | None = None,
         listeners: Iterable[str] = (),
     ) -> None:
         from prompt_toolkit import PromptSession
@@ -81,7 +90,9 @@ class PromptTerminal:
         terminal = self
 
         class _Completer(Completer):
-            def get_completions(self, document, complete_event):
+            def get_completions(
+                self, document: Document, complete_event: CompleteEvent
+            ) -> Iterator[Completion]:
                 for text, start in completions(document.text_before_cursor, terminal.names):
                     yield Completion(text, start_position=start)
 
@@ -93,7 +104,7 @@ class PromptTerminal:
                 kept = FileHistory(str(history))
             except OSError as exc:
                 log.warning("console history not kept: %s: %s", history, exc.strerror or exc)
-        self._session = PromptSession(
+        self._session: PromptSession[str] = PromptSession(
             history=kept, completer=_Completer(), input=input, output=output
         )
         self._working = False
@@ -166,7 +177,7 @@ class PromptTerminal:
             self._working = False
 
 
-async def show_chunks(terminal: PromptTerminal, bus) -> None:
+async def show_chunks(terminal: PromptTerminal, bus: EventBus) -> None:
     """Show the text agents stream (``ChunkEvent``) while the console awaits a reply.
     ``bus`` is the agents' :class:`~agentserver.agents.events.EventBus`; a slow terminal
     only loses chunks (the subscription is bounded), never the answer."""

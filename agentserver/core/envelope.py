@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import TypeAlias
+from typing import Protocol, TypeAlias, cast
 
 from lxml import etree
 
@@ -89,9 +89,10 @@ class EnvelopeCodec:
         payload = root[1]
         ptype = self.validate_payload(payload)
         # xs:token values are whitespace-collapsed by the validator's view, not in the tree.
+        # The schema made each non-empty, so there is text (`or ""` is for the type only).
         return (
-            meta[1].text.strip() if len(meta) == 3 else None,
-            meta[-1].text.strip(),
+            (meta[1].text or "").strip() if len(meta) == 3 else None,
+            (meta[-1].text or "").strip(),
             payload,
             ptype,
         )
@@ -168,9 +169,16 @@ def _template(with_to: bool) -> etree._Element:
     return root
 
 
+class _Template(Protocol):
+    """An envelope tree to copy: lxml's elements have ``__deepcopy__``, which their stubs
+    leave out."""
+
+    def __deepcopy__(self, memo: None, /) -> etree._Element: ...
+
+
 # Copying a prepared tree is ~3x faster than creating its namespaced elements one by one.
-_TEMPLATE_TO = _template(True)
-_TEMPLATE_NO_TO = _template(False)
+_TEMPLATE_TO = cast(_Template, _template(True))
+_TEMPLATE_NO_TO = cast(_Template, _template(False))
 
 
 def build_envelope(

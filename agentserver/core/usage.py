@@ -7,10 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lxml import etree
 
 from agentserver.core.payloads import PayloadType
+
+if TYPE_CHECKING:
+    from xmlschema.aliases import BaseXsdType
+    from xmlschema.validators import XsdAnyElement, XsdComponent, XsdElement, XsdSimpleType
 
 RESPOND_WARNING = (
     "When you respond (return to your caller), your call chain is pruned: any peers you "
@@ -35,10 +40,11 @@ def describe_payload(ptype: PayloadType) -> str:
     for attr_name, attr in element.attributes.items():
         need = "required" if attr.use == "required" else "optional"
         lines.append(f"  attribute {attr_name}: {_type_name(attr.type)} ({need})")
-    if element.type.has_simple_content():
-        lines.append(f"  text: {_type_name(element.type.content)}")
+    text = _simple_content(element.type)
+    if text is not None:
+        lines.append(f"  text: {_type_name(text)}")
     else:
-        for child in element.type.content.iter_elements():
+        for child in _children(element.type):
             lines.extend(_describe_child(child, "  "))
     lines.append(f"  example: {_example(element, ptype.namespace)}")
     return "\n".join(lines)
@@ -69,50 +75,88 @@ def task_form(ptype: PayloadType) -> TaskForm:
     """``ptype`` as a :class:`TaskForm`. Compiles its XSD with xmlschema (milliseconds):
     callers keep the result."""
     import xmlschema  # see describe_payload
+    from xmlschema.validators import XsdElement, XsdSimpleType
 
     schema = xmlschema.XMLSchema(etree.tostring(ptype.schema_doc, encoding="unicode"))
     element = schema.elements[ptype.local]
     example = _example(element, ptype.namespace)
     field = None
     if not any(a.use == "required" for a in element.attributes.values()):
-        if element.type.has_simple_content():
-            field = "" if _is_text(element.type.content) else None
+        text = _simple_content(element.type)
+        if text is not None:
+            field = "" if _is_text(text) else None
         else:
-            children = list(element.type.content.iter_elements())
-            if len(children) == 1 and children[0].type.is_simple():
+            children = _children(element.type)
+            # One child element (not a wildcard) holding text of a simple type.
+            if len(children) == 1 and isinstance(children[0], XsdElement):
                 child = children[0]
-                if child.max_occurs == 1 and _is_text(child.type):
+                if (
+                    isinstance(child.type, XsdSimpleType)
+                    and child.max_occurs == 1
+                    and _is_text(child.type)
+                ):
                     field = child.local_name
     return TaskForm(ptype.tag, ptype.namespace, ptype.local, field, example)
 
 
-def _is_text(t) -> bool:
+# The schema walk below: xmlschema's classes are imported where they are needed, once
+# describe_payload or task_form has imported xmlschema.
+
+
+def _simple_content(t: BaseXsdType) -> XsdSimpleType | None:
+    """The simple type of an element of type ``t`` that holds text (with attributes or
+    not); None when it holds elements, or nothing."""
+    from xmlschema.validators import XsdSimpleType
+
+    if isinstance(t, XsdSimpleType):
+        return t
+    if t.has_simple_content() and isinstance(t.content, XsdSimpleType):
+        return t.content
+    return None
+
+
+def _children(t: BaseXsdType) -> list[XsdElement | XsdAnyElement]:
+    """The child elements and wildcards (``xs:any``) an element of type ``t`` may hold."""
+    from xmlschema.validators import XsdGroup, XsdSimpleType
+
+    if isinstance(t, XsdSimpleType) or not isinstance(t.content, XsdGroup):
+        return []
+    return list(t.content.iter_elements())
+
+
+def _is_text(t: XsdSimpleType) -> bool:
     """Whether any typed text is a valid value of simple type ``t`` (length aside)."""
-    restricted = getattr(t, "enumeration", None) or getattr(t, "patterns", None)
+    restricted = t.enumeration or t.patterns
     return not restricted and _type_name(t) in _TEXT_TYPES
 
 
-def _documentation(el) -> str:
+def _documentation(el: XsdComponent) -> str:
     """The text of an element declaration's ``xs:documentation`` ("" without one)."""
-    annotation = getattr(el, "annotation", None)
-    docs = getattr(annotation, "documentation", None) or ()
+    annotation = el.annotation
+    docs = annotation.documentation if annotation is not None else ()
     return " ".join((d.text or "").strip() for d in docs).strip()
 
 
-def _describe_child(child, indent: str) -> list[str]:
+def _describe_child(child: XsdElement | XsdAnyElement, indent: str) -> list[str]:
+    from xmlschema.validators import XsdAnyElement, XsdSimpleType
+
     occurs = _occurs(child)
     doc = _documentation(child)
     note = f" ({doc})" if doc else ""
-    if child.type.is_simple():
+    if isinstance(child, XsdAnyElement):
+        # A wildcard has no name or type of its own: the namespaces its elements come
+        # from (``##other``: any but the payload's) are all there is to say.
+        spaces = " ".join(child.namespace) or "##any"
+        return [f"{indent}any element of namespace {spaces}{occurs}{note}"]
+    if isinstance(child.type, XsdSimpleType):
         return [f"{indent}<{child.local_name}>: {_type_name(child.type)}{occurs}{note}"]
     out = [f"{indent}<{child.local_name}>{occurs}:{note}"]
-    if child.type.content is not None and hasattr(child.type.content, "iter_elements"):
-        for grandchild in child.type.content.iter_elements():
-            out.extend(_describe_child(grandchild, indent + "  "))
+    for grandchild in _children(child.type):
+        out.extend(_describe_child(grandchild, indent + "  "))
     return out
 
 
-def _occurs(el) -> str:
+def _occurs(el: XsdElement | XsdAnyElement) -> str:
     if el.max_occurs is None:
         return " (zero or more)"
     if el.min_occurs == 0:
@@ -120,14 +164,19 @@ def _occurs(el) -> str:
     return ""
 
 
-def _type_name(t) -> str:
-    enum = getattr(t, "enumeration", None)
+def _type_name(t: BaseXsdType | None) -> str:
+    """A type's readable name: its values if enumerated, else the nearest named type
+    it derives from ("text": none, as for an attribute declared without a type)."""
+    from xmlschema.validators import XsdSimpleType
+
+    enum = t.enumeration if isinstance(t, XsdSimpleType) else None
     if enum:
         return "one of " + ", ".join(repr(v) for v in enum)
-    base = t
+    base: BaseXsdType | None = t
     while base is not None and base.local_name is None:
-        base = getattr(base, "base_type", None)
-    return base.local_name if base is not None else "text"
+        base = base.base_type
+    name = base.local_name if base is not None else None
+    return name if name is not None else "text"
 
 
 _SAMPLES = {
@@ -141,20 +190,25 @@ _SAMPLES = {
 }
 
 
-def _example(element, ns: str) -> str:
-    def build(el, parent: etree._Element | None) -> etree._Element:
+def _example(element: XsdElement, ns: str) -> str:
+    from xmlschema.validators import XsdElement
+
+    def build(el: XsdElement, parent: etree._Element | None) -> etree._Element:
         tag = f"{{{ns}}}{el.local_name}"
         if parent is None:
             node = etree.Element(tag, nsmap={None: ns})
         else:
             node = etree.SubElement(parent, tag)
-        if el.type.is_simple() or el.type.has_simple_content():
-            t = el.type if el.type.is_simple() else el.type.content
-            enum = getattr(t, "enumeration", None)
-            node.text = str(enum[0]) if enum else _SAMPLES.get(_type_name(t), "...")
-        elif el.type.content is not None and hasattr(el.type.content, "iter_elements"):
-            for child in el.type.content.iter_elements():
-                if child.min_occurs > 0 or child.max_occurs is None:
+        text = _simple_content(el.type)
+        if text is not None:
+            enum = text.enumeration
+            node.text = str(enum[0]) if enum else _SAMPLES.get(_type_name(text), "...")
+        else:
+            for child in _children(el.type):
+                # A wildcard (xs:any) names no element to show.
+                if isinstance(child, XsdElement) and (
+                    child.min_occurs > 0 or child.max_occurs is None
+                ):
                     build(child, node)
         return node
 

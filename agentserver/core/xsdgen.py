@@ -104,7 +104,8 @@ def merge_schemas(schemas: list[etree._Element]) -> etree._Element:
             raise ValueError("schemas of different namespaces cannot be merged")
         for decl in s:
             # By kind and name: a schema file may name a type and an element alike.
-            key = (decl.tag, decl.get("name"))
+            # (lxml's stubs type a tag as any name it accepts; read back, it is a str.)
+            key = (str(decl.tag), decl.get("name"))
             if key in seen:
                 continue
             seen.add(key)
@@ -224,10 +225,10 @@ def _unwrap(annotation: Any, metadata: list[Any], where: str) -> tuple[Any, list
             annotation = args[0]
             metadata = [*metadata, *args[1:]]
         elif origin in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(annotation) if a is not type(None)]
-            if len(args) != 1:
+            members = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(members) != 1:
                 raise SchemaDerivationError(f"{where}: unions are not supported")
-            annotation = args[0]
+            annotation = members[0]
         else:
             return annotation, metadata
 
@@ -258,8 +259,9 @@ def _attach_simple(el: etree._Element, annotation: Any, metadata: list[Any], whe
 
 def _move_simple(src: etree._Element, ext: etree._Element) -> None:
     """Turn the type chosen by :func:`_attach_simple` into an ``xs:extension`` base."""
-    if src.get("type"):
-        ext.set("base", src.get("type"))
+    base = src.get("type")
+    if base:
+        ext.set("base", base)
         return
     raise SchemaDerivationError("constrained element text is not supported")
 
@@ -269,10 +271,10 @@ def _base_type(annotation: Any, metadata: list[Any], where: str) -> tuple[str, l
         if isinstance(m, XsdType):
             return m.name, None
     if typing.get_origin(annotation) is typing.Literal:
-        values = typing.get_args(annotation)
-        if not all(isinstance(v, str) for v in values):
+        literals = typing.get_args(annotation)
+        if not all(isinstance(v, str) for v in literals):
             raise SchemaDerivationError(f"{where}: only str literals are supported")
-        return "xs:string", list(values)
+        return "xs:string", list(literals)
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         values = [m.value for m in annotation]
         if not all(isinstance(v, str) for v in values):

@@ -19,7 +19,7 @@ import copy
 import pathlib
 import re
 import types
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self, cast
 
 from lxml import etree
 from pydantic import PrivateAttr
@@ -28,6 +28,11 @@ from pydantic_xml import BaseXmlModel
 from agentserver.core.errors import ConfigurationError
 from agentserver.core.namespaces import XSD_NS
 from agentserver.core.xmlsafe import make_parser
+
+if TYPE_CHECKING:
+    # What pydantic-xml's annotations name; at run time its elements are lxml's (see
+    # core/payloads.py's model_from_tree and model_tree, the ways in and out of it).
+    from xml.etree.ElementTree import Element as AnnotatedElement
 
 #: A payload schema file larger than this is refused.
 MAX_SCHEMA_BYTES = 1 << 20
@@ -51,12 +56,21 @@ class SchemaPayload(BaseXmlModel):
         return self._element
 
     @classmethod
-    def from_xml_tree(cls, element: etree._Element, context: Any = None) -> SchemaPayload:
+    def from_xml_tree(
+        cls,
+        root: AnnotatedElement,
+        context: dict[str, Any] | None = None,
+        empty_as_string: bool = False,
+    ) -> Self:
+        """An instance holding ``root`` (an lxml element: see ``AnnotatedElement``)."""
         instance = cls()
-        instance._element = element
+        instance._element = root
         return instance
 
-    def to_xml_tree(self, **kwargs: Any) -> etree._Element:
+    def to_xml_tree(
+        self, *, skip_empty: bool = False, exclude_none: bool = False, exclude_unset: bool = False
+    ) -> AnnotatedElement:
+        """A copy of the element it holds (lxml's, as ``from_xml_tree`` was given)."""
         if self._element is None:
             raise ValueError(f"{type(self).__qualname__}: no element to serialise")
         return copy.deepcopy(self._element)
@@ -123,8 +137,12 @@ def schema_model(doc: etree._Element, root: str, source: str) -> type[SchemaPayl
             f"{source} declares no global element {root} (its global elements: {found})"
         )
     name = re.sub(r"\W", "_", local) or "payload"
-    model = types.new_class(
-        name, (SchemaPayload,), {"tag": local, "nsmap": {"": ns}}, lambda _ns: None
+    # types.new_class is typed as making any class; this one derives from SchemaPayload.
+    model = cast(
+        "type[SchemaPayload]",
+        types.new_class(
+            name, (SchemaPayload,), {"tag": local, "nsmap": {"": ns}}, lambda _ns: None
+        ),
     )
     model.__qualname__ = f"{source}#{local}"
     model.__xsd_doc__ = doc

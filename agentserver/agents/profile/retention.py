@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from lxml import etree
 
@@ -149,6 +150,14 @@ class RetentionOverride:
             elif name == "events":
                 out = replace(out, events_s=value)
         return out
+
+
+class HasRetention(Protocol):
+    """What carries an agent's ``<retention>``: its profile as the server runs it, or its
+    settings as boot.xml wrote them (``agentserver store`` reads those)."""
+
+    @property
+    def retention(self) -> RetentionOverride | None: ...
 
 
 def agent_retention_from_element(el: etree._Element | None) -> RetentionOverride | None:
