@@ -82,3 +82,41 @@ async def test_until_stored_gives_up_after_its_wait(autojump_clock):
     assert not await until_stored(never)
     assert trio.current_time() - start == STORED_WAIT
     assert looks < STORED_WAIT / 0.05 + 10  # bounded gaps: not a busy loop
+
+
+async def test_the_next_holder_of_a_key_sent_recently_waits_until_it_is_stored(autojump_clock):
+    once = SendOnce()
+    looks = 0
+
+    async def stored_on_the_third_look() -> bool:
+        nonlocal looks
+        looks += 1
+        return looks >= 3
+
+    await once.settle("never-sent", stored_on_the_third_look)
+    assert looks == 0  # nothing sent: nothing to wait for
+    once.sent("t")
+    await once.settle("t", stored_on_the_third_look)
+    assert looks == 3
+    # Sent longer ago than STORED_WAIT: not waited for.
+    once.sent("old")
+    await trio.sleep(STORED_WAIT + 1)
+    before = looks
+    await once.settle("old", stored_on_the_third_look)
+    assert looks == before
+
+
+async def test_settling_a_send_never_stored_gives_up_within_its_time(autojump_clock):
+    once = SendOnce()
+
+    async def never() -> bool:
+        return False
+
+    once.sent("t")
+    await trio.sleep(1)
+    start = trio.current_time()
+    await once.settle("t", never)
+    assert trio.current_time() - start == STORED_WAIT - 1
+    start = trio.current_time()
+    await once.settle("t", never)  # forgotten after it gave up
+    assert trio.current_time() == start

@@ -7,8 +7,10 @@ message may be dropped before its agent queues it; and the pump gives the second
 new thread (a client never joins another endpoint's conversation), so it arrives as a
 different task. A door that checks "is this task queued yet?" and then sends makes two
 awaits, and two requests can both pass the check. :class:`SendOnce` makes the check
-and the send one step per key, and that step ends once the store holds the task
-(:func:`until_stored`), so the next holder's check sees it.
+and the send one step per key, and remembers the sends it made for a while: the next
+holder of a key sent recently waits until the store holds that task (:meth:`settle`)
+before it checks, so it sees it. The send itself returns at once (a non-blocking
+``SendMessage`` answers before its task runs).
 
 Across processes that share a store each process may still send once; the store drops a
 repeat of an A2A task (agents/store/sql/a2a.py, ``earlier_send``) and docs/ag-ui.md says
@@ -34,12 +36,38 @@ FIRST_POLL = 0.002
 LONGEST_POLL = 0.05
 
 
+#: The sends remembered at most (the oldest are forgotten first).
+MAX_REMEMBERED = 4096
+
+
 class SendOnce:
     """A lock per key, whose entry lives only while a holder holds it or waits for it
-    (bounded by the requests in flight)."""
+    (bounded by the requests in flight), and the keys sent in the last
+    :data:`STORED_WAIT` seconds (bounded by :data:`MAX_REMEMBERED`)."""
 
     def __init__(self) -> None:
         self._locks: dict[str, tuple[trio.Lock, list[int]]] = {}
+        #: key → when it was sent (trio's clock), oldest first.
+        self._sent: dict[str, float] = {}
+
+    def sent(self, key: str) -> None:
+        """``key``'s task was just sent: the next holder settles it first."""
+        self._sent.pop(key, None)
+        self._sent[key] = trio.current_time()
+        while len(self._sent) > MAX_REMEMBERED:
+            del self._sent[next(iter(self._sent))]
+
+    async def settle(self, key: str, stored: Callable[[], Awaitable[bool]]) -> None:
+        """If ``key`` was sent in the last :data:`STORED_WAIT` seconds, wait until the
+        store holds its task (``stored``), for what is left of that time. Call holding
+        ``key``."""
+        at = self._sent.get(key)
+        if at is None:
+            return
+        left = at + STORED_WAIT - trio.current_time()
+        if left > 0 and await until_stored(stored, left):
+            return
+        self._sent.pop(key, None)
 
     @asynccontextmanager
     async def hold(self, key: str) -> AsyncIterator[None]:

@@ -81,7 +81,7 @@ from agentserver.http.a2a.tasks import (
     to_task,
 )
 from agentserver.http.a2a.versions import protocol_of
-from agentserver.http.sendonce import SendOnce, until_stored
+from agentserver.http.sendonce import SendOnce
 from agentserver.net.roles import OperatorCommands
 from agentserver.primitives.approval import NS as APPROVAL_NS
 from agentserver.primitives.approval import ApprovalDecision
@@ -284,6 +284,7 @@ class A2aHandler(RequestHandler):
             # agent's Enqueue of a task already enqueued is dropped
             # (agents/store/sql/a2a.py, earlier_send), so the task reaches its agent once.
             async with self._sending.hold(found):
+                await self._sending.settle(found, lambda: self._stored(found))
                 row = await self._recorded(found, message.message_id)
                 if row["view"] is None and row["refusal"] is None:
                     row = await self._send_again(identity, row, found, message.message_id)
@@ -292,8 +293,7 @@ class A2aHandler(RequestHandler):
     async def _send_again(
         self, identity: Identity, row: dict[str, Any], task_id: str, message_id: str
     ) -> dict[str, Any]:
-        """Send the recorded, never queued task ``task_id`` from its record; its row once
-        the store holds it (or after :data:`~agentserver.http.sendonce.STORED_WAIT`)."""
+        """Send the recorded, never queued task ``task_id`` from its record; its row."""
         recorded = self.by_name.get(row["agent"])
         if recorded is None:
             return row
@@ -317,9 +317,9 @@ class A2aHandler(RequestHandler):
         task_id: str,
     ) -> None:
         """Send the recorded task ``task_id``'s payload to its agent, on its thread; a
-        refusal is recorded as its end (``rejected``). Returns once the store holds the
-        task (at most :data:`~agentserver.http.sendonce.STORED_WAIT`): called holding
-        the task's key, so that the next send of it in this process sees it there."""
+        refusal is recorded as its end (``rejected``). Called holding the task's key;
+        the next holder settles it first (:meth:`SendOnce.settle`), so it sees the task
+        in the store."""
         if skill.memory and self.deps.conversations is not None:
             # Each context is its own conversation with the agent.
             self.deps.conversations.expect_fork(skill.name, task_id, f"a2a:{owner}:{context_id}")
@@ -329,15 +329,15 @@ class A2aHandler(RequestHandler):
         if outcome.kind == "refused":
             await self.deps.store.a2a_reject(task_id, f"refused: {outcome.refusal}")
             return
+        self._sending.sent(task_id)
 
-        async def stored() -> bool:
-            try:
-                row = await self.deps.store.a2a_task(task_id)
-            except TurnPruned:
-                return True
-            return row is None or row["view"] is not None or row["refusal"] is not None
-
-        await until_stored(stored)
+    async def _stored(self, task_id: str) -> bool:
+        """Whether the store holds task ``task_id``'s send (queued, refused or gone)."""
+        try:
+            row = await self.deps.store.a2a_task(task_id)
+        except TurnPruned:
+            return True
+        return row is None or row["view"] is not None or row["refusal"] is not None
 
     async def _recorded(self, task_id: str, message_id: str) -> dict[str, Any]:
         """The row of the task ``task_id`` recorded for ``message_id``."""
