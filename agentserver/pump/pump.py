@@ -760,8 +760,8 @@ class Pump:
         self, listener: Listener, thread: ThreadRecord, element: etree._Element
     ) -> bool:
         """The hot case of :meth:`_emit`, without a coroutine: a valid response (its
-        payload ``element``) whose caller is an endpoint. Returns False, having changed nothing, in any other case
-        (then :meth:`_emit` handles it, refusals included)."""
+        payload ``element``) whose caller is an endpoint. Returns False, having changed
+        nothing, in any other case (then :meth:`_emit` handles it, refusals included)."""
         threads = self.threads
         if threads.get(thread.id) is not thread or thread.parent is None:
             return False
