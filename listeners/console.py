@@ -25,7 +25,7 @@ import logging
 import re
 import sys
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Protocol, TextIO
 
 import trio
 from lxml import etree
@@ -80,7 +80,7 @@ class StdioTerminal:
     """Standard input and output. Blocking reads run in a worker thread that trio abandons
     on cancellation, so shutting down never waits for the user to press Enter."""
 
-    def __init__(self, stdin=None, stdout=None) -> None:
+    def __init__(self, stdin: TextIO | None = None, stdout: TextIO | None = None) -> None:
         self._stdin = stdin or sys.stdin
         self._stdout = stdout or sys.stdout
         # A visible "> " only helps a human at a terminal; piped input gets clean output.
@@ -149,8 +149,8 @@ class Console:
             return await self._read(payload, terminal)
 
     async def _read(self, payload: Prompt, terminal: Terminal) -> HandlerResponse | None:
-        for line in payload.lines:
-            terminal.write(line)
+        for shown in payload.lines:
+            terminal.write(shown)
         while True:
             line = await terminal.read_line(self._prompt)
             if line is None or line.strip() == QUIT:

@@ -28,8 +28,9 @@ import trio
 from lxml import etree
 
 from agentserver.core.errors import InputRefused
-from agentserver.core.listener import HandlerMetadata, HandlerResponse
+from agentserver.core.listener import HandlerMetadata, HandlerResponse, HandlerResult
 from agentserver.core.namespaces import CORE_NS, clark
+from agentserver.core.payloads import model_from_tree, model_tree
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.listeners.assistant import Task
 from agentserver.listeners.console import NS as CONSOLE_NS
@@ -140,7 +141,7 @@ def parse_command(
                 "use @NAME <payload .../> (try /listeners)",
             )
         )
-    return Send(default_agent, Task(text=text).to_xml_tree())
+    return Send(default_agent, model_tree(Task(text=text)))
 
 
 def listener_names(lines: list[str] | tuple[str, ...]) -> list[str]:
@@ -194,15 +195,15 @@ class ConsoleRouter:
         # Router thread id → set when that thread's answer has been sent to the console.
         self._pending: dict[str, trio.Event] = {}
 
-    async def __call__(self, payload: etree._Element, meta: HandlerMetadata):
+    async def __call__(self, payload: etree._Element, meta: HandlerMetadata) -> HandlerResult:
         if payload.tag == INPUT_TAG:
             return self._on_input(payload, meta)
         if payload.tag == PENDING_TAG:
             return await self._on_pending(meta)
         return self._on_reply(payload, meta)
 
-    def _on_input(self, payload: etree._Element, meta: HandlerMetadata):
-        line = Input.from_xml_tree(payload).line
+    def _on_input(self, payload: etree._Element, meta: HandlerMetadata) -> HandlerResult:
+        line = model_from_tree(Input, payload).line
         decision = parse_command(
             line,
             peers=self._peers,
@@ -222,7 +223,7 @@ class ConsoleRouter:
             HandlerResponse(Pending()),
         ]
 
-    async def _on_pending(self, meta: HandlerMetadata):
+    async def _on_pending(self, meta: HandlerMetadata) -> HandlerResult:
         answered = self._pending.get(meta.thread_id)
         if answered is None or not meta.is_self_call:
             return None
@@ -234,7 +235,7 @@ class ConsoleRouter:
             Prompt(lines=[f"error: no reply within {self._reply_wait:g} s"])
         )
 
-    def _on_reply(self, payload: etree._Element, meta: HandlerMetadata):
+    def _on_reply(self, payload: etree._Element, meta: HandlerMetadata) -> HandlerResult:
         answered = self._pending.pop(meta.thread_id, None)
         if answered is None:
             log.info(

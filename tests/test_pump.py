@@ -288,6 +288,21 @@ def test_unknown_peer_is_a_configuration_error():
         Pump([Listener("x1", (Ping,), echo, peers=("ghost",))]).roster.freeze()
 
 
+async def test_checks_and_system_payloads_before_the_pump_runs_are_refused_as_closed():
+    """Nothing routes before run() builds the table: a call checked then, or a system
+    payload injected then, gets PumpClosed (not an error from the missing table)."""
+    from agentserver.core.errors import PumpClosed
+    from agentserver.pump.pump import Pump
+
+    pump = Pump([echo_listener()])
+    with pytest.raises(PumpClosed):
+        pump.check_call("echo", Ping(text="x"), "echo")
+    with pytest.raises(PumpClosed):
+        pump.check_self_call("echo", Ping(text="x"))
+    with pytest.raises(PumpClosed):
+        await pump.inject_system(Ping(text="x"), to="echo")
+
+
 async def test_forward_to_non_peer_gets_system_error_and_thread_stays_alive():
     seen = []
 

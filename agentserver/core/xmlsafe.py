@@ -9,6 +9,8 @@ so entity tricks (billion laughs, quadratic blowup, external entities) never get
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from lxml import etree
 
 from agentserver.core.errors import HuhReason, InputRefused
@@ -87,3 +89,12 @@ def tag_of(element: etree._Element) -> str:
     if not isinstance(tag, str):
         raise TypeError(f"not an element: its tag is {tag!r}")
     return tag
+
+
+#: ``copy_tree(element, None)`` is ``element.__deepcopy__(None)``: a deep copy of a prepared
+#: tree, without copy.deepcopy's generic dispatch (which costs as much as the copy). lxml
+#: defines the method, its annotations (types-lxml) do not (hence getattr): the one place
+#: that is said.
+copy_tree: Callable[[etree._Element, None], etree._Element] = getattr(  # noqa: B009
+    etree._Element, "__deepcopy__"
+)

@@ -5,6 +5,7 @@ socket frames (same ``max-message-bytes``, same canned ``<huh>`` texts, same
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -221,21 +222,22 @@ class HttpGateway:
         pump = self.pump
         if not pump.running:
             raise PumpClosed("not running")
-        options = {
-            "buffer": self.limits.outgoing_buffer,
-            "buffer_bytes": self.limits.outgoing_buffer_bytes,
-            "sink": sink,
-            "on_chain_end": on_chain_end,
-        }
+        open_endpoint = functools.partial(
+            pump.open_endpoint,
+            buffer=self.limits.outgoing_buffer,
+            buffer_bytes=self.limits.outgoing_buffer_bytes,
+            sink=sink,
+            on_chain_end=on_chain_end,
+        )
         if identity.name is None:
-            return pump.open_endpoint(None, **options)
+            return open_endpoint(None)
         # Always suffixed: an HTTP message of a named client is answered on its own
         # endpoint (like a second socket connection of that client), never handed to the
         # client's socket connections.
         for _ in range(8):
             name = f"{identity.name[:55]}-{new_thread_id()[:8]}"
             try:
-                endpoint = pump.open_endpoint(name, allowed=identity.allowed, **options)
+                endpoint = open_endpoint(name, allowed=identity.allowed)
             except ConfigurationError:
                 continue
             if self.deciders is not None:

@@ -43,6 +43,7 @@ from agentserver.core.access import AccessRule
 from agentserver.core.envelope import build_envelope
 from agentserver.core.handshake import Identity
 from agentserver.core.namespaces import CORE_NS
+from agentserver.core.payloads import model_xml
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.http.sendonce import until_found
@@ -366,7 +367,7 @@ async def decide(
         )
     grant, reason = answer
     decision = ApprovalDecision(request=snap.asks.request_id, grant=grant, reason=reason)
-    outcome = await door.gateway.send(identity, snap.view["agent"], decision.to_xml(), wait=True)
+    outcome = await door.gateway.send(identity, snap.view["agent"], model_xml(decision), wait=True)
     status = None
     if outcome.kind == "reply":
         root = SafeParser().parse(outcome.reply)
@@ -476,6 +477,7 @@ async def call(
     ``requestState`` the thread). Raises CallRefused (its text a failed result)."""
     import mcp_types as types
 
+    snap: Snapshot | None
     if params.request_state is not None:
         try:
             snap = await owned(door, identity, params.request_state, "tools/call", listener)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import ssl
+from typing import cast
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
+from hypercorn.typing import ASGIFramework
 from starlette.applications import Starlette
 
 log = logging.getLogger("agentserver.http")
@@ -63,4 +65,10 @@ async def serve_http(
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` until ``shutdown`` is set; ``task_status`` gets the bound URLs."""
-    await serve(app, config, shutdown_trigger=shutdown.wait, task_status=task_status)
+    # Starlette and Hypercorn each annotate ASGI in their own types: the same protocol.
+    await serve(
+        cast(ASGIFramework, app),
+        config,
+        shutdown_trigger=shutdown.wait,
+        task_status=task_status,
+    )

@@ -38,7 +38,7 @@ import trio
 
 from .accounting import AgentStats, BackendStats, Counters, RouterStats
 from .backend_state import BackendRuntime, DeadlineReached, Lease, Route, in_trio, verdict
-from .backends import BackendStream, LlamaCppBackend, make_backend
+from .backends import LlamaCppBackend, ReplyStream, make_backend
 from .breaker import BreakerState, Permit
 from .bucket import ExceedsCapacity, QueueFull
 from .classify import DECISIONS, Action, ErrorKind, backoff_delay
@@ -224,7 +224,7 @@ class Router:
 
     async def route(
         self, request: Request, started: float, *, streaming: bool
-    ) -> Completion | tuple[Lease, BackendStream, str | Reply, float, int]:
+    ) -> Completion | tuple[Lease, ReplyStream, str | Reply, float, int]:
         """Run the loop above for ``request``: its :class:`Completion`, or, ``streaming``,
         the open stream's lease, stream, first item, deadline and attempts (for
         :class:`~agentserver.llm.stream.CompletionStream`). Raises :class:`LLMError`."""
@@ -238,7 +238,7 @@ class Router:
 
     async def _route_inner(
         self, request: Request, started: float, streaming: bool
-    ) -> Completion | tuple[Lease, BackendStream, str | Reply, float, int]:
+    ) -> Completion | tuple[Lease, ReplyStream, str | Reply, float, int]:
         routes = self._routes.get(request.model)
         if not routes:
             raise self._no_route(request.model)
@@ -263,7 +263,7 @@ class Router:
         last: LLMError | None = None
         attempts = 0
         backoffs = 0
-        window_floor = -1  # after CONTEXT_OVERFLOW: only strictly larger windows
+        window_floor: float = -1  # after CONTEXT_OVERFLOW: only strictly larger windows
         pinned: Route | None = None
         not_before = 0.0
 
@@ -399,7 +399,7 @@ class Router:
 
     async def _attempt(
         self, request: Request, route: Route, lease: Lease, deadline: float, streaming: bool
-    ) -> Reply | tuple[BackendStream, str | Reply]:
+    ) -> Reply | tuple[ReplyStream, str | Reply]:
         rt = route.runtime
         timeout = rt.config.timeout
         now = trio.current_time()

@@ -13,7 +13,7 @@ from typing import Any, Protocol, Self
 import trio
 
 from .backend_state import BackendRuntime, DeadlineReached, Lease
-from .backends import BackendStream
+from .backends import ReplyStream
 from .classify import ErrorKind
 from .types import Completion, LLMError, Reply, Request
 
@@ -26,7 +26,7 @@ class StreamRouter(Protocol):
 
     async def route(
         self, request: Request, started: float, *, streaming: bool
-    ) -> Completion | tuple[Lease, BackendStream, str | Reply, float, int]:
+    ) -> Completion | tuple[Lease, ReplyStream, str | Reply, float, int]:
         """Choose, admit and open: the lease, stream, first item, deadline, attempts."""
         ...
 
@@ -65,7 +65,7 @@ class CompletionStream:
         self._request = request
         self._state = "new"
         self._lease: Lease | None = None
-        self._stream: BackendStream | None = None
+        self._stream: ReplyStream | None = None
         self._started = 0.0
         self._deadline = math.inf
         self._attempts = 0

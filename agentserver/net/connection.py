@@ -10,6 +10,7 @@ rules it applies are listed in :mod:`agentserver.net.server`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import socket
@@ -26,6 +27,7 @@ from agentserver.net.hello import RECEIVE_SIZE, HelloDesk
 from agentserver.net.inflight import Inflight
 from agentserver.net.limits import Limits
 from agentserver.net.roles import NamedClients, OperatorCommands, Runners
+from agentserver.net.tlsstream import TlsStream
 from agentserver.net.writer import DirectHandle, ReplyWriter, direct_handle
 from agentserver.primitives.core import huh
 from agentserver.pump.endpoint import Endpoint, Sink
@@ -48,6 +50,13 @@ async def _receive_direct(direct: DirectHandle, readable: trio.socket.SocketType
             return direct.recv(RECEIVE_SIZE)
         except BlockingIOError:
             await trio.lowlevel.wait_readable(readable)
+
+
+def _trio_socket(stream: trio.abc.Stream) -> trio.socket.SocketType | None:
+    """trio's own socket under ``stream`` (a plain or a TLS connection), else None."""
+    if isinstance(stream, trio.SocketStream | TlsStream):
+        return stream.socket
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,20 +235,21 @@ class Connection:
         pump = self.shared.pump
         if not pump.running:
             raise PumpClosed("not running")
-        options = {
-            "buffer": self.limits.outgoing_buffer,
-            "buffer_bytes": self.limits.outgoing_buffer_bytes,
-            "sink": sink,
-            "on_chain_end": self._chain_ended,
-        }
+        open_endpoint = functools.partial(
+            pump.open_endpoint,
+            buffer=self.limits.outgoing_buffer,
+            buffer_bytes=self.limits.outgoing_buffer_bytes,
+            sink=sink,
+            on_chain_end=self._chain_ended,
+        )
         if identity.name is None:
-            return pump.open_endpoint(None, **options)
+            return open_endpoint(None)
         try:
-            return pump.open_endpoint(identity.name, allowed=identity.allowed, **options)
+            return open_endpoint(identity.name, allowed=identity.allowed)
         except ConfigurationError:
             # The client is connected twice: the second connection gets a suffixed name.
             name = f"{identity.name[:55]}-{new_thread_id()[:8]}"
-            return pump.open_endpoint(name, allowed=identity.allowed, **options)
+            return open_endpoint(name, allowed=identity.allowed)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -264,7 +274,12 @@ class Connection:
         direct = self._direct
         # Readiness is waited for on trio's own socket (which tells trio's I/O manager
         # when it closes), never on the duplicate.
-        readable = stream.socket if direct is not None else None
+        readable = _trio_socket(stream) if direct is not None else None
+        receive_direct = (
+            functools.partial(_receive_direct, direct, readable)
+            if direct is not None and readable is not None
+            else None
+        )
         # The replies to one read's requests are collected and written with one send once
         # they are all injected (answered inline, as a sync listener's are) instead of each
         # going through the endpoint's channel to the writer. Never across a wait: the
@@ -274,6 +289,7 @@ class Connection:
         inflight = self.inflight
         out = self._out
         assert out is not None
+        data: bytes | bytearray  # what one read got (trio's streams may give a bytearray)
         with self._reading:
             while True:
                 if pending:
@@ -289,8 +305,8 @@ class Connection:
                         if deadline == math.inf:
                             # The common case (between frames, no idle timeout): no cancel
                             # scope, which would cost more than the read itself.
-                            if direct is not None:
-                                data = await _receive_direct(direct, readable)
+                            if receive_direct is not None:
+                                data = await receive_direct()
                             else:
                                 data = await stream.receive_some(RECEIVE_SIZE)
                             timed_out = False

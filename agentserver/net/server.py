@@ -222,11 +222,12 @@ class Server:
                 timeout = REFUSAL_WRITE_TIMEOUT if busy else self.limits.read_timeout
                 self._handshaking += 0 if busy else 1
                 try:
-                    wire = await self._tls_handshake(stream, address, timeout)
+                    tls = await self._tls_handshake(stream, address, timeout)
                 finally:
                     self._handshaking -= 0 if busy else 1
-                if wire is None:
+                if tls is None:
                     return
+                wire = tls
             try:
                 await self._serve(wire, address, busy)
             finally:

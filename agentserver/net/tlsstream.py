@@ -31,7 +31,7 @@ import os
 import socket
 import ssl
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import trio
 
@@ -88,7 +88,14 @@ class TlsStream(trio.abc.Stream):
 
     # -- what the handshake said ---------------------------------------------------------
 
+    @overload
+    def getpeercert(self, binary_form: Literal[False] = False) -> Mapping[str, Any] | None: ...
+
+    @overload
+    def getpeercert(self, binary_form: Literal[True]) -> bytes | None: ...
+
     def getpeercert(self, binary_form: bool = False) -> Mapping[str, Any] | bytes | None:
+        """As ``ssl.SSLObject.getpeercert``: the decoded certificate, or its DER bytes."""
         return self._ssl.getpeercert(binary_form)
 
     @property

@@ -17,6 +17,7 @@ from contextvars import ContextVar
 from typing import Any, TextIO
 
 import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
 
 #: The pump worker slot of the current trio task (set once per worker task by the pump).
 #: A context variable is per task by nature; it holds no state of its own.
@@ -28,7 +29,7 @@ LOG_FORMATS = ("text", "json")
 FIELDS_ATTRIBUTE = "agentserver_fields"
 
 
-def add_chain(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+def add_chain(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
     """Add the thread and listener of the pump delivery being handled, if any."""
     slot = current_slot.get()
     if slot is not None:
@@ -42,7 +43,7 @@ def add_chain(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, An
     return event
 
 
-def add_fields(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+def add_fields(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
     """Add the fields an :func:`announce` record carries (a stdlib record has no keys of
     its own); any other record is left as it is."""
     fields = getattr(event.get("_record"), FIELDS_ATTRIBUTE, None)
@@ -87,7 +88,7 @@ def configure_logging(level: str, fmt: str | None = None, stream: TextIO | None 
     fmt = fmt or default_format(stream)
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format {fmt!r}: use one of {', '.join(LOG_FORMATS)}")
-    shared: list[Any] = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         add_chain,
         structlog.stdlib.add_log_level,
@@ -95,7 +96,7 @@ def configure_logging(level: str, fmt: str | None = None, stream: TextIO | None 
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     if fmt == "json":
-        final: list[Any] = [
+        final: list[Processor] = [
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.processors.format_exc_info,
             structlog.processors.JSONRenderer(),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import outcome
 import trio
 from lxml import etree
+from opentelemetry.trace import Span
 
 from agentserver.core.payloads import PayloadType
 from agentserver.core.threads import ThreadRecord
@@ -31,7 +32,7 @@ class Delivery:
     #: The bytes as received from an endpoint (for ``original-attempt``), else None.
     original: bytes | None
     #: The span that sent it (tracing on only): the parent of its ``handle`` span.
-    trace: object = None
+    trace: Span | None = None
     #: The idempotency key its sender gave (an agent's tool call); None: the hop's id.
     key: str | None = None
 

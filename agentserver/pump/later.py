@@ -188,7 +188,7 @@ class Later:
         sending nothing. Raises :class:`Refusal`."""
         element = to_element(payload)
         ptype = self.codec.validate_payload(element)
-        decision = self.roster.table.outbound(sender, ptype.tag, to)
+        decision = self.roster.routes.outbound(sender, ptype.tag, to)
         if isinstance(decision, SelfCall) or len(decision.targets) != 1:
             raise DeliveryRefused(
                 SystemErrorCode.ROUTING, retry_allowed=True, detail="a call needs exactly one peer"
@@ -200,7 +200,7 @@ class Later:
         continues its Turn itself). Raises :class:`Refusal` as a delivery would."""
         element = to_element(payload)
         ptype = self.codec.validate_payload(element)
-        if not isinstance(self.roster.table.outbound(sender, ptype.tag, sender), SelfCall):
+        if not isinstance(self.roster.routes.outbound(sender, ptype.tag, sender), SelfCall):
             raise InputRefused(HuhReason.INVALID_PAYLOAD, f"{ptype.tag} is not {sender}'s own")
         self.pump.counters["self_calls"] += 1
         log.debug("%s: self-call %s", sender, ptype.local)
@@ -234,12 +234,14 @@ class Later:
         pump = self.pump
         if pump.state is not PumpState.RUNNING:
             raise PumpClosed(pump.state.value)
+        root = pump.root_thread
+        if root is None:  # set before the pump is RUNNING
+            raise PumpClosed(pump.state.value)
         element = to_element(payload)
-        ptype = pump.payloads.get(element.tag)
+        tag = element.tag  # not a str for a comment or a processing instruction
+        ptype = pump.payloads.get(tag) if isinstance(tag, str) else None
         if ptype is None or not ptype.schema.validate(element):
-            raise ConfigurationError(f"system payload {element.tag} is not valid")
-        if to not in self.roster.runtimes or ptype.tag not in self.roster.table.accepts[to]:
+            raise ConfigurationError(f"system payload {tag!s} is not valid")
+        if to not in self.roster.runtimes or ptype.tag not in self.roster.routes.accepts[to]:
             raise ConfigurationError(f"listener {to!r} does not take {ptype.tag}")
-        await pump.enqueue(
-            to, Delivery(element, ptype, pump.root_thread, SYSTEM, False, None, None)
-        )
+        await pump.enqueue(to, Delivery(element, ptype, root, SYSTEM, False, None, None))

@@ -29,10 +29,13 @@ import math
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterable
 from contextlib import asynccontextmanager
+from contextvars import Token
 from typing import Any
 
 import trio
 from lxml import etree
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
 
 from agentserver.core.envelope import EnvelopeCodec, build_envelope, encode, guess_thread
 from agentserver.core.errors import (
@@ -48,10 +51,11 @@ from agentserver.core.listener import (
     NAME_RE,
     HandlerMetadata,
     HandlerResponse,
+    HandlerResult,
     Listener,
     to_element,
 )
-from agentserver.core.payloads import PayloadRegistry, PayloadType
+from agentserver.core.payloads import PayloadRegistry, PayloadType, model_from_tree
 from agentserver.core.routing import RoutingTable, SelfCall
 from agentserver.core.threads import (
     RegistryFull,
@@ -132,7 +136,9 @@ class Pump:
         self._runtimes = self.roster.runtimes
         self._endpoints = self.roster.endpoints
         self._sync_by_tag = self.roster.sync_by_tag
-        self._table: RoutingTable | None = None
+        #: The routing table, frozen by run(): every method that reads it runs only once
+        #: the pump is RUNNING (declared here, assigned there, so the hot path tests nothing).
+        self._table: RoutingTable
         #: Set by the lifecycle only (Lifecycle.run).
         self.state = PumpState.NEW
         self._inflight = 0
@@ -221,7 +227,7 @@ class Pump:
             root = self._codec.parse_root(data)
             inbound = self._codec.decode(root)
         except InputRefused as refusal:
-            if refusal.payload_tag is not None and self._table is not None:
+            if refusal.payload_tag is not None:
                 refusal = self._table.explain(refusal)
             self._answer_endpoint(endpoint, guess_thread(root) or new_thread_id(), refusal, data)
             return None
@@ -266,7 +272,7 @@ class Pump:
                 refusal = self._table.explain(refusal)
             self._answer_endpoint(endpoint, thread.id, refusal, data)
             return
-        payload = inbound_payload
+        payload: etree._Element | None = inbound_payload
         for target in targets:
             if payload is None:  # broadcast: every further listener gets its own copy
                 payload = copy.deepcopy(inbound_payload)
@@ -333,7 +339,9 @@ class Pump:
         self.counters["delivered"] += 1
         rt.handled += 1
         if self._tracer is not None:
-            return self._inject_sync_traced(rt, endpoint, thread_id, payload, ptype, data, meta)
+            return self._inject_sync_traced(
+                self._tracer, rt, endpoint, thread_id, payload, ptype, data, meta
+            )
         try:
             if rt.skip:
                 rt.skip -= 1
@@ -347,7 +355,7 @@ class Pump:
                 rt.skip = rt.weight - 1
         except Exception as exc:
             return self._sync_fallback(
-                rt, endpoint, thread_id, meta[0], payload, ptype, data, exc, raised=True
+                rt, endpoint, thread_id, meta[0], payload, ptype, data, None, error=exc
             )
         if (
             type(result) is HandlerResponse
@@ -374,6 +382,7 @@ class Pump:
 
     def _inject_sync_traced(
         self,
+        tracer: Tracing,
         rt: ListenerRuntime,
         endpoint: Endpoint,
         thread_id: str,
@@ -385,19 +394,20 @@ class Pump:
         """:meth:`_inject_sync`'s call and answer with tracing on: in the call's ``handle``
         span, as a worker would run it (what falls back runs after the span, in the
         sender's context)."""
-        span = self._tracer.start_handle(rt.listener.name, None, endpoint.name, meta[0], True)
+        span = tracer.start_handle(rt.listener.name, None, endpoint.name, meta[0], True)
         token = attach(span)
-        raised = False
+        error: Exception | None = None
+        result: HandlerResult = None
         try:
             started = time.perf_counter()
             result = rt.sync(payload, meta)
             rt.latency.observe(time.perf_counter() - started, 1)  # a span reads clocks anyway
         except Exception as exc:
             record_error(span, type(exc).__name__)
-            result, raised = exc, True
+            error = exc
         finally:
             detach(token)
-        if raised:
+        if error is not None:
             pass
         elif (
             type(result) is HandlerResponse
@@ -418,7 +428,7 @@ class Pump:
             return None
         # The general path runs in the span too (a forward's hop is its child), then ends it.
         return self._sync_fallback(
-            rt, endpoint, thread_id, meta[0], payload, ptype, data, result, raised=raised, span=span
+            rt, endpoint, thread_id, meta[0], payload, ptype, data, result, error=error, span=span
         )
 
     async def _sync_fallback(
@@ -432,11 +442,12 @@ class Pump:
         data: bytes,
         result: object,
         *,
-        raised: bool = False,
-        span: object = None,
+        error: Exception | None = None,
+        span: Span | None = None,
     ) -> None:
         """A fast-path call that did not simply answer: open its conversation and hop (with
-        the ids its handler saw) and finish it as a worker would have."""
+        the ids its handler saw) and finish it as a worker would have. ``result``: what the
+        handler returned; ``error``: what it raised instead."""
         listener = rt.listener
         now = self.now
         thread = None
@@ -459,13 +470,13 @@ class Pump:
         child.pending += 1
         token = attach(span) if span is not None else None
         try:
-            if raised and isinstance(result, Refusal):
-                log.info("%s: refused on %s: %s", listener.name, child.dotted, result)
-                await self.fail(child, result, d)
-            elif raised:
+            if isinstance(error, Refusal):
+                log.info("%s: refused on %s: %s", listener.name, child.dotted, error)
+                await self.fail(child, error, d)
+            elif error is not None:
                 self.counters["handler_errors"] += 1
-                log.error("%s: handler raised on %s", listener.name, child.dotted, exc_info=result)
-                reason = f"{listener.name}: handler raised {type(result).__name__}: {result}"
+                log.error("%s: handler raised on %s", listener.name, child.dotted, exc_info=error)
+                reason = f"{listener.name}: handler raised {type(error).__name__}: {error}"
                 await self.fail(child, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
             elif type(result) is HandlerResponse and type(result.payload) is etree._Element:
                 await self._emit(listener, child, result, result.payload)
@@ -474,8 +485,9 @@ class Pump:
         finally:
             child.pending -= 1
             self._done()
-            if span is not None:
+            if token is not None:
                 detach(token)
+            if span is not None:
                 span.end()
         if not (child.children or child.pins or child.pending):
             self.settle(child)
@@ -496,12 +508,11 @@ class Pump:
             ):
                 record.last_active = now
                 return record
-            thread_id = None
-        elif not is_uuid4(thread_id):
-            thread_id = None
-        return threads.open_root(
-            endpoint.chain, now, thread_id, quota=endpoint.quota, transient=True
-        )
+        elif is_uuid4(thread_id):
+            return threads.open_root(
+                endpoint.chain, now, thread_id, quota=endpoint.quota, transient=True
+            )
+        return threads.open_root(endpoint.chain, now, None, quota=endpoint.quota, transient=True)
 
     # -- delivery ------------------------------------------------------------------------
 
@@ -630,7 +641,8 @@ class Pump:
         perf_counter = time.perf_counter
         skip, weight = 0, 1  # handler calls not to time; the weight of the next timing
         tracer = self._tracer
-        span = token = None
+        span: Span | None = None
+        token: Token[Context] | None = None
         streak = 0
         while True:
             try:
@@ -683,7 +695,7 @@ class Pump:
                     d.key or thread.id,
                 )
                 try:
-                    payload = d.payload if raw else d.ptype.model.from_xml_tree(d.payload)
+                    payload = d.payload if raw else model_from_tree(d.ptype.model, d.payload)
                     slot.deadline = math.inf  # the monitor starts the clock at its next tick
                     slot.current = d
                     timed = not skip
@@ -726,7 +738,7 @@ class Pump:
                     await self.fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), d)
                     continue
                 if type(result) is HandlerResponse and type(result.payload) is etree._Element:
-                    if result.is_response and self._answer_client(listener, thread, result):
+                    if result.is_response and self._answer_client(listener, thread, result.payload):
                         continue
                     await self._emit(listener, thread, result, result.payload)
                 else:
@@ -736,7 +748,8 @@ class Pump:
                 rt.handled += 1
                 self._done()
                 if span is not None:
-                    detach(token)
+                    if token is not None:  # always, with a span (for the checker)
+                        detach(token)
                     span.end()
                     span = None
             if not (thread.children or thread.pins or thread.pending):
@@ -744,11 +757,11 @@ class Pump:
                 self.settle(thread)
 
     def _answer_client(
-        self, listener: Listener, thread: ThreadRecord, item: HandlerResponse
+        self, listener: Listener, thread: ThreadRecord, element: etree._Element
     ) -> bool:
-        """The hot case of :meth:`_emit`, without a coroutine: a valid response whose
-        caller is an endpoint. Returns False, having changed nothing, in any other case
-        (then :meth:`_emit` handles it, refusals included)."""
+        """The hot case of :meth:`_emit`, without a coroutine: a valid response (its
+        payload ``element``) whose caller is an endpoint. Returns False, having changed
+        nothing, in any other case (then :meth:`_emit` handles it, refusals included)."""
         threads = self.threads
         if threads.get(thread.id) is not thread or thread.parent is None:
             return False
@@ -759,7 +772,6 @@ class Pump:
         endpoint = self._endpoints.get(owner)
         if endpoint is None:
             return False
-        element = item.payload
         try:
             self._codec.validate_payload(element)
         except Refusal:

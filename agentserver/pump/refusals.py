@@ -22,7 +22,7 @@ from agentserver.core.listener import Listener
 from agentserver.core.namespaces import CORE_NS
 from agentserver.core.payloads import PayloadRegistry, PayloadType
 from agentserver.core.threads import ThreadRecord, ThreadRegistry
-from agentserver.core.xmlsafe import canonical_or_empty
+from agentserver.core.xmlsafe import canonical_or_empty, tag_of
 from agentserver.primitives.core import SystemErrorPayload, primitive_for
 from agentserver.pump.config import PumpConfig
 from agentserver.pump.delivery import SYSTEM, Delivery
@@ -98,7 +98,7 @@ class Refusals:
             await self.fail(thread, InputRefused(HuhReason.HANDLER_FAILED, reason), None)
             return
         primitive = self.primitive(refusal, canonical_or_empty(element))
-        ptype = self.pump.payloads.get(primitive.tag)
+        ptype = self.primitive_type(primitive)
         try:
             await self.pump.enqueue(
                 listener.name, Delivery(primitive, ptype, thread, SYSTEM, False, None, None)
@@ -122,7 +122,7 @@ class Refusals:
         primitive = self.primitive(refusal, original)
         try:
             await self.pump.deliver_to_owner(
-                parent, primitive, self.pump.payloads.get(primitive.tag), SYSTEM, thread.id
+                parent, primitive, self.primitive_type(primitive), SYSTEM, thread.id
             )
         except DeliveryRefused:
             log.warning("could not deliver a failure notice to %s", parent.owner)
@@ -157,6 +157,14 @@ class Refusals:
 
     def primitive(self, refusal: Refusal, original: bytes = b"") -> etree._Element:
         return primitive_for(refusal, original, explain=self.pump.config.explain_refusals)
+
+    def primitive_type(self, primitive: etree._Element) -> PayloadType:
+        """The payload type of a primitive :meth:`primitive` built: registered, as every
+        core model is, when the pump was made (CORE_MODELS)."""
+        ptype = self.pump.payloads.get(tag_of(primitive))
+        if ptype is None:
+            raise LookupError(f"primitive {tag_of(primitive)} is not a registered payload type")
+        return ptype
 
     def refuse_sync(self, thread: ThreadRecord, refusal: Refusal) -> None:
         """On cancellation: tell an external caller now (pushing to an endpoint never blocks)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable
 
-from agentserver.core.errors import ConfigurationError
+from agentserver.core.errors import ConfigurationError, PumpClosed
 from agentserver.core.listener import NAME_RE, RESERVED_NAMES, Listener
 from agentserver.core.payloads import PayloadRegistry
 from agentserver.core.routing import RoutingTable
@@ -71,6 +71,14 @@ class Roster:
     def listeners(self) -> tuple[Listener, ...]:
         return tuple(self._listeners)
 
+    @property
+    def routes(self) -> RoutingTable:
+        """The routing table :meth:`freeze` built. Raises :class:`PumpClosed` before it
+        (nothing can be routed before the pump runs)."""
+        if self.table is None:
+            raise PumpClosed("new: the routing table is built when the pump runs")
+        return self.table
+
     def freeze(self) -> RoutingTable:
         """Check the peers, build the routing table and each listener's runtime (its queue
         and generated usage instructions); returns the table. Raises ConfigurationError
@@ -95,7 +103,7 @@ class Roster:
                 listener, usage_instructions(listener.name, own, peers, describe=describe)
             )
         for tag, taking in table.by_tag.items():
-            if len(taking) == 1 and self.runtimes[taking[0]].sync is not None:
+            if len(taking) == 1 and self.runtimes[taking[0]].listener.sync:
                 self.sync_by_tag[tag] = self.runtimes[taking[0]]
         self.table = table
         return table

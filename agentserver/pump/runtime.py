@@ -7,15 +7,25 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 import trio
+from lxml import etree
 
 from agentserver.core.handler_types import unreadable
-from agentserver.core.listener import HandlerMetadata, Listener
+from agentserver.core.listener import HandlerMetadata, HandlerResult, Listener
 from agentserver.observability.metrics import LatencyHistogram
 from agentserver.primitives.core import CORE_MODELS
 from agentserver.pump.delivery import Delivery, Waiters
+
+#: A ``sync=True`` listener's handler: a plain function of the raw element (see Listener).
+SyncHandler: TypeAlias = Callable[[etree._Element, HandlerMetadata], HandlerResult]
+
+
+def _not_sync(payload: etree._Element, meta: HandlerMetadata) -> HandlerResult:
+    """The ``sync`` of a listener that has no synchronous handler: never called (the
+    roster puts only ``sync=True`` listeners on the fast path)."""
+    raise RuntimeError(f"{meta.own_name} has no synchronous handler")
 
 
 class PumpState(enum.Enum):
@@ -70,8 +80,11 @@ class ListenerRuntime:
         self.usage = usage
         #: The handler as workers call it (``await call(payload, meta)``).
         self.call = awaitable(listener.handler) if listener.sync else listener.handler
-        #: The synchronous handler of the fast path (see Pump._inject_sync), else None.
-        self.sync = listener.handler if listener.sync else None
+        #: The synchronous handler of the fast path (see Pump._inject_sync); for a listener
+        #: that is not ``sync``, one that raises. Listener.handler's type names the
+        #: coroutine function every other handler is: a ``sync=True`` one is a plain
+        #: function (Listener checks it), which the type cannot say.
+        self.sync: SyncHandler = cast(SyncHandler, listener.handler) if listener.sync else _not_sync
         #: Fast-path calls not to time, and the weight of the next timing (as in _serve).
         self.skip, self.weight = 0, 1
         #: The tail of the chain of a hop to this listener.

@@ -22,18 +22,20 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 from lxml import etree
 
 from agentserver.core.envelope import MESSAGE, build_envelope, encode, load_envelope_schema
 from agentserver.core.errors import DeliveryRefused, HuhReason, InputRefused, SystemErrorCode
-from agentserver.core.listener import HandlerMetadata, HandlerResponse, HandlerResult
+from agentserver.core.listener import Handler, HandlerMetadata, HandlerResponse, HandlerResult
 from agentserver.core.namespaces import CORE_NS
 from agentserver.core.threads import new_thread_id
-from agentserver.core.xmlsafe import SafeParser, canonicalize
+from agentserver.core.xmlsafe import SafeParser, canonicalize, copy_tree
+from agentserver.net.limits import Limits
 from agentserver.observability.tracing import current_traceparent
 from agentserver.primitives.core import huh
 from agentserver.steps.log import MemoryStepLog, StepLog, StepRow
@@ -201,8 +203,9 @@ class RunnerHub:
             link.push(encode("system", link.name, new_thread_id(), huh(refusal.reason, data)))
             return
         meta, payload = root[0], root[1]
-        to = meta[1].text.strip() if len(meta) == 3 else None
-        thread = meta[-1].text.strip()
+        # Text the envelope schema requires (env:Name: one character at least).
+        to = (meta[1].text or "").strip() if len(meta) == 3 else None
+        thread = (meta[-1].text or "").strip()
         tag = payload.tag
         if tag == SERVE:
             self._serve(link, payload, thread, data)
@@ -228,7 +231,7 @@ class RunnerHub:
             self.counters["ignored"] += 1
             log.info("runner %s: core payload %s on a job: ignored", link.name, tag)
             return
-        payload.getparent().remove(payload)
+        root.remove(payload)
         if to is None:
             job.outputs.append(HandlerResponse.respond(payload))
             self._finish(job)
@@ -296,7 +299,7 @@ class RunnerHub:
                 return link
             await self._changed[listener].wait()
 
-    def handler_for(self, name: str):
+    def handler_for(self, name: str) -> Handler:
         """The pump handler of remote listener ``name`` (it takes raw elements)."""
         policy = self.policies[name]
 
@@ -398,8 +401,8 @@ class RunnerHub:
                 link.jobs[job.id] = job
                 link.busy[name] += 1
                 self._jobs[job.id] = job
-                # __deepcopy__ directly: copy.deepcopy's generic dispatch costs as much again.
-                copied = payload.__deepcopy__(None)
+                # Not copy.deepcopy: its generic dispatch costs as much again.
+                copied = copy_tree(payload, None)
                 envelope = build_envelope(meta.from_id, name, job.id, copied)
                 if traceparent is not None:
                     envelope.set("traceparent", traceparent)
@@ -469,7 +472,44 @@ def pump_timeout(policy: StepPolicy) -> float:
     return budget + 1.0 if math.isfinite(budget) else budget
 
 
-def hub_for(topology) -> RunnerHub | None:
+class RemoteSpec(Protocol):
+    """What :func:`hub_for` reads of a declared listener (config's ListenerSpec)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def remote(self) -> bool: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def step_timeout(self) -> float | None: ...
+    @property
+    def idempotent(self) -> bool: ...
+    @property
+    def retries(self) -> int: ...
+
+
+class RunnerClientSpec(Protocol):
+    """What :func:`hub_for` reads of a declared client (config's ClientSpec)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def serves(self) -> tuple[str, ...]: ...
+
+
+class HubTopology(Protocol):
+    """What :func:`hub_for` reads of a topology (config's Topology, a layer above)."""
+
+    @property
+    def listeners(self) -> Sequence[RemoteSpec]: ...
+    @property
+    def clients(self) -> Sequence[RunnerClientSpec]: ...
+    @property
+    def limits(self) -> Limits: ...
+
+
+def hub_for(topology: HubTopology) -> RunnerHub | None:
     """The hub of a topology's remote listeners (None: it has none)."""
     policies = {
         spec.name: StepPolicy(

@@ -51,7 +51,7 @@ _BY_STATUS = {
 }
 
 
-def state_of(row: dict[str, Any]) -> tuple[int, str | None]:
+def state_of(row: dict[str, Any]) -> tuple[TaskState, str | None]:
     """The A2A state of a task's row and the text its status message carries."""
     if row.get("refusal"):
         return S.TASK_STATE_REJECTED, row["refusal"]

@@ -199,8 +199,8 @@ class RunStream:
                 # Mid-stream: no response to fail; the next poll reads it again.
                 log.warning("AG-UI stream: the agent store could not be read: %s", exc)
                 out, end = [], False
-            for event in out:
-                yield encode(event)
+            for stored in out:
+                yield encode(stored)
             if end:
                 return
             changed = bool(out)
@@ -316,7 +316,9 @@ class RunStream:
         if not ops:
             return []
         self.state.update(values)
-        return [StateDeltaEvent(delta=ops)]
+        # JSON Patch as JSON: validated into the SDK's operation models (which it does not
+        # export), as its constructor would.
+        return [StateDeltaEvent.model_validate({"delta": ops})]
 
     def _finish_step(self) -> list[BaseEvent]:
         """``STEP_FINISHED`` of the step begun, if any: a step ends when the next one

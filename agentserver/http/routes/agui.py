@@ -5,7 +5,7 @@ Events. Behind the same authentication and authorization as every route."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
@@ -100,7 +100,7 @@ class AguiRoutes:
 
         return EventStreamResponse(self._body(stream))
 
-    async def _body(self, stream: RunStream) -> AsyncIterator[str]:
+    async def _body(self, stream: RunStream) -> AsyncGenerator[str, None]:
         """The run's events; its bus subscription closed however the stream ends (and
         closed by the server's shutdown, which ends the stream)."""
         sub = stream.sub

@@ -7,7 +7,7 @@ import collections
 import json
 import logging
 import sqlite3
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 
 import trio
 from starlette.requests import Request
@@ -101,7 +101,7 @@ class EventRoutes:
 
     async def stream(
         self, sub: Subscription | None, identity: Identity, agent: str | None, thread: str | None
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """The SSE text of ``sub``'s events that ``identity`` may see (of ``agent``, on
         ``thread``), with keep-alive comments on a quiet stream. Ends when the server
         closes, or after an ``overflow`` event once the subscriber fell behind (it is
@@ -124,7 +124,7 @@ class EventRoutes:
                         return  # closed: the server is shutting down
                 if ctx.closing.is_set():
                     return
-                if event is None:
+                if event is None or sub is None:  # (no event without a subscription)
                     yield ": keep-alive\n\n"
                     continue
                 if sub.dropped:

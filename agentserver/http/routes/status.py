@@ -77,13 +77,15 @@ class StatusRoutes:
         ctx = self.ctx
         pump = ctx.pump
         stats = pump.stats()
+        # The per-listener part of stats, typed (the same figures: nothing awaits between).
+        per_listener = pump.roster.queue_stats()
         listeners = [
             {
                 "name": lst.name,
                 "agent": lst.agent,
-                "queue": stats["queues"].get(lst.name, 0),
-                "waiting": stats["waiting"].get(lst.name, 0),
-                "handled": stats["handled"].get(lst.name, 0),
+                "queue": per_listener["queues"].get(lst.name, 0),
+                "waiting": per_listener["waiting"].get(lst.name, 0),
+                "handled": per_listener["handled"].get(lst.name, 0),
             }
             for lst in pump.listeners
         ]

@@ -181,12 +181,12 @@ class ConsoleData:
                 step["took"] = _took(step.get("started_at"), step.get("ended_at"))
                 step["cost_text"] = wording.cost(step.get("cost"))
         # The same scope as the task itself: another client's task reads as a missing one.
-        found = None if hidden else await view.task_reading(name, thread, self.gate.scope(identity))
+        read = None if hidden else await view.task_reading(name, thread, self.gate.scope(identity))
         return {
             "agent": name,
             "thread": thread,
             "task": task,
-            "reading": self.reading(found or NOT_YET, task),
+            "reading": self.reading(read or NOT_YET, task),
             "log": log,
             "approvals": await self.approvals(identity, turn) if turn else [],
             "replies": self.replies(identity, thread, request),

@@ -18,7 +18,7 @@ from agentserver.http.problems import problem
 from agentserver.http.routes.events import EventRoutes
 from agentserver.http.ui.data import ConsoleData
 from agentserver.http.ui.security import CSRF_FIELD, page_headers, safe_next
-from agentserver.http.ui.session import UiSession
+from agentserver.http.ui.session import SessionBoundStream, UiSession
 
 
 def environment() -> jinja2.Environment:
@@ -162,7 +162,7 @@ class Pages:
             return problem(404, "not-found", "Not found.")
         return self.json({"thread": thread, "replies": replies})
 
-    async def events_stream(self, request: Request) -> Response:
+    async def events_stream(self, request: Request) -> Response | SessionBoundStream:
         """``/v1/events`` for the browser (EventSource sends no Authorization header): the
         same stream and filters, the caller from the console's cookie."""
         identity = await self.session.identify(request)

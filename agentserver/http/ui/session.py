@@ -67,7 +67,7 @@ class UiSession:
         """The client of the request's session cookie; None without one, or for an
         unknown, expired or revoked session. Resolved once per request."""
         known = getattr(request.state, "ui_identity", _UNRESOLVED)
-        if known is not _UNRESOLVED:
+        if known is None or isinstance(known, Identity):  # resolved already
             return known
         session = request.cookies.get(SESSION_COOKIE)
         identity = await self.sessions.resolve(session) if session else None
@@ -119,7 +119,7 @@ class UiSession:
             return response
         return identity
 
-    def bound_stream(self, request: Request, response: Response) -> Response:
+    def bound_stream(self, request: Request, response: Response) -> Response | SessionBoundStream:
         """``response`` (an event stream) ended once the request's session no longer
         stands for anyone; as is without a session (anonymous, or a script's header)."""
         session = getattr(request.state, "ui_session", None)

@@ -10,7 +10,7 @@ import httpx
 
 from ..config import BackendConfig, Provider
 from .anthropic import AnthropicBackend
-from .base import Backend, BackendStream
+from .base import Backend, BackendStream, ReplyStream
 from .llama_cpp import LlamaCppBackend, LocalStream
 from .ollama import OllamaBackend
 from .openai import OpenAIBackend
@@ -23,6 +23,7 @@ __all__ = [
     "LocalStream",
     "OllamaBackend",
     "OpenAIBackend",
+    "ReplyStream",
     "make_backend",
 ]
 

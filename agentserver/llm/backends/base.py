@@ -14,7 +14,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -37,7 +37,14 @@ def reported_or_estimated(usage: Usage | None, request: Request, content: str) -
     )
 
 
-__all__ = ["Backend", "BackendStream", "SSEDecoder", "StreamParser", "WholeReplyStream"]
+__all__ = [
+    "Backend",
+    "BackendStream",
+    "ReplyStream",
+    "SSEDecoder",
+    "StreamParser",
+    "WholeReplyStream",
+]
 
 
 class SSEDecoder:
@@ -111,6 +118,16 @@ class StreamParser(ABC):
             return json.loads(data)
         except ValueError:
             raise self.backend.malformed(f"malformed stream event: {data[:200]!r}") from None
+
+
+class ReplyStream(Protocol):
+    """What the router reads of an open stream, whichever backend opened it
+    (:class:`BackendStream`, :class:`WholeReplyStream`, the local backend's LocalStream):
+    text chunks, then the final :class:`Reply` once; :meth:`aclose` must be called."""
+
+    async def next(self) -> str | Reply: ...
+
+    async def aclose(self) -> None: ...
 
 
 class BackendStream:

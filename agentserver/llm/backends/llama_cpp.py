@@ -23,14 +23,17 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ..classify import ErrorKind
 from ..config import BackendConfig
 from ..local_models import LocalModelError, import_llama_cpp, load_model, resolve_model_path
-from ..types import LLMError, Reply, Request, Usage
+from ..types import LLMError, Message, Reply, Request, Role, Usage
+
+if TYPE_CHECKING:
+    from llama_cpp.llama_types import ChatCompletionRequestMessage
 
 __all__ = ["DEFAULT_N_CTX", "LlamaCppBackend", "LocalStream"]
 
@@ -44,6 +47,15 @@ _CHATML = (
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+def _chat_message(message: Message) -> ChatCompletionRequestMessage:
+    """A message as the chat template reads it (``{"role": ..., "content": ...}``)."""
+    if message.role is Role.SYSTEM:
+        return {"role": "system", "content": message.content}
+    if message.role is Role.ASSISTANT:
+        return {"role": "assistant", "content": message.content}
+    return {"role": "user", "content": message.content}
 
 
 @dataclass(slots=True)
@@ -85,8 +97,7 @@ class _Engine:
                     self.stop_ids.add(ids[0])
 
     def prompt_tokens(self, request: Request) -> list[int]:
-        messages = [{"role": m.role.value, "content": m.content} for m in request.messages]
-        prompt = self.format(messages=messages).prompt
+        prompt = self.format(messages=[_chat_message(m) for m in request.messages]).prompt
         return self.llama.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
 
     def run(self, job: _Job, name: str, count: Callable[[], None]) -> None:
