@@ -133,7 +133,8 @@ def test_kept_threads_are_bounded_per_thread_and_in_time():
         assert a.take(data)  # never refused: the third is dropped and counted
     assert a.replies == [b"1", b"2"] and a.dropped == 1
     assert kept.keep(a, now=0.0) is None
-    assert kept.keep(Exchange("b", "bob", open_endpoint, 2), now=1.0) is None
+    first_b = Exchange("b", "bob", open_endpoint, 2)
+    assert kept.keep(first_b, now=1.0) is None
     assert kept.full
     assert kept.view("b", None, now=2.0) is None and kept.view("b", "bob", now=2.0) is not None
     a.fresh = False
@@ -142,7 +143,15 @@ def test_kept_threads_are_bounded_per_thread_and_in_time():
     b = kept.view("b", "bob", now=5.5)
     assert b is not None and b.expires_in == pytest.approx(0.5)
     again = Exchange("b", "bob", open_endpoint, 2)
-    assert kept.keep(again, now=6.0).thread == "b"  # the replaced one, to release
+    # Nothing came back to the first b yet: it is held (its message may still be queued),
+    # and counts; once it settles (or its time, 6.0, is up), expiry gives it back to close.
+    assert kept.keep(again, now=5.6) is None and len(kept) == 2
+    assert kept.expire(now=5.7) == []
+    first_b.chain_ended()
+    assert kept.expire(now=5.7) == [first_b] and len(kept) == 1
+    # A replaced one that had its answer is given back at once.
+    again.take(b"r")
+    assert kept.keep(Exchange("b", "bob", open_endpoint, 2), now=5.8) is again
 
 
 def test_bearer_auth():
@@ -234,3 +243,38 @@ def test_boot_http_element():
     public = _boot('<http host="0.0.0.0"/>')
     assert public.topology is not None
     assert any("HTTP callers" in str(w) for w in public.warnings)
+
+
+async def test_a_second_message_on_a_kept_thread_loses_neither(autojump_clock):
+    """Two ``?wait=false`` messages on one thread the client chose, the first not handled
+    yet (its listener busy): both are handled and answered; the second's kept exchange
+    replaces the first's only for reading, the first's endpoint stays open until its
+    answer (or its time) comes."""
+    handled: list[str] = []
+
+    async def slow(p: Ping, meta: HandlerMetadata):
+        handled.append(p.text)
+        await trio.sleep(1.0)
+        return HandlerResponse.respond(Pong(text=p.text))
+
+    one = [Listener("echo", (Ping,), slow, responses=(Pong,), concurrency=1)]
+    async with trio.open_nursery() as nursery, open_pump(one) as pump:
+        gateway = HttpGateway(pump, Limits(), spec(max_pending=8))
+        await nursery.start(gateway.run)
+        busy = await gateway.send(Identity(None), "echo", ping("busy"), wait=False)
+        await trio.testing.wait_all_tasks_blocked()
+        thread = "0f3a4a1e-8f0d-4c1e-9b7a-2d3c4e5f6a7b"
+        first = await gateway.send(Identity(None), "echo", ping("first"), wait=False, thread=thread)
+        second = await gateway.send(
+            Identity(None), "echo", ping("second"), wait=False, thread=thread
+        )
+        assert {busy.kind, first.kind, second.kind} == {"accepted"}
+        await trio.sleep(5.0)
+        assert sorted(handled) == ["busy", "first", "second"]
+        await trio.sleep(30.0)  # every kept thread's time is up
+        assert gateway.active == 0 and pump.stats()["endpoints"] == 0
+        nursery.cancel_scope.cancel()
+
+
+def ping(text: str) -> bytes:
+    return f'<ping xmlns="{NS}"><text>{text}</text></ping>'.encode()

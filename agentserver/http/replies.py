@@ -101,26 +101,38 @@ class ThreadView:
 
 class PendingThreads:
     """The threads of ``?wait=false`` messages, each kept ``ttl`` seconds after its last
-    reply (or its start), at most ``max_threads`` at once. Pure: times are passed in."""
+    reply (or its start), at most ``max_threads`` at once. Pure: times are passed in.
+
+    A message sent again on a kept thread takes the thread's place for reading; the one it
+    replaces, if nothing has come back to it yet, is still held (:meth:`keep`) until it
+    settles or its time is up, so its message is not dropped before its listener takes
+    it (closing an endpoint drops what it sent that is still queued). Held ones count
+    towards ``max_threads``."""
 
     def __init__(self, max_threads: int, ttl: float) -> None:
         self.max_threads = max_threads
         self.ttl = ttl
         self._threads: dict[str, Exchange] = {}
+        #: Replaced on their thread before anything came back to them.
+        self._held: list[Exchange] = []
 
     def __len__(self) -> int:
-        return len(self._threads)
+        return len(self._threads) + len(self._held)
 
     @property
     def full(self) -> bool:
-        return len(self._threads) >= self.max_threads
+        return len(self) >= self.max_threads
 
     def keep(self, exchange: Exchange, now: float) -> Exchange | None:
-        """Keep ``exchange``; returns the one it replaces (same thread id), if any."""
+        """Keep ``exchange``; returns the one it replaces (same thread id) if that one is
+        done with (something came back to it: its endpoint to close), else holds it."""
         exchange.deadline = now + self.ttl
         old = self._threads.get(exchange.thread)
         self._threads[exchange.thread] = exchange
-        return old
+        if old is None or old is exchange or old.settled:
+            return old
+        self._held.append(old)
+        return None
 
     def view(
         self, thread: str, owner: str | None, now: float, *, any_owner: bool = False
@@ -150,13 +162,20 @@ class PendingThreads:
                 exchange.deadline = now + self.ttl
 
     def expire(self, now: float) -> list[Exchange]:
-        """Forget the threads whose time is up; returns them (their endpoints to close)."""
+        """Forget the threads whose time is up, and the held ones that settled or whose
+        time is up; returns them (their endpoints to close)."""
         gone = [e for e in self._threads.values() if e.deadline <= now]
         for exchange in gone:
             del self._threads[exchange.thread]
+        if self._held:
+            done = [e for e in self._held if e.settled or e.deadline <= now]
+            if done:
+                self._held = [e for e in self._held if not (e.settled or e.deadline <= now)]
+                gone += done
         return gone
 
     def clear(self) -> list[Exchange]:
-        gone = list(self._threads.values())
+        gone = list(self._threads.values()) + self._held
         self._threads.clear()
+        self._held = []
         return gone
