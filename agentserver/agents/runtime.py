@@ -134,7 +134,6 @@ class AgentRuntime:
     pump's handlers call and the loop that runs the Turns, over the parts it is given."""
 
     def __init__(self, parts: RuntimeParts) -> None:
-        self.parts = parts
         self.store = parts.store
         self.budgets = parts.budgets
         self.tools = parts.tools

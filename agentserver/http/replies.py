@@ -168,10 +168,10 @@ class PendingThreads:
         for exchange in gone:
             del self._threads[exchange.thread]
         if self._held:
-            done = [e for e in self._held if e.settled or e.deadline <= now]
-            if done:
-                self._held = [e for e in self._held if not (e.settled or e.deadline <= now)]
-                gone += done
+            still: list[Exchange] = []
+            for exchange in self._held:
+                (gone if exchange.settled or exchange.deadline <= now else still).append(exchange)
+            self._held = still
         return gone
 
     def clear(self) -> list[Exchange]:

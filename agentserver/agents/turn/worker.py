@@ -599,9 +599,7 @@ def task_problem(row: InboxRow) -> str | None:
         SafeParser().parse(row.payload)
     except Exception:
         return "the task payload is not well-formed XML"
-    try:
-        json.loads(row.reply_ref_json or "")
-    except ValueError:
+    if not _readable(row.reply_ref_json):
         return "the task's reply reference is unreadable"
     return None
 
