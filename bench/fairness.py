@@ -49,6 +49,9 @@ class NoTools:
     async def call(self, *args: Any, **kw: Any) -> str:
         raise AssertionError("the bench's agent calls no tool")
 
+    def check_call(self, *args: Any, **kw: Any) -> None:
+        raise AssertionError("the bench's agent calls no tool")
+
     async def self_iterate(self, *args: Any, **kw: Any) -> None:
         raise AssertionError("the bench's agent does not iterate")
 

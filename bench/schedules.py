@@ -46,6 +46,9 @@ class NoTools:
     async def call(self, agent: str, turn_thread: Any, payload: Any, to: Any, *, key=None) -> str:
         raise RuntimeError("no tools in this bench")
 
+    def check_call(self, agent: str, payload: Any, to: Any) -> None:
+        raise RuntimeError("no tools in this bench")
+
     async def self_iterate(self, agent: str, turn_thread: Any, payload: Any) -> None:
         raise RuntimeError("no tools in this bench")
 

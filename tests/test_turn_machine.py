@@ -145,6 +145,18 @@ ALL_EVENTS: list[tm.Event] = [
 ANY_EVENT = st.sampled_from(ALL_EVENTS)
 
 
+def _step_written(effect: tm.Effect) -> str | None:
+    """The step whose reply ``effect`` writes, if it writes one (each exactly once: by
+    CompleteStep, with the suspend in SendTools, or with the Turn's end in Finish)."""
+    if isinstance(effect, CompleteStep):
+        return effect.step_id
+    if isinstance(effect, SendTools) and effect.step is not None:
+        return effect.step.step_id
+    if isinstance(effect, Finish) and effect.last_step is not None:
+        return effect.last_step.step_id
+    return None
+
+
 class TurnPromises(RuleBasedStateMachine):
     """The world around one Turn, and the Turn's promises as invariants."""
 
@@ -168,6 +180,7 @@ class TurnPromises(RuleBasedStateMachine):
         self.ended_by_other = False
         self.refused = False
         self.sent_keys: set[str] = set()
+        self.written: set[str] = set()  # the steps whose reply an effect writes
         self.forwarded: set[str] = set()
         self.steps = 0
         self.feed(Recovered() if recovered else TaskClaimed(step_begun=begun, started=started))
@@ -188,6 +201,10 @@ class TurnPromises(RuleBasedStateMachine):
         if self.ended_by_other:
             assert effects == [], f"a stopped Turn did {effects}"
         for effect in effects:
+            written = _step_written(effect)
+            if written is not None:
+                assert written not in self.written, f"step {written} written twice"
+                self.written.add(written)
             if isinstance(effect, SendTools):
                 for key in effect.keys:
                     assert key not in self.sent_keys, f"tool call {key} sent twice"
@@ -399,14 +416,17 @@ def test_an_answer_without_compaction_is_written_with_the_turns_end():
     assert m.send(Finished()) == [] and m.state == TurnState.ENDED
 
 
-def test_tool_calls_are_screened_with_the_step_then_sent_with_keys():
+def test_a_step_that_calls_tools_is_written_with_its_suspend_then_sent_with_keys():
     m = TurnMachine()
     _opened(m)
     calls = (_payload(PayloadKind.TOOL, "calc"), _payload(PayloadKind.TOOL, "calc"))
     effects = m.send(ModelReplied("step-1", LLMCompletion("c"), None, CallTools(calls)))
-    assert isinstance(effects[0], CompleteStep) and effects[0].screen
+    # No CompleteStep of its own: the step's reply rides in SendTools (one transaction).
+    assert not any(isinstance(e, CompleteStep) for e in effects)
     send = effects[-1]
     assert isinstance(send, SendTools) and send.keys == ("step-1:0", "step-1:1")
+    assert send.step is not None and send.step.step_id == "step-1"
+    assert [c.card_type for c in send.step.cards] == [CardType.LLM_MESSAGE]
     assert m.send(ToolsSent(report_due=False)) == []
     assert m.resting and not m.report_due
     # a report that does not complete the set changes nothing; the resume opens a step
@@ -419,8 +439,8 @@ def test_after_a_compaction_calls_are_screened_once_the_step_is_complete():
     _opened(m)
     calls = (_payload(PayloadKind.TOOL, "calc"),)
     effects = m.send(ModelReplied("step-1", LLMCompletion("c"), _SWAP, CallTools(calls)))
-    assert isinstance(effects[0], CompleteStep) and not effects[0].screen
-    assert isinstance(effects[-1], SendTools) and not effects[-1].screened
+    assert isinstance(effects[0], CompleteStep) and effects[0].swap is _SWAP
+    assert isinstance(effects[-1], SendTools) and effects[-1].step is None
 
 
 def test_feedback_adds_huh_cards_and_opens_the_next_step():

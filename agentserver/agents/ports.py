@@ -69,18 +69,27 @@ class ToolPort(Protocol):
         to: str | None,
         *,
         key: str | None = None,
+        thread: str | None = None,
     ) -> str:
         """Forward ``payload`` from ``agent`` to peer ``to`` (``None``: by root tag), with
         the call's idempotency ``key`` (the peer's ``HandlerMetadata.idempotency_key``).
 
         The pump opens a sub-thread of the Turn's thread (``turn_thread`` is the reply ref
-        of the Enqueue) and returns its id. The peer's response, or a ``<huh>`` /
+        of the Enqueue) and returns its id: ``thread`` when given (the worker draws it
+        first, so that the Turn's waiting set is written before the call goes out). The peer's response, or a ``<huh>`` /
         ``<SystemError>`` that arrives later on that sub-thread, must be handed to
         :meth:`agentserver.agents.runtime.AgentRuntime.report_tool_result` with that id.
         Raises :class:`~agentserver.agents.errors.PumpRefused` carrying the primitive when
         the pump refuses the payload at once. Must return promptly (it forwards, it does
         not wait for the peer).
         """
+        ...
+
+    def check_call(self, agent: str, payload: etree._Element, to: str | None) -> None:
+        """Check a call as :meth:`call` would send it (a valid payload, exactly one peer
+        that takes it), sending nothing: raises ``PumpRefused`` as the send would. The
+        worker checks a step's calls before it writes the step, then sends them; a send
+        can still be refused after that only for room (a full queue or registry)."""
         ...
 
     async def self_iterate(

@@ -270,12 +270,27 @@ class AgentRuntime:
         failed: bool = False,
     ) -> str:
         """Record a peer's response (or ``<huh>``/``<SystemError>``, ``failed=True``) that
-        arrived on the sub-thread ``tool_call_id`` of an earlier tool call."""
-        inbox_id = await self.store.report_tool_result(
-            agent_id, tool_call_id, _bytes(payload), failed=failed
+        arrived on the sub-thread ``tool_call_id`` of an earlier tool call; returns what
+        recording it came to (``ReportOutcome.kind``).
+
+        One transaction: the report is applied to its Turn's waiting set as it is
+        recorded; when it completes the set, the Turn resumes (its next step opened) and
+        is handed to this process's worker (:meth:`Worker.hand_over`), with no inbox row
+        and no claim. Should the process die before the worker runs it, the Turn is a
+        running one that recovery re-runs. A report its Turn does not wait for is kept in
+        the inbox, as the worker handles it (a duplicate, or one before its suspend)."""
+        profile = self.profiles.get(agent_id)
+        # Without after-guardrails (which judge the results before the next step begins),
+        # the resume opens the next step in the same transaction.
+        then_step = profile.max_steps if profile and not profile.guardrails else None
+        outcome = await self.store.apply_tool_result(
+            agent_id, tool_call_id, _bytes(payload), failed=failed, then_step=then_step
         )
-        self.doorbell.ring()
-        return inbox_id
+        if outcome.resumed is not None:
+            self.worker.hand_over(outcome)
+        elif outcome.kind == "queued":
+            self.doorbell.ring()
+        return outcome.kind
 
     async def compact_conversation(self, agent_id: str, conversation: str) -> bool:
         """Fold an idle conversation's older cards into its rolling summary now (the same

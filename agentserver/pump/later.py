@@ -144,6 +144,7 @@ class Later:
         to: str | None,
         *,
         key: str | None = None,
+        thread: str | None = None,
     ) -> str:
         """Forward ``payload`` from ``sender`` outside a handler (an agent's tool call).
 
@@ -152,6 +153,9 @@ class Later:
         (or a failure primitive) will reach ``sender`` with ``response_thread`` set to it.
         ``key``: the call's idempotency key, handed to the peer's handler
         (``HandlerMetadata.idempotency_key``; None: the new sub-thread's id).
+        ``thread``: the sub-thread's id, drawn by the caller before the call (an agent
+        records its waiting set before it sends); None draws one. Reusing a live
+        thread's id is refused (``ValueError``).
         Raises :class:`Refusal` at once if the pump refuses; nothing is sent then. If
         cancelled while waiting for room, nothing is queued.
         """
@@ -161,7 +165,7 @@ class Later:
         element, ptype, target = self.checked_call(sender, payload, to)
         hop = self.revive(ref)
         try:
-            child = pump.threads.extend(hop, target, trio.current_time())
+            child = pump.threads.extend(hop, target, trio.current_time(), thread_id=thread)
         except RegistryFull:
             raise DeliveryRefused(SystemErrorCode.ROUTING, retry_allowed=True) from None
         try:

@@ -89,6 +89,8 @@ class FakeTools:
     keys: list[str | None] = field(default_factory=list)
     self_calls: list[str] = field(default_factory=list)
     refuse: set[str] = field(default_factory=set)
+    #: Peers whose sends are refused for room (after the check passed).
+    full: set[str] = field(default_factory=set)
     on_call: Callable[[str, str], Any] | None = None  # (sub_thread, to) -> awaitable|None
 
     async def call(
@@ -99,10 +101,12 @@ class FakeTools:
         to: str | None,
         *,
         key: str | None = None,
+        thread: str | None = None,
     ) -> str:
-        if payload.tag in self.refuse:
-            raise PumpRefused(make_huh(HuhReason.INVALID_PAYLOAD, "x"))
-        sub = uuid.uuid4().hex
+        self.check_call(agent, payload, to)
+        if to in self.full:
+            raise PumpRefused(make_huh(HuhReason.INVALID_PAYLOAD, "no room"))
+        sub = thread or uuid.uuid4().hex
         self.calls.append((sub, to, etree.tostring(payload, encoding="unicode")))
         self.keys.append(key)
         if self.on_call is not None:
@@ -110,6 +114,10 @@ class FakeTools:
             if maybe is not None:
                 await maybe
         return sub
+
+    def check_call(self, agent: str, payload: etree._Element, to: str | None) -> None:
+        if payload.tag in self.refuse:
+            raise PumpRefused(make_huh(HuhReason.INVALID_PAYLOAD, "x"))
 
     async def self_iterate(self, agent: str, turn_thread: Any, payload: etree._Element) -> None:
         if payload.tag in self.refuse:
@@ -159,6 +167,7 @@ def make_harness(
     *,
     profiles: dict[str, AgentProfile] | None = None,
     clock: ManualClock | None = None,
+    retryable_tools: tuple[str, ...] = (),
     **settings: Any,
 ) -> Harness:
     clock = clock or ManualClock()
@@ -167,5 +176,13 @@ def make_harness(
     replies = FakeReplies()
     profiles = profiles or {"assistant": profile()}
     cfg = StoreSettings(path=path / "agents.sqlite3", **settings)
-    rt = open_runtime(cfg, profiles, llm=llm, tools=tools, replies=replies, clock=clock)
+    rt = open_runtime(
+        cfg,
+        profiles,
+        llm=llm,
+        tools=tools,
+        replies=replies,
+        clock=clock,
+        retryable_tools=retryable_tools,
+    )
     return Harness(rt, llm, tools, replies, clock, rt.events.subscribe())

@@ -1,7 +1,7 @@
 """Idempotency keys of an agent's tool calls (issue 26), with the real store and fake
 ports: two identical calls of one message get two keys; a process that dies while
-forwarding a step's calls (the step's output recorded, the Turn not yet suspended) has
-them sent again after the restart with the same keys, without asking the model again."""
+forwarding a step's calls (the step and its waiting set written first) has them sent
+again after the restart with the same keys, without asking the model again."""
 
 from __future__ import annotations
 
@@ -42,10 +42,14 @@ async def test_calls_cut_off_by_a_crash_are_sent_again_with_their_keys(tmp_path)
     with trio.move_on_after(0.5):
         await h.pump()
     assert len(h.tools.keys) == 1 and len(h.llm.requests) == 1
-    assert (await h.rt.store.head("assistant")).status == "running"
+    # The step and its waiting set were written before the first call went out.
+    head = await h.rt.store.head("assistant")
+    assert head.status == "suspended" and head.waiting_tool_count == 2
     await h.rt.aclose()
 
-    h2 = make_harness(tmp_path, two_identical_calls, clock=h.clock)
+    # The restart's recovery sends the waiting calls again, to a listener whose steps
+    # may be retried, with the same keys.
+    h2 = make_harness(tmp_path, two_identical_calls, clock=h.clock, retryable_tools=("calculator",))
     await h2.rt.recover()
     await h2.pump()
     assert h2.llm.requests == []  # the recorded step's calls, not a new step

@@ -60,27 +60,29 @@ async def test_tool_result_delivered_twice_is_applied_once(tmp_path):
     await h.pump()
     assert [e.status for e in h.task_events()] == ["succeeded"]
     assert h.replies.sent[0][1].endswith("3</sum>")
+    # The first was applied as it was recorded (no inbox row); the second, which its
+    # Turn no longer waits for, was kept and acknowledged as a duplicate.
     statuses = h.sql("SELECT status FROM agent_inbox WHERE message_type = 'tool_result'")
-    assert sorted(s for (s,) in statuses) == ["consumed", "skipped"]
+    assert [s for (s,) in statuses] == ["skipped"]
     assert h.sql("SELECT count(*) FROM cards WHERE card_type = 'tool.result'") == [(1,)]
     assert len(h.llm.requests) == 2
 
 
-async def test_result_arriving_before_suspend_commits_is_deferred_then_applied_once(tmp_path):
+async def test_a_result_arriving_during_its_call_finds_the_suspend_written(tmp_path):
     h = make_harness(tmp_path, answer_after_tool)
 
     async def answer_immediately(sub, to):
-        # The peer answers while the worker is still between the call and its suspend.
+        # The peer answers before the worker's call returns: the waiting set was written
+        # before the call went out, so the report is never deferred.
+        head = await h.rt.store.head("assistant")
+        assert head.status == "suspended" and head.waiting_tool_count == 1
         await h.rt.report_tool_result("assistant", sub, result("3"))
 
     h.tools.on_call = answer_immediately
     await h.rt.enqueue("assistant", task("1+2"), "ref")
     await h.pump()
-    [(status, retries, reason)] = h.sql(
-        "SELECT status, retry_count, defer_reason FROM agent_inbox "
-        "WHERE message_type = 'tool_result'"
-    )
-    assert (status, retries, reason) == ("consumed", 0, "awaiting suspend")
+    # Applied as it was recorded: never deferred, no inbox row at all.
+    assert h.sql("SELECT count(*) FROM agent_inbox WHERE message_type = 'tool_result'") == [(0,)]
     assert [e.status for e in h.task_events()] == ["succeeded"]
     assert h.sql("SELECT count(*) FROM cards WHERE card_type = 'tool.result'") == [(1,)]
 

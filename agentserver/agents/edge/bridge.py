@@ -132,10 +132,11 @@ class PumpPorts:
         to: str | None,
         *,
         key: str | None = None,
+        thread: str | None = None,
     ) -> str:
         try:
             return await self.pump.call_from(
-                agent, ThreadRef.from_json(turn_thread), payload, to, key=key
+                agent, ThreadRef.from_json(turn_thread), payload, to, key=key, thread=thread
             )
         except Refusal as refusal:
             raise _refused(refusal, payload) from None

@@ -126,13 +126,14 @@ class RecordedTools:
         to: str | None,
         *,
         key: str | None = None,
+        thread: str | None = None,
     ) -> str:
         if self.live:
             self.made += 1
-            return await self.inner.call(agent, turn_thread, payload, to, key=key)
+            return await self.inner.call(agent, turn_thread, payload, to, key=key, thread=thread)
         self.checker.check_call(agent, payload, to)  # raises PumpRefused as a send would
         n, self.made = self.made, self.made + 1
-        sub = f"replay-{n}"
+        sub = thread or f"replay-{n}"
         text = etree.tostring(payload, encoding="unicode")
         recorded = self._calls[n] if n < len(self._calls) else None
         if recorded is not None and recorded["content"] == text:
@@ -149,6 +150,9 @@ class RecordedTools:
         # Unbounded (a record's results are few): reported after this call returns.
         self.results.send_nowait((agent, sub, body, failed))
         return sub
+
+    def check_call(self, agent: str, payload: etree._Element, to: str | None) -> None:
+        self.checker.check_call(agent, payload, to)
 
     async def self_iterate(
         self, agent: str, turn_thread: ReplyRef, payload: etree._Element

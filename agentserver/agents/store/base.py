@@ -160,13 +160,33 @@ class TurnStore(Protocol):
         calls: Sequence[ToolCallRecord],
         cards: Sequence[NewCard],
         resume_deadline: float,
+        *,
+        completion: LLMCompletion | None = None,
+        step_cards: Sequence[NewCard] = (),
+        screened: StepRecord | None = None,
     ) -> int:
-        """running → suspended; returns how many reports that came early are due now."""
+        """running → suspended; returns how many reports that came early are due now.
+        With ``completion`` and ``step_cards`` (and governance's ``screened`` record),
+        the step's reply is written in the same compare-and-set: one transaction."""
         ...
 
     async def apply_report(self, row: InboxRow, *, then_step: int | None = None) -> ReportOutcome:
         """Apply a report; with ``then_step`` (the step limit), a resume also opens the
         next step in the same transaction (:meth:`open_step`)."""
+        ...
+
+    async def apply_tool_result(
+        self,
+        agent_id: str,
+        tool_call_id: str,
+        payload: bytes,
+        *,
+        failed: bool,
+        then_step: int | None = None,
+    ) -> ReportOutcome:
+        """A peer's report, applied to its waiting set in the transaction that records
+        it (no inbox row; a resume opens the next step with ``then_step``), or kept in
+        the inbox when its Turn does not wait for it (``queued``)."""
         ...
 
     async def take_resume(self, row: InboxRow) -> TurnToken | None: ...

@@ -264,13 +264,41 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         calls: Sequence[ToolCallRecord],
         cards: Sequence[NewCard],
         resume_deadline: float,
+        *,
+        completion: LLMCompletion | None = None,
+        step_cards: Sequence[NewCard] = (),
+        screened: StepRecord | None = None,
     ) -> int:
         if not calls:
             raise ValueError("suspend needs at least one tool call")
-        return await self._run(tools.suspend, token, step_id, calls, cards, resume_deadline)
+        # By position: PostgreSQL's one-trip form is taken only for a call without names.
+        return await self._run(
+            tools.suspend,
+            token,
+            step_id,
+            calls,
+            cards,
+            resume_deadline,
+            completion,
+            step_cards,
+            screened,
+        )
 
     async def apply_report(self, row: InboxRow, *, then_step: int | None = None) -> ReportOutcome:
         return await self._run(tools.apply_report, row, then_step)
+
+    async def apply_tool_result(
+        self,
+        agent_id: str,
+        tool_call_id: str,
+        payload: bytes,
+        *,
+        failed: bool,
+        then_step: int | None = None,
+    ) -> ReportOutcome:
+        return await self._run(
+            tools.apply_tool_result, agent_id, tool_call_id, payload, failed, then_step
+        )
 
     async def take_resume(self, row: InboxRow) -> TurnToken | None:
         return await self._run(turns.take_resume, row)

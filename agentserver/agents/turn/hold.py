@@ -38,15 +38,16 @@ class TurnHold:
     def store(self) -> AgentStore:
         return self.ender.store
 
-    async def fence(self, token: TurnToken) -> Head:
-        """The Turn's head while ``token`` still holds it running; else StaleTurn.
+    async def fence(self, token: TurnToken, status: HeadStatus = HeadStatus.RUNNING) -> Head:
+        """The Turn's head while ``token`` still holds it in ``status`` (running, or
+        suspended on the calls a run is sending); else StaleTurn.
 
         One head read (no write, so nothing to undo on cancel). A later write of the run
         is fenced again by the store's own compare-and-set: this check only keeps the
         run from sending anything new (a tool call, a model call) once fenced out."""
         head = await self.store.head(token.agent_id)
-        if head.token != token or head.status != HeadStatus.RUNNING:
-            raise StaleTurn(f"{token} is no longer running")
+        if head.token != token or head.status != status:
+            raise StaleTurn(f"{token} is no longer {status}")
         return head
 
     async def finish(

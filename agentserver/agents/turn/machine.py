@@ -393,15 +393,14 @@ class CallModel:
 
 @dataclass(frozen=True, slots=True)
 class CompleteStep:
-    """Write the step's reply (and its compaction, ``swap``). ``screen``: the step's tool
-    calls to screen first, their record written in the same compare-and-set (none after
-    a compaction: they are screened on the compacted cards, by :class:`SendTools`)."""
+    """Write the step's reply (and its compaction, ``swap``), one compare-and-set. A
+    step that calls tools without a compaction is written by :class:`SendTools` instead,
+    with its suspend."""
 
     step_id: str
     completion: LLMCompletion
     cards: tuple[NewCard, ...]
     swap: BoxSwap | None
-    screen: tuple[FoundPayload, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,15 +418,28 @@ class SelfIteration:
 
 
 @dataclass(frozen=True, slots=True)
+class StepRecord:
+    """A step's reply, written with the transaction that follows it (the suspend, or the
+    Turn's end)."""
+
+    step_id: str
+    completion: LLMCompletion
+    cards: tuple[NewCard, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class SendTools:
-    """Send the step's tool calls (screened; approvals asked), suspend on those that went
-    out; feed back :class:`ToolsSent`, :class:`NoToolsSent` or :class:`GuardrailHalted`.
-    Each call's idempotency key is ``step_id`` and its place: :attr:`keys`."""
+    """Screen the step's tool calls and check them, write the step's suspend on those
+    that can go out (approvals asked), then send them; feed back :class:`ToolsSent`,
+    :class:`NoToolsSent` or :class:`GuardrailHalted`. ``step``: the step's reply, not
+    written yet: written in the suspend's transaction (None after a compaction, which
+    :class:`CompleteStep` wrote). Each call's idempotency key is ``step_id`` and its
+    place: :attr:`keys`."""
 
     step_id: str
     step_no: int
     calls: tuple[FoundPayload, ...]
-    screened: bool  # the screening was written with the step (CompleteStep.screen)
+    step: StepRecord | None = None
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -445,15 +457,6 @@ class ForwardGranted:
     """Forward the granted call of approval request ``request_id`` (once)."""
 
     request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """The last step, completed in the Turn's end's transaction."""
-
-    step_id: str
-    completion: LLMCompletion
-    cards: tuple[NewCard, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -628,7 +631,7 @@ class TurnMachine:
         self._begun = False
         self._calls: tuple[FoundPayload, ...] = ()
         self._iterate: FoundPayload | None = None
-        self._screened = False
+        self._record: StepRecord | None = None
         self._forwarded: set[str] = set()
 
     @property
@@ -704,12 +707,16 @@ class TurnMachine:
                 EmitStep(step_id, "planning"),
                 Finish(TaskStatus.SUCCEEDED, answer.text, answer.meta, last),
             ]
-        # Tool calls are screened with the step (one compare-and-set), unless a compaction
-        # swaps the boxes: then on the compacted cards, once the step is complete.
-        screen = decision.calls if isinstance(decision, CallTools) and event.swap is None else ()
-        self._screened = bool(screen)
+        # A step that calls tools is written with its suspend (one transaction), unless a
+        # compaction swaps the boxes: then its calls are screened on the compacted cards,
+        # once the step is complete.
+        if isinstance(decision, CallTools) and event.swap is None:
+            self._record = StepRecord(step_id, completion, said)
+            self._calls = decision.calls
+            return [EmitStep(step_id, "planning")]
+        self._record = None
         effects: list[Effect] = [
-            CompleteStep(step_id, completion, said, event.swap, screen),
+            CompleteStep(step_id, completion, said, event.swap),
             EmitStep(step_id, "planning"),
         ]
         match decision:
@@ -748,7 +755,8 @@ class TurnMachine:
             case _S.AWAITING_TOOLS:
                 assert self._step is not None and self._step.step_id is not None
                 step_id, step_no = self._step.step_id, self._step.step_no
-                return [SendTools(step_id, step_no, self._calls, self._screened)]
+                record, self._record = self._record, None
+                return [SendTools(step_id, step_no, self._calls, record)]
             case _S.RECOVERING:
                 return [SendRecordedCalls()]
         return []

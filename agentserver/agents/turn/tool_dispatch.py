@@ -1,9 +1,13 @@
-"""A step's tool calls: screened by governance (when the agent is governed), forwarded
-through the pump one at a time, each fenced on the Turn first (no new side effect once
-fenced out), then the Turn suspended on the calls that went out, approvals included.
+"""A step's tool calls: screened by governance (when the agent is governed), checked by
+the pump, the Turn suspended on those that can go out (approvals included), then
+forwarded through the pump one at a time.
+
+The step's reply, governance's record and the suspend are one transaction
+(:meth:`ToolDispatch.call`): the calls' sub-thread ids are drawn first, so the waiting set
+is durable before any call goes out, and a report never comes before its suspend.
 
 :meth:`ToolDispatch.screen` is the one entry point that screens a step's calls, whether
-the worker writes the screening with the step or :meth:`ToolDispatch.call` writes it.
+the step's transaction writes the screening or :meth:`ToolDispatch.screen` does.
 
 Each forward awaits the pump; cancellation propagates. A :class:`StaleTurn` from a fence
 propagates with nothing more sent.
@@ -34,15 +38,18 @@ from agentserver.agents.store.base import (
     ToolCallRecord,
     TurnToken,
 )
+from agentserver.agents.store.governance import StepRecord as ScreenRecord
 from agentserver.agents.store.states import HeadStatus
 from agentserver.agents.turn.hold import TurnHold
 from agentserver.agents.turn.machine import (
     GuardrailHalted,
     NoToolsSent,
+    StepRecord,
     ToolsSent,
     element_text,
     huh_card,
 )
+from agentserver.core.threads import new_thread_id
 from agentserver.observability.tracing import Tracing, record_error
 from agentserver.steps.retry import KEY_FIELD, idempotency_key
 
@@ -115,31 +122,45 @@ class ToolDispatch:
         step_no: int,
         profile: AgentProfile,
         reply_ref: ReplyRef,
-        calls: tuple,
+        calls: tuple[FoundPayload, ...],
         history: Sequence[Card] | None = None,
-        screened: Screened | None = None,
+        step: StepRecord | None = None,
         *,
         approvals: Approvals | None = None,
     ) -> DispatchOutcome:
-        """Forward the tool calls governance lets through; suspend if any was accepted.
-        :class:`NoToolsSent` when none went out (the Turn goes on); :class:`ToolsSent`
-        (whether a report is due already, whether approvals were asked) when it suspended;
-        :class:`GuardrailHalted` when a guardrail halted the step, nothing of it sent (the
-        caller ends the Turn). ``history``: the Turn's output cards, if the caller has them;
-        ``screened``: the calls' screening, if written with the step already;
-        ``approvals``: sends the approval requests at once (None: they wait for its tick).
+        """Screen the step's tool calls, check those governance lets through, write the
+        step's suspend on those that can go out, then send them.
 
-        Called right after the step's compare-and-set (``complete_step``), which is the
-        fence of the first call: each later call is fenced again first."""
-        records: list[ToolCallRecord] = []
+        :class:`NoToolsSent` when none can go out (the Turn goes on); :class:`ToolsSent`
+        (whether a report is due already, whether approvals were asked) when it
+        suspended; :class:`GuardrailHalted` when a guardrail halted the step, nothing of it
+        sent (the caller ends the Turn). ``history``: the Turn's output cards, if the
+        caller has them; ``step``: the step's reply, not written yet, written in the same
+        transaction as the suspend (or, when nothing goes out, as the refusals), with the
+        screening's record; ``approvals``: sends the approval requests at once (None: they
+        wait for its tick).
+
+        Atomic up to the sends: the step, the screening, the refusals and the waiting set
+        are one compare-and-set transaction (StaleTurn, nothing written, when the Turn
+        moved on). Each call's sub-thread id is drawn before it, so that the waiting set
+        names it before the call goes out: a report can never come before its suspend.
+        A send the pump refuses after that (no room) is reported as that call's failed
+        result. Cancelled or crashed between the commit and the sends, the Turn is
+        suspended on calls that never went out: a restart's recovery sends them again or
+        reports them lost (``AgentRuntime.lost_calls``)."""
         cards: list[NewCard] = []
+        records: list[ToolCallRecord] = []
         # Each call's key from its place in the model's message (screening keeps the
         # call objects, so identity finds it).
         place = {id(c): i for i, c in enumerate(calls)}
-        if screened is None:
-            screened = await self.screen(token, step_id, step_no, profile, calls, history)
+        screened = await self.screen(
+            token, step_id, step_no, profile, calls, history, record=step is None
+        )
+        record = screened.record if screened is not None and step is not None else None
         if screened is not None:
             if screened.halt is not None:
+                if step is not None:
+                    await self._complete(token, step, [], record)
                 return GuardrailHalted(screened.halt)
             send = [(a.call, _keyed(a.metadata, step_id, place, a.call)) for a in screened.send]
             for ask in screened.approvals:
@@ -155,47 +176,41 @@ class ToolDispatch:
                 )
         else:
             send = [(call, _keyed({}, step_id, place, call)) for call in calls]
-        # No new side effect once fenced out. The last store call was a compare-and-set on
-        # the running head: complete_step's, or record_decisions', which ends screen()
-        # whenever it lets a call through. Each call awaits the pump: fence the next one
-        # again.
-        fenced = True
+        outgoing: list[tuple[FoundPayload, dict[str, object], str]] = []
         for call, metadata in send:
-            if not fenced:
-                await self.hold.fence(token)
-            fenced = False
-            # A tool call names its peer (decide() makes CallTools of those only).
-            to = call.to or ""
-            content = None
-            if self.tracing.capture_content:
-                content = etree.tostring(call.element, encoding="unicode")
             try:
-                # The span covers the dispatch; the tool's handle span is its child.
-                with self.tracing.execute_tool(to, content) as span:
-                    try:
-                        sub_thread = await self.tools.call(
-                            token.agent_id,
-                            reply_ref,
-                            call.element,
-                            call.to,
-                            key=str(metadata[KEY_FIELD]),
-                        )
-                    except PumpRefused:
-                        record_error(span, "refused")
-                        raise
-                    span.set_attribute("gen_ai.tool.call.id", sub_thread)
+                self.tools.check_call(token.agent_id, call.element, call.to)
             except PumpRefused as refused:
                 cards.append(huh_card(refused.element, f"the call to {call.to} was refused"))
                 continue
+            # A tool call names its peer (decide() makes CallTools of those only).
+            to = call.to or ""
+            sub_thread = new_thread_id()
             after = "terminate" if call.to in profile.terminate_tools else "suspend"
             records.append(
                 ToolCallRecord(sub_thread, to, element_text(call.element), after, metadata)
             )
+            outgoing.append((call, metadata, sub_thread))
         if not records:
-            await self.store.add_cards(token, cards)
+            if step is not None:
+                await self._complete(token, step, cards, record)
+            else:
+                await self.store.add_cards(token, cards)
             return NoToolsSent()
         deadline = self.clock.now() + profile.resume_deadline_s
-        early = await self.store.suspend(token, step_id, records, cards, deadline)
+        if step is None:
+            early = await self.store.suspend(token, step_id, records, cards, deadline)
+        else:
+            early = await self.store.suspend(
+                token,
+                step_id,
+                records,
+                cards,
+                deadline,
+                completion=step.completion,
+                step_cards=step.cards,
+                screened=record,
+            )
         self.events.publish(
             StateEvent(
                 token.agent_id,
@@ -206,12 +221,70 @@ class ToolDispatch:
                 len(records),
             )
         )
-        # Results that arrived before the suspend committed are due now.
-        self.doorbell.ring()
+        turned_away = await self._send(token, reply_ref, outgoing)
+        if early or turned_away:
+            self.doorbell.ring()  # their reports are due now
         asked = any(r.after_execution == WAITING_KIND for r in records)
         if approvals is not None and asked:
             await approvals.deliver_requests()
-        return ToolsSent(early > 0, asked)
+        return ToolsSent(early + turned_away > 0, asked)
+
+    async def _complete(
+        self,
+        token: TurnToken,
+        step: StepRecord,
+        cards: Sequence[NewCard],
+        screened: ScreenRecord | None,
+    ) -> None:
+        """Write a step that sends nothing: its reply, the screening's record and
+        ``cards`` (the pump's refusals) in one compare-and-set."""
+        await self.store.complete_step(
+            token,
+            step.step_id,
+            step.completion,
+            [*step.cards, *cards],
+            screened=screened,
+        )
+
+    async def _send(
+        self,
+        token: TurnToken,
+        reply_ref: ReplyRef,
+        outgoing: Sequence[tuple[FoundPayload, Mapping[str, object], str]],
+    ) -> int:
+        """Send the calls of a suspend just written, each on the sub-thread the waiting set
+        names; returns how many the pump refused (each reported as its call's failed
+        result). The suspend's commit fences the first call; each later one is fenced on
+        the Turn still suspended with ``token`` (a stop, or the calls' timeout, moved it:
+        StaleTurn, nothing more sent)."""
+        refused = 0
+        for i, (call, metadata, sub_thread) in enumerate(outgoing):
+            if i:
+                await self.hold.fence(token, HeadStatus.SUSPENDED)
+            to = call.to or ""
+            content = None
+            if self.tracing.capture_content:
+                content = etree.tostring(call.element, encoding="unicode")
+            # The span covers the dispatch; the tool's handle span is its child.
+            with self.tracing.execute_tool(to, content) as span:
+                span.set_attribute("gen_ai.tool.call.id", sub_thread)
+                try:
+                    await self.tools.call(
+                        token.agent_id,
+                        reply_ref,
+                        call.element,
+                        call.to,
+                        key=str(metadata[KEY_FIELD]),
+                        thread=sub_thread,
+                    )
+                except PumpRefused as no:
+                    record_error(span, "refused")
+                    log.warning("turn %s: the call to %s was refused", token.agent_turn_id, to)
+                    await self.store.report_tool_result(
+                        token.agent_id, sub_thread, etree.tostring(no.element), failed=True
+                    )
+                    refused += 1
+        return refused
 
     async def call_recorded(
         self,

@@ -36,7 +36,7 @@ from agentserver.agents.errors import PumpRefused, StaleTurn
 from agentserver.agents.events import StateEvent, StepEvent
 from agentserver.agents.governance.approvals import Approvals, forward_granted
 from agentserver.agents.governance.budgets import Budgets
-from agentserver.agents.governance.governor import Governor, Screened
+from agentserver.agents.governance.governor import Governor
 from agentserver.agents.ports import LLMPort, ReplyRef, ToolPort, reply_ref_from_json
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.retry import step_retries_done
@@ -116,12 +116,8 @@ class _Run:
     reply_ref: ReplyRef | None = None
     #: The step the claim's (or resume's) transaction began, until OpenStep takes it.
     claimed: StepStart | None = None
-    #: The open step.
-    step: StepStart | None = None
     #: The output box as the step left it (None after a compaction: read again).
     history: Sequence[Card] | None = None
-    #: The step's tool calls' screening, written with the step.
-    screened: Screened | None = None
 
     def ref(self) -> ReplyRef:
         """The Turn's reply reference, which a call through the pump needs (a Turn
@@ -183,6 +179,19 @@ class Worker:
         #: per runner at most (an agent is handled by one runner at a time), so bounded
         #: by ``worker_concurrency``; removed when the run returns.
         self._runs: dict[str, tuple[str, trio.CancelScope]] = {}
+        #: Turns a report resumed in this process (:meth:`hand_over`), by agent, until a
+        #: runner takes the agent: one entry per agent at most (an agent has one active
+        #: Turn), so bounded by the agents.
+        self._handed: dict[str, ReportOutcome] = {}
+
+    def hand_over(self, outcome: ReportOutcome) -> None:
+        """Run a Turn that a report resumed as it was recorded (``outcome.resumed``),
+        as a claimed report row would be: the agent's runner takes it before its next
+        claim. Never blocks. Lost only with the process, whose recovery re-runs the Turn
+        (it is a running one)."""
+        if outcome.resumed is not None:
+            self._handed[outcome.resumed.agent_id] = outcome
+            self.doorbell.ring()
 
     def interrupt(self, agent_id: str, agent_turn_id: str) -> bool:
         """Cancel this process's run of Turn ``agent_turn_id`` of ``agent_id``, if a
@@ -211,7 +220,8 @@ class Worker:
             await recv.aclose()
             task_status.started()
             while True:
-                for agent_id in await self.store.due_agents(self.settings.claim_batch):
+                due = await self.store.due_agents(self.settings.claim_batch)
+                for agent_id in (*self._handed, *due):
                     if agent_id not in busy:
                         busy.add(agent_id)
                         await send.send(agent_id)  # bounded: waits for a free runner
@@ -241,12 +251,19 @@ class Worker:
         Must not run concurrently for the same agent (:meth:`run` guarantees it).
         """
         handled = 0
-        while (claimed := await self._claim(agent_id)) is not None:
-            more = await self._handle_claimed(claimed)
+        while True:
+            handed = self._handed.pop(agent_id, None)
+            if handed is not None:
+                # Resumed by a report as it was recorded: what a claim of it would give.
+                profile = self.profiles.get(agent_id)
+                more = await self._reported(handed, profile) if profile else True
+            elif (claimed := await self._claim(agent_id)) is not None:
+                more = await self._handle_claimed(claimed)
+            else:
+                return handled
             handled += 1
             if not (more or poll_waiting):
-                break
-        return handled
+                return handled
 
     async def _claim(self, agent_id: str) -> Claimed | None:
         """The agent's next due row, claimed with its first step taken in the same
@@ -494,7 +511,7 @@ class Worker:
                     step = opened
                 if step.step_id is None:
                     return StepLimit(limit_text(step.output, profile))
-                run.step, run.history, run.screened = step, None, None
+                run.history = None
                 return StepOpened(step)
             case CallModel(step, retries_done, reserve):
                 assert step.step_id is not None
@@ -519,28 +536,8 @@ class Worker:
                 decision = decide(content, extract_payloads(content, profile), profile)
                 answer = _submitted(decision, profile) if isinstance(decision, Submit) else None
                 return ModelReplied(step.step_id, done.completion, done.swap, decision, answer)
-            case CompleteStep(step_id, completion, cards, swap, screen):
-                assert run.step is not None
-                if screen:
-                    # Screened first, so that its record is written with the step (one
-                    # compare-and-set instead of two).
-                    try:
-                        run.screened = await self.tool_calls.screen(
-                            token,
-                            step_id,
-                            run.step.step_no,
-                            profile,
-                            screen,
-                            run.history,
-                            record=False,
-                        )
-                    except Exception:
-                        await self.store.complete_step(token, step_id, completion, list(cards))
-                        raise
-                record = run.screened.record if run.screened is not None else None
-                await self.store.complete_step(
-                    token, step_id, completion, list(cards), swap=swap, screened=record
-                )
+            case CompleteStep(step_id, completion, cards, swap):
+                await self.store.complete_step(token, step_id, completion, list(cards), swap=swap)
             case AddCards(cards):
                 await self.store.add_cards(token, list(cards))
             case SelfIteration(payload):
@@ -550,7 +547,7 @@ class Worker:
                 except PumpRefused as refused:
                     return SelfIterated(huh_card(refused.element, ""))
                 return SelfIterated(NewCard(CardType.SELF_CALL, element_text(payload.element)))
-            case SendTools(step_id, step_no, calls):
+            case SendTools(step_id, step_no, calls, step):
                 return await self.tool_calls.call(
                     token,
                     step_id,
@@ -559,7 +556,7 @@ class Worker:
                     run.ref(),
                     calls,
                     run.history,
-                    run.screened,
+                    step,
                     approvals=self.approvals,
                 )
             case SendRecordedCalls():

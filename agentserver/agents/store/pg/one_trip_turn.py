@@ -146,23 +146,29 @@ def suspend(
     calls: Sequence[ToolCallRecord],
     cards: Sequence[NewCard],
     resume_deadline: float,
+    completion: Any = None,
+    step_cards: Sequence[NewCard] = (),
+    screened: StepRecord | None = None,
 ) -> int:
-    """:func:`~agentserver.agents.store.sql.tools.suspend` in one round trip."""
+    """:func:`~agentserver.agents.store.sql.tools.suspend` in one round trip (its step
+    completed with it included; one more for a step without a completion whose
+    decisions go into its metadata)."""
     if not calls:
         raise ValueError("suspend needs at least one tool call")
     now = env.clock.now()
     call_cards = tools.tool_call_cards(calls)
+    before = [*step_cards, *(screened.cards if screened else ()), *cards]
     ids = append_cards(
         tx,
         env,
         token,
-        [*cards, *call_cards],
+        [*before, *call_cards],
         HeadEvent.SUSPEND,
         given=tools.suspend_given(calls, resume_deadline),
     )
     call_ids = [c.tool_call_id for c in calls]
-    tools.record_waiting(tx, token, step_id, calls, ids[len(cards) :], now)
-    close_step(tx, env, step_id, None, AgentStepStatus.COMPLETED, call_ids)
+    tools.record_waiting(tx, token, step_id, calls, ids[len(before) :], now)
+    tools.close_suspended_step(tx, env, token, step_id, completion, screened, call_ids)
     if channel is not None:
         notify(tx, channel)
     sql, params = tools.early_reports_statement(token, call_ids, now)
@@ -194,15 +200,54 @@ def apply_report(
     ``COMMIT``. With the head locked, what the shared function learns from its
     compare-and-sets (a stale Turn, the count of calls still waiting, the step limit)
     is known from the head read, so the writes that follow need no answer."""
-    now = env.clock.now()
-    agent = row.agent_id
-    locked = tx.later(_LOCK_HEAD, (agent,))
+    locked = tx.later(_LOCK_HEAD, (row.agent_id,))
     waiting = tx.one(
         _WAITING,
-        (WaitingStatus.RECEIVED, AfterExecution.TERMINATE, row.correlation_id, agent),
+        (WaitingStatus.RECEIVED, AfterExecution.TERMINATE, row.correlation_id, row.agent_id),
     )
     if waiting is None or waiting[2] != WaitingStatus.WAITING:
         return closing(tx, channel, tools.unapplied(tx, env, row, waiting))
+    return _apply(tx, env, channel, row, locked, waiting, then_step)
+
+
+@one_trip
+def apply_tool_result(
+    tx: PipeTx,
+    env: StoreEnv,
+    channel: str | None,
+    agent_id: str,
+    tool_call_id: str,
+    payload: bytes,
+    failed: bool,
+    then_step: int | None = None,
+) -> ReportOutcome:
+    """:func:`~agentserver.agents.store.sql.tools.apply_tool_result` in two round trips,
+    as :func:`apply_report` (no inbox row); a report its Turn does not wait for is the
+    shared function's (a miss: it is kept in the inbox)."""
+    locked = tx.later(_LOCK_HEAD, (agent_id,))
+    waiting = tx.one(
+        _WAITING, (WaitingStatus.RECEIVED, AfterExecution.TERMINATE, tool_call_id, agent_id)
+    )
+    if waiting is None or waiting[2] != WaitingStatus.WAITING:
+        raise Missed("not waiting for this report")
+    row = tools.direct_report(agent_id, tool_call_id, payload, failed)
+    return _apply(tx, env, channel, row, locked, waiting, then_step)
+
+
+def _apply(
+    tx: PipeTx,
+    env: StoreEnv,
+    channel: str | None,
+    row: InboxRow,
+    locked: Later,
+    waiting: Sequence[Any],
+    then_step: int | None,
+) -> ReportOutcome:
+    """Apply report ``row`` to its ``waiting`` row (read with :data:`_WAITING`, still
+    waiting) under the head ``locked``; ``row`` is consumed unless it was never kept (no
+    inbox id)."""
+    now = env.clock.now()
+    agent = row.agent_id
     turn_id, epoch, _, to, after, created, term_before, term_at, ref = waiting
     h = Head(*locked.rows[0]) if locked.rows else None
     if (
@@ -211,7 +256,8 @@ def apply_report(
         or h.turn_epoch != epoch
         or h.status != HeadStatus.SUSPENDED
     ):
-        tools.skip_stale(tx, env, row)
+        if row.inbox_id:
+            tools.skip_stale(tx, env, row)
         return closing(tx, channel, ReportOutcome("stale"))
     token = TurnToken(agent, turn_id, epoch)
     result = tools.result_card(row, to, after)
@@ -229,9 +275,10 @@ def apply_report(
     )
     (card_id,) = insert_cards(tx, env, str(h.output_box_id), turn_id, [(result, tokens)])
     tx.execute(*tools.received_statement(row, card_id, now))
-    tx.execute(
-        *inbox_move_statement(env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD)
-    )
+    if row.inbox_id:
+        tx.execute(
+            *inbox_move_statement(env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD)
+        )
     if h.waiting_tool_count - 1 > 0:
         return closing(tx, channel, ReportOutcome("applied"))
     resumed = fence(tx, env, token, HeadEvent.RESUME)

@@ -101,6 +101,7 @@ ONE_TRIP: dict[Callable[..., object], Callable[..., Any]] = {
     governance.complete_screened_step: one_trip_turn.complete_screened_step,
     tools.suspend: one_trip_turn.suspend,
     tools.apply_report: one_trip_turn.apply_report,
+    tools.apply_tool_result: one_trip_turn.apply_tool_result,
 }
 
 

@@ -83,11 +83,13 @@ def close_screened_step(
     step_id: str,
     completion: LLMCompletion | None,
     screened: StepRecord,
+    tool_call_ids: Sequence[str] = (),
 ) -> None:
     """What :func:`complete_screened_step` writes after its compare-and-set and cards:
-    the step closed, governance's decisions recorded."""
+    the step closed (naming ``tool_call_ids``, the calls a suspend waits for), governance's
+    decisions recorded."""
     policy = _policy(screened.decisions)
-    close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, (), policy)
+    close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, tool_call_ids, policy)
     if completion is None:
         _add_policy_meta(tx, step_id, screened.decisions)
     _insert_decisions(tx, env, token, step_id, screened.decisions, screened.approvals)

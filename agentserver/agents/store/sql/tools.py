@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentserver.agents.errors import StaleTurn
+from agentserver.agents.ports import LLMCompletion
 from agentserver.agents.store.base import (
     CardType,
     InboxRow,
@@ -15,6 +16,7 @@ from agentserver.agents.store.base import (
     ToolCallRecord,
     TurnToken,
 )
+from agentserver.agents.store.governance import StepRecord
 from agentserver.agents.store.sql import head
 from agentserver.agents.store.sql.common import (
     CONSUMED_PAYLOAD,
@@ -25,6 +27,7 @@ from agentserver.agents.store.sql.common import (
     tokens_of,
 )
 from agentserver.agents.store.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
+from agentserver.agents.store.sql.governance import close_screened_step
 from agentserver.agents.store.sql.inbox import insert_report
 from agentserver.agents.store.sql.turns import append_cards, close_step, open_step
 from agentserver.agents.store.states import (
@@ -47,8 +50,18 @@ def suspend(
     calls: Sequence[ToolCallRecord],
     cards: Sequence[NewCard],
     resume_deadline: float,
+    completion: LLMCompletion | None = None,
+    step_cards: Sequence[NewCard] = (),
+    screened: StepRecord | None = None,
 ) -> int:
-    """running → suspended with the waiting set ``calls`` (tool.call cards included).
+    """running → suspended with the waiting set ``calls`` (tool.call cards included),
+    the step closed.
+
+    The step's reply may be written in the same compare-and-set (the worker's common
+    case: the step completed and suspended in one transaction): ``completion`` and its
+    ``step_cards``, and governance's ``screened`` record of the calls (its refusal cards
+    after the step's, its decisions in the step's metadata). The cards go in that order:
+    ``step_cards``, the refusals, ``cards``, the calls'.
 
     Reports for these calls that arrived early (deferred) become due immediately; returns
     how many."""
@@ -56,20 +69,38 @@ def suspend(
         raise ValueError("suspend needs at least one tool call")
     now = env.clock.now()
     call_cards = tool_call_cards(calls)
+    before = [*step_cards, *(screened.cards if screened else ()), *cards]
     ids, _ = append_cards(
         tx,
         env,
         token,
-        [*cards, *call_cards],
+        [*before, *call_cards],
         HeadEvent.SUSPEND,
         given=suspend_given(calls, resume_deadline),
     )
     call_ids = [c.tool_call_id for c in calls]
-    record_waiting(tx, token, step_id, calls, ids[len(cards) :], now)
+    record_waiting(tx, token, step_id, calls, ids[len(before) :], now)
     tx.execute(*early_reports_statement(token, call_ids, now))
     early = tx.rowcount
-    close_step(tx, env, step_id, None, AgentStepStatus.COMPLETED, call_ids)
+    close_suspended_step(tx, env, token, step_id, completion, screened, call_ids)
     return early
+
+
+def close_suspended_step(
+    tx: Tx,
+    env: StoreEnv,
+    token: TurnToken,
+    step_id: str,
+    completion: LLMCompletion | None,
+    screened: StepRecord | None,
+    call_ids: Sequence[str],
+) -> None:
+    """The step a suspend closes: with its reply's usage (``completion``) and governance's
+    decisions when they are written with it."""
+    if screened:
+        close_screened_step(tx, env, token, step_id, completion, screened, call_ids)
+    else:
+        close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, call_ids)
 
 
 def suspend_given(calls: Sequence[ToolCallRecord], resume_deadline: float) -> dict[str, Any]:
@@ -162,14 +193,76 @@ def apply_report(
     ``settings.max_retries`` is exhausted, then marked ``error``. A resume returns the
     Turn's reply reference and, with ``then_step`` (the step limit) unless a tool ends
     the Turn, opens its next step (:func:`~agentserver.agents.store.sql.turns.open_step`)."""
-    now = env.clock.now()
-    waiting = tx.one(
-        "SELECT agent_turn_id, turn_epoch, status, to_listener, after_execution "
-        "FROM turn_waiting_tools WHERE tool_call_id = ? AND agent_id = ?",
-        (row.correlation_id, row.agent_id),
-    )
+    waiting = _waiting(tx, row.agent_id, str(row.correlation_id))
     if waiting is None or waiting[2] != WaitingStatus.WAITING:
         return unapplied(tx, env, row, waiting)
+    return _apply(tx, env, row, waiting, then_step)
+
+
+def apply_tool_result(
+    tx: Tx,
+    env: StoreEnv,
+    agent_id: str,
+    tool_call_id: str,
+    payload: bytes,
+    failed: bool,
+    then_step: int | None = None,
+) -> ReportOutcome:
+    """A peer's report on the sub-thread ``tool_call_id``, applied in the transaction
+    that records it when its Turn waits for it: the result card, the waiting row
+    answered, and when it completes the set the Turn resumed (its next step opened with
+    ``then_step``, as :func:`apply_report`), all with no inbox row. A report its Turn
+    does not wait for is kept in the inbox as before (``queued``: one before its
+    suspend is deferred; a duplicate or late one is acknowledged by the worker); one for
+    a Turn that moved on is ``stale``, with nothing written."""
+    waiting = _waiting(tx, agent_id, tool_call_id)
+    if waiting is None or waiting[2] != WaitingStatus.WAITING:
+        insert_report(
+            tx, env, new_id(), agent_id, MessageType.TOOL_RESULT, tool_call_id, payload, failed
+        )
+        return ReportOutcome("queued")
+    return _apply(
+        tx, env, direct_report(agent_id, tool_call_id, payload, failed), waiting, then_step
+    )
+
+
+def direct_report(agent_id: str, tool_call_id: str, payload: bytes, failed: bool) -> InboxRow:
+    """A report applied as it is recorded, as the row it would have been (no inbox id:
+    no row is written)."""
+    return InboxRow(
+        "",
+        agent_id,
+        MessageType.TOOL_RESULT,
+        InboxStatus.PROCESSING,
+        None,
+        None,
+        tool_call_id,
+        payload,
+        None,
+        failed,
+        0,
+        0.0,
+        None,
+        0.0,
+    )
+
+
+def _waiting(tx: Tx, agent_id: str, tool_call_id: str) -> Sequence[Any] | None:
+    """The waiting row of a call: ``agent_turn_id, turn_epoch, status, to_listener,
+    after_execution``."""
+    return tx.one(
+        "SELECT agent_turn_id, turn_epoch, status, to_listener, after_execution "
+        "FROM turn_waiting_tools WHERE tool_call_id = ? AND agent_id = ?",
+        (tool_call_id, agent_id),
+    )
+
+
+def _apply(
+    tx: Tx, env: StoreEnv, row: InboxRow, waiting: Sequence[Any], then_step: int | None
+) -> ReportOutcome:
+    """Apply report ``row`` to the ``waiting`` row it answers (still waiting); ``row``
+    is consumed unless it was never kept (no inbox id)."""
+    now = env.clock.now()
     turn_id, epoch, _, to, after = waiting
     token = TurnToken(row.agent_id, turn_id, epoch)
     result = result_card(row, to, after)
@@ -188,11 +281,13 @@ def apply_report(
             stale="suspended head moved",
         )
     except StaleTurn:
-        skip_stale(tx, env, row)
+        if row.inbox_id:
+            skip_stale(tx, env, row)
         return ReportOutcome("stale")
     (card_id,) = insert_cards(tx, env, str(h.output_box_id), turn_id, [(result, tokens)])
     tx.execute(*received_statement(row, card_id, now))
-    inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD)
+    if row.inbox_id:
+        inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD)
     if h.waiting_tool_count > 0:
         return ReportOutcome("applied")
     resumed = head.fence(tx, env, token, HeadEvent.RESUME)
