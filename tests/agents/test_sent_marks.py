@@ -40,9 +40,10 @@ async def test_without_its_flusher_each_reply_is_marked_at_once(tmp_path):
     assert h.sql("SELECT status FROM agent_replies") == [("sent",)] * 3
 
 
-async def test_with_its_flusher_the_marks_waiting_share_one_statement(tmp_path, mock_clock):
+async def test_with_its_flusher_the_marks_ride_on_the_next_turns_end(tmp_path, mock_clock):
     """Time stands still (trio's clock, not moved) until the three Turns are answered:
-    their marks wait in the flusher's gathering window, then go in one statement."""
+    each Turn's end takes the mark waiting of the one before into its own transaction;
+    the last mark waits in the flusher's gathering window, then goes in one statement."""
     h = make_harness(tmp_path, answer)
     calls: list[str] = []
     counted(h, calls)
@@ -54,12 +55,26 @@ async def test_with_its_flusher_the_marks_waiting_share_one_statement(tmp_path, 
         await h.pump()
         assert [r[0] for r in h.replies.sent] == ["ref-0", "ref-1", "ref-2"]
         await trio.testing.wait_all_tasks_blocked()
-        assert h.sql("SELECT status FROM agent_replies") == [("pending",)] * 3
+        assert h.sql("SELECT status FROM agent_replies ORDER BY rowid") == [
+            ("sent",),
+            ("sent",),
+            ("pending",),
+        ]
         mock_clock.jump(1.0)
         await trio.testing.wait_all_tasks_blocked()
         assert h.sql("SELECT status, attempts FROM agent_replies") == [("sent", 1)] * 3
         nursery.cancel_scope.cancel()
     assert calls.count("mark_replies_sent") == 1 and "mark_reply_sent" not in calls
+
+
+async def test_marks_a_turns_end_took_are_given_back_when_it_does_not_commit(tmp_path):
+    h = make_harness(tmp_path, answer)
+    marks: SentMarks = h.rt.sent_marks
+    marks._running = True  # as if its flusher ran: marks wait instead of being written
+    await marks.mark("turn-a")
+    assert marks.take() == ["turn-a"] and marks.take() == []
+    marks.give_back(["turn-a"])
+    assert marks.take() == ["turn-a"]
 
 
 async def test_cancelled_the_flusher_writes_the_marks_waiting(tmp_path, mock_clock):

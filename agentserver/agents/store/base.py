@@ -230,10 +230,12 @@ class TurnStore(Protocol):
         step_id: str | None = None,
         completion: LLMCompletion | None = None,
         cards: Sequence[NewCard] = (),
+        sent: Sequence[str] = (),
     ) -> Finished:
         """running → idle with the deliverable and the reply; with ``step_id``, that step
         is completed first in the same transaction (``complete_step(token, step_id,
-        completion, cards)``: the Turn's last step and its end, one compare-and-set)."""
+        completion, cards)``: the Turn's last step and its end, one compare-and-set).
+        ``sent``: other Turns' replies sent since, marked so in the same transaction."""
         ...
 
     async def cards(self, box_id: str) -> list[Card]:

@@ -343,6 +343,7 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         step_id: str | None = None,
         completion: LLMCompletion | None = None,
         cards: Sequence[NewCard] = (),
+        sent: Sequence[str] = (),
     ) -> Finished:
         if step_id is None and cards:
             raise ValueError("cards are written with the step they close")
@@ -356,6 +357,7 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
             step_id,
             completion,
             list(cards),
+            list(sent),
         )
 
     async def force_end(

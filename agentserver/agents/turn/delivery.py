@@ -34,7 +34,10 @@ MARKS_PER_BATCH = 256
 class SentMarks:
     """Replies sent, marked so in the store in batches: every mark a flush finds waiting
     goes in one statement (a group commit: under load the marks of many Turns share one,
-    idle each has its own at once). Until :meth:`run` runs, each is marked as it comes.
+    idle each has its own after :data:`MARK_GATHER_S`), and a Turn's end that commits
+    meanwhile takes the marks waiting into its own transaction (:meth:`take`), so that
+    under load most cost no transaction at all. Until :meth:`run` runs, each is marked
+    as it comes.
 
     A reply sent and not yet marked is resent by the watchdog after a crash, as it was
     between the send and its own mark before (at least once; ``turn_id`` lets the pump
@@ -46,6 +49,21 @@ class SentMarks:
         self._waiting: list[str] = []
         self._wake = trio.Event()
         self._running = False
+
+    def take(self) -> list[str]:
+        """The marks waiting, handed to a transaction about to commit (a Turn's end:
+        ``TurnHold.finish``), which writes them with its own; none when the flusher does
+        not run. :meth:`give_back` them if it does not commit. Never blocks."""
+        batch = self._waiting[:MARKS_PER_BATCH]
+        del self._waiting[:MARKS_PER_BATCH]
+        return batch
+
+    def give_back(self, batch: list[str]) -> None:
+        """Marks :meth:`take` handed to a transaction that did not commit: the flusher
+        writes them (or the next transaction takes them)."""
+        if batch:
+            self._waiting[:0] = batch
+            self._wake.set()
 
     async def mark(self, agent_turn_id: str) -> None:
         """Mark a Turn's reply sent: soon (the flusher's next batch), or now when the
@@ -85,8 +103,10 @@ class SentMarks:
             log.warning("%d replies sent but not marked so", len(batch), exc_info=True)
 
 
-#: How long the first mark of a batch waits for others (the reply itself went already).
-MARK_GATHER_S = 0.01
+#: How long the first mark of a batch waits for others, or for a Turn's end to take it
+#: (the reply itself went already: the mark only keeps the watchdog from sending it again
+#: after a crash).
+MARK_GATHER_S = 0.05
 #: The longest :meth:`SentMarks.run` writes waiting marks once cancelled.
 FLUSH_ON_EXIT_S = 5.0
 

@@ -74,14 +74,21 @@ class TurnHold:
                 record_error(span, str(status))
         reply = answer_bytes(profile, text, failed=status != TaskStatus.SUCCEEDED)
         step_id, completion, cards = step or (None, None, [])
-        fin = await self.store.finish(
-            token,
-            status,
-            text,
-            dict(metadata or {}),
-            reply,
-            step_id=step_id,
-            completion=completion,
-            cards=cards,
-        )
+        # Other Turns' replies sent meanwhile are marked so in this transaction.
+        sent = self.ender.marks.take()
+        try:
+            fin = await self.store.finish(
+                token,
+                status,
+                text,
+                dict(metadata or {}),
+                reply,
+                step_id=step_id,
+                completion=completion,
+                cards=cards,
+                sent=sent,
+            )
+        except BaseException:
+            self.ender.marks.give_back(sent)
+            raise
         await self.ender.after(fin)

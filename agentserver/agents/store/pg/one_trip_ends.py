@@ -32,7 +32,7 @@ from agentserver.agents.store.pg.one_trip import (
     one_trip,
     tokens_exprs,
 )
-from agentserver.agents.store.sql import fair, head, inbox, turn_end
+from agentserver.agents.store.sql import fair, head, inbox, replies, turn_end
 from agentserver.agents.store.sql.common import (
     edge,
     tokens_of,
@@ -251,6 +251,7 @@ def finish(
     step_id: str | None = None,
     completion: Any = None,
     cards: Sequence[NewCard] = (),
+    sent: Sequence[str] = (),
 ) -> Finished:
     """:func:`~agentserver.agents.store.sql.turn_end.finish` in two round trips: all its
     writes with the read of the agent's next queued Turn, then ``COMMIT`` (with that
@@ -305,6 +306,7 @@ def finish(
     )
     if step_id is not None:
         close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, ())
+    replies.mark_replies_sent(tx, env, sent)
     queued = head.next_queued(tx, env, agent)
     if not ending.rows:  # (the compare-and-set would have missed: not reached)
         raise StaleTurn(f"{token}: not the active Turn")

@@ -25,6 +25,7 @@ from agentserver.agents.store.sql.common import (
     insert_cards,
 )
 from agentserver.agents.store.sql.db import Row, StoreEnv, Tx
+from agentserver.agents.store.sql.replies import mark_replies_sent
 from agentserver.agents.store.sql.turns import close_step, with_tokens
 from agentserver.agents.store.states import (
     ACTIVE_HEAD,
@@ -165,15 +166,19 @@ def finish(
     step_id: str | None = None,
     completion: LLMCompletion | None = None,
     cards: Sequence[NewCard] = (),
+    sent: Sequence[str] = (),
 ) -> Finished:
     """running → idle with the deliverable card and the pending reply (one transaction).
     With ``step_id``, that step is completed first, as :func:`complete_step` would
-    (``completion``, ``cards`` ahead of the deliverable), in the same compare-and-set."""
+    (``completion``, ``cards`` ahead of the deliverable), in the same compare-and-set.
+    ``sent``: other Turns whose replies were sent since, marked so in the same
+    transaction (:func:`~agentserver.agents.store.sql.replies.mark_replies_sent`)."""
     fin = end_turn(
         tx, env, token, HeadEvent.FINISH, status, text, metadata, reply_payload, before=cards
     )
     if step_id is not None:
         close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, ())
+    mark_replies_sent(tx, env, sent)
     return fin
 
 
