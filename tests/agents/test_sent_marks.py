@@ -87,3 +87,33 @@ async def test_cancelled_the_flusher_writes_the_marks_waiting(tmp_path, mock_clo
         assert h.sql("SELECT status FROM agent_replies") == [("pending",)]
         nursery.cancel_scope.cancel()  # before the flusher's gathering wait ends
     assert h.sql("SELECT status FROM agent_replies") == [("sent",)]
+
+
+class _Marked:
+    """A store that records the marks it writes."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+
+    async def mark_replies_sent(self, ids: list[str]) -> None:
+        self.batches.append(list(ids))
+
+
+async def test_a_turns_end_within_the_window_puts_the_flush_off(mock_clock):
+    from agentserver.agents.turn.delivery import MARK_GATHER_S
+
+    store = _Marked()
+    marks = SentMarks(store)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(marks.run)
+        await marks.mark("a")
+        await trio.testing.wait_all_tasks_blocked()  # the flusher's window began
+        assert marks.take() == ["a"]  # a Turn's end took it
+        await marks.mark("b")
+        mock_clock.jump(MARK_GATHER_S)
+        await trio.testing.wait_all_tasks_blocked()
+        assert store.batches == []  # "b" came after the take: the next end may take it
+        mock_clock.jump(MARK_GATHER_S)
+        await trio.testing.wait_all_tasks_blocked()
+        assert store.batches == [["b"]]  # no end took it within a window: flushed
+        nursery.cancel_scope.cancel()

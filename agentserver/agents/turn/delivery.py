@@ -49,6 +49,8 @@ class SentMarks:
         self._waiting: list[str] = []
         self._wake = trio.Event()
         self._running = False
+        #: A Turn's end took marks since the flusher's window began.
+        self._took = False
 
     def take(self) -> list[str]:
         """The marks waiting, handed to a transaction about to commit (a Turn's end:
@@ -56,6 +58,7 @@ class SentMarks:
         not run. :meth:`give_back` them if it does not commit. Never blocks."""
         batch = self._waiting[:MARKS_PER_BATCH]
         del self._waiting[:MARKS_PER_BATCH]
+        self._took = self._took or bool(batch)
         return batch
 
     def give_back(self, batch: list[str]) -> None:
@@ -81,9 +84,16 @@ class SentMarks:
         try:
             while True:
                 await self._wake.wait()
-                # Let the runners' next marks join this batch: no one waits on a mark.
-                await trio.sleep(MARK_GATHER_S)
                 self._wake = trio.Event()
+                # Let the runners' next marks join this batch, or a Turn's end take them:
+                # no one waits on a mark. While Turns end within the window, the marks
+                # waiting are newer than the last end's, so the next end takes them: a
+                # mark waits at most about two windows.
+                while True:
+                    self._took = False
+                    await trio.sleep(MARK_GATHER_S)
+                    if not (self._took and self._waiting):
+                        break
                 while self._waiting:
                     await self._flush()
         finally:
