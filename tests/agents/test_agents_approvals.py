@@ -64,6 +64,36 @@ async def test_the_first_decision_wins_and_a_grant_is_forwarded_once(tmp_path):
     assert h.sql("SELECT status FROM approvals") == [("forwarded",)]
 
 
+async def test_a_granted_call_goes_out_once_its_waiting_row_names_it(tmp_path):
+    """The forward is written before the call goes out: when the call reaches the pump,
+    the waiting row already names its sub-thread, so a result that comes back at once is
+    applied, never deferred."""
+    h, rid = await start(tmp_path)
+    seen: list[list[tuple]] = []
+
+    def at_send(sub: str, to: str) -> None:
+        seen.append(h.sql("SELECT tool_call_id, status FROM turn_waiting_tools"))
+
+    h.tools.on_call = at_send
+    assert await h.rt.approvals.decide(rid, True, "", "alice") == "applied"
+    await h.pump()
+    [(sub, _, _)] = h.tools.calls
+    assert seen == [[(sub, "waiting")]]
+
+
+async def test_a_granted_call_the_pump_has_no_room_for_is_its_failed_result(tmp_path):
+    h, rid = await start(tmp_path)
+    h.tools.full.add("calculator")
+    assert await h.rt.approvals.decide(rid, True, "", "alice") == "applied"
+    await h.pump()
+    await h.pump()
+    assert h.tools.calls == []
+    assert h.sql("SELECT status FROM turn_waiting_tools") == [("received",)]
+    [(meta,)] = h.sql("SELECT metadata FROM cards WHERE card_type = 'tool.result'")
+    assert '"failed": true' in meta
+    assert h.replies.sent and h.replies.sent[0][1].startswith("done")
+
+
 async def test_a_crash_while_forwarding_reports_the_call_lost_and_never_sends_it(tmp_path):
     h, rid = await start(tmp_path)
     assert await h.rt.approvals.decide(rid, True, "", "alice") == "applied"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
 
 import trio
 from lxml import etree
@@ -32,8 +33,9 @@ from agentserver.agents.errors import PumpRefused, StaleTurn
 from agentserver.agents.events import EventBus, NoticeEvent
 from agentserver.agents.ports import ToolPort, reply_ref_from_json
 from agentserver.agents.profile.agent import AgentProfile
-from agentserver.agents.store.base import AgentStore, ApprovalStore, InboxRow
+from agentserver.agents.store.base import AgentStore, ApprovalStore, InboxRow, IntakeStore
 from agentserver.agents.store.governance import APPROVAL_PREFIX, WAITING_KIND, PendingApproval
+from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.primitives.approval import (
     DECISION_TAG,
@@ -177,10 +179,15 @@ class Approvals:
             await trio.sleep(self.interval_s)
 
 
+class ForwardStore(ApprovalStore, IntakeStore, Protocol):
+    """What forwarding a granted call writes: the approval's forward, and the call's
+    failed result when the pump refuses it."""
+
+
 async def forward_granted(
     row: InboxRow,
     *,
-    store: ApprovalStore,
+    store: ForwardStore,
     profiles: Mapping[str, AgentProfile],
     tools: ToolPort,
     clock: Clock,
@@ -188,12 +195,17 @@ async def forward_granted(
 ) -> None:
     """The worker's handling of an ``approval`` row: forward the granted call once.
 
-    Two transactions around one send: the claim (``begin_forward``) commits before the
-    call goes out through ``tools``, then the forward (or the pump's refusal) is recorded.
-    A crash or a cancel in between leaves the request ``forwarding``, which the row's next
-    handling reports lost rather than risk sending the call twice. The doorbell rings
-    once the forward or the refusal is recorded (the call's result may be due).
-    ``profiles`` give the target's ``terminate`` and the Turn's resume deadline."""
+    Checked by the pump first, then two transactions around one send: the claim
+    (``begin_forward``) commits, then the forward (``finish_forward``: the waiting row
+    names the call's sub-thread, drawn here) commits before the call goes out through
+    ``tools`` on that sub-thread, so its result never comes before its waiting row. A
+    crash or a cancel between the two transactions leaves the request ``forwarding``,
+    which the row's next handling reports lost rather than risk sending the call twice;
+    one after the forward leaves the Turn suspended on a call that never went out, which
+    a restart sends again (a listener whose steps may be retried) or reports lost. A
+    refusal of the pump is the call's failed result. The doorbell rings once the forward
+    or the refusal is recorded (the call's result may be due). ``profiles`` give the
+    target's ``terminate`` and the Turn's resume deadline."""
     begun = await store.begin_forward(row)
     if begun is None:
         return
@@ -205,18 +217,32 @@ async def forward_granted(
         raise StaleTurn(f"{token}: not the active Turn")
     try:
         element = SafeParser().parse(payload.encode("utf-8"))
-        # A granted call's idempotency key is its approval request's id (its card's).
-        sub = await tools.call(
-            token.agent_id, reply_ref_from_json(ref_json), element, target, key=request_id
-        )
+        tools.check_call(token.agent_id, element, target)
     except PumpRefused as refused:
         text = etree.tostring(refused.element, encoding="unicode")
         await store.fail_forward(request_id, row, f"the granted call was refused: {text}")
         doorbell.ring()
         return
+    sub = new_thread_id()
     deadline = clock.now() + (profile.resume_deadline_s if profile else 60.0)
     try:
         await store.finish_forward(request_id, row, sub, after, deadline)
     except StaleTurn:
-        log.info("approval %s: its Turn moved on while the call was forwarded", request_id)
+        log.info("approval %s: its Turn moved on before the call was forwarded", request_id)
+        doorbell.ring()
+        return
+    try:
+        # A granted call's idempotency key is its approval request's id (its card's).
+        await tools.call(
+            token.agent_id,
+            reply_ref_from_json(ref_json),
+            element,
+            target,
+            key=request_id,
+            thread=sub,
+        )
+    except PumpRefused as refused:
+        await store.report_tool_result(
+            token.agent_id, sub, etree.tostring(refused.element), failed=True
+        )
     doorbell.ring()
