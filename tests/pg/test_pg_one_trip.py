@@ -14,9 +14,11 @@ import trio
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.ports import LLMCompletion, LLMUsage
 from agentserver.agents.profile.settings import StoreSettings
-from agentserver.agents.store.base import NewCard, ToolCallRecord
+from agentserver.agents.store.base import CardType, NewCard, ToolCallRecord
 from agentserver.agents.store.governance import DecisionRecord, StepRecord
+from agentserver.agents.store.pg import store as pg_store
 from agentserver.agents.store.pg.store import PostgresAgentStore
+from agentserver.agents.store.sql import tools
 from agentserver.agents.store.states import AfterExecution, HeadStatus
 
 pytestmark = pytest.mark.postgresql
@@ -361,3 +363,78 @@ async def test_a_finish_locks_the_head_before_its_reply_row(pg_url: str) -> None
     finally:
         other.close()
         await store.aclose()
+
+
+async def _worker_turn(store: PostgresAgentStore, agent: str) -> list:
+    """A step that calls two tools written with its suspend, the reports applied as they
+    are recorded (one failed, then a duplicate): what the worker's one-tool path does."""
+    start = await _start(store, agent)
+    token = start.head.token
+    decision = DecisionRecord("calc", "add", "allow", "r1", "fine")
+    refusal = NewCard(CardType.TOOL_REFUSED, "refused", {"to": "x", "rule": "deny"})
+    calls = [ToolCallRecord(f"{agent}-t{i}", "calc", "<add/>") for i in (1, 2)]
+    early = await store.suspend(
+        token,
+        str(start.step_id),
+        calls,
+        [NewCard(CardType.HUH, "<huh/>")],
+        1e12,
+        completion=_completion(),
+        step_cards=[NewCard(CardType.LLM_MESSAGE, "calling")],
+        screened=StepRecord((decision,), (refusal,)),
+    )
+    out = [early]
+    for sub, body, failed in (("t1", b"<sum>1</sum>", False), ("t2", b"<e/>", True)):
+        got = await store.apply_tool_result(
+            agent, f"{agent}-{sub}", body, failed=failed, then_step=8
+        )
+        out.append((got.kind, got.resumed is not None, got.step is not None and got.step.step_no))
+    dup = await store.apply_tool_result(agent, f"{agent}-t2", b"<e/>", failed=False, then_step=8)
+    out.append(dup.kind)
+    return out
+
+
+def _rows_of(url: str, agent: str) -> dict[str, list]:
+    """What a Turn of ``agent`` wrote, ids and times left out (the agent's name too)."""
+    turn = "(SELECT agent_turn_id FROM agent_steps WHERE agent_id = %s LIMIT 1)"
+    queries = {
+        "head": "SELECT status, turn_epoch, step_count, waiting_tool_count, context_tokens "
+        "FROM agent_state_head WHERE agent_id = %s",
+        "cards": f"SELECT card_type, content, metadata, tokens FROM cards WHERE agent_turn_id = {turn} "
+        "ORDER BY seq",
+        "steps": "SELECT step_no, status, total_tokens, metadata, tool_call_ids FROM agent_steps "
+        "WHERE agent_id = %s ORDER BY step_no",
+        "waiting": "SELECT tool_call_id, status, to_listener, after_execution FROM "
+        "turn_waiting_tools WHERE agent_id = %s ORDER BY tool_call_id",
+        "decisions": "SELECT target, decision, rule FROM policy_decisions WHERE agent_id = %s",
+        "inbox": "SELECT message_type, status, correlation_id FROM agent_inbox "
+        "WHERE agent_id = %s ORDER BY created_at",
+        "edges": "SELECT primitive, edge_phase FROM execution_edges WHERE agent_id = %s "
+        "ORDER BY created_at, primitive",
+    }
+    out = {}
+    for name, query in queries.items():
+        rows = _sql(url, query, agent)
+        out[name] = json.loads(json.dumps(rows, default=str).replace(f"{agent}-", "X-"))
+    return out
+
+
+async def test_the_worker_path_writes_in_one_trip_what_the_shared_functions_do(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step written with its suspend (one round trip) and a report applied as it is
+    recorded (two; a duplicate is a miss, kept in the inbox by the shared function)
+    write the same rows as the shared functions on the same Turn."""
+    store = _open(pg_url)
+    try:
+        trips = Trips(store)
+        fast = await _worker_turn(store, "a")
+        assert trips.take("suspend") == [1]
+        assert trips.take("apply_tool_result")[:2] == [2, 2]
+        for fn in (tools.suspend, tools.apply_tool_result):
+            monkeypatch.delitem(pg_store.ONE_TRIP, fn)
+        shared = await _worker_turn(store, "b")
+    finally:
+        await store.aclose()
+    assert fast == shared == [0, ("applied", False, False), ("applied", True, 2), "queued"]
+    assert _rows_of(pg_url, "a") == _rows_of(pg_url, "b")
