@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from agentserver.agents.ports import LLMCompletion
 from agentserver.agents.store.base import (
     Head,
     InboxRow,
@@ -39,7 +40,7 @@ from agentserver.agents.store.sql.common import (
     insert_cards,
     tokens_of,
 )
-from agentserver.agents.store.sql.db import StoreEnv, new_id
+from agentserver.agents.store.sql.db import Row, StoreEnv, new_id
 from agentserver.agents.store.sql.turns import close_step
 from agentserver.agents.store.states import (
     AfterExecution,
@@ -146,7 +147,7 @@ def suspend(
     calls: Sequence[ToolCallRecord],
     cards: Sequence[NewCard],
     resume_deadline: float,
-    completion: Any = None,
+    completion: LLMCompletion | None = None,
     step_cards: Sequence[NewCard] = (),
     screened: StepRecord | None = None,
 ) -> int:
@@ -240,7 +241,7 @@ def _apply(
     channel: str | None,
     row: InboxRow,
     locked: Later,
-    waiting: Sequence[Any],
+    waiting: Row,
     then_step: int | None,
 ) -> ReportOutcome:
     """Apply report ``row`` to its ``waiting`` row (read with :data:`_WAITING`, still

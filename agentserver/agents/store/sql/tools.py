@@ -26,7 +26,7 @@ from agentserver.agents.store.sql.common import (
     rename_call_card,
     tokens_of,
 )
-from agentserver.agents.store.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
+from agentserver.agents.store.sql.db import Row, StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.store.sql.governance import close_screened_step
 from agentserver.agents.store.sql.inbox import insert_report
 from agentserver.agents.store.sql.turns import append_cards, close_step, open_step
@@ -247,7 +247,7 @@ def direct_report(agent_id: str, tool_call_id: str, payload: bytes, failed: bool
     )
 
 
-def _waiting(tx: Tx, agent_id: str, tool_call_id: str) -> Sequence[Any] | None:
+def _waiting(tx: Tx, agent_id: str, tool_call_id: str) -> Row | None:
     """The waiting row of a call: ``agent_turn_id, turn_epoch, status, to_listener,
     after_execution``."""
     return tx.one(
@@ -258,7 +258,7 @@ def _waiting(tx: Tx, agent_id: str, tool_call_id: str) -> Sequence[Any] | None:
 
 
 def _apply(
-    tx: Tx, env: StoreEnv, row: InboxRow, waiting: Sequence[Any], then_step: int | None
+    tx: Tx, env: StoreEnv, row: InboxRow, waiting: Row, then_step: int | None
 ) -> ReportOutcome:
     """Apply report ``row`` to the ``waiting`` row it answers (still waiting); ``row``
     is consumed unless it was never kept (no inbox id)."""
