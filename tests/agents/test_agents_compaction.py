@@ -15,6 +15,7 @@ from agents_fakes import ASSISTANT_NS, make_harness, profile, task
 from agentserver.agents.errors import LLMUnavailable
 from agentserver.agents.ports import LLMCompletion, LLMUsage
 from agentserver.agents.store.base import Card, CardType
+from agentserver.agents.profile.budget import card_tokens
 from agentserver.agents.turn.compaction import SUMMARY_SYSTEM, plan
 
 ADD = '<add xmlns="urn:calc"><a>1</a><b>2</b></add>'
@@ -215,3 +216,25 @@ async def test_the_last_step_note_comes_on_the_last_step_after_a_compaction_too(
     assert "".join("S" if is_summary(r) else "A" for r in model.requests) == "AAASSAA"
     last = [r.messages[-1].content.startswith("This is your last step") for r in steps]
     assert last == [False, False, False, False, True]
+
+
+def test_the_current_task_stays_verbatim_when_it_fits_keep_recent_by_itself():
+    """Its own tools' exchange filling keep-recent does not fold the task the Turn is for:
+    the oldest kept exchanges are folded instead (a chaos soak caught a Turn whose second
+    step no longer saw its task)."""
+    from agentserver.agents.profile.budget import Budget
+
+    cards = [card(0, CardType.TASK_INPUT, "t" * 200)]
+    for i in range(1, 30, 3):
+        cards += [
+            card(i, CardType.LLM_MESSAGE),
+            card(i + 1, CardType.TOOL_CALL),
+            card(i + 2, CardType.TOOL_RESULT),
+        ]
+    budget = Budget(window=100_000, keep_recent=1000)
+    p = plan(cards, budget)
+    assert p.pinned is not None and p.pinned.card_id == "c0"
+    kept = sum(card_tokens(c.content) for c in (p.pinned, *p.recent))
+    assert kept <= 1000 and p.recent and p.recent[0].card_type == CardType.LLM_MESSAGE
+    ids = [c.card_id for c in (*p.older, p.pinned, *p.recent)]
+    assert sorted(ids) == sorted(c.card_id for c in cards)

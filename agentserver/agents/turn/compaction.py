@@ -6,7 +6,8 @@ into one summary card that merges the previous summary (one rolling summary, nev
 summary of summaries), the recent cards up to ``keep-recent`` tokens stay verbatim, and
 the Turn's boxes are swapped to [summary + recent]. A kept exchange always starts at a
 model reply or a task: a tool call (in the model's reply) and its result are never split.
-The current task stays verbatim when it fits in ``keep-recent``.
+The current task stays verbatim when it fits in ``keep-recent`` by itself: the oldest kept
+exchanges are folded first to make room for it.
 """
 
 from __future__ import annotations
@@ -67,11 +68,27 @@ def plan(cards: Sequence[Card], budget: Budget, *, keep_nothing: bool = False) -
         used += cost[start]
     while start < len(body) and body[start].card_type not in _STARTS:
         start += 1
-    older, recent = body[:start], body[start:]
     pinned = None
-    tasks = [c for c in older if c.card_type == CardType.TASK_INPUT]
-    if tasks and _tokens(tasks[-1], budget) <= max(keep_limit(budget) - used, 0):
-        pinned = tasks[-1]
+    tasks = [c for c in body[:start] if c.card_type == CardType.TASK_INPUT]
+    current = tasks and not any(c.card_type == CardType.TASK_INPUT for c in body[start:])
+    if tasks:
+        need = _tokens(tasks[-1], budget)
+        keep = keep_limit(budget)
+        if current and need <= keep:
+            # The current task fits keep-recent by itself: it stays verbatim, and the
+            # oldest kept exchanges are folded instead until it fits beside them (else a
+            # long exchange of its own tools would fold the task the Turn is for).
+            while start < len(body) and used + need > keep:
+                used -= cost[start]
+                start += 1
+                while start < len(body) and body[start].card_type not in _STARTS:
+                    used -= cost[start]
+                    start += 1
+            pinned = tasks[-1]
+        elif need <= max(keep - used, 0):
+            pinned = tasks[-1]
+    older, recent = body[:start], body[start:]
+    if pinned is not None:
         older = [c for c in older if c is not pinned]
     return Plan(previous, tuple(older), tuple(recent), pinned)
 
