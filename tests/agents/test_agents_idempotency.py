@@ -50,9 +50,18 @@ async def test_calls_cut_off_by_a_crash_are_sent_again_with_their_keys(tmp_path)
     # The restart's recovery sends the waiting calls again, to a listener whose steps
     # may be retried, with the same keys.
     h2 = make_harness(tmp_path, two_identical_calls, clock=h.clock, retryable_tools=("calculator",))
+    named: list[bool] = []
+
+    def at_send(sub: str, to: str) -> None:
+        # The waiting row names the new sub-thread before the call goes out.
+        rows = h2.sql("SELECT tool_call_id FROM turn_waiting_tools WHERE status = 'waiting'")
+        named.append((sub,) in rows)
+
+    h2.tools.on_call = at_send
     await h2.rt.recover()
     await h2.pump()
     assert h2.llm.requests == []  # the recorded step's calls, not a new step
     assert h2.tools.keys[0] == h.tools.keys[0] and len(set(h2.tools.keys)) == 2
+    assert named == [True, True]
     head = await h2.rt.store.head("assistant")
     assert head.status == "suspended" and head.step_count == 1

@@ -2,10 +2,12 @@
 (``idempotent``) are sent again with their recorded idempotency keys, instead of being
 reported lost.
 
-Each re-send is one forward through the pump then one store transaction (the waiting row
-and the call's card renamed to the new sub-thread). A crash between the two leaves the old
-row waiting: the next start sends it again, with the same key (the handler dedupes on it).
-Cancellation propagates between calls; what was rebound stays rebound.
+Each re-send is checked by the pump, then one store transaction (the waiting row and the
+call's card renamed to a new sub-thread, drawn here), then one forward through the pump on
+that sub-thread: its result never comes before its waiting row names it. A crash between
+the two leaves the row waiting on a call that never went out: the next start sends it
+again, with the same key (the handler dedupes on it). Cancellation propagates between
+calls; what was rebound stays rebound.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Collection
 from agentserver.agents.errors import PumpRefused, StaleTurn
 from agentserver.agents.ports import ToolPort, reply_ref_from_json
 from agentserver.agents.store.base import TurnToken, WatchdogStore
+from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.steps.retry import KEY_FIELD
 
@@ -46,14 +49,20 @@ async def resend_waiting(
     sent = 0
     for call in again:
         key = str(call.metadata.get(KEY_FIELD) or call.tool_call_id)
+        element = parser.parse(call.payload.encode())
         try:
-            sub = await tools.call(
-                token.agent_id, ref, parser.parse(call.payload.encode()), call.to, key=key
-            )
+            tools.check_call(token.agent_id, element, call.to)
         except PumpRefused:
             log.warning("turn %s: re-sending %s was refused", token.agent_turn_id, call.to)
             lost.append(call.tool_call_id)
             continue
+        sub = new_thread_id()
         await store.rebind_call(token, call.tool_call_id, sub, deadline)
+        try:
+            await tools.call(token.agent_id, ref, element, call.to, key=key, thread=sub)
+        except PumpRefused:
+            log.warning("turn %s: re-sending %s was refused", token.agent_turn_id, call.to)
+            lost.append(sub)  # its waiting row names the new sub-thread now
+            continue
         sent += 1
     return sent, lost
