@@ -14,8 +14,8 @@ from agents_fakes import ASSISTANT_NS, make_harness, profile, task
 
 from agentserver.agents.errors import LLMUnavailable
 from agentserver.agents.ports import LLMCompletion, LLMUsage
-from agentserver.agents.store.base import Card, CardType
 from agentserver.agents.profile.budget import card_tokens
+from agentserver.agents.store.base import Card, CardType
 from agentserver.agents.turn.compaction import SUMMARY_SYSTEM, plan
 
 ADD = '<add xmlns="urn:calc"><a>1</a><b>2</b></add>'
