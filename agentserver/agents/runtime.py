@@ -280,9 +280,7 @@ class AgentRuntime:
         running one that recovery re-runs. A report its Turn does not wait for is kept in
         the inbox, as the worker handles it (a duplicate, or one before its suspend)."""
         profile = self.profiles.get(agent_id)
-        # Without after-guardrails (which judge the results before the next step begins),
-        # the resume opens the next step in the same transaction.
-        then_step = profile.max_steps if profile and not profile.guardrails else None
+        then_step = profile.resume_step_limit if profile else None
         outcome = await self.store.apply_tool_result(
             agent_id, tool_call_id, _bytes(payload), failed=failed, then_step=then_step
         )

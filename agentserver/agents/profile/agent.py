@@ -117,6 +117,13 @@ class AgentProfile:
         )
 
     @property
+    def resume_step_limit(self) -> int | None:
+        """The step limit a resume opens the Turn's next step with, in the transaction
+        that resumes it; None when ``after`` guardrails judge the results first (the run
+        opens the step once they have)."""
+        return None if self.guardrails else self.max_steps
+
+    @property
     def known_roots(self) -> tuple[str, ...]:
         """Every root tag the worker recognises in model text (Clark notation)."""
         return (*self.own_roots, *self.peers, self.answer_tag)

@@ -198,19 +198,16 @@ class ToolDispatch:
                 await self.store.add_cards(token, cards)
             return NoToolsSent()
         deadline = self.clock.now() + profile.resume_deadline_s
-        if step is None:
-            early = await self.store.suspend(token, step_id, records, cards, deadline)
-        else:
-            early = await self.store.suspend(
-                token,
-                step_id,
-                records,
-                cards,
-                deadline,
-                completion=step.completion,
-                step_cards=step.cards,
-                screened=record,
-            )
+        early = await self.store.suspend(
+            token,
+            step_id,
+            records,
+            cards,
+            deadline,
+            completion=step.completion if step else None,
+            step_cards=step.cards if step else (),
+            screened=record,
+        )
         self.events.publish(
             StateEvent(
                 token.agent_id,

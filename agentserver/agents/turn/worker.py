@@ -305,9 +305,7 @@ class Worker:
             return await self._start(row)
         if row.message_type in (MessageType.TOOL_RESULT, MessageType.TIMEOUT):
             profile = self.profiles.get(row.agent_id)
-            # Without after-guardrails (which judge the results before the next step
-            # begins), the resume opens the next step in its own transaction.
-            then_step = profile.max_steps if profile and not profile.guardrails else None
+            then_step = profile.resume_step_limit if profile else None
             outcome = await self.store.apply_report(row, then_step=then_step)
             if profile is None:
                 # (unreachable in practice, a Turn exists only for a known agent)

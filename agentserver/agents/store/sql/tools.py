@@ -28,7 +28,7 @@ from agentserver.agents.store.sql.common import (
 )
 from agentserver.agents.store.sql.db import Row, StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.store.sql.governance import close_screened_step
-from agentserver.agents.store.sql.inbox import insert_report
+from agentserver.agents.store.sql.inbox import insert_report, report_tool_result
 from agentserver.agents.store.sql.turns import append_cards, close_step, open_step
 from agentserver.agents.store.states import (
     AfterExecution,
@@ -217,9 +217,7 @@ def apply_tool_result(
     a Turn that moved on is ``stale``, with nothing written."""
     waiting = _waiting(tx, agent_id, tool_call_id)
     if waiting is None or waiting[2] != WaitingStatus.WAITING:
-        insert_report(
-            tx, env, new_id(), agent_id, MessageType.TOOL_RESULT, tool_call_id, payload, failed
-        )
+        report_tool_result(tx, env, agent_id, tool_call_id, payload, failed)
         return ReportOutcome("queued")
     return _apply(
         tx, env, direct_report(agent_id, tool_call_id, payload, failed), waiting, then_step
