@@ -281,8 +281,15 @@ class AgentRuntime:
         the inbox, as the worker handles it (a duplicate, or one before its suspend)."""
         profile = self.profiles.get(agent_id)
         then_step = profile.resume_step_limit if profile else None
+        # The step it opens reserves its first model call with it (spend budgets).
+        hold_for = self.worker.model.hold_for(profile) if profile else None
         outcome = await self.store.apply_tool_result(
-            agent_id, tool_call_id, _bytes(payload), failed=failed, then_step=then_step
+            agent_id,
+            tool_call_id,
+            _bytes(payload),
+            failed=failed,
+            then_step=then_step,
+            hold_for=hold_for,
         )
         if outcome.resumed is not None:
             self.worker.hand_over(outcome)

@@ -437,6 +437,46 @@ async def test_a_non_streamed_calls_hold_is_released_when_it_fails_times_out_or_
         assert await held(store) == (0, 0, 0), how
 
 
+class HoldsSeen:
+    """A port that answers at once, noting the hold ids in the store as it is called."""
+
+    def __init__(self, store: SqlAgentStore) -> None:
+        self.store = store
+        self.seen: list[set[str]] = []
+
+    async def complete(self, request: LLMRequest) -> LLMCompletion:
+        rows = await self.store._read(lambda tx, env: tx.all("SELECT hold_id FROM budget_holds"))
+        self.seen.append({str(r[0]) for r in rows})
+        return LLMCompletion("done", LLMUsage(50, 10, 60))
+
+
+async def test_a_steps_own_hold_is_used_only_if_it_covers_the_call(store):
+    """Issue 48: the hold a step's transaction took for its first call is that call's
+    when it covers the call's worst case; a smaller one is given back and the call
+    reserves by itself. Either way one hold is settled, and nothing stays reserved."""
+    from agentserver.agents.store.sql.budgets import HoldOwner, StepHold
+
+    budgets = Budgets(store, clock_of(store), [BudgetSpec("agent:a", tokens=100_000)])
+    await budgets.rows()  # the period opened (a step's hold needs it open)
+    request = LLMRequest("a", "m", [LLMMessage("user", "x" * 300)], max_tokens=200)
+    need = budgets.need(request)
+    owner = HoldOwner("a", "t", 1, "s")
+    spent = 0
+    for tokens, covers in ((need.tokens - 1, False), (need.tokens, True)):
+        req = budgets.hold_request("a", None, Need(tokens, need.cost), 10, owner)
+        assert req is not None
+        assert await store.budget_reserve(
+            req.keys, req.tokens, req.cost, req.hold_id, req.expires_at, req.owner
+        )
+        model = HoldsSeen(store)
+        port = budgets.port(model, "a", None, "t", 10, owner, first=StepHold(req, True))
+        await port.complete(request)
+        [holds] = model.seen
+        assert len(holds) == 1 and (req.hold_id in holds) is covers
+        spent += 60
+        assert await held(store) == (0, spent, 0)
+
+
 async def test_a_hold_belongs_to_its_turns_run_not_to_a_process(store):
     """Issue 43: a hold names the Turn's step that made its call. When that run is
     fenced out (a restart's recovery; on PostgreSQL another process's takeover, the same
@@ -564,6 +604,94 @@ async def test_a_turn_whose_budget_runs_out_ends_failed_at_its_next_step(tmp_pat
     await rt.enqueue("assistant", task("2+2"), {"thread": "t3", "client": "bob"})
     await rt.worker.process_agent("assistant")
     assert len(llm.requests) == 2
+    await rt.store.aclose()
+
+
+def spend_row(rt) -> tuple[int, int]:
+    """(spent, reserved) tokens of alice's budget, read from the store file."""
+    import sqlite3
+
+    with sqlite3.connect(rt.store.settings.path) as db:
+        [(spent, reserved)] = db.execute(
+            "SELECT spent_tokens, reserved_tokens FROM budget_spend"
+        ).fetchall()
+    return int(spent), int(reserved)
+
+
+async def test_a_steps_reservation_and_spend_ride_in_the_steps_transactions(tmp_path):
+    """Issue 48: a step's first model call is reserved in the transaction that opens the
+    step (the claim that starts the Turn; the report that resumes it), and its spend is
+    settled in the one that writes the step's results (the suspend; the Turn's end):
+    once a budget's period is open, a one-tool Turn makes no budget call of its own."""
+    from agents_fakes import result, task
+
+    rt, _llm, tools, replies = budgeted_runtime(tmp_path, limit=100_000)
+    alone: list[str] = []
+    store = rt.store
+    reserve_alone, settle_alone = store.budget_reserve, store.budget_settle
+
+    async def reserved(*args: Any, **kwargs: Any) -> Any:
+        alone.append("reserve")
+        return await reserve_alone(*args, **kwargs)
+
+    async def settled(*args: Any, **kwargs: Any) -> Any:
+        alone.append("settle")
+        return await settle_alone(*args, **kwargs)
+
+    store.budget_reserve = reserved  # type: ignore[method-assign]
+    store.budget_settle = settled  # type: ignore[method-assign]
+    for n in (1, 2):
+        await rt.enqueue("assistant", task("1+2"), {"thread": f"t{n}", "client": "alice"})
+        await rt.worker.process_agent("assistant")
+        (sub, _to, _) = tools.calls[-1]
+        head = await store.head("assistant")
+        assert head.status == "suspended"
+        # step 1's spend was written with the suspend; step 2's hold not taken yet
+        assert spend_row(rt) == ((2 * n - 1) * 600, 0)
+        await rt.report_tool_result("assistant", sub, result("3"))
+        # the report's transaction opened step 2 and reserved its call
+        assert spend_row(rt)[1] > 0
+        await rt.worker.process_agent("assistant")
+        assert len(replies.sent) == n and not replies.sent[-1][2]
+        assert spend_row(rt) == (2 * n * 600, 0)  # and the second with the Turn's end
+        if n == 1:
+            # the first call of the period reserves by itself (it opens the period)
+            assert alone == ["reserve"]
+            alone.clear()
+    assert alone == []
+    await rt.store.aclose()
+
+
+class EndedDuringTheCall(CostlyLLM):
+    """The Turn is ended by someone else (as a stop on another process would) while its
+    first call runs; the call still returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store: SqlAgentStore | None = None
+
+    async def complete(self, request: LLMRequest) -> LLMCompletion:
+        done = await super().complete(request)
+        assert self.store is not None
+        await self.store.force_end("assistant", "failed", "stopped", None)
+        # A prompt counted below the estimate: the step adds no correction to the head,
+        # so the first write fenced out is the step's own.
+        return LLMCompletion(done.content, LLMUsage(5, 100, 105))
+
+
+async def test_a_spend_whose_step_was_fenced_out_is_settled_by_itself(tmp_path):
+    """The step's write is fenced out (StaleTurn: nothing written), so its call's spend,
+    which was to ride with it, is settled by itself: spent, nothing left reserved."""
+    from agents_fakes import task
+
+    rt, _llm, tools, _replies = budgeted_runtime(tmp_path, limit=10_000)
+    llm = EndedDuringTheCall()
+    llm.store = rt.store
+    rt.worker.llm = llm
+    await rt.enqueue("assistant", task("1+2"), {"thread": "t1", "client": "alice"})
+    await rt.worker.process_agent("assistant")
+    assert len(llm.requests) == 1 and tools.calls == []
+    assert spend_row(rt) == (105, 0)
     await rt.store.aclose()
 
 

@@ -35,9 +35,12 @@ from agentserver.agents.profile.agent import DEFAULT_MAX_OUTPUT
 from agentserver.agents.store.outbox import OutboxItem
 from agentserver.agents.store.sql.budgets import (
     HoldOwner,
+    HoldRequest,
     Override,
     PeriodRow,
+    Spend,
     SpendRow,
+    StepHold,
     row_key,
 )
 from agentserver.llm.tokens import PER_REQUEST, estimate_message_tokens
@@ -45,7 +48,16 @@ from agentserver.observability.tracing import annotate_current
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BudgetSpent", "BudgetedLLM", "Budgets", "Hold", "HoldOwner", "WorstPrice"]
+__all__ = [
+    "BudgetSpent",
+    "BudgetedLLM",
+    "Budgets",
+    "Hold",
+    "HoldOwner",
+    "Spend",
+    "WorstPrice",
+    "spent",
+]
 
 
 class BudgetSpent(Exception):
@@ -129,6 +141,37 @@ class WorstPrice:
         ) / 1_000_000
 
 
+@dataclass(slots=True)
+class _SoftMarks:
+    """The outbox rows of the ``budget.soft`` events a settle's crossed marks raise,
+    rendered in its transaction (the mark and its event's rows commit together,
+    docs/webhooks.md; pure: it runs off trio). :attr:`written`: some were."""
+
+    render: Callable[[BudgetEvent], Sequence[OutboxItem]]
+    agent: str
+    turn: str | None
+    written: bool = False
+
+    def event(self, r: SpendRow) -> BudgetEvent:
+        return soft_event(self.agent, self.turn, r)
+
+    def __call__(self, crossed: list[SpendRow]) -> Sequence[OutboxItem]:
+        out = [item for r in crossed for item in self.render(self.event(r))]
+        self.written = bool(out)
+        return out
+
+
+def spent(events: EventBus | None, spends: Sequence[Spend]) -> None:
+    """``spends`` committed (with a step's results, or by themselves): marked so, and
+    ``budget.soft`` published for each mark they crossed (their outbox rows, if any,
+    committed with them). Call it as soon as the transaction returns."""
+    for s in spends:
+        s.committed = True
+        if events is not None and isinstance(s.events, _SoftMarks):
+            for r in s.crossed:
+                events.publish(s.events.event(r), written=s.events.written)
+
+
 @dataclass(frozen=True, slots=True)
 class Hold:
     """One call's reservation: its id, the rows it holds and its worst case."""
@@ -162,6 +205,9 @@ class Budgets:
         self.events = events
         #: Row keys this process has made sure exist (a new period adds one statement).
         self._ensured: set[str] = set()
+        #: Each budget's current row, with the spec it was made of (one per declared
+        #: budget).
+        self._current: dict[str, tuple[BudgetSpec, PeriodRow]] = {}
         #: Refusals seen by this process, by budget (for the metrics).
         self.refusals: dict[str, int] = {}
         #: Every budget's current row as last read by :meth:`run` (None: not yet, or the
@@ -191,10 +237,16 @@ class Budgets:
     def _rows(self, names: Sequence[str], now: float) -> list[PeriodRow]:
         return [self._row_of(self.specs[name], now) for name in names]
 
-    @staticmethod
-    def _row_of(s: BudgetSpec, now: float) -> PeriodRow:
+    def _row_of(self, s: BudgetSpec, now: float) -> PeriodRow:
+        """``s``'s row of the period holding ``now`` (kept while ``now`` is in it: the
+        period's bounds are worked out once per period, not per call)."""
+        kept = self._current.get(s.name)
+        if kept is not None and kept[0] is s and kept[1].start <= now < kept[1].end:
+            return kept[1]
         start, end = period_bounds(s.period, s.timezone, now)
-        return PeriodRow(s.name, s.period, start, end, s.tokens, s.cost, s.soft, s.timezone)
+        row = PeriodRow(s.name, s.period, start, end, s.tokens, s.cost, s.soft, s.timezone)
+        self._current[s.name] = (s, row)
+        return row
 
     def _adopt(self, overrides: Sequence[Override]) -> None:
         """The budgets changed at run time (by any process) replace this process's."""
@@ -257,15 +309,7 @@ class Budgets:
         hold_id = uuid.uuid4().hex
         expires = now + timeout_s + HOLD_MARGIN_S
         if await self.store.budget_reserve(keys, need.tokens, need.cost, hold_id, expires, owner):
-            # The span of the Turn's run carries its reservations (the last one's).
-            annotate_current(
-                {
-                    "agentserver.budget.hold": hold_id,
-                    "agentserver.budget.names": ",".join(names),
-                    "agentserver.budget.reserved_tokens": need.tokens,
-                    "agentserver.budget.reserved_cost": need.cost,
-                }
-            )
+            self._annotate(hold_id, names, need)
             return Hold(hold_id, keys, need, tuple(names))
         full = await self.store.budget_refused(keys, need.tokens, need.cost)
         by_key = {r.key: r for r in rows}
@@ -277,37 +321,80 @@ class Budgets:
         )
         raise BudgetSpent(text, row.budget)
 
-    async def settle(
+    def spend(
         self, hold: Hold, completion: LLMCompletion | None, *, agent: str, turn: str | None
-    ) -> None:
-        """Spend what the call reported (its worst case if it reported no usage, never
-        zero) and release the hold; publish ``budget.soft`` for each budget that crossed
-        its mark. Shielded: a cancel arriving now cannot leak the hold."""
+    ) -> Spend:
+        """What settling ``hold`` writes: what the call reported (its worst case if it
+        reported no usage, never zero), and the ``budget.soft`` outbox rows of the marks
+        it crosses. No I/O: the caller writes it, by itself (:meth:`settle`) or with the
+        step's results (``spends=``), then calls :meth:`published`."""
         tokens, cost = hold.need.tokens, hold.need.cost
         if completion is not None and not completion.usage.estimated:
             u = completion.usage
             used = u.total_tokens or (u.prompt_tokens + u.completion_tokens)
             if used > 0:
                 tokens, cost = used, completion.cost
-        rows: Callable[[list[SpendRow]], Sequence[OutboxItem]] | None = None
-        written = False
+        marks = None
         if self.events is not None:
-            render = self.events.outbox_render()
+            marks = _SoftMarks(self.events.outbox_render(), agent, turn)
+        return Spend(hold.hold_id, hold.keys, tokens, cost, marks)
 
-            def outbox_rows(crossed: list[SpendRow]) -> Sequence[OutboxItem]:
-                # In the settle's transaction: the soft mark and its event's outbox rows
-                # commit together (docs/webhooks.md); pure (it runs off trio).
-                nonlocal written
-                out = [item for r in crossed for item in render(soft_event(agent, turn, r))]
-                written = bool(out)
-                return out
+    def hold_request(
+        self, agent: str, client: str | None, need: Need, timeout_s: float, owner: HoldOwner
+    ) -> HoldRequest | None:
+        """``need`` as a reservation the transaction opening a step takes with it
+        (``agents/store/sql/budgets.py`` ``hold_step``): None when no budget applies, or
+        when this process has not opened one of their current periods yet (the call then
+        reserves by itself, opening it). Pure, no I/O."""
+        names = applicable(frozenset(self.specs), agent, client)
+        if not names:
+            return None
+        now = self.clock.now()
+        keys = tuple(r.key for r in self._rows(names, now))
+        if not self._ensured.issuperset(keys):
+            return None
+        expires = now + timeout_s + HOLD_MARGIN_S
+        return HoldRequest(keys, need.tokens, need.cost, uuid.uuid4().hex, expires, owner)
 
-            rows = outbox_rows
+    def taken(self, req: HoldRequest, agent: str, client: str | None) -> Hold:
+        """The hold a step's transaction took (:meth:`hold_request`, granted), as a
+        reservation this process made (its span carries it as :meth:`reserve`'s)."""
+        names = applicable(frozenset(self.specs), agent, client)
+        self._annotate(req.hold_id, names, Need(req.tokens, req.cost))
+        return Hold(req.hold_id, req.keys, Need(req.tokens, req.cost), tuple(names))
+
+    @staticmethod
+    def _annotate(hold_id: str, names: Sequence[str], need: Need) -> None:
+        # The span of the Turn's run carries its reservations (the last one's).
+        annotate_current(
+            {
+                "agentserver.budget.hold": hold_id,
+                "agentserver.budget.names": ",".join(names),
+                "agentserver.budget.reserved_tokens": need.tokens,
+                "agentserver.budget.reserved_cost": need.cost,
+            }
+        )
+
+    async def settle(
+        self, hold: Hold, completion: LLMCompletion | None, *, agent: str, turn: str | None
+    ) -> None:
+        """Settle ``hold`` by itself (:meth:`spend`, one transaction), and publish the
+        marks it crossed. Shielded: a cancel arriving now cannot leak the hold."""
+        await self.settle_spends([self.spend(hold, completion, agent=agent, turn=turn)])
+
+    async def settle_spends(self, spends: Sequence[Spend]) -> None:
+        """Those of ``spends`` not committed yet, each written in a transaction of its
+        own (no step's results carried them: a step that failed after its calls, a run
+        fenced out before its step was written), then published. Shielded, as
+        :meth:`settle`; a spend whose transaction fails is left to the watchdog (its
+        hold is released once its run is over: nothing spent)."""
+        left = [s for s in spends if not s.committed]
         with trio.CancelScope(shield=True):
-            crossed = await self.store.budget_settle(hold.hold_id, hold.keys, tokens, cost, rows)
-        if self.events is not None:
-            for r in crossed:
-                self.events.publish(soft_event(agent, turn, r), written=written)
+            for s in left:
+                s.crossed = await self.store.budget_settle(
+                    s.hold_id, s.keys, s.tokens, s.cost, s.events
+                )
+                spent(self.events, [s])
 
     async def release(self, hold: Hold) -> None:
         """The hold given back (failure, timeout, cancel). Shielded; a store failure is
@@ -326,14 +413,20 @@ class Budgets:
         turn: str | None,
         timeout_s: float,
         owner: HoldOwner | None = None,
+        defer: list[Spend] | None = None,
+        first: StepHold | None = None,
     ) -> LLMPort:
         """``llm`` with every call reserved and settled in the budgets of ``agent`` and
         ``client`` (``llm`` itself when none applies). ``timeout_s``: the bound of one
         call, which a hold's expiry exceeds by :data:`HOLD_MARGIN_S`. ``owner``: the
-        Turn's step whose calls these are (their holds belong to it)."""
+        Turn's step whose calls these are (their holds belong to it). ``defer``: a
+        call that returns is not settled but its :meth:`spend` appended there, for the
+        caller to write with the step's results. ``first``: the reservation the step's
+        transaction took for its first call (used by that call if it covers its worst
+        case; else given back, and the call reserves by itself)."""
         if not applicable(frozenset(self.specs), agent, client):
             return llm
-        return BudgetedLLM(llm, self, agent, client, turn, timeout_s, owner)
+        return BudgetedLLM(llm, self, agent, client, turn, timeout_s, owner, defer, first)
 
     # -- the operator's side ----------------------------------------------------------
     async def release_expired(self) -> int:
@@ -386,6 +479,8 @@ class BudgetedLLM:
         turn: str | None,
         timeout_s: float,
         owner: HoldOwner | None = None,
+        defer: list[Spend] | None = None,
+        first: StepHold | None = None,
     ) -> None:
         self.llm = llm
         self.budgets = budgets
@@ -396,15 +491,35 @@ class BudgetedLLM:
         self.timeout_s = timeout_s
         #: The Turn's step whose calls these are (None: the holds only expire).
         self.owner = owner
+        #: Where a returned call's spend goes, unsettled (None: settled at once).
+        self.defer = defer
+        #: The first call's reservation, taken with its step (None: used, or none).
+        self.first = first
+
+    async def _reserve(self, request: LLMRequest) -> Hold | None:
+        """The call's hold: the step's own if it covers the call's worst case, else one
+        reserved now (:meth:`Budgets.reserve`; BudgetSpent when there is no room)."""
+        need = self.budgets.need(request)
+        first, self.first = self.first, None
+        if first is not None and first.granted:
+            req = first.request
+            if req.tokens >= need.tokens and req.cost >= need.cost:
+                return self.budgets.taken(req, self.agent, self.client)
+            await self.budgets.release(Hold(req.hold_id, req.keys, Need(req.tokens, req.cost), ()))
+        return await self.budgets.reserve(self.agent, self.client, need, self.timeout_s, self.owner)
+
+    async def _settle(self, hold: Hold, done: LLMCompletion | None) -> None:
+        if self.defer is not None:
+            self.defer.append(self.budgets.spend(hold, done, agent=self.agent, turn=self.turn))
+        else:
+            await self.budgets.settle(hold, done, agent=self.agent, turn=self.turn)
 
     def context_window(self, model: str) -> int | None:
         window_of = getattr(self.llm, "context_window", None)
         return window_of(model) if window_of is not None else None
 
     async def complete(self, request: LLMRequest) -> LLMCompletion:
-        hold = await self.budgets.reserve(
-            self.agent, self.client, self.budgets.need(request), self.timeout_s, self.owner
-        )
+        hold = await self._reserve(request)
         if hold is None:
             return await self.llm.complete(request)
         try:
@@ -412,7 +527,7 @@ class BudgetedLLM:
         except BaseException:
             await self.budgets.release(hold)
             raise
-        await self.budgets.settle(hold, done, agent=self.agent, turn=self.turn)
+        await self._settle(hold, done)
         return done
 
     @property
@@ -429,9 +544,7 @@ class BudgetedLLM:
     ) -> AsyncIterator[AsyncIterator[str | LLMCompletion]]:
         """Streamed: the hold settles when the stream ends (at the worst case if no final
         usage came), and is released if it fails or is cancelled first."""
-        hold = await self.budgets.reserve(
-            self.agent, self.client, self.budgets.need(request), self.timeout_s, self.owner
-        )
+        hold = await self._reserve(request)
         final: list[LLMCompletion] = []
 
         async def watch(
@@ -450,9 +563,7 @@ class BudgetedLLM:
                 await self.budgets.release(hold)
             raise
         if hold is not None:
-            await self.budgets.settle(
-                hold, final[-1] if final else None, agent=self.agent, turn=self.turn
-            )
+            await self._settle(hold, final[-1] if final else None)
 
 
 def near_limit(rows: Sequence[SpendRow], fraction: float = 0.8) -> list[SpendRow]:

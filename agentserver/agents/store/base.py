@@ -57,6 +57,8 @@ from agentserver.agents.store.rows import TaskStatus as TaskStatus
 from agentserver.agents.store.rows import ToolCallRecord as ToolCallRecord
 from agentserver.agents.store.rows import TurnToken as TurnToken
 from agentserver.agents.store.rows import caller_key as caller_key
+from agentserver.agents.store.sql.budgets import HoldFor as HoldFor
+from agentserver.agents.store.sql.budgets import Spend as Spend
 
 #: What a shared store does with the calls of a dead process's suspended Turn
 #: (``await lost(token, reason)``: the runtime's ``lost_calls``), handed to the store's
@@ -114,6 +116,7 @@ class TurnStore(Protocol):
         max_steps: int,
         guardrails: bool,
         check: Callable[[InboxRow], str | None],
+        hold_for: HoldFor | None = None,
     ) -> Claimed | None:
         """Claim the agent's next due row and take its first step in the same
         transaction (:func:`~agentserver.agents.store.sql.claims.claim_next`; a backend
@@ -146,6 +149,7 @@ class TurnStore(Protocol):
         *,
         swap: BoxSwap | None = None,
         screened: StepRecord | None = None,
+        spends: Sequence[Spend] = (),
     ) -> None:
         """Close the step with its cards; with ``swap``, the boxes are compacted first in
         the same transaction (a stale token writes neither); with ``screened`` (not with
@@ -164,6 +168,7 @@ class TurnStore(Protocol):
         completion: LLMCompletion | None = None,
         step_cards: Sequence[NewCard] = (),
         screened: StepRecord | None = None,
+        spends: Sequence[Spend] = (),
     ) -> int:
         """running → suspended; returns how many reports that came early are due now.
         With ``completion`` and ``step_cards`` (and governance's ``screened`` record),
@@ -183,6 +188,7 @@ class TurnStore(Protocol):
         *,
         failed: bool,
         then_step: int | None = None,
+        hold_for: HoldFor | None = None,
     ) -> ReportOutcome:
         """A peer's report, applied to its waiting set in the transaction that records
         it (no inbox row; a resume opens the next step with ``then_step``), or kept in
@@ -231,6 +237,7 @@ class TurnStore(Protocol):
         completion: LLMCompletion | None = None,
         cards: Sequence[NewCard] = (),
         sent: Sequence[str] = (),
+        spends: Sequence[Spend] = (),
     ) -> Finished:
         """running → idle with the deliverable and the reply; with ``step_id``, that step
         is completed first in the same transaction (``complete_step(token, step_id,

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from agentserver.agents.profile.schedule import ScheduleSpec
+
+if TYPE_CHECKING:
+    from agentserver.agents.store.sql.budgets import StepHold
 
 #: The reply reference's key naming the client an HTTP message was sent by (its bearer
 #: token's identity): her conversation, though the answer goes to the message's endpoint.
@@ -195,13 +198,15 @@ class StepStart:
     """A step begun, with what its model call needs, read in the step's own transaction
     (:meth:`~.base.TurnStore.open_step`): the head as updated (``step_count`` counts this step)
     and the cards of the Turn's two boxes. ``step_id`` is None when the step limit was
-    reached: then no step was begun and the head is as it was."""
+    reached: then no step was begun and the head is as it was. ``hold``: its first model
+    call's reservation, when taken in the same transaction (spend budgets)."""
 
     head: Head
     step_id: str | None
     step_no: int
     context: tuple[Card, ...]
     output: tuple[Card, ...]
+    hold: StepHold | None = None
 
 
 @dataclass(frozen=True, slots=True)

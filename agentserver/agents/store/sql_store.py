@@ -73,6 +73,7 @@ from agentserver.agents.store.sql import (
     views,
     watchdog,
 )
+from agentserver.agents.store.sql.budgets import HoldFor, Spend
 from agentserver.agents.store.sql.db import StoreEnv, StoreFn, Tx
 from agentserver.steps.log import StepRow
 
@@ -209,10 +210,15 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         return await self._run1(inbox.claim_due, agent_id, limit, self.claim_lock)
 
     async def claim_next(
-        self, agent_id: str, max_steps: int, guardrails: bool, check: claims.TaskCheck
+        self,
+        agent_id: str,
+        max_steps: int,
+        guardrails: bool,
+        check: claims.TaskCheck,
+        hold_for: HoldFor | None = None,
     ) -> Claimed | None:
         return await self._run(
-            claims.claim_next, agent_id, max_steps, guardrails, check, self.claim_lock
+            claims.claim_next, agent_id, max_steps, guardrails, check, self.claim_lock, hold_for
         )
 
     async def head(self, agent_id: str) -> Head:
@@ -247,14 +253,15 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         *,
         swap: BoxSwap | None = None,
         screened: StepRecord | None = None,
+        spends: Sequence[Spend] = (),
     ) -> None:
         if not screened:
-            await self._run(turns.complete_step, token, step_id, completion, cards, swap)
+            await self._run(turns.complete_step, token, step_id, completion, cards, swap, spends)
             return
         if swap is not None:
             raise ValueError("a step's governance record cannot be written with a box swap")
         await self._run(
-            governance.complete_screened_step, token, step_id, completion, cards, screened
+            governance.complete_screened_step, token, step_id, completion, cards, screened, spends
         )
 
     async def suspend(
@@ -268,6 +275,7 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         completion: LLMCompletion | None = None,
         step_cards: Sequence[NewCard] = (),
         screened: StepRecord | None = None,
+        spends: Sequence[Spend] = (),
     ) -> int:
         if not calls:
             raise ValueError("suspend needs at least one tool call")
@@ -282,6 +290,7 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
             completion,
             step_cards,
             screened,
+            spends,
         )
 
     async def apply_report(self, row: InboxRow, *, then_step: int | None = None) -> ReportOutcome:
@@ -295,9 +304,10 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         *,
         failed: bool,
         then_step: int | None = None,
+        hold_for: HoldFor | None = None,
     ) -> ReportOutcome:
         return await self._run(
-            tools.apply_tool_result, agent_id, tool_call_id, payload, failed, then_step
+            tools.apply_tool_result, agent_id, tool_call_id, payload, failed, then_step, hold_for
         )
 
     async def take_resume(self, row: InboxRow) -> TurnToken | None:
@@ -344,9 +354,10 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
         completion: LLMCompletion | None = None,
         cards: Sequence[NewCard] = (),
         sent: Sequence[str] = (),
+        spends: Sequence[Spend] = (),
     ) -> Finished:
-        if step_id is None and cards:
-            raise ValueError("cards are written with the step they close")
+        if step_id is None and (cards or spends):
+            raise ValueError("cards and spends are written with the step they close")
         return await self._run(
             turn_end.finish,
             token,
@@ -358,6 +369,7 @@ class SqlAgentStore(OutboxCalls, BudgetStore, abc.ABC):
             completion,
             list(cards),
             list(sent),
+            list(spends),
         )
 
     async def force_end(

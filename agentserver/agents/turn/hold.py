@@ -15,16 +15,17 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from agentserver.agents.errors import StaleTurn
+from agentserver.agents.governance.budgets import spent
 from agentserver.agents.ports import LLMCompletion
 from agentserver.agents.profile.agent import AgentProfile
-from agentserver.agents.store.base import AgentStore, Head, NewCard, TaskStatus, TurnToken
+from agentserver.agents.store.base import AgentStore, Head, NewCard, Spend, TaskStatus, TurnToken
 from agentserver.agents.store.states import HeadStatus
 from agentserver.agents.turn.answer import answer_bytes
 from agentserver.agents.turn.delivery import TurnEnder
 from agentserver.observability.tracing import Tracing, record_error
 
 #: The last step completed with a Turn's end: (step id, completion, its cards).
-LastStep = tuple[str, LLMCompletion, list[NewCard]]
+LastStep = tuple[str, LLMCompletion, list[NewCard], tuple[Spend, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,8 @@ class TurnHold:
         step: LastStep | None = None,
     ) -> None:
         """End the Turn with ``text``, answering its caller; ``step``: the last step to
-        complete in the same transaction.
+        complete in the same transaction (its model calls settled in their budgets with
+        it).
 
         The end is one compare-and-set transaction (``store.finish``: the deliverable, the
         reply in the outbox, the head released), atomic: StaleTurn when the Turn was no
@@ -73,7 +75,7 @@ class TurnHold:
             if status != TaskStatus.SUCCEEDED:
                 record_error(span, str(status))
         reply = answer_bytes(profile, text, failed=status != TaskStatus.SUCCEEDED)
-        step_id, completion, cards = step or (None, None, [])
+        step_id, completion, cards, spends = step or (None, None, [], ())
         # Other Turns' replies sent meanwhile are marked so in this transaction.
         sent = self.ender.marks.take()
         try:
@@ -87,8 +89,10 @@ class TurnHold:
                 completion=completion,
                 cards=cards,
                 sent=sent,
+                spends=spends,
             )
         except BaseException:
             self.ender.marks.give_back(sent)
             raise
+        spent(self.ender.events, spends)
         await self.ender.after(fin)

@@ -40,7 +40,14 @@ from agentserver.agents.reading.decide import (
     Submit,
 )
 from agentserver.agents.reading.parsing import FoundPayload, make_huh
-from agentserver.agents.store.base import BoxSwap, CardType, NewCard, StepStart, TaskStatus
+from agentserver.agents.store.base import (
+    BoxSwap,
+    CardType,
+    NewCard,
+    Spend,
+    StepStart,
+    TaskStatus,
+)
 from agentserver.agents.store.states import HeadStatus
 from agentserver.core.errors import IllegalTransition
 from agentserver.steps.states import Transition
@@ -174,13 +181,15 @@ class Answer:
 class ModelReplied:
     """The step's model call returned: the completion, the compaction to commit with the
     step (or None), the reply's decision (``reading/decide.py``), and for a
-    ``submit_result`` its evaluated answer (``answer``; a plain answer's is its text)."""
+    ``submit_result`` its evaluated answer (``answer``; a plain answer's is its text).
+    ``spends``: the step's model calls, to settle in their budgets with the step."""
 
     step_id: str
     completion: LLMCompletion
     swap: BoxSwap | None
     decision: Decision
     answer: Answer | None = None
+    spends: tuple[Spend, ...] = ()
 
     @property
     def type(self) -> EventType:
@@ -401,6 +410,7 @@ class CompleteStep:
     completion: LLMCompletion
     cards: tuple[NewCard, ...]
     swap: BoxSwap | None
+    spends: tuple[Spend, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,11 +430,12 @@ class SelfIteration:
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """A step's reply, written with the transaction that follows it (the suspend, or the
-    Turn's end)."""
+    Turn's end), and its model calls' spends, settled in that transaction."""
 
     step_id: str
     completion: LLMCompletion
     cards: tuple[NewCard, ...]
+    spends: tuple[Spend, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -702,7 +713,7 @@ class TurnMachine:
         if isinstance(decision, Submit | Deliver) and event.swap is None:
             # The last step: written with the Turn's end, in one transaction.
             assert answer is not None, "a submit_result reply comes with its answer"
-            last = StepRecord(step_id, completion, said)
+            last = StepRecord(step_id, completion, said, event.spends)
             return [
                 EmitStep(step_id, "planning"),
                 Finish(TaskStatus.SUCCEEDED, answer.text, answer.meta, last),
@@ -711,12 +722,12 @@ class TurnMachine:
         # compaction swaps the boxes: then its calls are screened on the compacted cards,
         # once the step is complete.
         if isinstance(decision, CallTools) and event.swap is None:
-            self._record = StepRecord(step_id, completion, said)
+            self._record = StepRecord(step_id, completion, said, event.spends)
             self._calls = decision.calls
             return [EmitStep(step_id, "planning")]
         self._record = None
         effects: list[Effect] = [
-            CompleteStep(step_id, completion, said, event.swap),
+            CompleteStep(step_id, completion, said, event.swap, event.spends),
             EmitStep(step_id, "planning"),
         ]
         match decision:

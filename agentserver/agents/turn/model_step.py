@@ -11,17 +11,28 @@ model call also watches the Turn's head and is abandoned (StaleTurn) once it has
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import trio
 
 from agentserver.agents.errors import LLMUnavailable, StaleTurn, StoreError
 from agentserver.agents.events import ChunkEvent, EventBus, StepEvent
-from agentserver.agents.governance.budgets import Budgets, BudgetSpent, HoldOwner
-from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
+from agentserver.agents.governance.budgets import Budgets, BudgetSpent, HoldOwner, Spend
+from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest, reply_ref_from_json
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.retry import RetryStep, decide_retry
-from agentserver.agents.store.base import AgentStore, BoxSwap, Head, StepStart, TurnToken
+from agentserver.agents.store.base import (
+    AgentStore,
+    BoxSwap,
+    Card,
+    Head,
+    HoldFor,
+    StepStart,
+    TurnToken,
+)
+from agentserver.agents.store.rows import client_of
+from agentserver.agents.store.sql.budgets import HoldRequest
 from agentserver.agents.turn.compactor import PendingSwap, compact_turn
 from agentserver.agents.turn.hold import TurnHold
 from agentserver.agents.turn.machine import (
@@ -38,15 +49,30 @@ log = logging.getLogger("agentserver.agents.turn.worker")
 
 @dataclass(frozen=True, slots=True)
 class Completed:
-    """The model answered: its completion, and the compaction to commit with the step."""
+    """The model answered: its completion, the compaction to commit with the step, and
+    the step's calls' spends, to settle with the step (budgets: ``spends=``)."""
 
     completion: LLMCompletion
     swap: BoxSwap | None
+    spends: tuple[Spend, ...] = ()
 
 
 #: What a step's model call came to (each but :class:`Completed` is the Turn machine's
 #: event as it is; the worker makes a :class:`~.machine.ModelReplied` of a completion).
 ModelOutcome = Completed | ModelFailed | StepTimedOut | BudgetRefused | RetryScheduled
+
+
+def step_request(
+    agent_id: str, profile: AgentProfile, system: str, cards: Sequence[Card], step_no: int
+) -> LLMRequest:
+    """The model request of step ``step_no`` on ``cards`` (pure)."""
+    return LLMRequest(
+        agent=agent_id,
+        model=profile.model,
+        messages=model_messages(profile, system, cards, step_no == profile.max_steps),
+        max_tokens=profile.max_tokens,
+        grammar=profile.reply_grammar,
+    )
 
 
 class ModelStep:
@@ -70,6 +96,35 @@ class ModelStep:
         self.hold = hold
         #: How often a model call reads the head while other processes share the store.
         self.poll_s = poll_s
+        #: :meth:`hold_for` of each agent, with the profile it was made for (one per
+        #: agent: bounded by the agents).
+        self._holds: dict[str, tuple[AgentProfile, HoldFor]] = {}
+
+    def hold_for(self, profile: AgentProfile) -> HoldFor | None:
+        """How the transaction that opens a step of ``profile``'s agent reserves the
+        step's first model call with it (None: no spend budget is declared): the worst
+        case of the request the step will make on the cards it opened with, in the
+        budgets of the agent and the Turn's client. Pure, no I/O."""
+        budgets = self.budgets
+        if budgets is None:
+            return None
+        made = self._holds.get(profile.name)
+        if made is not None and made[0] is profile:
+            return made[1]
+        system = system_text(profile)
+
+        def hold_for(ref_json: str | None, step: StepStart) -> HoldRequest | None:
+            token = step.head.token
+            if token is None or step.step_id is None:
+                return None
+            client = client_of(reply_ref_from_json(ref_json)) if ref_json else None
+            cards = [*step.context, *step.output]
+            need = budgets.need(step_request(token.agent_id, profile, system, cards, step.step_no))
+            owner = HoldOwner(token.agent_id, token.agent_turn_id, token.turn_epoch, step.step_id)
+            return budgets.hold_request(token.agent_id, client, need, profile.llm_timeout_s, owner)
+
+        self._holds[profile.name] = (profile, hold_for)
+        return hold_for
 
     async def complete(
         self,
@@ -103,13 +158,52 @@ class ModelStep:
         says so), every call (compaction's too) reserves its worst case in the budgets of
         the agent and ``client`` first (``agents/governance/budgets.py``); a budget without
         room is :class:`BudgetRefused` with its stable reason, before any call is made.
+        The calls that returned are settled with the step's results (``Completed.spends``:
+        the caller writes them in the step's transaction); when the step ends otherwise
+        (a failure, a retry, a fence, a cancel), here, each in a transaction of its own.
         """
+        spends: list[Spend] = []
+        try:
+            outcome = await self._complete(
+                llm, token, head, profile, step_id, retries_done, step, client, reserve, spends
+            )
+        except BaseException:
+            if spends and self.budgets is not None:
+                await self.budgets.settle_spends(spends)  # (shielded)
+            raise
+        if isinstance(outcome, Completed):
+            return Completed(outcome.completion, outcome.swap, tuple(spends))
+        if spends and self.budgets is not None:
+            await self.budgets.settle_spends(spends)
+        return outcome
+
+    async def _complete(
+        self,
+        llm: LLMPort,
+        token: TurnToken,
+        head: Head,
+        profile: AgentProfile,
+        step_id: str,
+        retries_done: int,
+        step: StepStart,
+        client: str | None,
+        reserve: bool,
+        spends: list[Spend],
+    ) -> ModelOutcome:
+        """:meth:`complete`, the returned calls' spends put in ``spends``."""
         if self.budgets is not None and reserve:
             # The holds belong to this run of the step: whichever process fences the run
             # out (a restart, a takeover) releases them (agents/store/sql/budgets.py).
             owner = HoldOwner(token.agent_id, token.agent_turn_id, token.turn_epoch, step_id)
             llm = self.budgets.port(
-                llm, token.agent_id, client, token.agent_turn_id, profile.llm_timeout_s, owner
+                llm,
+                token.agent_id,
+                client,
+                token.agent_turn_id,
+                profile.llm_timeout_s,
+                owner,
+                defer=spends,
+                first=step.hold,
             )
         budget = profile.budget
         system = system_text(profile)
@@ -233,13 +327,7 @@ class ModelStep:
         ``shown``: a compaction's, or the Turn's as the step read them (nothing else
         writes a running Turn's cards meanwhile). Errors propagate."""
         cards = shown.cards if isinstance(shown, PendingSwap) else [*shown.context, *shown.output]
-        request = LLMRequest(
-            agent=token.agent_id,
-            model=profile.model,
-            messages=model_messages(profile, system, cards, step_no == profile.max_steps),
-            max_tokens=profile.max_tokens,
-            grammar=profile.reply_grammar,
-        )
+        request = step_request(token.agent_id, profile, system, cards, step_no)
 
         def chunk(text: str) -> None:
             self.events.publish(ChunkEvent(token.agent_id, token.agent_turn_id, step_id, text))

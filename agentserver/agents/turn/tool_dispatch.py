@@ -25,6 +25,7 @@ from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import PumpRefused
 from agentserver.agents.events import EventBus, StateEvent
 from agentserver.agents.governance.approvals import APPROVAL_PREFIX, WAITING_KIND, Approvals
+from agentserver.agents.governance.budgets import spent
 from agentserver.agents.governance.governor import Governor, Screened, governed
 from agentserver.agents.ports import ReplyRef, ToolPort
 from agentserver.agents.profile.agent import AgentProfile
@@ -207,7 +208,10 @@ class ToolDispatch:
             completion=step.completion if step else None,
             step_cards=step.cards if step else (),
             screened=record,
+            spends=step.spends if step else (),
         )
+        if step is not None:
+            spent(self.events, step.spends)
         self.events.publish(
             StateEvent(
                 token.agent_id,
@@ -234,14 +238,16 @@ class ToolDispatch:
         screened: ScreenRecord | None,
     ) -> None:
         """Write a step that sends nothing: its reply, the screening's record and
-        ``cards`` (the pump's refusals) in one compare-and-set."""
+        ``cards`` (the pump's refusals) in one compare-and-set, its model calls settled."""
         await self.store.complete_step(
             token,
             step.step_id,
             step.completion,
             [*step.cards, *cards],
             screened=screened,
+            spends=step.spends,
         )
+        spent(self.events, step.spends)
 
     async def _send(
         self,

@@ -35,7 +35,7 @@ from agentserver.agents.clock import Clock
 from agentserver.agents.errors import PumpRefused, StaleTurn
 from agentserver.agents.events import StateEvent, StepEvent
 from agentserver.agents.governance.approvals import Approvals, forward_granted
-from agentserver.agents.governance.budgets import Budgets
+from agentserver.agents.governance.budgets import Budgets, spent
 from agentserver.agents.governance.governor import Governor
 from agentserver.agents.ports import LLMPort, ReplyRef, ToolPort, reply_ref_from_json
 from agentserver.agents.profile.agent import AgentProfile
@@ -51,6 +51,7 @@ from agentserver.agents.store.base import (
     InboxRow,
     NewCard,
     ReportOutcome,
+    Spend,
     StepStart,
     TurnToken,
 )
@@ -82,6 +83,7 @@ from agentserver.agents.turn.machine import (
     SendTools,
     StepLimit,
     StepOpened,
+    StepRecord,
     Stopped,
     TaskClaimed,
     ToolReported,
@@ -274,7 +276,11 @@ class Worker:
         if profile is not None:
             try:
                 return await self.store.claim_next(
-                    agent_id, profile.max_steps, bool(profile.guardrails), task_problem
+                    agent_id,
+                    profile.max_steps,
+                    bool(profile.guardrails),
+                    task_problem,
+                    self.model.hold_for(profile),
                 )
             except StaleTurn:
                 pass
@@ -491,7 +497,18 @@ class Worker:
             effects = machine.send(event)
 
     async def _apply(self, run: _Run, effect: Effect) -> Event | None:
-        """Apply one effect; the event it came to, if it is a call the machine waits on."""
+        """Apply one effect; the event it came to, if it is a call the machine waits on.
+        The model calls' spends an effect writes with its step are settled by themselves
+        if it fails before their transaction commits (a fence, a crash, a cancel)."""
+        try:
+            return await self._apply_effect(run, effect)
+        except BaseException:
+            spends = _spends_of(effect)
+            if spends and self.model.budgets is not None:
+                await self.model.budgets.settle_spends(spends)  # (shielded)
+            raise
+
+    async def _apply_effect(self, run: _Run, effect: Effect) -> Event | None:
         token, profile = run.token, run.profile
         match effect:
             case EmitStep(step_id, phase):
@@ -533,9 +550,14 @@ class Worker:
                 content = done.completion.content
                 decision = decide(content, extract_payloads(content, profile), profile)
                 answer = _submitted(decision, profile) if isinstance(decision, Submit) else None
-                return ModelReplied(step.step_id, done.completion, done.swap, decision, answer)
-            case CompleteStep(step_id, completion, cards, swap):
-                await self.store.complete_step(token, step_id, completion, list(cards), swap=swap)
+                return ModelReplied(
+                    step.step_id, done.completion, done.swap, decision, answer, done.spends
+                )
+            case CompleteStep(step_id, completion, cards, swap, spends):
+                await self.store.complete_step(
+                    token, step_id, completion, list(cards), swap=swap, spends=spends
+                )
+                spent(self.events, spends)
             case AddCards(cards):
                 await self.store.add_cards(token, list(cards))
             case SelfIteration(payload):
@@ -562,7 +584,9 @@ class Worker:
                     token, profile, run.ref(), approvals=self.approvals
                 )
             case Finish(status, text, meta, last):
-                written = (last.step_id, last.completion, list(last.cards)) if last else None
+                written = None
+                if last is not None:
+                    written = (last.step_id, last.completion, list(last.cards), last.spends)
                 await self.hold.finish(token, profile, status, text, meta, written)
                 return Finished()
             case ForwardGranted():
@@ -583,6 +607,18 @@ class Worker:
                 if halt is not None:
                     return GuardrailHalted(halt)
         return await self.store.open_step(token, profile.max_steps)
+
+
+def _spends_of(effect: Effect) -> tuple[Spend, ...]:
+    """The model calls' spends ``effect`` writes with its step (none: it writes no step)."""
+    match effect:
+        case CompleteStep(spends=spends):
+            return spends
+        case (
+            SendTools(step=StepRecord(spends=spends)) | Finish(last_step=StepRecord(spends=spends))
+        ):
+            return spends
+    return ()
 
 
 def task_problem(row: InboxRow) -> str | None:

@@ -33,6 +33,7 @@ from agentserver.agents.store.pg.one_trip import (
     tokens_exprs,
 )
 from agentserver.agents.store.sql import fair, head, inbox, replies, turn_end
+from agentserver.agents.store.sql.budgets import Spend, settle_spends
 from agentserver.agents.store.sql.common import (
     edge,
     tokens_of,
@@ -252,10 +253,12 @@ def finish(
     completion: Any = None,
     cards: Sequence[NewCard] = (),
     sent: Sequence[str] = (),
+    spends: Sequence[Spend] = (),
 ) -> Finished:
     """:func:`~agentserver.agents.store.sql.turn_end.finish` in two round trips: all its
     writes with the read of the agent's next queued Turn, then ``COMMIT`` (with that
-    Turn's lease when there is one: the shared code, as in ``finish``)."""
+    Turn's lease when there is one: the shared code, as in ``finish``). With
+    ``spends``, two more: a settle reads what it releases and the marks it crosses."""
     now = env.clock.now()
     agent, turn = token.agent_id, token.agent_turn_id
     # What the compare-and-set clears (the Turn's inbox row: its reply reference and
@@ -307,6 +310,7 @@ def finish(
     if step_id is not None:
         close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, ())
     replies.mark_replies_sent(tx, env, sent)
+    settle_spends(tx, env, spends)
     queued = head.next_queued(tx, env, agent)
     if not ending.rows:  # (the compare-and-set would have missed: not reached)
         raise StaleTurn(f"{token}: not the active Turn")

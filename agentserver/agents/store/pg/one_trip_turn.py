@@ -32,6 +32,7 @@ from agentserver.agents.store.pg.one_trip import (
     one_trip,
 )
 from agentserver.agents.store.sql import governance, memory, tools, turns
+from agentserver.agents.store.sql.budgets import HoldFor, Spend, settle_spends
 from agentserver.agents.store.sql.common import (
     CONSUMED_PAYLOAD,
     HEAD_COLS,
@@ -108,13 +109,16 @@ def complete_step(
     completion: Any,
     cards: Sequence[NewCard],
     swap: Any = None,
+    spends: Sequence[Spend] = (),
 ) -> None:
     """:func:`~agentserver.agents.store.sql.turns.complete_step` in one round trip (its
-    ``COMMIT``'s); with a box swap, the shared function."""
+    ``COMMIT``'s; with ``spends``, two more: a settle reads what it releases and the
+    marks it crosses); with a box swap, the shared function."""
     if swap is not None:
         raise Missed("a box swap")  # (nothing sent yet)
     append_cards(tx, env, token, cards)
     close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, ())
+    settle_spends(tx, env, spends)
     closing(tx, channel, None)
 
 
@@ -128,12 +132,14 @@ def complete_screened_step(
     completion: Any,
     cards: Sequence[NewCard],
     screened: StepRecord,
+    spends: Sequence[Spend] = (),
 ) -> None:
     """:func:`~agentserver.agents.store.sql.governance.complete_screened_step` in one round
     trip (its ``COMMIT``'s; one more for a step without a completion whose decisions
-    go into its metadata)."""
+    go into its metadata, two more with ``spends``)."""
     append_cards(tx, env, token, [*cards, *screened.cards])
     governance.close_screened_step(tx, env, token, step_id, completion, screened)
+    settle_spends(tx, env, spends)
     closing(tx, channel, None)
 
 
@@ -150,10 +156,11 @@ def suspend(
     completion: LLMCompletion | None = None,
     step_cards: Sequence[NewCard] = (),
     screened: StepRecord | None = None,
+    spends: Sequence[Spend] = (),
 ) -> int:
     """:func:`~agentserver.agents.store.sql.tools.suspend` in one round trip (its step
     completed with it included; one more for a step without a completion whose
-    decisions go into its metadata)."""
+    decisions go into its metadata, two more with ``spends``)."""
     if not calls:
         raise ValueError("suspend needs at least one tool call")
     now = env.clock.now()
@@ -170,6 +177,7 @@ def suspend(
     call_ids = [c.tool_call_id for c in calls]
     tools.record_waiting(tx, token, step_id, calls, ids[len(before) :], now)
     tools.close_suspended_step(tx, env, token, step_id, completion, screened, call_ids)
+    settle_spends(tx, env, spends)
     if channel is not None:
         notify(tx, channel)
     sql, params = tools.early_reports_statement(token, call_ids, now)
@@ -221,10 +229,13 @@ def apply_tool_result(
     payload: bytes,
     failed: bool,
     then_step: int | None = None,
+    hold_for: HoldFor | None = None,
 ) -> ReportOutcome:
     """:func:`~agentserver.agents.store.sql.tools.apply_tool_result` in two round trips,
     as :func:`apply_report` (no inbox row); a report its Turn does not wait for is the
-    shared function's (a miss: it is kept in the inbox)."""
+    shared function's (a miss: it is kept in the inbox). The step it opens takes no
+    reservation (``hold_for``: it would cost a round trip more, as a call of its own
+    does): its first model call reserves by itself."""
     locked = tx.later(_LOCK_HEAD, (agent_id,))
     waiting = tx.one(
         _WAITING, (WaitingStatus.RECEIVED, AfterExecution.TERMINATE, tool_call_id, agent_id)

@@ -49,6 +49,7 @@ from agentserver.agents.store.sql import (
     turns,
     watchdog,
 )
+from agentserver.agents.store.sql.budgets import HoldFor
 from agentserver.agents.store.sql.claims import TaskCheck
 from agentserver.agents.store.sql.db import StoreEnv, StoreFn, Tx
 from agentserver.agents.store.sql_store import SqlAgentStore
@@ -246,11 +247,17 @@ class PostgresAgentStore(SqlAgentStore):
         return await self.executor.run_single(_bound(fn, kwargs), self.env, *args)
 
     async def claim_next(
-        self, agent_id: str, max_steps: int, guardrails: bool, check: TaskCheck
+        self,
+        agent_id: str,
+        max_steps: int,
+        guardrails: bool,
+        check: TaskCheck,
+        hold_for: HoldFor | None = None,
     ) -> Claimed | None:
         """Only the claim (one statement, autocommit): the step after it is one round
         trip of its own (``ONE_TRIP``), which a shared transaction here would split into
-        several."""
+        several. So no step is begun here, and no reservation taken with it
+        (``hold_for``): the step's first call reserves by itself."""
         rows = await self.claim_due(agent_id, 1)
         return Claimed(rows[0]) if rows else None
 

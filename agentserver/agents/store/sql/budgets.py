@@ -22,12 +22,15 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from agentserver.agents.store import outbox
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
 from agentserver.agents.store.states import HeadStatus
+
+if TYPE_CHECKING:
+    from agentserver.agents.store.rows import StepStart
 
 MIGRATION = """
 CREATE TABLE budget_spend (
@@ -95,6 +98,80 @@ class HoldOwner:
     agent_turn_id: str
     turn_epoch: int
     step_id: str | None = None
+
+
+@dataclass(slots=True)
+class Spend:
+    """A model call's spend, settled in the transaction that writes its step's results
+    (``complete_step``, ``suspend``, ``finish``: ``spends=``), not in one of its own.
+    ``events(crossed)``: the outbox rows of the ``budget.soft`` marks it crosses, written
+    with them; :attr:`crossed` holds those rows once the transaction has run (set again
+    by each attempt, so a rerun transaction leaves the last one's), for the caller to
+    publish after the commit. :attr:`committed`: set by the caller once a transaction
+    that settled it has committed (a spend whose step was not written is settled by
+    itself, once)."""
+
+    hold_id: str
+    keys: tuple[str, ...]
+    tokens: int
+    cost: float
+    events: Callable[[list[SpendRow]], Sequence[outbox.OutboxItem]] | None = None
+    crossed: list[SpendRow] = field(default_factory=list)
+    committed: bool = False
+
+
+def settle_spends(tx: Tx, env: StoreEnv, spends: Sequence[Spend]) -> None:
+    """Each of ``spends`` settled (:func:`settle`) in the caller's transaction."""
+    for s in spends:
+        s.crossed = settle(tx, env, s.hold_id, s.keys, s.tokens, s.cost, s.events)
+
+
+@dataclass(frozen=True, slots=True)
+class HoldRequest:
+    """The reservation of a step's first model call, asked of the transaction that opens
+    the step (:func:`hold_step`): the rows, the worst case, the hold's id, expiry and
+    owner (the step)."""
+
+    keys: tuple[str, ...]
+    tokens: int
+    cost: float
+    hold_id: str
+    expires_at: float
+    owner: HoldOwner
+
+
+@dataclass(frozen=True, slots=True)
+class StepHold:
+    """What :func:`hold_step` came to: ``granted``, the hold is written (the step's first
+    call uses it instead of reserving); else nothing was written (the call reserves, and
+    meets the refusal, by itself)."""
+
+    request: HoldRequest
+    granted: bool
+
+
+#: The reservation of the first call of a step just opened, from the Turn's reply
+#: reference (as stored: JSON) and the step (None: no budget applies, or the call
+#: reserves by itself). Pure, no I/O: it runs in the transaction that opens the step.
+HoldFor = Callable[[str | None, "StepStart"], HoldRequest | None]
+
+
+def hold_step(
+    tx: Tx, env: StoreEnv, ref_json: str | None, step: StepStart, hold_for: HoldFor | None
+) -> StepStart:
+    """``step`` (just opened in this transaction) with its first call's reservation
+    taken here too, if ``hold_for`` asks for one (:func:`reserve`: all or nothing). A
+    refusal writes nothing: the call reserves by itself, and meets it there with its
+    refusal counted and explained."""
+    if hold_for is None or step.step_id is None:
+        return step
+    req = hold_for(ref_json, step)
+    if req is None:
+        return step
+    granted = reserve(
+        tx, env, req.keys, req.tokens, req.cost, req.hold_id, req.expires_at, req.owner
+    )
+    return replace(step, hold=StepHold(req, granted))
 
 
 def row_key(budget: str, period_start: float) -> str:

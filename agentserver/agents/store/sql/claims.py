@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from agentserver.agents.store.rows import Claimed, InboxRow
 from agentserver.agents.store.sql import inbox, tools, turns
+from agentserver.agents.store.sql.budgets import HoldFor, hold_step
 from agentserver.agents.store.sql.db import StoreEnv, Tx
 from agentserver.agents.store.states import MessageType
 
@@ -31,14 +32,16 @@ def claim_next(
     guardrails: bool,
     check: TaskCheck,
     lock: str = "",
+    hold_for: HoldFor | None = None,
 ) -> Claimed | None:
     """Claim ``agent_id``'s next due row (as :func:`~.inbox.claim_due` with a limit of
     one) and take its first step in the same transaction: a task's Turn started and its
     first step begun (only started with ``guardrails``, which judge the cards before a
     step begins; neither when ``check`` finds a problem); a tool report or timeout
     applied, and the next step begun when it resumes the Turn (not with
-    ``guardrails``). None when no row is due. Raises what the step raises (StaleTurn
-    included), rolling the claim back too."""
+    ``guardrails``). The step begun takes its first model call's reservation too when
+    ``hold_for`` asks for one (:func:`~.budgets.hold_step`). None when no row is due.
+    Raises what the step raises (StaleTurn included), rolling the claim back too."""
     rows = inbox.claim_due(tx, env, agent_id, 1, lock)
     if not rows:
         return None
@@ -50,8 +53,9 @@ def claim_next(
         if guardrails:
             turns.start_turn(tx, env, row)
             return Claimed(row, started=True)
-        return Claimed(row, step=turns.start_turn_step(tx, env, row, max_steps))
+        step = turns.start_turn_step(tx, env, row, max_steps)
+        return Claimed(row, step=hold_step(tx, env, row.reply_ref_json, step, hold_for))
     if row.message_type in (MessageType.TOOL_RESULT, MessageType.TIMEOUT):
         then_step = None if guardrails else max_steps
-        return Claimed(row, report=tools.apply_report(tx, env, row, then_step))
+        return Claimed(row, report=tools.apply_report(tx, env, row, then_step, hold_for))
     return Claimed(row)

@@ -18,6 +18,7 @@ from agentserver.agents.store.governance import (
     StepRecord,
 )
 from agentserver.agents.store.sql import head
+from agentserver.agents.store.sql.budgets import Spend, settle_spends
 from agentserver.agents.store.sql.common import inbox_move, rename_call_card
 from agentserver.agents.store.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 from agentserver.agents.store.sql.inbox import insert_report
@@ -69,11 +70,14 @@ def complete_screened_step(
     completion: LLMCompletion | None,
     cards: Sequence[NewCard],
     screened: StepRecord,
+    spends: Sequence[Spend] = (),
 ) -> None:
     """``complete_step`` and ``record_decisions`` of the same step in one compare-and-set:
-    the step's cards, then the refusals; the decisions in the step's metadata."""
+    the step's cards, then the refusals; the decisions in the step's metadata; the
+    step's model calls settled (``spends``)."""
     append_cards(tx, env, token, [*cards, *screened.cards])
     close_screened_step(tx, env, token, step_id, completion, screened)
+    settle_spends(tx, env, spends)
 
 
 def close_screened_step(

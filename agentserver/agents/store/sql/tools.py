@@ -18,6 +18,7 @@ from agentserver.agents.store.base import (
 )
 from agentserver.agents.store.governance import StepRecord
 from agentserver.agents.store.sql import head
+from agentserver.agents.store.sql.budgets import HoldFor, Spend, hold_step, settle_spends
 from agentserver.agents.store.sql.common import (
     CONSUMED_PAYLOAD,
     edge,
@@ -53,9 +54,10 @@ def suspend(
     completion: LLMCompletion | None = None,
     step_cards: Sequence[NewCard] = (),
     screened: StepRecord | None = None,
+    spends: Sequence[Spend] = (),
 ) -> int:
     """running → suspended with the waiting set ``calls`` (tool.call cards included),
-    the step closed.
+    the step closed, and its model calls settled in their budgets (``spends``).
 
     The step's reply may be written in the same compare-and-set (the worker's common
     case: the step completed and suspended in one transaction): ``completion`` and its
@@ -83,6 +85,7 @@ def suspend(
     tx.execute(*early_reports_statement(token, call_ids, now))
     early = tx.rowcount
     close_suspended_step(tx, env, token, step_id, completion, screened, call_ids)
+    settle_spends(tx, env, spends)
     return early
 
 
@@ -184,7 +187,11 @@ def early_reports_statement(
 
 
 def apply_report(
-    tx: Tx, env: StoreEnv, row: InboxRow, then_step: int | None = None
+    tx: Tx,
+    env: StoreEnv,
+    row: InboxRow,
+    then_step: int | None = None,
+    hold_for: HoldFor | None = None,
 ) -> ReportOutcome:
     """Apply one claimed tool_result/timeout row to its waiting set (single winner).
 
@@ -192,11 +199,13 @@ def apply_report(
     report with no waiting row yet is deferred with backoff until
     ``settings.max_retries`` is exhausted, then marked ``error``. A resume returns the
     Turn's reply reference and, with ``then_step`` (the step limit) unless a tool ends
-    the Turn, opens its next step (:func:`~agentserver.agents.store.sql.turns.open_step`)."""
+    the Turn, opens its next step (:func:`~agentserver.agents.store.sql.turns.open_step`),
+    with its first model call's reservation when ``hold_for`` asks for one
+    (:func:`~agentserver.agents.store.sql.budgets.hold_step`)."""
     waiting = _waiting(tx, row.agent_id, str(row.correlation_id))
     if waiting is None or waiting[2] != WaitingStatus.WAITING:
         return unapplied(tx, env, row, waiting)
-    return _apply(tx, env, row, waiting, then_step)
+    return _apply(tx, env, row, waiting, then_step, hold_for)
 
 
 def apply_tool_result(
@@ -207,11 +216,12 @@ def apply_tool_result(
     payload: bytes,
     failed: bool,
     then_step: int | None = None,
+    hold_for: HoldFor | None = None,
 ) -> ReportOutcome:
     """A peer's report on the sub-thread ``tool_call_id``, applied in the transaction
     that records it when its Turn waits for it: the result card, the waiting row
     answered, and when it completes the set the Turn resumed (its next step opened with
-    ``then_step``, as :func:`apply_report`), all with no inbox row. A report its Turn
+    ``then_step`` and ``hold_for``, as :func:`apply_report`), all with no inbox row. A report its Turn
     does not wait for is kept in the inbox as before (``queued``: one before its
     suspend is deferred; a duplicate or late one is acknowledged by the worker); one for
     a Turn that moved on is ``stale``, with nothing written."""
@@ -219,9 +229,8 @@ def apply_tool_result(
     if waiting is None or waiting[2] != WaitingStatus.WAITING:
         report_tool_result(tx, env, agent_id, tool_call_id, payload, failed)
         return ReportOutcome("queued")
-    return _apply(
-        tx, env, direct_report(agent_id, tool_call_id, payload, failed), waiting, then_step
-    )
+    report = direct_report(agent_id, tool_call_id, payload, failed)
+    return _apply(tx, env, report, waiting, then_step, hold_for)
 
 
 def direct_report(agent_id: str, tool_call_id: str, payload: bytes, failed: bool) -> InboxRow:
@@ -256,7 +265,12 @@ def _waiting(tx: Tx, agent_id: str, tool_call_id: str) -> Row | None:
 
 
 def _apply(
-    tx: Tx, env: StoreEnv, row: InboxRow, waiting: Row, then_step: int | None
+    tx: Tx,
+    env: StoreEnv,
+    row: InboxRow,
+    waiting: Row,
+    then_step: int | None,
+    hold_for: HoldFor | None = None,
 ) -> ReportOutcome:
     """Apply report ``row`` to the ``waiting`` row it answers (still waiting); ``row``
     is consumed unless it was never kept (no inbox id)."""
@@ -307,7 +321,7 @@ def _apply(
     now_running = TurnToken(row.agent_id, turn_id, resumed.turn_epoch)
     step = None
     if then_step is not None and term is None:
-        step = open_step(tx, env, now_running, then_step)
+        step = hold_step(tx, env, ref, open_step(tx, env, now_running, then_step), hold_for)
     return ReportOutcome("applied", now_running, term, ref, step)
 
 

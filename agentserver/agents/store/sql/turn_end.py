@@ -19,6 +19,7 @@ from agentserver.agents.store.base import (
     TurnToken,
 )
 from agentserver.agents.store.sql import conversations, head
+from agentserver.agents.store.sql.budgets import Spend, settle_spends
 from agentserver.agents.store.sql.common import (
     edge,
     inbox_move,
@@ -167,18 +168,21 @@ def finish(
     completion: LLMCompletion | None = None,
     cards: Sequence[NewCard] = (),
     sent: Sequence[str] = (),
+    spends: Sequence[Spend] = (),
 ) -> Finished:
     """running → idle with the deliverable card and the pending reply (one transaction).
     With ``step_id``, that step is completed first, as :func:`complete_step` would
     (``completion``, ``cards`` ahead of the deliverable), in the same compare-and-set.
     ``sent``: other Turns whose replies were sent since, marked so in the same
-    transaction (:func:`~agentserver.agents.store.sql.replies.mark_replies_sent`)."""
+    transaction (:func:`~agentserver.agents.store.sql.replies.mark_replies_sent`).
+    ``spends``: the last step's model calls settled in their budgets, with it."""
     fin = end_turn(
         tx, env, token, HeadEvent.FINISH, status, text, metadata, reply_payload, before=cards
     )
     if step_id is not None:
         close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, ())
     mark_replies_sent(tx, env, sent)
+    settle_spends(tx, env, spends)
     return fin
 
 

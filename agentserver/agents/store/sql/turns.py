@@ -18,6 +18,7 @@ from agentserver.agents.store.base import (
     TurnToken,
 )
 from agentserver.agents.store.sql import head
+from agentserver.agents.store.sql.budgets import Spend, settle_spends
 from agentserver.agents.store.sql.common import (
     CONSUMED_PAYLOAD,
     edge,
@@ -170,14 +171,17 @@ def complete_step(
     completion: LLMCompletion | None,
     cards: Sequence[NewCard],
     swap: BoxSwap | None = None,
+    spends: Sequence[Spend] = (),
 ) -> None:
     """Record the model's reply (usage, cost) and the step's cards; CAS-fenced. With
-    ``swap``, the step's compaction is committed with it (one compare-and-set)."""
+    ``swap``, the step's compaction is committed with it (one compare-and-set).
+    ``spends``: the step's model calls settled in their budgets, in the same transaction."""
     if swap is None:
         append_cards(tx, env, token, cards)
     else:
         compact(tx, env, swap, token, cards)
     close_step(tx, env, step_id, completion, AgentStepStatus.COMPLETED, ())
+    settle_spends(tx, env, spends)
 
 
 def add_cards(tx: Tx, env: StoreEnv, token: TurnToken, cards: Sequence[NewCard]) -> None:
