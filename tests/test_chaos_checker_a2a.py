@@ -13,7 +13,7 @@ sys.path.append(
 )
 
 from chaos_a2a import A2aTask, check_a2a
-from chaos_budget import refusal_violations
+from chaos_budget import refusal_violations, unspent_steps
 from chaos_check import Ledger, check
 
 
@@ -107,3 +107,14 @@ def test_an_a2a_task_pruned_after_its_end_unread_is_counted_apart():
     assert counts["a2a_ended_pruned_unread"] == 1
     assert counts["a2a_unended"] == 1
     assert len(violations) == 1 and "n2" in violations[0]
+
+
+def test_a_step_written_without_its_spend_is_a_violation():
+    """Issue 48: a call's spend commits with its step, so the organism's spend (every call
+    pays into it) is at least what the completed steps report."""
+    rows = [("organism", None, 150, 0, 0), ("client:c1", 100, 90, 0, 1)]
+    assert unspent_steps(rows, 150) == []
+    assert unspent_steps(rows, 120) == []  # compaction calls and failed steps spend too
+    [violation] = unspent_steps(rows, 165)
+    assert "organism spent 150 < 165" in violation
+    assert unspent_steps([], 0) == []

@@ -3,7 +3,9 @@ call reserves in (too large to refuse), and with ``--budget-tokens N`` a small
 ``period="total"`` budget of N tokens on each client of :data:`BUDGET_CLIENTS`, which runs
 out under the faults; the worst case of every request the model saw; and the check after
 the drain (:func:`check_budgets`): no budget spent beyond its limit plus one call's worst
-case (a violation). Holds still there after the drain (and up to 30 s more) are counted,
+case, and no step written without its spend (issue 48: a model call's spend commits with
+its step's results, so the organism's spend is at least what the completed steps the
+store still holds report), each a violation. Holds still there after the drain (and up to 30 s more) are counted,
 not a violation by themselves: a killed server's holds may make a budget refuse sooner,
 and the promise the clients see is that every refused task is answered once (the
 checker's rule for every task; :func:`refusal_violations` adds that a "budget exhausted"
@@ -83,21 +85,46 @@ class WorstCase:
         return decide_watched
 
 
-def _rows(sqlite_path: pathlib.Path | None, pg_url: str | None) -> tuple[list[tuple], int]:
+#: The tokens the completed steps still in the store report (each step's reply is
+#: written with its call's spend; retention only ever lowers this).
+STEPS_USED = (
+    "SELECT COALESCE(SUM(total_tokens), 0) FROM agent_steps WHERE status = 'completed'"
+    " AND total_tokens IS NOT NULL"
+)
+
+
+def _rows(sqlite_path: pathlib.Path | None, pg_url: str | None) -> tuple[list[tuple], int, int]:
     spend = "SELECT budget, limit_tokens, spent_tokens, reserved_tokens, refusals FROM budget_spend"
     holds = "SELECT count(*) FROM budget_holds"
     if pg_url is not None:
         import psycopg
 
         with psycopg.connect(pg_url, connect_timeout=10) as conn:
-            return conn.execute(spend).fetchall(), conn.execute(holds).fetchone()[0]
+            return (
+                conn.execute(spend).fetchall(),
+                conn.execute(holds).fetchone()[0],
+                int(conn.execute(STEPS_USED).fetchone()[0]),
+            )
     if sqlite_path is None or not sqlite_path.exists():
-        return [], 0
+        return [], 0, 0
     conn = sqlite3.connect(f"file:{sqlite_path}?mode=ro", uri=True, timeout=30)
     try:
-        return conn.execute(spend).fetchall(), conn.execute(holds).fetchone()[0]
+        return (
+            conn.execute(spend).fetchall(),
+            conn.execute(holds).fetchone()[0],
+            int(conn.execute(STEPS_USED).fetchone()[0]),
+        )
     finally:
         conn.close()
+
+
+def unspent_steps(rows: list[tuple], steps_used: int) -> list[str]:
+    """A violation when the organism's spend (every call pays into it) is below what the
+    completed steps report: some step's reply was written without its call's spend."""
+    spent = sum(int(r[2]) for r in rows if r[0] == "organism")
+    if rows and spent < steps_used:
+        return [f"steps written without their spend: organism spent {spent} < {steps_used}"]
+    return []
 
 
 async def check_budgets(
@@ -107,11 +134,11 @@ async def check_budgets(
     server killed near the end: its holds expire after llm-timeout + 10 s)."""
     deadline = trio.current_time() + wait_s
     while True:
-        rows, holds = await trio.to_thread.run_sync(_rows, sqlite_path, pg_url)
+        rows, holds, steps_used = await trio.to_thread.run_sync(_rows, sqlite_path, pg_url)
         if (holds == 0 and all(r[3] == 0 for r in rows)) or trio.current_time() > deadline:
             break
         await trio.sleep(1.0)
-    violations = []
+    violations = unspent_steps(rows, steps_used)
     for budget, limit, spent, _reserved, _ in rows:
         if limit is not None and spent > limit + worst.largest:
             violations.append(
@@ -127,5 +154,6 @@ async def check_budgets(
         "budget_spend": {str(r[0]): [r[1], int(r[2]), int(r[4])] for r in small},
         "budget_reserved_left": sum(int(r[3]) for r in rows),
         "budget_holds_left": int(holds),
+        "budget_steps_tokens": steps_used,
     }
     return counts, violations
