@@ -256,6 +256,8 @@ def finish(
     """:func:`~agentserver.agents.store.sql.turn_end.finish` in two round trips: all its
     writes with the read of the agent's next queued Turn, then ``COMMIT`` (with that
     Turn's lease when there is one: the shared code, as in ``finish``)."""
+    if step_id is None and cards:
+        raise ValueError("cards are written with the step they close")
     now = env.clock.now()
     agent, turn = token.agent_id, token.agent_turn_id
     # What the compare-and-set clears (the Turn's inbox row: its reply reference and

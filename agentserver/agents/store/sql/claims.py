@@ -30,7 +30,6 @@ def claim_next(
     max_steps: int,
     guardrails: bool,
     check: TaskCheck,
-    lock: str = "",
 ) -> Claimed | None:
     """Claim ``agent_id``'s next due row (as :func:`~.inbox.claim_due` with a limit of
     one) and take its first step in the same transaction: a task's Turn started and its
@@ -39,7 +38,7 @@ def claim_next(
     applied, and the next step begun when it resumes the Turn (not with
     ``guardrails``). None when no row is due. Raises what the step raises (StaleTurn
     included), rolling the claim back too."""
-    rows = inbox.claim_due(tx, env, agent_id, 1, lock)
+    rows = inbox.claim_due(tx, env, agent_id, 1)
     if not rows:
         return None
     row = rows[0]
