@@ -85,7 +85,6 @@ class StoreCalls(Protocol):
         ...
 
 
-
 class TurnStore(StoreCalls, Protocol):
     """The worker's Turn: claims, steps, tool waits, its own end (the worker, its model
     step and tool dispatch, the compactor)."""
@@ -153,16 +152,12 @@ class ClientReplyStore(StoreCalls, Protocol):
         ...
 
 
-
-
-
 class ViewStore(StoreCalls, Protocol):
     """Read-only views (HTTP API, metrics, replay's record) and the runner step log."""
 
     async def reachable(self) -> bool:
         """Whether the store answers a query now (``/readyz``)."""
         ...
-
 
 
 class StoreLifecycle(StoreCalls, Protocol):
@@ -198,8 +193,6 @@ class StoreLifecycle(StoreCalls, Protocol):
         ...
 
     async def aclose(self) -> None: ...
-
-
 
 
 class AgentStore(

@@ -314,7 +314,7 @@ def claim(
     return sorted((_row(r) for r in rows), key=lambda r: (r.next_at, r.seq))
 
 
-def release(tx: Tx, env: StoreEnv, seqs: Sequence[int], owner: str, delay_s: float) -> None:
+def release(tx: Tx, env: StoreEnv, seqs: Sequence[int], owner: str, delay_s: float = 0.0) -> None:
     """Give claimed rows back (claimable again after ``delay_s``), attempts unchanged."""
     if seqs:
         tx.execute(

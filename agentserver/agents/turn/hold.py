@@ -18,6 +18,8 @@ from agentserver.agents.errors import StaleTurn
 from agentserver.agents.ports import LLMCompletion
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.store.base import AgentStore, Head, NewCard, TaskStatus, TurnToken
+from agentserver.agents.store.sql import head as sql_head
+from agentserver.agents.store.sql import turn_end
 from agentserver.agents.store.states import HeadStatus
 from agentserver.agents.turn.answer import answer_bytes
 from agentserver.agents.turn.delivery import TurnEnder
@@ -45,7 +47,7 @@ class TurnHold:
         One head read (no write, so nothing to undo on cancel). A later write of the run
         is fenced again by the store's own compare-and-set: this check only keeps the
         run from sending anything new (a tool call, a model call) once fenced out."""
-        head = await self.store.head(token.agent_id)
+        head = await self.store.read(sql_head.read, token.agent_id)
         if head.token != token or head.status != status:
             raise StaleTurn(f"{token} is no longer {status}")
         return head
@@ -77,7 +79,8 @@ class TurnHold:
         # Other Turns' replies sent meanwhile are marked so in this transaction.
         sent = self.ender.marks.take()
         try:
-            fin = await self.store.finish(
+            fin = await self.store.run(
+                turn_end.finish,
                 token,
                 status,
                 text,

@@ -22,6 +22,7 @@ from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.retry import RetryStep, decide_retry
 from agentserver.agents.store.base import AgentStore, BoxSwap, Head, StepStart, TurnToken
+from agentserver.agents.store.sql import turns
 from agentserver.agents.turn.compactor import PendingSwap, compact_turn
 from agentserver.agents.turn.hold import TurnHold
 from agentserver.agents.turn.machine import (
@@ -145,7 +146,7 @@ class ModelStep:
                     if pending is not None:
                         return Completed(completion, replace(pending.swap, correction=max(over, 0)))
                     if over > 0:
-                        await self.store.add_context_tokens(token, over)
+                        await self.store.run1(turns.add_context_tokens, token, over)
                     return Completed(completion, None)
         except StaleTurn:
             raise
@@ -265,7 +266,8 @@ class ModelStep:
     ) -> None:
         """Record the retry wait durably and let go of the Turn: the dispatcher takes the
         ``resume`` row when it is due (after a restart too); a stop ends the Turn."""
-        await self.store.retry_step(
+        await self.store.run(
+            turns.retry_step,
             token,
             step_id,
             attempt=retry.attempt,

@@ -276,7 +276,7 @@ class PostgresAgentStore(SqlAgentStore):
         """Only the claim (one statement, autocommit): the step after it is one round
         trip of its own (``ONE_TRIP``), which a shared transaction here would split into
         several."""
-        rows = await self.claim_due(agent_id, 1)
+        rows = await self.run1(inbox.claim_due, agent_id, 1)
         return Claimed(rows[0]) if rows else None
 
     async def pending_replies_here(self, limit: int = 256) -> list[PendingReply]:
@@ -320,7 +320,7 @@ class PostgresAgentStore(SqlAgentStore):
                 if lost_calls is not None:
                     await lost_calls(token, reason)
                 else:
-                    await self.inject_timeouts(token, reason)
+                    await self.run(tools.inject_timeouts, token, reason)
             except StaleTurn:
                 continue
         return got.recovered

@@ -17,7 +17,9 @@ from agentserver.agents.store.states import (
 )
 
 
-def pending_replies(tx: Tx, env: StoreEnv, limit: int, older_than_s: float = 0.0) -> list[PendingReply]:
+def pending_replies(
+    tx: Tx, env: StoreEnv, limit: int, older_than_s: float = 0.0
+) -> list[PendingReply]:
     rows = tx.all(
         "SELECT agent_turn_id, agent_id, reply_ref, payload, failed, attempts "
         "FROM agent_replies WHERE status = ? AND created_at <= ? ORDER BY created_at LIMIT ?",

@@ -380,7 +380,11 @@ def received_statement(row: InboxRow, card_id: str, now: float) -> tuple[str, tu
 
 
 def inject_timeouts(
-    tx: Tx, env: StoreEnv, token: TurnToken, reason: str = "timed out", only: Sequence[str] | None = None
+    tx: Tx,
+    env: StoreEnv,
+    token: TurnToken,
+    reason: str = "timed out",
+    only: Sequence[str] | None = None,
 ) -> int:
     """One timeout report per still-waiting tool; clears ``resume_deadline`` (once).
 
