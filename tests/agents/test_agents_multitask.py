@@ -24,6 +24,7 @@ from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore
+from agentserver.agents.store.sql import head as sql_head
 from agentserver.agents.turn.memory import SPEAKS_FOR, conversation_key
 from agentserver.app.runtime_parts import runtime_parts
 
@@ -427,7 +428,7 @@ async def test_two_double_texts_at_once_from_two_processes(
 async def test_an_unknown_mode_writes_nothing(side: Side) -> None:
     with pytest.raises(ValueError, match="multitask"):
         await side.rt.enqueue("assistant", task("x"), ref("t1"), multitask="shout")
-    assert (await side.rt.store.head("assistant")).agent_turn_id is None
+    assert (await side.rt.store.read(sql_head.read, "assistant")).agent_turn_id is None
 
 
 def test_an_http_message_of_a_named_client_is_her_conversation() -> None:

@@ -29,6 +29,8 @@ from agentserver.agents.policy.budget import (
 )
 from agentserver.agents.ports import LLMCompletion, LLMMessage, LLMRequest, LLMUsage
 from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store import outbox as store_outbox
+from agentserver.agents.store.sql import inbox, turn_end, turns
 from agentserver.agents.store.sql_store import SqlAgentStore
 
 # 2026-11-27 12:00 UTC, a Friday
@@ -309,9 +311,9 @@ async def test_budget_soft_is_in_the_outbox_with_its_mark(store):
         await budgets.settle(hold, None, agent="a", turn="t")
     [event] = seen  # still published to the bus's other observers, once
     assert offered == []  # written already: the durable observer skips it
-    [row] = await store.outbox_deliveries("webhook:w", 10)
+    [row] = await store.read(store_outbox.deliveries, "webhook:w", 10)
     assert row["status"] == "pending"
-    rows = await store.outbox_claim("test", 30.0, 10)
+    rows = await store.run(store_outbox.claim, "test", 30.0, 10)
     assert [r.dedupe_key for r in rows] == [f"w:{event.dedupe_key}"]
     assert json.loads(rows[0].body)["data"]["budget"] == "agent:a"
 
@@ -445,11 +447,11 @@ async def test_a_hold_belongs_to_its_turns_run_not_to_a_process(store):
     from agentserver.agents.governance.budgets import HoldOwner
     from agentserver.agents.store.base import TaskStatus
 
-    await store.ensure_agents(["a"])
+    await store.run(inbox.ensure_agents, ["a"])
     budgets = Budgets(store, clock_of(store), [BudgetSpec("agent:a", tokens=1000)])
-    await store.enqueue_turn("a", b"<task/>", {"caller_thread": "t1"})
-    [row] = await store.claim_due("a", 5)
-    started = await store.start_turn_step(row, 10)
+    await store.run(inbox.enqueue_turn, "a", b"<task/>", {"caller_thread": "t1"})
+    [row] = await store.run1(inbox.claim_due, "a", 5)
+    started = await store.run(turns.start_turn_step, row, 10)
     token = started.head.token
     assert token is not None and started.step_id is not None
     owner = HoldOwner(token.agent_id, token.agent_turn_id, token.turn_epoch, started.step_id)
@@ -469,8 +471,13 @@ async def test_a_hold_belongs_to_its_turns_run_not_to_a_process(store):
     assert await budgets.release_expired() == 0
     # the Turn is ended from outside while its call is under way (and that call's
     # process is gone): the watchdog's pass releases the hold at once
-    ended = await store.force_end(
-        "a", TaskStatus.FAILED, "stopped", None, agent_turn_id=again.agent_turn_id
+    ended = await store.run(
+        turn_end.force_end,
+        "a",
+        TaskStatus.FAILED,
+        "stopped",
+        None,
+        agent_turn_id=again.agent_turn_id,
     )
     assert ended is not None
     assert await budgets.release_expired() == 1
