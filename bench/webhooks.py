@@ -118,7 +118,7 @@ async def open_store(url: str | None, folder: pathlib.Path) -> Any:
         for table in tables:
             tx.execute(f"DELETE FROM {table}")
 
-    await store._run(empty)  # the bench's own scratch database
+    await store.run(empty)  # the bench's own scratch database
     return store
 
 

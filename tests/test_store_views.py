@@ -381,7 +381,7 @@ async def test_a_failing_store_keeps_the_rows_and_a_full_buffer_drops_counted(op
         def run(tx: Any, env: Any) -> None:
             tx.execute(sql)
 
-        await store._run(run)
+        await store.run(run)
 
     await ddl("ALTER TABLE step_log RENAME TO step_log_away")  # every write fails
     log = StoreStepLog(store, buffer=3)

@@ -266,9 +266,7 @@ async def test_an_earlier_task_leased_meanwhile_is_decided_again(
     def move_after_a_lease(tx, env, inbox_id, event, **sets):
         if not played:  # bob's Turn ends elsewhere; its end leases alice's queued task
             played.append(inbox_id)
-            turn_end.force_end(
-                tx, env, "assistant", TaskStatus.STOPPED, "x", None, None, None, None
-            )
+            turn_end.force_end(tx, env, "assistant", TaskStatus.STOPPED, "x", None)
         return real_move(tx, env, inbox_id, event, **sets)
 
     async with trio.open_nursery() as nursery:
@@ -480,9 +478,7 @@ def test_a_lease_and_a_supersede_of_one_queued_task_from_two_processes(
         return row
 
     def end_bobs_turn() -> None:
-        b.executor.run_sync(
-            turn_end.force_end, b.env, agent, TaskStatus.STOPPED, "x", None, None, None, None
-        )
+        b.executor.run_sync(turn_end.force_end, b.env, agent, TaskStatus.STOPPED, "x", None)
 
     outcomes: list[str] = []
     moved, commit = threading.Event(), threading.Event()

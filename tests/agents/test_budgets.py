@@ -390,14 +390,13 @@ class HangingModel:
 async def held(store: SqlAgentStore) -> tuple[int, int, int]:
     """``agent:a``'s reserved and spent tokens, and the hold rows left."""
     [row] = [r for r in await store.budget_rows(await _keys(store)) if r.budget == "agent:a"]
-    holds = await store._read(lambda tx, env: tx.one("SELECT count(*) FROM budget_holds")[0])
+    holds = await store.read(lambda tx, env: tx.one("SELECT count(*) FROM budget_holds")[0])
     return row.reserved_tokens, row.spent_tokens, int(holds)
 
 
 async def _keys(store: SqlAgentStore) -> list[str]:
     return [
-        str(r[0])
-        for r in await store._read(lambda tx, env: tx.all("SELECT bkey FROM budget_spend"))
+        str(r[0]) for r in await store.read(lambda tx, env: tx.all("SELECT bkey FROM budget_spend"))
     ]
 
 

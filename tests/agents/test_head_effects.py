@@ -96,7 +96,7 @@ class Walk:
                 (self.agent,),
             )
 
-        [row] = await self.store._read(read)
+        [row] = await self.store.read(read)
         return dict(zip(COLUMNS, row, strict=True))
 
     async def before(self, event: HeadEvent) -> None:

@@ -83,7 +83,7 @@ async def one(store: SqlAgentStore, sql: str, *params: Any) -> Any:
         row = tx.one(sql, params)
         return row[0] if row else None
 
-    return await store._read(read)
+    return await store.read(read)
 
 
 async def execute(store: SqlAgentStore, *statements: str) -> None:
@@ -91,7 +91,7 @@ async def execute(store: SqlAgentStore, *statements: str) -> None:
         for s in statements:
             tx.execute(s)
 
-    await store._run(run)
+    await store.run(run)
 
 
 async def step(store: SqlAgentStore, thread: str) -> StepStart:

@@ -82,32 +82,28 @@ class Gated:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
 
-    async def ack_client_replies(self, client: str, reply_ids: list[int]) -> int:
-        if self.ack_gate is not None:
-            await self.ack_gate.wait()
-        count = await self.store.run1(replies.ack_client_replies, client, reply_ids)
-        self.acked.set()
-        return count
+    async def run1(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if fn is replies.ack_client_replies or fn is replies.take_client_reply:
+            # an acknowledgement, or the receipt committed before the write
+            if self.ack_gate is not None:
+                await self.ack_gate.wait()
+            done = await self.store.run1(fn, *args, **kwargs)
+            self.acked.set()
+            return done
+        return await self.store.run1(fn, *args, **kwargs)
 
-    async def take_client_reply(self, client: str, reply_id: int) -> Any:
-        if self.ack_gate is not None:  # the receipt, committed before the write
-            await self.ack_gate.wait()
-        taken = await self.store.run1(replies.take_client_reply, client, reply_id)
-        self.acked.set()
-        return taken
-
-    async def pending_client_replies(self, client: str, after_id: int = 0, limit: int = 100):
-        rows = await self.store.read(replies.pending_client_replies, client, after_id, limit)
-        if self.read_gate is not None and rows:
+    async def read(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        rows = await self.store.read(fn, *args, **kwargs)
+        if fn is replies.pending_client_replies and self.read_gate is not None and rows:
             self.read_has_rows.set()
             await self.read_gate.wait()
         return rows
 
-    async def record_client_reply(self, *args: Any, **kwargs: Any) -> int:
-        reply_id = await self.store.run(replies.record_client_reply, *args, **kwargs)
-        if self.after_keep is not None:
+    async def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        done = await self.store.run(fn, *args, **kwargs)
+        if fn is replies.record_client_reply and self.after_keep is not None:
             await self.after_keep()
-        return reply_id
+        return done
 
 
 class Link:

@@ -140,7 +140,7 @@ async def _check_async(target: str) -> tuple[int, int]:
                 assert cards >= 2
             return len(left), len(pruned)
 
-        result: tuple[int, int] = await store._read(read)
+        result: tuple[int, int] = await store.read(read)
         return result
     finally:
         await store.aclose()

@@ -1,9 +1,9 @@
 """The agent store's contract, run against every backend (``store`` is parametrised).
 
-Each test drives one store through its public methods and checks what they promise
+Each test drives one store through its calls (``store.run(module.fn, ...)``) and checks what they promise
 (agents/store/base.py): a refused compare-and-set writes nothing, claims and leases keep their
 order, suspend/report/resume, step retry, the end of a Turn, replies, conversations,
-compaction, governance rows. Raw rows are read through the store's own ``_read`` (a
+compaction, governance rows. Raw rows are read through the store's own ``read`` (a
 backend-neutral transaction), never through a backend's driver.
 
 Backends: ``sqlite`` always; ``postgresql`` when a server is reachable (the ``pg_url``
@@ -104,7 +104,7 @@ async def rows(store: SqlAgentStore, sql: str, *params: Any) -> list[tuple[Any, 
     def read(tx: Any, env: Any) -> list[tuple[Any, ...]]:
         return [tuple(r) for r in tx.all(sql, params)]
 
-    return await store._read(read)
+    return await store.read(read)
 
 
 async def snapshot(store: SqlAgentStore) -> dict[str, list[str]]:
@@ -205,7 +205,9 @@ async def test_a_refused_compare_and_set_writes_nothing(store):
         store.run(turns.begin_step, stale),
         store.run(turns.complete_step, stale, step_id, None, [NewCard(CardType.NOTE, "no")]),
         store.run(tools.suspend, stale, step_id, [ToolCallRecord("t", "calc", "<x/>")], [], 1.0),
-        store.compact(stale, NewCard(CardType.SUMMARY, "s"), [card.card_id]),
+        store.run(
+            turns.compact, BoxSwap(NewCard(CardType.SUMMARY, "s"), (card.card_id,), {}), stale
+        ),
         store.run1(turns.add_context_tokens, stale, 10),
         store.run(
             turns.retry_step, stale, step_id, attempt=1, kind="TIMEOUT", delay_s=1, error="e"
@@ -554,7 +556,8 @@ async def test_compaction_swaps_the_boxes_and_recounts(store):
     )
     head = await store.read(sql_head.read, A)
     old = await store.read(memory.cards, head.output_box_id)
-    total = await store.compact(token, NewCard(CardType.SUMMARY, "sum"), [old[1].card_id])
+    swap = BoxSwap(NewCard(CardType.SUMMARY, "sum"), (old[1].card_id,), {})
+    total = await store.run(turns.compact, swap, token)
     head = await store.read(sql_head.read, A)
     assert head.context_tokens == total < (await store.read(sql_head.read, A)).context_tokens + 400
     assert [c.content for c in await store.read(memory.cards, head.context_box_id)] == ["sum"]

@@ -90,7 +90,7 @@ async def count(store: SqlAgentStore, sql: str, *params: Any) -> int:
         row = tx.one(sql, params)
         return int(row[0]) if row else 0
 
-    return await store._read(read)
+    return await store.read(read)
 
 
 async def running(store: SqlAgentStore, thread: str, **kw: Any) -> TurnToken:
@@ -197,7 +197,7 @@ async def test_a_tombstone_names_its_sender_who_alone_is_told_pruned(store):
     def forget(tx: Any, env: Any) -> None:
         tx.execute("UPDATE pruned_turns SET sender = NULL WHERE caller_thread = ?", ("tc",))
 
-    await store._run(forget)
+    await store.run(forget)
     assert await store.read(views.task_sender, A, "tc", "carol") == (True, None)
     assert await store.read(views.task, A, "tc", "carol") is None
     with pytest.raises(TurnPruned):
@@ -222,7 +222,7 @@ async def test_a_store_at_schema_16_gains_the_tombstones_sender(kind, request, t
             tx.execute("ALTER TABLE pruned_turns DROP COLUMN sender")
             tx.execute("DELETE FROM schema_version WHERE version >= 17")
 
-        await s._run(back_to_16)
+        await s.run(back_to_16)
     finally:
         await s.aclose()
     s = await _open(kind, request, tmp_path)
@@ -287,7 +287,7 @@ async def test_a_pending_approval_keeps_its_turn(store):
             (A, turn),
         )
 
-    await store._run(add)
+    await store.run(add)
     clock_of(store).advance(30 * DAY)
     assert (await prune(store)).tasks == 0
     assert await store.read(governance.approval_status, "r1") == "pending"
@@ -316,7 +316,7 @@ async def test_a_granted_approval_keeps_its_turn_only_while_the_call_is_awaited(
                 (turn, A),
             )
 
-    await store._run(add)
+    await store.run(add)
     clock_of(store).advance(30 * DAY)
     assert (await prune(store)).tasks == (0 if awaited else 1)
 
@@ -645,7 +645,7 @@ async def execute(store: SqlAgentStore, sql: str, *params: Any) -> None:
     def write(tx: Any, env: Any) -> None:
         tx.execute(sql, params)
 
-    await store._run(write)
+    await store.run(write)
 
 
 async def test_done_deliveries_go_with_their_conversations_counter(store):
@@ -696,7 +696,7 @@ async def test_old_schedule_runs_go_but_the_newest_and_those_with_a_task(store):
     )
     await store.run(sql_inbox.enqueue_turn, A, b"x", {"caller_thread": "kept"})
     [kept] = [
-        r[0] for r in await store._read(lambda tx, env: tx.all("SELECT inbox_id FROM agent_inbox"))
+        r[0] for r in await store.read(lambda tx, env: tx.all("SELECT inbox_id FROM agent_inbox"))
     ]
     runs = [
         (1, "gone-1", "fired"),
@@ -716,7 +716,7 @@ async def test_old_schedule_runs_go_but_the_newest_and_those_with_a_task(store):
     assert (await prune(store)).rows.get("schedule_runs", 0) == 0  # inside the window
     clock_of(store).advance(2 * DAY)
     assert (await prune(store)).rows["schedule_runs"] == 2
-    left = await store._read(
+    left = await store.read(
         lambda tx, env: tx.all("SELECT inbox_id FROM schedule_runs ORDER BY tick")
     )
     assert [r[0] for r in left] == [kept, "gone-4"]  # its task is queued; the newest

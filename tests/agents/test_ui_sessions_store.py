@@ -19,7 +19,7 @@ from agentserver.agents.store.sql.schema import SCHEMA_VERSION
 from agentserver.agents.store.sql_store import SqlAgentStore
 from agentserver.core.handshake import Credential, Identity
 from agentserver.http.auth import HttpAuth
-from agentserver.http.ui.sessions import UiSessions
+from agentserver.http.ui.sessions import StoreSessionTable, UiSessions
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -81,7 +81,7 @@ async def test_a_client_keeps_its_newest_sessions_only(store):
 
 async def test_ui_sessions_on_the_store_resolve_to_the_clients_identity(store):
     auth = HttpAuth({"alice": Credential("alice-token", frozenset({"echo"}))})
-    ui = UiSessions(store, auth, lifetime_s=60.0)
+    ui = UiSessions(StoreSessionTable(store), auth, lifetime_s=60.0)
     session = await ui.create(Identity("alice", frozenset({"echo"})))
     assert await ui.resolve(session) == Identity("alice", frozenset({"echo"}))
     # Only a hash of the id and a proof are stored: neither the id nor the token.

@@ -18,13 +18,13 @@ def count_calls(store: Any) -> list[str]:
     calls: list[str] = []
 
     def wrap(method: Callable) -> Callable:
-        async def counted(fn: Callable, *args: Any) -> Any:
+        async def counted(fn: Callable, *args: Any, **kwargs: Any) -> Any:
             calls.append(fn.__name__)
-            return await method(fn, *args)
+            return await method(fn, *args, **kwargs)
 
         return counted
 
-    for name in ("_run", "_read", "_run1"):
+    for name in ("run", "read", "run1"):
         setattr(store, name, wrap(getattr(store, name)))
     return calls
 
