@@ -19,7 +19,6 @@ from governance_support import NS as GOV_NS
 from llm_fakes import FakeServer, openai_ok
 from serverproc import ServerProcess, subprocess_env
 
-from agentserver.agents.store.sql import governance as sql_governance
 from agentserver.core.threads import new_thread_id
 from agentserver.listeners.assistant import NS as ASSISTANT_NS
 from agentserver.listeners.assistant import Task
@@ -377,16 +376,12 @@ async def test_approval_survives_sigkill_reaches_the_approver_on_reconnect_and_f
                 assert request is not None and request["target"] == "ledger"
                 assert request["rule"] == "payments" and "<to>bob</to>" in request["payload"]
                 assert request["agent"] == "assistant"
-                ack = await alice.run(
-                    sql_governance.decide_approval, "assistant", request["request"], True, "ok"
-                )
+                ack = await alice.decide_approval("assistant", request["request"], True, "ok")
                 with trio.fail_after(PATIENCE):
                     reply = await alice.receive()
                 assert reply.thread == ack and approval_ack_status(reply) == "applied"
                 # A second decision is acknowledged and changes nothing.
-                await alice.run(
-                    sql_governance.decide_approval, "assistant", request["request"], False, "oops"
-                )
+                await alice.decide_approval("assistant", request["request"], False, "oops")
                 with trio.fail_after(PATIENCE):
                     assert approval_ack_status(await alice.receive()) == "duplicate"
             async with r.client("bob") as bob:
@@ -418,9 +413,7 @@ async def test_a_denied_and_a_timed_out_approval_become_refusals(tmp_path):
                         requests.append(approval_request(await alice.receive()))
                 dave = next(q for q in requests if "<to>dave</to>" in q["payload"])
                 # carol's request (timeout 1 s) is left to time out; dave's is denied.
-                await alice.run(
-                    sql_governance.decide_approval, "assistant", dave["request"], False, "not today"
-                )
+                await alice.decide_approval("assistant", dave["request"], False, "not today")
                 with trio.fail_after(PATIENCE):
                     answer = await bob.receive()
                     while answer.payload.tag != f"{{{ASSISTANT_NS}}}answer":

@@ -113,9 +113,11 @@ def _notifying(tx: Tx, env: StoreEnv, channel: str, fn: Callable[..., T], *args:
 
 
 def _bound(fn: Callable[..., T], kwargs: Mapping[str, object]) -> Callable[..., T]:
-    """``fn`` with its named arguments bound: the executors pass arguments by position
-    (and report a call by its function, so one without named arguments stays itself)."""
-    return functools.partial(fn, **kwargs) if kwargs else fn
+    """``fn`` with its named arguments bound: the executors pass arguments by position,
+    and report a call by its function's name (which the bound call keeps)."""
+    if not kwargs:
+        return fn
+    return functools.update_wrapper(functools.partial(fn, **kwargs), fn)
 
 
 @functools.cache
