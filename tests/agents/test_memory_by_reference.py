@@ -31,12 +31,12 @@ from agentserver.agents.store.sql import (
     forks,
     inbox,
     memory,
-    replies,
-    tools,
     turn_end,
     turns,
 )
 from agentserver.agents.store.sql import record as sql_record
+from agentserver.agents.store.sql import replies as sql_replies
+from agentserver.agents.store.sql import tools as sql_tools
 from agentserver.agents.store.sql.schema import SCHEMA_VERSION
 from agentserver.agents.store.sql_store import SqlAgentStore
 
@@ -113,7 +113,7 @@ async def turn(store: SqlAgentStore, thread: str) -> StepStart:
     said = NewCard(CardType.LLM_MESSAGE, f"said {thread}", {"step_id": started.step_id})
     await store.run(turns.complete_step, token, started.step_id, None, [said])
     await store.run(turn_end.finish, token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
-    await store.run1(replies.mark_reply_sent, token.agent_turn_id)
+    await store.run1(sql_replies.mark_reply_sent, token.agent_turn_id)
     return started
 
 
@@ -246,10 +246,10 @@ async def test_a_tool_result_is_kept_once_as_its_card(store, then_step):
     token = started.head.token
     assert token is not None and started.step_id is not None
     calls = [ToolCallRecord("c1", "calc", "<add/>", "suspend")]
-    await store.run(tools.suspend, token, started.step_id, calls, [], resume_deadline=1e12)
+    await store.run(sql_tools.suspend, token, started.step_id, calls, [], resume_deadline=1e12)
     inbox_id = await store.run(inbox.report_tool_result, A, "c1", b"<sum>3</sum>", failed=False)
     [row] = await store.run1(inbox.claim_due, A, 5)
-    assert (await store.run(tools.apply_report, row, then_step=then_step)).kind == "applied"
+    assert (await store.run(sql_tools.apply_report, row, then_step=then_step)).kind == "applied"
     # The consumed report's payload went: its tool.result card holds it.
     payload = await one(store, "SELECT payload FROM agent_inbox WHERE inbox_id = ?", inbox_id)
     assert bytes(payload) == b""
@@ -277,7 +277,7 @@ async def test_a_forks_boxes_go_after_the_turn_naming_them_gets_a_copy(store):
         said = NewCard(CardType.LLM_MESSAGE, f"said {thread}", {"step_id": started.step_id})
         await store.run(turns.complete_step, token, started.step_id, None, [said])
         await store.run(turn_end.finish, token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
-        await store.run1(replies.mark_reply_sent, token.agent_turn_id)
+        await store.run1(sql_replies.mark_reply_sent, token.agent_turn_id)
         return started
 
     first = await on_fork("f1")
