@@ -32,7 +32,7 @@ async def task_answer(
     environ: Mapping[str, str] | None = None,
 ) -> Found:
     """The latest task sent on the caller's ``thread`` in the store of ``boot_path`` (or
-    ``store``), with its status, sender and answer (``SqlAgentStore.task_answer``).
+    ``store``), with its status, sender and answer (``views.task_answer``).
     Raises ``BootError``, ``AgentError``."""
     topology = boot.load_or_raise(boot_path, environ=environ)
     opened, _beside = await open_beside(store_settings(topology, store))

@@ -64,7 +64,7 @@ class TurnHold:
         """End the Turn with ``text``, answering its caller; ``step``: the last step to
         complete in the same transaction.
 
-        The end is one compare-and-set transaction (``store.finish``: the deliverable, the
+        The end is one compare-and-set transaction (``turn_end.finish``: the deliverable, the
         reply in the outbox, the head released), atomic: StaleTurn when the Turn was no
         longer ``token``'s, with nothing written. Then its TaskEvent and reply
         (:meth:`TurnEnder.after`). Cancelled after the commit, the reply is left pending

@@ -577,7 +577,7 @@ class Worker:
     async def _open_step(
         self, token: TurnToken, profile: AgentProfile
     ) -> StepStart | GuardrailHalted:
-        """Begin the next step (:meth:`AgentStore.open_step`), after the ``after``
+        """Begin the next step (:func:`~agentserver.agents.store.sql.turns.open_step`), after the ``after``
         guardrails judged the results so far (:class:`GuardrailHalted` when they halt)."""
         if profile.guardrails:
             head = await self.hold.fence(token)

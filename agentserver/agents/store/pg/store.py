@@ -1,6 +1,6 @@
 """The PostgreSQL backend of :class:`~agentserver.agents.store.sql_store.SqlAgentStore`.
 
-Every store method is one transaction on the store's executor (:mod:`.trio_executor` on
+Every store call is one transaction on the store's executor (:mod:`.trio_executor` on
 the trio thread, or :mod:`.executor`'s worker threads: :func:`executor_class`); claims lock
 with ``FOR UPDATE SKIP LOCKED`` so processes sharing the database take disjoint rows;
 every Turn write is fenced by the head's epoch (the compare-and-set of ``agents/sql``),
