@@ -495,14 +495,17 @@ def test_a_lease_and_a_supersede_of_one_queued_task_from_two_processes(
         for _ in range(5):  # as the runtime does: decided again on a StaleTurn
             try:
                 done = a.executor.run_sync(
-                    multitask.enqueue_multitask,
+                    lambda tx, env: multitask.enqueue_multitask(
+                        tx,
+                        env,
+                        agent,
+                        b"<task>newest</task>",
+                        ref("t2"),
+                        conversation="alice",
+                        mode="rollback",
+                        answers=MultitaskAnswers(b"<busy/>", b"<ended/>", b"<superseded/>"),
+                    ),
                     a.env,
-                    agent,
-                    b"<task>newest</task>",
-                    ref("t2"),
-                    "alice",
-                    "rollback",
-                    MultitaskAnswers(b"<busy/>", b"<ended/>", b"<superseded/>"),
                 )
             except StaleTurn:
                 outcomes.append("stale")
