@@ -32,6 +32,7 @@ from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.schedule import ScheduleSpec
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
+from agentserver.agents.store.sql import schedules as sql_schedules
 from agentserver.app.runtime_parts import runtime_parts
 
 GOAL_P99_MS = 1000.0
@@ -78,7 +79,9 @@ async def measure(path: Path, url: str | None, ticks: int, agents: int) -> dict[
     clock = SystemClock()
     store = open_agent_store(settings, profiles, clock=clock)
     if url:
-        await store.drop_boot_schedules([])  # a reused database: start from no schedules
+        await store.run(
+            sql_schedules.drop_boot_schedules, []
+        )  # a reused database: start from no schedules
     rt = AgentRuntime(
         runtime_parts(
             store=store,
@@ -97,7 +100,7 @@ async def measure(path: Path, url: str | None, ticks: int, agents: int) -> dict[
             await nursery.start(rt.run)
             await trio.sleep(seconds + 1.5)
             nursery.cancel_scope.cancel()
-        runs = await store.schedule_runs()
+        runs = await store.read(sql_schedules.runs)
     finally:
         await rt.aclose()
     starts = turn_starts(path, url)

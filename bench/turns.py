@@ -163,25 +163,25 @@ def count_store_calls(
 ) -> None:
     """Count the store's calls (one transaction or one autocommit statement each; on
     PostgreSQL, one thread hop each) by the store function they run, in ``calls``, and
-    by kind (``_run`` a transaction, ``_run1`` one autocommit statement, ``_read`` a
+    by kind (``run`` a transaction, ``run1`` one autocommit statement, ``read`` a
     read) in ``kinds``."""
 
     def wrap(name: str, method: Callable) -> Callable:
-        async def counted(fn: Callable, *args: object) -> object:
-            if _COUNTED.get():  # a call that delegates to another (PostgreSQL's _run1)
-                return await method(fn, *args)
+        async def counted(fn: Callable, *args: object, **kwargs: object) -> object:
+            if _COUNTED.get():  # a call that delegates to another (PostgreSQL's run1)
+                return await method(fn, *args, **kwargs)
             calls[fn.__name__] += 1
             if kinds is not None:
                 kinds[name] += 1
             _COUNTED.set(True)
             try:
-                return await method(fn, *args)
+                return await method(fn, *args, **kwargs)
             finally:
                 _COUNTED.set(False)
 
         return counted
 
-    for name in ("_run", "_read", "_run1"):
+    for name in ("run", "read", "run1"):
         setattr(store, name, wrap(name, getattr(store, name)))
 
 
@@ -340,9 +340,9 @@ async def run(
                 writes = traced.stop()
                 statements[0] = traced.statements
             elif sqlite_db is not None:
-                # A transaction (_run) or an autocommit statement (_run1) is one commit.
+                # A transaction (run) or an autocommit statement (run1) is one commit.
                 writes = Writes(
-                    commits=kinds["_run"] + kinds["_run1"],
+                    commits=kinds["run"] + kinds["run1"],
                     rows=sqlite_db.total_changes - changes0,
                 )
             else:

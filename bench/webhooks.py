@@ -43,6 +43,7 @@ from agentserver.agents.edge.webhooks import (
 from agentserver.agents.events import EventBus, TaskEvent
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.profile.webhooks import WebhookSpec
+from agentserver.agents.store import outbox as store_outbox
 from agentserver.agents.store.outbox import OutboxItem
 
 
@@ -117,7 +118,7 @@ async def open_store(url: str | None, folder: pathlib.Path) -> Any:
         for table in tables:
             tx.execute(f"DELETE FROM {table}")
 
-    await store._run(empty)  # the bench's own scratch database
+    await store.run(empty)  # the bench's own scratch database
     return store
 
 
@@ -163,7 +164,7 @@ async def case(url: str | None, events: int, folder: pathlib.Path, sink_url: str
         batch = items(events, sink_url, "enq")
         c0, t0 = time.process_time(), time.perf_counter()
         for i in range(0, events, 256):
-            await store.outbox_enqueue(batch[i : i + 256])
+            await store.run(store_outbox.enqueue, batch[i : i + 256])
         enqueue_us = (time.perf_counter() - t0) / events * 1e6
         enqueue_cpu_us = (time.process_time() - c0) / events * 1e6
 
@@ -189,7 +190,7 @@ async def case(url: str | None, events: int, folder: pathlib.Path, sink_url: str
                     await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
         wall = time.perf_counter() - t0
-        last_errors = [f.last_error for f in await store.outbox_figures() if f.last_error]
+        last_errors = [f.last_error for f in await store.read(store_outbox.figures) if f.last_error]
         return {
             "events": events,
             "observe_us_per_event": round(observe_us, 2),

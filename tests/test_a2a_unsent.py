@@ -23,6 +23,7 @@ from test_agents_crash import Store
 from test_store_views import opener  # noqa: F401 (a fixture)
 
 from agentserver.agents.store.rows import MultitaskAnswers
+from agentserver.agents.store.sql import a2a, inbox, multitask
 
 PATIENCE = 40.0
 
@@ -149,11 +150,16 @@ async def test_an_a2a_tasks_enqueue_again_is_dropped_in_the_store(opener, reques
     shared = request.node.callspec.params["opener"] == "postgresql"
     if shared:
         check.url = request.getfixturevalue("pg_url")
-    task, _ = await store.a2a_record("t-1", "planner", "c-1", "alice", "m-1", "{}")
-    first = await store.enqueue_turn("planner", b"<task/>", {"caller_thread": task, "hop": "h1"})
-    again = await store.enqueue_turn("planner", b"<task/>", {"caller_thread": task, "hop": "h2"})
+    task, _ = await store.run(a2a.record, "t-1", "planner", "c-1", "alice", "m-1", "{}")
+    first = await store.run(
+        inbox.enqueue_turn, "planner", b"<task/>", {"caller_thread": task, "hop": "h1"}
+    )
+    again = await store.run(
+        inbox.enqueue_turn, "planner", b"<task/>", {"caller_thread": task, "hop": "h2"}
+    )
     answers = MultitaskAnswers(busy=b"<busy/>", ended=b"<ended/>", superseded=b"<s/>")
-    texted = await store.enqueue_multitask(
+    texted = await store.run(
+        multitask.enqueue_multitask,
         "planner",
         b"<task/>",
         {"caller_thread": task, "hop": "h3"},
@@ -163,16 +169,18 @@ async def test_an_a2a_tasks_enqueue_again_is_dropped_in_the_store(opener, reques
     )
     assert again.inbox_id == first.inbox_id == texted.inbox_id
     assert enqueued(check, task) == 1
-    await store.a2a_reject(task, "refused: a second send refused")
-    row = await store.a2a_task(task)
+    await store.run1(a2a.reject, task, "refused: a second send refused")
+    row = await store.read(a2a.task, task)
     assert row is not None and row["refusal"] is None and row["view"] is not None
     # Two processes' Enqueues of one task at once (SQLite: one process's): one row.
     other = await opener() if shared else store
-    raced, _ = await store.a2a_record("t-2", "planner", "c-2", "alice", "m-2", "{}")
+    raced, _ = await store.run(a2a.record, "t-2", "planner", "c-2", "alice", "m-2", "{}")
     got: list[str] = []
 
     async def enqueue(on, hop: str) -> None:
-        done = await on.enqueue_turn("planner", b"<task/>", {"caller_thread": raced, "hop": hop})
+        done = await on.run(
+            inbox.enqueue_turn, "planner", b"<task/>", {"caller_thread": raced, "hop": hop}
+        )
         got.append(done.inbox_id)
 
     async with trio.open_nursery() as nursery:
@@ -181,6 +189,7 @@ async def test_an_a2a_tasks_enqueue_again_is_dropped_in_the_store(opener, reques
     assert len(set(got)) == 1 and enqueued(check, raced) == 1
     # Not an A2A task's thread: every Enqueue is queued.
     plain = [
-        await store.enqueue_turn("planner", b"<task/>", {"caller_thread": "t-x"}) for _ in "ab"
+        await store.run(inbox.enqueue_turn, "planner", b"<task/>", {"caller_thread": "t-x"})
+        for _ in "ab"
     ]
     assert plain[0].inbox_id != plain[1].inbox_id and enqueued(check, "t-x") == 2

@@ -28,6 +28,7 @@ from serverproc import DATA, REPO, ServerProcess, subprocess_env
 from serverutil import start_in_process
 
 from agentserver.agents.events import counting
+from agentserver.agents.store.sql import inbox, turns
 from agentserver.app.builtins import RunContext
 from agentserver.config import loader as boot
 from agentserver.core.listener import HandlerResponse, Listener
@@ -577,8 +578,8 @@ async def test_inbox_lag_is_the_age_of_the_oldest_waiting_task(tmp_path):
         got = await metrics.scrape()
         assert value(got, lag, agent="assistant") == 7  # the first, leased but not started
         assert got[(lag, (("agent", "idle"),))] == 0  # every agent has a sample
-        (first,) = await h.rt.store.claim_due("assistant", 1)
-        await h.rt.store.start_turn(first)
+        (first,) = await h.rt.store.run1(inbox.claim_due, "assistant", 1)
+        await h.rt.store.run(turns.start_turn, first)
         h.clock.advance(1)
         # between refreshes the snapshot's oldest task ages with the clock
         assert value(samples(registry), lag, agent="assistant") == 8

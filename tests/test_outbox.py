@@ -24,6 +24,7 @@ from agentserver.agents.errors import StoreInUse
 from agentserver.agents.events import EventBus
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.profile.webhooks import WebhookSpec
+from agentserver.agents.store import outbox as store_outbox
 from agentserver.agents.store.outbox import (
     DISABLED,
     EXPIRED,
@@ -31,6 +32,7 @@ from agentserver.agents.store.outbox import (
     OutboxItem,
     delivery_id,
 )
+from agentserver.agents.store.sql import inbox, turn_end, turns
 from agentserver.agents.store.sql_store import SqlAgentStore
 
 pytestmark = [pytest.mark.socket, pytest.mark.database]
@@ -136,73 +138,79 @@ def item(n: int, channel: str = "c1", url: str = "http://127.0.0.1:9/x", **kw: A
 async def test_store_rows_dedupe_sequence_lease_and_outcomes(manual: Opener) -> None:
     store = await manual()
     clock = store.env.clock
-    assert await store.outbox_enqueue([item(1), item(2), item(3)]) == 3
+    assert await store.run(store_outbox.enqueue, [item(1), item(2), item(3)]) == 3
     # The same keys again add nothing (a producer not sure it enqueued may enqueue again).
-    assert await store.outbox_enqueue([item(2), item(3)]) == 0
-    rows = await store.outbox_claim("p1", 60.0, 10)
+    assert await store.run(store_outbox.enqueue, [item(2), item(3)]) == 0
+    rows = await store.run(store_outbox.claim, "p1", 60.0, 10)
     assert [r.order_seq for r in rows] == [1, 2, 3]
     assert [r.delivery_id for r in rows] == [delivery_id(f"c1:{n}") for n in (1, 2, 3)]
     assert rows[0].delivery_id.startswith("msg_")
     # Leased: nobody else claims them until the lease runs out.
-    assert await store.outbox_claim("p2", 60.0, 10) == []
-    await store.outbox_release([rows[2].seq], "p1")
-    [again] = await store.outbox_claim("p2", 60.0, 10)
+    assert await store.run(store_outbox.claim, "p2", 60.0, 10) == []
+    await store.run(store_outbox.release, [rows[2].seq], "p1")
+    [again] = await store.run(store_outbox.claim, "p2", 60.0, 10)
     assert again.seq == rows[2].seq
     clock.advance(61)
     # Every lease ran out: all three are claimable again (the same rows, the same ids).
-    assert [r.delivery_id for r in await store.outbox_claim("p2", 60.0, 10)] == [
+    assert [r.delivery_id for r in await store.run(store_outbox.claim, "p2", 60.0, 10)] == [
         r.delivery_id for r in rows
     ]
-    await store.outbox_delivered([(rows[0].seq, "c1", 204)])
-    disabled = await store.outbox_failed(rows[1].seq, "c1", "HTTP 500", 500, clock.now() + 30, None)
+    await store.run(store_outbox.delivered, [(rows[0].seq, "c1", 204)])
+    disabled = await store.run(
+        store_outbox.failed, rows[1].seq, "c1", "HTTP 500", 500, clock.now() + 30, None
+    )
     assert not disabled
-    await store.outbox_failed(rows[2].seq, "c1", "refused", None, None, None)
-    figures = {f.channel: f for f in await store.outbox_figures()}["c1"]
+    await store.run(store_outbox.failed, rows[2].seq, "c1", "refused", None, None, None)
+    figures = {f.channel: f for f in await store.read(store_outbox.figures)}["c1"]
     assert (figures.pending, figures.delivered, figures.expired) == (1, 1, 1)
     assert figures.failing_since is not None and figures.last_error == "refused"
     # The retry is due 30 s later, with its attempt counted.
     clock.advance(29)
-    assert await store.outbox_claim("p1", 60.0, 10) == []
+    assert await store.run(store_outbox.claim, "p1", 60.0, 10) == []
     clock.advance(2)
-    [retry] = await store.outbox_claim("p1", 60.0, 10)
+    [retry] = await store.run(store_outbox.claim, "p1", 60.0, 10)
     assert (retry.seq, retry.attempts) == (rows[1].seq, 1)
     # Sequence numbers continue past pruned rows (a counter, not a max).
-    await store.outbox_delivered([(retry.seq, "c1", 200)])
+    await store.run(store_outbox.delivered, [(retry.seq, "c1", 200)])
     clock.advance(10)
-    assert await store.outbox_prune(5.0) == 3
-    await store.outbox_enqueue([item(4)])
-    [four] = await store.outbox_claim("p1", 60.0, 10)
+    assert await store.run(store_outbox.prune, 5.0) == 3
+    await store.run(store_outbox.enqueue, [item(4)])
+    [four] = await store.run(store_outbox.claim, "p1", 60.0, 10)
     assert four.order_seq == 4
-    statuses = [d["status"] for d in await store.outbox_deliveries("c1", 10)]
+    statuses = [d["status"] for d in await store.read(store_outbox.deliveries, "c1", 10)]
     assert statuses == [PENDING]
     # A key twice in one batch is one delivery; the sequence goes on without a gap.
-    assert await store.outbox_enqueue([item(5), item(5), item(6, order_key="other")]) == 2
-    got = {d["id"]: d["sequence"] for d in await store.outbox_deliveries(None, 10)}
+    assert (
+        await store.run(store_outbox.enqueue, [item(5), item(5), item(6, order_key="other")]) == 2
+    )
+    got = {d["id"]: d["sequence"] for d in await store.read(store_outbox.deliveries, None, 10)}
     assert got[delivery_id("c1:5")] == 5 and got[delivery_id("c1:6")] == 1
 
 
 async def test_channel_disabled_after_failing_too_long_and_enabled_again(manual: Opener) -> None:
     store = await manual()
     clock = store.env.clock
-    await store.outbox_enqueue([item(1), item(2)])
-    [r1, _r2] = await store.outbox_claim("p", 60.0, 10)
-    assert not await store.outbox_failed(r1.seq, "c1", "x", None, clock.now() + 1, 100.0)
+    await store.run(store_outbox.enqueue, [item(1), item(2)])
+    [r1, _r2] = await store.run(store_outbox.claim, "p", 60.0, 10)
+    assert not await store.run(store_outbox.failed, r1.seq, "c1", "x", None, clock.now() + 1, 100.0)
     clock.advance(101)
-    [r1] = await store.outbox_claim("p", 60.0, 1)
-    assert await store.outbox_failed(r1.seq, "c1", "x", None, clock.now() + 1, 100.0)
+    [r1] = await store.run(store_outbox.claim, "p", 60.0, 1)
+    assert await store.run(store_outbox.failed, r1.seq, "c1", "x", None, clock.now() + 1, 100.0)
     # Once: the next failure does not disable it again.
-    assert not await store.outbox_failed(r1.seq, "c1", "x", None, clock.now() + 1, 100.0)
-    [f] = await store.outbox_figures()
+    assert not await store.run(store_outbox.failed, r1.seq, "c1", "x", None, clock.now() + 1, 100.0)
+    [f] = await store.read(store_outbox.figures)
     assert f.disabled_at is not None and f.pending == 0 and f.disabled_rows == 2
     # New rows of a disabled channel are parked too.
-    await store.outbox_enqueue([item(3)])
-    assert await store.outbox_claim("p", 60.0, 10) == []
-    assert [d["status"] for d in await store.outbox_deliveries(None, 10)] == [DISABLED] * 3
-    assert await store.outbox_enable("c1") == 3
-    assert len(await store.outbox_claim("p", 60.0, 10)) == 3
-    [f] = await store.outbox_figures()
+    await store.run(store_outbox.enqueue, [item(3)])
+    assert await store.run(store_outbox.claim, "p", 60.0, 10) == []
+    assert [d["status"] for d in await store.read(store_outbox.deliveries, None, 10)] == [
+        DISABLED
+    ] * 3
+    assert await store.run(store_outbox.enable, "c1") == 3
+    assert len(await store.run(store_outbox.claim, "p", 60.0, 10)) == 3
+    [f] = await store.read(store_outbox.figures)
     assert f.disabled_at is None and f.failing_since is None
-    assert {d["status"] for d in await store.outbox_deliveries(None, 10)} == {PENDING}
+    assert {d["status"] for d in await store.read(store_outbox.deliveries, None, 10)} == {PENDING}
 
 
 async def test_a_delivery_failing_past_its_retry_for_expires_and_is_not_tried_again(
@@ -229,7 +237,7 @@ async def test_a_delivery_failing_past_its_retry_for_expires_and_is_not_tried_ag
         # jump to it while every task waits on a store call's thread): retried for ever,
         # the row would still be pending.
         for _ in range(3600):
-            if (await store.outbox_deliveries("down", 10))[0]["status"] == EXPIRED:
+            if (await store.read(store_outbox.deliveries, "down", 10))[0]["status"] == EXPIRED:
                 break
             await trio.sleep(1.0)
         else:
@@ -241,13 +249,13 @@ async def test_a_delivery_failing_past_its_retry_for_expires_and_is_not_tried_ag
     assert len(attempts) == tried
     # Backoff 1, 2, 4, 8, 8 s (each found up to a poll late): the sixth attempt's retry
     # (8 s on) is past the 30 s; the fifth's is not.
-    [row] = await store.outbox_deliveries("down", 10)
+    [row] = await store.read(store_outbox.deliveries, "down", 10)
     since = [round(at - row["created_at"], 3) for at in attempts]
     assert 5 <= tried <= 6, since
     # Each attempt but the last was retried: its retry fell within the 30 s.
     assert all(at + 1.0 <= 30.0 for at in since[:-1]), since
     assert row["status"] == EXPIRED and row["attempts"] == tried
-    [figures] = await store.outbox_figures()
+    [figures] = await store.read(store_outbox.figures)
     assert (figures.expired, figures.pending) == (1, 0)
     assert outbox.figures.expired == 1 and outbox.figures.failed == tried
 
@@ -284,7 +292,7 @@ async def test_receiver_failing_its_first_five_gets_each_once_with_its_id(real: 
             await wait_for(lambda: len(flaky.ok()) >= 3 and outbox.figures.delivered >= 3)
             with trio.fail_after(10):  # the deliveries recorded (in a batch, a moment later)
                 while True:
-                    [f] = await store.outbox_figures()
+                    [f] = await store.read(store_outbox.figures)
                     if f.delivered == 3:
                         break
                     await trio.sleep(0.02)
@@ -297,7 +305,7 @@ async def test_receiver_failing_its_first_five_gets_each_once_with_its_id(real: 
         # Every attempt carried its row's id: the failed ones were retried with the same.
         assert {g.id for g in flaky.got} == ids
         assert outbox.figures.failed == 5 and outbox.figures.delivered == 3
-        [f] = await store.outbox_figures()
+        [f] = await store.read(store_outbox.figures)
         assert f.delivered == 3 and f.failing_since is None
     finally:
         flaky.stop()
@@ -327,12 +335,12 @@ async def test_hanging_receiver_holds_back_no_other(real: Opener) -> None:
             # thread hop later): wait, bounded, for the store to show it before stopping.
             with trio.fail_after(10.0):
                 while True:
-                    figures = {f.channel: f for f in await store.outbox_figures()}
+                    figures = {f.channel: f for f in await store.read(store_outbox.figures)}
                     if figures["hung"].last_error is not None:
                         break
                     await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
-        figures = {f.channel: f for f in await store.outbox_figures()}
+        figures = {f.channel: f for f in await store.read(store_outbox.figures)}
         assert figures["hung"].last_error == "timed out after 3s"
         assert figures["hung"].pending == 10
     finally:
@@ -401,14 +409,16 @@ async def test_a_task_end_lost_before_its_write_is_offered_again_at_start(real: 
     from agentserver.agents.store.base import CardType, NewCard, TaskStatus
 
     store = await real()
-    await store.enqueue_turn("assistant", b"<t/>", {"caller_thread": "th-1"})
-    [row] = await store.claim_due("assistant", 5)
-    token = await store.start_turn(row)
-    step_id, _ = await store.begin_step(token)
+    await store.run(inbox.enqueue_turn, "assistant", b"<t/>", {"caller_thread": "th-1"})
+    [row] = await store.run1(inbox.claim_due, "assistant", 5)
+    token = await store.run(turns.start_turn, row)
+    step_id, _ = await store.run(turns.begin_step, token)
     usage = LLMUsage(prompt_tokens=1, completion_tokens=1, total_tokens=2)
     completion = LLMCompletion("done", usage=usage, cost=0.0, model="m", backend="b")
-    await store.complete_step(token, step_id, completion, [NewCard(CardType.LLM_MESSAGE, "x")])
-    await store.finish(token, TaskStatus.SUCCEEDED, "the answer", {}, b"<a/>")
+    await store.run(
+        turns.complete_step, token, step_id, completion, [NewCard(CardType.LLM_MESSAGE, "x")]
+    )
+    await store.run(turn_end.finish, token, TaskStatus.SUCCEEDED, "the answer", {}, b"<a/>")
     recv = Receiver().start()
     try:
         for _ in range(2):  # two starts: the second finds the event there already
@@ -456,14 +466,16 @@ async def test_a_task_end_another_process_lost_is_offered_while_running(real: Op
         async with trio.open_nursery() as nursery:
             await nursery.start(hooks.run)
             # The other process's Turn, ended in the store; its event never published.
-            await store.enqueue_turn("assistant", b"<t/>", {"caller_thread": "th-2"})
-            [row] = await store.claim_due("assistant", 5)
-            token = await store.start_turn(row)
-            step_id, _ = await store.begin_step(token)
+            await store.run(inbox.enqueue_turn, "assistant", b"<t/>", {"caller_thread": "th-2"})
+            [row] = await store.run1(inbox.claim_due, "assistant", 5)
+            token = await store.run(turns.start_turn, row)
+            step_id, _ = await store.run(turns.begin_step, token)
             usage = LLMUsage(prompt_tokens=1, completion_tokens=1, total_tokens=2)
             done = LLMCompletion("done", usage=usage, cost=0.0, model="m", backend="b")
-            await store.complete_step(token, step_id, done, [NewCard(CardType.LLM_MESSAGE, "x")])
-            await store.finish(token, TaskStatus.SUCCEEDED, "the answer", {}, b"<a/>")
+            await store.run(
+                turns.complete_step, token, step_id, done, [NewCard(CardType.LLM_MESSAGE, "x")]
+            )
+            await store.run(turn_end.finish, token, TaskStatus.SUCCEEDED, "the answer", {}, b"<a/>")
             await wait_for(lambda: len(recv.ok()) >= 1)
             swept = hooks.swept
             await trio.sleep(0.6)  # several sweeps more: the event is in the outbox now
@@ -488,7 +500,7 @@ async def test_no_webhook_costs_nothing_and_the_first_one_made_starts_them(real:
             await nursery.start(hooks.run)
             bus.publish(TaskEvent("a", "turn-0", "succeeded", "", ""))
             await trio.sleep(0.2)
-            assert not hooks.observing and await store.outbox_figures() == []
+            assert not hooks.observing and await store.read(store_outbox.figures) == []
             spec = WebhookSpec("late", recv.url, ("task.*",), first_delay_s=0.05)
             made = await hooks.create(spec)
             assert made.secret.startswith("whsec_") and hooks.observing
@@ -550,9 +562,11 @@ async def test_a_disable_whose_event_was_lost_is_announced_at_start_once(real: O
     try:
         dead = channel_name("dead")
         # The disable, committed with no Webhooks running to announce it (the "crash").
-        await store.outbox_enqueue([OutboxItem(dead, "http://127.0.0.1:9/", b"{}", "k1")])
-        [row] = await store.outbox_claim("me", 30.0, 10)
-        assert await store.outbox_failed(row.seq, dead, "refused", None, None, 0.0)
+        await store.run(
+            store_outbox.enqueue, [OutboxItem(dead, "http://127.0.0.1:9/", b"{}", "k1")]
+        )
+        [row] = await store.run(store_outbox.claim, "me", 30.0, 10)
+        assert await store.run(store_outbox.failed, row.seq, dead, "refused", None, None, 0.0)
         specs = (
             WebhookSpec("dead", "http://127.0.0.1:9/", ("task.*",), SECRET),
             WebhookSpec("watch", watcher.url, ("webhook.disabled",), SECRET, first_delay_s=0.05),
@@ -624,7 +638,7 @@ async def test_a_webhook_another_process_made_is_resolved_by_the_outbox(real: Op
         directory = WebhookDirectory(store, EventBus())
         outbox = Outbox(store, store.env.clock.now, directory=directory)
         assert "late" not in directory and outbox.channel(channel_name("late")) is None
-        await store.outbox_enqueue([item(7, channel_name("late"), recv.url)])
+        await store.run(store_outbox.enqueue, [item(7, channel_name("late"), recv.url)])
         async with trio.open_nursery() as nursery:
             await nursery.start(outbox.run)
             await wait_for(lambda: len(recv.ok()) == 1)

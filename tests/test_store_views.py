@@ -20,6 +20,7 @@ from agentserver.agents.ports import LLMCompletion, LLMUsage
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import CardType, NewCard, TaskStatus
 from agentserver.agents.store.figures import StoreFigures
+from agentserver.agents.store.sql import inbox, replies, turn_end, turns
 from agentserver.agents.store.sql.views import ERROR_TEXT_CHARS, error_text
 from agentserver.agents.store.sql_store import SqlAgentStore
 from agentserver.agents.store.step_log import StoreStepLog
@@ -82,16 +83,18 @@ async def failed_turn(
     """Run one Turn of agent A on ``thread``: one step with usage, then a failed end with
     ``error`` as its deliverable."""
     clock = store.env.clock
-    await store.enqueue_turn(A, text.encode(), {"caller_thread": thread})
-    [row] = await store.claim_due(A, 5)
-    token = await store.start_turn(row)
-    step_id, _ = await store.begin_step(token)
+    await store.run(inbox.enqueue_turn, A, text.encode(), {"caller_thread": thread})
+    [row] = await store.run1(inbox.claim_due, A, 5)
+    token = await store.run(turns.start_turn, row)
+    step_id, _ = await store.run(turns.begin_step, token)
     clock.advance(2)
     usage = LLMUsage(prompt_tokens=10, completion_tokens=5, total_tokens=15)
     completion = LLMCompletion("trying", usage=usage, cost=0.25, model="m", backend="b")
-    await store.complete_step(token, step_id, completion, [NewCard(CardType.LLM_MESSAGE, "x")])
+    await store.run(
+        turns.complete_step, token, step_id, completion, [NewCard(CardType.LLM_MESSAGE, "x")]
+    )
     clock.advance(1)
-    await store.finish(token, TaskStatus.FAILED, error, {}, b"<a/>")
+    await store.run(turn_end.finish, token, TaskStatus.FAILED, error, {}, b"<a/>")
     return token.agent_turn_id
 
 
@@ -100,7 +103,7 @@ async def failed_turn(
 
 async def test_agents_view_is_the_same_on_every_backend(opener):
     store = await opener()
-    await store.ensure_agents([A, B])
+    await store.run(inbox.ensure_agents, [A, B])
     view = AgentsView(store, (A, B))
     assert await view.reachable()
     idle = {"state": "idle", "active_turn": None, "queue": 0, "last_error": None}
@@ -108,11 +111,13 @@ async def test_agents_view_is_the_same_on_every_backend(opener):
     assert await view.task(A, "nothing") is None
 
     turn = await failed_turn(store, "first", "t1", LONG_ERROR)
-    await store.enqueue_turn(A, b"second", {"caller_thread": "t2"})  # leased, not started
-    await store.enqueue_turn(A, b"third", {"caller_thread": "t3", "hop": "h3"})  # queued
-    [row] = await store.claim_due(A, 5)
-    running = await store.start_turn(row)
-    await store.begin_step(running)
+    await store.run(
+        inbox.enqueue_turn, A, b"second", {"caller_thread": "t2"}
+    )  # leased, not started
+    await store.run(inbox.enqueue_turn, A, b"third", {"caller_thread": "t3", "hop": "h3"})  # queued
+    [row] = await store.run1(inbox.claim_due, A, 5)
+    running = await store.run(turns.start_turn, row)
+    await store.run(turns.begin_step, running)
     # The whole error up to the bound, cut at a word's end with the count of the rest.
     assert len(LONG_ERROR) > ERROR_TEXT_CHARS
     kept = LONG_ERROR[: LONG_ERROR.rindex(" ", 0, ERROR_TEXT_CHARS + 1)]
@@ -214,12 +219,12 @@ async def test_the_web_consoles_views_are_the_same_on_every_backend(opener):
     from agentserver.agents.store.sql.views import CARD_TEXT_CHARS
 
     store = await opener()
-    await store.ensure_agents([A, B])
+    await store.run(inbox.ensure_agents, [A, B])
     view = AgentsView(store, (A, B))
     assert await view.recent_tasks(A) == []
     turn = await failed_turn(store, "first", "t1")
-    await store.enqueue_turn(A, b"second", {"caller_thread": "t2"})
-    await store.enqueue_turn(A, b"third", {"hop": "h3"})
+    await store.run(inbox.enqueue_turn, A, b"second", {"caller_thread": "t2"})
+    await store.run(inbox.enqueue_turn, A, b"third", {"hop": "h3"})
     tasks = await view.recent_tasks(A, 2)
     # Newest first, by the caller's thread (else the hop's); the second is not started.
     assert [(t["thread"], t["hop"]) for t in tasks] == [("h3", "h3"), ("t2", None)]
@@ -247,7 +252,7 @@ async def test_what_a_person_reads_of_a_task_is_the_same_on_every_backend(opener
     from agentserver.agents.store.sql.views import LIST_TEXT_CHARS
 
     store = await opener()
-    await store.ensure_agents([A])
+    await store.run(inbox.ensure_agents, [A])
     view = AgentsView(store, (A,))
     assert await view.task_reading(A, "t1") is None
     first = "<task><text>first</text></task>"
@@ -261,16 +266,16 @@ async def test_what_a_person_reads_of_a_task_is_the_same_on_every_backend(opener
     assert done["finished_at"] == 1003.0
 
     second = "<task><text>second</text></task>"
-    await store.enqueue_turn(A, second.encode(), {"caller_thread": "t2"})
-    [row] = await store.claim_due(A, 5)
-    await store.start_turn(row)
+    await store.run(inbox.enqueue_turn, A, second.encode(), {"caller_thread": "t2"})
+    [row] = await store.run1(inbox.claim_due, A, 5)
+    await store.run(turns.start_turn, row)
     running = await view.task_reading(A, "t2")
     assert running is not None
     assert (running["outcome"], running["answer"], running["finished_at"]) == (None, None, None)
     assert running["text"] == second and running["inbox_status"] == "consumed"
 
     long = "x" * (LIST_TEXT_CHARS + 5)
-    await store.enqueue_turn(A, long.encode(), {"caller_thread": "t3"})  # behind t2
+    await store.run(inbox.enqueue_turn, A, long.encode(), {"caller_thread": "t3"})  # behind t2
     queued = await view.task_reading(A, "t3")
     assert queued is not None and (queued["inbox_status"], queued["text"]) == ("queued", long)
     listed = await view.recent_tasks(A)
@@ -280,7 +285,7 @@ async def test_what_a_person_reads_of_a_task_is_the_same_on_every_backend(opener
     assert listed[2]["text"] == first
     assert listed[2]["answer"] == ("no luck " * 100)[:LIST_TEXT_CHARS] and listed[2]["answer_cut"]
 
-    await store.cancel_queued(A, "t3", b"<cancelled/>")
+    await store.run(replies.cancel_queued, A, "t3", b"<cancelled/>")
     cancelled = await view.task_reading(A, "t3")
     assert cancelled is not None
     assert (cancelled["inbox_status"], cancelled["outcome"]) == ("skipped", None)
@@ -312,14 +317,14 @@ async def test_store_figures_are_a_snapshot_refreshed_by_a_task(opener):
 
     lag = "agentserver_agent_inbox_lag_seconds"
     assert sample(lag) is None  # no snapshot yet: left out of the scrape
-    await store.enqueue_turn(A, b"one", {"caller_thread": "one"})
+    await store.run(inbox.enqueue_turn, A, b"one", {"caller_thread": "one"})
     clock.advance(4)
     async with trio.open_nursery() as nursery:
         await nursery.start(figures.run)  # the first refresh is done when it has started
         assert sample(lag) == 4
         assert sample("agentserver_agent_approvals_pending") == 0
-        [row] = await store.claim_due(A, 5)
-        await store.start_turn(row)
+        [row] = await store.run1(inbox.claim_due, A, 5)
+        await store.run(turns.start_turn, row)
         taken = figures.taken_at
         clock.advance(1)
         assert sample(lag) == 5  # the snapshot's oldest task, aged at scrape time
@@ -376,7 +381,7 @@ async def test_a_failing_store_keeps_the_rows_and_a_full_buffer_drops_counted(op
         def run(tx: Any, env: Any) -> None:
             tx.execute(sql)
 
-        await store._run(run)
+        await store.run(run)
 
     await ddl("ALTER TABLE step_log RENAME TO step_log_away")  # every write fails
     log = StoreStepLog(store, buffer=3)
@@ -424,9 +429,9 @@ async def test_processes_sharing_a_postgresql_store_see_each_others_agents_and_s
         lambda: PostgresAgentStore.open(pg_url, clock=clock, settings=settings)
     )
     try:
-        await one.enqueue_turn(A, b"task", {"caller_thread": "t"})
-        [row] = await one.claim_due(A, 5)
-        token = await one.start_turn(row)
+        await one.run(inbox.enqueue_turn, A, b"task", {"caller_thread": "t"})
+        [row] = await one.run1(inbox.claim_due, A, 5)
+        token = await one.run(turns.start_turn, row)
         [seen] = await AgentsView(two, (A,)).agent_list()
         assert seen["state"] == "running" and seen["active_turn"]["id"] == token.agent_turn_id
         logs = [StoreStepLog(one), StoreStepLog(two)]

@@ -116,7 +116,7 @@ class ReplyPort(Protocol):
         Called at least once per Turn (again after a crash between sending and recording
         the send), so ``turn_id`` is given for de-duplication. ``failed`` marks a
         failure/stop/watchdog deliverable. If the caller is a named client that is away,
-        the pump keeps the reply with ``AgentStore.record_client_reply``. Raising leaves
+        the pump keeps the reply with ``replies.record_client_reply`` (agents/store/sql/replies.py). Raising leaves
         the reply pending; it is retried by the watchdog.
         """
         ...

@@ -32,6 +32,10 @@ from agentserver.agents.store.base import (
     TaskStatus,
     TurnToken,
 )
+from agentserver.agents.store.sql import conversations, forks, inbox, replies
+from agentserver.agents.store.sql import multitask as sql_multitask
+from agentserver.agents.store.sql import tools as sql_tools
+from agentserver.agents.store.sql import watchdog as sql_watchdog
 from agentserver.agents.store.sql.multitask import BUSY_TEXT, ENDED_TEXT, SUPERSEDED_TEXT
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
 from agentserver.agents.turn.answer import answer_bytes
@@ -193,8 +197,8 @@ class AgentRuntime:
         mode = multitask or profile.multitask
         if mode != ENQUEUE and conversation is not None:
             return await self._double_text(agent_id, _bytes(payload), reply_ref, conversation, mode)
-        result = await self.store.enqueue_turn(
-            agent_id, _bytes(payload), reply_ref, conversation=conversation
+        result = await self.store.run(
+            inbox.enqueue_turn, agent_id, _bytes(payload), reply_ref, conversation=conversation
         )
         self.doorbell.ring()
         return result.inbox_id
@@ -219,7 +223,8 @@ class AgentRuntime:
         )
         for attempt in range(MULTITASK_ATTEMPTS):
             try:
-                done = await self.store.enqueue_multitask(
+                done = await self.store.run(
+                    sql_multitask.enqueue_multitask,
                     agent_id,
                     payload,
                     reply_ref,
@@ -251,7 +256,7 @@ class AgentRuntime:
         original ``task``. Raises ForkRefused. One store transaction."""
         if agent_id not in self.profiles:
             raise KeyError(f"unknown agent {agent_id!r}")
-        return await self.store.fork(agent_id, thread, at_step)
+        return await self.store.run(forks.fork, agent_id, thread, at_step)
 
     def expect_fork(self, agent_id: str, thread: str, conversation: str) -> None:
         """The next task of ``agent_id`` whose caller's thread is ``thread`` continues the
@@ -283,7 +288,8 @@ class AgentRuntime:
         then_step = profile.resume_step_limit if profile else None
         # The step it opens reserves its first model call with it (spend budgets).
         hold_for = self.worker.model.hold_for(profile) if profile else None
-        outcome = await self.store.apply_tool_result(
+        outcome = await self.store.run(
+            sql_tools.apply_tool_result,
             agent_id,
             tool_call_id,
             _bytes(payload),
@@ -303,10 +309,10 @@ class AgentRuntime:
         to fold, or a Turn of that conversation ended meanwhile (nothing written then).
         Raises ``LLMUnavailable`` when the summary call fails."""
         profile = self.profiles[agent_id]
-        boxes = await self.store.conversation_boxes(agent_id, conversation)
+        boxes = await self.store.read(conversations.conversation_boxes, agent_id, conversation)
         if boxes is None:
             return False
-        cards = await self.store.conversation_cards(agent_id, conversation)
+        cards = await self.store.read(conversations.conversation_cards, agent_id, conversation)
         p = plan(cards, profile.budget)
         if not p.older:
             return False
@@ -319,7 +325,8 @@ class AgentRuntime:
             summary_chunks(p, budget, summary_max_tokens(budget)),
         )
         keep = ([p.pinned.card_id] if p.pinned else []) + [c.card_id for c in p.recent]
-        return await self.store.replace_conversation(
+        return await self.store.run(
+            conversations.replace_conversation,
             agent_id,
             conversation,
             boxes,
@@ -354,7 +361,7 @@ class AgentRuntime:
         card; rows left in ``processing`` are requeued; replies committed but never sent
         are sent now.
         """
-        await self.store.ensure_agents(list(self.profiles))
+        await self.store.run(inbox.ensure_agents, list(self.profiles))
         recovered = await self.store.recover_running(self._takeover)
         if recovered:
             log.warning("recovered %d running turn(s) after a restart", len(recovered))
@@ -365,12 +372,12 @@ class AgentRuntime:
         # The pump's threads did not survive: a tool call in flight before the restart will
         # never be answered, so do not make its Turn wait out the whole resume deadline;
         # a call to a listener whose steps may be retried is sent again, with its key.
-        for token in await self.store.suspended_turns():
+        for token in await self.store.read(sql_watchdog.suspended_turns):
             try:
                 await self.lost_calls(token, "was interrupted by a restart")
             except StaleTurn:
                 continue
-        for reply in await self.store.pending_replies(10_000):
+        for reply in await self.store.read(replies.pending_replies, 10_000):
             await self.ender.resend(reply)
 
     async def lost_calls(self, token: TurnToken, reason: str) -> int:
@@ -390,7 +397,11 @@ class AgentRuntime:
             log.warning("turn %s: %d tool call(s) sent again", token.agent_turn_id, sent)
         else:
             rest = None  # every waiting call: the deadline goes too
-        lost = await self.store.inject_timeouts(token, reason, rest) if rest != [] else 0
+        lost = (
+            await self.store.run(sql_tools.inject_timeouts, token, reason, rest)
+            if rest != []
+            else 0
+        )
         if lost:
             log.warning("turn %s: %d tool call(s) %s", token.agent_turn_id, lost, reason)
         return lost

@@ -41,6 +41,7 @@ from agentserver.agents.replay.recorded import (
     compare,
 )
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
+from agentserver.agents.store.sql import record as sql_record
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
 from agentserver.app.agents import build_profiles
 from agentserver.app.builtins import RunContext, build_listener_set
@@ -127,7 +128,7 @@ async def read_record(
         raise ReplayError(f"no agent store at {settings.path}")
     opened, _beside = await open_beside(settings)
     try:
-        data = await opened.turn_record(agent, thread)
+        data = await opened.read(sql_record.turn_record, agent, thread)
     except TurnPruned as exc:
         raise ReplayError(str(exc)) from None
     finally:
@@ -223,7 +224,7 @@ async def _run(
                 with trio.move_on_after(timeout):
                     await endpoint.receive()
                     ended = True
-                replayed = await scratch.turn_record(record.agent, thread)
+                replayed = await scratch.read(sql_record.turn_record, record.agent, thread)
                 nursery.cancel_scope.cancel()
         finally:
             await scratch.aclose()

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from agentserver.agents.store.sql import views
 from agentserver.app.replay import open_beside, store_settings
 from agentserver.config import loader as boot
 
@@ -31,11 +32,11 @@ async def task_answer(
     environ: Mapping[str, str] | None = None,
 ) -> Found:
     """The latest task sent on the caller's ``thread`` in the store of ``boot_path`` (or
-    ``store``), with its status, sender and answer (``SqlAgentStore.task_answer``).
+    ``store``), with its status, sender and answer (``views.task_answer``).
     Raises ``BootError``, ``AgentError``."""
     topology = boot.load_or_raise(boot_path, environ=environ)
     opened, _beside = await open_beside(store_settings(topology, store))
     try:
-        return Found(await opened.task_answer(thread), bool(topology.clients))
+        return Found(await opened.read(views.task_answer, thread), bool(topology.clients))
     finally:
         await opened.aclose()

@@ -469,7 +469,12 @@ async def _start_http(
     from agentserver.http.gateway import HttpGateway
     from agentserver.http.metrics import HttpCollector
     from agentserver.http.serve import http_config, serve_http
-    from agentserver.http.ui.sessions import MemorySessionTable, SessionTable, UiSessions
+    from agentserver.http.ui.sessions import (
+        MemorySessionTable,
+        SessionTable,
+        StoreSessionTable,
+        UiSessions,
+    )
 
     gateway = HttpGateway(
         pump, topology.limits, spec, deciders=agents.ports if agents is not None else None
@@ -485,7 +490,7 @@ async def _start_http(
     # memory (docs/operations.md, "Signing in").
     table: SessionTable
     if agents is not None:
-        table = agents.runtime.store
+        table = StoreSessionTable(agents.runtime.store)
     else:
         from agentserver.agents.clock import SystemClock
 

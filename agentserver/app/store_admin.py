@@ -20,6 +20,7 @@ from typing import Any
 from agentserver.agents.profile.retention import RetentionSettings
 from agentserver.agents.service import effective_retention
 from agentserver.agents.store.pruner import Pruner, PruneReport
+from agentserver.agents.store.sql import stats as sql_stats
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
 from agentserver.app.replay import open_beside, store_settings
 from agentserver.config import loader as boot
@@ -59,7 +60,7 @@ async def stats(
     try:
         tables = [
             {"table": name, "rows": rows, "bytes": size, "oldest": oldest}
-            for name, rows, size, oldest in await opened.table_stats()
+            for name, rows, size, oldest in await opened.read(sql_stats.table_stats)
         ]
         retention = retention_of(topology)
         would = None

@@ -26,6 +26,8 @@ from typing import Protocol
 from lxml import etree
 
 from agentserver.agents.runtime import AgentRuntime
+from agentserver.agents.store.sql import replies as sql_replies
+from agentserver.agents.store.sql import views
 from agentserver.agents.turn.answer import answer_bytes
 from agentserver.core.access import AccessRule
 from agentserver.core.envelope import MESSAGE, encode
@@ -146,13 +148,13 @@ class Operator:
                 rule.refuse(client, "socket", command.verb)
             return False
         # The latest task on the thread (what stop and cancel act on) must be the client's.
-        found, owner = await runtime.store.task_sender(command.agent, command.thread)
+        found, owner = await runtime.store.read(views.task_sender, command.agent, command.thread)
         return found and rule.allows(client, owner, door="socket", route=command.verb)
 
     async def stop(self, runtime: AgentRuntime, agent: str, thread: str | None) -> int:
         turn = None
         if thread is not None:
-            turn = await runtime.store.turn_of_thread(agent, thread)
+            turn = await runtime.store.read(sql_replies.turn_of_thread, agent, thread)
             if turn is None:
                 return 0
         if not await runtime.stop(agent, turn):
@@ -167,7 +169,7 @@ class Operator:
     async def cancel(self, runtime: AgentRuntime, agent: str, thread: str) -> int:
         profile = runtime.profiles[agent]
         failed = answer_bytes(profile, "the task was cancelled", failed=True)
-        replies = await runtime.store.cancel_queued(agent, thread, failed)
+        replies = await runtime.store.run(sql_replies.cancel_queued, agent, thread, failed)
         for reply in replies:
             await runtime.ender.resend(reply)
         if replies:

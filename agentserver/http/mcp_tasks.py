@@ -5,7 +5,7 @@ approvals"): the 2026-07-28 Tasks extension (``io.modelcontextprotocol/tasks``) 
 ``extensions`` map for the capability ``server/discover`` advertises).
 
 A call to an agent's tool sends its payload on a new thread and reads what becomes of it
-from the store (:meth:`TurnStore.task_answer`, the view every door reads), never from
+from the store (``views.task_answer``, the view every door reads), never from
 the request: so the thread is the handle that outlives the request, the process and a
 restart.
 
@@ -39,6 +39,8 @@ import trio
 from lxml import etree
 
 from agentserver.agents.errors import TurnPruned
+from agentserver.agents.store.base import StoreCalls
+from agentserver.agents.store.sql import governance, views
 from agentserver.core.access import AccessRule
 from agentserver.core.envelope import build_envelope
 from agentserver.core.handshake import Identity
@@ -79,13 +81,6 @@ _ACK = f"{{{APPROVAL_NS}}}approval-ack"
 _ENDED = frozenset({"completed", "failed", "cancelled"})
 
 
-class TurnStore(Protocol):
-    """The store's views the door reads (``agentserver.agents.store.base.ViewStore``)."""
-
-    async def task_answer(self, thread: str) -> dict[str, Any] | None: ...
-    async def pending_approvals(self, approver: str | None = None) -> list[Any]: ...
-
-
 class Gateway(Protocol):
     """The HTTP gateway (:class:`agentserver.http.gateway.HttpGateway`)."""
 
@@ -104,7 +99,7 @@ class Gateway(Protocol):
 class TurnDoor:
     """What the agents' tools work with, passed in by the composition root."""
 
-    store: TurnStore
+    store: StoreCalls
     gateway: Gateway
     may_see: Callable[[Identity, str], bool]
     #: Seconds a plain call waits for its answer (the HTTP API's ``wait-timeout``).
@@ -165,14 +160,14 @@ def modern(ctx: Any) -> bool:
 async def read(door: TurnDoor, thread: str) -> Snapshot | None:
     """The task on ``thread`` now (None: none, or pruned)."""
     try:
-        view = await door.store.task_answer(thread)
+        view = await door.store.read(views.task_answer, thread)
     except TurnPruned:
         return None
     if view is None or view.get("pruned"):
         return None
     asks = None
     if view.get("answer") is None and view.get("turn") is not None:
-        for pending in await door.store.pending_approvals(None):
+        for pending in await door.store.read(governance.pending_approvals, None):
             if pending.agent_turn_id == view["turn"]:
                 asks = pending
                 break

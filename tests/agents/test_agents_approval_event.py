@@ -8,6 +8,7 @@ from agents_fakes import make_harness, task
 from test_agents_approvals import approval_profile, script
 
 from agentserver.agents.events import NoticeEvent
+from agentserver.agents.store import outbox
 
 
 async def test_a_request_sent_publishes_approval_requested(tmp_path):
@@ -67,6 +68,6 @@ async def test_approval_requested_is_in_the_outbox_with_the_mark(tmp_path):
         "approval.requested"
     ]
     assert not [e for e in offered if isinstance(e, NoticeEvent)]  # written already
-    [row] = await store.outbox_claim("test", 30.0, 10)
+    [row] = await store.run(outbox.claim, "test", 30.0, 10)
     assert row.dedupe_key == f"w:approval.requested:{sent[0]}"
     assert json.loads(row.body)["data"]["request_id"] == sent[0]

@@ -10,6 +10,7 @@ from agents_fakes import make_harness, profile, task
 from lxml import etree
 
 from agentserver.agents.policy.evaluate import parse_policy
+from agentserver.agents.store.sql import governance, inbox
 from agentserver.agents.store.states import MessageType
 from agentserver.core.namespaces import BOOT_NS
 
@@ -97,11 +98,11 @@ async def test_a_granted_call_the_pump_has_no_room_for_is_its_failed_result(tmp_
 async def test_a_crash_while_forwarding_reports_the_call_lost_and_never_sends_it(tmp_path):
     h, rid = await start(tmp_path)
     assert await h.rt.approvals.decide(rid, True, "", "alice") == "applied"
-    (row,) = await h.rt.store.claim_due("assistant", 1)
+    (row,) = await h.rt.store.run1(inbox.claim_due, "assistant", 1)
     assert row.message_type == MessageType.APPROVAL
-    assert await h.rt.store.begin_forward(row) is not None  # then the process dies
+    assert await h.rt.store.run(governance.begin_forward, row) is not None  # then the process dies
     h.clock.advance(60)
-    assert await h.rt.store.requeue_stuck(30) == 1  # the restarted worker's watchdog
+    assert await h.rt.store.run1(inbox.requeue_stuck, 30) == 1  # the restarted worker's watchdog
     await h.pump()
     assert h.tools.calls == []  # never sent: it may have left before the crash
     assert h.sql("SELECT status FROM approvals") == [("lost",)]

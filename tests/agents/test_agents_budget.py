@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from lxml import etree
 
 from agentserver.agents.profile.budget import CARD_OVERHEAD, Budget, card_tokens, shown_text
+from agentserver.agents.store.sql import head as sql_head
 from agentserver.agents.store.sqlite_store import _MIGRATIONS, SCHEMA_VERSION, SqliteAgentStore
 from agentserver.llm import parse_llm_section
 from agentserver.llm.config import BOOT_NS, model_context_window
@@ -43,7 +44,7 @@ async def test_running_count_equals_a_fresh_count_after_every_kind_of_card(tmp_p
     h = make_harness(tmp_path, call_then_answer)
     await h.rt.enqueue("assistant", task("add 1 and 2"), "ref")
     await h.pump()  # step 1: the call; suspended
-    head = await h.rt.store.head("assistant")
+    head = await h.rt.store.read(sql_head.read, "assistant")
     assert head.status == "suspended"
     assert head.context_tokens == recount(h) > CARD_OVERHEAD
     [(sub, _to, _)] = h.tools.calls
@@ -64,7 +65,7 @@ async def test_a_huge_tool_result_is_shown_capped_and_kept_whole(tmp_path):
     [(sub, _, _)] = h.tools.calls
     big = "<sum xmlns='urn:calc'>" + "7" * 400_000 + "</sum>"
     await h.rt.report_tool_result("assistant", sub, big.encode())
-    head = await h.rt.store.head("assistant")
+    head = await h.rt.store.read(sql_head.read, "assistant")
     assert head.context_tokens == recount(h)
     await h.pump()
     shown = h.llm.requests[-1].messages[-1].content

@@ -8,6 +8,8 @@ from __future__ import annotations
 import trio
 from agents_fakes import make_harness, task
 
+from agentserver.agents.store.sql import head as sql_head
+
 CALL = '<add xmlns="urn:calc"><a>1</a><b>2</b></add>'
 
 
@@ -43,7 +45,7 @@ async def test_calls_cut_off_by_a_crash_are_sent_again_with_their_keys(tmp_path)
         await h.pump()
     assert len(h.tools.keys) == 1 and len(h.llm.requests) == 1
     # The step and its waiting set were written before the first call went out.
-    head = await h.rt.store.head("assistant")
+    head = await h.rt.store.read(sql_head.read, "assistant")
     assert head.status == "suspended" and head.waiting_tool_count == 2
     await h.rt.aclose()
 
@@ -63,5 +65,5 @@ async def test_calls_cut_off_by_a_crash_are_sent_again_with_their_keys(tmp_path)
     assert h2.llm.requests == []  # the recorded step's calls, not a new step
     assert h2.tools.keys[0] == h.tools.keys[0] and len(set(h2.tools.keys)) == 2
     assert named == [True, True]
-    head = await h2.rt.store.head("assistant")
+    head = await h2.rt.store.read(sql_head.read, "assistant")
     assert head.status == "suspended" and head.step_count == 1

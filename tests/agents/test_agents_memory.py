@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from agents_fakes import make_harness, profile, task
 
+from agentserver.agents.store.sql import conversations
 from agentserver.agents.turn.compaction import SUMMARY_SYSTEM
 from agentserver.agents.turn.memory import conversation_key
 
@@ -74,9 +75,9 @@ async def test_an_idle_conversation_can_be_compacted_by_hand(tmp_path):
     for i in range(4):
         await h.rt.enqueue("assistant", task(f"my name is Ada, question {i}"), ALICE)
         await h.pump()
-    before = await h.rt.store.conversation_cards("assistant", "client:alice")
+    before = await h.rt.store.read(conversations.conversation_cards, "assistant", "client:alice")
     assert await h.rt.compact_conversation("assistant", "client:alice")
-    after = await h.rt.store.conversation_cards("assistant", "client:alice")
+    after = await h.rt.store.read(conversations.conversation_cards, "assistant", "client:alice")
     assert after[0].card_type == "sys.summary" and after[0].content.startswith("SUMMARY:")
     assert len(after) < len(before)
     assert after[-1].content == before[-1].content  # the latest exchange stays verbatim

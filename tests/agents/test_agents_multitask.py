@@ -24,6 +24,7 @@ from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore
+from agentserver.agents.store.sql import head as sql_head
 from agentserver.agents.turn.memory import SPEAKS_FOR, conversation_key
 from agentserver.app.runtime_parts import runtime_parts
 
@@ -265,9 +266,7 @@ async def test_an_earlier_task_leased_meanwhile_is_decided_again(
     def move_after_a_lease(tx, env, inbox_id, event, **sets):
         if not played:  # bob's Turn ends elsewhere; its end leases alice's queued task
             played.append(inbox_id)
-            turn_end.force_end(
-                tx, env, "assistant", TaskStatus.STOPPED, "x", None, None, None, None
-            )
+            turn_end.force_end(tx, env, "assistant", TaskStatus.STOPPED, "x", None)
         return real_move(tx, env, inbox_id, event, **sets)
 
     async with trio.open_nursery() as nursery:
@@ -427,7 +426,7 @@ async def test_two_double_texts_at_once_from_two_processes(
 async def test_an_unknown_mode_writes_nothing(side: Side) -> None:
     with pytest.raises(ValueError, match="multitask"):
         await side.rt.enqueue("assistant", task("x"), ref("t1"), multitask="shout")
-    assert (await side.rt.store.head("assistant")).agent_turn_id is None
+    assert (await side.rt.store.read(sql_head.read, "assistant")).agent_turn_id is None
 
 
 def test_an_http_message_of_a_named_client_is_her_conversation() -> None:
@@ -479,9 +478,7 @@ def test_a_lease_and_a_supersede_of_one_queued_task_from_two_processes(
         return row
 
     def end_bobs_turn() -> None:
-        b.executor.run_sync(
-            turn_end.force_end, b.env, agent, TaskStatus.STOPPED, "x", None, None, None, None
-        )
+        b.executor.run_sync(turn_end.force_end, b.env, agent, TaskStatus.STOPPED, "x", None)
 
     outcomes: list[str] = []
     moved, commit = threading.Event(), threading.Event()
@@ -498,14 +495,17 @@ def test_a_lease_and_a_supersede_of_one_queued_task_from_two_processes(
         for _ in range(5):  # as the runtime does: decided again on a StaleTurn
             try:
                 done = a.executor.run_sync(
-                    multitask.enqueue_multitask,
+                    lambda tx, env: multitask.enqueue_multitask(
+                        tx,
+                        env,
+                        agent,
+                        b"<task>newest</task>",
+                        ref("t2"),
+                        conversation="alice",
+                        mode="rollback",
+                        answers=MultitaskAnswers(b"<busy/>", b"<ended/>", b"<superseded/>"),
+                    ),
                     a.env,
-                    agent,
-                    b"<task>newest</task>",
-                    ref("t2"),
-                    "alice",
-                    "rollback",
-                    MultitaskAnswers(b"<busy/>", b"<ended/>", b"<superseded/>"),
                 )
             except StaleTurn:
                 outcomes.append("stale")

@@ -6,6 +6,8 @@ import trio
 from agents_fakes import CALC, SEARCH, last_user, make_harness, profile, result, task
 
 from agentserver.agents.store.base import TaskStatus
+from agentserver.agents.store.sql import head as sql_head
+from agentserver.agents.store.sql import memory
 
 ADD = '<add xmlns="urn:calc"><a>1</a><b>2</b></add>'
 QUERY = '<query xmlns="urn:search"><q>x</q></query>'
@@ -30,7 +32,7 @@ async def test_two_enqueues_to_idle_agent_one_lease_fifo_one_event_each(tmp_path
     leases = h.sql("SELECT count(*) FROM execution_edges WHERE primitive = 'lease'")
     assert leases == [(1,)]  # the second Turn waits, queued
     assert h.sql("SELECT status FROM agent_inbox ORDER BY seq") == [("pending",), ("queued",)]
-    head = await h.rt.store.head("assistant")
+    head = await h.rt.store.read(sql_head.read, "assistant")
     assert head.status == "dispatched" and head.turn_epoch == 1
 
     await h.pump()
@@ -42,7 +44,7 @@ async def test_two_enqueues_to_idle_agent_one_lease_fifo_one_event_each(tmp_path
         ("t1", "echo: first"),
         ("t2", "echo: second"),
     ]
-    head = await h.rt.store.head("assistant")
+    head = await h.rt.store.read(sql_head.read, "assistant")
     assert head.status == "idle" and head.agent_turn_id is None and head.turn_epoch == 2
     assert h.sql("SELECT count(*) FROM execution_edges WHERE primitive = 'lease'") == [(2,)]
 
@@ -51,7 +53,7 @@ async def test_tool_result_delivered_twice_is_applied_once(tmp_path):
     h = make_harness(tmp_path, answer_after_tool)
     await h.rt.enqueue("assistant", task("1+2"), "ref")
     await h.pump()
-    head = await h.rt.store.head("assistant")
+    head = await h.rt.store.read(sql_head.read, "assistant")
     assert head.status == "suspended" and head.waiting_tool_count == 1
     [(sub, to, _)] = h.tools.calls
     assert to == "calculator"
@@ -74,7 +76,7 @@ async def test_a_result_arriving_during_its_call_finds_the_suspend_written(tmp_p
     async def answer_immediately(sub, to):
         # The peer answers before the worker's call returns: the waiting set was written
         # before the call went out, so the report is never deferred.
-        head = await h.rt.store.head("assistant")
+        head = await h.rt.store.read(sql_head.read, "assistant")
         assert head.status == "suspended" and head.waiting_tool_count == 1
         await h.rt.report_tool_result("assistant", sub, result("3"))
 
@@ -97,19 +99,19 @@ async def test_two_parallel_tool_calls_answered_by_two_peers(tmp_path):
     await h.rt.enqueue("assistant", task("go"), "ref")
     await h.pump()
     assert [to for _, to, _ in h.tools.calls] == ["calculator", "search"]
-    head = await h.rt.store.head("assistant")
+    head = await h.rt.store.read(sql_head.read, "assistant")
     assert head.status == "suspended" and head.waiting_tool_count == 2
     (s1, _, _), (s2, _, _) = h.tools.calls
     await h.rt.report_tool_result("assistant", s2, b"<hits xmlns='urn:search'>7</hits>")
     await h.pump()
-    head = await h.rt.store.head("assistant")
+    head = await h.rt.store.read(sql_head.read, "assistant")
     assert head.status == "suspended" and head.waiting_tool_count == 1
     await h.rt.report_tool_result("assistant", s1, result("3"))
     await h.pump()
     [event] = h.task_events()
     assert event.status == "succeeded"
     assert "search" in h.replies.sent[0][1] and "calculator" in h.replies.sent[0][1]
-    assert (await h.rt.store.head("assistant")).turn_epoch == 2  # lease + one resume
+    assert (await h.rt.store.read(sql_head.read, "assistant")).turn_epoch == 2  # lease + one resume
 
 
 async def test_tool_that_never_answers_times_out_resumes_and_ignores_late_result(tmp_path):
@@ -139,15 +141,15 @@ async def test_stop_while_suspended(tmp_path):
     h = make_harness(tmp_path, answer_after_tool)
     await h.rt.enqueue("assistant", task("1+2"), "ref")
     await h.pump()
-    epoch = (await h.rt.store.head("assistant")).turn_epoch
+    epoch = (await h.rt.store.read(sql_head.read, "assistant")).turn_epoch
     assert await h.rt.stop("assistant")
     assert not await h.rt.stop("assistant")  # nothing left to stop
     [event] = h.task_events()
     assert event.status == TaskStatus.STOPPED
-    card = await h.rt.store.card(event.deliverable_card_id)
+    card = await h.rt.store.read(memory.card, event.deliverable_card_id)
     assert card is not None and card.card_type == "task.deliverable"
     assert h.replies.sent[0][2] is True  # failed
-    head = await h.rt.store.head("assistant")
+    head = await h.rt.store.read(sql_head.read, "assistant")
     assert head.status == "idle" and head.turn_epoch == epoch + 1
     [(sub, _, _)] = h.tools.calls
     await h.rt.report_tool_result("assistant", sub, result("3"))
@@ -164,7 +166,7 @@ async def test_worker_dies_mid_turn_watchdog_reaps_and_stale_writes_do_nothing(t
         await h.llm.entered.wait()  # the model call is in flight
         h.clock.advance(101)
         assert (await h.rt.watchdog.tick())["ended"] == 1
-        head = await h.rt.store.head("assistant")
+        head = await h.rt.store.read(sql_head.read, "assistant")
         assert head.status == "idle" and head.turn_epoch == 2
         cards_before = h.sql("SELECT count(*) FROM cards")
         h.llm.gate.set()  # the stale worker wakes up and tries to go on
@@ -186,7 +188,7 @@ async def test_dispatched_but_never_started_is_ended_and_next_turn_runs(tmp_path
     assert done["ended"] == 1
     [event] = h.task_events()
     assert event.status == TaskStatus.TIMED_OUT
-    head = await h.rt.store.head("assistant")
+    head = await h.rt.store.read(sql_head.read, "assistant")
     assert head.status == "dispatched"  # the next queued Turn got leased
     await h.pump()
     assert [e.status for e in h.task_events()] == ["succeeded"]
@@ -225,7 +227,7 @@ async def test_no_llm_backend_ends_with_one_clear_failed_answer(tmp_path):
     assert event.status == "failed"
     [(_, text, failed, _)] = h.replies.sent
     assert failed and "could not be reached" in text
-    assert (await h.rt.store.head("assistant")).status == "idle"
+    assert (await h.rt.store.read(sql_head.read, "assistant")).status == "idle"
 
 
 async def test_failed_turns_answer_status_failed_and_successes_carry_no_status(tmp_path):
@@ -355,7 +357,7 @@ async def test_submit_result_degraded_not_rejected(tmp_path):
     await h.rt.enqueue("assistant", task("x"), "ref")
     await h.pump()
     [event] = h.task_events()
-    card = await h.rt.store.card(event.deliverable_card_id)
+    card = await h.rt.store.read(memory.card, event.deliverable_card_id)
     assert card is not None and card.content == "total: 3"
     assert card.metadata["degraded"] is True and card.metadata["fields"] == {"total": "3"}
 
@@ -411,7 +413,7 @@ async def test_restart_recovers_a_running_turn_exactly_once(tmp_path):
     await h.rt.aclose()
     h2 = make_harness(tmp_path, lambda req: "recovered answer", clock=h.clock)
     await h2.rt.recover()
-    head = await h2.rt.store.head("assistant")
+    head = await h2.rt.store.read(sql_head.read, "assistant")
     assert head.status == "running" and head.turn_epoch == 2
     await h2.pump()
     [event] = h2.task_events()
@@ -454,7 +456,7 @@ async def test_restart_while_suspended_fails_lost_tool_calls_at_once(tmp_path):
     h = make_harness(tmp_path, answer_after_tool)
     await h.rt.enqueue("assistant", task("1+2"), "ref")
     await h.pump()
-    assert (await h.rt.store.head("assistant")).status == "suspended"
+    assert (await h.rt.store.read(sql_head.read, "assistant")).status == "suspended"
     await h.rt.aclose()  # the server dies: its in-memory sub-threads are gone
     h2 = make_harness(tmp_path, answer_after_tool, clock=h.clock)
     await h2.rt.recover()  # no clock advance: the resume deadline is far away

@@ -14,6 +14,7 @@ from agentserver.agents.ports import LLMCompletion, LLMRequest, LLMUsage
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime, open_agent_store
+from agentserver.agents.store.sql import replies
 from agentserver.app.runtime_parts import runtime_parts
 from agentserver.core.envelope import build_envelope
 from agentserver.core.listener import HandlerResponse, Listener
@@ -179,7 +180,9 @@ async def test_named_client_replies_stay_kept_until_received(tmp_path):
         ids = []
         for i in range(150):
             body = f"<m><n>{i}</n></m>".encode()
-            ids.append(await store.record_client_reply("alice", {"i": i}, body, failed=False))
+            ids.append(
+                await store.run(replies.record_client_reply, "alice", {"i": i}, body, failed=False)
+            )
         first, second = Link("alice", room=10), Link("alice-1", room=1000)
         await clients.attach(first)
         await clients.attach(second)
@@ -189,24 +192,30 @@ async def test_named_client_replies_stay_kept_until_received(tmp_path):
         await clients.received(second, ids[10:])
         await clients.detach(first)  # never acknowledged: its ten go to the live one
         assert second.got[140:] == list(range(10))
-        assert len(await store.pending_client_replies("alice")) == 10
+        assert len(await store.read(replies.pending_client_replies, "alice")) == 10
         await clients.received(second, ids[:10])
-        assert await store.pending_client_replies("alice") == []
+        assert await store.read(replies.pending_client_replies, "alice") == []
         # an identity cannot acknowledge another's replies
-        kept = await store.record_client_reply("bob", {}, b"<m><n>0</n></m>", failed=False)
+        kept = await store.run(
+            replies.record_client_reply, "bob", {}, b"<m><n>0</n></m>", failed=False
+        )
         await clients.received(second, [kept])
-        assert len(await store.pending_client_replies("bob")) == 1
+        assert len(await store.read(replies.pending_client_replies, "bob")) == 1
         # a new reply goes to the newest connection that takes it
         third = Link("alice-2", room=0)
         await clients.attach(third)
-        rid = await store.record_client_reply("alice", {}, b"<m><n>150</n></m>", failed=False)
+        rid = await store.run(
+            replies.record_client_reply, "alice", {}, b"<m><n>150</n></m>", failed=False
+        )
         assert await clients.deliver("alice", rid, b"<m><n>150</n></m>")
         assert second.got[-1] == 150 and third.got == []
         await clients.detach(third)
         await clients.detach(second)
         assert clients.identity_of("alice-1") is None
         assert not await clients.deliver("alice", rid, b"<m><n>150</n></m>")  # kept
-        assert [r.reply_id for r in await store.pending_client_replies("alice")] == [rid]
+        assert [r.reply_id for r in await store.read(replies.pending_client_replies, "alice")] == [
+            rid
+        ]
         await store.aclose()
 
 

@@ -23,6 +23,7 @@ from agentserver.agents.profile.retry import (
     RetryStep,
     decide_retry,
 )
+from agentserver.agents.store.sql import head as sql_head
 
 
 class FlakyLLM:
@@ -79,7 +80,7 @@ async def test_503_five_times_then_success_with_five_step_retries(tmp_path):
     assert [(e.attempt, e.kind, e.delay_s) for e in retrying] == [
         (n, "OVERLOADED", 2.0 * 2 ** (n - 1)) for n in range(1, 6)
     ]
-    head = await h.rt.store.head("assistant")
+    head = await h.rt.store.read(sql_head.read, "assistant")
     assert head.status == "idle"
 
 
@@ -127,7 +128,7 @@ async def test_stop_during_the_wait_ends_the_turn_at_once(tmp_path):
     h, llm = flaky_harness(tmp_path, [("OVERLOADED", None)])
     await h.rt.enqueue("assistant", task("x"), "ref")
     await h.pump()
-    assert (await h.rt.store.head("assistant")).status == "running"
+    assert (await h.rt.store.read(sql_head.read, "assistant")).status == "running"
     assert await h.rt.stop("assistant")
     assert [e.status for e in h.task_events()] == ["stopped"]
     assert h.sql("SELECT status FROM agent_inbox WHERE message_type = 'resume'") == [("skipped",)]

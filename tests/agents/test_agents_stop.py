@@ -24,6 +24,7 @@ from agentserver.agents.ports import LLMCompletion, LLMRequest, LLMUsage
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore
+from agentserver.agents.store.sql import head as sql_head
 from agentserver.app.runtime_parts import runtime_parts
 from agentserver.console.operator import Operator
 
@@ -205,7 +206,7 @@ async def test_a_stop_leaves_the_run_of_the_next_turn_alone(
         await nursery.start(rt.worker.run)
         await llm.hanging.wait()
         llm.hanging = trio.Event()
-        head = await rt.store.head("assistant")
+        head = await rt.store.read(sql_head.read, "assistant")
         assert head.agent_turn_id is not None
         first = head.agent_turn_id
         assert await rt.stop("assistant")

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from agentserver.agents.clock import ManualClock
 from agentserver.agents.errors import IllegalTransition
 from agentserver.agents.store.base import ToolCallRecord
+from agentserver.agents.store.sql import head as sql_head
+from agentserver.agents.store.sql import inbox, tools, turn_end, turns
 from agentserver.agents.store.sqlite_store import SCHEMA_VERSION, SqliteAgentStore
 from agentserver.agents.store.states import (
     HEAD_TRANSITIONS,
@@ -100,7 +102,7 @@ async def _random_run(path, ops):
             h.clock.advance(20)
         elif op == "stop":
             await h.rt.stop("assistant")
-        head = await h.rt.store.head("assistant")
+        head = await h.rt.store.read(sql_head.read, "assistant")
         assert (head.status == "idle") == (head.agent_turn_id is None)
         waiting = h.sql(
             "SELECT count(*) FROM turn_waiting_tools WHERE agent_turn_id = ? AND "
@@ -180,21 +182,23 @@ async def test_a_v4_file_with_a_turn_in_flight_opens_and_the_turn_goes_on(tmp_pa
     conn.close()
     clock = ManualClock()
     store = SqliteAgentStore.open(path, clock=clock)
-    await store.enqueue_turn("a", b"task", {"caller_thread": "t"})
-    [row] = await store.claim_due("a", 5)
-    token = await store.start_turn(row)
-    step_id, _ = await store.begin_step(token)
+    await store.run(inbox.enqueue_turn, "a", b"task", {"caller_thread": "t"})
+    [row] = await store.run1(inbox.claim_due, "a", 5)
+    token = await store.run(turns.start_turn, row)
+    step_id, _ = await store.run(turns.begin_step, token)
     call = ToolCallRecord("c1", "calc", "<add/>")
-    await store.suspend(token, step_id, [call], [], clock.now() + 60)
+    await store.run(tools.suspend, token, step_id, [call], [], clock.now() + 60)
     store.close()
 
     store = SqliteAgentStore.open(path, clock=clock)
     versions = store._db.execute("SELECT version FROM schema_version").fetchall()
     assert versions == [(v,) for v in range(1, SCHEMA_VERSION + 1)] and SCHEMA_VERSION >= 7
-    await store.report_tool_result("a", "c1", b"3", failed=False)
-    [report] = await store.claim_due("a", 5)
-    resumed = (await store.apply_report(report)).resumed
+    await store.run(inbox.report_tool_result, "a", "c1", b"3", failed=False)
+    [report] = await store.run1(inbox.claim_due, "a", 5)
+    resumed = (await store.run(tools.apply_report, report)).resumed
     assert resumed is not None
-    fin = await store.finish(resumed, "succeeded", "3", {}, b"<a/>")
-    assert fin.reply is not None and (await store.head("a")).status == HeadStatus.IDLE
+    fin = await store.run(turn_end.finish, resumed, "succeeded", "3", {}, b"<a/>")
+    assert (
+        fin.reply is not None and (await store.read(sql_head.read, "a")).status == HeadStatus.IDLE
+    )
     store.close()

@@ -32,6 +32,8 @@ from agentserver.agents.clock import ManualClock
 from agentserver.agents.errors import StaleTurn
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import NewCard, ToolCallRecord, TurnToken
+from agentserver.agents.store.sql import head as sql_head
+from agentserver.agents.store.sql import inbox, tools, turn_end, turns
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
 from agentserver.agents.store.states import HeadStatus, MessageType
 
@@ -80,7 +82,7 @@ def store_machine(
         # -- what the workers learn ------------------------------------------------------
 
         def _head(self):
-            return _run(lambda: self.store.head(AGENT))
+            return _run(lambda: self.store.read(sql_head.read, AGENT))
 
         def _current(self, token: TurnToken | None) -> bool:
             head = self._head()
@@ -97,7 +99,9 @@ def store_machine(
 
         @rule()
         def enqueue(self) -> None:
-            _run(lambda: self.store.enqueue_turn(AGENT, b"<task/>", {"n": next(self.ids)}))
+            _run(
+                lambda: self.store.run(inbox.enqueue_turn, AGENT, b"<task/>", {"n": next(self.ids)})
+            )
 
         @rule(w=WORKERS)
         def read_head(self, w: int) -> None:
@@ -105,7 +109,7 @@ def store_machine(
 
         @rule(w=WORKERS)
         def claim(self, w: int) -> None:
-            self.rows[w] += _run(lambda: self.store.claim_due(AGENT, 4))
+            self.rows[w] += _run(lambda: self.store.run1(inbox.claim_due, AGENT, 4))
 
         @rule(w=WORKERS)
         def work(self, w: int) -> None:
@@ -123,13 +127,15 @@ def store_machine(
         def _handle(self, w: int, row) -> None:
             if row.message_type == MessageType.TURN:
                 stale = not self._current(row.token)
-                ok, token = self._fenced(lambda: self.store.start_turn(row), row.token, stale)
+                ok, token = self._fenced(
+                    lambda: self.store.run(turns.start_turn, row), row.token, stale
+                )
                 if ok:
                     self.tokens[w] = token
             elif row.message_type == MessageType.RESUME:
                 stale = not self._current(row.token)
                 before = _snapshot(self.store)
-                token = _run(lambda: self.store.take_resume(row))
+                token = _run(lambda: self.store.run(turns.take_resume, row))
                 if token is None:
                     # Refused: only the row itself is acknowledged (skipped).
                     after = _snapshot(self.store)
@@ -138,7 +144,7 @@ def store_machine(
                     assert not stale
                     self.tokens[w] = token
             else:
-                outcome = _run(lambda: self.store.apply_report(row))
+                outcome = _run(lambda: self.store.run(tools.apply_report, row))
                 if outcome.resumed is not None:
                     self.tokens[w] = outcome.resumed
 
@@ -146,11 +152,13 @@ def store_machine(
         @rule(data=st.data())
         def a_tool_answers(self, data: st.DataObject) -> None:
             call = data.draw(st.sampled_from(self.calls))
-            _run(lambda: self.store.report_tool_result(AGENT, call, b"<r/>", failed=False))
+            _run(
+                lambda: self.store.run(inbox.report_tool_result, AGENT, call, b"<r/>", failed=False)
+            )
 
         @rule()
         def watchdog_force_ends(self) -> None:
-            _run(lambda: self.store.force_end(AGENT, "failed", "watchdog", b"<f/>"))
+            _run(lambda: self.store.run(turn_end.force_end, AGENT, "failed", "watchdog", b"<f/>"))
 
         @rule()
         def restart(self) -> None:
@@ -184,7 +192,7 @@ def store_machine(
             token = self.tokens[w]
             if token is not None:
                 stale = not self._current(token)
-                self._fenced(lambda: self.store.begin_step(token), token, stale)
+                self._fenced(lambda: self.store.run(turns.begin_step, token), token, stale)
 
         @precondition(lambda self: any(self.tokens))
         @rule(w=WORKERS)
@@ -193,7 +201,7 @@ def store_machine(
             if token is not None:
                 stale = not self._current(token)
                 card = NewCard("sys.note", f"from worker {w}")
-                self._fenced(lambda: self.store.add_cards(token, [card]), token, stale)
+                self._fenced(lambda: self.store.run(turns.add_cards, token, [card]), token, stale)
 
         @precondition(lambda self: any(self.tokens))
         @rule(w=WORKERS)
@@ -202,7 +210,7 @@ def store_machine(
             if token is not None:
                 stale = not self._current(token)
                 card = NewCard("llm.message", "reply")
-                write = lambda: self.store.complete_step(token, "no-step", None, [card])  # noqa: E731
+                write = lambda: self.store.run(turns.complete_step, token, "no-step", None, [card])  # noqa: E731
                 self._fenced(write, token, stale)
 
         @precondition(lambda self: any(self.tokens))
@@ -215,7 +223,7 @@ def store_machine(
             call = f"call-{next(self.ids)}"
             record = ToolCallRecord(call, "calculator", "<add/>")
             when = self.clock.now() + deadline
-            write = lambda: self.store.suspend(token, "no-step", [record], [], when)  # noqa: E731
+            write = lambda: self.store.run(tools.suspend, token, "no-step", [record], [], when)  # noqa: E731
             if self._fenced(write, token, stale)[0]:
                 self.calls.append(call)
 
@@ -225,7 +233,9 @@ def store_machine(
             token = self.tokens[w]
             if token is not None:
                 stale = not self._current(token)
-                write = lambda: self.store.finish(token, "succeeded", "done", {}, b"<a/>")  # noqa: E731
+                write = lambda: self.store.run(  # noqa: E731
+                    turn_end.finish, token, "succeeded", "done", {}, b"<a/>"
+                )
                 self._fenced(write, token, stale)
 
         @precondition(lambda self: any(self.tokens))
@@ -234,7 +244,7 @@ def store_machine(
             token = self.tokens[w]
             if token is not None:
                 stale = not self._current(token)
-                self._fenced(lambda: self.store.inject_timeouts(token), token, stale)
+                self._fenced(lambda: self.store.run(tools.inject_timeouts, token), token, stale)
 
         @precondition(lambda self: any(self.tokens))
         @rule(w=WORKERS)
@@ -245,7 +255,8 @@ def store_machine(
             stale = not self._current(token)
             before = _snapshot(self.store)
             ended = _run(
-                lambda: self.store.force_end(
+                lambda: self.store.run(
+                    turn_end.force_end,
                     AGENT,
                     "stopped",
                     "stop",

@@ -15,6 +15,7 @@ from agents_fakes import make_harness, profile, task
 from llm_fakes import FakeServer, backend_for, openai_ok, start_fake
 
 from agentserver.agents.edge.llm_adapter import RouterLLM
+from agentserver.agents.store.sql import head
 from agentserver.llm import BreakerConfig, RetryConfig, Router, RouterConfig, Strategy
 
 
@@ -63,7 +64,7 @@ async def test_only_backend_unreachable_fails_the_turn_at_once(tmp_path, autojum
     assert elapsed < 0.5
     assert errors == {"UNREACHABLE": 1}
     assert [e.status for e in h.task_events()] == ["failed"]
-    assert (await h.rt.store.head("assistant")).status == "idle"
+    assert (await h.rt.store.read(head.read, "assistant")).status == "idle"
 
 
 async def test_every_turn_fails_at_once_while_the_backend_stays_down(tmp_path, autojump_clock):

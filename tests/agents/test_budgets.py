@@ -29,6 +29,9 @@ from agentserver.agents.policy.budget import (
 )
 from agentserver.agents.ports import LLMCompletion, LLMMessage, LLMRequest, LLMUsage
 from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store import outbox as store_outbox
+from agentserver.agents.store.sql import head as sql_head
+from agentserver.agents.store.sql import inbox, turn_end, turns
 from agentserver.agents.store.sql_store import SqlAgentStore
 
 # 2026-11-27 12:00 UTC, a Friday
@@ -309,9 +312,9 @@ async def test_budget_soft_is_in_the_outbox_with_its_mark(store):
         await budgets.settle(hold, None, agent="a", turn="t")
     [event] = seen  # still published to the bus's other observers, once
     assert offered == []  # written already: the durable observer skips it
-    [row] = await store.outbox_deliveries("webhook:w", 10)
+    [row] = await store.read(store_outbox.deliveries, "webhook:w", 10)
     assert row["status"] == "pending"
-    rows = await store.outbox_claim("test", 30.0, 10)
+    rows = await store.run(store_outbox.claim, "test", 30.0, 10)
     assert [r.dedupe_key for r in rows] == [f"w:{event.dedupe_key}"]
     assert json.loads(rows[0].body)["data"]["budget"] == "agent:a"
 
@@ -388,14 +391,13 @@ class HangingModel:
 async def held(store: SqlAgentStore) -> tuple[int, int, int]:
     """``agent:a``'s reserved and spent tokens, and the hold rows left."""
     [row] = [r for r in await store.budget_rows(await _keys(store)) if r.budget == "agent:a"]
-    holds = await store._read(lambda tx, env: tx.one("SELECT count(*) FROM budget_holds")[0])
+    holds = await store.read(lambda tx, env: tx.one("SELECT count(*) FROM budget_holds")[0])
     return row.reserved_tokens, row.spent_tokens, int(holds)
 
 
 async def _keys(store: SqlAgentStore) -> list[str]:
     return [
-        str(r[0])
-        for r in await store._read(lambda tx, env: tx.all("SELECT bkey FROM budget_spend"))
+        str(r[0]) for r in await store.read(lambda tx, env: tx.all("SELECT bkey FROM budget_spend"))
     ]
 
 
@@ -445,7 +447,7 @@ class HoldsSeen:
         self.seen: list[set[str]] = []
 
     async def complete(self, request: LLMRequest) -> LLMCompletion:
-        rows = await self.store._read(lambda tx, env: tx.all("SELECT hold_id FROM budget_holds"))
+        rows = await self.store.read(lambda tx, env: tx.all("SELECT hold_id FROM budget_holds"))
         self.seen.append({str(r[0]) for r in rows})
         return LLMCompletion("done", LLMUsage(50, 10, 60))
 
@@ -485,11 +487,11 @@ async def test_a_hold_belongs_to_its_turns_run_not_to_a_process(store):
     from agentserver.agents.governance.budgets import HoldOwner
     from agentserver.agents.store.base import TaskStatus
 
-    await store.ensure_agents(["a"])
+    await store.run(inbox.ensure_agents, ["a"])
     budgets = Budgets(store, clock_of(store), [BudgetSpec("agent:a", tokens=1000)])
-    await store.enqueue_turn("a", b"<task/>", {"caller_thread": "t1"})
-    [row] = await store.claim_due("a", 5)
-    started = await store.start_turn_step(row, 10)
+    await store.run(inbox.enqueue_turn, "a", b"<task/>", {"caller_thread": "t1"})
+    [row] = await store.run1(inbox.claim_due, "a", 5)
+    started = await store.run(turns.start_turn_step, row, 10)
     token = started.head.token
     assert token is not None and started.step_id is not None
     owner = HoldOwner(token.agent_id, token.agent_turn_id, token.turn_epoch, started.step_id)
@@ -509,8 +511,13 @@ async def test_a_hold_belongs_to_its_turns_run_not_to_a_process(store):
     assert await budgets.release_expired() == 0
     # the Turn is ended from outside while its call is under way (and that call's
     # process is gone): the watchdog's pass releases the hold at once
-    ended = await store.force_end(
-        "a", TaskStatus.FAILED, "stopped", None, agent_turn_id=again.agent_turn_id
+    ended = await store.run(
+        turn_end.force_end,
+        "a",
+        TaskStatus.FAILED,
+        "stopped",
+        None,
+        agent_turn_id=again.agent_turn_id,
     )
     assert ended is not None
     assert await budgets.release_expired() == 1
@@ -644,7 +651,7 @@ async def test_a_steps_reservation_and_spend_ride_in_the_steps_transactions(tmp_
         await rt.enqueue("assistant", task("1+2"), {"thread": f"t{n}", "client": "alice"})
         await rt.worker.process_agent("assistant")
         (sub, _to, _) = tools.calls[-1]
-        head = await store.head("assistant")
+        head = await store.read(sql_head.read, "assistant")
         assert head.status == "suspended"
         # step 1's spend was written with the suspend; step 2's hold not taken yet
         assert spend_row(rt) == ((2 * n - 1) * 600, 0)
@@ -673,7 +680,7 @@ class EndedDuringTheCall(CostlyLLM):
     async def complete(self, request: LLMRequest) -> LLMCompletion:
         done = await super().complete(request)
         assert self.store is not None
-        await self.store.force_end("assistant", "failed", "stopped", None)
+        await self.store.run(turn_end.force_end, "assistant", "failed", "stopped", None)
         # A prompt counted below the estimate: the step adds no correction to the head,
         # so the first write fenced out is the step's own.
         return LLMCompletion(done.content, LLMUsage(5, 100, 105))

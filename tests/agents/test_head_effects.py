@@ -20,6 +20,7 @@ from agentserver.agents.clock import ManualClock
 from agentserver.agents.ports import LLMCompletion, LLMUsage
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import NewCard, TaskStatus, ToolCallRecord, TurnToken
+from agentserver.agents.store.sql import inbox, tools, turn_end, turns
 from agentserver.agents.store.sql_store import SqlAgentStore
 from agentserver.agents.store.states import (
     HEAD_EFFECTS,
@@ -95,7 +96,7 @@ class Walk:
                 (self.agent,),
             )
 
-        [row] = await self.store._read(read)
+        [row] = await self.store.read(read)
         return dict(zip(COLUMNS, row, strict=True))
 
     async def before(self, event: HeadEvent) -> None:
@@ -128,14 +129,16 @@ class Walk:
 
     async def lease(self, text: str) -> None:
         await self.before(HeadEvent.LEASE)
-        got = await self.store.enqueue_turn(self.agent, text.encode(), {"caller_thread": text})
+        got = await self.store.run(
+            inbox.enqueue_turn, self.agent, text.encode(), {"caller_thread": text}
+        )
         assert got.leased
         await self.after(f"lease {text}", HeadEvent.LEASE)
 
     async def start(self) -> tuple[TurnToken, str]:
-        [row] = await self.store.claim_due(self.agent, 5)
+        [row] = await self.store.run1(inbox.claim_due, self.agent, 5)
         await self.before(HeadEvent.START)
-        step = await self.store.start_turn_step(row, 8)
+        step = await self.store.run(turns.start_turn_step, row, 8)
         await self.after("start", HeadEvent.START)
         assert step.step_id is not None and step.head.token is not None
         return step.head.token, step.step_id
@@ -143,31 +146,36 @@ class Walk:
     async def suspend(self, token: TurnToken, step_id: str, call: str) -> None:
         await self.before(HeadEvent.SUSPEND)
         calls = [ToolCallRecord(call, "calc", "<add/>")]
-        await self.store.suspend(token, step_id, calls, [NewCard("sys.note", "calling")], 1e12)
+        await self.store.run(
+            tools.suspend, token, step_id, calls, [NewCard("sys.note", "calling")], 1e12
+        )
         await self.after("suspend", HeadEvent.SUSPEND)
 
     async def force_end(self, label: str) -> None:
         await self.before(HeadEvent.FORCE_END)
-        ended = await self.store.force_end(self.agent, TaskStatus.STOPPED, "stopped", b"<s/>")
+        ended = await self.store.run(
+            turn_end.force_end, self.agent, TaskStatus.STOPPED, "stopped", b"<s/>"
+        )
         assert ended is not None
         await self.after(f"force_end {label}", HeadEvent.FORCE_END)
 
     async def run(self) -> None:
         s, a = self.store, self.agent
-        await s.ensure_agents([a])
+        await s.run(inbox.ensure_agents, [a])
         # T1: lease, start, suspend, resume, then its finish leases the queued T2.
         await self.lease("t1")
         token, step_id = await self.start()
         await self.suspend(token, step_id, f"{a}-call-1")
-        await s.report_tool_result(a, f"{a}-call-1", b"<sum>1</sum>", failed=False)
-        [row] = await s.claim_due(a, 5)
+        await s.run(inbox.report_tool_result, a, f"{a}-call-1", b"<sum>1</sum>", failed=False)
+        [row] = await s.run1(inbox.claim_due, a, 5)
         await self.before(HeadEvent.RESUME)
-        outcome = await s.apply_report(row, then_step=8)
+        outcome = await s.run(tools.apply_report, row, then_step=8)
         await self.after("resume", HeadEvent.RESUME)
         assert outcome.resumed is not None and outcome.step is not None
-        assert not (await s.enqueue_turn(a, b"t2", {"caller_thread": "t2"})).leased
+        assert not (await s.run(inbox.enqueue_turn, a, b"t2", {"caller_thread": "t2"})).leased
         await self.before(HeadEvent.FINISH)
-        fin = await s.finish(
+        fin = await s.run(
+            turn_end.finish,
             outcome.resumed,
             TaskStatus.SUCCEEDED,
             "done",
@@ -185,8 +193,15 @@ class Walk:
         await self.lease("t3")
         token, step_id = await self.start()
         await self.before(HeadEvent.FINISH)
-        await s.finish(
-            token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>", step_id=step_id, completion=None
+        await s.run(
+            turn_end.finish,
+            token,
+            TaskStatus.SUCCEEDED,
+            "done",
+            {},
+            b"<a/>",
+            step_id=step_id,
+            completion=None,
         )
         await self.after("finish", HeadEvent.FINISH)
         # T4 ends while running; T5 while suspended.

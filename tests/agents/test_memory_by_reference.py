@@ -26,6 +26,17 @@ from agentserver.agents.store.base import (
     ToolCallRecord,
 )
 from agentserver.agents.store.pruner import Pruner
+from agentserver.agents.store.sql import (
+    conversations,
+    forks,
+    inbox,
+    memory,
+    turn_end,
+    turns,
+)
+from agentserver.agents.store.sql import record as sql_record
+from agentserver.agents.store.sql import replies as sql_replies
+from agentserver.agents.store.sql import tools as sql_tools
 from agentserver.agents.store.sql.schema import SCHEMA_VERSION
 from agentserver.agents.store.sql_store import SqlAgentStore
 
@@ -72,7 +83,7 @@ async def one(store: SqlAgentStore, sql: str, *params: Any) -> Any:
         row = tx.one(sql, params)
         return row[0] if row else None
 
-    return await store._read(read)
+    return await store.read(read)
 
 
 async def execute(store: SqlAgentStore, *statements: str) -> None:
@@ -80,14 +91,16 @@ async def execute(store: SqlAgentStore, *statements: str) -> None:
         for s in statements:
             tx.execute(s)
 
-    await store._run(run)
+    await store.run(run)
 
 
 async def step(store: SqlAgentStore, thread: str) -> StepStart:
     """A Turn of conversation ``alice`` on ``thread``, leased and at its first step."""
-    await store.enqueue_turn(A, thread.encode(), {"caller_thread": thread}, conversation="alice")
-    [row] = await store.claim_due(A, 5)
-    started = await store.start_turn_step(row, 10)
+    await store.run(
+        inbox.enqueue_turn, A, thread.encode(), {"caller_thread": thread}, conversation="alice"
+    )
+    [row] = await store.run1(inbox.claim_due, A, 5)
+    started = await store.run(turns.start_turn_step, row, 10)
     assert started.step_id is not None
     return started
 
@@ -98,9 +111,9 @@ async def turn(store: SqlAgentStore, thread: str) -> StepStart:
     token = started.head.token
     assert token is not None and started.step_id is not None
     said = NewCard(CardType.LLM_MESSAGE, f"said {thread}", {"step_id": started.step_id})
-    await store.complete_step(token, started.step_id, None, [said])
-    await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
-    await store.mark_reply_sent(token.agent_turn_id)
+    await store.run(turns.complete_step, token, started.step_id, None, [said])
+    await store.run(turn_end.finish, token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+    await store.run1(sql_replies.mark_reply_sent, token.agent_turn_id)
     return started
 
 
@@ -125,27 +138,32 @@ async def test_a_turn_names_its_memory_and_sees_it_whole(store):
     ctx = third.head.context_box_id
     assert await one(store, "SELECT count(*) FROM cards WHERE box_id = ?", ctx) == 1
     assert await one(store, "SELECT memory_of FROM boxes WHERE box_id = ?", ctx) is not None
-    assert texts(await store.cards(ctx)) == texts(third.context)
+    assert texts(await store.read(memory.cards, ctx)) == texts(third.context)
     token = third.head.token
     assert token is not None
-    opened = await store.open_step(token, 10)  # the shared (not one-trip) read too
+    opened = await store.run(turns.open_step, token, 10)  # the shared (not one-trip) read too
     assert texts(opened.context) == texts(third.context)
 
 
 async def test_record_fork_and_conversation_read_through_the_memory(store):
     await turn(store, "t1")
     await turn(store, "t2")
-    record = await store.turn_record(A, "t2")
+    record = await store.read(sql_record.turn_record, A, "t2")
     assert record is not None
     assert [c["content"] for c in record["cards"]] == ["t1", "said t1", "t2", "said t2", "done"]
-    assert texts(await store.conversation_cards(A, "alice")) == ["t1", "said t1", "t2", "said t2"]
+    assert texts(await store.read(conversations.conversation_cards, A, "alice")) == [
+        "t1",
+        "said t1",
+        "t2",
+        "said t2",
+    ]
     # A started Turn's inbox row gives its payload up: its task card holds it.
     consumed = "SELECT count(*) FROM agent_inbox WHERE message_type = 'turn' AND payload = ?"
     assert await one(store, consumed, b"") == 2
     assert record["task"] == "t2"
-    forked = await store.fork(A, "t2", 1)
+    forked = await store.run(forks.fork, A, "t2", 1)
     assert forked["cards"] == 4 and forked["task"] == "t2"
-    assert texts(await store.conversation_cards(A, forked["conversation"])) == [
+    assert texts(await store.read(conversations.conversation_cards, A, forked["conversation"])) == [
         "t1",
         "said t1",
         "t2",
@@ -157,13 +175,13 @@ async def test_pruning_an_earlier_turn_copies_the_memory_once(store):
     await turn(store, "t1")
     await turn(store, "t2")
     await turn(store, "t3")
-    before = await store.turn_record(A, "t3")
+    before = await store.read(sql_record.turn_record, A, "t3")
     store.env.clock.advance(2 * DAY)  # type: ignore[attr-defined]
     report = await Pruner(store, ONE_DAY, (A,), pause_s=0).prune_once()
     assert report.tasks == 2  # t3 is the conversation's memory: kept
     # t3's record and the conversation are whole: t3's context box names a copy now.
-    assert await store.turn_record(A, "t3") == before
-    seen = texts(await store.conversation_cards(A, "alice"))
+    assert await store.read(sql_record.turn_record, A, "t3") == before
+    seen = texts(await store.read(conversations.conversation_cards, A, "alice"))
     assert seen == ["t1", "said t1", "t2", "said t2", "t3", "said t3"]
     assert await one(store, "SELECT count(*) FROM boxes WHERE kind = 'memory'") == 1
     fourth = await step(store, "t4")
@@ -213,7 +231,7 @@ async def test_a_store_from_before_migration_13_continues_its_conversations(
         assert texts(started.context) == ["copied earlier", "old task", "old said", "t1"]
         assert started.head.context_tokens >= 7
         assert await one(s, "SELECT count(*) FROM agent_inbox WHERE caller IS NULL") == 1
-        assert texts(await s.conversation_cards(A, "alice")) == [
+        assert texts(await s.read(conversations.conversation_cards, A, "alice")) == [
             "copied earlier",
             "old task",
             "old said",
@@ -228,10 +246,10 @@ async def test_a_tool_result_is_kept_once_as_its_card(store, then_step):
     token = started.head.token
     assert token is not None and started.step_id is not None
     calls = [ToolCallRecord("c1", "calc", "<add/>", "suspend")]
-    await store.suspend(token, started.step_id, calls, [], resume_deadline=1e12)
-    inbox_id = await store.report_tool_result(A, "c1", b"<sum>3</sum>", failed=False)
-    [row] = await store.claim_due(A, 5)
-    assert (await store.apply_report(row, then_step=then_step)).kind == "applied"
+    await store.run(sql_tools.suspend, token, started.step_id, calls, [], resume_deadline=1e12)
+    inbox_id = await store.run(inbox.report_tool_result, A, "c1", b"<sum>3</sum>", failed=False)
+    [row] = await store.run1(inbox.claim_due, A, 5)
+    assert (await store.run(sql_tools.apply_report, row, then_step=then_step)).kind == "applied"
     # The consumed report's payload went: its tool.result card holds it.
     payload = await one(store, "SELECT payload FROM agent_inbox WHERE inbox_id = ?", inbox_id)
     assert bytes(payload) == b""
@@ -246,30 +264,32 @@ async def test_a_tool_result_is_kept_once_as_its_card(store, then_step):
 
 async def test_a_forks_boxes_go_after_the_turn_naming_them_gets_a_copy(store):
     await turn(store, "t1")
-    forked = await store.fork(A, "t1", 1)
+    forked = await store.run(forks.fork, A, "t1", 1)
     conversation = forked["conversation"]
 
     async def on_fork(thread: str) -> StepStart:
         ref = {"caller_thread": thread}
-        await store.enqueue_turn(A, thread.encode(), ref, conversation=conversation)
-        [row] = await store.claim_due(A, 5)
-        started = await store.start_turn_step(row, 10)
+        await store.run(inbox.enqueue_turn, A, thread.encode(), ref, conversation=conversation)
+        [row] = await store.run1(inbox.claim_due, A, 5)
+        started = await store.run(turns.start_turn_step, row, 10)
         token = started.head.token
         assert token is not None and started.step_id is not None
         said = NewCard(CardType.LLM_MESSAGE, f"said {thread}", {"step_id": started.step_id})
-        await store.complete_step(token, started.step_id, None, [said])
-        await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
-        await store.mark_reply_sent(token.agent_turn_id)
+        await store.run(turns.complete_step, token, started.step_id, None, [said])
+        await store.run(turn_end.finish, token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+        await store.run1(sql_replies.mark_reply_sent, token.agent_turn_id)
         return started
 
     first = await on_fork("f1")
     assert texts(first.context) == ["t1", "said t1", "f1"]
     await on_fork("f2")  # the fork's conversation moves on: its own boxes are orphans
-    before = await store.turn_record(A, "f1")
+    before = await store.read(sql_record.turn_record, A, "f1")
     store.env.clock.advance(2 * DAY)  # type: ignore[attr-defined]
     keep = RetentionSettings(defaults=AgentRetention(DAY, 2, None), step_log_s=None)
     report = await Pruner(store, keep, (A,), pause_s=0).prune_once()
     assert report.rows["boxes"] > 0  # the fork's boxes went
     fork_boxes = "SELECT count(*) FROM boxes WHERE agent_turn_id = ?"
     assert await one(store, fork_boxes, conversation) == 0
-    assert await store.turn_record(A, "f1") == before  # whole: it named a copy first
+    assert (
+        await store.read(sql_record.turn_record, A, "f1") == before
+    )  # whole: it named a copy first

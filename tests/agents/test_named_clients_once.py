@@ -26,6 +26,7 @@ from agentserver.agents.edge import named_clients
 from agentserver.agents.edge.bridge import PumpPorts
 from agentserver.agents.edge.named_clients import NamedClientReplies
 from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.sql import replies
 from agentserver.agents.store.sql_store import SqlAgentStore
 from agentserver.core.threads import new_thread_id
 from agentserver.pump.pump import open_pump
@@ -81,32 +82,28 @@ class Gated:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
 
-    async def ack_client_replies(self, client: str, reply_ids: list[int]) -> int:
-        if self.ack_gate is not None:
-            await self.ack_gate.wait()
-        count = await self.store.ack_client_replies(client, reply_ids)
-        self.acked.set()
-        return count
+    async def run1(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if fn is replies.ack_client_replies or fn is replies.take_client_reply:
+            # an acknowledgement, or the receipt committed before the write
+            if self.ack_gate is not None:
+                await self.ack_gate.wait()
+            done = await self.store.run1(fn, *args, **kwargs)
+            self.acked.set()
+            return done
+        return await self.store.run1(fn, *args, **kwargs)
 
-    async def take_client_reply(self, client: str, reply_id: int) -> Any:
-        if self.ack_gate is not None:  # the receipt, committed before the write
-            await self.ack_gate.wait()
-        taken = await self.store.take_client_reply(client, reply_id)
-        self.acked.set()
-        return taken
-
-    async def pending_client_replies(self, client: str, after_id: int = 0, limit: int = 100):
-        rows = await self.store.pending_client_replies(client, after_id, limit)
-        if self.read_gate is not None and rows:
+    async def read(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        rows = await self.store.read(fn, *args, **kwargs)
+        if fn is replies.pending_client_replies and self.read_gate is not None and rows:
             self.read_has_rows.set()
             await self.read_gate.wait()
         return rows
 
-    async def record_client_reply(self, *args: Any, **kwargs: Any) -> int:
-        reply_id = await self.store.record_client_reply(*args, **kwargs)
-        if self.after_keep is not None:
+    async def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        done = await self.store.run(fn, *args, **kwargs)
+        if fn is replies.record_client_reply and self.after_keep is not None:
             await self.after_keep()
-        return reply_id
+        return done
 
 
 class Link:
@@ -155,7 +152,7 @@ async def test_a_flush_does_not_offer_again_a_reply_whose_receipt_is_committing(
     clients = NamedClientReplies(gated, ["alice"])
     link = Link(acks)
     await clients.attach(link)
-    reply_id = await gated.record_client_reply("alice", {"t": 1}, BODY, failed=False)
+    reply_id = await gated.run(replies.record_client_reply, "alice", {"t": 1}, BODY, failed=False)
     gated.ack_gate = trio.Event()
     if commit == "during-the-read":
         gated.read_gate = trio.Event()
@@ -188,7 +185,7 @@ async def test_a_flush_does_not_offer_again_a_reply_whose_receipt_is_committing(
                 assert gated.read_gate is not None
                 gated.read_gate.set()
     assert link.frames == [reply_id]
-    assert await store.pending_client_replies("alice") == []
+    assert await store.read(replies.pending_client_replies, "alice") == []
     # The next flush (the poll) finds nothing either.
     gated.read_gate = None
     assert await clients.flush_all() == 0
@@ -222,7 +219,7 @@ async def test_deliver_does_not_offer_again_a_reply_the_flusher_offered(store, r
         }
         await ports.deliver(ref, etree.fromstring(BODY), failed=False, turn_id="turn-1")
     assert len(link.frames) == 1, link.frames
-    kept = await store.pending_client_replies("alice")
+    kept = await store.read(replies.pending_client_replies, "alice")
     assert [r.reply_id for r in kept] == ([] if received != "offered" else link.frames)
 
 
@@ -239,7 +236,7 @@ async def test_a_reply_written_without_acks_is_not_written_again_after_a_crash(s
     killed = NamedClientReplies(gated, ["alice"])
     link = Link(acks=False)
     await killed.attach(link)
-    reply_id = await gated.record_client_reply("alice", {"t": 1}, BODY, failed=False)
+    reply_id = await gated.run(replies.record_client_reply, "alice", {"t": 1}, BODY, failed=False)
     gated.ack_gate = trio.Event()
     async with trio.open_nursery() as nursery:
         with gated.opened_at_exit():
@@ -252,7 +249,7 @@ async def test_a_reply_written_without_acks_is_not_written_again_after_a_crash(s
             # A process only stalled (not killed) that goes on writes it no more either.
             gated.ack_gate.set()
     assert link.frames + again.frames == [reply_id]
-    assert await store.pending_client_replies("alice") == []
+    assert await store.read(replies.pending_client_replies, "alice") == []
 
 
 def test_receipts_are_forgotten_once_no_read_that_began_before_them_is_in_flight(
@@ -302,13 +299,13 @@ async def test_a_reply_taken_for_a_connection_that_cannot_write_it_is_kept_again
     clients = NamedClientReplies(store, ["alice"])
     leaving = Leaving(acks=False)
     await clients.attach(leaving)
-    first = await store.record_client_reply("alice", {"t": 1}, BODY, failed=False)
-    second = await store.record_client_reply("alice", {"t": 2}, BODY, failed=False)
+    first = await store.run(replies.record_client_reply, "alice", {"t": 1}, BODY, failed=False)
+    second = await store.run(replies.record_client_reply, "alice", {"t": 2}, BODY, failed=False)
     assert not await clients.deliver("alice", first, BODY)
-    kept = await store.pending_client_replies("alice")
+    kept = await store.read(replies.pending_client_replies, "alice")
     assert [r.reply_id for r in kept] == [first, second]  # in its place
     await clients.detach(leaving)
     again = Link(acks=False)
     await clients.attach(again)
     assert again.frames == [first, second]
-    assert await store.pending_client_replies("alice") == []
+    assert await store.read(replies.pending_client_replies, "alice") == []

@@ -22,6 +22,7 @@ from agentserver.agents.profile.retention import AgentRetention, RetentionSettin
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import CardType, NewCard, TaskStatus
 from agentserver.agents.store.pruner import Pruner
+from agentserver.agents.store.sql import inbox, replies, turn_end, turns
 from agentserver.agents.store.sql.prune import LEASE_S
 from agentserver.agents.store.sql_store import SqlAgentStore
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
@@ -90,13 +91,15 @@ async def _fill(target: str) -> None:
     store = await _open(target, ManualClock(time.time() - 86400), RETENTION)
     try:
         for i in range(TASKS):
-            await store.enqueue_turn(A, b"t", {"caller_thread": f"t{i}"})
-            [row] = await store.claim_due(A, 5)
-            token = await store.start_turn(row)
-            step_id, _ = await store.begin_step(token)
-            await store.complete_step(token, step_id, None, [NewCard(CardType.LLM_MESSAGE, "x")])
-            await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
-            await store.mark_reply_sent(token.agent_turn_id)
+            await store.run(inbox.enqueue_turn, A, b"t", {"caller_thread": f"t{i}"})
+            [row] = await store.run1(inbox.claim_due, A, 5)
+            token = await store.run(turns.start_turn, row)
+            step_id, _ = await store.run(turns.begin_step, token)
+            await store.run(
+                turns.complete_step, token, step_id, None, [NewCard(CardType.LLM_MESSAGE, "x")]
+            )
+            await store.run(turn_end.finish, token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+            await store.run1(replies.mark_reply_sent, token.agent_turn_id)
     finally:
         await store.aclose()
 
@@ -137,7 +140,7 @@ async def _check_async(target: str) -> tuple[int, int]:
                 assert cards >= 2
             return len(left), len(pruned)
 
-        result: tuple[int, int] = await store._read(read)
+        result: tuple[int, int] = await store.read(read)
         return result
     finally:
         await store.aclose()

@@ -22,6 +22,8 @@ from agentserver.agents.profile.schedule import (
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore
+from agentserver.agents.store.sql import inbox, views
+from agentserver.agents.store.sql import schedules as sql_schedules
 from agentserver.agents.turn.scheduler import run_ref
 from agentserver.app.runtime_parts import runtime_parts
 
@@ -98,12 +100,12 @@ async def test_each_second_fires_once_and_each_run_is_a_task(
     rt = make(store, clock, schedules=[spec()], tmp_path=tmp_path)
     try:
         await run_for([rt], 10.5)
-        runs = await store.schedule_runs("tick")
+        runs = await store.read(sql_schedules.runs, "tick")
         ticks = [t for _, t, _, _ in runs]
         assert ticks == sorted(set(ticks)) and 9 <= len(ticks) <= 11
         assert all(t == int(t) and t > START for t in ticks)
         assert {o for *_, o in runs} == {"fired"}
-        [row] = await store.list_schedules()
+        [row] = await store.read(sql_schedules.list_schedules)
         assert row.fired == len(ticks) and row.last_outcome == "fired"
         # each run a task like any other: its Turn ran and ended
         assert [t["status"] for t in await tasks(store)] == ["consumed"] * len(ticks)
@@ -115,7 +117,7 @@ async def test_each_second_fires_once_and_each_run_is_a_task(
 
 async def tasks(store: AgentStore) -> list[dict]:
     """The agent's tasks (its inbox rows), newest first, on either store."""
-    return await store.recent_tasks("assistant", 1000)
+    return await store.read(views.recent_tasks, "assistant", 1000)
 
 
 async def test_two_processes_fire_each_tick_once(request, tmp_path, mock_clock, caplog) -> None:
@@ -124,7 +126,7 @@ async def test_two_processes_fire_each_tick_once(request, tmp_path, mock_clock, 
     rts = [make(s, clock, schedules=[spec()], tmp_path=tmp_path) for s in stores]
     try:
         await run_for(rts, 10.5)
-        runs = await stores[0].schedule_runs("tick")
+        runs = await stores[0].read(sql_schedules.runs, "tick")
         ticks = [t for _, t, _, _ in runs]
         assert len(ticks) == len(set(ticks)) and 9 <= len(ticks) <= 11
         by = [len(rt.scheduler.fired) for rt in rts]
@@ -143,8 +145,14 @@ async def test_two_processes_fire_each_tick_once(request, tmp_path, mock_clock, 
 
 async def claim(store: AgentStore, tick: float, next_tick: float, name: str = "tick"):
     """One claim of ``tick`` as the scheduler makes it (agents/turn/scheduler.py)."""
-    return await store.fire_schedule(
-        name, tick, next_tick, run_ref(name, "assistant", tick), None, b"<cancelled/>"
+    return await store.run(
+        sql_schedules.fire,
+        name,
+        tick,
+        next_tick,
+        run_ref(name, "assistant", tick),
+        None,
+        b"<cancelled/>",
     )
 
 
@@ -156,20 +164,20 @@ async def test_a_tick_is_claimed_only_while_it_is_the_schedules_next(
     clock = TrioWall()
     store = await open_store(kind, request, tmp_path, clock)
     try:
-        await store.ensure_agents(["assistant"])
+        await store.run(inbox.ensure_agents, ["assistant"])
         tick = START + 60
-        await store.put_schedule(spec(), "api", tick, new=True)
+        await store.run(sql_schedules.put_schedule, spec(), "api", tick, new=True)
         # A tick that is not the schedule's next (ahead of it, or one it moved past
         # without a run: skipped, paused): not claimed, nothing moved.
         assert await claim(store, tick + 1, tick + 2) is None
         assert await claim(store, tick - 1, tick) is None
-        [row] = await store.list_schedules()
+        [row] = await store.read(sql_schedules.list_schedules)
         assert (row.next_tick, row.fired, row.skipped) == (tick, 0, 0)
-        assert await store.schedule_runs("tick") == []
+        assert await store.read(sql_schedules.runs, "tick") == []
         # Its next tick is claimed once, and moves the schedule on.
         fired = await claim(store, tick, tick + 1)
         assert fired is not None and (fired.tick, fired.outcome) == (tick, "fired")
-        [row] = await store.list_schedules()
+        [row] = await store.read(sql_schedules.list_schedules)
         assert (row.next_tick, row.fired) == (tick + 1, 1)
     finally:
         await store.aclose()
@@ -186,10 +194,10 @@ async def test_two_claimers_of_one_tick_one_wins_and_no_duplicate_is_attempted(
     first = await open_store(kind, request, tmp_path, clock)
     second = await open_store(kind, request, tmp_path, clock) if kind == "postgresql" else first
     try:
-        await first.ensure_agents(["assistant"])
+        await first.run(inbox.ensure_agents, ["assistant"])
         tick = START + 60
         # overlap allow: every tick won starts a run (the runs never end here)
-        await first.put_schedule(spec(overlap="allow"), "api", tick, new=True)
+        await first.run(sql_schedules.put_schedule, spec(overlap="allow"), "api", tick, new=True)
 
         async def race(store: AgentStore, t: float, got: list[object]) -> None:
             got.append(await claim(store, t, t + 1))
@@ -200,9 +208,9 @@ async def test_two_claimers_of_one_tick_one_wins_and_no_duplicate_is_attempted(
                 nursery.start_soon(race, first, tick + n, got)
                 nursery.start_soon(race, second, tick + n, got)
             assert sorted(f is None for f in got) == [False, True], got
-        runs = await first.schedule_runs("tick")
+        runs = await first.read(sql_schedules.runs, "tick")
         assert [t for _, t, _, _ in runs] == [tick + n for n in range(5)]
-        [row] = await first.list_schedules()
+        [row] = await first.read(sql_schedules.list_schedules)
         assert (row.next_tick, row.fired) == (tick + 5, 5)
         noise = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert not [m for m in noise if "duplicate" in m.lower() or "unique" in m.lower()]
@@ -224,12 +232,12 @@ async def test_a_restart_catches_up_within_the_window_and_skips_beyond(
     try:
         rt = make(store, clock, schedules=minutely, tmp_path=tmp_path)
         await run_for([rt], 1)  # registered; first ticks at the next minute
-        before = {r.spec.name: r.next_tick for r in await store.list_schedules()}
+        before = {r.spec.name: r.next_tick for r in await store.read(sql_schedules.list_schedules)}
         await trio.sleep(60 * 5 + 1)  # "down" for five minutes and a second
         rt = make(store, clock, schedules=minutely, tmp_path=tmp_path)
         await run_for([rt], 0.5)
-        rows = {r.spec.name: r for r in await store.list_schedules()}
-        near = await store.schedule_runs("near")
+        rows = {r.spec.name: r for r in await store.read(sql_schedules.list_schedules)}
+        near = await store.read(sql_schedules.runs, "near")
         assert [t for _, t, _, _ in near][:1] == [before["near"]]
         assert rows["near"].skipped + rows["near"].fired == 5 + 0
         # the five missed ticks: the first fires, the others meet it unfinished (skip)
@@ -237,7 +245,7 @@ async def test_a_restart_catches_up_within_the_window_and_skips_beyond(
         # far: the four ticks older than its 30 s window are counted skipped; the fifth
         # (a second ago) is within it and fires
         assert rows["far"].skipped == 4 and rows["far"].fired == 1
-        [(_, far_tick, _, _)] = await store.schedule_runs("far")
+        [(_, far_tick, _, _)] = await store.read(sql_schedules.runs, "far")
         assert far_tick == before["far"] + 240
     finally:
         await rt.aclose()
@@ -262,7 +270,7 @@ async def test_overlap_with_a_run_that_does_not_end(
             await llm.hanging.wait()
             await trio.sleep(4.2)
             nursery.cancel_scope.cancel()
-        runs = await store.schedule_runs("hang")
+        runs = await store.read(sql_schedules.runs, "hang")
         outcomes = [o for *_, o in runs]
         assert outcomes[0] == "fired"
         fired_later = [o for o in outcomes[1:] if o == "fired"]
@@ -293,16 +301,16 @@ async def test_pause_resume_trigger_delete(kind: str, request, tmp_path, mock_cl
             await rt.scheduler.add(spec("api"))
             await trio.sleep(3.5)
             await rt.scheduler.pause("api", True)
-            n = len(await store.schedule_runs("api"))
+            n = len(await store.read(sql_schedules.runs, "api"))
             await trio.sleep(5)
-            assert len(await store.schedule_runs("api")) == n
+            assert len(await store.read(sql_schedules.runs, "api")) == n
             fired = await rt.scheduler.trigger("api")
             assert fired is not None and fired.outcome == "triggered"
             await rt.scheduler.pause("api", False)
             await trio.sleep(2.2)
-            assert len(await store.schedule_runs("api")) >= n + 3
+            assert len(await store.read(sql_schedules.runs, "api")) >= n + 3
             await rt.scheduler.delete("api")
-            assert await store.list_schedules() == []
+            assert await store.read(sql_schedules.list_schedules) == []
             nursery.cancel_scope.cancel()
     finally:
         await rt.aclose()

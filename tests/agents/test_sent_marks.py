@@ -8,6 +8,7 @@ import trio
 import trio.testing
 from agents_fakes import make_harness, task
 
+from agentserver.agents.store.sql import replies
 from agentserver.agents.turn.delivery import SentMarks
 
 
@@ -20,13 +21,13 @@ def counted(h, calls: list[str]) -> None:
     store = h.rt.store
 
     def wrap(method):
-        async def run(fn, *args):
+        async def run(fn, *args, **kwargs):
             calls.append(fn.__name__)
-            return await method(fn, *args)
+            return await method(fn, *args, **kwargs)
 
         return run
 
-    store._run1 = wrap(store._run1)
+    store.run1 = wrap(store.run1)
 
 
 async def test_without_its_flusher_each_reply_is_marked_at_once(tmp_path):
@@ -95,7 +96,8 @@ class _Marked:
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
 
-    async def mark_replies_sent(self, ids: list[str]) -> None:
+    async def run1(self, fn, ids: list[str]) -> None:
+        assert fn is replies.mark_replies_sent
         self.batches.append(list(ids))
 
 

@@ -13,6 +13,7 @@ import trio.testing
 
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.store import sqlite_store
+from agentserver.agents.store.sql import inbox
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
 
 
@@ -51,9 +52,9 @@ async def test_serve_checkpoints_the_wal_off_the_trio_thread(tmp_path, autojump_
     path = tmp_path / "agents.sqlite3"
     store = SqliteAgentStore.open(path)
     try:
-        await store.ensure_agents(["a"])
+        await store.run(inbox.ensure_agents, ["a"])
         for i in range(40):
-            await store.enqueue_turn("a", b"<task/>", {"caller_thread": f"t{i}"})
+            await store.run(inbox.enqueue_turn, "a", b"<task/>", {"caller_thread": f"t{i}"})
         before = rows_in_main_file(path, tmp_path)
         async with trio.open_nursery() as nursery:
             await nursery.start(store.serve, Doorbell())

@@ -21,8 +21,24 @@ from agentserver.agents.clock import ManualClock
 from agentserver.agents.errors import ForkRefused, TurnPruned
 from agentserver.agents.profile.retention import AgentRetention, RetentionSettings
 from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store import outbox, step_log
 from agentserver.agents.store.base import CardType, NewCard, TaskStatus, ToolCallRecord, TurnToken
 from agentserver.agents.store.pruner import Pruner
+from agentserver.agents.store.sql import (
+    a2a,
+    conversations,
+    forks,
+    governance,
+    head,
+    record,
+    replies,
+    tools,
+    turn_end,
+    turns,
+    views,
+)
+from agentserver.agents.store.sql import inbox as sql_inbox
+from agentserver.agents.store.sql import prune as sql_prune
 from agentserver.agents.store.sql_store import SqlAgentStore
 from agentserver.steps.log import StepRow
 
@@ -74,23 +90,25 @@ async def count(store: SqlAgentStore, sql: str, *params: Any) -> int:
         row = tx.one(sql, params)
         return int(row[0]) if row else 0
 
-    return await store._read(read)
+    return await store.read(read)
 
 
 async def running(store: SqlAgentStore, thread: str, **kw: Any) -> TurnToken:
-    await store.enqueue_turn(A, thread.encode(), {"caller_thread": thread}, **kw)
-    [row] = await store.claim_due(A, 5)
-    return await store.start_turn(row)
+    await store.run(sql_inbox.enqueue_turn, A, thread.encode(), {"caller_thread": thread}, **kw)
+    [row] = await store.run1(sql_inbox.claim_due, A, 5)
+    return await store.run(turns.start_turn, row)
 
 
 async def finished(store: SqlAgentStore, thread: str, *, sent: bool = True, **kw: Any) -> str:
     """A Turn run to its end with one step and a card; its reply sent unless ``sent``."""
     token = await running(store, thread, **kw)
-    step_id, _ = await store.begin_step(token)
-    await store.complete_step(token, step_id, None, [NewCard(CardType.LLM_MESSAGE, "said")])
-    await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+    step_id, _ = await store.run(turns.begin_step, token)
+    await store.run(
+        turns.complete_step, token, step_id, None, [NewCard(CardType.LLM_MESSAGE, "said")]
+    )
+    await store.run(turn_end.finish, token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
     if sent:
-        await store.mark_reply_sent(token.agent_turn_id)
+        await store.run1(replies.mark_reply_sent, token.agent_turn_id)
     return token.agent_turn_id
 
 
@@ -116,74 +134,74 @@ async def test_an_old_finished_task_goes_whole_and_reads_answer_pruned(store):
     assert await turn_rows(store, turn) == 0
     assert await count(store, "SELECT count(*) FROM cards WHERE agent_turn_id = ?", turn) == 0
     with pytest.raises(TurnPruned):
-        await store.turn_record(A, "t1")
+        await store.read(record.turn_record, A, "t1")
     with pytest.raises(TurnPruned):
-        await store.task_view(A, "t1")
+        await store.read(views.task, A, "t1")
     with pytest.raises(TurnPruned):
-        await store.fork(A, "t1", 1)
+        await store.run(forks.fork, A, "t1", 1)
     # A thread never seen is still "not found", not "pruned".
-    assert await store.turn_record(A, "never") is None
+    assert await store.read(record.turn_record, A, "never") is None
     with pytest.raises(ForkRefused):
-        await store.fork(A, "never", 1)
+        await store.run(forks.fork, A, "never", 1)
 
 
 async def test_a_tombstone_names_its_sender_who_alone_is_told_pruned(store):
     """Issue 44 (schema migration 17): the tombstone keeps the client that sent the task
     (its reply reference's ``client``, or ``speaks_for`` for an HTTP message), which the
     authorization rule reads; another client, or a scoped read by one, finds nothing."""
-    await store.enqueue_turn(A, b"x", {"caller_thread": "ta", "client": "alice"})
-    [row] = await store.claim_due(A, 5)
-    token = await store.start_turn(row)
-    await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
-    await store.mark_reply_sent(token.agent_turn_id)
+    await store.run(sql_inbox.enqueue_turn, A, b"x", {"caller_thread": "ta", "client": "alice"})
+    [row] = await store.run1(sql_inbox.claim_due, A, 5)
+    token = await store.run(turns.start_turn, row)
+    await store.run(turn_end.finish, token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+    await store.run1(replies.mark_reply_sent, token.agent_turn_id)
     await finished(store, "tb")  # an anonymous caller's: nobody's
-    await store.enqueue_turn(A, b"y", {"caller_thread": "tc", "speaks_for": "carol"})
-    [row] = await store.claim_due(A, 5)
-    token = await store.start_turn(row)
-    await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
-    await store.mark_reply_sent(token.agent_turn_id)
+    await store.run(sql_inbox.enqueue_turn, A, b"y", {"caller_thread": "tc", "speaks_for": "carol"})
+    [row] = await store.run1(sql_inbox.claim_due, A, 5)
+    token = await store.run(turns.start_turn, row)
+    await store.run(turn_end.finish, token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+    await store.run1(replies.mark_reply_sent, token.agent_turn_id)
     clock_of(store).advance(2 * DAY)
     assert (await prune(store)).tasks == 3
     # What the doors' rule reads: the sender, for the sender and for anyone else.
-    assert await store.task_sender(A, "ta", "alice") == (True, "alice")
-    assert await store.task_sender(A, "ta", "bob") == (True, "alice")
-    assert await store.task_sender(A, "ta") == (True, "alice")
-    assert await store.task_sender(A, "tc", "bob") == (True, "carol")
-    assert await store.task_sender(A, "tb", "bob") == (True, None)
-    assert await store.task_sender(A, "never", "bob") == (False, None)
+    assert await store.read(views.task_sender, A, "ta", "alice") == (True, "alice")
+    assert await store.read(views.task_sender, A, "ta", "bob") == (True, "alice")
+    assert await store.read(views.task_sender, A, "ta") == (True, "alice")
+    assert await store.read(views.task_sender, A, "tc", "bob") == (True, "carol")
+    assert await store.read(views.task_sender, A, "tb", "bob") == (True, None)
+    assert await store.read(views.task_sender, A, "never", "bob") == (False, None)
     # The view scoped to its sender (a client's read) or unscoped (an operator's) says
     # "pruned", naming the sender; scoped to another client, nothing.
     for scope in ("alice", None):
         with pytest.raises(TurnPruned) as pruned:
-            await store.task_view(A, "ta", scope)
+            await store.read(views.task, A, "ta", scope)
         assert pruned.value.owner == "alice"
-    assert await store.task_view(A, "ta", "bob") is None
+    assert await store.read(views.task, A, "ta", "bob") is None
     # ``agentserver result`` from the store: the sender, for the CLI to check.
-    assert await store.task_answer("ta") == {
+    assert await store.read(views.task_answer, "ta") == {
         "agent": A,
         "thread": "ta",
         "pruned": True,
         "sender": "alice",
     }
-    assert (await store.task_answer("tb"))["sender"] is None
+    assert (await store.read(views.task_answer, "tb"))["sender"] is None
     # Another caller sends on the same thread id: alice is still told of her own pruned
     # task; an unscoped read (an operator's) finds the thread's latest, the live one.
     await finished(store, "ta")
-    assert await store.task_sender(A, "ta", "alice") == (True, "alice")
-    assert await store.task_sender(A, "ta", "bob") == (True, None)
+    assert await store.read(views.task_sender, A, "ta", "alice") == (True, "alice")
+    assert await store.read(views.task_sender, A, "ta", "bob") == (True, None)
     with pytest.raises(TurnPruned):
-        await store.task_view(A, "ta", "alice")
-    assert (await store.task_view(A, "ta"))["status"] == "succeeded"
+        await store.read(views.task, A, "ta", "alice")
+    assert (await store.read(views.task, A, "ta"))["status"] == "succeeded"
 
     # A tombstone written before migration 17 names nobody: an operator's read only.
     def forget(tx: Any, env: Any) -> None:
         tx.execute("UPDATE pruned_turns SET sender = NULL WHERE caller_thread = ?", ("tc",))
 
-    await store._run(forget)
-    assert await store.task_sender(A, "tc", "carol") == (True, None)
-    assert await store.task_view(A, "tc", "carol") is None
+    await store.run(forget)
+    assert await store.read(views.task_sender, A, "tc", "carol") == (True, None)
+    assert await store.read(views.task, A, "tc", "carol") is None
     with pytest.raises(TurnPruned):
-        await store.task_view(A, "tc")
+        await store.read(views.task, A, "tc")
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
@@ -192,11 +210,11 @@ async def test_a_store_at_schema_16_gains_the_tombstones_sender(kind, request, t
     sender (an operator's read only); the next pruned task's names its own."""
     s = await _open(kind, request, tmp_path)
     try:
-        await s.enqueue_turn(A, b"x", {"caller_thread": "old", "client": "alice"})
-        [row] = await s.claim_due(A, 5)
-        token = await s.start_turn(row)
-        await s.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
-        await s.mark_reply_sent(token.agent_turn_id)
+        await s.run(sql_inbox.enqueue_turn, A, b"x", {"caller_thread": "old", "client": "alice"})
+        [row] = await s.run1(sql_inbox.claim_due, A, 5)
+        token = await s.run(turns.start_turn, row)
+        await s.run(turn_end.finish, token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+        await s.run1(replies.mark_reply_sent, token.agent_turn_id)
         clock_of(s).advance(2 * DAY)
         assert (await prune(s)).tasks == 1
 
@@ -204,7 +222,7 @@ async def test_a_store_at_schema_16_gains_the_tombstones_sender(kind, request, t
             tx.execute("ALTER TABLE pruned_turns DROP COLUMN sender")
             tx.execute("DELETE FROM schema_version WHERE version >= 17")
 
-        await s._run(back_to_16)
+        await s.run(back_to_16)
     finally:
         await s.aclose()
     s = await _open(kind, request, tmp_path)
@@ -213,10 +231,10 @@ async def test_a_store_at_schema_16_gains_the_tombstones_sender(kind, request, t
 
         assert await count(s, "SELECT max(version) FROM schema_version") == SCHEMA_VERSION
         assert await count(s, "SELECT count(*) FROM pruned_turns WHERE sender IS NULL") == 1
-        assert await s.task_sender(A, "old", "alice") == (True, None)
-        assert await s.task_view(A, "old", "alice") is None
+        assert await s.read(views.task_sender, A, "old", "alice") == (True, None)
+        assert await s.read(views.task, A, "old", "alice") is None
         with pytest.raises(TurnPruned):
-            await s.task_view(A, "old")
+            await s.read(views.task, A, "old")
     finally:
         await s.aclose()
 
@@ -231,7 +249,7 @@ async def test_a_tombstone_goes_after_its_own_window(store):
     clock_of(store).advance(2 * DAY)
     assert (await prune(store, bounded)).rows.get("pruned_turns", 0) == 0  # inside it
     with pytest.raises(TurnPruned):
-        await store.turn_record(A, "t1")
+        await store.read(record.turn_record, A, "t1")
     clock_of(store).advance(2 * DAY)
     dry = await Pruner(store, bounded, (A,)).prune_once(dry_run=True)
     assert dry.rows["pruned_turns"] == 1 and await count(store, tombstones) == 1
@@ -240,20 +258,22 @@ async def test_a_tombstone_goes_after_its_own_window(store):
     ) == 0  # none: kept forever
     assert (await prune(store, bounded)).rows["pruned_turns"] == 1
     assert await count(store, tombstones) == 0
-    assert await store.turn_record(A, "t1") is None  # gone whole: "not found"
+    assert await store.read(record.turn_record, A, "t1") is None  # gone whole: "not found"
 
 
 async def test_an_unacknowledged_reply_is_never_pruned(store):
     turn = await finished(store, "t1", sent=False)  # the outbox reply is still pending
-    await store.record_client_reply("alice", {"t": 1}, b"<kept/>", failed=False)
+    await store.run(replies.record_client_reply, "alice", {"t": 1}, b"<kept/>", failed=False)
     clock_of(store).advance(30 * DAY)
     assert (await prune(store)).tasks == 0
     assert await count(store, "SELECT count(*) FROM agent_replies WHERE agent_turn_id = ?", turn)
-    assert len(await store.pending_client_replies("alice", 0, 10)) == 1
-    await store.mark_reply_sent(turn)  # delivered: now the Turn may go
+    assert len(await store.read(replies.pending_client_replies, "alice", 0, 10)) == 1
+    await store.run1(replies.mark_reply_sent, turn)  # delivered: now the Turn may go
     clock_of(store).advance(2 * DAY)
     assert (await prune(store)).tasks == 1
-    assert len(await store.pending_client_replies("alice", 0, 10)) == 1  # never by age
+    assert (
+        len(await store.read(replies.pending_client_replies, "alice", 0, 10)) == 1
+    )  # never by age
 
 
 async def test_a_pending_approval_keeps_its_turn(store):
@@ -267,10 +287,10 @@ async def test_a_pending_approval_keeps_its_turn(store):
             (A, turn),
         )
 
-    await store._run(add)
+    await store.run(add)
     clock_of(store).advance(30 * DAY)
     assert (await prune(store)).tasks == 0
-    assert await store.approval_status("r1") == "pending"
+    assert await store.read(governance.approval_status, "r1") == "pending"
 
 
 @pytest.mark.parametrize("awaited", [True, False])
@@ -296,19 +316,23 @@ async def test_a_granted_approval_keeps_its_turn_only_while_the_call_is_awaited(
                 (turn, A),
             )
 
-    await store._run(add)
+    await store.run(add)
     clock_of(store).advance(30 * DAY)
     assert (await prune(store)).tasks == (0 if awaited else 1)
 
 
 async def test_a_turn_suspended_longer_than_the_window_is_kept_whole(store):
     token = await running(store, "t1")
-    step_id, _ = await store.begin_step(token)
-    await store.complete_step(token, step_id, None, [NewCard(CardType.LLM_MESSAGE, "calling")])
+    step_id, _ = await store.run(turns.begin_step, token)
+    await store.run(
+        turns.complete_step, token, step_id, None, [NewCard(CardType.LLM_MESSAGE, "calling")]
+    )
     calls = [ToolCallRecord("c1", "calc", "<add/>", "suspend")]
-    await store.suspend(token, step_id, calls, [], resume_deadline=clock_of(store).now() + 60)
+    await store.run(
+        tools.suspend, token, step_id, calls, [], resume_deadline=clock_of(store).now() + 60
+    )
     before = await turn_rows(store, token.agent_turn_id)
-    queued = await store.enqueue_turn(A, b"next", {"caller_thread": "t2"})
+    queued = await store.run(sql_inbox.enqueue_turn, A, b"next", {"caller_thread": "t2"})
     clock_of(store).advance(90 * DAY)
     report = await prune(store)
     assert report.tasks == 0
@@ -316,7 +340,7 @@ async def test_a_turn_suspended_longer_than_the_window_is_kept_whole(store):
     assert await count(
         store, "SELECT count(*) FROM agent_inbox WHERE inbox_id = ?", queued.inbox_id
     )
-    assert (await store.head(A)).status == "suspended"
+    assert (await store.read(head.read, A)).status == "suspended"
 
 
 async def test_a_conversations_memory_is_kept(store):
@@ -328,7 +352,7 @@ async def test_a_conversations_memory_is_kept(store):
     clock_of(store).advance(2 * DAY)
     assert (await prune(store)).tasks == 1  # the first Turn goes, the last one stays
     assert await turn_rows(store, first) == 0 and await turn_rows(store, second) > 0
-    seen = [c.content for c in await store.conversation_cards(A, "alice")]
+    seen = [c.content for c in await store.read(conversations.conversation_cards, A, "alice")]
     assert seen[-1] == "said" and "t1" in seen and "t2" in seen
 
 
@@ -338,19 +362,21 @@ async def test_keep_last_keeps_the_newest_tasks(store):
     clock_of(store).advance(2 * DAY)
     keep = RetentionSettings(defaults=AgentRetention(DAY, 2, None), step_log_s=None)
     assert (await prune(store, keep)).tasks == 3
-    assert await store.turn_record(A, "t4") is not None
-    assert await store.turn_record(A, "t3") is not None
+    assert await store.read(record.turn_record, A, "t4") is not None
+    assert await store.read(record.turn_record, A, "t3") is not None
     with pytest.raises(TurnPruned):
-        await store.turn_record(A, "t2")
+        await store.read(record.turn_record, A, "t2")
 
 
 async def test_keep_last_counts_per_client_for_an_agent_without_memory(store):
     async def task(thread: str, ref: dict[str, Any]) -> None:
-        await store.enqueue_turn(A, thread.encode(), {"caller_thread": thread, **ref})
-        [row] = await store.claim_due(A, 5)
-        token = await store.start_turn(row)
-        await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
-        await store.mark_reply_sent(token.agent_turn_id)
+        await store.run(
+            sql_inbox.enqueue_turn, A, thread.encode(), {"caller_thread": thread, **ref}
+        )
+        [row] = await store.run1(sql_inbox.claim_due, A, 5)
+        token = await store.run(turns.start_turn, row)
+        await store.run(turn_end.finish, token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+        await store.run1(replies.mark_reply_sent, token.agent_turn_id)
 
     # bob's one task is older than all of alice's, and so is the anonymous caller's.
     await task("b0", {"client": "bob"})
@@ -361,22 +387,24 @@ async def test_keep_last_counts_per_client_for_an_agent_without_memory(store):
     keep = RetentionSettings(defaults=AgentRetention(DAY, 2, None), step_log_s=None)
     assert (await prune(store, keep)).tasks == 1  # alice's oldest: she has two newer
     with pytest.raises(TurnPruned):
-        await store.turn_record(A, "a0")
+        await store.read(record.turn_record, A, "a0")
     for kept in ("b0", "o0", "a1", "a2"):
-        assert await store.turn_record(A, kept) is not None
+        assert await store.read(record.turn_record, A, kept) is not None
 
 
 async def test_an_idempotency_record_in_its_window_is_kept(store):
     now = clock_of(store).now()
-    await store.record_steps(
+    await store.run(
+        step_log.record_rows,
         [
             StepRow("old", "tool", "a", 1, "step.succeeded", "", now),
             StepRow("live", "tool", "a", 1, "step.dispatched", "", now),
-        ]
+        ],
     )
     clock_of(store).advance(2 * DAY)
-    await store.record_steps(
-        [StepRow("live", "tool", "a", 2, "step.retried", "", clock_of(store).now())]
+    await store.run(
+        step_log.record_rows,
+        [StepRow("live", "tool", "a", 2, "step.retried", "", clock_of(store).now())],
     )
     report = await prune(store)
     assert report.rows.get("step_log") == 1
@@ -399,8 +427,12 @@ async def test_a_dry_run_reports_exactly_what_the_prune_then_removes(store):
     for i in range(12):
         await finished(store, f"t{i}", conversation=f"c{i % 3}")
     await finished(store, "unsent", sent=False)  # its reply is pending: kept
-    await store.record_steps(
-        [StepRow(f"s{i}", "tool", "a", 1, "step.done", "", clock_of(store).now()) for i in range(5)]
+    await store.run(
+        step_log.record_rows,
+        [
+            StepRow(f"s{i}", "tool", "a", 1, "step.done", "", clock_of(store).now())
+            for i in range(5)
+        ],
     )
     clock_of(store).advance(2 * DAY)
     await finished(store, "young")  # inside the window: kept
@@ -423,10 +455,10 @@ async def test_two_pruners_take_turns(store):
     await finished(store, "t1")
     clock_of(store).advance(2 * DAY)
     first, second = Pruner(store, ONE_DAY, (A,)), Pruner(store, ONE_DAY, (A,))
-    assert await store.take_prune_lease(first.owner, 60.0)
+    assert await store.run(sql_prune.take_lease, first.owner, 60.0)
     skipped = await second.prune_once()
     assert skipped.skipped and skipped.tasks == 0
-    assert (await store.prune_tasks(second.owner, A, DAY, 0, 16)).tasks == 0
+    assert (await store.run(sql_prune.prune_tasks, second.owner, A, DAY, 0, 16)).tasks == 0
     clock_of(store).advance(61)  # the first died: its lease expires
     assert (await second.prune_once()).tasks == 1
 
@@ -440,9 +472,9 @@ async def test_sqlite_gives_freed_pages_back(tmp_path):
         assert store.vacuum_mode() == 2  # a new file with retention on: INCREMENTAL
         for i in range(40):
             token = await running(store, f"t{i}")
-            await store.add_cards(token, [NewCard(CardType.LLM_MESSAGE, "x" * 20_000)])
-            await store.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
-            await store.mark_reply_sent(token.agent_turn_id)
+            await store.run(turns.add_cards, token, [NewCard(CardType.LLM_MESSAGE, "x" * 20_000)])
+            await store.run(turn_end.finish, token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+            await store.run1(replies.mark_reply_sent, token.agent_turn_id)
         store.checkpoint()
         big = settings.path.stat().st_size
         clock_of(store).advance(2 * DAY)
@@ -539,15 +571,15 @@ async def test_a_cancelled_queued_task_leaves_a_tombstone(store):
     answer once that is sent, and its thread reads "pruned" (found by the chaos bench:
     without the tombstone the checker saw an answer for a task not in the store)."""
     await running(store, "busy")  # the agent is busy: the next task stays queued
-    await store.enqueue_turn(A, b"later", {"caller_thread": "later"})
-    [reply] = await store.cancel_queued(A, "later", b"<cancelled/>")
+    await store.run(sql_inbox.enqueue_turn, A, b"later", {"caller_thread": "later"})
+    [reply] = await store.run(replies.cancel_queued, A, "later", b"<cancelled/>")
     clock_of(store).advance(2 * DAY)
     assert (await prune(store)).tasks == 0  # its failed answer is still pending
-    await store.mark_reply_sent(reply.agent_turn_id)
+    await store.run1(replies.mark_reply_sent, reply.agent_turn_id)
     clock_of(store).advance(2 * DAY)
     assert (await prune(store)).tasks == 1
     with pytest.raises(TurnPruned):
-        await store.task_view(A, "later")
+        await store.read(views.task, A, "later")
 
 
 async def test_a_pass_walks_the_inbox_in_bounded_windows(store, monkeypatch):
@@ -565,9 +597,9 @@ async def test_a_pass_walks_the_inbox_in_bounded_windows(store, monkeypatch):
     assert report.batches > 20 / 3
     # The newest three of each, and nothing else, are left.
     for i in range(14, 20):
-        assert await store.turn_record(A, f"t{i}") is not None
+        assert await store.read(record.turn_record, A, f"t{i}") is not None
     with pytest.raises(TurnPruned):
-        await store.turn_record(A, "t13")
+        await store.read(record.turn_record, A, "t13")
 
 
 async def test_store_prune_converts_an_old_file_and_shrinks_it(tmp_path):
@@ -586,12 +618,12 @@ async def test_store_prune_converts_an_old_file_and_shrinks_it(tmp_path):
     try:
         assert old.vacuum_mode() == 0
         for i in range(30):
-            await old.enqueue_turn("assistant", b"t", {"caller_thread": f"t{i}"})
-            [row] = await old.claim_due("assistant", 5)
-            token = await old.start_turn(row)
-            await old.add_cards(token, [NewCard(CardType.LLM_MESSAGE, "x" * 30_000)])
-            await old.finish(token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
-            await old.mark_reply_sent(token.agent_turn_id)
+            await old.run(sql_inbox.enqueue_turn, "assistant", b"t", {"caller_thread": f"t{i}"})
+            [row] = await old.run1(sql_inbox.claim_due, "assistant", 5)
+            token = await old.run(turns.start_turn, row)
+            await old.run(turns.add_cards, token, [NewCard(CardType.LLM_MESSAGE, "x" * 30_000)])
+            await old.run(turn_end.finish, token, TaskStatus.SUCCEEDED, "done", {}, b"<a/>")
+            await old.run1(replies.mark_reply_sent, token.agent_turn_id)
     finally:
         await old.aclose()
     dry = await store_admin.prune(tmp_path / "boot.xml", dry_run=True, environ={})
@@ -613,7 +645,7 @@ async def execute(store: SqlAgentStore, sql: str, *params: Any) -> None:
     def write(tx: Any, env: Any) -> None:
         tx.execute(sql, params)
 
-    await store._run(write)
+    await store.run(write)
 
 
 async def test_done_deliveries_go_with_their_conversations_counter(store):
@@ -622,10 +654,12 @@ async def test_done_deliveries_go_with_their_conversations_counter(store):
     def item(key: str, conversation: str) -> OutboxItem:
         return OutboxItem("hook", "http://127.0.0.1:9/", b"{}", key, order_key=conversation)
 
-    await store.outbox_enqueue([item("a1", "A"), item("a2", "A"), item("b1", "B")])
+    await store.run(outbox.enqueue, [item("a1", "A"), item("a2", "A"), item("b1", "B")])
     clock_of(store).advance(1.0)
-    claimed = await store.outbox_claim("me", 30.0, 10)
-    await store.outbox_delivered([(r.seq, r.channel, 200) for r in claimed if r.order_key == "A"])
+    claimed = await store.run(outbox.claim, "me", 30.0, 10)
+    await store.run(
+        outbox.delivered, [(r.seq, r.channel, 200) for r in claimed if r.order_key == "A"]
+    )
     rows, counters = "SELECT count(*) FROM outbox", "SELECT count(*) FROM outbox_sequences"
     clock_of(store).advance(DAY / 2)
     assert (await prune(store)).rows.get("outbox", 0) == 0  # inside its window
@@ -642,7 +676,7 @@ async def test_done_deliveries_go_with_their_conversations_counter(store):
     clock_of(store).advance(10 * DAY)
     assert (await prune(store)).rows.get("outbox", 0) == 0
     # A conversation with nothing kept numbers its next event from 1 again.
-    await store.outbox_enqueue([item("a3", "A")])
+    await store.run(outbox.enqueue, [item("a3", "A")])
     seq = "SELECT order_seq FROM outbox WHERE order_key = 'A'"
     assert await count(store, seq) == 1
 
@@ -660,9 +694,9 @@ async def test_old_schedule_runs_go_but_the_newest_and_those_with_a_task(store):
         now,
         now,
     )
-    await store.enqueue_turn(A, b"x", {"caller_thread": "kept"})
+    await store.run(sql_inbox.enqueue_turn, A, b"x", {"caller_thread": "kept"})
     [kept] = [
-        r[0] for r in await store._read(lambda tx, env: tx.all("SELECT inbox_id FROM agent_inbox"))
+        r[0] for r in await store.read(lambda tx, env: tx.all("SELECT inbox_id FROM agent_inbox"))
     ]
     runs = [
         (1, "gone-1", "fired"),
@@ -682,16 +716,16 @@ async def test_old_schedule_runs_go_but_the_newest_and_those_with_a_task(store):
     assert (await prune(store)).rows.get("schedule_runs", 0) == 0  # inside the window
     clock_of(store).advance(2 * DAY)
     assert (await prune(store)).rows["schedule_runs"] == 2
-    left = await store._read(
+    left = await store.read(
         lambda tx, env: tx.all("SELECT inbox_id FROM schedule_runs ORDER BY tick")
     )
     assert [r[0] for r in left] == [kept, "gone-4"]  # its task is queued; the newest
 
 
 async def test_an_a2a_tasks_record_goes_with_its_tombstone_a_refused_one_by_age(store):
-    await store.a2a_record("t1", A, "ctx", "owner", "m1", "hello")
-    await store.a2a_record("t2", A, "ctx", "owner", "m2", "hello")
-    await store.a2a_reject("t2", "refused")
+    await store.run(a2a.record, "t1", A, "ctx", "owner", "m1", "hello")
+    await store.run(a2a.record, "t2", A, "ctx", "owner", "m2", "hello")
+    await store.run1(a2a.reject, "t2", "refused")
     await finished(store, "t1")
     records = "SELECT count(*) FROM a2a_tasks"
     clock_of(store).advance(2 * DAY)
@@ -699,15 +733,19 @@ async def test_an_a2a_tasks_record_goes_with_its_tombstone_a_refused_one_by_age(
     assert report.tasks == 1 and report.rows["a2a_tasks"] == 1  # the refused one
     # The task's record stays while its tombstone does: the same message is the same task.
     assert await count(store, records) == 1
-    assert await store.a2a_record("t9", A, "ctx", "owner", "m1", "hello") == ("t1", False)
+    assert await store.run(a2a.record, "t9", A, "ctx", "owner", "m1", "hello") == ("t1", False)
     # Its reads say "pruned" (GetTask's TaskNotFound, http/a2a/handler.py), and ListTasks
     # leaves it out, with or without a filter on the state (issue 43: the chaos bench's
     # A2A client saw ListTasks and GetTask fail with an internal error instead).
     with pytest.raises(TurnPruned) as pruned:
-        await store.a2a_task("t1")
+        await store.read(a2a.task, "t1")
     assert pruned.value.owner == "owner"  # only its sender is told (http/a2a/handler.py)
-    assert await store.a2a_tasks("owner", None, [A], 10) == ([], 0, False)
-    assert await store.a2a_tasks("owner", "ctx", [A], 10, keep=lambda _: True) == ([], 0, False)
+    assert await store.read(a2a.tasks, "owner", None, [A], 10) == ([], 0, False)
+    assert await store.read(a2a.tasks, "owner", "ctx", [A], 10, keep=lambda _: True) == (
+        [],
+        0,
+        False,
+    )
     bounded = replace(ONE_DAY, tombstones_s=3 * DAY)
     clock_of(store).advance(4 * DAY)
     assert (await prune(store, bounded)).rows["pruned_turns"] == 1
@@ -725,12 +763,12 @@ async def test_the_deliveries_pass_walks_bounded_windows_past_kept_rows(store, m
         OutboxItem("hook", "http://127.0.0.1:9/", b"{}", f"k{i}", order_key=f"c{i}")
         for i in range(12)
     ]
-    await store.outbox_enqueue(items)
+    await store.run(outbox.enqueue, items)
     clock_of(store).advance(1.0)
-    claimed = await store.outbox_claim("me", 30.0, 20)
+    claimed = await store.run(outbox.claim, "me", 30.0, 20)
     # Every third stays pending (never pruned); the others delivered.
-    await store.outbox_delivered(
-        [(r.seq, r.channel, 200) for r in claimed if int(r.order_key[1:]) % 3]
+    await store.run(
+        outbox.delivered, [(r.seq, r.channel, 200) for r in claimed if int(r.order_key[1:]) % 3]
     )
     clock_of(store).advance(2 * DAY)
     report = await prune(store, replace(ONE_DAY, deliveries_s=DAY))

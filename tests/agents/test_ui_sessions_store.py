@@ -19,7 +19,7 @@ from agentserver.agents.store.sql.schema import SCHEMA_VERSION
 from agentserver.agents.store.sql_store import SqlAgentStore
 from agentserver.core.handshake import Credential, Identity
 from agentserver.http.auth import HttpAuth
-from agentserver.http.ui.sessions import UiSessions
+from agentserver.http.ui.sessions import StoreSessionTable, UiSessions
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -43,45 +43,45 @@ def advance(store: SqlAgentStore, seconds: float) -> None:
 
 
 async def test_a_session_lives_until_its_expiry_in_store_time(store):
-    expires = await store.ui_session_put("h1", "alice", "p1", 100.0)
+    expires = await store.run(ui_sessions.put_session, "h1", "alice", "p1", 100.0)
     assert expires == store.env.clock.now() + 100.0
-    assert await store.ui_session_get("h1") == ("alice", "p1")
-    assert await store.ui_session_get("nope") is None
+    assert await store.read(ui_sessions.get_session, "h1") == ("alice", "p1")
+    assert await store.read(ui_sessions.get_session, "nope") is None
     advance(store, 99.5)
-    assert await store.ui_session_get("h1") == ("alice", "p1")
+    assert await store.read(ui_sessions.get_session, "h1") == ("alice", "p1")
     advance(store, 0.5)
-    assert await store.ui_session_get("h1") is None
+    assert await store.read(ui_sessions.get_session, "h1") is None
     # Expired rows stay until a sign-in sweeps them.
     assert await one(store, "SELECT count(*) FROM ui_sessions") == 1
-    await store.ui_session_put("h2", "bob", "p2", 100.0)
+    await store.run(ui_sessions.put_session, "h2", "bob", "p2", 100.0)
     assert await one(store, "SELECT count(*) FROM ui_sessions") == 1
-    assert await store.ui_session_get("h2") == ("bob", "p2")
+    assert await store.read(ui_sessions.get_session, "h2") == ("bob", "p2")
 
 
 async def test_signing_out_deletes_the_row(store):
-    await store.ui_session_put("h1", "alice", "p1", 100.0)
-    await store.ui_session_put("h2", "alice", "p2", 100.0)
-    assert await store.ui_session_delete("h1") is True
-    assert await store.ui_session_get("h1") is None
-    assert await store.ui_session_delete("h1") is False
-    assert await store.ui_session_get("h2") == ("alice", "p2")
+    await store.run(ui_sessions.put_session, "h1", "alice", "p1", 100.0)
+    await store.run(ui_sessions.put_session, "h2", "alice", "p2", 100.0)
+    assert await store.run1(ui_sessions.delete_session, "h1") is True
+    assert await store.read(ui_sessions.get_session, "h1") is None
+    assert await store.run1(ui_sessions.delete_session, "h1") is False
+    assert await store.read(ui_sessions.get_session, "h2") == ("alice", "p2")
 
 
 async def test_a_client_keeps_its_newest_sessions_only(store):
     cap = ui_sessions.MAX_PER_CLIENT
     for i in range(cap + 3):
-        await store.ui_session_put(f"a{i:03}", "alice", "p", 1000.0)
+        await store.run(ui_sessions.put_session, f"a{i:03}", "alice", "p", 1000.0)
         advance(store, 1.0)
-    await store.ui_session_put("b", "bob", "p", 1000.0)
+    await store.run(ui_sessions.put_session, "b", "bob", "p", 1000.0)
     assert await one(store, "SELECT count(*) FROM ui_sessions WHERE client = 'alice'") == cap
-    assert [await store.ui_session_get(f"a{i:03}") for i in range(3)] == [None] * 3
-    assert await store.ui_session_get(f"a{cap + 2:03}") == ("alice", "p")
-    assert await store.ui_session_get("b") == ("bob", "p")
+    assert [await store.read(ui_sessions.get_session, f"a{i:03}") for i in range(3)] == [None] * 3
+    assert await store.read(ui_sessions.get_session, f"a{cap + 2:03}") == ("alice", "p")
+    assert await store.read(ui_sessions.get_session, "b") == ("bob", "p")
 
 
 async def test_ui_sessions_on_the_store_resolve_to_the_clients_identity(store):
     auth = HttpAuth({"alice": Credential("alice-token", frozenset({"echo"}))})
-    ui = UiSessions(store, auth, lifetime_s=60.0)
+    ui = UiSessions(StoreSessionTable(store), auth, lifetime_s=60.0)
     session = await ui.create(Identity("alice", frozenset({"echo"})))
     assert await ui.resolve(session) == Identity("alice", frozenset({"echo"}))
     # Only a hash of the id and a proof are stored: neither the id nor the token.
@@ -116,7 +116,7 @@ async def test_a_store_at_schema_14_gains_the_sessions_table(kind, request, tmp_
     s = await _open(kind, request, tmp_path)
     try:
         assert await one(s, "SELECT max(version) FROM schema_version") == SCHEMA_VERSION == 17
-        await s.ui_session_put("h", "alice", "p", 10.0)
-        assert await s.ui_session_get("h") == ("alice", "p")
+        await s.run(ui_sessions.put_session, "h", "alice", "p", 10.0)
+        assert await s.read(ui_sessions.get_session, "h") == ("alice", "p")
     finally:
         await s.aclose()

@@ -10,19 +10,21 @@ from typing import Any
 from agents_fakes import make_harness, result, task
 from test_agents_protocol import answer_after_tool
 
+from agentserver.agents.store.sql import head as sql_head
+
 
 def count_calls(store: Any) -> list[str]:
     """The store functions ``store`` runs from now on, in order."""
     calls: list[str] = []
 
     def wrap(method: Callable) -> Callable:
-        async def counted(fn: Callable, *args: Any) -> Any:
+        async def counted(fn: Callable, *args: Any, **kwargs: Any) -> Any:
             calls.append(fn.__name__)
-            return await method(fn, *args)
+            return await method(fn, *args, **kwargs)
 
         return counted
 
-    for name in ("_run", "_read", "_run1"):
+    for name in ("run", "read", "run1"):
         setattr(store, name, wrap(getattr(store, name)))
     return calls
 
@@ -121,7 +123,7 @@ async def test_a_turn_a_report_resumed_is_rerun_after_a_crash_before_its_runner(
     assert await h.rt.worker.process_agent("assistant", poll_waiting=False) == 1
     [(sub, _, _)] = h.tools.calls
     assert await h.rt.report_tool_result("assistant", sub, result("3")) == "applied"
-    head = await h.rt.store.head("assistant")
+    head = await h.rt.store.read(sql_head.read, "assistant")
     assert head.status == "running" and head.step_count == 2  # resumed, its step opened
     await h.rt.aclose()  # "dies": nobody ran the Turn it was handed
 

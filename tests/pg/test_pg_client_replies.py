@@ -10,6 +10,7 @@ from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.edge.named_clients import NamedClientReplies, forward_kept
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.pg.store import PostgresAgentStore
+from agentserver.agents.store.sql import replies
 
 
 class Link:
@@ -42,15 +43,17 @@ async def test_a_reply_kept_by_one_process_reaches_the_connection_on_another(pg_
         async with trio.open_nursery() as nursery:
             await nursery.start(a.serve, Doorbell())
             nursery.start_soon(forward_kept, a.client_replies, clients_a)
-            reply_id = await b.record_client_reply(
-                "alice", {"thread": "t1"}, b"<answer/>", failed=False
+            reply_id = await b.run(
+                replies.record_client_reply, "alice", {"thread": "t1"}, b"<answer/>", failed=False
             )
             with trio.fail_after(10):
                 await link.arrived.wait()
             assert link.got == [(reply_id, b"<answer/>")]
             # Later rings (the 1 s poll, other replies) do not offer it again.
             link.arrived = trio.Event()
-            second = await b.record_client_reply("alice", {"thread": "t2"}, b"<b/>", failed=False)
+            second = await b.run(
+                replies.record_client_reply, "alice", {"thread": "t2"}, b"<b/>", failed=False
+            )
             with trio.fail_after(10):
                 await link.arrived.wait()
             assert [r for r, _ in link.got] == [reply_id, second]

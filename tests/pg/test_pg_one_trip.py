@@ -18,7 +18,8 @@ from agentserver.agents.store.base import CardType, NewCard, ToolCallRecord
 from agentserver.agents.store.governance import DecisionRecord, StepRecord
 from agentserver.agents.store.pg import store as pg_store
 from agentserver.agents.store.pg.store import PostgresAgentStore
-from agentserver.agents.store.sql import tools
+from agentserver.agents.store.sql import governance, inbox, tools, turn_end, turns
+from agentserver.agents.store.sql import head as sql_head
 from agentserver.agents.store.states import AfterExecution, HeadStatus
 
 pytestmark = pytest.mark.postgresql
@@ -54,10 +55,10 @@ def _completion() -> LLMCompletion:
 
 
 async def _start(store: PostgresAgentStore, agent: str = "a", max_steps: int = 8):
-    await store.ensure_agents([agent])
-    assert (await store.enqueue_turn(agent, b"<task>x</task>", {"ref": 1})).leased
-    [row] = await store.claim_due(agent, 5)
-    return await store.start_turn_step(row, max_steps)
+    await store.run(inbox.ensure_agents, [agent])
+    assert (await store.run(inbox.enqueue_turn, agent, b"<task>x</task>", {"ref": 1})).leased
+    [row] = await store.run1(inbox.claim_due, agent, 5)
+    return await store.run(turns.start_turn_step, row, max_steps)
 
 
 async def test_the_hot_calls_cost_the_round_trips_pinned(pg_url: str) -> None:
@@ -75,24 +76,25 @@ async def test_the_hot_calls_cost_the_round_trips_pinned(pg_url: str) -> None:
         assert trips.take("start_turn_step") == [1]
         token = start.head.token
         decision = DecisionRecord("calc", "add", "allow", "r1", "fine")
-        await store.complete_step(
+        await store.run(
+            governance.complete_screened_step,
             token,
             start.step_id,
             _completion(),
             [NewCard("sys.note", "model said")],
-            screened=StepRecord((decision,)),
+            StepRecord((decision,)),
         )
         assert trips.take("complete_screened_step") == [1]
         [(meta,)] = _sql(pg_url, "SELECT metadata FROM agent_steps")
         assert json.loads(meta)["policy"] == [{"target": "calc", "decision": "allow", "rule": "r1"}]
         calls = [ToolCallRecord("t1", "calc", "<add/>"), ToolCallRecord("t2", "calc", "<add/>")]
-        early = await store.suspend(
-            token, start.step_id, calls, [NewCard("sys.note", "thinking")], 1e12
+        early = await store.run(
+            tools.suspend, token, start.step_id, calls, [NewCard("sys.note", "thinking")], 1e12
         )
         assert early == 0
         assert trips.take("suspend") == [1]
-        await store.report_tool_result("a", "t1", b"<sum>1</sum>", failed=False)
-        await store.report_tool_result("a", "t2", b"<sum>2</sum>", failed=False)
+        await store.run(inbox.report_tool_result, "a", "t1", b"<sum>1</sum>", failed=False)
+        await store.run(inbox.report_tool_result, "a", "t2", b"<sum>2</sum>", failed=False)
         assert trips.take("report_tool_result") == [1, 1]
         assert (
             _sql(
@@ -101,10 +103,10 @@ async def test_the_hot_calls_cost_the_round_trips_pinned(pg_url: str) -> None:
             )
             == [("pending", token.agent_turn_id)] * 2
         )
-        rows = await store.claim_due("a", 5)
-        first = await store.apply_report(rows[0], then_step=8)
+        rows = await store.run1(inbox.claim_due, "a", 5)
+        first = await store.run(tools.apply_report, rows[0], then_step=8)
         assert (first.kind, first.resumed) == ("applied", None)
-        second = await store.apply_report(rows[1], then_step=8)
+        second = await store.run(tools.apply_report, rows[1], then_step=8)
         assert second.kind == "applied" and second.resumed is not None
         assert second.resumed.turn_epoch == token.turn_epoch + 1
         assert second.reply_ref_json == '{"ref": 1}' and second.terminate_card_id is None
@@ -121,9 +123,10 @@ async def test_the_hot_calls_cost_the_round_trips_pinned(pg_url: str) -> None:
         ]
         assert trips.take("apply_report") == [2, 2]
         # A queued Turn for the same agent: the finish leases it (one round trip more).
-        queued = await store.enqueue_turn("a", b"<task>y</task>", {"ref": 2})
+        queued = await store.run(inbox.enqueue_turn, "a", b"<task>y</task>", {"ref": 2})
         assert not queued.leased and trips.take("enqueue_turn") == [1]  # busy: queued
-        fin = await store.finish(
+        fin = await store.run(
+            turn_end.finish,
             second.resumed,
             "succeeded",
             "done",
@@ -141,13 +144,13 @@ async def test_the_hot_calls_cost_the_round_trips_pinned(pg_url: str) -> None:
         [(tokens,)] = _sql(pg_url, "SELECT total_tokens FROM agent_steps WHERE step_no = 2")
         assert tokens == 3
         # The next Turn, ended with nothing queued: two round trips.
-        [row] = await store.claim_due("a", 5)
-        start2 = await store.start_turn_step(row, 8)
-        fin2 = await store.finish(start2.head.token, "succeeded", "ok", {}, b"<a2/>")
+        [row] = await store.run1(inbox.claim_due, "a", 5)
+        start2 = await store.run(turns.start_turn_step, row, 8)
+        fin2 = await store.run(turn_end.finish, start2.head.token, "succeeded", "ok", {}, b"<a2/>")
         assert not fin2.next_leased
         assert trips.take("start_turn_step") == [1]
         assert trips.take("finish") == [2]
-        head = await store.head("a")
+        head = await store.read(sql_head.read, "a")
         assert (head.status, head.agent_turn_id) == (HeadStatus.IDLE, None)
     finally:
         await store.aclose()
@@ -168,22 +171,26 @@ async def test_misses_rerun_the_shared_function(pg_url: str, executor: str) -> N
             # The miss: its round trip and its ROLLBACK; then the shared call, as before.
             assert trips.take("start_turn_step") == [2, 7]
         token = start.head.token
-        step_id, _ = await store.begin_step(token)
-        await store.suspend(token, step_id, [ToolCallRecord("t1", "calc", "<add/>")], [], 1e12)
+        step_id, _ = await store.run(turns.begin_step, token)
+        await store.run(
+            tools.suspend, token, step_id, [ToolCallRecord("t1", "calc", "<add/>")], [], 1e12
+        )
         # Fenced out: a stale token fails as before, and writes nothing.
         stale = type(token)(token.agent_id, token.agent_turn_id, token.turn_epoch + 5)
         cards_before = _sql(pg_url, "SELECT count(*) FROM cards")
         with pytest.raises(StaleTurn):
-            await store.finish(stale, "succeeded", "x", {}, b"<x/>")
+            await store.run(turn_end.finish, stale, "succeeded", "x", {}, b"<x/>")
         with pytest.raises(StaleTurn):
-            await store.suspend(stale, step_id, [ToolCallRecord("t9", "c", "<a/>")], [], 1e12)
+            await store.run(
+                tools.suspend, stale, step_id, [ToolCallRecord("t9", "c", "<a/>")], [], 1e12
+            )
         assert _sql(pg_url, "SELECT count(*) FROM cards") == cards_before
         assert _sql(pg_url, "SELECT count(*) FROM agent_replies") == [(0,)]
         # A report for a Turn that moved on is skipped (stale), a duplicate too.
-        await store.report_tool_result("a", "t1", b"<r/>", failed=False)
+        await store.run(inbox.report_tool_result, "a", "t1", b"<r/>", failed=False)
         _sql(pg_url, "UPDATE agent_state_head SET turn_epoch = turn_epoch + 1")
-        [row] = await store.claim_due("a", 5)
-        assert (await store.apply_report(row, then_step=8)).kind == "stale"
+        [row] = await store.run1(inbox.claim_due, "a", 5)
+        assert (await store.run(tools.apply_report, row, then_step=8)).kind == "stale"
         assert _sql(pg_url, "SELECT status FROM turn_waiting_tools") == [("waiting",)]
     finally:
         await store.aclose()
@@ -196,16 +203,16 @@ async def test_a_terminating_tool_ends_without_a_step(pg_url: str, executor: str
         start = await _start(store)
         token = start.head.token
         # A report before its suspend: parked as deferred, without a Turn.
-        await store.report_tool_result("a", "t1", b"<r/>", failed=False)
+        await store.run(inbox.report_tool_result, "a", "t1", b"<r/>", failed=False)
         assert _sql(
             pg_url,
             "SELECT status, agent_turn_id, defer_reason FROM agent_inbox "
             "WHERE correlation_id = 't1'",
         ) == [("deferred", None, "awaiting suspend")]
         call = ToolCallRecord("t1", "calc", "<add/>", after_execution=AfterExecution.TERMINATE)
-        assert await store.suspend(token, start.step_id, [call], [], 1e12) == 1
-        [row] = await store.claim_due("a", 5)
-        out = await store.apply_report(row, then_step=8)
+        assert await store.run(tools.suspend, token, start.step_id, [call], [], 1e12) == 1
+        [row] = await store.run1(inbox.claim_due, "a", 5)
+        out = await store.run(tools.apply_report, row, then_step=8)
         [(card_id,)] = _sql(pg_url, "SELECT result_card_id FROM turn_waiting_tools")
         assert out.resumed is not None and out.terminate_card_id == card_id
         assert out.step is None
@@ -220,10 +227,10 @@ async def test_an_enqueue_leases_the_oldest_queued_turn_as_before(pg_url: str) -
     store = _open(pg_url)
     try:
         trips = Trips(store)
-        await store.ensure_agents(["a"])
-        first = await store.enqueue_turn("a", b"<task>1</task>", {"ref": 1})
+        await store.run(inbox.ensure_agents, ["a"])
+        first = await store.run(inbox.enqueue_turn, "a", b"<task>1</task>", {"ref": 1})
         assert first.leased
-        second = await store.enqueue_turn("a", b"<task>2</task>", {"ref": 2})
+        second = await store.run(inbox.enqueue_turn, "a", b"<task>2</task>", {"ref": 2})
         assert not second.leased
         # The head goes idle without leasing the queued Turn (as after a takeover).
         _sql(
@@ -232,7 +239,7 @@ async def test_an_enqueue_leases_the_oldest_queued_turn_as_before(pg_url: str) -
             "NULL, turn_inbox_id = NULL",
         )
         trips.take("enqueue_turn")
-        third = await store.enqueue_turn("a", b"<task>3</task>", {"ref": 3})
+        third = await store.run(inbox.enqueue_turn, "a", b"<task>3</task>", {"ref": 3})
         assert third.leased  # a lease was made: of the older Turn, as the shared one does
         assert trips.take("enqueue_turn")[0] == 2  # the miss and its ROLLBACK
         [(turn_inbox,)] = _sql(pg_url, "SELECT turn_inbox_id FROM agent_state_head")
@@ -256,8 +263,8 @@ async def test_an_enqueue_leases_the_oldest_queued_turn_as_before(pg_url: str) -
 async def test_a_one_trip_lease_writes_what_the_shared_one_does(pg_url: str) -> None:
     store = _open(pg_url)
     try:
-        await store.ensure_agents(["a"])
-        got = await store.enqueue_turn("a", b"<task>x</task>", {"ref": 1})
+        await store.run(inbox.ensure_agents, ["a"])
+        got = await store.run(inbox.enqueue_turn, "a", b"<task>x</task>", {"ref": 1})
         assert got.leased
         [(status, epoch, turn, inbox_id, ctx, out, tokens)] = _sql(
             pg_url,
@@ -293,19 +300,21 @@ async def test_a_fair_share_enqueue_leases_in_one_trip_and_tags_as_the_shared_le
     settings = StoreSettings(url=pg_url, fair_weights=(("c", 2.0),))
     store = PostgresAgentStore.open(pg_url, settings=settings)
     try:
-        await store.ensure_agents(["a"])
+        await store.run(inbox.ensure_agents, ["a"])
         if clock is not None:
             _sql(pg_url, "INSERT INTO fair_share VALUES ('a', '#v', %s), ('a', 'c', %s)",
                  clock, finish)  # fmt: skip
         trips = Trips(store)
-        got = await store.enqueue_turn("a", b"<task>x</task>", {"ref": 1, "client": "c"})
+        got = await store.run(inbox.enqueue_turn, "a", b"<task>x</task>", {"ref": 1, "client": "c"})
         assert got.leased and trips.take("enqueue_turn") == [1]
         assert sorted(_sql(pg_url, "SELECT client, vfinish FROM fair_share")) == [
             ("#v", start),
             ("c", start + 0.5),
         ]
         # Busy now: the next one queues and moves no tag (its lease will).
-        assert not (await store.enqueue_turn("a", b"<task>y</task>", {"client": "d"})).leased
+        assert not (
+            await store.run(inbox.enqueue_turn, "a", b"<task>y</task>", {"client": "d"})
+        ).leased
         assert len(_sql(pg_url, "SELECT 1 FROM fair_share")) == 2
     finally:
         await store.aclose()
@@ -332,7 +341,9 @@ async def test_a_finish_locks_the_head_before_its_reply_row(pg_url: str) -> None
         got: list[object] = []
 
         async def finish() -> None:
-            got.append(await store.finish(token, "succeeded", "done", {}, b"<answer/>"))
+            got.append(
+                await store.run(turn_end.finish, token, "succeeded", "done", {}, b"<answer/>")
+            )
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(finish)
@@ -373,7 +384,8 @@ async def _worker_turn(store: PostgresAgentStore, agent: str) -> list:
     decision = DecisionRecord("calc", "add", "allow", "r1", "fine")
     refusal = NewCard(CardType.TOOL_REFUSED, "refused", {"to": "x", "rule": "deny"})
     calls = [ToolCallRecord(f"{agent}-t{i}", "calc", "<add/>") for i in (1, 2)]
-    early = await store.suspend(
+    early = await store.run(
+        tools.suspend,
         token,
         str(start.step_id),
         calls,
@@ -385,11 +397,13 @@ async def _worker_turn(store: PostgresAgentStore, agent: str) -> list:
     )
     out = [early]
     for sub, body, failed in (("t1", b"<sum>1</sum>", False), ("t2", b"<e/>", True)):
-        got = await store.apply_tool_result(
-            agent, f"{agent}-{sub}", body, failed=failed, then_step=8
+        got = await store.run(
+            tools.apply_tool_result, agent, f"{agent}-{sub}", body, failed=failed, then_step=8
         )
         out.append((got.kind, got.resumed is not None, got.step is not None and got.step.step_no))
-    dup = await store.apply_tool_result(agent, f"{agent}-t2", b"<e/>", failed=False, then_step=8)
+    dup = await store.run(
+        tools.apply_tool_result, agent, f"{agent}-t2", b"<e/>", failed=False, then_step=8
+    )
     out.append(dup.kind)
     return out
 

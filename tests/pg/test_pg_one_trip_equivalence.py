@@ -23,6 +23,7 @@ from agentserver.agents.store.base import CardType, NewCard, ToolCallRecord, Tur
 from agentserver.agents.store.governance import DecisionRecord, StepRecord
 from agentserver.agents.store.pg import store as pg_store
 from agentserver.agents.store.pg.store import PostgresAgentStore
+from agentserver.agents.store.sql import governance, inbox, tools, turn_end, turns
 from agentserver.agents.store.sql.budgets import HoldOwner, PeriodRow, Spend, row_key
 
 pytestmark = pytest.mark.postgresql
@@ -55,72 +56,78 @@ async def _walk(store: PostgresAgentStore, agent: str) -> list[object]:
     its last step and spend."""
     budget = f"agent:{agent}"
     await store.budget_ensure([PeriodRow(budget, "total", 0.0, math.inf, 10_000, None, 0.005)])
-    await store.ensure_agents([agent])
+    await store.run(inbox.ensure_agents, [agent])
     out: list[object] = []
-    out.append((await store.enqueue_turn(agent, b"<task>x</task>", {"ref": 1})).leased)
-    [row] = await store.claim_due(agent, 5)
-    start = await store.start_turn_step(row, 8)
+    out.append((await store.run(inbox.enqueue_turn, agent, b"<task>x</task>", {"ref": 1})).leased)
+    [row] = await store.run1(inbox.claim_due, agent, 5)
+    start = await store.run(turns.start_turn_step, row, 8)
     token = start.head.token
     assert token is not None and start.step_id is not None
     spend = await _spend(store, agent, token, start.step_id)
-    await store.complete_step(
+    await store.run(
+        turns.complete_step,
         token,
         start.step_id,
         _completion("thinking"),
         [NewCard(CardType.LLM_MESSAGE, "thinking")],
-        spends=[spend],
+        None,
+        [spend],
     )
     out.append([r.budget for r in spend.crossed])
-    step = await store.open_step(token, 8)
+    step = await store.run(turns.open_step, token, 8)
     assert step.step_id is not None
     spend = await _spend(store, agent, token, step.step_id)
     decision = DecisionRecord("calc", "add", "allow", "r1", "fine")
     refusal = NewCard(CardType.TOOL_REFUSED, "refused", {"to": "x", "rule": "deny"})
     calls = [ToolCallRecord(f"{agent}-t{i}", "calc", "<add/>") for i in (1, 2)]
     out.append(
-        await store.suspend(
+        await store.run(
+            tools.suspend,
             token,
             step.step_id,
             calls,
             [NewCard(CardType.HUH, "<huh/>")],
             1e12,
-            completion=_completion("calling"),
-            step_cards=[NewCard(CardType.LLM_MESSAGE, "calling")],
-            screened=StepRecord((decision,), (refusal,)),
-            spends=[spend],
+            _completion("calling"),
+            [NewCard(CardType.LLM_MESSAGE, "calling")],
+            StepRecord((decision,), (refusal,)),
+            [spend],
         )
     )
     # The first report kept in the inbox (the path of a report its Turn's worker
     # claims), then applied from its row; the second applied as it is recorded.
-    await store.report_tool_result(agent, f"{agent}-t1", b"<sum>1</sum>", failed=False)
-    [report] = await store.claim_due(agent, 5)
-    first = await store.apply_report(report, then_step=8)
+    await store.run(inbox.report_tool_result, agent, f"{agent}-t1", b"<sum>1</sum>", False)
+    [report] = await store.run1(inbox.claim_due, agent, 5)
+    first = await store.run(tools.apply_report, report, 8)
     out.append((first.kind, first.resumed is not None))
-    second = await store.apply_tool_result(agent, f"{agent}-t2", b"<e/>", failed=True, then_step=8)
+    second = await store.run(tools.apply_tool_result, agent, f"{agent}-t2", b"<e/>", True, 8)
     assert second.resumed is not None and second.step is not None
     assert second.step.step_id is not None
     out.append((second.kind, second.step.step_no))
     token = second.resumed
-    await store.complete_step(
+    await store.run(
+        governance.complete_screened_step,
         token,
         second.step.step_id,
         _completion("judged"),
         [NewCard(CardType.LLM_MESSAGE, "judged")],
-        screened=StepRecord((decision,), (refusal,)),
+        StepRecord((decision,), (refusal,)),
     )
-    last = await store.open_step(token, 8)
+    last = await store.run(turns.open_step, token, 8)
     assert last.step_id is not None
     spend = await _spend(store, agent, token, last.step_id)
-    fin = await store.finish(
+    fin = await store.run(
+        turn_end.finish,
         token,
         "succeeded",
         "done",
         {"k": 1},
         b"<answer/>",
-        step_id=last.step_id,
-        completion=_completion("done"),
-        cards=[NewCard(CardType.LLM_MESSAGE, "done")],
-        spends=[spend],
+        last.step_id,
+        _completion("done"),
+        [NewCard(CardType.LLM_MESSAGE, "done")],
+        (),
+        [spend],
     )
     out.append((fin.status, fin.reply is not None))
     return out

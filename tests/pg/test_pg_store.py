@@ -17,6 +17,8 @@ from agentserver.agents.store.pg.leases import processes
 from agentserver.agents.store.pg.schema import EXTRAS_DIGEST, migrate_pg
 from agentserver.agents.store.pg.store import PostgresAgentStore
 from agentserver.agents.store.pg.trio_executor import PgTrioExecutor
+from agentserver.agents.store.sql import head as sql_head
+from agentserver.agents.store.sql import inbox, tools, turns
 from agentserver.agents.store.sql.schema import SCHEMA_VERSION
 from agentserver.agents.store.states import HeadStatus, InboxStatus
 
@@ -82,31 +84,32 @@ def test_a_process_starting_beside_a_busy_one_takes_no_table_lock(pg_url: str) -
 
 
 async def _running(store: PostgresAgentStore, agent: str = "a"):
-    await store.ensure_agents([agent])
-    result = await store.enqueue_turn(agent, b"<task>x</task>", {"ref": 1})
+    await store.run(inbox.ensure_agents, [agent])
+    result = await store.run(inbox.enqueue_turn, agent, b"<task>x</task>", {"ref": 1})
     assert result.leased
-    [row] = await store.claim_due(agent, 5)
-    return await store.start_turn(row)
+    [row] = await store.run1(inbox.claim_due, agent, 5)
+    return await store.run(turns.start_turn, row)
 
 
 async def test_claims_skip_rows_another_transaction_holds(pg_url: str) -> None:
     store = _open(pg_url)
     try:
         token = await _running(store)
-        await store.suspend(
+        await store.run(
+            tools.suspend,
             token,
-            (await store.begin_step(token))[0],
+            (await store.run(turns.begin_step, token))[0],
             [ToolCallRecord("t1", "calc", "<add/>"), ToolCallRecord("t2", "calc", "<add/>")],
             [],
             resume_deadline=1e12,
         )
-        first = await store.report_tool_result("a", "t1", b"<sum>1</sum>", failed=False)
-        await store.report_tool_result("a", "t2", b"<sum>2</sum>", failed=False)
+        first = await store.run(inbox.report_tool_result, "a", "t1", b"<sum>1</sum>", failed=False)
+        await store.run(inbox.report_tool_result, "a", "t2", b"<sum>2</sum>", failed=False)
         with psycopg.connect(pg_url) as holder:
             holder.execute("SELECT 1 FROM agent_inbox WHERE inbox_id = %s FOR UPDATE", (first,))
-            rows = await store.claim_due("a", 5)  # no wait: lock_timeout would fail it
+            rows = await store.run1(inbox.claim_due, "a", 5)  # no wait: lock_timeout would fail it
             assert [r.correlation_id for r in rows] == ["t2"]
-        rows = await store.claim_due("a", 5)
+        rows = await store.run1(inbox.claim_due, "a", 5)
         assert [r.inbox_id for r in rows] == [first]
     finally:
         await store.aclose()
@@ -117,18 +120,18 @@ async def test_a_live_process_keeps_its_turns_a_dead_one_loses_them_fenced(pg_ur
     try:
         token = await _running(a)
         assert await b.recover_running() == []  # a's lease is live
-        await a.add_cards(token, [NewCard("sys.note", "still a's")])
+        await a.run(turns.add_cards, token, [NewCard("sys.note", "still a's")])
         # a stops renewing (killed): once its lease is over, b takes the Turn over.
         _sql(pg_url, "UPDATE agentserver_processes SET lease_until = 0 WHERE owner = %s", a.owner)
         [taken] = await b.recover_running()
         assert taken.agent_turn_id == token.agent_turn_id
         assert taken.turn_epoch == token.turn_epoch + 1
         with pytest.raises(StaleTurn):
-            await a.add_cards(token, [NewCard("sys.note", "from the dead")])
-        [resume] = await b.claim_due("a", 5)
+            await a.run(turns.add_cards, token, [NewCard("sys.note", "from the dead")])
+        [resume] = await b.run1(inbox.claim_due, "a", 5)
         assert resume.message_type == "resume" and resume.turn_epoch == taken.turn_epoch
-        assert await b.take_resume(resume) == taken
-        head = await b.head("a")
+        assert await b.run(turns.take_resume, resume) == taken
+        head = await b.read(sql_head.read, "a")
         assert (head.status, head.turn_epoch) == (HeadStatus.RUNNING, taken.turn_epoch)
         owners = [p[0] for p in await b.executor.run(processes, b.env)]
         assert owners == [b.owner]  # a's registration went with its Turns
@@ -143,11 +146,11 @@ async def test_an_expired_lease_is_taken_over_and_tool_calls_time_out(pg_url: st
     b = _open(pg_url)
     try:
         token = await _running(a)
-        step, _ = await a.begin_step(token)
-        await a.suspend(token, step, [ToolCallRecord("t1", "calc", "<add/>")], [], 1e12)
-        await a.ensure_agents(["other"])
-        await a.enqueue_turn("other", b"<task/>", {"ref": 2})
-        [claimed] = await a.claim_due("other", 5)  # a dies holding it in processing
+        step, _ = await a.run(turns.begin_step, token)
+        await a.run(tools.suspend, token, step, [ToolCallRecord("t1", "calc", "<add/>")], [], 1e12)
+        await a.run(inbox.ensure_agents, ["other"])
+        await a.run(inbox.enqueue_turn, "other", b"<task/>", {"ref": 2})
+        [claimed] = await a.run1(inbox.claim_due, "other", 5)  # a dies holding it in processing
         for _ in range(100):  # a's lease (0.3 s) runs out: b's reclaim takes over
             await b.reclaim()
             if _sql(pg_url, "SELECT 1 FROM agent_inbox WHERE message_type = 'timeout'"):
@@ -186,8 +189,8 @@ async def test_serve_hands_a_dead_processs_suspended_turn_to_the_lost_calls_give
 
     try:
         token = await _running(a)
-        step, _ = await a.begin_step(token)
-        await a.suspend(token, step, [ToolCallRecord("t1", "calc", "<add/>")], [], 1e12)
+        step, _ = await a.run(turns.begin_step, token)
+        await a.run(tools.suspend, token, step, [ToolCallRecord("t1", "calc", "<add/>")], [], 1e12)
         async with trio.open_nursery() as nursery:  # a's lease (0.3 s) runs out
             await nursery.start(b.serve, Doorbell(), lost_calls)
             with trio.fail_after(20):
@@ -251,8 +254,8 @@ async def test_work_made_due_rings_every_process(pg_url: str) -> None:
             with trio.fail_after(10):
                 await bell.wait()  # after connecting
                 before = rings
-                await a.ensure_agents(["a"])
-                await a.enqueue_turn("a", b"<task/>", {"ref": 1})
+                await a.run(inbox.ensure_agents, ["a"])
+                await a.run(inbox.enqueue_turn, "a", b"<task/>", {"ref": 1})
                 await bell.wait()
                 assert rings == before + 1
             nursery.cancel_scope.cancel()
@@ -290,16 +293,16 @@ async def test_alone_on_the_store_a_process_rings_itself_instead_of_notifying(
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(a.serve, bell)
-            await a.ensure_agents(["x", "y", "z"])
+            await a.run(inbox.ensure_agents, ["x", "y", "z"])
             assert a.others_alive is False
             with trio.fail_after(10):
                 await bell.wait()  # the listener's first ring, after connecting
-                await a.enqueue_turn("x", b"<task/>", {"ref": 1})
+                await a.run(inbox.enqueue_turn, "x", b"<task/>", {"ref": 1})
                 await bell.wait()  # rung at once, by the store itself
             assert await trio.to_thread.run_sync(heard) == 0
             b = _open(pg_url)  # another process: seen at a's next heartbeat
             await _until(lambda: a.others_alive)
-            await a.enqueue_turn("y", b"<task/>", {"ref": 2})
+            await a.run(inbox.enqueue_turn, "y", b"<task/>", {"ref": 2})
             assert await trio.to_thread.run_sync(heard) >= 1
             # alone again once b is gone; a notification heard ends it at once
             await b.aclose()

@@ -25,6 +25,7 @@ from agentserver.agents.governance.approvals import (
 from agentserver.agents.ports import PROCESS_KEY, ReplyRef, reply_ref_from_json
 from agentserver.agents.runtime import AgentRuntime
 from agentserver.agents.store.base import AgentStore, TurnToken
+from agentserver.agents.store.sql import governance, replies, turns, views
 from agentserver.agents.turn.answer import FAILED, STATUS_ATTR
 from agentserver.agents.turn.memory import SPEAKS_FOR
 from agentserver.agents.turn.scheduler import SCHEDULE_KEY
@@ -167,15 +168,21 @@ class PumpPorts:
         if approver in self.named_clients and self.store is not None and self.clients:
             body = encode(pending.agent_id, approver, new_thread_id(), request)
             with self.clients.keeping():
-                reply_id = await self.store.record_client_reply(
-                    approver, {"approval": pending.request_id}, body, failed=False
+                reply_id = await self.store.run(
+                    replies.record_client_reply,
+                    approver,
+                    {"approval": pending.request_id},
+                    body,
+                    failed=False,
                 )
                 if reply_id:
                     await self.clients.deliver(approver, reply_id, body)
             return
         if self.store is None:
             raise RuntimeError("approval requests need the store")
-        ref = await self.store.turn_reply_ref(TurnToken(pending.agent_id, pending.agent_turn_id, 0))
+        ref = await self.store.read(
+            turns.turn_reply_ref, TurnToken(pending.agent_id, pending.agent_turn_id, 0)
+        )
         if ref is None:
             raise RuntimeError(f"turn {pending.agent_turn_id} has no reply reference")
         await self.call(pending.agent_id, reply_ref_from_json(ref), request, approver)
@@ -208,8 +215,13 @@ class PumpPorts:
             # A flush may offer the reply as soon as it is kept (on PostgreSQL the keep
             # rings this process's own flusher): deliver() must know if it did.
             with self.clients.keeping():
-                reply_id = await self.store.record_client_reply(
-                    identity, ref.to_json(), body, failed=failed, agent_turn_id=turn_id
+                reply_id = await self.store.run(
+                    replies.record_client_reply,
+                    identity,
+                    ref.to_json(),
+                    body,
+                    failed=failed,
+                    agent_turn_id=turn_id,
                 )
                 self.pump.end_hop(ref.hop)  # as an answer would: the hop ends
                 if reply_id:
@@ -236,9 +248,9 @@ async def _sees_request(runtime: AgentRuntime, access: AccessRule, by: str, requ
     approver: an operator, or the sender of the task whose call waits for it."""
     if access.sees_all(by):
         return True
-    for pending in await runtime.store.pending_approvals():
+    for pending in await runtime.store.read(governance.pending_approvals):
         if pending.request_id == request:
-            _caller, _hop, sender = await runtime.store.turn_task(pending.agent_turn_id)
+            _caller, _hop, sender = await runtime.store.read(views.turn_task, pending.agent_turn_id)
             return access.decide(by, sender)
     return False
 

@@ -45,6 +45,7 @@ from lxml import etree
 
 from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.store.base import ClientReplyStore
+from agentserver.agents.store.sql import replies as sql_replies
 from agentserver.core.xmlsafe import canonicalize, make_parser
 from agentserver.net.roles import ClientLink  # declared in net, which implements it
 
@@ -192,7 +193,8 @@ class NamedClientReplies:
             if self._offered.get(rid) is link:
                 del self._offered[rid]
         try:
-            await self.store.ack_client_replies(link.identity, reply_ids)
+            if reply_ids:
+                await self.store.run1(sql_replies.ack_client_replies, link.identity, reply_ids)
         finally:
             receipts.committed(link.identity, reply_ids)
 
@@ -271,14 +273,14 @@ class NamedClientReplies:
         received = False
         try:
             with trio.CancelScope(shield=True):
-                taken = await self.store.take_client_reply(identity, reply_id)
+                taken = await self.store.run1(sql_replies.take_client_reply, identity, reply_id)
                 if taken is None:
                     received = True  # already: by another process, or another path here
                     return True
                 # Nothing awaits from here to the offer: the link's state is as checked.
                 received = link.offer(reply_id, body)
                 if not received:
-                    await self.store.restore_client_reply(taken)
+                    await self.store.run1(sql_replies.restore_client_reply, taken)
                 return received
             # Not reached: nothing cancels a shielded scope from outside (the checker
             # cannot know its exit swallows nothing).
@@ -299,7 +301,9 @@ class NamedClientReplies:
             # Busy until the page is offered: a reply received meanwhile (its receipt
             # committed after the read began) must still be skipped below.
             with receipts.busy():
-                replies = await self.store.pending_client_replies(link.identity, after)
+                replies = await self.store.read(
+                    sql_replies.pending_client_replies, link.identity, after
+                )
                 if not replies:
                     return sent
                 for reply in replies:

@@ -35,6 +35,8 @@ from typing import Protocol
 import httpx
 import trio
 
+from agentserver.agents.store import outbox
+from agentserver.agents.store.base import StoreCalls
 from agentserver.agents.store.outbox import ChannelFigures, OutboxItem, OutboxRow
 
 log = logging.getLogger(__name__)
@@ -56,30 +58,6 @@ FIGURES_S = 5.0
 FAMILY_SLOTS = 8
 #: Done rows are kept this long, then pruned (once a minute), when no ``<retention>`` says.
 KEEP_DONE_S = 24 * 3600.0
-
-
-class OutboxStore(Protocol):
-    """What the sender needs of the store (``SqlAgentStore``'s outbox calls)."""
-
-    async def outbox_enqueue(self, items: Sequence[OutboxItem]) -> int: ...
-    async def outbox_claim(
-        self, owner: str, lease_s: float, limit: int, exclude: Sequence[str] = ()
-    ) -> list[OutboxRow]: ...
-    async def outbox_release(
-        self, seqs: Sequence[int], owner: str, delay_s: float = 0.0
-    ) -> None: ...
-    async def outbox_delivered(self, done: Sequence[tuple[int, str, int]]) -> None: ...
-    async def outbox_failed(
-        self,
-        seq: int,
-        channel: str,
-        error: str,
-        status: int | None,
-        retry_at: float | None,
-        disable_after_s: float | None,
-    ) -> bool: ...
-    async def outbox_figures(self) -> list[ChannelFigures]: ...
-    async def outbox_prune(self, keep_s: float) -> int: ...
 
 
 #: Renders one attempt of a row: (headers, body), given the attempt's time (seconds).
@@ -147,7 +125,7 @@ class Outbox:
 
     def __init__(
         self,
-        store: OutboxStore,
+        store: StoreCalls,
         clock: Callable[[], float],
         *,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -200,7 +178,7 @@ class Outbox:
     async def enqueue(self, items: Sequence[OutboxItem]) -> int:
         """Write ``items`` to the outbox in one store transaction (deduplicated by their
         keys) and wake the sender; how many were new. Atomic: all or none."""
-        n = await self._store.outbox_enqueue(items)
+        n = await self._store.run(outbox.enqueue, items) if items else 0
         self.figures.enqueued += n
         if n:
             self._wake.set()
@@ -240,10 +218,10 @@ class Outbox:
                     now = self._clock()
                     if now >= next_figures:
                         next_figures = now + FIGURES_S
-                        self.channel_figures = await self._store.outbox_figures()
+                        self.channel_figures = await self._store.read(outbox.figures)
                     if now >= next_prune and self._keep_done_s is not None:
                         next_prune = now + 60.0
-                        await self._store.outbox_prune(self._keep_done_s)
+                        await self._store.run(outbox.prune, self._keep_done_s)
                 except Exception as exc:  # the store failing: try again, never die
                     log.warning("outbox: store call failed (retrying): %s", exc)
                     took = 0
@@ -260,8 +238,10 @@ class Outbox:
         """At shutdown (the sender cancelled): record the deliveries done and not yet
         written, so a restart does not send them again. A failure is logged."""
         done, self._done = self._done, []
+        if not done:
+            return
         try:
-            await self._store.outbox_delivered(done)
+            await self._store.run(outbox.delivered, done)
         except Exception as exc:
             log.warning(
                 "outbox: %d deliveries not recorded (they will be sent again): %s", len(done), exc
@@ -276,8 +256,10 @@ class Outbox:
             await trio.sleep(COALESCE_S)  # the deliveries finishing together: one write
             self._done_ready = trio.Event()
             done, self._done = self._done, []
+            if not done:
+                continue
             try:
-                await self._store.outbox_delivered(done)
+                await self._store.run(outbox.delivered, done)
             except Exception as exc:
                 log.warning("outbox: recording %d deliveries failed (retrying): %s", len(done), exc)
                 self._done[:0] = done
@@ -290,7 +272,7 @@ class Outbox:
         # Claim no more than the known channels have free slots for (at least one, for
         # a channel not known yet): rows claimed beyond would only be given back.
         limit = min(CLAIM_LIMIT, max(1, self._free()))
-        rows = await self._store.outbox_claim(self.owner, lease + LEASE_MARGIN_S, limit, full)
+        rows = await self._store.run(outbox.claim, self.owner, lease + LEASE_MARGIN_S, limit, full)
         excess: list[int] = []
         unknown: list[int] = []
         for row in rows:
@@ -307,9 +289,9 @@ class Outbox:
                 self._inflight[channel.name] = self._inflight.get(channel.name, 0) + 1
                 nursery.start_soon(self._deliver, client, channel, row, nursery)
         if excess:
-            await self._store.outbox_release(excess, self.owner)
+            await self._store.run(outbox.release, excess, self.owner)
         if unknown:
-            await self._store.outbox_release(unknown, self.owner, UNKNOWN_DELAY_S)
+            await self._store.run(outbox.release, unknown, self.owner, UNKNOWN_DELAY_S)
         return len(rows) - len(excess) - len(unknown)
 
     def _of_family(self, name: str) -> Channel | None:
@@ -363,8 +345,14 @@ class Outbox:
                     attempt,
                     error,
                 )
-            disabled = await self._store.outbox_failed(
-                row.seq, row.channel, error, status, retry_at, channel.disable_after_s
+            disabled = await self._store.run(
+                outbox.failed,
+                row.seq,
+                row.channel,
+                error,
+                status,
+                retry_at,
+                channel.disable_after_s,
             )
             if disabled:
                 self.figures.disabled += 1

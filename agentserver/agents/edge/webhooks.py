@@ -28,8 +28,8 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -58,7 +58,11 @@ from agentserver.agents.profile.webhooks import (
     check_spec,
     event_matches,
 )
+from agentserver.agents.store import outbox as store_outbox
+from agentserver.agents.store import webhook_rows
+from agentserver.agents.store.base import StoreCalls
 from agentserver.agents.store.outbox import ChannelFigures, OutboxItem
+from agentserver.agents.store.sql import memory
 
 log = logging.getLogger(__name__)
 
@@ -77,23 +81,6 @@ BUFFER_EVENTS = 16384
 BATCH_EVENTS = 256
 #: The longest answer text a ``task.*`` payload carries (longer: cut, ``answer_truncated``).
 ANSWER_CHARS = 65536
-
-
-class WebhookStore(Protocol):
-    """What webhooks need of the store besides the outbox (``SqlAgentStore``)."""
-
-    async def put_webhook(self, name: str, spec: str, secret: str) -> bool: ...
-    async def get_webhooks(self) -> list[tuple[str, str, str]]: ...
-    async def delete_webhook(self, name: str, channel: str) -> bool: ...
-    async def outbox_enable(self, channel: str) -> int: ...
-    async def outbox_figures(self) -> list[ChannelFigures]: ...
-    async def outbox_deliveries(self, channel: str | None, limit: int) -> list[dict[str, Any]]: ...
-    async def turn_conversation(self, agent_turn_id: str) -> tuple[str | None, str | None]: ...
-    async def recent_task_ends(
-        self, since: float
-    ) -> list[tuple[str, str, str, str, str, float]]: ...
-    async def outbox_present_keys(self, keys: Sequence[str]) -> set[str]: ...
-    async def card(self, card_id: str) -> Any: ...
 
 
 class WebhookExists(Exception):
@@ -134,7 +121,7 @@ class WebhookDirectory:
     Built first, from the store and the bus alone; the outbox is given it, and
     :class:`Webhooks` is given both (no callback is set on the outbox afterwards)."""
 
-    def __init__(self, store: WebhookStore, bus: EventBus) -> None:
+    def __init__(self, store: StoreCalls, bus: EventBus) -> None:
         self._store = store
         self._bus = bus
         self._specs: dict[str, WebhookSpec] = {}
@@ -197,7 +184,7 @@ class WebhookDirectory:
         if not name.startswith(CHANNEL_PREFIX):
             return None
         webhook = name[len(CHANNEL_PREFIX) :]
-        for row_name, spec_json, secret in await self._store.get_webhooks():
+        for row_name, spec_json, secret in await self._store.read(webhook_rows.get_webhooks):
             if row_name == webhook:
                 return self.install(spec_from_row(row_name, spec_json, secret))
         return None
@@ -214,7 +201,7 @@ class WebhookDirectory:
         start-up sweep's offer of an event already written adds nothing, and one a
         process killed before writing it is written then."""
         try:
-            figures = await self._store.outbox_figures()
+            figures = await self._store.read(store_outbox.figures)
         except Exception as exc:  # the store failing: the disable itself is durable
             log.warning("webhooks: webhook.disabled not announced: %s", exc)
             return
@@ -241,7 +228,7 @@ class Webhooks:
 
     def __init__(
         self,
-        store: WebhookStore,
+        store: StoreCalls,
         directory: WebhookDirectory,
         outbox: Outbox,
         bus: EventBus,
@@ -281,7 +268,7 @@ class Webhooks:
         :meth:`drain` writes what the buffer still holds)."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            for name, spec_json, secret in await self._store.get_webhooks():
+            for name, spec_json, secret in await self._store.read(webhook_rows.get_webhooks):
                 try:
                     self._install(spec_from_row(name, spec_json, secret))
                 except (WebhookConfigError, ValueError, TypeError, KeyError) as exc:
@@ -316,13 +303,14 @@ class Webhooks:
         try:
             ended = [
                 end
-                for end in await self._store.recent_task_ends(since)
+                for end in await self._store.read(webhook_rows.recent_task_ends, since)
                 if until is None or end[5] <= until
             ]
             present: set[str] = set()
             if missing_only and ended:
-                present = await self._store.outbox_present_keys(
-                    [key for end in ended for key in self._task_keys(end[0], end[1], end[2])]
+                present = await self._store.read(
+                    store_outbox.present_keys,
+                    [key for end in ended for key in self._task_keys(end[0], end[1], end[2])],
                 )
         except Exception as exc:
             log.warning("webhooks: sweep of the Turns ended failed: %s", exc)
@@ -400,7 +388,7 @@ class Webhooks:
         if spec.name in self._directory:
             raise WebhookExists(spec.name)
         stored = json.dumps({k: v for k, v in spec.public().items() if k != "name"})
-        if not await self._store.put_webhook(spec.name, stored, spec.secret):
+        if not await self._store.run(webhook_rows.put_webhook, spec.name, stored, spec.secret):
             raise WebhookExists(spec.name)
         self._install(spec)
         await self._activate()
@@ -411,7 +399,7 @@ class Webhooks:
         spec = self._directory.spec(name)
         if spec is not None and not spec.runtime:
             raise WebhookNotFound(f"{name} is declared in boot.xml")
-        if not await self._store.delete_webhook(name, channel_name(name)):
+        if not await self._store.run(webhook_rows.delete_webhook, name, channel_name(name)):
             raise WebhookNotFound(name)
         self._directory.forget(name)
         self._outbox.remove(channel_name(name))
@@ -420,13 +408,13 @@ class Webhooks:
         """Enable a disabled webhook again (its parked events pending); how many."""
         if name not in self._directory:
             raise WebhookNotFound(name)
-        n = await self._store.outbox_enable(channel_name(name))
+        n = await self._store.run(store_outbox.enable, channel_name(name))
         self._outbox.wake()
         return n
 
     async def status(self) -> list[dict[str, Any]]:
         """Each webhook with its delivery figures (``failing``, ``disabled_at``, ...)."""
-        figures = {f.channel: f for f in await self._store.outbox_figures()}
+        figures = {f.channel: f for f in await self._store.read(store_outbox.figures)}
         out = []
         for spec in self.specs():
             f = figures.get(channel_name(spec.name), ChannelFigures(channel_name(spec.name)))
@@ -436,7 +424,7 @@ class Webhooks:
     async def deliveries(self, name: str, limit: int = 50) -> list[dict[str, Any]]:
         if name not in self._directory:
             raise WebhookNotFound(name)
-        return await self._store.outbox_deliveries(channel_name(name), limit)
+        return await self._store.read(store_outbox.deliveries, channel_name(name), limit)
 
     def _install(self, spec: WebhookSpec) -> None:
         self._outbox.add(self._directory.install(spec))
@@ -524,7 +512,9 @@ class Webhooks:
 
     async def _describe_task(self, etype: str, event: TaskEvent) -> tuple[dict[str, Any], str, str]:
         """(payload data, conversation (the order key's), dedupe key) of a Turn's end."""
-        thread, conversation = await self._store.turn_conversation(event.agent_turn_id)
+        thread, conversation = await self._store.read(
+            webhook_rows.turn_conversation, event.agent_turn_id
+        )
         data: dict[str, Any] = {
             "agent": event.agent_id,
             "turn": event.agent_turn_id,
@@ -533,7 +523,9 @@ class Webhooks:
             "status": event.status,
         }
         card = (
-            await self._store.card(event.deliverable_card_id) if event.deliverable_card_id else None
+            await self._store.read(memory.card, event.deliverable_card_id)
+            if event.deliverable_card_id
+            else None
         )
         if card is not None:
             text = str(card.content)

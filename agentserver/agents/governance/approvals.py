@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol
 
 import trio
 from lxml import etree
@@ -33,8 +32,9 @@ from agentserver.agents.errors import PumpRefused, StaleTurn
 from agentserver.agents.events import EventBus, NoticeEvent
 from agentserver.agents.ports import ToolPort, reply_ref_from_json
 from agentserver.agents.profile.agent import AgentProfile
-from agentserver.agents.store.base import AgentStore, ApprovalStore, InboxRow, IntakeStore
+from agentserver.agents.store.base import AgentStore, InboxRow, StoreCalls
 from agentserver.agents.store.governance import APPROVAL_PREFIX, WAITING_KIND, PendingApproval
+from agentserver.agents.store.sql import governance, inbox, turns
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.primitives.approval import (
@@ -131,7 +131,7 @@ class Approvals:
         if self.send is None:
             return 0
         n = 0
-        for p in await self.store.unsent_approvals():
+        for p in await self.store.read(governance.unsent_approvals):
             try:
                 await self.send(p, request_element(p, max(0.0, p.deadline - self.clock.now())))
             except Exception:
@@ -144,20 +144,23 @@ class Approvals:
             # event by its dedupe key).
             event = requested_event(p)
             rows = self.events.outbox_render()(event) if self.events is not None else ()
-            await self.store.mark_approval_sent(p.request_id, rows)
+            if rows:
+                await self.store.run(governance.mark_approval_sent, p.request_id, rows)
+            else:  # one statement
+                await self.store.run1(governance.mark_approval_sent, p.request_id)
             n += 1
             if self.events is not None:
                 self.events.publish(event, written=bool(rows))
         return n
 
     async def decide(self, request_id: str, grant: bool, reason: str, by: str | None) -> str:
-        status = await self.store.decide_approval(request_id, grant, reason, by)
+        status = await self.store.run(governance.decide_approval, request_id, grant, reason, by)
         if status == "applied":
             self.doorbell.ring()
         return status
 
     async def expire(self) -> int:
-        n = await self.store.expire_approvals(self.clock.now())
+        n = await self.store.run(governance.expire_approvals, self.clock.now())
         if n:
             self.doorbell.ring()
         return n
@@ -168,7 +171,8 @@ class Approvals:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        await self.store.unsend_approvals(listener_approvers)
+        if listener_approvers:
+            await self.store.run1(governance.unsend_approvals, listener_approvers)
         task_status.started()
         while True:
             try:
@@ -179,15 +183,10 @@ class Approvals:
             await trio.sleep(self.interval_s)
 
 
-class ForwardStore(ApprovalStore, IntakeStore, Protocol):
-    """What forwarding a granted call writes: the approval's forward, and the call's
-    failed result when the pump refuses it."""
-
-
 async def forward_granted(
     row: InboxRow,
     *,
-    store: ForwardStore,
+    store: StoreCalls,
     profiles: Mapping[str, AgentProfile],
     tools: ToolPort,
     clock: Clock,
@@ -206,13 +205,13 @@ async def forward_granted(
     refusal of the pump is the call's failed result. The doorbell rings once the forward
     or the refusal is recorded (the call's result may be due). ``profiles`` give the
     target's ``terminate`` and the Turn's resume deadline."""
-    begun = await store.begin_forward(row)
+    begun = await store.run(governance.begin_forward, row)
     if begun is None:
         return
     request_id, token, target, payload = begun
     profile = profiles.get(token.agent_id)
     after = "terminate" if profile is not None and target in profile.terminate_tools else "suspend"
-    ref_json = await store.turn_reply_ref(token)
+    ref_json = await store.read(turns.turn_reply_ref, token)
     if ref_json is None:  # no longer the agent's active Turn
         raise StaleTurn(f"{token}: not the active Turn")
     try:
@@ -220,13 +219,15 @@ async def forward_granted(
         tools.check_call(token.agent_id, element, target)
     except PumpRefused as refused:
         text = etree.tostring(refused.element, encoding="unicode")
-        await store.fail_forward(request_id, row, f"the granted call was refused: {text}")
+        await store.run(
+            governance.fail_forward, request_id, row, f"the granted call was refused: {text}"
+        )
         doorbell.ring()
         return
     sub = new_thread_id()
     deadline = clock.now() + (profile.resume_deadline_s if profile else 60.0)
     try:
-        await store.finish_forward(request_id, row, sub, after, deadline)
+        await store.run(governance.finish_forward, request_id, row, sub, after, deadline)
     except StaleTurn:
         log.info("approval %s: its Turn moved on before the call was forwarded", request_id)
         doorbell.ring()
@@ -242,7 +243,11 @@ async def forward_granted(
             thread=sub,
         )
     except PumpRefused as refused:
-        await store.report_tool_result(
-            token.agent_id, sub, etree.tostring(refused.element), failed=True
+        await store.run(
+            inbox.report_tool_result,
+            token.agent_id,
+            sub,
+            etree.tostring(refused.element),
+            failed=True,
         )
     doorbell.ring()

@@ -37,8 +37,9 @@ from agentserver.agents.policy.guardrails import (
 )
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.reading.parsing import FoundPayload
-from agentserver.agents.store.base import Card, CardType, NewCard, TurnToken
-from agentserver.agents.store.governance import DecisionRecord, GovernanceStore, StepRecord
+from agentserver.agents.store.base import Card, CardType, NewCard, StoreCalls, TurnToken
+from agentserver.agents.store.governance import DecisionRecord, StepRecord
+from agentserver.agents.store.sql import governance
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def _tag(call: FoundPayload) -> str:
 class Governor:
     """Applies an agent's policy and guardrails for the worker (one per worker)."""
 
-    def __init__(self, store: GovernanceStore, clock: Clock) -> None:
+    def __init__(self, store: StoreCalls, clock: Clock) -> None:
         self.store = store
         self.clock = clock
         self.guards = GuardrailRunner()
@@ -159,7 +160,9 @@ class Governor:
                 window: list[float] = []
                 if rule is not None and rule.rate is not None and rule.decision == "allow":
                     key = rate_key(token.agent_id, rule, to, token.agent_turn_id)
-                    window = await self.store.rate_window(key, now - rule.rate.window_s)
+                    window = await self.store.read(
+                        governance.rate_window, key, now - rule.rate.window_s
+                    )
                     window += batch.get(key, [])
                 verdict = evaluate(profile.policy, info, window, now)
                 rule_name = verdict.rule_name
@@ -230,7 +233,9 @@ class Governor:
             out.send.append(Approved(call, {"warn": warnings} if warnings else {}))
         out.record = StepRecord(tuple(decisions), tuple(refusals), tuple(pending))
         if record and out.record:
-            await self.store.record_decisions(token, step_id, decisions, refusals, pending)
+            await self.store.run(
+                governance.record_decisions, token, step_id, decisions, refusals, pending
+            )
         return out
 
     async def guard_results(
@@ -278,7 +283,7 @@ class Governor:
             if halt is not None:
                 break
         if new:
-            await self.store.record_decisions(token, "", [], new)
+            await self.store.run(governance.record_decisions, token, "", [], new)
         return halt
 
 

@@ -19,8 +19,8 @@ P = ParamSpec("P")
 class BudgetStore(abc.ABC):
     """Budget rows and holds. Every method is one transaction (``reserve`` on
     PostgreSQL one statement); a cancel before it commits leaves nothing written.
-    ``SqlAgentStore`` supplies the backend's ``_run`` and ``_read``, as for
-    :class:`~agentserver.agents.store.outbox_calls.OutboxCalls`."""
+    ``SqlAgentStore`` supplies ``_run`` and ``_read`` (its ``run`` and ``read``); these
+    methods are to become ``store.run(budgets.fn, ...)`` calls too."""
 
     @abc.abstractmethod
     async def _run(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:

@@ -21,6 +21,7 @@ import trio
 from agentserver.agents.clock import Clock
 from agentserver.agents.errors import StoreError
 from agentserver.agents.store.base import ViewStore
+from agentserver.agents.store.sql import views
 from agentserver.agents.store.sql.views import FigureRows
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class StoreFigures:
     async def refresh(self) -> bool:
         """Read the figures now; False (and no snapshot) if the store could not answer."""
         try:
-            rows = await self.store.figures()
+            rows = await self.store.read(views.figures)
         except (StoreError, sqlite3.Error) as exc:
             self.snapshot = self.taken_at = None
             if not self._failing:  # once per run of failures

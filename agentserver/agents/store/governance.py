@@ -1,17 +1,14 @@
 """The store's part of governance, as the governor sees it: the policy decisions of each
-step (the rate windows are counted from them) and the refusal cards written with them.
-
-Implemented for every backend by :class:`agentserver.agents.store.sql_store.SqlAgentStore` over
-:mod:`agentserver.agents.store.sql.governance` (tables of schema migration 4).
+step (the rate windows are counted from them), the refusal cards written with them and
+the approvals' rows; written and read by :mod:`agentserver.agents.store.sql.governance`
+(tables of schema migration 4).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-from agentserver.agents.store.rows import NewCard, TurnToken
+from agentserver.agents.store.rows import NewCard
 
 #: The approvals' rows (agents/governance/approvals.py applies them).
 APPROVAL_PREFIX = "approval:"
@@ -63,23 +60,3 @@ class StepRecord:
 
     def __bool__(self) -> bool:
         return bool(self.decisions or self.cards)
-
-
-class GovernanceStore(Protocol):
-    async def rate_window(self, rate_key: str, since: float) -> list[float]:
-        """Times (ascending) of the allowed calls counted under ``rate_key`` after ``since``."""
-        ...
-
-    async def record_decisions(
-        self,
-        token: TurnToken,
-        step_id: str,
-        decisions: Sequence[DecisionRecord],
-        cards: Sequence[NewCard],
-        approvals: Sequence[PendingApproval] = (),
-    ) -> None:
-        """Log the step's decisions, add ``cards`` (refusals) and record ``approvals``
-        (the requests the step waits for), CAS-fenced on running."""
-        ...
-
-    async def turn_decisions(self, agent_turn_id: str) -> list[DecisionRecord]: ...

@@ -28,7 +28,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentserver.agents.store.sql.db import INSERT_CHUNK, StoreEnv, Tx, insert_rows, marks
+from agentserver.agents.store.sql.db import (
+    INSERT_CHUNK,
+    StoreEnv,
+    Tx,
+    insert_rows,
+    marks,
+    skip_locked,
+)
 
 MIGRATION = """
 CREATE TABLE outbox (
@@ -290,12 +297,12 @@ def claim(
     owner: str,
     lease_s: float,
     limit: int,
-    exclude: Sequence[str],
-    lock: str = "",
+    exclude: Sequence[str] = (),
 ) -> list[OutboxRow]:
     """Lease up to ``limit`` due pending rows (not of the channels in ``exclude``) to
-    ``owner`` for ``lease_s`` seconds, oldest due first. ``lock``: the backend's row-lock
-    clause (PostgreSQL's ``FOR UPDATE SKIP LOCKED``), a fixed fragment. Atomic."""
+    ``owner`` for ``lease_s`` seconds, oldest due first; PostgreSQL's skips the rows other
+    processes hold (:func:`~.sql.db.skip_locked`). Atomic."""
+    lock = skip_locked(tx)
     now = env.clock.now()
     skip = f" AND channel NOT IN ({marks(len(exclude))})" if exclude else ""
     rows = tx.all(
@@ -307,7 +314,7 @@ def claim(
     return sorted((_row(r) for r in rows), key=lambda r: (r.next_at, r.seq))
 
 
-def release(tx: Tx, env: StoreEnv, seqs: Sequence[int], owner: str, delay_s: float) -> None:
+def release(tx: Tx, env: StoreEnv, seqs: Sequence[int], owner: str, delay_s: float = 0.0) -> None:
     """Give claimed rows back (claimable again after ``delay_s``), attempts unchanged."""
     if seqs:
         tx.execute(

@@ -30,7 +30,10 @@ from typing import Any, Protocol
 
 import trio
 
+from agentserver.agents.errors import StoreError
 from agentserver.agents.profile.retention import RetentionSettings
+from agentserver.agents.store.base import StoreCalls
+from agentserver.agents.store.sql import prune, prune_records, stats, tombstones
 from agentserver.agents.store.sql.prune import LEASE_S, Pruned
 
 log = logging.getLogger(__name__)
@@ -45,71 +48,10 @@ VACUUM_PAGES = 128
 PAUSE_S = 0.002
 
 
-class PruneStore(Protocol):
-    """What the pruner needs of the store (:class:`~agentserver.agents.store.sql_store.SqlAgentStore`)."""
+class PruneStore(StoreCalls, Protocol):
+    """What the pruner needs of the store (:class:`~agentserver.agents.store.sql_store.SqlAgentStore`):
+    its calls, and the backend's page and WAL hooks."""
 
-    async def take_prune_lease(self, owner: str, lease_s: float) -> bool: ...
-    async def release_prune_lease(self, owner: str) -> None: ...
-    async def prune_tasks(
-        self,
-        owner: str | None,
-        agent_id: str,
-        max_age_s: float,
-        keep_last: int | None,
-        limit: int,
-        dry_run: bool = False,
-        after: int = 0,
-    ) -> Pruned: ...
-    async def prune_orphan_boxes(
-        self,
-        owner: str | None,
-        agent_id: str,
-        max_age_s: float,
-        limit: int,
-        dry_run: bool = False,
-    ) -> Pruned: ...
-    async def prune_events(
-        self,
-        owner: str | None,
-        agent_id: str,
-        max_age_s: float,
-        limit: int,
-        dry_run: bool = False,
-        after: int = 0,
-    ) -> Pruned: ...
-    async def prune_replies(
-        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
-    ) -> Pruned: ...
-    async def prune_step_log(
-        self,
-        owner: str | None,
-        max_age_s: float,
-        limit: int,
-        dry_run: bool = False,
-        after: int = 0,
-    ) -> Pruned: ...
-    async def prune_tombstones(
-        self, owner: str | None, max_age_s: float, limit: int, dry_run: bool = False
-    ) -> Pruned: ...
-    async def prune_deliveries(
-        self,
-        owner: str | None,
-        max_age_s: float,
-        limit: int,
-        dry_run: bool = False,
-        after: int = 0,
-    ) -> Pruned: ...
-    async def prune_schedule_runs(
-        self, owner: str | None, agent_id: str, max_age_s: float, limit: int, dry_run: bool = False
-    ) -> Pruned: ...
-    async def prune_refused_a2a_tasks(
-        self, owner: str | None, agent_id: str, max_age_s: float, limit: int, dry_run: bool = False
-    ) -> Pruned: ...
-    async def rehearse_prune(
-        self, passes: Sequence[tuple[str, str, tuple[Any, ...], bool]]
-    ) -> list[tuple[str, Pruned]]: ...
-    async def store_agents(self) -> list[str]: ...
-    async def record_agents(self) -> tuple[list[str], list[str]]: ...
     async def reclaim_pages(self, max_pages: int) -> int: ...
     async def checkpoint_after_prune(self) -> None: ...
 
@@ -187,12 +129,12 @@ class Pruner:
     ) -> PruneReport:
         """One pass over the store; ``progress`` is called after every batch. A dry run
         takes no lease and deletes nothing: it runs the pass in one transaction of the
-        store, rolled back (``rehearse_prune``), so it counts exactly what a prune run
+        store, rolled back (``prune.rehearse``), so it counts exactly what a prune run
         now removes (it holds the store's write lock meanwhile)."""
         report = PruneReport()
         owner: str | None = None
         if not dry_run:
-            if not await self.store.take_prune_lease(self.owner, self.lease_s):
+            if not await self.store.run(prune.take_lease, self.owner, self.lease_s):
                 report.skipped = True
                 return report
             owner = self.owner
@@ -201,7 +143,7 @@ class Pruner:
         finally:
             if owner is not None:
                 with trio.CancelScope(shield=True):
-                    await self.store.release_prune_lease(owner)
+                    await self.store.run(prune.release_lease, owner)
         self.runs += 1
         self.last = report
         if not dry_run:
@@ -243,24 +185,40 @@ class Pruner:
             r = self.settings.for_agent(a)
             if (age := r.finished_tasks_s) is not None:
                 out += [
-                    ("task_rows", "prune_tasks", (a, age, r.keep_last), TASK_BATCH, True),
-                    ("boxes", "prune_orphan_boxes", (a, age), ROW_BATCH, False),
+                    ("task_rows", prune.prune_tasks, (a, age, r.keep_last), TASK_BATCH, True),
+                    ("boxes", prune.prune_orphan_boxes, (a, age), ROW_BATCH, False),
                 ]
                 if a in scheduled:
-                    out.append(("schedule_runs", "prune_schedule_runs", (a, age), ROW_BATCH, False))
+                    out.append(
+                        (
+                            "schedule_runs",
+                            prune_records.prune_schedule_runs,
+                            (a, age),
+                            ROW_BATCH,
+                            False,
+                        )
+                    )
                 if a in refused:
-                    out.append(("a2a_tasks", "prune_refused_a2a_tasks", (a, age), ROW_BATCH, False))
+                    out.append(
+                        (
+                            "a2a_tasks",
+                            prune_records.prune_refused_a2a_tasks,
+                            (a, age),
+                            ROW_BATCH,
+                            False,
+                        )
+                    )
             if (events := r.events_s) is not None:
-                out.append(("execution_edges", "prune_events", (a, events), ROW_BATCH, True))
+                out.append(("execution_edges", prune.prune_events, (a, events), ROW_BATCH, True))
         g = self.settings
         if (replies := g.acknowledged_replies_s) is not None:
-            out.append(("agent_replies", "prune_replies", (replies,), ROW_BATCH, False))
+            out.append(("agent_replies", prune.prune_replies, (replies,), ROW_BATCH, False))
         if (stones := g.tombstones_s) is not None:
-            out.append(("pruned_turns", "prune_tombstones", (stones,), ROW_BATCH, False))
+            out.append(("pruned_turns", tombstones.prune_tombstones, (stones,), ROW_BATCH, False))
         if (steps := g.step_log_s) is not None:
-            out.append(("step_log", "prune_step_log", (steps,), ROW_BATCH, True))
+            out.append(("step_log", prune.prune_step_log, (steps,), ROW_BATCH, True))
         if (deliveries := g.deliveries_s) is not None:
-            out.append(("outbox", "prune_deliveries", (deliveries,), ROW_BATCH, True))
+            out.append(("outbox", prune_records.prune_deliveries, (deliveries,), ROW_BATCH, True))
         return out
 
     async def _pass(
@@ -270,20 +228,29 @@ class Pruner:
         dry_run: bool,
         progress: Callable[[PruneReport], None] | None,
     ) -> None:
-        agents = sorted(set(self.agents) | set(await self.store.store_agents()))
-        scheduled, refused = await self.store.record_agents()
+        agents = sorted(set(self.agents) | set(await self.store.read(stats.agent_ids)))
+        scheduled, refused = await self.store.read(stats.record_agents)
         passes = self._passes(agents, scheduled, refused)
         if dry_run:
             # The prune itself in one transaction, rolled back: exactly what it removes.
-            rehearsal = [(kind, method, args, paged) for kind, method, args, _, paged in passes]
-            for kind, got in await self.store.rehearse_prune(rehearsal):
+            rehearsal = [(kind, fn, args, paged) for kind, fn, args, _, paged in passes]
+            try:
+                await self.store.run(prune.rehearse, rehearsal)
+            except prune.Rehearsed as done:
+                results = done.results
+            else:
+                raise StoreError("a prune rehearsal ended without rolling back")
+            for kind, got in results:
                 report.add(kind, got)
             if progress is not None:
                 progress(report)
             return
-        for kind, method, args, batch, paged in passes:
-            fn = getattr(self.store, method)
-            call = _paged(fn, owner, args) if paged else _unpaged(fn, owner, args)
+        for kind, fn, args, batch, paged in passes:
+            call = (
+                _paged(self.store, fn, owner, args)
+                if paged
+                else _unpaged(self.store, fn, owner, args)
+            )
             await self._batches(report, kind, call, batch, progress)
         while (freed := await self.store.reclaim_pages(VACUUM_PAGES)) > 0:
             report.pages += freed
@@ -295,20 +262,23 @@ class Pruner:
         await self.store.checkpoint_after_prune()
 
 
-#: One pass: (the report's kind, the store's batch method, its arguments between the
-#: owner and the limit, the batch size, whether a batch resumes after the last one's key).
-_Pass = tuple[str, str, tuple[Any, ...], int, bool]
+#: A pass's batch function (agents/store/sql/prune.py, prune_records.py, tombstones.py):
+#: ``fn(tx, env, owner, *args, limit, dry_run[, after])``.
+_Batch = Callable[..., Pruned]
+#: One pass: (the report's kind, its batch function, its arguments between the owner and
+#: the limit, the batch size, whether a batch resumes after the last one's key).
+_Pass = tuple[str, _Batch, tuple[Any, ...], int, bool]
 
 
 def _paged(
-    fn: Callable[..., Awaitable[Pruned]], owner: str | None, args: tuple[Any, ...]
+    store: StoreCalls, fn: _Batch, owner: str | None, args: tuple[Any, ...]
 ) -> Callable[[int, int], Awaitable[Pruned]]:
     """A batch call of a pass that resumes where the last batch ended (``after``)."""
-    return lambda limit, after: fn(owner, *args, limit, False, after)
+    return lambda limit, after: store.run(fn, owner, *args, limit, False, after)
 
 
 def _unpaged(
-    fn: Callable[..., Awaitable[Pruned]], owner: str | None, args: tuple[Any, ...]
+    store: StoreCalls, fn: _Batch, owner: str | None, args: tuple[Any, ...]
 ) -> Callable[[int, int], Awaitable[Pruned]]:
     """A batch call of a pass that finds its rows afresh each batch."""
-    return lambda limit, _after: fn(owner, *args, limit, False)
+    return lambda limit, _after: store.run(fn, owner, *args, limit, False)

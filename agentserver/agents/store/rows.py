@@ -147,7 +147,7 @@ class NewCard:
 
 @dataclass(frozen=True, slots=True)
 class BoxSwap:
-    """A compaction that waits for its step (issue 12): :meth:`~.base.TurnStore.complete_step`
+    """A compaction that waits for its step (issue 12): :func:`~.sql.turns.complete_step`
     swaps the Turn's boxes to [``summary``] + [copies of the ``keep`` cards, in order] and
     adds the step's cards to the new output box, all in the step's compare-and-set
     transaction. ``correction``: tokens the provider counted above the estimate."""
@@ -196,7 +196,7 @@ class Finished:
 @dataclass(frozen=True, slots=True)
 class StepStart:
     """A step begun, with what its model call needs, read in the step's own transaction
-    (:meth:`~.base.TurnStore.open_step`): the head as updated (``step_count`` counts this step)
+    (:func:`~.sql.turns.open_step`): the head as updated (``step_count`` counts this step)
     and the cards of the Turn's two boxes. ``step_id`` is None when the step limit was
     reached: then no step was begun and the head is as it was. ``hold``: its first model
     call's reservation, when taken in the same transaction (spend budgets)."""

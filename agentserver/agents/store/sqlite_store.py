@@ -293,15 +293,15 @@ class SqliteAgentStore(SqlAgentStore):
         db.execute("COMMIT")
         return result
 
-    async def _run(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    async def run(self, fn: StoreFn[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         # Inline on the trio thread: no await inside, so transactions never interleave.
         return self._transact(fn, *args, **kwargs)
 
-    async def _run1(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    async def run1(self, fn: StoreFn[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         # One statement in autocommit is its own transaction (same lock, same busy wait).
         return fn(self._tx, self.env, *args, **kwargs)
 
-    async def _read(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    async def read(self, fn: StoreFn[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         # A single reader statement needs no BEGIN (autocommit reads one snapshot each).
         return fn(self._tx, self.env, *args, **kwargs)
 

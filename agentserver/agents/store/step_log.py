@@ -202,7 +202,7 @@ class StoreStepLog:
         writes; bounded by :data:`FLUSH_WAIT_S`)."""
         with trio.move_on_after(FLUSH_WAIT_S):
             await self.flush()
-        return await self._store.step_rows(step, listener, after, limit)
+        return await self._store.read(select_rows, step, listener, after, limit)
 
     def _take_buffered(self) -> int:
         """Move buffered rows into the batch (up to :data:`BATCH_ROWS`); how many."""
@@ -217,7 +217,7 @@ class StoreStepLog:
 
     async def _write(self) -> None:
         batch = self._batch
-        await self._store.record_steps(batch)
+        await self._store.run(record_rows, batch)
         # No checkpoint between the write and this bookkeeping: a cancel arriving during
         # a PostgreSQL write lands after it (the thread is never abandoned).
         self._batch = []

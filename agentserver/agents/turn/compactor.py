@@ -12,6 +12,8 @@ from agentserver.agents.ports import LLMMessage, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.budget import card_tokens
 from agentserver.agents.store.base import BoxSwap, Card, CardType, NewCard, TurnStore, TurnToken
+from agentserver.agents.store.sql import head as sql_head
+from agentserver.agents.store.sql import memory
 from agentserver.agents.turn.compaction import (
     SUMMARY,
     SUMMARY_SYSTEM,
@@ -29,9 +31,9 @@ async def turn_cards(
 ) -> list[Card]:
     cards: list[Card] = []
     if context_box:
-        cards += await store.cards(context_box)
+        cards += await store.read(memory.cards, context_box)
     if output_box:
-        cards += await store.cards(output_box)
+        cards += await store.read(memory.cards, output_box)
     return cards
 
 
@@ -80,7 +82,7 @@ async def compact_turn(
 
     Raises ``LLMUnavailable`` when a summary call fails (the caller's retry rule applies).
     """
-    head = await store.head(token.agent_id)
+    head = await store.read(sql_head.read, token.agent_id)
     cards = await turn_cards(store, head.context_box_id, head.output_box_id)
     p = plan(cards, profile.budget, keep_nothing=keep_nothing)
     if not p.older:

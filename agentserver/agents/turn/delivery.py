@@ -21,6 +21,8 @@ from agentserver.agents.events import EventBus, StateEvent, TaskEvent
 from agentserver.agents.ports import ReplyPort
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.store.base import AgentStore, Finished, PendingReply
+from agentserver.agents.store.sql import replies as sql_replies
+from agentserver.agents.store.sql import turn_end
 from agentserver.agents.turn.answer import answer_bytes
 from agentserver.core.xmlsafe import make_parser
 
@@ -72,7 +74,7 @@ class SentMarks:
         """Mark a Turn's reply sent: soon (the flusher's next batch), or now when the
         flusher does not run."""
         if not self._running:
-            await self._store.mark_reply_sent(agent_turn_id)
+            await self._store.run1(sql_replies.mark_reply_sent, agent_turn_id)
             return
         self._waiting.append(agent_turn_id)
         self._wake.set()
@@ -107,7 +109,7 @@ class SentMarks:
         batch = self._waiting[:MARKS_PER_BATCH]
         del self._waiting[:MARKS_PER_BATCH]
         try:
-            await self._store.mark_replies_sent(batch)
+            await self._store.run1(sql_replies.mark_replies_sent, batch)
         except Exception:
             # Left pending: the watchdog sends them again (the pump drops a duplicate).
             log.warning("%d replies sent but not marked so", len(batch), exc_info=True)
@@ -163,7 +165,7 @@ class TurnEnder:
             payload = etree.fromstring(reply.payload, make_parser())
         except (ValueError, etree.XMLSyntaxError):
             log.error("reply of turn %s is unreadable; giving up", turn_id)
-            await store.mark_reply_attempt(turn_id, give_up=True)
+            await store.run1(sql_replies.mark_reply_attempt, turn_id, give_up=True)
             return False
         try:
             await self.replies.deliver(ref, payload, failed=reply.failed, turn_id=turn_id)
@@ -175,7 +177,7 @@ class TurnEnder:
         except Exception:
             log.warning("reply of turn %s not delivered", turn_id, exc_info=True)
             give_up = reply.attempts + 1 >= self.max_attempts
-            await store.mark_reply_attempt(turn_id, give_up=give_up)
+            await store.run1(sql_replies.mark_reply_attempt, turn_id, give_up=give_up)
             return False
         await self.marks.mark(turn_id)
         return True
@@ -196,7 +198,8 @@ class TurnEnder:
         the end commits, before the answer is sent. The Turn that ended, None when the
         fence matched no Turn (nothing ended)."""
         profile = self.profiles.get(agent_id)
-        finished = await self.store.force_end(
+        finished = await self.store.run(
+            turn_end.force_end,
             agent_id,
             status,
             text,

@@ -19,6 +19,8 @@ from agentserver.agents.governance.budgets import spent
 from agentserver.agents.ports import LLMCompletion
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.store.base import AgentStore, Head, NewCard, Spend, TaskStatus, TurnToken
+from agentserver.agents.store.sql import head as sql_head
+from agentserver.agents.store.sql import turn_end
 from agentserver.agents.store.states import HeadStatus
 from agentserver.agents.turn.answer import answer_bytes
 from agentserver.agents.turn.delivery import TurnEnder
@@ -46,7 +48,7 @@ class TurnHold:
         One head read (no write, so nothing to undo on cancel). A later write of the run
         is fenced again by the store's own compare-and-set: this check only keeps the
         run from sending anything new (a tool call, a model call) once fenced out."""
-        head = await self.store.head(token.agent_id)
+        head = await self.store.read(sql_head.read, token.agent_id)
         if head.token != token or head.status != status:
             raise StaleTurn(f"{token} is no longer {status}")
         return head
@@ -64,7 +66,7 @@ class TurnHold:
         complete in the same transaction (its model calls settled in their budgets with
         it).
 
-        The end is one compare-and-set transaction (``store.finish``: the deliverable, the
+        The end is one compare-and-set transaction (``turn_end.finish``: the deliverable, the
         reply in the outbox, the head released), atomic: StaleTurn when the Turn was no
         longer ``token``'s, with nothing written. Then its TaskEvent and reply
         (:meth:`TurnEnder.after`). Cancelled after the commit, the reply is left pending
@@ -79,7 +81,8 @@ class TurnHold:
         # Other Turns' replies sent meanwhile are marked so in this transaction.
         sent = self.ender.marks.take()
         try:
-            fin = await self.store.finish(
+            fin = await self.store.run(
+                turn_end.finish,
                 token,
                 status,
                 text,

@@ -32,6 +32,7 @@ from agentserver.agents.store.base import (
     TurnToken,
 )
 from agentserver.agents.store.rows import client_of
+from agentserver.agents.store.sql import turns
 from agentserver.agents.store.sql.budgets import HoldRequest
 from agentserver.agents.turn.compactor import PendingSwap, compact_turn
 from agentserver.agents.turn.hold import TurnHold
@@ -239,7 +240,7 @@ class ModelStep:
                     if pending is not None:
                         return Completed(completion, replace(pending.swap, correction=max(over, 0)))
                     if over > 0:
-                        await self.store.add_context_tokens(token, over)
+                        await self.store.run1(turns.add_context_tokens, token, over)
                     return Completed(completion, None)
         except StaleTurn:
             raise
@@ -353,7 +354,8 @@ class ModelStep:
     ) -> None:
         """Record the retry wait durably and let go of the Turn: the dispatcher takes the
         ``resume`` row when it is due (after a restart too); a stop ends the Turn."""
-        await self.store.retry_step(
+        await self.store.run(
+            turns.retry_step,
             token,
             step_id,
             attempt=retry.attempt,

@@ -18,6 +18,8 @@ from collections.abc import Collection
 from agentserver.agents.errors import PumpRefused, StaleTurn
 from agentserver.agents.ports import ToolPort, reply_ref_from_json
 from agentserver.agents.store.base import TurnToken, WatchdogStore
+from agentserver.agents.store.sql import tools as sql_tools
+from agentserver.agents.store.sql import turns
 from agentserver.core.threads import new_thread_id
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.steps.retry import KEY_FIELD
@@ -36,12 +38,12 @@ async def resend_waiting(
     Turn then waits for them until ``deadline`` at least. Returns how many were sent and
     the ids of the waiting calls left alone (to be reported lost). Raises StaleTurn when the
     Turn moved on."""
-    calls = await store.waiting_calls(token)
+    calls = await store.read(sql_tools.waiting_calls, token)
     lost = [c.tool_call_id for c in calls if c.to not in retryable]
     again = [c for c in calls if c.to in retryable]
     if not again:
         return 0, lost
-    ref_json = await store.turn_reply_ref(token)
+    ref_json = await store.read(turns.turn_reply_ref, token)
     if ref_json is None:  # the Turn is no longer the agent's active one
         raise StaleTurn(f"{token}: not the active Turn")
     ref = reply_ref_from_json(ref_json)
@@ -57,7 +59,7 @@ async def resend_waiting(
             lost.append(call.tool_call_id)
             continue
         sub = new_thread_id()
-        await store.rebind_call(token, call.tool_call_id, sub, deadline)
+        await store.run(sql_tools.rebind_call, token, call.tool_call_id, sub, deadline)
         try:
             await tools.call(token.agent_id, ref, element, call.to, key=key, thread=sub)
         except PumpRefused:

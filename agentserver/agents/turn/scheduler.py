@@ -24,6 +24,7 @@ from agentserver.agents.ports import ReplyRef
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.schedule import ScheduleInvalid, ScheduleSpec, missed
 from agentserver.agents.store.base import AgentStore, Finished, Fired, ScheduleRow
+from agentserver.agents.store.sql import schedules
 from agentserver.agents.turn.answer import answer_bytes
 from agentserver.agents.turn.memory import CLIENT
 
@@ -92,8 +93,10 @@ class Scheduler:
         down is due now); those no longer declared are deleted."""
         now = self.clock.now()
         for spec in self.declared:
-            await self.store.put_schedule(spec, "boot", spec.next_tick(now), new=False)
-        await self.store.drop_boot_schedules([s.name for s in self.declared])
+            await self.store.run(
+                schedules.put_schedule, spec, "boot", spec.next_tick(now), new=False
+            )
+        await self.store.run(schedules.drop_boot_schedules, [s.name for s in self.declared])
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self.sync_declared()
@@ -118,7 +121,7 @@ class Scheduler:
         """Fire (or count skipped) every tick due now; returns when to look again. Each
         tick is one store transaction; a tick another process claimed is left alone."""
         now = self.clock.now()
-        rows = await self.store.list_schedules()
+        rows = await self.store.read(schedules.list_schedules)
         until = now + (self.poll_s if rows else max(self.poll_s, IDLE_POLL_S))
         for row in rows:
             if row.paused or row.next_tick is None or row.spec.agent not in self.profiles:
@@ -131,7 +134,7 @@ class Scheduler:
             until = now  # more may be due: look again at once
             if now - tick > spec.catchup_window_s:
                 count, after = missed(spec, tick, now - spec.catchup_window_s)
-                if await self.store.skip_missed_ticks(spec.name, tick, after, count):
+                if await self.store.run(schedules.skip_missed, spec.name, tick, after, count):
                     log.warning("schedule %s: %d tick(s) missed, skipped", spec.name, count)
                 continue
             await self.fire(row, tick, spec.next_tick(tick))
@@ -141,7 +144,8 @@ class Scheduler:
         """Claim ``tick`` (None ``next_tick``: a manual trigger, now) and start its run."""
         spec = row.spec
         profile = self.profiles[spec.agent]
-        fired = await self.store.fire_schedule(
+        fired = await self.store.run(
+            schedules.fire,
             spec.name,
             tick,
             next_tick,
@@ -161,7 +165,7 @@ class Scheduler:
 
     async def trigger(self, name: str) -> Fired | None:
         """Start a run of ``name`` now (its overlap applies), outside its ticks."""
-        row = await self.store.get_schedule(name)
+        row = await self.store.read(schedules.get_schedule, name)
         if row.spec.agent not in self.profiles:
             raise StoreError(f"schedule {name!r}: agent {row.spec.agent!r} is not served here")
         return await self.fire(row, self.clock.now(), None)
@@ -174,22 +178,24 @@ class Scheduler:
         if spec.agent not in self.profiles:
             raise ScheduleInvalid(f"no agent {spec.agent!r}")
         source = API_SOURCE if owner is None else f"{API_SOURCE}:{owner}"
-        await self.store.put_schedule(spec, source, spec.next_tick(self.clock.now()), new=True)
+        await self.store.run(
+            schedules.put_schedule, spec, source, spec.next_tick(self.clock.now()), new=True
+        )
         self.wake()
-        return await self.store.get_schedule(spec.name)
+        return await self.store.read(schedules.get_schedule, spec.name)
 
     async def pause(self, name: str, paused: bool) -> ScheduleRow:
-        row = await self.store.get_schedule(name)
+        row = await self.store.read(schedules.get_schedule, name)
         nxt = None if paused else row.spec.next_tick(self.clock.now())
-        out = await self.store.set_schedule_paused(name, paused, nxt)
+        out = await self.store.run(schedules.set_paused, name, paused, nxt)
         self.wake()
         return out
 
     async def delete(self, name: str) -> None:
-        await self.store.delete_schedule(name)
+        await self.store.run(schedules.delete_schedule, name)
 
     async def get(self, name: str) -> ScheduleRow:
-        return await self.store.get_schedule(name)
+        return await self.store.read(schedules.get_schedule, name)
 
     async def list(self) -> list[ScheduleRow]:
-        return await self.store.list_schedules()
+        return await self.store.read(schedules.list_schedules)

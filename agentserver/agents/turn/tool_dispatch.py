@@ -40,6 +40,8 @@ from agentserver.agents.store.base import (
     TurnToken,
 )
 from agentserver.agents.store.governance import StepRecord as ScreenRecord
+from agentserver.agents.store.sql import governance, inbox, memory, turns
+from agentserver.agents.store.sql import tools as sql_tools
 from agentserver.agents.store.states import HeadStatus
 from agentserver.agents.turn.hold import TurnHold
 from agentserver.agents.turn.machine import (
@@ -111,7 +113,7 @@ class ToolDispatch:
         if history is None:
             head = await self.hold.fence(token)
             box = head.output_box_id
-            history = await self.store.cards(box) if box else []
+            history = await self.store.read(memory.cards, box) if box else []
         return await self.governor.screen(
             token, step_id, step_no, profile, history, calls, record=record
         )
@@ -196,10 +198,11 @@ class ToolDispatch:
             if step is not None:
                 await self._complete(token, step, cards, record)
             else:
-                await self.store.add_cards(token, cards)
+                await self.store.run(turns.add_cards, token, cards)
             return NoToolsSent()
         deadline = self.clock.now() + profile.resume_deadline_s
-        early = await self.store.suspend(
+        early = await self.store.run(
+            sql_tools.suspend,
             token,
             step_id,
             records,
@@ -239,14 +242,27 @@ class ToolDispatch:
     ) -> None:
         """Write a step that sends nothing: its reply, the screening's record and
         ``cards`` (the pump's refusals) in one compare-and-set, its model calls settled."""
-        await self.store.complete_step(
-            token,
-            step.step_id,
-            step.completion,
-            [*step.cards, *cards],
-            screened=screened,
-            spends=step.spends,
-        )
+        written = [*step.cards, *cards]
+        if screened:
+            await self.store.run(
+                governance.complete_screened_step,
+                token,
+                step.step_id,
+                step.completion,
+                written,
+                screened,
+                step.spends,
+            )
+        else:
+            await self.store.run(
+                turns.complete_step,
+                token,
+                step.step_id,
+                step.completion,
+                written,
+                None,
+                step.spends,
+            )
         spent(self.events, step.spends)
 
     async def _send(
@@ -283,8 +299,12 @@ class ToolDispatch:
                 except PumpRefused as no:
                     record_error(span, "refused")
                     log.warning("turn %s: the call to %s was refused", token.agent_turn_id, to)
-                    await self.store.report_tool_result(
-                        token.agent_id, sub_thread, etree.tostring(no.element), failed=True
+                    await self.store.run(
+                        inbox.report_tool_result,
+                        token.agent_id,
+                        sub_thread,
+                        etree.tostring(no.element),
+                        failed=True,
                     )
                     refused += 1
         return refused
@@ -304,7 +324,7 @@ class ToolDispatch:
         step); else as :meth:`call`."""
         head = await self.hold.fence(token)
         box = head.output_box_id
-        cards = await self.store.cards(box) if box else []
+        cards = await self.store.read(memory.cards, box) if box else []
         if not cards or cards[-1].card_type != CardType.LLM_MESSAGE:
             return NoToolsSent()
         said = cards[-1]

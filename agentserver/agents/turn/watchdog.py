@@ -25,6 +25,7 @@ from agentserver.agents.errors import StaleTurn
 from agentserver.agents.governance.budgets import Budgets
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import TaskStatus, WatchdogStore
+from agentserver.agents.store.sql import inbox, replies, tools, watchdog
 from agentserver.agents.store.states import HeadStatus
 from agentserver.agents.turn.delivery import TurnEnder
 
@@ -56,29 +57,31 @@ class Watchdog:
         """One pass; returns counts of what it did (for tests and logs)."""
         s = self.settings
         done = {"requeued": 0, "timeouts": 0, "ended": 0, "replies": 0}
-        done["requeued"] = await self.store.requeue_stuck(s.processing_timeout_s)
-        for token in await self.store.expired_suspensions():
+        done["requeued"] = await self.store.run1(inbox.requeue_stuck, s.processing_timeout_s)
+        for token in await self.store.read(watchdog.expired_suspensions):
             try:
-                done["timeouts"] += await self.store.inject_timeouts(token)
+                done["timeouts"] += await self.store.run(tools.inject_timeouts, token)
             except StaleTurn:
                 continue
-        for head in await self.store.stale_dispatched(s.dispatch_timeout_s):
+        for head in await self.store.read(watchdog.stale_dispatched, s.dispatch_timeout_s):
             text = f"the task was dispatched but never started within {s.dispatch_timeout_s:g} s"
             done["ended"] += await self._end(
                 head.agent_id, head.agent_turn_id, head.turn_epoch, HeadStatus.DISPATCHED, text
             )
-        for head in await self.store.overdue_running(s.max_running_s):
+        for head in await self.store.read(watchdog.overdue_running, s.max_running_s):
             text = f"the task ran longer than {s.max_running_s:g} s and was ended"
             done["ended"] += await self._end(
                 head.agent_id, head.agent_turn_id, head.turn_epoch, HeadStatus.RUNNING, text
             )
-        for reply in await self.store.pending_replies(64, older_than_s=s.processing_timeout_s):
+        for reply in await self.store.read(
+            replies.pending_replies, 64, older_than_s=s.processing_timeout_s
+        ):
             done["replies"] += await self.ender.resend(reply)
         if self.budgets is not None:
             done["holds"] = await self.budgets.release_expired()
             if done["holds"]:
                 log.warning("budget holds of dead calls released: %d", done["holds"])
-        if done["requeued"] or done["timeouts"] or await self.store.due_agents(1):
+        if done["requeued"] or done["timeouts"] or bool(await self.store.read(inbox.due_agents, 1)):
             self.doorbell.ring()
         return done
 

@@ -56,6 +56,8 @@ from agentserver.agents.store.base import (
     TurnToken,
 )
 from agentserver.agents.store.rows import client_of
+from agentserver.agents.store.sql import inbox, memory, turn_end, turns
+from agentserver.agents.store.sql import tools as sql_tools
 from agentserver.agents.store.states import MessageType
 from agentserver.agents.turn.answer import answer_bytes
 from agentserver.agents.turn.hold import TurnHold
@@ -222,7 +224,7 @@ class Worker:
             await recv.aclose()
             task_status.started()
             while True:
-                due = await self.store.due_agents(self.settings.claim_batch)
+                due = await self.store.read(inbox.due_agents, self.settings.claim_batch)
                 for agent_id in (*self._handed, *due):
                     if agent_id not in busy:
                         busy.add(agent_id)
@@ -288,7 +290,7 @@ class Worker:
                 log.warning(
                     "agent %s: claiming with its first step failed", agent_id, exc_info=True
                 )
-        rows = await self.store.claim_due(agent_id, 1)
+        rows = await self.store.run1(inbox.claim_due, agent_id, 1)
         return Claimed(rows[0]) if rows else None
 
     async def _handle_claimed(self, claimed: Claimed) -> bool:
@@ -312,7 +314,7 @@ class Worker:
         if row.message_type in (MessageType.TOOL_RESULT, MessageType.TIMEOUT):
             profile = self.profiles.get(row.agent_id)
             then_step = profile.resume_step_limit if profile else None
-            outcome = await self.store.apply_report(row, then_step=then_step)
+            outcome = await self.store.run(sql_tools.apply_report, row, then_step=then_step)
             if profile is None:
                 # (unreachable in practice, a Turn exists only for a known agent)
                 return True
@@ -327,13 +329,13 @@ class Worker:
                 doorbell=self.doorbell,
             )
         elif row.message_type == MessageType.RESUME:
-            token = await self.store.take_resume(row)
+            token = await self.store.run(turns.take_resume, row)
             profile = self.profiles.get(row.agent_id)
             if token is not None and profile is not None:
                 retries = step_retries_done(row.payload)
                 return await self._run_turn(token, profile, retries, recovered=not retries)
         else:
-            await self.store.skip_row(row, f"unknown message type {row.message_type!r}")
+            await self.store.run1(turns.skip_row, row, f"unknown message type {row.message_type!r}")
         return True
 
     async def _reported(self, outcome: ReportOutcome, profile: AgentProfile) -> bool:
@@ -342,7 +344,7 @@ class Worker:
         if outcome.resumed is None:
             return True
         if outcome.terminate_card_id is not None:
-            card = await self.store.card(outcome.terminate_card_id)
+            card = await self.store.read(memory.card, outcome.terminate_card_id)
             report = ToolReported(True, terminate_text=card.content if card else "")
             run = _Run(outcome.resumed, profile)
             for effect in TurnMachine(TurnState.SUSPENDED).send(report):
@@ -366,7 +368,7 @@ class Worker:
                 if profile and _readable(row.reply_ref_json)
                 else None
             )
-            fin = await self.store.fail_turn_row(row, problem, reply)
+            fin = await self.store.run(turn_end.fail_turn_row, row, problem, reply)
             if fin is not None:
                 await self.ender.after(fin)
             return True
@@ -374,12 +376,12 @@ class Worker:
         step: StepStart | None = None
         try:
             if profile.guardrails:  # they judge the cards before each step begins
-                token = await self.store.start_turn(row)
+                token = await self.store.run(turns.start_turn, row)
             else:
-                step = await self.store.start_turn_step(row, profile.max_steps)
+                step = await self.store.run(turns.start_turn_step, row, profile.max_steps)
                 token = row.token
         except StaleTurn:
-            await self.store.skip_row(row, "turn no longer dispatched")
+            await self.store.run1(turns.skip_row, row, "turn no longer dispatched")
             return True
         # The reference was read with the row: the Turn's own (its Enqueue).
         return await self._run_turn(
@@ -449,7 +451,7 @@ class Worker:
             effects = machine.send(first)
             try:
                 if isinstance(ref_json, _Unread):
-                    ref_json = await self.store.turn_reply_ref(token)
+                    ref_json = await self.store.read(turns.turn_reply_ref, token)
                 run.reply_ref = reply_ref_from_json(ref_json) if ref_json else None
                 # (A test's store may hold any JSON there.)
                 ref: Mapping[str, object] = run.reply_ref if isinstance(run.reply_ref, dict) else {}
@@ -554,12 +556,12 @@ class Worker:
                     step.step_id, done.completion, done.swap, decision, answer, done.spends
                 )
             case CompleteStep(step_id, completion, cards, swap, spends):
-                await self.store.complete_step(
-                    token, step_id, completion, list(cards), swap=swap, spends=spends
+                await self.store.run(
+                    turns.complete_step, token, step_id, completion, list(cards), swap, spends
                 )
                 spent(self.events, spends)
             case AddCards(cards):
-                await self.store.add_cards(token, list(cards))
+                await self.store.run(turns.add_cards, token, list(cards))
             case SelfIteration(payload):
                 await self.hold.fence(token)
                 try:
@@ -597,16 +599,16 @@ class Worker:
     async def _open_step(
         self, token: TurnToken, profile: AgentProfile
     ) -> StepStart | GuardrailHalted:
-        """Begin the next step (:meth:`AgentStore.open_step`), after the ``after``
+        """Begin the next step (:func:`~agentserver.agents.store.sql.turns.open_step`), after the ``after``
         guardrails judged the results so far (:class:`GuardrailHalted` when they halt)."""
         if profile.guardrails:
             head = await self.hold.fence(token)
             if head.output_box_id:
-                cards = await self.store.cards(head.output_box_id)
+                cards = await self.store.read(memory.cards, head.output_box_id)
                 halt = await self.governor.guard_results(token, head.step_count, profile, cards)
                 if halt is not None:
                     return GuardrailHalted(halt)
-        return await self.store.open_step(token, profile.max_steps)
+        return await self.store.run(turns.open_step, token, profile.max_steps)
 
 
 def _spends_of(effect: Effect) -> tuple[Spend, ...]:

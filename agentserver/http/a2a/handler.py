@@ -58,7 +58,8 @@ from google.protobuf.json_format import MessageToDict, MessageToJson, Parse
 from lxml import etree
 
 from agentserver.agents.errors import TurnPruned
-from agentserver.agents.store.base import A2aStore
+from agentserver.agents.store.base import StoreCalls
+from agentserver.agents.store.sql import a2a, a2a_push
 from agentserver.core.access import AccessRule
 from agentserver.core.envelope import build_envelope
 from agentserver.core.handshake import Identity
@@ -125,7 +126,7 @@ class Conversations(Protocol):
 class A2aDeps:
     """What the handler works with, passed in by the composition root."""
 
-    store: A2aStore
+    store: StoreCalls
     gateway: Sender
     skills: tuple[A2aSkill, ...]
     facts: CardFacts
@@ -216,7 +217,7 @@ class A2aHandler(RequestHandler):
         """The task's row, if ``identity`` sent it (or is an operator) and may still see
         its agent; another's answers TaskNotFound, as a missing one."""
         try:
-            row = await self.deps.store.a2a_task(task_id) if len(task_id) <= MAX_ID else None
+            row = await self.deps.store.read(a2a.task, task_id) if len(task_id) <= MAX_ID else None
         except TurnPruned as exc:
             # Its record outlives it while its tombstone lasts (the message's idempotency
             # key): the task itself is gone, which its sender (only) is told as such.
@@ -262,8 +263,14 @@ class A2aHandler(RequestHandler):
         kept.CopyFrom(message)
         kept.task_id, kept.context_id = task_id, context_id
         owner = self.owner(identity)
-        found, new = await self.deps.store.a2a_record(
-            task_id, skill.name, context_id, owner, message.message_id, MessageToJson(kept)
+        found, new = await self.deps.store.run(
+            a2a.record,
+            task_id,
+            skill.name,
+            context_id,
+            owner,
+            message.message_id,
+            MessageToJson(kept),
         )
         if new and params.configuration.HasField("task_push_notification_config"):
             # Before the task is sent: no state change goes unnoticed.
@@ -302,7 +309,7 @@ class A2aHandler(RequestHandler):
         except MessageRefused as exc:
             # Recorded under another configuration (the skill's payload changed): it
             # cannot be sent as recorded, and says so as its end.
-            await self.deps.store.a2a_reject(task_id, f"refused: {exc}")
+            await self.deps.store.run1(a2a.reject, task_id, f"refused: {exc}")
             return await self._recorded(task_id, message_id)
         await self._send(identity, recorded, resent, row["owner"], row["context_id"], task_id)
         return await self._recorded(task_id, message_id)
@@ -327,14 +334,14 @@ class A2aHandler(RequestHandler):
             identity, skill.name, etree.tostring(payload), wait=False, thread=task_id
         )
         if outcome.kind == "refused":
-            await self.deps.store.a2a_reject(task_id, f"refused: {outcome.refusal}")
+            await self.deps.store.run1(a2a.reject, task_id, f"refused: {outcome.refusal}")
             return
         self._sending.sent(task_id)
 
     async def _stored(self, task_id: str) -> bool:
         """Whether the store holds task ``task_id``'s send (queued, refused or gone)."""
         try:
-            row = await self.deps.store.a2a_task(task_id)
+            row = await self.deps.store.read(a2a.task, task_id)
         except TurnPruned:
             return True
         return row is None or row["view"] is not None or row["refusal"] is not None
@@ -342,7 +349,7 @@ class A2aHandler(RequestHandler):
     async def _recorded(self, task_id: str, message_id: str) -> dict[str, Any]:
         """The row of the task ``task_id`` recorded for ``message_id``."""
         try:
-            row = await self.deps.store.a2a_task(task_id)
+            row = await self.deps.store.read(a2a.task, task_id)
         except TurnPruned:
             # The same message again, after retention removed its task.
             raise TaskNotFoundError(
@@ -388,7 +395,7 @@ class A2aHandler(RequestHandler):
                 f"the decision on approval request {asks['request']} was not applied: "
                 f"{status or 'no answer'}"
             )
-        fresh = await self.deps.store.a2a_task(row["task_id"])
+        fresh = await self.deps.store.read(a2a.task, row["task_id"])
         assert fresh is not None
         return fresh
 
@@ -403,7 +410,7 @@ class A2aHandler(RequestHandler):
         while last[0] not in TERMINAL:
             await trio.sleep(delay)
             try:
-                fresh = await self.deps.store.a2a_task(row["task_id"])
+                fresh = await self.deps.store.read(a2a.task, row["task_id"])
             except TurnPruned:
                 return  # ended and pruned meanwhile: nothing more will change
             if fresh is None:
@@ -497,7 +504,8 @@ class A2aHandler(RequestHandler):
         rule = self.deps.access
         # An operator lists every sender's tasks (the authorization rule); a client its own.
         owner = self.owner(identity) if rule is None or not rule.sees_all(identity.name) else None
-        rows, total, more = await self.deps.store.a2a_tasks(
+        rows, total, more = await self.deps.store.read(
+            a2a.tasks,
             owner,
             params.context_id or None,
             agents,
@@ -568,7 +576,9 @@ class A2aHandler(RequestHandler):
         kept.id = config.id or new_thread_id()
         if len(kept.id) > MAX_ID:
             raise InvalidParamsError(f"a config id is at most {MAX_ID} characters")
-        await self.deps.store.a2a_push_put(task_id, kept.id, stored_config(kept, protocol))
+        await self.deps.store.run1(
+            a2a_push.put_config, task_id, kept.id, stored_config(kept, protocol)
+        )
         return kept
 
     async def on_create_task_push_notification_config(
@@ -578,7 +588,10 @@ class A2aHandler(RequestHandler):
         return await self._set_push(row["task_id"], params, self.protocol(context))
 
     async def _configs(self, task_id: str) -> list[TaskPushNotificationConfig]:
-        return [read_config(text)[0] for _, text in await self.deps.store.a2a_push_configs(task_id)]
+        return [
+            read_config(text)[0]
+            for _, text in await self.deps.store.read(a2a_push.configs, task_id)
+        ]
 
     async def on_get_task_push_notification_config(
         self, params: GetTaskPushNotificationConfigRequest, context: ServerCallContext | None = None
@@ -603,5 +616,5 @@ class A2aHandler(RequestHandler):
         context: ServerCallContext | None = None,
     ) -> None:
         row = await self._task_row(params.task_id, self.identity(context), "DeleteTaskPushConfig")
-        if not await self.deps.store.a2a_push_delete(row["task_id"], params.id):
+        if not await self.deps.store.run1(a2a_push.delete_config, row["task_id"], params.id):
             raise TaskNotFoundError(f"no push config {params.id!r} on task {params.task_id!r}")

@@ -30,8 +30,9 @@ from google.protobuf.json_format import MessageToJson, ParseDict
 
 from agentserver.agents.edge.outbox import Channel, Outbox
 from agentserver.agents.errors import TurnPruned
-from agentserver.agents.store.base import A2aStore
+from agentserver.agents.store.base import StoreCalls
 from agentserver.agents.store.outbox import OutboxItem, OutboxRow
+from agentserver.agents.store.sql import a2a, a2a_push
 from agentserver.core.threads import new_thread_id
 from agentserver.http.a2a.tasks import TERMINAL, state_of, to_task
 from agentserver.http.a2a.versions import V03, V10
@@ -184,7 +185,7 @@ class PushNotifier:
     """Watches the tasks that have push configs and owes a notification on the outbox
     for each change (see the module doc), every :data:`POLL` seconds until cancelled."""
 
-    def __init__(self, store: A2aStore, outbox: Outbox | None = None) -> None:
+    def __init__(self, store: StoreCalls, outbox: Outbox | None = None) -> None:
         self.store = store
         #: Woken when a notification is owed (else its sender finds it within a second).
         self.outbox = outbox
@@ -201,9 +202,9 @@ class PushNotifier:
     async def tick(self) -> int:
         """One look: owe what changed. Returns how many notifications were owed."""
         owed = 0
-        for task_id, config_id, seen in await self.store.a2a_push_watched(BATCH):
+        for task_id, config_id, seen in await self.store.read(a2a_push.watched, BATCH):
             try:
-                row = await self.store.a2a_task(task_id)
+                row = await self.store.read(a2a.task, task_id)
             except TurnPruned:
                 continue  # ended (its last state was owed before) and pruned since
             if row is None:
@@ -218,8 +219,8 @@ class PushNotifier:
             config, protocol = found
             body = notification_body(to_task(row, 0), protocol)
             item = push_item(config, task_id, config_id, body)
-            if await self.store.a2a_push_owe(
-                task_id, config_id, seen, name, state in TERMINAL, item
+            if await self.store.run(
+                a2a_push.owe, task_id, config_id, seen, name, state in TERMINAL, item
             ):
                 owed += 1
         if owed and self.outbox is not None:
@@ -229,7 +230,7 @@ class PushNotifier:
     async def _config(
         self, task_id: str, config_id: str
     ) -> tuple[TaskPushNotificationConfig, str] | None:
-        for cid, config_json in await self.store.a2a_push_configs(task_id):
+        for cid, config_json in await self.store.read(a2a_push.configs, task_id):
             if cid == config_id:
                 return read_config(config_json)
         return None

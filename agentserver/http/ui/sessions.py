@@ -23,6 +23,8 @@ import secrets
 from typing import Protocol
 
 from agentserver.agents.clock import Clock
+from agentserver.agents.store.base import StoreCalls
+from agentserver.agents.store.sql import ui_sessions
 from agentserver.core.handshake import Identity
 from agentserver.http.auth import HttpAuth
 
@@ -34,9 +36,9 @@ _ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01234
 
 
 class SessionTable(Protocol):
-    """Where sessions are kept: the agents' store satisfies it (``SqlAgentStore``'s
-    ``ui_session_*`` calls), as does :class:`MemorySessionTable`. Expiry is the table's
-    clock's (store time)."""
+    """Where sessions are kept: the agents' store (:class:`StoreSessionTable`) or this
+    process's memory (:class:`MemorySessionTable`). Expiry is the table's clock's (store
+    time)."""
 
     async def ui_session_put(
         self, id_hash: str, client: str, proof: str, lifetime_s: float
@@ -45,6 +47,25 @@ class SessionTable(Protocol):
     async def ui_session_get(self, id_hash: str) -> tuple[str, str] | None: ...
 
     async def ui_session_delete(self, id_hash: str) -> bool: ...
+
+
+class StoreSessionTable:
+    """The sessions in the agents' store (:mod:`agentserver.agents.store.sql.ui_sessions`):
+    every process of a PostgreSQL store, and restarts, know them."""
+
+    def __init__(self, store: StoreCalls) -> None:
+        self.store = store
+
+    async def ui_session_put(
+        self, id_hash: str, client: str, proof: str, lifetime_s: float
+    ) -> float:
+        return await self.store.run(ui_sessions.put_session, id_hash, client, proof, lifetime_s)
+
+    async def ui_session_get(self, id_hash: str) -> tuple[str, str] | None:
+        return await self.store.read(ui_sessions.get_session, id_hash)
+
+    async def ui_session_delete(self, id_hash: str) -> bool:
+        return await self.store.run1(ui_sessions.delete_session, id_hash)
 
 
 class MemorySessionTable:

@@ -259,6 +259,8 @@ def finish(
     writes with the read of the agent's next queued Turn, then ``COMMIT`` (with that
     Turn's lease when there is one: the shared code, as in ``finish``). With
     ``spends``, two more: a settle reads what it releases and the marks it crosses."""
+    if step_id is None and (cards or spends):
+        raise ValueError("cards and spends are written with the step they close")
     now = env.clock.now()
     agent, turn = token.agent_id, token.agent_turn_id
     # What the compare-and-set clears (the Turn's inbox row: its reply reference and

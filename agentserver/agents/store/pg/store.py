@@ -1,6 +1,6 @@
 """The PostgreSQL backend of :class:`~agentserver.agents.store.sql_store.SqlAgentStore`.
 
-Every store method is one transaction on the store's executor (:mod:`.trio_executor` on
+Every store call is one transaction on the store's executor (:mod:`.trio_executor` on
 the trio thread, or :mod:`.executor`'s worker threads: :func:`executor_class`); claims lock
 with ``FOR UPDATE SKIP LOCKED`` so processes sharing the database take disjoint rows;
 every Turn write is fenced by the head's epoch (the compare-and-set of ``agents/sql``),
@@ -12,11 +12,12 @@ somewhere ``NOTIFY`` the other processes (:mod:`.notify`); the leases of
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import trio
@@ -113,9 +114,31 @@ def _notifying(tx: Tx, env: StoreEnv, channel: str, fn: Callable[..., T], *args:
 
 
 def _bound(fn: Callable[..., T], kwargs: Mapping[str, object]) -> Callable[..., T]:
-    """``fn`` with its named arguments bound: the executors pass arguments by position
-    (and report a call by its function, so one without named arguments stays itself)."""
-    return functools.partial(fn, **kwargs) if kwargs else fn
+    """``fn`` with its named arguments bound: the executors pass arguments by position,
+    and report a call by its function's name (which the bound call keeps)."""
+    if not kwargs:
+        return fn
+    return functools.update_wrapper(functools.partial(fn, **kwargs), fn)
+
+
+@functools.cache
+def _signature(fn: Callable[..., object]) -> tuple[inspect.Signature, int]:
+    """``fn``'s signature and how many arguments it takes after ``tx`` and ``env``."""
+    sig = inspect.signature(fn)
+    return sig, len(sig.parameters) - 2
+
+
+def _positions(
+    fn: Callable[..., object], args: tuple[object, ...], kwargs: Mapping[str, object]
+) -> tuple[object, ...]:
+    """The arguments of a call of ``fn`` (after ``tx`` and ``env``), every one by
+    position: the named ones and the defaults put in their places."""
+    sig, n = _signature(fn)
+    if not kwargs and len(args) == n:
+        return args
+    bound = sig.bind(None, None, *args, **kwargs)
+    bound.apply_defaults()
+    return tuple(bound.args[2:])
 
 
 def _hand_over(tx: Tx, env: StoreEnv, agent_turn_id: str, process: str) -> bool:
@@ -208,26 +231,30 @@ class PostgresAgentStore(SqlAgentStore):
             log.warning("agent store: could not release the lease: %s", exc)
         self.executor.close()
 
-    async def _run(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    async def run(self, fn: StoreFn[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        fast = ONE_TRIP.get(fn)
+        if fast is None:
+            return await self._transact(_bound(fn, kwargs), _NOTIFIES.get(fn), args)
+        # The one-trip forms (and the executors) take their arguments by position: every
+        # one, named or left to its default, in its place.
+        at = _positions(fn, args, kwargs)
         channel = _NOTIFIES.get(fn)
-        # The one-trip forms are called by position: a call naming arguments takes the
-        # shared function (the executors pass arguments by position, so bound here).
-        fast = ONE_TRIP.get(fn) if not kwargs else None
-        fn = _bound(fn, kwargs)
-        if fast is not None:
-            notifying = channel is not None and (
-                self._rings.get(channel) is None or self.others_alive
-            )
-            try:
-                result = await self.executor.run(
-                    fast, self.env, channel if notifying else None, *args
-                )
-            except Missed:
-                pass  # rolled back: the shared function meets the miss (below)
-            else:
-                if channel is not None and not notifying:
-                    self._rings[channel]()
-                return result
+        notifying = channel is not None and (self._rings.get(channel) is None or self.others_alive)
+        try:
+            result: T = await self.executor.run(fast, self.env, channel if notifying else None, *at)
+        except Missed:
+            pass  # rolled back: the shared function meets the miss (below)
+        else:
+            if channel is not None and not notifying:
+                self._rings[channel]()
+            return result
+        return await self._transact(fn, channel, at)
+
+    async def _transact(
+        self, fn: Callable[..., T], channel: str | None, args: Sequence[object]
+    ) -> T:
+        """``fn(tx, env, *args)`` in one transaction, with ``channel``'s NOTIFY (or, alone
+        on the store, this process's own ring after the commit)."""
         if channel is None:
             return await self.executor.run(fn, self.env, *args)
         ring = self._rings.get(channel)
@@ -238,12 +265,12 @@ class PostgresAgentStore(SqlAgentStore):
         ring()
         return result
 
-    async def _read(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    async def read(self, fn: StoreFn[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         return await self.executor.run_single(_bound(fn, kwargs), self.env, *args)
 
-    async def _run1(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    async def run1(self, fn: StoreFn[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         if fn in _NOTIFIES:  # the NOTIFY must commit with the write
-            return await self._run(fn, *args, **kwargs)
+            return await self.run(fn, *args, **kwargs)
         return await self.executor.run_single(_bound(fn, kwargs), self.env, *args)
 
     async def claim_next(
@@ -258,12 +285,12 @@ class PostgresAgentStore(SqlAgentStore):
         trip of its own (``ONE_TRIP``), which a shared transaction here would split into
         several. So no step is begun here, and no reservation taken with it
         (``hold_for``): the step's first call reserves by itself."""
-        rows = await self.claim_due(agent_id, 1)
+        rows = await self.run1(inbox.claim_due, agent_id, 1)
         return Claimed(rows[0]) if rows else None
 
     async def pending_replies_here(self, limit: int = 256) -> list[PendingReply]:
         """The pending replies whose anonymous caller is connected to this process."""
-        return await self._read(callers.pending_here, self.owner, limit)
+        return await self.read(callers.pending_here, self.owner, limit)
 
     async def hand_over_reply(self, agent_turn_id: str, process: str) -> bool:
         """Leave a reply for its caller's process ``process`` and ring it (True), or give
@@ -286,7 +313,7 @@ class PostgresAgentStore(SqlAgentStore):
         dead processes' suspended Turns' tool calls handed to ``lost_calls`` (the agent
         runtime's: re-sent to idempotent listeners), or with None all reported lost
         (timeouts). Returns the recovered running Turns."""
-        got = await self._run(leases.reclaim, 8, self.owner if mine else None)
+        got = await self.run(leases.reclaim, 8, self.owner if mine else None)
         if got.recovered or got.suspended or got.requeued:
             log.warning(
                 "agent store: took over from %d stopped process(es): %d running turn(s) "
@@ -302,7 +329,7 @@ class PostgresAgentStore(SqlAgentStore):
                 if lost_calls is not None:
                     await lost_calls(token, reason)
                 else:
-                    await self.inject_timeouts(token, reason)
+                    await self.run(tools.inject_timeouts, token, reason)
             except StaleTurn:
                 continue
         return got.recovered

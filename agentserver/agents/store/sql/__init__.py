@@ -2,6 +2,7 @@
 
 Each module holds one concern's SQL, written once for every backend (SQLite, PostgreSQL):
 ``?`` placeholders, ``ON CONFLICT``, ``RETURNING``, integers for booleans, no engine-only
-functions. A public :class:`~agentserver.agents.store.base.AgentStore` method is one call of one
-of these functions inside one transaction (see :mod:`agentserver.agents.store.sql_store`).
+functions. These modules are the store's API: a store call runs one of their functions in
+one transaction, ``await store.run(turns.complete_step, token, ...)`` (see
+:mod:`agentserver.agents.store.sql_store`).
 """

@@ -31,7 +31,6 @@ def claim_next(
     max_steps: int,
     guardrails: bool,
     check: TaskCheck,
-    lock: str = "",
     hold_for: HoldFor | None = None,
 ) -> Claimed | None:
     """Claim ``agent_id``'s next due row (as :func:`~.inbox.claim_due` with a limit of
@@ -42,7 +41,7 @@ def claim_next(
     ``guardrails``). The step begun takes its first model call's reservation too when
     ``hold_for`` asks for one (:func:`~.budgets.hold_step`). None when no row is due.
     Raises what the step raises (StaleTurn included), rolling the claim back too."""
-    rows = inbox.claim_due(tx, env, agent_id, 1, lock)
+    rows = inbox.claim_due(tx, env, agent_id, 1)
     if not rows:
         return None
     row = rows[0]

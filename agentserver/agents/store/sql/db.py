@@ -76,6 +76,13 @@ def locking(tx: Tx) -> str:
     return " FOR UPDATE" if tx.dialect == POSTGRESQL else ""
 
 
+def skip_locked(tx: Tx) -> str:
+    """The row-lock clause of a claim's inner SELECT: `` FOR UPDATE SKIP LOCKED`` on
+    PostgreSQL (processes sharing the database take disjoint rows), nothing on SQLite (one
+    writer at a time)."""
+    return " FOR UPDATE SKIP LOCKED" if tx.dialect == POSTGRESQL else ""
+
+
 def marks(n: int) -> str:
     """``?,?,…`` for an ``IN (…)`` of ``n`` values."""
     return ",".join("?" * n)

@@ -54,7 +54,7 @@ def record_decisions(
     step_id: str,
     decisions: Sequence[DecisionRecord],
     cards: Sequence[NewCard],
-    approvals: Sequence[PendingApproval],
+    approvals: Sequence[PendingApproval] = (),
 ) -> None:
     """Log the step's decisions and add ``cards`` (refusals), CAS-fenced on running."""
     append_cards(tx, env, token, cards)
@@ -193,7 +193,7 @@ def unsent_approvals(tx: Tx, env: StoreEnv) -> list[PendingApproval]:
     return [PendingApproval(*r[:9]) for r in rows if r[9] == APPROVAL_PREFIX + r[0]]
 
 
-def pending_approvals(tx: Tx, env: StoreEnv, approver: str | None) -> list[PendingApproval]:
+def pending_approvals(tx: Tx, env: StoreEnv, approver: str | None = None) -> list[PendingApproval]:
     if approver is None:
         rows = tx.all(
             f"SELECT {_APPROVAL_COLS} FROM approvals a WHERE a.status = ? ORDER BY a.created_at",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from agentserver.agents.ports import ReplyRef
 from agentserver.agents.store.base import EnqueueResult, InboxRow, caller_key
 from agentserver.agents.store.sql import a2a, head
 from agentserver.agents.store.sql.common import INBOX_COLS, edge, inbox_row
-from agentserver.agents.store.sql.db import StoreEnv, Tx, marks, new_id
+from agentserver.agents.store.sql.db import StoreEnv, Tx, marks, new_id, skip_locked
 from agentserver.agents.store.states import (
     DUE_INBOX,
     HeadStatus,
@@ -20,7 +21,7 @@ from agentserver.agents.store.states import (
 )
 
 
-def ensure_agents(tx: Tx, env: StoreEnv, agent_ids: list[str]) -> None:
+def ensure_agents(tx: Tx, env: StoreEnv, agent_ids: Sequence[str]) -> None:
     for agent_id in agent_ids:
         head.ensure(tx, env, agent_id)
 
@@ -31,7 +32,7 @@ def enqueue_turn(
     agent_id: str,
     payload: bytes,
     reply_ref: ReplyRef,
-    conversation: str | None,
+    conversation: str | None = None,
 ) -> EnqueueResult:
     """Write the Enqueue as a queued row; lease it at once if the agent is idle.
 
@@ -156,12 +157,11 @@ def due_agents(tx: Tx, env: StoreEnv, limit: int) -> list[str]:
     return [r[0] for r in rows]
 
 
-def claim_due(tx: Tx, env: StoreEnv, agent_id: str, limit: int, lock: str = "") -> list[InboxRow]:
+def claim_due(tx: Tx, env: StoreEnv, agent_id: str, limit: int) -> list[InboxRow]:
     """Claim due rows of ``agent_id`` (pending/deferred, ``next_retry_at <= now``), in
-    ``next_retry_at, created_at`` order; each moves to ``processing``. One statement.
-
-    ``lock``: the backend's row-lock clause for the inner SELECT (PostgreSQL:
-    `` FOR UPDATE SKIP LOCKED``), a fixed fragment."""
+    ``next_retry_at, created_at`` order; each moves to ``processing``. One statement
+    (PostgreSQL's skips the rows other processes hold: :func:`~.db.skip_locked`)."""
+    lock = skip_locked(tx)
     now = env.clock.now()
     sources = inbox_sources(InboxEvent.CLAIM)
     target = inbox_transition(sources[0], InboxEvent.CLAIM).target

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentserver.agents.store.base import Card, CardType
+from agentserver.agents.store.sql.common import card as card_by_id
 from agentserver.agents.store.sql.common import card_row, insert_copies
 from agentserver.agents.store.sql.db import StoreEnv, Tx, insert_rows, marks, new_id
 
@@ -112,6 +113,17 @@ def box_rows(tx: Tx, box_id: str) -> list[Any]:
 
 def box_cards(tx: Tx, box_id: str) -> list[Card]:
     return [card_row(r) for r in box_rows(tx, box_id)]
+
+
+def cards(tx: Tx, env: StoreEnv, box_id: str) -> list[Card]:
+    """A box's cards in order; a context box's memory first (it names its conversation's
+    cards, not copies)."""
+    return box_cards(tx, box_id)
+
+
+def card(tx: Tx, env: StoreEnv, card_id: str) -> Card | None:
+    """One card by its id (None if there is none)."""
+    return card_by_id(tx, card_id)
 
 
 def copy_row(r: Sequence[Any]) -> tuple[Any, ...]:

@@ -17,7 +17,9 @@ from agentserver.agents.store.states import (
 )
 
 
-def pending_replies(tx: Tx, env: StoreEnv, limit: int, older_than_s: float) -> list[PendingReply]:
+def pending_replies(
+    tx: Tx, env: StoreEnv, limit: int, older_than_s: float = 0.0
+) -> list[PendingReply]:
     rows = tx.all(
         "SELECT agent_turn_id, agent_id, reply_ref, payload, failed, attempts "
         "FROM agent_replies WHERE status = ? AND created_at <= ? ORDER BY created_at LIMIT ?",
@@ -69,8 +71,9 @@ def record_client_reply(
     client: str,
     thread_ref: Mapping[str, object],
     payload: bytes,
+    *,
     failed: bool,
-    agent_turn_id: str | None,
+    agent_turn_id: str | None = None,
 ) -> int:
     """Keep a reply for a named client that is away; the oldest beyond the bound go.
 
@@ -99,7 +102,7 @@ def record_client_reply(
 
 
 def pending_client_replies(
-    tx: Tx, env: StoreEnv, client: str, after_id: int, limit: int
+    tx: Tx, env: StoreEnv, client: str, after_id: int = 0, limit: int = 100
 ) -> list[ClientReply]:
     """The replies kept for ``client`` with an id above ``after_id``, oldest first.
     Reading does not hand them over: they stay until :func:`ack_client_replies`."""

@@ -11,6 +11,7 @@ unclaimed (it fires on start, within the catch-up window); after it, claimed and
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from agentserver.agents.errors import StoreError
@@ -69,7 +70,7 @@ def _definition(spec: ScheduleSpec) -> tuple[Any, ...]:
 
 
 def put_schedule(
-    tx: Tx, env: StoreEnv, spec: ScheduleSpec, source: str, next_tick: float, new: bool
+    tx: Tx, env: StoreEnv, spec: ScheduleSpec, source: str, next_tick: float, *, new: bool
 ) -> bool:
     """Create schedule ``spec`` (``new``: ScheduleExists if its name is taken), or
     update its definition; an unchanged definition keeps its state (its next tick: a tick
@@ -101,7 +102,7 @@ def put_schedule(
     return True
 
 
-def drop_boot_schedules(tx: Tx, env: StoreEnv, keep: list[str]) -> int:
+def drop_boot_schedules(tx: Tx, env: StoreEnv, keep: Sequence[str]) -> int:
     """Schedules boot.xml declared once but no longer does are deleted (with their runs'
     records); those made at run time stay. How many."""
     rows = tx.all("SELECT name FROM schedules WHERE source = ?", ("boot",))
@@ -273,9 +274,7 @@ def _cancel_others(
         TaskStatus.STOPPED,
         "cancelled: the schedule's next run started (overlap cancel-other)",
         answer,
-        running[0],
-        None,
-        None,
+        agent_turn_id=running[0],
         metadata={"overlap": "cancel-other"},
         next_row=next_row,
     )

@@ -221,10 +221,10 @@ def apply_tool_result(
     """A peer's report on the sub-thread ``tool_call_id``, applied in the transaction
     that records it when its Turn waits for it: the result card, the waiting row
     answered, and when it completes the set the Turn resumed (its next step opened with
-    ``then_step`` and ``hold_for``, as :func:`apply_report`), all with no inbox row. A report its Turn
-    does not wait for is kept in the inbox as before (``queued``: one before its
-    suspend is deferred; a duplicate or late one is acknowledged by the worker); one for
-    a Turn that moved on is ``stale``, with nothing written."""
+    ``then_step`` and ``hold_for``, as :func:`apply_report`), all with no inbox row. A
+    report its Turn does not wait for is kept in the inbox as before (``queued``: one
+    before its suspend is deferred; a duplicate or late one is acknowledged by the
+    worker); one for a Turn that moved on is ``stale``, with nothing written."""
     waiting = _waiting(tx, agent_id, tool_call_id)
     if waiting is None or waiting[2] != WaitingStatus.WAITING:
         report_tool_result(tx, env, agent_id, tool_call_id, payload, failed)
@@ -394,7 +394,11 @@ def received_statement(row: InboxRow, card_id: str, now: float) -> tuple[str, tu
 
 
 def inject_timeouts(
-    tx: Tx, env: StoreEnv, token: TurnToken, reason: str, only: Sequence[str] | None = None
+    tx: Tx,
+    env: StoreEnv,
+    token: TurnToken,
+    reason: str = "timed out",
+    only: Sequence[str] | None = None,
 ) -> int:
     """One timeout report per still-waiting tool; clears ``resume_deadline`` (once).
 

@@ -176,6 +176,8 @@ def finish(
     ``sent``: other Turns whose replies were sent since, marked so in the same
     transaction (:func:`~agentserver.agents.store.sql.replies.mark_replies_sent`).
     ``spends``: the last step's model calls settled in their budgets, with it."""
+    if step_id is None and (cards or spends):
+        raise ValueError("cards and spends are written with the step they close")
     fin = end_turn(
         tx, env, token, HeadEvent.FINISH, status, text, metadata, reply_payload, before=cards
     )
@@ -193,9 +195,10 @@ def force_end(
     status: str,
     text: str,
     reply_payload: bytes | None,
-    agent_turn_id: str | None,
-    turn_epoch: int | None,
-    expect_status: Sequence[str] | None,
+    *,
+    agent_turn_id: str | None = None,
+    turn_epoch: int | None = None,
+    expect_status: Sequence[str] | None = None,
     metadata: Mapping[str, Any] | None = None,
     keep_memory: bool = True,
     next_row: Row | None = None,

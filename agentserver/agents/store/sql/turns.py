@@ -302,6 +302,7 @@ def retry_step(
     env: StoreEnv,
     token: TurnToken,
     step_id: str,
+    *,
     attempt: int,
     kind: str,
     delay_s: float,

@@ -3,7 +3,7 @@
 thread (``agentserver result``), the figures ``/metrics`` exports, and a reachability
 probe. Nothing here writes.
 
-Each function is one backend-neutral read (:meth:`SqlAgentStore._read`): on SQLite inline
+Each function is one backend-neutral read (``store.read(views.fn, ...)``, :meth:`SqlAgentStore.read`): on SQLite inline
 on the store's connection, on PostgreSQL one thread hop of the executor. JSON columns are
 read with :func:`json_text`, the one place the two dialects differ.
 """
