@@ -8,6 +8,7 @@ miss, so an entry added to ``ONE_TRIP`` and not walked here fails this test."""
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import re
@@ -207,3 +208,13 @@ async def test_every_one_trip_form_writes_what_its_shared_function_does(
         assert a[table] == b[table], table
     # the spends were settled with their steps: three calls of 30 tokens, nothing held
     assert a["budget"] == [[90, 0.003, 0, 0.0, True]] and a["holds"] == [[0]]
+
+
+def test_every_one_trip_form_takes_what_its_shared_function_takes() -> None:
+    """The store passes a call's arguments to either by position, defaults filled in
+    (agents/store/pg/store.py ``_positions``), so each form takes its shared function's
+    parameters, in order, after the NOTIFY channel."""
+    for fn, form in pg_store.ONE_TRIP.items():
+        shared = list(inspect.signature(fn).parameters)[2:]
+        fast = list(inspect.signature(form).parameters)[3:]
+        assert fast == shared, (fn.__name__, fast, shared)

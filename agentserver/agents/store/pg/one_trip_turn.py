@@ -202,13 +202,19 @@ _WAITING = (
 
 @one_trip
 def apply_report(
-    tx: PipeTx, env: StoreEnv, channel: str | None, row: InboxRow, then_step: int | None = None
+    tx: PipeTx,
+    env: StoreEnv,
+    channel: str | None,
+    row: InboxRow,
+    then_step: int | None = None,
+    hold_for: HoldFor | None = None,
 ) -> ReportOutcome:
     """:func:`~agentserver.agents.store.sql.tools.apply_report` in two round trips: the head
     locked (``FOR UPDATE``) and the report's waiting row read, then every write with
     ``COMMIT``. With the head locked, what the shared function learns from its
     compare-and-sets (a stale Turn, the count of calls still waiting, the step limit)
-    is known from the head read, so the writes that follow need no answer."""
+    is known from the head read, so the writes that follow need no answer. The step it
+    opens takes no reservation (``hold_for``, as :func:`apply_tool_result`)."""
     locked = tx.later(_LOCK_HEAD, (row.agent_id,))
     waiting = tx.one(
         _WAITING,
