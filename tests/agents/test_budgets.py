@@ -30,6 +30,7 @@ from agentserver.agents.policy.budget import (
 from agentserver.agents.ports import LLMCompletion, LLMMessage, LLMRequest, LLMUsage
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store import outbox as store_outbox
+from agentserver.agents.store.sql import budgets as sql_budgets
 from agentserver.agents.store.sql import head as sql_head
 from agentserver.agents.store.sql import inbox, turn_end, turns
 from agentserver.agents.store.sql_store import SqlAgentStore
@@ -390,7 +391,11 @@ class HangingModel:
 
 async def held(store: SqlAgentStore) -> tuple[int, int, int]:
     """``agent:a``'s reserved and spent tokens, and the hold rows left."""
-    [row] = [r for r in await store.budget_rows(await _keys(store)) if r.budget == "agent:a"]
+    [row] = [
+        r
+        for r in await store.read(sql_budgets.rows_of, await _keys(store))
+        if r.budget == "agent:a"
+    ]
     holds = await store.read(lambda tx, env: tx.one("SELECT count(*) FROM budget_holds")[0])
     return row.reserved_tokens, row.spent_tokens, int(holds)
 
@@ -467,8 +472,14 @@ async def test_a_steps_own_hold_is_used_only_if_it_covers_the_call(store):
     for tokens, covers in ((need.tokens - 1, False), (need.tokens, True)):
         req = budgets.hold_request("a", None, Need(tokens, need.cost), 10, owner)
         assert req is not None
-        assert await store.budget_reserve(
-            req.keys, req.tokens, req.cost, req.hold_id, req.expires_at, req.owner
+        assert await store.run(
+            sql_budgets.reserve,
+            req.keys,
+            req.tokens,
+            req.cost,
+            req.hold_id,
+            req.expires_at,
+            req.owner,
         )
         model = HoldsSeen(store)
         port = budgets.port(model, "a", None, "t", 10, owner, first=StepHold(req, True))
@@ -635,18 +646,14 @@ async def test_a_steps_reservation_and_spend_ride_in_the_steps_transactions(tmp_
     rt, _llm, tools, replies = budgeted_runtime(tmp_path, limit=100_000)
     alone: list[str] = []
     store = rt.store
-    reserve_alone, settle_alone = store.budget_reserve, store.budget_settle
+    run_alone = store.run
 
-    async def reserved(*args: Any, **kwargs: Any) -> Any:
-        alone.append("reserve")
-        return await reserve_alone(*args, **kwargs)
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if fn in (sql_budgets.reserve, sql_budgets.settle):
+            alone.append(fn.__name__)
+        return await run_alone(fn, *args, **kwargs)
 
-    async def settled(*args: Any, **kwargs: Any) -> Any:
-        alone.append("settle")
-        return await settle_alone(*args, **kwargs)
-
-    store.budget_reserve = reserved  # type: ignore[method-assign]
-    store.budget_settle = settled  # type: ignore[method-assign]
+    store.run = counted  # type: ignore[method-assign]
     for n in (1, 2):
         await rt.enqueue("assistant", task("1+2"), {"thread": f"t{n}", "client": "alice"})
         await rt.worker.process_agent("assistant")

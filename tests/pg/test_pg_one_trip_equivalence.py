@@ -24,6 +24,7 @@ from agentserver.agents.store.base import CardType, NewCard, ToolCallRecord, Tur
 from agentserver.agents.store.governance import DecisionRecord, StepRecord
 from agentserver.agents.store.pg import store as pg_store
 from agentserver.agents.store.pg.store import PostgresAgentStore
+from agentserver.agents.store.sql import budgets as sql_budgets
 from agentserver.agents.store.sql import governance, inbox, tools, turn_end, turns
 from agentserver.agents.store.sql.budgets import HoldOwner, PeriodRow, Spend, row_key
 
@@ -46,7 +47,7 @@ async def _spend(store: PostgresAgentStore, agent: str, token: TurnToken, step: 
     key = row_key(f"agent:{agent}", 0.0)
     hold = f"{agent}-hold-{step}"
     owner = HoldOwner(agent, token.agent_turn_id, token.turn_epoch, step)
-    assert await store.budget_reserve([key], 100, 0.01, hold, 1e12, owner)
+    assert await store.run(sql_budgets.reserve, [key], 100, 0.01, hold, 1e12, owner)
     return Spend(hold, (key,), 30, 0.001)
 
 
@@ -56,7 +57,9 @@ async def _walk(store: PostgresAgentStore, agent: str) -> list[object]:
     the inbox then applied from it, one applied as it is recorded, and the finish with
     its last step and spend."""
     budget = f"agent:{agent}"
-    await store.budget_ensure([PeriodRow(budget, "total", 0.0, math.inf, 10_000, None, 0.005)])
+    await store.run(
+        sql_budgets.ensure_rows, [PeriodRow(budget, "total", 0.0, math.inf, 10_000, None, 0.005)]
+    )
     await store.run(inbox.ensure_agents, [agent])
     out: list[object] = []
     out.append((await store.run(inbox.enqueue_turn, agent, b"<task>x</task>", {"ref": 1})).leased)

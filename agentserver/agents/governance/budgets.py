@@ -16,7 +16,6 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import trio
 
@@ -32,7 +31,9 @@ from agentserver.agents.policy.budget import (
 )
 from agentserver.agents.ports import LLMCompletion, LLMPort, LLMRequest
 from agentserver.agents.profile.agent import DEFAULT_MAX_OUTPUT
+from agentserver.agents.store.base import StoreCalls
 from agentserver.agents.store.outbox import OutboxItem
+from agentserver.agents.store.sql import budgets as sql_budgets
 from agentserver.agents.store.sql.budgets import (
     HoldOwner,
     HoldRequest,
@@ -94,37 +95,6 @@ def soft_event(agent: str, turn: str | None, r: SpendRow) -> BudgetEvent:
         r.limit_tokens,
         r.limit_cost,
     )
-
-
-class BudgetRows(Protocol):
-    """What :class:`Budgets` needs of the store (``agents/store/budget_store.py``)."""
-
-    async def budget_ensure(self, rows: Sequence[PeriodRow]) -> list[Override]: ...
-    async def budget_reserve(
-        self,
-        keys: Sequence[str],
-        tokens: int,
-        cost: float,
-        hold_id: str,
-        expires_at: float,
-        owner: HoldOwner | None = None,
-    ) -> bool: ...
-    async def budget_refused(
-        self, keys: Sequence[str], tokens: int, cost: float
-    ) -> SpendRow | None: ...
-    async def budget_settle(
-        self,
-        hold_id: str,
-        keys: Sequence[str],
-        tokens: int,
-        cost: float,
-        events: Callable[[list[SpendRow]], Sequence[OutboxItem]] | None = None,
-    ) -> list[SpendRow]: ...
-    async def budget_release(self, hold_id: str) -> None: ...
-    async def budget_release_expired(self) -> int: ...
-    async def budget_rows(self, keys: Sequence[str]) -> list[SpendRow]: ...
-    async def budget_set(self, override: Override, row: PeriodRow) -> None: ...
-    async def budget_reset(self, key: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +161,7 @@ class Budgets:
 
     def __init__(
         self,
-        store: BudgetRows,
+        store: StoreCalls,
         clock: Clock,
         specs: Sequence[BudgetSpec],
         *,
@@ -277,13 +247,13 @@ class Budgets:
         missing = [r for r in rows if r.key not in self._ensured]
         if not missing:
             return rows
-        self._adopt(await self.store.budget_ensure(missing))
+        self._adopt(await self.store.run(sql_budgets.ensure_rows, missing))
         self._ensured.update(r.key for r in missing)
         names = [n for n in names if n in self.specs]
         rows = self._rows(names, now)
         missing = [r for r in rows if r.key not in self._ensured]
         if missing:  # an override changed the period or the time zone
-            self._adopt(await self.store.budget_ensure(missing))
+            self._adopt(await self.store.run(sql_budgets.ensure_rows, missing))
             self._ensured.update(r.key for r in missing)
         return rows
 
@@ -308,10 +278,12 @@ class Budgets:
         keys = tuple(r.key for r in rows)
         hold_id = uuid.uuid4().hex
         expires = now + timeout_s + HOLD_MARGIN_S
-        if await self.store.budget_reserve(keys, need.tokens, need.cost, hold_id, expires, owner):
+        if await self.store.run(
+            sql_budgets.reserve, keys, need.tokens, need.cost, hold_id, expires, owner
+        ):
             self._annotate(hold_id, names, need)
             return Hold(hold_id, keys, need, tuple(names))
-        full = await self.store.budget_refused(keys, need.tokens, need.cost)
+        full = await self.store.run(sql_budgets.refused, keys, need.tokens, need.cost)
         by_key = {r.key: r for r in rows}
         row = by_key.get(row_key(full.budget, full.period_start) if full else "", rows[0])
         self.refusals[row.budget] = self.refusals.get(row.budget, 0) + 1
@@ -391,8 +363,8 @@ class Budgets:
         left = [s for s in spends if not s.committed]
         with trio.CancelScope(shield=True):
             for s in left:
-                s.crossed = await self.store.budget_settle(
-                    s.hold_id, s.keys, s.tokens, s.cost, s.events
+                s.crossed = await self.store.run(
+                    sql_budgets.settle, s.hold_id, s.keys, s.tokens, s.cost, s.events
                 )
                 spent(self.events, [s])
 
@@ -401,7 +373,7 @@ class Budgets:
         logged and left to the watchdog (the hold expires)."""
         with trio.CancelScope(shield=True):
             try:
-                await self.store.budget_release(hold.hold_id)
+                await self.store.run(sql_budgets.release, hold.hold_id)
             except Exception:
                 log.exception("budget hold %s not released; the watchdog will", hold.hold_id)
 
@@ -432,7 +404,7 @@ class Budgets:
     async def release_expired(self) -> int:
         """The watchdog's pass: holds of Turn runs that are over (a dead process's,
         fenced out) and expired holds released."""
-        return await self.store.budget_release_expired()
+        return await self.store.run(sql_budgets.release_expired)
 
     async def rows(self) -> list[SpendRow]:
         """Each declared budget's current period (created if this is its first look)."""
@@ -440,7 +412,7 @@ class Budgets:
         rows = await self._open(sorted(self.specs), now)
         if len(rows) < len(self.specs):  # another process declared one at run time
             rows = await self._open(sorted(self.specs), now)
-        return await self.store.budget_rows([r.key for r in rows])
+        return await self.store.read(sql_budgets.rows_of, [r.key for r in rows])
 
     async def set(self, spec: BudgetSpec) -> None:
         """Declare or change ``spec`` at run time, durably: stored as the budget's
@@ -452,7 +424,7 @@ class Budgets:
         override = Override(
             spec.name, spec.period, spec.timezone, spec.tokens, spec.cost, spec.soft
         )
-        await self.store.budget_set(override, row)
+        await self.store.run(sql_budgets.set_budget, override, row)
         self.specs[spec.name] = spec
         self._ensured.add(row.key)
 
@@ -460,7 +432,7 @@ class Budgets:
         """The current period's spend of ``name`` back to zero. KeyError: not declared."""
         spec = self.specs[name]
         start, _ = period_bounds(spec.period, spec.timezone, self.clock.now())
-        await self.store.budget_reset(row_key(name, start))
+        await self.store.run(sql_budgets.reset, row_key(name, start))
 
     def with_spec(self, name: str, **changes: object) -> BudgetSpec:
         """``name``'s spec with ``changes`` (ValueError from the spec's checks)."""

@@ -25,7 +25,6 @@ from agentserver.agents.clock import Clock
 from agentserver.agents.errors import StoreError
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import Claimed, LostCalls, TurnToken
-from agentserver.agents.store.budget_store import BudgetStore
 from agentserver.agents.store.sql import claims, views, watchdog
 from agentserver.agents.store.sql.budgets import HoldFor
 from agentserver.agents.store.sql.db import StoreEnv, StoreFn
@@ -34,7 +33,7 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 
-class SqlAgentStore(BudgetStore, abc.ABC):
+class SqlAgentStore(abc.ABC):
     """The store's calls over a backend's transactions (see the module docstring). A
     backend supplies :meth:`run` and :meth:`aclose`; it cannot be instantiated without."""
 
@@ -70,14 +69,6 @@ class SqlAgentStore(BudgetStore, abc.ABC):
         """A call that runs exactly one statement, so it is atomic by itself (the backend
         may run it in autocommit, saving the ``BEGIN``/``COMMIT`` round trips)."""
         return await self.run(fn, *args, **kwargs)
-
-    async def _run(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """:meth:`run`, as :class:`BudgetStore`'s methods call it."""
-        return await self.run(fn, *args, **kwargs)
-
-    async def _read(self, fn: StoreFn[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """:meth:`read`, as :class:`BudgetStore`'s methods call it."""
-        return await self.read(fn, *args, **kwargs)
 
     @abc.abstractmethod
     async def aclose(self) -> None:
@@ -123,3 +114,4 @@ class SqlAgentStore(BudgetStore, abc.ABC):
         """After a prune run: copy the write-ahead log back so it can start over (SQLite,
         :class:`~agentserver.agents.store.sqlite_store.SqliteAgentStore`). PostgreSQL's
         WAL is the server's own business: nothing here."""
+        return None
