@@ -164,10 +164,92 @@ class ModelStep:
         (a failure, a retry, a fence, a cancel), here, each in a transaction of its own.
         """
         spends: list[Spend] = []
+
+        async def attempt() -> ModelOutcome:
+            # The call and its outcome; the spends of the calls that returned go to
+            # ``spends`` (BudgetedLLM's ``defer``).
+            nonlocal llm, head
+            if self.budgets is not None and reserve:
+                # The holds belong to this run of the step: whichever process fences the run
+                # out (a restart, a takeover) releases them (agents/store/sql/budgets.py).
+                owner = HoldOwner(token.agent_id, token.agent_turn_id, token.turn_epoch, step_id)
+                llm = self.budgets.port(
+                    llm,
+                    token.agent_id,
+                    client,
+                    token.agent_turn_id,
+                    profile.llm_timeout_s,
+                    owner,
+                    defer=spends,
+                    first=step.hold,
+                )
+            budget = profile.budget
+            system = system_text(profile)
+            system_tokens = estimate_message_tokens(system)
+            overflowed = False
+            pending: PendingSwap | None = None
+            problem: str
+            try:
+                with trio.fail_after(profile.llm_timeout_s):
+                    while True:
+                        shown = pending.tokens if pending else head.context_tokens
+                        if overflowed or budget.over(system_tokens, shown):
+                            pending = (
+                                await compact_turn(
+                                    self.store, llm, token, profile, keep_nothing=overflowed
+                                )
+                                or pending
+                            )
+                            head = await self.hold.fence(token)
+                            shown = pending.tokens if pending else head.context_tokens
+                        try:
+                            completion = await self._watched_call(
+                                llm, token, profile, step_id, system, pending or step, step.step_no
+                            )
+                        except LLMUnavailable as exc:
+                            if exc.kind.upper() == "CONTEXT_OVERFLOW" and not overflowed:
+                                overflowed = True
+                                continue
+                            raise
+                        # The provider's count corrects the running estimate (upwards only:
+                        # the estimate is kept pessimistic).
+                        over = completion.usage.prompt_tokens - (
+                            PER_REQUEST + system_tokens + shown
+                        )
+                        if pending is not None:
+                            return Completed(
+                                completion, replace(pending.swap, correction=max(over, 0))
+                            )
+                        if over > 0:
+                            await self.store.run1(turns.add_context_tokens, token, over)
+                        return Completed(completion, None)
+            except StaleTurn:
+                raise
+            except BudgetSpent as exc:
+                return BudgetRefused(exc.reason)
+            except LLMUnavailable as exc:
+                if exc.kind.upper() == "CONTEXT_OVERFLOW":
+                    problem = (
+                        "the conversation does not fit the model's context window, even after "
+                        f"compaction: {exc}"
+                    )
+                    return ModelFailed(problem)
+                decision = decide_retry(
+                    exc.kind, exc.retry_after, retries_done, profile.retry_policy
+                )
+                if isinstance(decision, RetryStep):
+                    await self._wait_to_retry(token, step_id, decision, exc)
+                    return RetryScheduled()
+                problem = f"the model could not be reached: {exc}"
+            except trio.TooSlowError:
+                return StepTimedOut(f"the model did not answer within {profile.llm_timeout_s:g} s")
+            except Exception as exc:  # a port bug must not leave the Turn hanging
+                log.exception("LLM port failed")
+                problem = f"the model call failed: {type(exc).__name__}"
+            return ModelFailed(problem)
+
         try:
-            outcome = await self._complete(
-                llm, token, head, profile, step_id, retries_done, step, client, reserve, spends
-            )
+            outcome = await attempt()
         except BaseException:
             if spends and self.budgets is not None:
                 await self.budgets.settle_spends(spends)  # (shielded)
@@ -177,93 +259,6 @@ class ModelStep:
         if spends and self.budgets is not None:
             await self.budgets.settle_spends(spends)
         return outcome
-
-    async def _complete(
-        self,
-        llm: LLMPort,
-        token: TurnToken,
-        head: Head,
-        profile: AgentProfile,
-        step_id: str,
-        retries_done: int,
-        step: StepStart,
-        client: str | None,
-        reserve: bool,
-        spends: list[Spend],
-    ) -> ModelOutcome:
-        """:meth:`complete`, the returned calls' spends put in ``spends``."""
-        if self.budgets is not None and reserve:
-            # The holds belong to this run of the step: whichever process fences the run
-            # out (a restart, a takeover) releases them (agents/store/sql/budgets.py).
-            owner = HoldOwner(token.agent_id, token.agent_turn_id, token.turn_epoch, step_id)
-            llm = self.budgets.port(
-                llm,
-                token.agent_id,
-                client,
-                token.agent_turn_id,
-                profile.llm_timeout_s,
-                owner,
-                defer=spends,
-                first=step.hold,
-            )
-        budget = profile.budget
-        system = system_text(profile)
-        system_tokens = estimate_message_tokens(system)
-        overflowed = False
-        pending: PendingSwap | None = None
-        problem: str
-        try:
-            with trio.fail_after(profile.llm_timeout_s):
-                while True:
-                    shown = pending.tokens if pending else head.context_tokens
-                    if overflowed or budget.over(system_tokens, shown):
-                        pending = (
-                            await compact_turn(
-                                self.store, llm, token, profile, keep_nothing=overflowed
-                            )
-                            or pending
-                        )
-                        head = await self.hold.fence(token)
-                        shown = pending.tokens if pending else head.context_tokens
-                    try:
-                        completion = await self._watched_call(
-                            llm, token, profile, step_id, system, pending or step, step.step_no
-                        )
-                    except LLMUnavailable as exc:
-                        if exc.kind.upper() == "CONTEXT_OVERFLOW" and not overflowed:
-                            overflowed = True
-                            continue
-                        raise
-                    # The provider's count corrects the running estimate (upwards only:
-                    # the estimate is kept pessimistic).
-                    over = completion.usage.prompt_tokens - (PER_REQUEST + system_tokens + shown)
-                    if pending is not None:
-                        return Completed(completion, replace(pending.swap, correction=max(over, 0)))
-                    if over > 0:
-                        await self.store.run1(turns.add_context_tokens, token, over)
-                    return Completed(completion, None)
-        except StaleTurn:
-            raise
-        except BudgetSpent as exc:
-            return BudgetRefused(exc.reason)
-        except LLMUnavailable as exc:
-            if exc.kind.upper() == "CONTEXT_OVERFLOW":
-                problem = (
-                    "the conversation does not fit the model's context window, even after "
-                    f"compaction: {exc}"
-                )
-                return ModelFailed(problem)
-            decision = decide_retry(exc.kind, exc.retry_after, retries_done, profile.retry_policy)
-            if isinstance(decision, RetryStep):
-                await self._wait_to_retry(token, step_id, decision, exc)
-                return RetryScheduled()
-            problem = f"the model could not be reached: {exc}"
-        except trio.TooSlowError:
-            return StepTimedOut(f"the model did not answer within {profile.llm_timeout_s:g} s")
-        except Exception as exc:  # a port bug must not leave the Turn hanging
-            log.exception("LLM port failed")
-            problem = f"the model call failed: {type(exc).__name__}"
-        return ModelFailed(problem)
 
     async def _watched_call(
         self,
