@@ -7,12 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from agentserver.agents.profile.schedule import ScheduleSpec
-
-if TYPE_CHECKING:
-    from agentserver.agents.store.sql.budgets import StepHold
 
 #: The reply reference's key naming the client an HTTP message was sent by (its bearer
 #: token's identity): her conversation, though the answer goes to the message's endpoint.
@@ -191,6 +188,41 @@ class Finished:
     deliverable_card_id: str
     reply: PendingReply | None
     next_leased: bool
+
+
+@dataclass(frozen=True, slots=True)
+class HoldOwner:
+    """The run of a Turn's step a hold belongs to: released when that run is fenced
+    out (the Turn's epoch moves on), whichever process notices."""
+
+    agent_id: str
+    agent_turn_id: str
+    turn_epoch: int
+    step_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HoldRequest:
+    """The reservation of a step's first model call, asked of the transaction that opens
+    the step (``sql/budgets.py`` ``hold_step``): the rows, the worst case, the hold's id, expiry and
+    owner (the step)."""
+
+    keys: tuple[str, ...]
+    tokens: int
+    cost: float
+    hold_id: str
+    expires_at: float
+    owner: HoldOwner
+
+
+@dataclass(frozen=True, slots=True)
+class StepHold:
+    """What ``sql/budgets.py`` ``hold_step`` came to: ``granted``, the hold is written (the step's first
+    call uses it instead of reserving); else nothing was written (the call reserves, and
+    meets the refusal, by itself)."""
+
+    request: HoldRequest
+    granted: bool
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,14 +23,12 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentserver.agents.store import outbox
+from agentserver.agents.store.rows import HoldOwner, HoldRequest, StepHold, StepStart
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
 from agentserver.agents.store.states import HeadStatus
-
-if TYPE_CHECKING:
-    from agentserver.agents.store.rows import StepStart
 
 MIGRATION = """
 CREATE TABLE budget_spend (
@@ -89,17 +87,6 @@ CREATE INDEX budget_holds_turn ON budget_holds (agent_id, agent_turn_id);
 """
 
 
-@dataclass(frozen=True, slots=True)
-class HoldOwner:
-    """The run of a Turn's step a hold belongs to: released when that run is fenced
-    out (the Turn's epoch moves on), whichever process notices."""
-
-    agent_id: str
-    agent_turn_id: str
-    turn_epoch: int
-    step_id: str | None = None
-
-
 @dataclass(slots=True)
 class Spend:
     """A model call's spend, settled in the transaction that writes its step's results
@@ -126,34 +113,10 @@ def settle_spends(tx: Tx, env: StoreEnv, spends: Sequence[Spend]) -> None:
         s.crossed = settle(tx, env, s.hold_id, s.keys, s.tokens, s.cost, s.events)
 
 
-@dataclass(frozen=True, slots=True)
-class HoldRequest:
-    """The reservation of a step's first model call, asked of the transaction that opens
-    the step (:func:`hold_step`): the rows, the worst case, the hold's id, expiry and
-    owner (the step)."""
-
-    keys: tuple[str, ...]
-    tokens: int
-    cost: float
-    hold_id: str
-    expires_at: float
-    owner: HoldOwner
-
-
-@dataclass(frozen=True, slots=True)
-class StepHold:
-    """What :func:`hold_step` came to: ``granted``, the hold is written (the step's first
-    call uses it instead of reserving); else nothing was written (the call reserves, and
-    meets the refusal, by itself)."""
-
-    request: HoldRequest
-    granted: bool
-
-
 #: The reservation of the first call of a step just opened, from the Turn's reply
 #: reference (as stored: JSON) and the step (None: no budget applies, or the call
 #: reserves by itself). Pure, no I/O: it runs in the transaction that opens the step.
-HoldFor = Callable[[str | None, "StepStart"], HoldRequest | None]
+HoldFor = Callable[[str | None, StepStart], HoldRequest | None]
 
 
 def hold_step(
