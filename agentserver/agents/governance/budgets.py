@@ -299,7 +299,7 @@ class Budgets:
         """What settling ``hold`` writes: what the call reported (its worst case if it
         reported no usage, never zero), and the ``budget.soft`` outbox rows of the marks
         it crosses. No I/O: the caller writes it, by itself (:meth:`settle`) or with the
-        step's results (``spends=``), then calls :meth:`published`."""
+        step's results (``spends=``), then calls :func:`spent`."""
         tokens, cost = hold.need.tokens, hold.need.cost
         if completion is not None and not completion.usage.estimated:
             u = completion.usage
