@@ -94,26 +94,29 @@ STEPS_USED = (
 
 
 def _rows(sqlite_path: pathlib.Path | None, pg_url: str | None) -> tuple[list[tuple], int, int]:
-    spend = "SELECT budget, limit_tokens, spent_tokens, reserved_tokens, refusals FROM budget_spend"
-    holds = "SELECT count(*) FROM budget_holds"
-    if pg_url is not None:
-        import psycopg
+    """The spend rows, the holds left and :data:`STEPS_USED`, from either store."""
 
-        with psycopg.connect(pg_url, connect_timeout=10) as conn:
-            return (
-                conn.execute(spend).fetchall(),
-                conn.execute(holds).fetchone()[0],
-                int(conn.execute(STEPS_USED).fetchone()[0]),
-            )
-    if sqlite_path is None or not sqlite_path.exists():
-        return [], 0, 0
-    conn = sqlite3.connect(f"file:{sqlite_path}?mode=ro", uri=True, timeout=30)
-    try:
+    def read(conn: Any) -> tuple[list[tuple], int, int]:
+        spend = (
+            "SELECT budget, limit_tokens, spent_tokens, reserved_tokens, refusals FROM budget_spend"
+        )
+        holds = "SELECT count(*) FROM budget_holds"
         return (
             conn.execute(spend).fetchall(),
             conn.execute(holds).fetchone()[0],
             int(conn.execute(STEPS_USED).fetchone()[0]),
         )
+
+    if pg_url is not None:
+        import psycopg
+
+        with psycopg.connect(pg_url, connect_timeout=10) as conn:
+            return read(conn)
+    if sqlite_path is None or not sqlite_path.exists():
+        return [], 0, 0
+    conn = sqlite3.connect(f"file:{sqlite_path}?mode=ro", uri=True, timeout=30)
+    try:
+        return read(conn)
     finally:
         conn.close()
 
