@@ -92,6 +92,13 @@ class ToolPort(Protocol):
         can still be refused after that only for room (a full queue or registry)."""
         ...
 
+    def check_task(self, agent: str, payload: etree._Element) -> None:
+        """Check that ``agent`` takes ``payload`` as a task now (its type is one of the
+        agent's, and valid), sending nothing: raises ``PumpRefused``. A task queued by a
+        process serving another version of the agent is checked again before it starts
+        (docs/deploy.md)."""
+        ...
+
     async def self_iterate(
         self, agent: str, turn_thread: ReplyRef, payload: etree._Element
     ) -> None:

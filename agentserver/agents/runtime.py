@@ -21,7 +21,7 @@ from agentserver.agents.events import EventBus
 from agentserver.agents.governance.approvals import Approvals
 from agentserver.agents.governance.budgets import Budgets
 from agentserver.agents.ports import ReplyRef, ToolPort
-from agentserver.agents.profile.agent import MULTITASK_MODES, AgentProfile
+from agentserver.agents.profile.agent import MULTITASK_MODES, AgentProfile, not_in_version
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import (
     AgentStore,
@@ -32,6 +32,7 @@ from agentserver.agents.store.base import (
     TaskStatus,
     TurnToken,
 )
+from agentserver.agents.store.served import ServedVersions
 from agentserver.agents.store.sql import conversations, forks, inbox, replies
 from agentserver.agents.store.sql import multitask as sql_multitask
 from agentserver.agents.store.sql import tools as sql_tools
@@ -72,14 +73,25 @@ def open_agent_store(
     profile's tool-result cap. Blocking: call once at start. Closed by its ``aclose``
     (:meth:`AgentRuntime.aclose` for the runtime's)."""
     caps = {n: p.budget.tool_result_cap for n, p in profiles.items()}
+    served = served_versions(profiles)
     if settings.url:
         from agentserver.agents.store.pg.store import PostgresAgentStore
 
         return PostgresAgentStore.open(
-            settings.url, clock=clock, settings=settings, tool_result_caps=caps
+            settings.url, clock=clock, settings=settings, tool_result_caps=caps, served=served
         )
     return SqliteAgentStore.open(
-        settings.path, clock=clock, settings=settings, tool_result_caps=caps
+        settings.path, clock=clock, settings=settings, tool_result_caps=caps, served=served
+    )
+
+
+def served_versions(profiles: Mapping[str, AgentProfile]) -> ServedVersions:
+    """The versions of ``profiles`` this process serves (the unversioned left out)."""
+    versioned = {n: p for n, p in profiles.items() if p.version}
+    return ServedVersions(
+        versions={n: p.version for n, p in versioned.items()},
+        digests={n: p.digest for n, p in versioned.items()},
+        pinned=frozenset(n for n, p in versioned.items() if p.versioning == "pinned"),
     )
 
 
@@ -388,6 +400,17 @@ class AgentRuntime:
         StaleTurn when the Turn moved on."""
         profile = self.profiles.get(token.agent_id)
         deadline = self.clock.now() + (profile.resume_deadline_s if profile else 60.0)
+        gone = 0
+        if profile is not None and profile.version:
+            # Calls to a tool this version does not have say so (docs/deploy.md), and are
+            # never sent again.
+            removed: dict[str, list[str]] = {}
+            for call in await self.store.read(sql_tools.waiting_calls, token):
+                if not profile.has_tool(call.to):
+                    removed.setdefault(call.to, []).append(call.tool_call_id)
+            for tool, ids in removed.items():
+                text = f"{reason}, and {not_in_version(tool, profile)}"
+                gone += await self.store.run(sql_tools.inject_timeouts, token, text, ids)
         sent, rest = 0, None
         if self.retryable_tools:
             sent, rest = await resend_waiting(
@@ -404,7 +427,7 @@ class AgentRuntime:
         )
         if lost:
             log.warning("turn %s: %d tool call(s) %s", token.agent_turn_id, lost, reason)
-        return lost
+        return lost + gone
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Recover, then run the worker and the watchdog until cancelled."""

@@ -43,6 +43,7 @@ from agentserver.agents.service import (
 from agentserver.agents.turn.answer import takes_failure_status
 from agentserver.app.runtime_parts import runtime_parts
 from agentserver.config.topology import Topology
+from agentserver.config.versions import agent_versions
 from agentserver.core.access import AccessRule
 from agentserver.llm.grammars import agent_grammar
 from agentserver.observability import Metrics, Tracing
@@ -64,6 +65,7 @@ def build_profiles(
     (each model is resolved against ``environ`` now). Raises ``AgentConfigError``."""
     tag_of = {p.model: p.tag for p in pump.payloads}
     ptype_of = {p.tag: p for p in pump.payloads}
+    versions = agent_versions(topology)
     profiles = {}
     for spec in topology.listeners:
         if not spec.agent:
@@ -89,6 +91,9 @@ def build_profiles(
             quotable=tuple(dict.fromkeys(quotable)),
             policy=spec.agent_policy,
             guardrails=tuple(spec.agent_guardrails),
+            version=versions[spec.name].version,
+            digest=versions[spec.name].digest,
+            versioning=versions[spec.name].versioning,
             # The pump's own compiled payload types: the grammar and validation share them.
             reply_grammar=agent_grammar(
                 spec.name, profile.model, [ptype_of[t] for t in peers], topology.llm

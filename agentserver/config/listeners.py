@@ -317,6 +317,7 @@ class ListenerReader:
             broadcast=flag(el, "broadcast"),
             description=(el.findtext(B + "description") or "").strip(),
             agent_profile=profile,
+            definition=etree.tostring(el, method="c14n", with_comments=False) if agent else b"",
             line=line,
             agent_policy=governance[0] if governance else None,
             agent_guardrails=governance[1] if governance else (),

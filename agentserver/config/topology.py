@@ -131,6 +131,9 @@ class ListenerSpec:
     mcp_tool: McpToolRef | None = None
     #: A remote A2A agent's skill (``<a2a>``, docs/a2a.md); None: not one.
     a2a_skill: A2aSkillRef | None = None
+    #: The ``<listener>`` element as written, canonical (C14N, no comments): part of an
+    #: agent's version (config/versions.py).
+    definition: bytes = field(default=b"", compare=False)
 
     @property
     def is_boot(self) -> bool:

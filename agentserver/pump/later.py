@@ -199,6 +199,16 @@ class Later:
             )
         return element, ptype, decision.targets[0]
 
+    def check_task(self, agent: str, payload: BaseXmlModel | etree._Element) -> None:
+        """Validate ``payload`` as a task of ``agent`` (a valid payload of one of its own
+        types) without delivering it. Raises :class:`Refusal`."""
+        element = to_element(payload)
+        ptype = self.codec.validate_payload(element)
+        if not isinstance(self.roster.routes.outbound(agent, ptype.tag, agent), SelfCall):
+            raise InputRefused(
+                HuhReason.INVALID_PAYLOAD, f"{agent} does not take {ptype.tag} as a task"
+            )
+
     def check_self_call(self, sender: str, payload: BaseXmlModel | etree._Element) -> None:
         """Validate a self-iteration payload of ``sender`` without delivering it (an agent
         continues its Turn itself). Raises :class:`Refusal` as a delivery would."""

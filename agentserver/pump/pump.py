@@ -165,6 +165,7 @@ class Pump:
         self.call_from, self.answer = later.call_from, later.answer
         self.inject_system, self.end_hop = later.inject_system, later.end_hop
         self.check_call, self.check_self_call = later.check_call, later.check_self_call
+        self.check_task = later.check_task
         refusing = Refusals(self, roster.endpoints)
         self._count_refusal, self._primitive = refusing.count, refusing.primitive
         self._answer_endpoint, self._refuse_sync = refusing.answer_endpoint, refusing.refuse_sync

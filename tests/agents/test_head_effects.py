@@ -20,6 +20,7 @@ from agentserver.agents.clock import ManualClock
 from agentserver.agents.ports import LLMCompletion, LLMUsage
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import NewCard, TaskStatus, ToolCallRecord, TurnToken
+from agentserver.agents.store.served import ServedVersions
 from agentserver.agents.store.sql import inbox, tools, turn_end, turns
 from agentserver.agents.store.sql_store import SqlAgentStore
 from agentserver.agents.store.states import (
@@ -38,6 +39,11 @@ COLUMNS = (
     "context_tokens",
     "updated_at",
     *sorted({c for effects in HEAD_EFFECTS.values() for c in effects}),
+)
+#: The walks' agents, versioned and pinned: a Turn's start records its version and pin.
+SERVED = ServedVersions(
+    versions={a: "v1" for a in ("shared-or-only", "one-trip", "shared")},
+    pinned=frozenset({"shared-or-only", "one-trip", "shared"}),
 )
 #: The columns that hold a moment of the store's clock.
 TIMES = ("updated_at", "dispatched_at", "running_since")
@@ -59,12 +65,14 @@ async def store(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[SqlAg
     if request.param == "sqlite":
         from agentserver.agents.store.sqlite_store import SqliteAgentStore
 
-        s: SqlAgentStore = SqliteAgentStore.open(settings.path, clock=clock, settings=settings)
+        s: SqlAgentStore = SqliteAgentStore.open(
+            settings.path, clock=clock, settings=settings, served=SERVED
+        )
     else:
         from agentserver.agents.store.pg.store import PostgresAgentStore
 
         url = request.getfixturevalue("pg_url")  # skips when no server is reachable
-        s = PostgresAgentStore.open(url, clock=clock, settings=settings)
+        s = PostgresAgentStore.open(url, clock=clock, settings=settings, served=SERVED)
     try:
         yield s
     finally:

@@ -204,13 +204,18 @@ async def test_a_store_from_before_migration_13_continues_its_conversations(
             "ALTER TABLE agent_inbox DROP COLUMN caller",
             "DROP INDEX pruned_turns_age",
             "DROP TABLE ui_sessions",
-            # (and migrations 15 to 17, which run again after 14)
+            # (and migrations 15 to 18, which run again after 14)
             "DROP INDEX budget_holds_turn",
             "ALTER TABLE budget_holds DROP COLUMN agent_id",
             "ALTER TABLE budget_holds DROP COLUMN agent_turn_id",
             "ALTER TABLE budget_holds DROP COLUMN turn_epoch",
             "ALTER TABLE budget_holds DROP COLUMN step_id",
             "ALTER TABLE pruned_turns DROP COLUMN sender",
+            "ALTER TABLE agent_state_head DROP COLUMN turn_version",
+            "ALTER TABLE agent_state_head DROP COLUMN turn_pin",
+            "ALTER TABLE agent_inbox DROP COLUMN version",
+            "ALTER TABLE agent_steps DROP COLUMN version",
+            "DROP TABLE agent_versions",
             "DELETE FROM schema_version WHERE version >= 14",
             "INSERT INTO boxes (box_id, agent_id, agent_turn_id, kind, created_at) VALUES "
             "('c1', 'agent', 'old', 'context', 1), ('o1', 'agent', 'old', 'output', 1)",

@@ -52,6 +52,16 @@ ONE_DAY = RetentionSettings(
 )
 
 
+#: Migration 18 (agent versions) undone, for a test that takes a store back before it.
+UNDO_18 = (
+    "ALTER TABLE agent_state_head DROP COLUMN turn_version",
+    "ALTER TABLE agent_state_head DROP COLUMN turn_pin",
+    "ALTER TABLE agent_inbox DROP COLUMN version",
+    "ALTER TABLE agent_steps DROP COLUMN version",
+    "DROP TABLE agent_versions",
+)
+
+
 def _settings(tmp_path) -> StoreSettings:
     return StoreSettings(path=tmp_path / "agents.sqlite3", retention=ONE_DAY)
 
@@ -220,6 +230,8 @@ async def test_a_store_at_schema_16_gains_the_tombstones_sender(kind, request, t
 
         def back_to_16(tx: Any, env: Any) -> None:
             tx.execute("ALTER TABLE pruned_turns DROP COLUMN sender")
+            for statement in UNDO_18:
+                tx.execute(statement)
             tx.execute("DELETE FROM schema_version WHERE version >= 17")
 
         await s.run(back_to_16)

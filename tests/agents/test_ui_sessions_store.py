@@ -108,6 +108,12 @@ async def test_a_store_at_schema_14_gains_the_sessions_table(kind, request, tmp_
             "ALTER TABLE budget_holds DROP COLUMN turn_epoch",
             "ALTER TABLE budget_holds DROP COLUMN step_id",
             "ALTER TABLE pruned_turns DROP COLUMN sender",
+            # (and 18, the agent versions)
+            "ALTER TABLE agent_state_head DROP COLUMN turn_version",
+            "ALTER TABLE agent_state_head DROP COLUMN turn_pin",
+            "ALTER TABLE agent_inbox DROP COLUMN version",
+            "ALTER TABLE agent_steps DROP COLUMN version",
+            "DROP TABLE agent_versions",
             "DELETE FROM schema_version WHERE version >= 15",
         )
         assert await one(s, "SELECT max(version) FROM schema_version") == 14
@@ -115,7 +121,7 @@ async def test_a_store_at_schema_14_gains_the_sessions_table(kind, request, tmp_
         await s.aclose()
     s = await _open(kind, request, tmp_path)
     try:
-        assert await one(s, "SELECT max(version) FROM schema_version") == SCHEMA_VERSION == 17
+        assert await one(s, "SELECT max(version) FROM schema_version") == SCHEMA_VERSION == 18
         await s.run(ui_sessions.put_session, "h", "alice", "p", 10.0)
         assert await s.read(ui_sessions.get_session, "h") == ("alice", "p")
     finally:

@@ -150,6 +150,12 @@ class PumpPorts:
         except Refusal as refusal:
             raise _refused(refusal, payload) from None
 
+    def check_task(self, agent: str, payload: etree._Element) -> None:
+        try:
+            self.pump.check_task(agent, payload)
+        except Refusal as refusal:
+            raise _refused(refusal, payload) from None
+
     async def self_iterate(
         self, agent: str, turn_thread: ReplyRef, payload: etree._Element
     ) -> None:

@@ -31,7 +31,7 @@ from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import PumpRefused, StaleTurn
 from agentserver.agents.events import EventBus, NoticeEvent
 from agentserver.agents.ports import ToolPort, reply_ref_from_json
-from agentserver.agents.profile.agent import AgentProfile
+from agentserver.agents.profile.agent import AgentProfile, not_in_version
 from agentserver.agents.store.base import AgentStore, InboxRow, StoreCalls
 from agentserver.agents.store.governance import APPROVAL_PREFIX, WAITING_KIND, PendingApproval
 from agentserver.agents.store.sql import governance, inbox, turns
@@ -214,6 +214,11 @@ async def forward_granted(
     ref_json = await store.read(turns.turn_reply_ref, token)
     if ref_json is None:  # no longer the agent's active Turn
         raise StaleTurn(f"{token}: not the active Turn")
+    if profile is not None and profile.version and not profile.has_tool(target):
+        # The version granted on is not the one the call was asked on (docs/deploy.md).
+        await store.run(governance.fail_forward, request_id, row, not_in_version(target, profile))
+        doorbell.ring()
+        return
     try:
         element = SafeParser().parse(payload.encode("utf-8"))
         tools.check_call(token.agent_id, element, target)

@@ -86,6 +86,16 @@ class AgentProfile:
     #: The reply's GBNF grammar (free text, then at most one call a peer's XSD accepts)
     #: when the agent's model is served by a constraining local backend; None otherwise.
     reply_grammar: str | None = None
+    #: The agent's version (config/versions.py): its id (``<agent version>``, else the
+    #: digest's first 12 hex digits; empty: unversioned, as in tests), the full digest,
+    #: and what its Turns do on a process serving another version (docs/deploy.md).
+    version: str = ""
+    digest: str = ""
+    versioning: str = "upgrade"  # or "pinned"
+
+    def has_tool(self, listener: str) -> bool:
+        """Whether ``listener`` is one of this version's tools (peers)."""
+        return listener in self.peers.values()
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:
@@ -127,3 +137,9 @@ class AgentProfile:
     def known_roots(self) -> tuple[str, ...]:
         """Every root tag the worker recognises in model text (Clark notation)."""
         return (*self.own_roots, *self.peers, self.answer_tag)
+
+
+def not_in_version(tool: str, profile: AgentProfile) -> str:
+    """What a call to ``tool`` is answered when the version of ``profile`` that resumed
+    its Turn has no such tool (docs/deploy.md): the change, named."""
+    return f"tool `{tool}` is not in version {profile.version} of agent {profile.name}"

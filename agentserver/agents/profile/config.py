@@ -159,6 +159,8 @@ def agent_settings_from_element(el: etree._Element | None, *, name: str) -> Agen
             loop_warn=int(_num(el, "loop-warn", d.loop_warn, int)),
             loop_block=int(_num(el, "loop-block", d.loop_block, int)),
             retention=agent_retention_from_element(el.find(_q("retention"))),
+            version=el.get("version") or None,
+            versioning=el.get("versioning", d.versioning),
         )
     except ValueError as exc:
         raise AgentConfigError(f"agent {name!r}: {exc}") from None
@@ -216,6 +218,7 @@ def profile_from_settings(
             loop_warn=s.loop_warn,
             loop_block=s.loop_block,
             retention=s.retention,
+            versioning=s.versioning,
         )
     except ValueError as exc:
         raise AgentConfigError(f"agent {name!r}: {exc}") from None

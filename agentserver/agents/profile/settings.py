@@ -126,3 +126,7 @@ class AgentSettings:
     loop_block: int = profile_default("loop_block")
     #: ``<agent><retention>``: this agent's overrides of the store's retention.
     retention: RetentionOverride | None = None
+    #: ``<agent version>``: the version's name (None: its digest names it).
+    version: str | None = None
+    #: ``<agent versioning>``: what a Turn does on a process serving another version.
+    versioning: str = profile_default("versioning")

@@ -154,6 +154,9 @@ class RecordedTools:
     def check_call(self, agent: str, payload: etree._Element, to: str | None) -> None:
         self.checker.check_call(agent, payload, to)
 
+    def check_task(self, agent: str, payload: etree._Element) -> None:
+        self.inner.check_task(agent, payload)
+
     async def self_iterate(
         self, agent: str, turn_thread: ReplyRef, payload: etree._Element
     ) -> None:

@@ -92,6 +92,10 @@ class Head:
     updated_at: float
     #: estimated tokens of the cards in the two boxes, as shown (agents/profile/budget.py)
     context_tokens: int = 0
+    #: The version its Turn started with (or was moved to), and its pin: the version a
+    #: pinned Turn runs on only (docs/deploy.md).
+    turn_version: str | None = None
+    turn_pin: str | None = None
 
     @property
     def token(self) -> TurnToken | None:
@@ -116,6 +120,8 @@ class InboxRow:
     next_retry_at: float
     defer_reason: str | None
     created_at: float
+    #: A task's: the version of the process that enqueued it (started it, once started).
+    version: str | None = None
 
     @property
     def token(self) -> TurnToken | None:

@@ -25,6 +25,7 @@ from agentserver.agents.clock import Clock
 from agentserver.agents.errors import StoreError
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import Claimed, LostCalls, TurnToken
+from agentserver.agents.store.served import ServedVersions
 from agentserver.agents.store.sql import claims, views, watchdog
 from agentserver.agents.store.sql.budgets import HoldFor
 from agentserver.agents.store.sql.db import StoreEnv, StoreFn
@@ -42,8 +43,11 @@ class SqlAgentStore(abc.ABC):
         clock: Clock,
         settings: StoreSettings,
         tool_result_caps: Mapping[str, int] | None = None,
+        served: ServedVersions | None = None,
     ) -> None:
-        self.env = StoreEnv(clock, settings, dict(tool_result_caps or {}))
+        self.env = StoreEnv(
+            clock, settings, dict(tool_result_caps or {}), served or ServedVersions()
+        )
         self.settings = settings
 
     @property

@@ -24,6 +24,7 @@ bounds its WAL. Durability is unchanged: a commit is in the WAL either way.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import sqlite3
 import threading
@@ -39,6 +40,8 @@ from agentserver.agents.doorbell import Doorbell
 from agentserver.agents.errors import StoreError, StoreInUse
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import LostCalls, PendingReply
+from agentserver.agents.store.served import ServedVersions
+from agentserver.agents.store.sql import versions
 from agentserver.agents.store.sql.db import SQLITE, Row, SqlValue, StoreFn
 from agentserver.agents.store.sql.schema import MIGRATIONS, SCHEMA_VERSION, migrate
 from agentserver.agents.store.sql_store import SqlAgentStore
@@ -47,6 +50,8 @@ __all__ = ["SCHEMA_VERSION", "_MIGRATIONS", "SqliteAgentStore", "SqliteTx"]
 
 #: The migrations (kept under their old name for the tests that build old files).
 _MIGRATIONS = MIGRATIONS
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -161,8 +166,9 @@ class SqliteAgentStore(SqlAgentStore):
         tool_result_caps: Mapping[str, int] | None = None,
         lock_fd: int | None = None,
         path: Path | None = None,
+        served: ServedVersions | None = None,
     ) -> None:
-        super().__init__(clock, settings, tool_result_caps)
+        super().__init__(clock, settings, tool_result_caps, served)
         self._db = conn
         self._tx = SqliteTx(conn)
         #: The process lock of the file (see :func:`_lock`), released by :meth:`close`.
@@ -181,9 +187,11 @@ class SqliteAgentStore(SqlAgentStore):
         clock: Clock | None = None,
         settings: StoreSettings | None = None,
         tool_result_caps: Mapping[str, int] | None = None,
+        served: ServedVersions | None = None,
     ) -> SqliteAgentStore:
         """Open (creating and migrating) the store file. Synchronous: call once at start.
-        ``tool_result_caps``: agent id → the most tokens one tool result is shown with.
+        ``tool_result_caps``: agent id → the most tokens one tool result is shown with;
+        ``served``: this process's agents' versions (docs/deploy.md).
 
         The process holds an exclusive lock on ``PATH.lock`` until :meth:`close`; the OS
         drops it if the process dies. Raises :class:`StoreInUse` if another process holds it.
@@ -217,8 +225,11 @@ class SqliteAgentStore(SqlAgentStore):
                 tool_result_caps=tool_result_caps,
                 lock_fd=lock,
                 path=path,
+                served=served,
             )
             store._transact(migrate)
+            for changed in store._transact(versions.register):
+                log.warning("%s", changed.text())
         except BaseException:
             conn.close()
             os.close(lock)

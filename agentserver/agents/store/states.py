@@ -110,8 +110,14 @@ HEAD_EFFECTS: Mapping[HeadEvent, Mapping[str, Any]] = {
         "dispatched_at": NOW,
         "running_since": None,
         "context_tokens": Given("tokens"),
+        "turn_version": None,
+        "turn_pin": None,
     },
-    HeadEvent.START: {"running_since": NOW},
+    HeadEvent.START: {
+        "running_since": NOW,
+        "turn_version": Given("version"),
+        "turn_pin": Given("pin"),
+    },
     HeadEvent.SUSPEND: {
         "waiting_tool_count": Given("calls"),
         "resume_deadline": Given("deadline"),

@@ -391,6 +391,15 @@ class OpenStep:
 
 
 @dataclass(frozen=True, slots=True)
+class Upgrade:
+    """Record that the Turn, begun on version ``was``, continues on ``now`` (an
+    ``upgrade`` Turn resumed by a process serving another version: docs/deploy.md)."""
+
+    was: str
+    now: str
+
+
+@dataclass(frozen=True, slots=True)
 class CallModel:
     """Make the step's model call; feed back its outcome. ``reserve``: reserve the
     call's worst case in the spend budgets first (a refusal is :class:`BudgetRefused`)."""
@@ -499,6 +508,7 @@ class EmitState:
 
 Effect = (
     OpenStep
+    | Upgrade
     | CallModel
     | CompleteStep
     | AddCards
@@ -631,10 +641,15 @@ class TurnMachine:
     state the Turn is in durably (``idle`` for a task or a restart, ``suspended`` for a
     tool report, ``retry_wait`` for a retry's resume)."""
 
-    def __init__(self, state: TurnState = TurnState.IDLE, *, budgeted: bool = False) -> None:
+    def __init__(
+        self, state: TurnState = TurnState.IDLE, *, budgeted: bool = False, version: str = ""
+    ) -> None:
         self.state = state
         #: Spend budgets apply: every model call reserves its worst case first.
         self.budgeted = budgeted
+        #: The agent version this run serves (empty: unversioned): a step opened on a
+        #: Turn begun on another version, unpinned, upgrades it first.
+        self.version = version
         #: A report was due when the Turn suspended (the run need not let go of the agent).
         self.report_due = True
         self._step: StepStart | None = None
@@ -670,7 +685,12 @@ class TurnMachine:
             case StepOpened(step=step):
                 self._step = step
                 assert step.step_id is not None
+                was = step.head.turn_version
+                upgrade: list[Effect] = []
+                if self.version and was and was != self.version and step.head.turn_pin is None:
+                    upgrade = [Upgrade(was, self.version)]
                 return [
+                    *upgrade,
                     EmitStep(step.step_id, "started"),
                     EmitState(HeadStatus.RUNNING, "thinking"),
                 ]

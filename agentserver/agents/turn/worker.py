@@ -56,7 +56,7 @@ from agentserver.agents.store.base import (
     TurnToken,
 )
 from agentserver.agents.store.rows import client_of
-from agentserver.agents.store.sql import inbox, memory, turn_end, turns
+from agentserver.agents.store.sql import inbox, memory, turn_end, turns, versions
 from agentserver.agents.store.sql import tools as sql_tools
 from agentserver.agents.store.states import MessageType
 from agentserver.agents.turn.answer import answer_bytes
@@ -91,6 +91,7 @@ from agentserver.agents.turn.machine import (
     ToolReported,
     TurnMachine,
     TurnState,
+    Upgrade,
     element_text,
     huh_card,
 )
@@ -281,7 +282,7 @@ class Worker:
                     agent_id,
                     profile.max_steps,
                     bool(profile.guardrails),
-                    task_problem,
+                    self.task_problem,
                     self.model.hold_for(profile),
                 )
             except StaleTurn:
@@ -360,7 +361,7 @@ class Worker:
 
     async def _start(self, row: InboxRow) -> bool:
         profile = self.profiles.get(row.agent_id)
-        problem = "no such agent" if profile is None else task_problem(row)
+        problem = "no such agent" if profile is None else self.task_problem(row)
         if problem is not None:
             # A failed task is answered only if its reference can say where to.
             reply = (
@@ -387,6 +388,24 @@ class Worker:
         return await self._run_turn(
             token, profile, ref_json=row.reply_ref_json, step=step, started=True
         )
+
+    def task_problem(self, row: InboxRow) -> str | None:
+        """Why a claimed task row cannot start its Turn (:func:`task_problem`), and for a
+        task queued by a process serving another version of its agent, whether this
+        version takes it (docs/deploy.md): its answer is then ``failed``, with the
+        reason. No I/O (it runs inside the claim's transaction): the pump's check only."""
+        problem = task_problem(row)
+        profile = self.profiles.get(row.agent_id)
+        if problem is not None or profile is None or row.version in (None, profile.version):
+            return problem
+        try:
+            self.tools.check_task(row.agent_id, SafeParser().parse(row.payload))
+        except PumpRefused as refused:
+            return (
+                f"version {profile.version} of {row.agent_id} does not take this task "
+                f"(queued on version {row.version}): {element_text(refused.element)}"
+            )
+        return None
 
     # -- the Turn -----------------------------------------------------------------------
     async def _run_turn(
@@ -425,7 +444,9 @@ class Worker:
                     state, first = TurnState.RETRY_WAIT, TaskClaimed(retries_done=retries_done)
                 else:
                     first = TaskClaimed(step_begun=step is not None, started=started)
-                machine = TurnMachine(state, budgeted=self.model.budgets is not None)
+                machine = TurnMachine(
+                    state, budgeted=self.model.budgets is not None, version=profile.version
+                )
                 run = _Run(token, profile, claimed=step)
                 return await self._run_turn_logged(run, machine, first, ref_json)
             finally:
@@ -530,6 +551,11 @@ class Worker:
                     return StepLimit(limit_text(step.output, profile))
                 run.history = None
                 return StepOpened(step)
+            case Upgrade(was, now):
+                await self.store.run(versions.upgrade_turn, token, was)
+                log.info(
+                    "turn %s continues on version %s (begun on %s)", token.agent_turn_id, now, was
+                )
             case CallModel(step, retries_done, reserve):
                 assert step.step_id is not None
                 # Her budgets, whichever door she came in by (socket, HTTP, A2A).

@@ -20,10 +20,12 @@ process rows lets exactly one of them take over one dead process.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from agentserver.agents.store.base import TurnToken
 from agentserver.agents.store.pg import callers
+from agentserver.agents.store.sql import versions
 from agentserver.agents.store.sql.db import StoreEnv, Tx, marks
 from agentserver.agents.store.sql.watchdog import recover_turn
 from agentserver.agents.store.states import HeadStatus, InboxEvent, inbox_sources, inbox_transition
@@ -42,19 +44,25 @@ class Reclaimed:
 
 
 def heartbeat(tx: Tx, env: StoreEnv, owner: str, lease_s: float, host: str, pid: int) -> int:
-    """Register ``owner`` or renew its lease to ``lease_s`` from now; returns how many
-    other processes hold a live lease."""
+    """Register ``owner`` or renew its lease to ``lease_s`` from now, with the versions it
+    serves and whether it drains (``env.served``); returns how many other processes hold
+    a live lease. Sets ``env.served.newest``: the agents whose newest live version this
+    process serves (agents/store/served.py)."""
+    served = env.served
     tx.execute(
-        "INSERT INTO agentserver_processes (owner, lease_until, started_at, host, pid) "
-        f"VALUES (?, {_DB_NOW} + ?, {_DB_NOW}, ?, ?) "
-        "ON CONFLICT (owner) DO UPDATE SET lease_until = excluded.lease_until",
-        (owner, lease_s, host, pid),
+        "INSERT INTO agentserver_processes (owner, lease_until, started_at, host, pid, "
+        f"versions, draining) VALUES (?, {_DB_NOW} + ?, {_DB_NOW}, ?, ?, ?, ?) "
+        "ON CONFLICT (owner) DO UPDATE SET lease_until = excluded.lease_until, "
+        "versions = excluded.versions, draining = excluded.draining",
+        (owner, lease_s, host, pid, json.dumps(dict(served.versions)), int(served.draining)),
     )
-    row = tx.one(
-        f"SELECT count(*) FROM agentserver_processes WHERE owner <> ? AND lease_until >= {_DB_NOW}",
-        (owner,),
+    live = tx.all(
+        "SELECT owner, versions, draining FROM agentserver_processes "
+        f"WHERE lease_until >= {_DB_NOW}"
     )
-    return int(row[0]) if row else 0
+    if served.versions:
+        served.newest = versions.newest_here(tx, env, [(r[1], bool(r[2])) for r in live])
+    return sum(1 for r in live if r[0] != owner)
 
 
 def release(tx: Tx, env: StoreEnv, owner: str) -> None:

@@ -67,16 +67,17 @@ def start_turn_step(
         env,
         token,
         HeadEvent.START,
+        given=env.served.start_given(token.agent_id),
         exprs={"step_count": "step_count + 1"},
         where=turns.UNDER_LIMIT,
         where_params=(max_steps,),
     )
-    move(tx, env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD)
+    move(tx, env, row.inbox_id, InboxEvent.CONSUME, **turns.consumed(env, token.agent_id))
     edge(tx, env, token.agent_id, token.agent_turn_id, "start", "request", inbox_id=row.inbox_id)
     step_id = new_id()
     tx.execute(
         "INSERT INTO agent_steps (step_id, agent_id, agent_turn_id, turn_epoch, step_no, "
-        f"status, started_at) VALUES (?,?,?,?,{head_of('step_count')},?,?)",
+        f"status, started_at, version) VALUES (?,?,?,?,{head_of('step_count')},?,?,?)",
         (
             step_id,
             token.agent_id,
@@ -85,6 +86,7 @@ def start_turn_step(
             token.agent_id,
             AgentStepStatus.STARTED,
             env.clock.now(),
+            env.served.version(token.agent_id),
         ),
     )
     if channel is not None:
@@ -320,7 +322,7 @@ def _apply(
         step_id = new_id()
         tx.execute(
             "INSERT INTO agent_steps (step_id, agent_id, agent_turn_id, turn_epoch, step_no, "
-            "status, started_at) VALUES (?,?,?,?,?,?,?)",
+            "status, started_at, version) VALUES (?,?,?,?,?,?,?,?)",
             (
                 step_id,
                 agent,
@@ -329,6 +331,7 @@ def _apply(
                 h.step_count + 1,
                 AgentStepStatus.STARTED,
                 env.clock.now(),
+                env.served.version(agent),
             ),
         )
     if channel is not None:

@@ -33,6 +33,12 @@ EXTRAS = (
     host TEXT NOT NULL,
     pid INTEGER NOT NULL
 )""",
+    # Issue 49: the agent versions each process serves (JSON: agent → version), and
+    # whether it is draining (it takes no new work): the newest live version of an agent
+    # takes its new tasks (agents/store/sql/versions.py).
+    "ALTER TABLE agentserver_processes ADD COLUMN IF NOT EXISTS versions TEXT",
+    "ALTER TABLE agentserver_processes ADD COLUMN IF NOT EXISTS draining INTEGER NOT NULL "
+    "DEFAULT 0",
     "ALTER TABLE agent_state_head ADD COLUMN IF NOT EXISTS owner TEXT",
     "ALTER TABLE agent_inbox ADD COLUMN IF NOT EXISTS owner TEXT",
     "CREATE INDEX IF NOT EXISTS agent_state_head_owner ON agent_state_head (owner, status)",

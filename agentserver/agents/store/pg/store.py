@@ -39,6 +39,7 @@ from agentserver.agents.store.pg.notify import (
 from agentserver.agents.store.pg.one_trip import Missed
 from agentserver.agents.store.pg.schema import OWNER_SETTING, migrate_pg
 from agentserver.agents.store.pg.trio_executor import PgTrioExecutor
+from agentserver.agents.store.served import ServedVersions
 from agentserver.agents.store.sql import (
     governance,
     inbox,
@@ -48,6 +49,7 @@ from agentserver.agents.store.sql import (
     tools,
     turn_end,
     turns,
+    versions,
     watchdog,
 )
 from agentserver.agents.store.sql.budgets import HoldFor
@@ -165,8 +167,9 @@ class PostgresAgentStore(SqlAgentStore):
         owner: str,
         *,
         tool_result_caps: Mapping[str, int] | None = None,
+        served: ServedVersions | None = None,
     ) -> None:
-        super().__init__(clock, settings, tool_result_caps)
+        super().__init__(clock, settings, tool_result_caps, served)
         self.executor = executor
         self.owner = owner
         #: Rings when some process kept a reply for a named client (named_clients.py's
@@ -193,6 +196,7 @@ class PostgresAgentStore(SqlAgentStore):
         settings: StoreSettings | None = None,
         owner: str | None = None,
         tool_result_caps: Mapping[str, int] | None = None,
+        served: ServedVersions | None = None,
     ) -> PostgresAgentStore:
         """Connect, then create or migrate the schema (StoreError if the server cannot be
         reached or the schema is newer than this code). Blocking, like opening the SQLite
@@ -207,10 +211,19 @@ class PostgresAgentStore(SqlAgentStore):
             options={OWNER_SETTING: owner},
         )
         store = cls(
-            executor, clock or SystemClock(), settings, owner, tool_result_caps=tool_result_caps
+            executor,
+            clock or SystemClock(),
+            settings,
+            owner,
+            tool_result_caps=tool_result_caps,
+            served=served,
         )
         try:
             executor.run_sync(migrate_pg, store.env)
+            # Its versions first seen before its lease names them (the newest is the
+            # version first seen last: agents/store/sql/versions.py).
+            for changed in executor.run_sync(versions.register, store.env):
+                log.warning("%s", changed.text())
             # Registered before its first write: every row it owns has a live lease.
             others = executor.run_sync(leases.heartbeat, store.env, *store._lease_args())
             store.others_alive = others > 0

@@ -14,11 +14,11 @@ from agentserver.agents.store.states import InboxEvent, inbox_sources, inbox_tra
 HEAD_COLS = (
     "agent_id, status, active_agent_turn_id, turn_epoch, turn_inbox_id, context_box_id, "
     "output_box_id, step_count, waiting_tool_count, resume_deadline, "
-    "dispatched_at, running_since, updated_at, context_tokens"
+    "dispatched_at, running_since, updated_at, context_tokens, turn_version, turn_pin"
 )
 INBOX_COLS = (
     "inbox_id, agent_id, message_type, status, agent_turn_id, turn_epoch, correlation_id, "
-    "payload, reply_ref, failed, retry_count, next_retry_at, defer_reason, created_at"
+    "payload, reply_ref, failed, retry_count, next_retry_at, defer_reason, created_at, version"
 )
 CARD_COLS = "card_id, box_id, card_type, content, metadata, created_at"
 #: A consumed inbox row's payload (issue 38: what is written twice is kept once): a Turn's

@@ -17,6 +17,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeAlias, TypeVar
 
 from agentserver.agents.clock import Clock
 from agentserver.agents.profile.settings import StoreSettings
+from agentserver.agents.store.served import ServedVersions
 
 SQLITE = "sqlite"
 POSTGRESQL = "postgresql"
@@ -55,6 +56,8 @@ class StoreEnv:
     settings: StoreSettings
     #: agent id → the most tokens one tool result is shown with (budget.tool_result_cap)
     tool_result_caps: dict[str, int] = field(default_factory=dict)
+    #: This process's agents' versions: what its Turns record, which rows it claims.
+    served: ServedVersions = field(default_factory=ServedVersions)
 
 
 P = ParamSpec("P")

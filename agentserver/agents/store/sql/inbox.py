@@ -68,8 +68,8 @@ def queue(
     caller = None if conversation else caller_key(json.loads(ref_json))
     tx.execute(
         "INSERT INTO agent_inbox (inbox_id, agent_id, message_type, status, payload, "
-        "reply_ref, next_retry_at, created_at, updated_at, conversation, caller) "
-        "VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+        "reply_ref, next_retry_at, created_at, updated_at, conversation, caller, version) "
+        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
         (
             inbox_id,
             agent_id,
@@ -82,6 +82,7 @@ def queue(
             now,
             conversation,
             caller,
+            env.served.version(agent_id),
         ),
     )
     edge(tx, env, agent_id, None, "enqueue", "request", inbox_id=inbox_id)
@@ -149,10 +150,21 @@ def insert_report(
 
 
 def due_agents(tx: Tx, env: StoreEnv, limit: int) -> list[str]:
+    """Up to ``limit`` agents with rows due that this process may claim (as
+    :func:`claim_due` filters them), the longest due first."""
+    cond, cond_params = env.served.heads_filter()
+    if not cond:
+        rows = tx.all(
+            f"SELECT agent_id FROM agent_inbox WHERE status IN ({marks(len(DUE_INBOX))}) "
+            "AND next_retry_at <= ? GROUP BY agent_id ORDER BY min(next_retry_at) LIMIT ?",
+            (*sorted(DUE_INBOX), env.clock.now(), limit),
+        )
+        return [r[0] for r in rows]
     rows = tx.all(
-        f"SELECT agent_id FROM agent_inbox WHERE status IN ({marks(len(DUE_INBOX))}) "
-        "AND next_retry_at <= ? GROUP BY agent_id ORDER BY min(next_retry_at) LIMIT ?",
-        (*sorted(DUE_INBOX), env.clock.now(), limit),
+        "SELECT i.agent_id FROM agent_inbox i JOIN agent_state_head h ON h.agent_id = i.agent_id "
+        f"WHERE i.status IN ({marks(len(DUE_INBOX))}) AND i.next_retry_at <= ? AND {cond} "
+        "GROUP BY i.agent_id ORDER BY min(i.next_retry_at) LIMIT ?",
+        (*sorted(DUE_INBOX), env.clock.now(), *cond_params, limit),
     )
     return [r[0] for r in rows]
 
@@ -165,16 +177,34 @@ def claim_due(tx: Tx, env: StoreEnv, agent_id: str, limit: int) -> list[InboxRow
     now = env.clock.now()
     sources = inbox_sources(InboxEvent.CLAIM)
     target = inbox_transition(sources[0], InboxEvent.CLAIM).target
+    # Only rows this process may run (agents/store/served.py): a pinned Turn's on its
+    # version, the rest where this process serves the agent's newest version.
+    cond, cond_params = env.served.head_filter(agent_id)
+    served = (
+        f"AND EXISTS (SELECT 1 FROM agent_state_head h WHERE h.agent_id = ? AND {cond}) "
+        if cond
+        else ""
+    )
     rows = tx.all(
         "UPDATE agent_inbox SET status = ?, updated_at = ?, processing_at = ? "
         "WHERE inbox_id IN (SELECT inbox_id FROM agent_inbox WHERE agent_id = ? "
-        f"AND status IN ({marks(len(sources))}) AND next_retry_at <= ? "
+        f"AND status IN ({marks(len(sources))}) AND next_retry_at <= ? {served}"
         f"ORDER BY next_retry_at, created_at, seq LIMIT ?{lock}) "
         f"AND status IN ({marks(len(sources))}) RETURNING {INBOX_COLS}, seq",
-        (target, now, now, agent_id, *sources, now, limit, *sources),
+        (
+            target,
+            now,
+            now,
+            agent_id,
+            *sources,
+            now,
+            *((agent_id, *cond_params) if cond else ()),
+            limit,
+            *sources,
+        ),
     )
-    rows.sort(key=lambda r: (r[11], r[13], r[14]))
-    return [inbox_row(r[:14]) for r in rows]
+    rows.sort(key=lambda r: (r[11], r[13], r[15]))
+    return [inbox_row(r[:15]) for r in rows]
 
 
 def requeue(tx: Tx, env: StoreEnv, now: float, before: float | None = None) -> int:

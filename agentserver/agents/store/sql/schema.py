@@ -18,6 +18,7 @@ from agentserver.agents.store.sql import (
     prune,
     tombstones,
     ui_sessions,
+    versions,
 )
 from agentserver.agents.store.sql import budgets as budget_sql
 from agentserver.agents.store.sql.db import POSTGRESQL, SQLITE, Tx
@@ -283,6 +284,9 @@ CREATE TABLE schedule_runs (
     # Issue 44: a tombstone names the client that sent its task, so only that client (and
     # the operators) is told "pruned" (agents/store/sql/tombstones.py).
     17: tombstones.SENDER_MIGRATION,
+    # Issue 49: agent versions. What each Turn, task and step ran, and the versions
+    # processes served (agents/store/sql/versions.py).
+    18: versions.MIGRATION,
 }
 #: The newest schema version: migrations are numbered 1..N without gaps.
 SCHEMA_VERSION = max(MIGRATIONS)

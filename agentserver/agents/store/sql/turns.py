@@ -44,11 +44,17 @@ def start_turn(tx: Tx, env: StoreEnv, row: InboxRow) -> TurnToken:
     token = row.token
     if token is None:
         raise StaleTurn(f"inbox {row.inbox_id} carries no Turn")
-    head.fence(tx, env, token, HeadEvent.START)
-    if not inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD):
+    head.fence(tx, env, token, HeadEvent.START, given=env.served.start_given(token.agent_id))
+    if not inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME, **consumed(env, token.agent_id)):
         raise StaleTurn(f"inbox {row.inbox_id} is no longer processing")
     edge(tx, env, token.agent_id, token.agent_turn_id, "start", "request", inbox_id=row.inbox_id)
     return token
+
+
+def consumed(env: StoreEnv, agent_id: str) -> dict[str, Any]:
+    """What a started task's row keeps: no payload (its task card has it), and the version
+    that started it."""
+    return {"payload": CONSUMED_PAYLOAD, "version": env.served.version(agent_id)}
 
 
 def skip_row(tx: Tx, env: StoreEnv, row: InboxRow, reason: str) -> None:
@@ -65,7 +71,7 @@ def _insert_step(tx: Tx, env: StoreEnv, token: TurnToken, step_no: int) -> str:
     step_id = new_id()
     tx.execute(
         "INSERT INTO agent_steps (step_id, agent_id, agent_turn_id, turn_epoch, step_no, "
-        "status, started_at) VALUES (?,?,?,?,?,?,?)",
+        "status, started_at, version) VALUES (?,?,?,?,?,?,?,?)",
         (
             step_id,
             token.agent_id,
@@ -74,6 +80,7 @@ def _insert_step(tx: Tx, env: StoreEnv, token: TurnToken, step_no: int) -> str:
             step_no,
             AgentStepStatus.STARTED,
             env.clock.now(),
+            env.served.version(token.agent_id),
         ),
     )
     return step_id
@@ -116,6 +123,7 @@ def start_turn_step(tx: Tx, env: StoreEnv, row: InboxRow, max_steps: int) -> Ste
             env,
             token,
             HeadEvent.START,
+            given=env.served.start_given(token.agent_id),
             exprs={"step_count": "step_count + 1"},
             where=UNDER_LIMIT,
             where_params=(max_steps,),
@@ -124,7 +132,7 @@ def start_turn_step(tx: Tx, env: StoreEnv, row: InboxRow, max_steps: int) -> Ste
         # Nothing was written: fenced out (start_turn raises) or at the step limit.
         start_turn(tx, env, row)
         return open_step(tx, env, token, max_steps)
-    if not inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME, payload=CONSUMED_PAYLOAD):
+    if not inbox_move(tx, env, row.inbox_id, InboxEvent.CONSUME, **consumed(env, token.agent_id)):
         raise StaleTurn(f"inbox {row.inbox_id} is no longer processing")
     edge(tx, env, token.agent_id, token.agent_turn_id, "start", "request", inbox_id=row.inbox_id)
     step_id = _insert_step(tx, env, token, h.step_count)
