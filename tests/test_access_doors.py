@@ -155,6 +155,8 @@ DOORS: dict[tuple[str, str], Door] = {
     ),
     ("GET", "/v1/status"): Door(CALLER),
     ("GET", "/v1/steps"): Door(CALLER),
+    ("POST", "/v1/drain"): Door(OPERATOR, mutates=True),
+    ("GET", "/v1/drain"): Door(OPERATOR),
     ("GET", "/v1/webhooks"): Door(OPERATOR),
     ("POST", "/v1/webhooks"): Door(OPERATOR),
     ("GET", "/v1/webhooks/{name}"): Door(OPERATOR, _p("/v1/webhooks/{webhook}"), ok=(404,)),

@@ -7,8 +7,8 @@ agent listeners' pump handlers, and run :meth:`AgentRuntime.run` in the server's
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
@@ -36,6 +36,7 @@ from agentserver.agents.store.served import ServedVersions
 from agentserver.agents.store.sql import conversations, forks, inbox, replies
 from agentserver.agents.store.sql import multitask as sql_multitask
 from agentserver.agents.store.sql import tools as sql_tools
+from agentserver.agents.store.sql import versions as sql_versions
 from agentserver.agents.store.sql import watchdog as sql_watchdog
 from agentserver.agents.store.sql.multitask import BUSY_TEXT, ENDED_TEXT, SUPERSEDED_TEXT
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
@@ -66,14 +67,19 @@ def _bytes(payload: etree._Element | bytes) -> bytes:
 
 
 def open_agent_store(
-    settings: StoreSettings, profiles: Mapping[str, AgentProfile], *, clock: Clock
+    settings: StoreSettings,
+    profiles: Mapping[str, AgentProfile],
+    *,
+    clock: Clock,
+    served: ServedVersions | None = None,
 ) -> SqliteAgentStore | PostgresAgentStore:
     """Open (creating or migrating) the store of ``settings``: the PostgreSQL database of
     ``settings.url`` if set, else the SQLite file at ``settings.path``, with each
-    profile's tool-result cap. Blocking: call once at start. Closed by its ``aclose``
+    profile's tool-result cap and the versions this process serves (``served``, default
+    the profiles'). Blocking: call once at start. Closed by its ``aclose``
     (:meth:`AgentRuntime.aclose` for the runtime's)."""
     caps = {n: p.budget.tool_result_cap for n, p in profiles.items()}
-    served = served_versions(profiles)
+    served = served if served is not None else served_versions(profiles)
     if settings.url:
         from agentserver.agents.store.pg.store import PostgresAgentStore
 
@@ -129,6 +135,22 @@ class RuntimeParts:
     #: Listeners whose steps may be retried (``idempotent``): a call to one that a
     #: restart interrupted is sent again with its idempotency key, not reported lost.
     retryable_tools: frozenset[str] = frozenset()
+    #: The agent versions this process serves (the store's and the worker's: one object),
+    #: and whether it drains (docs/deploy.md).
+    served: ServedVersions = field(default_factory=ServedVersions)
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """What a process holds (:meth:`AgentRuntime.drain`): Turns its runners are in, and
+    tool calls it sent whose results have not come back."""
+
+    turns: int = 0
+    calls: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not (self.turns or self.calls)
 
 
 class EndedElsewhere:
@@ -160,7 +182,12 @@ class AgentRuntime:
         #: to its recovery and its ``serve`` (the store is not told after it is built: it
         #: only needs this while the runtime runs it). Without retryable tools the store
         #: reports them all lost itself.
-        self._takeover: LostCalls | None = self.lost_calls if self.retryable_tools else None
+        # (Versioned agents too: a lost call to a tool their version lacks says so.)
+        versioned = any(p.version for p in parts.profiles.values())
+        self._takeover: LostCalls | None = (
+            self.lost_calls if self.retryable_tools or versioned else None
+        )
+        self.served = parts.served
         self.profiles = parts.profiles
         self.settings = parts.settings
         self.clock = parts.clock
@@ -297,6 +324,14 @@ class AgentRuntime:
         running one that recovery re-runs. A report its Turn does not wait for is kept in
         the inbox, as the worker handles it (a duplicate, or one before its suspend)."""
         profile = self.profiles.get(agent_id)
+        if profile is not None and self.worker.hands_over(profile):
+            # Draining: the Turn's next step is another process's (docs/deploy.md), so
+            # the report is queued for whoever takes it rather than resumed here.
+            await self.store.run(
+                inbox.report_tool_result, agent_id, tool_call_id, _bytes(payload), failed
+            )
+            self.doorbell.ring()
+            return "queued"
         then_step = profile.resume_step_limit if profile else None
         # The step it opens reserves its first model call with it (spend budgets).
         hold_for = self.worker.model.hold_for(profile) if profile else None
@@ -428,6 +463,36 @@ class AgentRuntime:
         if lost:
             log.warning("turn %s: %d tool call(s) %s", token.agent_turn_id, lost, reason)
         return lost + gone
+
+    async def drain(
+        self, progress: Callable[[Holding], None] | None = None, poll_s: float = 0.2
+    ) -> None:
+        """Take no new work, and return once this process holds none (``agentserver
+        drain``, docs/deploy.md). From the call on, this process claims no new task and
+        no ``upgrade`` Turn's row; the runs under way go on to their next step, where an
+        ``upgrade`` Turn is handed over (fenced, with a ``resume`` row for a process
+        serving the agent's newest version) and a pinned one goes on; a report for an
+        ``upgrade`` Turn is queued for another process rather than resumed here. It holds
+        nothing once no runner is in a Turn and no tool call this process sent is still
+        out (their results come back to its pump). Polls every ``poll_s``, calling
+        ``progress`` with what it still holds. Cancelling the wait leaves the process
+        draining: it takes no new work until it exits."""
+        self.served.draining = True
+        await self.store.announce()
+        self.doorbell.ring()
+        while True:
+            holding = await self.holding()
+            if progress is not None:
+                progress(holding)
+            if holding.empty:
+                return
+            await trio.sleep(poll_s)
+
+    async def holding(self) -> Holding:
+        """What this process holds now (:meth:`drain`)."""
+        owner = self.store.owner if self.store.shared else None
+        calls = await self.store.read(sql_versions.calls_in_flight, owner)
+        return Holding(turns=self.worker.busy, calls=calls)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Recover, then run the worker and the watchdog until cancelled."""

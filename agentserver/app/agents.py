@@ -28,7 +28,7 @@ from agentserver.agents.governance.budgets import Budgets
 from agentserver.agents.profile.agent import AgentProfile
 from agentserver.agents.profile.config import profile_from_settings
 from agentserver.agents.profile.settings import AgentSettings
-from agentserver.agents.runtime import AgentRuntime, open_agent_store
+from agentserver.agents.runtime import AgentRuntime, open_agent_store, served_versions
 from agentserver.agents.service import (
     AgentService,
     Helper,
@@ -172,7 +172,10 @@ async def build_agents(
     clients = frozenset(c.name for c in topology.clients)
     clock = SystemClock()
     settings = store_with_retention(topology.store, profiles)
-    store = open_agent_store(settings, profiles, clock=clock)
+    # One object, the store's and the worker's: what this process serves, and whether
+    # it drains (docs/deploy.md).
+    served = served_versions(profiles)
+    store = open_agent_store(settings, profiles, clock=clock, served=served)
     resources.push_async_callback(store.aclose)
     ports = PumpPorts(
         pump,
@@ -206,6 +209,7 @@ async def build_agents(
             events=events,
             budgets=budgets,
             schedules=topology.schedules,
+            served=served,
         )
     )
     helpers: list[Helper] = []

@@ -18,6 +18,7 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from agentserver.app.builtins import RunContext, build_listener_set
+from agentserver.app.drain import Drain
 from agentserver.config.topology import HttpSpec, Topology
 from agentserver.console.operator import Operator
 from agentserver.core.access import AccessRule
@@ -265,6 +266,8 @@ async def run_server(
             # Both addresses are bound before the boot message and any "listening" line:
             # a port in use stops the start naming its element, with nothing announced.
             http_stop = trio.Event()
+            # ``agentserver drain``: no new work, then the shutdown below (docs/deploy.md).
+            drain = Drain(agents.runtime if agents is not None else None, shutdown, nursery)
             http_ctx = None
             urls: list[str] = []
             if http is not None:
@@ -285,6 +288,7 @@ async def run_server(
                         webhooks,
                         access,
                         step_log,
+                        drain,
                     )
                 except (OSError, BaseExceptionGroup) as exc:
                     # Hypercorn binds inside a nursery of its own: a group of one OSError.
@@ -458,6 +462,7 @@ async def _start_http(
     webhooks: Any = None,
     access: AccessRule | None = None,
     steps: Any = None,
+    drain: Drain | None = None,
 ) -> tuple[Any, list[str]]:
     """Start the HTTP API in ``nursery`` (it ends once ``stop`` is set and its requests
     are done, or after the drain timeout); returns its context (to close its event
@@ -561,6 +566,7 @@ async def _start_http(
         budgets=agents.budgets if agents is not None else None,
         ui_sessions=UiSessions(table, auth, spec.ui_session_ttl),
         access=access,
+        drain=drain,
     )
     ssl_context = None
     if topology.tls is not None:

@@ -22,8 +22,10 @@ from agentserver.agents.runtime import (
     EndedElsewhere,
     RuntimeParts,
     open_agent_store,
+    served_versions,
 )
 from agentserver.agents.store.base import AgentStore
+from agentserver.agents.store.served import ServedVersions
 from agentserver.agents.turn.delivery import SentMarks, TurnEnder
 from agentserver.agents.turn.hold import TurnHold
 from agentserver.agents.turn.scheduler import Scheduler
@@ -50,6 +52,7 @@ def runtime_parts(
     retryable_tools: Collection[str] = (),
     budgets: Budgets | None = None,
     schedules: Sequence[ScheduleSpec] = (),
+    served: ServedVersions | None = None,
 ) -> RuntimeParts:
     """The parts of a runtime over ``store`` for ``profiles``. ``send_approval`` delivers
     approval requests (None: they wait in the store); ``listener_approvers`` are the
@@ -57,6 +60,7 @@ def runtime_parts(
     ``retryable_tools`` the listeners whose calls a restart interrupted are sent again
     (``idempotent``). Builds objects only: no I/O."""
     profiles = dict(profiles)
+    served = served if served is not None else served_versions(profiles)
     clock = clock or SystemClock()
     events = events or EventBus()
     doorbell = Doorbell()
@@ -87,6 +91,7 @@ def runtime_parts(
         settings=settings,
         approvals=approvals,
         budgets=budgets,
+        served=served,
     )
     return RuntimeParts(
         store=store,
@@ -113,6 +118,7 @@ def runtime_parts(
         budgets=budgets,
         listener_approvers=listener_approvers,
         retryable_tools=frozenset(retryable_tools),
+        served=served,
     )
 
 
@@ -134,7 +140,8 @@ def open_runtime(
     PostgreSQL database of ``settings.url`` if set, else the SQLite file at
     ``settings.path``. Blocking (the store's open): call once at start."""
     clock = clock or SystemClock()
-    store = open_agent_store(settings, profiles, clock=clock)
+    served = served_versions(profiles)
+    store = open_agent_store(settings, profiles, clock=clock, served=served)
     return AgentRuntime(
         runtime_parts(
             store=store,
@@ -149,5 +156,6 @@ def open_runtime(
             listener_approvers=listener_approvers,
             retryable_tools=retryable_tools,
             schedules=schedules,
+            served=served,
         )
     )

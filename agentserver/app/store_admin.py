@@ -1,5 +1,6 @@
-"""``agentserver store stats`` and ``store prune`` (issue 38): the agents' store of a boot
-file looked at and pruned by hand, on a stopped server's store or beside a running one.
+"""``agentserver store stats`` and ``store prune`` (issue 38), ``turns migrate`` and the
+versions ``check`` compares (issue 49): the agents' store of a boot file looked at, pruned
+and changed by hand, on a stopped server's store or beside a running one.
 
 SQLite: a stopped server's file is opened as the server would (its lock, migrated); a
 running server's file is attached beside it (:meth:`SqliteAgentStore.attach`: no lock,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sqlite3
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,10 +23,12 @@ from agentserver.agents.profile.retention import RetentionSettings
 from agentserver.agents.service import effective_retention
 from agentserver.agents.store.pruner import Pruner, PruneReport
 from agentserver.agents.store.sql import stats as sql_stats
+from agentserver.agents.store.sql import versions as sql_versions
 from agentserver.agents.store.sqlite_store import SqliteAgentStore
 from agentserver.app.replay import open_beside, store_settings
 from agentserver.config import loader as boot
 from agentserver.config.topology import Topology
+from agentserver.config.versions import agent_versions
 
 
 def retention_of(topology: Topology) -> RetentionSettings | None:
@@ -141,3 +145,63 @@ def _retention_dict(r: RetentionSettings) -> dict[str, Any]:
         "interval_s": r.interval_s,
         "agents": {n: dataclasses.asdict(a) for n, a in r.agents.items()},
     }
+
+
+async def migrate_turns(
+    boot_path: str | os.PathLike[str],
+    agent: str,
+    was: str,
+    *,
+    store: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """``agentserver turns migrate``: move the active Turns of ``agent`` begun on version
+    ``was`` to the version ``boot_path`` defines now (docs/deploy.md): a pinned one is
+    pinned to it, and each continues there at its next step, as an ``upgrade`` Turn
+    would. Raises ``BootError``, ``AgentError``; ``ValueError`` for an agent the file
+    does not declare, or a version that is already the current one."""
+    topology = boot.load_or_raise(boot_path, environ=environ)
+    current = agent_versions(topology).get(agent)
+    if current is None:
+        agents = ", ".join(_agents(topology)) or "none"
+        raise ValueError(f"{boot_path} declares no agent {agent!r} (its agents: {agents})")
+    if current.version == was:
+        raise ValueError(
+            f"version {was} is the current version of {agent!r} in {boot_path}: "
+            "nothing to migrate (name the version its Turns began on, as status shows it)"
+        )
+    opened, beside = await _open(topology, store)
+    try:
+        moved = await opened.run(sql_versions.migrate_turns, agent, was, current.version)
+    finally:
+        await opened.aclose()
+    return {
+        "agent": agent,
+        "from": was,
+        "to": current.version,
+        "turns": moved,
+        "server_running": beside,
+    }
+
+
+async def recorded_versions(
+    topology: Topology, *, connect: bool = False
+) -> dict[tuple[str, str], str] | None:
+    """The versions the store of ``topology`` has seen served: (agent, version) → digest
+    (``check``); empty when it has none yet. Read only: a SQLite file is attached (no lock,
+    no migration); a PostgreSQL database is read only if ``connect``, else None."""
+    settings = store_settings(topology, None)
+    if settings.url:
+        if not connect:
+            return None
+        opened, _ = await _open(topology, None)
+    elif not settings.path.exists():
+        return {}
+    else:
+        opened = SqliteAgentStore.attach(settings.path, settings=settings)
+    try:
+        return await opened.read(sql_versions.recorded)
+    except sqlite3.OperationalError:  # a file from before agent versions
+        return {}
+    finally:
+        await opened.aclose()

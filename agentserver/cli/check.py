@@ -88,9 +88,45 @@ def cmd_check(args: argparse.Namespace) -> int:
     listeners = result.topology.listeners
     for line in [*mapping_lines(listeners), *a2a_mapping_lines(listeners)]:
         print(f"{args.boot}: {line}")
+    for line in version_lines(args.boot, result.topology, connect=getattr(args, "connect", False)):
+        print(line)
     if getattr(args, "connect", False):
         return _check_store_reachable(args.boot, result.topology)
     return EXIT_OK
+
+
+def version_lines(name: str, topology: Topology, *, connect: bool = False) -> list[str]:
+    """Each agent's version (docs/deploy.md), and a warning for a named version whose
+    definition is not the one the store saw served under that name (when the store can
+    be read: a SQLite file that exists; a PostgreSQL database with ``connect``)."""
+    from agentserver.agents.errors import AgentError
+    from agentserver.agents.store.sql.versions import Redefined
+    from agentserver.app.store_admin import recorded_versions
+    from agentserver.cli.common import trio_run
+    from agentserver.config.versions import agent_versions
+
+    versions = agent_versions(topology)
+    lines = [
+        f"{name}: agent {v.agent!r}: version {v.version} ({v.versioning}"
+        f"{'' if not v.named else ', digest ' + v.digest[:12]})"
+        for v in versions.values()
+    ]
+    if not any(v.named for v in versions.values()):
+        return lines
+    try:
+        seen = trio_run(lambda: recorded_versions(topology, connect=connect))
+    except (AgentError, OSError) as exc:
+        return [*lines, f"{name}: note: the store was not read, versions not compared: {exc}"]
+    if seen is None:
+        return [
+            *lines,
+            f"{name}: note: named versions are compared with the store's with --connect",
+        ]
+    for v in versions.values():
+        was = seen.get((v.agent, v.version))
+        if v.named and was is not None and was != v.digest:
+            lines.append(f"{name}: warning: {Redefined(v.agent, v.version, was, v.digest).text()}")
+    return lines
 
 
 def _check_store_reachable(name: str, topology: Topology) -> int:

@@ -23,6 +23,7 @@ from agentserver.cli import (
     budget,
     check,
     console,
+    drain,
     export,
     fork,
     mcp,
@@ -35,6 +36,7 @@ from agentserver.cli import (
     send,
     status,
     store,
+    turns,
 )
 from agentserver.cli.common import (
     BOOT_ENV,
@@ -90,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_parsers(sub, common, remote)
     budget.add_parsers(sub, common, remote)
     schedule.add_parsers(sub, common, remote)
+    drain.add_parsers(sub, common, remote)
+    turns.add_parsers(sub, common, remote)
     return parser
 
 
@@ -130,13 +134,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "store": store.cmd_store,
         "budget": budget.cmd_budget,
         "schedule": schedule.cmd_schedule,
+        "drain": drain.cmd_drain,
+        "turns": turns.cmd_turns,
     }
     return handler[args.command](args)
 
 
 #: The commands that load a topology: BOOT defaults to $AGENTSERVER_BOOT, else ./boot.xml
 #: (``run`` falls back to the bundled one instead of failing).
-NEEDS_BOOT = ("check", "schemas", "store", "export", "replay", "mcp")
+NEEDS_BOOT = ("check", "schemas", "store", "export", "replay", "mcp", "turns")
 
 
 def _apply_environment(args: argparse.Namespace) -> None:

@@ -95,9 +95,23 @@ def format_status(doc: dict) -> str:
         for agent in agents:
             turn = agent.get("active_turn")
             active = f", turn {turn['id'][:8]} step {turn['steps']}" if turn else ""
+            if turn and turn.get("version"):
+                pinned = " pinned" if turn.get("pinned") else ""
+                active += f" on{pinned} version {turn['version']}"
+                if turn.get("waiting_for_version"):
+                    active += f", WAITING for version {turn['waiting_for_version']}"
+            version = f" version {agent['version']}" if agent.get("version") else ""
             lines.append(
                 f"  {agent['name']:<20} {agent['state']:<10} queue {agent['queue']}{active}"
+                f"{',' if version else ''}{version and ' serving' + version}"
             )
+            by_version = agent.get("versions") or {}
+            if len(by_version) > 1 or (by_version and set(by_version) != {agent.get("version")}):
+                counts = ", ".join(
+                    f"{v or 'unversioned'}: {c.get('active', 0)} active, {c.get('queued', 0)} queued"
+                    for v, c in sorted(by_version.items())
+                )
+                lines.append(f"    turns by version: {counts}")
             error = agent.get("last_error")
             if error:
                 # Whole (the API keeps its first 500 characters), on lines of its own.

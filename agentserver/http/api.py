@@ -26,6 +26,7 @@ from agentserver.http.routes.a2a import A2aRoutes
 from agentserver.http.routes.agents import AgentRoutes
 from agentserver.http.routes.agui import AguiRoutes
 from agentserver.http.routes.budgets import BudgetRoutes
+from agentserver.http.routes.drain import DrainRoutes
 from agentserver.http.routes.events import SSE_BUFFER, SSE_KEEPALIVE, EventRoutes
 from agentserver.http.routes.mcp import McpRoute
 from agentserver.http.routes.messages import THREAD_HEADER, XML, MessageRoutes
@@ -57,6 +58,7 @@ def build_app(ctx: HttpContext) -> Starlette:
     schedules = ScheduleRoutes(ctx, gate)
     a2a = A2aRoutes(ctx, gate)
     agui = AguiRoutes(ctx, gate)
+    drain = DrainRoutes(ctx, gate)
     return Starlette(
         routes=[
             GuardedRoute("/healthz", status.healthz, access=OPEN),
@@ -82,6 +84,8 @@ def build_app(ctx: HttpContext) -> Starlette:
             ),
             GuardedRoute("/v1/status", status.status, access=CALLER),
             GuardedRoute("/v1/steps", status.steps, access=CALLER),
+            GuardedRoute("/v1/drain", drain.start, methods=["POST"], access=OPERATOR),
+            GuardedRoute("/v1/drain", drain.state, access=OPERATOR),
             GuardedRoute("/v1/webhooks", hooks.list, access=OPERATOR),
             GuardedRoute("/v1/webhooks", hooks.create, methods=["POST"], access=OPERATOR),
             GuardedRoute("/v1/webhooks/{name}", hooks.one, access=OPERATOR),

@@ -45,6 +45,13 @@ class Schedules(Protocol):
     async def get(self, name: str) -> ScheduleRow: ...
 
 
+class DrainControl(Protocol):
+    """What ``/v1/drain`` asks of the process (``agentserver/app/drain.py``)."""
+
+    def start(self) -> dict[str, Any]: ...
+    def state(self) -> dict[str, Any]: ...
+
+
 @dataclass
 class HttpContext:
     """Everything the app reads; built by the composition root (agentserver/app/root.py)."""
@@ -103,6 +110,8 @@ class HttpContext:
     #: The authorization rule every route applies (agentserver/core/access.py); None:
     #: made from ``operators`` and ``auth`` without a refusal sink (a test's context).
     access: AccessRule | None = None
+    #: This process's drain (``/v1/drain``); None: not offered (a test's context).
+    drain: DrainControl | None = None
     #: Set by :meth:`close`.
     closing: trio.Event = field(default_factory=trio.Event)
     #: The open event streams' subscriptions.

@@ -195,6 +195,12 @@ class StoreLifecycle(StoreCalls, Protocol):
         die)."""
         ...
 
+    async def announce(self) -> None:
+        """Tell the other processes now what this one serves and whether it drains
+        (PostgreSQL: its lease row, at once rather than at the next heartbeat; SQLite:
+        nothing, no other process)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 

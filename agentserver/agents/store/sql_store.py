@@ -100,6 +100,10 @@ class SqlAgentStore(abc.ABC):
         (None: they are all reported lost). Unused here: one process, none to take over."""
         return await self.run(watchdog.recover_running)
 
+    async def announce(self) -> None:
+        """Tell the other processes what this one serves: nothing to do alone (SQLite)."""
+        return None
+
     async def reachable(self) -> bool:
         """Whether the store answers a query now (``/readyz``)."""
         try:

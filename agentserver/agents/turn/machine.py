@@ -65,6 +65,7 @@ class TurnState(enum.StrEnum):
     SUSPENDED = "suspended"  # waiting for tool reports; the run let go
     AWAITING_APPROVAL = "awaiting_approval"  # suspended, with approval requests among them
     RETRY_WAIT = "retry_wait"  # a durable retry wait; the run let go
+    HANDED_OVER = "handed_over"  # a draining process let go before a step; another takes it
     FINISHING = "finishing"  # the Turn's end (its answer) is being written
     ENDED = "ended"  # answered: by this run, or by whoever ended it (stop, watchdog)
 
@@ -97,6 +98,7 @@ class EventType(enum.StrEnum):
     FINISHED = "finished"  # the end was written
     CRASHED = "crashed"  # an unexpected error in the run
     STOPPED = "stopped"  # stop, cancel, watchdog, or fenced out: ended by someone else
+    HANDED_OVER = "handed_over"  # draining: the next step is left to another process
     DOUBLE_TEXT_QUEUED = "double_text_queued"  # multitask enqueue/reject: Turn untouched
     DOUBLE_TEXT_INTERRUPTS = "double_text_interrupts"  # multitask interrupt/rollback
 
@@ -342,6 +344,17 @@ class Stopped:
 
 
 @dataclass(frozen=True, slots=True)
+class HandedOver:
+    """Instead of opening the next step, the run handed the Turn over (an ``upgrade``
+    Turn on a draining process: docs/deploy.md): it is fenced, and a ``resume`` row lets
+    a process serving the agent's newest version take the step."""
+
+    @property
+    def type(self) -> EventType:
+        return EventType.HANDED_OVER
+
+
+@dataclass(frozen=True, slots=True)
 class DoubleText:
     """A new task for the agent while this Turn runs (``multitask``): ``enqueue`` and
     ``reject`` leave the Turn alone; ``interrupt`` and ``rollback`` ended it in the
@@ -375,6 +388,7 @@ Event = (
     | Finished
     | Crashed
     | Stopped
+    | HandedOver
     | DoubleText
 )
 
@@ -536,7 +550,7 @@ _WORKING = (
     _S.FINISHING,
 )
 #: States in which the run has let go of the Turn (another run resumes it).
-_RESTING = (_S.SUSPENDED, _S.AWAITING_APPROVAL, _S.RETRY_WAIT)
+_RESTING = (_S.SUSPENDED, _S.AWAITING_APPROVAL, _S.RETRY_WAIT, _S.HANDED_OVER)
 #: Every state with a Turn in progress.
 LIVE = (_S.IDLE, *_WORKING, *_RESTING)
 
@@ -553,6 +567,7 @@ TURN_TRANSITIONS: Mapping[tuple[TurnState, EventType], Transition] = {
     (_S.OPENING, _E.STEP_OPENED): Transition(_S.AWAITING_MODEL, False, "call the model"),
     (_S.OPENING, _E.STEP_LIMIT): Transition(_S.FINISHING, False, "failed: step limit"),
     (_S.OPENING, _E.GUARDRAIL_HALTED): Transition(_S.FINISHING, False, "failed: halted"),
+    (_S.OPENING, _E.HANDED_OVER): Transition(_S.HANDED_OVER, False, "draining: let go"),
     (_S.AWAITING_MODEL, _E.MODEL_ANSWERED): Transition(_S.FINISHING, False, "answer"),
     (_S.AWAITING_MODEL, _E.MODEL_CALLED_TOOLS): Transition(_S.AWAITING_TOOLS, False, "send"),
     (_S.AWAITING_MODEL, _E.MODEL_ITERATED): Transition(_S.SELF_ITERATING, False, "self-call"),

@@ -56,8 +56,10 @@ from agentserver.agents.store.base import (
     TurnToken,
 )
 from agentserver.agents.store.rows import client_of
+from agentserver.agents.store.served import ServedVersions
 from agentserver.agents.store.sql import inbox, memory, turn_end, turns, versions
 from agentserver.agents.store.sql import tools as sql_tools
+from agentserver.agents.store.sql import watchdog as sql_watchdog
 from agentserver.agents.store.states import MessageType
 from agentserver.agents.turn.answer import answer_bytes
 from agentserver.agents.turn.hold import TurnHold
@@ -75,6 +77,7 @@ from agentserver.agents.turn.machine import (
     Finished,
     ForwardGranted,
     GuardrailHalted,
+    HandedOver,
     IllegalTurnEvent,
     ModelReplied,
     OpenStep,
@@ -148,8 +151,12 @@ class Worker:
         settings: StoreSettings,
         approvals: Approvals | None = None,
         budgets: Budgets | None = None,
+        served: ServedVersions | None = None,
     ) -> None:
         self.hold = hold
+        #: This process's agent versions (the store's): a draining process hands its
+        #: ``upgrade`` Turns over at their next step (docs/deploy.md).
+        self.served = served or ServedVersions()
         self.tracing = hold.tracing
         self.ender = hold.ender
         self.store = hold.ender.store
@@ -389,6 +396,16 @@ class Worker:
             token, profile, ref_json=row.reply_ref_json, step=step, started=True
         )
 
+    def hands_over(self, profile: AgentProfile) -> bool:
+        """Whether a run of ``profile``'s Turn lets go before its next step: this process
+        drains, and the Turn may continue on another version."""
+        return self.served.draining and profile.versioning != "pinned"
+
+    @property
+    def busy(self) -> int:
+        """How many Turns this process's runners are in, or were handed to run."""
+        return len(self._runs) + len(self._handed)
+
     def task_problem(self, row: InboxRow) -> str | None:
         """Why a claimed task row cannot start its Turn (:func:`task_problem`), and for a
         task queued by a process serving another version of its agent, whether this
@@ -542,6 +559,11 @@ class Worker:
                 )
             case OpenStep(begun):
                 step, run.claimed = (run.claimed, None) if begun else (None, None)
+                if step is None and self.hands_over(profile):
+                    await self.store.run(sql_watchdog.recover_turn, token, self.clock.now())
+                    self.doorbell.ring()
+                    log.info("turn %s handed over: this process drains", token.agent_turn_id)
+                    return HandedOver()
                 if step is None:
                     opened = await self._open_step(token, profile)
                     if isinstance(opened, GuardrailHalted):

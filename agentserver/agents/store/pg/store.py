@@ -374,6 +374,12 @@ class PostgresAgentStore(SqlAgentStore):
             nursery.start_soon(self._keep_lease, doorbell, lost_calls)
             task_status.started()
 
+    async def announce(self) -> None:
+        """Renew the lease now, with the versions served and whether this process drains
+        (``env.served``): the others stop routing new work here at once."""
+        others = await self.executor.run(leases.heartbeat, self.env, *self._lease_args())
+        self.others_alive = others > 0
+
     def _heard(self, ring: Callable[[], None]) -> None:
         # A notification: another process is there (this one sends none while alone).
         self.others_alive = True

@@ -17,8 +17,13 @@ from dataclasses import dataclass
 from agentserver.agents.store.base import TurnToken
 from agentserver.agents.store.sql import head
 from agentserver.agents.store.sql.common import edge
-from agentserver.agents.store.sql.db import StoreEnv, Tx, marks
-from agentserver.agents.store.states import ACTIVE_HEAD, HeadStatus
+from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
+from agentserver.agents.store.states import (
+    ACTIVE_HEAD,
+    AfterExecution,
+    HeadStatus,
+    WaitingStatus,
+)
 
 MIGRATION = """
 ALTER TABLE agent_state_head ADD COLUMN turn_version TEXT;
@@ -184,3 +189,38 @@ def active_turns(tx: Tx, env: StoreEnv) -> list[TurnVersion]:
         tuple(sorted(ACTIVE_HEAD)),
     )
     return [TurnVersion(r[0], r[1], r[2], r[3], r[4] is not None) for r in rows]
+
+
+def live_served(tx: Tx, env: StoreEnv) -> set[tuple[str, str]]:
+    """(agent, version) pairs some live process serves: on PostgreSQL every process whose
+    lease is live (draining ones too: they finish their pinned Turns), on SQLite this
+    process (the only one)."""
+    if tx.dialect != POSTGRESQL:
+        return set(env.served.versions.items())
+    out: set[tuple[str, str]] = set()
+    for (versions_json,) in tx.all(
+        "SELECT versions FROM agentserver_processes "
+        "WHERE lease_until >= extract(epoch from clock_timestamp())::double precision"
+    ):
+        try:
+            out.update(json.loads(versions_json or "{}").items())
+        except ValueError:
+            continue
+    return out
+
+
+def calls_in_flight(tx: Tx, env: StoreEnv, owner: str | None) -> int:
+    """Tool calls sent and not answered yet, of the suspended Turns ``owner`` holds (a
+    PostgreSQL process id; None: all of them, SQLite's one process): what a draining
+    process waits for before it exits, as their results come back to its pump. Calls
+    waiting for an approval are not in flight."""
+    where, params = "", ()
+    if owner is not None and tx.dialect == POSTGRESQL:
+        where, params = " AND h.owner = ?", (owner,)
+    row = tx.one(
+        "SELECT count(*) FROM turn_waiting_tools w JOIN agent_state_head h "
+        "ON h.agent_id = w.agent_id AND h.active_agent_turn_id = w.agent_turn_id "
+        f"WHERE w.status = ? AND w.after_execution != ? AND h.status = ?{where}",
+        (WaitingStatus.WAITING, AfterExecution.APPROVAL, HeadStatus.SUSPENDED, *params),
+    )
+    return int(row[0]) if row else 0

@@ -18,10 +18,16 @@ from typing import Any
 from agentserver.agents.errors import TurnPruned
 from agentserver.agents.store.base import CardType
 from agentserver.agents.store.rows import SPEAKS_FOR
+from agentserver.agents.store.sql import versions
 from agentserver.agents.store.sql.db import POSTGRESQL, StoreEnv, Tx, marks
 from agentserver.agents.store.sql.memory import turn_memory
 from agentserver.agents.store.sql.tombstones import pruned_sender
-from agentserver.agents.store.states import ApprovalStatus, InboxStatus, MessageType
+from agentserver.agents.store.states import (
+    ACTIVE_HEAD,
+    ApprovalStatus,
+    InboxStatus,
+    MessageType,
+)
 from agentserver.core.access import SENDER_KEYS, sender_of
 
 #: Bound on the characters of a failed Turn's deliverable shown as an agent's last error
@@ -34,6 +40,14 @@ _DELIVERABLE = "task.deliverable"
 #: A Turn row still waiting for the worker: queued behind a running Turn, or leased and
 #: not yet taken (a busy worker, or a retry after a failed claim).
 _WAITING = (InboxStatus.QUEUED.value, InboxStatus.PENDING.value)
+#: Head states with a Turn under way (counted by version in the agents' view).
+ACTIVE = frozenset(str(s) for s in ACTIVE_HEAD)
+
+
+def _NO_TURNS() -> dict[str, int]:
+    return {"active": 0, "queued": 0}
+
+
 _USAGE = ("prompt_tokens", "completion_tokens", "total_tokens", "cost")
 
 
@@ -79,10 +93,20 @@ def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
         r[0]: r[1:]
         for r in tx.all(
             "SELECT agent_id, status, active_agent_turn_id, step_count, waiting_tool_count, "
-            f"running_since FROM agent_state_head WHERE agent_id IN ({marks(len(names))})",
+            "running_since, turn_version, turn_pin FROM agent_state_head "
+            f"WHERE agent_id IN ({marks(len(names))})",
             tuple(names),
         )
     }
+    by_version: dict[str, dict[str, dict[str, int]]] = {}
+    for agent_id, version, n in tx.all(
+        "SELECT agent_id, version, count(*) FROM agent_inbox WHERE agent_id IN "
+        f"({marks(len(names))}) AND message_type = ? AND status = ? GROUP BY agent_id, version",
+        (*names, MessageType.TURN.value, InboxStatus.QUEUED.value),
+    ):
+        slot = by_version.setdefault(agent_id, {}).setdefault(version or "", _NO_TURNS())
+        slot["queued"] += int(n)
+    live = versions.live_served(tx, env)
     queued: dict[str, int] = dict(
         tx.all(
             "SELECT agent_id, count(*) FROM agent_inbox WHERE agent_id IN "
@@ -104,17 +128,27 @@ def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
         item: dict[str, Any] = {
             "name": name,
             "state": head[0] if head else "idle",
+            "version": env.served.version(name),
             "active_turn": None,
             "queue": int(queued.get(name, 0)),
             "last_error": None,
+            "versions": by_version.get(name, {}),
         }
         if head and head[1]:
+            pin = head[6]
             item["active_turn"] = {
                 "id": head[1],
                 "steps": head[2],
                 "waiting_tools": head[3],
                 "running_since": head[4],
+                "version": head[5],
+                "pinned": pin is not None,
+                # A pinned Turn whose version no live process serves (docs/deploy.md).
+                "waiting_for_version": pin if pin is not None and (name, pin) not in live else None,
             }
+            if head[0] in ACTIVE:
+                slot = item["versions"].setdefault(head[5] or "", _NO_TURNS())
+                slot["active"] += 1
         if error:
             item["last_error"] = {
                 "turn": error[0],
@@ -153,7 +187,11 @@ def task(
     rule's scope: another client may have sent on the same thread id): status, steps,
     usage, and the answer its caller was sent once there is one. None if none."""
     row = _latest_task(
-        tx, "inbox_id, status, agent_turn_id, created_at, conversation", name, thread, sender
+        tx,
+        "inbox_id, status, agent_turn_id, created_at, conversation, version",
+        name,
+        thread,
+        sender,
     )
     if row is None:
         # "pruned" for ``sender``'s own pruned task only (any, unscoped); the exception
@@ -162,12 +200,14 @@ def task(
         if pruned and (sender is None or owner == sender):
             raise TurnPruned(name, thread, owner=owner)
         return None
-    inbox_id, inbox_status, turn, created, conversation = row
+    inbox_id, inbox_status, turn, created, conversation, version = row
     out: dict[str, Any] = {
         "agent": name,
         "thread": thread,
         "turn": turn,
         "status": "queued" if turn is None else "running",
+        # Queued: the version it was queued on; then the version its last step ran.
+        "version": version,
         "created_at": created,
         "steps": [],
         "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cost": 0.0},
@@ -190,13 +230,26 @@ def task(
         out["finished_at"] = done[2]
         if done[0] != "succeeded":
             out["error"] = error_text(done[1])
+    else:
+        pin = tx.one(
+            "SELECT turn_pin FROM agent_state_head WHERE agent_id = ? AND active_agent_turn_id = ?",
+            (name, turn),
+        )
+        if (
+            pin is not None
+            and pin[0] is not None
+            and (name, pin[0]) not in versions.live_served(tx, env)
+        ):
+            # Pinned to a version no live process serves: it waits (docs/deploy.md).
+            out["waiting_for_version"] = pin[0]
     usage = out["usage"]
     for step in tx.all(
         "SELECT step_no, status, model, backend, prompt_tokens, completion_tokens, "
-        "total_tokens, cost, started_at, ended_at, tool_call_ids FROM agent_steps "
+        "total_tokens, cost, started_at, ended_at, tool_call_ids, version FROM agent_steps "
         "WHERE agent_turn_id = ? ORDER BY step_no",
         (turn,),
     ):
+        out["version"] = step[11] or out["version"]
         out["steps"].append(
             {
                 "step": step[0],
@@ -210,6 +263,7 @@ def task(
                 "started_at": step[8],
                 "ended_at": step[9],
                 "tool_calls": len(json.loads(step[10] or "[]")),
+                "version": step[11],
             }
         )
         for key, value in zip(_USAGE, step[4:8], strict=True):
