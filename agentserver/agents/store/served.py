@@ -73,11 +73,11 @@ class ServedVersions:
             return "", ()
         pairs = tuple(f"{agent} {version}" for agent, version in sorted(self.versions.items()))
         pinned_here = f"(h.agent_id || ' ' || h.turn_pin) IN ({', '.join('?' * len(pairs))})"
-        if self.draining:
-            return pinned_here, pairs
-        if self.newest is None:
+        if not self.draining and self.newest is None:
+            # Alone on the store: every agent's new work (an agent this process does not
+            # serve too: its rows are answered as such).
             return f"(h.turn_pin IS NULL OR {pinned_here})", pairs
-        new = tuple(sorted(self.newest))
+        new = tuple(agent for agent in sorted(self.versions) if self.takes_new(agent))
         if not new:
             return pinned_here, pairs
         return (

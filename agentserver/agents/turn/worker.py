@@ -101,6 +101,7 @@ from agentserver.agents.turn.machine import (
 from agentserver.agents.turn.model_context import limit_text
 from agentserver.agents.turn.model_step import Completed, ModelStep
 from agentserver.agents.turn.tool_dispatch import ToolDispatch
+from agentserver.core.namespaces import CORE_NS
 from agentserver.core.xmlsafe import SafeParser
 
 log = logging.getLogger(__name__)
@@ -418,9 +419,14 @@ class Worker:
         try:
             self.tools.check_task(row.agent_id, SafeParser().parse(row.payload))
         except PumpRefused as refused:
+            # The primitive's canned words (a refusal's detail is for the log only).
+            element = refused.element
+            said = element.findtext(f"{{{CORE_NS}}}error") or element.findtext(
+                f"{{{CORE_NS}}}message", "refused"
+            )
             return (
                 f"version {profile.version} of {row.agent_id} does not take this task "
-                f"(queued on version {row.version}): {element_text(refused.element)}"
+                f"(queued on version {row.version}): {said}"
             )
         return None
 

@@ -22,6 +22,7 @@ from agentserver.agents.store.states import (
     ACTIVE_HEAD,
     AfterExecution,
     HeadStatus,
+    MessageType,
     WaitingStatus,
 )
 
@@ -213,14 +214,24 @@ def calls_in_flight(tx: Tx, env: StoreEnv, owner: str | None) -> int:
     """Tool calls sent and not answered yet, of the suspended Turns ``owner`` holds (a
     PostgreSQL process id; None: all of them, SQLite's one process): what a draining
     process waits for before it exits, as their results come back to its pump. Calls
-    waiting for an approval are not in flight."""
+    waiting for an approval are not in flight, nor calls whose report has arrived."""
     where, params = "", ()
     if owner is not None and tx.dialect == POSTGRESQL:
         where, params = " AND h.owner = ?", (owner,)
+    # A call whose report is in the inbox (queued for another process) is answered.
     row = tx.one(
         "SELECT count(*) FROM turn_waiting_tools w JOIN agent_state_head h "
         "ON h.agent_id = w.agent_id AND h.active_agent_turn_id = w.agent_turn_id "
-        f"WHERE w.status = ? AND w.after_execution != ? AND h.status = ?{where}",
-        (WaitingStatus.WAITING, AfterExecution.APPROVAL, HeadStatus.SUSPENDED, *params),
+        f"WHERE w.status = ? AND w.after_execution != ? AND h.status = ?{where} "
+        "AND NOT EXISTS (SELECT 1 FROM agent_inbox r WHERE r.correlation_id = w.tool_call_id "
+        "AND r.message_type IN (?, ?))",
+        (
+            WaitingStatus.WAITING,
+            AfterExecution.APPROVAL,
+            HeadStatus.SUSPENDED,
+            *params,
+            MessageType.TOOL_RESULT,
+            MessageType.TIMEOUT,
+        ),
     )
     return int(row[0]) if row else 0
