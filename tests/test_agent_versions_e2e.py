@@ -36,11 +36,13 @@ from llm_fakes import FakeServer, Script, Seen, openai_ok
 from serverproc import DATA, ServerProcess, subprocess_env
 from versions_support import (
     KEEPER_NS,
+    PAYER_NS,
     PINNER2_NS,
     PINNER_NS,
     TOOL_NS,
     TYPER_NS,
     KeeperTask,
+    PayerTask,
     Pinner2Task,
     PinnerTask,
     TypedTask,
@@ -48,8 +50,16 @@ from versions_support import (
 )
 
 from agentserver.core.threads import new_thread_id
-from agentserver.net.client import Client, DeliveredIds, Reply, open_client
+from agentserver.net.client import (
+    Client,
+    DeliveredIds,
+    Reply,
+    approval_ack_status,
+    approval_request,
+    open_client,
+)
 from agentserver.net.reply import ConnectionClosed
+from agentserver.primitives.approval import ApprovalDecision
 
 V1 = DATA / "versions-v1.xml"
 V2 = DATA / "versions-v2.xml"
@@ -58,8 +68,14 @@ OPS = "ops-secret-token"
 PATIENCE = 30.0
 FOREVER = 3600
 JOB_RE = re.compile(r"\bjob-[a-z0-9-]+\b")
-PROMPT_RE = re.compile(r"\b(Keeper|Pinner2|Pinner|Typer), version (one|two)\.")
-ANSWER_NS = {"keeper": KEEPER_NS, "pinner": PINNER_NS, "pinner2": PINNER2_NS, "typer": TYPER_NS}
+PROMPT_RE = re.compile(r"\b(Keeper|Pinner2|Pinner|Typer|Payer), version (one|two)\.")
+ANSWER_NS = {
+    "keeper": KEEPER_NS,
+    "pinner": PINNER_NS,
+    "pinner2": PINNER2_NS,
+    "typer": TYPER_NS,
+    "payer": PAYER_NS,
+}
 
 
 class VersionModel(FakeServer):
@@ -373,6 +389,34 @@ async def test_a_rollback_serves_each_pinned_turn_on_its_version(tmp_path, backe
         )
         assert [v for v in store.step_versions("typer").values()] == [["t2", "t1"]]
         assert await deploy.stop(third) == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_call_granted_on_a_version_without_its_tool_fails_naming_the_change(
+    tmp_path, backend
+):
+    store, store_env = backend
+    async with trio.open_nursery() as nursery:
+        model = await VersionModel().start(nursery)
+        deploy = Deploy(tmp_path, model, store, store_env)
+        first = await deploy.start(V1)
+        delivered = DeliveredIds()  # the request may come again: she dropped it as a copy
+        async with alice(first, delivered) as client:
+            thread = await send(client, "payer", PayerTask(text="job-wait-pay"))
+            with trio.fail_after(PATIENCE):
+                request = approval_request(await client.receive())
+            assert request is not None and request["agent"] == "payer"
+        assert await deploy.stop(first) == 0
+        second = await deploy.start(V2)  # payer's v2 has no waiter
+        async with alice(second, delivered) as client:
+            decision = ApprovalDecision(request=request["request"], grant=True, reason="ok")
+            ack = await client.request(decision, to="payer", timeout=PATIENCE)
+            assert approval_ack_status(ack) == "applied", ack.raw
+            got = await replies(client, 1)
+        assert text_of(got[thread], "payer") == "Done job-wait-pay on Payer two."
+        reports = model.reports_of("job-wait-pay")
+        assert "tool `waiter` is not in version y2 of agent payer" in reports, reports
+        assert await deploy.stop(second) == 0
         nursery.cancel_scope.cancel()
 
 

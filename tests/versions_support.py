@@ -4,7 +4,8 @@ versions-v2.xml; tests/test_agent_versions_e2e.py).
 Imported by the server subprocesses (tests/ is on their PYTHONPATH) and by the tests.
 ``waiter`` answers after ``seconds`` (far longer than a test: a call to it is still out
 when a server stops); ``typer`` takes ``TypedTask`` on v1 and ``TypedTaskV2`` on v2, which
-adds a required ``priority``: a task queued on v1 no longer validates on v2.
+adds a required ``priority``: a task queued on v1 no longer validates on v2. ``payer``'s
+calls to ``waiter`` need alice's approval; v2 removes that tool.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ TYPER_NS = "urn:test:versions:typer"
 PINNER_NS = "urn:test:versions:pinner"
 PINNER2_NS = "urn:test:versions:pinner2"
 KEEPER_NS = "urn:test:versions:keeper"
+PAYER_NS = "urn:test:versions:payer"
 
 
 class Wait(BaseXmlModel, tag="wait", nsmap={"": TOOL_NS}):
@@ -51,6 +53,14 @@ class Pinner2Task(BaseXmlModel, tag="task", nsmap={"": PINNER2_NS}):
 
 
 class Pinner2Answer(BaseXmlModel, tag="answer", nsmap={"": PINNER2_NS}):
+    text: str = element()
+
+
+class PayerTask(BaseXmlModel, tag="task", nsmap={"": PAYER_NS}):
+    text: str = element()
+
+
+class PayerAnswer(BaseXmlModel, tag="answer", nsmap={"": PAYER_NS}):
     text: str = element()
 
 
