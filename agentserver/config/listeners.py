@@ -21,6 +21,7 @@ from agentserver.config.imports import B, Resolver, Unresolved, flag, resolve_im
 from agentserver.config.mcp import McpReader
 from agentserver.config.problems import Problem, Report, pretty
 from agentserver.config.topology import ListenerSpec
+from agentserver.config.versions import definition
 from agentserver.core.durations import parse_duration
 from agentserver.core.errors import ConfigurationError
 from agentserver.core.listener import RESERVED_NAMES, Listener
@@ -317,7 +318,7 @@ class ListenerReader:
             broadcast=flag(el, "broadcast"),
             description=(el.findtext(B + "description") or "").strip(),
             agent_profile=profile,
-            definition=etree.tostring(el, method="c14n", with_comments=False) if agent else b"",
+            definition=definition(el) if agent else b"",
             line=line,
             agent_policy=governance[0] if governance else None,
             agent_guardrails=governance[1] if governance else (),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import sys
+from copy import deepcopy as copy_element
 from dataclasses import dataclass
 
 from lxml import etree
@@ -83,6 +84,20 @@ def agent_digest(topology: Topology, spec: ListenerSpec) -> str:
         part("module", module.encode())
         part("source", module_source(module))
     return h.hexdigest()
+
+
+def definition(el: etree._Element) -> bytes:
+    """A ``<listener>`` element as its version's digest reads it: canonical (C14N), without
+    comments and without whitespace-only text, so that re-indenting the file or
+    commenting it makes no new version."""
+    copy = copy_element(el)
+    for node in copy.iter():
+        if node.text is not None and not node.text.strip():
+            node.text = None
+        if node.tail is not None and not node.tail.strip():
+            node.tail = None
+    copy.tail = None
+    return etree.tostring(copy, method="c14n", with_comments=False)
 
 
 def payload_schema(model: type[BaseXmlModel]) -> bytes:
