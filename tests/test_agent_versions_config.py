@@ -50,6 +50,10 @@ def test_an_unnamed_version_is_its_digest_and_layout_and_comments_move_nothing(t
     assert not plain.named and plain.version == plain.digest[:12]
     relaid = text.replace("<system-prompt>Keeper", "<!-- why -->\n        <system-prompt>Keeper")
     relaid = relaid.replace(
+        '<accepts type="versions_support:KeeperTask"/>\n      <responds',
+        '<accepts type="versions_support:KeeperTask"/>\n\n          <responds',
+    )
+    relaid = relaid.replace(
         'max-steps="6" resume-deadline="600"', 'resume-deadline="600"  max-steps="6"'
     )
     assert versions_of(written(tmp_path, relaid, "relaid.xml"))["keeper"].digest == plain.digest
