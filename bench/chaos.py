@@ -2,7 +2,7 @@
 
     python bench/chaos.py --minutes M --seed S --store sqlite|postgresql --processes 1|2
                           [--store-url URL] [--out DIR] [--drain S]
-                          [--retention] [--budget-tokens N]
+                          [--retention] [--budget-tokens N] [--deploy]
 
 Starts ``agentserver run`` (one process, or two on one PostgreSQL store) on a generated
 boot.xml: three agents (``alpha``, ``beta``, ``gamma``) whose tools are ``stamp`` (local,
@@ -26,7 +26,13 @@ reading the SSE stream, dropping it now and then and posting the same run again 
 live server (bench/support/chaos_agui.py). ``--retention`` prunes with short windows
 (bench/support/chaos_retention.py); ``--budget-tokens N`` gives clients ``c1``, ``c2``,
 ``a2a``, ``mcp`` and ``agui`` a budget of N tokens that runs out
-(bench/support/chaos_budget.py). Every random choice comes from ``--seed``.
+(bench/support/chaos_budget.py). ``--deploy`` (issue 49, bench/support/chaos_deploy.py):
+two boot files, ``v1`` (the agents ``version="v1"``, ``gamma`` pinned) and ``v2`` (every
+prompt changed, ``alpha`` without ``relay``); every 25-50 s the server processes are
+replaced one by one (two on PostgreSQL: a rolling deploy, both versions live for a
+while), alternately onto v2 and back onto v1, each drained (``agentserver drain --wait``)
+or sent SIGTERM; the checker adds that no pinned Turn ran on two versions. Every random
+choice comes from ``--seed``.
 
 After ``--minutes`` the faults stop (and no new task is sent); every task the server took
 must then be answered within ``--drain`` s (120). bench/support/chaos_check.py checks the ledger
@@ -77,6 +83,17 @@ from chaos_clients import (
     token_env,
     token_of,
 )
+from chaos_deploy import (
+    REMOVED_TOOL,
+    V1,
+    V2,
+    Deployer,
+    agent_attrs,
+    agent_end,
+    check_versions,
+    read_versions,
+    tools_of,
+)
 from chaos_hooks import SECRET_ENV as HOOK_SECRET_ENV
 from chaos_hooks import HookReceiver, await_hooks, check_hooks, ended_turns, webhooks_xml
 from chaos_hooks import new_secret as hook_secret
@@ -94,6 +111,9 @@ LLM_TIMEOUT = 4.0
 CLIENTS = (("c0", True), ("c1", False), ("c2", True), ("c3", False))
 #: The clients of the HTTP doors, each with a token of its own.
 DOOR_CLIENTS = (A2A_CLIENT, MCP_CLIENT, AGUI_CLIENT)
+#: ``--deploy``'s operator, whose token is its own (over HTTP the token names the client:
+#: ``ops`` shares the approver's), for ``agentserver drain``.
+DEPLOYER = "deployer"
 
 
 #: The agent with memory folds its conversations early: a small window (the model answers
@@ -107,13 +127,20 @@ def memory(agent: str) -> str:
     return ' memory="client"' + MEMORY_WINDOW if agent == MEMORY_AGENT else ""
 
 
+def peers(agent: str, version: str | None) -> str:
+    return " ".join(tools_of(agent, version))
+
+
 def boot_xml(
     model_url: str,
     postgres: bool,
     retention: bool = False,
     budget_tokens: int | None = None,
     hooks: str = "",
+    version: str | None = None,
 ) -> str:
+    """The boot.xml; ``version`` (``--deploy``): v1 or v2 of the agents
+    (bench/support/chaos_deploy.py), with the deployer's operator client."""
     store = (
         '<store url-env="CHAOS_STORE_URL" worker-concurrency="4" watchdog-interval="0.5" '
         'lease="2" heartbeat="0.5"/>'
@@ -129,13 +156,19 @@ def boot_xml(
         f"{client_budget(name, budget_tokens)}</client>"
         for name in [*(n for n, _ in CLIENTS), *DOOR_CLIENTS]
     )
+    if version is not None:
+        clients += (
+            f'\n    <client name="{DEPLOYER}" token-env="{token_env(DEPLOYER)}" operator="true"/>'
+        )
     agents = "\n".join(
         f"""    <listener name="{agent}" handler="chaos_tools:agent_placeholder" agent="true"
-              peers="stamp relay pay">
+              peers="{peers(agent, version)}">
       <accepts type="chaos_tools:{agent.title()}Task"/>
       <responds type="chaos_tools:{agent.title()}Answer"/>
       <agent model="m" max-steps="12" resume-deadline="60" llm-timeout="{LLM_TIMEOUT}"
-             step-retries="3" step-retry-base="1" max-retry-after="5"{memory(agent)}/>
+             step-retries="3" step-retry-base="1" max-retry-after="5"{memory(agent)}{
+            agent_attrs(agent, version)
+        }{agent_end(agent, version)}
       <policy default="allow">
         <rule priority="1" id="payments" decision="require-approval" target="pay"
               approver="approver" timeout="45s"/>
@@ -184,15 +217,20 @@ def boot_xml(
 """
 
 
-def expected_proofs(seed: int):
+def expected_proofs(seed: int, deploy: bool = False):
+    """The proofs a successful answer carries. ``deploy``: a task of an agent whose
+    version lacks ``relay`` may answer ``relay=removed`` instead of its proof."""
+
     def expected(nonce: str, text: str) -> list[list[str]]:
         plan = plan_for(seed, nonce)
-        base = [proof_text("stamp", nonce)]
+        bases = [[proof_text("stamp", nonce)]]
         if plan.relay:
-            base.append(proof_text("relay", nonce))
+            bases = [[*bases[0], proof_text("relay", nonce)]]
+            if deploy:
+                bases.append([*bases[0][:1], f"{REMOVED_TOOL}=removed"])
         if not plan.pay:
-            return [base]
-        return [[*base, proof_text("pay", nonce)], [*base, "pay=refused"]]
+            return bases
+        return [alt for b in bases for alt in ([*b, proof_text("pay", nonce)], [*b, "pay=refused"])]
 
     return expected
 

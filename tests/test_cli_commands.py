@@ -34,7 +34,13 @@ def test_check_bundled_boot_is_ok_with_a_summary():
     result = cli_in_process("check", str(REPO / "boot.xml"), env=subprocess_env(OPENAI_API_KEY="k"))
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout.decode().strip().splitlines()
-    assert out == [f"{REPO / 'boot.xml'}: OK: organism 'hello', 6 listeners, 0 clients"]
+    # The agent's version (its digest: no name in the file), then the summary.
+    assert re.fullmatch(
+        rf"{re.escape(str(REPO / 'boot.xml'))}: agent 'assistant': version [0-9a-f]{{12}} "
+        r"\(upgrade\)",
+        out[0],
+    ), out
+    assert out[1:] == [f"{REPO / 'boot.xml'}: OK: organism 'hello', 6 listeners, 0 clients"]
 
 
 def test_check_warns_about_an_unset_api_key_but_passes():

@@ -106,7 +106,15 @@ async def test_agents_view_is_the_same_on_every_backend(opener):
     await store.run(inbox.ensure_agents, [A, B])
     view = AgentsView(store, (A, B))
     assert await view.reachable()
-    idle = {"state": "idle", "active_turn": None, "queue": 0, "last_error": None}
+    idle = {
+        "state": "idle",
+        "active_turn": None,
+        "queue": 0,
+        "last_error": None,
+        # (an unversioned store: docs/deploy.md)
+        "version": None,
+        "versions": {},
+    }
     assert await view.agent_list() == [{"name": A, **idle}, {"name": B, **idle}]
     assert await view.task(A, "nothing") is None
 
@@ -133,9 +141,14 @@ async def test_agents_view_is_the_same_on_every_backend(opener):
                 "steps": 1,
                 "waiting_tools": 0,
                 "running_since": 1003.0,
+                "version": None,
+                "pinned": False,
+                "waiting_for_version": None,
             },
             "queue": 1,
             "last_error": {**error, "at": 1003.0},
+            "version": None,
+            "versions": {},
         }
     ]
     assert await view.agent(B) == {"name": B, **idle}
@@ -149,6 +162,7 @@ async def test_agents_view_is_the_same_on_every_backend(opener):
         "thread": "t1",
         "turn": turn,
         "status": "failed",
+        "version": None,
         "created_at": 1000.0,
         "finished_at": 1003.0,
         "error": error["text"],
@@ -165,6 +179,7 @@ async def test_agents_view_is_the_same_on_every_backend(opener):
                 "started_at": 1000.0,
                 "ended_at": 1002.0,
                 "tool_calls": 0,
+                "version": None,
             }
         ],
         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15, "cost": 0.25},

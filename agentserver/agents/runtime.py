@@ -183,9 +183,8 @@ class AgentRuntime:
         #: only needs this while the runtime runs it). Without retryable tools the store
         #: reports them all lost itself.
         # (Versioned agents too: a lost call to a tool their version lacks says so.)
-        versioned = any(p.version for p in parts.profiles.values())
         self._takeover: LostCalls | None = (
-            self.lost_calls if self.retryable_tools or versioned else None
+            self.lost_calls if self.retryable_tools or parts.served.versions else None
         )
         self.served = parts.served
         self.profiles = parts.profiles

@@ -81,6 +81,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     if result.topology is None:
         print(f"{args.boot}: {plural(len(result.errors), 'error')}")
         return EXIT_FAILED
+    # Each agent's version before the summary, which stays the last line of a good file's.
+    connect = getattr(args, "connect", False)
+    for line in version_lines(args.boot, result.topology, connect=connect):
+        print(line)
     print(summary(args.boot, result))
     from agentserver.config.a2a_remote import a2a_mapping_lines
     from agentserver.config.mcp import mapping_lines
@@ -88,8 +92,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     listeners = result.topology.listeners
     for line in [*mapping_lines(listeners), *a2a_mapping_lines(listeners)]:
         print(f"{args.boot}: {line}")
-    for line in version_lines(args.boot, result.topology, connect=getattr(args, "connect", False)):
-        print(line)
     if getattr(args, "connect", False):
         return _check_store_reachable(args.boot, result.topology)
     return EXIT_OK

@@ -6,7 +6,10 @@ the seed and the nonce. While a needed tool's proof is not among the messages, t
 calls the tools still missing (several at once); once all are there it answers
 ``RESULT nonce=N stamp=P relay=P pay=P|refused|-`` with the proofs copied from the tool
 results, so the checker can tell that the answer saw its own results. A ``pay`` call that
-came back without a proof (denied, timed out) is answered ``pay=refused``.
+came back without a proof (denied, timed out) is answered ``pay=refused``. When the
+system prompt names the agent's tools (a versioned agent, bench/support/chaos_deploy.py),
+the model calls only those, and answers ``relay=removed`` (say) for a needed tool the
+prompt does not name.
 
 Faults, drawn from the seed per request while ``faults_on``: 429 with ``Retry-After``,
 500/503, a hang past the agents' ``llm-timeout``, a malformed tool call. The tool calls
@@ -29,6 +32,7 @@ from typing import Any
 
 import h11
 import trio
+from chaos_deploy import offered_tools
 from chaos_tools import NONCE, PROOF, TOOLS_NS
 
 
@@ -63,6 +67,8 @@ class ModelStats:
     answers: int = 0
     #: compactions' summary requests answered (the agent with memory, bench/chaos.py)
     summaries: int = 0
+    #: requests by the version their system prompt names (``--deploy``)
+    prompts: Counter = field(default_factory=Counter)
 
 
 def _texts(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -169,6 +175,9 @@ class ChaosModel:
             self.stats.summaries += 1
             return 200, [], summary_of(texts, nonce)
         plan = plan_for(self.seed, nonce)
+        version, offered = offered_tools(t for role, t in texts if role == "system")
+        if version is not None:
+            self.stats.prompts[version] += 1
         proofs: dict[str, str] = {}
         calls: Counter = Counter()
         pay_after_call = False
@@ -183,7 +192,15 @@ class ChaosModel:
                 # Something came back after a pay call (a denial, a timeout, an interrupt).
                 pay_after_call = pay_after_call or "interrupted" not in text
         needed = ["stamp"] + (["relay"] if plan.relay else []) + (["pay"] if plan.pay else [])
-        missing = [k for k in needed if k not in proofs and not (k == "pay" and pay_after_call)]
+        # A tool this version's prompt does not name is not called (its proof, if a call
+        # of an earlier version brought one, still counts).
+        removed = {k for k in needed if offered is not None and k not in offered}
+        removed -= set(proofs)
+        missing = [
+            k
+            for k in needed
+            if k not in proofs and k not in removed and not (k == "pay" and pay_after_call)
+        ]
         if missing:
             parts = []
             for kind in missing:
@@ -200,10 +217,14 @@ class ChaosModel:
                 self.stats.faults["malformed"] += 1
                 text = text[: len(text) - 9]  # the last call's closing tag cut off
             return 200, [], text
-        pay = proofs.get("pay", "refused" if plan.pay else "-")
+
+        def shown(kind: str, otherwise: str) -> str:
+            return proofs.get(kind, "removed" if kind in removed else otherwise)
+
+        pay = shown("pay", "refused" if plan.pay else "-")
         answer = (
-            f"RESULT nonce={nonce} stamp={proofs['stamp']} "
-            f"relay={proofs.get('relay', '-')} pay={pay}"
+            f"RESULT nonce={nonce} stamp={shown('stamp', '-')} "
+            f"relay={shown('relay', '-')} pay={pay}"
         )
         self.stats.answers += 1
         if self.on_final is not None:

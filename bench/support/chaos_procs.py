@@ -1,5 +1,7 @@
 """The chaos bench's processes: servers (``agentserver run``) and runners
-(``agentserver runner``), started, killed with SIGKILL and restarted (bench/chaos.py).
+(``agentserver runner``), started, killed with SIGKILL and restarted (bench/chaos.py);
+a server also drained (``agentserver drain``) or sent SIGTERM and started on another
+boot file (the deploy fault, bench/support/chaos_deploy.py).
 
 Each process's standard error goes to a log file in the run's directory, read by a thread
 that also finds the server's address in its start line. Blocking waits run in
@@ -32,7 +34,8 @@ def child_env(tools: pathlib.Path, **extra: str) -> dict[str, str]:
 
 
 class ServerSlot:
-    """One server process of the run (restarted in place: the same boot.xml and folder)."""
+    """One server process of the run (restarted in place: the same folder, and the same
+    boot.xml unless a deploy changes ``boot``)."""
 
     def __init__(self, index: int, boot: pathlib.Path, env: dict[str, str], logs: pathlib.Path):
         self.index = index
@@ -48,6 +51,10 @@ class ServerSlot:
         self.generation = 0
         self.changed = trio.Event()
         self.starts = 0
+        self.drains = 0
+        #: Held by whoever stops and restarts the process (a kill, a deploy), so two
+        #: never start one slot twice.
+        self.lock = trio.Lock()
 
     @property
     def alive(self) -> bool:
@@ -123,9 +130,11 @@ class ServerSlot:
             proc.send_signal(signal.SIGKILL)
             await trio.to_thread.run_sync(proc.wait)
 
-    async def terminate(self) -> None:
+    async def terminate(self) -> int | None:
+        """SIGTERM (SIGKILL after 20 s); the exit status (None: no process)."""
         proc = self.proc
         self.port = 0
+        self._signal()
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -133,6 +142,40 @@ class ServerSlot:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 await trio.to_thread.run_sync(proc.wait)
+        return None if proc is None else proc.returncode
+
+    async def drain(self, env: dict[str, str], timeout: float) -> tuple[str, int | None]:
+        """``agentserver drain BOOT --url HTTP --wait --timeout T`` (``env``'s
+        ``AGENTSERVER_TOKEN``: an operator's), then the process's exit. Returns
+        ("drained", its exit status) once it exited, else (why not, None) with the process
+        still up (draining, or refusing): "gone", "refused", "timeout" or "stuck"."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None or not self.http_url:
+            return "gone", None
+        self.drains += 1
+        args = [str(self.boot), "--url", self.http_url, "--wait", "--timeout", f"{timeout:g}"]
+        path = self.logs / f"drain{self.index}-{self.drains}.log"
+        with open(path, "wb") as log:  # noqa: ASYNC230 - a local file, opened once
+            with trio.move_on_after(timeout + 30):
+                done = await trio.run_process(
+                    [sys.executable, "-m", "agentserver", "drain", *args],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    check=False,
+                )
+                if done.returncode == 3:
+                    return "timeout", None
+                if done.returncode != 0:
+                    return "refused", None
+        try:
+            await trio.to_thread.run_sync(lambda: proc.wait(20))
+        except subprocess.TimeoutExpired:
+            return "stuck", None
+        self.port = 0
+        self._signal()
+        return "drained", proc.returncode
 
 
 class RunnerSlot:

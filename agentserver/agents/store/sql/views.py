@@ -104,8 +104,9 @@ def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
         f"({marks(len(names))}) AND message_type = ? AND status = ? GROUP BY agent_id, version",
         (*names, MessageType.TURN.value, InboxStatus.QUEUED.value),
     ):
-        slot = by_version.setdefault(agent_id, {}).setdefault(version or "", _NO_TURNS())
-        slot["queued"] += int(n)
+        if version is not None:  # (an unversioned process's tasks are not counted)
+            slot = by_version.setdefault(agent_id, {}).setdefault(version, _NO_TURNS())
+            slot["queued"] += int(n)
     live = versions.live_served(tx, env)
     queued: dict[str, int] = dict(
         tx.all(
@@ -146,8 +147,8 @@ def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
                 # A pinned Turn whose version no live process serves (docs/deploy.md).
                 "waiting_for_version": pin if pin is not None and (name, pin) not in live else None,
             }
-            if head[0] in ACTIVE:
-                slot = item["versions"].setdefault(head[5] or "", _NO_TURNS())
+            if head[0] in ACTIVE and head[5] is not None:
+                slot = item["versions"].setdefault(head[5], _NO_TURNS())
                 slot["active"] += 1
         if error:
             item["last_error"] = {
