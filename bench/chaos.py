@@ -269,22 +269,26 @@ async def chaos(args: argparse.Namespace) -> int:
             boot_dir = out / "organism"
             hooks = await HookReceiver(seed, hook_secret(seed)).start(nursery)
             env = child_env(boot_dir, CHAOS_TOKEN=TOKEN, CHAOS_LLM_KEY="chaos-key")
-            for name in [*(n for n, _ in CLIENTS), *DOOR_CLIENTS]:
+            for name in [*(n for n, _ in CLIENTS), *DOOR_CLIENTS, DEPLOYER]:
                 env[token_env(name)] = token_of(name)
             env[HOOK_SECRET_ENV] = hooks.secret
             env[EFFECTS_ENV] = str(out / "effects.log")
             if pg_url:
                 env["CHAOS_STORE_URL"] = pg_url
             boot = boot_dir / "boot.xml"
-            await trio.Path(boot).write_text(
-                boot_xml(
-                    model.base_url,
-                    postgres,
-                    args.retention,
-                    args.budget_tokens,
-                    webhooks_xml(hooks.url),
+            # --deploy: boot.xml is v1, boot-v2.xml v2 (one folder: one store path).
+            boots = {V1: boot, V2: boot_dir / "boot-v2.xml"} if args.deploy else {None: boot}
+            for version, path in boots.items():
+                await trio.Path(path).write_text(
+                    boot_xml(
+                        model.base_url,
+                        postgres,
+                        args.retention,
+                        args.budget_tokens,
+                        webhooks_xml(hooks.url),
+                        version,
+                    )
                 )
-            )
             sizes = SizeWatch(None if postgres else boot_dir / "state" / "agents.sqlite3", pg_url)
             oracle = Oracle(sizes.sqlite_path, pg_url, sizes.tombstones)
             if args.retention:
@@ -321,6 +325,19 @@ async def chaos(args: argparse.Namespace) -> int:
             nursery.start_soon(Operator(seed, servers, switches, ledger, env).run)
             nursery.start_soon(kill_servers, slots, switches, rng, start)
             nursery.start_soon(kill_runners, runners, switches, rng)
+            sqlite_path = None if postgres else boot_dir / "state" / "agents.sqlite3"
+            deployer = Deployer(
+                slots,
+                {v: p for v, p in boots.items() if v is not None},
+                {**env, "AGENTSERVER_TOKEN": token_of(DEPLOYER)},
+                seed,
+                lambda: switches.faults,
+                lambda text: say(start, text),
+                sqlite_path,
+                pg_url,
+            )
+            if args.deploy:
+                nursery.start_soon(deployer.run)
 
             async def track_owners() -> None:
                 while True:
@@ -338,16 +355,21 @@ async def chaos(args: argparse.Namespace) -> int:
             switches.sending = False
             model.faults_on = False
             hooks.faults = False
+            if args.deploy:
+                await deployer.stop()  # a deploy round under way ends first
             with trio.move_on_after(30):  # a killed server's restart under way
                 for slot in slots:
                     while not slot.alive:
                         await slot.changed.wait()
             for slot in slots:
-                if not slot.alive:
-                    await slot.start()
+                async with slot.lock:
+                    if not slot.alive:
+                        await slot.start()
             say(start, "faults stopped; draining")
             drain_end = time.monotonic() + args.drain
             while time.monotonic() < drain_end:
+                if args.deploy:  # a pinned Turn waiting for a version nobody serves
+                    await deployer.settle(time.monotonic())
                 refs = await oracle.refs()
                 pending = [a for c in clients for a in ledger.open_attempts(c)]
                 taken_open = [a for a in pending if a.thread in refs]
@@ -368,7 +390,7 @@ async def chaos(args: argparse.Namespace) -> int:
             verdict = check(
                 ledger,
                 taken,
-                expected_proofs(seed),
+                expected_proofs(seed, args.deploy),
                 memory_agents={MEMORY_AGENT},
                 rows=await oracle.rows(),
                 model_nonces=model.nonces_seen,
@@ -376,7 +398,7 @@ async def chaos(args: argparse.Namespace) -> int:
             )
             await a2a.settle()
             a2a_counts, a2a_violations = check_a2a(
-                a2a.tasks, expected_proofs(seed), internal_errors=a2a.internal_errors
+                a2a.tasks, expected_proofs(seed, args.deploy), internal_errors=a2a.internal_errors
             )
             a2a_counts.update(
                 {k: v for k, v in sorted(a2a.counts.items()) if not k.startswith("seen:")}
@@ -388,7 +410,7 @@ async def chaos(args: argparse.Namespace) -> int:
             gone = await oracle.pruned()
             mcp_counts, mcp_violations = check_mcp(
                 mcp.calls,
-                expected_proofs(seed),
+                expected_proofs(seed, args.deploy),
                 nonce_threads(payloads, [c.nonce for c in mcp.calls]),
                 replies,
                 lambda thread: thread in gone,
@@ -400,7 +422,7 @@ async def chaos(args: argparse.Namespace) -> int:
             verdict.counts.update(mcp_counts)
             agui_counts, agui_violations = check_agui(
                 agui.runs,
-                expected_proofs(seed),
+                expected_proofs(seed, args.deploy),
                 nonce_threads(payloads, [r.nonce for r in agui.runs]),
                 replies,
             )
@@ -446,7 +468,6 @@ async def chaos(args: argparse.Namespace) -> int:
             verdict.counts.update(sched_counts)
             verdict.violations.extend(sched_violations)
             verdict.counts["violations"] = int(verdict.counts["violations"]) + len(sched_violations)
-            sqlite_path = None if postgres else boot_dir / "state" / "agents.sqlite3"
             await await_hooks(hooks, lambda: ended_turns(sqlite_path, pg_url), 60.0)
             hook_counts, hook_violations = check_hooks(
                 hooks, await ended_turns(sqlite_path, pg_url)
@@ -456,6 +477,20 @@ async def chaos(args: argparse.Namespace) -> int:
                 hook_violations
             )
             verdict.violations.extend(hook_violations)
+            if args.deploy:
+                deploy_counts, deploy_violations = check_versions(
+                    *await trio.to_thread.run_sync(read_versions, sqlite_path, pg_url)
+                )
+                deploy_violations = [*deployer.violations, *deploy_violations]
+                deploy_counts.update(deployer.figures())
+                deploy_counts["model_requests_by_prompt"] = dict(
+                    sorted(model.stats.prompts.items())
+                )
+                verdict.counts.update(deploy_counts)
+                verdict.violations.extend(deploy_violations)
+                verdict.counts["violations"] = int(str(verdict.counts["violations"])) + len(
+                    deploy_violations
+                )
             await trio.Path(out / "ledger.json").write_text(ledger_json(ledger, taken))
             for slot in slots:
                 await slot.terminate()
@@ -491,6 +526,7 @@ async def chaos(args: argparse.Namespace) -> int:
             "drain_seconds": round(drained, 1),
             "retention": args.retention,
             "budget_tokens": args.budget_tokens,
+            "deploy": args.deploy,
             **(sizes.figures() if args.retention else {}),
             "seconds": round(time.monotonic() - start, 1),
         }
@@ -556,17 +592,18 @@ async def kill_servers(
     slots: list[ServerSlot], switches: Switches, rng: random.Random, start: float
 ) -> None:
     """SIGKILL a server every 20-60 s; restart it (one process: soon; two: the survivor
-    carries on meanwhile)."""
+    carries on meanwhile). Not while a deploy replaces it (``slot.lock``)."""
     while True:
         await trio.sleep(rng.uniform(20, 60))
         if not switches.faults:
             return
         slot = rng.choice([s for s in slots if s.alive] or slots)
-        await slot.kill()
-        switches.count("kills")
-        say(start, f"SIGKILL server {slot.index}")
-        await trio.sleep(rng.uniform(0.5, 3.0) if len(slots) == 1 else rng.uniform(2.0, 10.0))
-        await slot.start()
+        async with slot.lock:
+            await slot.kill()
+            switches.count("kills")
+            say(start, f"SIGKILL server {slot.index}")
+            await trio.sleep(rng.uniform(0.5, 3.0) if len(slots) == 1 else rng.uniform(2.0, 10.0))
+            await slot.start()
 
 
 async def kill_runners(runners: list[RunnerSlot], switches: Switches, rng: random.Random) -> None:
@@ -624,6 +661,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a total budget of N tokens on clients c1, c2, a2a, mcp and agui, which runs out "
         "(bench/support/chaos_budget.py; default: none)",
+    )
+    parser.add_argument(
+        "--deploy",
+        action="store_true",
+        help="two versions of the agents; the server processes replaced one by one under "
+        "load, onto v2 and back (bench/support/chaos_deploy.py)",
     )
     args = parser.parse_args(argv)
     if args.processes == 2 and args.store != "postgresql":

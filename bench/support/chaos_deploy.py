@@ -86,7 +86,9 @@ def agent_end(agent: str, version: str | None) -> str:
     """How the ``<agent>`` element ends: with its ``<system-prompt>`` when versioned."""
     if version is None:
         return "/>"
-    return f">\n        <system-prompt>{prompt_text(agent, version)}</system-prompt>\n      </agent>"
+    return (
+        f">\n        <system-prompt>{prompt_text(agent, version)}</system-prompt>\n      </agent>"
+    )
 
 
 def offered_tools(system_texts: Iterable[str]) -> tuple[str | None, tuple[str, ...] | None]:

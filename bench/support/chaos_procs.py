@@ -144,8 +144,8 @@ class ServerSlot:
                 await trio.to_thread.run_sync(proc.wait)
         return None if proc is None else proc.returncode
 
-    async def drain(self, env: dict[str, str], timeout: float) -> tuple[str, int | None]:
-        """``agentserver drain BOOT --url HTTP --wait --timeout T`` (``env``'s
+    async def drain(self, env: dict[str, str], wait_s: float) -> tuple[str, int | None]:
+        """``agentserver drain BOOT --url HTTP --wait --timeout WAIT_S`` (``env``'s
         ``AGENTSERVER_TOKEN``: an operator's), then the process's exit. Returns
         ("drained", its exit status) once it exited, else (why not, None) with the process
         still up (draining, or refusing): "gone", "refused", "timeout" or "stuck"."""
@@ -153,10 +153,10 @@ class ServerSlot:
         if proc is None or proc.poll() is not None or not self.http_url:
             return "gone", None
         self.drains += 1
-        args = [str(self.boot), "--url", self.http_url, "--wait", "--timeout", f"{timeout:g}"]
+        args = [str(self.boot), "--url", self.http_url, "--wait", "--timeout", f"{wait_s:g}"]
         path = self.logs / f"drain{self.index}-{self.drains}.log"
         with open(path, "wb") as log:  # noqa: ASYNC230 - a local file, opened once
-            with trio.move_on_after(timeout + 30):
+            with trio.move_on_after(wait_s + 30):
                 done = await trio.run_process(
                     [sys.executable, "-m", "agentserver", "drain", *args],
                     env=env,
