@@ -215,7 +215,8 @@ def calls_in_flight(tx: Tx, env: StoreEnv, owner: str | None) -> int:
     PostgreSQL process id; None: all of them, SQLite's one process): what a draining
     process waits for before it exits, as their results come back to its pump. Calls
     waiting for an approval are not in flight, nor calls whose report has arrived."""
-    where, params = "", ()
+    where = ""
+    params: tuple[str, ...] = ()
     if owner is not None and tx.dialect == POSTGRESQL:
         where, params = " AND h.owner = ?", (owner,)
     # A call whose report is in the inbox (queued for another process) is answered.
