@@ -324,8 +324,9 @@ class AgentRuntime:
         the inbox, as the worker handles it (a duplicate, or one before its suspend)."""
         profile = self.profiles.get(agent_id)
         if profile is not None and self.worker.hands_over(profile):
-            # Draining: the Turn's next step is another process's (docs/deploy.md), so
-            # the report is queued for whoever takes it rather than resumed here.
+            # The Turn's next step is another process's (this one drains, or serves an
+            # older version: docs/deploy.md), so the report is queued for whoever takes
+            # it rather than resumed here.
             await self.store.run(
                 inbox.report_tool_result, agent_id, tool_call_id, _bytes(payload), failed
             )

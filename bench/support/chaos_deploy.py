@@ -20,7 +20,7 @@ serves it (its Turn would wait for ever).
 
 :func:`check_versions` (sans-IO; :func:`read_versions` reads the store): a pinned Turn
 whose steps ran on two versions is a violation (``agentserver turns migrate``, which the
-bench never runs, is the only way one may: each ``migrate`` edge allows one more
+bench never runs, is the only way one may: each ``migrate`` edge allows one change of
 version), as is an ``upgrade`` edge on a pinned Turn. Counts: Turns by the version they
 began on, upgrades seen (``upgrade`` edges) by direction, Turns that ran on two versions.
 """
@@ -266,8 +266,9 @@ def check_versions(
 ) -> tuple[dict[str, object], list[str]]:
     """``steps``: (agent, turn, step_no, version) per step; ``edges``: (agent, turn,
     primitive, metadata JSON) per ``upgrade`` or ``migrate`` edge. Violations: a Turn of
-    a ``pinned`` agent whose steps ran on more versions than its ``migrate`` edges allow
-    (one each), and an ``upgrade`` edge on such a Turn that was never migrated."""
+    a ``pinned`` agent whose steps (in order) change version more often than its
+    ``migrate`` edges allow (one change each), and an ``upgrade`` edge on such a Turn
+    that was never migrated."""
     by_turn: dict[tuple[str, str], list[tuple[int, str]]] = {}
     for agent, turn, step_no, version in steps:
         if version is not None:
@@ -295,15 +296,15 @@ def check_versions(
     for (agent, turn), ran in sorted(by_turn.items()):
         ran.sort()
         began[ran[0][1]] += 1
-        distinct = list(dict.fromkeys(v for _, v in ran))
+        changes = sum(1 for (_, a), (_, b) in zip(ran, ran[1:]) if a != b)
         if agent in pinned:
             pinned_began[ran[0][1]] += 1
-            if len(distinct) > 1 + migrations[agent, turn]:
+            if changes > migrations[agent, turn]:
                 violations.append(
                     f"pinned Turn {turn} of {agent} ran on versions "
                     + " ".join(f"{n}:{v}" for n, v in ran)
                 )
-        elif len(distinct) > 1:
+        elif changes:
             moved += 1
     for agent, turn, way in upgraded_pinned:
         if not migrations[agent, turn]:

@@ -398,9 +398,10 @@ class Worker:
         )
 
     def hands_over(self, profile: AgentProfile) -> bool:
-        """Whether a run of ``profile``'s Turn lets go before its next step: this process
-        drains, and the Turn may continue on another version."""
-        return self.served.draining and profile.versioning != "pinned"
+        """Whether a run of ``profile``'s Turn lets go before its next step, for a process
+        serving the agent's newest version to take it (docs/deploy.md): this process
+        drains, or a live process serves a newer version, and the Turn is not pinned."""
+        return profile.versioning != "pinned" and not self.served.takes_new(profile.name)
 
     @property
     def busy(self) -> int:
@@ -568,7 +569,7 @@ class Worker:
                 if step is None and self.hands_over(profile):
                     await self.store.run(sql_watchdog.recover_turn, token, self.clock.now())
                     self.doorbell.ring()
-                    log.info("turn %s handed over: this process drains", token.agent_turn_id)
+                    log.info("turn %s handed over to the newest version", token.agent_turn_id)
                     return HandedOver()
                 if step is None:
                     opened = await self._open_step(token, profile)
