@@ -19,6 +19,7 @@ Plain tests then pin specific transitions and the table's shape.
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,7 @@ from agentserver.agents.turn.machine import (
     Finished,
     ForwardGranted,
     GuardrailHalted,
+    HandedOver,
     IllegalTurnEvent,
     ModelFailed,
     ModelReplied,
@@ -75,6 +77,7 @@ from agentserver.agents.turn.machine import (
     ToolsSent,
     TurnMachine,
     TurnState,
+    Upgrade,
 )
 from agentserver.core.errors import HuhReason
 
@@ -139,6 +142,7 @@ ALL_EVENTS: list[tm.Event] = [
     Finished(),
     Crashed("E"),
     Stopped(),
+    HandedOver(),
     DoubleText("enqueue"),
     DoubleText("interrupt"),
 ]
@@ -512,6 +516,42 @@ def test_a_crash_ends_the_turn_failed_and_a_crash_while_finishing_tries_once_mor
     assert m.send(Crashed("KeyError")) == [end]
     assert m.send(Crashed("KeyError")) == [end]
     assert m.state == TurnState.FINISHING
+
+
+def _versioned_step(version: str | None, pin: str | None) -> StepStart:
+    head = dataclasses.replace(_head(1), turn_version=version, turn_pin=pin)
+    return StepStart(head, "step-1", 1, (), ())
+
+
+@pytest.mark.parametrize(
+    ("run", "was", "pin", "upgrade"),
+    [
+        ("v2", "v1", None, Upgrade("v1", "v2")),  # an upgrade Turn on another version
+        ("v2", "v2", None, None),  # its own version
+        ("v2", "v1", "v1", None),  # pinned: never upgraded (the claim filters it)
+        ("", "v1", None, None),  # an unversioned run
+        ("v2", None, None, None),  # a Turn from before versions
+    ],
+)
+def test_a_step_opened_on_another_version_upgrades_an_unpinned_turn_first(run, was, pin, upgrade):
+    m = TurnMachine(version=run)
+    m.send(TaskClaimed())
+    effects = m.send(StepOpened(_versioned_step(was, pin)))
+    assert [e for e in effects if isinstance(e, Upgrade)] == ([upgrade] if upgrade else [])
+    if upgrade:
+        assert effects[0] == upgrade  # recorded before the step's model call
+    assert isinstance(effects[-1], CallModel)
+
+
+def test_a_turn_handed_over_before_its_step_is_let_go():
+    m = TurnMachine()
+    assert m.send(TaskClaimed()) == [OpenStep(False)]
+    assert m.send(HandedOver()) == []
+    assert m.state == TurnState.HANDED_OVER and m.resting
+    # Nothing more happens in this run, but a stop may still end it.
+    with pytest.raises(IllegalTurnEvent):
+        m.send(StepOpened(_step(1)))
+    assert m.send(Stopped()) == [] and m.state == TurnState.ENDED
 
 
 def test_every_event_missing_from_the_table_is_refused():
