@@ -598,7 +598,9 @@ async def kill_servers(
         if not switches.faults:
             return
         slot = rng.choice([s for s in slots if s.alive] or slots)
-        async with slot.lock:
+        async with slot.lock:  # (a deploy may have held it past the faults' end)
+            if not switches.faults:
+                return
             await slot.kill()
             switches.count("kills")
             say(start, f"SIGKILL server {slot.index}")

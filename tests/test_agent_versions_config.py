@@ -77,7 +77,7 @@ def test_check_shows_each_version_and_warns_of_a_name_redefined(tmp_path):
     env = subprocess_env(**ENV)
     checked = cli("check", str(boot), env=env)
     assert checked.returncode == 0, checked.stdout
-    assert "agent 'pinner': version p1 (pinned, digest " in checked.stdout.decode()
+    assert f"{boot}: agent 'pinner': version p1 (pinned)\n" in checked.stdout.decode()
     assert "was defined differently" not in checked.stdout.decode()
     # The store saw version k1 of keeper served with another definition.
     served = ServedVersions(versions={"keeper": "k1"}, digests={"keeper": "0" * 64})

@@ -168,7 +168,11 @@ async def test_agents_figures_and_steps_are_served_on_every_backend(store):
             agents_again = (await http.get("/v1/agents")).json()
         nursery.cancel_scope.cancel()
 
+    # The agent's version: its digest (docs/deploy.md); none of its Turns is active.
+    version = agents["agents"][0]["version"]
+    assert re.fullmatch(r"[0-9a-f]{12}", version), agents
     idle = {"name": "assistant", "state": "idle", "active_turn": None, "queue": 0}
+    idle |= {"version": version, "versions": {}}
     assert agents == {"agents": [{**idle, "last_error": None}]}
     assert agents_again == agents == mended
     assert broken.status_code == 503 and broken.headers["retry-after"] == "5"

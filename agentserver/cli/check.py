@@ -109,8 +109,7 @@ def version_lines(name: str, topology: Topology, *, connect: bool = False) -> li
 
     versions = agent_versions(topology)
     lines = [
-        f"{name}: agent {v.agent!r}: version {v.version} ({v.versioning}"
-        f"{'' if not v.named else ', digest ' + v.digest[:12]})"
+        f"{name}: agent {v.agent!r}: version {v.version} ({v.versioning})"
         for v in versions.values()
     ]
     if not any(v.named for v in versions.values()):

@@ -13,7 +13,8 @@ decided over her socket, until its Turn ends; an ended run is sometimes posted o
 (it must end the same way).
 
 :func:`check_agui`, against the store too: every stream that got ``RUN_STARTED`` and
-was read to its end (not dropped by us, not broken by a kill) ended with exactly one of
+was read to its end (not dropped by us, not broken by a kill, not ended by a drain's or
+a SIGTERM's shutdown, docs/ag-ui.md) ended with exactly one of
 ``RUN_FINISHED``/``RUN_ERROR``, as its last event (``agui_bad_end``); every run ended
 (``agui_unended``), the same way however often it was read (``agui_ended_differently``);
 a run's task is the thread derived from the caller and the run (its state names it;
@@ -207,8 +208,11 @@ class AguiClient:
                         if drop_after is not None and events >= drop_after and not stream.ends:
                             self.counts["agui_streams_dropped"] += 1
                             return False  # the connection closes: posted again next
-                    # Closed by the server, which was not killed meanwhile.
-                    stream.whole = slot.alive and slot.generation == generation
+                    # Closed by the server, which was not killed meanwhile, nor stopped
+                    # (drained or sent SIGTERM: its shutdown ends open streams).
+                    stream.whole = (
+                        slot.alive and slot.generation == generation and not slot.stopping
+                    )
         except (httpx.HTTPError, OSError, json.JSONDecodeError):
             self.counts["agui_transport_errors"] += 1
             await trio.sleep(rng.uniform(0.2, 1.0))

@@ -27,6 +27,7 @@ began on, upgrades seen (``upgrade`` edges) by direction, Turns that ran on two 
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 import random
@@ -138,7 +139,7 @@ class Deployer:
         """Deploy rounds until the faults stop (a round under way is finished)."""
         rounds = 0
         try:
-            while True:
+            while not self._stopping:
                 with trio.CancelScope() as self._nap:
                     await trio.sleep(self.rng.uniform(*ROUND_EVERY_S))
                 self._nap = None
@@ -296,7 +297,7 @@ def check_versions(
     for (agent, turn), ran in sorted(by_turn.items()):
         ran.sort()
         began[ran[0][1]] += 1
-        changes = sum(1 for (_, a), (_, b) in zip(ran, ran[1:]) if a != b)
+        changes = sum(1 for (_, a), (_, b) in itertools.pairwise(ran) if a != b)
         if agent in pinned:
             pinned_began[ran[0][1]] += 1
             if changes > migrations[agent, turn]:

@@ -52,6 +52,9 @@ class ServerSlot:
         self.changed = trio.Event()
         self.starts = 0
         self.drains = 0
+        #: Being stopped on purpose (drained, SIGTERM): its shutdown ends open streams
+        #: (an AG-UI run's, docs/ag-ui.md) without their end. Cleared by :meth:`start`.
+        self.stopping = False
         #: Held by whoever stops and restarts the process (a kill, a deploy), so two
         #: never start one slot twice.
         self.lock = trio.Lock()
@@ -115,6 +118,7 @@ class ServerSlot:
     async def start(self) -> None:
         await trio.to_thread.run_sync(self._start_blocking)
         self.generation += 1
+        self.stopping = False
         self._signal()
 
     def _signal(self) -> None:
@@ -133,6 +137,7 @@ class ServerSlot:
     async def terminate(self) -> int | None:
         """SIGTERM (SIGKILL after 20 s); the exit status (None: no process)."""
         proc = self.proc
+        self.stopping = True
         self.port = 0
         self._signal()
         if proc is not None and proc.poll() is None:
@@ -153,6 +158,7 @@ class ServerSlot:
         if proc is None or proc.poll() is not None or not self.http_url:
             return "gone", None
         self.drains += 1
+        self.stopping = True
         args = [str(self.boot), "--url", self.http_url, "--wait", "--timeout", f"{wait_s:g}"]
         path = self.logs / f"drain{self.index}-{self.drains}.log"
         with open(path, "wb") as log:  # noqa: ASYNC230 - a local file, opened once

@@ -243,7 +243,9 @@ async def test_one_trip_statements_and_shared_functions_leave_the_same_rows(
     from agentserver.agents.store.pg import store as pg_store
 
     settings = StoreSettings(url=pg_url)
-    s = pg_store.PostgresAgentStore.open(pg_url, clock=ManualClock(), settings=settings)
+    s = pg_store.PostgresAgentStore.open(
+        pg_url, clock=ManualClock(), settings=settings, served=SERVED
+    )
     try:
         calls: collections.Counter[tuple[str, str]] = collections.Counter()
 
