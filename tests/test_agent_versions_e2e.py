@@ -81,7 +81,8 @@ ANSWER_NS = {
 class VersionModel(FakeServer):
     """Answers each step from the conversation: a ``wait`` job calls the waiter first
     (for ``seconds`` of the job's name: ``job-wait3-...`` waits 3 s, else for ever), a
-    ``slow`` job answers after two seconds, any other at once. Every answer says the
+    ``retry`` job the idempotent ``retrier`` (4 s), a ``slow`` job answers after two
+    seconds, any other at once. Every answer says the
     version of the prompt it was given and what the tool reported."""
 
     def __init__(self) -> None:
@@ -105,6 +106,9 @@ class VersionModel(FakeServer):
         if "wait" in job and not reports:
             seconds = 3 if "wait3" in job else FOREVER
             call = f'<wait xmlns="{TOOL_NS}"><text>{job}</text><seconds>{seconds}</seconds></wait>'
+            return openai_ok(f"Waiting. {call}", model="m")
+        if "retry" in job and not reports:  # the idempotent tool, answering in 4 s
+            call = f'<retry xmlns="{TOOL_NS}"><text>{job}</text><seconds>4</seconds></retry>'
             return openai_ok(f"Waiting. {call}", model="m")
         delay = 2.0 if "slow" in job else 0.0
         return openai_ok(f"Done {job} on {version}.", model="m", delay=delay)
@@ -281,11 +285,14 @@ async def test_a_restart_onto_v2_upgrades_fails_and_pins(tmp_path, backend):
             threads["pin"] = await send(client, "pinner", PinnerTask(text="job-wait-pin"))
             threads["type"] = await send(client, "typer", TypedTask(text="job-wait-type"))
             threads["queued"] = await send(client, "typer", TypedTask(text="job-queued"))
+            # A pinned Turn whose call a restart sends again (an idempotent tool): its
+            # result must not resume it on v2.
+            threads["retry"] = await send(client, "pinner2", Pinner2Task(text="job-retry-pin2"))
             await deploy.until(
                 lambda: (
                     all(
                         (store.head(a) or ("",))[0] == "suspended"
-                        for a in ("keeper", "pinner", "typer")
+                        for a in ("keeper", "pinner", "typer", "pinner2")
                     )
                     and store.queued("typer") == 1
                 ),
@@ -296,6 +303,7 @@ async def test_a_restart_onto_v2_upgrades_fails_and_pins(tmp_path, backend):
         assert await deploy.stop(first) == 0
 
         second = await deploy.start(V2)
+        restarted = trio.current_time()
         async with alice(second) as client:
             got = await replies(client, 3)
             keep, typed, queued = (got[threads[k]] for k in ("keep", "type", "queued"))
@@ -332,6 +340,12 @@ async def test_a_restart_onto_v2_upgrades_fails_and_pins(tmp_path, backend):
             assert re.search(r"pinner: turn \w+: version p1 -> p2", moved.stdout), moved.stdout
             got = await replies(client, 1)
             assert text_of(got[threads["pin"]], "pinner") == "Done job-wait-pin on Pinner two."
+            # Well past when a call sent again would have been answered: pinner2's Turn
+            # did not run on v2; it waits for q1, its calls reported lost for then.
+            await trio.sleep_until(restarted + 6)
+            assert model.versions_of("job-retry-pin2") == ["Pinner2 one"]
+            pinner2 = await deploy.agent(second, "pinner2")
+            assert pinner2["active_turn"]["waiting_for_version"] == "q1", pinner2
         [pin_steps] = store.step_versions("pinner").values()
         assert pin_steps == ["p1", "p2"]
         upgrades = sorted(

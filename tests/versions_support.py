@@ -32,6 +32,13 @@ class Waited(BaseXmlModel, tag="waited", nsmap={"": TOOL_NS}):
     text: str = element()
 
 
+class Retry(BaseXmlModel, tag="retry", nsmap={"": TOOL_NS}):
+    """``waiter``'s call to ``retrier``, an idempotent tool: a restart sends it again."""
+
+    text: str = element()
+    seconds: float = element()
+
+
 class KeeperTask(BaseXmlModel, tag="task", nsmap={"": KEEPER_NS}):
     text: str = element()
 
@@ -79,6 +86,12 @@ class TypedAnswer(BaseXmlModel, tag="answer", nsmap={"": TYPER_NS}):
 
 async def wait(payload: Wait, meta: HandlerMetadata) -> HandlerResponse:
     """Answers after ``seconds``."""
+    await trio.sleep(payload.seconds)
+    return HandlerResponse.respond(Waited(text=payload.text))
+
+
+async def retry(payload: Retry, meta: HandlerMetadata) -> HandlerResponse:
+    """Answers after ``seconds`` (idempotent: a call a restart cut off is sent again)."""
     await trio.sleep(payload.seconds)
     return HandlerResponse.respond(Waited(text=payload.text))
 

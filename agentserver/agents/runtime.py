@@ -34,6 +34,7 @@ from agentserver.agents.store.base import (
 )
 from agentserver.agents.store.served import ServedVersions
 from agentserver.agents.store.sql import conversations, forks, inbox, replies
+from agentserver.agents.store.sql import head as sql_head
 from agentserver.agents.store.sql import multitask as sql_multitask
 from agentserver.agents.store.sql import tools as sql_tools
 from agentserver.agents.store.sql import versions as sql_versions
@@ -437,6 +438,12 @@ class AgentRuntime:
         deadline = self.clock.now() + (profile.resume_deadline_s if profile else 60.0)
         gone = 0
         if profile is not None and profile.version:
+            pin = (await self.store.read(sql_head.read, token.agent_id)).turn_pin
+            if pin is not None and pin != profile.version:
+                # Pinned to a version this process does not serve: a call sent again
+                # would come back here and resume the Turn on this version. Its calls are
+                # reported lost; their results wait for a process of its version.
+                return await self._report_lost(token, reason, None)
             # Calls to a tool this version does not have say so (docs/deploy.md), and are
             # never sent again.
             removed: dict[str, list[str]] = {}
@@ -455,14 +462,15 @@ class AgentRuntime:
             log.warning("turn %s: %d tool call(s) sent again", token.agent_turn_id, sent)
         else:
             rest = None  # every waiting call: the deadline goes too
-        lost = (
-            await self.store.run(sql_tools.inject_timeouts, token, reason, rest)
-            if rest != []
-            else 0
-        )
+        return gone + (await self._report_lost(token, reason, rest) if rest != [] else 0)
+
+    async def _report_lost(self, token: TurnToken, reason: str, only: list[str] | None) -> int:
+        """A timeout result for each of ``only`` (None: every waiting call, the Turn's
+        deadline cleared); how many."""
+        lost = await self.store.run(sql_tools.inject_timeouts, token, reason, only)
         if lost:
             log.warning("turn %s: %d tool call(s) %s", token.agent_turn_id, lost, reason)
-        return lost + gone
+        return lost
 
     async def drain(
         self, progress: Callable[[Holding], None] | None = None, poll_s: float = 0.2

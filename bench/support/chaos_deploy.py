@@ -93,11 +93,13 @@ def agent_end(agent: str, version: str | None) -> str:
 
 
 def offered_tools(system_texts: Iterable[str]) -> tuple[str | None, tuple[str, ...] | None]:
-    """The prompt's version word and the tools it names (None, None: no such prompt)."""
+    """The version a prompt names and the tools it names (None, None: no such prompt)."""
     for text in system_texts:
         found = PROMPT.search(text)
         if found:
-            return found.group(2), tuple(found.group(3).split())
+            word = found.group(2)
+            version = next((v for v, w in _WORDS.items() if w == word), word)
+            return version, tuple(found.group(3).split())
     return None, None
 
 
@@ -180,6 +182,7 @@ class Deployer:
                     )
             else:
                 self.counts[f"drains_{outcome}"] += 1
+                how = f"SIGTERM, the drain {outcome}"
                 drain = False
         if not drain:
             code = await slot.terminate()
