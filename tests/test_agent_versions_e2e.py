@@ -25,7 +25,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -182,10 +182,29 @@ def backend(request, tmp_path) -> tuple[Store, dict[str, str]]:
     return store, {"AGENTS_TEST_STORE_URL": store.url}
 
 
+@pytest.fixture
+def servers() -> Iterator[list[ServerProcess]]:
+    """The servers a test starts; any still running when it ends (it failed before
+    stopping them) is killed."""
+    started: list[ServerProcess] = []
+    yield started
+    for server in started:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+
+
 class Deploy:
     """The servers of one test, on one store, with one model."""
 
-    def __init__(self, tmp_path: Path, model: VersionModel, store: Store, env: dict[str, str]):
+    def __init__(
+        self,
+        tmp_path: Path,
+        model: VersionModel,
+        store: Store,
+        env: dict[str, str],
+        servers: list[ServerProcess],
+    ):
         self.tmp_path = tmp_path
         self.model = model
         self.store = store
@@ -196,7 +215,8 @@ class Deploy:
             VERSIONS_OPS_TOKEN=OPS,
             **env,
         )
-        self.servers: list[ServerProcess] = []
+        #: Every server started (the ``servers`` fixture kills those left running).
+        self.servers = servers
 
     async def start(self, boot: Path) -> ServerProcess:
         # Both boot files in one folder: their <store path> is the same file.
@@ -273,11 +293,11 @@ def text_of(reply: Reply, agent: str) -> str:
     return reply.payload.findtext(f"{{{ANSWER_NS[agent]}}}text") or ""
 
 
-async def test_a_restart_onto_v2_upgrades_fails_and_pins(tmp_path, backend):
+async def test_a_restart_onto_v2_upgrades_fails_and_pins(tmp_path, backend, servers):
     store, store_env = backend
     async with trio.open_nursery() as nursery:
         model = await VersionModel().start(nursery)
-        deploy = Deploy(tmp_path, model, store, store_env)
+        deploy = Deploy(tmp_path, model, store, store_env, servers)
         first = await deploy.start(V1)
         threads: dict[str, str] = {}
         async with alice(first) as client:
@@ -359,11 +379,11 @@ async def test_a_restart_onto_v2_upgrades_fails_and_pins(tmp_path, backend):
         nursery.cancel_scope.cancel()
 
 
-async def test_a_rollback_serves_each_pinned_turn_on_its_version(tmp_path, backend):
+async def test_a_rollback_serves_each_pinned_turn_on_its_version(tmp_path, backend, servers):
     store, store_env = backend
     async with trio.open_nursery() as nursery:
         model = await VersionModel().start(nursery)
-        deploy = Deploy(tmp_path, model, store, store_env)
+        deploy = Deploy(tmp_path, model, store, store_env, servers)
         threads: dict[str, str] = {}
         first = await deploy.start(V1)
         async with alice(first) as client:
@@ -407,12 +427,12 @@ async def test_a_rollback_serves_each_pinned_turn_on_its_version(tmp_path, backe
 
 
 async def test_a_call_granted_on_a_version_without_its_tool_fails_naming_the_change(
-    tmp_path, backend
+    tmp_path, backend, servers
 ):
     store, store_env = backend
     async with trio.open_nursery() as nursery:
         model = await VersionModel().start(nursery)
-        deploy = Deploy(tmp_path, model, store, store_env)
+        deploy = Deploy(tmp_path, model, store, store_env, servers)
         first = await deploy.start(V1)
         delivered = DeliveredIds()  # the request may come again: she dropped it as a copy
         async with alice(first, delivered) as client:
@@ -435,12 +455,12 @@ async def test_a_call_granted_on_a_version_without_its_tool_fails_naming_the_cha
 
 
 async def test_a_drained_server_finishes_hands_over_takes_nothing_new_and_exits_0(
-    tmp_path, backend
+    tmp_path, backend, servers
 ):
     store, store_env = backend
     async with trio.open_nursery() as nursery:
         model = await VersionModel().start(nursery)
-        deploy = Deploy(tmp_path, model, store, store_env)
+        deploy = Deploy(tmp_path, model, store, store_env, servers)
         first = await deploy.start(V1)
         threads: dict[str, str] = {}
         # A reply sent as the server exits may come again (unacknowledged): her client
@@ -496,11 +516,11 @@ async def test_a_drained_server_finishes_hands_over_takes_nothing_new_and_exits_
 
 
 @pytest.mark.postgresql
-async def test_a_rolling_deploy_on_postgresql(tmp_path, pg_url):
+async def test_a_rolling_deploy_on_postgresql(tmp_path, pg_url, servers):
     store = Store(tmp_path / "unused.sqlite3", pg_url)
     async with trio.open_nursery() as nursery:
         model = await VersionModel().start(nursery)
-        deploy = Deploy(tmp_path, model, store, {"AGENTS_TEST_STORE_URL": pg_url})
+        deploy = Deploy(tmp_path, model, store, {"AGENTS_TEST_STORE_URL": pg_url}, servers)
         old = await deploy.start(V1)
         threads: dict[str, str] = {}
         delivered = DeliveredIds()
