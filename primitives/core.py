@@ -171,6 +171,16 @@ def system_error(code: SystemErrorCode, *, retry_allowed: bool) -> etree._Elemen
     )
 
 
+def primitive_text(element: etree._Element) -> str | None:
+    """The canned text of a ``<huh>``, the message of a ``<SystemError>``; None for any
+    other element."""
+    if element.tag == HUH_TAG:
+        return element.findtext(f"{{{CORE_NS}}}error")
+    if element.tag == SYSTEM_ERROR_TAG:
+        return element.findtext(f"{{{CORE_NS}}}message")
+    return None
+
+
 def primitive_for(
     refusal: Refusal, original: bytes = b"", *, explain: bool = False
 ) -> etree._Element:

@@ -244,6 +244,15 @@ class Deploy:
             timeout=timeout,
         )
 
+    async def drain(self, server: ServerProcess, into: list[subprocess.CompletedProcess]) -> None:
+        """``agentserver drain --wait`` of ``server`` (the CLI, in a thread); its result
+        goes into ``into``."""
+        into.append(
+            await trio.to_thread.run_sync(
+                lambda: self.cli("drain", "--url", http_url(server), "--wait")
+            )
+        )
+
     async def until(self, predicate: Callable[[], bool], what: str) -> None:
         # Other processes write the store: there is no event to wait on, so poll it.
         with trio.move_on_after(PATIENCE):
@@ -474,15 +483,7 @@ async def test_a_drained_server_finishes_hands_over_takes_nothing_new_and_exits_
             threads["slow"] = await send(client, "keeper", KeeperTask(text="job-slow-keep"))
             await deploy.until(lambda: model.in_flight == 1, "the slow model call is out")
             drained: list[subprocess.CompletedProcess] = []
-
-            async def drain() -> None:
-                drained.append(
-                    await trio.to_thread.run_sync(
-                        lambda: deploy.cli("drain", "--url", http_url(first), "--wait")
-                    )
-                )
-
-            nursery.start_soon(drain)
+            nursery.start_soon(deploy.drain, first, drained)
             await deploy.until(lambda: "draining" in first.stderr, "the server drains")
             threads["late"] = await send(client, "pinner", PinnerTask(text="job-late-pin"))
             # (The server exits right after its last answer: no quiet second here; the
@@ -526,14 +527,6 @@ async def test_a_rolling_deploy_on_postgresql(tmp_path, pg_url, servers):
         delivered = DeliveredIds()
         got: dict[str, Reply] = {}
         drained: list[subprocess.CompletedProcess] = []
-
-        async def drain() -> None:
-            drained.append(
-                await trio.to_thread.run_sync(
-                    lambda: deploy.cli("drain", "--url", http_url(old), "--wait")
-                )
-            )
-
         async with alice(old, delivered) as client:
             # A pinned Turn and an upgrade Turn on v1 whose tools answer in three seconds.
             threads["pin"] = await send(client, "pinner", PinnerTask(text="job-wait3-pin"))
@@ -560,7 +553,7 @@ async def test_a_rolling_deploy_on_postgresql(tmp_path, pg_url, servers):
             for i in range(4):
                 threads[f"new{i}"] = await send(client, "keeper", KeeperTask(text=f"job-new{i}"))
             # ... and the v1 process drains while its pinned Turn's call is out.
-            nursery.start_soon(drain)
+            nursery.start_soon(deploy.drain, old, drained)
             with trio.move_on_after(PATIENCE):
                 while len(got) < 6:
                     try:

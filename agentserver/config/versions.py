@@ -75,11 +75,10 @@ def agent_digest(topology: Topology, spec: ListenerSpec) -> str:
     for model in (*spec.accepts, *spec.responds):
         part("payload", payload_schema(model))
     for peer_name in sorted(spec.peers):
-        peer = _listener(topology, peer_name)
         part("peer", peer_name.encode())
-        if peer is not None:
-            for model in peer.accepts:
-                part("peer-payload", payload_schema(model))
+        # (A loaded topology's peers are all declared: the loader refuses an unknown one.)
+        for model in topology.listener(peer_name).accepts:
+            part("peer-payload", payload_schema(model))
     for module in _modules(spec):
         part("module", module.encode())
         part("source", module_source(module))
@@ -136,10 +135,3 @@ def _modules(spec: ListenerSpec) -> list[str]:
         if module:
             names.add(module)
     return sorted(names)
-
-
-def _listener(topology: Topology, name: str) -> ListenerSpec | None:
-    for spec in topology.listeners:
-        if spec.name == name:
-            return spec
-    return None

@@ -13,11 +13,11 @@ from pydantic_xml import BaseXmlModel
 from agentserver.core.envelope import MESSAGE
 from agentserver.core.errors import AgentServerError, InputRefused
 from agentserver.core.listener import to_element
-from agentserver.core.namespaces import CORE_NS, ENVELOPE_NS
+from agentserver.core.namespaces import ENVELOPE_NS
 from agentserver.core.payloads import model_from_tree
 from agentserver.core.xmlsafe import SafeParser
 from agentserver.primitives.approval import NS, REQUEST_TAG, ApprovalRequest
-from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG
+from agentserver.primitives.core import HUH_TAG, SYSTEM_ERROR_TAG, primitive_text
 
 _E = f"{{{ENVELOPE_NS}}}"
 
@@ -77,11 +77,7 @@ class Reply:
     @property
     def error_text(self) -> str | None:
         """The canned text of a ``<huh>`` / the message of a ``<SystemError>``; else None."""
-        if self.is_huh:
-            return self.payload.findtext(f"{{{CORE_NS}}}error")
-        if self.is_system_error:
-            return self.payload.findtext(f"{{{CORE_NS}}}message")
-        return None
+        return primitive_text(self.payload)
 
     @property
     def payload_xml(self) -> str:

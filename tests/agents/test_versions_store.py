@@ -17,7 +17,7 @@ from agentserver.agents.clock import ManualClock
 from agentserver.agents.profile.settings import StoreSettings
 from agentserver.agents.store.base import NewCard, ToolCallRecord, TurnToken
 from agentserver.agents.store.served import ServedVersions
-from agentserver.agents.store.sql import inbox, tools, turns, versions
+from agentserver.agents.store.sql import inbox, tools, turns, versions, views
 from agentserver.agents.store.sql_store import SqlAgentStore
 
 A = "agent"
@@ -151,8 +151,8 @@ async def test_migrate_moves_the_turns_of_a_version_and_keeps_them_pinned(store)
     assert await store.run(versions.migrate_turns, A, "v0", "v2") == []  # none on v0
     assert await store.run(versions.migrate_turns, A, "v1", "v2") == [token.agent_turn_id]
     assert await head_of(store) == ("suspended", "v2", "v2")
-    [turn] = await store.read(versions.active_turns)
-    assert (turn.version, turn.pinned) == ("v2", True)
+    [agent] = await store.read(views.agents, [A])
+    assert (agent["active_turn"]["version"], agent["active_turn"]["pinned"]) == ("v2", True)
 
 
 async def test_calls_in_flight_count_until_their_report_arrives(store):

@@ -18,9 +18,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-#: How a pinned Turn that waits for another version is described (status, task views).
-WAITING_FOR = "waiting for version {version}"
-
 
 @dataclass(slots=True)
 class ServedVersions:

@@ -101,8 +101,8 @@ from agentserver.agents.turn.machine import (
 from agentserver.agents.turn.model_context import limit_text
 from agentserver.agents.turn.model_step import Completed, ModelStep
 from agentserver.agents.turn.tool_dispatch import ToolDispatch
-from agentserver.core.namespaces import CORE_NS
 from agentserver.core.xmlsafe import SafeParser
+from agentserver.primitives.core import primitive_text
 
 log = logging.getLogger(__name__)
 
@@ -421,10 +421,7 @@ class Worker:
             self.tools.check_task(row.agent_id, SafeParser().parse(row.payload))
         except PumpRefused as refused:
             # The primitive's canned words (a refusal's detail is for the log only).
-            element = refused.element
-            said = element.findtext(f"{{{CORE_NS}}}error") or element.findtext(
-                f"{{{CORE_NS}}}message", "refused"
-            )
+            said = primitive_text(refused.element) or "refused"
             return (
                 f"version {profile.version} of {row.agent_id} does not take this task "
                 f"(queued on version {row.version}): {said}"

@@ -60,17 +60,6 @@ class Redefined:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class TurnVersion:
-    """An active Turn's version, as ``status`` shows it."""
-
-    agent_id: str
-    agent_turn_id: str
-    status: str
-    version: str | None
-    pinned: bool
-
-
 def register(tx: Tx, env: StoreEnv) -> list[Redefined]:
     """Record the versions this process serves (``env.served``): a new one is first seen
     now. Returns the named versions whose digest changed (each now recorded as it is)."""
@@ -126,11 +115,7 @@ def newest_here(tx: Tx, env: StoreEnv, live: list[tuple[str, bool]]) -> frozense
     for versions_json, draining in live:
         if draining:
             continue
-        try:
-            versions = json.loads(versions_json or "{}")
-        except ValueError:
-            continue
-        for agent, version in versions.items():
+        for agent, version in process_versions(versions_json).items():
             served_by.setdefault(agent, set()).add(version)
     seen = {
         (r[0], r[1]): float(r[2])
@@ -182,16 +167,6 @@ def migrate_turns(tx: Tx, env: StoreEnv, agent_id: str, was: str, to: str) -> li
     return moved
 
 
-def active_turns(tx: Tx, env: StoreEnv) -> list[TurnVersion]:
-    """Every active Turn with its version (``status``: Turns by agent and version)."""
-    rows = tx.all(
-        "SELECT agent_id, active_agent_turn_id, status, turn_version, turn_pin "
-        f"FROM agent_state_head WHERE status IN ({marks(len(ACTIVE_HEAD))}) ORDER BY agent_id",
-        tuple(sorted(ACTIVE_HEAD)),
-    )
-    return [TurnVersion(r[0], r[1], r[2], r[3], r[4] is not None) for r in rows]
-
-
 def live_served(tx: Tx, env: StoreEnv) -> set[tuple[str, str]]:
     """(agent, version) pairs some live process serves: on PostgreSQL every process whose
     lease is live (draining ones too: they finish their pinned Turns), on SQLite this
@@ -203,11 +178,18 @@ def live_served(tx: Tx, env: StoreEnv) -> set[tuple[str, str]]:
         "SELECT versions FROM agentserver_processes "
         "WHERE lease_until >= extract(epoch from clock_timestamp())::double precision"
     ):
-        try:
-            out.update(json.loads(versions_json or "{}").items())
-        except ValueError:
-            continue
+        out.update(process_versions(versions_json).items())
     return out
+
+
+def process_versions(versions_json: str | None) -> dict[str, str]:
+    """A process's lease row's ``versions`` (agent → version); empty when it has none or
+    they cannot be read."""
+    try:
+        versions = json.loads(versions_json or "{}")
+    except ValueError:
+        return {}
+    return versions if isinstance(versions, dict) else {}
 
 
 def calls_in_flight(tx: Tx, env: StoreEnv, owner: str | None) -> int:

@@ -44,7 +44,7 @@ _WAITING = (InboxStatus.QUEUED.value, InboxStatus.PENDING.value)
 ACTIVE = frozenset(str(s) for s in ACTIVE_HEAD)
 
 
-def _NO_TURNS() -> dict[str, int]:
+def _turn_counts() -> dict[str, int]:
     return {"active": 0, "queued": 0}
 
 
@@ -105,7 +105,7 @@ def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
         (*names, MessageType.TURN.value, InboxStatus.QUEUED.value),
     ):
         if version is not None:  # (an unversioned process's tasks are not counted)
-            slot = by_version.setdefault(agent_id, {}).setdefault(version, _NO_TURNS())
+            slot = by_version.setdefault(agent_id, {}).setdefault(version, _turn_counts())
             slot["queued"] += int(n)
     live = versions.live_served(tx, env)
     queued: dict[str, int] = dict(
@@ -148,7 +148,7 @@ def agents(tx: Tx, env: StoreEnv, names: Sequence[str]) -> list[dict[str, Any]]:
                 "waiting_for_version": pin if pin is not None and (name, pin) not in live else None,
             }
             if head[0] in ACTIVE and head[5] is not None:
-                slot = item["versions"].setdefault(head[5], _NO_TURNS())
+                slot = item["versions"].setdefault(head[5], _turn_counts())
                 slot["active"] += 1
         if error:
             item["last_error"] = {
